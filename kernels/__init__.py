@@ -1,0 +1,1 @@
+"""Triton JIT kernels (installed as ``sparse24.kernels``). Triton only: no torch.nn, no policy."""

@@ -1,0 +1,1 @@
+"""Launchers, pure-torch reference twins and backend choice (layer 3)."""
