@@ -1,8 +1,36 @@
-"""sparse24: 2:4 (and N:M) structured sparsity for PyTorch with Triton kernels."""
+"""sparse24: 2:4 (and N:M) structured sparsity for PyTorch with Triton kernels.
+
+Layers, bottom to top: ``format`` (masks, compressed layout) -> ``kernels``
+(Triton) -> ``ops`` (launchers, references, backend choice) -> ``nn``
+(modules) -> ``api`` (whole-model swaps, recipes) -> tools (``tuning``,
+``bench``, ``plot``, CLI).
+"""
+import importlib
+
 from .format import FLOAT_DTYPES, Sparse24Tensor, compress, is_nm, mask_nm
 from .ops.linear import linear, linear_reference
 
 __version__ = "0.1.0"
 
+# Public names from the upper layers, imported on first use so that
+# ``import sparse24`` stays light (no triton, no matplotlib).
+_LAZY = {
+    "Sparse24Linear": "nn",
+    "sparsify_": "api", "densify_": "api", "compress_": "api", "decompress_": "api",
+    "prune_trained_model": "api", "SparsifyReport": "api",
+    "calibrate": "masks", "search_permutation": "masks", "apply_permutation": "masks",
+    "kept_magnitude_fraction": "masks",
+    "GradualPruner": "recipes", "SRSTE": "recipes",
+    "quantize_values": "quant", "sqnr_db": "quant",
+    "to_semi_structured": "interop", "from_semi_structured": "interop",
+}
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module 'sparse24' has no attribute {name!r}")
+
+
 __all__ = ["Sparse24Tensor", "compress", "is_nm", "mask_nm", "linear", "linear_reference", "FLOAT_DTYPES",
-           "__version__"]
+           "__version__", *_LAZY]
