@@ -220,10 +220,11 @@ class Sparse24Tensor:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of values + 2-bit indices (R * C/2 * 2 bits), without padding
-        or scales. Scales are reported by :attr:`scale_nbytes`."""
+        """Bytes of values + 2-bit indices (R * C/2 indices of 2 bits, rounded
+        up to whole bytes), without the int32 padding of ``meta``. Scales are
+        reported by :attr:`scale_nbytes`."""
         R, C = self.shape
-        return self.values.numel() * self.values.element_size() + R * (C // 2) * 2 // 8
+        return self.values.numel() * self.values.element_size() + (R * C + 7) // 8
 
     @property
     def scale_nbytes(self) -> int:

@@ -1,0 +1,39 @@
+"""Shared test helpers: the one per-dtype tolerance table, and the independent reference."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+# Unit round-off per dtype.
+EPS = {torch.float64: 2.0 ** -53, torch.float32: 2.0 ** -24, torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8}
+
+
+def tolerance(dtype: torch.dtype, K: int) -> dict:
+    """Tolerances for a K-term linear output in ``dtype`` vs fp64, inputs with O(1) entries.
+
+    Every path accumulates in fp32 (fp64 for fp64) and rounds once to ``dtype``:
+    rtol = 2 * eps(dtype) covers that rounding; atol = 16 * eps(acc) * sqrt(K)
+    covers accumulation (measured worst case 6.6 * eps32 * sqrt(K) for torch's
+    CPU fp32 matmul, K = 16..4096). One wrong kept value moves an output by
+    O(1), far outside (bf16, K = 128: about 0.09 at |y| ~ 11).
+    """
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    return {"rtol": 2 * EPS[dtype], "atol": 16 * EPS[acc] * math.sqrt(max(K, 1))}
+
+
+def reference_linear(x: torch.Tensor, w_dense: torch.Tensor, bias=None) -> torch.Tensor:
+    """F.linear in fp64 on the (masked) dense weight: the independent reference."""
+    b = None if bias is None else bias.double()
+    return F.linear(x.double(), w_dense.double(), b)
+
+
+def assert_matches_reference(out, x, w_dense, bias=None, dtype=None):
+    ref = reference_linear(x, w_dense, bias)
+    assert out.shape == ref.shape, (out.shape, ref.shape)
+    torch.testing.assert_close(out.double(), ref, **tolerance(dtype or out.dtype, x.shape[-1]))
+
+
+@pytest.fixture
+def gen():
+    return torch.Generator().manual_seed(1234)
