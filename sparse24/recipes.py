@@ -1,0 +1,305 @@
+"""Pruning recipes that run inside any training loop.
+
+* :class:`GradualPruner`: gradual magnitude pruning with the cubic schedule of
+  Zhu & Gupta (2017, "To prune, or not to prune"), to an unstructured sparsity
+  (per layer or global) or to an exact N:M pattern.
+* :class:`SRSTE`: training N:M sparse weights from scratch with the
+  sparse-refined straight-through estimator of Zhou et al. (2021, "Learning
+  N:M fine-grained structured sparse neural networks from scratch").
+
+Both work on the ``torch.nn.Linear`` layers of a model (chosen by
+``filter_fn(module, fqn) -> bool``) and keep the dense weights as ordinary
+parameters, so any optimizer works unchanged. The paper's own recipe (prune
+once, retrain with the mask frozen) is ``sparsify_`` plus an unchanged training
+run; see ``scripts/example_prune_retrain.py``.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+from torch import nn
+from torch.nn.utils import parametrize
+
+from .format import mask_nm
+
+__all__ = ["GradualPruner", "SRSTE"]
+
+FilterFn = Callable[[nn.Module, str], bool]
+
+
+def _parse_nm(nm) -> tuple[int, int]:
+    """``(n, m)`` or ``"n:m"`` -> ``(n, m)`` with 1 <= n < m."""
+    if isinstance(nm, str) and nm.count(":") == 1:
+        a, b = nm.split(":")
+        nm = (int(a), int(b)) if a.strip().isdigit() and b.strip().isdigit() else None
+    if (not isinstance(nm, (tuple, list)) or len(nm) != 2
+            or not all(isinstance(v, int) and not isinstance(v, bool) for v in nm) or not 1 <= nm[0] < nm[1]):
+        raise ValueError(f"N:M target must be (n, m) or 'n:m' with integers 1 <= n < m, got {nm!r}")
+    return int(nm[0]), int(nm[1])
+
+
+def _linear_layers(model: nn.Module, filter_fn: FilterFn | None, m: int | None, who: str) -> list[tuple[str, nn.Linear]]:
+    """The ``nn.Linear`` layers of ``model`` selected by ``filter_fn``; with an
+    N:M target each must have ``in_features % m == 0`` (ValueError naming it)."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"{who}: model must be a torch.nn.Module, got {type(model).__name__}")
+    if filter_fn is not None and not callable(filter_fn):
+        raise TypeError(f"{who}: filter_fn must be callable (module, fqn) -> bool, got {type(filter_fn).__name__}")
+    layers = [(fqn, mod) for fqn, mod in model.named_modules()
+              if isinstance(mod, nn.Linear) and (filter_fn is None or filter_fn(mod, fqn))]
+    if not layers:
+        raise ValueError(f"{who}: no torch.nn.Linear layer selected in {type(model).__name__}")
+    for fqn, mod in layers:
+        if parametrize.is_parametrized(mod, "weight"):
+            raise ValueError(f"{who}: layer {fqn!r} already has a parametrized weight (SR-STE applied twice?)")
+        if m is not None and mod.in_features % m:
+            raise ValueError(f"{who}: layer {fqn!r} has in_features={mod.in_features}, not divisible by m={m}; "
+                             "exclude it with filter_fn")
+    return layers
+
+
+class GradualPruner:
+    """Gradual magnitude pruning with the cubic schedule (Zhu & Gupta 2017).
+
+    At pruning steps ``t = t0, t0 + dt, ..., t0 + n*dt`` (``t0 = start_step``,
+    ``dt = frequency``, ``n*dt = end_step - start_step``) the pruned fraction
+    becomes
+
+        s_t = s_f + (s_i - s_f) * (1 - (t - t0) / (n * dt)) ** 3,
+
+    rising fast at first and flattening as the network has fewer weights left to
+    spare. Between pruning steps the masks are frozen; :meth:`step` re-zeroes
+    the pruned weights after every optimizer step so the model is exactly
+    sparse at every forward. Nothing is pruned before ``start_step``. Pruning
+    is monotone: a pruned weight stays pruned.
+
+    Targets:
+
+    * ``target=0.8`` (a float): unstructured sparsity. ``scope="layer"`` prunes
+      each layer to ``s_t`` by magnitude; ``scope="global"`` ranks all selected
+      weights together (layers end at different sparsities).
+    * ``target=(2, 4)`` or ``"2:4"``: an N:M pattern, ``s_f = 1 - n/m``.
+      Approached gradually like this: at each pruning step, the entries an N:M
+      magnitude mask would drop from the still-alive weights of each group
+      (the ``alive - n`` smallest) are the candidates, and the ``s_t``
+      fraction of weights is reached by pruning the smallest-magnitude
+      candidates (per layer or globally). So groups lose their weakest
+      weights one at a time, never more than ``m - n`` each, and at ``s_f``
+      every candidate is pruned: exactly ``n`` of every ``m`` remain.
+
+    Args:
+        model: the model; its selected ``nn.Linear`` weights are pruned in place.
+        target: float in ``(0, 1)`` or ``(n, m)`` / ``"n:m"``.
+        start_step: ``t0``, the first pruning step.
+        end_step: the last pruning step, ``t0 + n*dt``; ``> start_step``.
+        frequency: ``dt``; ``end_step - start_step`` must be a multiple of it.
+        initial_sparsity: ``s_i`` in ``[0, s_f]``.
+        scope: ``"layer"`` or ``"global"``.
+        filter_fn: ``(module, fqn) -> bool`` choosing layers; default all ``nn.Linear``.
+    Attributes:
+        masks: ``{fqn: (out, in) bool}``, True = kept.
+    Example:
+        >>> pruner = GradualPruner(model, (2, 4), start_step=100, end_step=1100, frequency=100)
+        >>> for t in range(steps):
+        ...     loss(model(x)).backward(); opt.step(); opt.zero_grad()
+        ...     pruner.step(t)
+    """
+
+    def __init__(self, model: nn.Module, target=0.5, *, start_step: int = 0, end_step: int, frequency: int = 100,
+                 initial_sparsity: float = 0.0, scope: str = "layer", filter_fn: FilterFn | None = None):
+        who = "GradualPruner"
+        if isinstance(target, float) and not isinstance(target, bool):
+            if not 0.0 < target < 1.0:
+                raise ValueError(f"{who}: unstructured target sparsity must be in (0, 1), got {target}")
+            self.nm, self.final_sparsity = None, float(target)
+        else:
+            self.nm = _parse_nm(target)
+            self.final_sparsity = 1.0 - self.nm[0] / self.nm[1]
+        for name, v in (("start_step", start_step), ("end_step", end_step), ("frequency", frequency)):
+            if not isinstance(v, int) or isinstance(v, bool):
+                raise TypeError(f"{who}: {name} must be an int, got {type(v).__name__}")
+        if start_step < 0 or frequency < 1 or end_step <= start_step or (end_step - start_step) % frequency:
+            raise ValueError(f"{who}: need 0 <= start_step < end_step and frequency >= 1 dividing "
+                             f"end_step - start_step, got start_step={start_step}, end_step={end_step}, "
+                             f"frequency={frequency}")
+        if not 0.0 <= initial_sparsity <= self.final_sparsity:
+            raise ValueError(f"{who}: initial_sparsity must be in [0, {self.final_sparsity:g}] (the final "
+                             f"sparsity), got {initial_sparsity}")
+        if scope not in ("layer", "global"):
+            raise ValueError(f"{who}: scope must be 'layer' or 'global', got {scope!r}")
+        self.layers = _linear_layers(model, filter_fn, self.nm and self.nm[1], who)
+        self.start_step, self.end_step, self.frequency = start_step, end_step, frequency
+        self.initial_sparsity, self.scope = float(initial_sparsity), scope
+        self.masks = {fqn: torch.ones_like(lin.weight, dtype=torch.bool) for fqn, lin in self.layers}
+        self._pruned_k = -1  # index k of the last pruning step t0 + k*dt applied
+
+    def sparsity_at(self, step: int) -> float:
+        """The scheduled sparsity ``s_t`` at ``step`` (0 before ``start_step``,
+        ``s_f`` after ``end_step``)."""
+        if step < self.start_step:
+            return 0.0
+        frac = min(step - self.start_step, self.end_step - self.start_step) / (self.end_step - self.start_step)
+        return self.final_sparsity + (self.initial_sparsity - self.final_sparsity) * (1.0 - frac) ** 3
+
+    def step(self, step: int) -> float:
+        """Call after each optimizer step. Updates the masks when ``step``
+        reaches a new pruning step (a skipped pruning step is caught up at the
+        next call), then zeroes the pruned weights. Returns the scheduled
+        sparsity now in force."""
+        if not isinstance(step, int) or isinstance(step, bool):
+            raise TypeError(f"GradualPruner.step: step must be an int, got {type(step).__name__}")
+        if step >= self.start_step:
+            k = min((step - self.start_step) // self.frequency, (self.end_step - self.start_step) // self.frequency)
+            if k > self._pruned_k:
+                self._prune_to(self.sparsity_at(self.start_step + k * self.frequency))
+                self._pruned_k = k
+        self.apply_masks()
+        return 0.0 if self._pruned_k < 0 else self.sparsity_at(self.start_step + self._pruned_k * self.frequency)
+
+    @torch.no_grad()
+    def apply_masks(self) -> None:
+        """Zero the pruned weights (the optimizer may have moved them)."""
+        for fqn, lin in self.layers:
+            lin.weight.mul_(self.masks[fqn])
+
+    def sparsity(self) -> float:
+        """Measured fraction of pruned weights over the selected layers."""
+        total = sum(mk.numel() for mk in self.masks.values())
+        return 1.0 - sum(int(mk.sum()) for mk in self.masks.values()) / total
+
+    @torch.no_grad()
+    def _scores(self, fqn: str, lin: nn.Linear) -> torch.Tensor:
+        """Flat prune-order scores: pruned weights -1 (stay pruned), weights
+        an N:M mask must keep +inf (never chosen), else |w|."""
+        w = lin.weight.detach()
+        if torch.isnan(w).any():
+            raise ValueError(f"GradualPruner: weight of layer {fqn!r} contains NaN")
+        score = w.abs().float().masked_fill(~self.masks[fqn], -1.0)
+        if self.nm is not None:
+            n, m = self.nm
+            groups = score.view(-1, m)
+            protect = torch.zeros_like(groups, dtype=torch.bool)
+            protect.scatter_(-1, groups.topk(n, dim=-1).indices, True)  # the n largest alive of each group
+            score = groups.masked_fill(protect, math.inf).view_as(w)
+        return score.flatten()
+
+    def _prune_to(self, sparsity: float) -> None:
+        scores = [self._scores(fqn, lin) for fqn, lin in self.layers]
+        if self.scope == "layer":
+            for (fqn, _), s in zip(self.layers, scores):
+                self._prune_smallest([fqn], s, sparsity)
+        else:
+            self._prune_smallest([fqn for fqn, _ in self.layers], torch.cat(scores), sparsity)
+
+    def _prune_smallest(self, fqns: list[str], scores: torch.Tensor, sparsity: float) -> None:
+        """Mark the ``round(sparsity * numel)`` smallest scores pruned (never an
+        infinite one) in the masks of ``fqns``, whose flat masks concatenate
+        to ``scores``."""
+        k = min(round(sparsity * scores.numel()), int(torch.isfinite(scores).sum()))
+        keep = torch.ones_like(scores, dtype=torch.bool)
+        keep[scores.argsort(stable=True)[:k]] = False  # stable: ties go to the lower index
+        for fqn, part in zip(fqns, keep.split([self.masks[f].numel() for f in fqns])):
+            self.masks[fqn] = part.view_as(self.masks[fqn])
+
+    def state_dict(self) -> dict:
+        """Masks and schedule position, to resume training."""
+        return {"masks": {k: v.clone() for k, v in self.masks.items()}, "pruned_k": self._pruned_k}
+
+    def load_state_dict(self, state: dict) -> None:
+        masks = state["masks"]
+        if set(masks) != set(self.masks) or any(masks[k].shape != v.shape for k, v in self.masks.items()):
+            raise ValueError("GradualPruner.load_state_dict: masks do not match this pruner's layers")
+        self.masks = {k: masks[k].to(v.device, torch.bool) for k, v in self.masks.items()}
+        self._pruned_k = int(state["pruned_k"])
+
+
+class _SRSTEFunction(torch.autograd.Function):
+    """Forward ``W * M(W)`` (M: N:M magnitude mask of the current W); backward
+    the straight-through gradient plus the sparse-refined decay on the pruned
+    entries: ``dL/dW = g + decay * (~M) * W`` (Zhou et al. 2021, eq. 5)."""
+
+    @staticmethod
+    def forward(ctx, w, n, m, decay):
+        mask = mask_nm(w.detach(), n, m)
+        ctx.save_for_backward(w, mask)
+        ctx.decay = decay
+        return w * mask
+
+    @staticmethod
+    def backward(ctx, grad):
+        w, mask = ctx.saved_tensors
+        return grad + ctx.decay * w * ~mask, None, None, None
+
+
+class _NMSTEParametrization(nn.Module):
+    def __init__(self, n: int, m: int, decay: float):
+        super().__init__()
+        self.n, self.m, self.decay = n, m, decay
+
+    def forward(self, w: torch.Tensor) -> torch.Tensor:
+        return _SRSTEFunction.apply(w, self.n, self.m, self.decay)
+
+    def extra_repr(self) -> str:
+        return f"n={self.n}, m={self.m}, decay={self.decay:g}"
+
+
+class SRSTE:
+    """Train N:M sparse weights from scratch with SR-STE (Zhou et al. 2021).
+
+    Each selected ``nn.Linear`` gets a parametrization: its forward uses
+    ``W * M(W)``, the N:M magnitude mask recomputed from the dense weights at
+    every forward, so the mask follows the weights while they train. The
+    backward is straight-through (the gradient of the masked weight goes to
+    every dense weight) plus the sparse-refined term ``decay * (~M) * W``,
+    which pulls the currently pruned weights toward zero and so damps mask
+    flip-flopping. The dense weight stays the parameter the optimizer sees
+    (``layer.parametrizations.weight.original``, the same Parameter object,
+    so an optimizer built before ``SRSTE`` keeps working); state-dict keys
+    change accordingly until :meth:`finalize`.
+
+    Args:
+        model: the model, modified in place.
+        n, m: the pattern, ``1 <= n < m``; each selected layer needs ``in_features % m == 0``.
+        decay: ``lambda_W >= 0``; the paper uses 2e-4 with SGD.
+        filter_fn: ``(module, fqn) -> bool``; default all ``nn.Linear``.
+    Example:
+        >>> srste = SRSTE(model, n=2, m=4, decay=2e-4)
+        >>> ...train as usual...
+        >>> masks = srste.finalize()   # plain Linear layers, weights exactly 2:4
+    """
+
+    def __init__(self, model: nn.Module, n: int = 2, m: int = 4, decay: float = 2e-4,
+                 filter_fn: FilterFn | None = None):
+        self.n, self.m = _parse_nm((n, m))
+        if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not decay >= 0 or math.isinf(decay):
+            raise ValueError(f"SRSTE: decay must be a finite number >= 0, got {decay!r}")
+        self.decay = float(decay)
+        self.layers = _linear_layers(model, filter_fn, self.m, "SRSTE")
+        for _, lin in self.layers:
+            parametrize.register_parametrization(lin, "weight", _NMSTEParametrization(self.n, self.m, self.decay))
+        self.finalized = False
+
+    @torch.no_grad()
+    def current_masks(self) -> dict[str, torch.Tensor]:
+        """``{fqn: (out, in) bool}``: the N:M masks the next forward will use."""
+        if self.finalized:
+            return dict(self.masks)
+        return {fqn: mask_nm(lin.parametrizations.weight.original, self.n, self.m) for fqn, lin in self.layers}
+
+    @torch.no_grad()
+    def finalize(self) -> dict[str, torch.Tensor]:
+        """Fix the masks: remove the parametrizations and leave plain
+        ``nn.Linear`` layers whose weights are the dense weights times their
+        final N:M mask (exactly N:M). For 2:4, ``sparse24.sparsify_(model)``
+        then compresses them without changing any value. Returns the masks
+        ``{fqn: bool}``."""
+        if self.finalized:
+            raise RuntimeError("SRSTE.finalize: already finalized")
+        self.masks = self.current_masks()
+        for fqn, lin in self.layers:
+            parametrize.remove_parametrizations(lin, "weight", leave_parametrized=False)
+            lin.weight.mul_(self.masks[fqn])
+        self.finalized = True
+        return dict(self.masks)

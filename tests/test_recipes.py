@@ -1,0 +1,286 @@
+"""Recipes: the cubic gradual-pruning schedule and SR-STE, checked against
+values and gradients computed by hand or by an independent sort."""
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.utils import parametrize
+
+from sparse24 import is_nm
+from sparse24.recipes import SRSTE, GradualPruner
+
+
+def mlp(seed=0, dtype=torch.float32):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 24), nn.ReLU(), nn.Linear(24, 8)).to(dtype)
+
+
+def train_steps(model, pruner, steps, start=0, lr=1e-2, seed=0):
+    """A real loop: Adam moves pruned weights too, so pruner.step must re-zero them."""
+    g = torch.Generator().manual_seed(seed)
+    opt = torch.optim.Adam(model.parameters(), lr)
+    history = []
+    for t in range(start, start + steps):
+        x = torch.randn(8, 16, generator=g)
+        model(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        pruner.step(t)
+        history.append({k: v.clone() for k, v in pruner.masks.items()})
+    return history
+
+
+def kept_magnitudes_dominate(w, mask):
+    """Independent check that a mask keeps the largest magnitudes: every
+    kept |w| >= every pruned |w|."""
+    a = w.detach().abs()
+    return bool(a[mask].min() >= a[~mask].max())
+
+
+# --- schedule ----------------------------------------------------------------
+
+def test_schedule_matches_cubic_formula_by_hand():
+    p = GradualPruner(mlp(), 0.9, initial_sparsity=0.1, start_step=10, end_step=110, frequency=10)
+    # s_t = 0.9 + (0.1 - 0.9) * (1 - (t - 10) / 100) ** 3, evaluated by hand:
+    expected = {0: 0.0, 9: 0.0,             # nothing pruned before t0
+                10: 0.1,                    # t0: s_i
+                20: 0.9 - 0.8 * 0.729,      # (0.9)^3 = 0.729
+                60: 0.9 - 0.8 * 0.125,      # (0.5)^3
+                100: 0.9 - 0.8 * 0.001,     # (0.1)^3
+                110: 0.9, 500: 0.9}         # end and after: s_f
+    for t, s in expected.items():
+        assert p.sparsity_at(t) == pytest.approx(s, abs=1e-12), t
+
+
+@pytest.mark.parametrize("scope", ["layer", "global"])
+def test_unstructured_counts_follow_schedule_and_end_exact(scope):
+    model = mlp()
+    p = GradualPruner(model, 0.75, start_step=2, end_step=10, frequency=4, scope=scope)
+    hist = train_steps(model, p, 14)
+    total = sum(m.numel() for m in p.masks.values())
+    for t, masks in enumerate(hist):
+        pruned_at = 0 if t < 2 else (2 if t < 6 else (6 if t < 10 else 10))
+        s = 0.0 if t < 2 else p.sparsity_at(pruned_at)
+        if scope == "layer":
+            for k, mk in masks.items():
+                assert int((~mk).sum()) == round(s * mk.numel()), (t, k)
+        else:
+            assert sum(int((~mk).sum()) for mk in masks.values()) == round(s * total), t
+    assert p.sparsity() == 0.75  # 0.75 * 1536 is an integer: exact
+    for _, lin in p.layers:  # the weights really are zero where pruned
+        assert torch.equal(lin.weight != 0, p.masks[_] & (lin.weight != 0))
+        assert int((lin.weight[~p.masks[_]] != 0).sum()) == 0
+
+
+def test_first_pruning_keeps_largest_magnitudes_per_layer_and_globally():
+    for scope in ("layer", "global"):
+        model = mlp(3)
+        p = GradualPruner(model, 0.6, initial_sparsity=0.4, start_step=0, end_step=5, frequency=5, scope=scope)
+        dense = {k: lin.weight.detach().clone() for k, lin in p.layers}
+        p.step(0)  # prunes to s_i = 0.4 from the untouched weights
+        if scope == "layer":
+            for k, mk in p.masks.items():
+                assert kept_magnitudes_dominate(dense[k], mk)
+        else:
+            w = torch.cat([dense[k].flatten() for k in p.masks])
+            mk = torch.cat([p.masks[k].flatten() for k in p.masks])
+            assert kept_magnitudes_dominate(w, mk)
+            assert int((~mk).sum()) == round(0.4 * w.numel())
+
+
+def test_masks_frozen_between_pruning_steps_and_monotone():
+    model = mlp(1)
+    p = GradualPruner(model, 0.8, start_step=3, end_step=15, frequency=4)
+    hist = train_steps(model, p, 20, lr=5e-2)
+    prune_steps = {3, 7, 11, 15}
+    for t in range(1, 20):
+        for k in hist[t]:
+            if t not in prune_steps:
+                assert torch.equal(hist[t][k], hist[t - 1][k]), (t, k)
+            else:
+                assert not bool((hist[t][k] & ~hist[t - 1][k]).any()), (t, k)  # nothing revived
+                if t != 3:  # at t0 the schedule gives s_i = 0: nothing pruned yet
+                    assert not torch.equal(hist[t][k], hist[t - 1][k])
+
+
+@pytest.mark.parametrize("nm, scope", [((2, 4), "layer"), ((2, 4), "global"), ("1:4", "layer"), ((3, 8), "layer")])
+def test_nm_target_is_reached_exactly_and_gradually(nm, scope):
+    n, m = (1, 4) if nm == "1:4" else nm
+    model = mlp(2)
+    p = GradualPruner(model, nm, start_step=0, end_step=12, frequency=3, scope=scope)
+    hist = train_steps(model, p, 16)
+    for t, masks in enumerate(hist):
+        for k, mk in masks.items():
+            pruned_per_group = (~mk).view(-1, m).sum(-1)
+            assert int(pruned_per_group.max()) <= m - n, (t, k)  # never past n:m
+    for k, lin in p.layers:
+        assert is_nm(lin.weight, n, m)
+        assert torch.equal(p.masks[k].view(-1, m).sum(-1), torch.full((lin.weight.numel() // m,), n))
+    # intermediate steps sit strictly between dense and N:M
+    mid = sum(int((~mk).sum()) for mk in hist[3].values()) / sum(mk.numel() for mk in hist[3].values())
+    assert 0.0 < mid < 1 - n / m
+
+
+def test_nm_candidates_are_the_weights_nm_would_drop():
+    """One N:M pruning step from dense keeps, in every group, at least the n
+    largest magnitudes (computed here by an independent sort)."""
+    model = mlp(4)
+    p = GradualPruner(model, (2, 4), initial_sparsity=0.3, start_step=0, end_step=4, frequency=4)
+    dense = {k: lin.weight.detach().clone() for k, lin in p.layers}
+    p.step(0)
+    for k, w in dense.items():
+        top2 = w.abs().view(-1, 4).sort(-1, descending=True).indices[:, :2]
+        assert bool(p.masks[k].view(-1, 4).gather(-1, top2).all()), k
+        assert int((~p.masks[k]).sum()) == round(0.3 * w.numel())
+
+
+def test_skipped_pruning_step_is_caught_up_and_state_roundtrips():
+    model = mlp(5)
+    p = GradualPruner(model, 0.5, start_step=0, end_step=10, frequency=5)
+    p.step(7)  # step 5 was never called: prune to s(5)
+    assert p.sparsity() == pytest.approx(round(p.sparsity_at(5) * 1536) / 1536)
+    q = GradualPruner(copy.deepcopy(model), 0.5, start_step=0, end_step=10, frequency=5)
+    q.load_state_dict(p.state_dict())
+    assert all(torch.equal(q.masks[k], p.masks[k]) for k in p.masks)
+    q.step(8)  # same pruning interval: no change
+    assert all(torch.equal(q.masks[k], p.masks[k]) for k in p.masks)
+
+
+def test_filter_fn_selects_layers():
+    model = mlp()
+    p = GradualPruner(model, 0.5, end_step=1, frequency=1, filter_fn=lambda mod, fqn: fqn != "4")
+    assert [k for k, _ in p.layers] == ["0", "2"]
+    p.step(1)
+    assert bool((model[4].weight != 0).all())
+
+
+# --- SR-STE ---------------------------------------------------------------------
+
+def tiny_layer():
+    lin = nn.Linear(8, 2, bias=True).double()
+    with torch.no_grad():
+        lin.weight.copy_(torch.tensor([[0.1, -3.0, 2.0, 0.5, 1.0, 1.5, -0.2, -4.0],
+                                       [-2.5, 0.3, -0.4, 1.2, 0.7, -0.6, 0.9, 0.05]], dtype=torch.float64))
+        lin.bias.copy_(torch.tensor([0.5, -1.0], dtype=torch.float64))
+    # 2:4 magnitude mask worked out by hand from the numbers above
+    hand_mask = torch.tensor([[0, 1, 1, 0, 0, 1, 0, 1],
+                              [1, 0, 0, 1, 1, 0, 1, 0]], dtype=torch.bool)
+    return lin, hand_mask
+
+
+def test_srste_forward_and_gradient_by_hand():
+    lin, mask = tiny_layer()
+    w0 = lin.weight.detach().clone()
+    opt = torch.optim.SGD(lin.parameters(), lr=0.1)  # built BEFORE SRSTE: must still train the dense weight
+    decay = 0.3
+    SRSTE(nn.Sequential(lin), n=2, m=4, decay=decay)
+    x = torch.linspace(-1, 1, 24, dtype=torch.float64).view(3, 8)
+    r = torch.tensor([[1.0, -2.0], [0.5, 0.25], [-1.5, 3.0]], dtype=torch.float64)
+    out = lin(x)
+    torch.testing.assert_close(out, F.linear(x, w0 * mask, lin.bias), rtol=0, atol=1e-14)
+    (out * r).sum().backward()
+    # L = sum(r * (x W~^T + b)): dL/dW~ = r^T x; SR-STE passes it straight to W
+    # and adds decay * W on the pruned entries.
+    expected = r.t() @ x + decay * w0 * (~mask)
+    original = lin.parametrizations.weight.original
+    torch.testing.assert_close(original.grad, expected, rtol=0, atol=1e-13)
+    opt.step()
+    torch.testing.assert_close(original.detach(), w0 - 0.1 * expected, rtol=0, atol=1e-13)
+
+
+def test_srste_mask_follows_the_weights():
+    lin, mask = tiny_layer()
+    SRSTE(nn.Sequential(lin), decay=0.0)
+    with torch.no_grad():
+        lin.parametrizations.weight.original[0, 0] = 10.0  # now beats 2.0 in group 0
+    new_mask = mask.clone()
+    new_mask[0, :4] = torch.tensor([1, 1, 0, 0], dtype=torch.bool)
+    w = lin.parametrizations.weight.original.detach()
+    torch.testing.assert_close(lin.weight, w * new_mask, rtol=0, atol=0)
+
+
+def test_srste_finalize_gives_exact_nm_plain_linears():
+    torch.manual_seed(0)
+    model = mlp(6, torch.float64)
+    srste = SRSTE(model, 2, 4, decay=2e-4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    for _ in range(5):
+        model(torch.randn(4, 16, dtype=torch.float64)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    dense = {k: lin.parametrizations.weight.original.detach().clone() for k, lin in srste.layers}
+    x = torch.randn(5, 16, dtype=torch.float64)
+    before = model(x).detach()
+    masks = srste.finalize()
+    # reference: each layer's dense weight masked by an independent top-2 sort
+    h = x
+    for k in ("0", "2", "4"):
+        w = dense[k]
+        top2 = torch.sort(w.abs().view(-1, 4), dim=-1, descending=True, stable=True).indices[:, :2]
+        ref_mask = torch.zeros_like(w, dtype=torch.bool).view(-1, 4).scatter_(-1, top2, True).view_as(w)
+        assert torch.equal(masks[k], ref_mask)
+        assert type(model[int(k)]) is nn.Linear and not parametrize.is_parametrized(model[int(k)])
+        assert is_nm(model[int(k)].weight)
+        h = F.linear(h, w * ref_mask, model[int(k)].bias)
+        h = h.relu() if k != "4" else h
+    torch.testing.assert_close(model(x), h, rtol=0, atol=1e-13)
+    torch.testing.assert_close(before, h, rtol=0, atol=1e-13)
+    assert set(model.state_dict()) == {f"{i}.{p}" for i in (0, 2, 4) for p in ("weight", "bias")}
+    with pytest.raises(RuntimeError, match="already finalized"):
+        srste.finalize()
+
+
+# --- bad input ------------------------------------------------------------------
+
+@pytest.mark.parametrize("kwargs, err, msg", [
+    (dict(target=1.5, end_step=10), ValueError, r"target sparsity must be in \(0, 1\)"),
+    (dict(target=(3, 2), end_step=10), ValueError, "1 <= n < m"),
+    (dict(target="2:x", end_step=10), ValueError, "N:M target"),
+    (dict(target=0.5, start_step=10, end_step=10), ValueError, "start_step < end_step"),
+    (dict(target=0.5, end_step=10, frequency=3), ValueError, "dividing"),
+    (dict(target=0.5, end_step=10.0), TypeError, "end_step must be an int"),
+    (dict(target=0.5, end_step=10, frequency=1, initial_sparsity=0.6), ValueError, "initial_sparsity"),
+    (dict(target=0.5, end_step=10, frequency=1, scope="row"), ValueError, "scope must be"),
+    (dict(target=(2, 16), end_step=10, frequency=1), ValueError, r"layer '4' has in_features=24, not divisible by m=16"),
+])
+def test_gradual_pruner_bad_input_changes_nothing(kwargs, err, msg):
+    model = mlp()
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(err, match=msg):
+        GradualPruner(model, **kwargs)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_bad_models_and_steps():
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module"):
+        GradualPruner("net", 0.5, end_step=2, frequency=1)
+    with pytest.raises(ValueError, match="no torch.nn.Linear layer selected"):
+        SRSTE(nn.Sequential(nn.ReLU()))
+    p = GradualPruner(mlp(), 0.5, end_step=2, frequency=1)
+    with pytest.raises(TypeError, match="step must be an int"):
+        p.step(1.0)
+    assert p.sparsity() == 0.0
+
+
+@pytest.mark.parametrize("kwargs, msg", [
+    (dict(n=4, m=4), "1 <= n < m"), (dict(decay=-1.0), "decay must be a finite number >= 0"),
+    (dict(m=16), r"layer '4' has in_features=24"),
+])
+def test_srste_bad_input_changes_nothing(kwargs, msg):
+    model = mlp()
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(ValueError, match=msg):
+        SRSTE(model, **kwargs)
+    assert not any(parametrize.is_parametrized(mod) for mod in model.modules())
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_srste_twice_is_rejected_without_change():
+    model = mlp()
+    SRSTE(model)
+    keys = set(model.state_dict())
+    with pytest.raises(ValueError, match="already has a parametrized weight"):
+        SRSTE(model)
+    assert set(model.state_dict()) == keys
