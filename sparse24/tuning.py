@@ -1,0 +1,369 @@
+"""Tile configs for the 2:4 Triton kernel: config space, per-GPU tuned files,
+lookup, live tuning and the ``python -m sparse24 autotune`` command.
+
+Files: ``<dir>/<sanitized GPU name>/sparse24_matmul.json``, where ``<dir>`` is
+``$SPARSE24_CONFIG_DIR`` (searched first) and then the shipped
+``sparse24/autotune_configs``. Schema (version 1)::
+
+    {"schema": 1, "kernel": "sparse24_matmul",
+     "gpu": "NVIDIA H200", "compute_capability": [9, 0],
+     "triton": "3.6.0", "torch": "2.11.0", "updated": "2026-11-20T10:00:00Z",
+     "default": {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 8,
+                 "SPLIT_K": 1, "num_warps": 4, "num_stages": 3},
+     "entries": {"16,4096,4096,float16": {"config": {...}, "kernel_us": 6.1,
+                                          "dense_us": 9.8}}}
+
+Entry keys are ``"<M bucket>,<N>,<K>,<dtype key>"``; dtype keys are the
+activation dtype (``float16``, ``bfloat16``, ``float32``), prefixed ``int8-``
+for INT8 weights. ``kernel_us`` / ``dense_us`` are medians measured side by
+side (dense = ``F.linear`` on the dense fp weight) on that GPU.
+
+Lookup order for (M, N, K, dtype) on a GPU: (1) exact key in this GPU's
+file(s), (2) the nearest M bucket with the same N, K, dtype, (3) the same in
+files of other GPUs with the same compute capability (the GPU family),
+(4) this GPU's file default, (5) :func:`builtin_config`. A missing folder is
+silent; a corrupt or schema-invalid file gives one warning and is skipped, so
+a bad file can never crash a forward pass or pick an invalid config.
+``SPARSE24_AUTOTUNE=1`` replaces steps 2-5 by timing the config space on the
+spot (CUDA only; results kept for the process).
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import math
+import os
+import re
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+
+__all__ = ["KernelConfig", "KERNEL", "M_BUCKETS", "m_bucket", "dtype_key", "builtin_config", "candidate_configs",
+           "config_dirs", "gpu_file_name", "get_config", "lookup", "clear_cache", "validate_file",
+           "describe_config_source", "tune_key", "autotune_main"]
+
+KERNEL = "sparse24_matmul"
+SCHEMA_VERSION = 1
+M_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+_DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
+DTYPE_KEYS = tuple(_DTYPE_NAMES.values()) + tuple(f"int8-{n}" for n in _DTYPE_NAMES.values())
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+    """One launch configuration of the 2:4 kernel (names as in the kernel)."""
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int = 8
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+
+    _JSON = {"BLOCK_M": "block_m", "BLOCK_N": "block_n", "BLOCK_K": "block_k", "GROUP_M": "group_m",
+             "SPLIT_K": "split_k", "num_warps": "num_warps", "num_stages": "num_stages"}
+
+    def validate(self) -> "KernelConfig":
+        """Raise ValueError unless the kernel can compile this config on any GPU."""
+        def pow2(v, lo, hi):
+            return isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi and v & (v - 1) == 0
+        checks = [  # every tl.dot dim >= 16; BLOCK_K covers whole metadata words (32 columns)
+            ("BLOCK_M", self.block_m, pow2(self.block_m, 16, 256), "a power of two in [16, 256]"),
+            ("BLOCK_N", self.block_n, pow2(self.block_n, 16, 256), "a power of two in [16, 256]"),
+            ("BLOCK_K", self.block_k, pow2(self.block_k, 32, 512), "a power of two in [32, 512]"),
+            ("GROUP_M", self.group_m, isinstance(self.group_m, int) and 1 <= self.group_m <= 64, "in [1, 64]"),
+            ("SPLIT_K", self.split_k, isinstance(self.split_k, int) and 1 <= self.split_k <= 32, "in [1, 32]"),
+            ("num_warps", self.num_warps, pow2(self.num_warps, 1, 16), "1, 2, 4, 8 or 16"),
+            ("num_stages", self.num_stages, isinstance(self.num_stages, int) and 1 <= self.num_stages <= 8,
+             "in [1, 8]"),
+        ]
+        for name, value, ok, need in checks:
+            if not ok:
+                raise ValueError(f"bad kernel config {name}={value!r}: must be {need}")
+        return self
+
+    def to_json(self) -> dict:
+        return {k: getattr(self, f) for k, f in self._JSON.items()}
+
+    @classmethod
+    def from_json(cls, d) -> "KernelConfig":
+        if not isinstance(d, dict) or set(d) != set(cls._JSON):
+            got = sorted(d) if isinstance(d, dict) else type(d).__name__
+            raise ValueError(f"a config must have exactly the keys {sorted(cls._JSON)}, got {got}")
+        return cls(**{f: d[k] for k, f in cls._JSON.items()}).validate()
+
+
+def m_bucket(M: int) -> int:
+    """The smallest bucket >= M (powers of two, capped at 4096)."""
+    return next((b for b in M_BUCKETS if b >= M), M_BUCKETS[-1])
+
+
+def dtype_key(x_dtype: torch.dtype, int8_weights: bool = False) -> str:
+    """``float16`` etc. for the activation dtype, prefixed ``int8-`` for INT8 weights."""
+    name = _DTYPE_NAMES.get(x_dtype)
+    if name is None:
+        raise TypeError(f"no kernel configs for activations of dtype {x_dtype}")
+    return f"int8-{name}" if int8_weights else name
+
+
+def builtin_config(M: int) -> KernelConfig:
+    """The untuned fallback: small tiles that compile on every CUDA GPU Triton
+    supports (<= 48 KB of shared memory) and keep many programs in flight.
+    Not measured: a tuned file or ``SPARSE24_AUTOTUNE=1`` should replace it."""
+    if M <= 16:
+        return KernelConfig(16, 64, 128, 8, 1, 4, 3)
+    if M <= 64:
+        return KernelConfig(32, 64, 64, 8, 1, 4, 3)
+    return KernelConfig(64, 64, 64, 8, 1, 4, 3)
+
+
+def candidate_configs(M: int, N: int, K: int, num_sms: int = 132) -> list[KernelConfig]:
+    """The config space searched for one (M, N, K): small per regime, because
+    every config is a separate compile (seconds each).
+
+    Decode-sized M (<= 16) streams the weight once: one 16-row block, tiles
+    from 16 x 256 to 128 x 64 along (N, K), and split-K only when the N blocks
+    alone give fewer programs than ``2 * num_sms``. Larger M is compute-bound:
+    bigger square-ish tiles, more warps.
+    """
+    out: list[KernelConfig] = []
+    if M <= 16:
+        for bn, bk in ((16, 256), (32, 128), (32, 256), (64, 64), (64, 128), (128, 64)):
+            for warps, stages in ((2, 3), (4, 3), (4, 4)):
+                programs = -(-N // bn)
+                splits = [1] + [s for s in (2, 4, 8) if programs * s <= 4 * num_sms and K >= 4 * s * bk] \
+                    if programs < 2 * num_sms else [1]
+                out += [KernelConfig(16, bn, bk, 8, s, warps, stages) for s in splits]
+    elif M <= 128:
+        bms = (32,) if M <= 32 else (32, 64)
+        for bm in bms:
+            for bn, bk in ((64, 64), (64, 128), (128, 64), (128, 32)):
+                for warps, stages in ((4, 3), (4, 4), (8, 3)):
+                    out.append(KernelConfig(bm, bn, bk, 8, 1, warps, stages))
+    else:
+        for bm, bn, bk in ((64, 64, 64), (64, 128, 32), (64, 128, 64), (128, 64, 64), (128, 128, 32),
+                           (128, 128, 64), (128, 256, 32)):
+            for warps, stages in ((4, 3), (8, 3), (8, 4)):
+                out.append(KernelConfig(bm, bn, bk, 8, 1, warps, stages))
+    return [c.validate() for c in out]
+
+
+# --- files -------------------------------------------------------------------
+
+def shipped_config_dir() -> Path:
+    """The ``autotune_configs`` folder installed with the package."""
+    try:
+        import sparse24.autotune_configs as shipped
+        return Path(shipped.__file__).parent
+    except ImportError:  # running from a source tree that is not installed
+        return Path(__file__).resolve().parent.parent / "autotune_configs"
+
+
+def config_dirs() -> list[Path]:
+    """Folders searched for tuned files: ``$SPARSE24_CONFIG_DIR`` first, then the shipped one."""
+    dirs = [Path(d) for d in [os.environ.get("SPARSE24_CONFIG_DIR")] if d]
+    return dirs + [shipped_config_dir()]
+
+
+def gpu_file_name(gpu_name: str) -> str:
+    """Folder name for a GPU: ``"NVIDIA H100 80GB HBM3"`` -> ``"NVIDIA_H100_80GB_HBM3"``."""
+    return re.sub(r"[^A-Za-z0-9.-]+", "_", gpu_name).strip("_") or "unknown"
+
+
+def validate_file(data) -> dict:
+    """Check a parsed tuned-config file against schema 1; return it with
+    configs parsed (``default`` and each entry's ``config`` as KernelConfig).
+    Raise ValueError saying what is wrong and where."""
+    if not isinstance(data, dict):
+        raise ValueError(f"top level must be an object, got {type(data).__name__}")
+    need = {"schema": int, "kernel": str, "gpu": str, "compute_capability": list, "triton": str, "torch": str,
+            "default": dict, "entries": dict}
+    for key, typ in need.items():
+        if not isinstance(data.get(key), typ):
+            raise ValueError(f"field {key!r} must be a {typ.__name__}, got {data.get(key)!r:.60}")
+    if data["schema"] != SCHEMA_VERSION:
+        raise ValueError(f"schema {data['schema']} is not supported (this sparse24 reads schema {SCHEMA_VERSION})")
+    if data["kernel"] != KERNEL:
+        raise ValueError(f"kernel {data['kernel']!r} is not {KERNEL!r}")
+    cc = data["compute_capability"]
+    if len(cc) != 2 or not all(isinstance(c, int) for c in cc):
+        raise ValueError(f"compute_capability must be [major, minor], got {cc}")
+    parsed = dict(data, default=_parse_config(data["default"], "default"), entries={})
+    for key, entry in data["entries"].items():
+        where = f"entry {key!r}"
+        parts = key.split(",")
+        if len(parts) != 4 or not all(p.isdigit() for p in parts[:3]) or parts[3] not in DTYPE_KEYS \
+                or int(parts[0]) not in M_BUCKETS:
+            raise ValueError(f"{where}: keys must be 'M_BUCKET,N,K,DTYPE' with M_BUCKET in {M_BUCKETS} "
+                             f"and DTYPE in {DTYPE_KEYS}")
+        if not isinstance(entry, dict) or "config" not in entry:
+            raise ValueError(f"{where}: must be an object with a 'config'")
+        for t in ("kernel_us", "dense_us"):
+            if t in entry and not (isinstance(entry[t], (int, float)) and entry[t] > 0):
+                raise ValueError(f"{where}: {t} must be a positive number, got {entry[t]!r}")
+        parsed["entries"][(int(parts[0]), int(parts[1]), int(parts[2]), parts[3])] = \
+            dict(entry, config=_parse_config(entry["config"], where))
+    return parsed
+
+
+def _parse_config(d, where: str) -> KernelConfig:
+    try:
+        return KernelConfig.from_json(d)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{where}: {e}") from None
+
+
+_WARNED: set[str] = set()
+_FILES: dict[tuple, list[dict]] = {}      # dirs -> parsed files (with their "path")
+_CHOICES: dict[tuple, "Choice"] = {}      # (dirs, gpu, cc, key) -> lookup (or live-tuned) result
+
+
+def clear_cache() -> None:
+    """Forget loaded files and lookups (after writing a file, or changing the env)."""
+    _FILES.clear()
+    _CHOICES.clear()
+
+
+def _warn_once(path: Path, problem: str) -> None:
+    if str(path) not in _WARNED:
+        _WARNED.add(str(path))
+        warnings.warn(f"sparse24: ignoring tuned-config file {path}: {problem}. "
+                      f"Falling back to other files or the built-in config (results stay correct, "
+                      f"speed may not be tuned).", RuntimeWarning, stacklevel=4)
+
+
+def _load_dir(d: Path) -> list[dict]:
+    files = []
+    for path in sorted(d.glob(f"*/{KERNEL}.json")) if d.is_dir() else []:
+        try:
+            data = validate_file(json.loads(path.read_text()))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, ValueError) as e:
+            _warn_once(path, f"{type(e).__name__}: {e}")
+            continue
+        files.append(dict(data, path=path))
+    return files
+
+
+def _files() -> list[dict]:
+    dirs = tuple(config_dirs())
+    if dirs not in _FILES:
+        _FILES[dirs] = [f for d in dirs for f in _load_dir(d)]
+    return _FILES[dirs]
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """A lookup result: the config, how it was found (``kind``: exact,
+    nearest, family, file-default, builtin, live) and a sentence saying where."""
+    config: KernelConfig
+    kind: str
+    source: str
+    entry: dict | None = None
+
+
+def _nearest_entry(files: list[dict], M: int, N: int, K: int, dtype: str):
+    """(file, entry, bucket) of the nearest M bucket (in log2) for (N, K, dtype);
+    ties go to the smaller M; earlier files (the user folder) win among equals."""
+    best = None
+    for f in files:
+        for (bm, n, k, dt), entry in f["entries"].items():
+            if (n, k, dt) == (N, K, dtype):
+                dist = (abs(math.log2(bm) - math.log2(m_bucket(M))), bm)
+                if best is None or dist < best[0]:
+                    best = (dist, f, entry, bm)
+    return None if best is None else best[1:]
+
+
+def lookup(M: int, N: int, K: int, dtype: str, gpu_name: str, capability: tuple[int, int] | None) -> Choice:
+    """The config for one call, following the lookup order in the module docstring.
+
+    Args:
+        M, N, K: problem size (x is M x K, W is N x K); dtype: a :func:`dtype_key`.
+        gpu_name: ``torch.cuda.get_device_name()`` (or ``"cpu"``);
+        capability: ``(major, minor)`` or None (CPU).
+    Returns:
+        :class:`Choice`.
+    Example:
+        >>> lookup(1, 4096, 4096, "float16", "cpu", None).kind
+        'builtin'
+    """
+    files = _files()
+    own = [f for f in files if gpu_file_name(f["gpu"]) == gpu_file_name(gpu_name)]
+    family = [f for f in files if f not in own and capability is not None
+              and tuple(f["compute_capability"]) == tuple(capability)]
+    key = (m_bucket(M), N, K, dtype)
+    for f in own:
+        if key in f["entries"]:
+            return Choice(f["entries"][key]["config"], "exact", f"exact entry {key} in {f['path']}",
+                          f["entries"][key])
+    for group, kind in ((own, "nearest"), (family, "family")):
+        hit = _nearest_entry(group, M, N, K, dtype)
+        if hit is not None:
+            f, entry, bm = hit
+            return Choice(entry["config"], kind, f"{kind} entry M={bm} for N={N}, K={K}, {dtype} in {f['path']}",
+                          entry)
+    if own:
+        return Choice(own[0]["default"], "file-default", f"default of {own[0]['path']}")
+    return Choice(builtin_config(M), "builtin", "built-in untuned config (no tuned file for this GPU)")
+
+
+def _device_identity(device) -> tuple[str, tuple[int, int] | None]:
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
+    if device.type != "cuda":
+        return device.type, None
+    return torch.cuda.get_device_name(device), torch.cuda.get_device_capability(device)
+
+
+def get_config(M: int, N: int, K: int, dtype: str, device) -> KernelConfig:
+    """Config for a launch on ``device``: :func:`lookup`, or live tuning when
+    ``SPARSE24_AUTOTUNE=1`` on CUDA and no exact entry exists. Cached per
+    process (:func:`clear_cache` forgets). CPU tensors (interpreter) get the
+    built-in config."""
+    gpu, cc = _device_identity(device)
+    cache_key = (tuple(config_dirs()), gpu, cc, (m_bucket(M), N, K, dtype))
+    choice = _CHOICES.get(cache_key)
+    if choice is None:
+        choice = lookup(M, N, K, dtype, gpu, cc)
+        if os.environ.get("SPARSE24_AUTOTUNE") == "1" and cc is not None and choice.kind != "exact":
+            choice = tune_key(m_bucket(M), N, K, dtype, torch.device(device))
+        _CHOICES[cache_key] = choice
+    return choice.config
+
+
+def describe_config_source(device=None) -> str:
+    """Which tuned-config files apply on ``device`` (default: the current GPU) and why.
+
+    Example:
+        >>> print(describe_config_source("cpu"))  # doctest: +ELLIPSIS
+        device cpu: ...
+    """
+    gpu, cc = _device_identity(device)
+    dirs = config_dirs()
+    files = _files()
+    lines = [f"device {gpu}" + (f" (compute capability {cc[0]}.{cc[1]})" if cc else "") + ":"]
+    lines.append("  searched, in order: " + ", ".join(
+        f"{d}{'' if d.is_dir() else ' (missing)'}" for d in dirs)
+        + (" [SPARSE24_CONFIG_DIR first]" if os.environ.get("SPARSE24_CONFIG_DIR") else ""))
+    if cc is None:
+        lines.append("  not a CUDA device: the Triton backend runs in the interpreter with built-in configs")
+        return "\n".join(lines)
+    own = [f for f in files if gpu_file_name(f["gpu"]) == gpu_file_name(gpu)]
+    family = [f for f in files if f not in own and tuple(f["compute_capability"]) == tuple(cc)]
+    for f in own:
+        lines.append(f"  tuned file for this GPU: {f['path']} ({len(f['entries'])} entries, triton {f['triton']}, "
+                     f"torch {f['torch']}): exact and nearest-M entries come from here")
+    for f in family:
+        lines.append(f"  same family (sm_{cc[0]}{cc[1]}): {f['path']} ({f['gpu']}, {len(f['entries'])} entries): "
+                     f"used for shapes this GPU's file lacks")
+    if not own:
+        lines.append(f"  no tuned file for '{gpu}' (folder {gpu_file_name(gpu)}): "
+                     + ("family files, then " if family else "") + "built-in untuned configs; run "
+                     "'python -m sparse24 autotune' to tune")
+    if os.environ.get("SPARSE24_AUTOTUNE") == "1":
+        lines.append("  SPARSE24_AUTOTUNE=1: shapes without an exact entry are tuned live on first use")
+    return "\n".join(lines)
