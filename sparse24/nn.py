@@ -38,7 +38,8 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .format import FLOAT_DTYPES, Sparse24Tensor, _check_mask24, compress, mask_nm
-from .ops.linear import CHUNK_ELEMENTS, linear
+from .ops import linear as _ops_linear
+from .ops.linear import linear
 
 __all__ = ["Sparse24Linear", "MODES", "QUANTIZE"]
 
@@ -69,14 +70,17 @@ def _remask_after_step(optimizer, args, kwargs) -> None:
 register_optimizer_step_post_hook(_remask_after_step)
 
 
-def _grad_mask_hook(mod: "Sparse24Linear", param: nn.Parameter):
-    mod_ref, param_ref = weakref.ref(mod), weakref.ref(param)
+def _grad_mask_hook(param: nn.Parameter):
+    param_ref = weakref.ref(param)
 
     @torch.utils.hooks.unserializable_hook
     def hook(grad: torch.Tensor) -> torch.Tensor:
-        m = mod_ref()
-        # Only while this Parameter is still that module's masked weight.
-        if m is None or m._parameters.get("weight") is not param_ref() or m.__dict__.get("_mode") != "masked":
+        # Mask with the mask of the module that currently owns this Parameter
+        # as its masked weight (none after densify_ or to_compressed).
+        p = param_ref()
+        owner = _GRAD_HOOKED.get(p) if p is not None else None
+        m = owner() if owner is not None else None
+        if m is None or m.__dict__.get("_mode") != "masked" or m._parameters.get("weight") is not p:
             return grad
         return grad.masked_fill(~m.mask, 0)
     return hook
@@ -85,8 +89,8 @@ def _grad_mask_hook(mod: "Sparse24Linear", param: nn.Parameter):
 # --- compressed forward / backward ---------------------------------------------------
 
 def _row_chunks(n_rows: int, n_cols: int):
-    """Row slices of at most CHUNK_ELEMENTS weight elements (bounded dense memory)."""
-    rows = max(1, CHUNK_ELEMENTS // max(n_cols, 1))
+    """Row slices of at most ``ops.linear.CHUNK_ELEMENTS`` weight elements (bounded dense memory)."""
+    rows = max(1, _ops_linear.CHUNK_ELEMENTS // max(n_cols, 1))
     return [slice(r0, min(n_rows, r0 + rows)) for r0 in range(0, n_rows, rows)]
 
 
@@ -277,9 +281,9 @@ class Sparse24Linear(nn.Module):
         self._track_masked()
 
     def _set_compressed(self, p: Sparse24Tensor, trainable_values: bool) -> None:
+        self._release()
         self._parameters.pop("weight", None)
         self._buffers.pop("mask", None)
-        _MASKED_MODULES.discard(self)
         if trainable_values:
             self.values = nn.Parameter(p.values)
         else:
@@ -290,13 +294,20 @@ class Sparse24Linear(nn.Module):
         self._mode = "compressed"
 
     def _track_masked(self) -> None:
-        """Register for the optimizer post-hook and put the gradient hook on the weight (once)."""
+        """Register for the optimizer post-hook and make this module the owner
+        of its weight's gradient hook (hooking each Parameter once)."""
         _MASKED_MODULES.add(self)
         w = self.weight
-        ref = _GRAD_HOOKED.get(w)
-        if ref is None or ref() is not self:
-            w.register_hook(_grad_mask_hook(self, w))
-            _GRAD_HOOKED[w] = weakref.ref(self)
+        if w not in _GRAD_HOOKED:
+            w.register_hook(_grad_mask_hook(w))
+        _GRAD_HOOKED[w] = weakref.ref(self)
+
+    def _release(self) -> None:
+        """Stop masking this module's weight (its Parameter is handed to someone else)."""
+        _MASKED_MODULES.discard(self)
+        w = self._parameters.get("weight")
+        if w is not None and w in _GRAD_HOOKED and _GRAD_HOOKED[w]() is self:
+            del _GRAD_HOOKED[w]
 
     def __setstate__(self, state):
         # deepcopy / unpickle: hooks are not copied; re-arm them on the new objects.
