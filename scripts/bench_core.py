@@ -1,0 +1,127 @@
+"""Core speed figures on this machine, measured side by side in one run.
+
+- compress / to_dense versus torch's own pure-torch conversion to and from
+  its CUTLASS 2:4 layout (same weight, same process, interleaved repeats);
+- the reference ``sparse24.linear`` versus dense ``F.linear`` on the masked
+  weight, fp32, M = 1, 64, 256;
+- the reference backend's extra memory on a large layer (peak RSS growth in a
+  fresh process, versus the size of the dense weight).
+
+Usage: python scripts/bench_core.py [--size 4096] [--repeats 7]
+Prints medians over repeats and ratios (higher = sparse24 faster).
+"""
+from __future__ import annotations
+
+import argparse
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+from torch.sparse._semi_structured_conversions import (
+    sparse_semi_structured_from_dense_cutlass, sparse_semi_structured_to_dense_cutlass)
+
+import sparse24
+
+
+def cpu_name() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def side_by_side(fns: dict, repeats: int) -> dict[str, float]:
+    """Median seconds per function, the functions interleaved in every repeat
+    so that load on a shared machine hits all of them alike."""
+    for f in fns.values():
+        f()  # warm-up
+    times = {k: [] for k in fns}
+    for _ in range(repeats):
+        for k, f in fns.items():
+            t0 = time.perf_counter()
+            f()
+            times[k].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def bench_conversion(size: int, repeats: int) -> None:
+    for dtype in (torch.float16, torch.float32):
+        w = torch.randn(size, size).to(dtype)
+        masked = w * sparse24.mask_nm(w)
+        p = sparse24.compress(w)
+        cut_vals, cut_meta = sparse_semi_structured_from_dense_cutlass(masked)
+        t = side_by_side({
+            "copy": lambda: w.clone(),
+            "mask_nm": lambda: sparse24.mask_nm(w),
+            "compress": lambda: sparse24.compress(w),
+            "compress(mask)": lambda: sparse24.compress(masked, mask=masked != 0),
+            "torch_cutlass_from_dense": lambda: sparse_semi_structured_from_dense_cutlass(masked),
+            "to_dense": lambda: p.to_dense(),
+            "torch_cutlass_to_dense": lambda: sparse_semi_structured_to_dense_cutlass(cut_vals, cut_meta),
+        }, repeats)
+        print(f"\n{size}x{size} {str(dtype).replace('torch.', '')}: median seconds over {repeats} repeats")
+        for k, v in t.items():
+            print(f"  {k:28s} {v:8.4f}")
+        print(f"  compress speed-up vs torch CUTLASS conversion: {t['torch_cutlass_from_dense'] / t['compress']:.2f}x"
+              f" (from a dense masked weight: compress from its mask"
+              f" {t['torch_cutlass_from_dense'] / t['compress(mask)']:.2f}x)")
+        print(f"  to_dense speed-up vs torch CUTLASS inverse:      {t['torch_cutlass_to_dense'] / t['to_dense']:.2f}x")
+
+
+def bench_linear(size: int, repeats: int) -> None:
+    w = torch.randn(size, size)
+    p = sparse24.compress(w)
+    wd = p.to_dense()
+    print(f"\nreference linear vs dense F.linear, fp32, W {size}x{size}, median over {repeats} repeats")
+    print(f"  {'M':>5s} {'dense s':>9s} {'sparse24 s':>11s} {'sparse/dense':>13s}")
+    for M in (1, 64, 256):
+        x = torch.randn(M, size)
+        t = side_by_side({"dense": lambda: F.linear(x, wd), "ref": lambda: sparse24.linear(x, p)}, repeats)
+        print(f"  {M:5d} {t['dense']:9.4f} {t['ref']:11.4f} {t['ref'] / t['dense']:12.2f}x")
+
+
+def _rss_child(n: int, k: int) -> None:
+    p = sparse24.compress(torch.randn(n, k))
+    x = torch.randn(1, k)
+    sparse24.linear(x, p)  # warm-up
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    sparse24.linear(x, p)
+    torch.nn.functional.linear(x, torch.zeros(1, k))
+    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    print((after - before) * 1024)
+
+
+def bench_memory(n: int = 16384, k: int = 4096) -> None:
+    # ru_maxrss is a high-water mark, so the child first runs a warm-up call;
+    # the second call's growth is what one call needs beyond the first.
+    code = f"import sys; sys.path.insert(0, {sys.path[0]!r}); import bench_core; bench_core._rss_child({n}, {k})"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    growth = int(out.strip().splitlines()[-1])
+    from sparse24.ops.linear import CHUNK_ELEMENTS
+    print(f"\nreference linear memory, fp32 W {n}x{k} (dense would be {n * k * 4 / 2**20:.0f} MiB): "
+          f"peak RSS growth of a repeated call {growth / 2**20:.1f} MiB; "
+          f"decompression works in chunks of {CHUNK_ELEMENTS * 4 / 2**20:.0f} MiB")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--size", type=int, default=4096)
+    ap.add_argument("--repeats", type=int, default=7)
+    args = ap.parse_args()
+    print(f"machine: {cpu_name()}, {torch.get_num_threads()} threads; torch {torch.__version__}; "
+          f"sparse24 {sparse24.__version__}")
+    bench_conversion(args.size, args.repeats)
+    bench_linear(args.size, args.repeats)
+    bench_memory()
+
+
+if __name__ == "__main__":
+    main()
