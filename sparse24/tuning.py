@@ -42,7 +42,8 @@ from pathlib import Path
 import torch
 
 __all__ = ["KernelConfig", "KERNEL", "M_BUCKETS", "m_bucket", "dtype_key", "builtin_config", "candidate_configs",
-           "config_dirs", "gpu_file_name", "get_config", "lookup", "clear_cache", "validate_file",
+           "config_dirs", "shipped_config_dir", "gpu_file_name", "get_config", "lookup", "clear_cache", "validate_file",
+           "validate_dir", "write_entries",
            "describe_config_source", "tune_key", "autotune_main"]
 
 KERNEL = "sparse24_matmul"
@@ -125,18 +126,18 @@ def candidate_configs(M: int, N: int, K: int, num_sms: int = 132) -> list[Kernel
     every config is a separate compile (seconds each).
 
     Decode-sized M (<= 16) streams the weight once: one 16-row block, tiles
-    from 16 x 256 to 128 x 64 along (N, K), and split-K only when the N blocks
-    alone give fewer programs than ``2 * num_sms``. Larger M is compute-bound:
+    from 16 x 256 to 128 x 64 along (N, K), and split-K while the programs
+    stay within 4 per SM and each split keeps >= 2 K-tiles (more loads in
+    flight when N alone gives few programs). Larger M is compute-bound:
     bigger square-ish tiles, more warps.
     """
     out: list[KernelConfig] = []
     if M <= 16:
         for bn, bk in ((16, 256), (32, 128), (32, 256), (64, 64), (64, 128), (128, 64)):
-            for warps, stages in ((2, 3), (4, 3), (4, 4)):
-                programs = -(-N // bn)
-                splits = [1] + [s for s in (2, 4, 8) if programs * s <= 4 * num_sms and K >= 4 * s * bk] \
-                    if programs < 2 * num_sms else [1]
-                out += [KernelConfig(16, bn, bk, 8, s, warps, stages) for s in splits]
+            warps = 2 if bn * bk <= 4096 else 4
+            programs = -(-N // bn)
+            splits = [1] + [s for s in (2, 4, 8) if programs * s <= 4 * num_sms and K >= 2 * s * bk]
+            out += [KernelConfig(16, bn, bk, 8, s, warps, stages) for s in splits for stages in (3, 5)]
     elif M <= 128:
         bms = (32,) if M <= 32 else (32, 64)
         for bm in bms:
@@ -207,6 +208,22 @@ def validate_file(data) -> dict:
         parsed["entries"][(int(parts[0]), int(parts[1]), int(parts[2]), parts[3])] = \
             dict(entry, config=_parse_config(entry["config"], where))
     return parsed
+
+
+def validate_dir(d) -> list[tuple[Path, str]]:
+    """Check every tuned file under ``d`` (``<gpu>/sparse24_matmul.json``);
+    return ``(path, problem)`` for each bad one (empty list: all good, or none).
+    A file must also sit in the folder named after its own ``gpu`` field."""
+    problems = []
+    for path in sorted(Path(d).glob(f"*/{KERNEL}.json")):
+        try:
+            data = validate_file(json.loads(path.read_text()))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, ValueError) as e:
+            problems.append((path, f"{type(e).__name__}: {e}"))
+            continue
+        if path.parent.name != gpu_file_name(data["gpu"]):
+            problems.append((path, f"gpu {data['gpu']!r} belongs in folder {gpu_file_name(data['gpu'])!r}"))
+    return problems
 
 
 def _parse_config(d, where: str) -> KernelConfig:
@@ -367,3 +384,241 @@ def describe_config_source(device=None) -> str:
     if os.environ.get("SPARSE24_AUTOTUNE") == "1":
         lines.append("  SPARSE24_AUTOTUNE=1: shapes without an exact entry are tuned live on first use")
     return "\n".join(lines)
+
+
+# --- measuring (CUDA) ----------------------------------------------------------
+
+_ACT = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+# Largest relative Frobenius error (vs fp64) a tuning candidate may show before
+# it is rejected: ~4 unit round-offs of the output dtype. A mis-decoding config
+# is off by O(1), so this only rejects broken configs, never close calls.
+_MAX_REL_ERR = {"float16": 2e-3, "bfloat16": 1.6e-2, "float32": 1e-5}
+
+
+def _tuning_inputs(M: int, N: int, K: int, dtype: str, device, seed: int = 0):
+    """Random x (M, K), compressed weight p (N, K) and its dense twin, as tuned."""
+    from .format import compress
+    from .quant import quantize_values
+
+    act = _ACT[dtype.removeprefix("int8-")]
+    gen = torch.Generator(device=device).manual_seed(seed)
+    w = torch.randn(N, K, generator=gen, device=device).to(act)
+    p = compress(w)
+    if dtype.startswith("int8-"):
+        p = quantize_values(p, "int8")
+    x = torch.randn(M, K, generator=gen, device=device).to(act)
+    return x, p, p.to_dense().to(act)
+
+
+def tune_key(M: int, N: int, K: int, dtype: str, device, configs=None, warmup_ms: float = 10,
+             rep_ms: float = 40) -> Choice:
+    """Time the config space for one key on a CUDA device; return the fastest
+    config that also computes the right result.
+
+    Args:
+        M, N, K: sizes (M is used as given: pass the bucket); dtype: a dtype key.
+        device: a CUDA device. configs: candidates (default :func:`candidate_configs`).
+        warmup_ms, rep_ms: ``triton.testing.do_bench`` budgets per candidate (median kept).
+    Returns:
+        :class:`Choice` with ``kind="live"`` and ``entry = {"config", "kernel_us",
+        "dense_us", "m"}`` (dense = ``F.linear`` on the dense weight in the activation dtype).
+    """
+    import torch.nn.functional as F
+    from triton.testing import do_bench
+
+    from .ops.triton_linear import linear_triton
+
+    device = torch.device(device)
+    if device.type != "cuda":
+        raise ValueError(f"tuning times kernels on a CUDA device, got {device}")
+    x, p, w_dense = _tuning_inputs(M, N, K, dtype, device)
+    ref = F.linear(x.double(), w_dense.double())
+    tf32 = dtype.endswith("float32") and torch.backends.cuda.matmul.allow_tf32
+    max_err = 2e-3 if tf32 else _MAX_REL_ERR[dtype.removeprefix("int8-")]
+    num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+    best, rejected = None, []
+    for cfg in configs if configs is not None else candidate_configs(M, N, K, num_sms):
+        try:
+            y = linear_triton(x, p, config=cfg)
+            torch.cuda.synchronize(device)
+        except Exception as e:  # e.g. out of shared memory on this GPU: not a candidate here
+            rejected.append(f"{cfg}: {type(e).__name__}")
+            continue
+        err = float((y.double() - ref).norm() / ref.norm().clamp_min(1e-30))
+        if not err <= max_err:
+            rejected.append(f"{cfg}: wrong result (relative error {err:.2e})")
+            continue
+        us = 1e3 * do_bench(lambda: linear_triton(x, p, config=cfg), warmup=warmup_ms, rep=rep_ms,
+                            return_mode="median")
+        if best is None or us < best[1]:
+            best = (cfg, us)
+    if best is None:
+        raise RuntimeError(f"no candidate config ran correctly for M={M}, N={N}, K={K}, {dtype}: "
+                           + "; ".join(rejected[:5]))
+    dense_us = 1e3 * do_bench(lambda: F.linear(x, w_dense), warmup=warmup_ms, rep=rep_ms, return_mode="median")
+    entry = {"config": best[0], "kernel_us": round(best[1], 3), "dense_us": round(dense_us, 3), "m": M}
+    return Choice(best[0], "live", f"tuned live on {torch.cuda.get_device_name(device)} "
+                                   f"({len(rejected)} candidates rejected)", entry)
+
+
+def _compile_variant(M: int, N: int, K: int, dtype: str, cfg: KernelConfig) -> tuple:
+    """What makes two launches compile the same kernel: Triton specializes ints
+    and strides on divisibility by 16 (M is not specialized)."""
+    return (dtype, N % 16 == 0, K % 16 == 0, (K // 2) % 16 == 0, cfg)
+
+
+def _compile_worker(items: list, device_index: int) -> list[str]:
+    """Compile (not run) each (M, N, K, dtype, config) into Triton's disk cache."""
+    from .ops.triton_linear import kernel_call
+
+    errors = []
+    device = torch.device("cuda", device_index)
+    torch.cuda.set_device(device)
+    for M, N, K, dtype, cfg in items:
+        try:
+            x, p, _ = _tuning_inputs(M, N, K, dtype, device)
+            target = torch.empty(M, N, device=device, dtype=torch.float32 if cfg.split_k > 1 else x.dtype)
+            kernel, grid, args, kwargs = kernel_call(x, p, None, target, cfg, cfg.split_k)
+            kernel.warmup(*args, grid=grid, **kwargs)
+        except Exception as e:  # reported; the timing pass skips configs that fail again
+            errors.append(f"{cfg}: {type(e).__name__}: {str(e)[:200]}")
+    return errors
+
+
+def _precompile(tasks: list, jobs: int, device: torch.device) -> int:
+    """Compile every distinct kernel variant of ``tasks`` in ``jobs`` processes
+    (Triton compiles one kernel per thread, seconds each; the timing pass then
+    loads them from the disk cache). Returns the number of variants."""
+    from concurrent.futures import ProcessPoolExecutor
+    from multiprocessing import get_context
+
+    variants = {}
+    for t in tasks:
+        variants.setdefault(_compile_variant(*t), t)
+    items = list(variants.values())
+    if jobs <= 1 or len(items) <= 1:
+        errors = _compile_worker(items, device.index or 0)
+    else:
+        chunks = [items[i::jobs] for i in range(jobs)]
+        with ProcessPoolExecutor(jobs, mp_context=get_context("spawn")) as ex:
+            errors = [e for r in ex.map(_compile_worker, chunks, [device.index or 0] * jobs) for e in r]
+    if errors:
+        print(f"  {len(errors)} variants did not compile (skipped when timing), e.g. {errors[0]}", file=sys.stderr)
+    return len(items)
+
+
+# --- files: writing ------------------------------------------------------------
+
+def _entry_key(key: tuple) -> str:
+    return ",".join(map(str, key))
+
+
+def write_entries(out_dir: Path, gpu: str, capability: tuple[int, int], entries: dict) -> Path:
+    """Merge ``entries`` ({(M bucket, N, K, dtype): entry}) into this GPU's file
+    under ``out_dir`` (created if needed; a corrupt old file is kept beside it
+    as ``.corrupt``). The default becomes the config that wins most entries."""
+    import triton
+
+    path = Path(out_dir) / gpu_file_name(gpu) / f"{KERNEL}.json"
+    old: dict = {}
+    if path.exists():
+        try:
+            old = validate_file(json.loads(path.read_text()))["entries"]
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, ValueError) as e:
+            path.replace(path.with_suffix(".json.corrupt"))
+            print(f"sparse24: {path} was unreadable ({e}); moved to {path.name}.corrupt", file=sys.stderr)
+    merged = {**old, **entries}
+    wins: dict = {}
+    for e in merged.values():
+        wins[e["config"]] = wins.get(e["config"], 0) + 1
+    default = max(wins, key=wins.get) if wins else builtin_config(16)
+    data = {
+        "schema": SCHEMA_VERSION, "kernel": KERNEL, "gpu": gpu, "compute_capability": list(capability),
+        "triton": triton.__version__, "torch": torch.__version__.split("+")[0],
+        "updated": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "default": default.to_json(),
+        "entries": {_entry_key(k): dict(e, config=e["config"].to_json()) for k, e in sorted(merged.items(),
+                                                                                            key=lambda kv: (kv[0][3], kv[0][1], kv[0][2], kv[0][0]))},
+    }
+    validate_file(json.loads(json.dumps(data)))  # never write what the reader would reject
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(data, indent=1) + "\n")
+    tmp.replace(path)
+    clear_cache()
+    return path
+
+
+# --- CLI -----------------------------------------------------------------------
+
+def _progress(i: int, n: int, label: str) -> None:
+    """A one-line progress bar on a terminal, one line per step in a log."""
+    bar = "#" * (20 * i // n) + "." * (20 - 20 * i // n)
+    if sys.stderr.isatty():
+        print(f"\r[{bar}] {i}/{n} {label:<60}", end="" if i < n else "\n", file=sys.stderr, flush=True)
+    else:
+        print(f"[{bar}] {i}/{n} {label}", file=sys.stderr, flush=True)
+
+
+def autotune_main(argv: list[str]) -> int:
+    """``python -m sparse24 autotune [--shapes NAME|N,K ...] [--m 1,2,4,...] [--dtype ...] [--out-dir DIR]``.
+
+    Tunes every (M bucket, N, K, dtype) on the current GPU and writes/merges
+    ``<out-dir>/<GPU name>/sparse24_matmul.json``. Returns 0 on success, 1
+    when there is no CUDA GPU, 2 on bad arguments.
+    """
+    import argparse
+
+    from .shapes import parse_shapes
+
+    ap = argparse.ArgumentParser(prog="python -m sparse24 autotune",
+                                 description="Tune the 2:4 Triton kernel's tile configs on this GPU and save them.")
+    ap.add_argument("--shapes", nargs="+", default=["standard"],
+                    help="weight shapes: names from sparse24.shapes (standard, llama-7b, ...) or N,K (default: standard)")
+    ap.add_argument("--m", default=",".join(map(str, M_BUCKETS)),
+                    help="batch sizes, comma-separated; each maps to its M bucket (default: all buckets)")
+    ap.add_argument("--dtype", default="float16", help=f"comma-separated, from {', '.join(DTYPE_KEYS)} "
+                                                       "(int8-X: INT8 weights, X activations)")
+    ap.add_argument("--out-dir", default=None, help="config folder (default: $SPARSE24_CONFIG_DIR, "
+                                                    "else the package's autotune_configs)")
+    ap.add_argument("--warmup-ms", type=float, default=10)
+    ap.add_argument("--rep-ms", type=float, default=40)
+    ap.add_argument("--jobs", type=int, default=min(8, os.cpu_count() or 1), help="parallel compile processes")
+    args = ap.parse_args(argv)
+
+    try:
+        shapes = parse_shapes(args.shapes)
+        ms = sorted({m_bucket(int(m)) for m in args.m.split(",") if m.strip()})
+        if not ms or min(int(m) for m in args.m.split(",") if m.strip()) < 1:
+            raise ValueError(f"--m needs positive integers, got {args.m!r}")
+        dtypes = [d.strip() for d in args.dtype.split(",") if d.strip()]
+        bad = [d for d in dtypes if d not in DTYPE_KEYS]
+        if bad or not dtypes:
+            raise ValueError(f"unknown --dtype {bad or args.dtype!r}; choose from {', '.join(DTYPE_KEYS)}")
+    except ValueError as e:
+        print(f"sparse24 autotune: {e}", file=sys.stderr)
+        return 2
+    if not torch.cuda.is_available():
+        print("sparse24 autotune: no CUDA GPU found (torch.cuda.is_available() is False); tuning times kernels "
+              "on the GPU it tunes for, so nothing was tuned or written.", file=sys.stderr)
+        return 1
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    gpu, cc = torch.cuda.get_device_name(device), torch.cuda.get_device_capability(device)
+    out_dir = Path(args.out_dir or os.environ.get("SPARSE24_CONFIG_DIR") or shipped_config_dir())
+    keys = [(m, n, k, dt) for dt in dtypes for _, n, k in shapes for m in ms]
+    num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+    tasks = [(m, n, k, dt, c) for m, n, k, dt in keys for c in candidate_configs(m, n, k, num_sms)]
+    print(f"sparse24 autotune on {gpu} (sm_{cc[0]}{cc[1]}): {len(keys)} keys, {len(tasks)} timings", file=sys.stderr)
+    n_var = _precompile(tasks, args.jobs, device)
+    print(f"  compiled {n_var} kernel variants with {args.jobs} processes", file=sys.stderr)
+    entries = {}
+    for i, key in enumerate(keys, 1):
+        choice = tune_key(*key, device, warmup_ms=args.warmup_ms, rep_ms=args.rep_ms)
+        entries[key] = choice.entry
+        e = choice.entry
+        _progress(i, len(keys), f"M={key[0]} {key[1]}x{key[2]} {key[3]}: {e['kernel_us']:.1f} us "
+                                f"(dense {e['dense_us']:.1f} us, {e['dense_us'] / e['kernel_us']:.2f}x)")
+    path = write_entries(out_dir, gpu, cc, entries)
+    print(f"wrote {len(entries)} entries to {path}")
+    return 0

@@ -1,0 +1,187 @@
+"""Tuned-config files: schema, lookup order, fallbacks, writing, the CLI without a GPU."""
+import json
+import warnings
+
+import pytest
+import torch
+
+from sparse24 import tuning
+from sparse24.tuning import KernelConfig
+
+GPU, FAMILY_GPU, OTHER_GPU = "Fake GPU H1 80GB", "Fake GPU H2", "Fake GPU A1"
+CFG_A = KernelConfig(16, 32, 256, 8, 1, 2, 3)
+CFG_B = KernelConfig(16, 64, 128, 8, 2, 4, 4)
+CFG_C = KernelConfig(64, 128, 64, 8, 1, 8, 3)
+
+
+@pytest.fixture(autouse=True)
+def isolated(tmp_path, monkeypatch):
+    """Empty user and shipped folders; fresh caches and warning memory."""
+    shipped = tmp_path / "shipped"
+    shipped.mkdir()
+    monkeypatch.setattr(tuning, "shipped_config_dir", lambda: shipped)
+    monkeypatch.delenv("SPARSE24_CONFIG_DIR", raising=False)
+    monkeypatch.delenv("SPARSE24_AUTOTUNE", raising=False)
+    monkeypatch.setattr(tuning, "_WARNED", set())
+    tuning.clear_cache()
+    yield shipped
+    tuning.clear_cache()
+
+
+def _entry(cfg, us=5.0):
+    return {"config": cfg, "kernel_us": us, "dense_us": 2 * us}
+
+
+def test_shipped_config_files_are_valid():
+    # The real shipped folder (the fixture only redirects the lookup).
+    real = tuning.Path(tuning.__file__).resolve().parent.parent / "autotune_configs"
+    assert real.is_dir()
+    assert tuning.validate_dir(real) == []
+
+
+def test_validate_dir_rejects_bad_files(tmp_path):
+    good = tuning.write_entries(tmp_path, GPU, (9, 0), {(16, 64, 64, "float16"): _entry(CFG_A)})
+    assert tuning.validate_dir(tmp_path) == []
+    data = json.loads(good.read_text())
+    cases = {
+        "json": "{not json",
+        "schema": json.dumps(dict(data, schema=2)),
+        "config": json.dumps(dict(data, default=dict(data["default"], BLOCK_K=48))),
+        "key": json.dumps(dict(data, entries={"3,64,64,float16": data["entries"]["16,64,64,float16"]})),
+        "timing": json.dumps(dict(data, entries={"16,64,64,float16": dict(data["entries"]["16,64,64,float16"],
+                                                                          kernel_us=-1)})),
+    }
+    expected = {"json": "JSONDecodeError", "schema": "schema 2 is not supported",
+                "config": "BLOCK_K=48", "key": "keys must be 'M_BUCKET,N,K,DTYPE'", "timing": "kernel_us must be"}
+    for name, text in cases.items():
+        good.write_text(text)
+        (problem,) = tuning.validate_dir(tmp_path)
+        assert problem[0] == good and expected[name] in problem[1], (name, problem)
+    good.write_text(json.dumps(data))
+    moved = tmp_path / "wrong_folder" / good.name
+    moved.parent.mkdir()
+    good.replace(moved)
+    (problem,) = tuning.validate_dir(tmp_path)
+    assert "belongs in folder 'Fake_GPU_H1_80GB'" in problem[1]
+
+
+def test_config_validation_messages():
+    with pytest.raises(ValueError, match="bad kernel config BLOCK_N=24: must be a power of two in \\[16, 256\\]"):
+        KernelConfig(16, 24, 64).validate()
+    with pytest.raises(ValueError, match="bad kernel config num_warps=3"):
+        KernelConfig(16, 32, 64, num_warps=3).validate()
+    with pytest.raises(ValueError, match="must have exactly the keys"):
+        KernelConfig.from_json({"BLOCK_M": 16})
+    assert KernelConfig.from_json(CFG_B.to_json()) == CFG_B
+
+
+def test_buckets_dtype_keys_and_candidates():
+    assert [tuning.m_bucket(m) for m in (1, 3, 16, 17, 4096, 10**6)] == [1, 4, 16, 32, 4096, 4096]
+    assert tuning.dtype_key(torch.float16) == "float16"
+    assert tuning.dtype_key(torch.bfloat16, int8_weights=True) == "int8-bfloat16"
+    with pytest.raises(TypeError, match="no kernel configs for activations of dtype torch.float64"):
+        tuning.dtype_key(torch.float64)
+    for M in (1, 16, 32, 128, 4096):
+        cands = tuning.candidate_configs(M, 4096, 4096)
+        assert 10 <= len(cands) <= 40 and len(set(cands)) == len(cands)
+        assert all(c.block_m == 16 for c in cands) == (M <= 16)
+    # split-K only where N-blocks alone leave the GPU's SMs idle
+    few = {c.split_k for c in tuning.candidate_configs(1, 1024, 4096)}
+    many = {c.split_k for c in tuning.candidate_configs(1, 65536, 4096)}
+    assert few > {1} and many == {1}
+
+
+def _write(folder, gpu, cc, entries):
+    return tuning.write_entries(folder, gpu, cc, entries)
+
+
+def test_lookup_order(isolated, tmp_path, monkeypatch):
+    shipped = isolated
+    own = _write(shipped, GPU, (9, 0), {(16, 4096, 4096, "float16"): _entry(CFG_A),
+                                        (64, 4096, 4096, "float16"): _entry(CFG_C),
+                                        (256, 4096, 4096, "float16"): _entry(CFG_C)})
+    _write(shipped, FAMILY_GPU, (9, 0), {(1, 11008, 4096, "float16"): _entry(CFG_B)})
+    _write(shipped, OTHER_GPU, (8, 0), {(1, 4096, 11008, "float16"): _entry(CFG_B)})
+
+    def look(M, N=4096, K=4096, dtype="float16"):
+        return tuning.lookup(M, N, K, dtype, GPU, (9, 0))
+
+    assert (look(16).kind, look(16).config) == ("exact", CFG_A)
+    assert look(9).kind == "exact"                                  # 9 -> bucket 16
+    assert (look(4).kind, look(4).config) == ("nearest", CFG_A)     # 4 is nearest to 16
+    assert (look(32).kind, look(32).config) == ("nearest", CFG_A)   # tie 16 / 64: the smaller M
+    assert look(4096).config == CFG_C and "M=256" in look(4096).source
+    assert (look(1, 11008).kind, look(1, 11008).config) == ("family", CFG_B)
+    # another family's entry is never used; this GPU's file default is
+    default = json.loads(own.read_text())["default"]
+    assert look(1, 4096, 11008).kind == "file-default"
+    assert look(1, 4096, 11008).config == KernelConfig.from_json(default) == CFG_C  # wins 2 of 3 entries
+    assert look(16, dtype="bfloat16").kind == "file-default"
+    # a GPU without any file: built-in
+    unknown = tuning.lookup(16, 4096, 4096, "float16", "Fake GPU Z", (7, 5))
+    assert (unknown.kind, unknown.config) == ("builtin", tuning.builtin_config(16))
+    # the user folder comes first
+    user = tmp_path / "user"
+    _write(user, GPU, (9, 0), {(16, 4096, 4096, "float16"): _entry(CFG_B)})
+    monkeypatch.setenv("SPARSE24_CONFIG_DIR", str(user))
+    assert look(16).config == CFG_B and str(user) in look(16).source
+    assert look(64).config == CFG_C  # still found in the shipped file
+
+
+@pytest.mark.parametrize("content", ["{broken", json.dumps({"schema": 1, "kernel": "sparse24_matmul"}),
+                                     json.dumps([1, 2])], ids=["corrupt", "schema-invalid", "not-an-object"])
+def test_bad_file_warns_once_and_falls_back(isolated, content):
+    path = isolated / tuning.gpu_file_name(GPU) / "sparse24_matmul.json"
+    path.parent.mkdir()
+    path.write_text(content)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        choices = [(M, tuning.lookup(M, 4096, 4096, "float16", GPU, (9, 0))) for M in (1, 16, 256)]
+        tuning.clear_cache()  # re-reading the file does not warn again
+        choices.append((1, tuning.lookup(1, 4096, 4096, "float16", GPU, (9, 0))))
+    msgs = [str(w.message) for w in caught]
+    assert len(msgs) == 1 and str(path) in msgs[0] and "ignoring tuned-config file" in msgs[0]
+    assert all(c.kind == "builtin" and c.config == tuning.builtin_config(M) for M, c in choices)
+
+
+def test_write_entries_merges_and_keeps_corrupt_file(isolated, capsys):
+    p1 = _write(isolated, GPU, (9, 0), {(1, 64, 64, "float16"): _entry(CFG_A)})
+    p2 = _write(isolated, GPU, (9, 0), {(2, 64, 64, "float16"): _entry(CFG_B), (1, 64, 64, "float16"): _entry(CFG_B)})
+    assert p1 == p2
+    data = json.loads(p2.read_text())
+    assert set(data["entries"]) == {"1,64,64,float16", "2,64,64,float16"}
+    assert data["entries"]["1,64,64,float16"]["config"] == CFG_B.to_json()  # new measurement replaces old
+    assert data["gpu"] == GPU and data["compute_capability"] == [9, 0] and data["schema"] == 1
+    p2.write_text("garbage")
+    _write(isolated, GPU, (9, 0), {(4, 64, 64, "float16"): _entry(CFG_A)})
+    assert (p2.parent / "sparse24_matmul.json.corrupt").read_text() == "garbage"
+    assert list(json.loads(p2.read_text())["entries"]) == ["4,64,64,float16"]
+    assert "was unreadable" in capsys.readouterr().err
+
+
+def test_get_config_on_cpu_and_describe(isolated, monkeypatch):
+    monkeypatch.setenv("SPARSE24_AUTOTUNE", "1")  # has no effect without CUDA
+    assert tuning.get_config(3, 40, 64, "float16", torch.device("cpu")) == tuning.builtin_config(3)
+    text = tuning.describe_config_source("cpu")
+    assert "device cpu" in text and "interpreter" in text
+    _write(isolated, GPU, (9, 0), {(1, 64, 64, "float16"): _entry(CFG_A)})
+    monkeypatch.setattr(tuning, "_device_identity", lambda device: (GPU, (9, 0)))
+    text = tuning.describe_config_source()
+    assert f"tuned file for this GPU: {isolated}" in text and "1 entries" in text
+    monkeypatch.setattr(tuning, "_device_identity", lambda device: (FAMILY_GPU, (9, 0)))
+    text = tuning.describe_config_source()
+    assert "no tuned file for 'Fake GPU H2'" in text and "same family (sm_90)" in text
+
+
+def test_autotune_cli_without_gpu(capsys, isolated):
+    assert not torch.cuda.is_available()
+    assert tuning.autotune_main(["--shapes", "standard", "--m", "1,16"]) == 1
+    err = capsys.readouterr().err
+    assert "no CUDA GPU found" in err and "nothing was tuned or written" in err
+    assert list(isolated.iterdir()) == []
+    assert tuning.autotune_main(["--shapes", "nope"]) == 2
+    assert "unknown shape 'nope'" in capsys.readouterr().err
+    assert tuning.autotune_main(["--dtype", "int4"]) == 2
+    assert "unknown --dtype" in capsys.readouterr().err
+    assert tuning.autotune_main(["--m", "0,4"]) == 2
+    assert "--m needs positive integers" in capsys.readouterr().err
