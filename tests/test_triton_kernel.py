@@ -172,3 +172,25 @@ def test_rejects_unsupported_input_and_changes_nothing(gen):
         linear_triton(x, p, config=KernelConfig(8, 32, 32))
     for before, after in zip(saved, (x, p.values, p.meta)):
         assert torch.equal(before, after)
+
+
+@pytest.mark.parametrize("x_dtype,int8,bias,split_k,cap", [
+    pytest.param(torch.float16, False, False, 1, 90, id="fp16-sm90"),
+    pytest.param(torch.bfloat16, True, True, 2, 80, id="bf16-int8-bias-splitk-sm80"),
+])
+def test_kernel_compiles_for_gpus(x_dtype, int8, bias, split_k, cap):
+    """No GPU here: compile the kernel ahead of time (Triton -> PTX -> cubin
+    with the ptxas shipped in Triton's wheel), with the exact arguments the
+    launcher passes, so code that passes in the interpreter also compiles."""
+    w = torch.randn(64, 128).to(torch.float32 if int8 else x_dtype)
+    p = sparse24.compress(w, quantize="int8" if int8 else None)
+    x = torch.randn(16, 128).to(x_dtype)
+    target = torch.empty(16, 64, dtype=torch.float32 if split_k > 1 else x_dtype)
+    cfg = KernelConfig(16, 64, 128, split_k=split_k, num_warps=4, num_stages=3)
+    b = torch.randn(64) if bias else None
+    compiled = triton_linear.aot_compile(x, p, b, target, cfg, split_k, (cap // 10, cap % 10))
+    ptx = compiled.asm["ptx"]
+    assert compiled.asm["cubin"] and "mma.sync" in ptx              # tensor-core dot, not an FMA loop
+    assert "cp.async.cg.shared.global" in ptx                       # 16-byte pipelined tile loads
+    if split_k > 1:
+        assert "atom.global" in ptx or "red.global" in ptx

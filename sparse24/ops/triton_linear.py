@@ -128,3 +128,38 @@ def kernel_call(x2, p, bias, target, config, split_k: int):
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def aot_compile(x2, p, bias, target, config, split_k: int, capability: tuple[int, int] = (9, 0)):
+    """Compile (not run) the launch :func:`kernel_call` describes for a CUDA
+    target, without a GPU: Triton -> PTX -> cubin with the ptxas shipped in
+    Triton's wheel. Specializes arguments as the JIT does on a GPU (unit
+    strides become constants; 16-byte aligned pointers and ints divisible by
+    16 are marked so), so the code matches what a GPU would build.
+
+    Args:
+        x2: ``(M, K)`` CPU tensor, p: weight, bias: ``(N,)`` or None,
+        target: ``(M, N)`` output (fp32 when ``split_k > 1``), config, split_k.
+        capability: ``(major, minor)``, e.g. ``(9, 0)`` for H100/H200.
+    Returns:
+        Triton's ``CompiledKernel`` (``.asm["ptx"]``, ``.asm["cubin"]``, ``.metadata.shared``).
+    """
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.runtime.jit import mangle_type
+
+    from sparse24.kernels.sparse24_matmul import sparse24_matmul
+
+    _, _, args, kwargs = kernel_call(x2, p, bias, target, config, split_k)
+    names = sparse24_matmul.arg_names
+    constexprs = {k: v for k, v in kwargs.items() if k in names}
+    constexprs.update({n: 1 for n, a in zip(names, args) if n != "M" and isinstance(a, int) and a == 1})
+    signature = {n: ("constexpr" if n in constexprs else mangle_type(a)) for n, a in zip(names, args)}
+    signature.update({n: "constexpr" for n in constexprs})
+    attrs = {(i,): [["tt.divisibility", 16]] for i, (n, a) in enumerate(zip(names, args))
+             if n not in constexprs and ((isinstance(a, torch.Tensor) and a.data_ptr() % 16 == 0)
+                                         or (n != "M" and isinstance(a, int) and a % 16 == 0))}
+    src = ASTSource(sparse24_matmul, signature, constexprs=constexprs, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", capability[0] * 10 + capability[1], 32),
+                          options={"num_warps": config.num_warps, "num_stages": config.num_stages})
