@@ -200,7 +200,7 @@ def _entry(fqn: str, mod: nn.Module, action: str, reason: str = "") -> LayerRepo
     return LayerReport(fqn, (R, C), dtype, action, mode, reason, R * C * elt, comp, mem)
 
 
-def _skip_reason(fqn, mod, filter_fn, min_features, shared, method, calibration) -> str:
+def _skip_reason(fqn, mod, filter_fn, min_features, shared, readers, method, calibration) -> str:
     """Why ``mod`` (an nn.Linear) cannot be swapped, or "" if it can."""
     if not fqn:
         return "the model itself is this Linear (no parent to swap it in); use Sparse24Linear.from_linear"
@@ -220,7 +220,9 @@ def _skip_reason(fqn, mod, filter_fn, min_features, shared, method, calibration)
         others = [n for n in shared[id(mod.weight)] if n != f"{fqn}.weight"]
         return f"weight is shared with {', '.join(others)} (tied): pruning it would also prune those"
     if method in _CALIBRATED_METHODS and calibration is not None and fqn not in calibration:
-        return f"no calibration statistics for this layer (method={method!r}); was it run during calibrate()?"
+        why = (f"{readers[id(mod)]}, so calibrate() never sees its input" if id(mod) in readers
+               else "was it run during calibrate()?")
+        return f"no calibration statistics for this layer (method={method!r}): {why}"
     return ""
 
 
@@ -272,7 +274,7 @@ def sparsify_(model: nn.Module, filter_fn: FilterFn | None = None, mode: str = "
     for fqn, mod in model.named_modules():
         if not isinstance(mod, nn.Linear):
             continue
-        why = _skip_reason(fqn, mod, filter_fn, min_features, shared, method, calibration)
+        why = _skip_reason(fqn, mod, filter_fn, min_features, shared, readers, method, calibration)
         if why:
             report.layers.append(_entry(fqn, mod, "skipped", why))
         else:

@@ -445,7 +445,7 @@ class Sparse24Linear(nn.Module):
         try:
             self._check_state(state_dict, prefix)
         except (ValueError, TypeError) as e:
-            error_msgs.append(f"{prefix or 'Sparse24Linear'}: {e}")
+            error_msgs.append(f"{prefix[:-1] or 'Sparse24Linear'}: {e}")
             return  # nothing of this module changes
         weight_before = self._parameters.get("weight")
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,

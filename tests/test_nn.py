@@ -362,3 +362,67 @@ def test_loading_corrupt_or_mismatched_checkpoints(gen):
         with pytest.raises(RuntimeError, match=msg):
             layer.load_state_dict(bad)
         assert same_state(before, layer_state(layer))
+
+
+# --- INT8 ------------------------------------------------------------------------------------
+
+def dequantized_reference(layer, mask):
+    """Dense weight from the stored int8 values and fp32 scales, placed at ``mask`` (row-major)."""
+    R, C = mask.shape
+    ref = torch.zeros(R, C, dtype=torch.float64)
+    ref[mask] = (layer.values.double() * layer.scale.double()[:, None]).flatten()
+    return ref
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_int8_forward_backward(dtype, gen):
+    lin = make_linear(64, 24, True, dtype, gen)
+    w0, b0 = lin.weight.detach().clone(), lin.bias.detach().clone()
+    mask = top2_mask(w0)
+    layer = Sparse24Linear.from_linear(lin, mode="compressed", quantize="int8")
+    assert layer.values.dtype == torch.int8 and layer.scale.dtype == torch.float32 and layer.quantize == "int8"
+    assert "quantize=int8" in repr(layer) and layer.dtype == dtype
+    ref_w = dequantized_reference(layer, mask)
+    # symmetric per-row int8: every kept weight within half a step of the original, plus the
+    # fp32 rounding of the scale times |q| <= 127 (ties at x.5 steps hit the half-step exactly)
+    step = layer.scale.double()[:, None]
+    assert bool(((ref_w - (w0 * mask).double()).abs() <= step * (0.5 + 127 * 2.0 ** -23)).all())
+    x = torch.randn(2, 7, 64, generator=gen).to(dtype).requires_grad_()
+    y = layer(x)
+    assert y.dtype == dtype
+    assert_matches_reference(y, x.detach(), ref_w.to(dtype), b0)
+    gy = torch.randn(2, 7, 24, generator=gen).to(dtype)
+    y.backward(gy)
+    torch.testing.assert_close(x.grad.double(), gy.double() @ ref_w.to(dtype).double(), **tolerance(dtype, 24))
+
+
+def test_int8_dtype_moves_keep_values_and_scales(gen):
+    layer = Sparse24Linear.from_linear(make_linear(64, 32, True, torch.float32, gen), mode="compressed",
+                                       quantize="int8")
+    values, scale = layer.values.clone(), layer.scale.clone()
+    layer.half()
+    assert torch.equal(layer.values, values) and layer.scale.dtype == torch.float32 and torch.equal(layer.scale, scale)
+    assert layer.dtype == torch.float16 and layer.sparse_tensor().to_dense().dtype == torch.float16
+    layer.type(torch.bfloat16)
+    assert torch.equal(layer.values, values) and torch.equal(layer.scale, scale) and layer.dtype == torch.bfloat16
+
+
+def test_int8_state_dict_round_trip_and_mode_switch(gen):
+    src = Sparse24Linear.from_linear(make_linear(64, 32, True, torch.float16, gen))
+    x = torch.randn(5, 64, generator=gen).half()
+    src.to_compressed(quantize="int8")
+    y = src(x)
+    sd = src.state_dict()
+    assert set(sd) == {"values", "meta", "scale", "bias"} and all(type(v) is torch.Tensor for v in sd.values())
+    fresh = Sparse24Linear(64, 32, mode="compressed", quantize="int8", dtype=torch.float16)
+    fresh.load_state_dict(sd)
+    assert torch.equal(fresh(x), y)
+    plain = Sparse24Linear(64, 32, mode="compressed", dtype=torch.float16)
+    with pytest.raises(RuntimeError, match="got an INT8 checkpoint"):
+        plain.load_state_dict(sd)
+    with pytest.raises(RuntimeError, match="is INT8-quantized but the checkpoint has no scale"):
+        fresh.load_state_dict(plain.state_dict())
+    assert torch.equal(fresh(x), y)
+    assert torch.equal(src.to_masked()(x), y)  # back to masked: the dequantized weight, same outputs
+    with pytest.raises(ValueError, match="trainable_values needs mode='compressed' with floating values"):
+        src.to_compressed(quantize="int8", trainable_values=True)
