@@ -436,29 +436,46 @@ def tune_key(M: int, N: int, K: int, dtype: str, device, configs=None, warmup_ms
     tf32 = dtype.endswith("float32") and torch.backends.cuda.matmul.allow_tf32
     max_err = 2e-3 if tf32 else _MAX_REL_ERR[dtype.removeprefix("int8-")]
     num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+
+    def bench(fn) -> float:
+        return 1e3 * do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
+
+    best_cfg, best_us, rejected = _select_fastest(
+        configs if configs is not None else candidate_configs(M, N, K, num_sms),
+        launch=lambda cfg: linear_triton(x, p, config=cfg),
+        error=lambda y: float((y.double() - ref).norm() / ref.norm().clamp_min(1e-30)),
+        bench=bench, max_err=max_err, label=f"M={M}, N={N}, K={K}, {dtype}")
+    dense_us = bench(lambda: F.linear(x, w_dense))
+    entry = {"config": best_cfg, "kernel_us": round(best_us, 3), "dense_us": round(dense_us, 3), "m": M}
+    return Choice(best_cfg, "live", f"tuned live on {torch.cuda.get_device_name(device)} "
+                                    f"({len(rejected)} candidates rejected)", entry)
+
+
+def _select_fastest(configs, launch, error, bench, max_err: float, label: str):
+    """Fastest config whose result is right: ``(config, time, rejected)``.
+
+    ``launch(cfg)`` runs the kernel (no sync: it is what ``bench`` times),
+    ``error(y)`` is y's relative error vs an fp64 reference (it syncs, so
+    asynchronous launch failures surface inside the try), ``bench(fn)`` times.
+    """
     best, rejected = None, []
-    for cfg in configs if configs is not None else candidate_configs(M, N, K, num_sms):
+    for cfg in configs:
         try:
-            y = linear_triton(x, p, config=cfg)
-            torch.cuda.synchronize(device)
+            err = error(launch(cfg))
         except Exception as e:  # e.g. out of shared memory on this GPU: not a candidate here
-            rejected.append(f"{cfg}: {type(e).__name__}")
+            rejected.append(f"{cfg}: {type(e).__name__}: {str(e)[:120]}")
             continue
-        err = float((y.double() - ref).norm() / ref.norm().clamp_min(1e-30))
-        if not err <= max_err:
+        if not err <= max_err:  # a kernel bug, never a close call: say so loudly
             rejected.append(f"{cfg}: wrong result (relative error {err:.2e})")
+            print(f"sparse24 tuning: WRONG RESULT from {cfg} at {label}: relative error {err:.2e} > "
+                  f"{max_err:.0e}; config rejected", file=sys.stderr)
             continue
-        us = 1e3 * do_bench(lambda: linear_triton(x, p, config=cfg), warmup=warmup_ms, rep=rep_ms,
-                            return_mode="median")
-        if best is None or us < best[1]:
-            best = (cfg, us)
+        t = bench(lambda: launch(cfg))
+        if best is None or t < best[1]:
+            best = (cfg, t)
     if best is None:
-        raise RuntimeError(f"no candidate config ran correctly for M={M}, N={N}, K={K}, {dtype}: "
-                           + "; ".join(rejected[:5]))
-    dense_us = 1e3 * do_bench(lambda: F.linear(x, w_dense), warmup=warmup_ms, rep=rep_ms, return_mode="median")
-    entry = {"config": best[0], "kernel_us": round(best[1], 3), "dense_us": round(dense_us, 3), "m": M}
-    return Choice(best[0], "live", f"tuned live on {torch.cuda.get_device_name(device)} "
-                                   f"({len(rejected)} candidates rejected)", entry)
+        raise RuntimeError(f"no candidate config ran correctly for {label}: " + "; ".join(rejected[:5]))
+    return best[0], best[1], rejected
 
 
 def _compile_variant(M: int, N: int, K: int, dtype: str, cfg: KernelConfig) -> tuple:
@@ -563,9 +580,10 @@ def _progress(i: int, n: int, label: str) -> None:
 def autotune_main(argv: list[str]) -> int:
     """``python -m sparse24 autotune [--shapes NAME|N,K ...] [--m 1,2,4,...] [--dtype ...] [--out-dir DIR]``.
 
-    Tunes every (M bucket, N, K, dtype) on the current GPU and writes/merges
-    ``<out-dir>/<GPU name>/sparse24_matmul.json``. Returns 0 on success, 1
-    when there is no CUDA GPU, 2 on bad arguments.
+    Tunes every (M bucket, N, K, dtype) on the current GPU and merges each
+    result into ``<out-dir>/<GPU name>/sparse24_matmul.json`` as soon as it
+    is measured. Returns 0 on success, 1 when there is no CUDA GPU or a key
+    found no working config, 2 on bad arguments.
     """
     import argparse
 
@@ -612,13 +630,18 @@ def autotune_main(argv: list[str]) -> int:
     print(f"sparse24 autotune on {gpu} (sm_{cc[0]}{cc[1]}): {len(keys)} keys, {len(tasks)} timings", file=sys.stderr)
     n_var = _precompile(tasks, args.jobs, device)
     print(f"  compiled {n_var} kernel variants with {args.jobs} processes", file=sys.stderr)
-    entries = {}
+    path, done, failed = None, 0, []
     for i, key in enumerate(keys, 1):
-        choice = tune_key(*key, device, warmup_ms=args.warmup_ms, rep_ms=args.rep_ms)
-        entries[key] = choice.entry
-        e = choice.entry
+        try:
+            e = tune_key(*key, device, warmup_ms=args.warmup_ms, rep_ms=args.rep_ms).entry
+        except RuntimeError as err:
+            failed.append(key)
+            print(f"sparse24 autotune: {err}", file=sys.stderr)
+            continue
+        # Merge after every key, so a run stopped early keeps what it measured.
+        path = write_entries(out_dir, gpu, cc, {key: e})
+        done += 1
         _progress(i, len(keys), f"M={key[0]} {key[1]}x{key[2]} {key[3]}: {e['kernel_us']:.1f} us "
                                 f"(dense {e['dense_us']:.1f} us, {e['dense_us'] / e['kernel_us']:.2f}x)")
-    path = write_entries(out_dir, gpu, cc, entries)
-    print(f"wrote {len(entries)} entries to {path}")
-    return 0
+    print(f"wrote {done} entries to {path}" if done else "sparse24 autotune: nothing was written")
+    return 1 if failed or not done else 0

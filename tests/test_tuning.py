@@ -185,3 +185,43 @@ def test_autotune_cli_without_gpu(capsys, isolated):
     assert "unknown --dtype" in capsys.readouterr().err
     assert tuning.autotune_main(["--m", "0,4"]) == 2
     assert "--m needs positive integers" in capsys.readouterr().err
+
+
+def test_select_fastest_rejects_failing_and_wrong_configs(capsys):
+    """The tuner's selection on real interpreter runs, with a fake clock: a
+    config that raises and one that computes a wrong result are never chosen."""
+    import sparse24
+    from sparse24.ops.triton_linear import linear_triton
+
+    g = torch.Generator().manual_seed(0)
+    w, x = torch.randn(40, 64, generator=g), torch.randn(3, 64, generator=g)
+    p = sparse24.compress(w)
+    ref = torch.nn.functional.linear(x.double(), (w * sparse24.mask_nm(w)).double())
+    good, faster_but_wrong, fastest_but_fails, slow = (KernelConfig(16, 32, 32), KernelConfig(16, 16, 32),
+                                                       KernelConfig(16, 64, 64), KernelConfig(32, 32, 64))
+    wrong_p = sparse24.compress(w.flip(1))  # a different weight: what a mis-decoding config would compute
+
+    clock = {good: 2.0, faster_but_wrong: 1.0, fastest_but_fails: 0.5, slow: 3.0}
+    launched, timed = [], []
+
+    def launch(cfg):
+        launched.append(cfg)
+        if cfg == fastest_but_fails:
+            raise RuntimeError("out of resources: shared memory")
+        return linear_triton(x, wrong_p if cfg == faster_but_wrong else p, config=cfg)
+
+    def bench(fn):  # a fake clock: the time of the config fn launches
+        fn()
+        timed.append(launched[-1])
+        return clock[launched[-1]]
+
+    configs = [slow, faster_but_wrong, fastest_but_fails, good]
+    cfg, t, rejected = tuning._select_fastest(
+        configs, launch, lambda y: float((y.double() - ref).norm() / ref.norm()), bench,
+        max_err=tuning._MAX_REL_ERR["float32"], label="test")
+    assert (cfg, t) == (good, 2.0)
+    assert timed == [slow, good]  # only correct configs are timed
+    assert len(rejected) == 2 and "RuntimeError: out of resources" in rejected[1]
+    assert "WRONG RESULT from" in capsys.readouterr().err
+    with pytest.raises(RuntimeError, match="no candidate config ran correctly for test"):
+        tuning._select_fastest([fastest_but_fails], launch, lambda y: 0.0, bench, 1e-5, "test")
