@@ -29,7 +29,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from .nn import Sparse24Linear, _check_mode, compressed_nbytes, memory_nbytes
+from .nn import Sparse24Linear, _check_mode, _prepare, compressed_nbytes, memory_nbytes
 
 __all__ = ["sparsify_", "densify_", "compress_", "decompress_", "prune_trained_model", "SparsifyReport",
            "LayerReport"]
@@ -279,16 +279,22 @@ def sparsify_(model: nn.Module, filter_fn: FilterFn | None = None, mode: str = "
             report.layers.append(_entry(fqn, mod, "skipped", why))
         else:
             plan.append((fqn, mod))
+    # Compute every mask (and compressed weight) first, so a failing layer leaves the model untouched.
+    prepared = []
     for fqn, mod in plan:
-        stats = None if calibration is None else calibration.get(fqn)
         note = readers.get(id(mod), "")
         layer_mode = "masked" if note else mode
         if note and mode == "compressed":
             note = f"kept in masked mode: {note}"
-        new = Sparse24Linear.from_linear(mod, mode=layer_mode, method=method, calibration=stats,
-                                         quantize=quantize if layer_mode == "compressed" else None,
-                                         trainable_values=trainable_values and layer_mode == "compressed",
-                                         **mask_kwargs)
+        train_values = trainable_values and layer_mode == "compressed"
+        try:
+            work = _prepare(mod, None, layer_mode, method, quantize if layer_mode == "compressed" else None,
+                            None if calibration is None else calibration.get(fqn), train_values, mask_kwargs)
+        except (ValueError, TypeError) as e:
+            raise type(e)(f"sparsify_: layer {fqn!r}: {e} (nothing was changed)") from e
+        prepared.append((fqn, mod, work, train_values, note))
+    for fqn, mod, work, train_values, note in prepared:
+        new = Sparse24Linear._empty()._adopt(mod, *work, train_values)
         _replace(slots, mod, new)
         report.layers.append(_entry(fqn, new, "swapped", note))
     return report

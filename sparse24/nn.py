@@ -143,29 +143,44 @@ def _check_mode(mode, quantize, trainable_values) -> None:
         raise ValueError("trainable_values needs mode='compressed' with floating values (quantize=None)")
 
 
-def prune_weight(weight: torch.Tensor, method: str = "magnitude", calibration=None,
-                 **mask_kwargs) -> tuple[torch.Tensor, torch.Tensor]:
-    """2:4-prune one weight with ``method``; returns ``(new_weight, mask)``.
+def _prune_weight(weight: torch.Tensor, method: str = "magnitude", calibration=None,
+                  **mask_kwargs) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """2:4-prune one weight with ``method`` (nothing is modified).
 
-    ``new_weight`` is ``weight * mask`` except for methods that also
-    reconstruct the kept weights (``"sparsegpt"``), so callers must store it.
-
-    Args:
-        weight: ``(R, C)`` float weight, ``C % 4 == 0`` (not modified).
-        method: any ``sparse24.mask_nm`` method.
-        calibration: optional ``sparse24.masks.LayerStats`` of this layer
-            (``sparse24.calibrate(model, batches)[fqn]``).
-        **mask_kwargs: passed on to the method (``act_norm=``, ``hessian=``...).
-    Returns:
-        ``(R, C)`` weight in ``weight``'s dtype and ``(R, C)`` bool mask.
+    Returns ``(new_weight, mask)``: ``(R, C)`` bool mask and, for methods that
+    also reconstruct the kept weights (SparseGPT), the ``(R, C)`` weight to
+    store; ``None`` when that is just ``weight * mask`` (no copy kept).
     """
     w = weight.detach()
     if method == "magnitude" and calibration is None:
-        mask = mask_nm(w, 2, 4, **mask_kwargs)
-        return w * mask, mask
+        return None, mask_nm(w, 2, 4, **mask_kwargs)
     from .masks import prune_nm  # activation-aware methods live there
     r = prune_nm(w, 2, 4, method=method, calibration=calibration, **mask_kwargs)
-    return r.weight, r.mask
+    return (None if torch.equal(r.weight, w * r.mask) else r.weight), r.mask
+
+
+def _prepare(linear, mask, mode, method, quantize, calibration, trainable_values, mask_kwargs):
+    """Validate and compute a swap without changing anything: ``(new_w, mask, p)``
+    with ``p`` the compressed weight (compressed mode) or None."""
+    if not isinstance(linear, nn.Linear):
+        raise TypeError(f"expected an nn.Linear, got {type(linear).__name__}")
+    _check_mode(mode, quantize, trainable_values)
+    w = linear.weight
+    if not isinstance(w, nn.Parameter):
+        raise ValueError(f"the Linear's weight is a computed tensor ({type(w).__name__}, e.g. a "
+                         "parametrization such as SR-STE or weight_norm); remove it first")
+    if linear.in_features % 4:
+        raise ValueError(f"in_features ({linear.in_features}) must be divisible by 4 for 2:4 sparsity")
+    if mask is None:
+        new_w, mask = _prune_weight(w, method, calibration, **mask_kwargs)
+    else:
+        if method != "magnitude" or calibration is not None or mask_kwargs:
+            raise ValueError("give either a mask or a method (with its options), not both")
+        new_w, mask = None, _check_mask24(mask, w).clone()
+    p = None
+    if mode == "compressed":
+        p = compress(w.detach() if new_w is None else new_w, mask, quantize=quantize)
+    return new_w, mask, p
 
 
 def _mask_from_slots(p: Sparse24Tensor) -> torch.Tensor:
@@ -203,7 +218,8 @@ class Sparse24Linear(nn.Module):
                  quantize: str | None = None, trainable_values: bool = False, device=None, dtype=None):
         super().__init__()
         dense = nn.Linear(in_features, out_features, bias, device=device, dtype=dtype)
-        self._setup(dense, None, mode, "magnitude", quantize, None, trainable_values, {})
+        self._adopt(dense, *_prepare(dense, None, mode, "magnitude", quantize, None, trainable_values, {}),
+                    trainable_values)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, mask: torch.Tensor | None = None, mode: str = "masked",
@@ -236,38 +252,31 @@ class Sparse24Linear(nn.Module):
             >>> sp.values.shape, sp.meta.shape
             (torch.Size([16, 16]), torch.Size([1, 16]))
         """
+        prepared = _prepare(linear, mask, mode, method, quantize, calibration, trainable_values, mask_kwargs)
+        return cls._empty()._adopt(linear, *prepared, trainable_values)
+
+    @classmethod
+    def _empty(cls) -> "Sparse24Linear":
         mod = cls.__new__(cls)
         nn.Module.__init__(mod)
-        mod._setup(linear, mask, mode, method, quantize, calibration, trainable_values, mask_kwargs)
         return mod
 
-    def _setup(self, linear, mask, mode, method, quantize, calibration, trainable_values, mask_kwargs) -> None:
-        if not isinstance(linear, nn.Linear):
-            raise TypeError(f"expected an nn.Linear, got {type(linear).__name__}")
-        _check_mode(mode, quantize, trainable_values)
-        w = linear.weight
-        if not isinstance(w, nn.Parameter):
-            raise ValueError(f"the Linear's weight is a computed tensor ({type(w).__name__}, e.g. a "
-                             "parametrization such as SR-STE or weight_norm); remove it first")
-        if linear.in_features % 4:
-            raise ValueError(f"in_features ({linear.in_features}) must be divisible by 4 for 2:4 sparsity")
-        if mask is None:
-            new_w, mask = prune_weight(w, method, calibration, **mask_kwargs)
-        else:
-            if method != "magnitude" or calibration is not None or mask_kwargs:
-                raise ValueError("give either a mask or a method (with its options), not both")
-            mask = _check_mask24(mask, w)
-            new_w = w.detach() * mask
-        # Everything validated: only now touch module state.
+    def _adopt(self, linear: nn.Linear, new_w, mask, p, trainable_values: bool) -> "Sparse24Linear":
+        """Take over ``linear`` with what :func:`_prepare` computed (cannot fail)."""
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self._dense_cls = type(linear)  # densify_ restores e.g. MultiheadAttention's out_proj class
         self.bias = linear.bias
-        if mode == "masked":
+        if p is None:
+            w = linear.weight
             with torch.no_grad():
-                w.copy_(new_w)
-            self._set_masked(w, mask.clone())
+                if new_w is None:
+                    w.masked_fill_(~mask, 0)
+                else:
+                    w.copy_(new_w)
+            self._set_masked(w, mask)
         else:
-            self._set_compressed(compress(new_w, mask, quantize=quantize), trainable_values)
+            self._set_compressed(p, trainable_values)
+        return self
 
     # -- mode plumbing --
     def _set_masked(self, weight: nn.Parameter, mask: torch.Tensor) -> None:

@@ -306,3 +306,14 @@ def test_bad_arguments_change_nothing():
     with pytest.raises(ValueError, match="layer 'proj' is already compressed with quantize=None"):
         sparse24.compress_(model, quantize="int8")
     assert model.proj.quantize is None and model.shared.quantize is None
+
+
+def test_a_failing_layer_leaves_the_model_untouched():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 34))  # 34 rows: no 4x4 blocks for 2-D masks
+    sd = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=r"sparsify_: layer '1': .*rows \(34\) must be divisible by m=4.*"
+                                         r"\(nothing was changed\)"):
+        sparse24.sparsify_(model, method="2d_optimal")
+    assert all(type(m) is nn.Linear for m in model)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in sd.items())
