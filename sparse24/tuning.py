@@ -43,7 +43,7 @@ import torch
 
 __all__ = ["KernelConfig", "KERNEL", "M_BUCKETS", "m_bucket", "dtype_key", "builtin_config", "candidate_configs",
            "config_dirs", "shipped_config_dir", "gpu_file_name", "get_config", "lookup", "clear_cache", "validate_file",
-           "validate_dir", "write_entries",
+           "validate_dir", "write_entries", "measured_speedup",
            "describe_config_source", "tune_key", "autotune_main"]
 
 KERNEL = "sparse24_matmul"
@@ -350,6 +350,18 @@ def get_config(M: int, N: int, K: int, dtype: str, device) -> KernelConfig:
             choice = tune_key(m_bucket(M), N, K, dtype, torch.device(device))
         _CHOICES[cache_key] = choice
     return choice.config
+
+
+def measured_speedup(M: int, N: int, K: int, dtype: str, device=None) -> float | None:
+    """Dense ``F.linear`` time over kernel time, as measured side by side by
+    the tuner on this GPU (the exact or nearest-M entry of its own file);
+    None when this GPU has no such measurement. Lets a dispatcher prefer
+    dense where the kernel measured slower (typically large M)."""
+    gpu, cc = _device_identity(device)
+    choice = lookup(M, N, K, dtype, gpu, cc)
+    if choice.kind not in ("exact", "nearest") or not choice.entry or "dense_us" not in choice.entry:
+        return None
+    return choice.entry["dense_us"] / choice.entry["kernel_us"]
 
 
 def describe_config_source(device=None) -> str:

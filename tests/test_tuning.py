@@ -126,6 +126,10 @@ def test_lookup_order(isolated, tmp_path, monkeypatch):
     monkeypatch.setenv("SPARSE24_CONFIG_DIR", str(user))
     assert look(16).config == CFG_B and str(user) in look(16).source
     assert look(64).config == CFG_C  # still found in the shipped file
+    # the side-by-side timings travel with the entries (dense_us / kernel_us)
+    monkeypatch.setattr(tuning, "_device_identity", lambda device: (GPU, (9, 0)))
+    assert tuning.measured_speedup(16, 4096, 4096, "float16") == 2.0
+    assert tuning.measured_speedup(1, 11008, 4096, "float16") is None  # only a family entry: not measured here
 
 
 @pytest.mark.parametrize("content", ["{broken", json.dumps({"schema": 1, "kernel": "sparse24_matmul"}),
