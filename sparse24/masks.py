@@ -651,7 +651,9 @@ class _TabuWindows:
         pad = torch.full((B * wg - G, m), A.shape[1] - 1, dtype=torch.long, device=A.device)
         self.cols = torch.cat([group_cols, pad]).view(B, wg * m)  # global column of local column j
         self.A, self.n, self.m, self.tenure, self.deadline = A, n, m, tenure, deadline
-        self.Aw = A[:, self.cols].permute(1, 0, 2)  # (B, R, P): |w| of local columns
+        self.At = A.t()[self.cols]  # (B, P, R): |w| of each local column
+        self.col_sums = self.At.sum(2)  # (B, P)
+        self.others = torch.tensor([[j for j in range(m) if j != i] for i in range(m)], device=A.device)
         self.B, self.P = B, wg * m
         dev = A.device
         self.loc = torch.arange(self.P, device=dev).repeat(B, 1)
@@ -674,24 +676,25 @@ class _TabuWindows:
         """Recompute ``gain`` rows of the positions in groups ``grps`` (B, g)."""
         n, m = self.n, self.m
         B, g = grps.shape
+        R = self.At.shape[2]
         pos = (grps[:, :, None] * m + torch.arange(m, device=grps.device)).view(B, -1)  # (B, g*m)
-        vals = self.Aw.gather(2, self.loc.gather(1, pos)[:, None, :].expand(-1, self.Aw.shape[1], -1))
-        vals = vals.view(B, -1, g, m).permute(0, 2, 1, 3)  # (B, g, R, m)
-        others = torch.tensor([[j for j in range(m) if j != i] for i in range(m)], device=grps.device)
-        rest = vals[..., others].topk(n, dim=-1).values  # (B, g, R, m, n): top n without slot i
+        vals = self.At.gather(1, self.loc.gather(1, pos)[:, :, None].expand(-1, -1, R))  # (B, g*m, R)
+        vals = vals.view(B, g, m, R).transpose(2, 3)  # (B, g, R, m)
+        rest = vals[..., self.others].topk(n, dim=-1).values  # (B, g, R, m, n): top n without slot i
         full = vals.topk(n, dim=-1).values.sum(-1)  # (B, g, R)
-        # Inserting x next to the others gives top-n(others) + relu(x - nth largest(others)).
+        # Inserting x next to the others keeps top-n(others) + relu(x - nth largest(others)).
         base = (rest.sum(-1) - full[..., None]).sum(2).reshape(B, -1)  # (B, g*m)
-        thr = rest[..., -1].permute(0, 1, 3, 2).reshape(B, -1, rest.shape[2])  # (B, g*m, R)
+        thr = rest[..., -1].transpose(2, 3).reshape(B, g * m, R)  # (B, g*m, R)
+        # sum_r relu(a_r - t_r) = (sum_r |a_r - t_r| + sum_r a_r - sum_r t_r) / 2, the L1 sums from
+        # cdist: 2.5x faster than materializing a - t (0.46 s vs 1.1 s per step of a 4096x4096 weight).
         rows = torch.empty(B, g * m, self.P, dtype=self.A.dtype, device=self.A.device)
-        # Chunk windows so the (b, g*m, R, P) intermediate stays near 8M elements.
-        step = max(1, (1 << 23) // (g * m * thr.shape[2] * self.P))
+        step = max(1, (1 << 24) // (g * m * R * self.P))  # chunks of ~16M terms between deadline checks
         for i in range(0, B, step):
             if time.perf_counter() > self.deadline:
                 raise _OutOfTime
-            d = self.Aw[i:i + step, None, :, :] - thr[i:i + step, :, :, None]
-            rows[i:i + step] = d.clamp_(min=0).sum(2)
-        self.gain.scatter_(1, pos[:, :, None].expand(-1, -1, self.P), rows + base[:, :, None])
+            rows[i:i + step] = torch.cdist(thr[i:i + step], self.At[i:i + step], p=1)
+        rows += self.col_sums[:, None, :] - thr.sum(2)[:, :, None]
+        self.gain.scatter_(1, pos[:, :, None].expand(-1, -1, self.P), rows / 2 + base[:, :, None])
 
     def step(self):
         self.it += 1

@@ -1,0 +1,410 @@
+"""Mask methods, calibration and permutations against independent references:
+brute-force enumerations, hand-computed statistics, dense fp64 products."""
+import functools
+import itertools
+import math
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import sparse24
+from sparse24 import is_nm, mask_nm
+from sparse24.masks import (LayerStats, _kept_nm, _TabuWindows, apply_permutation, block_patterns, calibrate,
+                            kept_magnitude_fraction, prune_nm, search_permutation, sparsegpt_prune)
+
+
+def _gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def _randn(*shape, seed=0, dtype=torch.float64):
+    return torch.randn(*shape, generator=_gen(seed), dtype=dtype)
+
+
+# --- brute-force references (built without the code under test) -------------------
+
+def _brute_1d(score, n, m):
+    """Per group of m, the n-subset with the largest total score (itertools over all C(m, n))."""
+    R, C = score.shape
+    mask = torch.zeros(R, C, dtype=torch.bool)
+    for r in range(R):
+        for g in range(0, C, m):
+            best = max(itertools.combinations(range(m), n), key=lambda s: sum(float(score[r, g + j]) for j in s))
+            for j in best:
+                mask[r, g + j] = True
+    return mask
+
+
+@functools.lru_cache(maxsize=None)
+def _brute_2d_patterns(n):
+    """All 0/1 4x4 matrices with n ones per row and per column, by exhaustive itertools over 2^16
+    (each returned as the tuple of its kept row-major indices)."""
+    out = []
+    for bits in itertools.product((0, 1), repeat=16):
+        rows = [sum(bits[4 * i:4 * i + 4]) for i in range(4)]
+        cols = [sum(bits[j::4]) for j in range(4)]
+        if rows == [n] * 4 and cols == [n] * 4:
+            out.append(tuple(k for k in range(16) if bits[k]))
+    return out
+
+
+def _brute_2d(w, n):
+    R, C = w.shape
+    mask = torch.zeros(R, C, dtype=torch.bool)
+    a = w.abs().tolist()
+    for i in range(0, R, 4):
+        for j in range(0, C, 4):
+            blk = [a[i + k // 4][j + k % 4] for k in range(16)]
+            best = max(_brute_2d_patterns(n), key=lambda pat: sum(blk[k] for k in pat))
+            for k in best:
+                mask[i + k // 4, j + k % 4] = True
+    return mask
+
+
+def _greedy_2d_reference(w, n, m):
+    """Plain-Python transposable greedy: largest first, accept while row and column have room."""
+    R, C = w.shape
+    mask = torch.zeros(R, C, dtype=torch.bool)
+    for i in range(0, R, m):
+        for j in range(0, C, m):
+            entries = sorted(((abs(float(w[i + a, j + b])), a, b) for a in range(m) for b in range(m)), reverse=True)
+            rows, cols = [0] * m, [0] * m
+            for _, a, b in entries:
+                if rows[a] < n and cols[b] < n:
+                    mask[i + a, j + b] = True
+                    rows[a] += 1
+                    cols[b] += 1
+    return mask
+
+
+# --- 1-D magnitude (sparse24.format.mask_nm) ----------------------------------------
+
+@pytest.mark.parametrize("n,m", [(2, 4), (1, 4), (2, 8), (4, 8)], ids=lambda v: str(v))
+def test_magnitude_is_bruteforce_optimal(n, m):
+    w = _randn(5, 4 * m, seed=n * 10 + m)
+    mask = mask_nm(w, n, m)
+    assert torch.equal(mask, _brute_1d(w.abs(), n, m))
+    assert is_nm(mask.to(w.dtype), n, m)
+
+
+# --- 2-D transposable masks ------------------------------------------------------------
+
+@pytest.mark.parametrize("n", [2, 1, 3])
+def test_2d_optimal_is_bruteforce_optimal(n):
+    pats = _brute_2d_patterns(n)
+    assert len(pats) == {2: 90, 1: 24, 3: 24}[n]
+    assert block_patterns(n, 4).shape == (len(pats), 16)
+    w = _randn(12, 16, seed=n)
+    mask = mask_nm(w, n, 4, method="2d_optimal")
+    assert torch.equal(mask, _brute_2d(w, n))  # continuous random values: the optimum is unique
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_2d_optimal_other_dtypes_keep_the_optimum(dtype):
+    w = _randn(8, 24, seed=3).to(dtype)
+    got = kept_magnitude_fraction(w, mask_nm(w, 2, 4, method="2d_optimal"))
+    want = kept_magnitude_fraction(w, _brute_2d(w.double(), 2))
+    assert got == pytest.approx(want, rel=1e-6)
+
+
+def test_2d_greedy_matches_reference_and_is_transposable():
+    w = _randn(16, 24, seed=5)
+    for n, m in [(2, 4), (1, 4), (2, 8), (3, 8)]:
+        ww = w[:, :16] if m == 8 else w
+        mask = mask_nm(ww, n, m, method="2d_greedy")
+        assert torch.equal(mask, _greedy_2d_reference(ww, n, m)), (n, m)
+        assert is_nm(mask, n, m) and is_nm(mask.t().contiguous(), n, m)
+
+
+def test_2d_orders_and_transposability():
+    w = _randn(64, 128, seed=6)
+    kept = {meth: kept_magnitude_fraction(w, mask_nm(w, 2, 4, method=meth))
+            for meth in ("magnitude", "2d_greedy", "2d_optimal")}
+    # 1-D is a relaxation of 2-D; greedy is one of the 2-D masks the optimum beats
+    assert kept["magnitude"] > kept["2d_optimal"] > kept["2d_greedy"]
+    mask = mask_nm(w, 2, 4, method="2d_optimal")
+    assert is_nm(mask, 2, 4) and is_nm(mask.t().contiguous(), 2, 4)
+    assert int(mask.sum()) == w.numel() // 2  # exactly 2 per row and column of every block
+    assert torch.equal(mask_nm(w.t().contiguous(), 2, 4, method="2d_optimal"), mask.t())
+
+
+def test_2d_bad_input():
+    w = _randn(6, 8)
+    before = w.clone()
+    with pytest.raises(ValueError, match=r"rows \(6\) must be divisible by m=4"):
+        mask_nm(w, 2, 4, method="2d_optimal")
+    with pytest.raises(ValueError, match=r"last dimension \(6\) must be divisible by m=4"):
+        mask_nm(w.t(), 2, 4, method="2d_greedy")
+    with pytest.raises(ValueError, match="use method='2d_greedy' for 2:8"):
+        mask_nm(_randn(8, 8), 2, 8, method="2d_optimal")
+    with pytest.raises(ValueError, match="unknown mask method 'optimal'"):
+        mask_nm(w, 2, 4, method="optimal")
+    with pytest.raises(TypeError, match=r"unexpected arguments for method='2d_optimal': \['act_norm'\]"):
+        mask_nm(_randn(8, 8), 2, 4, method="2d_optimal", act_norm=torch.ones(8))
+    assert torch.equal(w, before)
+
+
+# --- Wanda -------------------------------------------------------------------------
+
+def test_wanda_equals_magnitude_with_unit_norms_and_is_optimal_for_its_score():
+    w = _randn(8, 32, seed=7)
+    assert torch.equal(mask_nm(w, 2, 4, method="wanda", act_norm=torch.ones(32)), mask_nm(w, 2, 4))
+    norms = torch.rand(32, generator=_gen(8), dtype=torch.float64) * 3
+    for n, m in [(2, 4), (4, 8)]:
+        mask = mask_nm(w, n, m, method="wanda", act_norm=norms)
+        assert torch.equal(mask, _brute_1d(w.abs() * norms, n, m))
+    # a big norm on column 3 makes it survive against larger weights
+    w2 = torch.tensor([[4.0, 3.0, 2.0, 1.0]])
+    assert mask_nm(w2, 2, 4, method="wanda", act_norm=torch.tensor([1.0, 1.0, 1.0, 10.0])).tolist() == \
+        [[True, False, False, True]]
+
+
+def test_wanda_bad_input():
+    w = _randn(4, 8)
+    with pytest.raises(ValueError, match="method='wanda' needs act_norm="):
+        mask_nm(w, 2, 4, method="wanda")
+    with pytest.raises(ValueError, match=r"act_norm must have shape \(8,\)"):
+        mask_nm(w, 2, 4, method="wanda", act_norm=torch.ones(4))
+    with pytest.raises(ValueError, match="act_norm must be non-negative"):
+        mask_nm(w, 2, 4, method="wanda", act_norm=-torch.ones(8))
+    with pytest.raises(TypeError, match="calibration must be a LayerStats"):
+        mask_nm(w, 2, 4, method="wanda", calibration={"act_norm": torch.ones(8)})
+
+
+# --- SparseGPT ---------------------------------------------------------------------
+
+def _correlated_problem(seed=0, K=64, N=2048, R=32):
+    g = _gen(seed)
+    mix = torch.randn(K, K, generator=g, dtype=torch.float64) / K ** 0.5
+    x = (torch.randn(N, K, generator=g, dtype=torch.float64) @ mix + 0.2 * torch.randn(N, K, generator=g,
+                                                                                          dtype=torch.float64))
+    x = x * (0.2 + 3 * torch.rand(K, generator=g, dtype=torch.float64))  # uneven channel scales
+    return x, torch.randn(R, K, generator=g, dtype=torch.float64)
+
+
+def test_sparsegpt_beats_magnitude_and_wanda_on_reconstruction():
+    x, w = _correlated_problem()
+    net = nn.Linear(64, 32, bias=False).double()
+    net.weight.data.copy_(w)
+    stats = calibrate(net, [x[:1000], x[1000:]], hessian=True)[""]
+    ref = F.linear(x, w)
+
+    def err(new_w):
+        return float((ref - F.linear(x, new_w)).norm() / ref.norm())
+
+    errs = {meth: err(prune_nm(w, 2, 4, meth, calibration=stats).weight) for meth in ("magnitude", "wanda", "sparsegpt")}
+    assert errs["sparsegpt"] < 0.9 * errs["wanda"] < 0.9 * errs["magnitude"], errs
+    new_w, mask = sparsegpt_prune(w, stats.hessian, 2, 4, blocksize=16)
+    assert is_nm(new_w, 2, 4) and bool((new_w[~mask] == 0).all())
+    assert torch.equal(mask, mask_nm(w, 2, 4, method="sparsegpt", hessian=stats.hessian, blocksize=16))
+    assert err(new_w) < errs["wanda"]
+
+
+def test_sparsegpt_with_white_inputs_is_magnitude_pruning():
+    # H = c * I: no cross-column compensation, the score is w^2 / const -> exactly the magnitude mask
+    w = _randn(16, 32, seed=11)
+    new_w, mask = sparsegpt_prune(w, 5.0 * torch.eye(32, dtype=torch.float64), 2, 4)
+    assert torch.equal(mask, mask_nm(w, 2, 4))
+    torch.testing.assert_close(new_w, w * mask, rtol=0, atol=1e-12)
+
+
+def test_sparsegpt_dead_inputs_and_dtype():
+    x, w = _correlated_problem(seed=2, K=32, R=8)
+    x[:, 5] = 0  # a channel that never fires
+    h = x.T @ x
+    new_w, mask = sparsegpt_prune(w.float(), h, 2, 4)
+    assert new_w.dtype == torch.float32 and new_w[:, 5].eq(0).all() and not mask[:, 5].any()
+
+
+def test_sparsegpt_bad_input():
+    w = _randn(4, 8)
+    before = w.clone()
+    with pytest.raises(ValueError, match="method='sparsegpt' needs hessian="):
+        mask_nm(w, 2, 4, method="sparsegpt")
+    with pytest.raises(ValueError, match=r"hessian must be a \(8, 8\) tensor .* got \(4, 4\)"):
+        sparsegpt_prune(w, torch.eye(4))
+    with pytest.raises(ValueError, match="blocksize must be a positive multiple of m=4"):
+        sparsegpt_prune(w, torch.eye(8), blocksize=6)
+    with pytest.raises(ValueError, match=r"calibrate\(\.\.\., hessian=True\)"):
+        prune_nm(w, 2, 4, "sparsegpt", calibration=LayerStats(torch.ones(8), 3))
+    assert torch.equal(w, before)
+
+
+# --- calibrate -----------------------------------------------------------------------
+
+class _KwNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(3, 4)
+        self.drop = nn.Dropout(0.5)
+        self.b = nn.Linear(4, 2)
+
+    def forward(self, x, scale=1.0):
+        return self.b(self.drop(torch.relu(self.a(x))) * scale)
+
+
+def test_calibrate_statistics_match_hand_computation():
+    torch.manual_seed(0)
+    net = _KwNet().double().train()
+    x1 = _randn(2, 5, 3, seed=1)  # (batch, seq, features): rows are flattened
+    x2, x3 = _randn(4, 3, seed=2), _randn(3, 3, seed=3)
+    batches = [x1, (x2,), {"x": x3, "scale": 2.0}]
+    stats = calibrate(net, batches, hessian=True)
+    assert net.training and net.drop.training  # mode restored
+    assert all(not mod._forward_pre_hooks for mod in net.modules())
+    with torch.no_grad():  # by hand, dropout off (calibrate runs in eval mode)
+        xa = torch.cat([x1.reshape(-1, 3), x2, x3])
+        xb = torch.cat([torch.relu(net.a(x1)).reshape(-1, 4), torch.relu(net.a(x2)), 2.0 * torch.relu(net.a(x3))])
+    for name, x in (("a", xa), ("b", xb)):
+        s = stats[name]
+        assert s.count == x.shape[0] == 17
+        torch.testing.assert_close(s.sq_sum, (x ** 2).sum(0), rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(s.act_norm, x.norm(dim=0) / 17 ** 0.5, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(s.xtx, x.T @ x, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(s.hessian, x.T @ x / 17, rtol=1e-12, atol=1e-12)
+    only_b = calibrate(net, [x2], filter_fn=lambda mod, fqn: fqn == "b")
+    assert list(only_b) == ["b"] and only_b["b"].xtx is None
+    with pytest.raises(ValueError, match="no Hessian collected"):
+        only_b["b"].hessian
+
+
+def test_calibrate_removes_hooks_on_error_and_feeds_sparsify_methods():
+    net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)).train()
+    with pytest.raises(RuntimeError):
+        calibrate(net, [torch.randn(2, 8), torch.randn(2, 7)])
+    assert all(not mod._forward_pre_hooks for mod in net.modules()) and net.training
+    stats = calibrate(net, [torch.randn(32, 8)])
+    w = net[2].weight
+    assert torch.equal(mask_nm(w, 2, 4, method="wanda", calibration=stats["2"]),
+                       mask_nm(w, 2, 4, method="wanda", act_norm=stats["2"].act_norm))
+    with pytest.raises(TypeError, match="model must be an nn.Module"):
+        calibrate(lambda x: x, [torch.randn(2, 8)])
+
+
+# --- reporting -------------------------------------------------------------------------
+
+def test_kept_magnitude_fraction_and_prune_nm():
+    w = torch.tensor([[4.0, -3.0, 2.0, 1.0], [0.5, 0.0, -0.25, 1.0]])
+    assert kept_magnitude_fraction(w, mask_nm(w, 2, 4)) == pytest.approx((7 + 1.5) / (10 + 1.75))
+    assert kept_magnitude_fraction(torch.zeros(2, 4), torch.zeros(2, 4, dtype=torch.bool)) == 1.0
+    r = prune_nm(_randn(8, 16), 2, 4, "2d_optimal")
+    assert torch.equal(r.weight, _randn(8, 16) * r.mask) and r.method == "2d_optimal"
+    assert r.kept_fraction == pytest.approx(kept_magnitude_fraction(_randn(8, 16), r.mask))
+    with pytest.raises(ValueError, match=r"mask shape \(2, 2\) does not match weight shape \(2, 4\)"):
+        kept_magnitude_fraction(w, torch.ones(2, 2, dtype=torch.bool))
+    with pytest.raises(TypeError, match="mask must be bool"):
+        kept_magnitude_fraction(w, torch.ones(2, 4))
+
+
+def test_public_names():
+    assert sparse24.calibrate is calibrate and sparse24.search_permutation is search_permutation
+    assert sparse24.apply_permutation is apply_permutation
+    assert sparse24.kept_magnitude_fraction is kept_magnitude_fraction
+
+
+# --- permutations -------------------------------------------------------------------
+
+def _kept(w, perm, n=2, m=4):
+    v = w[:, perm]
+    return kept_magnitude_fraction(v, mask_nm(v, n, m))
+
+
+@pytest.mark.parametrize("R,C,n,m,wg", [(8, 32, 2, 4, 8), (8, 40, 2, 4, 4), (6, 32, 2, 8, 4), (6, 24, 1, 4, 3)])
+def test_swap_gains_are_exact(R, C, n, m, wg):
+    """Every swap's predicted gain equals the brute-force change of the best N:M kept magnitude
+    (including a padded last window: 10 groups in windows of 4)."""
+    a = torch.cat([_randn(R, C, seed=C).abs(), torch.zeros(R, 1, dtype=torch.float64)], 1)
+    perm = torch.randperm(C, generator=_gen(1))
+    t = _TabuWindows(a, perm.view(-1, m), n, m, wg, tenure=3, deadline=math.inf)
+    t.start()
+    for _ in range(4):
+        t.step()
+    cols = t.cols.gather(1, t.loc)
+    g_loc = t.gain.gather(2, t.loc[:, None, :].expand(-1, t.P, -1))
+    delta = g_loc + g_loc.transpose(1, 2)
+    checked = 0
+    for b, p, q in itertools.product(range(t.B), range(t.P), range(t.P)):
+        if not t.fixed[b, p, q]:
+            c = cols[b].clone()
+            before = float(a[:, c].reshape(R, -1, m).topk(n, -1).values.sum())
+            c[[p, q]] = c[[q, p]]
+            after = float(a[:, c].reshape(R, -1, m).topk(n, -1).values.sum())
+            assert after - before == pytest.approx(float(delta[b, p, q]), abs=1e-10)
+            checked += 1
+    assert checked > 0
+
+
+def test_search_permutation_gains_and_is_deterministic():
+    w = _randn(64, 128, seed=12, dtype=torch.float32)
+    perm = search_permutation(w, time_limit=30, max_iters=150, seed=3, progress=False)
+    assert torch.equal(torch.sort(perm).values, torch.arange(128))
+    gain = _kept(w, perm) / _kept(w, torch.arange(128)) - 1
+    assert gain > 0.02  # about +3% at convergence; 150 steps get most of it
+    assert torch.equal(perm, search_permutation(w, time_limit=30, max_iters=150, seed=3, progress=False))
+
+
+def test_search_permutation_windows_and_other_nm(capsys):
+    w = _randn(32, 256, seed=13, dtype=torch.float32)
+    perm = search_permutation(w, time_limit=30, max_iters=60, window=32, round_iters=15, seed=0, progress=True)
+    assert torch.equal(torch.sort(perm).values, torch.arange(256))
+    assert _kept(w, perm) > _kept(w, torch.arange(256)) * 1.01
+    assert "search_permutation |" in capsys.readouterr().err
+    for n, m in [(1, 4), (2, 8)]:
+        perm = search_permutation(w[:, :64], n, m, time_limit=30, max_iters=40, progress=False)
+        assert _kept(w[:, :64], perm, n, m) > _kept(w[:, :64], torch.arange(64), n, m)
+    assert torch.equal(search_permutation(w, 4, 4, progress=False), torch.arange(256))  # nothing to gain
+
+
+def test_search_permutation_respects_time_limit():
+    w = torch.randn(512, 2048, generator=_gen(0))
+    t0 = time.perf_counter()
+    perm = search_permutation(w, time_limit=0.5, progress=False)
+    assert time.perf_counter() - t0 < 3.0  # the first deadline check lands within one chunk
+    assert torch.equal(torch.sort(perm).values, torch.arange(2048))
+
+
+def test_search_permutation_bad_input():
+    w = _randn(4, 8)
+    with pytest.raises(ValueError, match="time_limit must be a positive number of seconds"):
+        search_permutation(w, time_limit=0)
+    with pytest.raises(ValueError, match="window must be a positive int"):
+        search_permutation(w, window=0)
+    with pytest.raises(ValueError, match=r"last dimension \(6\) must be divisible by m=4"):
+        search_permutation(_randn(4, 6))
+
+
+def test_apply_permutation_keeps_an_mlp_exactly():
+    g = _gen(21)
+    # Small integers: every product and sum is exact in fp32, so equality is bit-exact.
+    mlp = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 5))
+    with torch.no_grad():
+        for p in mlp.parameters():
+            p.copy_(torch.randint(-4, 5, p.shape, generator=g).float())
+    x = torch.randint(-3, 4, (7, 8), generator=g).float()
+    before, w2 = mlp(x), mlp[2].weight.detach().clone()
+    params = [id(p) for p in mlp.parameters()]
+    perm = search_permutation(w2, time_limit=10, max_iters=30, progress=False)
+    assert not torch.equal(perm, torch.arange(16))
+    apply_permutation(mlp[0], mlp[2], perm)
+    assert torch.equal(mlp(x), before)
+    assert torch.equal(mlp[2].weight, w2[:, perm]) and [id(p) for p in mlp.parameters()] == params
+
+
+def test_apply_permutation_bad_input():
+    a, b, c = nn.Linear(4, 8), nn.Linear(8, 4), nn.Linear(6, 4)
+    state = [p.detach().clone() for p in (*a.parameters(), *b.parameters())]
+    cases = [
+        ((a, c, torch.arange(8)), ValueError, r"producer.out_features \(8\) must equal consumer.in_features \(6\)"),
+        ((a, b, torch.arange(6)), ValueError, r"perm must be an integer tensor of shape \(8,\)"),
+        ((a, b, torch.tensor([0, 0, 1, 2, 3, 4, 5, 6])), ValueError, "perm must be a permutation of 0..7"),
+        ((a, b, torch.arange(8.0)), ValueError, "perm must be an integer tensor"),
+        ((a, nn.ReLU(), torch.arange(8)), TypeError, "consumer must be an nn.Linear, got ReLU"),
+        ((b, b, torch.arange(4)), ValueError, "producer and consumer are the same module"),
+    ]
+    for args, err, msg in cases:
+        with pytest.raises(err, match=msg):
+            apply_permutation(*args)
+    assert all(torch.equal(p, q) for p, q in zip(state, (*a.parameters(), *b.parameters())))
