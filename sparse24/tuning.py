@@ -147,7 +147,10 @@ def candidate_configs(M: int, N: int, K: int, num_sms: int = 132) -> list[Kernel
     else:
         for bm, bn, bk in ((64, 64, 64), (64, 128, 32), (64, 128, 64), (128, 64, 64), (128, 128, 32),
                            (128, 128, 64), (128, 256, 32)):
-            for warps, stages in ((4, 3), (8, 3), (8, 4)):
+            # 4 warps only up to 64 x 128 tiles: 128 x 256 x 32 with 4 warps
+            # spills 1 KB and 128 x 128 x 64 needs 254 registers (sm_90 cubin,
+            # scripts/kernel_static_check.py, Triton 3.9)
+            for warps, stages in ((4, 3), (8, 3), (8, 4)) if bm * bn <= 64 * 128 else ((8, 3), (8, 4)):
                 out.append(KernelConfig(bm, bn, bk, 8, 1, warps, stages))
     return [c.validate() for c in out]
 
