@@ -1,7 +1,8 @@
 """Compile the 2:4 kernel ahead of time for a GPU target (no GPU needed) and
-report, per config: registers, spills, shared memory, and whether the weight
-loads are vectorized. Catches configs that spill or overflow shared memory
-before any device time is spent.
+report, per config: registers, spill bytes, shared memory, and the tile loads
+(cp16 / cp4: 16- / 4-byte pipelined async copies, ld.g: plain global loads).
+Catches configs that spill or overflow shared memory before any device time
+is spent.
 
     python scripts/kernel_static_check.py --cap 90 --dtype float16 --m 1 --shape 4096,4096 [--jobs 2]
 """
@@ -42,8 +43,9 @@ def compile_one(cfg, dtype, cap, N, K):
     regs = int(re.search(r"REG:(\d+)", res).group(1))
     spills = int(re.search(r"LOCAL:(\d+)", res).group(1)) + int(re.search(r"STACK:(\d+)", res).group(1))
     return dict(cfg=cfg, regs=regs, spills=spills, shared=ck.metadata.shared,
-                v4=ptx.count("ld.global.v4") + ptx.count("ld.global.nc.v4"),
-                v2=ptx.count("ld.global.v2") + ptx.count("ld.global.nc.v2"),
+                cp16=len(re.findall(r"cp\.async\.c[ag]\.shared\.global .*, 0x10", ptx)),
+                cp4=len(re.findall(r"cp\.async\.c[ag]\.shared\.global .*, 0x4", ptx)),
+                ldg=len(re.findall(r"ld\.global", ptx)),
                 mma=ptx.count("mma.sync") + ptx.count("wgmma"), secs=time.time() - t0)
 
 
@@ -65,7 +67,8 @@ def main(argv=None):
     cfgs = list({(c.block_m, c.block_n, c.block_k, c.num_warps, c.num_stages): c for c in cfgs}.values())
     print(f"sm_{a.cap} {a.dtype} M={a.m} N={N} K={K}: {len(cfgs)} configs, triton "
           f"{__import__('triton').__version__}", flush=True)
-    print(f"{'config (BM,BN,BK,warps,stages)':34} {'regs':>5} {'spill':>6} {'smem':>7} {'ld.v4':>6} {'ld.v2':>6} "
+    print(f"{'config (BM,BN,BK,warps,stages)':34} {'regs':>5} {'spill':>6} {'smem':>7} {'cp16':>5} {'cp4':>5} "
+          f"{'ld.g':>5} "
           f"{'mma':>5} {'s':>5}")
     with ProcessPoolExecutor(a.jobs) as ex:
         futs = [ex.submit(compile_one, c, a.dtype, a.cap, N, K) for c in cfgs]
@@ -73,7 +76,8 @@ def main(argv=None):
             r = f.result()
             c = r["cfg"]
             print(f"{str((c.block_m, c.block_n, c.block_k, c.num_warps, c.num_stages)):34} {r['regs']:>5} "
-                  f"{r['spills']:>6} {r['shared']:>7} {r['v4']:>6} {r['v2']:>6} {r['mma']:>5} {r['secs']:>5.1f}",
+                  f"{r['spills']:>6} {r['shared']:>7} {r['cp16']:>5} {r['cp4']:>5} {r['ldg']:>5} {r['mma']:>5} "
+                  f"{r['secs']:>5.1f}",
                   flush=True)
     return 0
 

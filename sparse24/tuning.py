@@ -564,13 +564,13 @@ def write_entries(out_dir: Path, gpu: str, capability: tuple[int, int], entries:
     for e in merged.values():
         wins[e["config"]] = wins.get(e["config"], 0) + 1
     default = max(wins, key=wins.get) if wins else builtin_config(16)
+    order = sorted(merged, key=lambda k: (k[3], k[1], k[2], k[0]))  # dtype, N, K, M: readable diffs
     data = {
         "schema": SCHEMA_VERSION, "kernel": KERNEL, "gpu": gpu, "compute_capability": list(capability),
         "triton": triton.__version__, "torch": torch.__version__.split("+")[0],
         "updated": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "default": default.to_json(),
-        "entries": {_entry_key(k): dict(e, config=e["config"].to_json()) for k, e in sorted(merged.items(),
-                                                                                            key=lambda kv: (kv[0][3], kv[0][1], kv[0][2], kv[0][0]))},
+        "entries": {_entry_key(k): dict(merged[k], config=merged[k]["config"].to_json()) for k in order},
     }
     validate_file(json.loads(json.dumps(data)))  # never write what the reader would reject
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -607,7 +607,8 @@ def autotune_main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="python -m sparse24 autotune",
                                  description="Tune the 2:4 Triton kernel's tile configs on this GPU and save them.")
     ap.add_argument("--shapes", nargs="+", default=["standard"],
-                    help="weight shapes: names from sparse24.shapes (standard, llama-7b, ...) or N,K (default: standard)")
+                    help="weight shapes: names from sparse24.shapes (standard, llama-7b, ...) or N,K "
+                         "(default: standard)")
     ap.add_argument("--m", default=",".join(map(str, M_BUCKETS)),
                     help="batch sizes, comma-separated; each maps to its M bucket (default: all buckets)")
     ap.add_argument("--dtype", default="float16", help=f"comma-separated, from {', '.join(DTYPE_KEYS)} "
