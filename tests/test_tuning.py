@@ -214,18 +214,17 @@ def test_select_fastest_rejects_failing_and_wrong_configs(capsys):
             raise RuntimeError("out of resources: shared memory")
         return linear_triton(x, wrong_p if cfg == faster_but_wrong else p, config=cfg)
 
-    def bench(fn):  # a fake clock: the time of the config fn launches
-        fn()
-        timed.append(launched[-1])
-        return clock[launched[-1]]
+    def time(cfg):  # a fake clock
+        timed.append(cfg)
+        return clock[cfg]
 
     configs = [slow, faster_but_wrong, fastest_but_fails, good]
     cfg, t, rejected = tuning._select_fastest(
-        configs, launch, lambda y: float((y.double() - ref).norm() / ref.norm()), bench,
+        configs, launch, lambda y: float((y.double() - ref).norm() / ref.norm()), time,
         max_err=tuning._MAX_REL_ERR["float32"], label="test")
     assert (cfg, t) == (good, 2.0)
     assert timed == [slow, good]  # only correct configs are timed
     assert len(rejected) == 2 and "RuntimeError: out of resources" in rejected[1]
     assert "WRONG RESULT from" in capsys.readouterr().err
     with pytest.raises(RuntimeError, match="no candidate config ran correctly for test"):
-        tuning._select_fastest([fastest_but_fails], launch, lambda y: 0.0, bench, 1e-5, "test")
+        tuning._select_fastest([fastest_but_fails], launch, lambda y: 0.0, time, 1e-5, "test")
