@@ -10,7 +10,7 @@ from torch import nn
 import sparse24
 from sparse24 import Sparse24Linear
 
-from test_nn import top2_mask
+from test_nn import dequantized_reference, top2_mask
 
 D, VOCAB = 32, 50
 # Layers of TinyLM that sparsify_ swaps by default; the others are skipped for a stated reason.
@@ -317,3 +317,24 @@ def test_a_failing_layer_leaves_the_model_untouched():
         sparse24.sparsify_(model, method="2d_optimal")
     assert all(type(m) is nn.Linear for m in model)
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in sd.items())
+
+
+def test_sparsify_compressed_int8_matches_dequantized_model():
+    model = build()
+    ref, masks = masked_reference(model)
+    report = sparse24.sparsify_(model, mode="compressed", quantize="int8")
+    assert "quantize='int8'" in str(report)
+    for r in report.swapped:
+        m = model.get_submodule(r.fqn)
+        if r.fqn in DIRECT:
+            assert m.mode == "masked" and r.reason.startswith("kept in masked mode")
+            continue
+        assert m.quantize == "int8" and m.values.dtype == torch.int8
+        R, C = r.shape
+        held = m.values.nbytes + m.meta.nbytes + m.scale.nbytes
+        assert held == r.compressed_bytes == r.memory_bytes == R * C // 2 + R * C // 8 + 4 * R
+        with torch.no_grad():  # the reference holds the dequantized weight, placed by the independent mask
+            ref.get_submodule(r.fqn).weight.copy_(dequantized_reference(m, masks[r.fqn]))
+    tokens, pad = batch(5)
+    for train in (True, False):
+        assert_same_outputs(run(model, tokens, pad, train), run(ref, tokens, pad, train))
