@@ -23,6 +23,7 @@ _LAZY = {
     "GradualPruner": "recipes", "SRSTE": "recipes",
     "quantize_values": "quant", "sqnr_db": "quant",
     "to_semi_structured": "interop", "from_semi_structured": "interop",
+    "to_cutlass_layout": "interop", "from_cutlass_layout": "interop",
 }
 
 

@@ -74,3 +74,10 @@ def test_linear_rejects_bad_input_and_changes_nothing(gen):
         sparse24.linear(x, p, backend="cuda")
     for before, after in zip(saved, (x, b, p.values, p.meta)):
         assert torch.equal(before, after)
+
+
+def test_auto_uses_the_reference_off_gpu(gen):
+    from sparse24.ops.linear import choose_backend
+    p = sparse24.compress(torch.randn(8, 16, generator=gen))
+    for dtype in (torch.float32, torch.float16, torch.float64):
+        assert choose_backend(torch.randn(2, 16).to(dtype), p) == "reference"

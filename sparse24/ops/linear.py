@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from ..format import Sparse24Tensor
 
-__all__ = ["linear", "linear_reference", "BACKENDS", "check_linear_args"]
+__all__ = ["linear", "linear_reference", "choose_backend", "BACKENDS", "check_linear_args"]
 
 BACKENDS = ("auto", "reference", "triton")
 # Decompress at most this many weight elements at a time in the reference
@@ -68,8 +68,8 @@ def linear(x: torch.Tensor, p: Sparse24Tensor, bias: torch.Tensor | None = None,
         x: ``(..., K)`` floating input, any number of leading dims (M = 0 allowed).
         p: :class:`Sparse24Tensor` of logical shape ``(N, K)``.
         bias: ``(N,)`` or None.
-        backend: ``"auto"`` (Triton kernel on CUDA, reference on CPU),
-            ``"reference"`` or ``"triton"`` (interpreted on CPU tensors).
+        backend: ``"auto"`` (see :func:`choose_backend`), ``"reference"``
+            or ``"triton"`` (interpreted on CPU tensors).
     Returns:
         ``(..., N)`` in x's dtype; equals ``F.linear(x, p.to_dense(), bias)``.
     Example:
@@ -80,11 +80,29 @@ def linear(x: torch.Tensor, p: Sparse24Tensor, bias: torch.Tensor | None = None,
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; choose one of {BACKENDS}")
     if backend == "auto":
-        backend = "triton" if (isinstance(x, torch.Tensor) and x.is_cuda and _triton_available()) else "reference"
+        backend = choose_backend(x, p)
     if backend == "reference":
         return linear_reference(x, p, bias)
     from .triton_linear import linear_triton  # imports triton lazily
     return linear_triton(x, p, bias)
+
+
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def choose_backend(x: torch.Tensor, p: Sparse24Tensor) -> str:
+    """The backend ``"auto"`` runs: the Triton kernel for fp16/bf16/fp32 x on
+    CUDA, unless this GPU's tuned-config file measured the kernel slower than
+    dense ``F.linear`` at this shape (large, compute-bound M), where the
+    reference backend (row-block decompression + cuBLAS) is used; the
+    reference everywhere else (CPU, fp64, no triton)."""
+    if not (isinstance(x, torch.Tensor) and x.is_cuda and x.dtype in KERNEL_DTYPES and _triton_available()):
+        return "reference"
+    from .. import tuning
+    from ..tuning import dtype_key
+    M = x.numel() // max(x.shape[-1], 1)
+    speedup = tuning.measured_speedup(M, p.shape[0], p.shape[1], dtype_key(x.dtype, p.scale is not None), x.device)
+    return "reference" if speedup is not None and speedup < 1.0 else "triton"
 
 
 def _triton_available() -> bool:
