@@ -122,7 +122,7 @@ class SparsifyReport:
         lines = [f"sparse24.{self.operation}({opts}): {len(self.changed)} layer(s) changed, "
                  f"{len(self.skipped)} skipped"]
         if self.changed:
-            w = max(len(r.fqn) for r in self.changed)
+            w = max(len("layer"), *(len(r.fqn) for r in self.changed))
             lines.append(f"  {'layer':<{w}}  {'shape':>12}  {'dtype':>9}  {'mode':>10}  {'dense B':>10}  "
                          f"{'now B':>10}  {'2:4 B':>10}")
             for r in self.changed:

@@ -83,6 +83,7 @@ def assert_same_outputs(a, b):
         torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype stage")
 @pytest.mark.parametrize("mode", ["masked", "compressed"])
 def test_sparsify_matches_masked_dense_model(mode, monkeypatch):
     model = build()
