@@ -433,3 +433,21 @@ def test_int8_state_dict_round_trip_and_mode_switch(gen):
     assert torch.equal(src.to_masked()(x), y)  # back to masked: the dequantized weight, same outputs
     with pytest.raises(ValueError, match="trainable_values needs mode='compressed' with floating values"):
         src.to_compressed(quantize="int8", trainable_values=True)
+
+
+def test_assign_load_and_pickling_keep_the_masking(gen):
+    src = Sparse24Linear.from_linear(make_linear(32, 16, True, torch.float32, gen))
+    x = torch.randn(3, 32, generator=gen)
+    y = src(x)
+    fresh = Sparse24Linear(32, 16)
+    fresh.load_state_dict({k: v.clone() for k, v in src.state_dict().items()}, assign=True)  # new Parameters
+    buf = io.BytesIO()
+    torch.save(src, buf)  # whole-module pickling
+    unpickled = torch.load(io.BytesIO(buf.getvalue()), weights_only=False)
+    for layer in (fresh, unpickled):
+        assert torch.equal(layer(x), y)
+        F.linear(x, layer.weight).sum().backward()  # a direct read: only the gradient hook masks it
+        assert bool((layer.weight.grad[~layer.mask] == 0).all())
+        layer.weight.grad = torch.ones_like(layer.weight)
+        torch.optim.SGD([layer.weight], lr=1.0).step()  # only the post-hook re-zeroes
+        assert bool((layer.weight.detach()[~layer.mask] == 0).all())
