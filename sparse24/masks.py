@@ -38,7 +38,7 @@ from torch import nn
 from .format import _check_nm, _check_weight, mask_nm
 
 __all__ = ["METHODS", "mask_nm_method", "prune_nm", "PruneResult", "kept_magnitude_fraction", "sparsegpt_prune",
-           "LayerStats", "calibrate", "block_patterns", "search_permutation", "apply_permutation"]
+           "LayerStats", "calibrate", "prune_layerwise_", "block_patterns", "search_permutation", "apply_permutation"]
 
 METHODS = ("magnitude", "2d_greedy", "2d_optimal", "wanda", "sparsegpt")
 
@@ -357,9 +357,11 @@ def sparsegpt_prune(w: torch.Tensor, hessian: torch.Tensor | None = None, n: int
     H[dead, dead] = 1
     W[:, dead] = 0
     H.diagonal().add_(percdamp * float(torch.diag(H).mean()))
-    # Upper Cholesky factor of H^-1 (fp64 for the factorizations; the sequential
-    # updates only need its rows).
-    Hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True).to(wdt)
+    # Upper Cholesky factor of H^-1, in fp64. H^-1 = L^-T L^-1 through a triangular
+    # solve: 0.39 s for K=1024 where torch.cholesky_inverse took 1.15 s (2-core CPU).
+    L = torch.linalg.cholesky(H)
+    Linv = torch.linalg.solve_triangular(L, torch.eye(C, dtype=H.dtype, device=dev), upper=False)
+    Hinv = torch.linalg.cholesky(Linv.t() @ Linv, upper=True).to(wdt)
     prune = torch.zeros(R, C, dtype=torch.bool, device=dev)
     for i1 in range(0, C, blocksize):
         i2 = min(i1 + blocksize, C)
@@ -371,9 +373,8 @@ def sparsegpt_prune(w: torch.Tensor, hessian: torch.Tensor | None = None, n: int
                 score = W1[:, i:i + m] ** 2 / d[i:i + m] ** 2
                 drop = torch.topk(score, m - n, dim=1, largest=False).indices
                 prune[:, i1 + i:i1 + i + m].scatter_(1, drop, True)
-            col = W1[:, i]
-            err = torch.where(prune[:, i1 + i], col, torch.zeros((), dtype=wdt, device=dev)) / d[i]
-            W1[:, i:] -= err[:, None] * Hinv1[i, i:][None, :]  # column i itself becomes q (pruned -> 0)
+            err = W1[:, i].masked_fill(~prune[:, i1 + i], 0) / d[i]
+            W1[:, i:].addr_(err, Hinv1[i, i:], alpha=-1)  # column i itself becomes q (pruned -> 0)
             Err1[:, i] = err
         W[:, i1:i2] = W1
         W[:, i2:] -= Err1 @ Hinv[i1:i2, i2:]
@@ -479,6 +480,66 @@ def calibrate(model: nn.Module, batches, hessian: bool = False, filter_fn=None, 
     return stats
 
 
+def prune_layerwise_(model: nn.Module, batches, n: int = 2, m: int = 4, method: str = "sparsegpt",
+                     filter_fn=None, device=None, **kwargs) -> dict[str, PruneResult]:
+    """Prune every ``nn.Linear`` of ``model`` to N:M in place, one layer at a time,
+    each calibrated on the inputs it receives once the layers before it are pruned.
+
+    This is how SparseGPT (and Wanda) prune a pretrained model: a layer's
+    reconstruction then also absorbs the error of the earlier pruned layers.
+    Layers run in the order of their first call in a forward pass of the first
+    batch; each costs one more pass over ``batches``. The weights stay in the
+    ``nn.Linear`` modules (zeros off the mask); convert them afterwards with
+    ``sparse24.sparsify_(model)``, whose magnitude mask keeps exactly these
+    non-zeros.
+
+    Args:
+        model: module with ``nn.Linear`` layers (``in_features % m == 0`` to be pruned).
+        batches: a re-iterable collection (e.g. a list) of batches as in :func:`calibrate`.
+        n, m: keep ``n`` of every ``m``.
+        method: any :data:`METHODS` entry (``"sparsegpt"`` collects each layer's Hessian).
+        filter_fn: optional ``(module, fqn) -> bool`` selecting layers.
+        device: passed to :func:`calibrate`.
+        **kwargs: method options (``blocksize=``, ``percdamp=``).
+    Returns:
+        ``{fqn: PruneResult}`` in pruning order.
+    Example:
+        >>> net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8))
+        >>> results = prune_layerwise_(net, [torch.randn(64, 16)])
+        >>> [round(r.kept_fraction, 1) > 0.5 for r in results.values()]
+        [True, True]
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    if iter(batches) is batches:
+        raise TypeError("batches must be re-iterable (a list or a DataLoader, not an iterator or generator): "
+                        "every layer needs its own pass over them")
+    if method not in METHODS:
+        raise ValueError(f"unknown mask method {method!r}; choose one of {', '.join(METHODS)}")
+    order: list[str] = []
+    names = {mod: fqn for fqn, mod in model.named_modules()
+             if isinstance(mod, nn.Linear) and mod.in_features % m == 0 and (filter_fn is None or filter_fn(mod, fqn))}
+    record = lambda mod, args: order.append(names[mod]) if names[mod] not in order else None  # noqa: E731
+    handles = [mod.register_forward_pre_hook(record) for mod in names]
+    try:
+        # one batch, only to learn the call order (no statistics collected)
+        calibrate(model, [next(iter(batches))], device=device, filter_fn=lambda mod, fqn: False)
+    finally:
+        for h in handles:
+            h.remove()
+    results: dict[str, PruneResult] = {}
+    layers = dict(model.named_modules())
+    for fqn in order:
+        stats = calibrate(model, batches, hessian=method == "sparsegpt", device=device,
+                          filter_fn=lambda mod, name, fqn=fqn: name == fqn)
+        lin = layers[fqn]
+        r = prune_nm(lin.weight, n, m, method, calibration=stats[fqn], **kwargs)
+        with torch.no_grad():
+            lin.weight.copy_(r.weight)
+        results[fqn] = r
+    return results
+
+
 def _to_device(b, device):
     if device is None:
         return b
@@ -516,7 +577,8 @@ def search_permutation(w: torch.Tensor, n: int = 2, m: int = 4, time_limit: floa
     Args:
         w: ``(R, C)`` float weight, ``C % m == 0`` (searched on its device).
         n, m: the N:M pattern the mask will use.
-        time_limit: seconds (the search stops at the first step past it).
+        time_limit: seconds for the whole call (the search stops at its first
+            deadline check past it, at most one ~16M-term chunk later).
         max_iters: optional cap on search steps.
         seed: seeds the window draws.
         progress: draw a progress bar on stderr.
@@ -543,6 +605,7 @@ def search_permutation(w: torch.Tensor, n: int = 2, m: int = 4, time_limit: floa
     for name, v in (("window", window), ("tenure", tenure), ("round_iters", round_iters)):
         if not isinstance(v, int) or v < (0 if name == "tenure" else 1):
             raise ValueError(f"{name} must be a {'non-negative' if name == 'tenure' else 'positive'} int, got {v!r}")
+    t0 = time.perf_counter()
     C = w.shape[1]
     groups = C // m
     identity = torch.arange(C, device=w.device)
@@ -552,9 +615,11 @@ def search_permutation(w: torch.Tensor, n: int = 2, m: int = 4, time_limit: floa
     sdt = _score_dtype(w)
     # One zero column at index C pads the last window; its positions never move.
     A = torch.cat([w.detach().abs().to(sdt), torch.zeros(w.shape[0], 1, dtype=sdt, device=w.device)], 1)
-    base = _kept_nm(A[:, :C].double(), identity, n, m)
+    t1 = time.perf_counter()
+    base = _kept_nm(A[:, :C], identity, n, m)
+    # The final check costs what this one did: keep time for it so the whole call fits time_limit.
+    deadline = t0 + time_limit - (time.perf_counter() - t1)
     gen = torch.Generator().manual_seed(seed)
-    deadline = time.perf_counter() + time_limit
     bar = _Progress(time_limit, max_iters, base, progress)
     perm, it, rnd, gained = identity, 0, 0, 0.0
 
@@ -577,8 +642,8 @@ def search_permutation(w: torch.Tensor, n: int = 2, m: int = 4, time_limit: floa
         perm = search.best_columns() if search is not None else perm
     finally:
         bar.close()
-    # The gains were summed in the search precision: confirm in fp64.
-    return perm if _kept_nm(A[:, :C].double(), perm, n, m) >= base else identity
+    # The gains were summed in the search precision: confirm with an fp64 sum.
+    return perm if _kept_nm(A[:, :C], perm, n, m) >= base else identity
 
 
 def apply_permutation(producer: nn.Linear, consumer: nn.Linear, perm: torch.Tensor) -> None:
@@ -631,7 +696,7 @@ class _OutOfTime(Exception):
 
 def _kept_nm(a: torch.Tensor, perm: torch.Tensor, n: int, m: int) -> float:
     """Kept |w| of the best N:M mask of ``a[:, perm]`` (a = |w|)."""
-    return float(a[:, perm].reshape(a.shape[0], -1, m).topk(n, dim=-1).values.sum())
+    return float(a[:, perm].reshape(a.shape[0], -1, m).topk(n, dim=-1).values.sum(dtype=torch.float64))
 
 
 class _TabuWindows:

@@ -12,8 +12,8 @@ from torch import nn
 
 import sparse24
 from sparse24 import is_nm, mask_nm
-from sparse24.masks import (LayerStats, _kept_nm, _TabuWindows, apply_permutation, block_patterns, calibrate,
-                            kept_magnitude_fraction, prune_nm, search_permutation, sparsegpt_prune)
+from sparse24.masks import (LayerStats, _TabuWindows, apply_permutation, block_patterns, calibrate,
+                            kept_magnitude_fraction, prune_layerwise_, prune_nm, search_permutation, sparsegpt_prune)
 
 
 def _gen(seed):
@@ -231,6 +231,34 @@ def test_sparsegpt_bad_input():
     with pytest.raises(ValueError, match=r"calibrate\(\.\.\., hessian=True\)"):
         prune_nm(w, 2, 4, "sparsegpt", calibration=LayerStats(torch.ones(8), 3))
     assert torch.equal(w, before)
+
+
+def test_prune_layerwise_calibrates_each_layer_on_pruned_inputs():
+    x, _ = _correlated_problem(seed=4, K=16, N=512)
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8), nn.Linear(8, 8, bias=False)).double()
+    filt = lambda mod, fqn: fqn != "3"  # noqa: E731
+    dense = [p.detach().clone() for p in net.parameters()]
+    with torch.no_grad():
+        ref_out = net(x)
+    results = prune_layerwise_(net, [x[:200], x[200:]], method="sparsegpt", blocksize=8, filter_fn=filt)
+    assert list(results) == ["0", "2"]
+    # by hand: layer 0 from the raw inputs, layer 2 from the outputs of the PRUNED layer 0
+    w0, _ = sparsegpt_prune(dense[0], x.T @ x, 2, 4, blocksize=8)
+    h1 = torch.relu(F.linear(x, w0, dense[1]))
+    w2, _ = sparsegpt_prune(dense[2], h1.T @ h1, 2, 4, blocksize=8)
+    torch.testing.assert_close(net[0].weight.detach(), w0, rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(net[2].weight.detach(), w2, rtol=1e-9, atol=1e-9)
+    assert torch.equal(net[3].weight, dense[4])  # filtered out: untouched
+    assert torch.equal(results["2"].weight, net[2].weight.detach())
+    # and the whole network is closer to the dense one than with magnitude masks on the same layers
+    w0m, w2m = (dense[i] * mask_nm(dense[i], 2, 4) for i in (0, 2))
+    mag_out = F.linear(F.linear(torch.relu(F.linear(x, w0m, dense[1])), w2m, dense[3]), dense[4])
+    with torch.no_grad():
+        out = net(x)
+    assert (out - ref_out).norm() < 0.8 * (mag_out - ref_out).norm()
+    with pytest.raises(TypeError, match="batches must be re-iterable"):
+        prune_layerwise_(net, iter([x]))
 
 
 # --- calibrate -----------------------------------------------------------------------
