@@ -17,8 +17,8 @@ Two modes, switchable both ways without changing outputs:
      not suffice: momentum or Adam state from dense training, or weight decay
      on a non-zero entry, still move a pruned weight.
 
-  Cost of (1) + (2): a 512x2048x2048 fp32 forward + backward took 1.17x the
-  time of ``nn.Linear`` (each alone ~1.09x; 2-core CPU, median of 12); (3) is
+  Cost of (1) + (2): a 512x2048x2048 fp32 forward + backward took 1.16x the
+  time of ``nn.Linear`` (each alone 1.06-1.09x; 2-core CPU, median of 12, two runs); (3) is
   one masked fill per weight per optimizer step.
 
 * ``"compressed"`` (inference): buffers ``values`` (R, C/2), ``meta`` (the
