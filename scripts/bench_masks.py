@@ -3,6 +3,7 @@ published +2.36%), and every mask method on a 4096x4096 fp32 weight.
 
     python scripts/bench_masks.py                  # full run (~3 minutes on 2 cores)
     python scripts/bench_masks.py --seeds 4 --perm-time 1 --big 1024   # quick look
+    python scripts/bench_masks.py --threads 1      # one thread: faster on a loaded machine
 
 Prints Markdown tables and, with ``--csv PATH``, writes one CSV row per figure.
 Timings are wall-clock medians over ``--repeats`` runs in this one process; the
@@ -96,10 +97,11 @@ def bench_big(size: int, repeats: int, perm_time: float, sparsegpt: bool, rows):
         mask, sec = timed(lambda: mask_nm(w, 2, 4, method=method, **kw), repeats)
         report(method, sec, w, mask, " (kept of |w|)" if method == "wanda" else "")
     if sparsegpt:
-        x = torch.randn(2 * size, size, generator=g) @ (torch.eye(size) + 0.1 * torch.randn(size, size, generator=g))
-        hessian = x.T @ x
+        # correlated inputs: low-rank (size/8) covariance plus a 10% isotropic part
+        b = torch.randn(size, size // 8, generator=g)
+        hessian = b @ b.T + 0.1 * (size // 8) * torch.eye(size)
         (new_w, mask), sec = timed(lambda: sparsegpt_prune(w, hessian, 2, 4), 1)
-        report("sparsegpt", sec, w, mask, " (correlated synthetic H)")
+        report("sparsegpt", sec, w, mask, " (synthetic correlated H)")
     perm, sec = timed(lambda: search_permutation(w, time_limit=perm_time, seed=0, progress=True), 1)
     wp = w[:, perm]
     report("permutation", sec, wp, mask_nm(wp, 2, 4), f" + magnitude (time_limit={perm_time:g})")
@@ -114,8 +116,11 @@ def main(argv=None):
     ap.add_argument("--big-perm-time", type=float, default=60.0, help="time_limit of the big permutation search")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--no-sparsegpt", action="store_true", help="skip SparseGPT on the big weight")
+    ap.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's choice)")
     ap.add_argument("--csv", help="write the figures to this CSV file")
     args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     print(f"machine: {machine()}")
     rows: list[dict] = []
     bench_permutation(args.seeds, args.perm_time, rows)

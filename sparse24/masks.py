@@ -357,11 +357,13 @@ def sparsegpt_prune(w: torch.Tensor, hessian: torch.Tensor | None = None, n: int
     H[dead, dead] = 1
     W[:, dead] = 0
     H.diagonal().add_(percdamp * float(torch.diag(H).mean()))
-    # Upper Cholesky factor of H^-1, in fp64. H^-1 = L^-T L^-1 through a triangular
-    # solve: 0.39 s for K=1024 where torch.cholesky_inverse took 1.15 s (2-core CPU).
-    L = torch.linalg.cholesky(H)
-    Linv = torch.linalg.solve_triangular(L, torch.eye(C, dtype=H.dtype, device=dev), upper=False)
-    Hinv = torch.linalg.cholesky(Linv.t() @ Linv, upper=True).to(wdt)
+    # Upper Cholesky factor U of H^-1 (H^-1 = U^T U), in fp64, without forming H^-1:
+    # with J the reversal, J H J = L L^T gives U = J L^-1 J. One factorization and
+    # one triangular solve, where cholesky_inverse + cholesky cost 3x as long (1.15 s
+    # for cholesky_inverse alone at K=1024, 2-core CPU).
+    L = torch.linalg.cholesky(H.flip(0, 1))
+    eye = torch.eye(C, dtype=H.dtype, device=dev)
+    Hinv = torch.linalg.solve_triangular(L, eye, upper=False).flip(0, 1).to(wdt)
     prune = torch.zeros(R, C, dtype=torch.bool, device=dev)
     for i1 in range(0, C, blocksize):
         i2 = min(i1 + blocksize, C)

@@ -203,6 +203,34 @@ def test_sparsegpt_beats_magnitude_and_wanda_on_reconstruction():
     assert err(new_w) < errs["wanda"]
 
 
+def _sparsegpt_naive(w, h, n, m, percdamp=0.01):
+    """SparseGPT's OBS recursion written plainly: U from the explicit inverse, every
+    pruned column's error pushed onto ALL later columns at once (no lazy blocks)."""
+    w, h = w.clone(), h.clone()
+    h += percdamp * h.diagonal().mean() * torch.eye(h.shape[0], dtype=h.dtype)
+    u = torch.linalg.cholesky(torch.linalg.inv(h), upper=True)
+    keep = torch.ones_like(w, dtype=torch.bool)
+    for j in range(w.shape[1]):
+        if j % m == 0:
+            score = w[:, j:j + m] ** 2 / u.diagonal()[j:j + m] ** 2
+            for r in range(w.shape[0]):
+                for c in sorted(range(m), key=lambda c: float(score[r, c]))[:m - n]:
+                    keep[r, j + c] = False
+        err = torch.where(keep[:, j], 0.0, w[:, j]) / u[j, j]
+        w[:, j:] -= err[:, None] * u[j, j:][None, :]
+    return w * keep, keep
+
+
+@pytest.mark.parametrize("n,m,blocksize", [(2, 4, 8), (2, 4, 128), (1, 4, 4), (4, 8, 16)])
+def test_sparsegpt_matches_plain_recursion(n, m, blocksize):
+    x, w = _correlated_problem(seed=5, K=32, N=256, R=6)
+    h = x.T @ x
+    want_w, want_mask = _sparsegpt_naive(w, h, n, m)
+    got_w, got_mask = sparsegpt_prune(w, h, n, m, blocksize=blocksize)
+    assert torch.equal(got_mask, want_mask)
+    torch.testing.assert_close(got_w, want_w, rtol=1e-9, atol=1e-9)
+
+
 def test_sparsegpt_with_white_inputs_is_magnitude_pruning():
     # H = c * I: no cross-column compensation, the score is w^2 / const -> exactly the magnitude mask
     w = _randn(16, 32, seed=11)
