@@ -166,7 +166,7 @@ def is_nm(w: torch.Tensor, n: int = 2, m: int = 4) -> bool:
     _check_nm(n, m)
     if w.shape[-1] % m != 0:
         raise ValueError(f"last dimension ({w.shape[-1]}) must be divisible by m={m}")
-    return bool(((w != 0).view(-1, m).sum(-1) <= n).all())
+    return bool(((w != 0).reshape(-1, m).sum(-1) <= n).all())
 
 
 # --- packing -----------------------------------------------------------------

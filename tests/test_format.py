@@ -234,3 +234,10 @@ def test_state_tensors_round_trip_through_torch_save(gen):
 def test_to_dense_rows_slice(gen):
     p = sparse24.compress(torch.randn(20, 36, generator=gen))
     assert torch.equal(p.to_dense(rows=slice(5, 11)), p.to_dense()[5:11])
+
+
+def test_is_nm_on_non_contiguous_input(gen):
+    w = torch.randn(16, 16, generator=gen)
+    mask = sparse24.mask_nm(w, method="2d_optimal")
+    assert sparse24.is_nm((w * mask).t())  # transposable: columns are 2:4 too
+    assert not sparse24.is_nm(w.t())
