@@ -1,0 +1,9 @@
+"""``python -m sparse24 ...`` and the ``sparse24`` console script (see :mod:`sparse24.cli`)."""
+import sys
+
+from .cli import main
+
+__all__ = ["main"]
+
+if __name__ == "__main__":
+    sys.exit(main())

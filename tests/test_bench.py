@@ -1,0 +1,148 @@
+"""sparse24.bench (measurement, CSV rows) and sparse24.plot (reading CSVs, drawing)."""
+import csv
+import io
+
+import pytest
+import torch
+
+from sparse24 import bench, plot
+from sparse24.bench import BenchSettings, Progress, run_bench, write_csv
+
+CPU = torch.device("cpu")
+TINY = [("64x128", 64, 128)]
+
+
+def _rows(providers, ms=(1, 5), shapes=TINY, dtype=torch.float32, log=None):
+    s = BenchSettings(CPU, list(shapes), list(ms), [dtype], list(providers), repeats=2)
+    return run_bench(s, progress=False, log=log or io.StringIO())
+
+
+def test_rows_hold_consistent_figures():
+    provs = ["dense", "sparse24-reference", "sparse24-int8-reference", "sparse24-triton"]
+    rows = _rows(provs)
+    assert [(r["M"], r["provider"]) for r in rows] == [(m, p) for m in (1, 5) for p in provs]
+    N, K = 64, 128
+    # bytes as stored, from the format's definition: values + 2 bits per kept value (+ fp32 row scales)
+    want_bytes = {"dense": N * K * 4, "sparse24-reference": N * K // 2 * 4 + N * K // 8,
+                  "sparse24-triton": N * K // 2 * 4 + N * K // 8,
+                  "sparse24-int8-reference": N * K // 2 + N * K // 8 + 4 * N}
+    for r in rows:
+        assert set(r) == set(bench.COLUMNS)
+        assert r["schema"] == bench.SCHEMA and r["device_type"] == "cpu" and r["dtype"] == "float32"
+        assert r["weight_bytes"] == want_bytes[r["provider"]]
+        t = float(r["median_ms"]) * 1e-3
+        assert t > 0
+        M = r["M"]
+        assert float(r["tflops"]) == pytest.approx(2 * M * N * K / t / 1e12, rel=1e-4)
+        io_bytes = r["weight_bytes"] + 4 * M * (N + K)
+        assert float(r["gbps"]) == pytest.approx(io_bytes / t / 1e9, rel=1e-4)
+        assert float(r["rel_err"]) < 1e-5  # every provider computed the right product
+    by = {(r["M"], r["provider"]): float(r["median_ms"]) for r in rows}
+    for r in rows:
+        want = by[(r["M"], "dense")] / by[(r["M"], r["provider"])]
+        assert float(r["speedup_vs_dense"]) == pytest.approx(want, rel=1e-3)
+
+
+def test_wrong_result_is_flagged(monkeypatch):
+    # A provider that computes the wrong product must not pass silently.
+    monkeypatch.setattr(bench, "linear", lambda x, p, backend: torch.zeros(x.shape[0], p.shape[0]))
+    log = io.StringIO()
+    rows = _rows(["dense", "sparse24-reference"], ms=(3,), log=log)
+    bad = [r for r in rows if r["provider"] == "sparse24-reference"]
+    assert float(bad[0]["rel_err"]) == pytest.approx(1.0)
+    assert "WARNING: sparse24-reference 64x128 M=3: relative error" in log.getvalue()
+
+
+def test_provider_planning_on_cpu():
+    assert "CUDA only" in bench.provider_status("torch-semi-structured", CPU, torch.float16)
+    assert "bfloat16" in bench.provider_status("sparse24-triton", CPU, torch.bfloat16)
+    assert bench.provider_status("sparse24-reference", CPU, torch.bfloat16) == ""
+    with pytest.raises(ValueError, match="unknown provider 'cusparse'"):
+        bench.provider_status("cusparse", CPU, torch.float16)
+    big = [("bert-base:768x768", 768, 768)] + TINY
+    s = BenchSettings(CPU, big, [1], [torch.float32], ["sparse24-triton", "sparse24-reference"], 1)
+    jobs, notes = bench.plan_providers(s, explicit=False)
+    # dense is always measured first (speedups need it); the interpreter only gets the tiny weight
+    assert [(j[1], j[4]) for j in jobs] == [("bert-base:768x768", "dense"), ("64x128", "dense"),
+                                            ("64x128", "sparse24-triton"), ("bert-base:768x768", "sparse24-reference"),
+                                            ("64x128", "sparse24-reference")]
+    assert any("Triton's interpreter" in n and "bert-base:768x768" in n for n in notes)
+    jobs, _ = bench.plan_providers(s, explicit=True)
+    assert ("bert-base:768x768", "sparse24-triton") in [(j[1], j[4]) for j in jobs]
+
+
+def test_default_settings_and_device_naming():
+    cpu, cuda = bench.default_settings(CPU), bench.default_settings(torch.device("cuda"), quick=True)
+    assert cpu["shapes"] == ["bert-base"] and cpu["dtypes"] == ["float32"]
+    assert cuda["shapes"] == ["standard"] and cuda["dtypes"] == ["float16"] and 1 in cuda["ms"]
+    assert bench.device_slug({"device_type": "cpu", "device": "AMD EPYC 7B13 64-Core Processor"}) == \
+        "cpu-amd-epyc-7b13-64-core-processor"
+    from sparse24.tuning import gpu_file_name  # same folder names as the tuned-config files
+    name = "NVIDIA H100 80GB HBM3"
+    assert bench.device_slug({"device_type": "cuda", "device": name}) == gpu_file_name(name) == "NVIDIA_H100_80GB_HBM3"
+
+
+def test_progress_bar_in_a_log_prints_few_lines():
+    out = io.StringIO()
+    with Progress(100, "sweep", stream=out) as bar:
+        for i in range(100):
+            bar.update(note=f"item {i}")
+    lines = out.getvalue().splitlines()
+    assert 10 <= len(lines) <= 11, lines
+    assert lines[-1].startswith("sweep [" + "#" * 24 + "] 100/100") and "item 99" in lines[-1]
+
+
+def test_csv_round_trip_and_plot(tmp_path):
+    rows = _rows(["dense", "sparse24-reference"])
+    a = write_csv(rows, tmp_path / "a" / "bench.csv")
+    other = [{**r, "device": "Other CPU"} for r in rows]  # a second machine, overlaid
+    b = write_csv(other, tmp_path / "b.csv")
+    back = plot.read_rows([a, b])
+    assert len(back) == 2 * len(rows)
+    assert back[0]["M"] == 1 and isinstance(back[0]["speedup_vs_dense"], float)
+    png = plot.plot_csv([a, b], tmp_path / "fig" / "both.png")
+    data = png.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+    from matplotlib.image import imread
+    two_shapes = plot.plot_rows(rows + [{**r, "shape": "x", "N": 32} for r in rows], tmp_path / "two.png")
+    assert imread(two_shapes).shape[0] > 1.5 * imread(png).shape[0]  # one row of panels per shape
+
+
+def _write(path, header, rows):
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(header)
+        w.writerows(rows)
+    return path
+
+
+def test_read_rows_rejects_foreign_csvs(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no such CSV file"):
+        plot.read_rows([tmp_path / "missing.csv"])
+    foreign = _write(tmp_path / "f.csv", ["a", "b"], [[1, 2]])
+    with pytest.raises(ValueError, match="is not a sparse24 bench CSV"):
+        plot.read_rows([foreign])
+    good = write_csv(_rows(["dense"], ms=(1,)), tmp_path / "g.csv")
+    text = good.read_text().replace(bench.SCHEMA, "sparse24-bench/0")
+    old = tmp_path / "old.csv"
+    old.write_text(text)
+    with pytest.raises(ValueError, match=r"schema 'sparse24-bench/0'.*re-run"):
+        plot.read_rows([good, old])
+    cols = [c for c in bench.COLUMNS if c != "gbps"]
+    with open(good) as f:
+        r = next(csv.DictReader(f))
+    short = _write(tmp_path / "s.csv", cols, [[r[c] for c in cols]])
+    with pytest.raises(ValueError, match=r"missing columns \['gbps'\]"):
+        plot.read_rows([short])
+    empty = _write(tmp_path / "e.csv", bench.COLUMNS, [])
+    with pytest.raises(ValueError, match="no measurements"):
+        plot.read_rows([empty])
+
+
+def test_byte_ceilings():
+    # dense bytes per element / stored bytes per dense element (values/2 + 2-bit index/2)
+    assert plot.byte_ceiling("sparse24-triton", "float16") == pytest.approx(2 / 1.125)
+    assert plot.byte_ceiling("torch-semi-structured", "bfloat16") == pytest.approx(2 / 1.125)
+    assert plot.byte_ceiling("sparse24-int8-triton", "float16") == pytest.approx(3.2)
+    assert plot.byte_ceiling("sparse24-reference", "float32") == pytest.approx(4 / 2.125)
+    assert plot.byte_ceiling("dense", "float16") is None

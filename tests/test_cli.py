@@ -1,0 +1,256 @@
+"""The command line: every subcommand, its outputs, and one-line errors with non-zero exits."""
+import csv
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import sparse24
+from sparse24.cli import main
+
+
+@pytest.fixture(autouse=True)
+def keep_threads():
+    # bench --threads and demo --threads set torch's global thread count; restore it for other tests
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)
+
+
+def run(capsys, *argv):
+    rc = main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def assert_one_line_error(err, *needles):
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert "Traceback" not in err and ": error: " in lines[0]
+    for n in needles:
+        assert n in lines[0], lines[0]
+
+
+# --- info / bench / plot -----------------------------------------------------------------
+
+def test_info(capsys):
+    rc, out, _ = run(capsys, "info")
+    assert rc == 0
+    assert f"sparse24 {sparse24.__version__} | torch {torch.__version__}" in out
+    for needle in ("backends:", "reference", "torch semi-structured", "int8 weights", "tuned kernel configs:"):
+        assert needle in out
+    if not torch.cuda.is_available():  # this machine: say why each GPU path is not there
+        assert "GPU: none" in out and "interpreter only" in out and "need CUDA" in out
+        assert "not a CUDA device" in out  # from sparse24.tuning.describe_config_source
+
+
+def test_bench_writes_csv_png_and_env(capsys, tmp_path):
+    rc, out, err = run(capsys, "bench", "--device", "cpu", "--shapes", "64,128", "--m", "1,3", "--repeats", "2",
+                       "--threads", "1", "--out", str(tmp_path))
+    assert rc == 0, err
+    with open(tmp_path / "bench.csv") as f:
+        rows = list(csv.DictReader(f))
+    provs = {r["provider"] for r in rows}
+    # a tiny weight: the Triton interpreter is timed too; torch's semi-structured path needs CUDA
+    assert {"dense", "sparse24-reference", "sparse24-triton", "sparse24-int8-reference"} <= provs
+    assert "torch-semi-structured" not in provs and "CUDA only" in err
+    assert sorted({int(r["M"]) for r in rows}) == [1, 3] and {r["threads"] for r in rows} == {"1"}
+    assert (tmp_path / "bench.png").read_bytes()[:4] == b"\x89PNG"
+    env = (tmp_path / "bench.txt").read_text()
+    assert "load average" in env and "1 torch threads" in env
+    assert "speedup vs dense" in out and f"CSV:  {tmp_path / 'bench.csv'}" in out
+    assert "bench [" in err  # the progress bar
+
+    png = tmp_path / "again.png"
+    rc, out, _ = run(capsys, "plot", str(tmp_path / "bench.csv"), str(tmp_path / "bench.csv"), "--out", str(png),
+                     "--title", "two runs")
+    assert rc == 0 and png.read_bytes()[:4] == b"\x89PNG" and str(png) in out
+
+
+@pytest.mark.parametrize("argv, code, needles", [
+    (["bench", "--shapes", "llama-9b"], 2, ["unknown shape 'llama-9b'", "llama-7b"]),
+    (["bench", "--shapes", "64,130"], 2, ["divisible by 4"]),
+    (["bench", "--m", "1,0"], 2, ["--m needs positive integers"]),
+    (["bench", "--m", "1,x"], 2, ["--m needs comma-separated integers"]),
+    (["bench", "--dtype", "float8"], 2, ["unknown --dtype float8"]),
+    (["bench", "--providers", "dense,cusparse"], 2, ["unknown provider cusparse"]),
+    (["bench", "--device", "tpu"], 2, ["--device must be cpu or cuda"]),
+    (["bench", "--repeats", "0"], 2, ["--repeats must be >= 1"]),
+    (["plot", "missing.csv", "--out", "x.png"], 2, ["no such CSV file: missing.csv"]),
+    (["plot", "a.csv", "--out", "x.jpg"], 2, ["--out must name a .png"]),
+    (["plot", "a.csv"], 2, ["--out", "required"]),
+    (["prune", "missing.pt", "--out", "x.pt"], 2, ["no such checkpoint file: missing.pt"]),
+    (["prune", "a.pt", "--out", "b.pt", "--method", "wanda"], 2, ["invalid choice: 'wanda'"]),
+    (["frobnicate"], 2, ["invalid choice: 'frobnicate'"]),
+    ([], 2, ["required"]),
+])
+def test_user_errors_are_one_line(capsys, tmp_path, monkeypatch, argv, code, needles):
+    monkeypatch.chdir(tmp_path)
+    rc, out, err = run(capsys, *argv)
+    assert rc == code
+    assert_one_line_error(err, *needles)
+    assert list(tmp_path.iterdir()) == []  # nothing written
+
+
+def test_cuda_without_gpu(capsys, tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a GPU machine must say the same
+    rc, _, err = run(capsys, "bench", "--device", "cuda", "--out", str(tmp_path / "x"))
+    assert rc == 1
+    assert_one_line_error(err, "--device cuda: no CUDA GPU is visible", "use --device cpu")
+    assert not (tmp_path / "x").exists()
+
+
+def test_plot_refuses_other_schema(capsys, tmp_path):
+    from sparse24 import bench
+    rows = bench.run_bench(bench.BenchSettings(torch.device("cpu"), [("64x128", 64, 128)], [1], [torch.float32],
+                                               ["dense"], 1), progress=False)
+    old = tmp_path / "old.csv"
+    bench.write_csv([{**r, "schema": "sparse24-bench/0", "sparse24": "0.0.1"} for r in rows], old)
+    rc, _, err = run(capsys, "plot", str(old), "--out", str(tmp_path / "p.png"))
+    assert rc == 2
+    assert_one_line_error(err, "schema 'sparse24-bench/0' (sparse24 0.0.1)", "re-run")
+    assert not (tmp_path / "p.png").exists()
+
+
+def test_python_m_entry_point(tmp_path):
+    # the real process: exit status and a single stderr line, no traceback
+    r = subprocess.run([sys.executable, "-m", "sparse24", "plot", str(tmp_path / "none.csv"), "--out",
+                        str(tmp_path / "p.png")], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.strip() == f"sparse24 plot: error: no such CSV file: {tmp_path / 'none.csv'}"
+
+
+# --- autotune ----------------------------------------------------------------------------
+
+def test_autotune_is_forwarded(capsys, monkeypatch):
+    rc, _, err = run(capsys, "autotune", "--shapes", "nope")
+    assert rc == 2 and "unknown shape 'nope'" in err
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    rc, _, err = run(capsys, "autotune", "--shapes", "64,128", "--m", "1")
+    assert rc == 1 and "no CUDA GPU" in err
+
+
+# --- prune -------------------------------------------------------------------------------
+
+def _topk_mask(w):
+    """Independent 2:4 magnitude mask: the two largest |w| of each group of 4 (no ties in randn)."""
+    g = w.abs().reshape(-1, 4)
+    return torch.zeros_like(g, dtype=torch.bool).scatter_(1, g.topk(2, dim=1).indices, True).view(w.shape)
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(50, 64)
+        self.fc1 = nn.Linear(64, 128)
+        self.fc2 = nn.Linear(128, 64)
+        self.small = nn.Linear(64, 8)  # < min_features: stays dense
+        self.enc = nn.TransformerEncoder(nn.TransformerEncoderLayer(64, 4, 96, dropout=0.0, batch_first=True), 1)
+
+    def forward(self, ids):
+        h = self.enc(F.gelu(self.fc2(F.gelu(self.fc1(self.embed(ids))))))
+        return self.small(h)
+
+
+def _masked_reference(sd, quantize=False):
+    """The dense model with every pruned weight multiplied by the independent mask
+    (and, for INT8, rounded to per-row int8 steps as sparse24's format defines)."""
+    ref = Net().eval()
+    new = {}
+    for k, v in sd.items():
+        if k in ("fc1.weight", "fc2.weight", "enc.layers.0.linear1.weight", "enc.layers.0.linear2.weight",
+                 "enc.layers.0.self_attn.out_proj.weight"):
+            v = v * _topk_mask(v)
+            if quantize and k.startswith("fc"):
+                scale = v.abs().amax(1, keepdim=True) / 127
+                v = torch.round(v / scale) * scale
+        new[k] = v
+    ref.load_state_dict(new)
+    return ref
+
+
+@pytest.mark.parametrize("quantize", [None, "int8"])
+def test_prune_checkpoint_loads_into_compressed_model(capsys, tmp_path, quantize):
+    torch.manual_seed(0)
+    dense = Net()
+    sd = dense.state_dict()
+    ck = tmp_path / "dense.pt"
+    torch.save({"state_dict": sd}, ck)
+    out = tmp_path / "sub" / "sparse.pt"
+    rc, text, err = run(capsys, "prune", str(ck), "--out", str(out), *(["--quantize", quantize] if quantize else []))
+    assert rc == 0, err
+    pruned = torch.load(out, weights_only=True)
+    # naming convention: compressed layers as Sparse24Linear holds them
+    assert {"fc1.values", "fc1.meta", "fc2.values", "fc2.meta"} <= set(pruned)
+    assert ("fc1.scale" in pruned) == (quantize == "int8") and "fc1.weight" not in pruned
+    assert pruned["fc1.values"].shape == (128, 32) and pruned["fc1.meta"].shape == (2, 128)
+    # layers whose parent reads .weight directly stay masked (weight + mask), as sparsify_ keeps them
+    for name in ("enc.layers.0.linear1", "enc.layers.0.self_attn.out_proj"):
+        assert pruned[name + ".mask"].dtype == torch.bool and name + ".values" not in pruned
+    assert torch.equal(pruned["embed.weight"], sd["embed.weight"])  # embedding table kept
+    assert torch.equal(pruned["small.weight"], sd["small.weight"])  # too small
+    assert "(state dict under 'state_dict')" in text and "embedding table" in text and "too small" in text
+
+    model = Net()
+    sparse24.sparsify_(model, mode="compressed", quantize=quantize)
+    model.load_state_dict(pruned)  # strict: every key matches
+    model.eval()
+    ids = torch.randint(0, 50, (3, 7))
+    ref = _masked_reference(sd, quantize == "int8")
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids), ref(ids), rtol=1e-4, atol=1e-5)
+        # and the pruning changed the function (the reference is not the dense model)
+        assert (dense.eval()(ids) - ref(ids)).abs().max() > 1e-3
+    assert out.stat().st_size < ck.stat().st_size
+
+
+def test_prune_errors(capsys, tmp_path):
+    bad = tmp_path / "notes.txt"
+    bad.write_text("not a checkpoint")
+    rc, _, err = run(capsys, "prune", str(bad), "--out", str(tmp_path / "o.pt"))
+    assert rc == 2
+    assert_one_line_error(err, f"cannot read {bad} as a torch checkpoint")
+    ck = tmp_path / "tiny.pt"
+    torch.save(nn.Linear(8, 8).state_dict(), ck)
+    rc, _, err = run(capsys, "prune", str(ck), "--out", str(ck))
+    assert rc == 2
+    assert_one_line_error(err, "--out must differ from the input checkpoint")
+    rc, _, err = run(capsys, "prune", str(ck), "--out", str(tmp_path / "o.pt"))
+    assert rc == 1
+    assert_one_line_error(err, "no weight could be pruned")
+    torch.save({"a": 1}, tmp_path / "obj.pt")
+    rc, _, err = run(capsys, "prune", str(tmp_path / "obj.pt"), "--out", str(tmp_path / "o.pt"))
+    assert rc == 2
+    assert_one_line_error(err, "is not a state dict")
+    assert not (tmp_path / "o.pt").exists()
+
+
+def test_prune_skips_tied_weights():
+    from sparse24.cli import prune_state_dict
+    w = torch.randn(64, 64)
+    new, report = prune_state_dict({"dec.weight": w, "head.weight": w, "fc.weight": torch.randn(64, 64)})
+    assert torch.equal(new["dec.weight"], w) and torch.equal(new["head.weight"], w)
+    assert [r["action"] for r in report] == ["kept dense", "kept dense", "compressed"]
+    assert "tied" in report[0]["reason"] and "head.weight" in report[0]["reason"]
+
+
+# --- demo --------------------------------------------------------------------------------
+
+def test_demo_tiny(capsys, tmp_path):
+    rc, out, err = run(capsys, "demo", "--quick", "--steps", "4", "--eval-chars", "600", "--no-control",
+                       "--threads", "1", "--out", str(tmp_path))
+    assert rc == 0, err
+    with open(tmp_path / "results.csv") as f:
+        res = {r["model"]: float(r["bpc"]) for r in csv.DictReader(f)}
+    assert len(res) == 5 and all(0 < v < 8 for v in res.values())
+    # swapping in the compressed weights does not change the model's function
+    assert res["2:4 compressed + swapped (fp32 values)"] == pytest.approx(res["2:4 retrained, frozen mask"], abs=1e-4)
+    for f in ("results.md", "bench.csv", "bench.png", "dense.pt", "sparse24.pt", "sparse24-int8.pt"):
+        assert (tmp_path / f).is_file(), f
+    assert (tmp_path / "sparse24.pt").stat().st_size < 0.6 * (tmp_path / "dense.pt").stat().st_size
+    assert f"results: {tmp_path / 'results.md'}" in out and "bench.png" in out
+    assert "| dense |" in (tmp_path / "results.md").read_text()
+    assert "dense training [" in out + err  # progress bars
