@@ -579,8 +579,9 @@ def search_permutation(w: torch.Tensor, n: int = 2, m: int = 4, time_limit: floa
     Args:
         w: ``(R, C)`` float weight, ``C % m == 0`` (searched on its device).
         n, m: the N:M pattern the mask will use.
-        time_limit: seconds for the whole call (the search stops at its first
-            deadline check past it, at most one ~16M-term chunk later).
+        time_limit: seconds for the whole call: no step starts that would end
+            past it (judged by the last step's duration), and a step still
+            running at the deadline stops at its next ~16M-term chunk.
         max_iters: optional cap on search steps.
         seed: seeds the window draws.
         progress: draw a progress bar on stderr.
@@ -625,8 +626,10 @@ def search_permutation(w: torch.Tensor, n: int = 2, m: int = 4, time_limit: floa
     bar = _Progress(time_limit, max_iters, base, progress)
     perm, it, rnd, gained = identity, 0, 0, 0.0
 
+    last_step = 0.0  # stop when the next step, as long as the last one, would pass the deadline
+
     def done():
-        return time.perf_counter() >= deadline or (max_iters is not None and it >= max_iters)
+        return time.perf_counter() + last_step >= deadline or (max_iters is not None and it >= max_iters)
 
     search = None
     try:
@@ -636,7 +639,9 @@ def search_permutation(w: torch.Tensor, n: int = 2, m: int = 4, time_limit: floa
             search = _TabuWindows(A, perm.view(groups, m)[order.to(w.device)], n, m, wg, tenure, deadline)
             search.start()
             while not done() and (groups <= wg or search.it < round_iters):
+                t_step = time.perf_counter()
                 search.step()
+                last_step = time.perf_counter() - t_step
                 it += 1
                 bar.update(deadline, it, gained + search.gained())
             perm, gained, rnd = search.best_columns(), gained + search.gained(), rnd + 1
