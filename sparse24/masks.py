@@ -13,7 +13,8 @@ Methods (``mask_nm(w, n, m, method=...)``):
   block keeps at most ``n`` per row AND per column, so ``mask.T`` is N:M too
   (the backward pass ``grad @ W`` can use the same sparse weight).
   ``"2d_optimal"`` keeps the maximum magnitude over all valid block patterns
-  (90 for 2:4); ``"2d_greedy"`` takes the largest entries first.
+  (90 for 2:4); ``"2d_greedy"`` takes the largest entries first (any n:m;
+  for m = 4 the optimum is also the faster one: 0.7 s vs 2.2 s at 4096x4096).
 * ``"wanda"``: magnitude mask on ``|W_ij| * ||x_j||`` (Sun et al. 2023), needs
   ``act_norm=`` (from :func:`calibrate`).
 * ``"sparsegpt"``: SparseGPT (Frantar & Alistarh 2023) mask, needs
@@ -152,6 +153,7 @@ def mask_nm_method(w: torch.Tensor, n: int, m: int, method: str, **kwargs) -> to
     """
     if method not in METHODS:
         raise ValueError(f"unknown mask method {method!r}; choose one of {', '.join(METHODS)}")
+    _check_nm(n, m)
     kwargs = _with_calibration(method, kwargs.pop("calibration", None), kwargs)
     if method == "magnitude":
         return mask_nm(w, n, m, **kwargs)
@@ -160,7 +162,6 @@ def mask_nm_method(w: torch.Tensor, n: int, m: int, method: str, **kwargs) -> to
     if method == "wanda":
         return _mask_wanda(w, n, m, **kwargs)
     _no_kwargs(method, kwargs)
-    _check_nm(n, m)
     _check_weight(w, m)
     if w.shape[0] % m != 0:
         raise ValueError(f"method={method!r} builds {m}x{m} blocks: the weight's rows ({w.shape[0]}) must be "

@@ -116,7 +116,7 @@ def test_2d_greedy_matches_reference_and_is_transposable():
         ww = w[:, :16] if m == 8 else w
         mask = mask_nm(ww, n, m, method="2d_greedy")
         assert torch.equal(mask, _greedy_2d_reference(ww, n, m)), (n, m)
-        assert is_nm(mask, n, m) and is_nm(mask.t().contiguous(), n, m)
+        assert is_nm(mask, n, m) and is_nm(mask.T, n, m)
 
 
 def test_2d_orders_and_transposability():
@@ -126,7 +126,7 @@ def test_2d_orders_and_transposability():
     # 1-D is a relaxation of 2-D; greedy is one of the 2-D masks the optimum beats
     assert kept["magnitude"] > kept["2d_optimal"] > kept["2d_greedy"]
     mask = mask_nm(w, 2, 4, method="2d_optimal")
-    assert is_nm(mask, 2, 4) and is_nm(mask.t().contiguous(), 2, 4)
+    assert is_nm(mask, 2, 4) and is_nm(mask.T, 2, 4)
     assert int(mask.sum()) == w.numel() // 2  # exactly 2 per row and column of every block
     assert torch.equal(mask_nm(w.t().contiguous(), 2, 4, method="2d_optimal"), mask.t())
 
@@ -140,6 +140,8 @@ def test_2d_bad_input():
         mask_nm(w.t(), 2, 4, method="2d_greedy")
     with pytest.raises(ValueError, match="use method='2d_greedy' for 2:8"):
         mask_nm(_randn(8, 8), 2, 8, method="2d_optimal")
+    with pytest.raises(ValueError, match=r"need integers 0 <= n <= m and m >= 1, got n=2, m=0"):
+        mask_nm(w, 2, 0, method="wanda", act_norm=torch.ones(8))
     with pytest.raises(ValueError, match="unknown mask method 'optimal'"):
         mask_nm(w, 2, 4, method="optimal")
     with pytest.raises(TypeError, match=r"unexpected arguments for method='2d_optimal': \['act_norm'\]"):
