@@ -143,7 +143,7 @@ def _speedup_table(rows: list[dict]) -> str:
     """Speedup vs dense per (dtype, shape, M) and provider, as printed text."""
     provs = list(dict.fromkeys(r["provider"] for r in rows if r["provider"] != "dense"))
     keys = list(dict.fromkeys((r["dtype"], r["shape"], r["M"]) for r in rows))
-    sp = {(r["dtype"], r["shape"], r["M"], r["provider"]): r["speedup_vs_dense"] for r in rows}
+    sp = {(r["dtype"], r["shape"], r["M"], r["provider"]): f"{float(r['speedup_vs_dense']):.3f}" for r in rows}
     dense_ms = {(r["dtype"], r["shape"], r["M"]): r["median_ms"] for r in rows if r["provider"] == "dense"}
     w = max([len(f"{k[1]} {k[0]}") for k in keys] + [10])
     head = f"{'shape dtype':<{w}} {'M':>5} {'dense ms':>10} " + " ".join(f"{p:>{max(len(p), 8)}}" for p in provs)

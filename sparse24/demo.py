@@ -98,7 +98,7 @@ class CharMLP(nn.Module):
         torch.Size([2, 101])
     """
 
-    def __init__(self, vocab: int = len(VOCAB) + 1, ctx: int = 32, emb: int = 16, hidden: int = 384):
+    def __init__(self, vocab: int = len(VOCAB) + 1, ctx: int = 32, emb: int = 16, hidden: int = 256):
         super().__init__()
         self.ctx = ctx
         self.emb = nn.Embedding(vocab, emb)
@@ -124,9 +124,9 @@ class TrainConfig:
     AdamW (weight decay 0.01), linear warm-up then cosine decay to 0, batches
     drawn from ``seed`` (the same batch order in every run).
     """
-    steps: int = 700
+    steps: int = 600
     batch: int = 256
-    lr: float = 3e-3
+    lr: float = 6e-3
     warmup: int = 50
     weight_decay: float = 0.01
     seed: int = 0
@@ -235,111 +235,150 @@ def _file_bytes(sd: dict, path: Path) -> int:
     return path.stat().st_size
 
 
-def run_demo(args) -> int:
-    """Run the demo with parsed ``args`` (see :func:`add_demo_arguments`); returns 0."""
+def _bench_step(out: Path, machine: str, threads: int, quick: bool) -> str:
+    """The quick CPU throughput sweep (CSV + PNG in ``out``); returns a one-line summary."""
     from . import bench
-    from .api import compress_, sparsify_
     from .plot import plot_rows
+    from .shapes import parse_shapes
+
+    cpu = torch.device("cpu")
+    if quick:  # tiny: includes the Triton interpreter, which only tiny weights afford on CPU
+        shapes, ms, repeats = ["64,128"], [1, 8], 2
+    else:
+        d = bench.default_settings(cpu, quick=True)
+        shapes, ms, repeats = d["shapes"], d["ms"], d["repeats"]
+    settings = bench.BenchSettings(cpu, parse_shapes(shapes), ms, [torch.float32], list(bench.PROVIDERS), repeats)
+    rows = bench.run_bench(settings, log=sys.stdout)
+    csv_path = bench.write_csv(rows, out / "bench.csv")
+    png = plot_rows(rows, out / "bench.png", title=f"sparse24 demo: throughput on {machine} "
+                                                   f"(CPU, fp32, {threads} thread(s))")
+    best = max(float(r["speedup_vs_dense"]) for r in rows if r["provider"] != "dense")
+    return (f"{csv_path} and {png} (on a CPU the reference backend decompresses the weight, so it is slower "
+            f"than dense: best {best:.2f}x here; the speedups come from the Triton kernel on a GPU)")
+
+
+def _report(rows: list[dict], header: str, files: str) -> str:
+    """The results as markdown: a table (bits/char and weight bytes) and the differences that matter."""
+    by = {r["model"]: r["bpc"] for r in rows}
+    dense = by["dense"]
+    lines = [header, "", "| model | held-out bits/char | vs dense | Linear weights stored (fp32 model) |", "|---|---|---|---|"]
+    lines += [f"| {r['model']} | {r['bpc']:.4f} | {r['bpc'] - dense:+.4f} | {r['weights']} |" for r in rows]
+    lines += ["", f"- one-shot 2:4 without retraining costs {by[ONESHOT] - dense:+.4f} bits/char"]
+    if CONTROL in by:
+        lines.append(f"- after retraining, 2:4 vs the dense control given the same extra training: "
+                     f"{by[RETRAINED] - by[CONTROL]:+.4f} bits/char (the cost of 2:4 itself)")
+    lines += [f"- compress_ (values + 2-bit indices, swapped in) moved bits/char by {by[COMPRESSED] - by[RETRAINED]:+.1e}"
+              f"; INT8 on top of 2:4: {by[INT8] - by[COMPRESSED]:+.4f} bits/char", f"- {files}"]
+    return "\n".join(lines)
+
+
+ONESHOT, RETRAINED = "2:4 one-shot (magnitude, no retraining)", "2:4 retrained, frozen mask"
+CONTROL, COMPRESSED = "dense retrained the same way (control)", "2:4 compressed + swapped (fp32 values)"
+INT8 = "2:4 compressed INT8 (+ fp32 row scales)"
+
+
+def run_demo(args) -> int:
+    """Run the demo with parsed ``args`` (see :func:`add_demo_arguments`); returns 0.
+
+    Sets torch's thread count for the run and restores it afterwards.
+    """
+    threads_before = torch.get_num_threads()
+    try:
+        return _run_demo(args)
+    finally:
+        torch.set_num_threads(threads_before)
+
+
+def _run_demo(args) -> int:
+    from .api import compress_, sparsify_
+    from .bench import device_info
 
     t_start = time.perf_counter()
-    quick = args.quick
-    steps = args.steps if args.steps is not None else (30 if quick else TrainConfig.steps)
-    eval_chars = args.eval_chars if args.eval_chars is not None else (4000 if quick else 50_000)
+    steps = args.steps if args.steps is not None else (30 if args.quick else TrainConfig.steps)
+    eval_chars = args.eval_chars if args.eval_chars is not None else (4000 if args.quick else 50_000)
     if steps < 1 or eval_chars < 1:
         raise ValueError(f"--steps and --eval-chars must be >= 1, got {steps} and {eval_chars}")
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out}: exists and is not a folder")
-    out.mkdir(parents=True, exist_ok=True)
     threads, why = _pick_threads(args.threads)
+    out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(threads)
     cfg = TrainConfig(steps=steps, seed=args.seed)
-    machine = bench.device_info(torch.device("cpu"))["device"]
+    machine = device_info(torch.device("cpu"))["device"]
     say = lambda *a: print(*a, flush=True)  # noqa: E731
 
     train_ids, val_ids, info = load_corpus()
     say(f"sparse24 demo on {machine}, {threads} torch thread(s) ({why})")
-    say(f"data: {info['files']} stdlib files from {info['folder']}: {info['train_chars']:,} training characters, "
-        f"{info['heldout_chars']:,} held-out characters from {info['heldout_files']} other files "
+    say(f"data: {info['files']} stdlib files from {info['folder']}: {info['train_chars']:,} training characters; "
+        f"held out: {info['heldout_chars']:,} characters from {info['heldout_files']} other files "
         f"(scoring the first {eval_chars:,})")
     torch.manual_seed(args.seed)
     model = CharMLP()
-    say(f"model: CharMLP, {sum(p.numel() for p in model.parameters()):,} parameters; {steps} steps of "
-        f"{cfg.batch} windows per training run, AdamW lr {cfg.lr} warm-up + cosine")
-    bpc = lambda m, label: evaluate_bpc(m, val_ids, eval_chars, model.ctx, label, progress=True)  # noqa: E731
-    results: list[tuple[str, float, str]] = []
+    say(f"model: CharMLP, {sum(p.numel() for p in model.parameters()):,} parameters; each training run: {steps} "
+        f"steps of {cfg.batch} windows, AdamW lr {cfg.lr}, warm-up + cosine")
+    rows: list[dict] = []
+
+    def record(name: str, m: nn.Module, weights: str) -> None:
+        rows.append({"model": name, "bpc": evaluate_bpc(m, val_ids, eval_chars, m.ctx, "eval", progress=True),
+                     "weights": weights})
 
     say("\n[1/5] dense training")
     train(model, train_ids, cfg, "dense training")
-    results.append(("dense", bpc(model, "eval"), "100%"))
     dense_state = copy.deepcopy(model.state_dict())
     dense_file = _file_bytes(dense_state, out / "dense.pt")
 
     say("\n[2/5] prune every Linear 2:4 by magnitude (sparsify_, masked mode)")
     report = sparsify_(model)
     say(str(report))
-    results.append(("2:4 one-shot (magnitude, no retraining)", bpc(model, "eval"), ""))
+    dense_w = f"{report.dense_bytes:,} B"
+    record("dense", _dense_copy(dense_state), dense_w)
+    record(ONESHOT, model, "dense + mask (training form)")
 
     say("\n[3/5] retrain with the mask frozen, same hyper-parameters and batch order")
     train(model, train_ids, cfg, "2:4 retraining")
-    results.append(("2:4 retrained, frozen mask", bpc(model, "eval"), ""))
+    record(RETRAINED, model, "dense + mask (training form)")
     if not args.no_control:
-        control = CharMLP()
-        control.load_state_dict(dense_state)
+        control = _dense_copy(dense_state)
         train(control, train_ids, cfg, "control: dense retraining")
-        results.append(("dense retrained the same way (control)", bpc(control, "eval"), "100%"))
+        record(CONTROL, control, dense_w)
         del control
 
     say("\n[4/5] compress and swap (compress_), fp32 values and INT8")
     int8_model = copy.deepcopy(model)
     comp = compress_(model)
-    sparse_file = _file_bytes(model.state_dict(), out / "sparse24.pt")
-    share = f"{100 * comp.compressed_bytes / comp.dense_bytes:.1f}%"
-    results.append(("2:4 compressed + swapped (fp32 values)", bpc(model, "eval"), share))
-    q = compress_(int8_model, quantize="int8")
-    int8_file = _file_bytes(int8_model.state_dict(), out / "sparse24-int8.pt")
-    results.append(("2:4 compressed INT8 (+ fp32 row scales)", bpc(int8_model, "eval"),
-                    f"{100 * q.compressed_bytes / q.dense_bytes:.1f}%"))
     say(str(comp))
+    q = compress_(int8_model, quantize="int8")
+    share = lambda r: f"{r.compressed_bytes:,} B ({100 * r.compressed_bytes / r.dense_bytes:.1f}%)"  # noqa: E731
+    record(COMPRESSED, model, share(comp))
+    record(INT8, int8_model, share(q))
+    sparse_file = _file_bytes(model.state_dict(), out / "sparse24.pt")
+    int8_file = _file_bytes(int8_model.state_dict(), out / "sparse24-int8.pt")
 
     bench_note = "skipped (--no-bench)"
     if not args.no_bench:
         say("\n[5/5] throughput sweep on this CPU (sparse24.bench, --quick settings)")
-        dev = torch.device("cpu")
-        if quick:  # tiny: includes the Triton interpreter, which only tiny weights afford on CPU
-            from .shapes import parse_shapes
-            settings = bench.BenchSettings(dev, parse_shapes(["64,128"]), [1, 8], [torch.float32],
-                                           list(bench.PROVIDERS), repeats=2)
-        else:
-            from .shapes import parse_shapes
-            d = bench.default_settings(dev, quick=True)
-            settings = bench.BenchSettings(dev, parse_shapes(d["shapes"]), d["ms"], [torch.float32],
-                                           list(bench.PROVIDERS), d["repeats"])
-        rows = bench.run_bench(settings, log=sys.stdout)
-        bench.write_csv(rows, out / "bench.csv")
-        png = plot_rows(rows, out / "bench.png", title=f"sparse24 demo: throughput on {machine} "
-                                                         f"(CPU, fp32, {threads} thread(s))")
-        best = max(float(r["speedup_vs_dense"]) for r in rows if r["provider"] != "dense")
-        bench_note = (f"{out / 'bench.csv'} and {png} (CPU: the reference backend decompresses, so it is "
-                      f"slower than dense here, best {best:.2f}x; the speedups are the Triton kernel's on a GPU)")
+        bench_note = _bench_step(out, machine, threads, args.quick)
 
-    wall = time.perf_counter() - t_start
-    dense_bpc = results[0][1]
-    table = ["| model | held-out bits/char | vs dense | Linear weight bytes |", "|---|---|---|---|"]
-    table += [f"| {name} | {b:.4f} | {b - dense_bpc:+.4f} | {share} |" for name, b, share in results]
-    files = (f"state dict files: dense {dense_file:,} B, 2:4 fp32 {sparse_file:,} B "
-             f"({100 * sparse_file / dense_file:.1f}%), 2:4 INT8 {int8_file:,} B ({100 * int8_file / dense_file:.1f}%)"
-             "; the embedding, LayerNorm and biases stay dense")
-    text = "\n".join([f"sparse24 demo on {machine} ({threads} torch thread(s)), torch {torch.__version__}, "
-                      f"{steps} steps per training run, {eval_chars:,} held-out characters, "
-                      f"wall time {wall:.0f} s", "", *table, "", files])
+    files = (f"state dict files: dense {dense_file:,} B; 2:4 fp32 {sparse_file:,} B "
+             f"({100 * sparse_file / dense_file:.1f}%); 2:4 INT8 {int8_file:,} B "
+             f"({100 * int8_file / dense_file:.1f}%) (embedding, LayerNorm and biases stay dense)")
+    header = (f"sparse24 demo on {machine} ({threads} torch thread(s)), torch {torch.__version__}: {steps} steps "
+              f"per training run, {eval_chars:,} held-out characters, wall time {time.perf_counter() - t_start:.0f} s")
+    text = _report(rows, header, files)
     (out / "results.md").write_text(text + "\n")
     with open(out / "results.csv", "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["model", "bpc", "linear_weight_share", "machine", "threads", "steps", "eval_chars"])
-        w.writerows([name, f"{b:.5f}", share, machine, threads, steps, eval_chars] for name, b, share in results)
+        w.writerow(["model", "bpc", "linear_weights", "machine", "threads", "steps", "eval_chars"])
+        w.writerows([r["model"], f"{r['bpc']:.5f}", r["weights"], machine, threads, steps, eval_chars] for r in rows)
     say("\n" + text)
     say(f"\nresults: {out / 'results.md'} (and results.csv); checkpoints: {out}/dense.pt, sparse24.pt, "
         f"sparse24-int8.pt")
     say(f"throughput: {bench_note}")
     return 0
+
+
+def _dense_copy(state: dict) -> CharMLP:
+    m = CharMLP()
+    m.load_state_dict(state)
+    return m

@@ -98,12 +98,15 @@ def plot_rows(rows: list[dict], out: str | os.PathLike, title: str | None = None
         the PNG path.
     """
     from matplotlib.figure import Figure  # no pyplot: works headless and leaves the user's backend alone
-    from matplotlib.ticker import ScalarFormatter
+    from matplotlib.ticker import FuncFormatter
 
     rows = [{**r, **{k: t(r[k]) for k, t in _NUMERIC.items()}} for r in rows]
     shapes = list(dict.fromkeys((r["shape"], r["N"], r["K"]) for r in rows))
+    rows = [{**r, "device": _device_label(r)} for r in rows]
     devices = list(dict.fromkeys(r["device"] for r in rows))
     multi_dtype = len({r["dtype"] for r in rows}) > 1
+    # CPUs reach GFLOP/s, GPUs TFLOP/s: label in the unit that gives readable numbers
+    unit, scale = ("TFLOP/s", 1.0) if max(r["tflops"] for r in rows) >= 1 else ("GFLOP/s", 1e3)
     fig = Figure(figsize=(12, 3.3 * len(shapes) + 0.8), layout="constrained")
     axes = fig.subplots(len(shapes), 2, squeeze=False)
     for (shape, N, K), (ax_t, ax_s) in zip(shapes, axes):
@@ -116,7 +119,7 @@ def plot_rows(rows: list[dict], out: str | os.PathLike, title: str | None = None
             label = prov + (f" {dtype}" if multi_dtype else "") + (f" ({dev})" if len(devices) > 1 else "")
             style = dict(color=_COLORS.get(prov, "gray"), linestyle=_STYLES[devices.index(dev) % len(_STYLES)],
                          marker="o", markersize=3.5)
-            ax_t.plot(ms, tf, label=label, **style)
+            ax_t.plot(ms, [v * scale for v in tf], label=label, **style)
             ax_s.plot(ms, sp, **style)
         ceilings = sorted({(round(c, 2), dtype, "int8" in prov) for _, dtype, prov in lines
                            if (c := byte_ceiling(prov, dtype))})
@@ -126,9 +129,9 @@ def plot_rows(rows: list[dict], out: str | os.PathLike, title: str | None = None
             ax_s.annotate(f"byte ceiling {c:.2f}x ({what}; memory-bound M only)", (0.01, c), xycoords=("axes fraction",
                           "data"), fontsize=7, va="bottom", color="dimgray")
         ax_s.axhline(1.0, color="gray", linewidth=0.8)
-        for ax, ylabel in ((ax_t, "TFLOP/s (2MNK / t)"), (ax_s, "speedup vs dense (same run)")):
+        for ax, ylabel in ((ax_t, f"{unit} (2MNK / t)"), (ax_s, "speedup vs dense (same run)")):
             ax.set_xscale("log", base=2)
-            ax.xaxis.set_major_formatter(ScalarFormatter())
+            ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
             ax.set_xlabel("M (batch rows)")
             ax.set_ylabel(ylabel)
             ax.grid(True, which="both", alpha=0.3)
@@ -137,12 +140,20 @@ def plot_rows(rows: list[dict], out: str | os.PathLike, title: str | None = None
         ax_t.legend(fontsize=7, loc="upper left")
     if title is None:
         dts = ", ".join(dict.fromkeys(r["dtype"] for r in rows))
-        title = f"sparse24 throughput on {' vs '.join(devices)} ({dts})"
+        title = f"sparse24 throughput on {' vs '.join(devices)}: {dts}"
     fig.suptitle(title, fontsize=11)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)
     return out
+
+
+def _device_label(row: dict) -> str:
+    """``"AMD EPYC (CPU, 1 thread)"`` or the GPU's name: CPU figures depend on the thread count."""
+    if row.get("device_type") == "cpu":
+        n = str(row.get("threads", ""))
+        return f"{row['device']} (CPU" + (f", {n} thread{'s' * (n != '1')})" if n else ")")
+    return row["device"]
 
 
 def plot_csv(paths, out: str | os.PathLike, title: str | None = None) -> Path:
