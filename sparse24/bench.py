@@ -5,6 +5,8 @@ Providers (each on the same masked 2:4 weight, one shape and M at a time):
 
 * ``dense``: ``F.linear`` on the masked dense weight (cuBLAS / oneDNN) - the baseline;
 * ``sparse24-triton`` / ``sparse24-reference``: :func:`sparse24.linear` with that backend;
+* ``sparse24-auto``: ``backend="auto"``, what users get by default (CUDA only:
+  on CPU auto is the reference backend, timed already);
 * ``torch-semi-structured``: ``torch.sparse.to_sparse_semi_structured`` (CUDA, sm80+);
 * ``sparse24-int8-triton`` / ``sparse24-int8-reference``: INT8 values + per-row
   scales (``sparse24.compress(w, quantize="int8")``), activations in ``--dtype``.
@@ -48,7 +50,7 @@ SCHEMA = "sparse24-bench/1"
 COLUMNS = ["schema", "device_type", "device", "threads", "torch", "triton", "sparse24", "dtype", "shape",
            "N", "K", "M", "provider", "weight_bytes", "median_ms", "tflops", "gbps", "speedup_vs_dense",
            "rel_err", "repeats"]
-PROVIDERS = ("dense", "sparse24-triton", "sparse24-reference", "torch-semi-structured",
+PROVIDERS = ("dense", "sparse24-triton", "sparse24-reference", "sparse24-auto", "torch-semi-structured",
              "sparse24-int8-triton", "sparse24-int8-reference")
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 # The Triton interpreter takes ~0.08 s for a 64x128 weight and ~1.9 s for
@@ -154,6 +156,8 @@ def provider_status(name: str, device: torch.device, dtype: torch.dtype) -> str:
             return "triton is not installed"
         if device.type == "cpu" and dtype == torch.bfloat16:
             return "Triton's interpreter (CPU) has no bfloat16 arithmetic"
+    if name == "sparse24-auto" and device.type != "cuda":
+        return "on CPU backend='auto' is the reference backend (timed as sparse24-reference)"
     if "int8" in name:
         try:
             from . import quant  # noqa: F401
@@ -164,8 +168,6 @@ def provider_status(name: str, device: torch.device, dtype: torch.dtype) -> str:
             return "torch's semi-structured kernels (CUTLASS/cuSPARSELt) run on CUDA only"
         if torch.cuda.get_device_capability(device) < (8, 0):
             return "torch's semi-structured kernels need compute capability >= 8.0 (Ampere or newer)"
-        if dtype not in (torch.float16, torch.bfloat16):
-            return f"torch's semi-structured path has no {str(dtype)[6:]} x {str(dtype)[6:]} kernel here"
     return ""
 
 
@@ -333,39 +335,63 @@ def run_bench(settings: BenchSettings, explicit_providers: bool = False, progres
         w = torch.randn(N, K, generator=gen).to(dev, dtype)
         mask = mask_nm(w)
         w = torch.where(mask, w, 0)
-        ops = {name: _make_op(name, w, mask) for name in names}
+        ops = {}
+        for name in names:
+            try:
+                ops[name] = _make_op(name, w, mask)
+            except (RuntimeError, TypeError, ValueError) as e:  # e.g. a shape torch's 2:4 path does not take
+                _fail(name, label, "weight preparation", e, log)
         for M in settings.ms:
             x = torch.randn(M, K, generator=gen).to(dev, dtype)
-            refs: dict[int, torch.Tensor] = {}
-            errs = {}
-            for i, (name, (fn, _, wref)) in enumerate(ops.items()):
-                timer.warm(i, lambda: fn(x))
-                key = id(wref)
-                if key not in refs:
-                    refs[key] = F.linear(x.double(), wref.double())
-                errs[name] = _rel_err(fn(x), refs[key])
-                if errs[name] > _MAX_REL_ERR[dtype]:
-                    print(f"  WARNING: {name} {label} M={M}: relative error {errs[name]:.2e} vs the fp64 "
-                          f"product is above {_MAX_REL_ERR[dtype]:.0e}: its timing is of a wrong result",
-                          file=log)
-            del refs
-            samples = {name: [] for name in ops}
-            for _ in range(settings.repeats):  # round-robin: load changes hit every provider alike
-                for i, (name, (fn, _, _)) in enumerate(ops.items()):
-                    samples[name].append(timer.sample(i, lambda: fn(x)))
-            t_dense = statistics.median(samples["dense"])
-            for name, (fn, wbytes, _) in ops.items():
-                t = statistics.median(samples[name])
+            for name, (t, t_dense, err, wbytes) in _measure_point(ops, x, timer, settings.repeats, log,
+                                                                  f"{label} M={M}").items():
                 io_bytes = wbytes + M * K * x.element_size() + M * N * x.element_size()
                 rows.append({**common, "dtype": str(dtype)[6:], "shape": label, "N": N, "K": K, "M": M,
                              "provider": name, "weight_bytes": wbytes, "median_ms": f"{t * 1e3:.6g}",
                              "tflops": f"{2 * M * N * K / t / 1e12:.6g}", "gbps": f"{io_bytes / t / 1e9:.6g}",
-                             "speedup_vs_dense": f"{t_dense / t:.5g}", "rel_err": f"{errs[name]:.2e}",
+                             "speedup_vs_dense": f"{t_dense / t:.5g}", "rel_err": f"{err:.2e}",
                              "repeats": settings.repeats})
             if bar:
-                bar.update(len(ops), note=f"{label} M={M}")
+                bar.update(len(names), note=f"{label} M={M}")
         del ops, w, mask
     return rows
+
+
+def _fail(name: str, where: str, what: str, err: Exception, log) -> None:
+    if name == "dense":  # the baseline every speedup needs
+        raise err
+    print(f"  note: {name} {where}: {what} failed ({' '.join(str(err).split())[:160]}); skipped", file=log)
+
+
+def _measure_point(ops: dict, x: torch.Tensor, timer: _Timer, repeats: int, log, where: str) -> dict:
+    """Time every provider on one input: ``{name: (median s, dense median s, rel err, weight bytes)}``.
+
+    Each provider's result is first checked against the fp64 product of its own
+    dense weight; a provider that fails to run here is skipped with a note.
+    """
+    refs: dict[int, torch.Tensor] = {}
+    live, errs = {}, {}
+    for i, (name, (fn, wbytes, wref)) in enumerate(ops.items()):
+        try:
+            timer.warm(i, lambda: fn(x))
+            y = fn(x)
+        except (RuntimeError, TypeError, ValueError) as e:
+            _fail(name, where, "the call", e, log)
+            continue
+        if id(wref) not in refs:
+            refs[id(wref)] = F.linear(x.double(), wref.double())
+        errs[name] = _rel_err(y, refs[id(wref)])
+        if errs[name] > _MAX_REL_ERR[x.dtype]:
+            print(f"  WARNING: {name} {where}: relative error {errs[name]:.2e} vs the fp64 product is above "
+                  f"{_MAX_REL_ERR[x.dtype]:.0e}: its timing is of a wrong result", file=log)
+        live[i, name] = fn
+    del refs
+    samples: dict[str, list[float]] = {name: [] for _, name in live}
+    for _ in range(repeats):  # round-robin: a load change on a shared machine hits every provider alike
+        for (i, name), fn in live.items():
+            samples[name].append(timer.sample(i, lambda: fn(x)))
+    t_dense = statistics.median(samples["dense"])
+    return {name: (statistics.median(samples[name]), t_dense, errs[name], ops[name][1]) for _, name in live}
 
 
 def write_csv(rows: list[dict], path: str | os.PathLike) -> Path:

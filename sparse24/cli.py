@@ -184,10 +184,11 @@ def _cmd_info(args) -> int:
     if not tv:
         rows.append(("triton", "unavailable: triton is not installed (pip install triton; Linux only)"))
     elif cuda:
-        rows.append(("triton", "available: compiled kernel on CUDA (backend='auto' uses it there)"))
+        rows.append(("triton", "available: compiled kernel on CUDA (backend='auto' uses it unless this GPU's tuned "
+                               "file measured dense faster at that shape)"))
     else:
         rows.append(("triton", "interpreter only: no CUDA GPU, so the kernel runs in Triton's interpreter on CPU "
-                               "tensors (exact, but seconds per call: for tests; auto picks the reference)"))
+                               "tensors (correct, but seconds per call: for tests; auto picks the reference)"))
     if not cuda:
         rows.append(("torch semi-structured", "unavailable: torch's 2:4 kernels (CUTLASS/cuSPARSELt) need CUDA"))
     elif cc < (8, 0):
@@ -385,6 +386,9 @@ def _cmd_demo(args) -> int:
 # --- parser and entry point -------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
+    from .bench import PROVIDERS
+    from .shapes import SHAPE_SETS
+
     ap = _Parser(prog="python -m sparse24", description="sparse24: 2:4 structured sparsity for PyTorch.")
     ap.add_argument("--version", action="version", version=f"sparse24 {__version__}")
     sub = ap.add_subparsers(dest="command", metavar="{bench,plot,info,prune,autotune,demo}", required=True)
@@ -394,13 +398,11 @@ def build_parser() -> argparse.ArgumentParser:
                                    "bench.csv, bench.txt and bench.png to --out.")
     b.add_argument("--device", default="cpu", help="cpu (default) or cuda[:N]")
     b.add_argument("--shapes", nargs="+", metavar="NAME|N,K",
-                   help="shape sets (llama-7b, llama-3-8b, bert-base, standard) or N,K; "
-                        "default: bert-base on CPU, standard on CUDA")
+                   help=f"shape sets ({', '.join(SHAPE_SETS)}) or N,K; default: bert-base on CPU, standard on CUDA")
     b.add_argument("--m", metavar="LIST", help="batch sizes, comma-separated (default: per device, fewer with --quick)")
     b.add_argument("--dtype", metavar="LIST", help="float16,bfloat16,float32 (default: float32 on CPU, float16 on CUDA)")
-    b.add_argument("--providers", metavar="LIST", help="comma-separated subset of: dense, sparse24-triton, "
-                   "sparse24-reference, torch-semi-structured, sparse24-int8-triton, sparse24-int8-reference "
-                   "(default: all this machine has; on CPU the Triton interpreter only for tiny weights)")
+    b.add_argument("--providers", metavar="LIST", help="comma-separated subset of: " + ", ".join(PROVIDERS)
+                   + " (default: all this machine has; on CPU the Triton interpreter only for tiny weights)")
     b.add_argument("--quick", action="store_true", help="fewer M values and repeats")
     b.add_argument("--repeats", type=int, help="timed samples per point (median kept)")
     b.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")

@@ -26,7 +26,7 @@ from .bench import COLUMNS, PROVIDERS, SCHEMA
 __all__ = ["read_rows", "byte_ceiling", "plot_rows", "plot_csv"]
 
 _ELT = {"float16": 2, "bfloat16": 2, "float32": 4}
-_COLORS = dict(zip(PROVIDERS, ["black", "tab:blue", "tab:cyan", "tab:orange", "tab:red", "tab:pink"]))
+_COLORS = dict(zip(PROVIDERS, ["black", "tab:blue", "tab:cyan", "tab:green", "tab:orange", "tab:red", "tab:pink"]))
 _STYLES = ["-", "--", ":", "-."]
 _NUMERIC = {"N": int, "K": int, "M": int, "weight_bytes": int, "median_ms": float, "tflops": float,
             "gbps": float, "speedup_vs_dense": float}

@@ -53,6 +53,20 @@ def test_wrong_result_is_flagged(monkeypatch):
     assert "WARNING: sparse24-reference 64x128 M=3: relative error" in log.getvalue()
 
 
+def test_failing_provider_is_skipped_not_fatal(monkeypatch):
+    def broken(x, p, backend):
+        raise RuntimeError("no kernel image\nfor this device")
+    monkeypatch.setattr(bench, "linear", broken)
+    log = io.StringIO()
+    rows = _rows(["dense", "sparse24-reference"], ms=(2,), log=log)
+    assert [r["provider"] for r in rows] == ["dense"]
+    assert "note: sparse24-reference 64x128 M=2: the call failed (no kernel image for this device); skipped" \
+        in log.getvalue()
+    monkeypatch.setattr(bench.F, "linear", lambda *a: broken(None, None, None))
+    with pytest.raises(RuntimeError, match="no kernel image"):  # no baseline, no speedups: stop
+        _rows(["dense"], ms=(2,))
+
+
 def test_provider_planning_on_cpu():
     assert "CUDA only" in bench.provider_status("torch-semi-structured", CPU, torch.float16)
     assert "bfloat16" in bench.provider_status("sparse24-triton", CPU, torch.bfloat16)
