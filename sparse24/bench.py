@@ -14,8 +14,9 @@ Providers (each on the same masked 2:4 weight, one shape and M at a time):
 Timing: medians over ``repeats`` samples after warm-up, providers interleaved
 round-robin so that a load change on a shared machine hits all of them alike.
 CUDA: CUDA events around each call, L2 cleared before each (as
-``triton.testing.do_bench`` does). CPU: ``time.perf_counter``, each sample
-averaging enough calls to last >= 1 ms.
+``triton.testing.do_bench`` does) and the host's launch overhead hidden
+behind a GPU spin, so every provider's GPU time is measured alike.
+CPU: ``time.perf_counter``, each sample averaging enough calls to last >= 1 ms.
 
 Figures per row: TFLOP/s = 2*M*N*K / t (dense-equivalent FLOPs, also for
 sparse providers), effective GB/s = (weight bytes as stored + x + y) / t, and
@@ -223,6 +224,11 @@ class _Timer:
         if self.device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             self.cache.zero_()
+            # Keep the GPU busy (~0.5 ms) while Python enqueues the call, so the
+            # time between the events is GPU time only, as in a CUDA graph: a
+            # decode-sized kernel (~10 us) would otherwise be timed with the
+            # launch overhead of whichever Python wrapper precedes it.
+            torch.cuda._sleep(1_000_000)
             start.record()
             fn()
             end.record()
