@@ -197,7 +197,8 @@ def test_sparsegpt_beats_magnitude_and_wanda_on_reconstruction():
     def err(new_w):
         return float((ref - F.linear(x, new_w)).norm() / ref.norm())
 
-    errs = {meth: err(prune_nm(w, 2, 4, meth, calibration=stats).weight) for meth in ("magnitude", "wanda", "sparsegpt")}
+    errs = {meth: err(prune_nm(w, 2, 4, meth, calibration=stats).weight)
+            for meth in ("magnitude", "wanda", "sparsegpt")}
     assert errs["sparsegpt"] < 0.9 * errs["wanda"] < 0.9 * errs["magnitude"], errs
     new_w, mask = sparsegpt_prune(w, stats.hessian, 2, 4, blocksize=16)
     assert is_nm(new_w, 2, 4) and bool((new_w[~mask] == 0).all())
