@@ -29,6 +29,7 @@ import math
 import os
 import platform
 import re
+import shutil
 import statistics
 import sys
 import time
@@ -93,8 +94,9 @@ class Progress:
         fill = int(self.width * frac)
         line = (f"{self.label} [{'#' * fill}{'.' * (self.width - fill)}] {self.done}/{self.total} "
                 f"{elapsed:5.1f}s elapsed, ~{eta:4.0f}s left  {note}")
-        if self.tty:
-            self.stream.write("\r" + line[:150].ljust(150) + ("\n" if self.done == self.total else ""))
+        if self.tty:  # redraw in place; never wider than the terminal, or each redraw wraps to a new line
+            cols = shutil.get_terminal_size((100, 20)).columns - 1
+            self.stream.write("\r" + line[:cols].ljust(cols) + ("\n" if self.done == self.total else ""))
         elif int(10 * frac) != self._last_decile or self.done == self.total:
             self._last_decile = int(10 * frac)
             self.stream.write(line + "\n")

@@ -106,6 +106,19 @@ def test_progress_bar_in_a_log_prints_few_lines():
     assert lines[-1].startswith("sweep [" + "#" * 24 + "] 100/100") and "item 99" in lines[-1]
 
 
+def test_progress_bar_on_a_terminal_redraws_one_line():
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+    out = Terminal()
+    with Progress(5, "sweep", stream=out) as bar:
+        for _ in range(5):
+            bar.update()
+    text = out.getvalue()
+    assert text.count("\r") == 5 and text.count("\n") == 1 and text.endswith("\n")
+    assert "5/5" in text.rsplit("\r", 1)[1]
+
+
 def test_csv_round_trip_and_plot(tmp_path):
     rows = _rows(["dense", "sparse24-reference"])
     a = write_csv(rows, tmp_path / "a" / "bench.csv")
