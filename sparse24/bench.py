@@ -192,9 +192,11 @@ def _make_op(name: str, w: torch.Tensor, mask: torch.Tensor) -> tuple[Callable, 
     if name == "torch-semi-structured":
         ws = torch.sparse.to_sparse_semi_structured(w)
         return (lambda x: F.linear(x, ws)), _semi_structured_bytes(ws), w
-    p = compress(w, mask, quantize="int8" if "int8" in name else None)
+    int8 = "int8" in name
+    p = compress(w, mask, quantize="int8" if int8 else None)
     backend = name.rsplit("-", 1)[1]
-    return (lambda x: linear(x, p, backend=backend)), p.nbytes + p.scale_nbytes, p.to_dense()
+    # fp values must reproduce the masked dense weight itself; int8 ones its dequantized form
+    return (lambda x: linear(x, p, backend=backend)), p.nbytes + p.scale_nbytes, p.to_dense() if int8 else w
 
 
 # --- timing --------------------------------------------------------------------------
