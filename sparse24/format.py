@@ -117,9 +117,13 @@ def _nibbles24(w: torch.Tensor) -> torch.Tensor:
 
 
 def _nibble_mask(nib: torch.Tensor) -> torch.Tensor:
-    """(G,) nibbles -> (G, 4) bool keep flags."""
-    slots = torch.arange(4, dtype=torch.uint8, device=nib.device)
-    return ((nib & 3).unsqueeze(-1) == slots) | ((nib >> 2).unsqueeze(-1) == slots)
+    """(G,) nibbles -> (G, 4) bool keep flags, through a 16-entry table of keep bits."""
+    bits = _lookup(_KEEP_BITS, nib)
+    return ((bits.unsqueeze(-1) >> torch.arange(4, dtype=torch.uint8, device=nib.device)) & 1).bool()
+
+
+_KEEP_BITS = torch.tensor([(1 << (b & 3)) | (1 << (b >> 2)) if (b & 3) < (b >> 2) else 0 for b in range(16)],
+                          dtype=torch.uint8)
 
 
 def mask_nm(w: torch.Tensor, n: int = 2, m: int = 4, method: str = "magnitude", **kwargs) -> torch.Tensor:
