@@ -95,10 +95,8 @@ def _cmd_bench(args) -> int:
     from .shapes import parse_shapes
 
     dev = _device(args.device)
-    if args.threads is not None:
-        if args.threads < 1:
-            raise CLIError(f"--threads must be >= 1, got {args.threads}")
-        torch.set_num_threads(args.threads)
+    if args.threads is not None and args.threads < 1:
+        raise CLIError(f"--threads must be >= 1, got {args.threads}")
     d = bench.default_settings(dev, args.quick)
     shapes = parse_shapes(args.shapes or d["shapes"])
     ms = _int_list(args.m, "--m") if args.m else d["ms"]
@@ -107,6 +105,8 @@ def _cmd_bench(args) -> int:
     repeats = d["repeats"] if args.repeats is None else args.repeats
     if repeats < 1:
         raise CLIError(f"--repeats must be >= 1, got {repeats}")
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     info = bench.device_info(dev)
     out = _out_dir(args.out or os.path.join("runs", "bench", bench.device_slug(info)))
     settings = bench.BenchSettings(dev, shapes, ms, dtypes, providers, repeats)
@@ -293,6 +293,8 @@ def prune_state_dict(sd: dict, method: str = "magnitude", quantize: str | None =
     if quantize not in (None, "int8"):
         raise ValueError(f"--quantize must be int8 (or absent), got {quantize!r}")
     min_features = MIN_FEATURES if min_features is None else min_features
+    if min_features < 0:
+        raise ValueError(f"--min-features must be >= 0, got {min_features}")
     try:
         excl = re.compile(exclude, re.IGNORECASE) if exclude else None
     except re.error as e:

@@ -84,6 +84,7 @@ def test_bench_writes_csv_png_and_env(capsys, tmp_path):
     (["plot", "a.csv"], 2, ["--out", "required"]),
     (["prune", "missing.pt", "--out", "x.pt"], 2, ["no such checkpoint file: missing.pt"]),
     (["prune", "a.pt", "--out", "b.pt", "--method", "wanda"], 2, ["invalid choice: 'wanda'"]),
+    (["prune", "a.pt", "--out", "b.pt", "--min-features", "x"], 2, ["invalid int value: 'x'"]),
     (["frobnicate"], 2, ["invalid choice: 'frobnicate'"]),
     ([], 2, ["required"]),
 ])
@@ -221,6 +222,9 @@ def test_prune_errors(capsys, tmp_path):
     rc, _, err = run(capsys, "prune", str(ck), "--out", str(tmp_path / "o.pt"))
     assert rc == 1
     assert_one_line_error(err, "no weight could be pruned")
+    rc, _, err = run(capsys, "prune", str(ck), "--out", str(tmp_path / "o.pt"), "--min-features", "-1")
+    assert rc == 2
+    assert_one_line_error(err, "--min-features must be >= 0")
     torch.save({"a": 1}, tmp_path / "obj.pt")
     rc, _, err = run(capsys, "prune", str(tmp_path / "obj.pt"), "--out", str(tmp_path / "o.pt"))
     assert rc == 2
