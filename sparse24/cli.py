@@ -402,7 +402,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--shapes", nargs="+", metavar="NAME|N,K",
                    help=f"shape sets ({', '.join(SHAPE_SETS)}) or N,K; default: bert-base on CPU, standard on CUDA")
     b.add_argument("--m", metavar="LIST", help="batch sizes, comma-separated (default: per device, fewer with --quick)")
-    b.add_argument("--dtype", metavar="LIST", help="float16,bfloat16,float32 (default: float32 on CPU, float16 on CUDA)")
+    b.add_argument("--dtype", metavar="LIST",
+                   help="float16,bfloat16,float32 (default: float32 on CPU, float16 on CUDA)")
     b.add_argument("--providers", metavar="LIST", help="comma-separated subset of: " + ", ".join(PROVIDERS)
                    + " (default: all this machine has; on CPU the Triton interpreter only for tiny weights)")
     b.add_argument("--quick", action="store_true", help="fewer M values and repeats")

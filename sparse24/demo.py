@@ -206,7 +206,8 @@ def _pick_threads(choice: str) -> tuple[int, str]:
     """Thread count and a note. ``auto`` times a small GEMM with 1 thread and
     with all of them: on a shared 2-core machine under load, 2 threads ran a
     256x512x512 fp32 GEMM at 3.4 GFLOP/s and 1 thread at 16 GFLOP/s (threads
-    wait for each other), while an idle machine favours all threads."""
+    wait for each other); on an idle machine all threads should win. The probe
+    costs ~3 GFLOP (0.1-0.5 s)."""
     n_all = max(1, torch.get_num_threads())
     if choice != "auto":
         try:
@@ -223,9 +224,9 @@ def _pick_threads(choice: str) -> tuple[int, str]:
     for n in (1, n_all, 1, n_all):  # twice each, keep the best: the first call warms up
         torch.set_num_threads(n)
         t0 = time.perf_counter()
-        for _ in range(20):
+        for _ in range(5):
             a @ b
-        rates[n] = max(rates.get(n, 0.0), 20 * 2 * 256 * 512 * 512 / (time.perf_counter() - t0) / 1e9)
+        rates[n] = max(rates.get(n, 0.0), 5 * 2 * 256 * 512 * 512 / (time.perf_counter() - t0) / 1e9)
     best = max(rates, key=rates.get)
     return best, "probe: " + ", ".join(f"{n} thread{'s' * (n > 1)} {r:.0f} GFLOP/s" for n, r in rates.items())
 
@@ -261,14 +262,16 @@ def _report(rows: list[dict], header: str, files: str) -> str:
     """The results as markdown: a table (bits/char and weight bytes) and the differences that matter."""
     by = {r["model"]: r["bpc"] for r in rows}
     dense = by["dense"]
-    lines = [header, "", "| model | held-out bits/char | vs dense | Linear weights stored (fp32 model) |", "|---|---|---|---|"]
+    lines = [header, "", "| model | held-out bits/char | vs dense | Linear weights stored (fp32 model) |",
+             "|---|---|---|---|"]
     lines += [f"| {r['model']} | {r['bpc']:.4f} | {r['bpc'] - dense:+.4f} | {r['weights']} |" for r in rows]
     lines += ["", f"- one-shot 2:4 without retraining costs {by[ONESHOT] - dense:+.4f} bits/char"]
     if CONTROL in by:
         lines.append(f"- after retraining, 2:4 vs the dense control given the same extra training: "
                      f"{by[RETRAINED] - by[CONTROL]:+.4f} bits/char (the cost of 2:4 itself)")
-    lines += [f"- compress_ (values + 2-bit indices, swapped in) moved bits/char by {by[COMPRESSED] - by[RETRAINED]:+.1e}"
-              f"; INT8 on top of 2:4: {by[INT8] - by[COMPRESSED]:+.4f} bits/char", f"- {files}"]
+    lines += [f"- compress_ (values + 2-bit indices, swapped in) moved bits/char by "
+              f"{by[COMPRESSED] - by[RETRAINED]:+.1e}; INT8 on top of 2:4: {by[INT8] - by[COMPRESSED]:+.4f} bits/char",
+              f"- {files}"]
     return "\n".join(lines)
 
 

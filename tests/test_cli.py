@@ -241,6 +241,16 @@ def test_prune_skips_tied_weights():
     assert "tied" in report[0]["reason"] and "head.weight" in report[0]["reason"]
 
 
+def test_demo_thread_choice():
+    from sparse24.demo import _pick_threads
+    n, note = _pick_threads("auto")
+    assert 1 <= n <= max(1, torch.get_num_threads()) and (note.startswith("probe: 1 thread") or note == "one available")
+    assert _pick_threads("3") == (3, "as asked")
+    for bad in ("0", "many"):
+        with pytest.raises(ValueError, match="--threads must be a positive integer or 'auto'"):
+            _pick_threads(bad)
+
+
 # --- demo --------------------------------------------------------------------------------
 
 def test_demo_tiny(capsys, tmp_path):
