@@ -206,8 +206,8 @@ def _pick_threads(choice: str) -> tuple[int, str]:
     """Thread count and a note. ``auto`` times a small GEMM with 1 thread and
     with all of them: on a shared 2-core machine under load, 2 threads ran a
     256x512x512 fp32 GEMM at 3.4 GFLOP/s and 1 thread at 16 GFLOP/s (threads
-    wait for each other); on an idle machine all threads should win. The probe
-    costs ~3 GFLOP (0.1-0.5 s)."""
+    wait for each other); idle, 2 threads ran it at 65 GFLOP/s and 1 at 35.
+    The probe costs ~3 GFLOP (0.1-0.5 s)."""
     n_all = max(1, torch.get_num_threads())
     if choice != "auto":
         try:
