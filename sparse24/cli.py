@@ -408,7 +408,8 @@ def build_parser() -> argparse.ArgumentParser:
                    + " (default: all this machine has; on CPU the Triton interpreter only for tiny weights)")
     b.add_argument("--quick", action="store_true", help="fewer M values and repeats")
     b.add_argument("--repeats", type=int, help="timed samples per point (median kept)")
-    b.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    b.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice; on a shared machine use 1: "
+                   "with 2 threads on 2 busy cores a 16x768x768 GEMM took 16 ms instead of 1 ms)")
     b.add_argument("--out", metavar="DIR", help="output folder (default: runs/bench/<device>)")
     b.add_argument("--no-plot", action="store_true", help="write the CSV only")
     b.set_defaults(func=_cmd_bench)
