@@ -13,7 +13,6 @@ Prints medians over repeats and ratios (higher = sparse24 faster).
 from __future__ import annotations
 
 import argparse
-import platform
 import resource
 import statistics
 import subprocess
@@ -26,16 +25,7 @@ from torch.sparse._semi_structured_conversions import (
     sparse_semi_structured_from_dense_cutlass, sparse_semi_structured_to_dense_cutlass)
 
 import sparse24
-
-
-def cpu_name() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+from sparse24.bench import cpu_name
 
 
 def side_by_side(fns: dict, repeats: int) -> dict[str, float]:

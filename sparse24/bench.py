@@ -113,7 +113,7 @@ class Progress:
 
 # --- the machine ---------------------------------------------------------------------
 
-def _cpu_name() -> str:
+def cpu_name() -> str:
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -129,7 +129,7 @@ def device_info(device: torch.device) -> dict:
     the CPU model and torch's thread count."""
     if device.type == "cuda":
         return {"device_type": "cuda", "device": torch.cuda.get_device_name(device), "threads": ""}
-    return {"device_type": "cpu", "device": _cpu_name(), "threads": torch.get_num_threads()}
+    return {"device_type": "cpu", "device": cpu_name(), "threads": torch.get_num_threads()}
 
 
 def device_slug(info: dict) -> str:

@@ -165,12 +165,12 @@ def _cmd_plot(args) -> int:
 # --- info -----------------------------------------------------------------------
 
 def _cmd_info(args) -> int:
-    from .bench import _cpu_name, _triton_version
+    from .bench import cpu_name, _triton_version
     tv = _triton_version()
     print(f"sparse24 {__version__} | torch {torch.__version__} | triton {tv or 'not installed'} | "
           f"python {sys.version.split()[0]}")
     cuda = torch.cuda.is_available()
-    print(f"CPU: {_cpu_name()} ({os.cpu_count()} logical CPUs, torch uses {torch.get_num_threads()} threads)")
+    print(f"CPU: {cpu_name()} ({os.cpu_count()} logical CPUs, torch uses {torch.get_num_threads()} threads)")
     if cuda:
         for i in range(torch.cuda.device_count()):
             cc = torch.cuda.get_device_capability(i)

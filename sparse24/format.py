@@ -366,7 +366,8 @@ def compress(w: torch.Tensor, mask: torch.Tensor | None = None, **kwargs) -> Spa
     return p
 
 
-def _check_mask24(mask: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def check_mask(mask: torch.Tensor, w: torch.Tensor) -> None:
+    """Raise a clear error unless ``mask`` is a bool tensor shaped and placed like ``w``."""
     if not isinstance(mask, torch.Tensor):
         raise TypeError(f"mask must be a torch.Tensor, got {type(mask).__name__}")
     if mask.shape != w.shape:
@@ -375,7 +376,11 @@ def _check_mask24(mask: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"mask is on {mask.device} but weight is on {w.device}")
     if mask.dtype != torch.bool:
         raise TypeError(f"mask must be bool, got {mask.dtype}")
-    counts = mask.view(w.shape[0], -1, 4).sum(-1)
+
+
+def _check_mask24(mask: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    check_mask(mask, w)
+    counts = mask.reshape(w.shape[0], -1, 4).sum(-1)
     if bool((counts > 2).any()):
         r, g = (int(i) for i in (counts > 2).nonzero()[0])
         raise ValueError(f"mask is not 2:4: row {r}, group {g} (columns {4 * g}..{4 * g + 3}) keeps {int(counts[r, g])} of 4")

@@ -36,7 +36,7 @@ from functools import lru_cache
 import torch
 from torch import nn
 
-from .format import _check_nm, _check_weight, mask_nm
+from .format import _check_nm, _check_weight, check_mask, mask_nm
 
 __all__ = ["METHODS", "mask_nm_method", "prune_nm", "PruneResult", "kept_magnitude_fraction", "sparsegpt_prune",
            "LayerStats", "calibrate", "prune_layerwise_", "block_patterns", "search_permutation", "apply_permutation"]
@@ -59,12 +59,9 @@ def kept_magnitude_fraction(w: torch.Tensor, mask: torch.Tensor) -> float:
         >>> kept_magnitude_fraction(w, mask_nm(w, 2, 4))
         0.7
     """
-    if not isinstance(w, torch.Tensor) or not isinstance(mask, torch.Tensor):
-        raise TypeError("w and mask must be torch.Tensors")
-    if mask.shape != w.shape:
-        raise ValueError(f"mask shape {tuple(mask.shape)} does not match weight shape {tuple(w.shape)}")
-    if mask.dtype != torch.bool:
-        raise TypeError(f"mask must be bool, got {mask.dtype}")
+    if not isinstance(w, torch.Tensor):
+        raise TypeError(f"w must be a torch.Tensor, got {type(w).__name__}")
+    check_mask(mask, w)
     a = w.detach().abs().double()
     total = float(a.sum())
     return 1.0 if total == 0 else float((a * mask).sum()) / total
