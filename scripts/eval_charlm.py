@@ -52,6 +52,7 @@ from torch import nn
 
 import sparse24
 from sparse24 import GradualPruner, SRSTE, calibrate, compress, compress_, is_nm, sparsify_, sqnr_db
+from sparse24.bench import cpu_name
 from sparse24.nn import Sparse24Linear
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -309,16 +310,6 @@ def job_from_scratch(cfg: dict, kind: str) -> dict:
 
 # --- output ----------------------------------------------------------------------
 
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
-
-
 ORDER = ["dense", "dense INT8", "2:4 one-shot magnitude", "2:4 one-shot wanda", "2:4 one-shot sparsegpt",
          "2:4 retrained", "2:4 retrained, compressed", "2:4 retrained + INT8", "dense retrained (control)",
          "50% unstructured gradual", "2:4 gradual", "2:4 SR-STE from scratch"]
@@ -350,7 +341,7 @@ def write_results(out: Path, rows: list[dict], curves: dict, sqnr: list[dict], c
     lines = [
         "# 2:4 sparsity on a character-level LM (Python stdlib source)", "",
         f"Command: `python scripts/eval_charlm.py{''.join(' ' + a for a in argv)}`", "",
-        f"- Machine: {cpu_model()}, {os.cpu_count()} logical CPUs shared with other jobs; "
+        f"- Machine: {cpu_name()}, {os.cpu_count()} logical CPUs shared with other jobs; "
         f"{cfg['jobs']} worker process(es) x {cfg['threads']} torch thread(s); no GPU",
         f"- Software: Python {platform.python_version()}, torch {torch.__version__}, sparse24 {sparse24.__version__}",
         f"- Corpus: {info['files']} top-level `.py` files of {info['stdlib']}; {info['val_files']} held out "

@@ -143,11 +143,13 @@ class SparsifyReport:
 
 # --- walking a model --------------------------------------------------------------
 
-def _check_model(model, filter_fn) -> None:
+def _check_model(model, filter_fn, who: str = "") -> None:
+    """TypeError unless ``model`` is an nn.Module and ``filter_fn`` None or callable;
+    ``who`` prefixes the message (e.g. ``"SRSTE: "``)."""
     if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+        raise TypeError(f"{who}model must be a torch.nn.Module, got {type(model).__name__}")
     if filter_fn is not None and not callable(filter_fn):
-        raise TypeError(f"filter_fn must be callable (module, fqn) -> bool, got {type(filter_fn).__name__}")
+        raise TypeError(f"{who}filter_fn must be callable (module, fqn) -> bool, got {type(filter_fn).__name__}")
 
 
 def _child_slots(model: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:

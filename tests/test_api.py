@@ -295,7 +295,7 @@ def test_bad_arguments_change_nothing():
         sparse24.sparsify_(model, quantize="int8")
     with pytest.raises(TypeError, match="calibration must be a dict"):
         sparse24.sparsify_(model, method="wanda", calibration=[1])
-    with pytest.raises(TypeError, match="model must be an nn.Module, got str"):
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module, got str"):
         sparse24.sparsify_("model")
     with pytest.raises(TypeError, match="optimizer must be a torch.optim.Optimizer, got list"):
         sparse24.prune_trained_model(model, [])
