@@ -1,0 +1,75 @@
+"""Sparse24Linear and sparsify_ on a CUDA GPU (the kernel behind backend="auto"),
+against the same model with its dense weights multiplied by the mask, in fp64.
+Run by scripts/gpu_check.sh; not part of the CPU suite (CI has no GPU)."""
+import copy
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import sparse24
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
+from conftest import tolerance  # noqa: E402
+
+# SPARSE24_GPU_TESTS_DEVICE=cpu dry-runs this file's logic on the reference backend.
+DEV = torch.device(os.environ.get("SPARSE24_GPU_TESTS_DEVICE", "cuda"))
+if DEV.type == "cuda" and not torch.cuda.is_available():
+    raise RuntimeError("these tests need a CUDA GPU; the CPU suite is tests/")
+
+
+def _mlp(dtype):
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(256, 512), nn.GELU(), nn.Linear(512, 128)).to(DEV, dtype)
+
+
+def _masked_dense(model):
+    """fp64 copy of a dense model with every Linear weight times its 2:4 magnitude mask."""
+    ref = copy.deepcopy(model).double()
+    with torch.no_grad():
+        for layer in (ref[0], ref[2]):
+            layer.weight.mul_(sparse24.mask_nm(layer.weight))
+    return ref
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("mode", ["masked", "compressed"])
+def test_sparsified_model_matches_masked_dense(dtype, mode):
+    model = _mlp(dtype)
+    x = torch.randn(3, 7, 256, device=DEV, dtype=dtype)
+    ref = _masked_dense(model)(x.double())
+    sparse24.sparsify_(model, mode=mode)
+    out = model(x)
+    assert out.dtype == dtype and out.device == x.device
+    # two layers: the hidden activations are rounded to dtype once in between
+    tol = tolerance(dtype, 512)
+    torch.testing.assert_close(out.double(), ref, rtol=4 * tol["rtol"], atol=4 * tol["atol"] + 4 * tol["rtol"])
+
+
+def test_masked_training_keeps_pruned_weights_zero_on_cuda():
+    model = _mlp(torch.float32)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    sparse24.sparsify_(model)
+    x, y = torch.randn(64, 256, device=DEV), torch.randn(64, 128, device=DEV)
+    for _ in range(5):
+        opt.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+    for layer in (model[0], model[2]):
+        assert bool((layer.weight[~layer.mask] == 0).all())
+        assert sparse24.is_nm(layer.weight.detach())
+
+
+def test_compressed_input_gradients_on_cuda():
+    model = _mlp(torch.float32)
+    ref = _masked_dense(model)
+    sparse24.sparsify_(model, mode="compressed")
+    x = torch.randn(5, 256, device=DEV, requires_grad=True)
+    xr = x.detach().double().requires_grad_()
+    model(x).sum().backward()
+    ref(xr).sum().backward()
+    torch.testing.assert_close(x.grad.double(), xr.grad, **tolerance(torch.float32, 512))
