@@ -363,7 +363,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--eval-sentences", type=int, default=512)
     ap.add_argument("--calib-sentences", type=int, default=1024)
-    ap.add_argument("--distill-steps", type=int, default=400)
+    ap.add_argument("--distill-steps", type=int, default=600)
     ap.add_argument("--distill-batch", type=int, default=32)
     ap.add_argument("--distill-lr", type=float, default=5e-4)
     ap.add_argument("--distill-from", nargs="+", default=["sparsegpt"], choices=["magnitude", "wanda", "sparsegpt"],
