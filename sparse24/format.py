@@ -166,9 +166,13 @@ def mask_nm(w: torch.Tensor, n: int = 2, m: int = 4, method: str = "magnitude", 
 
 def is_nm(w: torch.Tensor, n: int = 2, m: int = 4) -> bool:
     """True if every group of ``m`` consecutive entries along the last
-    dimension of ``w`` (any shape, last dim divisible by m) has at most ``n``
-    non-zeros."""
+    dimension of ``w`` (any shape with at least 1 dim, last dim divisible by m)
+    has at most ``n`` non-zeros."""
     _check_nm(n, m)
+    if not isinstance(w, torch.Tensor):
+        raise TypeError(f"w must be a torch.Tensor, got {type(w).__name__}")
+    if w.dim() == 0:
+        raise ValueError("w must have at least 1 dimension, got a 0-d tensor")
     if w.shape[-1] % m != 0:
         raise ValueError(f"last dimension ({w.shape[-1]}) must be divisible by m={m}")
     return bool(((w != 0).reshape(-1, m).sum(-1) <= n).all())
@@ -185,7 +189,8 @@ def _pack_meta(nib: torch.Tensor) -> torch.Tensor:
     pad = (-G) % 8
     if pad:
         nib = torch.nn.functional.pad(nib, (0, pad))
-    words = (nib.view(R, -1, 8) << _SHIFTS.to(nib.device)).sum(-1, dtype=torch.int32)
+    # explicit word count: a -1 would be ambiguous for R == 0 rows
+    words = (nib.view(R, (G + pad) // 8, 8) << _SHIFTS.to(nib.device)).sum(-1, dtype=torch.int32)
     return words.t().contiguous()
 
 
@@ -198,7 +203,7 @@ def _unpack_slots(meta: torch.Tensor, groups: int) -> torch.Tensor:
     """
     R = meta.shape[1]
     shifts = _SHIFTS.to(meta.device)
-    nib = ((meta.t().unsqueeze(-1) >> shifts) & 15).reshape(R, -1)[:, :groups]  # (R, groups) int32
+    nib = ((meta.t().unsqueeze(-1) >> shifts) & 15).reshape(R, 8 * meta.shape[0])[:, :groups]  # (R, groups) int32
     return _NIB_SLOTS.to(meta.device).index_select(0, nib.reshape(-1)).view(R, groups, 2)
 
 
@@ -221,11 +226,15 @@ class Sparse24Tensor:
 
     def __init__(self, values: torch.Tensor, meta: torch.Tensor, shape, dtype: torch.dtype | None = None,
                  scale: torch.Tensor | None = None):
+        if not isinstance(shape, (tuple, list, torch.Size)) or len(shape) != 2:
+            raise ValueError(f"shape must be a logical (R, C) pair, got {shape!r}")
         R, C = (int(s) for s in shape)
         if C % 4 != 0 or R < 0 or C < 0:
             raise ValueError(f"logical shape must be (R, C) with C divisible by 4, got {(R, C)}")
         if not isinstance(values, torch.Tensor) or not isinstance(meta, torch.Tensor):
             raise TypeError("values and meta must be tensors")
+        if scale is not None and not isinstance(scale, torch.Tensor):
+            raise TypeError(f"scale must be a tensor or None, got {type(scale).__name__}")
         if tuple(values.shape) != (R, C // 2):
             raise ValueError(f"values must have shape {(R, C // 2)} for logical shape {(R, C)}, got {tuple(values.shape)}")
         if meta.dtype != torch.int32 or tuple(meta.shape) != ((C + 31) // 32, R):
@@ -331,6 +340,8 @@ class Sparse24Tensor:
 
     # -- state dict helpers --
     def state_tensors(self) -> dict[str, torch.Tensor]:
+        """``{"values": (R, C/2), "meta": (ceil(C/32), R)}`` plus ``"scale": (R,)`` when
+        quantized: the plain tensors to store (the same objects, not copies)."""
         d = {"values": self.values, "meta": self.meta}
         if self.scale is not None:
             d["scale"] = self.scale

@@ -241,3 +241,25 @@ def test_is_nm_on_non_contiguous_input(gen):
     mask = sparse24.mask_nm(w, method="2d_optimal")
     assert sparse24.is_nm((w * mask).t())  # transposable: columns are 2:4 too
     assert not sparse24.is_nm(w.t())
+
+
+def test_bad_arguments_give_clear_errors(gen):
+    # is_nm on a list / 0-d tensor used to raise AttributeError / IndexError
+    with pytest.raises(TypeError, match="torch.Tensor"):
+        sparse24.is_nm([[1.0, 0.0, 0.0, 0.0]])
+    with pytest.raises(ValueError, match="at least 1 dimension"):
+        sparse24.is_nm(torch.tensor(1.0))
+    p = sparse24.compress(torch.randn(8, 32, generator=gen), quantize="int8")
+    with pytest.raises(TypeError, match="scale must be a tensor"):  # was AttributeError
+        Sparse24Tensor(p.values, p.meta, p.shape, torch.float32, [1.0] * 8)
+    with pytest.raises(ValueError, match=r"logical \(R, C\) pair"):
+        Sparse24Tensor(p.values, p.meta, (8, 32, 1), torch.float32, p.scale)
+
+
+@pytest.mark.parametrize("quantize", [None, "int8"])
+def test_zero_row_weight_compresses(quantize):
+    # (0, C) weights used to fail in the metadata packing with a reshape RuntimeError
+    p = sparse24.compress(torch.randn(0, 40), quantize=quantize)
+    assert p.meta.shape == (2, 0) and p.values.shape == (0, 20)
+    assert p.validate().to_dense().shape == (0, 40)
+    assert sparse24.linear(torch.randn(3, 40), p).shape == (3, 0)
