@@ -402,8 +402,11 @@ class Sparse24Linear(nn.Module):
 
     # -- forward --
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``(..., in_features)`` -> ``(..., out_features)``, as ``nn.Linear`` with the 2:4 weight."""
         if self._mode == "masked":
             return F.linear(x, torch.where(self.mask, self.weight, 0), self.bias)
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"input must be a torch.Tensor, got {type(x).__name__}")
         dev = x.device.type
         if torch.is_autocast_enabled(dev):
             # Autocast does not see inside the Function: cast explicitly, as it would for F.linear.
@@ -472,6 +475,9 @@ class Sparse24Linear(nn.Module):
         """Validate this layer's entries of a state dict before anything is copied."""
         R, C = self.out_features, self.in_features
         has = {k for k in ("weight", "mask", "values", "meta", "scale") if prefix + k in sd}
+        for k in has:
+            if not isinstance(sd[prefix + k], torch.Tensor):
+                raise TypeError(f"'{prefix}{k}' must be a tensor, got {type(sd[prefix + k]).__name__}")
         quantized = self.quantize is not None
         want = {"weight", "mask"} if self._mode == "masked" else {"values", "meta"} | ({"scale"} if quantized else set())
         if has == want:
@@ -490,8 +496,13 @@ class Sparse24Linear(nn.Module):
                              "build the model with quantize='int8'")
         elif quantized and "scale" not in has:
             raise ValueError("this layer is INT8-quantized but the checkpoint has no scale: it is not INT8")
-        else:
+        elif not has:
             return  # entries missing altogether: nn.Module reports missing keys (strict mode)
+        elif not has >= want:
+            # Loading part of the set (e.g. a mask alone) would pair it with the old tensors unchecked.
+            raise ValueError(f"incomplete 2:4 entries: got {sorted(has)}, a {self._mode} layer needs all of "
+                             f"{sorted(want)} (or none)")
+        # else: all wanted entries plus extras (reported as unexpected by nn.Module): check the wanted ones
         if self._mode == "masked":
             _check_state_masked(sd[prefix + "weight"], sd[prefix + "mask"], (R, C), prefix)
             return

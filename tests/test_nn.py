@@ -371,6 +371,30 @@ def test_loading_corrupt_or_mismatched_checkpoints(gen):
         assert same_state(before, layer_state(layer))
 
 
+def test_partial_or_extra_checkpoint_entries_are_checked(gen):
+    # A lone mask / meta, or the full set plus extra keys, used to be loaded without any check
+    # (strict=False: a dense all-True mask silently turned the layer dense).
+    masked = Sparse24Linear.from_linear(make_linear(64, 16, True, torch.float32, gen))
+    comp = copy.deepcopy(masked).to_compressed()
+    sd, sdc = masked.state_dict(), comp.state_dict()
+    bad_w = sd["weight"].clone()
+    bad_w[~sd["mask"]] = 1.0
+    bad_meta = sdc["meta"].clone()
+    bad_meta[0, 3] = 0
+    cases = [(masked, {"mask": torch.ones_like(sd["mask"])}, r"incomplete 2:4 entries: got \['mask'\]"),
+             (masked, {**sd, "weight": bad_w, "values": sdc["values"]}, "non-zero where 'mask' is False"),
+             (masked, {**sd, "mask": [1, 0]}, "'mask' must be a tensor"),
+             (comp, {"meta": bad_meta}, r"incomplete 2:4 entries: got \['meta'\]"),
+             (comp, {**sdc, "meta": bad_meta, "weight": sd["weight"]}, "corrupt metadata at row 3")]
+    for layer, bad, msg in cases:
+        before = layer_state(layer)
+        with pytest.raises(RuntimeError, match=msg):
+            layer.load_state_dict(bad, strict=False)
+        assert same_state(before, layer_state(layer))
+    with pytest.raises(TypeError, match="input must be a torch.Tensor"):  # was AttributeError
+        comp([0.0] * 64)
+
+
 # --- INT8 ------------------------------------------------------------------------------------
 
 def dequantized_reference(layer, mask):
