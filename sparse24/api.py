@@ -29,6 +29,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from .format import compress
 from .nn import Sparse24Linear, _check_mode, _prepare, compressed_nbytes, memory_nbytes
 
 __all__ = ["sparsify_", "densify_", "compress_", "decompress_", "prune_trained_model", "SparsifyReport",
@@ -332,6 +333,14 @@ def compress_(model: nn.Module, quantize: str | None = None, trainable_values: b
         if m.mode == "compressed" and m.quantize != quantize:
             raise ValueError(f"layer {fqn!r} is already compressed with quantize={m.quantize!r}; "
                              f"decompress_ first to re-compress with quantize={quantize!r}")
+    # Compress every masked layer first, so a failing one (e.g. inf weights with int8) leaves the model untouched.
+    packed = {}
+    for fqn, m in layers:
+        if id(m) not in readers and m.mode == "masked":
+            try:
+                packed[fqn] = compress(m.weight.detach(), m.mask, quantize=quantize)
+            except (ValueError, TypeError) as e:
+                raise type(e)(f"compress_: layer {fqn!r}: {e} (nothing was changed)") from e
     report = SparsifyReport("compress_", {"quantize": quantize} if quantize else {})
     for fqn, m in layers:
         if id(m) in readers:
@@ -339,7 +348,7 @@ def compress_(model: nn.Module, quantize: str | None = None, trainable_values: b
         elif m.mode == "compressed" and trainable_values == isinstance(m.values, nn.Parameter):
             report.layers.append(_entry(fqn, m, "skipped", "already compressed"))
         else:
-            m.to_compressed(quantize, trainable_values)
+            m._set_compressed(packed[fqn] if fqn in packed else m.sparse_tensor(), trainable_values)
             report.layers.append(_entry(fqn, m, "compressed"))
     return report
 

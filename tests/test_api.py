@@ -320,6 +320,18 @@ def test_a_failing_layer_leaves_the_model_untouched():
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in sd.items())
 
 
+def test_compress_int8_failing_layer_leaves_the_model_untouched():
+    # compress_ used to compress layer '0' and then raise on layer '1' (inf weight cannot be int8)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32))
+    sparse24.sparsify_(model)
+    with torch.no_grad():
+        model[1].weight[0, model[1].mask[0].nonzero()[0, 0]] = float("inf")
+    with pytest.raises(ValueError, match=r"compress_: layer '1': cannot quantize.*\(nothing was changed\)"):
+        sparse24.compress_(model, quantize="int8")
+    assert [m.mode for m in model] == ["masked", "masked"]
+
+
 def test_sparsify_compressed_int8_matches_dequantized_model():
     model = build()
     ref, masks = masked_reference(model)
