@@ -345,13 +345,17 @@ def sparsegpt_prune(w: torch.Tensor, hessian: torch.Tensor | None = None, n: int
         raise ValueError("hessian must be finite floating point")
     if not isinstance(blocksize, int) or blocksize < m or blocksize % m:
         raise ValueError(f"blocksize must be a positive multiple of m={m}, got {blocksize!r}")
-    if not percdamp > 0:
-        raise ValueError(f"percdamp must be > 0, got {percdamp!r}")
+    if not (isinstance(percdamp, (int, float)) and 0 < percdamp < math.inf):
+        raise ValueError(f"percdamp must be a finite number > 0, got {percdamp!r}")
+    if not bool(torch.isfinite(w).all()):  # NaN/inf would spread through the updates into every weight
+        raise ValueError("weight contains NaN or inf: SparseGPT cannot reconstruct it")
 
     dev, wdt = w.device, (torch.float64 if w.dtype == torch.float64 else torch.float32)
     W = w.detach().to(wdt).clone()
     H = hessian.detach().to(device=dev, dtype=torch.float64).clone()
     dead = torch.diag(H) == 0  # inputs that never fire: their weights do not matter
+    if bool(dead.all()):  # no inputs at all: every weight would be zeroed
+        raise ValueError("hessian is all zero (no calibration inputs reached this layer)")
     H[dead, dead] = 1
     W[:, dead] = 0
     H.diagonal().add_(percdamp * float(torch.diag(H).mean()))
@@ -359,7 +363,10 @@ def sparsegpt_prune(w: torch.Tensor, hessian: torch.Tensor | None = None, n: int
     # with J the reversal, J H J = L L^T gives U = J L^-1 J. One factorization and
     # one triangular solve, where cholesky_inverse + cholesky cost 3x as long (1.15 s
     # for cholesky_inverse alone at K=1024, 2-core CPU).
-    L = torch.linalg.cholesky(H.flip(0, 1))
+    L, info = torch.linalg.cholesky_ex(H.flip(0, 1))
+    if int(info):
+        raise ValueError("hessian is not positive semi-definite (Cholesky failed even after damping): pass "
+                         "X^T X of the layer's inputs, e.g. calibrate(..., hessian=True)[name].hessian")
     eye = torch.eye(C, dtype=H.dtype, device=dev)
     Hinv = torch.linalg.solve_triangular(L, eye, upper=False).flip(0, 1).to(wdt)
     prune = torch.zeros(R, C, dtype=torch.bool, device=dev)
@@ -477,7 +484,8 @@ def calibrate(model: nn.Module, batches, hessian: bool = False, filter_fn=None, 
             h.remove()
         for mod, training in modes:
             mod.training = training
-    return stats
+    # A layer that only saw empty inputs has no statistics (all-zero norms would zero SparseGPT's weights).
+    return {fqn: s for fqn, s in stats.items() if s.count > 0}
 
 
 def prune_layerwise_(model: nn.Module, batches, n: int = 2, m: int = 4, method: str = "sparsegpt",
@@ -516,6 +524,9 @@ def prune_layerwise_(model: nn.Module, batches, n: int = 2, m: int = 4, method: 
                         "every layer needs its own pass over them")
     if method not in METHODS:
         raise ValueError(f"unknown mask method {method!r}; choose one of {', '.join(METHODS)}")
+    first = next(iter(batches), None)
+    if first is None:
+        raise ValueError("batches is empty: prune_layerwise_ needs calibration inputs")
     order: list[str] = []
     names = {mod: fqn for fqn, mod in model.named_modules()
              if isinstance(mod, nn.Linear) and mod.in_features % m == 0 and (filter_fn is None or filter_fn(mod, fqn))}
@@ -523,7 +534,7 @@ def prune_layerwise_(model: nn.Module, batches, n: int = 2, m: int = 4, method: 
     handles = [mod.register_forward_pre_hook(record) for mod in names]
     try:
         # one batch, only to learn the call order (no statistics collected)
-        calibrate(model, [next(iter(batches))], device=device, filter_fn=lambda mod, fqn: False)
+        calibrate(model, [first], device=device, filter_fn=lambda mod, fqn: False)
     finally:
         for h in handles:
             h.remove()
@@ -532,6 +543,8 @@ def prune_layerwise_(model: nn.Module, batches, n: int = 2, m: int = 4, method: 
     for fqn in order:
         stats = calibrate(model, batches, hessian=method == "sparsegpt", device=device,
                           filter_fn=lambda mod, name, fqn=fqn: name == fqn)
+        if fqn not in stats:
+            raise ValueError(f"layer {fqn!r} received no input rows from batches: nothing to calibrate it on")
         lin = layers[fqn]
         r = prune_nm(lin.weight, n, m, method, calibration=stats[fqn], **kwargs)
         with torch.no_grad():
@@ -610,7 +623,7 @@ def search_permutation(w: torch.Tensor, n: int = 2, m: int = 4, time_limit: floa
     C = w.shape[1]
     groups = C // m
     identity = torch.arange(C, device=w.device)
-    if n in (0, m) or groups < 2:
+    if n in (0, m) or groups < 2 or w.shape[0] == 0:
         return identity  # every grouping keeps the same magnitude
     wg = max(2, min(groups, window // m))  # groups per window
     sdt = _score_dtype(w)
@@ -676,6 +689,11 @@ def apply_permutation(producer: nn.Linear, consumer: nn.Linear, perm: torch.Tens
     for name, mod in (("producer", producer), ("consumer", consumer)):
         if not isinstance(mod, nn.Linear):
             raise TypeError(f"{name} must be an nn.Linear, got {type(mod).__name__}")
+    for name, mod in (("producer", producer), ("consumer", consumer)):
+        # .weight of a parametrized Linear is a computed copy: writing it would permute nothing
+        if nn.utils.parametrize.is_parametrized(mod, "weight"):
+            raise ValueError(f"{name}'s weight is parametrized (e.g. SR-STE, weight_norm): apply the permutation "
+                             "before adding the parametrization, or after removing it")
     if producer is consumer:
         raise ValueError("producer and consumer are the same module: permuting its rows and columns together "
                          "changes its function")

@@ -467,3 +467,37 @@ def test_apply_permutation_bad_input():
         with pytest.raises(err, match=msg):
             apply_permutation(*args)
     assert all(torch.equal(p, q) for p, q in zip(state, (*a.parameters(), *b.parameters())))
+
+
+def test_sparsegpt_rejects_inputs_that_used_to_give_nan_zero_or_raw_errors():
+    w = _randn(8, 16)
+    with pytest.raises(ValueError, match="not positive semi-definite"):  # was torch's _LinAlgError
+        sparsegpt_prune(w, -torch.eye(16, dtype=torch.float64))
+    with pytest.raises(ValueError, match="all zero"):  # used to zero every weight
+        sparsegpt_prune(w, torch.zeros(16, 16))
+    with pytest.raises(ValueError, match="percdamp must be a finite number"):  # inf gave NaN weights
+        sparsegpt_prune(w, torch.eye(16), percdamp=math.inf)
+    bad = w.clone()
+    bad[0, 0] = math.nan  # spread NaN into the row
+    with pytest.raises(ValueError, match="NaN or inf"):
+        sparsegpt_prune(bad, torch.eye(16))
+
+
+def test_calibrate_drops_layers_that_saw_no_rows():
+    # 0-row batches used to give count-0 stats (all-zero Hessian): sparsify_ then zeroed the weights
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 32))
+    assert calibrate(model, [torch.randn(0, 32)], hessian=True) == {}
+    with pytest.raises(ValueError, match="batches is empty"):  # was StopIteration
+        prune_layerwise_(model, [])
+
+
+def test_permutation_edge_cases():
+    assert torch.equal(search_permutation(torch.randn(0, 16), progress=False), torch.arange(16))  # was RuntimeError
+    # a parametrized producer's .weight is a computed copy: the permutation used to be lost silently
+    mlp = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
+    nn.utils.parametrize.register_parametrization(mlp[0], "weight", nn.Identity())
+    before = [p.detach().clone() for p in mlp.parameters()]
+    with pytest.raises(ValueError, match="producer's weight is parametrized"):
+        apply_permutation(mlp[0], mlp[2], torch.randperm(16))
+    assert all(torch.equal(a, b) for a, b in zip(before, mlp.parameters()))
