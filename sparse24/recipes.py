@@ -206,11 +206,22 @@ class GradualPruner:
         return {"masks": {k: v.clone() for k, v in self.masks.items()}, "pruned_k": self._pruned_k}
 
     def load_state_dict(self, state: dict) -> None:
-        masks = state["masks"]
-        if set(masks) != set(self.masks) or any(masks[k].shape != v.shape for k, v in self.masks.items()):
-            raise ValueError("GradualPruner.load_state_dict: masks do not match this pruner's layers")
-        self.masks = {k: masks[k].to(v.device, torch.bool) for k, v in self.masks.items()}
-        self._pruned_k = int(state["pruned_k"])
+        """Restore what :meth:`state_dict` returned; checks everything before changing anything."""
+        who = "GradualPruner.load_state_dict"
+        if not isinstance(state, dict) or set(state) != {"masks", "pruned_k"}:
+            got = sorted(state) if isinstance(state, dict) else type(state).__name__
+            raise ValueError(f"{who}: need a dict with keys ['masks', 'pruned_k'], got {got}")
+        masks, k = state["masks"], state["pruned_k"]
+        if not isinstance(masks, dict) or set(masks) != set(self.masks) or any(
+                not isinstance(masks[n], torch.Tensor) or masks[n].dtype != torch.bool or masks[n].shape != v.shape
+                for n, v in self.masks.items()):
+            raise ValueError(f"{who}: masks do not match this pruner's layers (one bool tensor of the weight's "
+                             "shape per layer)")
+        last = (self.end_step - self.start_step) // self.frequency
+        if not isinstance(k, int) or isinstance(k, bool) or not -1 <= k <= last:
+            raise ValueError(f"{who}: pruned_k must be an int in [-1, {last}], got {k!r}")
+        self.masks = {n: masks[n].to(v.device) for n, v in self.masks.items()}
+        self._pruned_k = k
 
 
 class _SRSTEFunction(torch.autograd.Function):

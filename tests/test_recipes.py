@@ -148,6 +148,24 @@ def test_skipped_pruning_step_is_caught_up_and_state_roundtrips():
     assert all(torch.equal(q.masks[k], p.masks[k]) for k in p.masks)
 
 
+def test_load_state_dict_checks_everything_before_changing_anything():
+    # a state without 'pruned_k' used to replace the masks and then raise KeyError;
+    # float masks were silently cast to bool, lists raised AttributeError
+    p = GradualPruner(mlp(5), 0.5, start_step=0, end_step=10, frequency=5)
+    p.step(5)
+    good = p.state_dict()
+    before = {k: v.clone() for k, v in p.masks.items()}
+    zeros = {k: torch.zeros_like(v) for k, v in good["masks"].items()}
+    for bad, msg in [({"masks": zeros}, "keys"), ([1], "keys"),
+                     ({"masks": {k: v.float() for k, v in good["masks"].items()}, "pruned_k": 1}, "masks do not match"),
+                     ({"masks": {k: [1] for k in good["masks"]}, "pruned_k": 1}, "masks do not match"),
+                     ({"masks": zeros, "pruned_k": "1"}, "pruned_k must be an int"),
+                     ({"masks": zeros, "pruned_k": 3}, r"pruned_k must be an int in \[-1, 2\]")]:
+        with pytest.raises(ValueError, match=msg):
+            p.load_state_dict(bad)
+        assert all(torch.equal(before[k], p.masks[k]) for k in before) and p._pruned_k == 1
+
+
 def test_filter_fn_selects_layers():
     model = mlp()
     p = GradualPruner(model, 0.5, end_step=1, frequency=1, filter_fn=lambda mod, fqn: fqn != "4")
