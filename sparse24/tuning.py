@@ -87,6 +87,7 @@ class KernelConfig:
         return self
 
     def to_json(self) -> dict:
+        """The config as a file stores it: ``{"BLOCK_M": ..., "num_stages": ...}``."""
         return {k: getattr(self, f) for k, f in self._JSON.items()}
 
     @classmethod
@@ -221,7 +222,7 @@ def validate_dir(d) -> list[tuple[Path, str]]:
     for path in sorted(Path(d).glob(f"*/{KERNEL}.json")):
         try:
             data = validate_file(json.loads(path.read_text()))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError, ValueError) as e:
+        except _BAD_FILE as e:
             problems.append((path, f"{type(e).__name__}: {e}"))
             continue
         if path.parent.name != gpu_file_name(data["gpu"]):
@@ -236,6 +237,8 @@ def _parse_config(d, where: str) -> KernelConfig:
         raise ValueError(f"{where}: {e}") from None
 
 
+# What reading a corrupt file can raise (deeply nested JSON makes json.loads raise RecursionError).
+_BAD_FILE = (OSError, UnicodeDecodeError, json.JSONDecodeError, ValueError, RecursionError)
 _WARNED: set[str] = set()
 _FILES: dict[tuple, list[dict]] = {}      # dirs -> parsed files (with their "path")
 _CHOICES: dict[tuple, "Choice"] = {}      # (dirs, gpu, cc, key) -> lookup (or live-tuned) result
@@ -260,7 +263,7 @@ def _load_dir(d: Path) -> list[dict]:
     for path in sorted(d.glob(f"*/{KERNEL}.json")) if d.is_dir() else []:
         try:
             data = validate_file(json.loads(path.read_text()))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError, ValueError) as e:
+        except _BAD_FILE as e:
             _warn_once(path, f"{type(e).__name__}: {e}")
             continue
         files.append(dict(data, path=path))
@@ -362,7 +365,8 @@ def measured_speedup(M: int, N: int, K: int, dtype: str, device=None) -> float |
     dense where the kernel measured slower (typically large M)."""
     gpu, cc = _device_identity(device)
     choice = lookup(M, N, K, dtype, gpu, cc)
-    if choice.kind not in ("exact", "nearest") or not choice.entry or "dense_us" not in choice.entry:
+    # both timings are optional in a file; a speed-up needs the two of them
+    if choice.kind not in ("exact", "nearest") or not choice.entry or not {"dense_us", "kernel_us"} <= set(choice.entry):
         return None
     return choice.entry["dense_us"] / choice.entry["kernel_us"]
 
@@ -595,7 +599,7 @@ def write_entries(out_dir: Path, gpu: str, capability: tuple[int, int], entries:
     if path.exists():
         try:
             old = validate_file(json.loads(path.read_text()))["entries"]
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError, ValueError) as e:
+        except _BAD_FILE as e:
             path.replace(path.with_suffix(".json.corrupt"))
             print(f"sparse24: {path} was unreadable ({e}); moved to {path.name}.corrupt", file=sys.stderr)
     merged = {**old, **entries}

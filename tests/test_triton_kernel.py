@@ -60,6 +60,14 @@ def test_empty_batch(gen):
         assert y.shape == (*lead, 40) and y.dtype == torch.float32
 
 
+def test_zero_features(gen):
+    # K = 0 used to fail in x.reshape(-1, 0) before reaching the K = 0 branch; y = bias
+    p = sparse24.compress(torch.randn(5, 0))
+    b = torch.randn(5, generator=gen)
+    y = linear_triton(torch.randn(2, 3, 0), p, b)
+    assert y.shape == (2, 3, 5) and torch.equal(y, b.expand(2, 3, 5))
+
+
 def test_mixed_weight_and_activation_dtypes(gen):
     w = torch.randn(40, 64, generator=gen)
     x = torch.randn(13, 64, generator=gen)
@@ -170,6 +178,8 @@ def test_rejects_unsupported_input_and_changes_nothing(gen):
         linear_triton(x, p, config=KernelConfig(16, 32, 48))
     with pytest.raises(ValueError, match="bad kernel config BLOCK_M=8"):
         linear_triton(x, p, config=KernelConfig(8, 32, 32))
+    with pytest.raises(TypeError, match="config must be a sparse24.tuning.KernelConfig"):  # was AttributeError
+        linear_triton(x, p, config={"BLOCK_M": 16})
     for before, after in zip(saved, (x, p.values, p.meta)):
         assert torch.equal(before, after)
 

@@ -133,7 +133,8 @@ def test_lookup_order(isolated, tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("content", ["{broken", json.dumps({"schema": 1, "kernel": "sparse24_matmul"}),
-                                     json.dumps([1, 2])], ids=["corrupt", "schema-invalid", "not-an-object"])
+                                     json.dumps([1, 2]), "[" * 100000 + "]" * 100000],
+                         ids=["corrupt", "schema-invalid", "not-an-object", "too-deep"])  # too-deep: RecursionError
 def test_bad_file_warns_once_and_falls_back(isolated, content):
     path = isolated / tuning.gpu_file_name(GPU) / "sparse24_matmul.json"
     path.parent.mkdir()
@@ -146,6 +147,16 @@ def test_bad_file_warns_once_and_falls_back(isolated, content):
     msgs = [str(w.message) for w in caught]
     assert len(msgs) == 1 and str(path) in msgs[0] and "ignoring tuned-config file" in msgs[0]
     assert all(c.kind == "builtin" and c.config == tuning.builtin_config(M) for M, c in choices)
+
+
+def test_speedup_needs_both_timings(isolated, monkeypatch):
+    # an entry with dense_us but no kernel_us (both optional) used to raise KeyError in measured_speedup,
+    # i.e. inside linear(backend="auto") on that GPU
+    _write(isolated, GPU, (9, 0), {(16, 64, 64, "float16"): {"config": CFG_A, "dense_us": 3.0},
+                                   (32, 64, 64, "float16"): {"config": CFG_A, "kernel_us": 3.0}})
+    monkeypatch.setattr(tuning, "_device_identity", lambda device: (GPU, (9, 0)))
+    assert tuning.measured_speedup(16, 64, 64, "float16") is None
+    assert tuning.measured_speedup(32, 64, 64, "float16") is None
 
 
 def test_write_entries_merges_and_keeps_corrupt_file(isolated, capsys):

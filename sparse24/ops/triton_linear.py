@@ -68,7 +68,7 @@ def linear_triton(x: torch.Tensor, p: Sparse24Tensor, bias: torch.Tensor | None 
 
     N, K = p.shape
     lead = x.shape[:-1]
-    x2 = x.reshape(-1, K)  # a view when the strides allow it; the kernel takes any strides
+    x2 = x.reshape(lead.numel(), K)  # a view when the strides allow it (not -1: ambiguous for K = 0)
     M = x2.shape[0]
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M == 0 or N == 0:
@@ -82,6 +82,8 @@ def linear_triton(x: torch.Tensor, p: Sparse24Tensor, bias: torch.Tensor | None 
     if config is None:
         config = tuning.get_config(M, N, K, tuning.dtype_key(x.dtype, p.scale is not None), x.device)
     else:
+        if not isinstance(config, tuning.KernelConfig):
+            raise TypeError(f"config must be a sparse24.tuning.KernelConfig, got {type(config).__name__}")
         config.validate()
     split_k = 1 if torch.are_deterministic_algorithms_enabled() else config.split_k
     _launch(x2, p, bias, out, config, split_k)
