@@ -222,10 +222,13 @@ class Sparse24Tensor:
         scale: ``None`` or ``(R,)`` float32 dequantization scales.
         shape: logical ``(R, C)``.
         dtype: logical dtype of the dense matrix.
+
+    The constructor checks shapes, dtypes and devices, and with ``check=True``
+    (the default) also runs :meth:`validate` on the metadata.
     """
 
     def __init__(self, values: torch.Tensor, meta: torch.Tensor, shape, dtype: torch.dtype | None = None,
-                 scale: torch.Tensor | None = None):
+                 scale: torch.Tensor | None = None, *, check: bool = True):
         if not isinstance(shape, (tuple, list, torch.Size)) or len(shape) != 2:
             raise ValueError(f"shape must be a logical (R, C) pair, got {shape!r}")
         R, C = (int(s) for s in shape)
@@ -257,6 +260,11 @@ class Sparse24Tensor:
         self.values, self.meta, self.scale = values, meta, scale
         self.shape = torch.Size((R, C))
         self.dtype = dtype
+        # Hand-built metadata may claim one slot twice, which every backend would
+        # decode to a different wrong matrix; callers whose metadata is valid by
+        # construction (compress, to, the modules' forward) skip the full unpack.
+        if check:
+            self.validate()
 
     # -- basic properties --
     @property
@@ -293,7 +301,7 @@ class Sparse24Tensor:
             if self.scale is None:
                 values = values.to(dtype)
         scale = None if self.scale is None else self.scale.to(device)
-        return Sparse24Tensor(values, self.meta.to(device), self.shape, dtype or self.dtype, scale)
+        return Sparse24Tensor(values, self.meta.to(device), self.shape, dtype or self.dtype, scale, check=False)
 
     def slots(self) -> torch.Tensor:
         """``(R, C // 4, 2)`` int64 slot (0..3) of each kept value."""
@@ -378,7 +386,7 @@ def compress(w: torch.Tensor, mask: torch.Tensor | None = None, **kwargs) -> Spa
     slots = torch.stack([nib & 3, nib >> 2], dim=-1).long()
     values = w4.gather(-1, slots).view(R, C // 2)
     meta = _pack_meta(nib.view(R, C // 4).int())
-    p = Sparse24Tensor(values, meta, (R, C), w.dtype)
+    p = Sparse24Tensor(values, meta, (R, C), w.dtype, check=False)
     if quantize is not None:
         from .quant import quantize_values  # INT8 lives in its own module
         p = quantize_values(p, quantize)

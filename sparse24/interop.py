@@ -102,7 +102,7 @@ def from_cutlass_layout(packed: torch.Tensor, meta: torch.Tensor) -> Sparse24Ten
     pairs = halves.view(R, -1, 2)
     words = pairs[..., 0] | (pairs[..., 1] << 16)
     words = words - ((words >> 31) << 32)                     # as signed 32-bit values
-    return Sparse24Tensor(packed.contiguous(), words.to(torch.int32).t().contiguous(), (R, C)).validate()
+    return Sparse24Tensor(packed.contiguous(), words.to(torch.int32).t().contiguous(), (R, C))
 
 
 def to_semi_structured(p: Sparse24Tensor, backend: str = "cutlass", dtype: torch.dtype | None = None):

@@ -105,7 +105,7 @@ class _CompressedLinearFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, values, meta, scale, bias, shape, dtype):
-        p = Sparse24Tensor(values, meta, shape, dtype, scale)
+        p = Sparse24Tensor(values, meta, shape, dtype, scale, check=False)  # buffers were checked on load
         ctx.shape, ctx.dtype = shape, dtype
         ctx.bias_dtype = None if bias is None else bias.dtype
         ctx.save_for_backward(x if ctx.needs_input_grad[1] else None, values, meta, scale)
@@ -114,7 +114,7 @@ class _CompressedLinearFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_y):
         x, values, meta, scale = ctx.saved_tensors
-        p = Sparse24Tensor(values, meta, ctx.shape, ctx.dtype, scale)
+        p = Sparse24Tensor(values, meta, ctx.shape, ctx.dtype, scale, check=False)
         N, K = p.shape
         gy = grad_y.reshape(-1, N)
         grad_x = grad_values = grad_bias = None
@@ -361,7 +361,7 @@ class Sparse24Linear(nn.Module):
         if self._mode == "masked":
             return compress(self.weight.detach(), self.mask)
         return Sparse24Tensor(self.values.detach(), self.meta, (self.out_features, self.in_features),
-                              self._dtype, self.scale)
+                              self._dtype, self.scale, check=False)
 
     def dense_weight(self) -> torch.Tensor:
         """``(R, C)`` dense weight with zeros at the pruned positions (a new, detached tensor;

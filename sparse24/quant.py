@@ -57,7 +57,7 @@ def quantize_values(p: Sparse24Tensor, mode: str = "int8") -> Sparse24Tensor:
     amax = v.abs().amax(dim=1) if v.shape[1] else v.new_zeros(v.shape[0])
     scale = torch.where(amax > 0, amax / _QMAX, torch.ones_like(amax))
     q = torch.round(v / scale[:, None]).clamp_(-_QMAX, _QMAX).to(torch.int8)
-    return Sparse24Tensor(q, p.meta, p.shape, p.dtype, scale)
+    return Sparse24Tensor(q, p.meta, p.shape, p.dtype, scale, check=False)
 
 
 def sqnr_db(reference, approx) -> float:

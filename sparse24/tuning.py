@@ -482,7 +482,7 @@ def _copies(l2_bytes: int, nbytes: int) -> int:
 def _clone_weight(p):
     from .format import Sparse24Tensor
     return Sparse24Tensor(p.values.clone(), p.meta.clone(), p.shape, p.dtype,
-                          None if p.scale is None else p.scale.clone())
+                          None if p.scale is None else p.scale.clone(), check=False)
 
 
 def time_launches_us(launches, warmup_ms: float = 10, rep_ms: float = 40) -> float:
