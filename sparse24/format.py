@@ -317,6 +317,8 @@ class Sparse24Tensor:
     def to_dense(self, rows: slice | None = None) -> torch.Tensor:
         """Decompress to the dense ``(R, C)`` matrix (or ``rows`` of it), zeros elsewhere."""
         R, C = self.shape
+        if rows is not None and not isinstance(rows, slice):
+            raise TypeError(f"rows must be a slice or None, got {type(rows).__name__}")
         meta, vals = self.meta, self.dequantized_values()
         if rows is not None:
             meta, vals = meta[:, rows], vals[rows]

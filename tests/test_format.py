@@ -247,6 +247,8 @@ def test_state_tensors_round_trip_through_torch_save(gen):
 def test_to_dense_rows_slice(gen):
     p = sparse24.compress(torch.randn(20, 36, generator=gen))
     assert torch.equal(p.to_dense(rows=slice(5, 11)), p.to_dense()[5:11])
+    with pytest.raises(TypeError, match="slice"):
+        p.to_dense(rows=5)
 
 
 def test_is_nm_on_non_contiguous_input(gen):
