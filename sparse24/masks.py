@@ -689,7 +689,6 @@ def apply_permutation(producer: nn.Linear, consumer: nn.Linear, perm: torch.Tens
     for name, mod in (("producer", producer), ("consumer", consumer)):
         if not isinstance(mod, nn.Linear):
             raise TypeError(f"{name} must be an nn.Linear, got {type(mod).__name__}")
-    for name, mod in (("producer", producer), ("consumer", consumer)):
         # .weight of a parametrized Linear is a computed copy: writing it would permute nothing
         if nn.utils.parametrize.is_parametrized(mod, "weight"):
             raise ValueError(f"{name}'s weight is parametrized (e.g. SR-STE, weight_norm): apply the permutation "
