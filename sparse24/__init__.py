@@ -1,9 +1,10 @@
 """sparse24: 2:4 (and N:M) structured sparsity for PyTorch with Triton kernels.
 
-Layers, bottom to top: ``format`` (masks, compressed layout) -> ``kernels``
-(Triton) -> ``ops`` (launchers, references, backend choice) -> ``nn``
-(modules) -> ``api`` (whole-model swaps, recipes) -> tools (``tuning``,
-``bench``, ``plot``, CLI).
+Layers, bottom to top: ``format`` (masks, compressed layout; ``quant``, INT8,
+and ``interop``, torch's 2:4 tensors, beside it) -> ``kernels`` (Triton) ->
+``ops`` (launchers, references, backend choice) -> ``nn`` (modules) ->
+``api``, ``masks``, ``recipes`` (whole-model swaps, mask methods, pruning
+recipes) -> tools (``tuning``, ``bench``, ``plot``, ``demo``, CLI).
 """
 import importlib
 

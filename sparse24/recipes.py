@@ -302,7 +302,8 @@ class SRSTE:
         """Fix the masks: remove the parametrizations and leave plain
         ``nn.Linear`` layers whose weights are the dense weights times their
         final N:M mask (exactly N:M). For 2:4, ``sparse24.sparsify_(model)``
-        then compresses them without changing any value. Returns the masks
+        then converts them (and ``compress_`` compresses them) without changing
+        any value. Returns the masks
         ``{fqn: bool}``."""
         if self.finalized:
             raise RuntimeError("SRSTE.finalize: already finalized")
