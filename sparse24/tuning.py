@@ -647,8 +647,12 @@ def autotune_main(argv: list[str]) -> int:
 
     from .shapes import parse_shapes
 
-    ap = argparse.ArgumentParser(prog="python -m sparse24 autotune",
-                                 description="Tune the 2:4 Triton kernel's tile configs on this GPU and save them.")
+    class Parser(argparse.ArgumentParser):
+        def error(self, message):  # one line (as every sparse24 command), not usage + message
+            raise ValueError(f"{message} (see '{self.prog} --help')")
+
+    ap = Parser(prog="python -m sparse24 autotune",
+                description="Tune the 2:4 Triton kernel's tile configs on this GPU and save them.")
     ap.add_argument("--shapes", nargs="+", default=["standard"],
                     help="weight shapes: names from sparse24.shapes (standard, llama-7b, ...) or N,K "
                          "(default: standard)")
@@ -661,22 +665,25 @@ def autotune_main(argv: list[str]) -> int:
     ap.add_argument("--warmup-ms", type=float, default=10)
     ap.add_argument("--rep-ms", type=float, default=40)
     ap.add_argument("--jobs", type=int, default=min(8, os.cpu_count() or 1), help="parallel compile processes")
-    args = ap.parse_args(argv)
-
     try:
+        args = ap.parse_args(argv)
         shapes = parse_shapes(args.shapes)
-        ms = sorted({m_bucket(int(m)) for m in args.m.split(",") if m.strip()})
-        if not ms or min(int(m) for m in args.m.split(",") if m.strip()) < 1:
+        try:
+            m_vals = [int(m) for m in args.m.split(",") if m.strip()]
+        except ValueError:
+            m_vals = []
+        if not m_vals or min(m_vals) < 1:
             raise ValueError(f"--m needs positive integers, got {args.m!r}")
+        ms = sorted({m_bucket(m) for m in m_vals})
         dtypes = [d.strip() for d in args.dtype.split(",") if d.strip()]
         bad = [d for d in dtypes if d not in DTYPE_KEYS]
         if bad or not dtypes:
             raise ValueError(f"unknown --dtype {bad or args.dtype!r}; choose from {', '.join(DTYPE_KEYS)}")
     except ValueError as e:
-        print(f"sparse24 autotune: {e}", file=sys.stderr)
+        print(f"sparse24 autotune: error: {e}", file=sys.stderr)
         return 2
     if not torch.cuda.is_available():
-        print("sparse24 autotune: no CUDA GPU found (torch.cuda.is_available() is False); tuning times kernels "
+        print("sparse24 autotune: error: no CUDA GPU found (torch.cuda.is_available() is False); tuning times kernels "
               "on the GPU it tunes for, so nothing was tuned or written.", file=sys.stderr)
         return 1
 

@@ -202,6 +202,19 @@ def test_autotune_cli_without_gpu(capsys, isolated):
     assert "--m needs positive integers" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv,reason", [
+    (["--m", "x"], "--m needs positive integers, got 'x'"),
+    (["--bogus"], "unrecognized arguments: --bogus"),
+    (["--rep-ms", "z"], "invalid float value: 'z'"),
+])
+def test_autotune_bad_arguments_are_one_line_errors(capsys, isolated, argv, reason):
+    # docs/cli.md: errors print one line and exit 2 for bad input, like every other command
+    assert tuning.autotune_main(argv) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.strip().splitlines()) == 1
+    assert err.startswith("sparse24 autotune: error: ") and reason in err
+
+
 def test_select_fastest_rejects_failing_and_wrong_configs(capsys):
     """The tuner's selection on real interpreter runs, with a fake clock: a
     config that raises and one that computes a wrong result are never chosen."""
