@@ -408,8 +408,13 @@ def write_csv(rows: list[dict], path: str | os.PathLike) -> Path:
     """Write ``rows`` (from :func:`run_bench`) to ``path`` with the :data:`COLUMNS` header."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w", newline="") as f:
-        wr = csv.DictWriter(f, fieldnames=COLUMNS)
-        wr.writeheader()
-        wr.writerows(rows)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:  # write then rename: a failure leaves an existing CSV whole, not half-overwritten
+        with open(tmp, "w", newline="") as f:
+            wr = csv.DictWriter(f, fieldnames=COLUMNS)
+            wr.writeheader()
+            wr.writerows(rows)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
     return path

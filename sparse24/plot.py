@@ -17,6 +17,7 @@ cores does the dense FLOPs: expect <= 1x there).
 from __future__ import annotations
 
 import csv
+import math
 import os
 from pathlib import Path
 
@@ -38,14 +39,17 @@ def read_rows(paths) -> list[dict]:
     Raises:
         FileNotFoundError: a path does not exist.
         ValueError: a file is not a sparse24 bench CSV, or has another schema
-            version (one line naming the file and what to do).
+            version, a malformed row (a figure not a positive finite number, a
+            cell too many or too few) or a point another file or row already
+            has (one line naming the file and what to do).
     Example:
         >>> rows = read_rows(["results/cpu-amd-epyc/bench.csv"])  # doctest: +SKIP
     """
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
-    rows = []
-    for path in map(Path, paths):
+    paths = list({p.resolve(): p for p in map(Path, paths)}.values())  # the same file twice: read once
+    rows, seen = [], {}
+    for path in paths:
         if not path.is_file():
             raise FileNotFoundError(f"no such CSV file: {path}")
         with open(path, newline="", encoding="utf-8", errors="replace") as f:
@@ -62,10 +66,25 @@ def read_rows(paths) -> list[dict]:
                                      f"{SCHEMA!r}: re-run 'python -m sparse24 bench'")
                 if missing:
                     raise ValueError(f"{path}: missing columns {missing} for schema {SCHEMA!r}")
-                try:
-                    rows.append({**row, **{k: t(row[k]) for k, t in _NUMERIC.items()}})
-                except (TypeError, ValueError):
-                    raise ValueError(f"{path} line {i}: a numeric field is malformed") from None
+                if None in row or None in row.values():  # more or fewer cells than the header: shifted columns
+                    raise ValueError(f"{path} line {i}: the number of cells differs from the header's {len(header)}")
+                for k, t in _NUMERIC.items():
+                    try:
+                        v = t(row[k])
+                    except ValueError:
+                        v = None
+                    # every figure bench writes is a positive finite number; nan/inf/0/negatives
+                    # would be drawn as nothing, or fail deep in matplotlib
+                    if v is None or not (math.isfinite(v) and v > 0):
+                        raise ValueError(f"{path} line {i}: {k} must be a positive "
+                                         f"{'integer' if t is int else 'number'}, got {row[k]!r}")
+                    row[k] = v
+                key = (_device_label(row), *(row[c] for c in ("dtype", "shape", "N", "K", "M", "provider")))
+                if key in seen:  # one line through both would zigzag between two measurements
+                    raise ValueError(f"{path} line {i}: {row['provider']} {row['dtype']} {row['shape']} M={row['M']} "
+                                     f"on {key[0]} is already in {seen[key]}; plot one run per device")
+                seen[key] = f"{path} line {i}"
+                rows.append(row)
     if not rows:
         raise ValueError(f"no measurements in {', '.join(map(str, paths))}")
     return rows
@@ -144,7 +163,12 @@ def plot_rows(rows: list[dict], out: str | os.PathLike, title: str | None = None
     fig.suptitle(title, fontsize=11)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
+    tmp = out.with_name(f".{out.stem}.{os.getpid()}.tmp.png")
+    try:  # write then rename: a failure leaves an existing PNG whole
+        fig.savefig(tmp, dpi=110, format="png")
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
     return out
 
 

@@ -173,3 +173,53 @@ def test_byte_ceilings():
     assert plot.byte_ceiling("sparse24-int8-triton", "float16") == pytest.approx(3.2)
     assert plot.byte_ceiling("sparse24-reference", "float32") == pytest.approx(4 / 2.125)
     assert plot.byte_ceiling("dense", "float16") is None
+
+
+@pytest.mark.parametrize("column, value, message", [
+    ("tflops", "nan", "tflops must be a positive number, got 'nan'"),  # was drawn as a gap, exit 0
+    ("speedup_vs_dense", "inf", "speedup_vs_dense must be a positive number"),  # was a matplotlib log-scale error
+    ("M", "0", "M must be a positive integer, got '0'"),  # was drawn off a log axis, exit 0
+    ("median_ms", "-1", "median_ms must be a positive number"),
+    ("M", "1.5", "M must be a positive integer, got '1.5'"),
+])
+def test_read_rows_rejects_impossible_figures(tmp_path, column, value, message):
+    rows = _rows(["dense"], ms=(1,))
+    path = write_csv([{**rows[0], column: value}], tmp_path / "b.csv")
+    with pytest.raises(ValueError, match=f"line 2: {message}"):
+        plot.read_rows([path])
+
+
+def test_read_rows_rejects_shifted_rows_and_duplicate_points(tmp_path):
+    rows = _rows(["dense"], ms=(1, 2))
+    good = write_csv(rows, tmp_path / "g.csv")
+    lines = good.read_text().splitlines()
+    extra = tmp_path / "x.csv"  # a cell too many: was read with the extra cell dropped
+    extra.write_text("\n".join([lines[0], lines[1] + ",1", lines[2]]) + "\n")
+    with pytest.raises(ValueError, match="x.csv line 2: the number of cells differs from the header's 20"):
+        plot.read_rows([extra])
+    # the same file named twice is read once; another run of the same device would draw
+    # one zigzag line through two measurements per M
+    assert len(plot.read_rows([good, tmp_path / "." / "g.csv"])) == 2
+    again = write_csv(rows, tmp_path / "again.csv")
+    with pytest.raises(ValueError, match=r"again.csv line 2: dense float32 64x128 M=1 on .* is already in .*g.csv"):
+        plot.read_rows([good, again])
+
+
+def test_failed_writes_leave_previous_files(tmp_path, monkeypatch):
+    rows = _rows(["dense"], ms=(1,))
+    path = write_csv(rows, tmp_path / "b.csv")
+    before = path.read_bytes()
+    with pytest.raises(ValueError):  # fails after the header was written
+        write_csv(rows + [{**rows[0], "unknown": 1}], path)
+    assert path.read_bytes() == before and [p.name for p in tmp_path.iterdir()] == ["b.csv"]
+    png = plot.plot_rows(rows, tmp_path / "p.png")
+    before = png.read_bytes()
+    from matplotlib.figure import Figure
+
+    def half(self, fname, **kw):
+        open(fname, "wb").write(b"\x89PNG half")
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(Figure, "savefig", half)
+    with pytest.raises(OSError, match="No space"):
+        plot.plot_rows(rows, png)
+    assert png.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["b.csv", "p.png"]
