@@ -3,7 +3,9 @@
 Every error a user can cause (a bad path, shape, dtype or CSV, no GPU for
 ``--device cuda``) ends with one line on stderr, ``sparse24 <command>: error:
 <reason>``, and a non-zero exit: 2 for bad arguments or input files, 1 when
-this machine cannot do what was asked (no CUDA GPU, triton missing).
+this machine cannot do what was asked (no CUDA GPU, triton missing, out of
+memory, none of the named providers runs here). Files are written under a
+temporary name and renamed, so a failure leaves earlier outputs whole.
 ``SPARSE24_DEBUG=1`` shows the traceback instead.
 """
 from __future__ import annotations
@@ -13,6 +15,7 @@ import os
 import re
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -51,7 +54,7 @@ def _int_list(text: str, what: str) -> list[int]:
         raise CLIError(f"{what} needs comma-separated integers, got {text!r}") from None
     if not vals or min(vals) < 1:
         raise CLIError(f"{what} needs positive integers, got {text!r}")
-    return vals
+    return list(dict.fromkeys(vals))  # a repeated value would be measured twice: two CSV rows for one point
 
 
 def _choices(text: str, allowed, what: str) -> list[str]:
@@ -59,7 +62,7 @@ def _choices(text: str, allowed, what: str) -> list[str]:
     bad = [v for v in vals if v not in allowed]
     if bad or not vals:
         raise CLIError(f"unknown {what} {', '.join(bad) or repr(text)}; choose from {', '.join(allowed)}")
-    return vals
+    return list(dict.fromkeys(vals))
 
 
 def _device(name: str) -> torch.device:
@@ -84,8 +87,57 @@ def _out_dir(path: str) -> Path:
     p = Path(path)
     if p.exists() and not p.is_dir():
         raise CLIError(f"--out {path}: exists and is not a folder")
-    p.mkdir(parents=True, exist_ok=True)
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # e.g. a file where a parent folder should be
+        raise CLIError(f"--out {path}: cannot create the folder ({e.strerror or e})") from None
     return p
+
+
+def _threads(n: int | None, what: str = "--threads") -> int | None:
+    # far more threads than CPUs only measures oversubscription; 100000 crashed the process (exit 139)
+    cpus = os.cpu_count() or 1
+    if n is not None and not 1 <= n <= cpus:
+        raise CLIError(f"{what} must be between 1 and {cpus} (this machine's logical CPUs), got {n}")
+    return n
+
+
+def _memory_bytes(dev: torch.device) -> int | None:
+    if dev.type == "cuda":
+        return torch.cuda.get_device_properties(dev).total_memory
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def _check_fits(dev: torch.device, shapes, ms, dtypes) -> None:
+    """Refuse a sweep whose tensors cannot fit before it starts (else: an allocator
+    traceback, or torch's overflow message, after the smaller points ran)."""
+    cap = _memory_bytes(dev)
+    e = max(t.itemsize for t in dtypes)
+    for label, N, K in shapes:
+        # a lower bound: weight + mask + fp64 copy, x and y plus their fp64 reference
+        need = N * K * (2 * e + 9) + max(ms) * (N + K) * (e + 8)
+        if cap and need > cap:
+            raise CLIError(f"shape {label} at M={max(ms)} needs over {need / 2 ** 30:.3g} GiB, more than this "
+                           f"{dev.type} has ({cap / 2 ** 30:.3g} GiB); use a smaller --m or --shapes")
+
+
+def _write_together(writers: dict) -> None:
+    """Write ``{path: write(tmp_path)}`` to temporary names, then rename them all:
+    a failure (disk full, a plotting error) leaves the previous run's files as
+    they were, not a new CSV next to an old plot or a half-written file."""
+    tmps = {}
+    try:
+        for path, write in writers.items():
+            tmps[path] = path.with_name(f".{path.stem}.{os.getpid()}.tmp{path.suffix}")  # suffix kept: savefig
+            write(tmps[path])
+        for path, tmp in tmps.items():
+            os.replace(tmp, path)
+    finally:
+        for tmp in tmps.values():
+            tmp.unlink(missing_ok=True)
 
 
 # --- bench / plot ----------------------------------------------------------------
@@ -95,33 +147,45 @@ def _cmd_bench(args) -> int:
     from .shapes import parse_shapes
 
     dev = _device(args.device)
-    if args.threads is not None and args.threads < 1:
-        raise CLIError(f"--threads must be >= 1, got {args.threads}")
+    _threads(args.threads)
     d = bench.default_settings(dev, args.quick)
     shapes = parse_shapes(args.shapes or d["shapes"])
-    ms = _int_list(args.m, "--m") if args.m else d["ms"]
-    dtypes = [bench.DTYPES[n] for n in _choices(args.dtype or ",".join(d["dtypes"]), bench.DTYPES, "--dtype")]
-    providers = _choices(args.providers, bench.PROVIDERS, "provider") if args.providers else list(bench.PROVIDERS)
+    # "is None", not falsiness: an empty --m/--dtype/--providers is an error, not "the defaults"
+    ms = _int_list(args.m, "--m") if args.m is not None else d["ms"]
+    dtypes = [bench.DTYPES[n] for n in _choices(",".join(d["dtypes"]) if args.dtype is None else args.dtype,
+                                                bench.DTYPES, "--dtype")]
+    explicit = args.providers is not None
+    providers = _choices(args.providers, bench.PROVIDERS, "provider") if explicit else list(bench.PROVIDERS)
     repeats = d["repeats"] if args.repeats is None else args.repeats
     if repeats < 1:
         raise CLIError(f"--repeats must be >= 1, got {repeats}")
+    _check_fits(dev, shapes, ms, dtypes)
+    settings = bench.BenchSettings(dev, shapes, ms, dtypes, providers, repeats)
+    if explicit and set(providers) - {"dense"}:
+        jobs, notes = bench.plan_providers(settings, explicit)
+        if all(j[4] == "dense" for j in jobs):  # else a dense-only CSV, exit 0, for a provider that never ran
+            raise CLIError("none of the named providers runs here: " + "; ".join(notes), 1)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     info = bench.device_info(dev)
     out = _out_dir(args.out or os.path.join("runs", "bench", bench.device_slug(info)))
-    settings = bench.BenchSettings(dev, shapes, ms, dtypes, providers, repeats)
+    names = ["bench.csv", "bench.txt"] + ([] if args.no_plot else ["bench.png"])
+    if any((out / n).is_dir() for n in names) or not os.access(out, os.W_OK):  # found now, not after the sweep
+        raise CLIError(f"--out {out}: cannot write {', '.join(names)} there (not writable, or one is a folder)")
     print(f"sparse24 bench on {info['device']} ({dev.type}"
           + (f", {info['threads']} threads" if dev.type == "cpu" else "") + f"): {len(shapes)} shape(s), "
           f"M in {ms}, {', '.join(str(t)[6:] for t in dtypes)}, median of {repeats}", file=sys.stderr)
     t0 = time.perf_counter()
-    rows = bench.run_bench(settings, explicit_providers=bool(args.providers))
-    csv_path = bench.write_csv(rows, out / "bench.csv")
-    _write_env(out / "bench.txt", info, time.perf_counter() - t0)
+    rows = bench.run_bench(settings, explicit_providers=explicit)
+    seconds = time.perf_counter() - t0
+    from .plot import plot_rows
+    _write_together({out / "bench.csv": lambda p: bench.write_csv(rows, p),
+                     out / "bench.txt": lambda p: _write_env(p, info, seconds),
+                     **({} if args.no_plot else {out / "bench.png": lambda p: plot_rows(rows, p)})})
     print(_speedup_table(rows))
-    print(f"CSV:  {csv_path}")
+    print(f"CSV:  {out / 'bench.csv'}")
     if not args.no_plot:
-        from .plot import plot_rows
-        print(f"plot: {plot_rows(rows, out / 'bench.png')}")
+        print(f"plot: {out / 'bench.png'}")
     return 0
 
 
@@ -158,6 +222,8 @@ def _cmd_plot(args) -> int:
     from .plot import plot_csv
     if Path(args.out).suffix.lower() != ".png":
         raise CLIError(f"--out must name a .png file, got {args.out!r}")
+    if Path(args.out).is_dir():
+        raise CLIError(f"--out {args.out}: is a folder")
     print(f"plot: {plot_csv(args.csv, args.out, args.title)}")
     return 0
 
@@ -208,8 +274,12 @@ def _cmd_info(args) -> int:
         print(f"  {name:<{w}}  {text}")
     print("tuned kernel configs:")
     try:
-        from .tuning import describe_config_source
-        text = describe_config_source(torch.device("cuda") if cuda else torch.device("cpu"))
+        from .tuning import config_dirs, describe_config_source, validate_dir
+        with warnings.catch_warnings():  # a 2-line warning with a source line; listed below instead
+            warnings.simplefilter("ignore", RuntimeWarning)
+            text = describe_config_source(torch.device("cuda") if cuda else torch.device("cpu"))
+        text += "".join(f"\n  problem in {path}: {_one_line(why)[:200]}"
+                        for d in config_dirs() if d.is_dir() for path, why in validate_dir(d))
     except ImportError as e:
         text = f"sparse24.tuning is not importable ({e})"
     print("\n".join("  " + line for line in text.splitlines()))
@@ -223,9 +293,17 @@ def _load_state_dict(path: str) -> tuple[dict, str]:
     if not p.is_file():
         raise CLIError(f"no such checkpoint file: {path}")
     try:
-        obj = torch.load(p, map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():  # torch's multi-line pickle-protocol warning; the error says it
+            warnings.simplefilter("ignore")
+            obj = torch.load(p, map_location="cpu", weights_only=True)
     except Exception as e:  # torch raises many types for non-checkpoint files
-        raise CLIError(f"cannot read {path} as a torch checkpoint: {_one_line(e)[:200]}") from None
+        why = _one_line(e)
+        found = re.search(r"WeightsUnpickler error: (.*?)(?: was not an allowed| Please| Check the|\. |$)", why)
+        if found:  # torch's text is a paragraph (with terminal escapes); its cause is one phrase in it
+            why = (f"it holds objects other than tensors ({found.group(1)}), which torch.load(weights_only=True) "
+                   f"refuses; save model.state_dict() alone")
+        raise CLIError(f"cannot read {path} as a torch checkpoint: "
+                       f"{why[:200] or type(e).__name__ + (' (empty file)' if not p.stat().st_size else '')}") from None
     if isinstance(obj, dict) and obj and all(isinstance(v, torch.Tensor) for v in obj.values()):
         return obj, ""
     for key in ("state_dict", "model"):
@@ -299,12 +377,15 @@ def prune_state_dict(sd: dict, method: str = "magnitude", quantize: str | None =
         excl = re.compile(exclude, re.IGNORECASE) if exclude else None
     except re.error as e:
         raise ValueError(f"--exclude {exclude!r} is not a regular expression: {e}") from None
+    # sparse-layout or meta tensors hold no dense data to prune (and have no storage): copied as they are
+    plain = {k for k, v in sd.items() if v.layout == torch.strided and not v.is_meta}
     storages: dict[int, list[str]] = {}
-    for k, v in sd.items():
-        storages.setdefault(v.untyped_storage().data_ptr(), []).append(k)
+    for k in plain:
+        storages.setdefault(sd[k].untyped_storage().data_ptr(), []).append(k)
     out, report = {}, []
     for key, t in sd.items():
-        if not (key.endswith(".weight") or key == "weight") or t.dim() != 2 or t.dtype not in FLOAT_DTYPES:
+        if not (key.endswith(".weight") or key == "weight") or t.dim() != 2 or t.dtype not in FLOAT_DTYPES \
+                or key not in plain:
             out[key] = t
             continue
         prefix = key[: -len("weight")]  # "fc." (or "" for a bare Linear's state dict)
@@ -313,7 +394,10 @@ def prune_state_dict(sd: dict, method: str = "magnitude", quantize: str | None =
         row = {"name": key, "shape": (R, C), "dtype": str(t.dtype)[6:], "action": "kept dense", "reason": "",
                "kept": 1.0, "bytes_before": nbytes, "bytes_after": nbytes}
         tied = [k for k in storages[t.untyped_storage().data_ptr()] if k != key]
-        if C % 4:
+        taken = [prefix + n for n in ("values", "meta", "scale", "mask") if prefix + n in sd]
+        if taken:  # writing them would overwrite those entries silently
+            row["reason"] = f"the state dict already has {', '.join(taken)}"
+        elif C % 4:
             row["reason"] = f"in-features {C} not divisible by 4"
         elif min(R, C) < min_features:
             row["reason"] = f"smaller than min_features={min_features}: too small to gain"
@@ -344,14 +428,19 @@ def prune_state_dict(sd: dict, method: str = "magnitude", quantize: str | None =
 def _cmd_prune(args) -> int:
     if Path(args.out).resolve() == Path(args.checkpoint).resolve():
         raise CLIError("--out must differ from the input checkpoint (it would be overwritten)")
+    out = Path(args.out)
+    parent = next(a for a in out.absolute().parents if a.exists())
+    if out.is_dir() or not parent.is_dir():  # checked before the work, and before creating any folder
+        raise CLIError(f"--out {out}: " + ("is a folder; name the file to write" if out.is_dir()
+                                           else f"{parent} is a file, not a folder"))
     sd, wrapper = _load_state_dict(args.checkpoint)
     new, report = prune_state_dict(sd, args.method, args.quantize, args.min_features, args.exclude)
     if not any(r["action"] != "kept dense" for r in report):
         raise CLIError(f"{args.checkpoint}: no weight could be pruned ({len(report)} 2-D float weight(s), "
-                       "none eligible); see --min-features / --exclude", 1)
-    out = Path(args.out)
+                       "none eligible" + (f"; first: {report[0]['name']}: {report[0]['reason']}" if report else "")
+                       + "); see --min-features / --exclude", 1)
     out.parent.mkdir(parents=True, exist_ok=True)
-    torch.save(new, out)
+    _write_together({out: lambda p: torch.save(new, p)})  # a failed write leaves an existing file whole
     w = max(len(r["name"]) for r in report)
     print(f"sparse24 prune {args.checkpoint}" + (f" (state dict under '{wrapper}')" if wrapper else "")
           + f": method={args.method}" + (f", quantize={args.quantize}" if args.quantize else ""))
@@ -460,9 +549,14 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"sparse24 {cmd}: interrupted", file=sys.stderr)
         return 130
-    except (CLIError, OSError, ValueError, TypeError) as e:
-        if os.environ.get("SPARSE24_DEBUG") == "1":
+    except (CLIError, OSError, ValueError, TypeError, MemoryError, RuntimeError) as e:
+        # RuntimeError only when torch ran out of memory (sizes too big for this machine); others are bugs
+        oom = isinstance(e, (MemoryError, torch.OutOfMemoryError)) or (
+            isinstance(e, RuntimeError) and re.search(r"out of memory|can't allocate memory", str(e)))
+        if os.environ.get("SPARSE24_DEBUG") == "1" or (isinstance(e, RuntimeError) and not oom):
             raise
+        if oom:
+            e = CLIError(f"out of memory ({_one_line(e)[:160]}); use smaller --m / --shapes", 1)
         where = f"sparse24 {cmd}" if cmd else "sparse24"
         print(f"{where}: error: {_one_line(e)}", file=sys.stderr)
         return e.code if isinstance(e, CLIError) else 2

@@ -216,6 +216,9 @@ def _pick_threads(choice: str) -> tuple[int, str]:
             raise ValueError(f"--threads must be a positive integer or 'auto', got {choice!r}") from None
         if n < 1:
             raise ValueError(f"--threads must be a positive integer or 'auto', got {choice!r}")
+        if n > (os.cpu_count() or 1):  # oversubscription only; 100000 crashed the process (exit 139)
+            raise ValueError(f"--threads must be at most {os.cpu_count() or 1} (this machine's logical CPUs), "
+                             f"got {n}")
         return n, "as asked"
     if n_all == 1:
         return 1, "one available"
@@ -312,12 +315,14 @@ def _run_demo(args) -> int:
     say = lambda *a: print(*a, flush=True)  # noqa: E731
 
     train_ids, val_ids, info = load_corpus()
+    torch.manual_seed(args.seed)
+    model = CharMLP()
+    # evaluate_bpc scores at most this many; the report and results.csv must say what was scored
+    eval_chars = min(eval_chars, val_ids.numel() - model.ctx - 1)
     say(f"sparse24 demo on {machine}, {threads} torch thread(s) ({why})")
     say(f"data: {info['files']} stdlib files from {info['folder']}: {info['train_chars']:,} training characters; "
         f"held out: {info['heldout_chars']:,} characters from {info['heldout_files']} other files "
         f"(scoring the first {eval_chars:,})")
-    torch.manual_seed(args.seed)
-    model = CharMLP()
     say(f"model: CharMLP, {sum(p.numel() for p in model.parameters()):,} parameters; each training run: {steps} "
         f"steps of {cfg.batch} windows, AdamW lr {cfg.lr}, warm-up + cosine")
     rows: list[dict] = []

@@ -1,5 +1,6 @@
 """The command line: every subcommand, its outputs, and one-line errors with non-zero exits."""
 import csv
+import os
 import subprocess
 import sys
 
@@ -79,12 +80,24 @@ def test_bench_writes_csv_png_and_env(capsys, tmp_path):
     (["bench", "--providers", "dense,cusparse"], 2, ["unknown provider cusparse"]),
     (["bench", "--device", "tpu"], 2, ["--device must be cpu or cuda"]),
     (["bench", "--repeats", "0"], 2, ["--repeats must be >= 1"]),
+    # empty lists were taken as "the defaults": a full sweep instead of an error
+    (["bench", "--m", ""], 2, ["--m needs positive integers, got ''"]),
+    (["bench", "--dtype", ""], 2, ["unknown --dtype ''"]),
+    (["bench", "--providers", ""], 2, ["unknown provider ''"]),
+    (["bench", "--threads", "100000"], 2, ["--threads must be between 1 and", "logical CPUs"]),  # was exit 139
+    # too big for memory: was an allocator traceback, or a torch overflow paragraph, mid-sweep
+    (["bench", "--shapes", "4096,4096", "--m", "100000000"], 2, ["needs over", "GiB", "smaller --m"]),
+    (["bench", "--shapes", "64,128", "--m", "99999999999999999999"], 2, ["needs over", "GiB"]),
+    # CPU: a dense-only CSV with exit 0 for providers that never ran
+    (["bench", "--providers", "sparse24-auto,torch-semi-structured"], 1, ["none of the named providers runs here",
+                                                                         "CUDA only"]),
     (["plot", "missing.csv", "--out", "x.png"], 2, ["no such CSV file: missing.csv"]),
     (["plot", "a.csv", "--out", "x.jpg"], 2, ["--out must name a .png"]),
     (["plot", "a.csv"], 2, ["--out", "required"]),
     (["prune", "missing.pt", "--out", "x.pt"], 2, ["no such checkpoint file: missing.pt"]),
     (["prune", "a.pt", "--out", "b.pt", "--method", "wanda"], 2, ["invalid choice: 'wanda'"]),
     (["prune", "a.pt", "--out", "b.pt", "--min-features", "x"], 2, ["invalid int value: 'x'"]),
+    (["prune", "a.pt", "--out", "."], 2, ["--out .: is a folder"]),  # was a torch.save traceback
     (["frobnicate"], 2, ["invalid choice: 'frobnicate'"]),
     ([], 2, ["required"]),
 ])
@@ -102,6 +115,85 @@ def test_cuda_without_gpu(capsys, tmp_path, monkeypatch):
     assert rc == 1
     assert_one_line_error(err, "--device cuda: no CUDA GPU is visible", "use --device cpu")
     assert not (tmp_path / "x").exists()
+
+
+def _tiny_bench(capsys, out, *extra):
+    return run(capsys, "bench", "--shapes", "64,128", "--m", "1", "--repeats", "1", "--threads", "1",
+               "--providers", "dense,sparse24-reference", "--out", str(out), *extra)
+
+
+def test_bench_failure_keeps_previous_results(capsys, tmp_path, monkeypatch):
+    rc, _, err = _tiny_bench(capsys, tmp_path)
+    assert rc == 0, err
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+
+    def no_disk(rows, path, title=None):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr("sparse24.plot.plot_rows", no_disk)
+    rc, _, err = _tiny_bench(capsys, tmp_path, "--m", "1,2")
+    assert rc == 2
+    assert_one_line_error(err.splitlines()[-1], "No space left on device")
+    # not a new CSV beside the old plot: the previous run's files, whole, and no temporaries
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+
+
+def test_bench_checks_its_outputs_before_the_sweep(capsys, tmp_path):
+    (tmp_path / "bench.txt").mkdir()
+    rc, _, err = _tiny_bench(capsys, tmp_path)
+    assert rc == 2
+    assert_one_line_error(err.splitlines()[-1], "cannot write bench.csv, bench.txt, bench.png there")
+    assert "bench [" not in err  # nothing measured
+    assert [p.name for p in tmp_path.iterdir()] == ["bench.txt"]
+
+
+def test_bench_repeated_values_are_measured_once(capsys, tmp_path):
+    rc, _, err = _tiny_bench(capsys, tmp_path, "--m", "1,1", "--dtype", "float32,float32", "--no-plot")
+    assert rc == 0, err
+    with open(tmp_path / "bench.csv") as f:
+        assert [(r["M"], r["provider"]) for r in csv.DictReader(f)] == [("1", "dense"), ("1", "sparse24-reference")]
+
+
+def test_out_of_memory_is_one_line(capsys, tmp_path, monkeypatch):
+    from sparse24 import bench
+
+    def oom(*a, **k):
+        raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: can't allocate memory: "
+                           "you tried to allocate 40000000000000 bytes.")
+    monkeypatch.setattr(bench, "run_bench", oom)
+    rc, _, err = _tiny_bench(capsys, tmp_path)
+    assert rc == 1
+    assert_one_line_error(err.splitlines()[-1], "out of memory", "can't allocate memory", "smaller --m")
+    def bug(*a, **k):
+        raise RuntimeError("a bug")
+    monkeypatch.setattr(bench, "run_bench", bug)
+    with pytest.raises(RuntimeError, match="a bug"):  # other RuntimeErrors are bugs: their traceback stays
+        main(["bench", "--shapes", "64,128", "--m", "1", "--out", str(tmp_path)])
+
+
+def test_plot_out_is_a_folder(capsys, tmp_path):
+    (tmp_path / "x.png").mkdir()
+    rc, _, err = run(capsys, "plot", "a.csv", "--out", str(tmp_path / "x.png"))
+    assert rc == 2
+    assert_one_line_error(err, "is a folder")
+
+
+def test_info_lists_invalid_tuned_files(capsys, tmp_path, monkeypatch):
+    import warnings
+    from sparse24 import tuning
+    bad = tmp_path / "Some_GPU" / "sparse24_matmul.json"
+    bad.parent.mkdir()
+    bad.write_text("{not json")
+    monkeypatch.setenv("SPARSE24_CONFIG_DIR", str(tmp_path))
+    tuning.clear_cache()
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            rc, out, err = run(capsys, "info")
+    finally:
+        tuning.clear_cache()
+    assert rc == 0 and err == ""
+    assert not [w for w in caught if issubclass(w.category, RuntimeWarning)]  # was a 2-line warning, source included
+    assert f"problem in {bad}: JSONDecodeError" in out
 
 
 def test_plot_refuses_other_schema(capsys, tmp_path):
@@ -232,6 +324,71 @@ def test_prune_errors(capsys, tmp_path):
     assert not (tmp_path / "o.pt").exists()
 
 
+def test_prune_bad_inputs_and_outputs(capsys, tmp_path, monkeypatch):
+    ck = tmp_path / "lin.pt"
+    torch.save(nn.Linear(64, 64).state_dict(), ck)
+    rc, _, err = run(capsys, "prune", str(ck), "--out", str(tmp_path))  # was a torch.save traceback
+    assert rc == 2
+    assert_one_line_error(err, "is a folder")
+    rc, _, err = run(capsys, "prune", str(ck), "--out", str(ck / "x.pt"))  # was "[Errno 17] File exists"
+    assert rc == 2
+    assert_one_line_error(err, "is a file, not a folder")
+    # a failed write leaves an existing output whole
+    out = tmp_path / "o.pt"
+    out.write_bytes(b"previous")
+
+    def no_disk(obj, f, *a, **k):
+        open(f, "wb").write(b"half")
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(torch, "save", no_disk)
+    rc, _, err = run(capsys, "prune", str(ck), "--out", str(out))
+    assert rc == 2 and "No space left on device" in err
+    assert out.read_bytes() == b"previous" and sorted(p.name for p in tmp_path.iterdir()) == ["lin.pt", "o.pt"]
+    monkeypatch.undo()
+
+    import argparse
+    torch.save({"state_dict": {"fc.weight": torch.randn(64, 64)}, "extra": argparse.Namespace()}, tmp_path / "obj.pt")
+    rc, _, err = run(capsys, "prune", str(tmp_path / "obj.pt"), "--out", str(out))
+    assert rc == 2  # was torch's paragraph cut at 200 characters, terminal escapes included
+    assert_one_line_error(err, "holds objects other than tensors", "Namespace", "save model.state_dict() alone")
+    (tmp_path / "empty.pt").write_bytes(b"")
+    rc, _, err = run(capsys, "prune", str(tmp_path / "empty.pt"), "--out", str(out))
+    assert rc == 2
+    assert_one_line_error(err, "(empty file)")  # was "...checkpoint: " and nothing
+    torch.save({"fc.weight": torch.randn(64, 64).to_sparse(), "g.weight": torch.randn(64, 64, device="meta")},
+               tmp_path / "sparse.pt")
+    rc, _, err = run(capsys, "prune", str(tmp_path / "sparse.pt"), "--out", str(out))
+    assert rc == 1  # was a NotImplementedError traceback (a sparse tensor has no storage)
+    assert_one_line_error(err, "no weight could be pruned")
+    assert out.read_bytes() == b"previous"
+
+
+def test_prune_does_not_overwrite_existing_entries():
+    from sparse24.cli import prune_state_dict
+    values = torch.randn(3)
+    new, report = prune_state_dict({"fc.weight": torch.randn(64, 64), "fc.values": values,
+                                    "ok.weight": torch.randn(64, 64)})
+    assert new["fc.values"] is values and "fc.meta" not in new  # fc.values was silently replaced
+    assert [r["action"] for r in report] == ["kept dense", "compressed"]
+    assert "already has fc.values" in report[0]["reason"]
+
+
+def test_demo_reports_the_characters_it_scored(capsys, tmp_path, monkeypatch):
+    from sparse24 import demo
+    real = demo.load_corpus
+
+    def small(max_files=None):
+        tr, val, info = real(max_files=16)
+        return tr, val[:500], {**info, "heldout_chars": 500}
+    monkeypatch.setattr(demo, "load_corpus", small)
+    rc, out, err = run(capsys, "demo", "--quick", "--steps", "1", "--eval-chars", "100000", "--no-control",
+                       "--no-bench", "--threads", "1", "--out", str(tmp_path))
+    assert rc == 0, err
+    with open(tmp_path / "results.csv") as f:  # was 100000: more than the 500 held-out characters exist
+        assert {r["eval_chars"] for r in csv.DictReader(f)} == {str(500 - 32 - 1)}
+    assert "scoring the first 467)" in out
+
+
 def test_prune_skips_tied_weights():
     from sparse24.cli import prune_state_dict
     w = torch.randn(64, 64)
@@ -245,10 +402,12 @@ def test_demo_thread_choice():
     from sparse24.demo import _pick_threads
     n, note = _pick_threads("auto")
     assert 1 <= n <= max(1, torch.get_num_threads()) and (note.startswith("probe: 1 thread") or note == "one available")
-    assert _pick_threads("3") == (3, "as asked")
+    assert _pick_threads("1") == (1, "as asked")
     for bad in ("0", "many"):
         with pytest.raises(ValueError, match="--threads must be a positive integer or 'auto'"):
             _pick_threads(bad)
+    with pytest.raises(ValueError, match="logical CPUs"):  # 100000 crashed the process
+        _pick_threads(str(os.cpu_count() + 1))
 
 
 # --- demo --------------------------------------------------------------------------------
