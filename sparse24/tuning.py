@@ -383,7 +383,7 @@ def describe_config_source(device=None) -> str:
     files = _files()
     lines = [f"device {gpu}" + (f" (compute capability {cc[0]}.{cc[1]})" if cc else "") + ":"]
     lines.append("  searched, in order: " + ", ".join(
-        f"{d}{'' if d.is_dir() else ' (missing)'}" for d in dirs)
+        f"{d}{'' if d.is_dir() else ' (a file, not a folder)' if d.exists() else ' (missing)'}" for d in dirs)
         + (" [SPARSE24_CONFIG_DIR first]" if os.environ.get("SPARSE24_CONFIG_DIR") else ""))
     if cc is None:
         lines.append("  not a CUDA device: the Triton backend runs in the interpreter with built-in configs")
@@ -679,6 +679,13 @@ def autotune_main(argv: list[str]) -> int:
         bad = [d for d in dtypes if d not in DTYPE_KEYS]
         if bad or not dtypes:
             raise ValueError(f"unknown --dtype {bad or args.dtype!r}; choose from {', '.join(DTYPE_KEYS)}")
+        if args.jobs < 1:
+            raise ValueError(f"--jobs must be >= 1, got {args.jobs}")
+        if not (0 <= args.warmup_ms < math.inf and 0 < args.rep_ms < math.inf):
+            raise ValueError(f"--warmup-ms must be >= 0 and --rep-ms > 0, got {args.warmup_ms} and {args.rep_ms}")
+        out_dir = Path(args.out_dir or os.environ.get("SPARSE24_CONFIG_DIR") or shipped_config_dir())
+        if out_dir.exists() and not out_dir.is_dir():  # found before tuning, not after minutes of it
+            raise ValueError(f"config folder {out_dir} is a file")
     except ValueError as e:
         print(f"sparse24 autotune: error: {e}", file=sys.stderr)
         return 2
@@ -689,7 +696,6 @@ def autotune_main(argv: list[str]) -> int:
 
     device = torch.device("cuda", torch.cuda.current_device())
     gpu, cc = torch.cuda.get_device_name(device), torch.cuda.get_device_capability(device)
-    out_dir = Path(args.out_dir or os.environ.get("SPARSE24_CONFIG_DIR") or shipped_config_dir())
     keys = [(m, n, k, dt) for dt in dtypes for _, n, k in shapes for m in ms]
     num_sms = torch.cuda.get_device_properties(device).multi_processor_count
     tasks = [(m, n, k, dt, c) for m, n, k, dt in keys for c in candidate_configs(m, n, k, num_sms)]

@@ -206,6 +206,9 @@ def test_autotune_cli_without_gpu(capsys, isolated):
     (["--m", "x"], "--m needs positive integers, got 'x'"),
     (["--bogus"], "unrecognized arguments: --bogus"),
     (["--rep-ms", "z"], "invalid float value: 'z'"),
+    (["--jobs", "0"], "--jobs must be >= 1"),
+    (["--warmup-ms", "-5"], "--warmup-ms must be >= 0"),
+    (["--rep-ms", "nan"], "--rep-ms > 0"),
 ])
 def test_autotune_bad_arguments_are_one_line_errors(capsys, isolated, argv, reason):
     # docs/cli.md: errors print one line and exit 2 for bad input, like every other command
@@ -213,6 +216,15 @@ def test_autotune_bad_arguments_are_one_line_errors(capsys, isolated, argv, reas
     out, err = capsys.readouterr()
     assert out == "" and len(err.strip().splitlines()) == 1
     assert err.startswith("sparse24 autotune: error: ") and reason in err
+
+
+def test_autotune_refuses_a_file_as_config_folder_before_tuning(capsys, isolated, tmp_path, monkeypatch):
+    f = tmp_path / "not-a-folder"
+    f.write_text("x")
+    assert tuning.autotune_main(["--out-dir", str(f)]) == 2  # 2 (bad input), not 1 (no GPU): checked first
+    assert "is a file" in capsys.readouterr().err
+    monkeypatch.setenv("SPARSE24_CONFIG_DIR", str(f))
+    assert f"{f} (a file, not a folder)" in tuning.describe_config_source("cpu")
 
 
 def test_select_fastest_rejects_failing_and_wrong_configs(capsys):
