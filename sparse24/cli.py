@@ -65,11 +65,19 @@ def _choices(text: str, allowed, what: str) -> list[str]:
     return list(dict.fromkeys(vals))
 
 
-def _device(name: str) -> torch.device:
+def _device_kind(name: str) -> torch.device:
+    """--device parsed without touching the GPU (so other arguments are checked first)."""
     try:
         dev = torch.device(name)
     except RuntimeError:
         raise CLIError(f"--device must be cpu or cuda[:N], got {name!r}") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise CLIError(f"--device must be cpu or cuda[:N], got {name!r}")
+    return dev
+
+
+def _device(name: str) -> torch.device:
+    dev = _device_kind(name)
     if dev.type == "cuda":
         if not torch.cuda.is_available():
             why = ("this torch is a CPU-only build" if torch.version.cuda is None
@@ -78,8 +86,6 @@ def _device(name: str) -> torch.device:
         if dev.index is not None and dev.index >= torch.cuda.device_count():
             raise CLIError(f"--device {name}: only {torch.cuda.device_count()} CUDA device(s) visible", 1)
         return torch.device("cuda", torch.cuda.current_device() if dev.index is None else dev.index)
-    if dev.type != "cpu":
-        raise CLIError(f"--device must be cpu or cuda[:N], got {name!r}")
     return dev
 
 
@@ -146,9 +152,8 @@ def _cmd_bench(args) -> int:
     from . import bench
     from .shapes import parse_shapes
 
-    dev = _device(args.device)
     _threads(args.threads)
-    d = bench.default_settings(dev, args.quick)
+    d = bench.default_settings(_device_kind(args.device), args.quick)
     shapes = parse_shapes(args.shapes or d["shapes"])
     # "is None", not falsiness: an empty --m/--dtype/--providers is an error, not "the defaults"
     ms = _int_list(args.m, "--m") if args.m is not None else d["ms"]
@@ -159,6 +164,7 @@ def _cmd_bench(args) -> int:
     repeats = d["repeats"] if args.repeats is None else args.repeats
     if repeats < 1:
         raise CLIError(f"--repeats must be >= 1, got {repeats}")
+    dev = _device(args.device)  # bad arguments are exit 2 even where no GPU is there (exit 1)
     _check_fits(dev, shapes, ms, dtypes)
     settings = bench.BenchSettings(dev, shapes, ms, dtypes, providers, repeats)
     if explicit and set(providers) - {"dense"}:

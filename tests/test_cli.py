@@ -427,3 +427,34 @@ def test_demo_tiny(capsys, tmp_path):
     assert f"results: {tmp_path / 'results.md'}" in out and "bench.png" in out
     assert "| dense |" in (tmp_path / "results.md").read_text()
     assert "dense training [" in out + err  # progress bars
+
+
+def _gpu_check_commands() -> dict[str, list[str]]:
+    """The sparse24 commands of scripts/gpu_check.sh, with its variables filled in."""
+    import shlex
+    from pathlib import Path
+    text = (Path(__file__).parent.parent / "scripts" / "gpu_check.sh").read_text().replace("\\\n", " ")
+    m_list = next(line.split("=", 1)[1] for line in text.splitlines() if line.startswith("M_LIST="))
+    cmds = {}
+    for line in text.splitlines():
+        if not line.startswith("step "):
+            continue
+        words = shlex.split(line.replace('"$M_LIST"', m_list).replace('"$RES/"', "RES"))
+        if "sparse24" in words:
+            cmds[words[1]] = words[words.index("sparse24") + 1:]
+    return cmds
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks argument parsing by the no-GPU exit")
+def test_gpu_check_script_commands_are_valid(capsys, tmp_path):
+    # The GPU script runs where device time is scarce: its arguments must parse here. Bad
+    # arguments exit 2 before the GPU check; valid ones reach it and exit 1 on this machine.
+    assert subprocess.run(["bash", "-n", "scripts/gpu_check.sh"]).returncode == 0
+    cmds = _gpu_check_commands()
+    assert set(cmds) == {"autotune", "bench"}
+    cmds["bench"] = [str(tmp_path) if a == "RES" else a for a in cmds["bench"]]
+    for name, argv in cmds.items():
+        assert main(argv) == 1, (name, argv)
+        assert "no CUDA GPU" in capsys.readouterr().err
+    assert main(cmds["bench"] + ["--m", "0"]) == 2  # the same command with a bad argument is caught
+    assert list(tmp_path.iterdir()) == []
