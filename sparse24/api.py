@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from .format import compress
+from .masks import kept_magnitude_fraction
 from .nn import Sparse24Linear, _check_mode, _prepare, compressed_nbytes, memory_nbytes
 
 __all__ = ["sparsify_", "densify_", "compress_", "decompress_", "prune_trained_model", "SparsifyReport",
@@ -65,6 +66,8 @@ class LayerReport:
         dense_bytes: the dense weight's bytes.
         compressed_bytes: the weight's bytes once compressed (values + 2-bit indices + INT8 scales).
         memory_bytes: the weight's bytes as held now (masked mode: dense weight + 1-byte mask).
+        kept_fraction: ``sparsify_`` only: fraction of the original ``sum |W|`` the mask
+            keeps (see :func:`sparse24.masks.kept_magnitude_fraction`), to compare methods.
     """
     fqn: str
     shape: tuple
@@ -75,6 +78,7 @@ class LayerReport:
     dense_bytes: int = 0
     compressed_bytes: int = 0
     memory_bytes: int = 0
+    kept_fraction: float | None = None
 
 
 @dataclass
@@ -124,11 +128,13 @@ class SparsifyReport:
                  f"{len(self.skipped)} skipped"]
         if self.changed:
             w = max(len("layer"), *(len(r.fqn) for r in self.changed))
+            kept = any(r.kept_fraction is not None for r in self.changed)
             lines.append(f"  {'layer':<{w}}  {'shape':>12}  {'dtype':>9}  {'mode':>10}  {'dense B':>10}  "
-                         f"{'now B':>10}  {'2:4 B':>10}")
+                         f"{'now B':>10}  {'2:4 B':>10}" + ("  kept |W|" if kept else ""))
             for r in self.changed:
                 lines.append(f"  {r.fqn:<{w}}  {str(r.shape):>12}  {str(r.dtype)[6:]:>9}  {r.mode or 'dense':>10}  "
                              f"{r.dense_bytes:>10}  {r.memory_bytes:>10}  {r.compressed_bytes:>10}"
+                             + (f"  {r.kept_fraction:>8.4f}" if r.kept_fraction is not None else "")
                              + (f"  ({r.reason})" if r.reason else ""))
             d, c, m = self.dense_bytes, self.compressed_bytes, self.memory_bytes
             note = "; masked mode holds the dense weight + a 1-byte mask for training" if any(
@@ -295,11 +301,13 @@ def sparsify_(model: nn.Module, filter_fn: FilterFn | None = None, mode: str = "
                             None if calibration is None else calibration.get(fqn), train_values, mask_kwargs)
         except (ValueError, TypeError) as e:
             raise type(e)(f"sparsify_: layer {fqn!r}: {e} (nothing was changed)") from e
-        prepared.append((fqn, mod, work, train_values, note))
-    for fqn, mod, work, train_values, note in prepared:
+        kept = kept_magnitude_fraction(mod.weight.detach(), work[1])  # of the weight before pruning
+        prepared.append((fqn, mod, work, train_values, note, kept))
+    for fqn, mod, work, train_values, note, kept in prepared:
         new = Sparse24Linear._empty()._adopt(mod, *work, train_values)
         _replace(slots, mod, new)
         report.layers.append(_entry(fqn, new, "swapped", note))
+        report.layers[-1].kept_fraction = kept
     return report
 
 

@@ -63,9 +63,9 @@ def kept_magnitude_fraction(w: torch.Tensor, mask: torch.Tensor) -> float:
     if not isinstance(w, torch.Tensor):
         raise TypeError(f"w must be a torch.Tensor, got {type(w).__name__}")
     check_mask(mask, w)
-    a = w.detach().abs().double()
-    total = float(a.sum())
-    return 1.0 if total == 0 else float((a * mask).sum()) / total
+    a = w.detach().abs()  # sums in fp64 without an fp64 copy of a large weight
+    total = float(a.sum(dtype=torch.float64))
+    return 1.0 if total == 0 else float(a.masked_fill(~mask, 0).sum(dtype=torch.float64)) / total
 
 
 @dataclass
