@@ -92,9 +92,9 @@ def _grad_mask_hook(param: nn.Parameter):
 
 # --- compressed forward / backward ---------------------------------------------------
 
-def _row_chunks(n_rows: int, n_cols: int):
-    """Row slices of at most ``ops.linear.CHUNK_ELEMENTS`` weight elements (bounded dense memory)."""
-    rows = max(1, _ops_linear.CHUNK_ELEMENTS // max(n_cols, 1))
+def _row_chunks(n_rows: int, n_cols: int, device: torch.device):
+    """Row slices of the reference backend's block size (bounded dense memory)."""
+    rows = _ops_linear.chunk_rows(n_cols, device)
     return [slice(r0, min(n_rows, r0 + rows)) for r0 in range(0, n_rows, rows)]
 
 
@@ -120,13 +120,13 @@ class _CompressedLinearFn(torch.autograd.Function):
         grad_x = grad_values = grad_bias = None
         if ctx.needs_input_grad[0]:
             grad_x = torch.zeros(gy.shape[0], K, dtype=gy.dtype, device=gy.device)
-            for sl in _row_chunks(N, K):
+            for sl in _row_chunks(N, K, p.device):
                 grad_x.addmm_(gy[:, sl], p.to_dense(rows=sl).to(gy.dtype))
             grad_x = grad_x.view(*grad_y.shape[:-1], K)
         if ctx.needs_input_grad[1]:
             x2, slots = x.reshape(-1, K).to(gy.dtype), p.slots()
             grad_values = torch.empty_like(values)
-            for sl in _row_chunks(N, K):
+            for sl in _row_chunks(N, K, p.device):
                 gw = (gy[:, sl].t() @ x2).view(-1, K // 4, 4)  # dense weight gradient, these rows
                 grad_values[sl] = gw.gather(-1, slots[sl]).view(-1, K // 2).to(values.dtype)
         if ctx.needs_input_grad[4]:

@@ -37,6 +37,14 @@ def test_chunked_decompression_matches(monkeypatch, bias, gen):
     assert_matches_reference(sparse24.linear(x, p, b), x, w * sparse24.mask_nm(w), b)
 
 
+def test_block_rows_per_device():
+    # CPU blocks fit in cache; GPU blocks are larger (fewer launches); never 0 rows
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert linear_mod.chunk_rows(1024, cpu) * 1024 == linear_mod.CHUNK_ELEMENTS
+    assert linear_mod.chunk_rows(1024, cuda) * 1024 == linear_mod.CUDA_CHUNK_ELEMENTS
+    assert linear_mod.chunk_rows(10 ** 9, cpu) == 1
+
+
 def test_strided_input(gen):
     w = torch.randn(24, 32, generator=gen)
     x = torch.randn(64, 9, generator=gen).t()[:, :32]  # non-contiguous (9, 32)

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from ..format import Sparse24Tensor
 
-__all__ = ["linear", "linear_reference", "choose_backend", "BACKENDS", "check_linear_args"]
+__all__ = ["linear", "linear_reference", "choose_backend", "chunk_rows", "BACKENDS", "check_linear_args"]
 
 BACKENDS = ("auto", "reference", "triton")
 # Decompress at most this many weight elements at a time in the reference
@@ -19,6 +19,15 @@ BACKENDS = ("auto", "reference", "triton")
 # 4096x4096 fp32 on a 2-core EPYC, 1 thread, M = 1 / 16: 70 / 91 ms vs
 # 119 / 140 ms with 4M-element blocks (2 threads and M = 256: within noise).
 CHUNK_ELEMENTS = 1 << 20
+# On a GPU each block costs several kernel launches (unpack, scatter, GEMM), so
+# blocks are larger there: 16M elements (32 MiB fp16) keep LLM layers to 1-4 blocks.
+CUDA_CHUNK_ELEMENTS = 1 << 24
+
+
+def chunk_rows(n_cols: int, device: torch.device) -> int:
+    """Weight rows the reference backend decompresses at a time (at least 1)."""
+    budget = CUDA_CHUNK_ELEMENTS if device.type == "cuda" else CHUNK_ELEMENTS
+    return max(1, budget // max(n_cols, 1))
 
 
 def check_linear_args(x: torch.Tensor, p: Sparse24Tensor, bias: torch.Tensor | None) -> None:
@@ -53,7 +62,7 @@ def linear_reference(x: torch.Tensor, p: Sparse24Tensor, bias: torch.Tensor | No
     """
     check_linear_args(x, p, bias)
     N, K = p.shape
-    rows = max(1, CHUNK_ELEMENTS // max(K, 1))
+    rows = chunk_rows(K, p.device)
     if rows >= N:  # small layer: one piece
         return F.linear(x, p.to_dense().to(x.dtype), None if bias is None else bias.to(x.dtype))
     out = x.new_empty(*x.shape[:-1], N)
