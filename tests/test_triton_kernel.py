@@ -41,6 +41,28 @@ def test_kernel_matches_reference(M, N, K, dtype, bias, config, gen):
     assert_matches_reference(tri, x, w * sparse24.mask_nm(w), b)
 
 
+def _tuning_tiles() -> list[KernelConfig]:
+    """One config per distinct (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K) the tuner may pick."""
+    from sparse24.tuning import candidate_configs
+    seen = {}
+    for M in (1, 16, 64, 256):
+        for c in candidate_configs(M, 4096, 4096):
+            seen.setdefault((c.block_m, c.block_n, c.block_k, c.split_k), c)
+    return list(seen.values())
+
+
+def test_every_tuning_tile_matches_reference(gen):
+    # The GPU tuner picks among these; each must be right before device time is spent on it.
+    # N = 72 and K = 200 leave ragged tiles and a partial metadata word; deep split-K leaves
+    # splits with no K-tile (about 5 s in the interpreter).
+    w = torch.randn(72, 200, generator=gen)
+    p, dense = sparse24.compress(w), w * sparse24.mask_nm(w)
+    b = torch.randn(72, generator=gen)
+    for cfg in _tuning_tiles():
+        x = torch.randn(5, 200, generator=gen)
+        assert_matches_reference(linear_triton(x, p, b, config=cfg), x, dense, b)
+
+
 def test_strided_and_3d_inputs(gen):
     w = torch.randn(40, 64, generator=gen).half()
     p, wm = sparse24.compress(w), w * sparse24.mask_nm(w)
