@@ -29,7 +29,6 @@ from typing import Callable
 import torch
 from torch import nn
 
-from .format import compress
 from .masks import kept_magnitude_fraction
 from .nn import Sparse24Linear, _check_mode, _prepare, compressed_nbytes, memory_nbytes
 
@@ -344,19 +343,20 @@ def compress_(model: nn.Module, quantize: str | None = None, trainable_values: b
     # Compress every masked layer first, so a failing one (e.g. inf weights with int8) leaves the model untouched.
     packed = {}
     for fqn, m in layers:
-        if id(m) not in readers and m.mode == "masked":
-            try:
-                packed[fqn] = compress(m.weight.detach(), m.mask, quantize=quantize)
-            except (ValueError, TypeError) as e:
-                raise type(e)(f"compress_: layer {fqn!r}: {e} (nothing was changed)") from e
+        if id(m) in readers or (m.mode == "compressed" and trainable_values == isinstance(m.values, nn.Parameter)):
+            continue
+        try:
+            packed[fqn] = m._compressed_form(quantize)
+        except (ValueError, TypeError) as e:
+            raise type(e)(f"compress_: layer {fqn!r}: {e} (nothing was changed)") from e
     report = SparsifyReport("compress_", {"quantize": quantize} if quantize else {})
     for fqn, m in layers:
         if id(m) in readers:
             report.layers.append(_entry(fqn, m, "skipped", f"kept in masked mode: {readers[id(m)]}"))
-        elif m.mode == "compressed" and trainable_values == isinstance(m.values, nn.Parameter):
+        elif fqn not in packed:
             report.layers.append(_entry(fqn, m, "skipped", "already compressed"))
         else:
-            m._set_compressed(packed[fqn] if fqn in packed else m.sparse_tensor(), trainable_values)
+            m._set_compressed(packed[fqn], trainable_values)
             report.layers.append(_entry(fqn, m, "compressed"))
     return report
 

@@ -381,11 +381,17 @@ class Sparse24Linear(nn.Module):
             if quantize != self.quantize:
                 raise ValueError(f"already compressed with quantize={self.quantize!r}; call to_masked() first "
                                  f"to re-compress with quantize={quantize!r}")
-            if trainable_values != isinstance(self.values, nn.Parameter):
-                self._set_compressed(self.sparse_tensor(), trainable_values)
-            return self
-        self._set_compressed(compress(self.weight.detach(), self.mask, quantize=quantize), trainable_values)
+            if trainable_values == isinstance(self.values, nn.Parameter):
+                return self
+        self._set_compressed(self._compressed_form(quantize), trainable_values)
         return self
+
+    def _compressed_form(self, quantize: str | None) -> Sparse24Tensor:
+        """The weight as compressed mode holds it; changes nothing (so a caller can
+        prepare several layers before switching any)."""
+        if self._mode == "compressed":
+            return self.sparse_tensor()
+        return compress(self.weight.detach(), self.mask, quantize=quantize)
 
     def to_masked(self) -> "Sparse24Linear":
         """Switch to masked mode in place (outputs unchanged). Returns self.
