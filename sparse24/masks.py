@@ -446,8 +446,8 @@ def calibrate(model: nn.Module, batches, hessian: bool = False, filter_fn=None, 
         >>> stats["2"].act_norm.shape
         torch.Size([16])
     """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    from .api import _check_model  # api imports this module
+    _check_model(model, filter_fn)
     if dtype not in (torch.float32, torch.float64):
         raise TypeError(f"dtype must be torch.float32 or torch.float64, got {dtype}")
     stats: dict[str, LayerStats] = {}
@@ -518,8 +518,8 @@ def prune_layerwise_(model: nn.Module, batches, n: int = 2, m: int = 4, method: 
         >>> [round(r.kept_fraction, 1) > 0.5 for r in results.values()]
         [True, True]
     """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    from .api import _check_model  # api imports this module
+    _check_model(model, filter_fn)
     if iter(batches) is batches:
         raise TypeError("batches must be re-iterable (a list or a DataLoader, not an iterator or generator): "
                         "every layer needs its own pass over them")
