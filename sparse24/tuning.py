@@ -643,16 +643,11 @@ def autotune_main(argv: list[str]) -> int:
     is measured. Returns 0 on success, 1 when there is no CUDA GPU or a key
     found no working config, 2 on bad arguments.
     """
-    import argparse
-
+    from .cli import CLIError, _choices, _int_list, _Parser  # the other commands' one-line argument errors
     from .shapes import parse_shapes
 
-    class Parser(argparse.ArgumentParser):
-        def error(self, message):  # one line (as every sparse24 command), not usage + message
-            raise ValueError(f"{message} (see '{self.prog} --help')")
-
-    ap = Parser(prog="python -m sparse24 autotune",
-                description="Tune the 2:4 Triton kernel's tile configs on this GPU and save them.")
+    ap = _Parser(prog="python -m sparse24 autotune",
+                 description="Tune the 2:4 Triton kernel's tile configs on this GPU and save them.")
     ap.add_argument("--shapes", nargs="+", default=["standard"],
                     help="weight shapes: names from sparse24.shapes (standard, llama-7b, ...) or N,K "
                          "(default: standard)")
@@ -668,17 +663,8 @@ def autotune_main(argv: list[str]) -> int:
     try:
         args = ap.parse_args(argv)
         shapes = parse_shapes(args.shapes)
-        try:
-            m_vals = [int(m) for m in args.m.split(",") if m.strip()]
-        except ValueError:
-            m_vals = []
-        if not m_vals or min(m_vals) < 1:
-            raise ValueError(f"--m needs positive integers, got {args.m!r}")
-        ms = sorted({m_bucket(m) for m in m_vals})
-        dtypes = [d.strip() for d in args.dtype.split(",") if d.strip()]
-        bad = [d for d in dtypes if d not in DTYPE_KEYS]
-        if bad or not dtypes:
-            raise ValueError(f"unknown --dtype {bad or args.dtype!r}; choose from {', '.join(DTYPE_KEYS)}")
+        ms = sorted({m_bucket(m) for m in _int_list(args.m, "--m")})
+        dtypes = _choices(args.dtype, DTYPE_KEYS, "--dtype")
         if args.jobs < 1:
             raise ValueError(f"--jobs must be >= 1, got {args.jobs}")
         if not (0 <= args.warmup_ms < math.inf and 0 < args.rep_ms < math.inf):
@@ -686,7 +672,7 @@ def autotune_main(argv: list[str]) -> int:
         out_dir = Path(args.out_dir or os.environ.get("SPARSE24_CONFIG_DIR") or shipped_config_dir())
         if out_dir.exists() and not out_dir.is_dir():  # found before tuning, not after minutes of it
             raise ValueError(f"config folder {out_dir} is a file")
-    except ValueError as e:
+    except (CLIError, ValueError) as e:
         print(f"sparse24 autotune: error: {e}", file=sys.stderr)
         return 2
     if not torch.cuda.is_available():

@@ -203,7 +203,7 @@ def test_autotune_cli_without_gpu(capsys, isolated):
 
 
 @pytest.mark.parametrize("argv,reason", [
-    (["--m", "x"], "--m needs positive integers, got 'x'"),
+    (["--m", "x"], "--m needs comma-separated integers, got 'x'"),  # as bench says it
     (["--bogus"], "unrecognized arguments: --bogus"),
     (["--rep-ms", "z"], "invalid float value: 'z'"),
     (["--jobs", "0"], "--jobs must be >= 1"),
