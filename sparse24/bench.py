@@ -45,7 +45,7 @@ from .format import compress, mask_nm
 from .ops.linear import linear
 
 __all__ = ["SCHEMA", "COLUMNS", "PROVIDERS", "BenchSettings", "Progress", "device_info", "device_slug",
-           "provider_status", "default_settings", "run_bench", "write_csv"]
+           "provider_status", "default_settings", "run_bench", "write_csv", "write_together"]
 
 # Bump when a column changes meaning; sparse24.plot refuses other schemas.
 SCHEMA = "sparse24-bench/1"
@@ -408,13 +408,29 @@ def write_csv(rows: list[dict], path: str | os.PathLike) -> Path:
     """Write ``rows`` (from :func:`run_bench`) to ``path`` with the :data:`COLUMNS` header."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:  # write then rename: a failure leaves an existing CSV whole, not half-overwritten
+
+    def write(tmp: Path) -> None:
         with open(tmp, "w", newline="") as f:
             wr = csv.DictWriter(f, fieldnames=COLUMNS)
             wr.writeheader()
             wr.writerows(rows)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+
+    write_together({path: write})
     return path
+
+
+def write_together(writers: dict) -> None:
+    """Write ``{path: write(tmp_path)}`` to temporary names, then rename them all:
+    a failure (disk full, a plotting error) leaves the previous run's files as
+    they were, not a new CSV next to an old plot or a half-written file."""
+    tmps = {}
+    try:
+        for path, write in writers.items():
+            tmps[path] = path.with_name(f".{path.stem}.{os.getpid()}.tmp{path.suffix}")  # suffix kept: savefig
+            write(tmps[path])
+        for path, tmp in tmps.items():
+            os.replace(tmp, path)
+    finally:
+        for tmp in tmps.values():
+            tmp.unlink(missing_ok=True)
+

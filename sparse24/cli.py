@@ -130,22 +130,6 @@ def _check_fits(dev: torch.device, shapes, ms, dtypes) -> None:
                            f"{dev.type} has ({cap / 2 ** 30:.3g} GiB); use a smaller --m or --shapes")
 
 
-def _write_together(writers: dict) -> None:
-    """Write ``{path: write(tmp_path)}`` to temporary names, then rename them all:
-    a failure (disk full, a plotting error) leaves the previous run's files as
-    they were, not a new CSV next to an old plot or a half-written file."""
-    tmps = {}
-    try:
-        for path, write in writers.items():
-            tmps[path] = path.with_name(f".{path.stem}.{os.getpid()}.tmp{path.suffix}")  # suffix kept: savefig
-            write(tmps[path])
-        for path, tmp in tmps.items():
-            os.replace(tmp, path)
-    finally:
-        for tmp in tmps.values():
-            tmp.unlink(missing_ok=True)
-
-
 # --- bench / plot ----------------------------------------------------------------
 
 def _cmd_bench(args) -> int:
@@ -185,7 +169,7 @@ def _cmd_bench(args) -> int:
     rows = bench.run_bench(settings, explicit_providers=explicit)
     seconds = time.perf_counter() - t0
     from .plot import plot_rows
-    _write_together({out / "bench.csv": lambda p: bench.write_csv(rows, p),
+    bench.write_together({out / "bench.csv": lambda p: bench.write_csv(rows, p),
                      out / "bench.txt": lambda p: _write_env(p, info, seconds),
                      **({} if args.no_plot else {out / "bench.png": lambda p: plot_rows(rows, p)})})
     print(_speedup_table(rows))
@@ -446,7 +430,8 @@ def _cmd_prune(args) -> int:
                        "none eligible" + (f"; first: {report[0]['name']}: {report[0]['reason']}" if report else "")
                        + "); see --min-features / --exclude", 1)
     out.parent.mkdir(parents=True, exist_ok=True)
-    _write_together({out: lambda p: torch.save(new, p)})  # a failed write leaves an existing file whole
+    from .bench import write_together
+    write_together({out: lambda p: torch.save(new, p)})  # a failed write leaves an existing file whole
     w = max(len(r["name"]) for r in report)
     print(f"sparse24 prune {args.checkpoint}" + (f" (state dict under '{wrapper}')" if wrapper else "")
           + f": method={args.method}" + (f", quantize={args.quantize}" if args.quantize else ""))

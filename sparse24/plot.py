@@ -22,7 +22,7 @@ import os
 from pathlib import Path
 
 from . import __version__
-from .bench import COLUMNS, PROVIDERS, SCHEMA
+from .bench import COLUMNS, PROVIDERS, SCHEMA, write_together
 
 __all__ = ["read_rows", "byte_ceiling", "plot_rows", "plot_csv"]
 
@@ -163,12 +163,7 @@ def plot_rows(rows: list[dict], out: str | os.PathLike, title: str | None = None
     fig.suptitle(title, fontsize=11)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.stem}.{os.getpid()}.tmp.png")
-    try:  # write then rename: a failure leaves an existing PNG whole
-        fig.savefig(tmp, dpi=110, format="png")
-        os.replace(tmp, out)
-    finally:
-        tmp.unlink(missing_ok=True)
+    write_together({out: lambda tmp: fig.savefig(tmp, dpi=110, format="png")})
     return out
 
 
