@@ -12,7 +12,6 @@ load average is printed because other jobs share the machine.
 import argparse
 import csv
 import os
-import platform
 import statistics
 import sys
 import time
@@ -20,20 +19,15 @@ import time
 import torch
 
 from sparse24 import mask_nm
+from sparse24.bench import cpu_name
 from sparse24.masks import kept_magnitude_fraction, search_permutation, sparsegpt_prune
 
 ASP_GAIN, ASP_CLOSED = 2.36, 36.0  # NVIDIA ASP's published figures for a random 64x128 matrix
 
 
 def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
     load = " / ".join(f"{x:.1f}" for x in os.getloadavg())
-    return (f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads, "
+    return (f"{cpu_name()}, {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads, "
             f"load average {load}")
 
 
