@@ -9,15 +9,16 @@ per word).
 Two callables share ONE source function, ``_sparse24_matmul``:
 
 * ``sparse24_matmul``: ``triton.jit`` of it, compiled for GPU tensors;
-* ``sparse24_matmul_interpreted``: the same function wrapped by Triton's
-  interpreter, so CPU tensors run through numpy without the user setting
+* ``sparse24_matmul_interpreted``: the same function run by Triton's
+  interpreter (``kernels/interpreter.py``, which leaves ``triton.language``
+  as it found it), so CPU tensors run through numpy without the user setting
   ``TRITON_INTERPRET=1`` before import. Tests on CPU therefore exercise the
   exact source the GPU compiles.
 """
 import triton
 import triton.language as tl
-from triton.runtime.interpreter import InterpretedFunction
-from triton.runtime.jit import JITFunction
+
+from .interpreter import InterpretedKernel
 
 __all__ = ["sparse24_matmul", "sparse24_matmul_interpreted"]
 
@@ -130,41 +131,7 @@ def _sparse24_matmul(
         tl.atomic_add(out_ptrs, acc, mask=out_mask, sem="relaxed")
 
 
-class _InterpretedTwin:
-    """``kernel[grid](*args)`` for CPU tensors through Triton's interpreter.
-
-    Triton builds its own helpers (``tl.zeros``, ``tl.cdiv``...) as compiled
-    JIT functions unless ``TRITON_INTERPRET=1`` was set before ``import
-    triton``; an interpreted kernel calling them then fails. During a launch
-    we route calls of such helpers through the interpreter, exactly what
-    ``TRITON_INTERPRET=1`` would have built. Compiled launches never call
-    ``JITFunction.__call__`` (it only raises), so they are unaffected.
-    """
-
-    def __init__(self, fn):
-        self.fn = InterpretedFunction(fn)
-
-    def __getitem__(self, grid):
-        def launch(*args, **kwargs):
-            saved = JITFunction.__call__
-            JITFunction.__call__ = _call_interpreted
-            try:
-                return self.fn[grid](*args, **kwargs)
-            finally:
-                JITFunction.__call__ = saved
-        return launch
-
-
-_INTERPRETED_HELPERS: dict = {}
-
-
-def _call_interpreted(jit_fn, *args, **kwargs):
-    if jit_fn not in _INTERPRETED_HELPERS:
-        _INTERPRETED_HELPERS[jit_fn] = InterpretedFunction(jit_fn.fn)
-    return _INTERPRETED_HELPERS[jit_fn](*args, **kwargs)
-
-
 # M is not specialized (M == 1, M % 16): one compiled variant serves every
 # batch size of a config, which keeps tuning's compile count down.
 sparse24_matmul = triton.jit(_sparse24_matmul, do_not_specialize=["M"])
-sparse24_matmul_interpreted = _InterpretedTwin(_sparse24_matmul)
+sparse24_matmul_interpreted = InterpretedKernel(_sparse24_matmul)

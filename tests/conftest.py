@@ -37,3 +37,12 @@ def assert_matches_reference(out, x, w_dense, bias=None, dtype=None):
 @pytest.fixture
 def gen():
     return torch.Generator().manual_seed(1234)
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    # Tests run in a random order (pytest-randomly): print the seed even under -q, so a
+    # failing order can be replayed.
+    seed = getattr(config.option, "randomly_seed", None)
+    if isinstance(seed, int):
+        terminalreporter.write_line(f"test order: pytest-randomly seed {seed} "
+                                    f"(replay it: python -m pytest -q --randomly-seed={seed})")

@@ -3,6 +3,7 @@ import csv
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -429,11 +430,13 @@ def test_demo_tiny(capsys, tmp_path):
     assert "dense training [" in out + err  # progress bars
 
 
+GPU_CHECK = Path(__file__).resolve().parent.parent / "scripts" / "gpu_check.sh"
+
+
 def _gpu_check_commands() -> dict[str, list[str]]:
     """The sparse24 commands of scripts/gpu_check.sh, with its variables filled in."""
     import shlex
-    from pathlib import Path
-    text = (Path(__file__).parent.parent / "scripts" / "gpu_check.sh").read_text().replace("\\\n", " ")
+    text = GPU_CHECK.read_text().replace("\\\n", " ")
     m_list = next(line.split("=", 1)[1] for line in text.splitlines() if line.startswith("M_LIST="))
     cmds = {}
     for line in text.splitlines():
@@ -449,7 +452,7 @@ def _gpu_check_commands() -> dict[str, list[str]]:
 def test_gpu_check_script_commands_are_valid(capsys, tmp_path):
     # The GPU script runs where device time is scarce: its arguments must parse here. Bad
     # arguments exit 2 before the GPU check; valid ones reach it and exit 1 on this machine.
-    assert subprocess.run(["bash", "-n", "scripts/gpu_check.sh"]).returncode == 0
+    assert subprocess.run(["bash", "-n", str(GPU_CHECK)]).returncode == 0
     cmds = _gpu_check_commands()
     assert set(cmds) == {"autotune", "bench"}
     cmds["bench"] = [str(tmp_path) if a == "RES" else a for a in cmds["bench"]]

@@ -227,3 +227,48 @@ def test_kernel_compiles_for_gpus(x_dtype, int8, bias, split_k, cap, monkeypatch
     assert "cp.async.cg.shared.global" in ptx                       # 16-byte pipelined tile loads
     if split_k > 1:
         assert "atom.global" in ptx or "red.global" in ptx
+
+
+
+def _language_state(objs) -> dict:
+    """Identity of every attribute of ``objs``."""
+    return {(id(obj), name): id(value) for obj in objs for name, value in vars(obj).items()}
+
+
+def test_interpreted_launch_leaves_no_trace_for_a_later_compile(tmp_path, monkeypatch, gen):
+    """An interpreted launch used to leave 64 triton.language.core functions replaced by
+    interpreter lambdas, so the next real compile of a kernel not in the cache failed
+    ("'block_argument' object has no attribute 'dtype'"). Launch, then compile a kernel
+    no cache has seen, in one process."""
+    import importlib.util
+    import sys
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from sparse24.kernels.interpreter import _patchable
+
+    objs = _patchable()  # the triton.language modules, the classes they define, JITFunction
+    before, modules = _language_state(objs), set(sys.modules)
+    w, x = torch.randn(40, 64, generator=gen), torch.randn(3, 64, generator=gen)
+    assert_matches_reference(linear_triton(x, sparse24.compress(w), config=SPLIT3), x, w * sparse24.mask_nm(w))
+    assert _language_state(objs) == before
+    # A Triton module first imported while triton.language was patched would keep patched functions.
+    assert not [m for m in set(sys.modules) - modules if m.startswith("triton")]
+
+    # A kernel whose source exists nowhere else, compiled into an empty cache.
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9's default, stated (silences its notice)
+    src = tmp_path / "fresh_kernel.py"
+    src.write_text(
+        "import triton\nimport triton.language as tl\n\n\n@triton.jit\n"
+        "def fresh(x_ptr, n, BLOCK: tl.constexpr):\n"
+        "    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)\n"
+        f"    tl.store(x_ptr + offs, tl.load(x_ptr + offs, mask=offs < n) * {tmp_path.stat().st_ino}.0, mask=offs < n)\n")
+    spec = importlib.util.spec_from_file_location("fresh_kernel", src)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    ast = ASTSource(mod.fresh, {"x_ptr": "*fp32", "n": "i32", "BLOCK": "constexpr"}, constexprs={"BLOCK": 128})
+    compiled = triton.compile(ast, target=GPUTarget("cuda", 90, 32))
+    assert compiled.asm["cubin"]

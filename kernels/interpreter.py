@@ -1,0 +1,96 @@
+"""Run a ``@triton.jit`` kernel's source on CPU tensors through Triton's
+interpreter, leaving no trace in ``triton.language``.
+
+Triton builds its own helpers (``tl.zeros``, ``tl.cdiv``...) as compiled JIT
+functions unless ``TRITON_INTERPRET=1`` was set before ``import triton``; an
+interpreted kernel calling them then fails. During a launch we route calls of
+such helpers through the interpreter, exactly what ``TRITON_INTERPRET=1``
+would have built.
+
+Each interpreted call patches ``triton.language`` (its modules' functions and
+the methods of ``tl.tensor``, ``tl.dtype``...) with numpy-backed versions.
+Triton 3.9 restores only what the outer launch patched (a helper call through
+``InterpretedFunction.__call__`` patches again and never restores), and 3.5 and
+older restore nothing: a later real compile in the same process then fails
+("'block_argument' object has no attribute 'dtype'"). So a launch snapshots
+the attributes of every ``triton.language`` module and class it defines, and
+puts back exactly that snapshot afterwards, whatever the Triton version did.
+Modules Triton imports lazily inside that window (Triton 3.9: the code
+generator, Gluon, libdevice, through argument specialization) would keep
+the patched functions they import, so they are imported here, before any
+launch.
+"""
+import importlib
+import sys
+
+from triton.runtime.interpreter import InterpretedFunction
+from triton.runtime.jit import JITFunction
+
+for _name in ("triton.compiler.code_generator", "triton.language.extra.libdevice"):
+    try:
+        importlib.import_module(_name)
+    except ImportError:  # not in every Triton version
+        pass
+
+__all__ = ["InterpretedKernel"]
+
+
+def _patchable() -> list:
+    """The objects whose attributes an interpreted launch may change."""
+    objs = {id(JITFunction): JITFunction}  # we route its __call__ ourselves
+    for name, mod in list(sys.modules.items()):
+        if mod is None or not (name == "triton.language" or name.startswith("triton.language.")):
+            continue
+        objs[id(mod)] = mod
+        for value in list(vars(mod).values()):
+            if isinstance(value, type) and getattr(value, "__module__", "").startswith("triton.language"):
+                objs[id(value)] = value
+    return list(objs.values())
+
+
+def _snapshot() -> list[tuple[object, dict]]:
+    return [(obj, dict(vars(obj))) for obj in _patchable()]
+
+
+def _restore(snapshot: list[tuple[object, dict]]) -> None:
+    for obj, saved in snapshot:
+        current = vars(obj)
+        # A submodule imported meanwhile is bound on its package: keep that binding.
+        for name in [n for n, v in current.items() if n not in saved and not isinstance(v, type(sys))]:
+            delattr(obj, name)
+        for name, value in saved.items():
+            if current.get(name, _MISSING) is not value:
+                setattr(obj, name, value)
+
+
+_MISSING = object()
+_INTERPRETED_HELPERS: dict = {}
+
+
+def _call_interpreted(jit_fn, *args, **kwargs):
+    if jit_fn not in _INTERPRETED_HELPERS:
+        _INTERPRETED_HELPERS[jit_fn] = InterpretedFunction(jit_fn.fn)
+    return _INTERPRETED_HELPERS[jit_fn](*args, **kwargs)
+
+
+class InterpretedKernel:
+    """``kernel[grid](*args)`` for CPU tensors through Triton's interpreter.
+
+    Wraps the plain Python function a ``triton.jit`` kernel is made from, so
+    the GPU build and the CPU run share one source. Compiled launches never
+    call ``JITFunction.__call__`` (it only raises), so routing it during a
+    launch cannot affect them, and the snapshot puts it back anyway.
+    """
+
+    def __init__(self, fn):
+        self.fn = InterpretedFunction(fn)
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            snapshot = _snapshot()
+            JITFunction.__call__ = _call_interpreted
+            try:
+                return self.fn[grid](*args, **kwargs)
+            finally:
+                _restore(snapshot)
+        return launch
