@@ -1,7 +1,7 @@
 """Triton kernel: ``out = x @ W^T (* scale) + bias`` with W stored compressed 2:4.
 
 Triton only (no torch.nn, no policy). The launcher, config choice and checks
-live in ``sparse24.ops.triton_linear``. The bit layout decoded here is defined
+live in ``sparse24.ops.linear24.launch``. The bit layout decoded here is defined
 in ``sparse24.format`` (values ``(N, K/2)``, meta ``(ceil(K/32), N)`` int32,
 one nibble ``slot_lo | slot_hi << 2`` per group of 4 dense columns, 8 groups
 per word).

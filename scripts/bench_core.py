@@ -95,7 +95,7 @@ def bench_memory(n: int = 16384, k: int = 4096) -> None:
     code = f"import sys; sys.path.insert(0, {sys.path[0]!r}); import bench_core; bench_core._rss_child({n}, {k})"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     growth = int(out.strip().splitlines()[-1])
-    from sparse24.ops.linear import CHUNK_ELEMENTS
+    from sparse24.ops.linear24 import CHUNK_ELEMENTS
     print(f"\nreference linear memory, fp32 W {n}x{k} (dense would be {n * k * 4 / 2**20:.0f} MiB): "
           f"peak RSS growth of a repeated call {growth / 2**20:.1f} MiB; "
           f"decompression works in chunks of {CHUNK_ELEMENTS * 4 / 2**20:.0f} MiB")

@@ -18,7 +18,7 @@ def compile_one(cfg, dtype, cap, N, K):
     import triton
 
     import sparse24
-    from sparse24.ops.triton_linear import aot_compile
+    from sparse24.ops.linear24 import aot_compile
 
     act = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}[dtype.removeprefix("int8-")]
     p = sparse24.compress(torch.randn(N, K), quantize="int8" if dtype.startswith("int8-") else None)

@@ -8,8 +8,11 @@ recipes) -> tools (``tuning``, ``bench``, ``plot``, ``demo``, CLI).
 """
 import importlib
 
-from .format import FLOAT_DTYPES, Sparse24Tensor, compress, is_nm, mask_nm
-from .ops.linear import linear, linear_reference
+import os
+
+from .format import FLOAT_DTYPES, Sparse24Tensor, compress, is_nm
+from .masks import mask_nm
+from .ops.linear24 import linear, linear_reference
 
 __version__ = "0.1.0"
 
@@ -23,10 +26,14 @@ _LAZY = {
     "kept_magnitude_fraction": "masks", "prune_nm": "masks", "PruneResult": "masks",
     "sparsegpt_prune": "masks", "prune_layerwise_": "masks", "LayerStats": "masks",
     "GradualPruner": "recipes", "SRSTE": "recipes",
-    "quantize_values": "quant", "sqnr_db": "quant",
+    "quantize_values": "format", "sqnr_db": "quant",
     "to_semi_structured": "interop", "from_semi_structured": "interop",
     "to_cutlass_layout": "interop", "from_cutlass_layout": "interop",
 }
+
+
+if os.environ.get("SPARSE24_AUTOTUNE") == "1":
+    from . import tuning  # noqa: F401  (plugs the live tuner into the config store)
 
 
 def __getattr__(name):

@@ -29,6 +29,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from ._checks import check_model
 from .masks import kept_magnitude_fraction
 from .nn import Sparse24Linear, _check_mode, _prepare, compressed_nbytes, memory_nbytes
 
@@ -149,15 +150,6 @@ class SparsifyReport:
 
 # --- walking a model --------------------------------------------------------------
 
-def _check_model(model, filter_fn, who: str = "") -> None:
-    """TypeError unless ``model`` is an nn.Module and ``filter_fn`` None or callable;
-    ``who`` prefixes the message (e.g. ``"SRSTE: "``)."""
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"{who}model must be a torch.nn.Module, got {type(model).__name__}")
-    if filter_fn is not None and not callable(filter_fn):
-        raise TypeError(f"{who}filter_fn must be callable (module, fqn) -> bool, got {type(filter_fn).__name__}")
-
-
 def _child_slots(model: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:
     """id(module) -> every (parent, attribute name) holding it (a module may be reused)."""
     slots: dict[int, list] = {}
@@ -265,7 +257,7 @@ def sparsify_(model: nn.Module, filter_fn: FilterFn | None = None, mode: str = "
         >>> [r.fqn for r in report.swapped], [r.fqn for r in report.skipped]
         (['0'], ['2'])
     """
-    _check_model(model, filter_fn)
+    check_model(model, filter_fn)
     _check_mode(mode, quantize, trainable_values)
     if not isinstance(method, str):
         raise TypeError(f"method must be a string, got {type(method).__name__}")
@@ -333,7 +325,7 @@ def compress_(model: nn.Module, quantize: str | None = None, trainable_values: b
         >>> compress_(model).changed[0].mode
         'compressed'
     """
-    _check_model(model, None)
+    check_model(model, None)
     _check_mode("compressed", quantize, trainable_values)
     layers, readers = _sparse_layers(model), _direct_readers(model)
     for fqn, m in layers:  # refuse before changing anything
@@ -368,7 +360,7 @@ def decompress_(model: nn.Module) -> SparsifyReport:
     Returns:
         :class:`SparsifyReport`.
     """
-    _check_model(model, None)
+    check_model(model, None)
     report = SparsifyReport("decompress_")
     for fqn, m in _sparse_layers(model):
         if m.mode == "compressed":
@@ -391,7 +383,7 @@ def densify_(model: nn.Module) -> SparsifyReport:
         >>> _ = densify_(model); type(model[0]).__name__
         'Linear'
     """
-    _check_model(model, None)
+    check_model(model, None)
     report = SparsifyReport("densify_")
     slots = _child_slots(model)
     for fqn, m in _sparse_layers(model):

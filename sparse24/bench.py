@@ -42,7 +42,7 @@ import torch.nn.functional as F
 
 from . import __version__
 from .format import compress, mask_nm
-from .ops.linear import linear
+from .ops.linear24 import linear
 
 __all__ = ["SCHEMA", "COLUMNS", "PROVIDERS", "BenchSettings", "Progress", "device_info", "device_slug",
            "provider_status", "default_settings", "run_bench", "write_csv", "write_together"]
@@ -161,11 +161,6 @@ def provider_status(name: str, device: torch.device, dtype: torch.dtype) -> str:
             return "Triton's interpreter (CPU) has no bfloat16 arithmetic"
     if name == "sparse24-auto" and device.type != "cuda":
         return "on CPU backend='auto' is the reference backend (timed as sparse24-reference)"
-    if "int8" in name:
-        try:
-            from . import quant  # noqa: F401
-        except ImportError as e:
-            return f"sparse24.quant is not importable ({e})"
     if name == "torch-semi-structured":
         if device.type != "cuda":
             return "torch's semi-structured kernels (CUTLASS/cuSPARSELt) run on CUDA only"

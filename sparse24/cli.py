@@ -11,6 +11,7 @@ temporary name and renamed, so a failure leaves earlier outputs whole.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import re
 import sys
@@ -253,12 +254,8 @@ def _cmd_info(args) -> int:
     else:
         rows.append(("torch semi-structured", "available (torch.sparse.to_sparse_semi_structured; interop "
                                               "via sparse24.to_semi_structured)"))
-    try:
-        from . import quant  # noqa: F401
-        rows.append(("int8 weights", "available: sparse24.compress(w, quantize='int8'); fused dequant in the "
-                                     "Triton kernel, dequantizing reference elsewhere"))
-    except ImportError as e:
-        rows.append(("int8 weights", f"unavailable: {e}"))
+    rows.append(("int8 weights", "available: sparse24.compress(w, quantize='int8'); fused dequant in the "
+                                 "Triton kernel, dequantizing reference elsewhere"))
     w = max(len(r[0]) for r in rows)
     for name, text in rows:
         print(f"  {name:<{w}}  {text}")
@@ -352,7 +349,8 @@ def prune_state_dict(sd: dict, method: str = "magnitude", quantize: str | None =
         (['fc.bias', 'fc.meta', 'fc.values'], 'compressed')
     """
     from .api import MIN_FEATURES
-    from .format import FLOAT_DTYPES, compress, mask_nm
+    from .format import FLOAT_DTYPES, compress
+    from .masks import mask_nm
     from .masks import kept_magnitude_fraction
 
     if method in ("wanda", "sparsegpt"):
@@ -453,11 +451,48 @@ def _cmd_prune(args) -> int:
 # --- autotune / demo --------------------------------------------------------------
 
 def _cmd_autotune(argv: list[str]) -> int:
+    """``python -m sparse24 autotune [--shapes NAME|N,K ...] [--m 1,2,4,...] [--dtype ...] [--out-dir DIR]``:
+    parse and check every argument (exit 2 on a bad one, before any GPU work), then
+    :func:`sparse24.tuning.autotune`. Returns 0 on success, 1 when there is no CUDA GPU
+    or a key found no working config."""
+    from .ops.config_space import DTYPE_KEYS, M_BUCKETS, m_bucket
+    from .ops.config_store import shipped_config_dir
+    from .shapes import parse_shapes
+
+    ap = _Parser(prog="python -m sparse24 autotune",
+                 description="Tune the 2:4 Triton kernel's tile configs on this GPU and save them.")
+    ap.add_argument("--shapes", nargs="+", default=["standard"],
+                    help="weight shapes: names from sparse24.shapes (standard, llama-7b, ...) or N,K "
+                         "(default: standard)")
+    ap.add_argument("--m", default=",".join(map(str, M_BUCKETS)),
+                    help="batch sizes, comma-separated; each maps to its M bucket (default: all buckets)")
+    ap.add_argument("--dtype", default="float16", help=f"comma-separated, from {', '.join(DTYPE_KEYS)} "
+                                                       "(int8-X: INT8 weights, X activations)")
+    ap.add_argument("--out-dir", default=None, help="config folder (default: $SPARSE24_CONFIG_DIR, "
+                                                    "else the package's autotune_configs)")
+    ap.add_argument("--warmup-ms", type=float, default=10)
+    ap.add_argument("--rep-ms", type=float, default=40)
+    ap.add_argument("--jobs", type=int, default=min(8, os.cpu_count() or 1), help="parallel compile processes")
     try:
-        from .tuning import autotune_main
+        args = ap.parse_args(argv)
+        shapes = parse_shapes(args.shapes)
+        ms = sorted({m_bucket(m) for m in _int_list(args.m, "--m")})
+        dtypes = _choices(args.dtype, DTYPE_KEYS, "--dtype")
+        if args.jobs < 1:
+            raise ValueError(f"--jobs must be >= 1, got {args.jobs}")
+        if not (0 <= args.warmup_ms < math.inf and 0 < args.rep_ms < math.inf):
+            raise ValueError(f"--warmup-ms must be >= 0 and --rep-ms > 0, got {args.warmup_ms} and {args.rep_ms}")
+        out_dir = Path(args.out_dir or os.environ.get("SPARSE24_CONFIG_DIR") or shipped_config_dir())
+        if out_dir.exists() and not out_dir.is_dir():  # found before tuning, not after minutes of it
+            raise ValueError(f"config folder {out_dir} is a file")
+    except (CLIError, ValueError) as e:
+        print(f"sparse24 autotune: error: {e}", file=sys.stderr)
+        return 2
+    try:
+        from .tuning import autotune
     except ImportError as e:
         raise CLIError(f"the tuner is not importable ({e})", 1) from None
-    return autotune_main(argv)
+    return autotune(shapes, ms, dtypes, out_dir, args.warmup_ms, args.rep_ms, args.jobs)
 
 
 def _cmd_demo(args) -> int:

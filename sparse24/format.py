@@ -27,31 +27,16 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["mask_nm", "is_nm", "Sparse24Tensor", "compress", "FLOAT_DTYPES"]
+from ._checks import FLOAT_DTYPES, check_mask, check_nm, check_weight
 
-FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+__all__ = ["mask_nm", "is_nm", "Sparse24Tensor", "compress", "quantize_values", "QUANT_MODES", "FLOAT_DTYPES"]
+
 # The integer view of each float dtype: for finite values, comparing
 # ``bits & max`` orders magnitudes exactly, and integer compares are much
 # cheaper on CPU than fp16 compares (0.055 s vs 0.21 s for torch.topk on a
 # 4096x4096 fp16 weight, 2-core x86).
 _INT_VIEW = {torch.float16: torch.int16, torch.bfloat16: torch.int16,
              torch.float32: torch.int32, torch.float64: torch.int64}
-
-
-def _check_weight(w: torch.Tensor, m: int, name: str = "weight") -> None:
-    if not isinstance(w, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(w).__name__}")
-    if w.dim() != 2:
-        raise ValueError(f"{name} must be 2-D (out_features, in_features), got shape {tuple(w.shape)}")
-    if w.dtype not in FLOAT_DTYPES:
-        raise TypeError(f"{name} must be a floating-point tensor ({', '.join(map(str, FLOAT_DTYPES))}), got {w.dtype}")
-    if w.shape[1] % m != 0:
-        raise ValueError(f"{name}'s last dimension ({w.shape[1]}) must be divisible by m={m}")
-
-
-def _check_nm(n: int, m: int) -> None:
-    if not (isinstance(n, int) and isinstance(m, int)) or m < 1 or not 0 <= n <= m:
-        raise ValueError(f"need integers 0 <= n <= m and m >= 1, got n={n!r}, m={m!r}")
 
 
 def _magnitude_keys(w: torch.Tensor) -> torch.Tensor:
@@ -127,19 +112,19 @@ _KEEP_BITS = torch.tensor([(1 << (b & 3)) | (1 << (b >> 2)) if (b & 3) < (b >> 2
                           dtype=torch.uint8)
 
 
-def mask_nm(w: torch.Tensor, n: int = 2, m: int = 4, method: str = "magnitude", **kwargs) -> torch.Tensor:
+def mask_nm(w: torch.Tensor, n: int = 2, m: int = 4) -> torch.Tensor:
     """N:M mask keeping the ``n`` largest-magnitude entries of every ``m``
     consecutive entries along the last (input) dimension.
 
     Keeping the ``n`` largest magnitudes of each group maximizes the kept
     total magnitude, group by group, so the mask is optimal among N:M masks.
-    Ties go to the lower column index (deterministic on every device).
+    Ties go to the lower column index (deterministic on every device). Other
+    mask methods (2-D, Wanda, SparseGPT) build on this one in
+    :mod:`sparse24.masks`; ``sparse24.mask_nm(w, n, m, method=...)`` picks one.
 
     Args:
         w: ``(R, C)`` floating weight, ``C % m == 0``. Any device.
         n, m: keep ``n`` of every ``m``.
-        method: ``"magnitude"`` (this function); other methods live in
-            :mod:`sparse24.masks` and are dispatched from here.
     Returns:
         ``(R, C)`` bool mask on ``w``'s device.
     Example:
@@ -147,13 +132,8 @@ def mask_nm(w: torch.Tensor, n: int = 2, m: int = 4, method: str = "magnitude", 
         >>> int(mask.sum())
         64
     """
-    if method != "magnitude":
-        from . import masks  # the other mask methods build on this module
-        return masks.mask_nm_method(w, n, m, method, **kwargs)
-    if kwargs:
-        raise TypeError(f"unexpected arguments for method='magnitude': {sorted(kwargs)}")
-    _check_nm(n, m)
-    _check_weight(w, m)
+    check_nm(n, m)
+    check_weight(w, m)
     if n == 2 and m == 4:
         return _nibble_mask(_nibbles24(w)).view(w.shape)
     keys = _magnitude_keys(w).view(-1, m)
@@ -168,7 +148,7 @@ def is_nm(w: torch.Tensor, n: int = 2, m: int = 4) -> bool:
     """True if every group of ``m`` consecutive entries along the last
     dimension of ``w`` (any shape with at least 1 dim, last dim divisible by m)
     has at most ``n`` non-zeros."""
-    _check_nm(n, m)
+    check_nm(n, m)
     if not isinstance(w, torch.Tensor):
         raise TypeError(f"w must be a torch.Tensor, got {type(w).__name__}")
     if w.dim() == 0:
@@ -376,7 +356,7 @@ def compress(w: torch.Tensor, mask: torch.Tensor | None = None, **kwargs) -> Spa
     quantize = kwargs.pop("quantize", None)
     if kwargs:
         raise TypeError(f"unexpected arguments: {sorted(kwargs)}")
-    _check_weight(w, 4)
+    check_weight(w, 4)
     R, C = w.shape
     w4 = w.detach().contiguous().view(-1, 4)
     if mask is None:
@@ -390,21 +370,54 @@ def compress(w: torch.Tensor, mask: torch.Tensor | None = None, **kwargs) -> Spa
     meta = _pack_meta(nib.view(R, C // 4).int())
     p = Sparse24Tensor(values, meta, (R, C), w.dtype, check=False)
     if quantize is not None:
-        from .quant import quantize_values  # INT8 lives in its own module
         p = quantize_values(p, quantize)
     return p
 
 
-def check_mask(mask: torch.Tensor, w: torch.Tensor) -> None:
-    """Raise a clear error unless ``mask`` is a bool tensor shaped and placed like ``w``."""
-    if not isinstance(mask, torch.Tensor):
-        raise TypeError(f"mask must be a torch.Tensor, got {type(mask).__name__}")
-    if mask.shape != w.shape:
-        raise ValueError(f"mask shape {tuple(mask.shape)} does not match weight shape {tuple(w.shape)}")
-    if mask.device != w.device:
-        raise ValueError(f"mask is on {mask.device} but weight is on {w.device}")
-    if mask.dtype != torch.bool:
-        raise TypeError(f"mask must be bool, got {mask.dtype}")
+# --- INT8 values ---------------------------------------------------------------
+
+QUANT_MODES = ("int8",)
+_QMAX = 127  # symmetric: -128 is never used, so negation cannot overflow
+
+
+def quantize_values(p: Sparse24Tensor, mode: str = "int8") -> Sparse24Tensor:
+    """Quantize the kept values of a 2:4 weight to int8 with one scale per output row.
+
+    ``scale[r] = max_j |values[r, j]| / 127`` (computed in float32; 1.0 for an
+    all-zero row), ``q = round(values / scale)`` (half to even), clamped to
+    [-127, 127]. The dequantized weight is ``q * scale[r]``; its error per
+    kept value is at most ``scale[r] / 2``.
+
+    Args:
+        p: unquantized :class:`Sparse24Tensor` ``(R, C)`` (any float dtype, any device).
+        mode: ``"int8"``.
+    Returns:
+        A new :class:`Sparse24Tensor`: ``values`` int8 ``(R, C/2)``, the same
+        ``meta`` tensor (shared, not copied), ``scale`` float32 ``(R,)``, the
+        logical dtype of ``p`` (what ``to_dense()`` returns).
+    Raises:
+        TypeError: ``p`` is not a Sparse24Tensor, or ``mode`` is not a string.
+        ValueError: unknown mode, ``p`` already quantized, non-finite values.
+    Example:
+        >>> q = quantize_values(sparse24.compress(torch.randn(8, 32)), "int8")
+        >>> q.values.dtype, q.scale.shape, q.nbytes / q.dense_nbytes
+        (torch.int8, torch.Size([8]), 0.625)
+    """
+    if not isinstance(p, Sparse24Tensor):
+        raise TypeError(f"quantize_values needs a Sparse24Tensor (see sparse24.compress), got {type(p).__name__}")
+    if not isinstance(mode, str):
+        raise TypeError(f"quantization mode must be a string, one of {QUANT_MODES}, got {type(mode).__name__}")
+    if mode not in QUANT_MODES:
+        raise ValueError(f"unknown quantization mode {mode!r}; supported: {', '.join(map(repr, QUANT_MODES))}")
+    if p.scale is not None:
+        raise ValueError("this Sparse24Tensor is already quantized (it has scales); quantize the float weight instead")
+    v = p.values.float()
+    if not bool(torch.isfinite(v).all()):
+        raise ValueError("cannot quantize: the weight has non-finite (inf/NaN) kept values")
+    amax = v.abs().amax(dim=1) if v.shape[1] else v.new_zeros(v.shape[0])
+    scale = torch.where(amax > 0, amax / _QMAX, torch.ones_like(amax))
+    q = torch.round(v / scale[:, None]).clamp_(-_QMAX, _QMAX).to(torch.int8)
+    return Sparse24Tensor(q, p.meta, p.shape, p.dtype, scale, check=False)
 
 
 def _mask_nibbles24(mask: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -23,10 +23,11 @@ Two modes, switchable both ways without changing outputs:
 
 * ``"compressed"`` (inference): buffers ``values`` (R, C/2), ``meta`` (the
   packed 2-bit slots) and, for INT8, ``scale`` (R,) fp32, exactly
-  :class:`sparse24.Sparse24Tensor`'s tensors; forward goes through
-  :func:`sparse24.linear` (Triton on CUDA, reference on CPU). Backward gives
-  input gradients, and gradients for the kept values when ``values`` is a
-  Parameter (``trainable_values=True``).
+  :class:`sparse24.Sparse24Tensor`'s tensors; forward is one call of the
+  registered op ``sparse24::linear`` (Triton on CUDA, reference on CPU), direct
+  (no autograd, no dispatcher) when no gradient is needed. Backward gives input
+  gradients, and gradients for the kept values when ``values`` is a Parameter
+  (``trainable_values=True``).
 
 State dicts hold plain tensors only (safetensors-compatible); loading checks
 the entries and raises a clear error for dense, mismatched or corrupt ones.
@@ -41,9 +42,9 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .format import FLOAT_DTYPES, Sparse24Tensor, _check_mask24, compress, mask_nm
-from .ops import linear as _ops_linear
-from .ops.linear import linear
+from .format import FLOAT_DTYPES, Sparse24Tensor, _check_mask24, compress
+from .masks import mask_nm, prune_nm
+from .ops import linear24
 
 __all__ = ["Sparse24Linear", "MODES", "QUANTIZE"]
 
@@ -90,50 +91,6 @@ def _grad_mask_hook(param: nn.Parameter):
     return hook
 
 
-# --- compressed forward / backward ---------------------------------------------------
-
-def _row_chunks(n_rows: int, n_cols: int, device: torch.device):
-    """Row slices of the reference backend's block size (bounded dense memory)."""
-    rows = _ops_linear.chunk_rows(n_cols, device)
-    return [slice(r0, min(n_rows, r0 + rows)) for r0 in range(0, n_rows, rows)]
-
-
-class _CompressedLinearFn(torch.autograd.Function):
-    """``y = x @ W^T + b`` with W given as compressed tensors; backward:
-    ``grad_x = grad_y @ W``, ``grad_values = (grad_y^T x)`` at the kept slots,
-    ``grad_b = sum grad_y``, each computed a block of weight rows at a time."""
-
-    @staticmethod
-    def forward(ctx, x, values, meta, scale, bias, shape, dtype):
-        p = Sparse24Tensor(values, meta, shape, dtype, scale, check=False)  # buffers were checked on load
-        ctx.shape, ctx.dtype = shape, dtype
-        ctx.bias_dtype = None if bias is None else bias.dtype
-        ctx.save_for_backward(x if ctx.needs_input_grad[1] else None, values, meta, scale)
-        return linear(x, p, bias)
-
-    @staticmethod
-    def backward(ctx, grad_y):
-        x, values, meta, scale = ctx.saved_tensors
-        p = Sparse24Tensor(values, meta, ctx.shape, ctx.dtype, scale, check=False)
-        N, K = p.shape
-        gy = grad_y.reshape(-1, N)
-        grad_x = grad_values = grad_bias = None
-        if ctx.needs_input_grad[0]:
-            grad_x = torch.zeros(gy.shape[0], K, dtype=gy.dtype, device=gy.device)
-            for sl in _row_chunks(N, K, p.device):
-                grad_x.addmm_(gy[:, sl], p.to_dense(rows=sl).to(gy.dtype))
-            grad_x = grad_x.view(*grad_y.shape[:-1], K)
-        if ctx.needs_input_grad[1]:
-            x2, slots = x.reshape(-1, K).to(gy.dtype), p.slots()
-            grad_values = torch.empty_like(values)
-            for sl in _row_chunks(N, K, p.device):
-                gw = (gy[:, sl].t() @ x2).view(-1, K // 4, 4)  # dense weight gradient, these rows
-                grad_values[sl] = gw.gather(-1, slots[sl]).view(-1, K // 2).to(values.dtype)
-        if ctx.needs_input_grad[4]:
-            grad_bias = gy.sum(0).to(ctx.bias_dtype)
-        return grad_x, grad_values, None, None, grad_bias, None, None
-
-
 # --- the module -----------------------------------------------------------------------
 
 def _check_mode(mode, quantize, trainable_values) -> None:
@@ -157,9 +114,8 @@ def _prune_weight(weight: torch.Tensor, method: str = "magnitude", calibration=N
     store; ``None`` when that is just ``weight * mask`` (no copy kept).
     """
     w = weight.detach()
-    if method == "magnitude" and calibration is None:
+    if method == "magnitude" and calibration is None:  # the mask is all: no weight copy, no report
         return None, mask_nm(w, 2, 4, **mask_kwargs)
-    from .masks import prune_nm  # activation-aware methods live there
     r = prune_nm(w, 2, 4, method=method, calibration=calibration, **mask_kwargs)
     return (None if torch.equal(r.weight, w * r.mask) else r.weight), r.mask
 
@@ -422,8 +378,8 @@ class Sparse24Linear(nn.Module):
         return self._compressed_forward(x)
 
     def _compressed_forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _CompressedLinearFn.apply(x, self.values, self.meta, self.scale, self.bias,
-                                         (self.out_features, self.in_features), self._dtype)
+        linear24.check_input(x, self.in_features, self.values.device)
+        return linear24.forward(x, self.values, self.meta, self.scale, self.bias, self._dtype)
 
     # -- dtype/device moves: only floating tensors follow a dtype change --
     def _apply(self, fn, recurse=True):

@@ -1,5 +1,7 @@
 """INT8 for 2:4 weights: symmetric per-output-row quantization of the kept
-values (the 2-bit slots are unchanged), and an SQNR helper.
+values (the 2-bit slots are unchanged), and an SQNR helper. The quantizer
+itself lives beside the format it produces (``sparse24.format.quantize_values``,
+so ``compress(w, quantize="int8")`` needs nothing above it); it is re-exported here.
 
 Storage of an ``(R, C)`` INT8 2:4 weight: ``R * C/2`` int8 values plus
 ``R * C/2`` 2-bit slots = ``0.625 * R * C`` bytes, i.e. exactly 62.5% of the
@@ -12,52 +14,9 @@ import math
 
 import torch
 
-from .format import Sparse24Tensor
+from .format import QUANT_MODES, Sparse24Tensor, quantize_values
 
 __all__ = ["quantize_values", "sqnr_db", "QUANT_MODES"]
-
-QUANT_MODES = ("int8",)
-_QMAX = 127  # symmetric: -128 is never used, so negation cannot overflow
-
-
-def quantize_values(p: Sparse24Tensor, mode: str = "int8") -> Sparse24Tensor:
-    """Quantize the kept values of a 2:4 weight to int8 with one scale per output row.
-
-    ``scale[r] = max_j |values[r, j]| / 127`` (computed in float32; 1.0 for an
-    all-zero row), ``q = round(values / scale)`` (half to even), clamped to
-    [-127, 127]. The dequantized weight is ``q * scale[r]``; its error per
-    kept value is at most ``scale[r] / 2``.
-
-    Args:
-        p: unquantized :class:`Sparse24Tensor` ``(R, C)`` (any float dtype, any device).
-        mode: ``"int8"``.
-    Returns:
-        A new :class:`Sparse24Tensor`: ``values`` int8 ``(R, C/2)``, the same
-        ``meta`` tensor (shared, not copied), ``scale`` float32 ``(R,)``, the
-        logical dtype of ``p`` (what ``to_dense()`` returns).
-    Raises:
-        TypeError: ``p`` is not a Sparse24Tensor, or ``mode`` is not a string.
-        ValueError: unknown mode, ``p`` already quantized, non-finite values.
-    Example:
-        >>> q = quantize_values(sparse24.compress(torch.randn(8, 32)), "int8")
-        >>> q.values.dtype, q.scale.shape, q.nbytes / q.dense_nbytes
-        (torch.int8, torch.Size([8]), 0.625)
-    """
-    if not isinstance(p, Sparse24Tensor):
-        raise TypeError(f"quantize_values needs a Sparse24Tensor (see sparse24.compress), got {type(p).__name__}")
-    if not isinstance(mode, str):
-        raise TypeError(f"quantization mode must be a string, one of {QUANT_MODES}, got {type(mode).__name__}")
-    if mode not in QUANT_MODES:
-        raise ValueError(f"unknown quantization mode {mode!r}; supported: {', '.join(map(repr, QUANT_MODES))}")
-    if p.scale is not None:
-        raise ValueError("this Sparse24Tensor is already quantized (it has scales); quantize the float weight instead")
-    v = p.values.float()
-    if not bool(torch.isfinite(v).all()):
-        raise ValueError("cannot quantize: the weight has non-finite (inf/NaN) kept values")
-    amax = v.abs().amax(dim=1) if v.shape[1] else v.new_zeros(v.shape[0])
-    scale = torch.where(amax > 0, amax / _QMAX, torch.ones_like(amax))
-    q = torch.round(v / scale[:, None]).clamp_(-_QMAX, _QMAX).to(torch.int8)
-    return Sparse24Tensor(q, p.meta, p.shape, p.dtype, scale, check=False)
 
 
 def sqnr_db(reference, approx) -> float:

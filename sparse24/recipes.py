@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from .api import _check_model
+from ._checks import check_model
 from .format import mask_nm
 
 __all__ = ["GradualPruner", "SRSTE"]
@@ -44,7 +44,7 @@ def _parse_nm(nm) -> tuple[int, int]:
 def _linear_layers(model: nn.Module, filter_fn: FilterFn | None, m: int | None, who: str) -> list[tuple[str, nn.Linear]]:
     """The ``nn.Linear`` layers of ``model`` selected by ``filter_fn``; with an
     N:M target each must have ``in_features % m == 0`` (ValueError naming it)."""
-    _check_model(model, filter_fn, f"{who}: ")
+    check_model(model, filter_fn, f"{who}: ")
     layers = [(fqn, mod) for fqn, mod in model.named_modules()
               if isinstance(mod, nn.Linear) and (filter_fn is None or filter_fn(mod, fqn))]
     if not layers:

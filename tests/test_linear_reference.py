@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import sparse24
-from sparse24.ops import linear as linear_mod
+from sparse24.ops.linear24 import naive as linear_mod
 
 from conftest import assert_matches_reference
 
@@ -85,7 +85,7 @@ def test_linear_rejects_bad_input_and_changes_nothing(gen):
 
 
 def test_auto_uses_the_reference_off_gpu(gen):
-    from sparse24.ops.linear import choose_backend
+    from sparse24.ops.linear24 import choose_backend
     p = sparse24.compress(torch.randn(8, 16, generator=gen))
     for dtype in (torch.float32, torch.float16, torch.float64):
         assert choose_backend(torch.randn(2, 16).to(dtype), p) == "reference"

@@ -12,8 +12,9 @@ from torch import nn
 
 import sparse24
 from sparse24 import is_nm, mask_nm
-from sparse24.masks import (LayerStats, _TabuWindows, apply_permutation, block_patterns, calibrate,
-                            kept_magnitude_fraction, prune_layerwise_, prune_nm, search_permutation, sparsegpt_prune)
+from sparse24.masks import (LayerStats, apply_permutation, block_patterns, calibrate, kept_magnitude_fraction,
+                            prune_layerwise_, prune_nm, search_permutation, sparsegpt_prune)
+from sparse24.masks.permutation import _TabuWindows
 
 
 def _gen(seed):

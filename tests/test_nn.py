@@ -9,7 +9,7 @@ from torch import nn
 
 import sparse24
 from sparse24 import Sparse24Linear
-from sparse24.ops import linear as linear_mod
+from sparse24.ops.linear24 import naive as linear_mod
 
 from conftest import assert_matches_reference, tolerance
 

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 import sparse24
-from sparse24.ops import triton_linear
-from sparse24.ops.triton_linear import linear_triton
+from sparse24.ops.linear24 import launch
+from sparse24.ops.linear24 import linear_triton
 from sparse24.tuning import KernelConfig
 
 from conftest import assert_matches_reference, reference_linear, tolerance
@@ -166,8 +166,8 @@ def test_a_wrong_slot_fails_the_check(gen):
 
 def test_deterministic_mode_disables_split_k(monkeypatch, gen):
     seen = []
-    real = triton_linear._launch
-    monkeypatch.setattr(triton_linear, "_launch", lambda *a: seen.append(a[-1]) or real(*a))
+    real = launch._Plan.launch
+    monkeypatch.setattr(launch._Plan, "launch", lambda plan, grid, *a: seen.append(grid[1]) or real(plan, grid, *a))
     w, x = torch.randn(40, 64, generator=gen), torch.randn(3, 64, generator=gen)
     p = sparse24.compress(w)
     before = torch.are_deterministic_algorithms_enabled()
@@ -200,7 +200,7 @@ def test_rejects_unsupported_input_and_changes_nothing(gen):
         linear_triton(x, p, config=KernelConfig(16, 32, 48))
     with pytest.raises(ValueError, match="bad kernel config BLOCK_M=8"):
         linear_triton(x, p, config=KernelConfig(8, 32, 32))
-    with pytest.raises(TypeError, match="config must be a sparse24.tuning.KernelConfig"):  # was AttributeError
+    with pytest.raises(TypeError, match="config must be a sparse24.ops.config_space.KernelConfig"):  # was AttributeError
         linear_triton(x, p, config={"BLOCK_M": 16})
     for before, after in zip(saved, (x, p.values, p.meta)):
         assert torch.equal(before, after)
@@ -221,7 +221,7 @@ def test_kernel_compiles_for_gpus(x_dtype, int8, bias, split_k, cap, monkeypatch
     target = torch.empty(16, 64, dtype=torch.float32 if split_k > 1 else x_dtype)
     cfg = KernelConfig(16, 64, 128, split_k=split_k, num_warps=4, num_stages=3)
     b = torch.randn(64) if bias else None
-    compiled = triton_linear.aot_compile(x, p, b, target, cfg, split_k, (cap // 10, cap % 10))
+    compiled = launch.aot_compile(x, p, b, target, cfg, split_k, (cap // 10, cap % 10))
     ptx = compiled.asm["ptx"]
     assert compiled.asm["cubin"] and "mma.sync" in ptx              # tensor-core dot, not an FMA loop
     assert "cp.async.cg.shared.global" in ptx                       # 16-byte pipelined tile loads

@@ -6,6 +6,10 @@ import pytest
 import torch
 
 from sparse24 import tuning
+from sparse24.cli import main
+from sparse24.ops import config_store
+from sparse24.ops.config_store import DeviceInfo
+from sparse24.ops.linear24.op import faster_backend
 from sparse24.tuning import KernelConfig
 
 GPU, FAMILY_GPU, OTHER_GPU = "Fake GPU H1 80GB", "Fake GPU H2", "Fake GPU A1"
@@ -19,10 +23,10 @@ def isolated(tmp_path, monkeypatch):
     """Empty user and shipped folders; fresh caches and warning memory."""
     shipped = tmp_path / "shipped"
     shipped.mkdir()
-    monkeypatch.setattr(tuning, "shipped_config_dir", lambda: shipped)
+    monkeypatch.setattr(config_store, "shipped_config_dir", lambda: shipped)
     monkeypatch.delenv("SPARSE24_CONFIG_DIR", raising=False)
     monkeypatch.delenv("SPARSE24_AUTOTUNE", raising=False)
-    monkeypatch.setattr(tuning, "_WARNED", set())
+    monkeypatch.setattr(config_store, "_WARNED", set())
     tuning.clear_cache()
     yield shipped
     tuning.clear_cache()
@@ -45,13 +49,13 @@ def test_validate_dir_rejects_bad_files(tmp_path):
     data = json.loads(good.read_text())
     cases = {
         "json": "{not json",
-        "schema": json.dumps(dict(data, schema=2)),
+        "schema": json.dumps(dict(data, schema=1)),
         "config": json.dumps(dict(data, default=dict(data["default"], BLOCK_K=48))),
         "key": json.dumps(dict(data, entries={"3,64,64,float16": data["entries"]["16,64,64,float16"]})),
         "timing": json.dumps(dict(data, entries={"16,64,64,float16": dict(data["entries"]["16,64,64,float16"],
                                                                           kernel_us=-1)})),
     }
-    expected = {"json": "JSONDecodeError", "schema": "schema 2 is not supported",
+    expected = {"json": "JSONDecodeError", "schema": "schema 1 is not supported (this sparse24 reads schema 2); re-tune",
                 "config": "BLOCK_K=48", "key": "keys must be 'M_BUCKET,N,K,DTYPE'", "timing": "kernel_us must be"}
     for name, text in cases.items():
         good.write_text(text)
@@ -127,9 +131,10 @@ def test_lookup_order(isolated, tmp_path, monkeypatch):
     assert look(16).config == CFG_B and str(user) in look(16).source
     assert look(64).config == CFG_C  # still found in the shipped file
     # the side-by-side timings travel with the entries (dense_us / kernel_us)
-    monkeypatch.setattr(tuning, "_device_identity", lambda device: (GPU, (9, 0)))
-    assert tuning.measured_speedup(16, 4096, 4096, "float16") == 2.0
-    assert tuning.measured_speedup(1, 11008, 4096, "float16") is None  # only a family entry: not measured here
+    monkeypatch.setattr(config_store, "device_info", lambda device=None: DeviceInfo(GPU, (9, 0)))
+    tuning.clear_cache()
+    assert tuning.measured_timings(16, 4096, 4096, "float16") == {"kernel_us": 5.0, "dense_us": 10.0}
+    assert tuning.measured_timings(1, 11008, 4096, "float16") == {}  # only a family entry: not measured here
 
 
 @pytest.mark.parametrize("content", ["{broken", json.dumps({"schema": 1, "kernel": "sparse24_matmul"}),
@@ -149,14 +154,16 @@ def test_bad_file_warns_once_and_falls_back(isolated, content):
     assert all(c.kind == "builtin" and c.config == tuning.builtin_config(M) for M, c in choices)
 
 
-def test_speedup_needs_both_timings(isolated, monkeypatch):
-    # an entry with dense_us but no kernel_us (both optional) used to raise KeyError in measured_speedup,
-    # i.e. inside linear(backend="auto") on that GPU
-    _write(isolated, GPU, (9, 0), {(16, 64, 64, "float16"): {"config": CFG_A, "dense_us": 3.0},
-                                   (32, 64, 64, "float16"): {"config": CFG_A, "kernel_us": 3.0}})
-    monkeypatch.setattr(tuning, "_device_identity", lambda device: (GPU, (9, 0)))
-    assert tuning.measured_speedup(16, 64, 64, "float16") is None
-    assert tuning.measured_speedup(32, 64, 64, "float16") is None
+def test_auto_picks_the_reference_only_where_measured_faster(isolated, monkeypatch):
+    # timings are optional in a file: an entry with only one of them (a KeyError once, inside
+    # linear(backend="auto")) keeps the kernel
+    _write(isolated, GPU, (9, 0), {(32, 64, 64, "float16"): {"config": CFG_A, "reference_us": 3.0},
+                                   (64, 64, 64, "float16"): {"config": CFG_A, "kernel_us": 3.0},
+                                   (128, 64, 64, "float16"): {"config": CFG_A, "kernel_us": 3.0, "reference_us": 2.0},
+                                   (256, 64, 64, "float16"): {"config": CFG_A, "kernel_us": 2.0, "reference_us": 3.0}})
+    monkeypatch.setattr(config_store, "device_info", lambda device=None: DeviceInfo(GPU, (9, 0)))
+    picks = [faster_backend(tuning.measured_timings(M, 64, 64, "float16")) for M in (32, 64, 128, 256)]
+    assert picks == ["triton", "triton", "reference", "triton"]
 
 
 def test_write_entries_merges_and_keeps_corrupt_file(isolated, capsys):
@@ -166,7 +173,7 @@ def test_write_entries_merges_and_keeps_corrupt_file(isolated, capsys):
     data = json.loads(p2.read_text())
     assert set(data["entries"]) == {"1,64,64,float16", "2,64,64,float16"}
     assert data["entries"]["1,64,64,float16"]["config"] == CFG_B.to_json()  # new measurement replaces old
-    assert data["gpu"] == GPU and data["compute_capability"] == [9, 0] and data["schema"] == 1
+    assert data["gpu"] == GPU and data["compute_capability"] == [9, 0] and data["schema"] == 2
     p2.write_text("garbage")
     _write(isolated, GPU, (9, 0), {(4, 64, 64, "float16"): _entry(CFG_A)})
     assert (p2.parent / "sparse24_matmul.json.corrupt").read_text() == "garbage"
@@ -176,29 +183,29 @@ def test_write_entries_merges_and_keeps_corrupt_file(isolated, capsys):
 
 def test_get_config_on_cpu_and_describe(isolated, monkeypatch):
     monkeypatch.setenv("SPARSE24_AUTOTUNE", "1")  # has no effect without CUDA
-    assert tuning.get_config(3, 40, 64, "float16", torch.device("cpu")) == tuning.builtin_config(3)
+    assert tuning.get_config(3, 40, 64, "float16", torch.device("cpu")) == tuning.builtin_config(3, 40, 64)
     text = tuning.describe_config_source("cpu")
     assert "device cpu" in text and "interpreter" in text
     _write(isolated, GPU, (9, 0), {(1, 64, 64, "float16"): _entry(CFG_A)})
-    monkeypatch.setattr(tuning, "_device_identity", lambda device: (GPU, (9, 0)))
+    monkeypatch.setattr(config_store, "device_info", lambda device=None: DeviceInfo(GPU, (9, 0)))
     text = tuning.describe_config_source()
     assert f"tuned file for this GPU: {isolated}" in text and "1 entries" in text
-    monkeypatch.setattr(tuning, "_device_identity", lambda device: (FAMILY_GPU, (9, 0)))
+    monkeypatch.setattr(config_store, "device_info", lambda device=None: DeviceInfo(FAMILY_GPU, (9, 0)))
     text = tuning.describe_config_source()
     assert "no tuned file for 'Fake GPU H2'" in text and "same family (sm_90)" in text
 
 
 def test_autotune_cli_without_gpu(capsys, isolated):
     assert not torch.cuda.is_available()
-    assert tuning.autotune_main(["--shapes", "standard", "--m", "1,16"]) == 1
+    assert main(["autotune", "--shapes", "standard", "--m", "1,16"]) == 1
     err = capsys.readouterr().err
     assert "no CUDA GPU found" in err and "nothing was tuned or written" in err
     assert list(isolated.iterdir()) == []
-    assert tuning.autotune_main(["--shapes", "nope"]) == 2
+    assert main(["autotune", "--shapes", "nope"]) == 2
     assert "unknown shape 'nope'" in capsys.readouterr().err
-    assert tuning.autotune_main(["--dtype", "int4"]) == 2
+    assert main(["autotune", "--dtype", "int4"]) == 2
     assert "unknown --dtype" in capsys.readouterr().err
-    assert tuning.autotune_main(["--m", "0,4"]) == 2
+    assert main(["autotune", "--m", "0,4"]) == 2
     assert "--m needs positive integers" in capsys.readouterr().err
 
 
@@ -212,7 +219,7 @@ def test_autotune_cli_without_gpu(capsys, isolated):
 ])
 def test_autotune_bad_arguments_are_one_line_errors(capsys, isolated, argv, reason):
     # docs/cli.md: errors print one line and exit 2 for bad input, like every other command
-    assert tuning.autotune_main(argv) == 2
+    assert main(["autotune", *argv]) == 2
     out, err = capsys.readouterr()
     assert out == "" and len(err.strip().splitlines()) == 1
     assert err.startswith("sparse24 autotune: error: ") and reason in err
@@ -221,8 +228,9 @@ def test_autotune_bad_arguments_are_one_line_errors(capsys, isolated, argv, reas
 def test_autotune_refuses_a_file_as_config_folder_before_tuning(capsys, isolated, tmp_path, monkeypatch):
     f = tmp_path / "not-a-folder"
     f.write_text("x")
-    assert tuning.autotune_main(["--out-dir", str(f)]) == 2  # 2 (bad input), not 1 (no GPU): checked first
+    assert main(["autotune", "--out-dir", str(f)]) == 2  # 2 (bad input), not 1 (no GPU): checked first
     assert "is a file" in capsys.readouterr().err
+    tuning.clear_cache()
     monkeypatch.setenv("SPARSE24_CONFIG_DIR", str(f))
     assert f"{f} (a file, not a folder)" in tuning.describe_config_source("cpu")
 
@@ -231,7 +239,7 @@ def test_select_fastest_rejects_failing_and_wrong_configs(capsys):
     """The tuner's selection on real interpreter runs, with a fake clock: a
     config that raises and one that computes a wrong result are never chosen."""
     import sparse24
-    from sparse24.ops.triton_linear import linear_triton
+    from sparse24.ops.linear24 import linear_triton
 
     g = torch.Generator().manual_seed(0)
     w, x = torch.randn(40, 64, generator=g), torch.randn(3, 64, generator=g)

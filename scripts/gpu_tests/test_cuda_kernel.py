@@ -13,7 +13,7 @@ import torch
 
 import sparse24
 from sparse24 import tuning
-from sparse24.ops.triton_linear import linear_triton
+from sparse24.ops.linear24 import linear_triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 from conftest import assert_matches_reference  # noqa: E402

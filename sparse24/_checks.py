@@ -1,0 +1,49 @@
+"""Argument checks shared by every layer (the bottom floor: imports only torch).
+
+Each raises a clear TypeError/ValueError naming what is wrong and changes nothing.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+__all__ = ["FLOAT_DTYPES", "check_weight", "check_nm", "check_mask", "check_model"]
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def check_weight(w: torch.Tensor, m: int, name: str = "weight") -> None:
+    if not isinstance(w, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(w).__name__}")
+    if w.dim() != 2:
+        raise ValueError(f"{name} must be 2-D (out_features, in_features), got shape {tuple(w.shape)}")
+    if w.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name} must be a floating-point tensor ({', '.join(map(str, FLOAT_DTYPES))}), got {w.dtype}")
+    if w.shape[1] % m != 0:
+        raise ValueError(f"{name}'s last dimension ({w.shape[1]}) must be divisible by m={m}")
+
+
+def check_nm(n: int, m: int) -> None:
+    if not (isinstance(n, int) and isinstance(m, int)) or m < 1 or not 0 <= n <= m:
+        raise ValueError(f"need integers 0 <= n <= m and m >= 1, got n={n!r}, m={m!r}")
+
+
+def check_mask(mask: torch.Tensor, w: torch.Tensor) -> None:
+    """Raise a clear error unless ``mask`` is a bool tensor shaped and placed like ``w``."""
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"mask must be a torch.Tensor, got {type(mask).__name__}")
+    if mask.shape != w.shape:
+        raise ValueError(f"mask shape {tuple(mask.shape)} does not match weight shape {tuple(w.shape)}")
+    if mask.device != w.device:
+        raise ValueError(f"mask is on {mask.device} but weight is on {w.device}")
+    if mask.dtype != torch.bool:
+        raise TypeError(f"mask must be bool, got {mask.dtype}")
+
+
+def check_model(model, filter_fn, who: str = "") -> None:
+    """TypeError unless ``model`` is an nn.Module and ``filter_fn`` None or callable;
+    ``who`` prefixes the message (e.g. ``"SRSTE: "``)."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"{who}model must be a torch.nn.Module, got {type(model).__name__}")
+    if filter_fn is not None and not callable(filter_fn):
+        raise TypeError(f"{who}filter_fn must be callable (module, fqn) -> bool, got {type(filter_fn).__name__}")

@@ -1,0 +1,14 @@
+"""Better N:M masks (layer 2, above the storage format): per-tensor methods
+(:mod:`~sparse24.masks.nm`: magnitude, Wanda, SparseGPT, 2-D transposable),
+model-wide calibration and layer-by-layer pruning
+(:mod:`~sparse24.masks.calibrate`), and input-channel permutations
+(:mod:`~sparse24.masks.permutation`). Pure torch, any device.
+"""
+from .calibrate import calibrate, prune_layerwise_
+from .nm import METHODS, LayerStats, PruneResult, kept_magnitude_fraction, mask_nm, prune_nm
+from .permutation import apply_permutation, search_permutation
+from .sparsegpt import sparsegpt_prune
+from .two_d import block_patterns
+
+__all__ = ["METHODS", "mask_nm", "prune_nm", "PruneResult", "kept_magnitude_fraction", "sparsegpt_prune",
+           "LayerStats", "calibrate", "prune_layerwise_", "block_patterns", "search_permutation", "apply_permutation"]

@@ -1,0 +1,156 @@
+"""Model-wide calibration and layer-by-layer pruning: the statistics the
+activation-aware methods need (:class:`LayerStats`), collected with forward
+pre-hooks, and SparseGPT-style sequential pruning of a whole model."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .._checks import check_model
+from .nm import METHODS, LayerStats, PruneResult, prune_nm
+
+__all__ = ["calibrate", "prune_layerwise_"]
+
+
+def calibrate(model: nn.Module, batches, hessian: bool = False, filter_fn=None, device=None,
+              dtype: torch.dtype = torch.float64) -> dict[str, LayerStats]:
+    """Run ``model`` on ``batches`` and collect per-input-channel statistics of every ``nn.Linear``.
+
+    The model runs in eval mode under ``torch.no_grad()`` (its train/eval
+    flags are restored afterwards) with forward pre-hooks that are removed
+    afterwards, also on error.
+
+    Args:
+        model: any module containing ``nn.Linear`` layers.
+        batches: iterable of tensors (``model(b)``), tuples/lists
+            (``model(*b)``) or dicts (``model(**b)``).
+        hessian: also accumulate ``X^T X`` (``K x K`` per layer; needed by
+            ``"sparsegpt"``; costs K^2 memory so off by default).
+        filter_fn: optional ``(module, fqn) -> bool`` selecting the layers.
+        device: move every tensor of a batch there first (default: leave as is).
+        dtype: accumulation dtype (fp64 default; use fp32 on devices without fp64).
+    Returns:
+        ``{fqn: LayerStats}`` for each Linear that saw at least one input,
+        ``fqn`` as in ``model.named_modules()``.
+    Example:
+        >>> net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+        >>> stats = calibrate(net, [torch.randn(32, 8)])
+        >>> stats["2"].act_norm.shape
+        torch.Size([16])
+    """
+    check_model(model, filter_fn)
+    if dtype not in (torch.float32, torch.float64):
+        raise TypeError(f"dtype must be torch.float32 or torch.float64, got {dtype}")
+    stats: dict[str, LayerStats] = {}
+
+    def hook_for(fqn: str, k: int):
+        def hook(mod, args):
+            x = args[0].detach().reshape(-1, k).to(dtype)
+            s = stats.get(fqn)
+            if s is None:
+                s = stats[fqn] = LayerStats(torch.zeros(k, dtype=dtype, device=x.device), 0,
+                                            torch.zeros(k, k, dtype=dtype, device=x.device) if hessian else None)
+            s.sq_sum += (x * x).sum(0)
+            s.count += x.shape[0]
+            if s.xtx is not None:
+                s.xtx.addmm_(x.t(), x)
+        return hook
+
+    handles, modes = [], [(mod, mod.training) for mod in model.modules()]
+    try:
+        for fqn, mod in model.named_modules():
+            if isinstance(mod, nn.Linear) and (filter_fn is None or filter_fn(mod, fqn)):
+                handles.append(mod.register_forward_pre_hook(hook_for(fqn, mod.in_features)))
+        model.eval()
+        with torch.no_grad():
+            for b in batches:
+                b = _to_device(b, device)
+                if isinstance(b, dict):
+                    model(**b)
+                elif isinstance(b, (tuple, list)):
+                    model(*b)
+                else:
+                    model(b)
+    finally:
+        for h in handles:
+            h.remove()
+        for mod, training in modes:
+            mod.training = training
+    # A layer that only saw empty inputs has no statistics (all-zero norms would zero SparseGPT's weights).
+    return {fqn: s for fqn, s in stats.items() if s.count > 0}
+
+
+def prune_layerwise_(model: nn.Module, batches, n: int = 2, m: int = 4, method: str = "sparsegpt",
+                     filter_fn=None, device=None, **kwargs) -> dict[str, PruneResult]:
+    """Prune every ``nn.Linear`` of ``model`` to N:M in place, one layer at a time,
+    each calibrated on the inputs it receives once the layers before it are pruned.
+
+    This is how SparseGPT (and Wanda) prune a pretrained model: a layer's
+    reconstruction then also absorbs the error of the earlier pruned layers.
+    Layers run in the order of their first call in a forward pass of the first
+    batch; each costs one more pass over ``batches``. The weights stay in the
+    ``nn.Linear`` modules (zeros off the mask); convert them afterwards with
+    ``sparse24.sparsify_(model)``, whose magnitude mask keeps exactly these
+    non-zeros.
+
+    Args:
+        model: module with ``nn.Linear`` layers (``in_features % m == 0`` to be pruned).
+        batches: a re-iterable collection (e.g. a list) of batches as in :func:`calibrate`.
+        n, m: keep ``n`` of every ``m``.
+        method: any :data:`METHODS` entry (``"sparsegpt"`` collects each layer's Hessian).
+        filter_fn: optional ``(module, fqn) -> bool`` selecting layers.
+        device: passed to :func:`calibrate`.
+        **kwargs: method options (``blocksize=``, ``percdamp=``).
+    Returns:
+        ``{fqn: PruneResult}`` in pruning order.
+    Example:
+        >>> net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8))
+        >>> results = prune_layerwise_(net, [torch.randn(64, 16)])
+        >>> [round(r.kept_fraction, 1) > 0.5 for r in results.values()]
+        [True, True]
+    """
+    check_model(model, filter_fn)
+    if iter(batches) is batches:
+        raise TypeError("batches must be re-iterable (a list or a DataLoader, not an iterator or generator): "
+                        "every layer needs its own pass over them")
+    if method not in METHODS:
+        raise ValueError(f"unknown mask method {method!r}; choose one of {', '.join(METHODS)}")
+    first = next(iter(batches), None)
+    if first is None:
+        raise ValueError("batches is empty: prune_layerwise_ needs calibration inputs")
+    order: list[str] = []
+    names = {mod: fqn for fqn, mod in model.named_modules()
+             if isinstance(mod, nn.Linear) and mod.in_features % m == 0 and (filter_fn is None or filter_fn(mod, fqn))}
+    record = lambda mod, args: order.append(names[mod]) if names[mod] not in order else None  # noqa: E731
+    handles = [mod.register_forward_pre_hook(record) for mod in names]
+    try:
+        # one batch, only to learn the call order (no statistics collected)
+        calibrate(model, [first], device=device, filter_fn=lambda mod, fqn: False)
+    finally:
+        for h in handles:
+            h.remove()
+    results: dict[str, PruneResult] = {}
+    layers = dict(model.named_modules())
+    for fqn in order:
+        stats = calibrate(model, batches, hessian=method == "sparsegpt", device=device,
+                          filter_fn=lambda mod, name, fqn=fqn: name == fqn)
+        if fqn not in stats:
+            raise ValueError(f"layer {fqn!r} received no input rows from batches: nothing to calibrate it on")
+        lin = layers[fqn]
+        r = prune_nm(lin.weight, n, m, method, calibration=stats[fqn], **kwargs)
+        with torch.no_grad():
+            lin.weight.copy_(r.weight)
+        results[fqn] = r
+    return results
+
+
+def _to_device(b, device):
+    if device is None:
+        return b
+    if isinstance(b, torch.Tensor):
+        return b.to(device)
+    if isinstance(b, dict):
+        return {k: _to_device(v, device) for k, v in b.items()}
+    if isinstance(b, (tuple, list)):
+        return type(b)(_to_device(v, device) for v in b)
+    return b

@@ -1,0 +1,216 @@
+"""Per-tensor N:M masks by method, and the one pruning entry point.
+
+Methods (``mask_nm(w, n, m, method=...)``, re-exported as ``sparse24.mask_nm``):
+
+* ``"magnitude"``: keep the ``n`` largest ``|w|`` of every ``m`` consecutive
+  inputs (optimal for kept magnitude; :func:`sparse24.format.mask_nm`).
+* ``"2d_greedy"`` / ``"2d_optimal"``: transposable masks
+  (:mod:`sparse24.masks.two_d`).
+* ``"wanda"``: magnitude mask on ``|W_ij| * ||x_j||`` (Sun et al. 2023), needs
+  ``act_norm=`` (from :func:`sparse24.calibrate`).
+* ``"sparsegpt"``: SparseGPT (Frantar & Alistarh 2023) mask, needs
+  ``hessian=``; the mask alone discards the reconstructed weights, so use
+  :func:`sparsegpt_prune` or :func:`prune_nm` to get both.
+
+:func:`prune_nm` is the one entry point that returns the weight to store, the
+mask and the kept magnitude fraction for every method; :class:`LayerStats` is
+the per-layer calibration data it accepts (collected by
+:func:`sparse24.masks.calibrate.calibrate`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .._checks import check_mask, check_nm, check_weight
+from ..format import mask_nm as magnitude_mask
+from .sparsegpt import sparsegpt_prune
+from .two_d import mask_2d_greedy, mask_2d_optimal, score_dtype
+
+__all__ = ["METHODS", "mask_nm", "prune_nm", "PruneResult", "LayerStats", "kept_magnitude_fraction"]
+
+METHODS = ("magnitude", "2d_greedy", "2d_optimal", "wanda", "sparsegpt")
+
+
+def kept_magnitude_fraction(w: torch.Tensor, mask: torch.Tensor) -> float:
+    """Fraction of the total ``|w|`` that ``mask`` keeps: ``sum(|w| * mask) / sum(|w|)``.
+
+    Args:
+        w: ``(R, C)`` weight (any float dtype, any device).
+        mask: ``(R, C)`` bool mask.
+    Returns:
+        float in [0, 1] (computed in fp64); 1.0 for an all-zero ``w``.
+    Example:
+        >>> w = torch.tensor([[4.0, -3.0, 2.0, 1.0]])
+        >>> kept_magnitude_fraction(w, magnitude_mask(w, 2, 4))
+        0.7
+    """
+    if not isinstance(w, torch.Tensor):
+        raise TypeError(f"w must be a torch.Tensor, got {type(w).__name__}")
+    check_mask(mask, w)
+    a = w.detach().abs()  # sums in fp64 without an fp64 copy of a large weight
+    total = float(a.sum(dtype=torch.float64))
+    return 1.0 if total == 0 else float(a.masked_fill(~mask, 0).sum(dtype=torch.float64)) / total
+
+
+@dataclass
+class LayerStats:
+    """Input statistics of one ``nn.Linear`` collected by :func:`calibrate`.
+
+    Attributes:
+        sq_sum: ``(K,)`` sum over all input rows (tokens) of ``x_j^2``.
+        count: number of input rows seen (batch x sequence positions).
+        xtx: ``(K, K)`` sum of ``x^T x`` or None (``calibrate(hessian=True)``).
+    """
+    sq_sum: torch.Tensor
+    count: int = 0
+    xtx: torch.Tensor | None = field(default=None, repr=False)
+
+    @property
+    def act_norm(self) -> torch.Tensor:
+        """``(K,)`` RMS of each input channel, ``sqrt(sq_sum / count)``: Wanda's
+        ``||x_j||_2`` up to a constant factor, which no mask depends on."""
+        return (self.sq_sum / max(self.count, 1)).sqrt()
+
+    @property
+    def hessian(self) -> torch.Tensor:
+        """``(K, K)`` ``X^T X / count`` (SparseGPT's Hessian up to a constant factor)."""
+        if self.xtx is None:
+            raise ValueError("no Hessian collected: call calibrate(..., hessian=True)")
+        return self.xtx / max(self.count, 1)
+
+
+@dataclass
+class PruneResult:
+    """What :func:`prune_nm` returns.
+
+    Attributes:
+        weight: ``(R, C)`` weight to store, zero wherever ``mask`` is False
+            (``w * mask``, or SparseGPT's reconstructed weight).
+        mask: ``(R, C)`` bool, N:M along rows (and along columns for 2-D methods).
+        kept_fraction: :func:`kept_magnitude_fraction` of the ORIGINAL weight.
+        method: the method used.
+    """
+    weight: torch.Tensor
+    mask: torch.Tensor
+    kept_fraction: float
+    method: str
+
+
+def prune_nm(w: torch.Tensor, n: int = 2, m: int = 4, method: str = "magnitude", calibration=None,
+             **kwargs) -> PruneResult:
+    """Prune one weight to N:M with any method; the single entry point for model-level code.
+
+    Args:
+        w: ``(R, C)`` float weight (not modified).
+        n, m: keep ``n`` of every ``m`` along the input dimension.
+        method: one of :data:`METHODS`.
+        calibration: optional :class:`LayerStats` of this layer (from
+            :func:`calibrate`); supplies ``act_norm`` (wanda) and ``hessian``
+            (sparsegpt, collected with ``calibrate(..., hessian=True)``).
+        **kwargs: method options: ``act_norm=`` ``(C,)``, ``hessian=`` ``(C, C)``,
+            ``blocksize=``, ``percdamp=`` (sparsegpt).
+    Returns:
+        :class:`PruneResult` (``weight`` has ``w``'s dtype and device).
+    Example:
+        >>> r = prune_nm(torch.randn(8, 16), 2, 4, "2d_optimal")
+        >>> r.mask.sum().item(), round(r.kept_fraction, 2) > 0.5
+        (64, True)
+    """
+    kwargs = _with_calibration(method, calibration, kwargs)
+    if method == "sparsegpt":
+        weight, mask = sparsegpt_prune(w, n=n, m=m, **kwargs)
+    else:
+        mask = mask_nm(w, n, m, method=method, **kwargs)
+        weight = w.detach() * mask
+    return PruneResult(weight, mask, kept_magnitude_fraction(w, mask), method)
+
+
+def _with_calibration(method: str, calibration, kwargs: dict) -> dict:
+    """Fill ``act_norm=`` / ``hessian=`` from a :class:`LayerStats` for the methods that need them."""
+    if calibration is None:
+        return kwargs
+    if not isinstance(calibration, LayerStats):
+        raise TypeError(f"calibration must be a LayerStats (from sparse24.calibrate), got {type(calibration).__name__}")
+    kwargs = dict(kwargs)
+    if method == "wanda":
+        kwargs.setdefault("act_norm", calibration.act_norm)
+    elif method == "sparsegpt":
+        if calibration.xtx is None:
+            raise ValueError("method='sparsegpt' needs the input Hessian: collect it with calibrate(..., hessian=True)")
+        kwargs.setdefault("hessian", calibration.hessian)
+    return kwargs
+
+
+# --- dispatch ---------------------------------------------------------------------
+
+def mask_nm(w: torch.Tensor, n: int = 2, m: int = 4, method: str = "magnitude", **kwargs) -> torch.Tensor:
+    """N:M mask of ``w`` by ``method`` (``sparse24.mask_nm``).
+
+    Args:
+        w: ``(R, C)`` float weight, ``C % m == 0`` (and ``R % m == 0`` for 2-D methods).
+        n, m: keep at most ``n`` of every ``m``.
+        method: ``"magnitude"`` (the default: keep the ``n`` largest ``|w|`` of
+            every ``m``, :func:`sparse24.format.mask_nm`), ``"2d_greedy"``,
+            ``"2d_optimal"``, ``"wanda"`` (needs
+            ``act_norm=`` ``(C,)``), ``"sparsegpt"`` (needs ``hessian=`` ``(C, C)``,
+            optional ``blocksize=``, ``percdamp=``).
+            Any method also accepts ``calibration=`` (a :class:`LayerStats`).
+    Returns:
+        ``(R, C)`` bool mask on ``w``'s device.
+    Example:
+        >>> mask = mask_nm(torch.randn(8, 8), 2, 4, method="2d_optimal")
+        >>> is_nm(mask, 2, 4) and is_nm(mask.T, 2, 4)
+        True
+    """
+    if method not in METHODS:
+        raise ValueError(f"unknown mask method {method!r}; choose one of {', '.join(METHODS)}")
+    check_nm(n, m)
+    kwargs = _with_calibration(method, kwargs.pop("calibration", None), kwargs)
+    if method == "magnitude":
+        _no_kwargs(method, kwargs)
+        return magnitude_mask(w, n, m)
+    if method == "sparsegpt":
+        return sparsegpt_prune(w, n=n, m=m, **kwargs)[1]
+    if method == "wanda":
+        return _mask_wanda(w, n, m, **kwargs)
+    _no_kwargs(method, kwargs)
+    check_weight(w, m)
+    if w.shape[0] % m != 0:
+        raise ValueError(f"method={method!r} builds {m}x{m} blocks: the weight's rows ({w.shape[0]}) must be "
+                         f"divisible by m={m} too, got shape {tuple(w.shape)}")
+    if method == "2d_greedy":
+        return mask_2d_greedy(w, n, m)
+    return mask_2d_optimal(w, n, m)
+
+
+def _no_kwargs(method: str, kwargs: dict) -> None:
+    if kwargs:
+        raise TypeError(f"unexpected arguments for method={method!r}: {sorted(kwargs)}")
+
+
+# --- activation-aware (Wanda) ---------------------------------------------------
+
+def _mask_wanda(w: torch.Tensor, n: int, m: int, act_norm: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
+    _no_kwargs("wanda", kwargs)
+    check_weight(w, m)
+    if act_norm is None:
+        raise ValueError("method='wanda' needs act_norm=: a (in_features,) tensor of input-channel norms, "
+                         "e.g. sparse24.calibrate(model, batches)[name].act_norm")
+    act_norm = _check_vector(act_norm, w.shape[1], "act_norm")
+    if bool((act_norm < 0).any()):
+        raise ValueError("act_norm must be non-negative")
+    sdt = score_dtype(w)
+    score = w.detach().abs().to(sdt) * act_norm.to(device=w.device, dtype=sdt)
+    return magnitude_mask(score, n, m)
+
+
+def _check_vector(v, k: int, name: str) -> torch.Tensor:
+    if not isinstance(v, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(v).__name__}")
+    if v.shape != (k,):
+        raise ValueError(f"{name} must have shape ({k},) (the weight's in_features), got {tuple(v.shape)}")
+    if not v.is_floating_point() or not bool(torch.isfinite(v).all()):
+        raise ValueError(f"{name} must be finite floating point")
+    return v

@@ -1,0 +1,119 @@
+"""Transposable 2-D N:M masks: every ``m x m`` block keeps at most ``n`` per
+row AND per column, so ``mask.T`` is N:M too (the backward pass ``grad @ W``
+can use the same sparse weight). ``"2d_optimal"`` keeps the maximum magnitude
+over all valid block patterns (90 for 2:4); ``"2d_greedy"`` takes the largest
+entries first (any n:m; for m = 4 the optimum is also the faster one: 0.63 s
+vs 1.78 s at 4096x4096 fp32, 1 thread of a 2-core AMD EPYC,
+results/cpu-amd-epyc/bench_masks.md).
+"""
+from __future__ import annotations
+
+import itertools
+from functools import lru_cache
+
+import torch
+
+from .._checks import check_nm
+
+__all__ = ["block_patterns", "mask_2d_optimal", "mask_2d_greedy", "score_dtype"]
+
+
+# 2d_optimal enumerates the block patterns; their number grows fast with m
+# (2:4 has 90, 2:5 has 2040, 2:6 has 67950), so refuse beyond this many.
+_MAX_PATTERNS = 3000
+
+
+def block_patterns(n: int = 2, m: int = 4) -> torch.Tensor:
+    """All ``m x m`` 0/1 blocks with exactly ``n`` ones in every row and column.
+
+    Returns:
+        ``(P, m * m)`` bool, row-major blocks, in lexicographic order of row
+        choices (90 patterns for 2:4, 24 for 1:4 and 3:4).
+    Raises:
+        ValueError if there are more than 3000 patterns (e.g. 2:8): use
+        ``"2d_greedy"`` there.
+    Example:
+        >>> block_patterns(2, 4).shape
+        torch.Size([90, 16])
+    """
+    check_nm(n, m)
+    return _block_patterns(n, m).clone()
+
+
+@lru_cache(maxsize=None)
+def _block_patterns(n: int, m: int) -> torch.Tensor:
+    if m >= 7 and 0 < n < m:  # at least m! = 5040 patterns: refuse without enumerating
+        _too_many_patterns(n, m)
+    rows = [sum(1 << j for j in c) for c in itertools.combinations(range(m), n)]
+    out: list[list[int]] = []
+
+    def extend(prefix, col_counts):  # depth-first, pruning columns that are full
+        if len(out) > _MAX_PATTERNS:
+            return
+        if len(prefix) == m:
+            out.append(prefix)
+            return
+        for r in rows:
+            cnt = [c + (r >> j & 1) for j, c in enumerate(col_counts)]
+            left = m - len(prefix) - 1  # rows still to fill can add at most `left` per column
+            if all(c <= n and c + left >= n for c in cnt):
+                extend(prefix + [r], cnt)
+
+    extend([], [0] * m)
+    if len(out) > _MAX_PATTERNS:
+        _too_many_patterns(n, m)
+    bits = torch.tensor([[r >> j & 1 for r in p for j in range(m)] for p in out], dtype=torch.bool)
+    return bits.view(len(out), m * m)
+
+
+def _too_many_patterns(n: int, m: int):
+    raise ValueError(f"2d_optimal enumerates every {m}x{m} block with {n} per row and column; {n}:{m} has more "
+                     f"than {_MAX_PATTERNS} such patterns: use method='2d_greedy' for {n}:{m}")
+
+
+def _to_blocks(a: torch.Tensor, m: int) -> torch.Tensor:
+    """(R, C) -> (R/m * C/m, m*m), each row one row-major m x m block."""
+    R, C = a.shape
+    return a.view(R // m, m, C // m, m).permute(0, 2, 1, 3).reshape(-1, m * m)
+
+
+def _from_blocks(b: torch.Tensor, R: int, C: int, m: int) -> torch.Tensor:
+    return b.view(R // m, C // m, m, m).permute(0, 2, 1, 3).reshape(R, C)
+
+
+def score_dtype(w: torch.Tensor) -> torch.dtype:
+    """Dtype to score magnitudes in: fp32 at least (a fp16 product of small values underflows into ties)."""
+    return torch.float64 if w.dtype == torch.float64 else torch.float32
+
+
+def mask_2d_optimal(w: torch.Tensor, n: int, m: int) -> torch.Tensor:
+    R, C = w.shape
+    sdt = score_dtype(w)
+    pats = _block_patterns(n, m).to(w.device)
+    pf = pats.to(sdt).t().contiguous()  # (m*m, P)
+    blocks = _to_blocks(w.detach().abs().to(sdt), m)  # (B, m*m)
+    best = torch.empty(blocks.shape[0], dtype=torch.long, device=w.device)
+    # Chunks bound the (B, P) score matrix: 1M blocks x 90 patterns would be 377 MB.
+    step = max(1, (1 << 22) // pf.shape[1])
+    for i in range(0, blocks.shape[0], step):
+        best[i:i + step] = (blocks[i:i + step] @ pf).argmax(-1)  # first maximum on ties: deterministic
+    return _from_blocks(pats[best], R, C, m)
+
+
+def mask_2d_greedy(w: torch.Tensor, n: int, m: int) -> torch.Tensor:
+    R, C = w.shape
+    blocks = _to_blocks(w.detach().abs().to(score_dtype(w)), m)
+    order = torch.sort(blocks, dim=-1, descending=True, stable=True).indices  # (B, m*m)
+    B = blocks.shape[0]
+    row_cnt = torch.zeros(B, m, dtype=torch.int8, device=w.device)
+    col_cnt = torch.zeros_like(row_cnt)
+    keep = torch.zeros(B, m * m, dtype=torch.bool, device=w.device)
+    # Largest first: accept an entry while its row and column have room.
+    for k in range(m * m):
+        idx = order[:, k:k + 1]
+        r, c = idx // m, idx % m
+        ok = (row_cnt.gather(1, r) < n) & (col_cnt.gather(1, c) < n)
+        keep.scatter_(1, idx, ok)
+        row_cnt.scatter_add_(1, r, ok.to(torch.int8))
+        col_cnt.scatter_add_(1, c, ok.to(torch.int8))
+    return _from_blocks(keep, R, C, m)

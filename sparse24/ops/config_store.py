@@ -1,0 +1,354 @@
+"""Per-GPU tuned-config files for the 2:4 Triton kernels: where they are,
+what a valid one holds, and the lookup a launch makes (once per shape: the
+launch path caches the answer).
+
+Files: ``<dir>/<sanitized GPU name>/sparse24_matmul.json``, where ``<dir>`` is
+``$SPARSE24_CONFIG_DIR`` (searched first) and then the shipped
+``sparse24/autotune_configs``. Schema (version 2)::
+
+    {"schema": 2, "kernel": "sparse24_matmul",
+     "gpu": "NVIDIA H200", "compute_capability": [9, 0],
+     "triton": "3.6.0", "torch": "2.11.0", "updated": "2026-11-20T10:00:00Z",
+     "default": {"KERNEL": "matmul", "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128,
+                 "GROUP_M": 8, "SPLIT_K": 1, "num_warps": 4, "num_stages": 3},
+     "entries": {"16,4096,4096,float16": {"config": {...}, "kernel_us": 6.1,
+                                          "dense_us": 9.8, "reference_us": 31.0}}}
+
+Entry keys are ``"<M bucket>,<N>,<K>,<dtype key>"``; dtype keys are the
+activation dtype (``float16``, ``bfloat16``, ``float32``), prefixed ``int8-``
+for INT8 weights. ``kernel_us`` / ``dense_us`` / ``reference_us`` are medians
+measured side by side on that GPU: the kernel, dense ``F.linear`` on the dense
+fp weight, and the reference backend (row-block decompression + dense GEMM);
+``backend="auto"`` dispatches to the faster of kernel and reference. Schema 1
+files (before kernel variants existed) are rejected with a message to re-tune.
+
+Lookup order for (M, N, K, dtype) on a GPU: (1) exact key in this GPU's
+file(s), (2) the nearest M bucket with the same N, K, dtype, (3) the same in
+files of other GPUs with the same compute capability (the GPU family),
+(4) this GPU's file default, (5) :func:`~sparse24.ops.config_space.builtin_config`.
+A missing folder is silent; a corrupt or schema-invalid file gives one warning
+and is skipped, so a bad file can never crash a forward pass or pick an invalid
+config. ``SPARSE24_AUTOTUNE=1`` replaces steps 2-5 by timing the config space
+on the spot (CUDA only; results kept for the process): the tuner lives in the
+tools layer (:mod:`sparse24.tuning`) and plugs itself in with
+:func:`set_live_tuner`, so this store never imports upward.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import re
+import warnings
+from pathlib import Path
+
+import torch
+
+from .config_space import DTYPE_KEYS, M_BUCKETS, KernelConfig, builtin_config, m_bucket
+
+__all__ = ["KERNEL", "SCHEMA_VERSION", "TIMINGS", "Choice", "DeviceInfo", "device_info", "config_dirs",
+           "shipped_config_dir", "gpu_file_name", "validate_file", "validate_dir", "lookup", "get_choice",
+           "get_config", "measured_timings", "clear_cache", "on_clear", "describe_config_source", "set_live_tuner"]
+
+KERNEL = "sparse24_matmul"
+SCHEMA_VERSION = 2
+# Optional per-entry timings (microseconds, medians measured side by side).
+TIMINGS = ("kernel_us", "dense_us", "reference_us")
+
+
+def shipped_config_dir() -> Path:
+    """The ``autotune_configs`` folder installed with the package."""
+    try:
+        import sparse24.autotune_configs as shipped
+        return Path(shipped.__file__).parent
+    except ImportError:  # running from a source tree that is not installed
+        return Path(__file__).resolve().parents[2] / "autotune_configs"
+
+
+def config_dirs() -> list[Path]:
+    """Folders searched for tuned files: ``$SPARSE24_CONFIG_DIR`` first, then the shipped one."""
+    dirs = [Path(d) for d in [os.environ.get("SPARSE24_CONFIG_DIR")] if d]
+    return dirs + [shipped_config_dir()]
+
+
+def gpu_file_name(gpu_name: str) -> str:
+    """Folder name for a GPU: ``"NVIDIA H100 80GB HBM3"`` -> ``"NVIDIA_H100_80GB_HBM3"``."""
+    return re.sub(r"[^A-Za-z0-9.-]+", "_", gpu_name).strip("_") or "unknown"
+
+
+def validate_file(data) -> dict:
+    """Check a parsed tuned-config file against the schema; return it with
+    configs parsed (``default`` and each entry's ``config`` as KernelConfig).
+    Raise ValueError saying what is wrong and where."""
+    if not isinstance(data, dict):
+        raise ValueError(f"top level must be an object, got {type(data).__name__}")
+    need = {"schema": int, "kernel": str, "gpu": str, "compute_capability": list, "triton": str, "torch": str,
+            "default": dict, "entries": dict}
+    for key, typ in need.items():
+        if not isinstance(data.get(key), typ):
+            raise ValueError(f"field {key!r} must be a {typ.__name__}, got {data.get(key)!r:.60}")
+    if data["schema"] != SCHEMA_VERSION:
+        hint = "; re-tune with 'python -m sparse24 autotune'" if data["schema"] < SCHEMA_VERSION else ""
+        raise ValueError(f"schema {data['schema']} is not supported (this sparse24 reads schema {SCHEMA_VERSION}){hint}")
+    if data["kernel"] != KERNEL:
+        raise ValueError(f"kernel {data['kernel']!r} is not {KERNEL!r}")
+    cc = data["compute_capability"]
+    if len(cc) != 2 or not all(isinstance(c, int) for c in cc):
+        raise ValueError(f"compute_capability must be [major, minor], got {cc}")
+    parsed = dict(data, default=_parse_config(data["default"], "default"), entries={})
+    for key, entry in data["entries"].items():
+        where = f"entry {key!r}"
+        parts = key.split(",")
+        if len(parts) != 4 or not all(p.isdigit() for p in parts[:3]) or parts[3] not in DTYPE_KEYS \
+                or int(parts[0]) not in M_BUCKETS:
+            raise ValueError(f"{where}: keys must be 'M_BUCKET,N,K,DTYPE' with M_BUCKET in {M_BUCKETS} "
+                             f"and DTYPE in {DTYPE_KEYS}")
+        if not isinstance(entry, dict) or "config" not in entry:
+            raise ValueError(f"{where}: must be an object with a 'config'")
+        for t in TIMINGS:
+            if t in entry and not (isinstance(entry[t], (int, float)) and entry[t] > 0):
+                raise ValueError(f"{where}: {t} must be a positive number, got {entry[t]!r}")
+        parsed["entries"][(int(parts[0]), int(parts[1]), int(parts[2]), parts[3])] = \
+            dict(entry, config=_parse_config(entry["config"], where))
+    return parsed
+
+
+def validate_dir(d) -> list[tuple[Path, str]]:
+    """Check every tuned file under ``d`` (``<gpu>/sparse24_matmul.json``);
+    return ``(path, problem)`` for each bad one (empty list: all good, or none).
+    A file must also sit in the folder named after its own ``gpu`` field."""
+    problems = []
+    for path in sorted(Path(d).glob(f"*/{KERNEL}.json")):
+        try:
+            data = validate_file(json.loads(path.read_text()))
+        except BAD_FILE_ERRORS as e:
+            problems.append((path, f"{type(e).__name__}: {e}"))
+            continue
+        if path.parent.name != gpu_file_name(data["gpu"]):
+            problems.append((path, f"gpu {data['gpu']!r} belongs in folder {gpu_file_name(data['gpu'])!r}"))
+    return problems
+
+
+def _parse_config(d, where: str) -> KernelConfig:
+    try:
+        return KernelConfig.from_json(d)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{where}: {e}") from None
+
+
+# What reading a corrupt file can raise (deeply nested JSON makes json.loads raise RecursionError).
+BAD_FILE_ERRORS = (OSError, UnicodeDecodeError, json.JSONDecodeError, ValueError, RecursionError)
+_WARNED: set[str] = set()
+_FILES: dict[tuple, list[dict]] = {}      # dirs -> parsed files (with their "path")
+_CHOICES: dict[tuple, "Choice"] = {}      # (dirs, gpu, cc, key) -> lookup (or live-tuned) result
+
+
+_ON_CLEAR: list = []  # what callers above cached from lookups (the launch plans), cleared with them
+
+
+def on_clear(forget) -> None:
+    """Have :func:`clear_cache` also call ``forget()`` (for caches built from lookups)."""
+    _ON_CLEAR.append(forget)
+
+
+def clear_cache() -> None:
+    """Forget loaded files and lookups (after writing a file, or changing the env),
+    and everything cached from them."""
+    _FILES.clear()
+    _CHOICES.clear()
+    for forget in _ON_CLEAR:
+        forget()
+
+
+def _warn_once(path: Path, problem: str) -> None:
+    if str(path) not in _WARNED:
+        _WARNED.add(str(path))
+        warnings.warn(f"sparse24: ignoring tuned-config file {path}: {problem}. "
+                      f"Falling back to other files or the built-in config (results stay correct, "
+                      f"speed may not be tuned).", RuntimeWarning, stacklevel=4)
+
+
+def _load_dir(d: Path) -> list[dict]:
+    files = []
+    for path in sorted(d.glob(f"*/{KERNEL}.json")) if d.is_dir() else []:
+        try:
+            data = validate_file(json.loads(path.read_text()))
+        except BAD_FILE_ERRORS as e:
+            _warn_once(path, f"{type(e).__name__}: {e}")
+            continue
+        files.append(dict(data, path=path))
+    return files
+
+
+def _files() -> list[dict]:
+    dirs = tuple(config_dirs())
+    if dirs not in _FILES:
+        _FILES[dirs] = [f for d in dirs for f in _load_dir(d)]
+    return _FILES[dirs]
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """A lookup result: the config, how it was found (``kind``: exact,
+    nearest, family, file-default, builtin, live) and a sentence saying where."""
+    config: KernelConfig
+    kind: str
+    source: str
+    entry: dict | None = None
+
+
+def _nearest_entry(files: list[dict], M: int, N: int, K: int, dtype: str):
+    """(file, entry, bucket) of the nearest M bucket (in log2) for (N, K, dtype);
+    ties go to the smaller M; earlier files (the user folder) win among equals."""
+    best = None
+    for f in files:
+        for (bm, n, k, dt), entry in f["entries"].items():
+            if (n, k, dt) == (N, K, dtype):
+                dist = (abs(math.log2(bm) - math.log2(m_bucket(M))), bm)
+                if best is None or dist < best[0]:
+                    best = (dist, f, entry, bm)
+    return None if best is None else best[1:]
+
+
+def lookup(M: int, N: int, K: int, dtype: str, gpu_name: str, capability: tuple[int, int] | None,
+           num_sms: int = 132) -> Choice:
+    """The config for one call, following the lookup order in the module docstring.
+
+    Args:
+        M, N, K: problem size (x is M x K, W is N x K); dtype: a :func:`dtype_key`.
+        gpu_name: ``torch.cuda.get_device_name()`` (or ``"cpu"``);
+        capability: ``(major, minor)`` or None (CPU); num_sms: multiprocessors (builtin config).
+    Returns:
+        :class:`Choice`.
+    Example:
+        >>> lookup(1, 4096, 4096, "float16", "cpu", None).kind
+        'builtin'
+    """
+    files = _files()
+    own = [f for f in files if gpu_file_name(f["gpu"]) == gpu_file_name(gpu_name)]
+    family = [f for f in files if f not in own and capability is not None
+              and tuple(f["compute_capability"]) == tuple(capability)]
+    key = (m_bucket(M), N, K, dtype)
+    for f in own:
+        if key in f["entries"]:
+            return Choice(f["entries"][key]["config"], "exact", f"exact entry {key} in {f['path']}",
+                          f["entries"][key])
+    for group, kind in ((own, "nearest"), (family, "family")):
+        hit = _nearest_entry(group, M, N, K, dtype)
+        if hit is not None:
+            f, entry, bm = hit
+            return Choice(entry["config"], kind, f"{kind} entry M={bm} for N={N}, K={K}, {dtype} in {f['path']}",
+                          entry)
+    if own:
+        return Choice(own[0]["default"], "file-default", f"default of {own[0]['path']}")
+    return Choice(builtin_config(M, N, K, num_sms), "builtin", "built-in untuned config (no tuned file for this GPU)")
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceInfo:
+    """What the lookup needs to know of a device (queried once per device)."""
+    name: str                              # torch.cuda.get_device_name, or "cpu"
+    capability: tuple[int, int] | None     # None off CUDA
+    num_sms: int = 132                     # multiprocessors (the builtin config fills them)
+
+
+_DEVICES: dict[tuple, DeviceInfo] = {}
+
+
+def device_info(device=None) -> DeviceInfo:
+    """:class:`DeviceInfo` of ``device`` (default: the current CUDA device, else CPU), cached per
+    device: device queries cost microseconds and under torch.compile they would break the graph."""
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    key = (device.type, device.index)
+    info = _DEVICES.get(key)
+    if info is None:
+        if device.type == "cuda":
+            props = torch.cuda.get_device_properties(device)
+            info = DeviceInfo(props.name, (props.major, props.minor), props.multi_processor_count)
+        else:
+            info = DeviceInfo(device.type, None)
+        _DEVICES[key] = info
+    return info
+
+
+_LIVE_TUNER = None
+
+
+def set_live_tuner(tuner) -> None:
+    """Plug in the function ``SPARSE24_AUTOTUNE=1`` calls for a shape without an exact
+    entry: ``tuner(M_bucket, N, K, dtype, device) -> Choice``; None unplugs it.
+    (:mod:`sparse24.tuning` registers its tuner when imported.)"""
+    global _LIVE_TUNER
+    _LIVE_TUNER = tuner
+    clear_cache()
+
+
+def get_choice(M: int, N: int, K: int, dtype: str, device) -> Choice:
+    """:func:`lookup` for a launch on ``device``, or live tuning when ``SPARSE24_AUTOTUNE=1``
+    on CUDA and no exact entry exists. Cached per process (:func:`clear_cache` forgets).
+    CPU tensors (interpreter) get the built-in config."""
+    info = device_info(device)
+    cache_key = (tuple(config_dirs()), info, (m_bucket(M), N, K, dtype))
+    choice = _CHOICES.get(cache_key)
+    if choice is None:
+        choice = lookup(M, N, K, dtype, info.name, info.capability, info.num_sms)
+        if (os.environ.get("SPARSE24_AUTOTUNE") == "1" and info.capability is not None and choice.kind != "exact"
+                and _LIVE_TUNER is not None):
+            choice = _LIVE_TUNER(m_bucket(M), N, K, dtype, torch.device(device))
+        _CHOICES[cache_key] = choice
+    return choice
+
+
+def get_config(M: int, N: int, K: int, dtype: str, device) -> KernelConfig:
+    """The :class:`KernelConfig` of :func:`get_choice`."""
+    return get_choice(M, N, K, dtype, device).config
+
+
+def measured_timings(M: int, N: int, K: int, dtype: str, device=None) -> dict[str, float]:
+    """``{"kernel_us", "dense_us", "reference_us"}`` (those present) measured side by side by
+    the tuner on this GPU for this shape (its exact or nearest-M entry, or a live-tuned one);
+    empty when this GPU has no measurement. ``backend="auto"`` picks the faster backend from it."""
+    choice = get_choice(M, N, K, dtype, device)
+    if choice.kind not in ("exact", "nearest", "live") or not choice.entry:
+        return {}
+    return {t: choice.entry[t] for t in TIMINGS if t in choice.entry}
+
+
+def describe_config_source(device=None) -> str:
+    """Which tuned-config files apply on ``device`` (default: the current GPU) and why.
+
+    Example:
+        >>> print(describe_config_source("cpu"))  # doctest: +ELLIPSIS
+        device cpu: ...
+    """
+    info = device_info(device)
+    gpu, cc = info.name, info.capability
+    dirs = config_dirs()
+    files = _files()
+    lines = [f"device {gpu}" + (f" (compute capability {cc[0]}.{cc[1]})" if cc else "") + ":"]
+    lines.append("  searched, in order: " + ", ".join(
+        f"{d}{'' if d.is_dir() else ' (a file, not a folder)' if d.exists() else ' (missing)'}" for d in dirs)
+        + (" [SPARSE24_CONFIG_DIR first]" if os.environ.get("SPARSE24_CONFIG_DIR") else ""))
+    if cc is None:
+        lines.append("  not a CUDA device: the Triton backend runs in the interpreter with built-in configs")
+        return "\n".join(lines)
+    own = [f for f in files if gpu_file_name(f["gpu"]) == gpu_file_name(gpu)]
+    family = [f for f in files if f not in own and tuple(f["compute_capability"]) == tuple(cc)]
+    for f in own:
+        lines.append(f"  tuned file for this GPU: {f['path']} ({len(f['entries'])} entries, triton {f['triton']}, "
+                     f"torch {f['torch']}): exact and nearest-M entries come from here")
+    for f in family:
+        lines.append(f"  same family (sm_{cc[0]}{cc[1]}): {f['path']} ({f['gpu']}, {len(f['entries'])} entries): "
+                     f"used for shapes this GPU's file lacks")
+    if not own:
+        lines.append(f"  no tuned file for '{gpu}' (folder {gpu_file_name(gpu)}): "
+                     + ("family files, then " if family else "") + "built-in untuned configs; run "
+                     "'python -m sparse24 autotune' to tune")
+    if os.environ.get("SPARSE24_AUTOTUNE") == "1":
+        lines.append("  SPARSE24_AUTOTUNE=1: shapes without an exact entry are tuned live on first use")
+    return "\n".join(lines)

@@ -1,0 +1,266 @@
+"""Launching the 2:4 Triton kernels (``kernels/``): argument checks, the
+config choice, and a launch path that costs one dict lookup per call.
+
+``linear_triton(x, p, bias)``: (1) checks, (2) finds the call's *plan* (kernel
+variant, config, split-K, grid shape) in a dict keyed by (device, dtypes,
+bias/scale, N, K, M bucket, ...), making it on the first call of that key (the
+only time tuned files are read or devices queried), (3) allocates the output,
+(4) launches: compiled on CUDA tensors, through Triton's interpreter on CPU
+tensors (same kernel source).
+
+On CUDA the first launch of a plan goes through Triton's ``kernel[grid](...)``
+(compile or disk-cache load, argument binding: ~29 us of host time per call in
+Triton 3.9) and keeps the compiled kernel it returns; later calls launch that
+handle directly (``CompiledKernel.run``, the call Triton itself ends with),
+which is valid as long as Triton would specialize the arguments the same way:
+contiguous, 16-byte aligned tensors (then every integer argument is fixed by
+N and K, which are in the key, and M is never specialized). Anything else
+(strided input, an unaligned view, a launch hook, another current device)
+takes Triton's own path.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from ...format import Sparse24Tensor
+from ..config_space import KernelConfig, dtype_key, m_bucket
+from ..config_store import get_config, on_clear
+from .naive import check_linear_args
+
+__all__ = ["linear_triton", "check_triton_args", "kernel_call", "aot_compile", "SUPPORTED_DTYPES"]
+
+# tl.dot takes fp16/bf16/fp32 operands; fp64 has no tensor-core path, so
+# float64 inputs are rejected here (backend="reference" computes them).
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def check_triton_args(x: torch.Tensor, p: Sparse24Tensor) -> None:
+    """Raise a clear error for inputs the Triton kernels cannot compute."""
+    if x.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"backend='triton' supports x of dtype float16, bfloat16 or float32, got {x.dtype}; "
+                        f"use backend='reference' for {x.dtype}")
+    if x.device.type == "cpu":
+        if x.dtype == torch.bfloat16:
+            # numpy has no bfloat16, so Triton's interpreter cannot compute it.
+            raise TypeError("backend='triton' on CPU tensors runs Triton's interpreter, which has no bfloat16 "
+                            "arithmetic; use float16/float32 on CPU, backend='reference', or a CUDA device")
+    elif x.device.type != "cuda":
+        raise ValueError(f"backend='triton' needs CUDA or CPU tensors, got device {x.device}")
+    if p.scale is None and p.values.dtype == torch.float64:
+        raise TypeError("backend='triton' cannot read float64 weight values; cast the weight with "
+                        "p.to(dtype=torch.float32) or use backend='reference'")
+
+
+def linear_triton(x: torch.Tensor, p: Sparse24Tensor, bias: torch.Tensor | None = None, *,
+                  config: KernelConfig | None = None) -> torch.Tensor:
+    """``y = x @ W^T + bias`` with the compressed 2:4 Triton kernel.
+
+    The kernel reads W only compressed (values + 2-bit slots), expands each
+    tile in registers, accumulates in fp32, applies the INT8 scale (if
+    ``p.scale`` is set) and the bias in the epilogue, and writes x's dtype.
+
+    Args:
+        x: ``(..., K)`` float16 / bfloat16 / float32, any leading dims (M = 0
+            allowed), any strides. CUDA tensors run compiled; CPU tensors run
+            in Triton's interpreter (float16/float32 only; slow, for tests).
+        p: :class:`Sparse24Tensor` ``(N, K)``: float16/bfloat16/float32
+            values, or int8 values with ``(N,)`` float32 scales.
+        bias: ``(N,)`` or None, any float dtype (added in fp32).
+        config: a :class:`~sparse24.ops.config_space.KernelConfig` to pin;
+            default: the tuned-config lookup (:mod:`sparse24.ops.config_store`).
+    Returns:
+        ``(..., N)`` in x's dtype.
+    Raises:
+        TypeError: float64 (or integer) x, bfloat16 x on CPU, float64 weight values.
+    Example:
+        >>> p = sparse24.compress(torch.randn(64, 128, device="cuda", dtype=torch.float16))
+        >>> linear_triton(torch.randn(4, 128, device="cuda", dtype=torch.float16), p).shape
+        torch.Size([4, 64])
+    """
+    check_linear_args(x, p, bias)
+    check_triton_args(x, p)
+    if config is not None:
+        if not isinstance(config, KernelConfig):
+            raise TypeError(f"config must be a sparse24.ops.config_space.KernelConfig, got {type(config).__name__}")
+        config.validate()
+    return run(x, p.values, p.meta, p.scale, bias, config)
+
+
+def run(x: torch.Tensor, values: torch.Tensor, meta: torch.Tensor, scale: torch.Tensor | None,
+        bias: torch.Tensor | None, config: KernelConfig | None = None) -> torch.Tensor:
+    """The launch behind :func:`linear_triton`, for arguments already checked
+    (the registered op and the modules call it directly). Shapes as there."""
+    N, K = values.shape[0], 2 * values.shape[1]
+    lead = x.shape[:-1]
+    M = lead.numel()
+    if M == 0 or N == 0:
+        return x.new_empty(*lead, N)
+    if K == 0:
+        out = x.new_zeros(*lead, N)
+        return out if bias is None else out.add_(bias.to(out.dtype))
+    x2 = x.reshape(M, K)  # a view when the strides allow it
+    # fp32 dots follow torch's own matmul TF32 switch (off by default, so fp32
+    # results match F.linear); half types ignore it.
+    tf32 = x.dtype == torch.float32 and x.is_cuda and torch.backends.cuda.matmul.allow_tf32
+    key = (x.device, x.dtype, values.dtype, scale is not None, None if bias is None else bias.dtype, N, K,
+           m_bucket(M), torch.are_deterministic_algorithms_enabled(), tf32, config)
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _PLANS[key] = _Plan(key, config)
+    return plan(x2, values, meta, scale, bias, M).view(*lead, N)
+
+
+_PLANS: dict = {}
+on_clear(_PLANS.clear)  # sparse24.ops.config_store.clear_cache() forgets the plans made from its lookups
+
+
+class _Plan:
+    """Everything about a launch that is fixed for one key: the kernel, its
+    config, split-K, the constexprs, and (CUDA) the compiled kernel handle."""
+
+    def __init__(self, key, config: KernelConfig | None):
+        device, x_dtype, _, has_scale, bias_dtype, N, K, bucket, deterministic, tf32, _ = key
+        if config is None:
+            config = get_config(bucket, N, K, dtype_key(x_dtype, has_scale), device)
+        self.config = config
+        # Split-K partial sums meet by fp32 atomic adds in a zeroed buffer: one
+        # M x N buffer (not SPLIT_K of them) and no reduction launch; the cost is
+        # run-to-run differences at fp32 rounding, so deterministic mode
+        # (torch.use_deterministic_algorithms) forces SPLIT_K = 1.
+        self.split_k = 1 if deterministic else config.split_k
+        self.kernel = _kernel(device.type == "cuda")
+        if device.type == "cuda":  # the kept handle gets the constexprs appended in signature order
+            assert tuple(self.kernel.arg_names[-len(_CONSTEXPR_NAMES):]) == _CONSTEXPR_NAMES, self.kernel.arg_names
+        self.constexprs = _constexprs(config, self.split_k, has_scale, bias_dtype is not None, tf32)
+        self.constexpr_values = tuple(self.constexprs[n] for n in _CONSTEXPR_NAMES)
+        self.options = {"num_warps": config.num_warps, "num_stages": config.num_stages}
+        self.grid_n = _cdiv(N, config.block_n)
+        self.cuda = device.type == "cuda"
+        self.device_index = device.index
+        self.compiled = None
+
+    def __call__(self, x2, values, meta, scale, bias, M):
+        N = values.shape[0]
+        out = torch.empty(M, N, dtype=x2.dtype, device=x2.device)
+        target = out if self.split_k == 1 else torch.zeros(M, N, dtype=torch.float32, device=x2.device)
+        args = _args(x2, values, meta, scale, bias, target, M)
+        grid = (_cdiv(M, self.config.block_m) * self.grid_n, self.split_k)
+        self.launch(grid, args, (x2, values, meta, scale, bias))
+        if target is not out:
+            out.copy_(target)
+        return out
+
+    def launch(self, grid, args, tensors) -> None:
+        """Launch once: through the kept compiled handle when the arguments
+        specialize as at its compile, else through Triton's own path."""
+        if self.compiled is not None and _fast_ok(tensors, self.device_index):
+            self.compiled.run(grid[0], grid[1], 1, torch._C._cuda_getCurrentRawStream(self.device_index),
+                              self.compiled.function, self.compiled.packed_metadata, None, None, None,
+                              *args, *self.constexpr_values)
+            return
+        with torch.cuda.device(self.device_index) if self.cuda else contextlib.nullcontext():
+            compiled = self.kernel[grid](*args, **self.constexprs, **self.options)
+        if self.cuda and self.compiled is None and _fast_ok(tensors, self.device_index):
+            self.compiled = compiled
+
+
+def _fast_ok(tensors, device_index) -> bool:
+    """Whether a kept compiled handle fits these arguments (see the module docstring)."""
+    runtime = _triton_runtime_knobs()
+    if runtime is None or runtime.launch_enter_hook is not None or runtime.launch_exit_hook is not None:
+        return False  # a profiler's launch hooks must see every launch: Triton's own path calls them
+    if torch._C._cuda_getDevice() != device_index:
+        return False
+    return all(t is None or (t.is_contiguous() and t.data_ptr() % 16 == 0) for t in tensors)
+
+
+_RUNTIME_KNOBS = []
+
+
+def _triton_runtime_knobs():
+    """``triton.knobs.runtime`` (Triton >= 3.4), or None: no fast path without it."""
+    if not _RUNTIME_KNOBS:
+        try:
+            from triton import knobs
+            _RUNTIME_KNOBS.append(knobs.runtime)
+        except ImportError:
+            _RUNTIME_KNOBS.append(None)
+    return _RUNTIME_KNOBS[0]
+
+
+# --- the kernel's arguments ------------------------------------------------------
+
+_CONSTEXPR_NAMES = ("HAS_SCALE", "HAS_BIAS", "DOT_PRECISION", "BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "SPLIT_K")
+
+
+def _kernel(cuda: bool):
+    from sparse24.kernels.sparse24_matmul import sparse24_matmul, sparse24_matmul_interpreted
+    return sparse24_matmul if cuda else sparse24_matmul_interpreted
+
+
+def _constexprs(config: KernelConfig, split_k: int, has_scale: bool, has_bias: bool, tf32: bool) -> dict:
+    return dict(HAS_SCALE=has_scale, HAS_BIAS=has_bias, DOT_PRECISION="tf32" if tf32 else "ieee",
+                BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+                GROUP_M=config.group_m, SPLIT_K=split_k)
+
+
+def _args(x2, values, meta, scale, bias, target, M) -> tuple:
+    """The kernel's runtime arguments in signature order (``dummy``: never read
+    when HAS_SCALE / HAS_BIAS is False)."""
+    N, K = values.shape[0], x2.shape[1]
+    return (x2, values, meta, values if scale is None else scale, values if bias is None else bias, target,
+            M, N, K, x2.stride(0), x2.stride(1), values.stride(0), values.stride(1),
+            meta.stride(0), meta.stride(1), target.stride(0), target.stride(1))
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def kernel_call(x2, p, bias, target, config: KernelConfig, split_k: int):
+    """``(kernel, grid, args, kwargs)`` of one launch writing ``target`` (M, N);
+    shared by the tuner's parallel pre-compilation and the ahead-of-time
+    compile, so both build the same kernel variant as the launch path."""
+    M = x2.shape[0]
+    tf32 = x2.is_cuda and x2.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32
+    kwargs = dict(_constexprs(config, split_k, p.scale is not None, bias is not None, tf32),
+                  num_warps=config.num_warps, num_stages=config.num_stages)
+    grid = (_cdiv(M, config.block_m) * _cdiv(p.shape[0], config.block_n), split_k)
+    return _kernel(x2.is_cuda), grid, _args(x2, p.values, p.meta, p.scale, bias, target, M), kwargs
+
+
+def aot_compile(x2, p, bias, target, config: KernelConfig, split_k: int, capability: tuple[int, int] = (9, 0)):
+    """Compile (not run) the launch :func:`kernel_call` describes for a CUDA
+    target, without a GPU: Triton -> PTX -> cubin with the ptxas shipped in
+    Triton's wheel. Specializes arguments as the JIT does on a GPU (unit
+    strides become constants; 16-byte aligned pointers and ints divisible by
+    16 are marked so), so the code matches what a GPU would build.
+
+    Args:
+        x2: ``(M, K)`` CPU tensor, p: weight, bias: ``(N,)`` or None,
+        target: ``(M, N)`` output (fp32 when ``split_k > 1``), config, split_k.
+        capability: ``(major, minor)``, e.g. ``(9, 0)`` for H100/H200.
+    Returns:
+        Triton's ``CompiledKernel`` (``.asm["ptx"]``, ``.asm["cubin"]``, ``.metadata.shared``).
+    """
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.runtime.jit import mangle_type
+
+    from sparse24.kernels.sparse24_matmul import sparse24_matmul
+
+    _, _, args, kwargs = kernel_call(x2, p, bias, target, config, split_k)
+    names = sparse24_matmul.arg_names
+    constexprs = {k: v for k, v in kwargs.items() if k in names}
+    constexprs.update({n: 1 for n, a in zip(names, args) if n != "M" and isinstance(a, int) and a == 1})
+    signature = {n: ("constexpr" if n in constexprs else mangle_type(a)) for n, a in zip(names, args)}
+    signature.update({n: "constexpr" for n in constexprs})
+    attrs = {(i,): [["tt.divisibility", 16]] for i, (n, a) in enumerate(zip(names, args))
+             if n not in constexprs and ((isinstance(a, torch.Tensor) and a.data_ptr() % 16 == 0)
+                                         or (n != "M" and isinstance(a, int) and a % 16 == 0))}
+    src = ASTSource(sparse24_matmul, signature, constexprs=constexprs, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", capability[0] * 10 + capability[1], 32),
+                          options={"num_warps": config.num_warps, "num_stages": config.num_stages})

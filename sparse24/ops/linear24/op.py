@@ -1,0 +1,159 @@
+"""``sparse24::linear``: the 2:4 linear layer as a registered torch op, and the
+dispatch every caller goes through.
+
+* The op (``torch.ops.sparse24.linear``) is what torch.compile, torch.export
+  and autograd see: a fake (meta) kernel for tracing, a backward formula
+  (:func:`~sparse24.ops.linear24.naive.linear_backward_reference`), one
+  implementation for every device (Triton on CUDA, the reference on CPU unless
+  asked otherwise). Config selection happens inside it, never in traced code.
+* :func:`linear` (``sparse24.linear``) and the modules call the op only when
+  something needs it (a gradient, or torch.compile tracing); otherwise they call
+  the implementation directly: the op's Python dispatch costs more host time
+  than a decode-sized kernel runs.
+"""
+from __future__ import annotations
+
+import torch
+
+from ...format import Sparse24Tensor
+from ..config_space import dtype_key, m_bucket
+from ..config_store import measured_timings, on_clear
+from . import launch
+from .naive import check_linear_args, linear_backward_reference, linear_reference
+
+__all__ = ["linear", "choose_backend", "forward", "BACKENDS", "KERNEL_DTYPES"]
+
+BACKENDS = ("auto", "reference", "triton")
+KERNEL_DTYPES = launch.SUPPORTED_DTYPES
+# At decode sizes the kernel streams the weight once; the reference backend
+# decompresses the whole weight every call, so "auto" never picks it there.
+DECODE_M = 16
+
+
+@torch.library.custom_op("sparse24::linear", mutates_args=())
+def _linear_op(x: torch.Tensor, values: torch.Tensor, meta: torch.Tensor, scale: torch.Tensor | None,
+               bias: torch.Tensor | None, weight_dtype: torch.dtype, backend: str) -> torch.Tensor:
+    """``(..., K) -> (..., N)`` with W ``(N, K)`` given by its compressed tensors
+    (``values (N, K/2)``, ``meta``, ``scale (N,)`` or None) and its logical dtype."""
+    return _compute(x, values, meta, scale, bias, weight_dtype, backend)
+
+
+@_linear_op.register_fake
+def _(x, values, meta, scale, bias, weight_dtype, backend):
+    if x.shape[-1] != 2 * values.shape[1]:
+        raise ValueError(f"x has {x.shape[-1]} features but the weight expects {2 * values.shape[1]}")
+    return x.new_empty(*x.shape[:-1], values.shape[0])
+
+
+def _setup_context(ctx, inputs, output):
+    x, values, meta, scale, bias, weight_dtype, backend = inputs
+    ctx.weight_dtype = weight_dtype
+    ctx.bias_dtype = None if bias is None else bias.dtype
+    ctx.save_for_backward(x if ctx.needs_input_grad[1] else None, values, meta, scale)
+
+
+def _backward(ctx, grad_y):
+    x, values, meta, scale = ctx.saved_tensors
+    p = Sparse24Tensor(values, meta, (values.shape[0], 2 * values.shape[1]), ctx.weight_dtype, scale, check=False)
+    need = ctx.needs_input_grad
+    grad_x, grad_values, grad_bias = linear_backward_reference(grad_y, x, p, need[0], need[1], need[4],
+                                                               ctx.bias_dtype)
+    return grad_x, grad_values, None, None, grad_bias, None, None
+
+
+torch.library.register_autograd("sparse24::linear", _backward, setup_context=_setup_context)
+
+
+def _compute(x, values, meta, scale, bias, weight_dtype, backend):
+    if backend == "auto":
+        backend = _auto_backend(x, values, scale)
+    if backend == "triton":
+        return launch.run(x, values, meta, scale, bias)
+    p = Sparse24Tensor(values, meta, (values.shape[0], 2 * values.shape[1]), weight_dtype, scale, check=False)
+    return linear_reference(x, p, bias)
+
+
+def _needs_op(x, values, bias) -> bool:
+    """Only gradients and tracing need the registered op."""
+    if torch.compiler.is_compiling():
+        return True
+    return torch.is_grad_enabled() and (x.requires_grad or values.requires_grad
+                                        or (bias is not None and bias.requires_grad))
+
+
+def forward(x: torch.Tensor, values: torch.Tensor, meta: torch.Tensor, scale: torch.Tensor | None,
+            bias: torch.Tensor | None, weight_dtype: torch.dtype, backend: str = "auto") -> torch.Tensor:
+    """:func:`linear` for callers whose weight tensors are valid by construction
+    (the modules): ``x`` is checked, the weight is not. Shapes as in :func:`linear`."""
+    if _needs_op(x, values, bias):
+        return torch.ops.sparse24.linear(x, values, meta, scale, bias, weight_dtype, backend)
+    return _compute(x, values, meta, scale, bias, weight_dtype, backend)
+
+
+def linear(x: torch.Tensor, p: Sparse24Tensor, bias: torch.Tensor | None = None, backend: str = "auto") -> torch.Tensor:
+    """``y = x @ W^T + bias`` for a compressed 2:4 weight W.
+
+    Differentiable in ``x``, ``p.values`` (when it requires grad) and ``bias``;
+    traceable by torch.compile (``fullgraph=True``) and torch.export, which see
+    the registered op ``torch.ops.sparse24.linear``.
+
+    Args:
+        x: ``(..., K)`` floating input, any number of leading dims (M = 0 allowed).
+        p: :class:`Sparse24Tensor` of logical shape ``(N, K)``.
+        bias: ``(N,)`` or None.
+        backend: ``"auto"`` (see :func:`choose_backend`), ``"reference"``
+            or ``"triton"`` (interpreted on CPU tensors).
+    Returns:
+        ``(..., N)`` in x's dtype; equals ``F.linear(x, p.to_dense(), bias)``.
+    Example:
+        >>> p = sparse24.compress(torch.randn(64, 32))
+        >>> linear(torch.randn(3, 32), p).shape
+        torch.Size([3, 64])
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; choose one of {BACKENDS}")
+    check_linear_args(x, p, bias)
+    if backend == "triton":
+        launch.check_triton_args(x, p)
+    return forward(x, p.values, p.meta, p.scale, bias, p.dtype, backend)
+
+
+def choose_backend(x: torch.Tensor, p: Sparse24Tensor) -> str:
+    """The backend ``"auto"`` runs for ``x`` and ``p``: the Triton kernel for
+    fp16/bf16/fp32 x on CUDA; at M > 16, the reference backend (row-block
+    decompression + cuBLAS) instead where this GPU's tuned file measured it
+    faster than the kernel; the reference everywhere else (CPU, fp64, no triton)."""
+    return _auto_backend(x, p.values, p.scale)
+
+
+_AUTO: dict = {}
+on_clear(_AUTO.clear)
+
+
+def _auto_backend(x: torch.Tensor, values: torch.Tensor, scale) -> str:
+    if not (x.is_cuda and x.dtype in KERNEL_DTYPES and _triton_available()):
+        return "reference"
+    M = x.numel() // max(x.shape[-1], 1)
+    if M <= DECODE_M:
+        return "triton"
+    key = (x.device, x.dtype, scale is not None, values.shape[0], values.shape[1], m_bucket(M))
+    choice = _AUTO.get(key)
+    if choice is None:
+        choice = _AUTO[key] = faster_backend(measured_timings(M, values.shape[0], 2 * values.shape[1],
+                                                              dtype_key(x.dtype, scale is not None), x.device))
+    return choice
+
+
+def faster_backend(timings: dict) -> str:
+    """``"reference"`` where a tuned entry measured it faster than the kernel, else ``"triton"``."""
+    if "reference_us" in timings and "kernel_us" in timings and timings["reference_us"] < timings["kernel_us"]:
+        return "reference"
+    return "triton"
+
+
+def _triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
