@@ -14,7 +14,7 @@ from .format import FLOAT_DTYPES, Sparse24Tensor, compress, is_nm
 from .masks import mask_nm
 from .ops.linear24 import linear, linear_reference
 
-__version__ = "0.1.0"
+from ._version import __version__
 
 # Public names from the upper layers, imported on first use so that
 # ``import sparse24`` stays light (no triton, no matplotlib).
@@ -33,7 +33,7 @@ _LAZY = {
 
 
 if os.environ.get("SPARSE24_AUTOTUNE") == "1":
-    from . import tuning  # noqa: F401  (plugs the live tuner into the config store)
+    from .tools import tuning  # noqa: F401  (plugs the live tuner into the config store)
 
 
 def __getattr__(name):

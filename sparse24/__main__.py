@@ -1,7 +1,7 @@
 """``python -m sparse24 ...`` and the ``sparse24`` console script (see :mod:`sparse24.cli`)."""
 import sys
 
-from .cli import main
+from .tools.cli import main
 
 __all__ = ["main"]
 

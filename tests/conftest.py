@@ -34,6 +34,22 @@ def assert_matches_reference(out, x, w_dense, bias=None, dtype=None):
     torch.testing.assert_close(out.double(), ref, **tolerance(dtype or out.dtype, x.shape[-1]))
 
 
+def top2_mask(w):
+    """Independent 2:4 magnitude mask: argsort each group of 4, keep the top 2."""
+    g = w.detach().double().abs().reshape(-1, 4)
+    keep = torch.zeros_like(g, dtype=torch.bool)
+    keep.scatter_(1, g.argsort(dim=1, descending=True)[:, :2], True)
+    return keep.view(w.shape)
+
+
+def dequantized_reference(layer, mask):
+    """Dense weight from the stored int8 values and fp32 scales, placed at ``mask`` (row-major)."""
+    R, C = mask.shape
+    ref = torch.zeros(R, C, dtype=torch.float64)
+    ref[mask] = (layer.values.double() * layer.scale.double()[:, None]).flatten()
+    return ref
+
+
 @pytest.fixture
 def gen():
     return torch.Generator().manual_seed(1234)

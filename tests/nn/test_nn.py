@@ -11,7 +11,7 @@ import sparse24
 from sparse24 import Sparse24Linear
 from sparse24.ops.linear24 import naive as linear_mod
 
-from conftest import assert_matches_reference, tolerance
+from conftest import assert_matches_reference, dequantized_reference, tolerance, top2_mask
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 MODES = ["masked", "compressed"]
@@ -24,14 +24,6 @@ def make_linear(K, N, bias, dtype, gen):
         if bias:
             lin.bias.copy_(torch.randn(N, generator=gen))
     return lin
-
-
-def top2_mask(w):
-    """Independent 2:4 magnitude mask: argsort each group of 4, keep the top 2."""
-    g = w.detach().double().abs().reshape(-1, 4)
-    keep = torch.zeros_like(g, dtype=torch.bool)
-    keep.scatter_(1, g.argsort(dim=1, descending=True)[:, :2], True)
-    return keep.view(w.shape)
 
 
 def layer_state(layer):
@@ -396,14 +388,6 @@ def test_partial_or_extra_checkpoint_entries_are_checked(gen):
 
 
 # --- INT8 ------------------------------------------------------------------------------------
-
-def dequantized_reference(layer, mask):
-    """Dense weight from the stored int8 values and fp32 scales, placed at ``mask`` (row-major)."""
-    R, C = mask.shape
-    ref = torch.zeros(R, C, dtype=torch.float64)
-    ref[mask] = (layer.values.double() * layer.scale.double()[:, None]).flatten()
-    return ref
-
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_int8_forward_backward(dtype, gen):

@@ -430,7 +430,7 @@ def test_demo_tiny(capsys, tmp_path):
     assert "dense training [" in out + err  # progress bars
 
 
-GPU_CHECK = Path(__file__).resolve().parent.parent / "scripts" / "gpu_check.sh"
+GPU_CHECK = Path(__file__).resolve().parents[2] / "scripts" / "gpu_check.sh"
 
 
 def _gpu_check_commands() -> dict[str, list[str]]:

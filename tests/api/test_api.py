@@ -10,7 +10,7 @@ from torch import nn
 import sparse24
 from sparse24 import Sparse24Linear
 
-from test_nn import dequantized_reference, top2_mask
+from conftest import dequantized_reference, top2_mask
 
 D, VOCAB = 32, 50
 # Layers of TinyLM that sparsify_ swaps by default; the others are skipped for a stated reason.

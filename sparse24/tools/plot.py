@@ -1,0 +1,180 @@
+"""Throughput plots from the CSV files :mod:`sparse24.bench` writes (reading only;
+nothing here measures).
+
+One figure: a row per weight shape, TFLOP/s vs M on the left and speedup vs
+dense on the right (log-x). Several CSVs (several GPUs, or a GPU and a CPU)
+overlay in one figure: colour = provider, line style = device.
+
+The speedup panel draws the byte-count ceiling of each sparse format: with
+dense weights of ``e`` bytes per element, 2:4 stores ``e/2 + 1/8`` bytes per
+dense element (half the values + a 2-bit index each) and INT8 2:4 stores
+``1/2 + 1/8``. When the weight read dominates (small M, memory-bound) time
+scales with bytes, so speedup <= ``e / (e/2 + 1/8)`` = 1.78x for fp16 and
+``e / 0.625`` = 3.2x for INT8 weights vs fp16. At large M the GEMM is
+compute-bound and the ceiling does not apply (a kernel without sparse tensor
+cores does the dense FLOPs: expect <= 1x there).
+"""
+from __future__ import annotations
+
+import csv
+import math
+import os
+from pathlib import Path
+
+from .._version import __version__
+from .bench import COLUMNS, PROVIDERS, SCHEMA, write_together
+
+__all__ = ["read_rows", "byte_ceiling", "plot_rows", "plot_csv"]
+
+_ELT = {"float16": 2, "bfloat16": 2, "float32": 4}
+_COLORS = dict(zip(PROVIDERS, ["black", "tab:blue", "tab:cyan", "tab:green", "tab:orange", "tab:red", "tab:pink"]))
+_STYLES = ["-", "--", ":", "-."]
+_NUMERIC = {"N": int, "K": int, "M": int, "weight_bytes": int, "median_ms": float, "tflops": float,
+            "gbps": float, "speedup_vs_dense": float}
+
+
+def read_rows(paths) -> list[dict]:
+    """Read bench CSVs into rows with numeric fields converted.
+
+    Raises:
+        FileNotFoundError: a path does not exist.
+        ValueError: a file is not a sparse24 bench CSV, or has another schema
+            version, a malformed row (a figure not a positive finite number, a
+            cell too many or too few) or a point another file or row already
+            has (one line naming the file and what to do).
+    Example:
+        >>> rows = read_rows(["results/cpu-amd-epyc/bench.csv"])  # doctest: +SKIP
+    """
+    if isinstance(paths, (str, os.PathLike)):
+        paths = [paths]
+    paths = list({p.resolve(): p for p in map(Path, paths)}.values())  # the same file twice: read once
+    rows, seen = [], {}
+    for path in paths:
+        if not path.is_file():
+            raise FileNotFoundError(f"no such CSV file: {path}")
+        with open(path, newline="", encoding="utf-8", errors="replace") as f:
+            reader = csv.DictReader(f)
+            header = reader.fieldnames or []
+            if "schema" not in header:
+                raise ValueError(f"{path} is not a sparse24 bench CSV (no 'schema' column; "
+                                 f"write one with 'python -m sparse24 bench')")
+            missing = [c for c in COLUMNS if c not in header]
+            for i, row in enumerate(reader, start=2):
+                if row.get("schema") != SCHEMA:
+                    raise ValueError(f"{path} line {i}: schema {row.get('schema')!r} (sparse24 "
+                                     f"{row.get('sparse24', '?')}), but this sparse24 {__version__} reads "
+                                     f"{SCHEMA!r}: re-run 'python -m sparse24 bench'")
+                if missing:
+                    raise ValueError(f"{path}: missing columns {missing} for schema {SCHEMA!r}")
+                if None in row or None in row.values():  # more or fewer cells than the header: shifted columns
+                    raise ValueError(f"{path} line {i}: the number of cells differs from the header's {len(header)}")
+                for k, t in _NUMERIC.items():
+                    try:
+                        v = t(row[k])
+                    except ValueError:
+                        v = None
+                    # every figure bench writes is a positive finite number; nan/inf/0/negatives
+                    # would be drawn as nothing, or fail deep in matplotlib
+                    if v is None or not (math.isfinite(v) and v > 0):
+                        raise ValueError(f"{path} line {i}: {k} must be a positive "
+                                         f"{'integer' if t is int else 'number'}, got {row[k]!r}")
+                    row[k] = v
+                key = (_device_label(row), *(row[c] for c in ("dtype", "shape", "N", "K", "M", "provider")))
+                if key in seen:  # one line through both would zigzag between two measurements
+                    raise ValueError(f"{path} line {i}: {row['provider']} {row['dtype']} {row['shape']} M={row['M']} "
+                                     f"on {key[0]} is already in {seen[key]}; plot one run per device")
+                seen[key] = f"{path} line {i}"
+                rows.append(row)
+    if not rows:
+        raise ValueError(f"no measurements in {', '.join(map(str, paths))}")
+    return rows
+
+
+def byte_ceiling(provider: str, dtype: str) -> float | None:
+    """Memory-bound speedup ceiling of ``provider`` vs dense ``dtype`` weights
+    (bytes of dense / bytes as stored); None for dense or unknown dtypes.
+
+    Example:
+        >>> round(byte_ceiling("sparse24-triton", "float16"), 2), byte_ceiling("sparse24-int8-triton", "float16")
+        (1.78, 3.2)
+    """
+    e = _ELT.get(dtype)
+    if e is None or provider == "dense":
+        return None
+    stored = 0.5 + 0.125 if "int8" in provider else e / 2 + 0.125
+    return e / stored
+
+
+def plot_rows(rows: list[dict], out: str | os.PathLike, title: str | None = None) -> Path:
+    """Draw TFLOP/s vs M and speedup vs M (one row of panels per shape) to a PNG.
+
+    Args:
+        rows: from :func:`read_rows` (or :func:`sparse24.bench.run_bench`,
+            numeric fields as numbers or strings).
+        out: PNG path (folders are created).
+        title: figure title; default names the devices and dtypes.
+    Returns:
+        the PNG path.
+    """
+    from matplotlib.figure import Figure  # no pyplot: works headless and leaves the user's backend alone
+    from matplotlib.ticker import FuncFormatter
+
+    rows = [{**r, **{k: t(r[k]) for k, t in _NUMERIC.items()}} for r in rows]
+    shapes = list(dict.fromkeys((r["shape"], r["N"], r["K"]) for r in rows))
+    rows = [{**r, "device": _device_label(r)} for r in rows]
+    devices = list(dict.fromkeys(r["device"] for r in rows))
+    multi_dtype = len({r["dtype"] for r in rows}) > 1
+    # CPUs reach GFLOP/s, GPUs TFLOP/s: label in the unit that gives readable numbers
+    unit, scale = ("TFLOP/s", 1.0) if max(r["tflops"] for r in rows) >= 1 else ("GFLOP/s", 1e3)
+    fig = Figure(figsize=(12, 3.3 * len(shapes) + 0.8), layout="constrained")
+    axes = fig.subplots(len(shapes), 2, squeeze=False)
+    for (shape, N, K), (ax_t, ax_s) in zip(shapes, axes):
+        here = [r for r in rows if (r["shape"], r["N"], r["K"]) == (shape, N, K)]
+        lines = dict.fromkeys((r["device"], r["dtype"], r["provider"]) for r in here)
+        for dev, dtype, prov in lines:
+            pts = sorted((r["M"], r["tflops"], r["speedup_vs_dense"]) for r in here
+                         if (r["device"], r["dtype"], r["provider"]) == (dev, dtype, prov))
+            ms, tf, sp = zip(*pts)
+            label = prov + (f" {dtype}" if multi_dtype else "") + (f" ({dev})" if len(devices) > 1 else "")
+            style = dict(color=_COLORS.get(prov, "gray"), linestyle=_STYLES[devices.index(dev) % len(_STYLES)],
+                         marker="o", markersize=3.5)
+            ax_t.plot(ms, [v * scale for v in tf], label=label, **style)
+            ax_s.plot(ms, sp, **style)
+        ceilings = sorted({(round(c, 2), dtype, "int8" in prov) for _, dtype, prov in lines
+                           if (c := byte_ceiling(prov, dtype))})
+        for c, dtype, int8 in ceilings:
+            what = f"int8 2:4 vs {dtype}" if int8 else f"{dtype} 2:4"
+            ax_s.axhline(c, color="tab:red" if int8 else "tab:blue", linestyle=(0, (4, 3)), linewidth=1, alpha=0.6)
+            ax_s.annotate(f"byte ceiling {c:.2f}x ({what}; memory-bound M only)", (0.01, c), xycoords=("axes fraction",
+                          "data"), fontsize=7, va="bottom", color="dimgray")
+        ax_s.axhline(1.0, color="gray", linewidth=0.8)
+        for ax, ylabel in ((ax_t, f"{unit} (2MNK / t)"), (ax_s, "speedup vs dense (same run)")):
+            ax.set_xscale("log", base=2)
+            ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+            ax.set_xlabel("M (batch rows)")
+            ax.set_ylabel(ylabel)
+            ax.grid(True, which="both", alpha=0.3)
+            ax.set_title(f"{shape}  (N={N}, K={K})", fontsize=9)
+        ax_s.set_ylim(bottom=0)
+        ax_t.legend(fontsize=7, loc="upper left")
+    if title is None:
+        dts = ", ".join(dict.fromkeys(r["dtype"] for r in rows))
+        title = f"sparse24 throughput on {' vs '.join(devices)}: {dts}"
+    fig.suptitle(title, fontsize=11)
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_together({out: lambda tmp: fig.savefig(tmp, dpi=110, format="png")})
+    return out
+
+
+def _device_label(row: dict) -> str:
+    """``"AMD EPYC (CPU, 1 thread)"`` or the GPU's name: CPU figures depend on the thread count."""
+    if row.get("device_type") == "cpu":
+        n = str(row.get("threads", ""))
+        return f"{row['device']} (CPU" + (f", {n} thread{'s' * (n != '1')})" if n else ")")
+    return row["device"]
+
+
+def plot_csv(paths, out: str | os.PathLike, title: str | None = None) -> Path:
+    """:func:`read_rows` then :func:`plot_rows`. Returns the PNG path."""
+    return plot_rows(read_rows(paths), out, title)

@@ -1,0 +1,303 @@
+"""Tuning the 2:4 Triton kernels on a GPU (a tool, above the ops it times):
+time the config space per shape side by side with dense ``F.linear`` and the
+reference backend, keep the fastest config that computes the right result, and
+merge it into this GPU's tuned-config file (read back by
+:mod:`sparse24.ops.config_store`). ``python -m sparse24 autotune`` runs it for
+named shape sets (:func:`autotune`); ``SPARSE24_AUTOTUNE=1`` tunes shapes live
+on first use once this module is imported (``import sparse24`` does so when the
+variable is set).
+
+The config space and the file store live below the ops
+(:mod:`sparse24.ops.config_space`, :mod:`sparse24.ops.config_store`); their
+names are re-exported here for existing code.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from ..format import Sparse24Tensor, compress, quantize_values
+from ..ops import config_store
+from ..ops.config_space import (DTYPE_KEYS, KERNEL_VARIANTS, M_BUCKETS, KernelConfig, builtin_config,  # noqa: F401
+                               candidate_configs, dtype_key, m_bucket)
+from ..ops.config_store import (KERNEL, SCHEMA_VERSION, Choice, clear_cache, config_dirs,  # noqa: F401
+                               describe_config_source, get_config, gpu_file_name, lookup, measured_timings,
+                               shipped_config_dir, validate_dir, validate_file)
+from ..ops.linear24 import linear_reference, linear_triton
+from ..ops.linear24.launch import kernel_call
+from ..ops.linear24.op import DECODE_M
+
+__all__ = ["tune_key", "time_launches_us", "write_entries", "autotune", "KernelConfig", "candidate_configs",
+           "get_config", "gpu_file_name", "clear_cache"]
+
+
+_ACT = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+# Largest relative Frobenius error (vs fp64) a tuning candidate may show before
+# it is rejected: ~4 unit round-offs of the output dtype. A mis-decoding config
+# is off by O(1), so this only rejects broken configs, never close calls.
+_MAX_REL_ERR = {"float16": 2e-3, "bfloat16": 1.6e-2, "float32": 1e-5}
+
+
+def _tuning_inputs(M: int, N: int, K: int, dtype: str, device, seed: int = 0):
+    """Random x (M, K), compressed weight p (N, K) and its dense twin, as tuned."""
+    act = _ACT[dtype.removeprefix("int8-")]
+    gen = torch.Generator(device=device).manual_seed(seed)
+    w = torch.randn(N, K, generator=gen, device=device).to(act)
+    p = compress(w)
+    if dtype.startswith("int8-"):
+        p = quantize_values(p, "int8")
+    x = torch.randn(M, K, generator=gen, device=device).to(act)
+    return x, p, p.to_dense().to(act)
+
+
+def tune_key(M: int, N: int, K: int, dtype: str, device, configs=None, warmup_ms: float = 10,
+             rep_ms: float = 40) -> Choice:
+    """Time the config space for one key on a CUDA device; return the fastest
+    config that also computes the right result.
+
+    Args:
+        M, N, K: sizes (M is used as given: pass the bucket); dtype: a dtype key.
+        device: a CUDA device. configs: candidates (default :func:`candidate_configs`).
+        warmup_ms, rep_ms: timing budgets per candidate (see :func:`time_launches_us`).
+    Returns:
+        :class:`Choice` with ``kind="live"`` and ``entry = {"config", "kernel_us",
+        "dense_us", "m"}`` (dense = ``F.linear`` on the dense weight in the activation dtype),
+        plus ``"reference_us"`` (the reference backend) when M > 16.
+    """
+    device = torch.device(device)
+    if device.type != "cuda":
+        raise ValueError(f"tuning times kernels on a CUDA device, got {device}")
+    x, p, w_dense = _tuning_inputs(M, N, K, dtype, device)
+    ref = F.linear(x.double(), w_dense.double())
+    tf32 = dtype.endswith("float32") and torch.backends.cuda.matmul.allow_tf32
+    max_err = 2e-3 if tf32 else _MAX_REL_ERR[dtype.removeprefix("int8-")]
+    props = torch.cuda.get_device_properties(device)
+    # Enough weight copies to overflow L2 twice, so every launch streams its
+    # weight from HBM as in a real model (one 4096 x 4096 fp16 2:4 weight,
+    # 18.9 MB, would otherwise sit in an H100/H200's 50-60 MB L2).
+    l2 = getattr(props, "L2_cache_size", 64 << 20)
+    weights = [p] + [_clone_weight(p) for _ in range(_copies(l2, p.nbytes) - 1)]
+    dense_weights = [w_dense] + [w_dense.clone() for _ in range(_copies(l2, w_dense.nbytes) - 1)]
+
+    def kernel_time(cfg) -> float:
+        return time_launches_us([lambda q=q: linear_triton(x, q, config=cfg) for q in weights], warmup_ms, rep_ms)
+
+    best_cfg, best_us, rejected = _select_fastest(
+        configs if configs is not None else candidate_configs(M, N, K, props.multi_processor_count),
+        launch=lambda cfg: linear_triton(x, p, config=cfg),
+        error=lambda y: float((y.double() - ref).norm() / ref.norm().clamp_min(1e-30)),
+        time=kernel_time, max_err=max_err, label=f"M={M}, N={N}, K={K}, {dtype}")
+    dense_us = time_launches_us([lambda w=w: F.linear(x, w) for w in dense_weights], warmup_ms, rep_ms)
+    entry = {"config": best_cfg, "kernel_us": round(best_us, 3), "dense_us": round(dense_us, 3), "m": M}
+    if M > DECODE_M:  # backend="auto" never runs the reference at decode sizes: not worth the time there
+        entry["reference_us"] = round(time_launches_us([lambda q=q: linear_reference(x, q) for q in weights],
+                                                       warmup_ms, rep_ms), 3)
+    return Choice(best_cfg, "live", f"tuned live on {torch.cuda.get_device_name(device)} "
+                                    f"({len(rejected)} candidates rejected)", entry)
+
+
+def _copies(l2_bytes: int, nbytes: int) -> int:
+    return min(16, max(1, -(-2 * l2_bytes // max(nbytes, 1))))
+
+
+def _clone_weight(p):
+    return Sparse24Tensor(p.values.clone(), p.meta.clone(), p.shape, p.dtype,
+                          None if p.scale is None else p.scale.clone(), check=False)
+
+
+def time_launches_us(launches, warmup_ms: float = 10, rep_ms: float = 40) -> float:
+    """Median GPU time per launch, in microseconds, of a list of launches
+    (callables) replayed together as one CUDA graph.
+
+    The graph removes Python/launch overhead from the measurement (for a
+    decode-sized kernel it can exceed the kernel itself); replaying
+    different weight copies in one graph keeps the weights out of L2.
+    ``triton.testing.do_bench`` times the replays (L2 flushed before each).
+    """
+    from triton.testing import do_bench
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm up (and compile) outside the capture
+        for fn in launches:
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for fn in launches:
+            fn()
+    return 1e3 * do_bench(graph.replay, warmup=warmup_ms, rep=rep_ms, return_mode="median") / len(launches)
+
+
+def _select_fastest(configs, launch, error, time, max_err: float, label: str):
+    """Fastest config whose result is right: ``(config, time, rejected)``.
+
+    ``launch(cfg)`` runs the kernel once, ``error(y)`` is y's relative error
+    vs an fp64 reference (it syncs, so asynchronous launch failures surface
+    inside the try), ``time(cfg)`` measures a config that passed.
+    """
+    best, rejected = None, []
+    for cfg in configs:
+        try:
+            err = error(launch(cfg))
+        except Exception as e:  # e.g. out of shared memory on this GPU: not a candidate here
+            rejected.append(f"{cfg}: {type(e).__name__}: {str(e)[:120]}")
+            continue
+        if not err <= max_err:  # a kernel bug, never a close call: say so loudly
+            rejected.append(f"{cfg}: wrong result (relative error {err:.2e})")
+            print(f"sparse24 tuning: WRONG RESULT from {cfg} at {label}: relative error {err:.2e} > "
+                  f"{max_err:.0e}; config rejected", file=sys.stderr)
+            continue
+        t = time(cfg)
+        if best is None or t < best[1]:
+            best = (cfg, t)
+    if best is None:
+        raise RuntimeError(f"no candidate config ran correctly for {label}: " + "; ".join(rejected[:5]))
+    return best[0], best[1], rejected
+
+
+def _compile_variant(M: int, N: int, K: int, dtype: str, cfg: KernelConfig) -> tuple:
+    """What makes two launches compile the same kernel: Triton specializes ints
+    and strides on divisibility by 16 (M is not specialized)."""
+    return (dtype, N % 16 == 0, K % 16 == 0, (K // 2) % 16 == 0, cfg)
+
+
+def _compile_worker(items: list, device_index: int) -> list[str]:
+    """Compile (not run) each (M, N, K, dtype, config) into Triton's disk cache."""
+    errors = []
+    device = torch.device("cuda", device_index)
+    torch.cuda.set_device(device)
+    for M, N, K, dtype, cfg in items:
+        try:
+            x, p, _ = _tuning_inputs(M, N, K, dtype, device)
+            target = torch.empty(M, N, device=device, dtype=torch.float32 if cfg.split_k > 1 else x.dtype)
+            kernel, grid, args, kwargs = kernel_call(x, p, None, target, cfg, cfg.split_k)
+            kernel.warmup(*args, grid=grid, **kwargs)
+        except Exception as e:  # reported; the timing pass skips configs that fail again
+            errors.append(f"{cfg}: {type(e).__name__}: {str(e)[:200]}")
+    return errors
+
+
+def _precompile(tasks: list, jobs: int, device: torch.device) -> int:
+    """Compile every distinct kernel variant of ``tasks`` in ``jobs`` processes
+    (Triton compiles one kernel per thread, seconds each; the timing pass then
+    loads them from the disk cache). Returns the number of variants."""
+    from concurrent.futures import ProcessPoolExecutor
+    from multiprocessing import get_context
+
+    variants = {}
+    for t in tasks:
+        variants.setdefault(_compile_variant(*t), t)
+    items = list(variants.values())
+    if jobs <= 1 or len(items) <= 1:
+        errors = _compile_worker(items, device.index or 0)
+    else:
+        chunks = [items[i::jobs] for i in range(jobs)]
+        with ProcessPoolExecutor(jobs, mp_context=get_context("spawn")) as ex:
+            errors = [e for r in ex.map(_compile_worker, chunks, [device.index or 0] * jobs) for e in r]
+    if errors:
+        print(f"  {len(errors)} variants did not compile (skipped when timing), e.g. {errors[0]}", file=sys.stderr)
+    return len(items)
+
+
+# --- files: writing ------------------------------------------------------------
+
+def _entry_key(key: tuple) -> str:
+    return ",".join(map(str, key))
+
+
+def write_entries(out_dir: Path, gpu: str, capability: tuple[int, int], entries: dict) -> Path:
+    """Merge ``entries`` ({(M bucket, N, K, dtype): entry}) into this GPU's file
+    under ``out_dir`` (created if needed; a corrupt old file is kept beside it
+    as ``.corrupt``). The default becomes the config that wins most entries."""
+    import triton
+
+    path = Path(out_dir) / gpu_file_name(gpu) / f"{KERNEL}.json"
+    old: dict = {}
+    if path.exists():
+        try:
+            old = validate_file(json.loads(path.read_text()))["entries"]
+        except config_store.BAD_FILE_ERRORS as e:
+            path.replace(path.with_suffix(".json.corrupt"))
+            print(f"sparse24: {path} was unreadable ({e}); moved to {path.name}.corrupt", file=sys.stderr)
+    merged = {**old, **entries}
+    wins: dict = {}
+    for e in merged.values():
+        wins[e["config"]] = wins.get(e["config"], 0) + 1
+    default = max(wins, key=wins.get) if wins else builtin_config(16)
+    order = sorted(merged, key=lambda k: (k[3], k[1], k[2], k[0]))  # dtype, N, K, M: readable diffs
+    data = {
+        "schema": SCHEMA_VERSION, "kernel": KERNEL, "gpu": gpu, "compute_capability": list(capability),
+        "triton": triton.__version__, "torch": torch.__version__.split("+")[0],
+        "updated": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "default": default.to_json(),
+        "entries": {_entry_key(k): dict(merged[k], config=merged[k]["config"].to_json()) for k in order},
+    }
+    validate_file(json.loads(json.dumps(data)))  # never write what the reader would reject
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(data, indent=1) + "\n")
+    tmp.replace(path)
+    clear_cache()  # the store forgets what it read, and the launch path its plans
+    return path
+
+
+# --- CLI -----------------------------------------------------------------------
+
+def _progress(i: int, n: int, label: str) -> None:
+    """A one-line progress bar on a terminal, one line per step in a log."""
+    bar = "#" * (20 * i // n) + "." * (20 - 20 * i // n)
+    if sys.stderr.isatty():
+        print(f"\r[{bar}] {i}/{n} {label:<60}", end="" if i < n else "\n", file=sys.stderr, flush=True)
+    else:
+        print(f"[{bar}] {i}/{n} {label}", file=sys.stderr, flush=True)
+
+
+def autotune(shapes, ms, dtypes, out_dir, warmup_ms: float = 10, rep_ms: float = 40, jobs: int = 1) -> int:
+    """Tune every (M bucket, N, K, dtype) on the current GPU and merge each result into
+    ``<out_dir>/<GPU name>/sparse24_matmul.json`` as soon as it is measured
+    (``python -m sparse24 autotune``, whose parser checks the arguments).
+
+    Args:
+        shapes: ``[(label, N, K), ...]`` (:func:`sparse24.shapes.parse_shapes`).
+        ms: M buckets; dtypes: dtype keys; out_dir: config folder.
+        warmup_ms, rep_ms: timing budgets per candidate; jobs: parallel compile processes.
+    Returns:
+        0 on success, 1 when there is no CUDA GPU or a key found no working config.
+    """
+    if not torch.cuda.is_available():
+        print("sparse24 autotune: error: no CUDA GPU found (torch.cuda.is_available() is False); tuning times kernels "
+              "on the GPU it tunes for, so nothing was tuned or written.", file=sys.stderr)
+        return 1
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    gpu, cc = torch.cuda.get_device_name(device), torch.cuda.get_device_capability(device)
+    keys = [(m, n, k, dt) for dt in dtypes for _, n, k in shapes for m in ms]
+    num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+    tasks = [(m, n, k, dt, c) for m, n, k, dt in keys for c in candidate_configs(m, n, k, num_sms)]
+    print(f"sparse24 autotune on {gpu} (sm_{cc[0]}{cc[1]}): {len(keys)} keys, {len(tasks)} timings", file=sys.stderr)
+    n_var = _precompile(tasks, jobs, device)
+    print(f"  compiled {n_var} kernel variants with {jobs} processes", file=sys.stderr)
+    path, done, failed = None, 0, []
+    for i, key in enumerate(keys, 1):
+        try:
+            e = tune_key(*key, device, warmup_ms=warmup_ms, rep_ms=rep_ms).entry
+        except RuntimeError as err:
+            failed.append(key)
+            print(f"sparse24 autotune: {err}", file=sys.stderr)
+            continue
+        # Merge after every key, so a run stopped early keeps what it measured.
+        path = write_entries(out_dir, gpu, cc, {key: e})
+        done += 1
+        _progress(i, len(keys), f"M={key[0]} {key[1]}x{key[2]} {key[3]}: {e['kernel_us']:.1f} us "
+                                f"(dense {e['dense_us']:.1f} us, {e['dense_us'] / e['kernel_us']:.2f}x)")
+    print(f"wrote {done} entries to {path}" if done else "sparse24 autotune: nothing was written")
+    return 1 if failed or not done else 0
+
+
+config_store.set_live_tuner(tune_key)
