@@ -19,8 +19,8 @@ alone and fills such a group from slots 2 and 3 (``[0, 0, x, 0]`` -> slots
 fills the lowest unused slots (``sparse24.format``). The export therefore
 re-picks the slots of every group from its non-zeros, so its bits equal
 ``sparse_semi_structured_from_dense_cutlass(p.to_dense())`` for every group;
-the import reads either encoding and re-picks ours, so both round trips are
-exact (see the two functions).
+the import reads either encoding and re-picks ours, so both round trips keep
+the metadata and the values (up to the sign of a zero: see the import).
 
 torch's float32 CUTLASS layout is 1:2 (one of each pair), which a 2:4 weight
 does not satisfy in general, so float32 weights are exported as float16/bfloat16.
@@ -173,12 +173,15 @@ def from_cutlass_layout(packed: torch.Tensor, meta: torch.Tensor) -> Sparse24Ten
     (torch's, which fills from slots 2 and 3, ours, or another); such groups
     are stored in our convention (the non-zeros, then zeros in the lowest
     unused slots), so the result is bit for bit
-    ``compress(dense, mask=dense != 0)`` of the decoded matrix. Both round
-    trips are exact: ``to_cutlass_layout(from_cutlass_layout(packed, meta))``
-    gives torch's bits back, and ``from_cutlass_layout(*to_cutlass_layout(p))``
-    gives ``p``'s bits back whenever ``p`` keeps no stored zero outside that
+    ``compress(dense, mask=dense != 0)`` of the decoded matrix. Round trips:
+    ``to_cutlass_layout(from_cutlass_layout(packed, meta))`` gives torch's
+    metadata back exactly and its values up to the sign of a filler zero
+    (torch copies a -0.0, e.g. from ``w * mask``, into filler slots ours do
+    not store; ours are +0.0). ``from_cutlass_layout(*to_cutlass_layout(p))``
+    gives ``p``'s bits back whenever ``p`` stores no zero outside that
     convention (true of ``compress(w)`` and ``compress(w, mask)`` when the
-    kept entries are non-zero); its ``to_dense()`` always equals ``p``'s.
+    kept entries are non-zero, and no -0.0); its ``to_dense()`` always equals
+    ``p``'s (as numbers: a stored -0.0 may come back +0.0).
 
     Args:
         packed: ``(R, C/2)`` float16/bfloat16 kept values; meta: ``(R, C/16)``
@@ -191,6 +194,7 @@ def from_cutlass_layout(packed: torch.Tensor, meta: torch.Tensor) -> Sparse24Ten
         TypeError / ValueError: not tensors, a float32 (1:2) layout, shapes
         that do not match, or metadata naming one slot twice in a group.
     Example:
+        >>> from torch.sparse._semi_structured_conversions import sparse_semi_structured_from_dense_cutlass
         >>> dense = sparse24.compress(torch.randn(32, 64).half()).to_dense()
         >>> q = from_cutlass_layout(*sparse_semi_structured_from_dense_cutlass(dense))
         >>> torch.equal(q.to_dense(), dense)
