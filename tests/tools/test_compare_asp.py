@@ -5,7 +5,7 @@ from pathlib import Path
 
 import torch
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "compare_asp_permutation.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "compare_asp_permutation.py"
 
 
 def load_script():
