@@ -1,0 +1,138 @@
+"""The registered op ``sparse24::linear``: torch.library's own checks, and what
+torch.compile / torch.export see of a model with compressed layers (no graph
+break, the op once per layer, the compressed buffers kept)."""
+import pytest
+import torch
+from torch import nn
+
+import sparse24
+from sparse24 import Sparse24Linear
+from sparse24.ops.linear24 import op
+
+
+def _model(gen, quantize=None, trainable_values=False):
+    """Three compressed 2:4 layers (one without bias) around elementwise ops."""
+    layers = [nn.Linear(64, 96), nn.Linear(96, 32, bias=False), nn.Linear(32, 40)]
+    with torch.no_grad():
+        for lin in layers:
+            lin.weight.copy_(torch.randn(lin.weight.shape, generator=gen))
+    net = nn.Sequential(layers[0], nn.GELU(), layers[1], nn.ReLU(), layers[2])
+    sparse24.sparsify_(net, mode="compressed", quantize=quantize, trainable_values=trainable_values)
+    assert sum(isinstance(m, Sparse24Linear) for m in net.modules()) == 3
+    return net
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("int8", [False, True], ids=["fp32", "int8"])
+def test_opcheck(backend, int8, gen):
+    """Schema, fake (meta) kernel, autograd registration and AOT dispatch, as torch.library checks them."""
+    w = torch.randn(40, 64, generator=gen)
+    p = sparse24.compress(w, quantize="int8" if int8 else None)
+    values = p.values if int8 else p.values.clone().requires_grad_(True)
+    x = torch.randn(3, 64, generator=gen, requires_grad=True)
+    b = torch.randn(40, generator=gen, requires_grad=True)
+    for bias in (b, None):
+        torch.library.opcheck(torch.ops.sparse24.linear.default,
+                              (x, values, p.meta, p.scale, bias, torch.float32, backend))
+
+
+def test_op_gradients_match_dense_fp64(gen):
+    w, x, b = torch.randn(40, 64, generator=gen), torch.randn(5, 64, generator=gen), torch.randn(40, generator=gen)
+    p = sparse24.compress(w)
+    values = p.values.double().requires_grad_(True)
+    xd, bd = x.double().requires_grad_(True), b.double().requires_grad_(True)
+    y = torch.ops.sparse24.linear(xd, values, p.meta, None, bd, torch.float64, "reference")
+    gy = torch.randn(y.shape, generator=gen, dtype=torch.float64)
+    gx, gv, gb = torch.autograd.grad(y, (xd, values, bd), gy)
+    dense = (w * sparse24.mask_nm(w)).double().requires_grad_(True)
+    xr, br = x.double().requires_grad_(True), b.double().requires_grad_(True)
+    rx, rw, rb = torch.autograd.grad(torch.nn.functional.linear(xr, dense, br), (xr, dense, br), gy)
+    torch.testing.assert_close(gx, rx, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(gb, rb, rtol=1e-12, atol=1e-12)
+    # the values' gradient is the dense weight gradient at the kept slots
+    kept = sparse24.compress(rw, mask=sparse24.mask_nm(w)).values
+    torch.testing.assert_close(gv, kept, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("quantize", [None, "int8"])
+def test_dynamo_sees_one_graph_with_the_op_once_per_layer(quantize, gen):
+    net = _model(gen, quantize)
+    x = torch.randn(2, 7, 64, generator=gen)
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(net)(x)
+    assert explained.graph_break_count == 0 and explained.graph_count == 1, explained.break_reasons
+    ours = (torch.ops.sparse24.linear, torch.ops.sparse24.linear.default)  # Dynamo records the packet
+    calls = [n for g in explained.graphs for n in g.graph.nodes if n.op == "call_function" and n.target in ours]
+    assert len(calls) == 3
+
+
+@pytest.mark.parametrize("trainable_values", [False, True])
+def test_compile_fullgraph_equals_eager_forward_and_backward(trainable_values, gen):
+    net = _model(gen, trainable_values=trainable_values)
+    x = torch.randn(2, 7, 64, generator=gen, requires_grad=True)
+    ref = net(x)
+    params = [x] + [p for p in net.parameters() if p.requires_grad]
+    gref = torch.autograd.grad(ref.square().sum(), params)
+    torch._dynamo.reset()
+    compiled = torch.compile(net, backend="aot_eager", fullgraph=True)  # fake kernel + registered autograd
+    out = compiled(x)
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+    for g, r in zip(torch.autograd.grad(out.square().sum(), params), gref):
+        torch.testing.assert_close(g, r, rtol=1e-6, atol=1e-6)
+    with torch.no_grad():  # the inference path under compile is the op too
+        torch.testing.assert_close(compiled(x), ref.detach(), rtol=0, atol=0)
+
+
+def test_export_keeps_the_compressed_buffers_and_the_op(gen):
+    net = _model(gen, "int8")
+    x = torch.randn(3, 64, generator=gen)
+    ep = torch.export.export(net, (x,))
+    targets = [n.target for n in ep.graph.nodes if n.op == "call_function"]
+    assert targets.count(torch.ops.sparse24.linear.default) == 3
+    assert "aten.linear.default" not in {str(t) for t in targets}  # no decompressed dense weight
+    state = {**ep.state_dict, **ep.constants}
+    for i in (0, 2, 4):
+        for name in ("values", "meta", "scale"):
+            assert torch.equal(state[f"{i}.{name}"], net[i].get_buffer(name))
+        assert f"{i}.weight" not in state
+    assert state["0.values"].dtype == torch.int8
+    torch.testing.assert_close(ep.module()(x), net(x), rtol=0, atol=0)
+
+
+def test_inference_skips_the_dispatcher_and_autograd(monkeypatch, gen):
+    """With no gradient needed the module calls the implementation directly (host time per call);
+    with one needed it goes through the registered op (autograd)."""
+    net = _model(gen)
+    calls = []
+    real = torch.ops.sparse24.linear
+    monkeypatch.setattr(torch.ops.sparse24, "linear", lambda *a: calls.append(1) or real(*a))
+    x = torch.randn(2, 64, generator=gen)
+    with torch.no_grad():
+        net(x)
+    assert calls == []
+    net(x.requires_grad_(True)).sum().backward()
+    assert len(calls) == 3
+
+
+def test_auto_never_picks_the_reference_at_decode_sizes(monkeypatch):
+    """On CUDA the reference backend decompresses the whole weight per call: at M <= 16 "auto" keeps the
+    kernel whatever a tuned file says; above, the faster measured backend."""
+    monkeypatch.setattr(op, "measured_timings", lambda *a: {"kernel_us": 9.0, "reference_us": 1.0})
+    monkeypatch.setattr(op, "_triton_available", lambda: True)
+    op._AUTO.clear()
+    values = torch.empty(64, 32, dtype=torch.float16, device="meta")
+
+    class FakeCuda:  # the decision reads only these attributes of x
+        is_cuda, dtype, device = True, torch.float16, torch.device("meta")
+
+        def __init__(self, M):
+            self.shape = (M, 64)
+
+        def numel(self):
+            return self.shape[0] * 64
+
+    try:
+        assert [op._auto_backend(FakeCuda(M), values, None) for M in (1, 16, 17, 4096)] == \
+            ["triton", "triton", "reference", "reference"]
+    finally:
+        op._AUTO.clear()
