@@ -371,15 +371,19 @@ class Sparse24Linear(nn.Module):
             raise TypeError(f"input must be a torch.Tensor, got {type(x).__name__}")
         dev = x.device.type
         if torch.is_autocast_enabled(dev):
-            # Autocast does not see inside the Function: cast explicitly, as it would for F.linear.
+            # Autocast does not see inside the op: cast explicitly, as it would for F.linear.
             x = x.to(torch.get_autocast_dtype(dev))
             with torch.autocast(dev, enabled=False):
                 return self._compressed_forward(x)
         return self._compressed_forward(x)
 
     def _compressed_forward(self, x: torch.Tensor) -> torch.Tensor:
-        linear24.check_input(x, self.in_features, self.values.device)
-        return linear24.forward(x, self.values, self.meta, self.scale, self.bias, self._dtype)
+        # The module's dicts, not attribute access: nn.Module.__getattr__ costs ~1 us a name,
+        # and at decode sizes host time is what a call costs (scripts/bench_host.py).
+        params, buffers = self._parameters, self._buffers
+        values = buffers["values"] if "values" in buffers else params["values"]
+        linear24.check_input(x, self.in_features, values.device)
+        return linear24.forward(x, values, buffers["meta"], buffers["scale"], params["bias"], self._dtype)
 
     # -- dtype/device moves: only floating tensors follow a dtype change --
     def _apply(self, fn, recurse=True):

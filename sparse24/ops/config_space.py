@@ -85,15 +85,18 @@ def dtype_key(x_dtype: torch.dtype, int8_weights: bool = False) -> str:
 
 def builtin_config(M: int, N: int = 4096, K: int = 4096, num_sms: int = 132) -> KernelConfig:
     """The untuned fallback: small tiles that compile on every CUDA GPU Triton
-    supports (<= 48 KB of shared memory). At decode sizes (M <= 16) split-K
-    is raised until the programs fill the ``num_sms`` multiprocessors (N = 4096
-    with BLOCK_N = 64 alone gives 64 programs for an H200's 132), keeping
-    >= 2 K-tiles per split. Not measured: a tuned file should replace it."""
+    supports (<= 48 KB of shared memory). At decode sizes (M <= 16) the
+    programs must fill the ``num_sms`` multiprocessors (N = 4096 with
+    BLOCK_N = 64 gives 64 programs for an H200's 132): BLOCK_N shrinks to 16
+    first, and only then split-K grows (each split keeping >= 2 K-tiles),
+    since split-K costs a zeroed fp32 buffer and a copy per call. Not measured:
+    a tuned file should replace it."""
     if M <= 16:
-        programs, split = -(-N // 64), 1
+        bn = next((b for b in (64, 32, 16) if -(-N // b) >= num_sms), 16)
+        programs, split = -(-N // bn), 1
         while programs * split < num_sms and split < 8 and K >= 2 * 128 * (2 * split):
             split *= 2
-        return KernelConfig(16, 64, 128, 8, split, 4, 3)
+        return KernelConfig(16, bn, 128, 8, split, 4 if bn >= 64 else 2, 3)
     if M <= 64:
         return KernelConfig(32, 64, 64, 8, 1, 4, 3)
     return KernelConfig(64, 64, 64, 8, 1, 4, 3)

@@ -91,16 +91,14 @@ def linear_triton(x: torch.Tensor, p: Sparse24Tensor, bias: torch.Tensor | None 
 def run(x: torch.Tensor, values: torch.Tensor, meta: torch.Tensor, scale: torch.Tensor | None,
         bias: torch.Tensor | None, config: KernelConfig | None = None) -> torch.Tensor:
     """The launch behind :func:`linear_triton`, for arguments already checked
-    (the registered op and the modules call it directly). Shapes as there."""
-    N, K = values.shape[0], 2 * values.shape[1]
-    lead = x.shape[:-1]
-    M = lead.numel()
-    if M == 0 or N == 0:
-        return x.new_empty(*lead, N)
-    if K == 0:
-        out = x.new_zeros(*lead, N)
-        return out if bias is None else out.add_(bias.to(out.dtype))
-    x2 = x.reshape(M, K)  # a view when the strides allow it
+    (the registered op and the modules call it directly). Shapes as there.
+    Every line here runs on every call: each costs 0.1-2 us of host time."""
+    N, K = values.shape[0], x.shape[-1]
+    flat = x.dim() == 2
+    M = x.shape[0] if flat else x.shape[:-1].numel()
+    if M == 0 or N == 0 or K == 0:
+        out = x.new_zeros(*x.shape[:-1], N)
+        return out if bias is None or M == 0 else out.add_(bias.to(out.dtype))
     # fp32 dots follow torch's own matmul TF32 switch (off by default, so fp32
     # results match F.linear); half types ignore it.
     tf32 = x.dtype == torch.float32 and x.is_cuda and torch.backends.cuda.matmul.allow_tf32
@@ -109,7 +107,9 @@ def run(x: torch.Tensor, values: torch.Tensor, meta: torch.Tensor, scale: torch.
     plan = _PLANS.get(key)
     if plan is None:
         plan = _PLANS[key] = _Plan(key, config)
-    return plan(x2, values, meta, scale, bias, M).view(*lead, N)
+    if flat:
+        return plan(x, values, meta, scale, bias, M)
+    return plan(x.reshape(M, K), values, meta, scale, bias, M).view(*x.shape[:-1], N)
 
 
 _PLANS: dict = {}
@@ -136,44 +136,52 @@ class _Plan:
         self.constexprs = _constexprs(config, self.split_k, has_scale, bias_dtype is not None, tf32)
         self.constexpr_values = tuple(self.constexprs[n] for n in _CONSTEXPR_NAMES)
         self.options = {"num_warps": config.num_warps, "num_stages": config.num_stages}
-        self.grid_n = _cdiv(N, config.block_n)
-        self.cuda = device.type == "cuda"
-        self.device_index = device.index
+        self.grid_n, self.block_m = _cdiv(N, config.block_n), config.block_m
+        self.N, self.device, self.cuda, self.device_index = N, device, device.type == "cuda", device.index
+        # N, K and the strides of contiguous x (M, K), values (N, K/2), meta (K/32, N), out (M, N)
+        self.contiguous_ints = (N, K, K, 1, K // 2, 1, N, 1, N, 1)
         self.compiled = None
 
     def __call__(self, x2, values, meta, scale, bias, M):
-        N = values.shape[0]
-        out = torch.empty(M, N, dtype=x2.dtype, device=x2.device)
-        target = out if self.split_k == 1 else torch.zeros(M, N, dtype=torch.float32, device=x2.device)
-        args = _args(x2, values, meta, scale, bias, target, M)
-        grid = (_cdiv(M, self.config.block_m) * self.grid_n, self.split_k)
-        self.launch(grid, args, (x2, values, meta, scale, bias))
+        out = torch.empty((M, self.N), dtype=x2.dtype, device=self.device)
+        target = out if self.split_k == 1 else torch.zeros((M, self.N), dtype=torch.float32, device=self.device)
+        s = values if scale is None else scale  # never read when HAS_SCALE / HAS_BIAS is False
+        b = values if bias is None else bias
+        # contiguous tensors: every stride is fixed by N and K, so the plan holds them
+        if x2.is_contiguous() and values.is_contiguous() and meta.is_contiguous() and s.is_contiguous() \
+                and b.is_contiguous():
+            args = (x2, values, meta, s, b, target, M, *self.contiguous_ints)
+            aligned = (x2.data_ptr() | values.data_ptr() | meta.data_ptr() | s.data_ptr() | b.data_ptr()) % 16 == 0
+        else:
+            args = _args(x2, values, meta, scale, bias, target, M)
+            aligned = False
+        self.launch((_cdiv(M, self.block_m) * self.grid_n, self.split_k), args, aligned)
         if target is not out:
             out.copy_(target)
         return out
 
-    def launch(self, grid, args, tensors) -> None:
+    def launch(self, grid, args, aligned: bool) -> None:
         """Launch once: through the kept compiled handle when the arguments
-        specialize as at its compile, else through Triton's own path."""
-        if self.compiled is not None and _fast_ok(tensors, self.device_index):
+        specialize as at its compile (``aligned``: contiguous, 16-byte aligned
+        tensors), else through Triton's own path."""
+        fast = aligned and self.cuda and _fast_launch_ok(self.device_index)
+        if fast and self.compiled is not None:
             self.compiled.run(grid[0], grid[1], 1, torch._C._cuda_getCurrentRawStream(self.device_index),
                               self.compiled.function, self.compiled.packed_metadata, None, None, None,
                               *args, *self.constexpr_values)
             return
         with torch.cuda.device(self.device_index) if self.cuda else contextlib.nullcontext():
             compiled = self.kernel[grid](*args, **self.constexprs, **self.options)
-        if self.cuda and self.compiled is None and _fast_ok(tensors, self.device_index):
+        if fast:
             self.compiled = compiled
 
 
-def _fast_ok(tensors, device_index) -> bool:
-    """Whether a kept compiled handle fits these arguments (see the module docstring)."""
+def _fast_launch_ok(device_index) -> bool:
+    """Whether launching a kept handle directly is right now (see the module docstring)."""
     runtime = _triton_runtime_knobs()
     if runtime is None or runtime.launch_enter_hook is not None or runtime.launch_exit_hook is not None:
         return False  # a profiler's launch hooks must see every launch: Triton's own path calls them
-    if torch._C._cuda_getDevice() != device_index:
-        return False
-    return all(t is None or (t.is_contiguous() and t.data_ptr() % 16 == 0) for t in tensors)
+    return torch._C._cuda_getDevice() == device_index
 
 
 _RUNTIME_KNOBS = []

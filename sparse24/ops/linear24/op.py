@@ -133,7 +133,7 @@ on_clear(_AUTO.clear)
 def _auto_backend(x: torch.Tensor, values: torch.Tensor, scale) -> str:
     if not (x.is_cuda and x.dtype in KERNEL_DTYPES and _triton_available()):
         return "reference"
-    M = x.numel() // max(x.shape[-1], 1)
+    M = x.shape[0] if x.dim() == 2 else x.shape[:-1].numel()
     if M <= DECODE_M:
         return "triton"
     key = (x.device, x.dtype, scale is not None, values.shape[0], values.shape[1], m_bucket(M))
@@ -152,8 +152,13 @@ def faster_backend(timings: dict) -> str:
 
 
 def _triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    if not _TRITON:
+        try:
+            import triton  # noqa: F401
+            _TRITON.append(True)
+        except ImportError:
+            _TRITON.append(False)
+    return _TRITON[0]
+
+
+_TRITON: list = []

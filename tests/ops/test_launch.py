@@ -1,0 +1,137 @@
+"""The launch path: one plan per key, the kept compiled handle launched with
+exactly the arguments Triton's own path would bind, and Triton's path taken
+whenever the arguments would specialize differently. No GPU: the compiled
+handle is a recording stand-in; Triton's launch convention is checked in its
+source."""
+import inspect
+
+import pytest
+import torch
+
+import sparse24
+from sparse24.ops import config_store
+from sparse24.ops.linear24 import launch
+from sparse24.ops.config_space import KernelConfig
+
+from conftest import assert_matches_reference
+
+
+class _Recorder:
+    """Stands in for a CompiledKernel: records how it is launched."""
+
+    def __init__(self):
+        self.calls, self.function, self.packed_metadata = [], object(), object()
+
+    def run(self, *a):
+        self.calls.append(a)
+
+
+class _TritonPath:
+    """Stands in for ``kernel[grid](...)`` (Triton's own path): records and returns a handle."""
+
+    def __init__(self, handle):
+        self.calls, self.handle = [], handle
+
+    def __getitem__(self, grid):
+        def launch_(*args, **kwargs):
+            self.calls.append((grid, args, kwargs))
+            return self.handle
+        return launch_
+
+
+@pytest.fixture
+def fake_cuda_plan(monkeypatch):
+    """A plan for CPU tensors that takes the CUDA launch branch with stand-ins."""
+    monkeypatch.setattr(launch, "_fast_launch_ok", lambda device_index: True)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 1234, raising=False)
+    monkeypatch.setattr(torch.cuda, "device", lambda index: __import__("contextlib").nullcontext())
+    launch._PLANS.clear()
+    yield
+    launch._PLANS.clear()
+
+
+def test_kept_handle_gets_triton_s_arguments_in_signature_order(fake_cuda_plan, gen):
+    from sparse24.kernels.sparse24_matmul import sparse24_matmul
+
+    N, K, M = 40, 64, 3
+    p = sparse24.compress(torch.randn(N, K, generator=gen), quantize="int8")
+    x, b = torch.randn(M, K, generator=gen), torch.randn(N, generator=gen)
+    cfg = KernelConfig(16, 32, 32, split_k=1)
+    launch.run(x, p.values, p.meta, p.scale, b, cfg)  # makes the plan (CPU: interpreter)
+    (plan,) = launch._PLANS.values()
+    handle = _Recorder()
+    plan.cuda, plan.kernel = True, _TritonPath(handle)
+    launch.run(x, p.values, p.meta, p.scale, b, cfg)  # first CUDA-branch call: Triton's path, handle kept
+    assert len(plan.kernel.calls) == 1 and plan.compiled is handle and not handle.calls
+    (grid, args, kwargs), = plan.kernel.calls
+    out = launch.run(x, p.values, p.meta, p.scale, b, cfg)  # steady state: the kept handle
+    assert len(plan.kernel.calls) == 1 and len(handle.calls) == 1
+    gx, gy, gz, stream, function, packed, meta, enter, exit_, *bound = handle.calls[0]
+    assert (gx, gy, gz, stream) == (grid[0], grid[1], 1, 1234)
+    assert function is handle.function and packed is handle.packed_metadata and meta is enter is exit_ is None
+    # Triton binds every parameter in signature order, constexprs included
+    names = sparse24_matmul.arg_names
+    expected = list(args) + [kwargs[n] for n in names[len(args):]]
+    assert len(bound) == len(expected) == len(names)
+    for name, a, e in zip(names, bound, expected):
+        if name == "out_ptr":  # each call writes its own output
+            assert a.shape == e.shape and a.dtype == e.dtype and a is not e
+        else:
+            assert a is e if isinstance(e, torch.Tensor) else a == e, name
+    by_name = dict(zip(names, bound))
+    assert by_name["x_ptr"] is x and by_name["scale_ptr"] is p.scale and by_name["bias_ptr"] is b
+    assert (by_name["M"], by_name["N"], by_name["K"]) == (M, N, K)
+    assert (by_name["stride_xm"], by_name["stride_vn"], by_name["stride_mk"], by_name["stride_om"]) == \
+        (K, K // 2, N, N)
+    assert (by_name["BLOCK_N"], by_name["HAS_SCALE"], by_name["HAS_BIAS"]) == (32, True, True)
+    assert out.shape == (M, N)
+
+
+def test_unaligned_or_strided_input_takes_triton_s_path(fake_cuda_plan, gen):
+    N, K = 40, 64
+    p = sparse24.compress(torch.randn(N, K, generator=gen))
+    cfg = KernelConfig(16, 32, 32)
+    x = torch.randn(3, K, generator=gen)
+    launch.run(x, p.values, p.meta, None, None, cfg)
+    (plan,) = launch._PLANS.values()
+    handle = _Recorder()
+    plan.cuda, plan.kernel = True, _TritonPath(handle)
+    launch.run(x, p.values, p.meta, None, None, cfg)
+    assert plan.compiled is handle
+    strided = torch.randn(K, 3, generator=gen).t()             # (3, K), strides (1, 3)
+    shifted = torch.randn(3 * K + 1, generator=gen)[1:].view(3, K)  # 4-byte offset: not 16-byte aligned
+    for bad in (strided, shifted):
+        launch.run(bad, p.values, p.meta, None, None, cfg)
+    assert len(handle.calls) == 0 and len(plan.kernel.calls) == 3
+    (_, args, _) = plan.kernel.calls[1]
+    assert args[9:11] == (1, 3)  # the strided input's real strides reach Triton
+
+
+def test_triton_launches_compiled_kernels_as_the_fast_path_does():
+    """The kept handle is launched the way Triton's JITFunction.run ends (Triton 3.6 to 3.9):
+    ``kernel.run(grid_0, grid_1, grid_2, stream, kernel.function, kernel.packed_metadata,
+    launch_metadata, enter_hook, exit_hook, *bound_args.values())``. If Triton changes that, fail here."""
+    from triton.compiler.compiler import CompiledKernel
+    from triton.runtime.jit import JITFunction
+
+    src = " ".join(inspect.getsource(JITFunction.run).split())
+    assert ("kernel.run(grid_0, grid_1, grid_2, stream, kernel.function, kernel.packed_metadata, launch_metadata, "
+            "knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook, *bound_args.values())") in src
+    assert "return kernel" in src
+    assert isinstance(inspect.getattr_static(CompiledKernel, "run"), property)
+
+
+def test_one_plan_per_key_and_lookups_only_once(monkeypatch, gen):
+    lookups = []
+    real = launch.get_config
+    monkeypatch.setattr(launch, "get_config", lambda *a: lookups.append(a) or real(*a))
+    config_store.clear_cache()
+    p = sparse24.compress(torch.randn(40, 64, generator=gen))
+    w = p.to_dense()
+    for M in (1, 1, 1, 3, 4, 5):  # buckets 1, 4, 4, 8
+        x = torch.randn(M, 64, generator=gen)
+        assert_matches_reference(launch.run(x, p.values, p.meta, None, None), x, w)
+    assert [a[0] for a in lookups] == [1, 4, 8]
+    config_store.clear_cache()  # forgets the plans too
+    launch.run(torch.randn(1, 64, generator=gen), p.values, p.meta, None, None)
+    assert [a[0] for a in lookups] == [1, 4, 8, 1]
