@@ -1,24 +1,30 @@
 #!/usr/bin/env bash
-# The one prepared GPU check (about 8 minutes on one H100/H200 class GPU):
-#   1. the kernel tests on CUDA against the fp64 reference (scripts/gpu_tests),
-#   2. tuning for the standard shapes (fp16 and INT8 weights), written to
-#      autotune_configs/<GPU>/sparse24_matmul.json (merged after every key),
-#   3. the benchmark sweep (CSV + PNG) into results/<GPU>/.
-# Installs nothing (the GPU machine has torch + triton and no network).
-# Each step has its own time limit; a failing step does not stop the next
-# ones, and the script exits non-zero if any failed. Logs and outputs are
-# copied to $OUT when it is set.
+# The one prepared GPU check, for the GPU image as it is (Python 3.12, torch 2.11,
+# Triton 3.6, numpy 2.5, pytest-xdist; no network, nothing installed). About 5
+# minutes on one H100/H200 class GPU:
+#   1. tests: the kernels and modules on CUDA against the fp64 reference (scripts/gpu_tests);
+#   2. autotune: decode sizes (M = 1..16) and one large M for the standard shapes, fp16 and
+#      INT8 weights, into autotune_configs/<GPU>/sparse24_matmul.json (merged after every key);
+#   3. bench: the throughput sweep (CSV + PNG) into results/<GPU>/, with the tuned configs;
+#   4. user view: eager wall time per call of a layer at M = 1 and tokens/s of an 8-block
+#      Llama-7B-shaped MLP stack under torch.compile(mode="reduce-overhead"), dense vs 2:4
+#      (fp16 and INT8), with the graph-break count (scripts/gpu_user_view.py).
+# Each step has its own time limit; a failing step does not stop the next ones, and the
+# script exits non-zero if any failed. Every step's outputs are copied to $OUT (when set)
+# as soon as the step ends, so a run cut short keeps what it measured.
 #
 #   bash scripts/gpu_check.sh            # PYTHON=python3 by default
-set -euo pipefail
+set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
-M_LIST=1,2,4,8,16,32,64,128,256,512,1024,2048,4096
-T_TESTS=${T_TESTS:-100}        # seconds per step; 100 + 250 + 120 leaves margin under 8 minutes
-T_TUNE=${T_TUNE:-250}
-T_BENCH=${T_BENCH:-120}
+M_TUNE=1,2,4,8,16,4096
+M_BENCH=1,2,4,8,16,64,256,1024,4096
+T_TESTS=${T_TESTS:-60}          # seconds per step: 60 + 100 + 60 + 80 = 5 minutes at most
+T_TUNE=${T_TUNE:-100}
+T_BENCH=${T_BENCH:-60}
+T_USER=${T_USER:-80}
 
 # Import this tree without installing it: kernels/ and autotune_configs/ are
 # sub-packages of sparse24 only once installed (pyproject's package-dir), so
@@ -35,17 +41,26 @@ if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1
     echo "gpu_check: no CUDA GPU visible to $PY (torch.cuda.is_available() is False); nothing to check" >&2
     exit 1
 fi
-GPU=$("$PY" -c "import torch; from sparse24.tuning import gpu_file_name; print(gpu_file_name(torch.cuda.get_device_name()))")
+GPU=$("$PY" -c "import torch; from sparse24.ops.config_store import gpu_file_name; print(gpu_file_name(torch.cuda.get_device_name()))")
 RES="results/$GPU"
 mkdir -p "$RES"
 {
     date -u +%Y-%m-%dT%H:%M:%SZ
     nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv || true
-    "$PY" -c "import sys, torch, triton; print('python', sys.version.split()[0], '| torch', torch.__version__,
-'| triton', triton.__version__, '| cuda', torch.version.cuda, '| SMs',
+    "$PY" -c "import sys, torch, triton, numpy; print('python', sys.version.split()[0], '| torch', torch.__version__,
+'| triton', triton.__version__, '| numpy', numpy.__version__, '| cuda', torch.version.cuda, '| SMs',
 torch.cuda.get_device_properties(0).multi_processor_count)"
     git rev-parse --short HEAD 2>/dev/null || true
 } | tee "$RES/env.txt"
+
+keep() {  # copy what the run has so far to $OUT (files at most 2 folders down)
+    if [ -n "${OUT:-}" ]; then
+        cp "$RES"/*.log "$RES"/*.txt "$RES"/*.csv "$RES"/*.png "$OUT/" 2>/dev/null
+        cp autotune_configs/"$GPU"/*.json "$OUT/" 2>/dev/null
+    fi
+    return 0
+}
+keep
 
 FAILED=()
 step() {  # step NAME LIMIT_S CMD...: run with a time limit, log to $RES/NAME.log, record failure
@@ -53,27 +68,27 @@ step() {  # step NAME LIMIT_S CMD...: run with a time limit, log to $RES/NAME.lo
     shift 2
     echo "=== $name (limit ${limit}s): $*"
     timeout --kill-after=10 "$limit" "$@" 2>&1 | tee "$RES/$name.log" || rc=$?
-    echo "=== $name: exit $rc after $((SECONDS - t0)) s"
+    echo "=== $name: exit $rc after $((SECONDS - t0)) s" | tee -a "$RES/$name.log"
     if [ "$rc" -ne 0 ]; then FAILED+=("$name(exit $rc)"); fi
+    keep
 }
 
-# 1. kernel tests on CUDA (parallel across processes when pytest-xdist is there:
+# 1. kernel and module tests on CUDA (parallel across processes when pytest-xdist is there:
 #    the time goes into compiling kernel variants, one per process at a time)
 XDIST=()
 if "$PY" -c "import xdist" 2>/dev/null; then XDIST=(-n 8); fi
-step tests "$T_TESTS" "$PY" -m pytest -q -p no:cacheprovider "${XDIST[@]}" scripts/gpu_tests
+step tests "$T_TESTS" "$PY" -m pytest -q -p no:cacheprovider -p no:randomly "${XDIST[@]}" scripts/gpu_tests
 
 # 2. tuning (entries are merged into the file one by one, so a run cut short keeps its measurements)
-step autotune "$T_TUNE" "$PY" -m sparse24 autotune --shapes standard --m "$M_LIST" \
-    --dtype float16,int8-float16 --out-dir autotune_configs --warmup-ms 5 --rep-ms 15 --jobs 12
+step autotune "$T_TUNE" "$PY" -m sparse24 autotune --shapes standard --m "$M_TUNE" \
+    --dtype float16,int8-float16 --out-dir autotune_configs --warmup-ms 3 --rep-ms 10 --jobs 12
 
 # 3. benchmark sweep with the tuned configs (CSV + PNG)
-step bench "$T_BENCH" "$PY" -m sparse24 bench --device cuda --shapes standard --m "$M_LIST" --out "$RES/"
+step bench "$T_BENCH" "$PY" -m sparse24 bench --device cuda --shapes standard --m "$M_BENCH" --out "$RES/"
 
-if [ -n "${OUT:-}" ]; then
-    cp "$RES"/*.log "$RES/env.txt" "$OUT/" 2>/dev/null || true
-    tar czf "$OUT/results.tgz" "$RES" "autotune_configs/$GPU" 2>/dev/null || tar czf "$OUT/results.tgz" "$RES"
-fi
+# 4. what a user sees: eager calls and compiled decode, dense vs 2:4
+step user_view "$T_USER" "$PY" scripts/gpu_user_view.py --out "$RES/"
+
 if [ "${#FAILED[@]}" -ne 0 ]; then
     echo "gpu_check: FAILED steps: ${FAILED[*]}"
     exit 1

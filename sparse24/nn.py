@@ -383,7 +383,7 @@ class Sparse24Linear(nn.Module):
         params, buffers = self._parameters, self._buffers
         values = buffers["values"] if "values" in buffers else params["values"]
         linear24.check_input(x, self.in_features, values.device)
-        return linear24.forward(x, values, buffers["meta"], buffers["scale"], params["bias"], self._dtype)
+        return linear24.forward(x, values, buffers["meta"], buffers["scale"], params.get("bias"), self._dtype)
 
     # -- dtype/device moves: only floating tensors follow a dtype change --
     def _apply(self, fn, recurse=True):

@@ -434,18 +434,32 @@ GPU_CHECK = Path(__file__).resolve().parents[2] / "scripts" / "gpu_check.sh"
 
 
 def _gpu_check_commands() -> dict[str, list[str]]:
-    """The sparse24 commands of scripts/gpu_check.sh, with its variables filled in."""
+    """The steps of scripts/gpu_check.sh that run sparse24 or a script, variables filled in."""
+    import re
     import shlex
     text = GPU_CHECK.read_text().replace("\\\n", " ")
-    m_list = next(line.split("=", 1)[1] for line in text.splitlines() if line.startswith("M_LIST="))
+    variables = dict(re.findall(r"^([A-Z_]+)=([^$\s]+)$", text, re.M))
     cmds = {}
     for line in text.splitlines():
         if not line.startswith("step "):
             continue
-        words = shlex.split(line.replace('"$M_LIST"', m_list).replace('"$RES/"', "RES"))
+        for name, value in variables.items():
+            line = line.replace(f'"${name}"', value)
+        words = shlex.split(line.replace('"$RES/"', "RES"))
         if "sparse24" in words:
             cmds[words[1]] = words[words.index("sparse24") + 1:]
+        elif any(w.endswith(".py") for w in words):
+            script = next(w for w in words if w.endswith(".py"))
+            cmds[words[1]] = [script] + words[words.index(script) + 1:]
     return cmds
+
+
+def _script_main(path: str):
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(Path(path).stem, GPU_CHECK.parents[1] / path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.main
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks argument parsing by the no-GPU exit")
@@ -454,10 +468,27 @@ def test_gpu_check_script_commands_are_valid(capsys, tmp_path):
     # arguments exit 2 before the GPU check; valid ones reach it and exit 1 on this machine.
     assert subprocess.run(["bash", "-n", str(GPU_CHECK)]).returncode == 0
     cmds = _gpu_check_commands()
-    assert set(cmds) == {"autotune", "bench"}
-    cmds["bench"] = [str(tmp_path) if a == "RES" else a for a in cmds["bench"]]
-    for name, argv in cmds.items():
-        assert main(argv) == 1, (name, argv)
+    assert set(cmds) == {"autotune", "bench", "user_view"}
+    for name in ("bench", "user_view"):
+        cmds[name] = [str(tmp_path) if a == "RES" else a for a in cmds[name]]
+    for name in ("autotune", "bench"):
+        assert main(cmds[name]) == 1, (name, cmds[name])
         assert "no CUDA GPU" in capsys.readouterr().err
     assert main(cmds["bench"] + ["--m", "0"]) == 2  # the same command with a bad argument is caught
+    script, *argv = cmds["user_view"]
+    assert _script_main(script)(argv) == 1 and "no CUDA GPU" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_gpu_user_view_runs_every_step_on_cpu(tmp_path, capsys):
+    """The user-view step's code, run small on CPU (the GPU run must not fail on a bug)."""
+    argv = ["--device", "cpu", "--d", "64", "--ff", "128", "--blocks", "2", "--tokens", "2", "--calls", "2",
+            "--repeats", "1", "--backend", "aot_eager", "--mode", "default", "--out", str(tmp_path)]
+    assert _script_main("scripts/gpu_user_view.py")(argv) == 0
+    rows = list(csv.DictReader(open(tmp_path / "user_view.csv")))
+    assert [(r["what"], r["variant"]) for r in rows] == [
+        ("eager layer", v) for v in ("dense nn.Linear", "2:4 fp16", "2:4 int8")] + [
+        ("compiled decode", v) for v in ("dense", "2:4 fp16", "2:4 int8")]
+    decode = [r for r in rows if r["what"] == "compiled decode"]
+    assert all(r["graph_breaks"] == "0" and float(r["max_abs_diff_vs_eager"]) == 0.0 for r in decode)
+    assert "tok/s" in capsys.readouterr().out
