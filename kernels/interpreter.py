@@ -19,10 +19,25 @@ Modules Triton imports lazily inside that window (Triton 3.9: the code
 generator, Gluon, libdevice, through argument specialization) would keep
 the patched functions they import, so they are imported here, before any
 launch.
+
+Triton 3.3-3.6 with numpy >= 2.4: the interpreter holds a scalar as a
+shape-(1,) array and gives ``tl.tensor`` an ``__index__`` of
+``int(array)``, which numpy 2.4 turned into a TypeError ("only
+0-dimensional arrays can be converted to Python scalars"). Every ``range``
+over runtime bounds in a kernel (our K loop) calls it, so every launch
+failed. Triton 3.7 converts with ``int(array.squeeze())``
+(triton-lang/triton#9172); on older Triton a launch installs that same
+conversion right after the interpreter's own tensor patch, and puts the
+interpreter back afterwards. For a one-element array both forms give its
+value under any numpy, and for a larger one both raise TypeError, so
+nothing else changes. Delete ``_scalar_index_fix`` once Triton >= 3.7 is the
+floor in pyproject.toml.
 """
 import importlib
 import sys
 
+import triton
+from triton.runtime import interpreter as _interpreter
 from triton.runtime.interpreter import InterpretedFunction
 from triton.runtime.jit import JITFunction
 
@@ -66,6 +81,28 @@ def _restore(snapshot: list[tuple[object, dict]]) -> None:
 _MISSING = object()
 _INTERPRETED_HELPERS: dict = {}
 
+# Triton 3.2-3.6 (checked in each wheel) patch __index__ to int(self.handle.data).
+_NEEDS_INDEX_FIX = tuple(int(p) for p in triton.__version__.split(".")[:2]) < (3, 7)
+
+
+def _scalar_index(self) -> int:
+    return int(self.handle.data.squeeze())  # Triton 3.7's own conversion
+
+
+def _scalar_index_fix():
+    """Make the interpreter's tensor patch use Triton 3.7's ``__index__``;
+    returns the function that undoes it (a no-op on Triton >= 3.7)."""
+    original = getattr(_interpreter, "_patch_lang_tensor", None)
+    if not _NEEDS_INDEX_FIX or original is None:
+        return lambda: None
+
+    def patch_lang_tensor(tensor, *scope):  # Triton 3.6 passes a restore scope, older ones do not
+        original(tensor, *scope)
+        tensor.__index__ = _scalar_index  # the launch's snapshot puts tl.tensor back afterwards
+
+    _interpreter._patch_lang_tensor = patch_lang_tensor
+    return lambda: setattr(_interpreter, "_patch_lang_tensor", original)
+
 
 def _call_interpreted(jit_fn, *args, **kwargs):
     if jit_fn not in _INTERPRETED_HELPERS:
@@ -89,8 +126,10 @@ class InterpretedKernel:
         def launch(*args, **kwargs):
             snapshot = _snapshot()
             JITFunction.__call__ = _call_interpreted
+            undo_index_fix = _scalar_index_fix()
             try:
                 return self.fn[grid](*args, **kwargs)
             finally:
+                undo_index_fix()
                 _restore(snapshot)
         return launch
