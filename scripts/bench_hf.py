@@ -105,14 +105,11 @@ def generation_figures(hidden: int, layers: int, tokens: int, repeats: int) -> N
 
 _LOADER = r"""
 import json, sys, threading, time
-def anon():
+def status(field):  # bytes, from the kernel's per-process accounting
     for line in open("/proc/self/status"):
-        if line.startswith("RssAnon:"):
+        if line.startswith(field + ":"):
             return int(line.split()[1]) * 1024
-def hwm():
-    for line in open("/proc/self/status"):
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
+anon, hwm = (lambda: status("RssAnon")), (lambda: status("VmHWM"))
 import torch, transformers, sparse24
 from transformers import LlamaForCausalLM
 torch.zeros(1) @ torch.zeros(1)  # allocator and kernels warm before the baseline

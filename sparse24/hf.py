@@ -141,12 +141,14 @@ class Sparse24Quantizer(HfQuantizer):
         layers = self.quantization_config.layers
         found = _checkpoint_keys(checkpoint_files)
         ignore = []  # compressed layers, whose "<layer>.weight" is the marker
-        for fqn, spec in layers.items():
-            try:
-                dense = model.get_submodule(fqn)
-            except AttributeError:
-                raise ValueError(f"config.json lists 2:4 layer {fqn!r}, which {type(model).__name__} built from "
-                                 "this config does not have") from None
+        self._names = {}  # the section's layer name -> the name in this model
+        for saved, spec in layers.items():
+            fqn = _resolve(model, saved)
+            if fqn is None:
+                raise ValueError(f"config.json lists 2:4 layer {saved!r}, which {type(model).__name__} built from "
+                                 "this config does not have")
+            self._names[saved] = fqn
+            dense = model.get_submodule(fqn)
             kind = "conv1d" if is_conv1d(dense) else "linear" if isinstance(dense, nn.Linear) else None
             if kind != spec.get("kind", "linear"):
                 raise ValueError(f"config.json lists {fqn!r} as a 2:4 {spec.get('kind', 'linear')} layer, but the "
@@ -154,26 +156,28 @@ class Sparse24Quantizer(HfQuantizer):
             shell = _shell(dense, spec)
             if found is not None:
                 need = [k for k in shell.state_dict(keep_vars=True) if k != "bias"]
-                lacking = [k for k in need if f"{fqn}.{k}" not in found]
+                lacking = [k for k in need if f"{saved}.{k}" not in found]
                 if lacking:
-                    raise ValueError(f"the checkpoint lacks {', '.join(f'{fqn}.{k}' for k in lacking)} for the 2:4 "
-                                     f"{spec['mode']} layer {fqn!r} that config.json lists")
+                    raise ValueError(f"the checkpoint lacks {', '.join(f'{saved}.{k}' for k in lacking)} for the 2:4 "
+                                     f"{spec['mode']} layer {saved!r} that config.json lists")
             model.set_submodule(fqn, shell)
             if spec["mode"] == "compressed":
-                ignore.append(re.escape(fqn))
+                ignore += [re.escape(saved), re.escape(fqn)]
         if ignore:  # the markers (one pattern: transformers joins all of them into one regex)
             model._keys_to_ignore_on_load_unexpected = set(model._keys_to_ignore_on_load_unexpected or ()) | {
-                rf"^({'|'.join(ignore)})\.weight$"}
+                rf"^({'|'.join(dict.fromkeys(ignore))})\.weight$"}
         return model
 
     def _process_model_after_weight_loading(self, model, **kwargs):
-        """Check every 2:4 layer the checkpoint filled and re-arm the masking."""
-        for fqn, spec in self.quantization_config.layers.items():
-            layer = model.get_submodule(fqn)
+        """Check every 2:4 layer the checkpoint filled, re-arm the masking, and describe the model
+        under its own layer names (a base model's folder loaded into a task model adds a prefix)."""
+        for saved, spec in self.quantization_config.layers.items():
+            fqn = self._names[saved]
             try:
-                layer._finish_loading(bool(spec.get("trainable_values")))
+                model.get_submodule(fqn)._finish_loading(bool(spec.get("trainable_values")))
             except ValueError as e:
                 raise ValueError(f"layer {fqn!r}: {e}") from None
+        attach(model)
         return model
 
     def get_state_dict_and_metadata(self, model):
@@ -207,6 +211,20 @@ class Sparse24Quantizer(HfQuantizer):
     @property
     def is_compileable(self) -> bool:
         return True
+
+
+def _resolve(model: nn.Module, name: str) -> str | None:
+    """``name`` as a submodule of ``model``: as is, or with the base-model prefix added or removed
+    (transformers loads a base model's checkpoint into a task model and back)."""
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    candidates = [name, f"{prefix}.{name}"] + ([name[len(prefix) + 1:]] if name.startswith(prefix + ".") else [])
+    for fqn in candidates if prefix else [name]:
+        try:
+            model.get_submodule(fqn)
+            return fqn
+        except AttributeError:
+            continue
+    return None
 
 
 def _shell(dense: nn.Module, spec: dict) -> Sparse24Linear:

@@ -15,7 +15,7 @@ import sparse24
 from sparse24 import Sparse24Linear
 
 from conftest import top2_mask
-from hf_models import masked_reference, tiny_gpt2, tiny_llama, tokens
+from hf_models import VOCAB, masked_reference, tiny_gpt2, tiny_llama, tokens
 
 KINDS = {"masked": {"mode": "masked"}, "compressed": {"mode": "compressed"},
          "int8": {"mode": "compressed", "quantize": "int8"}}
@@ -84,13 +84,21 @@ def test_masked_round_trip_keeps_training_2of4(tmp_path):
 
 _PLAIN = """
 import sys, torch
-from transformers import LlamaForCausalLM
+from transformers import AutoModelForCausalLM, LlamaForCausalLM
 ids = torch.load(sys.argv[3])
 m = LlamaForCausalLM.from_pretrained(sys.argv[1])  # masked folder: loads as plain Linears
 with torch.no_grad():
     torch.save(m(ids).logits, sys.argv[4])
 print(type(m.model.layers[0].mlp.up_proj).__name__, "sparse24" in sys.modules)
-LlamaForCausalLM.from_pretrained(sys.argv[2])  # compressed folder: must raise
+try:
+    LlamaForCausalLM.from_pretrained(sys.argv[2])  # compressed folder: must raise
+except RuntimeError as e:
+    print("raised:" + str("ignore_mismatched_sizes" in str(e)))
+import sparse24  # transformers is imported: this registers sparse24 with it
+m = AutoModelForCausalLM.from_pretrained(sys.argv[2])
+with torch.no_grad():
+    torch.save(m(ids).logits, sys.argv[5])
+print(type(m.model.layers[0].mlp.up_proj).__name__)
 """
 
 
@@ -104,12 +112,15 @@ def test_plain_from_pretrained_without_sparse24_is_right_or_loud(tmp_path):
         model.save_pretrained(tmp_path / kind)
         outs[kind] = logits(model, ids)
     r = subprocess.run([sys.executable, "-c", _PLAIN, str(tmp_path / "masked"), str(tmp_path / "compressed"),
-                        str(tmp_path / "ids.pt"), str(tmp_path / "y.pt")], capture_output=True, text=True, timeout=300)
-    # masked: the masked weights as plain Linears, the same outputs; compressed: an error, not random weights
-    assert r.stdout.split() == ["Linear", "False"], r.stderr[-2000:]
+                        str(tmp_path / "ids.pt"), str(tmp_path / "y.pt"), str(tmp_path / "z.pt")],
+                       capture_output=True, text=True, timeout=300)
+    # masked: the masked weights as plain Linears, the same outputs; compressed: an error, not random weights;
+    # then import sparse24, and transformers' own AutoModel loads the compressed folder
+    assert r.returncode == 0 and r.stdout.split() == ["Linear", "False", "raised:True", "Sparse24Linear"], \
+        r.stderr[-2000:]
     assert torch.equal(torch.load(tmp_path / "y.pt"), outs["masked"])
-    assert r.returncode == 1
-    assert "Unknown quantization type, got sparse24" in r.stderr and "ignore_mismatched_sizes" in r.stderr
+    assert "Unknown quantization type, got sparse24" in r.stderr and "MISMATCH" in r.stderr
+    assert torch.equal(torch.load(tmp_path / "z.pt"), outs["compressed"])
 
 
 def test_sharded_save_and_another_dtype(tmp_path):
@@ -165,6 +176,27 @@ def test_bad_folders_are_loud_errors(tmp_path):
         load_with(tensors=bad)
     with pytest.raises(ValueError, match="sparse24 format 2 .* upgrade sparse24"):
         load_with({**qc, "format_version": 2})
+
+
+def test_a_base_model_folder_loads_into_a_task_model_and_back(tmp_path):
+    # transformers adds (or drops) the base-model prefix between BertModel and BertForSequenceClassification
+    from transformers import BertConfig, BertForSequenceClassification
+    torch.manual_seed(0)
+    base = BertModel(BertConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                intermediate_size=128)).eval()
+    sparse24.sparsify_(base, mode="compressed")
+    base.save_pretrained(tmp_path / "base")
+    task = sparse24.from_pretrained(BertForSequenceClassification, tmp_path / "base")
+    assert isinstance(task.bert.encoder.layer[1].output.dense, Sparse24Linear)
+    assert "bert.encoder.layer.1.output.dense" in task.config.quantization_config.layers  # its own names
+    ids = tokens()
+    with torch.no_grad():
+        y = base(ids).last_hidden_state
+        assert torch.equal(task.bert(ids).last_hidden_state, y)
+    task.save_pretrained(tmp_path / "task")
+    again = sparse24.from_pretrained(BertModel, tmp_path / "task")
+    with torch.no_grad():
+        assert torch.equal(again(ids).last_hidden_state, y)
 
 
 def test_meta_model_from_config_then_its_weights(monkeypatch):

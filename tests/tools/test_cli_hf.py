@@ -10,15 +10,8 @@ from safetensors.torch import load_file, save_file
 from transformers import GPT2LMHeadModel, LlamaForCausalLM
 
 import sparse24
-from sparse24.cli import main
-
 from hf_models import tiny_gpt2, tiny_llama, tokens
-
-
-def run(capsys, *argv):
-    rc = main(list(argv))
-    out, err = capsys.readouterr()
-    return rc, out, err
+from test_cli import run
 
 
 def test_out_safetensors_writes_safetensors(capsys, tmp_path):
