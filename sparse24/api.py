@@ -371,7 +371,7 @@ def _after_change(model: nn.Module) -> None:
 def sparsify_(model: nn.Module, filter_fn: FilterFn | None = None, mode: str = "masked", method: str = "magnitude",
               calibration: dict | None = None, quantize: str | None = None, min_features: int = MIN_FEATURES,
               trainable_values: bool = False, skip_output_head: bool | str | Iterable[str] = True,
-              **mask_kwargs) -> SparsifyReport:
+              optimizer: torch.optim.Optimizer | None = None, **mask_kwargs) -> SparsifyReport:
     """Swap every eligible ``nn.Linear`` (and Hugging Face ``Conv1D``) of ``model`` for a
     :class:`Sparse24Linear`, in place; all or nothing.
 
@@ -395,6 +395,9 @@ def sparsify_(model: nn.Module, filter_fn: FilterFn | None = None, mode: str = "
             ``get_output_embeddings()`` where it has one (transformers), else any Linear with as
             many outputs as the input embedding has rows; ``False``: prune it too; a layer name
             or a list of names: keep those.
+        optimizer: an optimizer training the model: a layer whose weight becomes a new
+            Parameter (a ``Conv1D``'s, stored transposed) is swapped in it, with its state
+            transposed (see :func:`prune_trained_model`, which also zeroes the pruned state).
         **mask_kwargs: more options for the mask method.
     Returns:
         :class:`SparsifyReport` (``print(report)`` for a table), skipped layers and every
@@ -406,14 +409,10 @@ def sparsify_(model: nn.Module, filter_fn: FilterFn | None = None, mode: str = "
         >>> [r.fqn for r in report.swapped], [r.fqn for r in report.skipped]
         (['0'], ['2'])
     """
-    return _sparsify(model, filter_fn, mode, method, calibration, quantize, min_features, trainable_values,
-                     skip_output_head, mask_kwargs)
-
-
-def _sparsify(model, filter_fn, mode, method, calibration, quantize, min_features, trainable_values,
-              skip_output_head, mask_kwargs, optimizer=None) -> SparsifyReport:
     check_model(model, filter_fn)
     _check_mode(mode, quantize, trainable_values)
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
     if not isinstance(method, str):
         raise TypeError(f"method must be a string, got {type(method).__name__}")
     if calibration is not None and not isinstance(calibration, dict):
@@ -460,7 +459,7 @@ def _sparsify(model, filter_fn, mode, method, calibration, quantize, min_feature
         else:  # of the weight before pruning
             kept = kept_magnitude_fraction(_linear_weight(mod), work.mask)
         built.append((fqn, mod, new, note, kept))
-    moves = _optimizer_moves(optimizer, [(mod, new) for _, mod, new, _, _ in built]) if optimizer else []
+    moves = _optimizer_moves(optimizer, [(mod, new) for _, mod, new, _, _ in built]) if optimizer is not None else []
     # 2. Swap (undone if one fails), 3. prune shared weights in place and register the masking.
     undo = _Undo()
     try:
@@ -649,13 +648,7 @@ def prune_trained_model(model: nn.Module, optimizer: torch.optim.Optimizer, **kw
     if kwargs.get("mode", "masked") != "masked" or kwargs.get("quantize") is not None:
         raise ValueError("prune_trained_model retrains in masked mode; compress_ after retraining")
     kwargs.pop("mode", None)
-    opts = {k: kwargs.pop(k) for k in ("filter_fn", "method", "calibration", "min_features", "trainable_values",
-                                       "skip_output_head") if k in kwargs}
-    opts = {"filter_fn": None, "method": "magnitude", "calibration": None, "min_features": MIN_FEATURES,
-            "trainable_values": False, "skip_output_head": True, **opts}
-    report = _sparsify(model, opts["filter_fn"], "masked", opts["method"], opts["calibration"], None,
-                       opts["min_features"], opts["trainable_values"], opts["skip_output_head"], kwargs,
-                       optimizer=optimizer)
+    report = sparsify_(model, mode="masked", optimizer=optimizer, **kwargs)
     report.operation = "prune_trained_model"
     with torch.no_grad():
         for r in report.changed:

@@ -661,7 +661,8 @@ class Sparse24Linear(nn.Module):
         # (e.g. under module.half() or module.type(...)); they only change device.
         keep = {n: b for n, b in self._buffers.items()
                 if b is not None and (n == "scale" or not b.is_floating_point())}
-        keep_params = {n: p.detach() for n, p in self._parameters.items() if p is not None and not p.is_floating_point()}
+        keep_params = {n: p.detach() for n, p in self._parameters.items()
+                       if p is not None and not p.is_floating_point()}
         if self._mode == "compressed":
             probe = fn(torch.empty(0, dtype=self._dtype, device=self.values.device))
             if probe.dtype in FLOAT_DTYPES:
