@@ -242,7 +242,7 @@ def job_dense(cfg: dict) -> dict:
         m = copy.deepcopy(model)
         stats = calibrate(m, calib, hessian=method == "sparsegpt") if method != "magnitude" else None
         t0 = time.perf_counter()
-        sparsify_(m, method=method, calibration=stats)
+        sparsify_(m, method=method, calibration=stats, skip_output_head=False)  # every Linear, the head too
         assert all_nm(m)
         rows.append(row(f"2:4 one-shot {method}", m, val_ids, cfg, cfg["steps"], secs, "one-shot",
                         f"pruned in {time.perf_counter() - t0:.1f} s, no retraining"))
@@ -259,7 +259,8 @@ def job_retrain(cfg: dict, dense_state: dict, masked: bool) -> dict:
         curve, secs = train(model, train_ids, cfg)
         return {"rows": [row("dense retrained (control)", model, val_ids, cfg, 2 * cfg["steps"], secs, "retrained",
                              "second run without mask")], "curves": {"dense retrained (control)": curve}}
-    sparsify_(model)  # masked mode: Sparse24Linear keeps pruned weights at exactly 0 through AdamW
+    # masked mode: Sparse24Linear keeps pruned weights at exactly 0 through AdamW; every Linear, the head too
+    sparsify_(model, skip_output_head=False)
     curve, secs = train(model, train_ids, cfg)
     assert all_nm(model)
     rows = [row("2:4 retrained", model, val_ids, cfg, 2 * cfg["steps"], secs, "retrained",

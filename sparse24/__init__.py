@@ -7,8 +7,8 @@ and ``interop``, torch's 2:4 tensors, beside it) -> ``kernels`` (Triton) ->
 recipes) -> tools (``tuning``, ``bench``, ``plot``, ``demo``, CLI).
 """
 import importlib
-
 import os
+import sys
 
 from .format import FLOAT_DTYPES, Sparse24Tensor, compress, is_nm
 from .masks import mask_nm
@@ -21,7 +21,8 @@ from ._version import __version__
 _LAZY = {
     "Sparse24Linear": "nn",
     "sparsify_": "api", "densify_": "api", "compress_": "api", "decompress_": "api",
-    "prune_trained_model": "api", "SparsifyReport": "api",
+    "prune_trained_model": "api", "SparsifyReport": "api", "count_parameters": "api",
+    "from_pretrained": "hf",
     "calibrate": "masks", "search_permutation": "masks", "apply_permutation": "masks",
     "kept_magnitude_fraction": "masks", "prune_nm": "masks", "PruneResult": "masks",
     "sparsegpt_prune": "masks", "prune_layerwise_": "masks", "LayerStats": "masks",
@@ -31,6 +32,13 @@ _LAZY = {
     "to_cutlass_layout": "interop", "from_cutlass_layout": "interop",
 }
 
+
+if "transformers" in sys.modules:  # a transformers user: its loaders should know sparse24 folders now
+    try:
+        from . import hf
+        hf.register()
+    except ImportError:  # a transformers too old or broken for the integration: sparse24 itself still works
+        pass
 
 if os.environ.get("SPARSE24_AUTOTUNE") == "1":
     from .tools import tuning  # noqa: F401  (plugs the live tuner into the config store)

@@ -21,20 +21,41 @@ Two modes, switchable both ways without changing outputs:
   time of ``nn.Linear`` (each alone 1.06-1.09x; 2-core CPU, median of 12, two runs); (3) is
   one masked fill per weight per optimizer step.
 
-* ``"compressed"`` (inference): buffers ``values`` (R, C/2), ``meta`` (the
-  packed 2-bit slots) and, for INT8, ``scale`` (R,) fp32, exactly
-  :class:`sparse24.Sparse24Tensor`'s tensors; forward is one call of the
+* ``"compressed"`` (inference): Parameter ``values`` (R, C/2), frozen unless
+  ``trainable_values=True``, and buffers ``meta`` (the packed 2-bit slots) and,
+  for INT8, ``scale`` (R,) fp32: exactly :class:`sparse24.Sparse24Tensor`'s
+  tensors. ``values`` is a Parameter so that parameter counts
+  (``num_parameters()``) see the kept weights and tools that place adapters by
+  a layer's first Parameter (PEFT) find it. Forward is one call of the
   registered op ``sparse24::linear`` (Triton on CUDA, reference on CPU), direct
   (no autograd, no dispatcher) when no gradient is needed. Backward gives input
-  gradients, and gradients for the kept values when ``values`` is a Parameter
-  (``trainable_values=True``).
+  gradients, and gradients for the kept values when they require grad.
+
+* Inference in masked mode: when no gradient is needed, forward multiplies by
+  the stored weight directly (no ``where`` over the whole weight per call), once
+  it has checked that the weight is zero at every pruned position; the check
+  reruns after any in-place change torch's version counter records (optimizer
+  steps, ``copy_``, ``masked_fill_``; writes through ``.data`` are not seen).
 
 State dicts hold plain tensors only (safetensors-compatible); loading checks
 the entries and raises a clear error for dense, mismatched or corrupt ones.
+
+A layer built on the meta device (``Sparse24Linear(..., device="meta")``,
+``sparsify_`` of a model built under ``torch.device("meta")``) holds shapes only:
+its mask is *pending* and is computed, by the method it was built with, when
+``load_state_dict`` brings the dense weight (or taken as is when it brings the
+2:4 entries). ``to_empty`` keeps it pending; forward refuses until then.
+
+Hugging Face ``Conv1D`` (GPT-2 and relatives: ``y = x @ W + b`` with ``W`` stored
+``(in, out)``) is the Linear it is: :meth:`Sparse24Linear.from_linear` takes it
+with the weight transposed, and :meth:`Sparse24Linear.to_dense_module` gives the
+Conv1D back.
 """
 from __future__ import annotations
 
+import sys
 import weakref
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -42,11 +63,11 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .format import FLOAT_DTYPES, Sparse24Tensor, _check_mask24, compress
-from .masks import mask_nm, prune_nm
+from .format import FLOAT_DTYPES, Sparse24Tensor, _check_mask24, compress, quantize_values
+from .masks import METHODS, mask_nm, prune_nm
 from .ops import linear24
 
-__all__ = ["Sparse24Linear", "MODES", "QUANTIZE"]
+__all__ = ["Sparse24Linear", "MODES", "QUANTIZE", "is_conv1d", "linear_shape"]
 
 MODES = ("masked", "compressed")
 QUANTIZE = (None, "int8")
@@ -56,8 +77,14 @@ QUANTIZE = (None, "int8")
 
 # Live masked-mode modules, for the optimizer post-hook (weak: never keeps a model alive).
 _MASKED_MODULES: "weakref.WeakSet[Sparse24Linear]" = weakref.WeakSet()
-# Weight Parameter -> weakref to the module whose gradient hook it carries.
+# Weight Parameter -> weakref to the module that owns it as its masked weight.
 _GRAD_HOOKED = WeakIdKeyDictionary()
+# Weight Parameters that carry the gradient hook (a frozen one gets it when it first needs a gradient:
+# torch refuses a hook on a tensor that does not require grad).
+_HAS_HOOK = WeakIdKeyDictionary()
+# Module -> (weakref weight, its version, weakref mask, its version) when the weight was last found
+# zero at every pruned position: inference skips the per-call where() while both stay unchanged.
+_ZERO_CHECKED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def _remask_after_step(optimizer, args, kwargs) -> None:
@@ -105,6 +132,33 @@ def _check_mode(mode, quantize, trainable_values) -> None:
         raise ValueError("trainable_values needs mode='compressed' with floating values (quantize=None)")
 
 
+def is_conv1d(module) -> bool:
+    """True for Hugging Face ``transformers.pytorch_utils.Conv1D`` (GPT-2 and relatives): a
+    Linear whose weight is stored transposed, ``(in_features, out_features)``. Detected
+    without importing transformers (a Conv1D exists only once transformers is imported)."""
+    utils = sys.modules.get("transformers.pytorch_utils")
+    return utils is not None and isinstance(module, utils.Conv1D)
+
+
+def linear_shape(module) -> tuple[int, int]:
+    """``(out_features, in_features)`` of an ``nn.Linear``, a Hugging Face ``Conv1D`` or a
+    :class:`Sparse24Linear`."""
+    if is_conv1d(module):
+        C, R = module.weight.shape
+        return R, C
+    return module.out_features, module.in_features
+
+
+def _linear_weight(layer) -> torch.Tensor:
+    """The ``(R, C)`` weight of an ``nn.Linear`` or ``Conv1D`` (a transposed view for Conv1D), detached."""
+    w = layer.weight.detach()
+    return w.t() if is_conv1d(layer) else w
+
+
+# Methods that need nothing but the weight, so a layer on the meta device can defer its mask.
+_DEFERRABLE = ("magnitude", "2d_greedy", "2d_optimal")
+
+
 def _prune_weight(weight: torch.Tensor, method: str = "magnitude", calibration=None,
                   **mask_kwargs) -> tuple[torch.Tensor | None, torch.Tensor]:
     """2:4-prune one weight with ``method`` (nothing is modified).
@@ -120,18 +174,61 @@ def _prune_weight(weight: torch.Tensor, method: str = "magnitude", calibration=N
     return (None if torch.equal(r.weight, w * r.mask) else r.weight), r.mask
 
 
-def _prepare(linear, mask, mode, method, quantize, calibration, trainable_values, mask_kwargs):
-    """Validate and compute a swap without changing anything: ``(new_w, mask, p)``
-    with ``p`` the compressed weight (compressed mode) or None."""
-    if not isinstance(linear, nn.Linear):
-        raise TypeError(f"expected an nn.Linear, got {type(linear).__name__}")
+class _Prepared(NamedTuple):
+    """What :func:`_prepare` computed for one layer: the weight to store when a method
+    reconstructs it (else None), the ``(R, C)`` mask, the compressed weight (compressed
+    mode) and, on the meta device, the pending mask method (``{"method", "kwargs"}``)."""
+    new_w: torch.Tensor | None
+    mask: torch.Tensor
+    p: Sparse24Tensor | None
+    pending: dict | None = None
+
+
+def _placeholder(R: int, C: int, dtype, quantize, device) -> Sparse24Tensor:
+    """A compressed weight of the right shapes and dtypes, values not yet known (meta device, or
+    pending after ``to_empty``)."""
+    values = torch.empty(R, C // 2, dtype=torch.int8 if quantize else dtype, device=device)
+    meta = torch.zeros((C + 31) // 32, R, dtype=torch.int32, device=device)
+    scale = torch.ones(R, dtype=torch.float32, device=device) if quantize else None
+    return Sparse24Tensor(values, meta, (R, C), dtype, scale, check=False)
+
+
+def _check_deferrable(method, calibration, mask_kwargs, R) -> dict:
+    if method not in METHODS:
+        raise ValueError(f"unknown mask method {method!r}; choose one of {', '.join(METHODS)}")
+    if method not in _DEFERRABLE or calibration is not None or mask_kwargs:
+        raise ValueError(f"the weight is on the meta device (no values yet), so the mask is computed when the "
+                         f"weights are loaded; method={method!r}" + (" with options" if mask_kwargs else "")
+                         + f" cannot wait for that: use one of {', '.join(_DEFERRABLE)}, or sparsify the "
+                         "model once it holds its weights (calibration needs them anyway)")
+    if method != "magnitude" and R % 4:
+        raise ValueError(f"method={method!r} builds 4x4 blocks: the weight's rows ({R}) must be divisible by 4")
+    return {"method": method, "kwargs": {}}
+
+
+def _prepare(linear, mask, mode, method, quantize, calibration, trainable_values, mask_kwargs) -> _Prepared:
+    """Validate and compute a swap of ``linear`` (an ``nn.Linear`` or Hugging Face ``Conv1D``)
+    without changing anything."""
+    if not (isinstance(linear, nn.Linear) or is_conv1d(linear)):
+        raise TypeError(f"expected an nn.Linear (or a transformers Conv1D), got {type(linear).__name__}")
     _check_mode(mode, quantize, trainable_values)
     w = linear.weight
     if not isinstance(w, nn.Parameter):
         raise ValueError(f"the Linear's weight is a computed tensor ({type(w).__name__}, e.g. a "
                          "parametrization such as SR-STE or weight_norm); remove it first")
-    if linear.in_features % 4:
-        raise ValueError(f"in_features ({linear.in_features}) must be divisible by 4 for 2:4 sparsity")
+    R, C = linear_shape(linear)
+    if C % 4:
+        raise ValueError(f"in_features ({C}) must be divisible by 4 for 2:4 sparsity")
+    w = _linear_weight(linear)
+    if w.is_meta:
+        if mask is not None:
+            raise ValueError("the weight is on the meta device: give no mask (it is computed when the weights "
+                             "are loaded), or build the layer from real weights")
+        pending = _check_deferrable(method, calibration, mask_kwargs, R)
+        if w.dtype not in FLOAT_DTYPES:
+            raise TypeError(f"weight must be floating point, got {w.dtype}")
+        p = _placeholder(R, C, w.dtype, quantize, "meta") if mode == "compressed" else None
+        return _Prepared(None, torch.empty(R, C, dtype=torch.bool, device="meta"), p, pending)
     if mask is None:
         new_w, mask = _prune_weight(w, method, calibration, **mask_kwargs)
     else:
@@ -140,8 +237,8 @@ def _prepare(linear, mask, mode, method, quantize, calibration, trainable_values
         new_w, mask = None, _check_mask24(mask, w).clone()
     p = None
     if mode == "compressed":
-        p = compress(w.detach() if new_w is None else new_w, mask, quantize=quantize)
-    return new_w, mask, p
+        p = compress(w if new_w is None else new_w, mask, quantize=quantize)
+    return _Prepared(new_w, mask, p)
 
 
 def _mask_from_slots(p: Sparse24Tensor) -> torch.Tensor:
@@ -158,14 +255,15 @@ class Sparse24Linear(nn.Module):
 
     Build it from an existing layer with :meth:`from_linear`, or directly
     (``Sparse24Linear(in_features, out_features)`` initializes like
-    ``nn.Linear`` and prunes by magnitude).
+    ``nn.Linear`` and prunes by magnitude; on ``device="meta"`` the mask waits
+    for the weights, see the module docstring).
 
     Args:
         in_features: C, divisible by 4. out_features: R.
         bias: add a learnable bias.
         mode: ``"masked"`` or ``"compressed"``.
         quantize: ``None`` or ``"int8"`` (compressed mode only).
-        trainable_values: compressed mode: ``values`` is a Parameter.
+        trainable_values: compressed mode: ``values`` requires grad.
         device, dtype: as for ``nn.Linear``.
     Shapes:
         input ``(..., C)`` -> output ``(..., R)``.
@@ -179,21 +277,25 @@ class Sparse24Linear(nn.Module):
                  quantize: str | None = None, trainable_values: bool = False, device=None, dtype=None):
         super().__init__()
         dense = nn.Linear(in_features, out_features, bias, device=device, dtype=dtype)
-        self._adopt(dense, *_prepare(dense, None, mode, "magnitude", quantize, None, trainable_values, {}),
+        self._adopt(dense, _prepare(dense, None, mode, "magnitude", quantize, None, trainable_values, {}),
                     trainable_values)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, mask: torch.Tensor | None = None, mode: str = "masked",
+    def from_linear(cls, linear: nn.Module, mask: torch.Tensor | None = None, mode: str = "masked",
                     method: str = "magnitude", quantize: str | None = None, calibration=None,
                     trainable_values: bool = False, **mask_kwargs) -> "Sparse24Linear":
         """Build a Sparse24Linear from ``linear``.
 
-        Masked mode SHARES ``linear``'s weight and bias Parameters (so an
+        Masked mode SHARES an ``nn.Linear``'s weight and bias Parameters (so an
         optimizer holding them keeps working) and zeroes the pruned weights in
-        place; compressed mode shares the bias and copies the kept values.
+        place; a Hugging Face ``Conv1D`` stores its weight transposed, so its
+        weight becomes a new ``(R, C)`` Parameter (same ``requires_grad``).
+        Compressed mode shares the bias and copies the kept values. A layer on
+        the meta device gets a pending mask (computed when weights are loaded).
 
         Args:
-            linear: an ``nn.Linear`` (weight ``(R, C)``, ``C % 4 == 0``).
+            linear: an ``nn.Linear`` (weight ``(R, C)``, ``C % 4 == 0``) or a
+                ``transformers`` ``Conv1D`` (weight ``(C, R)``).
             mask: optional ``(R, C)`` bool 2:4 mask; default: computed by ``method``.
             mode: ``"masked"`` or ``"compressed"``.
             method: mask method for ``sparse24.mask_nm`` / ``sparse24.masks.prune_nm``
@@ -203,7 +305,8 @@ class Sparse24Linear(nn.Module):
                 weights are stored.
             quantize: ``None`` or ``"int8"`` (compressed mode).
             calibration: this layer's statistics from ``sparse24.calibrate``.
-            trainable_values: compressed mode: make ``values`` a Parameter.
+            trainable_values: compressed mode: ``values`` requires grad (kept frozen when
+                ``linear``'s weight is).
             **mask_kwargs: passed to the mask method.
         Returns:
             the new module (``linear`` itself is not replaced; see ``sparsify_``).
@@ -214,7 +317,7 @@ class Sparse24Linear(nn.Module):
             (torch.Size([16, 16]), torch.Size([1, 16]))
         """
         prepared = _prepare(linear, mask, mode, method, quantize, calibration, trainable_values, mask_kwargs)
-        return cls._empty()._adopt(linear, *prepared, trainable_values)
+        return cls._empty()._adopt(linear, prepared, trainable_values)
 
     @classmethod
     def _empty(cls) -> "Sparse24Linear":
@@ -222,63 +325,113 @@ class Sparse24Linear(nn.Module):
         nn.Module.__init__(mod)
         return mod
 
-    def _adopt(self, linear: nn.Linear, new_w, mask, p, trainable_values: bool) -> "Sparse24Linear":
-        """Take over ``linear`` with what :func:`_prepare` computed (cannot fail)."""
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self._dense_cls = type(linear)  # densify_ restores e.g. MultiheadAttention's out_proj class
+    def _adopt(self, linear, prepared: _Prepared, trainable_values: bool, finish: bool = True) -> "Sparse24Linear":
+        """Take over ``linear`` with what :func:`_prepare` computed. ``finish=False`` leaves
+        the shared weight unpruned and the module unregistered, so a caller can swap
+        several layers and undo the swaps before anything else changed; it then calls
+        :meth:`_finish` on each."""
+        new_w, mask, p, pending = prepared
+        self.in_features, self.out_features = C, R = linear_shape(linear)[::-1]
+        self._dense_cls = type(linear)  # to_dense_module restores e.g. MultiheadAttention's out_proj class, Conv1D
+        self._pending = pending
         self.bias = linear.bias
+        requires_grad = linear.weight.requires_grad
         if p is None:
-            w = linear.weight
-            with torch.no_grad():
-                if new_w is None:
-                    w.masked_fill_(~mask, 0)
-                else:
-                    w.copy_(new_w)
-            self._set_masked(w, mask)
+            if is_conv1d(linear):  # a new (R, C) Parameter, pruned now: the Conv1D's (C, R) one cannot be shared
+                w = linear.weight.detach().t() if new_w is None else new_w
+                w = nn.Parameter(w.contiguous() if w.is_meta else torch.where(mask, w, 0), requires_grad=requires_grad)
+                new_w = None
+            else:
+                w = linear.weight
+            self._finish_args = (new_w, mask)
+            self._set_masked(w, mask, track=False)
         else:
-            self._set_compressed(p, trainable_values)
+            self._finish_args = None
+            self._set_compressed(p, trainable_values, requires_grad)
+        return self._finish() if finish else self
+
+    def _finish(self) -> "Sparse24Linear":
+        """Prune the (shared) masked weight in place and register the masking (cannot fail
+        short of running out of memory)."""
+        args = self.__dict__.pop("_finish_args", None)
+        if args is not None:
+            new_w, mask = args
+            w = self.weight
+            if not w.is_meta:
+                with torch.no_grad():
+                    if new_w is None:
+                        w.masked_fill_(~mask, 0)
+                    else:
+                        w.copy_(new_w)
+            self._track_masked()
         return self
 
     # -- mode plumbing --
-    def _set_masked(self, weight: nn.Parameter, mask: torch.Tensor) -> None:
+    def _set_masked(self, weight: nn.Parameter, mask: torch.Tensor, track: bool = True) -> None:
         for name in ("values", "meta", "scale"):
             self._buffers.pop(name, None)
             self._parameters.pop(name, None)
         self.__dict__.pop("_dtype", None)
+        self.__dict__.pop("_weight_requires_grad", None)
         self.weight = weight
         self.register_buffer("mask", mask)
         self._mode = "masked"
-        self._track_masked()
+        if track:
+            self._track_masked()
 
-    def _set_compressed(self, p: Sparse24Tensor, trainable_values: bool) -> None:
+    def _set_compressed(self, p: Sparse24Tensor, trainable_values: bool, requires_grad: bool = True) -> None:
         self._release()
         for name in ("weight", "mask", "values"):
             self._buffers.pop(name, None)
             self._parameters.pop(name, None)
-        if trainable_values:
-            self.values = nn.Parameter(p.values)
-        else:
-            self.register_buffer("values", p.values)
+        self.values = nn.Parameter(p.values, requires_grad=trainable_values and requires_grad)
         self.register_buffer("meta", p.meta)
         self.register_buffer("scale", p.scale)  # None unless int8 (then not in the state dict)
         self._dtype = p.dtype  # logical dtype (differs from values' when int8)
+        self._weight_requires_grad = requires_grad  # a frozen layer stays frozen through to_masked
         self._mode = "compressed"
 
     def _track_masked(self) -> None:
         """Register for the optimizer post-hook and make this module the owner
-        of its weight's gradient hook (hooking each Parameter once)."""
+        of its weight's gradient hook (hooking each Parameter once; a frozen one
+        when it first needs a gradient)."""
         _MASKED_MODULES.add(self)
         w = self.weight
-        if w not in _GRAD_HOOKED:
-            w.register_hook(_grad_mask_hook(w))
         _GRAD_HOOKED[w] = weakref.ref(self)
+        self._hook_if_needed(w)
+
+    @staticmethod
+    def _hook_if_needed(w: nn.Parameter) -> None:
+        if w.requires_grad and w not in _HAS_HOOK:
+            w.register_hook(_grad_mask_hook(w))
+            _HAS_HOOK[w] = True
 
     def _release(self) -> None:
         """Stop masking this module's weight (its Parameter is handed to someone else)."""
         _MASKED_MODULES.discard(self)
+        _ZERO_CHECKED.pop(self, None)
         w = self._parameters.get("weight")
         if w is not None and w in _GRAD_HOOKED and _GRAD_HOOKED[w]() is self:
             del _GRAD_HOOKED[w]
+
+    def _snapshot(self) -> tuple:
+        """Everything a mode switch changes (references, no copies), for :meth:`_restore`."""
+        keys = ("_mode", "_dtype", "_weight_requires_grad", "_pending")
+        return dict(self._parameters), dict(self._buffers), {k: self.__dict__[k] for k in keys if k in self.__dict__}
+
+    def _restore(self, snap: tuple) -> None:
+        """Undo changes since :meth:`_snapshot` (the same tensor objects come back)."""
+        self._release()
+        params, buffers, attrs = snap
+        self._parameters.clear()
+        self._parameters.update(params)
+        self._buffers.clear()
+        self._buffers.update(buffers)
+        for k in ("_mode", "_dtype", "_weight_requires_grad", "_pending"):
+            self.__dict__.pop(k, None)
+        self.__dict__.update(attrs)
+        if self._mode == "masked":
+            self._track_masked()
 
     def __setstate__(self, state):
         # deepcopy / unpickle: hooks are not copied; re-arm them on the new objects.
@@ -304,6 +457,11 @@ class Sparse24Linear(nn.Module):
         return "int8" if self._mode == "compressed" and self.scale is not None else None
 
     @property
+    def pending(self) -> bool:
+        """True while the mask waits for real weights (built on the meta device)."""
+        return self.__dict__.get("_pending") is not None
+
+    @property
     def dtype(self) -> torch.dtype:
         """Logical weight dtype (the dequantized dtype when int8)."""
         return self.weight.dtype if self._mode == "masked" else self._dtype
@@ -312,8 +470,15 @@ class Sparse24Linear(nn.Module):
     def device(self) -> torch.device:
         return self.weight.device if self._mode == "masked" else self.values.device
 
+    def _refuse_pending(self, what: str) -> None:
+        if self.pending:
+            raise RuntimeError(f"Sparse24Linear({self.in_features}, {self.out_features}) was built without weights "
+                               f"(meta device): its 2:4 mask is computed when load_state_dict brings the weights, "
+                               f"so it cannot {what} yet")
+
     def sparse_tensor(self) -> Sparse24Tensor:
         """The weight as a :class:`Sparse24Tensor` (views of the buffers in compressed mode)."""
+        self._refuse_pending("give its 2:4 weight")
         if self._mode == "masked":
             return compress(self.weight.detach(), self.mask)
         return Sparse24Tensor(self.values.detach(), self.meta, (self.out_features, self.in_features),
@@ -322,9 +487,73 @@ class Sparse24Linear(nn.Module):
     def dense_weight(self) -> torch.Tensor:
         """``(R, C)`` dense weight with zeros at the pruned positions (a new, detached tensor;
         dequantized when int8)."""
+        self._refuse_pending("give its weight")
         if self._mode == "masked":
             return torch.where(self.mask, self.weight.detach(), 0)
         return self.sparse_tensor().to_dense()
+
+    def to_dense_module(self, release: bool = True) -> nn.Module:
+        """A plain layer of the class this one replaced (``nn.Linear``, or ``Conv1D`` with the
+        weight transposed back) holding the masked dense weight; outputs unchanged.
+
+        A masked-mode ``nn.Linear`` gets this layer's weight and bias Parameters
+        (pruned entries zeroed; an optimizer keeps training them, now without the
+        mask); otherwise a new weight Parameter (same ``requires_grad``). This
+        layer is left as it is, apart from no longer masking a handed-over weight
+        (``release=False``: still masking it, for a caller that may undo the swap
+        and calls :meth:`_release` later).
+
+        Returns:
+            ``nn.Linear`` (weight ``(R, C)``) or ``Conv1D`` (weight ``(C, R)``).
+        """
+        self._refuse_pending("be densified")
+        cls = self.__dict__.get("_dense_cls", nn.Linear)
+        R, C = self.out_features, self.in_features
+        with torch.device("meta"):  # no dense random init: the weight is set below
+            dense = cls(R, C) if is_conv1d_class(cls) else cls(C, R, bias=False)
+        if self._mode == "masked" and not is_conv1d_class(cls):
+            weight = self.weight
+            with torch.no_grad():
+                weight.masked_fill_(~self.mask, 0)
+            if release:
+                self._release()
+        else:
+            requires_grad = self.weight.requires_grad if self._mode == "masked" else self._weight_requires_grad
+            w = self.dense_weight()
+            weight = nn.Parameter(w.t().contiguous() if is_conv1d_class(cls) else w, requires_grad=requires_grad)
+        dense.weight, dense.bias = weight, self.bias
+        return dense
+
+    @torch.no_grad()
+    def add_to_kept_(self, delta: torch.Tensor) -> "Sparse24Linear":
+        """Add ``delta`` at the kept positions only, in place: the 2:4 pattern and the mode do not
+        change (what merging a dense LoRA update into this layer means; see :mod:`sparse24.lora`).
+
+        Args:
+            delta: ``(R, C)`` floating tensor; its entries at pruned positions are ignored.
+        Returns:
+            self. Masked mode updates ``weight`` (same Parameter), compressed mode ``values``;
+            INT8 values are dequantized, updated in fp32 and requantized (new ``scale``).
+        """
+        self._refuse_pending("be updated")
+        R, C = self.out_features, self.in_features
+        if not isinstance(delta, torch.Tensor) or tuple(delta.shape) != (R, C) or not delta.is_floating_point():
+            raise ValueError(f"delta must be a floating ({R}, {C}) tensor, got "
+                             f"{tuple(delta.shape) if isinstance(delta, torch.Tensor) else type(delta).__name__}")
+        if self._mode == "masked":
+            self.weight.add_(torch.where(self.mask, delta.to(self.weight.dtype), 0))
+            return self
+        p = self.sparse_tensor()
+        kept = delta.reshape(R, C // 4, 4).gather(-1, p.slots().to(delta.device)).reshape(R, C // 2)
+        if self.scale is None:
+            self.values.add_(kept.to(self.values.dtype))
+        else:
+            merged = Sparse24Tensor(p.dequantized_values(torch.float32) + kept.float(), p.meta, p.shape,
+                                    torch.float32, check=False)
+            q = quantize_values(merged)
+            self.values.copy_(q.values)
+            self.scale.copy_(q.scale)
+        return self
 
     def to_compressed(self, quantize: str | None = None, trainable_values: bool = False) -> "Sparse24Linear":
         """Switch to compressed mode in place (outputs unchanged unless ``quantize``). Returns self.
@@ -337,14 +566,19 @@ class Sparse24Linear(nn.Module):
             if quantize != self.quantize:
                 raise ValueError(f"already compressed with quantize={self.quantize!r}; call to_masked() first "
                                  f"to re-compress with quantize={quantize!r}")
-            if trainable_values == isinstance(self.values, nn.Parameter):
-                return self
-        self._set_compressed(self._compressed_form(quantize), trainable_values)
+            self.values.requires_grad_(trainable_values)
+            return self
+        self._set_compressed(self._compressed_form(quantize), trainable_values, self._requires_grad())
         return self
+
+    def _requires_grad(self) -> bool:
+        return self.weight.requires_grad if self._mode == "masked" else self._weight_requires_grad
 
     def _compressed_form(self, quantize: str | None) -> Sparse24Tensor:
         """The weight as compressed mode holds it; changes nothing (so a caller can
         prepare several layers before switching any)."""
+        if self.pending:  # no values yet: the right shapes, filled when the weights are loaded
+            return _placeholder(self.out_features, self.in_features, self.dtype, quantize, self.device)
         if self._mode == "compressed":
             return self.sparse_tensor()
         return compress(self.weight.detach(), self.mask, quantize=quantize)
@@ -354,19 +588,38 @@ class Sparse24Linear(nn.Module):
 
         The mask is read back from the stored slots: a group whose original
         mask kept fewer than 2 entries now keeps 2 (the extra kept entry is 0,
-        so outputs do not change, but retraining may grow it).
+        so outputs do not change, but retraining may grow it). The new weight
+        Parameter requires grad unless the layer was frozen.
         """
         if self._mode == "masked":
             return self
+        requires_grad = self._weight_requires_grad
+        if self.pending:
+            R, C = self.out_features, self.in_features
+            weight = torch.empty(R, C, dtype=self._dtype, device=self.device)
+            self._set_masked(nn.Parameter(weight, requires_grad=requires_grad),
+                             torch.empty(R, C, dtype=torch.bool, device=self.device))
+            return self
         p = self.sparse_tensor()
-        self._set_masked(nn.Parameter(p.to_dense()), _mask_from_slots(p))
+        self._set_masked(nn.Parameter(p.to_dense(), requires_grad=requires_grad), _mask_from_slots(p))
         return self
 
     # -- forward --
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``(..., in_features)`` -> ``(..., out_features)``, as ``nn.Linear`` with the 2:4 weight."""
+        if self.__dict__.get("_pending") is not None:
+            self._refuse_pending("run")
         if self._mode == "masked":
-            return F.linear(x, torch.where(self.mask, self.weight, 0), self.bias)
+            w = self.weight
+            if w.requires_grad and torch.is_grad_enabled():
+                if not torch.compiler.is_compiling():
+                    self._hook_if_needed(w)  # a layer frozen when sparsified and trained now
+            elif self._zero_where_pruned(w):
+                # No gradient for the weight and it is exactly 0 where pruned: the product is the same
+                # without the where(), which costs a pass over the whole weight per call (11.8x
+                # nn.Linear at M = 1; scripts/bench_hf.py).
+                return F.linear(x, w, self.bias)
+            return F.linear(x, torch.where(self.mask, w, 0), self.bias)
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"input must be a torch.Tensor, got {type(x).__name__}")
         dev = x.device.type
@@ -376,6 +629,27 @@ class Sparse24Linear(nn.Module):
             with torch.autocast(dev, enabled=False):
                 return self._compressed_forward(x)
         return self._compressed_forward(x)
+
+    def _zero_where_pruned(self, w: torch.Tensor) -> bool:
+        """True if ``w`` is 0 at every pruned position, checked once per in-place change of
+        the weight or the mask (torch's version counters). False under tracing, on the meta
+        device, and for inference tensors (no version counter)."""
+        if torch.compiler.is_compiling() or w.is_meta:
+            return False
+        m = self.mask
+        try:
+            seen = _ZERO_CHECKED.get(self)
+            if seen is not None and seen[0]() is w and seen[1] == w._version and seen[2]() is m \
+                    and seen[3] == m._version:
+                return True
+            key = (weakref.ref(w), w._version, weakref.ref(m), m._version)
+        except RuntimeError:  # "Inference tensors do not track version counter"
+            return False
+        with torch.no_grad():
+            if bool(torch.where(m, 0, w).any()):
+                return False
+        _ZERO_CHECKED[self] = key
+        return True
 
     def _compressed_forward(self, x: torch.Tensor) -> torch.Tensor:
         # The module's dicts, not attribute access: nn.Module.__getattr__ costs ~1 us a name,
@@ -391,6 +665,8 @@ class Sparse24Linear(nn.Module):
         # (e.g. under module.half() or module.type(...)); they only change device.
         keep = {n: b for n, b in self._buffers.items()
                 if b is not None and (n == "scale" or not b.is_floating_point())}
+        keep_params = {n: p.detach() for n, p in self._parameters.items()
+                       if p is not None and not p.is_floating_point()}
         if self._mode == "compressed":
             probe = fn(torch.empty(0, dtype=self._dtype, device=self.values.device))
             if probe.dtype in FLOAT_DTYPES:
@@ -400,6 +676,9 @@ class Sparse24Linear(nn.Module):
         for name, old in keep.items():
             if self._buffers[name].dtype != old.dtype:
                 self._buffers[name] = old.to(self._buffers[name].device)
+        for name, old in keep_params.items():  # int8 values
+            if self._parameters[name].dtype != old.dtype:
+                self._parameters[name].data = old.to(self._parameters[name].device)
         if self._mode == "compressed" and self.scale is None:
             self._dtype = self.values.dtype
         if self._mode == "masked" and self.weight is not weight_before:
@@ -411,12 +690,17 @@ class Sparse24Linear(nn.Module):
              f"bias={self.bias is not None}, mode={self._mode}")
         if self._mode == "compressed":
             s += f", dtype={self._dtype}" + (", quantize=int8" if self.scale is not None else "")
-            s += ", trainable_values=True" if isinstance(self.values, nn.Parameter) else ""
+            s += ", trainable_values=True" if self.values.requires_grad else ""
+        if self.pending:
+            s += f", mask pending ({self._pending['method']})"
         return s
 
     # -- checks, state dict --
     def validate(self) -> "Sparse24Linear":
         """Raise ValueError if the sparse state is inconsistent; returns self."""
+        if self.pending:
+            raise ValueError("the 2:4 mask is pending: the layer was built on the meta device and no weights "
+                             "were loaded yet")
         R, C = self.out_features, self.in_features
         if self._mode == "masked":
             _check_state_masked(self.weight.detach(), self.mask, (R, C), "")
@@ -424,18 +708,84 @@ class Sparse24Linear(nn.Module):
             self.sparse_tensor().validate()
         return self
 
+    def _finish_loading(self, trainable_values: bool = False) -> None:
+        """After a loader assigned this layer's tensors directly (Hugging Face's
+        ``from_pretrained`` sets attributes, bypassing ``load_state_dict``, and makes every
+        floating one a Parameter requiring grad): check them, clear the pending mask,
+        freeze the compressed values unless ``trainable_values``, re-register the masking.
+        Raises ValueError on corrupt ones."""
+        self._pending = None
+        if self._mode == "compressed":
+            self.__dict__.pop("weight", None)  # a loader's stand-in (see sparse24.hf)
+            self.values.requires_grad_(trainable_values and self.values.is_floating_point())
+            if self.scale is None:
+                self._dtype = self.values.dtype
+        try:
+            self.validate()
+        except ValueError as e:
+            raise ValueError(f"corrupt 2:4 layer ({self.out_features}x{self.in_features}, {self._mode}): {e}") from None
+        if self._mode == "masked":
+            self._track_masked()
+
+    def _holds_meta(self) -> bool:
+        return any(t is not None and t.is_meta for t in (*self._parameters.values(), *self._buffers.values()))
+
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
         try:
+            if self.pending and self._has_dense_entry_only(state_dict, prefix):
+                self._fill_from_dense(state_dict, prefix)  # the weights arrived: compute the mask now
             self._check_state(state_dict, prefix)
         except (ValueError, TypeError) as e:
             error_msgs.append(f"{prefix[:-1] or 'Sparse24Linear'}: {e}")
             return  # nothing of this module changes
+        if self._holds_meta():  # copying into meta tensors is a no-op: the loaded tensors must be taken as they are
+            local_metadata = {**local_metadata, "assign_to_params_buffers": True}
         weight_before = self._parameters.get("weight")
+        n_missing = len(missing_keys)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                       unexpected_keys, error_msgs)
+        if self.pending and len(missing_keys) == n_missing and not self._holds_meta():
+            self._pending = None
         if self._mode == "masked" and self.weight is not weight_before:
             self._track_masked()  # load_state_dict(assign=True) installs new Parameters
+
+    def _has_dense_entry_only(self, sd: dict, prefix: str) -> bool:
+        return prefix + "weight" in sd and not any(prefix + k in sd for k in ("mask", "values", "meta", "scale"))
+
+    def _fill_from_dense(self, sd: dict, prefix: str) -> None:
+        """Replace a dense ``weight`` entry of ``sd`` by this layer's 2:4 entries, pruned by the
+        pending method (``sd`` is load_state_dict's own copy: changing it is allowed)."""
+        w = sd.pop(prefix + "weight")
+        sd.update({prefix + k: v for k, v in self.entries_from_dense(w)[0].items()})
+
+    def entries_from_dense(self, weight: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """The state-dict entries this layer holds for a dense weight, pruned by the method it
+        was built with (a pending layer's; magnitude otherwise). Changes nothing.
+
+        Args:
+            weight: ``(R, C)`` dense floating weight; ``(C, R)`` when this layer replaced a
+                Hugging Face ``Conv1D`` (as Conv1D and its checkpoints store it).
+        Returns:
+            ``(entries, mask)``: ``{"weight", "mask"}`` (masked mode) or ``{"values", "meta"}``
+            (+ ``"scale"`` for INT8) in this layer's mode, and the ``(R, C)`` bool mask.
+        """
+        if not isinstance(weight, torch.Tensor):
+            raise TypeError(f"weight must be a tensor, got {type(weight).__name__}")
+        R, C = self.out_features, self.in_features
+        conv1d = is_conv1d_class(self.__dict__.get("_dense_cls"))
+        if tuple(weight.shape) != ((C, R) if conv1d else (R, C)):
+            raise ValueError(f"weight has shape {tuple(weight.shape)}, expected {(C, R) if conv1d else (R, C)}"
+                             + (" (a Conv1D stores (in, out))" if conv1d else ""))
+        w = weight.t() if conv1d else weight
+        if not w.is_floating_point():
+            raise TypeError(f"weight must be floating point, got {w.dtype}")
+        pending = self.__dict__.get("_pending") or {"method": "magnitude", "kwargs": {}}
+        new_w, mask = _prune_weight(w, pending["method"], **pending["kwargs"])
+        kept = w if new_w is None else new_w
+        if self._mode == "masked":
+            return {"weight": torch.where(mask, kept, 0), "mask": mask}, mask  # the caller's tensor stays
+        return compress(kept, mask, quantize=self.quantize).state_tensors(), mask
 
     def _check_state(self, sd: dict, prefix: str) -> None:
         """Validate this layer's entries of a state dict before anything is copied."""
@@ -479,6 +829,12 @@ class Sparse24Linear(nn.Module):
             raise TypeError(f"'{prefix}values' must be int8 for an INT8 layer, got {values.dtype}")
         dtype = None if scale is None else self._dtype
         Sparse24Tensor(values, meta, (R, C), dtype, scale).validate()  # shapes, dtypes, corrupt slots
+
+
+def is_conv1d_class(cls) -> bool:
+    """True for the Hugging Face ``Conv1D`` class (see :func:`is_conv1d`)."""
+    utils = sys.modules.get("transformers.pytorch_utils")
+    return utils is not None and isinstance(cls, type) and issubclass(cls, utils.Conv1D)
 
 
 def _check_state_masked(weight: torch.Tensor, mask: torch.Tensor, shape, prefix: str) -> None:

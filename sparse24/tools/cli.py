@@ -11,6 +11,7 @@ temporary name and renamed, so a failure leaves earlier outputs whole.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import math
 import os
 import re
@@ -37,6 +38,11 @@ class CLIError(Exception):
     def __init__(self, message: str, code: int = 2):
         super().__init__(message)
         self.code = code
+
+
+def _prog() -> str:
+    """The program as invoked: ``sparse24`` (the console script) or ``python -m sparse24``."""
+    return "sparse24" if Path(sys.argv[0]).name == "sparse24" else "python -m sparse24"
 
 
 class _Parser(argparse.ArgumentParser):
@@ -183,7 +189,7 @@ def _cmd_bench(args) -> int:
 def _write_env(path: Path, info: dict, seconds: float) -> None:
     """The run's context next to its CSV: command, date, machine load (CPU numbers depend on it)."""
     load = ", ".join(f"{v:.1f}" for v in os.getloadavg()) if hasattr(os, "getloadavg") else "n/a"
-    lines = [f"command: python -m sparse24 {' '.join(sys.argv[1:])}".rstrip(),
+    lines = [f"command: {_prog()} {' '.join(sys.argv[1:])}".rstrip(),
              f"date: {time.strftime('%Y-%m-%d %H:%M:%S %Z')}",
              f"device: {info['device']} ({info['device_type']}" + (f", {info['threads']} torch threads, "
                                                                   f"{os.cpu_count()} logical CPUs"
@@ -278,7 +284,17 @@ def _cmd_info(args) -> int:
 def _load_state_dict(path: str) -> tuple[dict, str]:
     p = Path(path)
     if not p.is_file():
-        raise CLIError(f"no such checkpoint file: {path}")
+        raise CLIError(f"no such checkpoint file: {path} (a state dict file, or a Hugging Face model folder with "
+                       "config.json)")
+    if p.suffix == ".safetensors":
+        try:
+            from safetensors.torch import load_file
+        except ImportError:
+            raise CLIError("reading .safetensors needs the safetensors package: pip install 'sparse24[hf]'", 1) from None
+        try:
+            return load_file(p), ""
+        except Exception as e:  # safetensors raises its own error types for a bad header
+            raise CLIError(f"cannot read {path} as a safetensors file: {_one_line(e)[:200]}") from None
     try:
         with warnings.catch_warnings():  # torch's multi-line pickle-protocol warning; the error says it
             warnings.simplefilter("ignore")
@@ -313,12 +329,17 @@ def _direct_reader(prefix: str, sd: dict) -> str:
 
 
 def prune_state_dict(sd: dict, method: str = "magnitude", quantize: str | None = None,
-                     min_features: int | None = None, exclude: str = PRUNE_EXCLUDE) -> tuple[dict, list[dict]]:
+                     min_features: int | None = None, exclude: str = PRUNE_EXCLUDE,
+                     prune_head: bool = False) -> tuple[dict, list[dict]]:
     """2:4-prune the linear weights of a raw state dict (no model class needed).
 
     Every 2-D floating ``<prefix>.weight`` with in-features divisible by 4 and
     both dimensions >= ``min_features`` is pruned, unless its name matches
-    ``exclude`` or its storage is shared with another entry (tied weights).
+    ``exclude``, its storage is shared with another entry (tied weights) or it
+    is the output head (as many rows as the largest excluded embedding table:
+    kept dense as LLM pruning does, unless ``prune_head``). A raw state dict does
+    not say which layers are Hugging Face ``Conv1D`` (weight stored transposed):
+    prune a model folder for GPT-2-style models.
     Pruned entries are stored the way :class:`sparse24.Sparse24Linear` holds
     them, so ``load_state_dict`` of a model prepared with
     ``sparse24.sparsify_(model, mode="compressed", quantize=...)`` takes them:
@@ -338,6 +359,7 @@ def prune_state_dict(sd: dict, method: str = "magnitude", quantize: str | None =
         quantize: ``None`` or ``"int8"``.
         min_features: default ``sparse24.api.MIN_FEATURES`` (the same rule as ``sparsify_``).
         exclude: regular expression; matching weight names are left dense.
+        prune_head: prune the output head too.
     Returns:
         ``(new_state_dict, report)`` with one report dict per 2-D float weight:
         ``name, shape, dtype, action ("compressed" | "masked" | "kept dense"),
@@ -369,6 +391,13 @@ def prune_state_dict(sd: dict, method: str = "magnitude", quantize: str | None =
     storages: dict[int, list[str]] = {}
     for k in plain:
         storages.setdefault(sd[k].untyped_storage().data_ptr(), []).append(k)
+    # The output head: as many rows as the vocabulary (the largest excluded 2-D weight, an embedding table), and
+    # named like a head or the last 2-D weight (an MLP layer as wide as a small test vocabulary is no head).
+    vocab = max((sd[k].shape[0] for k in plain if excl is not None and sd[k].dim() == 2
+                 and k.endswith("weight") and excl.search(k[:-len("weight")].rstrip("."))), default=None)
+    last = [k for k in plain if k.endswith("weight") and sd[k].dim() == 2][-1:]
+    heads = {k for k in plain if vocab is not None and sd[k].dim() == 2 and sd[k].shape[0] == vocab
+             and (re.search(r"(^|\.)(lm_head|head|output)\.weight$", k) or [k] == last)}
     out, report = {}, []
     for key, t in sd.items():
         if not (key.endswith(".weight") or key == "weight") or t.dim() != 2 or t.dtype not in FLOAT_DTYPES \
@@ -392,6 +421,9 @@ def prune_state_dict(sd: dict, method: str = "magnitude", quantize: str | None =
             row["reason"] = f"name matches --exclude {exclude!r} (an embedding table?)"
         elif tied:
             row["reason"] = f"storage shared with {', '.join(tied)} (tied weights): pruning would prune those too"
+        elif not prune_head and key in heads:
+            row["reason"] = (f"output head ({R} rows = the embedding table's vocabulary): kept dense as LLM pruning "
+                             "does; --prune-head prunes it")
         if row["reason"]:
             out[key] = t
             report.append(row)
@@ -412,26 +444,34 @@ def prune_state_dict(sd: dict, method: str = "magnitude", quantize: str | None =
     return out, report
 
 
-def _cmd_prune(args) -> int:
+def _check_prune_out(args) -> Path:
     if Path(args.out).resolve() == Path(args.checkpoint).resolve():
         raise CLIError("--out must differ from the input checkpoint (it would be overwritten)")
     out = Path(args.out)
     parent = next(a for a in out.absolute().parents if a.exists())
-    if out.is_dir() or not parent.is_dir():  # checked before the work, and before creating any folder
-        raise CLIError(f"--out {out}: " + ("is a folder; name the file to write" if out.is_dir()
-                                           else f"{parent} is a file, not a folder"))
-    sd, wrapper = _load_state_dict(args.checkpoint)
-    new, report = prune_state_dict(sd, args.method, args.quantize, args.min_features, args.exclude)
-    if not any(r["action"] != "kept dense" for r in report):
-        raise CLIError(f"{args.checkpoint}: no weight could be pruned ({len(report)} 2-D float weight(s), "
-                       "none eligible" + (f"; first: {report[0]['name']}: {report[0]['reason']}" if report else "")
-                       + "); see --min-features / --exclude", 1)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    from .bench import write_together
-    write_together({out: lambda p: torch.save(new, p)})  # a failed write leaves an existing file whole
+    if not parent.is_dir():  # checked before the work, and before creating any folder
+        raise CLIError(f"--out {out}: {parent} is a file, not a folder")
+    return out
+
+
+def _save_state_dict(sd: dict, path: Path) -> None:
+    """``torch.save``, or safetensors for a ``.safetensors`` name (tensors sharing storage, i.e.
+    tied weights kept dense, are stored as copies: safetensors refuses shared tensors)."""
+    if path.suffix != ".safetensors":
+        torch.save(sd, path)
+        return
+    from safetensors.torch import save_file
+    seen, flat = set(), {}
+    for k, v in sd.items():
+        key = (v.untyped_storage().data_ptr(), v.untyped_storage().nbytes()) if v.numel() else None
+        flat[k] = v.clone() if key in seen else v.contiguous()
+        seen.add(key)
+    save_file(flat, path, metadata={"format": "pt"})
+
+
+def _print_prune_table(title: str, report: list[dict], out: Path, size_in: int) -> None:
     w = max(len(r["name"]) for r in report)
-    print(f"sparse24 prune {args.checkpoint}" + (f" (state dict under '{wrapper}')" if wrapper else "")
-          + f": method={args.method}" + (f", quantize={args.quantize}" if args.quantize else ""))
+    print(title)
     print(f"  {'weight':<{w}}  {'shape':>12}  {'dtype':>8}  {'|w| kept':>8}  {'bytes':>10}  {'-> bytes':>10}  action")
     for r in report:
         kept = f"{100 * r['kept']:.1f}%" if r["action"] != "kept dense" else "-"
@@ -439,11 +479,50 @@ def _cmd_prune(args) -> int:
               f"{r['bytes_after']:>10}  {r['action']}" + (f" ({r['reason']})" if r["reason"] else ""))
     before, after = (sum(r[k] for r in report) for k in ("bytes_before", "bytes_after"))
     n = sum(r["action"] != "kept dense" for r in report)
+    size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file()) if out.is_dir() else out.stat().st_size
     print(f"  {n} of {len(report)} 2-D weights pruned; their bytes {before} -> {after} "
           f"({100 * after / max(before, 1):.1f}%); other tensors copied unchanged")
-    print(f"  file: {out} ({out.stat().st_size} bytes; input {Path(args.checkpoint).stat().st_size} bytes)")
+    print(f"  {'folder' if out.is_dir() else 'file'}: {out} ({size} bytes; input {size_in} bytes)")
+
+
+def _cmd_prune(args) -> int:
+    out = _check_prune_out(args)
+    src = Path(args.checkpoint)
+    settings = f": method={args.method}" + (f", quantize={args.quantize}" if args.quantize else "")
+    if src.is_dir() and (src / "config.json").is_file():
+        return _prune_folder(args, src, out, settings)
+    if out.is_dir():
+        raise CLIError(f"--out {out}: is a folder; name the file to write")
+    if out.suffix == ".safetensors" and importlib.util.find_spec("safetensors") is None:
+        raise CLIError("writing .safetensors needs the safetensors package: pip install 'sparse24[hf]'", 1)
+    sd, wrapper = _load_state_dict(args.checkpoint)
+    new, report = prune_state_dict(sd, args.method, args.quantize, args.min_features, args.exclude, args.prune_head)
+    if not any(r["action"] != "kept dense" for r in report):
+        raise CLIError(f"{args.checkpoint}: no weight could be pruned ({len(report)} 2-D float weight(s), "
+                       "none eligible" + (f"; first: {report[0]['name']}: {report[0]['reason']}" if report else "")
+                       + "); see --min-features / --exclude", 1)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    from .bench import write_together
+    write_together({out: lambda p: _save_state_dict(new, p)})  # a failed write leaves an existing file whole
+    _print_prune_table(f"{_prog()} prune {args.checkpoint}" + (f" (state dict under '{wrapper}')" if wrapper else "")
+                       + settings, report, out, src.stat().st_size)
     print("  load it with: sparse24.sparsify_(model, mode='compressed'"
-          + (f", quantize='{args.quantize}'" if args.quantize else "") + "); model.load_state_dict(torch.load(...))")
+          + (f", quantize='{args.quantize}'" if args.quantize else "") + (", skip_output_head=False"
+                                                                          if args.prune_head else "")
+          + "); model.load_state_dict("
+          + ("safetensors.torch.load_file(...))" if out.suffix == ".safetensors" else "torch.load(...))"))
+    return 0
+
+
+def _prune_folder(args, src: Path, out: Path, settings: str) -> int:
+    """``prune FOLDER --out DIR``: a Hugging Face model folder (see :mod:`sparse24.tools.hf_folder`)."""
+    if importlib.util.find_spec("transformers") is None or importlib.util.find_spec("safetensors") is None:
+        raise CLIError("pruning a model folder needs transformers and safetensors: pip install 'sparse24[hf]'", 1)
+    from .hf_folder import prune_folder
+    report = prune_folder(src, out, args.method, args.quantize, args.min_features, args.exclude, args.prune_head)
+    size_in = sum(f.stat().st_size for f in src.rglob("*") if f.is_file())
+    _print_prune_table(f"{_prog()} prune {src} (Hugging Face folder){settings}", report, out, size_in)
+    print(f"  load it with: sparse24.from_pretrained(<model class>, {str(out)!r})")
     return 0
 
 
@@ -458,7 +537,7 @@ def _cmd_autotune(argv: list[str]) -> int:
     from ..ops.config_store import shipped_config_dir
     from .shapes import parse_shapes
 
-    ap = _Parser(prog="python -m sparse24 autotune",
+    ap = _Parser(prog=f"{_prog()} autotune",
                  description="Tune the 2:4 Triton kernel's tile configs on this GPU and save them.")
     ap.add_argument("--shapes", nargs="+", default=["standard"],
                     help="weight shapes: names from sparse24.shapes (standard, llama-7b, ...) or N,K "
@@ -505,7 +584,7 @@ def build_parser() -> argparse.ArgumentParser:
     from .bench import PROVIDERS
     from .shapes import SHAPE_SETS
 
-    ap = _Parser(prog="python -m sparse24", description="sparse24: 2:4 structured sparsity for PyTorch.")
+    ap = _Parser(prog=_prog(), description="sparse24: 2:4 structured sparsity for PyTorch.")
     ap.add_argument("--version", action="version", version=f"sparse24 {__version__}")
     sub = ap.add_subparsers(dest="command", metavar="{bench,plot,info,prune,autotune,demo}", required=True)
 
@@ -537,10 +616,15 @@ def build_parser() -> argparse.ArgumentParser:
     i = sub.add_parser("info", help="device, available backends (and why others are not), tuned configs")
     i.set_defaults(func=_cmd_info)
 
-    r = sub.add_parser("prune", help="2:4-prune a dense state_dict checkpoint into a compressed one",
-                       description=prune_state_dict.__doc__.split("\n\n")[0])
-    r.add_argument("checkpoint", help="a torch.save'd state dict")
-    r.add_argument("--out", required=True, metavar="FILE")
+    r = sub.add_parser("prune", help="2:4-prune a dense checkpoint (state dict file or Hugging Face folder)",
+                       description=prune_state_dict.__doc__.split("\n\n")[0] + " A Hugging Face model folder "
+                       "(config.json + safetensors, sharded or not) becomes a new folder that "
+                       "sparse24.from_pretrained loads.")
+    r.add_argument("checkpoint", help="a torch.save'd or .safetensors state dict, or a Hugging Face model folder")
+    r.add_argument("--out", required=True, metavar="FILE|DIR",
+                   help="file for a state dict (.safetensors: safetensors, else torch.save), folder for a model folder")
+    r.add_argument("--prune-head", action="store_true",
+                   help="prune the output head too (kept dense by default, as LLM pruning does)")
     r.add_argument("--method", default="magnitude", choices=("magnitude", "2d_greedy", "2d_optimal"))
     r.add_argument("--quantize", choices=("int8",), help="store INT8 values + per-row scales")
     r.add_argument("--min-features", type=int, help="skip weights with fewer rows or columns (default: as sparsify_)")

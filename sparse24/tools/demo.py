@@ -337,7 +337,7 @@ def _run_demo(args) -> int:
     dense_file = _file_bytes(dense_state, out / "dense.pt")
 
     say("\n[2/5] prune every Linear 2:4 by magnitude (sparsify_, masked mode)")
-    report = sparsify_(model)
+    report = sparsify_(model, skip_output_head=False)  # every Linear, the head too, as the published figures
     say(str(report))
     dense_w = f"{report.dense_bytes:,} B"
     record("dense", _dense_copy(dense_state), dense_w)

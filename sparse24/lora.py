@@ -1,0 +1,159 @@
+"""PEFT LoRA on 2:4 layers: dense adapters on a sparse base (layer 6).
+
+Needs ``peft`` (``pip install "sparse24[hf]"``). :func:`register` (run by
+:func:`sparse24.hf.register`, so by ``sparsify_`` of a transformers model and by
+:func:`sparse24.from_pretrained`) teaches PEFT's LoRA to wrap a
+:class:`~sparse24.Sparse24Linear` in :class:`Sparse24LoraLinear`, for
+``target_modules=[...]`` and ``target_modules="all-linear"`` alike. PEFT's own
+route for custom layers also works:
+``config._register_custom_module({Sparse24Linear: Sparse24LoraLinear})``.
+
+Semantics, in masked and compressed (also INT8) mode:
+
+* forward: ``base(x) + scaling * B(A(dropout(x)))``, PEFT's LoRA; the base is
+  frozen by PEFT and untouched by training (its masked-mode forward then skips
+  the per-call ``where``, see :mod:`sparse24.nn`).
+* merge: the adapter's update ``BA * scaling`` is added at the base's kept
+  positions only, so the merged layer stays 2:4 in its mode (compressed values
+  are updated in place, INT8 ones requantized); the part of the update that
+  falls on pruned positions is dropped, so merged outputs equal the base with
+  ``mask * BA * scaling`` added, not ``base + BA`` (exactly equal when the
+  adapter's update is itself zero where pruned). This is the sparsity-keeping
+  merge of SPP / SQFT; a dense merge would lose the 2:4 pattern.
+* unmerge: restores the base tensors exactly as they were before the merge.
+* DoRA and other LoRA variants need the dense base weight: PEFT refuses them.
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch
+from peft.tuners import tuners_utils
+from peft.tuners.lora import LoraModel
+from peft.tuners.lora.layer import Linear as LoraLinear
+from peft.tuners.tuners_utils import BaseTunerLayer, check_adapters_to_merge
+from peft.utils.constants import INCLUDE_LINEAR_LAYERS_SHORTHAND
+
+from .nn import Sparse24Linear
+
+__all__ = ["Sparse24LoraLinear", "register"]
+
+
+def _base_tensors(base: Sparse24Linear) -> list[torch.Tensor]:
+    """The tensors a merge changes: the dense weight (masked) or values + INT8 scales (compressed), and the bias."""
+    names = ("weight",) if base.mode == "masked" else ("values", "scale")
+    found = [getattr(base, n) for n in names] + [base.bias]
+    return [t for t in found if t is not None]
+
+
+class Sparse24LoraLinear(LoraLinear):
+    """PEFT LoRA layer whose base is a :class:`~sparse24.Sparse24Linear` (see the module docstring).
+
+    Args:
+        base_layer: the 2:4 layer ``(R, C)`` (or a LoRA layer already wrapping one).
+        adapter_name, config, **kwargs: as for ``peft.tuners.lora.layer.Linear``.
+    Shapes:
+        input ``(..., C)`` -> output ``(..., R)``.
+    """
+
+    def __init__(self, base_layer, adapter_name: str, config, **kwargs):
+        kwargs.pop("is_target_conv_1d_layer", None)
+        super().__init__(base_layer, adapter_name, config=config, **kwargs)
+        # A 2:4 layer stores (out, in) whatever it replaced (GPT-2's Conv1D included), so the
+        # adapter's product is never transposed; the shared config is left alone.
+        self.fan_in_fan_out = False
+        self._before_merge: list[torch.Tensor] | None = None
+
+    @property
+    def lora_variants(self):
+        return {(): None}  # DoRA & co. read the dense base weight
+
+    def _get_in_out_features(self, module):
+        return module.in_features, module.out_features
+
+    def _get_base_layer_device_and_dtype(self, base_layer):
+        return base_layer.device, base_layer.dtype  # the logical dtype also for INT8 values
+
+    def merge(self, safe_merge: bool = False, adapter_names: list[str] | None = None) -> None:
+        """Add the adapters' updates at the base's kept positions (the layer stays 2:4).
+
+        Args:
+            safe_merge: raise ValueError (and leave the layer as it was) if the merged
+                tensors are not finite.
+            adapter_names: adapters to merge (default: the active ones).
+        """
+        adapter_names = [a for a in check_adapters_to_merge(self, adapter_names) if a in self.lora_A]
+        if not adapter_names:
+            return
+        base = self.get_base_layer()
+        tensors = _base_tensors(base)
+        before = [t.detach().clone() for t in tensors]
+        try:
+            with torch.no_grad():
+                for name in adapter_names:
+                    base.add_to_kept_(self.get_delta_weight(name))
+                    if self.lora_bias[name]:
+                        if base.bias is None:
+                            raise RuntimeError("Impossible to merge LoRA with `lora_bias=True` because the base "
+                                               "layer has no bias.")
+                        base.bias.add_(self.lora_B[name].bias * self.scaling[name])
+            if safe_merge and not all(bool(torch.isfinite(t).all()) for t in tensors if t.is_floating_point()):
+                raise ValueError(f"NaNs detected in the merged weights. The adapter(s) {adapter_names} seem to be "
+                                 "broken")
+        except BaseException:
+            _put_back(tensors, before)
+            raise
+        if self._before_merge is None:
+            self._before_merge = before
+        self.merged_adapters.extend(adapter_names)
+
+    def unmerge(self) -> None:
+        """Put the base back exactly as it was before the first merge."""
+        if not self.merged:
+            warnings.warn("Already unmerged. Nothing to do.")
+            return
+        _put_back(_base_tensors(self.get_base_layer()), self._before_merge)
+        self._before_merge = None
+        self.merged_adapters.clear()
+
+
+def _put_back(tensors: list[torch.Tensor], saved: list[torch.Tensor]) -> None:
+    with torch.no_grad():
+        for t, s in zip(tensors, saved):
+            t.copy_(s)  # in place: same tensor objects, version counters move (the masked-mode check reruns)
+
+
+def _sparse24_base(target) -> bool:
+    base = target.get_base_layer() if isinstance(target, BaseTunerLayer) else target
+    return isinstance(base, Sparse24Linear)
+
+
+def register() -> None:
+    """Route PEFT LoRA's layer creation for :class:`~sparse24.Sparse24Linear` to
+    :class:`Sparse24LoraLinear`, and include 2:4 layers in ``target_modules="all-linear"``.
+    Every other layer goes through PEFT's own dispatch. Idempotent."""
+    create = LoraModel._create_new_module
+    if not getattr(create, "_sparse24", False):
+        def _create_new_module(lora_config, adapter_name, target, **kwargs):
+            if _sparse24_base(target) and kwargs.get("parameter_name") is None:
+                return Sparse24LoraLinear(target, adapter_name, config=lora_config, **kwargs)
+            return create(lora_config, adapter_name, target, **kwargs)
+        _create_new_module._sparse24 = True
+        LoraModel._create_new_module = staticmethod(_create_new_module)
+    include = tuners_utils._maybe_include_all_linear_layers
+    if not getattr(include, "_sparse24", False):
+        def _maybe_include_all_linear_layers(peft_config, model):
+            wanted = isinstance(getattr(peft_config, "target_modules", None), str) and \
+                peft_config.target_modules.lower() == INCLUDE_LINEAR_LAYERS_SHORTHAND
+            peft_config = include(peft_config, model)
+            if wanted:
+                get = getattr(model, "get_output_embeddings", None)
+                head = get() if callable(get) else None
+                inside = {f"{p}.{s}" for p, m in model.named_modules() if isinstance(m, BaseTunerLayer)
+                          for s, _ in m.named_modules() if s}
+                peft_config.target_modules = set(peft_config.target_modules) | {
+                    n for n, m in model.named_modules()
+                    if isinstance(m, Sparse24Linear) and m is not head and n not in inside}
+            return peft_config
+        _maybe_include_all_linear_layers._sparse24 = True
+        tuners_utils._maybe_include_all_linear_layers = _maybe_include_all_linear_layers

@@ -1,0 +1,156 @@
+"""2:4-prune a Hugging Face model folder into a new one (``python -m sparse24 prune FOLDER --out DIR``).
+
+The model class named in ``config.json`` is built on the meta device (no
+memory, no random init) and :func:`sparse24.sparsify_` plans it there, so a
+folder gets exactly the layers, skips (output head, tied weights, ...) and
+``Conv1D`` orientation that ``sparsify_`` gives the loaded model. Then every
+weights shard is read, pruned and written one at a time (peak memory: about one
+shard in and one out). The new folder has the same shard layout, a
+``config.json`` with the sparse24 section, and every other file copied;
+:func:`sparse24.from_pretrained` (or any ``from_pretrained`` once sparse24 is
+registered) loads it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+
+import torch
+
+from ..api import MIN_FEATURES, sparsify_
+from ..hf import FORMAT_VERSION, sparsity_config
+from ..masks import kept_magnitude_fraction
+from ..nn import Sparse24Linear, is_conv1d_class
+
+__all__ = ["is_model_folder", "prune_folder", "WEIGHT_FILES"]
+
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
+
+
+def is_model_folder(path: str | os.PathLike) -> bool:
+    """A folder with a ``config.json`` (a Hugging Face model folder)."""
+    return Path(path).is_dir() and (Path(path) / "config.json").is_file()
+
+
+def _shards(folder: Path) -> tuple[list[str], dict | None]:
+    """The safetensors weight files of ``folder`` and its index (None when not sharded)."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        data = json.loads(index.read_text())
+        return sorted(set(data["weight_map"].values())), data
+    if (folder / "model.safetensors").is_file():
+        return ["model.safetensors"], None
+    raise ValueError(f"{folder} has no model.safetensors or model.safetensors.index.json (only safetensors "
+                     "folders are supported; save_pretrained writes them)")
+
+
+def _skeleton(folder: Path):
+    """The model class of ``folder/config.json``, built on the meta device."""
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(folder)
+    qc = getattr(config, "quantization_config", None)
+    if qc is not None:
+        method = qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", "?")
+        raise ValueError(f"{folder} is already quantized or compressed ({method}); prune its dense original")
+    arch = (getattr(config, "architectures", None) or [None])[0]
+    cls = getattr(transformers, arch, None) if arch else None
+    if cls is None:
+        raise ValueError(f"{folder}/config.json names no model class transformers knows (architectures={arch!r})")
+    with torch.device("meta"):
+        return config, cls(config)
+
+
+def prune_folder(src: str | os.PathLike, dst: str | os.PathLike, method: str = "magnitude",
+                 quantize: str | None = None, min_features: int | None = None, exclude: str | None = None,
+                 prune_head: bool = False) -> list[dict]:
+    """2:4-prune the model in Hugging Face folder ``src`` into the new folder ``dst``.
+
+    Args:
+        src: folder with ``config.json`` and ``model.safetensors`` or a sharded
+            ``model.safetensors.index.json`` + shards.
+        dst: folder to create (must not exist, or be empty); written under a temporary
+            name and renamed at the end, so a failure leaves nothing half-written.
+        method: ``"magnitude"``, ``"2d_greedy"`` or ``"2d_optimal"`` (no calibration data).
+        quantize: ``None`` or ``"int8"``.
+        min_features: as :func:`sparse24.sparsify_` (default its ``MIN_FEATURES``).
+        exclude: regular expression; matching layer names stay dense.
+        prune_head: prune the output head too (``skip_output_head=False``).
+    Returns:
+        one report dict per 2-D weight considered: ``name, shape, dtype, action, reason, kept,
+        bytes_before, bytes_after`` (as :func:`sparse24.cli.prune_state_dict`).
+    Example:
+        >>> prune_folder("llama-dense", "llama-2of4", quantize="int8")
+    """
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    src, dst = Path(src), Path(dst)
+    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
+        raise ValueError(f"--out {dst}: exists and is not an empty folder")
+    excl = re.compile(exclude, re.IGNORECASE) if exclude else None
+    shards, index = _shards(src)
+    config, model = _skeleton(src)
+    report = sparsify_(model, filter_fn=None if excl is None else (lambda m, fqn: not excl.search(fqn)),
+                       mode="compressed", method=method, quantize=quantize,
+                       min_features=MIN_FEATURES if min_features is None else min_features,
+                       skip_output_head=not prune_head)
+    layers = {f"{fqn}.weight": (fqn, m) for fqn, m in model.named_modules(remove_duplicate=False)
+              if isinstance(m, Sparse24Linear)}
+    prefix = f"{model.base_model_prefix}." if model.base_model_prefix else ""
+    rows, done = [], set()
+    tmp = dst.with_name(f".{dst.name}.{os.getpid()}.partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        weight_map = {}
+        for shard in shards:
+            out = {}
+            with safe_open(src / shard, framework="pt") as f:
+                for key in f.keys():
+                    name = key if key in layers else prefix + key if prefix + key in layers else None
+                    t = f.get_tensor(key)
+                    if name is None:
+                        out[key] = t
+                        continue
+                    fqn, layer = layers[name]
+                    entries, mask = layer.entries_from_dense(t)
+                    new = {f"{fqn}.{k}": v.contiguous() for k, v in entries.items()}
+                    if layer.mode == "compressed":
+                        new[f"{fqn}.weight"] = torch.zeros(1, dtype=torch.uint8)  # see sparse24.hf: the marker
+                    out.update(new)
+                    done.add(name)
+                    rows.append({"name": key, "shape": tuple(mask.shape), "dtype": str(t.dtype)[6:],
+                                 "action": layer.mode + (" int8" if layer.quantize else ""), "reason": "",
+                                 "kept": kept_magnitude_fraction(t.t() if is_conv1d_class(layer._dense_cls) else t,
+                                                                 mask),
+                                 "bytes_before": t.numel() * t.element_size(),
+                                 "bytes_after": sum(v.numel() * v.element_size() for v in entries.values())})
+            save_file(out, tmp / shard, metadata={"format": "pt", "sparse24_format": str(FORMAT_VERSION)})
+            weight_map.update(dict.fromkeys(out, shard))
+        missing = sorted(set(layers) - done)
+        if missing:
+            raise ValueError(f"the checkpoint has no weight for layer(s) {', '.join(missing[:5])}"
+                             + (" ..." if len(missing) > 5 else "") + f" of {type(model).__name__}")
+        if index is not None:
+            (tmp / "model.safetensors.index.json").write_text(json.dumps(
+                {"metadata": index.get("metadata", {}), "weight_map": dict(sorted(weight_map.items()))}, indent=2))
+        for item in src.iterdir():  # tokenizer, generation config, README, ...
+            if item.name not in (*WEIGHT_FILES, "config.json", *shards) and item.is_file():
+                shutil.copy2(item, tmp / item.name)
+        config.quantization_config = sparsity_config(model)
+        config.save_pretrained(tmp)
+        if dst.exists():
+            dst.rmdir()
+        os.replace(tmp, dst)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    for r in report.skipped:
+        if r.fqn + ".weight" in layers or r.reason.startswith("not handled"):
+            continue
+        rows.append({"name": r.fqn + ".weight", "shape": r.shape, "dtype": str(r.dtype)[6:], "action": "kept dense",
+                     "reason": r.reason, "kept": 1.0, "bytes_before": r.dense_bytes, "bytes_after": r.dense_bytes})
+    return rows

@@ -1,0 +1,83 @@
+"""prune with safetensors files and Hugging Face model folders; the program named as invoked."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import GPT2LMHeadModel, LlamaForCausalLM
+
+import sparse24
+from hf_models import tiny_gpt2, tiny_llama, tokens
+from test_cli import run
+
+
+def test_out_safetensors_writes_safetensors(capsys, tmp_path):
+    dense = tiny_llama()
+    save_file(dense.state_dict(), tmp_path / "dense.safetensors")  # safetensors in, too
+    rc, out, err = run(capsys, "prune", str(tmp_path / "dense.safetensors"), "--out", str(tmp_path / "s.safetensors"))
+    assert rc == 0, err
+    sd = load_file(tmp_path / "s.safetensors")  # was "header too large": a torch zip under that name
+    assert "model.layers.0.mlp.up_proj.values" in sd and "model.layers.0.mlp.up_proj.weight" not in sd
+    assert "lm_head.weight" in sd and "lm_head.values" not in sd  # the output head stays dense
+    assert "output head" in out and "safetensors.torch.load_file" in out
+    model = tiny_llama(seed=1)
+    sparse24.sparsify_(model, mode="compressed")
+    model.load_state_dict(sd)  # strict
+    ref = tiny_llama()
+    sparse24.sparsify_(ref, mode="compressed")
+    with torch.no_grad():
+        assert torch.equal(model(tokens()).logits, ref(tokens()).logits)
+    rc, _, err = run(capsys, "prune", str(tmp_path / "dense.safetensors"), "--out", str(tmp_path / "h.safetensors"),
+                     "--prune-head")
+    assert rc == 0 and "lm_head.values" in load_file(tmp_path / "h.safetensors")
+
+
+@pytest.mark.parametrize("arch, quantize", [("llama", "int8"), ("gpt2", None)])
+def test_prune_a_sharded_model_folder(capsys, tmp_path, arch, quantize):
+    dense = tiny_llama() if arch == "llama" else tiny_gpt2()
+    dense.save_pretrained(tmp_path / "dense", max_shard_size="40KB")
+    (tmp_path / "dense" / "tokenizer.json").write_text("{}")  # other files come along
+    shards = sorted(p.name for p in (tmp_path / "dense").glob("model-*.safetensors"))
+    assert len(shards) > 2
+    rc, out, err = run(capsys, "prune", str(tmp_path / "dense"), "--out", str(tmp_path / "sparse"),
+                       *(["--quantize", quantize] if quantize else []))
+    assert rc == 0, err
+    got = tmp_path / "sparse"
+    assert sorted(p.name for p in got.glob("model-*.safetensors")) == shards and (got / "tokenizer.json").exists()
+    index = json.loads((got / "model.safetensors.index.json").read_text())["weight_map"]
+    assert all((got / f).exists() for f in index.values())
+    cls = type(dense)
+    loaded = sparse24.from_pretrained(cls, got)
+    expected = cls.from_pretrained(tmp_path / "dense")
+    sparse24.sparsify_(expected, mode="compressed", quantize=quantize)  # the same plan as sparsify_ in Python
+    assert loaded.state_dict().keys() == expected.state_dict().keys()
+    assert all(torch.equal(v, expected.state_dict()[k]) for k, v in loaded.state_dict().items())
+    with torch.no_grad():
+        assert torch.equal(loaded(tokens()).logits, expected(tokens()).logits)
+    assert "Hugging Face folder" in out and "sparse24.from_pretrained" in out
+
+
+def test_prune_folder_errors(capsys, tmp_path):
+    tiny_llama().save_pretrained(tmp_path / "dense")
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("")
+    rc, _, err = run(capsys, "prune", str(tmp_path / "dense"), "--out", str(tmp_path / "full"))
+    assert rc == 2 and "exists and is not an empty folder" in err
+    rc, _, err = run(capsys, "prune", str(tmp_path / "dense"), "--out", str(tmp_path / "sparse"))
+    assert rc == 0
+    rc, _, err = run(capsys, "prune", str(tmp_path / "sparse"), "--out", str(tmp_path / "again"))
+    assert rc == 2 and "already quantized or compressed (sparse24); prune its dense original" in err
+    (tmp_path / "dense" / "model.safetensors").unlink()
+    rc, _, err = run(capsys, "prune", str(tmp_path / "dense"), "--out", str(tmp_path / "o"))
+    assert rc == 2 and "has no model.safetensors" in err
+    assert not (tmp_path / "o").exists() and not list(tmp_path.glob(".o.*"))
+
+
+def test_usage_names_the_program_as_invoked(tmp_path):
+    script = Path(sys.executable).with_name("sparse24")  # the console script pip installed beside python
+    for argv, prog in [([str(script)], "sparse24"), ([sys.executable, "-m", "sparse24"], "python -m sparse24")]:
+        r = subprocess.run([*argv, "prune", "--help"], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0 and r.stdout.startswith(f"usage: {prog} prune"), (argv, r.stdout[:200], r.stderr)
