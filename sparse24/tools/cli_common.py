@@ -1,0 +1,118 @@
+"""What every command of the command line shares: the one-line error
+(:class:`CLIError`), an argument parser that raises it, and the checks of
+common arguments (integer lists, choices, devices, output folders, threads)."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+__all__ = ["CLIError"]
+
+
+class CLIError(Exception):
+    """A user-facing failure: printed as one line, exit status ``code``."""
+
+    def __init__(self, message: str, code: int = 2):
+        super().__init__(message)
+        self.code = code
+
+
+def _prog() -> str:
+    """The program as invoked: ``sparse24`` (the console script) or ``python -m sparse24``."""
+    return "sparse24" if Path(sys.argv[0]).name == "sparse24" else "python -m sparse24"
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line instead of usage + message
+        raise CLIError(f"{message} (see '{self.prog} --help')", 2)
+
+
+def _one_line(msg: str) -> str:
+    return " ".join(str(msg).split())
+
+
+def _int_list(text: str, what: str) -> list[int]:
+    try:
+        vals = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise CLIError(f"{what} needs comma-separated integers, got {text!r}") from None
+    if not vals or min(vals) < 1:
+        raise CLIError(f"{what} needs positive integers, got {text!r}")
+    return list(dict.fromkeys(vals))  # a repeated value would be measured twice: two CSV rows for one point
+
+
+def _choices(text: str, allowed, what: str) -> list[str]:
+    vals = [v.strip() for v in text.split(",") if v.strip()]
+    bad = [v for v in vals if v not in allowed]
+    if bad or not vals:
+        raise CLIError(f"unknown {what} {', '.join(bad) or repr(text)}; choose from {', '.join(allowed)}")
+    return list(dict.fromkeys(vals))
+
+
+def _device_kind(name: str) -> torch.device:
+    """--device parsed without touching the GPU (so other arguments are checked first)."""
+    try:
+        dev = torch.device(name)
+    except RuntimeError:
+        raise CLIError(f"--device must be cpu or cuda[:N], got {name!r}") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise CLIError(f"--device must be cpu or cuda[:N], got {name!r}")
+    return dev
+
+
+def _device(name: str) -> torch.device:
+    dev = _device_kind(name)
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            why = ("this torch is a CPU-only build" if torch.version.cuda is None
+                   else "torch.cuda.is_available() is False")
+            raise CLIError(f"--device {name}: no CUDA GPU is visible ({why}); use --device cpu", 1)
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise CLIError(f"--device {name}: only {torch.cuda.device_count()} CUDA device(s) visible", 1)
+        return torch.device("cuda", torch.cuda.current_device() if dev.index is None else dev.index)
+    return dev
+
+
+def _out_dir(path: str) -> Path:
+    p = Path(path)
+    if p.exists() and not p.is_dir():
+        raise CLIError(f"--out {path}: exists and is not a folder")
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # e.g. a file where a parent folder should be
+        raise CLIError(f"--out {path}: cannot create the folder ({e.strerror or e})") from None
+    return p
+
+
+def _threads(n: int | None, what: str = "--threads") -> int | None:
+    # far more threads than CPUs only measures oversubscription; 100000 crashed the process (exit 139)
+    cpus = os.cpu_count() or 1
+    if n is not None and not 1 <= n <= cpus:
+        raise CLIError(f"{what} must be between 1 and {cpus} (this machine's logical CPUs), got {n}")
+    return n
+
+
+def _memory_bytes(dev: torch.device) -> int | None:
+    if dev.type == "cuda":
+        return torch.cuda.get_device_properties(dev).total_memory
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def _check_fits(dev: torch.device, shapes, ms, dtypes) -> None:
+    """Refuse a sweep whose tensors cannot fit before it starts (else: an allocator
+    traceback, or torch's overflow message, after the smaller points ran)."""
+    cap = _memory_bytes(dev)
+    e = max(t.itemsize for t in dtypes)
+    for label, N, K in shapes:
+        # a lower bound: weight + mask + fp64 copy, x and y plus their fp64 reference
+        need = N * K * (2 * e + 9) + max(ms) * (N + K) * (e + 8)
+        if cap and need > cap:
+            raise CLIError(f"shape {label} at M={max(ms)} needs over {need / 2 ** 30:.3g} GiB, more than this "
+                           f"{dev.type} has ({cap / 2 ** 30:.3g} GiB); use a smaller --m or --shapes")

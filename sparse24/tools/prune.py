@@ -1,0 +1,265 @@
+"""``python -m sparse24 prune``: 2:4-prune a checkpoint without its model class:
+a raw state dict (torch or safetensors file, :func:`prune_state_dict`) or a
+Hugging Face model folder (:mod:`sparse24.tools.hf_folder`)."""
+from __future__ import annotations
+
+import importlib.util
+import re
+import warnings
+from pathlib import Path
+
+import torch
+
+from .cli_common import CLIError, _one_line, _prog
+
+__all__ = ["prune_state_dict", "PRUNE_EXCLUDE", "cmd_prune"]
+
+# A raw state dict does not say which 2-D weights are embedding tables; these
+# names (GPT-2's wte/wpe, *embed*, *emb*) are, and pruning a lookup table 2:4
+# is not what a user asking to prune a checkpoint's linear layers wants.
+PRUNE_EXCLUDE = r"emb|wte|wpe"
+
+
+def _load_state_dict(path: str) -> tuple[dict, str]:
+    p = Path(path)
+    if not p.is_file():
+        raise CLIError(f"no such checkpoint file: {path} (a state dict file, or a Hugging Face model folder with "
+                       "config.json)")
+    if p.suffix == ".safetensors":
+        try:
+            from safetensors.torch import load_file
+        except ImportError:
+            raise CLIError("reading .safetensors needs the safetensors package: pip install 'sparse24[hf]'", 1) from None
+        try:
+            return load_file(p), ""
+        except Exception as e:  # safetensors raises its own error types for a bad header
+            raise CLIError(f"cannot read {path} as a safetensors file: {_one_line(e)[:200]}") from None
+    try:
+        with warnings.catch_warnings():  # torch's multi-line pickle-protocol warning; the error says it
+            warnings.simplefilter("ignore")
+            obj = torch.load(p, map_location="cpu", weights_only=True)
+    except Exception as e:  # torch raises many types for non-checkpoint files
+        why = _one_line(e)
+        found = re.search(r"WeightsUnpickler error: (.*?)(?: was not an allowed| Please| Check the|\. |$)", why)
+        if found:  # torch's text is a paragraph (with terminal escapes); its cause is one phrase in it
+            why = (f"it holds objects other than tensors ({found.group(1)}), which torch.load(weights_only=True) "
+                   f"refuses; save model.state_dict() alone")
+        raise CLIError(f"cannot read {path} as a torch checkpoint: "
+                       f"{why[:200] or type(e).__name__ + (' (empty file)' if not p.stat().st_size else '')}") from None
+    if isinstance(obj, dict) and obj and all(isinstance(v, torch.Tensor) for v in obj.values()):
+        return obj, ""
+    for key in ("state_dict", "model"):
+        inner = obj.get(key) if isinstance(obj, dict) else None
+        if isinstance(inner, dict) and inner and all(isinstance(v, torch.Tensor) for v in inner.values()):
+            return inner, key
+    raise CLIError(f"{path} is not a state dict (a dict of tensors, or one under 'state_dict'/'model')")
+
+
+def _direct_reader(prefix: str, sd: dict) -> str:
+    """Why ``prefix`` (a Linear's name) must stay in masked mode, mirroring
+    ``sparse24.api``: parents that read the child's ``.weight`` directly."""
+    parent, _, leaf = prefix.rpartition(".")
+    head = parent + "." if parent else ""
+    if leaf == "out_proj" and (head + "in_proj_weight" in sd or head + "q_proj_weight" in sd):
+        return "nn.MultiheadAttention reads out_proj.weight in its functional forward"
+    if leaf in ("linear1", "linear2") and head + "self_attn.in_proj_weight" in sd:
+        return "nn.TransformerEncoderLayer reads linear1/linear2.weight in its inference fast path"
+    return ""
+
+
+def prune_state_dict(sd: dict, method: str = "magnitude", quantize: str | None = None,
+                     min_features: int | None = None, exclude: str = PRUNE_EXCLUDE,
+                     prune_head: bool = False) -> tuple[dict, list[dict]]:
+    """2:4-prune the linear weights of a raw state dict (no model class needed).
+
+    Every 2-D floating ``<prefix>.weight`` with in-features divisible by 4 and
+    both dimensions >= ``min_features`` is pruned, unless its name matches
+    ``exclude``, its storage is shared with another entry (tied weights) or it
+    is the output head (as many rows as the largest excluded embedding table:
+    kept dense as LLM pruning does, unless ``prune_head``). A raw state dict does
+    not say which layers are Hugging Face ``Conv1D`` (weight stored transposed):
+    prune a model folder for GPT-2-style models.
+    Pruned entries are stored the way :class:`sparse24.Sparse24Linear` holds
+    them, so ``load_state_dict`` of a model prepared with
+    ``sparse24.sparsify_(model, mode="compressed", quantize=...)`` takes them:
+
+    * ``<prefix>.values`` ``(R, C/2)``, ``<prefix>.meta`` ``(ceil(C/32), R)`` int32 and,
+      for INT8, ``<prefix>.scale`` ``(R,)`` fp32, replacing ``<prefix>.weight``;
+    * layers whose parent reads ``.weight`` directly (``nn.MultiheadAttention.out_proj``,
+      ``nn.TransformerEncoderLayer.linear1/2``) stay in masked mode, as ``sparsify_``
+      keeps them: ``<prefix>.weight`` (zeros where pruned) + ``<prefix>.mask`` (bool).
+
+    Everything else is copied unchanged.
+
+    Args:
+        sd: ``{name: tensor}``.
+        method: a mask method needing no calibration data (``"magnitude"``,
+            ``"2d_greedy"``, ``"2d_optimal"``).
+        quantize: ``None`` or ``"int8"``.
+        min_features: default ``sparse24.api.MIN_FEATURES`` (the same rule as ``sparsify_``).
+        exclude: regular expression; matching weight names are left dense.
+        prune_head: prune the output head too.
+    Returns:
+        ``(new_state_dict, report)`` with one report dict per 2-D float weight:
+        ``name, shape, dtype, action ("compressed" | "masked" | "kept dense"),
+        reason, kept (fraction of |w| kept), bytes_before, bytes_after``.
+    Example:
+        >>> sd = torch.nn.Linear(64, 32).state_dict()  # keys 'weight', 'bias'
+        >>> new, report = prune_state_dict({"fc." + k: v for k, v in sd.items()})
+        >>> sorted(new), report[0]["action"]
+        (['fc.bias', 'fc.meta', 'fc.values'], 'compressed')
+    """
+    from ..api import MIN_FEATURES
+    from ..format import FLOAT_DTYPES, compress
+    from ..masks import kept_magnitude_fraction, mask_nm
+
+    if method in ("wanda", "sparsegpt"):
+        raise ValueError(f"method {method!r} needs calibration data (layer inputs), which a checkpoint does not "
+                         f"have; use sparse24.calibrate + sparsify_ in Python, or magnitude/2d_greedy/2d_optimal")
+    if quantize not in (None, "int8"):
+        raise ValueError(f"--quantize must be int8 (or absent), got {quantize!r}")
+    min_features = MIN_FEATURES if min_features is None else min_features
+    if min_features < 0:
+        raise ValueError(f"--min-features must be >= 0, got {min_features}")
+    try:
+        excl = re.compile(exclude, re.IGNORECASE) if exclude else None
+    except re.error as e:
+        raise ValueError(f"--exclude {exclude!r} is not a regular expression: {e}") from None
+    # sparse-layout or meta tensors hold no dense data to prune (and have no storage): copied as they are
+    plain = {k for k, v in sd.items() if v.layout == torch.strided and not v.is_meta}
+    storages: dict[int, list[str]] = {}
+    for k in plain:
+        storages.setdefault(sd[k].untyped_storage().data_ptr(), []).append(k)
+    # The output head: as many rows as the vocabulary (the largest excluded 2-D weight, an embedding table), and
+    # named like a head or the last 2-D weight (an MLP layer as wide as a small test vocabulary is no head).
+    vocab = max((sd[k].shape[0] for k in plain if excl is not None and sd[k].dim() == 2
+                 and k.endswith("weight") and excl.search(k[:-len("weight")].rstrip("."))), default=None)
+    last = [k for k in plain if k.endswith("weight") and sd[k].dim() == 2][-1:]
+    heads = {k for k in plain if vocab is not None and sd[k].dim() == 2 and sd[k].shape[0] == vocab
+             and (re.search(r"(^|\.)(lm_head|head|output)\.weight$", k) or [k] == last)}
+    out, report = {}, []
+    for key, t in sd.items():
+        if not (key.endswith(".weight") or key == "weight") or t.dim() != 2 or t.dtype not in FLOAT_DTYPES \
+                or key not in plain:
+            out[key] = t
+            continue
+        prefix = key[: -len("weight")]  # "fc." (or "" for a bare Linear's state dict)
+        R, C = t.shape
+        nbytes = t.numel() * t.element_size()
+        row = {"name": key, "shape": (R, C), "dtype": str(t.dtype)[6:], "action": "kept dense", "reason": "",
+               "kept": 1.0, "bytes_before": nbytes, "bytes_after": nbytes}
+        tied = [k for k in storages[t.untyped_storage().data_ptr()] if k != key]
+        taken = [prefix + n for n in ("values", "meta", "scale", "mask") if prefix + n in sd]
+        if taken:  # writing them would overwrite those entries silently
+            row["reason"] = f"the state dict already has {', '.join(taken)}"
+        elif C % 4:
+            row["reason"] = f"in-features {C} not divisible by 4"
+        elif min(R, C) < min_features:
+            row["reason"] = f"smaller than min_features={min_features}: too small to gain"
+        elif excl is not None and excl.search(prefix.rstrip(".")):
+            row["reason"] = f"name matches --exclude {exclude!r} (an embedding table?)"
+        elif tied:
+            row["reason"] = f"storage shared with {', '.join(tied)} (tied weights): pruning would prune those too"
+        elif not prune_head and key in heads:
+            row["reason"] = (f"output head ({R} rows = the embedding table's vocabulary): kept dense as LLM pruning "
+                             "does; --prune-head prunes it")
+        if row["reason"]:
+            out[key] = t
+            report.append(row)
+            continue
+        mask = mask_nm(t, 2, 4, method=method)
+        row["kept"] = kept_magnitude_fraction(t, mask)
+        reader = _direct_reader(prefix.rstrip("."), sd)
+        if reader:
+            out[key], out[prefix + "mask"] = torch.where(mask, t, 0), mask
+            row.update(action="masked", reason=f"kept as weight + mask: {reader}")
+        else:
+            p = compress(t, mask, quantize=quantize)
+            out.update({prefix + n: v for n, v in p.state_tensors().items()})
+            row["action"] = "compressed" + (" int8" if quantize else "")
+        row["bytes_after"] = sum(out[k].numel() * out[k].element_size() for k in out if k.startswith(prefix)
+                                 and k[len(prefix):] in ("weight", "mask", "values", "meta", "scale"))
+        report.append(row)
+    return out, report
+
+
+def _check_prune_out(args) -> Path:
+    if Path(args.out).resolve() == Path(args.checkpoint).resolve():
+        raise CLIError("--out must differ from the input checkpoint (it would be overwritten)")
+    out = Path(args.out)
+    parent = next(a for a in out.absolute().parents if a.exists())
+    if not parent.is_dir():  # checked before the work, and before creating any folder
+        raise CLIError(f"--out {out}: {parent} is a file, not a folder")
+    return out
+
+
+def _save_state_dict(sd: dict, path: Path) -> None:
+    """``torch.save``, or safetensors for a ``.safetensors`` name (tensors sharing storage, i.e.
+    tied weights kept dense, are stored as copies: safetensors refuses shared tensors)."""
+    if path.suffix != ".safetensors":
+        torch.save(sd, path)
+        return
+    from safetensors.torch import save_file
+    seen, flat = set(), {}
+    for k, v in sd.items():
+        key = (v.untyped_storage().data_ptr(), v.untyped_storage().nbytes()) if v.numel() else None
+        flat[k] = v.clone() if key in seen else v.contiguous()
+        seen.add(key)
+    save_file(flat, path, metadata={"format": "pt"})
+
+
+def _print_prune_table(title: str, report: list[dict], out: Path, size_in: int) -> None:
+    w = max(len(r["name"]) for r in report)
+    print(title)
+    print(f"  {'weight':<{w}}  {'shape':>12}  {'dtype':>8}  {'|w| kept':>8}  {'bytes':>10}  {'-> bytes':>10}  action")
+    for r in report:
+        kept = f"{100 * r['kept']:.1f}%" if r["action"] != "kept dense" else "-"
+        print(f"  {r['name']:<{w}}  {str(r['shape']):>12}  {r['dtype']:>8}  {kept:>8}  {r['bytes_before']:>10}  "
+              f"{r['bytes_after']:>10}  {r['action']}" + (f" ({r['reason']})" if r["reason"] else ""))
+    before, after = (sum(r[k] for r in report) for k in ("bytes_before", "bytes_after"))
+    n = sum(r["action"] != "kept dense" for r in report)
+    size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file()) if out.is_dir() else out.stat().st_size
+    print(f"  {n} of {len(report)} 2-D weights pruned; their bytes {before} -> {after} "
+          f"({100 * after / max(before, 1):.1f}%); other tensors copied unchanged")
+    print(f"  {'folder' if out.is_dir() else 'file'}: {out} ({size} bytes; input {size_in} bytes)")
+
+
+def cmd_prune(args) -> int:
+    out = _check_prune_out(args)
+    src = Path(args.checkpoint)
+    settings = f": method={args.method}" + (f", quantize={args.quantize}" if args.quantize else "")
+    if src.is_dir() and (src / "config.json").is_file():
+        return _prune_folder(args, src, out, settings)
+    if out.is_dir():
+        raise CLIError(f"--out {out}: is a folder; name the file to write")
+    if out.suffix == ".safetensors" and importlib.util.find_spec("safetensors") is None:
+        raise CLIError("writing .safetensors needs the safetensors package: pip install 'sparse24[hf]'", 1)
+    sd, wrapper = _load_state_dict(args.checkpoint)
+    new, report = prune_state_dict(sd, args.method, args.quantize, args.min_features, args.exclude, args.prune_head)
+    if not any(r["action"] != "kept dense" for r in report):
+        raise CLIError(f"{args.checkpoint}: no weight could be pruned ({len(report)} 2-D float weight(s), "
+                       "none eligible" + (f"; first: {report[0]['name']}: {report[0]['reason']}" if report else "")
+                       + "); see --min-features / --exclude", 1)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    from .bench import write_together
+    write_together({out: lambda p: _save_state_dict(new, p)})  # a failed write leaves an existing file whole
+    _print_prune_table(f"{_prog()} prune {args.checkpoint}" + (f" (state dict under '{wrapper}')" if wrapper else "")
+                       + settings, report, out, src.stat().st_size)
+    print("  load it with: sparse24.sparsify_(model, mode='compressed'"
+          + (f", quantize='{args.quantize}'" if args.quantize else "") + (", skip_output_head=False"
+                                                                          if args.prune_head else "")
+          + "); model.load_state_dict("
+          + ("safetensors.torch.load_file(...))" if out.suffix == ".safetensors" else "torch.load(...))"))
+    return 0
+
+
+def _prune_folder(args, src: Path, out: Path, settings: str) -> int:
+    """``prune FOLDER --out DIR``: a Hugging Face model folder (see :mod:`sparse24.tools.hf_folder`)."""
+    if importlib.util.find_spec("transformers") is None or importlib.util.find_spec("safetensors") is None:
+        raise CLIError("pruning a model folder needs transformers and safetensors: pip install 'sparse24[hf]'", 1)
+    from .hf_folder import prune_folder
+    report = prune_folder(src, out, args.method, args.quantize, args.min_features, args.exclude, args.prune_head)
+    size_in = sum(f.stat().st_size for f in src.rglob("*") if f.is_file())
+    _print_prune_table(f"{_prog()} prune {src} (Hugging Face folder){settings}", report, out, size_in)
+    print(f"  load it with: sparse24.from_pretrained(<model class>, {str(out)!r})")
+    return 0
