@@ -49,8 +49,8 @@ from torch import nn
 
 from ._checks import check_model
 from .masks import kept_magnitude_fraction
-from .nn import (Sparse24Linear, _check_mode, _linear_weight, _prepare, compressed_nbytes, is_conv1d, linear_shape,
-                 memory_nbytes)
+from .nn import Sparse24Linear, compressed_nbytes, is_conv1d, linear_shape, memory_nbytes
+from .nn.prepare import _check_mode, _linear_weight, _prepare
 
 __all__ = ["sparsify_", "densify_", "compress_", "decompress_", "prune_trained_model", "count_parameters",
            "SparsifyReport", "LayerReport"]

@@ -36,7 +36,7 @@ def no_mask_computation(monkeypatch):
     """Loading must take the saved 2:4 tensors, never compute a mask (on random weights or any)."""
     def refuse(*a, **k):
         raise AssertionError("a mask was computed while loading")
-    monkeypatch.setattr(sparse24.nn, "_prune_weight", refuse)
+    monkeypatch.setattr(sparse24.nn.prepare, "_prune_weight", refuse)
 
 
 @pytest.mark.parametrize("kind", KINDS)

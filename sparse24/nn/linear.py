@@ -1,252 +1,25 @@
-"""``Sparse24Linear``: a drop-in ``nn.Linear`` with a 2:4-sparse weight (layer 4).
-
-Two modes, switchable both ways without changing outputs:
-
-* ``"masked"`` (training, the prune-then-retrain recipe): a dense ``weight``
-  Parameter plus a frozen bool ``mask`` buffer. Three mechanisms keep the
-  pruned weights at exactly zero whatever the training loop does:
-
-  1. forward uses ``where(mask, weight, 0)``, so outputs and the module's own
-     gradients are masked even if the stored weight were ever changed;
-  2. a gradient hook on the weight Parameter masks its gradient from *every*
-     use, also from code that reads ``.weight`` directly (e.g.
-     ``nn.MultiheadAttention`` reads ``out_proj.weight``), before clipping or
-     the optimizer see it;
-  3. a process-wide optimizer step post-hook re-zeroes the pruned entries of
-     every masked weight the optimizer just stepped. Zero gradients alone do
-     not suffice: momentum or Adam state from dense training, or weight decay
-     on a non-zero entry, still move a pruned weight.
-
-  Cost of (1) + (2): a 512x2048x2048 fp32 forward + backward took 1.16x the
-  time of ``nn.Linear`` (each alone 1.06-1.09x; 2-core CPU, median of 12, two runs); (3) is
-  one masked fill per weight per optimizer step.
-
-* ``"compressed"`` (inference): Parameter ``values`` (R, C/2), frozen unless
-  ``trainable_values=True``, and buffers ``meta`` (the packed 2-bit slots) and,
-  for INT8, ``scale`` (R,) fp32: exactly :class:`sparse24.Sparse24Tensor`'s
-  tensors. ``values`` is a Parameter so that parameter counts
-  (``num_parameters()``) see the kept weights and tools that place adapters by
-  a layer's first Parameter (PEFT) find it. Forward is one call of the
-  registered op ``sparse24::linear`` (Triton on CUDA, reference on CPU), direct
-  (no autograd, no dispatcher) when no gradient is needed. Backward gives input
-  gradients, and gradients for the kept values when they require grad.
-
-* Inference in masked mode: when no gradient is needed, forward multiplies by
-  the stored weight directly (no ``where`` over the whole weight per call), once
-  it has checked that the weight is zero at every pruned position; the check
-  reruns after any in-place change torch's version counter records (optimizer
-  steps, ``copy_``, ``masked_fill_``; writes through ``.data`` are not seen).
-
-State dicts hold plain tensors only (safetensors-compatible); loading checks
-the entries and raises a clear error for dense, mismatched or corrupt ones.
-
-A layer built on the meta device (``Sparse24Linear(..., device="meta")``,
-``sparsify_`` of a model built under ``torch.device("meta")``) holds shapes only:
-its mask is *pending* and is computed, by the method it was built with, when
-``load_state_dict`` brings the dense weight (or taken as is when it brings the
-2:4 entries). ``to_empty`` keeps it pending; forward refuses until then.
-
-Hugging Face ``Conv1D`` (GPT-2 and relatives: ``y = x @ W + b`` with ``W`` stored
-``(in, out)``) is the Linear it is: :meth:`Sparse24Linear.from_linear` takes it
-with the weight transposed, and :meth:`Sparse24Linear.to_dense_module` gives the
-Conv1D back.
-"""
+"""The :class:`Sparse24Linear` module (see :mod:`sparse24.nn` for its modes and
+mechanisms). One class, over 400 lines by design: its two modes, the switches
+between them and its loading logic share the module's state and are read
+together; the free-standing pieces live beside it (``prepare``, ``masking``,
+``state``)."""
 from __future__ import annotations
 
-import sys
 import weakref
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.optim.optimizer import register_optimizer_step_post_hook
-from torch.utils.weak import WeakIdKeyDictionary
 
-from .format import FLOAT_DTYPES, Sparse24Tensor, _check_mask24, compress, quantize_values
-from .masks import METHODS, mask_nm, prune_nm
-from .ops import linear24
+from ..format import FLOAT_DTYPES, Sparse24Tensor, compress, quantize_values
+from ..ops import linear24
+from .masking import _GRAD_HOOKED, _HAS_HOOK, _MASKED_MODULES, _ZERO_CHECKED, _grad_mask_hook
+from . import prepare
+from .prepare import (_check_mode, _mask_from_slots, _placeholder, _prepare, _Prepared, is_conv1d, is_conv1d_class,
+                      linear_shape)
+from .state import _check_state_masked, check_state
 
-__all__ = ["Sparse24Linear", "MODES", "QUANTIZE", "is_conv1d", "linear_shape"]
-
-MODES = ("masked", "compressed")
-QUANTIZE = (None, "int8")
-
-
-# --- keeping masked weights masked --------------------------------------------------
-
-# Live masked-mode modules, for the optimizer post-hook (weak: never keeps a model alive).
-_MASKED_MODULES: "weakref.WeakSet[Sparse24Linear]" = weakref.WeakSet()
-# Weight Parameter -> weakref to the module that owns it as its masked weight.
-_GRAD_HOOKED = WeakIdKeyDictionary()
-# Weight Parameters that carry the gradient hook (a frozen one gets it when it first needs a gradient:
-# torch refuses a hook on a tensor that does not require grad).
-_HAS_HOOK = WeakIdKeyDictionary()
-# Module -> (weakref weight, its version, weakref mask, its version) when the weight was last found
-# zero at every pruned position: inference skips the per-call where() while both stay unchanged.
-_ZERO_CHECKED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
-
-def _remask_after_step(optimizer, args, kwargs) -> None:
-    """Optimizer step post-hook (every optimizer): re-zero pruned weights."""
-    if not _MASKED_MODULES:
-        return
-    stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    with torch.no_grad():
-        for mod in list(_MASKED_MODULES):
-            w = mod._parameters.get("weight")
-            if w is not None and id(w) in stepped:
-                w.masked_fill_(~mod.mask, 0)
-
-
-register_optimizer_step_post_hook(_remask_after_step)
-
-
-def _grad_mask_hook(param: nn.Parameter):
-    param_ref = weakref.ref(param)
-
-    @torch.utils.hooks.unserializable_hook
-    def hook(grad: torch.Tensor) -> torch.Tensor:
-        # Mask with the mask of the module that currently owns this Parameter
-        # as its masked weight (none after densify_ or to_compressed).
-        p = param_ref()
-        owner = _GRAD_HOOKED.get(p) if p is not None else None
-        m = owner() if owner is not None else None
-        if m is None or m.__dict__.get("_mode") != "masked" or m._parameters.get("weight") is not p:
-            return grad
-        return torch.where(m.mask, grad, 0)
-    return hook
-
-
-# --- the module -----------------------------------------------------------------------
-
-def _check_mode(mode, quantize, trainable_values) -> None:
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    if quantize not in QUANTIZE:
-        raise ValueError(f"quantize must be one of {QUANTIZE}, got {quantize!r}")
-    if mode == "masked" and quantize is not None:
-        raise ValueError("quantize applies to mode='compressed' (masked mode trains the dense weight); "
-                         "compress afterwards with to_compressed(quantize=...) / sparse24.compress_")
-    if trainable_values and (mode != "compressed" or quantize is not None):
-        raise ValueError("trainable_values needs mode='compressed' with floating values (quantize=None)")
-
-
-def is_conv1d(module) -> bool:
-    """True for Hugging Face ``transformers.pytorch_utils.Conv1D`` (GPT-2 and relatives): a
-    Linear whose weight is stored transposed, ``(in_features, out_features)``. Detected
-    without importing transformers (a Conv1D exists only once transformers is imported)."""
-    utils = sys.modules.get("transformers.pytorch_utils")
-    return utils is not None and isinstance(module, utils.Conv1D)
-
-
-def linear_shape(module) -> tuple[int, int]:
-    """``(out_features, in_features)`` of an ``nn.Linear``, a Hugging Face ``Conv1D`` or a
-    :class:`Sparse24Linear`."""
-    if is_conv1d(module):
-        C, R = module.weight.shape
-        return R, C
-    return module.out_features, module.in_features
-
-
-def _linear_weight(layer) -> torch.Tensor:
-    """The ``(R, C)`` weight of an ``nn.Linear`` or ``Conv1D`` (a transposed view for Conv1D), detached."""
-    w = layer.weight.detach()
-    return w.t() if is_conv1d(layer) else w
-
-
-# Methods that need nothing but the weight, so a layer on the meta device can defer its mask.
-_DEFERRABLE = ("magnitude", "2d_greedy", "2d_optimal")
-
-
-def _prune_weight(weight: torch.Tensor, method: str = "magnitude", calibration=None,
-                  **mask_kwargs) -> tuple[torch.Tensor | None, torch.Tensor]:
-    """2:4-prune one weight with ``method`` (nothing is modified).
-
-    Returns ``(new_weight, mask)``: ``(R, C)`` bool mask and, for methods that
-    also reconstruct the kept weights (SparseGPT), the ``(R, C)`` weight to
-    store; ``None`` when that is just ``weight * mask`` (no copy kept).
-    """
-    w = weight.detach()
-    if method == "magnitude" and calibration is None:  # the mask is all: no weight copy, no report
-        return None, mask_nm(w, 2, 4, **mask_kwargs)
-    r = prune_nm(w, 2, 4, method=method, calibration=calibration, **mask_kwargs)
-    return (None if torch.equal(r.weight, w * r.mask) else r.weight), r.mask
-
-
-class _Prepared(NamedTuple):
-    """What :func:`_prepare` computed for one layer: the weight to store when a method
-    reconstructs it (else None), the ``(R, C)`` mask, the compressed weight (compressed
-    mode) and, on the meta device, the pending mask method (``{"method", "kwargs"}``)."""
-    new_w: torch.Tensor | None
-    mask: torch.Tensor
-    p: Sparse24Tensor | None
-    pending: dict | None = None
-
-
-def _placeholder(R: int, C: int, dtype, quantize, device) -> Sparse24Tensor:
-    """A compressed weight of the right shapes and dtypes, values not yet known (meta device, or
-    pending after ``to_empty``)."""
-    values = torch.empty(R, C // 2, dtype=torch.int8 if quantize else dtype, device=device)
-    meta = torch.zeros((C + 31) // 32, R, dtype=torch.int32, device=device)
-    scale = torch.ones(R, dtype=torch.float32, device=device) if quantize else None
-    return Sparse24Tensor(values, meta, (R, C), dtype, scale, check=False)
-
-
-def _check_deferrable(method, calibration, mask_kwargs, R) -> dict:
-    if method not in METHODS:
-        raise ValueError(f"unknown mask method {method!r}; choose one of {', '.join(METHODS)}")
-    if method not in _DEFERRABLE or calibration is not None or mask_kwargs:
-        raise ValueError(f"the weight is on the meta device (no values yet), so the mask is computed when the "
-                         f"weights are loaded; method={method!r}" + (" with options" if mask_kwargs else "")
-                         + f" cannot wait for that: use one of {', '.join(_DEFERRABLE)}, or sparsify the "
-                         "model once it holds its weights (calibration needs them anyway)")
-    if method != "magnitude" and R % 4:
-        raise ValueError(f"method={method!r} builds 4x4 blocks: the weight's rows ({R}) must be divisible by 4")
-    return {"method": method, "kwargs": {}}
-
-
-def _prepare(linear, mask, mode, method, quantize, calibration, trainable_values, mask_kwargs) -> _Prepared:
-    """Validate and compute a swap of ``linear`` (an ``nn.Linear`` or Hugging Face ``Conv1D``)
-    without changing anything."""
-    if not (isinstance(linear, nn.Linear) or is_conv1d(linear)):
-        raise TypeError(f"expected an nn.Linear (or a transformers Conv1D), got {type(linear).__name__}")
-    _check_mode(mode, quantize, trainable_values)
-    w = linear.weight
-    if not isinstance(w, nn.Parameter):
-        raise ValueError(f"the Linear's weight is a computed tensor ({type(w).__name__}, e.g. a "
-                         "parametrization such as SR-STE or weight_norm); remove it first")
-    R, C = linear_shape(linear)
-    if C % 4:
-        raise ValueError(f"in_features ({C}) must be divisible by 4 for 2:4 sparsity")
-    w = _linear_weight(linear)
-    if w.is_meta:
-        if mask is not None:
-            raise ValueError("the weight is on the meta device: give no mask (it is computed when the weights "
-                             "are loaded), or build the layer from real weights")
-        pending = _check_deferrable(method, calibration, mask_kwargs, R)
-        if w.dtype not in FLOAT_DTYPES:
-            raise TypeError(f"weight must be floating point, got {w.dtype}")
-        p = _placeholder(R, C, w.dtype, quantize, "meta") if mode == "compressed" else None
-        return _Prepared(None, torch.empty(R, C, dtype=torch.bool, device="meta"), p, pending)
-    if mask is None:
-        new_w, mask = _prune_weight(w, method, calibration, **mask_kwargs)
-    else:
-        if method != "magnitude" or calibration is not None or mask_kwargs:
-            raise ValueError("give either a mask or a method (with its options), not both")
-        new_w, mask = None, _check_mask24(mask, w).clone()
-    p = None
-    if mode == "compressed":
-        p = compress(w if new_w is None else new_w, mask, quantize=quantize)
-    return _Prepared(new_w, mask, p)
-
-
-def _mask_from_slots(p: Sparse24Tensor) -> torch.Tensor:
-    """``(R, C)`` bool, True at the two stored slots of every group."""
-    R, C = p.shape
-    keep = torch.zeros(R, C // 4, 4, dtype=torch.bool, device=p.device)
-    keep.scatter_(-1, p.slots(), True)
-    return keep.view(R, C)
+__all__ = ["Sparse24Linear"]
 
 
 class Sparse24Linear(nn.Module):
@@ -735,7 +508,7 @@ class Sparse24Linear(nn.Module):
         try:
             if self.pending and self._has_dense_entry_only(state_dict, prefix):
                 self._fill_from_dense(state_dict, prefix)  # the weights arrived: compute the mask now
-            self._check_state(state_dict, prefix)
+            check_state(self, state_dict, prefix)
         except (ValueError, TypeError) as e:
             error_msgs.append(f"{prefix[:-1] or 'Sparse24Linear'}: {e}")
             return  # nothing of this module changes
@@ -781,84 +554,8 @@ class Sparse24Linear(nn.Module):
         if not w.is_floating_point():
             raise TypeError(f"weight must be floating point, got {w.dtype}")
         pending = self.__dict__.get("_pending") or {"method": "magnitude", "kwargs": {}}
-        new_w, mask = _prune_weight(w, pending["method"], **pending["kwargs"])
+        new_w, mask = prepare._prune_weight(w, pending["method"], **pending["kwargs"])
         kept = w if new_w is None else new_w
         if self._mode == "masked":
             return {"weight": torch.where(mask, kept, 0), "mask": mask}, mask  # the caller's tensor stays
         return compress(kept, mask, quantize=self.quantize).state_tensors(), mask
-
-    def _check_state(self, sd: dict, prefix: str) -> None:
-        """Validate this layer's entries of a state dict before anything is copied."""
-        R, C = self.out_features, self.in_features
-        has = {k for k in ("weight", "mask", "values", "meta", "scale") if prefix + k in sd}
-        for k in has:
-            if not isinstance(sd[prefix + k], torch.Tensor):
-                raise TypeError(f"'{prefix}{k}' must be a tensor, got {type(sd[prefix + k]).__name__}")
-        quantized = self.quantize is not None
-        want = {"weight", "mask"} if self._mode == "masked" else {"values", "meta"} | ({"scale"} if quantized else set())
-        if has == want:
-            pass
-        elif has == {"weight"}:
-            raise ValueError(f"got a dense checkpoint ('{prefix}weight' without a 2:4 mask) for a 2:4 layer in "
-                             f"{self._mode} mode; load dense weights before sparsify_, or into a densify_'d model")
-        elif self._mode == "compressed" and has == {"weight", "mask"}:
-            raise ValueError("got a masked-mode checkpoint (weight + mask) for a compressed layer; load it "
-                             "into the masked model, then compress_ (or decompress_ this model first)")
-        elif self._mode == "masked" and has >= {"values", "meta"}:
-            raise ValueError("got a compressed checkpoint (values + meta) for a masked-mode layer; "
-                             "compress_ this model before loading (or decompress_ it after)")
-        elif "scale" in has and not quantized:
-            raise ValueError("got an INT8 checkpoint (values + scale) for an unquantized layer; "
-                             "build the model with quantize='int8'")
-        elif quantized and "scale" not in has:
-            raise ValueError("this layer is INT8-quantized but the checkpoint has no scale: it is not INT8")
-        elif not has:
-            return  # entries missing altogether: nn.Module reports missing keys (strict mode)
-        elif not has >= want:
-            # Loading part of the set (e.g. a mask alone) would pair it with the old tensors unchecked.
-            raise ValueError(f"incomplete 2:4 entries: got {sorted(has)}, a {self._mode} layer needs all of "
-                             f"{sorted(want)} (or none)")
-        # else: all wanted entries plus extras (reported as unexpected by nn.Module): check the wanted ones
-        if self._mode == "masked":
-            _check_state_masked(sd[prefix + "weight"], sd[prefix + "mask"], (R, C), prefix)
-            return
-        values, meta, scale = sd[prefix + "values"], sd[prefix + "meta"], sd.get(prefix + "scale")
-        if not quantized and not values.is_floating_point():
-            raise TypeError(f"'{prefix}values' must be floating point for an unquantized layer, got {values.dtype}")
-        if quantized and values.dtype != torch.int8:
-            raise TypeError(f"'{prefix}values' must be int8 for an INT8 layer, got {values.dtype}")
-        dtype = None if scale is None else self._dtype
-        Sparse24Tensor(values, meta, (R, C), dtype, scale).validate()  # shapes, dtypes, corrupt slots
-
-
-def is_conv1d_class(cls) -> bool:
-    """True for the Hugging Face ``Conv1D`` class (see :func:`is_conv1d`)."""
-    utils = sys.modules.get("transformers.pytorch_utils")
-    return utils is not None and isinstance(cls, type) and issubclass(cls, utils.Conv1D)
-
-
-def _check_state_masked(weight: torch.Tensor, mask: torch.Tensor, shape, prefix: str) -> None:
-    if tuple(weight.shape) != tuple(shape):
-        raise ValueError(f"'{prefix}weight' has shape {tuple(weight.shape)}, expected {tuple(shape)}")
-    if not weight.is_floating_point():
-        raise TypeError(f"'{prefix}weight' must be floating point, got {weight.dtype}")
-    if mask.device != weight.device:
-        mask = mask.to(weight.device)
-    _check_mask24(mask, weight)
-    if bool((weight.detach()[~mask] != 0).any()):
-        raise ValueError(f"'{prefix}weight' is non-zero where '{prefix}mask' is False: not a 2:4 masked weight")
-
-
-def compressed_nbytes(out_features: int, in_features: int, element_size: int, quantized: bool = False) -> int:
-    """Bytes of a compressed ``(R, C)`` weight: values + 2-bit indices (+ fp32 scales if INT8)."""
-    R, C = out_features, in_features
-    half = R * (C // 2)
-    return half * (1 if quantized else element_size) + half * 2 // 8 + (4 * R if quantized else 0)
-
-
-def memory_nbytes(mod: Sparse24Linear) -> int:
-    """Bytes the module holds for its weight now (masked: dense weight + bool mask)."""
-    if mod.mode == "masked":
-        return mod.weight.numel() * mod.weight.element_size() + mod.mask.numel()
-    return sum(t.numel() * t.element_size() for t in (mod.values, mod.meta, mod.scale) if t is not None)
-
