@@ -11,6 +11,7 @@ from transformers.pytorch_utils import Conv1D
 
 import sparse24
 from sparse24 import Sparse24Linear, api
+from sparse24.api import walk
 
 from conftest import top2_mask
 
@@ -81,7 +82,7 @@ def fail_on_call(monkeypatch, owner, name, k):
 def test_sparsify_fails_at_any_layer_and_changes_nothing(monkeypatch, where, k):
     model = build()
     snap = snapshot(model)
-    owner = Sparse24Linear if where == "_adopt" else api
+    owner = {"_adopt": Sparse24Linear, "_prepare": api, "_set_child": walk}[where]
     fail_on_call(monkeypatch, owner, where, k)
     with pytest.raises(RuntimeError, match=f"injected failure at call {k}"):
         sparse24.sparsify_(model)
@@ -100,7 +101,7 @@ def test_prune_trained_model_fails_at_any_layer_and_changes_nothing(monkeypatch,
     groups = [list(g["params"]) for g in opt.param_groups]
     opt_state = {p: {k2: v.clone() for k2, v in s.items()} for p, s in opt.state.items()}
     snap = snapshot(model)
-    fail_on_call(monkeypatch, api, "_set_child", k)
+    fail_on_call(monkeypatch, walk, "_set_child", k)
     with pytest.raises(RuntimeError, match="injected failure"):
         sparse24.prune_trained_model(model, opt)
     assert_unchanged(model, snap)
@@ -117,7 +118,7 @@ def test_mode_switches_fail_at_any_layer_and_change_nothing(monkeypatch, call, k
     snap = snapshot(model)
     modes = {n: m.mode for n, m in model.named_modules() if isinstance(m, Sparse24Linear)}
     if call == "densify_":
-        fail_on_call(monkeypatch, api, "_set_child", k)
+        fail_on_call(monkeypatch, walk, "_set_child", k)
     else:
         fail_on_call(monkeypatch, Sparse24Linear, "_set_compressed" if call == "compress_" else "to_masked", k)
     with pytest.raises(RuntimeError, match="injected failure"):

@@ -1,0 +1,223 @@
+"""Walking a model for the whole-model calls: which modules are Linear (or
+Hugging Face ``Conv1D``), which are skipped and why (direct weight readers,
+tied weights, the output head, layers too small, modules not handled), and
+swapping children in a way that can be undone (all or nothing)."""
+from __future__ import annotations
+
+import sys
+from typing import Callable
+
+import torch
+from torch import nn
+
+from ..nn import Sparse24Linear, compressed_nbytes, is_conv1d, linear_shape, memory_nbytes
+from .report import LayerReport
+
+FilterFn = Callable[[nn.Module, str], bool]
+# Smaller layers are skipped: under 32 input columns the packed metadata word
+# is partly padding, and a layer that small costs less than one kernel launch.
+MIN_FEATURES = 32
+# Mask methods that need per-layer calibration statistics.
+_CALIBRATED_METHODS = ("wanda", "sparsegpt")
+# Parents that read these children's `.weight` directly instead of calling them.
+_DIRECT_READERS = {
+    nn.MultiheadAttention: ("out_proj", "nn.MultiheadAttention reads out_proj.weight in its functional forward"),
+    nn.TransformerEncoderLayer: ("linear1", "linear2",
+                                 "nn.TransformerEncoderLayer reads linear1/linear2.weight in its inference fast path"),
+}
+_SWAPPABLE = (nn.Linear, nn.modules.linear.NonDynamicallyQuantizableLinear)
+_CONV = "a convolution: sparse24's layers and kernels are matmuls (nn.Linear, transformers Conv1D); 2:4 " \
+        "convolutions are not implemented"
+# Why modules that hold a weight matrix but are no Linear are left alone (checked in this order).
+_NOT_HANDLED = (
+    ((nn.Embedding, nn.EmbeddingBag), "a lookup table, not a matmul: 2:4 would speed nothing up"),
+    ((nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d), _CONV),
+    ((nn.MultiheadAttention,), "its in_proj_weight is used inside F.multi_head_attention_forward, not by a "
+                               "Linear (its out_proj is handled)"),
+    ((nn.RNNBase,), "recurrent weights are used inside the fused RNN kernel, not by a Linear"),
+    ((nn.Bilinear,), "a bilinear form, not a Linear"),
+)
+
+
+def _child_slots(model: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:
+    """id(module) -> every (parent, attribute name) holding it (a module may be reused)."""
+    slots: dict[int, list] = {}
+    for parent in model.modules():
+        for name, child in parent._modules.items():
+            if child is not None:
+                slots.setdefault(id(child), []).append((parent, name))
+    return slots
+
+
+def _set_child(parent: nn.Module, name: str, new: nn.Module) -> None:
+    setattr(parent, name, new)
+
+
+class _Undo:
+    """Changes to a model that can be taken back: each step records its inverse."""
+
+    def __init__(self):
+        self._steps: list[Callable[[], None]] = []
+
+    def replace(self, slots, old: nn.Module, new: nn.Module) -> None:
+        """Put ``new`` in every slot holding ``old``."""
+        for parent, name in slots[id(old)]:
+            self._steps.append(lambda parent=parent, name=name: parent._modules.__setitem__(name, old))
+            _set_child(parent, name, new)
+
+    def add(self, inverse: Callable[[], None]) -> None:
+        self._steps.append(inverse)
+
+    def undo(self) -> None:
+        for step in reversed(self._steps):
+            step()
+        self._steps.clear()
+
+
+def _direct_readers(model: nn.Module) -> dict[int, str]:
+    """id(child Linear) -> why its weight is read directly by its parent."""
+    out = {}
+    for mod in model.modules():
+        for cls, (*names, why) in _DIRECT_READERS.items():
+            if isinstance(mod, cls):
+                for n in names:
+                    out[id(getattr(mod, n))] = why
+    return out
+
+
+def _shared_weights(model: nn.Module) -> dict[int, list[str]]:
+    """id(parameter) -> the qualified names it is registered under, for parameters registered twice or more."""
+    names: dict[int, list[str]] = {}
+    for fqn, mod in model.named_modules():
+        for pname, p in mod._parameters.items():
+            if p is not None:
+                names.setdefault(id(p), []).append(f"{fqn}.{pname}" if fqn else pname)
+    return {k: v for k, v in names.items() if len(v) > 1}
+
+
+def _is_linear(mod: nn.Module) -> bool:
+    return isinstance(mod, nn.Linear) or is_conv1d(mod)
+
+
+def _input_embedding(model: nn.Module) -> tuple[str, nn.Embedding] | None:
+    """The token embedding: the model's ``get_input_embeddings()`` (transformers), else its
+    largest ``nn.Embedding`` (position and type embeddings are smaller than a vocabulary)."""
+    get = getattr(model, "get_input_embeddings", None)
+    emb = None
+    if callable(get):
+        try:
+            emb = get()
+        except (NotImplementedError, AttributeError):
+            emb = None
+    tables = [(fqn, m) for fqn, m in model.named_modules() if isinstance(m, nn.Embedding)]
+    if isinstance(emb, nn.Embedding):
+        return next(((fqn, m) for fqn, m in tables if m is emb), None)
+    return max(tables, key=lambda t: t[1].num_embeddings, default=None)
+
+
+def _output_heads(model: nn.Module, skip_output_head) -> dict[int, str]:
+    """id(layer) -> why it is kept dense as the output head."""
+    if skip_output_head is False or skip_output_head is None:
+        return {}
+    if skip_output_head is not True:
+        names = [skip_output_head] if isinstance(skip_output_head, str) else list(skip_output_head)
+        modules = dict(model.named_modules())
+        out = {}
+        for name in names:
+            if not isinstance(name, str) or not _is_linear(modules.get(name)):
+                raise ValueError(f"skip_output_head names {name!r}, which is no nn.Linear (or Conv1D) of the model")
+            out[id(modules[name])] = "named by skip_output_head"
+        return out
+    keep = "kept dense, as LLM pruning does (SparseGPT, Wanda); skip_output_head=False prunes it"
+    get = getattr(model, "get_output_embeddings", None)
+    if callable(get):  # a transformers model names its head (None: it has none)
+        head = get()
+        return {id(head): f"output head (the model's get_output_embeddings()): {keep}"} if _is_linear(head) else {}
+    found = _input_embedding(model)
+    if found is None:
+        return {}
+    name, emb = found
+    return {id(mod): f"output head ({emb.num_embeddings} outputs = the vocabulary of the input embedding {name!r}): "
+                     f"{keep}" for mod in model.modules()
+            if _is_linear(mod) and linear_shape(mod)[0] == emb.num_embeddings}
+
+
+def _entry(fqn: str, mod: nn.Module, action: str, reason: str = "") -> LayerReport:
+    R, C = linear_shape(mod)
+    if isinstance(mod, Sparse24Linear):
+        dtype, mode = mod.dtype, mod.mode
+        elt = torch.empty(0, dtype=dtype).element_size()
+        comp, mem = compressed_nbytes(R, C, elt, mod.quantize == "int8"), memory_nbytes(mod)
+    else:
+        dtype, mode = mod.weight.dtype, None
+        elt = mod.weight.element_size()
+        comp = compressed_nbytes(R, C, elt) if C % 4 == 0 else 0
+        mem = mod.weight.numel() * elt
+    return LayerReport(fqn, (R, C), dtype, action, mode, reason, R * C * elt, comp, mem)
+
+
+def _not_handled(fqn: str, mod: nn.Module) -> LayerReport | None:
+    """A report line for a module owning a weight matrix that sparsify_ leaves alone, else None."""
+    if _is_linear(mod) or isinstance(mod, Sparse24Linear):
+        return None
+    mats = [(n, p) for n, p in mod._parameters.items() if p is not None and p.dim() >= 2]
+    if not mats:
+        return None
+    pname, p = mats[0]
+    why = next((why for types, why in _NOT_HANDLED if isinstance(mod, types)),
+               f"holds a weight matrix ({pname!r}) but is no nn.Linear or transformers Conv1D")
+    return LayerReport(fqn, tuple(p.shape), p.dtype, "skipped", reason=f"not handled: {type(mod).__name__}: {why}")
+
+
+def _skip_reason(fqn, mod, filter_fn, min_features, shared, readers, heads, method, calibration) -> str:
+    """Why ``mod`` (an nn.Linear or Conv1D) cannot be swapped, or "" if it can."""
+    if not fqn:
+        return "the model itself is this Linear (no parent to swap it in); use Sparse24Linear.from_linear"
+    if type(mod) not in _SWAPPABLE and not (is_conv1d(mod) and type(mod).__name__ == "Conv1D"):
+        if torch.nn.utils.parametrize.is_parametrized(mod):
+            return "weight is parametrized (e.g. SR-STE, weight_norm); remove the parametrization first"
+        return f"{type(mod).__name__} subclasses nn.Linear and may change its forward; not swapped"
+    if filter_fn is not None and not filter_fn(mod, fqn):
+        return "excluded by filter_fn"
+    R, C = linear_shape(mod)
+    if C % 4:
+        return f"in_features={C} is not divisible by 4"
+    if min(R, C) < min_features:
+        return f"smaller than min_features={min_features} ({R}x{C}): too small to gain"
+    if not mod.weight.is_floating_point():
+        return f"weight dtype {mod.weight.dtype} is not floating point"
+    if id(mod.weight) in shared:
+        others = [n for n in shared[id(mod.weight)] if n != f"{fqn}.weight"]
+        return f"weight is shared with {', '.join(others)} (tied): pruning it would also prune those"
+    if id(mod) in heads:
+        return heads[id(mod)]
+    if method in _CALIBRATED_METHODS and calibration is not None and fqn not in calibration:
+        why = (f"{readers[id(mod)]}, so calibrate() never sees its input" if id(mod) in readers
+               else "was it run during calibrate()?")
+        return f"no calibration statistics for this layer (method={method!r}): {why}"
+    return ""
+
+
+# --- Hugging Face models (transformers is imported by the caller, never here) ---------
+
+def _is_transformers_model(model: nn.Module) -> bool:
+    utils = sys.modules.get("transformers.modeling_utils")
+    return utils is not None and isinstance(model, utils.PreTrainedModel)
+
+
+def _check_foreign_quantization(model: nn.Module) -> None:
+    """A transformers model quantized by another method cannot also carry sparse24's config section."""
+    if not _is_transformers_model(model):
+        return
+    qc = getattr(model.config, "quantization_config", None)
+    method = qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", None)
+    if qc is not None and method != "sparse24":
+        raise ValueError(f"the model is already quantized with {method!r}: its config.json cannot describe 2:4 "
+                         f"layers as well, so save_pretrained would lose them (nothing was changed)")
+
+
+def _after_change(model: nn.Module) -> None:
+    """Record the sparse24 section of a transformers model's config (what save_pretrained writes)."""
+    if _is_transformers_model(model):
+        from .. import hf  # imports transformers: only for transformers models
+        hf.attach(model)
