@@ -1,5 +1,9 @@
 """N:M masks and the compressed 2:4 storage format (pure torch, any device).
 
+(Over 400 lines by design: the bit layout is defined once, here, next to every
+function that writes or reads it: the magnitude masks that choose the slots,
+``compress``, ``to_dense``, ``validate`` and the INT8 values.)
+
 Bit layout of a compressed 2:4 weight ``W`` of logical shape ``(R, C)``
 (R output rows, C input columns, ``C % 4 == 0``). This is the one place the
 layout is defined; the Triton kernels in ``sparse24.kernels`` decode exactly this.

@@ -1,5 +1,7 @@
 """Throughput sweeps: time ``y = x @ W^T`` over batch sizes M for each provider,
-write CSV rows (measurement only; :mod:`sparse24.plot` draws them).
+write CSV rows (measurement only; :mod:`sparse24.plot` draws them). (Just over
+400 lines: the providers, the timer and the CSV schema are one measurement's
+parts and change together.)
 
 Providers (each on the same masked 2:4 weight, one shape and M at a time):
 
