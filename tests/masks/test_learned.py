@@ -41,7 +41,7 @@ def test_final_mask_is_exact_nm_and_the_argmax_pattern(n, m):
     assert torch.equal(mask.view(-1, m).sum(-1), torch.full((13 * 8,), n))  # exactly n in EVERY group
     table = nm_patterns(n, m)
     for r, g in [(0, 0), (5, 3), (12, 7)]:  # independent: the best logit's pattern, group by group
-        best = int(lm.logits[r, g].argmax())
+        best = int(lm.logits[:, r, g].argmax())
         assert torch.equal(mask[r, g * m:(g + 1) * m], table[best])
 
 
@@ -51,7 +51,7 @@ def test_prior_survives_as_the_most_probable_pattern():
     prior = mask_nm(w, 2, 4)
     for conf in (0.5, 3.0):
         assert torch.equal(LearnableMask(w.shape, prior=prior, confidence=conf).hard_mask(), prior)
-    assert torch.equal(LearnableMask(w.shape, prior=prior, confidence=0.0).logits.detach(), torch.zeros(24, 16, 6))
+    assert torch.equal(LearnableMask(w.shape, prior=prior, confidence=0.0).logits.detach(), torch.zeros(6, 24, 16))
 
 
 def test_soft_draws_sum_to_n_per_group_and_hard_draws_are_exact():
@@ -100,7 +100,7 @@ def test_draws_are_deterministic_under_a_seed():
 def test_memory_is_six_floats_per_group_for_a_4096_square_layer(dtype, bytes_per_group):
     lm = LearnableMask((4096, 4096), dtype=dtype, device="meta")  # shapes only: nothing allocated
     groups = 4096 * 4096 // 4
-    assert lm.logits.shape == (4096, 1024, 6) and lm.logits.numel() == 6 * groups
+    assert lm.logits.shape == (6, 4096, 1024) and lm.logits.numel() == 6 * groups
     state = sum(t.numel() * t.element_size() for t in [*lm.parameters(), *lm.buffers()])
     assert state == bytes_per_group * groups + 6 * 4  # + the 6x4 bool pattern table
     assert list(lm.state_dict()) == ["logits"]  # the pattern table is not saved
