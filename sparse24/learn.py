@@ -89,7 +89,10 @@ class _Objective:
     (output loss + ``hidden_weight`` x mean relative MSE of the ``hidden``
     modules' outputs), or both summed. Hooks live until :meth:`close`."""
 
-    def __init__(self, student, teacher, loss_fn, output_loss, hidden, hidden_weight):
+    def __init__(self, student, teacher, loss_fn, output_loss, hidden, hidden_weight, forward=None):
+        if forward is not None and not callable(forward):
+            raise TypeError(f"forward must be callable (model, batch) -> output, got {type(forward).__name__}")
+        self.forward = forward or _call
         if loss_fn is None and teacher is None:
             raise ValueError("nothing to train on: give loss_fn (a task loss) and/or teacher (to distil from)")
         if loss_fn is not None and not callable(loss_fn):
@@ -122,11 +125,11 @@ class _Objective:
         return hook
 
     def __call__(self, batch) -> torch.Tensor:
-        out = _call(self.student, batch)
+        out = self.forward(self.student, batch)
         loss = self.loss_fn(out, batch) if self.loss_fn is not None else 0.0
         if self.teacher is not None:
             with torch.no_grad():
-                ref = _call(self.teacher, batch)
+                ref = self.forward(self.teacher, batch)
             loss = loss + _distill_loss(self.output_loss, _output_tensor(out), _output_tensor(ref))
             if self.hidden and self.hidden_weight:
                 layer = sum(_relative_mse(self._s[h], self._t[h]) for h in self.hidden) / len(self.hidden)
@@ -258,8 +261,9 @@ def learn_masks(model: nn.Module, batches, steps: int, *, loss_fn: Callable | No
                 teacher: nn.Module | None = None, prior: str = "magnitude", calibration: dict | None = None,
                 lr: float = 0.05, tau: tuple[float, float] = (2.0, 0.05), hard_fraction: float = 0.2,
                 noise: float = 1.0, confidence: float = 3.0, magnitude_reg: float = 0.0, train_weights: bool = False,
-                weight_lr: float = 1e-5, output_loss="mse", hidden=(), hidden_weight: float = 1.0,
-                filter_fn=None, min_features: int = MIN_FEATURES, logits_dtype: torch.dtype = torch.float32,
+                weight_lr: float = 1e-5, weight_decay: float = 0.0, betas: tuple = (0.9, 0.999),
+                clip: float | None = None, output_loss="mse", hidden=(), hidden_weight: float = 1.0,
+                forward: Callable | None = None, filter_fn=None, min_features: int = MIN_FEATURES, logits_dtype: torch.dtype = torch.float32,
                 check_batches: int = 4, seed: int = 0, callback: Callable | None = None) -> LearnReport:
     """Learn the 2:4 masks of ``model``'s Linear layers end to end (MaskLLM), in place.
 
@@ -304,9 +308,15 @@ def learn_masks(model: nn.Module, batches, steps: int, *, loss_fn: Callable | No
         hard_fraction: share of the steps, at the end, with hard draws.
         noise: Gumbel noise scale. confidence: prior strength (see LearnableMask).
         magnitude_reg: weight of the kept-magnitude regulariser.
-        train_weights: also train the candidate weights (lr ``weight_lr``).
+        train_weights: also train the candidate weights and every other
+            trainable parameter of ``model`` (biases, norms, embeddings) with lr
+            ``weight_lr`` and AdamW ``weight_decay`` (on matrices only).
+        betas, clip: AdamW betas; gradient-norm clipping of the trained tensors (None: none).
         output_loss: ``"mse"`` (relative), ``"cosine"``, ``"kl"`` or a callable.
         hidden: module names whose outputs are matched layer-wise.
+        forward: ``(model, batch) -> output`` (default: ``model(batch)``,
+            ``model(*batch)`` for a tuple, ``model(**batch)`` for a dict), e.g.
+            to leave the labels of a batch to ``loss_fn``.
         filter_fn, min_features: layer selection as in :func:`sparse24.sparsify_`.
         logits_dtype: ``torch.float32`` or ``torch.bfloat16``...
         check_batches: batches for the final prior-vs-learned check (0: none).
@@ -343,17 +353,20 @@ def learn_masks(model: nn.Module, batches, steps: int, *, loss_fn: Callable | No
             raise ValueError("model already has Sparse24Linear layers: pass teacher= (the dense model) to distil "
                              "from it, and to take the weights the prior pruned from it")
         teacher = copy.deepcopy(model).eval()
-    objective = _Objective(model, teacher, loss_fn, output_loss, hidden, hidden_weight)  # checks before changes
+    if clip is not None and not (isinstance(clip, (int, float)) and clip > 0):
+        raise ValueError(f"clip must be None or a number > 0, got {clip!r}")
+    objective = _Objective(model, teacher, loss_fn, output_loss, hidden, hidden_weight, forward)  # checks first
+    opt_kwargs = {"lr": lr, "weight_lr": weight_lr, "weight_decay": weight_decay, "betas": tuple(betas), "clip": clip}
     try:
-        return _learn(model, batches, steps, objective, teacher, prior, calibration, lr, tau, hard_fraction, noise,
-                      confidence, magnitude_reg, train_weights, weight_lr, filter_fn, min_features, logits_dtype,
+        return _learn(model, batches, steps, objective, teacher, prior, calibration, tau, hard_fraction, noise,
+                      confidence, magnitude_reg, train_weights, opt_kwargs, filter_fn, min_features, logits_dtype,
                       check_batches, seed, callback)
     finally:
         objective.close()
 
 
-def _learn(model, batches, steps, objective, teacher, prior, calibration, lr, tau, hard_fraction, noise, confidence,
-           magnitude_reg, train_weights, weight_lr, filter_fn, min_features, logits_dtype, check_batches, seed,
+def _learn(model, batches, steps, objective, teacher, prior, calibration, tau, hard_fraction, noise, confidence,
+           magnitude_reg, train_weights, opt_kwargs, filter_fn, min_features, logits_dtype, check_batches, seed,
            callback) -> LearnReport:
     # 1. dense weights of the layers about to be pruned (a view of the teacher's when it is our copy)
     t_mods = dict(teacher.named_modules()) if teacher is not None else {}
@@ -397,8 +410,8 @@ def _learn(model, batches, steps, objective, teacher, prior, calibration, lr, ta
     for sp, stand_in in learners.values():
         _replace(slots, sp, stand_in)
     try:
-        _train_masks(model, batches, steps, objective, learners, schedule, lr, tau, hard_fraction, noise,
-                     magnitude_reg, train_weights, weight_lr, check_batches, callback, rep)
+        _train_masks(batches, steps, objective, learners, schedule, tau, hard_fraction, noise, magnitude_reg,
+                     train_weights, opt_kwargs, check_batches, callback, rep)
     finally:
         # 4. write the masks back (also after an error or Ctrl-C: the model stays a valid 2:4 model)
         for fqn, (sp, stand_in) in learners.items():
@@ -413,13 +426,19 @@ def _learn(model, batches, steps, objective, teacher, prior, calibration, lr, ta
     return rep
 
 
-def _train_masks(model, batches, steps, objective, learners, schedule, lr, tau, hard_fraction, noise, magnitude_reg,
-                 train_weights, weight_lr, check_batches, callback, rep) -> None:
+def _train_masks(batches, steps, objective, learners, schedule, tau, hard_fraction, noise, magnitude_reg,
+                 train_weights, opt_kwargs, check_batches, callback, rep) -> None:
     stand_ins = [s for _, s in learners.values()]
-    groups = [{"params": [s.mask.logits for s in stand_ins], "lr": lr, "weight_decay": 0.0}]
-    if train_weights:
-        groups.append({"params": [s.weight for s in stand_ins], "lr": weight_lr, "weight_decay": 0.0})
-    opt = torch.optim.AdamW(groups)
+    groups = [{"params": [s.mask.logits for s in stand_ins], "lr": opt_kwargs["lr"], "weight_decay": 0.0}]
+    if train_weights:  # the candidate weights and every other trainable parameter of the model
+        weights = [s.weight for s in stand_ins]
+        own = {id(p) for p in weights} | {id(s.mask.logits) for s in stand_ins}
+        weights += [p for p in objective.student.parameters() if p.requires_grad and id(p) not in own]
+        for decay in (True, False):  # weight decay on matrices only (not on biases and norms)
+            groups.append({"params": [p for p in weights if (p.dim() >= 2) == decay], "lr": opt_kwargs["weight_lr"],
+                           "weight_decay": opt_kwargs["weight_decay"] if decay else 0.0})
+    params = [p for g in groups for p in g["params"]]
+    opt = torch.optim.AdamW(groups, betas=opt_kwargs["betas"])
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _warmup_cosine(steps, 0.05, 0.1))
     hard_from = steps - round(hard_fraction * steps)
     t0 = time.perf_counter()
@@ -431,6 +450,8 @@ def _train_masks(model, batches, steps, objective, learners, schedule, lr, tau, 
         if magnitude_reg:
             loss = loss - magnitude_reg * sum(s.kept_norm_fraction() for s in stand_ins) / len(stand_ins)
         loss.backward()
+        if opt_kwargs["clip"] is not None:
+            torch.nn.utils.clip_grad_norm_(params, opt_kwargs["clip"])
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
@@ -439,13 +460,13 @@ def _train_masks(model, batches, steps, objective, learners, schedule, lr, tau, 
             callback(step, rep.losses[-1])
     rep.seconds = time.perf_counter() - t0
     if check_batches:
-        rep.learned_loss, rep.prior_loss = (_mean_loss(model, objective, batches, check_batches, schedule, use)
+        rep.learned_loss, rep.prior_loss = (_mean_loss(objective, batches, check_batches, schedule, use)
                                             for use in ("learned", "prior"))
         rep.kept = "learned" if rep.learned_loss <= rep.prior_loss else "prior"
 
 
 @torch.no_grad()
-def _mean_loss(model, objective, batches, k, schedule, use) -> float:
+def _mean_loss(objective, batches, k, schedule, use) -> float:
     schedule.use = use
     losses = [float(objective(b)) for b in _batch_stream(batches, k)]
     return sum(losses) / len(losses)
@@ -468,7 +489,8 @@ class DistillReport:
 def distill_(model: nn.Module, batches, steps: int, *, teacher: nn.Module | None = None,
              loss_fn: Callable | None = None, lr: float = 5e-4, warmup: float = 0.02, final_lr: float = 0.0,
              weight_decay: float = 0.0, clip: float | None = 1.0, output_loss="mse", hidden=(),
-             hidden_weight: float = 1.0, parameters=None, callback: Callable | None = None) -> DistillReport:
+             hidden_weight: float = 1.0, parameters=None, forward: Callable | None = None,
+             callback: Callable | None = None) -> DistillReport:
     """Retrain a 2:4 model with its masks frozen (the recovery recipe), in place.
 
     ``Sparse24Linear`` masked layers keep their pruned weights at exactly zero
@@ -489,6 +511,7 @@ def distill_(model: nn.Module, batches, steps: int, *, teacher: nn.Module | None
         output_loss: ``"mse"`` (relative), ``"cosine"``, ``"kl"`` or a callable.
         hidden: names of modules (in both models) whose outputs are matched.
         parameters: the parameters to train (default: every trainable one of ``model``).
+        forward: ``(model, batch) -> output`` (default as in :func:`learn_masks`).
         callback: ``callback(step, loss)`` after each step.
     Returns:
         :class:`DistillReport`.
@@ -512,7 +535,7 @@ def distill_(model: nn.Module, batches, steps: int, *, teacher: nn.Module | None
     params = [p for p in (model.parameters() if parameters is None else parameters) if p.requires_grad]
     if not params:
         raise ValueError("no trainable parameters")
-    objective = _Objective(model, teacher, loss_fn, output_loss, hidden, hidden_weight)
+    objective = _Objective(model, teacher, loss_fn, output_loss, hidden, hidden_weight, forward)
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _warmup_cosine(steps, warmup, final_lr))
     rep = DistillReport()

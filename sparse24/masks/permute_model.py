@@ -335,14 +335,16 @@ def permute_model_(model: nn.Module, groups: list, score: str = "magnitude", cal
     with torch.no_grad():
         for g, H in zip(groups, sizes):
             S = group_importance(model, g, score, calibration)
-            blk = g.block or H
-            parts = []
-            for b in range(0, H, blk):
-                sub = S[:, b:b + blk]
-                perm = (search_permutation(sub.float(), n, m, time_limit=time_limit, max_iters=max_iters, seed=seed,
-                                           progress=progress) if blk % m == 0 else torch.arange(blk))
-                parts.append(b + perm.cpu())
-            perm = torch.cat(parts)
+            if g.block is None:
+                perm = search_permutation(S.float(), n, m, time_limit=time_limit, max_iters=max_iters, seed=seed,
+                                          progress=progress)
+            elif g.block % m == 0 and g.block >= 2 * m:
+                # One window per block, never re-drawn: all blocks searched side by side, none mixed.
+                perm = search_permutation(S.float(), n, m, time_limit=time_limit, max_iters=max_iters, seed=seed,
+                                          progress=progress, window=g.block, round_iters=(max_iters or 1 << 62) + 1)
+            else:  # blocks of one group (or not made of whole groups): no permutation changes the masks
+                perm = torch.arange(H)
+            perm = perm.cpu()
             kept = lambda A: float(A.reshape(A.shape[0], -1, m).topk(n, dim=-1).values.sum())  # noqa: E731
             base = kept(S)
             gains[g.name or ",".join(g.consumers)] = kept(S[:, perm.to(S.device)]) / base - 1 if base else 0.0
