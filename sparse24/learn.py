@@ -260,7 +260,7 @@ class _MaskLearningLinear(nn.Module):
 def learn_masks(model: nn.Module, batches, steps: int, *, loss_fn: Callable | None = None,
                 teacher: nn.Module | None = None, prior: str = "magnitude", calibration: dict | None = None,
                 lr: float = 0.05, tau: tuple[float, float] = (2.0, 0.05), hard_fraction: float = 0.2,
-                noise: float = 1.0, confidence: float = 3.0, magnitude_reg: float = 0.0, train_weights: bool = False,
+                noise=(1.0, 0.05), confidence: float = 3.0, magnitude_reg: float = 0.0, train_weights: bool = False,
                 weight_lr: float = 1e-5, weight_decay: float = 0.0, betas: tuple = (0.9, 0.999),
                 clip: float | None = None, output_loss="mse", hidden=(), hidden_weight: float = 1.0,
                 forward: Callable | None = None, filter_fn=None, min_features: int = MIN_FEATURES, logits_dtype: torch.dtype = torch.float32,
@@ -279,9 +279,11 @@ def learn_masks(model: nn.Module, batches, steps: int, *, loss_fn: Callable | No
        first; or from ``teacher``'s layer of the same name).
     3. ``steps`` optimisation steps (AdamW on the logits, 5% warmup, cosine to
        10%): the forward uses ``W * m`` with ``m`` a Gumbel-softmax draw at
-       temperature falling geometrically from ``tau[0]`` to ``tau[1]``; the last
-       ``hard_fraction`` of the steps draw hard one-hot masks with
-       straight-through gradients. Loss: ``loss_fn(output, batch)`` and/or
+       temperature falling geometrically from ``tau[0]`` to ``tau[1]`` and
+       Gumbel noise scaled from ``noise[0]`` to ``noise[1]`` the same way (so
+       the draws settle on the most probable patterns, the masks the model will
+       keep, as MaskLLM's logit scaling does); the last ``hard_fraction`` of
+       the steps draw hard one-hot masks with straight-through gradients. Loss: ``loss_fn(output, batch)`` and/or
        distillation from the teacher (``output_loss`` on the outputs +
        ``hidden_weight`` x relative MSE of the ``hidden`` modules' outputs),
        minus ``magnitude_reg`` x the mean fraction of ``||W||^2`` the expected
@@ -306,7 +308,8 @@ def learn_masks(model: nn.Module, batches, steps: int, *, loss_fn: Callable | No
             ``calibration`` from ``sparse24.calibrate(model, ...)``).
         lr: logits learning rate. tau: ``(start, end)`` temperatures.
         hard_fraction: share of the steps, at the end, with hard draws.
-        noise: Gumbel noise scale. confidence: prior strength (see LearnableMask).
+        noise: ``(start, end)`` Gumbel noise scales, or one number for a
+            constant scale. confidence: prior strength (see LearnableMask).
         magnitude_reg: weight of the kept-magnitude regulariser.
         train_weights: also train the candidate weights and every other
             trainable parameter of ``model`` (biases, norms, embeddings) with lr
@@ -340,7 +343,11 @@ def learn_masks(model: nn.Module, batches, steps: int, *, loss_fn: Callable | No
         raise ValueError(f"tau must be (start, end) temperatures > 0, got {tau!r}")
     if not (isinstance(hard_fraction, (int, float)) and 0 <= hard_fraction <= 1):
         raise ValueError(f"hard_fraction must be in [0, 1], got {hard_fraction!r}")
-    for name, v in (("noise", noise), ("magnitude_reg", magnitude_reg)):
+    noise = (noise, noise) if isinstance(noise, (int, float)) and not isinstance(noise, bool) else noise
+    if (not isinstance(noise, (tuple, list)) or len(noise) != 2
+            or not all(isinstance(v, (int, float)) and 0 <= v < math.inf for v in noise)):
+        raise ValueError(f"noise must be a number >= 0 or (start, end) numbers >= 0, got {noise!r}")
+    for name, v in (("magnitude_reg", magnitude_reg),):
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < math.inf:
             raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
     if isinstance(check_batches, bool) or not isinstance(check_batches, int) or check_batches < 0:
@@ -445,7 +452,9 @@ def _train_masks(batches, steps, objective, learners, schedule, tau, hard_fracti
     for step, batch in enumerate(_batch_stream(batches, steps)):
         frac = step / max(1, steps - 1)
         schedule.tau = tau[0] * (tau[1] / tau[0]) ** frac  # geometric: equal time per decade
-        schedule.hard, schedule.noise, schedule.use = step >= hard_from, noise, "sample"
+        schedule.noise = (noise[0] * (noise[1] / noise[0]) ** frac if min(noise) > 0
+                          else noise[0] + (noise[1] - noise[0]) * frac)
+        schedule.hard, schedule.use = step >= hard_from, "sample"
         loss = objective(batch)
         if magnitude_reg:
             loss = loss - magnitude_reg * sum(s.kept_norm_fraction() for s in stand_ins) / len(stand_ins)
