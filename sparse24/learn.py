@@ -171,6 +171,17 @@ def _check_steps(steps) -> int:
     return steps
 
 
+def _optimizer_step(loss: torch.Tensor, params: list, clip: float | None, opt, sched) -> float:
+    """One training step: backward, optional gradient-norm clipping, step, schedule, zero; the loss value."""
+    loss.backward()
+    if clip is not None:
+        torch.nn.utils.clip_grad_norm_(params, clip)
+    opt.step()
+    sched.step()
+    opt.zero_grad(set_to_none=True)
+    return loss.item()
+
+
 def _warmup_cosine(steps: int, warmup: float, floor: float):
     """LR factor: linear warmup over ``warmup * steps``, then cosine from 1 down to ``floor``."""
     w = max(1, round(warmup * steps))
@@ -458,13 +469,7 @@ def _train_masks(batches, steps, objective, learners, schedule, tau, hard_fracti
         loss = objective(batch)
         if magnitude_reg:
             loss = loss - magnitude_reg * sum(s.kept_norm_fraction() for s in stand_ins) / len(stand_ins)
-        loss.backward()
-        if opt_kwargs["clip"] is not None:
-            torch.nn.utils.clip_grad_norm_(params, opt_kwargs["clip"])
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
-        rep.losses.append(loss.item())
+        rep.losses.append(_optimizer_step(loss, params, opt_kwargs["clip"], opt, sched))
         if callback is not None:
             callback(step, rep.losses[-1])
     rep.seconds = time.perf_counter() - t0
@@ -551,14 +556,7 @@ def distill_(model: nn.Module, batches, steps: int, *, teacher: nn.Module | None
     t0 = time.perf_counter()
     try:
         for step, batch in enumerate(_batch_stream(batches, steps)):
-            loss = objective(batch)
-            loss.backward()
-            if clip is not None:
-                torch.nn.utils.clip_grad_norm_(params, clip)
-            opt.step()
-            sched.step()
-            opt.zero_grad(set_to_none=True)
-            rep.losses.append(loss.item())
+            rep.losses.append(_optimizer_step(objective(batch), params, clip, opt, sched))
             if callback is not None:
                 callback(step, rep.losses[-1])
     finally:
