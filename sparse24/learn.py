@@ -325,7 +325,8 @@ def learn_masks(model: nn.Module, batches, steps: int, *, loss_fn: Callable | No
         train_weights: also train the candidate weights and every other
             trainable parameter of ``model`` (biases, norms, embeddings) with lr
             ``weight_lr`` and AdamW ``weight_decay`` (on matrices only).
-        betas, clip: AdamW betas; gradient-norm clipping of the trained tensors (None: none).
+        betas, clip: AdamW betas; gradient-norm clipping (None: none) of the weights when they
+            train, else of the logits.
         output_loss: ``"mse"`` (relative), ``"cosine"``, ``"kl"`` or a callable.
         hidden: module names whose outputs are matched layer-wise.
         forward: ``(model, batch) -> output`` (default: ``model(batch)``,
@@ -455,7 +456,9 @@ def _train_masks(batches, steps, objective, learners, schedule, tau, hard_fracti
         for decay in (True, False):  # weight decay on matrices only (not on biases and norms)
             groups.append({"params": [p for p in weights if (p.dim() >= 2) == decay], "lr": opt_kwargs["weight_lr"],
                            "weight_decay": opt_kwargs["weight_decay"] if decay else 0.0})
-    params = [p for g in groups for p in g["params"]]
+    # Clip what the model trains (the weights when they train): the logits' gradients would otherwise
+    # shrink the weights' steps, and Adam's per-logit scaling makes clipping them moot.
+    params = [p for g in groups[1:] for p in g["params"]] or groups[0]["params"]
     opt = torch.optim.AdamW(groups, betas=opt_kwargs["betas"])
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _warmup_cosine(steps, 0.05, 0.1))
     hard_from = steps - round(hard_fraction * steps)

@@ -90,6 +90,10 @@ def test_report_memory_and_what_stays_usable():
     assert "learned over 3 steps" in str(rep)
     x = data[0]
     y = model(x)
+    fresh = copy.deepcopy(dense)
+    sparsify_(fresh)  # a checkpoint of the learned model loads into any masked 2:4 copy of the architecture
+    fresh.load_state_dict(model.state_dict())
+    assert torch.equal(fresh(x), y)
     compress_(model)  # the learned masks live in ordinary Sparse24Linear layers
     torch.testing.assert_close(model(x), y, rtol=1e-5, atol=1e-5)
     assert not any(isinstance(m, nn.Linear) for m in model.modules())
