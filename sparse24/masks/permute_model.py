@@ -294,8 +294,9 @@ def permute_model_(model: nn.Module, groups: list, score: str = "magnitude", cal
     ``calibration`` (``{fqn: LayerStats}``) is updated in place so it
     describes the permuted model (the consumers' input statistics are
     permuted too). With ``example``, the outputs before and after are
-    compared and everything is undone if they differ (a group that was not
-    exact).
+    compared (to 1e-4 of the largest output, 1e-9 in float64) and everything
+    is undone if they differ (a group that was not exact); this keeps one
+    copy of the model's state during the call.
 
     Args:
         model: the dense model, before pruning.
@@ -328,7 +329,9 @@ def permute_model_(model: nn.Module, groups: list, score: str = "magnitude", cal
             if missing or (score == "sparsegpt" and any(calibration[c].xtx is None for c in g.consumers)):
                 raise ValueError(f"group {g.name!r}: no calibration statistics{' with a Hessian' if not missing else ''}"
                                  f" for {missing or g.consumers} (calibrate(..., hessian=True) for sparsegpt)")
-    before = _run(model, example) if example is not None else None
+    with torch.no_grad():
+        before = _run(model, example) if example is not None else None
+    # to undo everything if the outputs change: one copy of the model's state while searching
     state = {k: v.clone() for k, v in model.state_dict().items()} if example is not None else None
     stats_before = {k: copy.copy(v) for k, v in (calibration or {}).items()}
     gains = {}
