@@ -478,15 +478,15 @@ def main(argv: list[str] | None = None) -> None:
     # Steps: the previous table's 600 x 32 sentences took 28 min on its own on a quieter machine; at the load
     # of late 2026 (load average 6-10 from other jobs) a step here takes 2-4x as long, so both recipes get
     # 400 x 16 sentences (a third of it) to keep the whole table under 40 minutes.
-    ap.add_argument("--learn-steps", type=int, default=250)
+    ap.add_argument("--learn-steps", type=int, default=200)
     ap.add_argument("--learn-lr", type=float, default=0.1)
     ap.add_argument("--tau", type=float, nargs=2, default=(1.0, 0.05))
     ap.add_argument("--hard-fraction", type=float, default=0.2)
     ap.add_argument("--confidence", type=float, default=3.0)
     ap.add_argument("--learn-hidden", type=float, default=1.0, help="weight of the layer-wise loss while learning")
-    ap.add_argument("--distill-steps", type=int, default=150)
+    ap.add_argument("--distill-steps", type=int, default=200)
     ap.add_argument("--distill-lr", type=float, default=5e-4)
-    ap.add_argument("--distill-hidden", type=float, default=0.0, help="weight of the layer-wise distillation loss")
+    ap.add_argument("--distill-hidden", type=float, default=0.1, help="weight of the layer-wise distillation loss")
     ap.add_argument("--perm-iters", type=int, default=300, help="permutation search steps per group")
     ap.add_argument("--max-len", type=int, default=128)
     ap.add_argument("--threads", type=int, default=1, help="torch threads per worker (2 workers)")
