@@ -32,8 +32,9 @@ the same calibration sentences and the same training sentences:
   the permuted SparseGPT masks, distilled from the dense model;
 * the recovery recipe (``sparse24.distill_``): the learned-mask model
   retrained with its masks frozen toward the dense model, output + layer-wise
-  losses; and, for comparison at the same number of distillation steps, the
-  previous recipe (SparseGPT + distillation on the output only).
+  losses; and, for comparison with as many steps on the same sentences as
+  both phases together, the previous recipe (SparseGPT + distillation on the
+  output only), in a second worker process.
 
 Usage:
     python scripts/eval_minilm.py                 # writes results/minilm/table.md + table.csv
