@@ -304,7 +304,10 @@ def learn_masks(model: nn.Module, batches, steps: int, *, loss_fn: Callable | No
        the loss of the learned and of the prior masks is compared on the first
        ``check_batches`` batches and the prior is restored if it was lower.
 
-    Memory: the logits are ``(R, C/4, 6)`` per layer in ``logits_dtype``, 6
+    The model and the teacher run in the train/eval mode they are in (call
+    ``.eval()`` to switch dropout off); the default teacher is in eval mode.
+
+    Memory: the logits are ``(6, R, C/4)`` per layer in ``logits_dtype``, 6
     floats per group (24 B per 4 weights in fp32; AdamW adds 2 more per logit),
     plus a dense copy of the selected weights (the default teacher).
 
@@ -513,7 +516,8 @@ def distill_(model: nn.Module, batches, steps: int, *, teacher: nn.Module | None
     ``Sparse24Linear`` masked layers keep their pruned weights at exactly zero
     through any optimizer, so this trains every given parameter freely: AdamW,
     linear warmup over ``warmup * steps`` steps, cosine decay to
-    ``final_lr * lr``, gradient clipping. Loss: ``loss_fn(output, batch)``
+    ``final_lr * lr``, gradient clipping; the models run in the mode they are
+    in (``.eval()`` switches dropout off). Loss: ``loss_fn(output, batch)``
     and/or distillation from ``teacher`` (``output_loss`` on the outputs plus
     ``hidden_weight`` x the relative MSE of the ``hidden`` modules' outputs,
     averaged over those modules).
