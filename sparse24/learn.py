@@ -21,6 +21,7 @@ distillation loss if a teacher is given (the default teacher of
 from __future__ import annotations
 
 import copy
+import itertools
 import math
 import time
 from dataclasses import dataclass, field
@@ -147,9 +148,8 @@ class _Objective:
 
 
 def _batch_stream(batches, steps: int):
-    """Yield ``steps`` batches, starting over when a re-iterable runs out."""
-    if isinstance(batches, torch.Tensor) or batches is None:
-        raise TypeError("batches must be an iterable of batches (a list of tensors, tuples or dicts)")
+    """Yield ``steps`` batches (``batches`` checked by :func:`_nonempty`), starting over when a
+    re-iterable runs out."""
     reiterable = iter(batches) is not batches
     it, given = iter(batches), 0
     for _ in range(steps):
@@ -163,6 +163,19 @@ def _batch_stream(batches, steps: int):
             b = next(it)
         given += 1
         yield b
+
+
+def _nonempty(batches):
+    """``batches`` after checking, without losing anything, that it yields at least one batch."""
+    if isinstance(batches, torch.Tensor) or batches is None or not hasattr(batches, "__iter__"):
+        raise TypeError("batches must be an iterable of batches (a list of tensors, tuples or dicts)")
+    if iter(batches) is batches:  # an iterator: take the first batch and put it back in front
+        first = next(batches, None)
+        if first is not None:
+            return itertools.chain([first], batches)
+    elif next(iter(batches), None) is not None:
+        return batches
+    raise ValueError("batches is empty")
 
 
 def _check_steps(steps) -> int:
@@ -365,10 +378,15 @@ def learn_masks(model: nn.Module, batches, steps: int, *, loss_fn: Callable | No
     for name, v in (("magnitude_reg", magnitude_reg),):
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < math.inf:
             raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
+    if isinstance(confidence, bool) or not isinstance(confidence, (int, float)) or not 0 <= confidence < math.inf:
+        raise ValueError(f"confidence must be a finite number >= 0, got {confidence!r}")
+    if logits_dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+        raise TypeError(f"logits_dtype must be a floating dtype, got {logits_dtype!r}")
     if isinstance(check_batches, bool) or not isinstance(check_batches, int) or check_batches < 0:
         raise ValueError(f"check_batches must be an int >= 0, got {check_batches!r}")
     if isinstance(prior, str) and prior not in ("magnitude", "wanda", "sparsegpt"):
         raise ValueError(f"prior must be 'magnitude', 'wanda' or 'sparsegpt', got {prior!r}")
+    batches = _nonempty(batches)
     own_teacher = teacher is None and loss_fn is None
     if own_teacher:
         if any(isinstance(m, Sparse24Linear) for m in model.modules()):
@@ -553,6 +571,7 @@ def distill_(model: nn.Module, batches, steps: int, *, teacher: nn.Module | None
             raise ValueError(f"{name} must be in [0, 1], got {v!r}")
     if clip is not None and not (isinstance(clip, (int, float)) and clip > 0):
         raise ValueError(f"clip must be None or a number > 0, got {clip!r}")
+    batches = _nonempty(batches)
     params = [p for p in (model.parameters() if parameters is None else parameters) if p.requires_grad]
     if not params:
         raise ValueError("no trainable parameters")

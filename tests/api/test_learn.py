@@ -127,12 +127,20 @@ def test_bad_input_raises_and_changes_nothing():
                              ({"hard_fraction": 2}, ValueError, "hard_fraction"),
                              ({"output_loss": "l1"}, ValueError, "output_loss"),
                              ({"hidden": ["nope"]}, ValueError, "hidden modules"),
-                             ({"loss_fn": 3}, TypeError, "loss_fn")]:
+                             ({"loss_fn": 3}, TypeError, "loss_fn"), ({"confidence": -1}, ValueError, "confidence"),
+                             ({"logits_dtype": torch.int8}, TypeError, "logits_dtype"),
+                             ({"noise": (1.0, -1.0)}, ValueError, "noise"), ({"clip": 0}, ValueError, "clip")]:
         kw = {"steps": 2, **kwargs}
         with pytest.raises(err, match=msg):
             learn_masks(dense, data, **kw)
         assert all(type(m) is type(b) for m, b in zip(dense.modules(), before.modules()))
         assert all(torch.equal(p, q) for p, q in zip(dense.parameters(), before.parameters()))
+    for empty in ([], iter([])):
+        with pytest.raises(ValueError, match="batches is empty"):
+            learn_masks(dense, empty, steps=2)
+    with pytest.raises(TypeError, match="iterable of batches"):
+        learn_masks(dense, data[0], steps=2)
+    assert all(type(m) is type(b) for m, b in zip(dense.modules(), before.modules()))
     sparse = copy.deepcopy(dense)
     sparsify_(sparse)
     with pytest.raises(ValueError, match="pass teacher="):
