@@ -3,8 +3,8 @@
 Layers, bottom to top: ``format`` (masks, compressed layout; ``quant``, INT8,
 and ``interop``, torch's 2:4 tensors, beside it) -> ``kernels`` (Triton) ->
 ``ops`` (launchers, references, backend choice) -> ``nn`` (modules) ->
-``api``, ``masks``, ``recipes`` (whole-model swaps, mask methods, pruning
-recipes) -> tools (``tuning``, ``bench``, ``plot``, ``demo``, CLI).
+``api``, ``masks``, ``recipes``, ``learn`` (whole-model swaps, mask methods,
+pruning recipes, learned masks and distillation) -> tools (``tuning``, ``bench``, ``plot``, ``demo``, CLI).
 """
 import importlib
 import os
@@ -27,6 +27,9 @@ _LAZY = {
     "kept_magnitude_fraction": "masks", "prune_nm": "masks", "PruneResult": "masks",
     "sparsegpt_prune": "masks", "prune_layerwise_": "masks", "LayerStats": "masks",
     "GradualPruner": "recipes", "SRSTE": "recipes",
+    "learn_masks": "learn", "distill_": "learn", "LearnableMask": "masks",
+    "PermutationGroup": "masks", "find_permutation_groups": "masks", "check_group": "masks",
+    "permute_model_": "masks",
     "quantize_values": "format", "sqnr_db": "quant",
     "to_semi_structured": "interop", "from_semi_structured": "interop",
     "to_cutlass_layout": "interop", "from_cutlass_layout": "interop",

@@ -6,6 +6,9 @@
 * :class:`SRSTE`: training N:M sparse weights from scratch with the
   sparse-refined straight-through estimator of Zhou et al. (2021, "Learning
   N:M fine-grained structured sparse neural networks from scratch").
+* :func:`learn_masks` and :func:`distill_` (defined in :mod:`sparse24.learn`,
+  re-exported here): learned 2:4 masks (MaskLLM) and the frozen-mask
+  distillation recipe for pretrained models.
 
 Both work on the ``torch.nn.Linear`` layers of a model (chosen by
 ``filter_fn(module, fqn) -> bool``) and keep the dense weights as ordinary
@@ -24,8 +27,9 @@ from torch.nn.utils import parametrize
 
 from ._checks import check_model
 from .format import mask_nm
+from .learn import distill_, learn_masks
 
-__all__ = ["GradualPruner", "SRSTE"]
+__all__ = ["GradualPruner", "SRSTE", "learn_masks", "distill_"]
 
 FilterFn = Callable[[nn.Module, str], bool]
 

@@ -16,7 +16,7 @@ LAYERS = {
     "sparse24.kernels": 3,                                                            # Triton only
     "sparse24.ops": 4,                                                                # launch, op, configs
     "sparse24.nn": 5,                                                                 # modules
-    "sparse24.api": 6, "sparse24.recipes": 6,                                         # whole models
+    "sparse24.api": 6, "sparse24.recipes": 6, "sparse24.learn": 6,                    # whole models
     "sparse24.hf": 6, "sparse24.lora": 6,                 # transformers save/load, PEFT LoRA (api -> hf -> lora)
     "sparse24.tools": 7,                                                              # tuning, bench, plot, cli
     # old import paths of the tools: aliases of the same module objects

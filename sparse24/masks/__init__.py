@@ -1,14 +1,20 @@
 """Better N:M masks (layer 2, above the storage format): per-tensor methods
 (:mod:`~sparse24.masks.nm`: magnitude, Wanda, SparseGPT, 2-D transposable),
-model-wide calibration and layer-by-layer pruning
-(:mod:`~sparse24.masks.calibrate`), and input-channel permutations
-(:mod:`~sparse24.masks.permutation`). Pure torch, any device.
+learnable masks (:mod:`~sparse24.masks.learned`, MaskLLM's
+per-group pattern logits), model-wide calibration and layer-by-layer pruning
+(:mod:`~sparse24.masks.calibrate`), input-channel permutations
+(:mod:`~sparse24.masks.permutation`) and their model-wide use with calibrated
+importance (:mod:`~sparse24.masks.permute_model`). Pure torch, any device.
 """
 from .calibrate import calibrate, prune_layerwise_
+from .learned import LearnableMask, nm_patterns
 from .nm import METHODS, LayerStats, PruneResult, kept_magnitude_fraction, mask_nm, prune_nm
 from .permutation import apply_permutation, search_permutation
+from .permute_model import PermutationGroup, check_group, find_permutation_groups, group_importance, permute_model_
 from .sparsegpt import sparsegpt_prune
 from .two_d import block_patterns
 
 __all__ = ["METHODS", "mask_nm", "prune_nm", "PruneResult", "kept_magnitude_fraction", "sparsegpt_prune",
-           "LayerStats", "calibrate", "prune_layerwise_", "block_patterns", "search_permutation", "apply_permutation"]
+           "LayerStats", "calibrate", "prune_layerwise_", "block_patterns", "search_permutation", "apply_permutation",
+           "LearnableMask", "nm_patterns", "PermutationGroup", "check_group", "find_permutation_groups",
+           "group_importance", "permute_model_"]

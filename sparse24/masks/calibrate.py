@@ -12,8 +12,12 @@ from .nm import METHODS, LayerStats, PruneResult, prune_nm
 __all__ = ["calibrate", "prune_layerwise_"]
 
 
+class _StopForward(Exception):
+    """Raised by a calibration hook to end a forward pass early (``stop_early``)."""
+
+
 def calibrate(model: nn.Module, batches, hessian: bool = False, filter_fn=None, device=None,
-              dtype: torch.dtype = torch.float64) -> dict[str, LayerStats]:
+              dtype: torch.dtype = torch.float64, stop_early: bool = False) -> dict[str, LayerStats]:
     """Run ``model`` on ``batches`` and collect per-input-channel statistics of every ``nn.Linear``.
 
     The model runs in eval mode under ``torch.no_grad()`` (its train/eval
@@ -29,6 +33,9 @@ def calibrate(model: nn.Module, batches, hessian: bool = False, filter_fn=None, 
         filter_fn: optional ``(module, fqn) -> bool`` selecting the layers.
         device: move every tensor of a batch there first (default: leave as is).
         dtype: accumulation dtype (fp64 default; use fp32 on devices without fp64).
+        stop_early: end each forward pass as soon as every selected layer has
+            seen its input (the rest of the model is not run; only for models
+            that call each selected layer once per forward).
     Returns:
         ``{fqn: LayerStats}`` for each Linear that saw at least one input,
         ``fqn`` as in ``model.named_modules()``.
@@ -54,7 +61,12 @@ def calibrate(model: nn.Module, batches, hessian: bool = False, filter_fn=None, 
             s.count += x.shape[0]
             if s.xtx is not None:
                 s.xtx.addmm_(x.t(), x)
+            seen.add(fqn)
+            if stop_early and len(seen) == len(handles):
+                raise _StopForward
         return hook
+
+    seen: set[str] = set()
 
     handles, modes = [], [(mod, mod.training) for mod in model.modules()]
     try:
@@ -65,12 +77,16 @@ def calibrate(model: nn.Module, batches, hessian: bool = False, filter_fn=None, 
         with torch.no_grad():
             for b in batches:
                 b = _to_device(b, device)
-                if isinstance(b, dict):
-                    model(**b)
-                elif isinstance(b, (tuple, list)):
-                    model(*b)
-                else:
-                    model(b)
+                seen.clear()
+                try:
+                    if isinstance(b, dict):
+                        model(**b)
+                    elif isinstance(b, (tuple, list)):
+                        model(*b)
+                    else:
+                        model(b)
+                except _StopForward:
+                    pass
     finally:
         for h in handles:
             h.remove()
@@ -88,7 +104,9 @@ def prune_layerwise_(model: nn.Module, batches, n: int = 2, m: int = 4, method: 
     This is how SparseGPT (and Wanda) prune a pretrained model: a layer's
     reconstruction then also absorbs the error of the earlier pruned layers.
     Layers run in the order of their first call in a forward pass of the first
-    batch; each costs one more pass over ``batches``. The weights stay in the
+    batch; each costs one more pass over ``batches``, shared by consecutive
+    layers that read the same input tensor (a transformer's q, k, v), and cut
+    short after the layer when every layer is called once per forward. The weights stay in the
     ``nn.Linear`` modules (zeros off the mask); convert them afterwards with
     ``sparse24.sparsify_(model)``, whose magnitude mask keeps exactly these
     non-zeros.
@@ -118,10 +136,16 @@ def prune_layerwise_(model: nn.Module, batches, n: int = 2, m: int = 4, method: 
     first = next(iter(batches), None)
     if first is None:
         raise ValueError("batches is empty: prune_layerwise_ needs calibration inputs")
-    order: list[str] = []
     names = {mod: fqn for fqn, mod in model.named_modules()
              if isinstance(mod, nn.Linear) and mod.in_features % m == 0 and (filter_fn is None or filter_fn(mod, fqn))}
-    record = lambda mod, args: order.append(names[mod]) if names[mod] not in order else None  # noqa: E731
+    # (layer, reads the same input tensor as the call before) in call order, first batch; only the
+    # last input is held, so no activation beyond one is kept alive
+    calls: list[tuple[str, bool]] = []
+    last = [None]
+
+    def record(mod, args):
+        calls.append((names[mod], args[0] is last[0]))
+        last[0] = args[0]
     handles = [mod.register_forward_pre_hook(record) for mod in names]
     try:
         # one batch, only to learn the call order (no statistics collected)
@@ -129,18 +153,33 @@ def prune_layerwise_(model: nn.Module, batches, n: int = 2, m: int = 4, method: 
     finally:
         for h in handles:
             h.remove()
+    once = len({fqn for fqn, _ in calls}) == len(calls)  # every layer called once per forward
+    # Waves: consecutive layers reading the very same input tensor (q, k, v) are pruned together,
+    # with one pass; each pass stops at the wave when layers are called once per forward.
+    waves: list[list[str]] = []
+    seen: set[str] = set()
+    for fqn, same_input in calls:
+        if fqn in seen:
+            continue
+        seen.add(fqn)
+        if once and waves and same_input:
+            waves[-1].append(fqn)
+        else:
+            waves.append([fqn])
+    last[0] = None
     results: dict[str, PruneResult] = {}
     layers = dict(model.named_modules())
-    for fqn in order:
-        stats = calibrate(model, batches, hessian=method == "sparsegpt", device=device,
-                          filter_fn=lambda mod, name, fqn=fqn: name == fqn)
-        if fqn not in stats:
-            raise ValueError(f"layer {fqn!r} received no input rows from batches: nothing to calibrate it on")
-        lin = layers[fqn]
-        r = prune_nm(lin.weight, n, m, method, calibration=stats[fqn], **kwargs)
-        with torch.no_grad():
-            lin.weight.copy_(r.weight)
-        results[fqn] = r
+    for wave in waves:
+        stats = calibrate(model, batches, hessian=method == "sparsegpt", device=device, stop_early=once,
+                          filter_fn=lambda mod, name, wave=wave: name in wave)
+        for fqn in wave:
+            if fqn not in stats:
+                raise ValueError(f"layer {fqn!r} received no input rows from batches: nothing to calibrate it on")
+            lin = layers[fqn]
+            r = prune_nm(lin.weight, n, m, method, calibration=stats[fqn], **kwargs)
+            with torch.no_grad():
+                lin.weight.copy_(r.weight)
+            results[fqn] = r
     return results
 
 

@@ -1,5 +1,6 @@
 """Mask methods, calibration and permutations against independent references:
 brute-force enumerations, hand-computed statistics, dense fp64 products."""
+import copy
 import functools
 import itertools
 import math
@@ -502,3 +503,44 @@ def test_permutation_edge_cases():
     with pytest.raises(ValueError, match="producer's weight is parametrized"):
         apply_permutation(mlp[0], mlp[2], torch.randperm(16))
     assert all(torch.equal(a, b) for a, b in zip(before, mlp.parameters()))
+
+
+class _ThreeHeads(nn.Module):
+    """q, k, v read the same input (one wave), then an output layer reads their sum."""
+
+    def __init__(self, twice=False):
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(16, 16) for _ in range(4))
+        self.twice = twice
+
+    def forward(self, x):
+        h = torch.relu(self.q(x)) + torch.relu(self.k(x)) * self.v(x)
+        out = self.o(h)
+        return self.o(torch.tanh(out)) if self.twice else out  # twice: o is called two times per forward
+
+
+@pytest.mark.parametrize("twice", [False, True])
+def test_prune_layerwise_waves_match_one_layer_at_a_time(twice):
+    torch.manual_seed(7)
+    net = _ThreeHeads(twice).double()
+    ref = copy.deepcopy(net)
+    batches = [torch.randn(40, 16, dtype=torch.float64) for _ in range(2)]
+    results = prune_layerwise_(net, batches, method="sparsegpt", blocksize=8)
+    assert list(results) == ["q", "k", "v", "o"]
+    for fqn in ["q", "k", "v", "o"]:  # the reference: a full pass per layer, in call order
+        stats = calibrate(ref, batches, hessian=True, filter_fn=lambda mod, name, fqn=fqn: name == fqn)
+        lin = ref.get_submodule(fqn)
+        with torch.no_grad():
+            lin.weight.copy_(sparsegpt_prune(lin.weight, stats[fqn].hessian, blocksize=8)[0])
+        torch.testing.assert_close(net.get_submodule(fqn).weight, lin.weight, rtol=1e-9, atol=1e-9)
+
+
+def test_calibrate_stop_early_skips_the_rest_of_the_forward():
+    net = _ThreeHeads().double()
+    ran = []
+    net.o.register_forward_pre_hook(lambda mod, args: ran.append(1))
+    x = torch.randn(8, 16, dtype=torch.float64)
+    early = calibrate(net, [x, x], filter_fn=lambda mod, name: name in ("q", "k"), stop_early=True)
+    assert not ran and set(early) == {"q", "k"}  # o never ran
+    full = calibrate(net, [x, x], filter_fn=lambda mod, name: name in ("q", "k"))
+    assert len(ran) == 2 and all(torch.equal(early[k].sq_sum, full[k].sq_sum) for k in early)

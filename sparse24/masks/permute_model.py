@@ -1,0 +1,368 @@
+"""Model-wide channel permutations driven by calibrated importance.
+
+A :class:`PermutationGroup` names every tensor that indexes one set of hidden
+channels: the Linears that read them (``consumers``: their input columns, the
+2:4 groups a permutation improves), the Linears that write them
+(``producers``: output rows and bias, or a slice of rows for a fused QKV), and
+any other parameter laid out along them (LayerNorm weight and bias, embedding
+columns). Permuting all of them by the same permutation leaves the model's
+function unchanged when nothing else mixes the channels: elementwise ops
+(GELU, dropout, a gated product), LayerNorm (its statistics ignore the order),
+residual adds whose every writer and reader is in the group, and attention
+when ``block`` keeps each channel inside its head.
+
+* :func:`find_permutation_groups` proposes Linear -> elementwise -> Linear
+  pairs (and attention value -> output pairs, per head, given ``heads``) by
+  structure and keeps those that a test proves exact: a random permutation,
+  applied to a float64 copy, must leave the outputs on ``example`` equal.
+* :func:`permute_model_` searches one permutation per group on the stacked
+  importance of its consumers (``|W|``, Wanda's ``(|W| ||x||)^2`` or
+  SparseGPT's OBS error ``W^2 / [H^-1]_jj``), applies it, and permutes the
+  calibration statistics with it so the one-shot pruning that follows needs
+  no second calibration pass.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from .nm import LayerStats
+from .permutation import search_permutation
+
+__all__ = ["PermutationGroup", "find_permutation_groups", "check_group", "permute_model_", "group_importance"]
+
+SCORES = ("magnitude", "wanda", "sparsegpt")
+
+
+@dataclass
+class PermutationGroup:
+    """Tensors indexed by one set of ``size`` hidden channels (see the module docstring).
+
+    Attributes:
+        consumers: names of Linears whose ``in_features`` are the channels.
+        producers: names of Linears whose output rows are the channels, or
+            ``(name, first_row)`` for a slice of a fused layer's rows (e.g. the
+            value rows of a fused QKV); the bias follows the rows.
+        params: ``(parameter name, dim)`` of other parameters indexed by the
+            channels along ``dim`` (LayerNorm ``weight``/``bias``: dim 0;
+            embeddings: dim 1).
+        block: if set, channels only move inside consecutive blocks of this
+            many (an attention head's dimension).
+        name: a label for reports.
+    """
+    consumers: list = field(default_factory=list)
+    producers: list = field(default_factory=list)
+    params: list = field(default_factory=list)
+    block: int | None = None
+    name: str = ""
+
+    def size(self, model: nn.Module) -> int:
+        """The number of channels (every consumer's ``in_features``); raises on a mismatch."""
+        mods = dict(model.named_modules())
+        sizes = set()
+        for c in self.consumers:
+            lin = mods.get(c)
+            if not isinstance(lin, nn.Linear):
+                raise ValueError(f"group {self.name!r}: consumer {c!r} is not an nn.Linear of the model")
+            sizes.add(lin.in_features)
+        if len(sizes) != 1:
+            raise ValueError(f"group {self.name!r}: consumers must share in_features, got {sorted(sizes)}")
+        (H,) = sizes
+        for p in self.producers:
+            fqn, first = (p, 0) if isinstance(p, str) else p
+            lin = mods.get(fqn)
+            if not isinstance(lin, nn.Linear):
+                raise ValueError(f"group {self.name!r}: producer {fqn!r} is not an nn.Linear of the model")
+            if first < 0 or first + H > lin.out_features or (isinstance(p, str) and lin.out_features != H):
+                raise ValueError(f"group {self.name!r}: producer {fqn!r} has {lin.out_features} output rows, "
+                                 f"cannot hold {H} channels from row {first}")
+        params = dict(model.named_parameters(remove_duplicate=False))
+        for name, dim in self.params:
+            if name not in params or params[name].dim() <= dim or params[name].shape[dim] != H:
+                raise ValueError(f"group {self.name!r}: parameter {name!r} has no dimension {dim} of size {H}")
+        if self.block is not None and (not isinstance(self.block, int) or self.block < 1 or H % self.block):
+            raise ValueError(f"group {self.name!r}: block must be a positive divisor of {H}, got {self.block!r}")
+        return H
+
+
+@torch.no_grad()
+def _apply(model: nn.Module, group: PermutationGroup, perm: torch.Tensor) -> None:
+    """Permute every tensor of ``group`` in place (same Parameter objects)."""
+    mods = dict(model.named_modules())
+    H = perm.numel()
+    for c in group.consumers:
+        w = mods[c].weight
+        w.copy_(w[:, perm.to(w.device)])
+    for p in group.producers:
+        fqn, first = (p, 0) if isinstance(p, str) else p
+        lin = mods[fqn]
+        rows = first + perm.to(lin.weight.device)
+        lin.weight[first:first + H] = lin.weight[rows].clone()
+        if lin.bias is not None:
+            lin.bias[first:first + H] = lin.bias[rows].clone()
+    params = dict(model.named_parameters(remove_duplicate=False))
+    for name, dim in dict.fromkeys(group.params):  # a parameter listed twice is permuted once
+        t = params[name]
+        t.copy_(t.index_select(dim, perm.to(t.device)))
+
+
+def _random_perm(H: int, block: int | None, gen: torch.Generator) -> torch.Tensor:
+    if block is None:
+        return torch.randperm(H, generator=gen)
+    return torch.cat([b * block + torch.randperm(block, generator=gen) for b in range(H // block)])
+
+
+def _outputs_equal(a, b, tol: float | None = None) -> bool:
+    """Equal up to rounding: ``tol`` relative to the largest output (default: 1e-9 for
+    float64 outputs, 1e-4 otherwise: the permuted sums run in another order)."""
+    if isinstance(a, torch.Tensor):
+        if not (isinstance(b, torch.Tensor) and a.shape == b.shape):
+            return False
+        if not a.is_floating_point():
+            return torch.equal(a, b)
+        t = tol if tol is not None else (1e-9 if a.dtype == torch.float64 else 1e-4)
+        scale = float(a.detach().abs().max()) if a.numel() else 0.0
+        return torch.allclose(a.double(), b.double(), rtol=t, atol=t * max(scale, 1e-30))
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_outputs_equal(a[k], b[k], tol) for k in a)
+    if isinstance(a, (tuple, list)):
+        return (isinstance(b, (tuple, list)) and len(a) == len(b)
+                and all(_outputs_equal(x, y, tol) for x, y in zip(a, b)))
+    return a == b
+
+
+def _run(model, example):
+    if isinstance(example, dict):
+        return model(**example)
+    if isinstance(example, (tuple, list)):
+        return model(*example)
+    return model(example)
+
+
+def _double(example):
+    if isinstance(example, torch.Tensor):
+        return example.double() if example.is_floating_point() else example
+    if isinstance(example, dict):
+        return {k: _double(v) for k, v in example.items()}
+    if isinstance(example, (tuple, list)):
+        return type(example)(_double(v) for v in example)
+    return example
+
+
+class _Float64Copy:
+    """A float64 copy of a model and its outputs on one example, to test groups:
+    each test permutes the copy, compares, and permutes it back (exactly)."""
+
+    def __init__(self, model: nn.Module, example):
+        self.model = copy.deepcopy(model).double().eval()
+        self.example = _double(example)
+        with torch.no_grad():
+            self.ref = _run(self.model, self.example)
+
+    @torch.no_grad()
+    def exact(self, group: PermutationGroup, seed: int = 0) -> bool:
+        perm = _random_perm(group.size(self.model), group.block, torch.Generator().manual_seed(seed))
+        _apply(self.model, group, perm)
+        try:
+            return _outputs_equal(self.ref, _run(self.model, self.example), 1e-9)
+        finally:
+            _apply(self.model, group, torch.argsort(perm))
+
+
+def check_group(model: nn.Module, group: PermutationGroup, example, seed: int = 0) -> bool:
+    """True if a random permutation of ``group`` (within its blocks) leaves the
+    outputs of a float64 copy of ``model`` on ``example`` equal (to 1e-9 of the
+    largest output); ``model`` itself is not changed.
+
+    Example:
+        >>> mlp = nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 8))
+        >>> check_group(mlp, PermutationGroup(["2"], ["0"]), torch.randn(4, 8))
+        True
+    """
+    group.size(model)
+    return _Float64Copy(model, example).exact(group, seed)
+
+
+@torch.no_grad()
+def find_permutation_groups(model: nn.Module, example, heads: int | None = None) -> list[PermutationGroup]:
+    """Groups that can absorb a permutation, found by structure and proven by a test.
+
+    For every ``nn.Linear`` (consumer), the candidate producers are the other
+    Linears under the same parent module (or its parent) with
+    ``out_features == consumer.in_features``: first all of them together
+    (gated MLPs: gate and up rows with down columns), then each alone. A
+    candidate is kept if :func:`check_group` proves it exact on ``example``;
+    with ``heads``, a candidate that fails is tried again with channels kept
+    inside their head (``block = in_features // heads``: attention value rows
+    with the output projection's columns). Residual-stream groups (LayerNorm
+    and embedding parameters, every block's readers and writers) are not
+    searched for: build them with :class:`PermutationGroup` and check them
+    with :func:`check_group`.
+
+    Args:
+        model: the model (not modified; tests run on float64 copies).
+        example: one input batch as for :func:`sparse24.calibrate`.
+        heads: attention heads, to also find per-head value -> output pairs.
+    Returns:
+        list of :class:`PermutationGroup`, at most one per consumer.
+    Example:
+        >>> mlp = nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 8))
+        >>> [(g.producers, g.consumers) for g in find_permutation_groups(mlp, torch.randn(4, 8))]
+        [(['0'], ['2'])]
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    if heads is not None and (not isinstance(heads, int) or heads < 1):
+        raise ValueError(f"heads must be a positive int or None, got {heads!r}")
+    linears = {fqn: m for fqn, m in model.named_modules() if isinstance(m, nn.Linear)}
+    f64 = _Float64Copy(model, example)
+
+    def near(a: str, b: str) -> bool:  # same parent, or same grandparent
+        pa, pb = a.rsplit(".", 1)[0] if "." in a else "", b.rsplit(".", 1)[0] if "." in b else ""
+        return pa == pb or pa.rsplit(".", 1)[0] == pb.rsplit(".", 1)[0]
+
+    groups = []
+    for c, lin in linears.items():
+        cands = [p for p, pl in linears.items() if p != c and pl.out_features == lin.in_features and near(p, c)]
+        tries = ([cands] if len(cands) > 1 else []) + [[p] for p in cands]
+        blocks = [None] + ([lin.in_features // heads] if heads and lin.in_features % heads == 0 else [])
+        found = None
+        for block in blocks:
+            for producers in tries:
+                g = PermutationGroup([c], list(producers), block=block, name=c)
+                if f64.exact(g):
+                    found = g
+                    break
+            if found is not None:
+                break
+        if found is not None:
+            groups.append(found)
+    return groups
+
+
+def _importance(lin: nn.Linear, score: str, stats: LayerStats | None, percdamp: float = 0.01) -> torch.Tensor:
+    """``(R, C)`` non-negative importance of each weight of ``lin`` under ``score``."""
+    w = lin.weight.detach().double()
+    if score == "magnitude":
+        return w.abs()
+    if stats is None:
+        raise ValueError(f"score={score!r} needs calibration statistics for every consumer (sparse24.calibrate)")
+    if score == "wanda":
+        return (w.abs() * stats.act_norm.to(w))**2
+    H = stats.hessian.to(w).clone()
+    dead = torch.diag(H) == 0
+    H[dead, dead] = 1
+    H.diagonal().add_(percdamp * float(torch.diag(H).mean()))
+    d = torch.linalg.inv(H).diagonal()
+    return w.pow(2) / d
+
+
+def group_importance(model: nn.Module, group: PermutationGroup, score: str = "magnitude",
+                     calibration: dict | None = None) -> torch.Tensor:
+    """``(sum of consumer rows, H)`` stacked importance of the group's consumers.
+
+    ``"magnitude"``: ``|W|`` (the kept magnitude ASP maximises); ``"wanda"``:
+    ``(|W_ij| ||x_j||)^2``, the output error of dropping ``W_ij`` with a
+    diagonal Hessian; ``"sparsegpt"``: ``W_ij^2 / [H^-1]_jj``, the OBS error
+    SparseGPT's mask choice weighs (1% damping as in SparseGPT).
+    """
+    if score not in SCORES:
+        raise ValueError(f"score must be one of {SCORES}, got {score!r}")
+    mods = dict(model.named_modules())
+    rows = [_importance(mods[c], score, (calibration or {}).get(c)) for c in group.consumers]
+    return torch.cat(rows)
+
+
+def _permute_stats(stats: LayerStats, perm: torch.Tensor) -> None:
+    p = perm.to(stats.sq_sum.device)
+    stats.sq_sum = stats.sq_sum[p]
+    if stats.xtx is not None:
+        stats.xtx = stats.xtx[p][:, p]
+
+
+def permute_model_(model: nn.Module, groups: list, score: str = "magnitude", calibration: dict | None = None,
+                   n: int = 2, m: int = 4, example=None, time_limit: float = 10.0, max_iters: int | None = 2000,
+                   seed: int = 0, progress: bool = False) -> dict[str, float]:
+    """Search and apply one input-channel permutation per group, in place.
+
+    Each group's permutation maximises the importance its consumers' N:M masks
+    keep (:func:`group_importance` stacked over the consumers, searched by
+    :func:`sparse24.search_permutation`, per block if the group has one).
+    ``calibration`` (``{fqn: LayerStats}``) is updated in place so it
+    describes the permuted model (the consumers' input statistics are
+    permuted too). With ``example``, the outputs before and after are
+    compared (to 1e-4 of the largest output, 1e-9 in float64) and everything
+    is undone if they differ (a group that was not exact); this keeps one
+    copy of the model's state during the call.
+
+    Args:
+        model: the dense model, before pruning.
+        groups: :class:`PermutationGroup` list (e.g. :func:`find_permutation_groups`).
+        score: ``"magnitude"``, ``"wanda"`` or ``"sparsegpt"`` (the last two need ``calibration``).
+        calibration: statistics from ``sparse24.calibrate`` (hessian=True for sparsegpt).
+        n, m: the N:M pattern.
+        example: optional batch to check the outputs on.
+        time_limit, max_iters, seed: per search (deterministic with ``max_iters``).
+        progress: progress bars on stderr.
+    Returns:
+        ``{group name: relative gain in kept importance}``.
+    Example:
+        >>> mlp = nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 8))
+        >>> gains = permute_model_(mlp, [PermutationGroup(["2"], ["0"], name="mlp")], max_iters=50)
+        >>> gains["mlp"] >= 0
+        True
+    """
+    if score not in SCORES:
+        raise ValueError(f"score must be one of {SCORES}, got {score!r}")
+    if score != "magnitude" and calibration is None:
+        raise ValueError(f"score={score!r} needs calibration= from sparse24.calibrate")
+    groups = list(groups)
+    if not all(isinstance(g, PermutationGroup) for g in groups):
+        raise TypeError("groups must be PermutationGroup objects")
+    sizes = [g.size(model) for g in groups]  # every group checked before anything changes
+    for g in groups:
+        if score != "magnitude":
+            missing = [c for c in g.consumers if c not in calibration]
+            if missing or (score == "sparsegpt" and any(calibration[c].xtx is None for c in g.consumers)):
+                raise ValueError(f"group {g.name!r}: no calibration statistics{' with a Hessian' if not missing else ''}"
+                                 f" for {missing or g.consumers} (calibrate(..., hessian=True) for sparsegpt)")
+    with torch.no_grad():
+        before = _run(model, example) if example is not None else None
+    # to undo everything if the outputs change: one copy of the model's state while searching
+    state = {k: v.clone() for k, v in model.state_dict().items()} if example is not None else None
+    stats_before = {k: copy.copy(v) for k, v in (calibration or {}).items()}
+    gains = {}
+    with torch.no_grad():
+        for g, H in zip(groups, sizes):
+            S = group_importance(model, g, score, calibration)
+            if g.block is None:
+                perm = search_permutation(S.float(), n, m, time_limit=time_limit, max_iters=max_iters, seed=seed,
+                                          progress=progress)
+            elif g.block % m == 0 and g.block >= 2 * m:
+                # One window per block, never re-drawn: all blocks searched side by side, none mixed.
+                perm = search_permutation(S.float(), n, m, time_limit=time_limit, max_iters=max_iters, seed=seed,
+                                          progress=progress, window=g.block, round_iters=(max_iters or 1 << 62) + 1)
+            else:  # blocks of one group (or not made of whole groups): no permutation changes the masks
+                perm = torch.arange(H)
+            perm = perm.cpu()
+            kept = lambda A: float(A.reshape(A.shape[0], -1, m).topk(n, dim=-1).values.sum())  # noqa: E731
+            base = kept(S)
+            gains[g.name or ",".join(g.consumers)] = kept(S[:, perm.to(S.device)]) / base - 1 if base else 0.0
+            _apply(model, g, perm)
+            for c in g.consumers:
+                if calibration is not None and c in calibration:
+                    _permute_stats(calibration[c], perm)
+        if example is not None:
+            after = _run(model, example)
+            if not _outputs_equal(before, after):
+                model.load_state_dict(state)
+                if calibration is not None:
+                    calibration.clear()
+                    calibration.update(stats_before)
+                raise ValueError("the permuted model's outputs differ from the original's: a group is not "
+                                 "exact (check it with check_group); nothing was changed")
+    return gains
+
