@@ -188,7 +188,7 @@ def test_kl_and_cosine_output_losses():
         rep = distill_(student, data, steps=20, teacher=dense, lr=3e-3, output_loss=kind)
         assert rep.losses[-1] < rep.losses[0]
     x = torch.randn(5, 7)
-    from sparse24.learn import _distill_loss
+    from sparse24.learn.objective import _distill_loss
     assert float(_distill_loss("kl", x, x)) == pytest.approx(0.0, abs=1e-6)
     ref = (F.softmax(x, -1) * (F.log_softmax(x, -1) - F.log_softmax(2 * x, -1))).sum(-1).mean()
     assert float(_distill_loss("kl", 2 * x, x)) == pytest.approx(float(ref), rel=1e-5)

@@ -1,0 +1,94 @@
+"""Frozen-mask distillation: :func:`distill_` (see :mod:`sparse24.learn`)."""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch import nn
+
+from .._checks import check_model
+from .objective import _batch_stream, _check_steps, _nonempty, _Objective, _optimizer_step, _warmup_cosine
+
+__all__ = ["distill_", "DistillReport"]
+
+
+@dataclass
+class DistillReport:
+    """What :func:`distill_` did: ``losses`` per step and the wall ``seconds``."""
+    losses: list = field(default_factory=list)
+    seconds: float = 0.0
+
+    def __str__(self) -> str:
+        first = sum(self.losses[:10]) / max(1, len(self.losses[:10]))
+        last = sum(self.losses[-10:]) / max(1, len(self.losses[-10:]))
+        return f"sparse24.distill_: {len(self.losses)} steps in {self.seconds:.1f} s; loss {first:.4g} -> {last:.4g}"
+
+
+def distill_(model: nn.Module, batches, steps: int, *, teacher: nn.Module | None = None,
+             loss_fn: Callable | None = None, lr: float = 5e-4, warmup: float = 0.02, final_lr: float = 0.0,
+             weight_decay: float = 0.0, clip: float | None = 1.0, output_loss="mse", hidden=(),
+             hidden_weight: float = 1.0, parameters=None, forward: Callable | None = None,
+             callback: Callable | None = None) -> DistillReport:
+    """Retrain a 2:4 model with its masks frozen (the recovery recipe), in place.
+
+    ``Sparse24Linear`` masked layers keep their pruned weights at exactly zero
+    through any optimizer, so this trains every given parameter freely: AdamW,
+    linear warmup over ``warmup * steps`` steps, cosine decay to
+    ``final_lr * lr``, gradient clipping; the models run in the mode they are
+    in (``.eval()`` switches dropout off). Loss: ``loss_fn(output, batch)``
+    and/or distillation from ``teacher`` (``output_loss`` on the outputs plus
+    ``hidden_weight`` x the relative MSE of the ``hidden`` modules' outputs,
+    averaged over those modules).
+
+    Args:
+        model: the 2:4 student (``sparsify_`` / ``learn_masks`` output).
+        batches: list (cycled) or iterator of batches.
+        steps: optimisation steps.
+        teacher: the dense model to distil from.
+        loss_fn: ``(output, batch) -> scalar`` task loss.
+        lr, warmup, final_lr, weight_decay, clip: optimiser settings (``clip=None``: none).
+        output_loss: ``"mse"`` (relative), ``"cosine"``, ``"kl"`` or a callable.
+        hidden: names of modules (in both models) whose outputs are matched.
+        parameters: the parameters to train (default: every trainable one of ``model``).
+        forward: ``(model, batch) -> output`` (default as in :func:`learn_masks`).
+        callback: ``callback(step, loss)`` after each step.
+    Returns:
+        :class:`DistillReport`.
+    Example:
+        >>> dense = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64))
+        >>> student = copy.deepcopy(dense); _ = sparsify_(student)
+        >>> rep = distill_(student, [torch.randn(16, 64)], steps=3, teacher=dense)
+        >>> len(rep.losses)
+        3
+    """
+    check_model(model, None)
+    steps = _check_steps(steps)
+    for name, v in (("lr", lr),):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf:
+            raise ValueError(f"{name} must be a finite number > 0, got {v!r}")
+    for name, v in (("warmup", warmup), ("final_lr", final_lr)):
+        if not (isinstance(v, (int, float)) and 0 <= v <= 1):
+            raise ValueError(f"{name} must be in [0, 1], got {v!r}")
+    if clip is not None and not (isinstance(clip, (int, float)) and clip > 0):
+        raise ValueError(f"clip must be None or a number > 0, got {clip!r}")
+    batches = _nonempty(batches)
+    params = [p for p in (model.parameters() if parameters is None else parameters) if p.requires_grad]
+    if not params:
+        raise ValueError("no trainable parameters")
+    objective = _Objective(model, teacher, loss_fn, output_loss, hidden, hidden_weight, forward)
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, _warmup_cosine(steps, warmup, final_lr))
+    rep = DistillReport()
+    t0 = time.perf_counter()
+    try:
+        for step, batch in enumerate(_batch_stream(batches, steps)):
+            rep.losses.append(_optimizer_step(objective(batch), params, clip, opt, sched))
+            if callback is not None:
+                callback(step, rep.losses[-1])
+    finally:
+        objective.close()
+    rep.seconds = time.perf_counter() - t0
+    return rep

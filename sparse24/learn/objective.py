@@ -1,0 +1,178 @@
+"""What the training loops of :mod:`sparse24.learn` share: the objective (a task
+loss and/or distillation from a teacher, on outputs and optionally on chosen
+modules' outputs), the batch stream, and one optimizer step."""
+from __future__ import annotations
+
+import itertools
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["OUTPUT_LOSSES"]
+
+OUTPUT_LOSSES = ("mse", "cosine", "kl")
+
+
+def _output_tensor(out):
+    """The tensor to distil from a model output: itself, ``logits`` of a dict-like
+    output (Hugging Face ModelOutput), else its first tensor."""
+    if isinstance(out, torch.Tensor):
+        return out
+    if isinstance(out, dict):
+        if "logits" in out:
+            return out["logits"]
+        out = list(out.values())
+    if isinstance(out, (tuple, list)):
+        for v in out:
+            if isinstance(v, torch.Tensor):
+                return v
+    raise TypeError(f"cannot distil from a model output of type {type(out).__name__}: return a tensor, "
+                    "a tuple or a dict of tensors, or pass loss_fn")
+
+
+def _relative_mse(s: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """``||s - t||^2 / ||t||^2``: scale-free, so layers of any size weigh alike."""
+    return (s.float() - t.float()).pow(2).sum() / t.float().pow(2).sum().clamp_min(1e-12)
+
+
+def _distill_loss(kind, s: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    if callable(kind):
+        return kind(s, t)
+    if kind == "mse":
+        return _relative_mse(s, t)
+    if kind == "cosine":  # mean over every vector along the last dim
+        return (1 - F.cosine_similarity(s.float(), t.float(), dim=-1)).mean()
+    # "kl": KL(teacher || student) of the softmax over the last dim, mean over positions
+    s, t = s.float().flatten(0, -2), t.float().flatten(0, -2)
+    return F.kl_div(s.log_softmax(-1), t.log_softmax(-1), log_target=True, reduction="batchmean")
+
+
+def _call(model: nn.Module, batch):
+    if isinstance(batch, dict):
+        return model(**batch)
+    if isinstance(batch, (tuple, list)):
+        return model(*batch)
+    return model(batch)
+
+
+class _Objective:
+    """``loss(batch)`` of the student: task loss, distillation from the teacher
+    (output loss + ``hidden_weight`` x mean relative MSE of the ``hidden``
+    modules' outputs), or both summed. Hooks live until :meth:`close`."""
+
+    def __init__(self, student, teacher, loss_fn, output_loss, hidden, hidden_weight, forward=None):
+        if forward is not None and not callable(forward):
+            raise TypeError(f"forward must be callable (model, batch) -> output, got {type(forward).__name__}")
+        self.forward = forward or _call
+        if loss_fn is None and teacher is None:
+            raise ValueError("nothing to train on: give loss_fn (a task loss) and/or teacher (to distil from)")
+        if loss_fn is not None and not callable(loss_fn):
+            raise TypeError(f"loss_fn must be callable (output, batch) -> loss, got {type(loss_fn).__name__}")
+        if teacher is not None and not isinstance(teacher, nn.Module):
+            raise TypeError(f"teacher must be an nn.Module, got {type(teacher).__name__}")
+        if not callable(output_loss) and output_loss not in OUTPUT_LOSSES:
+            raise ValueError(f"output_loss must be one of {OUTPUT_LOSSES} or a callable (student, teacher) -> loss, "
+                             f"got {output_loss!r}")
+        hidden = [hidden] if isinstance(hidden, str) else list(hidden or ())
+        if hidden and teacher is None:
+            raise ValueError("hidden= (layer-wise distillation) needs a teacher")
+        if not (isinstance(hidden_weight, (int, float)) and hidden_weight >= 0):
+            raise ValueError(f"hidden_weight must be a number >= 0, got {hidden_weight!r}")
+        s_mods, t_mods = dict(student.named_modules()), dict(teacher.named_modules()) if teacher is not None else {}
+        missing = [h for h in hidden if h not in s_mods or h not in t_mods]
+        if missing:
+            raise ValueError(f"hidden modules {missing} are not in both the student and the teacher")
+        self.student, self.teacher, self.loss_fn, self.output_loss = student, teacher, loss_fn, output_loss
+        self.hidden, self.hidden_weight = hidden, float(hidden_weight)
+        self._s, self._t, self._handles = {}, {}, []
+        for h in hidden:
+            self._handles.append(s_mods[h].register_forward_hook(self._keep(self._s, h)))
+            self._handles.append(t_mods[h].register_forward_hook(self._keep(self._t, h)))
+
+    @staticmethod
+    def _keep(store: dict, name: str):
+        def hook(mod, args, out):
+            store[name] = out[0] if isinstance(out, (tuple, list)) else out
+        return hook
+
+    def __call__(self, batch) -> torch.Tensor:
+        out = self.forward(self.student, batch)
+        loss = self.loss_fn(out, batch) if self.loss_fn is not None else 0.0
+        if self.teacher is not None:
+            with torch.no_grad():
+                ref = self.forward(self.teacher, batch)
+            loss = loss + _distill_loss(self.output_loss, _output_tensor(out), _output_tensor(ref))
+            if self.hidden and self.hidden_weight:
+                layer = sum(_relative_mse(self._s[h], self._t[h]) for h in self.hidden) / len(self.hidden)
+                loss = loss + self.hidden_weight * layer
+        self._s.clear()
+        self._t.clear()
+        if not isinstance(loss, torch.Tensor):
+            raise TypeError(f"loss_fn must return a tensor, got {type(loss).__name__}")
+        return loss
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+
+def _batch_stream(batches, steps: int):
+    """Yield ``steps`` batches (``batches`` checked by :func:`_nonempty`), starting over when a
+    re-iterable runs out."""
+    reiterable = iter(batches) is not batches
+    it, given = iter(batches), 0
+    for _ in range(steps):
+        try:
+            b = next(it)
+        except StopIteration:
+            if not reiterable or given == 0:
+                raise ValueError(f"batches ran out after {given} step(s); steps={steps} needs more "
+                                 "(or a re-iterable such as a list, which is cycled)") from None
+            it = iter(batches)
+            b = next(it)
+        given += 1
+        yield b
+
+
+def _nonempty(batches):
+    """``batches`` after checking, without losing anything, that it yields at least one batch."""
+    if isinstance(batches, torch.Tensor) or batches is None or not hasattr(batches, "__iter__"):
+        raise TypeError("batches must be an iterable of batches (a list of tensors, tuples or dicts)")
+    if iter(batches) is batches:  # an iterator: take the first batch and put it back in front
+        first = next(batches, None)
+        if first is not None:
+            return itertools.chain([first], batches)
+    elif next(iter(batches), None) is not None:
+        return batches
+    raise ValueError("batches is empty")
+
+
+def _check_steps(steps) -> int:
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps must be an int >= 1, got {steps!r}")
+    return steps
+
+
+def _optimizer_step(loss: torch.Tensor, params: list, clip: float | None, opt, sched) -> float:
+    """One training step: backward, optional gradient-norm clipping, step, schedule, zero; the loss value."""
+    loss.backward()
+    if clip is not None:
+        torch.nn.utils.clip_grad_norm_(params, clip)
+    opt.step()
+    sched.step()
+    opt.zero_grad(set_to_none=True)
+    return loss.item()
+
+
+def _warmup_cosine(steps: int, warmup: float, floor: float):
+    """LR factor: linear warmup over ``warmup * steps``, then cosine from 1 down to ``floor``."""
+    w = max(1, round(warmup * steps))
+
+    def factor(s: int) -> float:
+        if s < w:
+            return (s + 1) / w
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * (s - w) / max(1, steps - w)))
+    return factor
