@@ -36,9 +36,11 @@ floor in pyproject.toml.
 import importlib
 import sys
 
+import numpy as np
 import triton
+import triton.language as tl
 from triton.runtime import interpreter as _interpreter
-from triton.runtime.interpreter import InterpretedFunction
+from triton.runtime.interpreter import InterpretedFunction, TensorHandle
 from triton.runtime.jit import JITFunction
 
 for _name in ("triton.compiler.code_generator", "triton.language.extra.libdevice"):
@@ -46,8 +48,9 @@ for _name in ("triton.compiler.code_generator", "triton.language.extra.libdevice
         importlib.import_module(_name)
     except ImportError:  # not in every Triton version
         pass
+libdevice = sys.modules.get("triton.language.extra.libdevice")
 
-__all__ = ["InterpretedKernel"]
+__all__ = ["InterpretedKernel", "byte_perm_reference"]
 
 
 def _patchable() -> list:
@@ -104,6 +107,34 @@ def _scalar_index_fix():
     return lambda: setattr(_interpreter, "_patch_lang_tensor", original)
 
 
+def byte_perm_reference(x, y, s):
+    """``__nv_byte_perm(x, y, s)`` on numpy int32 arrays (or ints), broadcast:
+    byte n of the result is byte ``(s >> 4n) & 7`` of the 8 bytes (y:x), x's
+    bytes first; the upper 16 bits of s are ignored (CUDA Math API; libdevice
+    masks the selector with 0x7777 before ``prmt.b32``). Returns int32."""
+    x, y, s = (np.asarray(v).astype(np.int64) & 0xFFFFFFFF for v in (x, y, s))
+    src = [(x >> (8 * i)) & 0xFF for i in range(4)] + [(y >> (8 * i)) & 0xFF for i in range(4)]
+    out = np.zeros(np.broadcast_shapes(x.shape, y.shape, s.shape), dtype=np.int64)
+    for n in range(4):
+        idx = (s >> (4 * n)) & 7
+        out |= np.choose(np.broadcast_to(idx, out.shape), [np.broadcast_to(b, out.shape) for b in src]) << (8 * n)
+    return np.where(out >= 2 ** 31, out - 2 ** 32, out).astype(np.int32)
+
+
+def _byte_perm_interpreted(x, y, s, *args, **kwargs):
+    """``libdevice.byte_perm`` on the interpreter's tensors."""
+    def data(v):
+        return v.handle.data if isinstance(v, tl.tensor) else v
+    out = byte_perm_reference(data(x), data(y), data(s))
+    ty = tl.block_type(tl.int32, list(out.shape)) if out.shape else tl.int32
+    return tl.tensor(TensorHandle(out, tl.int32), ty)
+
+
+# Triton's dependency hashing (run for interpreted helper calls too) accepts
+# the libdevice stubs by their module name; this stands in for one of them.
+_byte_perm_interpreted.__module__ = "triton.language.extra.libdevice"
+
+
 def _call_interpreted(jit_fn, *args, **kwargs):
     if jit_fn not in _INTERPRETED_HELPERS:
         _INTERPRETED_HELPERS[jit_fn] = InterpretedFunction(jit_fn.fn)
@@ -127,6 +158,8 @@ class InterpretedKernel:
             snapshot = _snapshot()
             JITFunction.__call__ = _call_interpreted
             undo_index_fix = _scalar_index_fix()
+            if libdevice is not None:
+                libdevice.byte_perm = _byte_perm_interpreted
             try:
                 return self.fn[grid](*args, **kwargs)
             finally:

@@ -6,7 +6,8 @@ Decode-sized layers run for 7-10 us on an H200 (4096x4096 fp16 GEMV), so the
 Python around a launch decides eager decode speed. No GPU is needed to measure
 that Python: the layer takes the same steps on CPU tensors as on CUDA ones
 (plan lookup, output and split-K buffer allocation, argument tuple, alignment
-checks), up to the launch call, which is swapped for a no-op here. nn.Linear
+checks; the layer in the decode layout it holds on CUDA), up to the launch
+call, which is swapped for a no-op here. nn.Linear
 runs where its compute is nil: the same 4096x4096 fp16 layer on an empty
 batch (M = 0: module call, dispatch, shape checks, output allocation, no
 arithmetic), and a 16x16 layer at M = 1 (a real GEMV of 256 multiply-adds).
@@ -44,10 +45,12 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     N, K = a.n, a.k
 
+    # The layout a compressed fp16 layer holds on CUDA (the decode kernel's), asked for on CPU.
     sparse = sparse24.Sparse24Linear.from_linear(nn.Linear(K, N, dtype=torch.float16), mode="compressed")
+    sparse.to_layout("decode")
     x = torch.randn(1, K, dtype=torch.float16)
     # The CUDA decision, taken on CPU tensors: "auto" picks the kernel at M <= 16 on CUDA.
-    op._auto_backend = lambda x, values, scale: "triton"
+    op._auto_backend = lambda *args: "triton"
     launches = []
     launch._Plan.launch = lambda plan, grid, args, aligned: launches.append(grid)  # the no-op launch
     dense = nn.Linear(K, N, dtype=torch.float16)

@@ -1,13 +1,40 @@
-"""Compile the 2:4 kernel ahead of time for a GPU target (no GPU needed) and
-report, per config: registers, spill bytes, shared memory, and the tile loads
-(cp16 / cp4: 16- / 4-byte pipelined async copies, ld.g: plain global loads).
-Catches configs that spill or overflow shared memory before any device time
-is spent.
+"""Compile the 2:4 kernels ahead of time for a GPU target (no GPU needed).
+
+Default mode, per config of the general kernel: registers, spill bytes, shared
+memory, and the tile loads (cp16 / cp4: 16- / 4-byte pipelined async copies,
+ld.g: plain global loads). Catches configs that spill or overflow shared
+memory before any device time is spent.
 
     python scripts/kernel_static_check.py --cap 90 --dtype float16 --m 1 --shape 4096,4096 [--jobs 2]
+
+``--sass``: the instruction budget. Compiles every config the tuner may pick
+at the given M buckets (decode kernel: ``decode_configs``; ``--kernel
+matmul``: the general kernel's ``candidate_configs``), disassembles the cubin
+with the cuobjdump in Triton's wheel, finds the main K-loop (the largest
+backward branch of the SASS) and counts its instructions. Writes a CSV
+(``--csv FILE``) with ``kernel,dtype,m,config,loop_warp_instructions,
+bytes_per_iteration,warp_instr_per_byte`` and prints the summary line
+``max warp_instr_per_byte at M<=16: fp16 X, bf16 Y, int8 Z``.
+
+    loop_warp_instructions = SASS instructions of the loop x warps of a program
+    bytes_per_iteration    = compressed weight bytes (values + metadata) the loop
+                             streams per iteration (one K-tile, times the unroll
+                             factor, checked against the loop's load widths)
+    warp_instr_per_byte    = loop_warp_instructions / bytes_per_iteration
+
+Budget on sm_90 (docs/kernels.md): <= 0.15 for fp16/bf16 weights, <= 0.22 for
+INT8; ``--check`` exits 1 when a config is over it.
+
+    python scripts/kernel_static_check.py --sass --csv results/static-sm90/decode-triton-3.9.0.csv
 """
 import argparse
+import collections
+import os
+import platform
+import re
+import subprocess
 import sys
+import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
 
@@ -49,17 +76,174 @@ def compile_one(cfg, dtype, cap, N, K):
                 mma=ptx.count("mma.sync") + ptx.count("wgmma"), secs=time.time() - t0)
 
 
+# --- --sass: the instruction budget ---------------------------------------------
+
+BUDGET = {"float16": 0.15, "bfloat16": 0.15, "int8-float16": 0.22}
+SUMMARY_NAMES = (("fp16", "float16"), ("bf16", "bfloat16"), ("int8", "int8-float16"))
+_LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
+_BRA = re.compile(r"\bBRA\s+(?:`\(\.L_x_\d+\)\s*)?(0x[0-9a-f]+)")
+
+
+def _tool(name: str) -> str:
+    import triton
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+
+
+def sass_instructions(cubin: bytes) -> list[tuple[int, str]]:
+    """``[(address, instruction text)]`` of the cubin, from ``cuobjdump -sass``."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run([_tool("cuobjdump"), "-sass", f.name], capture_output=True, text=True,
+                              check=True).stdout
+    return [(int(m.group(1), 16), m.group(2)) for m in _LINE.finditer(text)]
+
+
+def main_loop(instrs: list[tuple[int, str]]) -> list[str]:
+    """The instructions of the largest loop: from a backward branch's target to
+    the branch, inclusive (the trailing ``BRA`` to itself is not a loop)."""
+    loops = []
+    for addr, text in instrs:
+        m = _BRA.search(text)
+        if m and int(m.group(1), 16) < addr:
+            target = int(m.group(1), 16)
+            loops.append([t for a, t in instrs if target <= a <= addr])
+    if not loops:
+        raise RuntimeError("no loop in the SASS")
+    return max(loops, key=len)
+
+
+def _opcode(text: str) -> str:
+    return re.sub(r"^@!?U?P\w+\s+", "", text).split()[0]
+
+
+def global_load_bytes(loop: list[str]) -> int:
+    """Bytes one thread requests per iteration with LDG / LDGSTS (by the width suffix)."""
+    total = 0
+    for text in loop:
+        op = _opcode(text)
+        if op.startswith(("LDG.", "LDGSTS.")):
+            parts = op.split(".")
+            width = 16 if "128" in parts else 8 if "64" in parts else 2 if {"U16", "S16"} & set(parts) \
+                else 1 if {"U8", "S8"} & set(parts) else 4
+            total += width
+    return total
+
+
+def _weights(kernel: str, dtype: str, N: int, K: int):
+    import sparse24
+    from sparse24.decode_format import pack_decode
+
+    act = {"float16": torch.float16, "bfloat16": torch.bfloat16}[dtype.removeprefix("int8-")]
+    w = torch.randn(N, K, generator=torch.Generator().manual_seed(0))
+    p = sparse24.compress(w, quantize="int8") if dtype.startswith("int8-") else sparse24.compress(w.to(act))
+    return act, (pack_decode(p) if kernel == "decode" else p)
+
+
+def sass_one(kernel: str, dtype: str, cfg, cap: int, N: int, K: int) -> dict:
+    """Compile one config, return its main-loop counts (one row of the CSV, without M)."""
+    from sparse24.ops.linear24 import aot_compile
+
+    act, w = _weights(kernel, dtype, N, K)
+    x = torch.randn(cfg.block_m, K).to(act)
+    target = torch.empty(cfg.block_m, N, dtype=torch.float32 if cfg.split_k > 1 else act)
+    ck = aot_compile(x, w, None, target, cfg, cfg.split_k, (cap // 10, cap % 10))
+    loop = main_loop(sass_instructions(ck.asm["cubin"]))
+    value_bytes = 1 if dtype.startswith("int8-") else 2
+    tile_w = cfg.block_n * cfg.block_k * value_bytes // 2 + cfg.block_n * cfg.block_k // 8
+    tile_x = cfg.block_m * cfg.block_k * act.itemsize
+    loaded = global_load_bytes(loop) * 32 * cfg.num_warps
+    unroll = loaded / (tile_w + tile_x)
+    # Each iteration must stream whole tiles: the loop's load widths say how many.
+    if round(unroll) < 1 or abs(unroll - round(unroll)) > 0.02:
+        raise RuntimeError(f"{kernel} {dtype} {cfg}: the loop loads {loaded} B per iteration, "
+                           f"not a whole number of {tile_w + tile_x} B tiles: wrong loop?")
+    per_warp = len(loop)
+    ops = collections.Counter(_opcode(t).split(".")[0] for t in loop)
+    return dict(kernel=kernel, dtype=dtype, cfg=cfg, loop=per_warp, warp_instr=per_warp * cfg.num_warps,
+                bytes=tile_w * round(unroll), ops=ops)
+
+
+def config_name(c) -> str:
+    return f"BM{c.block_m}_BN{c.block_n}_BK{c.block_k}_W{c.num_warps}_S{c.num_stages}_SK{c.split_k}"
+
+
+def sass_main(a) -> int:
+    import triton
+
+    from sparse24.bench import cpu_name
+    from sparse24.ops.config_space import candidate_configs, decode_configs
+
+    N, K = map(int, a.shape.split(","))
+    ms = [int(m) for m in a.m.split(",")]
+    dtypes = a.dtypes.split(",")
+    def space(m, dt):
+        return decode_configs(m, N, K, dt) if a.kernel == "decode" else candidate_configs(m, N, K)
+    per_m = {(m, dt): space(m, dt) for m in ms for dt in dtypes}
+    jobs = list({(dt, c): None for (m, dt), cs in per_m.items() for c in cs})
+    n_cfg = len({c for _, c in jobs})
+    head = [f"# sparse24 static SASS count: {a.kernel} kernel, sm_{a.cap}, weight {N}x{K} (N x K), "
+            f"M buckets {a.m}, dtypes {a.dtypes}: {len(jobs)} compiled variants ({n_cfg} configs)",
+            f"# machine: {cpu_name()}, {platform.system()} {platform.release()}; python "
+            f"{platform.python_version()}, triton {triton.__version__}, torch {torch.__version__}",
+            "# command: " + "".join(f"{k}={os.environ[k]} " for k in ("TRITON_DEFAULT_FP_FUSION",) if k in os.environ)
+            + "python scripts/kernel_static_check.py " + " ".join(a.argv),
+            "kernel,dtype,m,config,loop_warp_instructions,bytes_per_iteration,warp_instr_per_byte"]
+    print("\n".join(head[:3]), flush=True)
+    t0 = time.time()
+    with ProcessPoolExecutor(a.jobs) as ex:
+        results = list(ex.map(sass_one, [a.kernel] * len(jobs), [dt for dt, _ in jobs], [c for _, c in jobs],
+                              [a.cap] * len(jobs), [N] * len(jobs), [K] * len(jobs)))
+    by_key = {(r["dtype"], r["cfg"]): r for r in results}
+    rows, worst = [], {}
+    for dt in dtypes:
+        for m in ms:
+            for c in per_m[(m, dt)]:
+                r = by_key[(dt, c)]
+                wipb = r["warp_instr"] / r["bytes"]
+                rows.append(f"{a.kernel},{dt},{m},{config_name(c)},{r['warp_instr']},{r['bytes']},{wipb:.4f}")
+                if m <= 16:
+                    worst[dt] = max(worst.get(dt, 0.0), wipb)
+    summary = "max warp_instr_per_byte at M<=16: " + ", ".join(
+        f"{short} {worst[dt]:.3f}" if dt in worst else f"{short} n/a" for short, dt in SUMMARY_NAMES)
+    if a.verbose:
+        for r in sorted(results, key=lambda r: (r["dtype"], r["warp_instr"] / r["bytes"])):
+            print(f"  {r['dtype']:13} {config_name(r['cfg']):28} {r['warp_instr'] / r['bytes']:.4f}  "
+                  + " ".join(f"{k}:{v}" for k, v in r["ops"].most_common(8)))
+    if a.csv:
+        os.makedirs(os.path.dirname(os.path.abspath(a.csv)), exist_ok=True)
+        with open(a.csv, "w") as f:
+            f.write("\n".join(head + rows + [f"# {summary}"]) + "\n")
+    print(f"{len(results)} compiles in {time.time() - t0:.0f} s" + (f"; wrote {a.csv}" if a.csv else ""))
+    print(summary)
+    over = [dt for dt in worst if dt in BUDGET and worst[dt] > BUDGET[dt]]
+    if over:
+        print(f"over the sm_90 budget ({', '.join(f'{dt} {BUDGET[dt]}' for dt in over)})", file=sys.stderr)
+    return 1 if a.check and over else 0
+
+
 def main(argv=None):
-    from sparse24.tuning import candidate_configs
+    from sparse24.ops.config_space import candidate_configs
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cap", type=int, default=90)
     ap.add_argument("--dtype", default="float16")
-    ap.add_argument("--m", type=int, default=1)
+    ap.add_argument("--m", type=str, default=None, help="M (default 1); with --sass a list (default 1,2,4,8,16)")
     ap.add_argument("--shape", default="4096,4096")
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--limit", type=int, default=0, help="only the first N configs")
+    ap.add_argument("--sass", action="store_true", help="count the main loop's SASS instructions (budget)")
+    ap.add_argument("--kernel", choices=("decode", "matmul"), default="decode", help="with --sass")
+    ap.add_argument("--dtypes", default="float16,bfloat16,int8-float16", help="with --sass")
+    ap.add_argument("--csv", default=None, help="with --sass: write the rows here")
+    ap.add_argument("--check", action="store_true", help="with --sass: exit 1 when over the budget")
+    ap.add_argument("--verbose", action="store_true", help="with --sass: opcode mix per config")
     a = ap.parse_args(argv)
+    a.argv = list(sys.argv[1:] if argv is None else argv)
+    if a.sass:
+        a.m = a.m or "1,2,4,8,16"
+        return sass_main(a)
+    a.m = int(a.m or 1)
     N, K = map(int, a.shape.split(","))
     cfgs = candidate_configs(a.m, N, K)
     cfgs = cfgs[:a.limit] if a.limit else cfgs

@@ -10,6 +10,7 @@ import importlib
 import os
 import sys
 
+from .decode_format import DecodePacked, pack_decode
 from .format import FLOAT_DTYPES, Sparse24Tensor, compress, is_nm
 from .masks import mask_nm
 from .ops.linear24 import linear, linear_reference
@@ -54,4 +55,5 @@ def __getattr__(name):
 
 
 __all__ = ["Sparse24Tensor", "compress", "is_nm", "mask_nm", "linear", "linear_reference", "FLOAT_DTYPES",
+           "DecodePacked", "pack_decode",
            "__version__", *_LAZY]

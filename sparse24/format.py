@@ -26,6 +26,11 @@ layout is defined; the Triton kernels in ``sparse24.kernels`` decode exactly thi
 A group whose mask keeps fewer than 2 columns is stored with zero values in
 the lowest unused slots, so every group always names two distinct slots;
 ``validate`` rejects anything else.
+
+The decode-path kernels read a second layout, the same kept values and slots
+re-ordered into the order their threads consume them and with the slots
+re-encoded as keep masks: :class:`sparse24.decode_format.DecodePacked` (decode
+layout, version 1), defined in ``sparse24/decode_format.py``.
 """
 from __future__ import annotations
 
@@ -164,7 +169,6 @@ def is_nm(w: torch.Tensor, n: int = 2, m: int = 4) -> bool:
 
 # --- packing -----------------------------------------------------------------
 
-_SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)  # one nibble per group, 8 groups per word
 
 
 def _pack_meta(nib: torch.Tensor) -> torch.Tensor:
@@ -174,7 +178,8 @@ def _pack_meta(nib: torch.Tensor) -> torch.Tensor:
     if pad:
         nib = torch.nn.functional.pad(nib, (0, pad))
     # explicit word count: a -1 would be ambiguous for R == 0 rows
-    words = (nib.view(R, (G + pad) // 8, 8) << _SHIFTS.to(nib.device)).sum(-1, dtype=torch.int32)
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=nib.device)  # a factory call: traceable
+    words = (nib.view(R, (G + pad) // 8, 8) << shifts).sum(-1, dtype=torch.int32)
     return words.t().contiguous()
 
 

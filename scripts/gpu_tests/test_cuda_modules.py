@@ -73,3 +73,23 @@ def test_compressed_input_gradients_on_cuda():
     model(x).sum().backward()
     ref(xr).sum().backward()
     torch.testing.assert_close(x.grad.double(), xr.grad, **tolerance(torch.float32, 512))
+
+
+@pytest.mark.parametrize("quantize", [None, "int8"])
+def test_compressed_layers_hold_the_decode_layout_on_cuda(quantize):
+    """On CUDA a compressed float16/INT8 layer holds the decode layout (the decode kernel at
+    M <= 16); outputs match the fp64 reference at decode and larger M; checkpoints stay layout v1."""
+    torch.manual_seed(0)
+    layer = sparse24.Sparse24Linear.from_linear(nn.Linear(256, 192).half(), mode="compressed", quantize=quantize)
+    state = {k: v.clone() for k, v in layer.state_dict().items()}
+    dense = layer.sparse_tensor().to_dense().double()
+    bias = layer.bias.detach().double()
+    layer.to(DEV)
+    assert layer.layout == ("decode" if DEV.type == "cuda" else "v1")
+    for M in (1, 7, 16, 40, 300):
+        x = torch.randn(M, 256, device=DEV).half()
+        with torch.no_grad():
+            y = layer(x)
+        torch.testing.assert_close(y.double().cpu(), F.linear(x.double().cpu(), dense, bias),
+                                   **tolerance(torch.float16, 256))
+    assert all(torch.equal(v.cpu(), state[k]) for k, v in layer.state_dict().items())

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..decode_format import DecodePacked, pack_decode
 from ..format import FLOAT_DTYPES, Sparse24Tensor, compress, quantize_values
 from ..ops import linear24
 from .masking import _GRAD_HOOKED, _HAS_HOOK, _MASKED_MODULES, _ZERO_CHECKED, _grad_mask_hook
@@ -20,6 +21,11 @@ from .prepare import (_check_mode, _mask_from_slots, _placeholder, _prepare, _Pr
 from .state import _check_state_masked, check_state
 
 __all__ = ["Sparse24Linear"]
+
+# The module's attributes a mode or layout switch changes (besides its tensors).
+_MODE_STATE = ("_mode", "_dtype", "_weight_requires_grad", "_pending", "_layout", "_layout_pref")
+# Values the decode layout holds (INT8 too, with scales); others stay in layout v1.
+_DECODE_DTYPES = (torch.float16, torch.bfloat16)
 
 
 class Sparse24Linear(nn.Module):
@@ -144,8 +150,8 @@ class Sparse24Linear(nn.Module):
         for name in ("values", "meta", "scale"):
             self._buffers.pop(name, None)
             self._parameters.pop(name, None)
-        self.__dict__.pop("_dtype", None)
-        self.__dict__.pop("_weight_requires_grad", None)
+        for name in ("_dtype", "_weight_requires_grad", "_layout", "_layout_pref"):
+            self.__dict__.pop(name, None)
         self.weight = weight
         self.register_buffer("mask", mask)
         self._mode = "masked"
@@ -163,6 +169,61 @@ class Sparse24Linear(nn.Module):
         self._dtype = p.dtype  # logical dtype (differs from values' when int8)
         self._weight_requires_grad = requires_grad  # a frozen layer stays frozen through to_masked
         self._mode = "compressed"
+        self._layout = "v1"
+        self._settle_layout()
+
+    # -- the compressed weight's layout: v1 (interchange), or decode (on CUDA) --
+    def _wanted_layout(self) -> str:
+        """The decode layout for a frozen float16/bfloat16/INT8 weight on CUDA (or where
+        :meth:`to_layout` asked for it), layout v1 otherwise."""
+        values = self.values
+        if values.requires_grad or values.is_meta or not (self.scale is not None
+                                                          or values.dtype in _DECODE_DTYPES):
+            return "v1"  # gradients of the kept values, and fp32/fp64 values, need layout v1
+        pref = self.__dict__.get("_layout_pref")
+        return pref if pref is not None else ("decode" if values.is_cuda else "v1")
+
+    def _settle_layout(self) -> None:
+        if self._mode == "compressed" and not self.pending and self._wanted_layout() != self._layout:
+            self._convert_layout(self._wanted_layout())
+
+    def _convert_layout(self, layout: str) -> None:
+        """Hold the compressed tensors in ``layout`` (new tensor objects: a snapshot taken
+        before keeps the old ones, so an all-or-nothing call can still undo)."""
+        p = self.sparse_tensor()
+        new = pack_decode(p) if layout == "decode" else p
+        self._parameters["values"] = nn.Parameter(new.values, requires_grad=self.values.requires_grad)
+        self._buffers["meta"] = new.meta
+        self._layout = layout
+
+    def to_layout(self, layout: str) -> "Sparse24Linear":
+        """Hold the compressed weight in ``layout``: ``"decode"`` (what the decode
+        kernel reads: float16/bfloat16/INT8 values, not trainable), ``"v1"``, or
+        ``"auto"`` (the default: decode on CUDA, v1 elsewhere). Outputs and state
+        dicts (always layout v1) do not change. Returns self.
+
+        Example:
+            >>> layer = Sparse24Linear(64, 32, mode="compressed", dtype=torch.float16)
+            >>> layer.to_layout("decode").layout   # e.g. to run the decode kernel on CPU tensors
+            'decode'
+        """
+        if layout not in ("v1", "decode", "auto"):
+            raise ValueError(f"layout must be 'v1', 'decode' or 'auto', got {layout!r}")
+        if self._mode != "compressed":
+            raise ValueError("only compressed mode has a layout (masked mode holds the dense weight)")
+        before = self.__dict__.get("_layout_pref")
+        self._layout_pref = None if layout == "auto" else layout
+        if layout == "decode" and self._wanted_layout() != "decode":
+            self._layout_pref = before  # refused: nothing changes
+            raise ValueError("the decode layout holds float16, bfloat16 or INT8 values that do not train; this "
+                             f"layer has {self.values.dtype} values (requires_grad={self.values.requires_grad})")
+        self._settle_layout()
+        return self
+
+    @property
+    def layout(self) -> str | None:
+        """``"v1"`` or ``"decode"`` in compressed mode (see :meth:`to_layout`), None in masked mode."""
+        return self.__dict__.get("_layout") if self._mode == "compressed" else None
 
     def _track_masked(self) -> None:
         """Register for the optimizer post-hook and make this module the owner
@@ -189,7 +250,7 @@ class Sparse24Linear(nn.Module):
 
     def _snapshot(self) -> tuple:
         """Everything a mode switch changes (references, no copies), for :meth:`_restore`."""
-        keys = ("_mode", "_dtype", "_weight_requires_grad", "_pending")
+        keys = _MODE_STATE
         return dict(self._parameters), dict(self._buffers), {k: self.__dict__[k] for k in keys if k in self.__dict__}
 
     def _restore(self, snap: tuple) -> None:
@@ -200,7 +261,7 @@ class Sparse24Linear(nn.Module):
         self._parameters.update(params)
         self._buffers.clear()
         self._buffers.update(buffers)
-        for k in ("_mode", "_dtype", "_weight_requires_grad", "_pending"):
+        for k in _MODE_STATE:
             self.__dict__.pop(k, None)
         self.__dict__.update(attrs)
         if self._mode == "masked":
@@ -250,10 +311,14 @@ class Sparse24Linear(nn.Module):
                                f"so it cannot {what} yet")
 
     def sparse_tensor(self) -> Sparse24Tensor:
-        """The weight as a :class:`Sparse24Tensor` (views of the buffers in compressed mode)."""
+        """The weight as a :class:`Sparse24Tensor` (views of the buffers in compressed mode and
+        layout v1; re-ordered from the decode layout)."""
         self._refuse_pending("give its 2:4 weight")
         if self._mode == "masked":
             return compress(self.weight.detach(), self.mask)
+        if self.__dict__.get("_layout") == "decode":
+            return DecodePacked(self.values.detach(), self.meta, (self.out_features, self.in_features), self._dtype,
+                                self.scale, check=False).to_sparse24()
         return Sparse24Tensor(self.values.detach(), self.meta, (self.out_features, self.in_features),
                               self._dtype, self.scale, check=False)
 
@@ -316,6 +381,9 @@ class Sparse24Linear(nn.Module):
         if self._mode == "masked":
             self.weight.add_(torch.where(self.mask, delta.to(self.weight.dtype), 0))
             return self
+        layout = self._layout
+        if layout == "decode":
+            self._convert_layout("v1")
         p = self.sparse_tensor()
         kept = delta.reshape(R, C // 4, 4).gather(-1, p.slots().to(delta.device)).reshape(R, C // 2)
         if self.scale is None:
@@ -326,6 +394,8 @@ class Sparse24Linear(nn.Module):
             q = quantize_values(merged)
             self.values.copy_(q.values)
             self.scale.copy_(q.scale)
+        if layout == "decode":
+            self._convert_layout("decode")
         return self
 
     def to_compressed(self, quantize: str | None = None, trainable_values: bool = False) -> "Sparse24Linear":
@@ -339,7 +409,10 @@ class Sparse24Linear(nn.Module):
             if quantize != self.quantize:
                 raise ValueError(f"already compressed with quantize={self.quantize!r}; call to_masked() first "
                                  f"to re-compress with quantize={quantize!r}")
+            if trainable_values and self._layout == "decode":
+                self._convert_layout("v1")  # gradients of the kept values need layout v1
             self.values.requires_grad_(trainable_values)
+            self._settle_layout()
             return self
         self._set_compressed(self._compressed_form(quantize), trainable_values, self._requires_grad())
         return self
@@ -428,9 +501,16 @@ class Sparse24Linear(nn.Module):
         # The module's dicts, not attribute access: nn.Module.__getattr__ costs ~1 us a name,
         # and at decode sizes host time is what a call costs (scripts/bench_host.py).
         params, buffers = self._parameters, self._buffers
-        values = buffers["values"] if "values" in buffers else params["values"]
+        values = params["values"]
+        if (values.requires_grad and values.dim() != 2 or values.is_cuda and values.dim() == 2) \
+                and not torch.compiler.is_compiling():
+            # made trainable since (needs layout v1), or placed on CUDA without .to() (a loader's direct
+            # assignment): settle the layout (a no-op where layout v1 is what this layer wants)
+            self._settle_layout()
+            values = params["values"]
         linear24.check_input(x, self.in_features, values.device)
-        return linear24.forward(x, values, buffers["meta"], buffers["scale"], params.get("bias"), self._dtype)
+        return linear24.forward(x, values, buffers["meta"], buffers["scale"], params.get("bias"), self._dtype,
+                                self.out_features)
 
     # -- dtype/device moves: only floating tensors follow a dtype change --
     def _apply(self, fn, recurse=True):
@@ -441,6 +521,8 @@ class Sparse24Linear(nn.Module):
         keep_params = {n: p.detach() for n, p in self._parameters.items()
                        if p is not None and not p.is_floating_point()}
         if self._mode == "compressed":
+            if self._layout == "decode":  # moves and casts act on layout v1; the layout settles after
+                self._convert_layout("v1")
             probe = fn(torch.empty(0, dtype=self._dtype, device=self.values.device))
             if probe.dtype in FLOAT_DTYPES:
                 self._dtype = probe.dtype
@@ -456,6 +538,7 @@ class Sparse24Linear(nn.Module):
             self._dtype = self.values.dtype
         if self._mode == "masked" and self.weight is not weight_before:
             self._track_masked()  # new Parameter object (e.g. overwrite_module_params_on_conversion)
+        self._settle_layout()
         return self
 
     def extra_repr(self) -> str:
@@ -464,6 +547,7 @@ class Sparse24Linear(nn.Module):
         if self._mode == "compressed":
             s += f", dtype={self._dtype}" + (", quantize=int8" if self.scale is not None else "")
             s += ", trainable_values=True" if self.values.requires_grad else ""
+            s += ", layout=decode" if self._layout == "decode" else ""
         if self.pending:
             s += f", mask pending ({self._pending['method']})"
         return s
@@ -499,12 +583,27 @@ class Sparse24Linear(nn.Module):
             raise ValueError(f"corrupt 2:4 layer ({self.out_features}x{self.in_features}, {self._mode}): {e}") from None
         if self._mode == "masked":
             self._track_masked()
+        self._settle_layout()
 
     def _holds_meta(self) -> bool:
         return any(t is not None and t.is_meta for t in (*self._parameters.values(), *self._buffers.values()))
 
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self._mode == "compressed" and self._layout == "decode":  # checkpoints hold layout v1, always
+            p = self.sparse_tensor()
+            destination[prefix + "values"], destination[prefix + "meta"] = p.values, p.meta
+
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
+        if self._mode == "compressed" and self._layout == "decode":
+            self._convert_layout("v1")  # entries are layout v1 (see _save_to_state_dict)
+        try:
+            self._load_v1(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
+        finally:
+            self._settle_layout()
+
+    def _load_v1(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
         try:
             if self.pending and self._has_dense_entry_only(state_dict, prefix):
                 self._fill_from_dense(state_dict, prefix)  # the weights arrived: compute the mask now

@@ -2,8 +2,11 @@
 ones the tuner may try for a shape, and the untuned default.
 
 A :class:`KernelConfig` names the kernel variant (``kernel``) and its launch
-parameters. M is bucketed (:data:`M_BUCKETS`, powers of two) so one tuned
-entry serves every batch size of its bucket.
+parameters. Each variant reads one weight layout (:data:`LAYOUT_KERNEL`):
+``"matmul"`` layout v1 (:class:`sparse24.format.Sparse24Tensor`), ``"decode"``
+the decode layout (:class:`sparse24.decode_format.DecodePacked`). M is
+bucketed (:data:`M_BUCKETS`, powers of two) so one tuned entry serves every
+batch size of its bucket.
 """
 from __future__ import annotations
 
@@ -11,12 +14,19 @@ import dataclasses
 
 import torch
 
-__all__ = ["KernelConfig", "KERNEL_VARIANTS", "M_BUCKETS", "DTYPE_KEYS", "m_bucket", "dtype_key", "builtin_config",
-           "candidate_configs"]
+__all__ = ["KernelConfig", "KERNEL_VARIANTS", "LAYOUTS", "LAYOUT_KERNEL", "M_BUCKETS", "DTYPE_KEYS", "DECODE_M",
+           "m_bucket", "dtype_key", "builtin_config", "candidate_configs", "decode_configs", "check_decode_config"]
 
-# Kernel variants a config may name (kernels/): "matmul" expands each weight
-# tile in registers and runs tl.dot (any M).
-KERNEL_VARIANTS = ("matmul",)
+# Kernel variants a config may name (kernels/): "matmul" (sparse24_matmul.py)
+# expands each weight tile in registers and runs tl.dot, any M, layout v1;
+# "decode" (sparse24_decode.py) decodes the weight straight into the dot's
+# register operand, 16 rows of x per program, the decode layout.
+KERNEL_VARIANTS = ("matmul", "decode")
+LAYOUTS = ("v1", "decode")
+LAYOUT_KERNEL = {"v1": "matmul", "decode": "decode"}
+# Decode sizes: at M <= 16 the weight is streamed once per call, and the decode
+# kernel's main loop is held to the sm_90 instruction budget (docs/kernels.md).
+DECODE_M = 16
 M_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 _DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 DTYPE_KEYS = tuple(_DTYPE_NAMES.values()) + tuple(f"int8-{n}" for n in _DTYPE_NAMES.values())
@@ -83,14 +93,19 @@ def dtype_key(x_dtype: torch.dtype, int8_weights: bool = False) -> str:
     return f"int8-{name}" if int8_weights else name
 
 
-def builtin_config(M: int, N: int = 4096, K: int = 4096, num_sms: int = 132) -> KernelConfig:
+def builtin_config(M: int, N: int = 4096, K: int = 4096, num_sms: int = 132, layout: str = "v1") -> KernelConfig:
     """The untuned fallback: small tiles that compile on every CUDA GPU Triton
-    supports (<= 48 KB of shared memory). At decode sizes (M <= 16) the
-    programs must fill the ``num_sms`` multiprocessors (N = 4096 with
-    BLOCK_N = 64 gives 64 programs for an H200's 132): BLOCK_N shrinks to 16
-    first, and only then split-K grows (each split keeping >= 2 K-tiles),
-    since split-K costs a zeroed fp32 buffer and a copy per call. Not measured:
-    a tuned file should replace it."""
+    supports. At decode sizes (M <= 16) the programs must fill the ``num_sms``
+    multiprocessors (N = 4096 with BLOCK_N = 64 gives 64 programs for an H200's
+    132): layout v1 shrinks BLOCK_N to 16 first, and only then split-K grows
+    (each split keeping >= 2 K-tiles), since split-K costs a zeroed fp32 buffer
+    and a copy per call; the decode kernel (BLOCK_N 64 at least, the sm_90
+    budget) grows split-K. Not measured: a tuned file should replace it."""
+    if layout == "decode":
+        programs, split = -(-N // 64) * -(-M // 16), 1
+        while programs * split < num_sms and split < 8 and K >= 2 * 128 * (2 * split):
+            split *= 2
+        return KernelConfig(16, 64, 128, 1, split, 4, 1, kernel="decode")
     if M <= 16:
         bn = next((b for b in (64, 32, 16) if -(-N // b) >= num_sms), 16)
         programs, split = -(-N // bn), 1
@@ -102,9 +117,11 @@ def builtin_config(M: int, N: int = 4096, K: int = 4096, num_sms: int = 132) -> 
     return KernelConfig(64, 64, 64, 8, 1, 4, 3)
 
 
-def candidate_configs(M: int, N: int, K: int, num_sms: int = 132) -> list[KernelConfig]:
-    """The config space searched for one (M, N, K): small per regime, because
-    every config is a separate compile (seconds each).
+def candidate_configs(M: int, N: int, K: int, num_sms: int = 132, layout: str = "v1",
+                      dtype: str = "float16") -> list[KernelConfig]:
+    """The config space searched for one (M, N, K) and weight layout: small per
+    regime, because every config is a separate compile (seconds each). The
+    decode layout's space is :func:`decode_configs`; layout v1's follows.
 
     Decode-sized M (<= 16) streams the weight once: one 16-row block, tiles
     from 16 x 256 to 128 x 64 along (N, K), and split-K while the programs
@@ -112,6 +129,8 @@ def candidate_configs(M: int, N: int, K: int, num_sms: int = 132) -> list[Kernel
     flight when N alone gives few programs). Larger M is compute-bound:
     bigger square-ish tiles, more warps.
     """
+    if layout == "decode":
+        return decode_configs(M, N, K, dtype, num_sms)
     out: list[KernelConfig] = []
     if M <= 16:
         for bn, bk in ((16, 256), (32, 128), (32, 256), (64, 64), (64, 128), (128, 64)):
@@ -134,3 +153,61 @@ def candidate_configs(M: int, N: int, K: int, num_sms: int = 132) -> list[Kernel
             for warps, stages in ((4, 3), (8, 3), (8, 4)) if bm * bn <= 64 * 128 else ((8, 3), (8, 4)):
                 out.append(KernelConfig(bm, bn, bk, 8, 1, warps, stages))
     return [c.validate() for c in out]
+
+
+# The decode kernel's space, every config measured within the sm_90 budget (0.15
+# warp-instructions per compressed byte for float16/bfloat16 weights, 0.22 for
+# INT8) by ``scripts/kernel_static_check.py --sass``, Triton 3.9 and 3.6
+# (results/static-sm90/). (BLOCK_N, num_warps): one 16-row tile per warp, so a
+# warp's decoded registers are its own mma A-fragments, and BLOCK_N >= 64 runs
+# Hopper's wgmma with the weight operand in registers. Left out, measured:
+# BLOCK_N = 32 (2 warps, mma.sync): Triton picks kWidth = 4 for the operands and
+# re-distributes the decoded tile with shuffles (fp16: 0.10-0.12 with Triton 3.9
+# but 0.17-0.20 with 3.6; INT8 0.32-0.40); INT8 with 3 stages (0.21-0.29) and
+# INT8 with 2 stages on tiles under 16384 elements (the shared-memory
+# pipeline's extra LDS: 0.20-0.24; 64 x 128 reached 0.221).
+_DECODE_TILES = ((64, 4), (128, 8))
+_DECODE_BLOCK_K = (64, 128, 256)
+
+
+def decode_configs(M: int, N: int, K: int, dtype: str = "float16", num_sms: int = 132) -> list[KernelConfig]:
+    """The decode kernel's config space for one (M, N, K, dtype key).
+
+    BLOCK_N x warps in (64 x 4, 128 x 8) x BLOCK_K in (64, 128, 256) x
+    stages (1-3) x split-K in (1, 2, 4, 8): split-K while the programs stay
+    within 4 per SM and each split keeps >= 2 K-tiles (a 4096 x 4096 layer has
+    only 64 programs of 64 rows for 132 SMs). INT8 weights (``dtype``
+    ``"int8-..."``): one stage, or two on tiles of >= 16384 elements (see the
+    comment above). The space does not depend on M at decode sizes; above 16
+    rows the programs multiply by ceil(M / 16) and only the deepest pipeline of
+    each tile is kept (the tuner times the kernel there to compare it with the
+    reference backend, not to win).
+
+    Args:
+        M, N, K: problem size (x is M x K, W is N x K); dtype: a :func:`dtype_key`.
+    Returns:
+        list of :class:`KernelConfig` with ``kernel == "decode"``, ``block_m == 16``.
+    """
+    if M < 1:
+        raise ValueError(f"M must be >= 1, got {M}")
+    int8 = dtype.startswith("int8-")
+    out = []
+    for bn, warps in _DECODE_TILES:
+        for bk in _DECODE_BLOCK_K:
+            programs = -(-N // bn) * -(-M // 16)
+            splits = [1] + [s for s in (2, 4, 8) if programs * s <= 4 * num_sms and K >= 2 * s * bk]
+            stages = ((1, 2) if bn * bk >= 16384 else (1,)) if int8 else (1, 2, 3)
+            if M > DECODE_M:  # past decode sizes the kernel re-decodes W per 16 rows and the reference
+                stages = stages[-1:]  # backend wins: one stage per tile, to time it against the reference
+            out += [KernelConfig(16, bn, bk, 1, s, warps, st, kernel="decode") for s in splits for st in stages]
+    return [check_decode_config(c) for c in out]
+
+
+def check_decode_config(config: KernelConfig) -> KernelConfig:
+    """Raise ValueError unless the decode kernel can run ``config``; returns it."""
+    c = config.validate()
+    if c.kernel != "decode" or c.block_m != 16 or c.block_k < 64 or c.block_n not in (32, 64, 128) \
+            or c.num_warps != c.block_n // 16:
+        raise ValueError(f"bad decode config {c}: need kernel 'decode', block_m == 16, block_k >= 64, block_n in "
+                         f"(32, 64, 128) and num_warps == block_n // 16 (one 16-row tile per warp)")
+    return c

@@ -45,7 +45,7 @@ from pathlib import Path
 
 import torch
 
-from .config_space import DTYPE_KEYS, M_BUCKETS, KernelConfig, builtin_config, m_bucket
+from .config_space import DTYPE_KEYS, LAYOUT_KERNEL, M_BUCKETS, KernelConfig, builtin_config, m_bucket
 
 __all__ = ["KERNEL", "SCHEMA_VERSION", "TIMINGS", "Choice", "DeviceInfo", "device_info", "config_dirs",
            "shipped_config_dir", "gpu_file_name", "validate_file", "validate_dir", "lookup", "get_choice",
@@ -198,13 +198,13 @@ class Choice:
     entry: dict | None = None
 
 
-def _nearest_entry(files: list[dict], M: int, N: int, K: int, dtype: str):
-    """(file, entry, bucket) of the nearest M bucket (in log2) for (N, K, dtype);
-    ties go to the smaller M; earlier files (the user folder) win among equals."""
+def _nearest_entry(files: list[dict], M: int, N: int, K: int, dtype: str, kernel: str):
+    """(file, entry, bucket) of the nearest M bucket (in log2) for (N, K, dtype) among entries
+    of ``kernel``; ties go to the smaller M; earlier files (the user folder) win among equals."""
     best = None
     for f in files:
         for (bm, n, k, dt), entry in f["entries"].items():
-            if (n, k, dt) == (N, K, dtype):
+            if (n, k, dt) == (N, K, dtype) and entry["config"].kernel == kernel:
                 dist = (abs(math.log2(bm) - math.log2(m_bucket(M))), bm)
                 if best is None or dist < best[0]:
                     best = (dist, f, entry, bm)
@@ -212,13 +212,15 @@ def _nearest_entry(files: list[dict], M: int, N: int, K: int, dtype: str):
 
 
 def lookup(M: int, N: int, K: int, dtype: str, gpu_name: str, capability: tuple[int, int] | None,
-           num_sms: int = 132) -> Choice:
+           num_sms: int = 132, layout: str = "v1") -> Choice:
     """The config for one call, following the lookup order in the module docstring.
 
     Args:
         M, N, K: problem size (x is M x K, W is N x K); dtype: a :func:`dtype_key`.
         gpu_name: ``torch.cuda.get_device_name()`` (or ``"cpu"``);
         capability: ``(major, minor)`` or None (CPU); num_sms: multiprocessors (builtin config).
+        layout: the weight's layout (``"v1"`` or ``"decode"``): only configs of the kernel
+            variant that reads it are taken.
     Returns:
         :class:`Choice`.
     Example:
@@ -229,20 +231,22 @@ def lookup(M: int, N: int, K: int, dtype: str, gpu_name: str, capability: tuple[
     own = [f for f in files if gpu_file_name(f["gpu"]) == gpu_file_name(gpu_name)]
     family = [f for f in files if f not in own and capability is not None
               and tuple(f["compute_capability"]) == tuple(capability)]
-    key = (m_bucket(M), N, K, dtype)
+    key, kernel = (m_bucket(M), N, K, dtype), LAYOUT_KERNEL[layout]
     for f in own:
-        if key in f["entries"]:
+        if key in f["entries"] and f["entries"][key]["config"].kernel == kernel:
             return Choice(f["entries"][key]["config"], "exact", f"exact entry {key} in {f['path']}",
                           f["entries"][key])
     for group, kind in ((own, "nearest"), (family, "family")):
-        hit = _nearest_entry(group, M, N, K, dtype)
+        hit = _nearest_entry(group, M, N, K, dtype, kernel)
         if hit is not None:
             f, entry, bm = hit
             return Choice(entry["config"], kind, f"{kind} entry M={bm} for N={N}, K={K}, {dtype} in {f['path']}",
                           entry)
-    if own:
-        return Choice(own[0]["default"], "file-default", f"default of {own[0]['path']}")
-    return Choice(builtin_config(M, N, K, num_sms), "builtin", "built-in untuned config (no tuned file for this GPU)")
+    for f in own:
+        if f["default"].kernel == kernel:
+            return Choice(f["default"], "file-default", f"default of {f['path']}")
+    return Choice(builtin_config(M, N, K, num_sms, layout), "builtin",
+                  "built-in untuned config (no tuned config of this layout for this GPU)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -281,39 +285,39 @@ _LIVE_TUNER = None
 
 def set_live_tuner(tuner) -> None:
     """Plug in the function ``SPARSE24_AUTOTUNE=1`` calls for a shape without an exact
-    entry: ``tuner(M_bucket, N, K, dtype, device) -> Choice``; None unplugs it.
+    entry: ``tuner(M_bucket, N, K, dtype, device, layout=...) -> Choice``; None unplugs it.
     (:mod:`sparse24.tuning` registers its tuner when imported.)"""
     global _LIVE_TUNER
     _LIVE_TUNER = tuner
     clear_cache()
 
 
-def get_choice(M: int, N: int, K: int, dtype: str, device) -> Choice:
+def get_choice(M: int, N: int, K: int, dtype: str, device, layout: str = "v1") -> Choice:
     """:func:`lookup` for a launch on ``device``, or live tuning when ``SPARSE24_AUTOTUNE=1``
     on CUDA and no exact entry exists. Cached per process (:func:`clear_cache` forgets).
     CPU tensors (interpreter) get the built-in config."""
     info = device_info(device)
-    cache_key = (tuple(config_dirs()), info, (m_bucket(M), N, K, dtype))
+    cache_key = (tuple(config_dirs()), info, (m_bucket(M), N, K, dtype), layout)
     choice = _CHOICES.get(cache_key)
     if choice is None:
-        choice = lookup(M, N, K, dtype, info.name, info.capability, info.num_sms)
+        choice = lookup(M, N, K, dtype, info.name, info.capability, info.num_sms, layout)
         if (os.environ.get("SPARSE24_AUTOTUNE") == "1" and info.capability is not None and choice.kind != "exact"
                 and _LIVE_TUNER is not None):
-            choice = _LIVE_TUNER(m_bucket(M), N, K, dtype, torch.device(device))
+            choice = _LIVE_TUNER(m_bucket(M), N, K, dtype, torch.device(device), layout=layout)
         _CHOICES[cache_key] = choice
     return choice
 
 
-def get_config(M: int, N: int, K: int, dtype: str, device) -> KernelConfig:
+def get_config(M: int, N: int, K: int, dtype: str, device, layout: str = "v1") -> KernelConfig:
     """The :class:`KernelConfig` of :func:`get_choice`."""
-    return get_choice(M, N, K, dtype, device).config
+    return get_choice(M, N, K, dtype, device, layout).config
 
 
-def measured_timings(M: int, N: int, K: int, dtype: str, device=None) -> dict[str, float]:
+def measured_timings(M: int, N: int, K: int, dtype: str, device=None, layout: str = "v1") -> dict[str, float]:
     """``{"kernel_us", "dense_us", "reference_us"}`` (those present) measured side by side by
     the tuner on this GPU for this shape (its exact or nearest-M entry, or a live-tuned one);
     empty when this GPU has no measurement. ``backend="auto"`` picks the faster backend from it."""
-    choice = get_choice(M, N, K, dtype, device)
+    choice = get_choice(M, N, K, dtype, device, layout)
     if choice.kind not in ("exact", "nearest", "live") or not choice.entry:
         return {}
     return {t: choice.entry[t] for t in TIMINGS if t in choice.entry}

@@ -7,6 +7,9 @@ Providers (each on the same masked 2:4 weight, one shape and M at a time):
 
 * ``dense``: ``F.linear`` on the masked dense weight (cuBLAS / oneDNN) - the baseline;
 * ``sparse24-triton`` / ``sparse24-reference``: :func:`sparse24.linear` with that backend;
+  the Triton providers (and ``sparse24-auto``) take the weight in the layout a compressed
+  module holds on the device: the decode layout (decode kernel) on CUDA for float16/bfloat16
+  and INT8 weights, layout v1 (general kernel) elsewhere;
 * ``sparse24-auto``: ``backend="auto"``, what users get by default (CUDA only:
   on CPU auto is the reference backend, timed already);
 * ``torch-semi-structured``: ``torch.sparse.to_sparse_semi_structured`` (CUDA, sm80+);
@@ -43,6 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from .._version import __version__
+from ..decode_format import pack_decode
 from ..format import compress, mask_nm
 from ..ops.linear24 import linear
 
@@ -192,8 +196,11 @@ def _make_op(name: str, w: torch.Tensor, mask: torch.Tensor) -> tuple[Callable, 
     int8 = "int8" in name
     p = compress(w, mask, quantize="int8" if int8 else None)
     backend = name.rsplit("-", 1)[1]
+    q = p
+    if backend != "reference" and w.is_cuda and (int8 or w.dtype in (torch.float16, torch.bfloat16)):
+        q = pack_decode(p)  # the layout a compressed module holds there: what users' layers run
     # fp values must reproduce the masked dense weight itself; int8 ones its dequantized form
-    return (lambda x: linear(x, p, backend=backend)), p.nbytes + p.scale_nbytes, p.to_dense() if int8 else w
+    return (lambda x: linear(x, q, backend=backend)), p.nbytes + p.scale_nbytes, p.to_dense() if int8 else w
 
 
 # --- timing --------------------------------------------------------------------------

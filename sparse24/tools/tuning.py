@@ -21,7 +21,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..format import Sparse24Tensor, compress, quantize_values
+from ..decode_format import pack_decode
+from ..format import compress, quantize_values
 from ..ops import config_store
 from ..ops.config_space import (DTYPE_KEYS, KERNEL_VARIANTS, M_BUCKETS, KernelConfig, builtin_config,  # noqa: F401
                                candidate_configs, dtype_key, m_bucket)
@@ -43,8 +44,15 @@ _ACT = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.f
 _MAX_REL_ERR = {"float16": 2e-3, "bfloat16": 1.6e-2, "float32": 1e-5}
 
 
-def _tuning_inputs(M: int, N: int, K: int, dtype: str, device, seed: int = 0):
-    """Random x (M, K), compressed weight p (N, K) and its dense twin, as tuned."""
+def runtime_layout(dtype: str) -> str:
+    """The layout a compressed module holds on CUDA for weights of this dtype key (see
+    :meth:`sparse24.Sparse24Linear.to_layout`): the decode layout for float16/bfloat16
+    and INT8 weights, layout v1 for float32 ones."""
+    return "v1" if dtype == "float32" else "decode"
+
+
+def _tuning_inputs(M: int, N: int, K: int, dtype: str, device, seed: int = 0, layout: str = "v1"):
+    """Random x (M, K), compressed weight p (N, K) in ``layout`` and its dense twin, as tuned."""
     act = _ACT[dtype.removeprefix("int8-")]
     gen = torch.Generator(device=device).manual_seed(seed)
     w = torch.randn(N, K, generator=gen, device=device).to(act)
@@ -52,17 +60,19 @@ def _tuning_inputs(M: int, N: int, K: int, dtype: str, device, seed: int = 0):
     if dtype.startswith("int8-"):
         p = quantize_values(p, "int8")
     x = torch.randn(M, K, generator=gen, device=device).to(act)
-    return x, p, p.to_dense().to(act)
+    dense = p.to_dense().to(act)
+    return x, pack_decode(p) if layout == "decode" else p, dense
 
 
 def tune_key(M: int, N: int, K: int, dtype: str, device, configs=None, warmup_ms: float = 10,
-             rep_ms: float = 40) -> Choice:
+             rep_ms: float = 40, layout: str | None = None) -> Choice:
     """Time the config space for one key on a CUDA device; return the fastest
     config that also computes the right result.
 
     Args:
         M, N, K: sizes (M is used as given: pass the bucket); dtype: a dtype key.
         device: a CUDA device. configs: candidates (default :func:`candidate_configs`).
+        layout: the weight layout tuned for (default :func:`runtime_layout`).
         warmup_ms, rep_ms: timing budgets per candidate (see :func:`time_launches_us`).
     Returns:
         :class:`Choice` with ``kind="live"`` and ``entry = {"config", "kernel_us",
@@ -72,7 +82,8 @@ def tune_key(M: int, N: int, K: int, dtype: str, device, configs=None, warmup_ms
     device = torch.device(device)
     if device.type != "cuda":
         raise ValueError(f"tuning times kernels on a CUDA device, got {device}")
-    x, p, w_dense = _tuning_inputs(M, N, K, dtype, device)
+    layout = runtime_layout(dtype) if layout is None else layout
+    x, p, w_dense = _tuning_inputs(M, N, K, dtype, device, layout=layout)
     ref = F.linear(x.double(), w_dense.double())
     tf32 = dtype.endswith("float32") and torch.backends.cuda.matmul.allow_tf32
     max_err = 2e-3 if tf32 else _MAX_REL_ERR[dtype.removeprefix("int8-")]
@@ -88,7 +99,7 @@ def tune_key(M: int, N: int, K: int, dtype: str, device, configs=None, warmup_ms
         return time_launches_us([lambda q=q: linear_triton(x, q, config=cfg) for q in weights], warmup_ms, rep_ms)
 
     best_cfg, best_us, rejected = _select_fastest(
-        configs if configs is not None else candidate_configs(M, N, K, props.multi_processor_count),
+        configs if configs is not None else candidate_configs(M, N, K, props.multi_processor_count, layout, dtype),
         launch=lambda cfg: linear_triton(x, p, config=cfg),
         error=lambda y: float((y.double() - ref).norm() / ref.norm().clamp_min(1e-30)),
         time=kernel_time, max_err=max_err, label=f"M={M}, N={N}, K={K}, {dtype}")
@@ -106,8 +117,8 @@ def _copies(l2_bytes: int, nbytes: int) -> int:
 
 
 def _clone_weight(p):
-    return Sparse24Tensor(p.values.clone(), p.meta.clone(), p.shape, p.dtype,
-                          None if p.scale is None else p.scale.clone(), check=False)
+    return type(p)(p.values.clone(), p.meta.clone(), p.shape, p.dtype, None if p.scale is None else p.scale.clone(),
+                   check=False)
 
 
 def time_launches_us(launches, warmup_ms: float = 10, rep_ms: float = 40) -> float:
@@ -174,7 +185,7 @@ def _compile_worker(items: list, device_index: int) -> list[str]:
     torch.cuda.set_device(device)
     for M, N, K, dtype, cfg in items:
         try:
-            x, p, _ = _tuning_inputs(M, N, K, dtype, device)
+            x, p, _ = _tuning_inputs(M, N, K, dtype, device, layout=runtime_layout(dtype))
             target = torch.empty(M, N, device=device, dtype=torch.float32 if cfg.split_k > 1 else x.dtype)
             kernel, grid, args, kwargs = kernel_call(x, p, None, target, cfg, cfg.split_k)
             kernel.warmup(*args, grid=grid, **kwargs)
@@ -279,7 +290,8 @@ def autotune(shapes, ms, dtypes, out_dir, warmup_ms: float = 10, rep_ms: float =
     gpu, cc = torch.cuda.get_device_name(device), torch.cuda.get_device_capability(device)
     keys = [(m, n, k, dt) for dt in dtypes for _, n, k in shapes for m in ms]
     num_sms = torch.cuda.get_device_properties(device).multi_processor_count
-    tasks = [(m, n, k, dt, c) for m, n, k, dt in keys for c in candidate_configs(m, n, k, num_sms)]
+    tasks = [(m, n, k, dt, c) for m, n, k, dt in keys
+             for c in candidate_configs(m, n, k, num_sms, runtime_layout(dt), dt)]
     print(f"sparse24 autotune on {gpu} (sm_{cc[0]}{cc[1]}): {len(keys)} keys, {len(tasks)} timings", file=sys.stderr)
     n_var = _precompile(tasks, jobs, device)
     print(f"  compiled {n_var} kernel variants with {jobs} processes", file=sys.stderr)

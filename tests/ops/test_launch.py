@@ -57,14 +57,14 @@ def test_kept_handle_gets_triton_s_arguments_in_signature_order(fake_cuda_plan, 
     p = sparse24.compress(torch.randn(N, K, generator=gen), quantize="int8")
     x, b = torch.randn(M, K, generator=gen), torch.randn(N, generator=gen)
     cfg = KernelConfig(16, 32, 32, split_k=1)
-    launch.run(x, p.values, p.meta, p.scale, b, cfg)  # makes the plan (CPU: interpreter)
+    launch.run(x, p.values, p.meta, p.scale, b, N, cfg)  # makes the plan (CPU: interpreter)
     (plan,) = launch._PLANS.values()
     handle = _Recorder()
     plan.cuda, plan.kernel = True, _TritonPath(handle)
-    launch.run(x, p.values, p.meta, p.scale, b, cfg)  # first CUDA-branch call: Triton's path, handle kept
+    launch.run(x, p.values, p.meta, p.scale, b, N, cfg)  # first CUDA-branch call: Triton's path, handle kept
     assert len(plan.kernel.calls) == 1 and plan.compiled is handle and not handle.calls
     (grid, args, kwargs), = plan.kernel.calls
-    out = launch.run(x, p.values, p.meta, p.scale, b, cfg)  # steady state: the kept handle
+    out = launch.run(x, p.values, p.meta, p.scale, b, N, cfg)  # steady state: the kept handle
     assert len(plan.kernel.calls) == 1 and len(handle.calls) == 1
     gx, gy, gz, stream, function, packed, meta, enter, exit_, *bound = handle.calls[0]
     assert (gx, gy, gz, stream) == (grid[0], grid[1], 1, 1234)
@@ -92,16 +92,16 @@ def test_unaligned_or_strided_input_takes_triton_s_path(fake_cuda_plan, gen):
     p = sparse24.compress(torch.randn(N, K, generator=gen))
     cfg = KernelConfig(16, 32, 32)
     x = torch.randn(3, K, generator=gen)
-    launch.run(x, p.values, p.meta, None, None, cfg)
+    launch.run(x, p.values, p.meta, None, None, N, cfg)
     (plan,) = launch._PLANS.values()
     handle = _Recorder()
     plan.cuda, plan.kernel = True, _TritonPath(handle)
-    launch.run(x, p.values, p.meta, None, None, cfg)
+    launch.run(x, p.values, p.meta, None, None, N, cfg)
     assert plan.compiled is handle
     strided = torch.randn(K, 3, generator=gen).t()             # (3, K), strides (1, 3)
     shifted = torch.randn(3 * K + 1, generator=gen)[1:].view(3, K)  # 4-byte offset: not 16-byte aligned
     for bad in (strided, shifted):
-        launch.run(bad, p.values, p.meta, None, None, cfg)
+        launch.run(bad, p.values, p.meta, None, None, N, cfg)
     assert len(handle.calls) == 0 and len(plan.kernel.calls) == 3
     (_, args, _) = plan.kernel.calls[1]
     assert args[9:11] == (1, 3)  # the strided input's real strides reach Triton
@@ -136,8 +136,8 @@ def test_one_plan_per_key_and_lookups_only_once(monkeypatch, gen):
     w = p.to_dense()
     for M in (1, 1, 1, 3, 4, 5):  # buckets 1, 4, 4, 8
         x = torch.randn(M, 64, generator=gen)
-        assert_matches_reference(launch.run(x, p.values, p.meta, None, None), x, w)
+        assert_matches_reference(launch.run(x, p.values, p.meta, None, None, 40), x, w)
     assert [a[0] for a in lookups] == [1, 4, 8]
     config_store.clear_cache()  # forgets the plans too
-    launch.run(torch.randn(1, 64, generator=gen), p.values, p.meta, None, None)
+    launch.run(torch.randn(1, 64, generator=gen), p.values, p.meta, None, None, 40)
     assert [a[0] for a in lookups] == [1, 4, 8, 1]

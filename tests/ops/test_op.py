@@ -23,17 +23,20 @@ def _model(gen, quantize=None, trainable_values=False):
 
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])
-@pytest.mark.parametrize("int8", [False, True], ids=["fp32", "int8"])
-def test_opcheck(backend, int8, gen):
-    """Schema, fake (meta) kernel, autograd registration and AOT dispatch, as torch.library checks them."""
+@pytest.mark.parametrize("weight", ["fp32", "int8", "decode-fp16", "decode-int8"])
+def test_opcheck(backend, weight, gen):
+    """Schema, fake (meta) kernel, autograd registration and AOT dispatch, as torch.library checks
+    them, for both layouts (the decode layout's values do not train)."""
     w = torch.randn(40, 64, generator=gen)
-    p = sparse24.compress(w, quantize="int8" if int8 else None)
-    values = p.values if int8 else p.values.clone().requires_grad_(True)
-    x = torch.randn(3, 64, generator=gen, requires_grad=True)
+    p = sparse24.compress(w.half() if weight == "decode-fp16" else w, quantize="int8" if "int8" in weight else None)
+    if weight.startswith("decode"):
+        p = sparse24.pack_decode(p)
+    values = p.values.clone().requires_grad_(True) if weight == "fp32" else p.values
+    x = torch.randn(3, 64, generator=gen).to(torch.float16 if weight == "decode-fp16" else torch.float32)
     b = torch.randn(40, generator=gen, requires_grad=True)
     for bias in (b, None):
         torch.library.opcheck(torch.ops.sparse24.linear.default,
-                              (x, values, p.meta, p.scale, bias, torch.float32, backend))
+                              (x.requires_grad_(True), values, p.meta, p.scale, bias, p.dtype, backend, 40))
 
 
 def test_op_gradients_match_dense_fp64(gen):
@@ -41,7 +44,7 @@ def test_op_gradients_match_dense_fp64(gen):
     p = sparse24.compress(w)
     values = p.values.double().requires_grad_(True)
     xd, bd = x.double().requires_grad_(True), b.double().requires_grad_(True)
-    y = torch.ops.sparse24.linear(xd, values, p.meta, None, bd, torch.float64, "reference")
+    y = torch.ops.sparse24.linear(xd, values, p.meta, None, bd, torch.float64, "reference", 40)
     gy = torch.randn(y.shape, generator=gen, dtype=torch.float64)
     gx, gv, gb = torch.autograd.grad(y, (xd, values, bd), gy)
     dense = (w * sparse24.mask_nm(w)).double().requires_grad_(True)
@@ -132,7 +135,7 @@ def test_auto_never_picks_the_reference_at_decode_sizes(monkeypatch):
             return 2
 
     try:
-        assert [op._auto_backend(FakeCuda(M), values, None) for M in (1, 16, 17, 4096)] == \
+        assert [op._auto_backend(FakeCuda(M), values, None, 64) for M in (1, 16, 17, 4096)] == \
             ["triton", "triton", "reference", "reference"]
     finally:
         op._AUTO.clear()

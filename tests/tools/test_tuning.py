@@ -164,6 +164,9 @@ def test_auto_picks_the_reference_only_where_measured_faster(isolated, monkeypat
     monkeypatch.setattr(config_store, "device_info", lambda device=None: DeviceInfo(GPU, (9, 0)))
     picks = [faster_backend(tuning.measured_timings(M, 64, 64, "float16")) for M in (32, 64, 128, 256)]
     assert picks == ["triton", "triton", "reference", "triton"]
+    # unmeasured: the decode kernel up to 64 rows of a decode-layout weight, then the reference
+    assert [faster_backend({}, "decode", M) for M in (17, 64, 65)] == ["triton", "triton", "reference"]
+    assert faster_backend({}, "v1", 4096) == "triton"
 
 
 def test_write_entries_merges_and_keeps_corrupt_file(isolated, capsys):

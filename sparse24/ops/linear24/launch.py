@@ -1,12 +1,18 @@
 """Launching the 2:4 Triton kernels (``kernels/``): argument checks, the
 config choice, and a launch path that costs one dict lookup per call.
 
-``linear_triton(x, p, bias)``: (1) checks, (2) finds the call's *plan* (kernel
+Two kernel variants, one per weight layout: ``sparse24_matmul`` reads layout
+v1 (:class:`~sparse24.format.Sparse24Tensor`), ``sparse24_decode`` the decode
+layout (:class:`~sparse24.decode_format.DecodePacked`, the layout the modules
+hold on CUDA; its main loop keeps within the sm_90 instruction budget at
+M <= 16, docs/kernels.md).
+
+``linear_triton(x, w, bias)``: (1) checks, (2) finds the call's *plan* (kernel
 variant, config, split-K, grid shape) in a dict keyed by (device, dtypes,
-bias/scale, N, K, M bucket, ...), making it on the first call of that key (the
-only time tuned files are read or devices queried), (3) allocates the output,
-(4) launches: compiled on CUDA tensors, through Triton's interpreter on CPU
-tensors (same kernel source).
+layout, bias/scale, N, K, M bucket, ...), making it on the first call of that
+key (the only time tuned files are read or devices queried), (3) allocates the
+output, (4) launches: compiled on CUDA tensors, through Triton's interpreter on
+CPU tensors (same kernel source).
 
 On CUDA the first launch of a plan goes through Triton's ``kernel[grid](...)``
 (compile or disk-cache load, argument binding: ~29 us of host time per call in
@@ -24,19 +30,25 @@ import contextlib
 
 import torch
 
+from ...decode_format import DecodePacked, decode_dims
 from ...format import Sparse24Tensor
-from ..config_space import KernelConfig, dtype_key, m_bucket
+from ..config_space import LAYOUT_KERNEL, KernelConfig, check_decode_config, dtype_key, m_bucket
 from ..config_store import get_config, on_clear
 from .naive import check_linear_args
 
-__all__ = ["linear_triton", "check_triton_args", "kernel_call", "aot_compile", "SUPPORTED_DTYPES"]
+__all__ = ["linear_triton", "check_triton_args", "kernel_call", "aot_compile", "layout_of", "SUPPORTED_DTYPES"]
 
 # tl.dot takes fp16/bf16/fp32 operands; fp64 has no tensor-core path, so
 # float64 inputs are rejected here (backend="reference" computes them).
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def check_triton_args(x: torch.Tensor, p: Sparse24Tensor) -> None:
+def layout_of(values: torch.Tensor) -> str:
+    """``"v1"`` for layout v1's ``(N, K/2)`` values, ``"decode"`` for the decode layout's."""
+    return "v1" if values.dim() == 2 else "decode"
+
+
+def check_triton_args(x: torch.Tensor, p: Sparse24Tensor | DecodePacked) -> None:
     """Raise a clear error for inputs the Triton kernels cannot compute."""
     if x.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"backend='triton' supports x of dtype float16, bfloat16 or float32, got {x.dtype}; "
@@ -53,27 +65,30 @@ def check_triton_args(x: torch.Tensor, p: Sparse24Tensor) -> None:
                         "p.to(dtype=torch.float32) or use backend='reference'")
 
 
-def linear_triton(x: torch.Tensor, p: Sparse24Tensor, bias: torch.Tensor | None = None, *,
+def linear_triton(x: torch.Tensor, p: Sparse24Tensor | DecodePacked, bias: torch.Tensor | None = None, *,
                   config: KernelConfig | None = None) -> torch.Tensor:
-    """``y = x @ W^T + bias`` with the compressed 2:4 Triton kernel.
+    """``y = x @ W^T + bias`` with the compressed 2:4 Triton kernel of W's layout.
 
-    The kernel reads W only compressed (values + 2-bit slots), expands each
-    tile in registers, accumulates in fp32, applies the INT8 scale (if
-    ``p.scale`` is set) and the bias in the epilogue, and writes x's dtype.
+    The kernel reads W only compressed (values + 2-bit slots or keep masks),
+    expands each tile in registers, accumulates in fp32, applies the INT8
+    scale (if ``p.scale`` is set) and the bias in the epilogue, and writes x's dtype.
 
     Args:
         x: ``(..., K)`` float16 / bfloat16 / float32, any leading dims (M = 0
             allowed), any strides. CUDA tensors run compiled; CPU tensors run
             in Triton's interpreter (float16/float32 only; slow, for tests).
-        p: :class:`Sparse24Tensor` ``(N, K)``: float16/bfloat16/float32
-            values, or int8 values with ``(N,)`` float32 scales.
+        p: ``(N, K)``: a :class:`Sparse24Tensor` (float16/bfloat16/float32 values,
+            or int8 values with ``(N,)`` float32 scales; the ``matmul`` kernel) or a
+            :class:`DecodePacked` (float16/bfloat16 or INT8; the ``decode`` kernel).
         bias: ``(N,)`` or None, any float dtype (added in fp32).
-        config: a :class:`~sparse24.ops.config_space.KernelConfig` to pin;
-            default: the tuned-config lookup (:mod:`sparse24.ops.config_store`).
+        config: a :class:`~sparse24.ops.config_space.KernelConfig` of the weight's
+            kernel variant to pin; default: the tuned-config lookup
+            (:mod:`sparse24.ops.config_store`).
     Returns:
         ``(..., N)`` in x's dtype.
     Raises:
         TypeError: float64 (or integer) x, bfloat16 x on CPU, float64 weight values.
+        ValueError: a config of the other kernel variant, bad shapes.
     Example:
         >>> p = sparse24.compress(torch.randn(64, 128, device="cuda", dtype=torch.float16))
         >>> linear_triton(torch.randn(4, 128, device="cuda", dtype=torch.float16), p).shape
@@ -84,16 +99,21 @@ def linear_triton(x: torch.Tensor, p: Sparse24Tensor, bias: torch.Tensor | None 
     if config is not None:
         if not isinstance(config, KernelConfig):
             raise TypeError(f"config must be a sparse24.ops.config_space.KernelConfig, got {type(config).__name__}")
-        config.validate()
-    return run(x, p.values, p.meta, p.scale, bias, config)
+        layout = "v1" if isinstance(p, Sparse24Tensor) else "decode"
+        if config.kernel != LAYOUT_KERNEL[layout]:
+            raise ValueError(f"a {type(p).__name__} weight runs the {LAYOUT_KERNEL[layout]!r} kernel, got a config "
+                             f"for {config.kernel!r}")
+        config.validate() if layout == "v1" else check_decode_config(config)
+    return run(x, p.values, p.meta, p.scale, bias, p.shape[0], config)
 
 
 def run(x: torch.Tensor, values: torch.Tensor, meta: torch.Tensor, scale: torch.Tensor | None,
-        bias: torch.Tensor | None, config: KernelConfig | None = None) -> torch.Tensor:
+        bias: torch.Tensor | None, N: int, config: KernelConfig | None = None) -> torch.Tensor:
     """The launch behind :func:`linear_triton`, for arguments already checked
-    (the registered op and the modules call it directly). Shapes as there.
+    (the registered op and the modules call it directly); W's layout is read
+    off ``values`` (:func:`layout_of`), N is its logical rows. Shapes as there.
     Every line here runs on every call: each costs 0.1-2 us of host time."""
-    N, K = values.shape[0], x.shape[-1]
+    K = x.shape[-1]
     flat = x.dim() == 2
     M = x.shape[0] if flat else x.shape[:-1].numel()
     if M == 0 or N == 0 or K == 0:
@@ -102,8 +122,8 @@ def run(x: torch.Tensor, values: torch.Tensor, meta: torch.Tensor, scale: torch.
     # fp32 dots follow torch's own matmul TF32 switch (off by default, so fp32
     # results match F.linear); half types ignore it.
     tf32 = x.dtype == torch.float32 and x.is_cuda and torch.backends.cuda.matmul.allow_tf32
-    key = (x.device, x.dtype, values.dtype, scale is not None, None if bias is None else bias.dtype, N, K,
-           m_bucket(M), torch.are_deterministic_algorithms_enabled(), tf32, config)
+    key = (x.device, x.dtype, values.dtype, values.dim(), scale is not None, None if bias is None else bias.dtype,
+           N, K, m_bucket(M), torch.are_deterministic_algorithms_enabled(), tf32, config)
     plan = _PLANS.get(key)
     if plan is None:
         plan = _PLANS[key] = _Plan(key, config)
@@ -121,44 +141,45 @@ class _Plan:
     config, split-K, the constexprs, and (CUDA) the compiled kernel handle."""
 
     def __init__(self, key, config: KernelConfig | None):
-        device, x_dtype, _, has_scale, bias_dtype, N, K, bucket, deterministic, tf32, _ = key
+        device, x_dtype, values_dtype, values_dim, has_scale, bias_dtype, N, K, bucket, deterministic, tf32, _ = key
+        layout = "v1" if values_dim == 2 else "decode"
         if config is None:
-            config = get_config(bucket, N, K, dtype_key(x_dtype, has_scale), device)
-        self.config = config
+            config = get_config(bucket, N, K, dtype_key(x_dtype, has_scale), device, layout)
+        self.config, self.variant = config, _VARIANTS[config.kernel]
         # Split-K partial sums meet by fp32 atomic adds in a zeroed buffer: one
         # M x N buffer (not SPLIT_K of them) and no reduction launch; the cost is
         # run-to-run differences at fp32 rounding, so deterministic mode
         # (torch.use_deterministic_algorithms) forces SPLIT_K = 1.
         self.split_k = 1 if deterministic else config.split_k
-        self.kernel = _kernel(device.type == "cuda")
+        self.kernel = self.variant.kernel(device.type == "cuda")
+        self.constexprs = self.variant.constexprs(config, self.split_k, has_scale, values_dtype, bias_dtype is not None,
+                                                  tf32)
+        names = tuple(self.constexprs)
         if device.type == "cuda":  # the kept handle gets the constexprs appended in signature order
-            assert tuple(self.kernel.arg_names[-len(_CONSTEXPR_NAMES):]) == _CONSTEXPR_NAMES, self.kernel.arg_names
-        self.constexprs = _constexprs(config, self.split_k, has_scale, bias_dtype is not None, tf32)
-        self.constexpr_values = tuple(self.constexprs[n] for n in _CONSTEXPR_NAMES)
+            assert tuple(self.kernel.arg_names[-len(names):]) == names, self.kernel.arg_names
+        self.constexpr_values = tuple(self.constexprs.values())
         self.options = {"num_warps": config.num_warps, "num_stages": config.num_stages}
-        self.grid_n, self.block_m = _cdiv(N, config.block_n), config.block_m
         self.N, self.device, self.cuda, self.device_index = N, device, device.type == "cuda", device.index
-        # N, K and the strides of contiguous x (M, K), values (N, K/2), meta (K/32, N), out (M, N)
-        self.contiguous_ints = (N, K, K, 1, K // 2, 1, N, 1, N, 1)
+        # the integer arguments of contiguous tensors: fixed by N and K
+        self.contiguous_ints = self.variant.contiguous_ints(N, K)
         self.compiled = None
 
     def __call__(self, x2, values, meta, scale, bias, M):
-        out = torch.empty((M, self.N), dtype=x2.dtype, device=self.device)
-        target = out if self.split_k == 1 else torch.zeros((M, self.N), dtype=torch.float32, device=self.device)
-        s = values if scale is None else scale  # never read when HAS_SCALE / HAS_BIAS is False
-        b = values if bias is None else bias
-        # contiguous tensors: every stride is fixed by N and K, so the plan holds them
+        if self.split_k == 1:
+            target = torch.empty((M, self.N), dtype=x2.dtype, device=self.device)
+        else:  # split-K adds fp32 partial sums into a zeroed buffer (see __init__)
+            target = torch.zeros((M, self.N), dtype=torch.float32, device=self.device)
+        s = meta if scale is None else scale  # never read when there is no scale / bias
+        b = meta if bias is None else bias
         if x2.is_contiguous() and values.is_contiguous() and meta.is_contiguous() and s.is_contiguous() \
                 and b.is_contiguous():
             args = (x2, values, meta, s, b, target, M, *self.contiguous_ints)
             aligned = (x2.data_ptr() | values.data_ptr() | meta.data_ptr() | s.data_ptr() | b.data_ptr()) % 16 == 0
         else:
-            args = _args(x2, values, meta, scale, bias, target, M)
+            args = self.variant.args(x2, values, meta, s, b, target, M)
             aligned = False
-        self.launch((_cdiv(M, self.block_m) * self.grid_n, self.split_k), args, aligned)
-        if target is not out:
-            out.copy_(target)
-        return out
+        self.launch(self.variant.grid(M, self.N, self.config, self.split_k), args, aligned)
+        return target if self.split_k == 1 else target.to(x2.dtype)  # the same tensor when x is fp32
 
     def launch(self, grid, args, aligned: bool) -> None:
         """Launch once: through the kept compiled handle when the arguments
@@ -166,7 +187,7 @@ class _Plan:
         tensors), else through Triton's own path."""
         fast = aligned and self.cuda and _fast_launch_ok(self.device_index)
         if fast and self.compiled is not None:
-            self.compiled.run(grid[0], grid[1], 1, torch._C._cuda_getCurrentRawStream(self.device_index),
+            self.compiled.run(grid[0], grid[1], grid[2], torch._C._cuda_getCurrentRawStream(self.device_index),
                               self.compiled.function, self.compiled.packed_metadata, None, None, None,
                               *args, *self.constexpr_values)
             return
@@ -198,56 +219,105 @@ def _triton_runtime_knobs():
     return _RUNTIME_KNOBS[0]
 
 
-# --- the kernel's arguments ------------------------------------------------------
-
-_CONSTEXPR_NAMES = ("HAS_SCALE", "HAS_BIAS", "DOT_PRECISION", "BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "SPLIT_K")
-
-
-def _kernel(cuda: bool):
-    from sparse24.kernels.sparse24_matmul import sparse24_matmul, sparse24_matmul_interpreted
-    return sparse24_matmul if cuda else sparse24_matmul_interpreted
-
-
-def _constexprs(config: KernelConfig, split_k: int, has_scale: bool, has_bias: bool, tf32: bool) -> dict:
-    return dict(HAS_SCALE=has_scale, HAS_BIAS=has_bias, DOT_PRECISION="tf32" if tf32 else "ieee",
-                BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-                GROUP_M=config.group_m, SPLIT_K=split_k)
-
-
-def _args(x2, values, meta, scale, bias, target, M) -> tuple:
-    """The kernel's runtime arguments in signature order (``dummy``: never read
-    when HAS_SCALE / HAS_BIAS is False)."""
-    N, K = values.shape[0], x2.shape[1]
-    return (x2, values, meta, values if scale is None else scale, values if bias is None else bias, target,
-            M, N, K, x2.stride(0), x2.stride(1), values.stride(0), values.stride(1),
-            meta.stride(0), meta.stride(1), target.stride(0), target.stride(1))
-
-
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def kernel_call(x2, p, bias, target, config: KernelConfig, split_k: int):
-    """``(kernel, grid, args, kwargs)`` of one launch writing ``target`` (M, N);
-    shared by the tuner's parallel pre-compilation and the ahead-of-time
-    compile, so both build the same kernel variant as the launch path."""
+# --- the two kernels' arguments ---------------------------------------------------
+# Each variant: its kernel, its constexprs (in signature order: the kept handle
+# appends them to the runtime arguments), its runtime arguments (general and
+# for contiguous tensors) and its grid.
+
+class _Matmul:
+    """``kernels/sparse24_matmul.py``: layout v1, any M."""
+
+    @staticmethod
+    def kernel(cuda: bool):
+        from sparse24.kernels.sparse24_matmul import sparse24_matmul, sparse24_matmul_interpreted
+        return sparse24_matmul if cuda else sparse24_matmul_interpreted
+
+    @staticmethod
+    def constexprs(config, split_k, has_scale, values_dtype, has_bias, tf32) -> dict:
+        return dict(HAS_SCALE=has_scale, HAS_BIAS=has_bias, DOT_PRECISION="tf32" if tf32 else "ieee",
+                    BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+                    GROUP_M=config.group_m, SPLIT_K=split_k)
+
+    @staticmethod
+    def args(x2, values, meta, s, b, target, M) -> tuple:
+        N, K = target.shape[1], x2.shape[1]
+        return (x2, values, meta, s, b, target, M, N, K, x2.stride(0), x2.stride(1), values.stride(0),
+                values.stride(1), meta.stride(0), meta.stride(1), target.stride(0), target.stride(1))
+
+    @staticmethod
+    def contiguous_ints(N, K) -> tuple:
+        # N, K and the strides of contiguous x (M, K), values (N, K/2), meta (K/32, N), out (M, N)
+        return (N, K, K, 1, K // 2, 1, N, 1, N, 1)
+
+    @staticmethod
+    def grid(M, N, config, split_k) -> tuple:
+        return (_cdiv(M, config.block_m) * _cdiv(N, config.block_n), split_k, 1)
+
+
+class _Decode:
+    """``kernels/sparse24_decode.py``: the decode layout, 16 rows of x per program."""
+
+    @staticmethod
+    def kernel(cuda: bool):
+        from sparse24.kernels.sparse24_decode import sparse24_decode, sparse24_decode_interpreted
+        return sparse24_decode if cuda else sparse24_decode_interpreted
+
+    @staticmethod
+    def constexprs(config, split_k, has_scale, values_dtype, has_bias, tf32) -> dict:
+        return dict(INT8=has_scale, W_BF16=values_dtype == torch.bfloat16, HAS_BIAS=has_bias,
+                    DOT_PRECISION="tf32" if tf32 else "ieee", BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+                    SPLIT_K=split_k)
+
+    @staticmethod
+    def args(x2, values, meta, s, b, target, M) -> tuple:
+        N, K = target.shape[1], x2.shape[1]
+        return (x2, values, meta, s, b, target, M, N, K, _cdiv(K, 64), meta.shape[2],
+                x2.stride(0), x2.stride(1), target.stride(0), target.stride(1))
+
+    @staticmethod
+    def contiguous_ints(N, K) -> tuple:
+        # N, K, atoms KA and meta atoms KM of the layout, strides of x (M, K) and out (M, N)
+        _, KA, KM = decode_dims(N, K)
+        return (N, K, KA, KM, K, 1, N, 1)
+
+    @staticmethod
+    def grid(M, N, config, split_k) -> tuple:
+        return (_cdiv(N, config.block_n), split_k, _cdiv(M, 16))
+
+
+_VARIANTS = {"matmul": _Matmul, "decode": _Decode}
+
+
+def kernel_call(x2, p: Sparse24Tensor | DecodePacked, bias, target, config: KernelConfig, split_k: int):
+    """``(kernel, grid, args, kwargs)`` of one launch writing ``target`` (M, N)
+    (fp32 and zeroed when ``split_k > 1``); shared by the tuner's parallel
+    pre-compilation and the ahead-of-time compile, so both build the same
+    kernel variant as the launch path."""
+    variant = _VARIANTS[config.kernel]
     M = x2.shape[0]
     tf32 = x2.is_cuda and x2.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32
-    kwargs = dict(_constexprs(config, split_k, p.scale is not None, bias is not None, tf32),
+    s = p.meta if p.scale is None else p.scale
+    b = p.meta if bias is None else bias
+    kwargs = dict(variant.constexprs(config, split_k, p.scale is not None, p.values.dtype, bias is not None, tf32),
                   num_warps=config.num_warps, num_stages=config.num_stages)
-    grid = (_cdiv(M, config.block_m) * _cdiv(p.shape[0], config.block_n), split_k)
-    return _kernel(x2.is_cuda), grid, _args(x2, p.values, p.meta, p.scale, bias, target, M), kwargs
+    grid = variant.grid(M, p.shape[0], config, split_k)
+    return variant.kernel(x2.is_cuda), grid, variant.args(x2, p.values, p.meta, s, b, target, M), kwargs
 
 
-def aot_compile(x2, p, bias, target, config: KernelConfig, split_k: int, capability: tuple[int, int] = (9, 0)):
+def aot_compile(x2, p: Sparse24Tensor | DecodePacked, bias, target, config: KernelConfig, split_k: int,
+                capability: tuple[int, int] = (9, 0)):
     """Compile (not run) the launch :func:`kernel_call` describes for a CUDA
     target, without a GPU: Triton -> PTX -> cubin with the ptxas shipped in
-    Triton's wheel. Specializes arguments as the JIT does on a GPU (unit
-    strides become constants; 16-byte aligned pointers and ints divisible by
-    16 are marked so), so the code matches what a GPU would build.
+    Triton's wheel. Specializes arguments as the JIT does on a GPU (ints equal
+    to 1 become constants, M excepted; 16-byte aligned pointers and ints
+    divisible by 16 are marked so), so the code matches what a GPU would build.
 
     Args:
-        x2: ``(M, K)`` CPU tensor, p: weight, bias: ``(N,)`` or None,
+        x2: ``(M, K)`` CPU tensor, p: weight (either layout), bias: ``(N,)`` or None,
         target: ``(M, N)`` output (fp32 when ``split_k > 1``), config, split_k.
         capability: ``(major, minor)``, e.g. ``(9, 0)`` for H100/H200.
     Returns:
@@ -258,17 +328,17 @@ def aot_compile(x2, p, bias, target, config: KernelConfig, split_k: int, capabil
     from triton.compiler import ASTSource
     from triton.runtime.jit import mangle_type
 
-    from sparse24.kernels.sparse24_matmul import sparse24_matmul
-
     _, _, args, kwargs = kernel_call(x2, p, bias, target, config, split_k)
-    names = sparse24_matmul.arg_names
+    jit_fn = _VARIANTS[config.kernel].kernel(cuda=True)
+    names = jit_fn.arg_names
     constexprs = {k: v for k, v in kwargs.items() if k in names}
-    constexprs.update({n: 1 for n, a in zip(names, args) if n != "M" and isinstance(a, int) and a == 1})
+    constexprs.update({n: 1 for n, a in zip(names, args)
+                       if n != "M" and isinstance(a, int) and not isinstance(a, bool) and a == 1})
     signature = {n: ("constexpr" if n in constexprs else mangle_type(a)) for n, a in zip(names, args)}
     signature.update({n: "constexpr" for n in constexprs})
     attrs = {(i,): [["tt.divisibility", 16]] for i, (n, a) in enumerate(zip(names, args))
              if n not in constexprs and ((isinstance(a, torch.Tensor) and a.data_ptr() % 16 == 0)
                                          or (n != "M" and isinstance(a, int) and a % 16 == 0))}
-    src = ASTSource(sparse24_matmul, signature, constexprs=constexprs, attrs=attrs)
+    src = ASTSource(jit_fn, signature, constexprs=constexprs, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", capability[0] * 10 + capability[1], 32),
                           options={"num_warps": config.num_warps, "num_stages": config.num_stages})

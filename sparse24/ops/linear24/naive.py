@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ...decode_format import DecodePacked
 from ...format import Sparse24Tensor
 
 __all__ = ["check_input", "check_linear_args", "chunk_rows", "row_chunks", "linear_reference", "linear_backward_reference",
@@ -49,10 +50,11 @@ def check_input(x: torch.Tensor, in_features: int, device: torch.device) -> None
         raise ValueError(f"x is on {x.device} but the weight is on {device}")
 
 
-def check_linear_args(x: torch.Tensor, p: Sparse24Tensor, bias: torch.Tensor | None) -> None:
+def check_linear_args(x: torch.Tensor, p: Sparse24Tensor | DecodePacked, bias: torch.Tensor | None) -> None:
     """Raise a clear error if x, p, bias do not fit together."""
-    if not isinstance(p, Sparse24Tensor):
-        raise TypeError(f"weight must be a Sparse24Tensor (see sparse24.compress), got {type(p).__name__}")
+    if not isinstance(p, (Sparse24Tensor, DecodePacked)):
+        raise TypeError(f"weight must be a Sparse24Tensor (see sparse24.compress) or a DecodePacked "
+                        f"(sparse24.pack_decode), got {type(p).__name__}")
     check_input(x, p.shape[1], p.device)
     if bias is not None:
         if not isinstance(bias, torch.Tensor):
@@ -63,15 +65,19 @@ def check_linear_args(x: torch.Tensor, p: Sparse24Tensor, bias: torch.Tensor | N
             raise ValueError(f"bias is on {bias.device} but x is on {x.device}")
 
 
-def linear_reference(x: torch.Tensor, p: Sparse24Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear_reference(x: torch.Tensor, p: Sparse24Tensor | DecodePacked,
+                     bias: torch.Tensor | None = None) -> torch.Tensor:
     """Pure-torch ``x @ W^T + bias``, decompressing W a block of rows at a time.
 
     Args:
-        x: ``(..., K)``; p: weight of shape ``(N, K)``; bias: ``(N,)`` or None.
+        x: ``(..., K)``; p: weight of shape ``(N, K)`` (a decode-layout weight is
+            re-ordered to layout v1 first); bias: ``(N,)`` or None.
     Returns:
         ``(..., N)`` in x's dtype. Computed in x's dtype (the weight is cast to it).
     """
     check_linear_args(x, p, bias)
+    if isinstance(p, DecodePacked):
+        p = p.to_sparse24()
     N, K = p.shape
     rows = chunk_rows(K, p.device)
     if rows >= N:  # small layer: one piece

@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import torch
 
+from ...decode_format import DecodePacked
 from ...format import Sparse24Tensor
-from ..config_space import dtype_key, m_bucket
+from ..config_space import DECODE_M, dtype_key, m_bucket
 from ..config_store import measured_timings, on_clear
 from . import launch
 from .naive import check_linear_args, linear_backward_reference, linear_reference
@@ -25,52 +26,62 @@ __all__ = ["linear", "choose_backend", "forward", "BACKENDS", "KERNEL_DTYPES"]
 
 BACKENDS = ("auto", "reference", "triton")
 KERNEL_DTYPES = launch.SUPPORTED_DTYPES
-# At decode sizes the kernel streams the weight once; the reference backend
-# decompresses the whole weight every call, so "auto" never picks it there.
-DECODE_M = 16
+# At decode sizes (M <= DECODE_M) the kernel streams the weight once; the
+# reference backend decompresses the whole weight every call, so "auto" never
+# picks it there.
 
 
 @torch.library.custom_op("sparse24::linear", mutates_args=())
 def _linear_op(x: torch.Tensor, values: torch.Tensor, meta: torch.Tensor, scale: torch.Tensor | None,
-               bias: torch.Tensor | None, weight_dtype: torch.dtype, backend: str) -> torch.Tensor:
-    """``(..., K) -> (..., N)`` with W ``(N, K)`` given by its compressed tensors
-    (``values (N, K/2)``, ``meta``, ``scale (N,)`` or None) and its logical dtype."""
-    return _compute(x, values, meta, scale, bias, weight_dtype, backend)
+               bias: torch.Tensor | None, weight_dtype: torch.dtype, backend: str, out_features: int) -> torch.Tensor:
+    """``(..., K) -> (..., N)`` with W ``(N, K)`` given by its compressed tensors in
+    either layout (v1: ``values (N, K/2)``, ``meta (ceil(K/32), N)``; the decode
+    layout: :class:`~sparse24.decode_format.DecodePacked`'s tensors), ``scale (N,)``
+    or None, its logical dtype and ``out_features`` = N."""
+    return _compute(x, values, meta, scale, bias, weight_dtype, backend, out_features)
 
 
 @_linear_op.register_fake
-def _(x, values, meta, scale, bias, weight_dtype, backend):
-    if x.shape[-1] != 2 * values.shape[1]:
+def _(x, values, meta, scale, bias, weight_dtype, backend, out_features):
+    if values.dim() == 2 and x.shape[-1] != 2 * values.shape[1]:
         raise ValueError(f"x has {x.shape[-1]} features but the weight expects {2 * values.shape[1]}")
-    return x.new_empty(*x.shape[:-1], values.shape[0])
+    return x.new_empty(*x.shape[:-1], out_features)
 
 
 def _setup_context(ctx, inputs, output):
-    x, values, meta, scale, bias, weight_dtype, backend = inputs
-    ctx.weight_dtype = weight_dtype
+    x, values, meta, scale, bias, weight_dtype, backend, out_features = inputs
+    ctx.weight_dtype, ctx.shape = weight_dtype, (out_features, x.shape[-1])
     ctx.bias_dtype = None if bias is None else bias.dtype
     ctx.save_for_backward(x if ctx.needs_input_grad[1] else None, values, meta, scale)
 
 
 def _backward(ctx, grad_y):
     x, values, meta, scale = ctx.saved_tensors
-    p = Sparse24Tensor(values, meta, (values.shape[0], 2 * values.shape[1]), ctx.weight_dtype, scale, check=False)
     need = ctx.needs_input_grad
+    if need[1] and values.dim() != 2:
+        raise RuntimeError("gradients for the kept values need layout v1 (trainable values stay in layout v1)")
+    p = _weight(values, meta, scale, ctx.weight_dtype, ctx.shape)
     grad_x, grad_values, grad_bias = linear_backward_reference(grad_y, x, p, need[0], need[1], need[4],
                                                                ctx.bias_dtype)
-    return grad_x, grad_values, None, None, grad_bias, None, None
+    return grad_x, grad_values, None, None, grad_bias, None, None, None
 
 
 torch.library.register_autograd("sparse24::linear", _backward, setup_context=_setup_context)
 
 
-def _compute(x, values, meta, scale, bias, weight_dtype, backend):
+def _weight(values, meta, scale, weight_dtype, shape) -> Sparse24Tensor:
+    """The op's weight tensors as a layout-v1 :class:`Sparse24Tensor` (a decode-layout weight re-ordered)."""
+    if values.dim() == 2:
+        return Sparse24Tensor(values, meta, shape, weight_dtype, scale, check=False)
+    return DecodePacked(values, meta, shape, weight_dtype, scale, check=False).to_sparse24()
+
+
+def _compute(x, values, meta, scale, bias, weight_dtype, backend, out_features):
     if backend == "auto":
-        backend = _auto_backend(x, values, scale)
+        backend = _auto_backend(x, values, scale, out_features)
     if backend == "triton":
-        return launch.run(x, values, meta, scale, bias)
-    p = Sparse24Tensor(values, meta, (values.shape[0], 2 * values.shape[1]), weight_dtype, scale, check=False)
-    return linear_reference(x, p, bias)
+        return launch.run(x, values, meta, scale, bias, out_features)
+    return linear_reference(x, _weight(values, meta, scale, weight_dtype, (out_features, x.shape[-1])), bias)
 
 
 def _needs_op(x, values, bias) -> bool:
@@ -82,15 +93,18 @@ def _needs_op(x, values, bias) -> bool:
 
 
 def forward(x: torch.Tensor, values: torch.Tensor, meta: torch.Tensor, scale: torch.Tensor | None,
-            bias: torch.Tensor | None, weight_dtype: torch.dtype, backend: str = "auto") -> torch.Tensor:
+            bias: torch.Tensor | None, weight_dtype: torch.dtype, out_features: int,
+            backend: str = "auto") -> torch.Tensor:
     """:func:`linear` for callers whose weight tensors are valid by construction
-    (the modules): ``x`` is checked, the weight is not. Shapes as in :func:`linear`."""
+    (the modules), in either layout: ``x`` is checked by the caller, the weight
+    is not. Shapes as in :func:`linear`."""
     if _needs_op(x, values, bias):
-        return torch.ops.sparse24.linear(x, values, meta, scale, bias, weight_dtype, backend)
-    return _compute(x, values, meta, scale, bias, weight_dtype, backend)
+        return torch.ops.sparse24.linear(x, values, meta, scale, bias, weight_dtype, backend, out_features)
+    return _compute(x, values, meta, scale, bias, weight_dtype, backend, out_features)
 
 
-def linear(x: torch.Tensor, p: Sparse24Tensor, bias: torch.Tensor | None = None, backend: str = "auto") -> torch.Tensor:
+def linear(x: torch.Tensor, p: Sparse24Tensor | DecodePacked, bias: torch.Tensor | None = None,
+           backend: str = "auto") -> torch.Tensor:
     """``y = x @ W^T + bias`` for a compressed 2:4 weight W.
 
     Differentiable in ``x``, ``p.values`` (when it requires grad) and ``bias``;
@@ -99,7 +113,9 @@ def linear(x: torch.Tensor, p: Sparse24Tensor, bias: torch.Tensor | None = None,
 
     Args:
         x: ``(..., K)`` floating input, any number of leading dims (M = 0 allowed).
-        p: :class:`Sparse24Tensor` of logical shape ``(N, K)``.
+        p: :class:`Sparse24Tensor` of logical shape ``(N, K)``, or the same weight in
+            the decode layout (:class:`~sparse24.decode_format.DecodePacked`, what the
+            decode kernel reads; the modules hold it on CUDA).
         bias: ``(N,)`` or None.
         backend: ``"auto"`` (see :func:`choose_backend`), ``"reference"``
             or ``"triton"`` (interpreted on CPU tensors).
@@ -115,40 +131,49 @@ def linear(x: torch.Tensor, p: Sparse24Tensor, bias: torch.Tensor | None = None,
     check_linear_args(x, p, bias)
     if backend == "triton":
         launch.check_triton_args(x, p)
-    return forward(x, p.values, p.meta, p.scale, bias, p.dtype, backend)
+    return forward(x, p.values, p.meta, p.scale, bias, p.dtype, p.shape[0], backend)
 
 
-def choose_backend(x: torch.Tensor, p: Sparse24Tensor) -> str:
+def choose_backend(x: torch.Tensor, p: Sparse24Tensor | DecodePacked) -> str:
     """The backend ``"auto"`` runs for ``x`` and ``p``: the Triton kernel for
     fp16/bf16/fp32 x on CUDA; at M > 16, the reference backend (row-block
     decompression + cuBLAS) instead where this GPU's tuned file measured it
     faster than the kernel; the reference everywhere else (CPU, fp64, no triton)."""
-    return _auto_backend(x, p.values, p.scale)
+    return _auto_backend(x, p.values, p.scale, p.shape[0])
 
 
 _AUTO: dict = {}
 on_clear(_AUTO.clear)
 
 
-def _auto_backend(x: torch.Tensor, values: torch.Tensor, scale) -> str:
+def _auto_backend(x: torch.Tensor, values: torch.Tensor, scale, out_features: int) -> str:
     if not (x.is_cuda and x.dtype in KERNEL_DTYPES and _triton_available()):
         return "reference"
     M = x.shape[0] if x.dim() == 2 else x.shape[:-1].numel()
     if M <= DECODE_M:
         return "triton"
-    key = (x.device, x.dtype, scale is not None, values.shape[0], values.shape[1], m_bucket(M))
+    key = (x.device, x.dtype, scale is not None, values.dim(), out_features, x.shape[-1], m_bucket(M))
     choice = _AUTO.get(key)
     if choice is None:
-        choice = _AUTO[key] = faster_backend(measured_timings(M, values.shape[0], 2 * values.shape[1],
-                                                              dtype_key(x.dtype, scale is not None), x.device))
+        layout = launch.layout_of(values)
+        choice = _AUTO[key] = faster_backend(measured_timings(M, out_features, x.shape[-1],
+                                                              dtype_key(x.dtype, scale is not None), x.device,
+                                                              layout), layout, M)
     return choice
 
 
-def faster_backend(timings: dict) -> str:
-    """``"reference"`` where a tuned entry measured it faster than the kernel, else ``"triton"``."""
-    if "reference_us" in timings and "kernel_us" in timings and timings["reference_us"] < timings["kernel_us"]:
-        return "reference"
-    return "triton"
+# Unmeasured, the decode kernel (which re-decodes the weight for every 16 rows of x)
+# serves up to this many rows; above, the reference backend (decompression + cuBLAS).
+DECODE_KERNEL_MAX_M = 64
+
+
+def faster_backend(timings: dict, layout: str = "v1", M: int = 1) -> str:
+    """``"reference"`` where a tuned entry measured it faster than the kernel, else ``"triton"``;
+    with no measurement, the reference for a decode-layout weight past
+    :data:`DECODE_KERNEL_MAX_M` rows."""
+    if "reference_us" in timings and "kernel_us" in timings:
+        return "reference" if timings["reference_us"] < timings["kernel_us"] else "triton"
+    return "reference" if layout == "decode" and M > DECODE_KERNEL_MAX_M else "triton"
 
 
 def _triton_available() -> bool:

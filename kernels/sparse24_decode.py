@@ -1,0 +1,261 @@
+"""Triton kernel for decode-sized batches (M <= 16): ``out = x @ W^T (* scale) + bias``
+with W in the decode layout (``sparse24.format.DecodePacked``, version 1).
+
+Triton only (no torch.nn, no policy). The launcher, checks and config space
+live in ``sparse24.ops.decode_linear``; the bit layout is defined in
+``sparse24.format`` (section "decode layout").
+
+Why a second kernel: at M <= 16 the general kernel (``sparse24_matmul.py``)
+runs out of issue slots before bandwidth: 0.37-0.41 SASS warp-instructions per
+compressed weight byte on sm_90, where an H200 issues ~0.22 per byte of HBM
+bandwidth. This one spends 0.09-0.14 (fp16/bf16) and 0.18-0.21 (INT8) on the
+same 4096x4096 layer, every config of its space, Triton 3.9 and 3.6
+(results/static-sm90/, docs/kernels.md), because:
+
+* the weight is the dot's first operand (out^T = W x^T) and each thread
+  decodes exactly the A-fragment registers its mma consumes: the decode layout
+  gives lane 4i+j rows i, i+8 and whole groups, and the 16 columns of every
+  chunk are permuted (the same permutation gathers x), so dense slots 0,1 of
+  a group land in one fragment register and slots 2,3 in the next. Triton then
+  keeps the decoded tile in registers (no shared-memory round trip: the
+  reshape result already has the dot-operand layout);
+* each dense register pair is ONE byte permute (PRMT) of the group's packed
+  values, its selector ONE multiply-add of a 2-bit field of the keep mask
+  (constants found by exhaustive search, checked in tests/test_decode_kernel.py);
+  per group: 4 field extractions, 2 IMAD, 2 PRMT (+2 LOP3 that libdevice adds);
+  the general kernel spends ~30 SEL/ISETP/SHF/LOP3/PRMT per group plus
+  64 STS + LDSM + 2 barriers per tile;
+* INT8 values are sign-magnitude bytes: one AND turns a permuted byte pair into
+  the exact float16 subnormal value * 2**-24; the 2**24 goes into the epilogue
+  scale (no int -> float conversion instructions);
+* no masks in the main loop: the packed weight is padded to whole 64-column
+  atoms and to 128 rows, x rows past M are clamped (their outputs are never
+  stored) and the partial last K-tile runs once, masked, after the loop.
+
+``byte_perm`` is libdevice's ``__nv_byte_perm`` (PTX ``prmt.b32``, selector
+nibbles masked to 3 bits). Triton's interpreter has no libdevice, so
+``kernels/interpreter.py`` binds it to an exact integer emulation of the
+documented semantics during interpreted launches: the CPU tests run this very
+source.
+
+Two callables share ONE source function, ``_sparse24_decode``:
+``sparse24_decode`` (``triton.jit``, GPU tensors) and
+``sparse24_decode_interpreted`` (Triton's interpreter, CPU tensors).
+"""
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+from .interpreter import InterpretedKernel
+
+__all__ = ["sparse24_decode", "sparse24_decode_interpreted", "SELECTORS", "SM_MASK"]
+
+# Byte-permute selectors, per dense register pair: S = x * MUL + ADD, with x
+# the 2-bit field of the group's keep mask (slots 0,1: bits 0-1; slots 3,2:
+# bits 2-3); found by exhaustive search over 16-bit MUL, ADD, checked for all
+# six slot pairs in tests/test_decode_kernel.py.
+# 16-bit values: the group's word is (lo, hi); zero lanes select bytes 4-7 of 0.
+# INT8: a word holds two groups' sign-magnitude bytes (lo_0, lo_1, hi_0, hi_1);
+# both bytes of a lane select the same byte, the AND with 0x807F807F then
+# leaves sign and magnitude. Group 0 of the word (b = 0) and group 1 differ.
+_MUL01 = tl.constexpr(0x2144)
+_ADD01 = tl.constexpr(0x564C)
+_MUL23 = tl.constexpr(0x43E6)
+_ADD23 = tl.constexpr(0x6E66)
+_MUL01_B0 = tl.constexpr(0x213C)
+_ADD01_B0 = tl.constexpr(0x464C)
+_MUL23_B0 = tl.constexpr(0x43D6)
+_ADD23_B0 = tl.constexpr(0x5E7E)
+_MUL01_B1 = tl.constexpr(0x2244)
+_ADD01_B1 = tl.constexpr(0x54CD)
+_MUL23_B1 = tl.constexpr(0x43E6)
+_ADD23_B1 = tl.constexpr(0x6F67)
+# (int8, group b of the word) -> (MUL01, ADD01, MUL23, ADD23), for tests and docs
+SELECTORS = {
+    (False, 0): (_MUL01.value, _ADD01.value, _MUL23.value, _ADD23.value),
+    (False, 1): (_MUL01.value, _ADD01.value, _MUL23.value, _ADD23.value),
+    (True, 0): (_MUL01_B0.value, _ADD01_B0.value, _MUL23_B0.value, _ADD23_B0.value),
+    (True, 1): (_MUL01_B1.value, _ADD01_B1.value, _MUL23_B1.value, _ADD23_B1.value),
+}
+_SM_MASK = tl.constexpr(-0x7F807F81)   # 0x807F807F as int32: sign bits + 7-bit magnitudes
+SM_MASK = _SM_MASK.value & 0xFFFFFFFF
+_TWO_POW_24 = tl.constexpr(16777216.0)  # INT8 values enter the fp16 dot as value * 2**-24
+
+
+@triton.jit
+def _decode_tile(acc, x_ptrs, v_ptrs, m_ptrs, k0, K, a0, KA,
+                 MASKED: tl.constexpr, INT8: tl.constexpr, W_BF16: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # One K-tile: A atoms (64 columns) of T row tiles (16 rows), T = num_warps.
+    # Decode tensors are indexed (atom, half-atom h, row tile, lane,
+    # chunk-in-half qq, row half b). Every load has ONE contiguous dimension
+    # that covers all threads (the lanes of the T row tiles), so Triton's
+    # coalescer gives each thread exactly its own lane's bytes in every
+    # version (3.6 and 3.9 order equally contiguous dimensions differently).
+    A: tl.constexpr = BLOCK_K // 64
+    T: tl.constexpr = BLOCK_N // 16
+    BLOCK_M: tl.constexpr = 16
+    if MASKED:  # the partial last tile only: atoms past the padded K, columns past K
+        ok_a = (a0 + tl.arange(0, A)) < KA
+        mw = tl.load(m_ptrs, mask=ok_a[None, :], other=0)                   # [T*32, A]
+    else:
+        mw = tl.load(m_ptrs)
+    mw = tl.reshape(tl.permute(mw, [1, 0]), [A, 1, T, 32, 1, 1])
+    # Group g = 4h + 2qq + b of the lane's word: bits 4g..4g+3 (slot 0, 1, 3, 2).
+    ih = tl.arange(0, 2)[None, :, None, None, None, None]
+    iq = tl.arange(0, 2)[None, None, None, None, :, None]
+    ib = tl.arange(0, 2)[None, None, None, None, None, :]
+    nib = mw >> ((4 * ih + 2 * iq + ib) * 4)                                  # [A, h, T, 32, qq, b]
+    if INT8:
+        # 16 bytes per lane and atom; word q = 2h + qq holds groups (q, 0) and
+        # (q, 1): each word gives 4 dense pairs, with per-group selectors.
+        if MASKED:
+            wv = tl.load(v_ptrs, mask=ok_a[:, None], other=0)                 # [A, T*128]
+        else:
+            wv = tl.load(v_ptrs)
+        P = tl.permute(tl.reshape(wv, [A, T, 32, 2, 2]), [0, 3, 1, 2, 4])     # [A, h, T, 32, qq]
+        n0, n1 = tl.split(nib)
+        sm_mask = libdevice.byte_perm(_SM_MASK, 0, 0x3210)  # opaque: a constant AND is split per half (+4/group)
+        d01_0 = libdevice.byte_perm(P, 0, (n0 & 3) * _MUL01_B0 + _ADD01_B0) & sm_mask
+        d23_0 = libdevice.byte_perm(P, 0, ((n0 >> 2) & 3) * _MUL23_B0 + _ADD23_B0) & sm_mask
+        d01_1 = libdevice.byte_perm(P, 0, (n1 & 3) * _MUL01_B1 + _ADD01_B1) & sm_mask
+        d23_1 = libdevice.byte_perm(P, 0, ((n1 >> 2) & 3) * _MUL23_B1 + _ADD23_B1) & sm_mask
+        d01 = tl.join(d01_0, d01_1)                                          # [A, h, T, 32, qq, b]
+        d23 = tl.join(d23_0, d23_1)
+    else:
+        # 32 bytes per lane and atom, as two 16-byte halves: one word per group.
+        if MASKED:
+            wv = tl.load(v_ptrs, mask=ok_a[:, None, None], other=0)           # [A, h, T*128]
+        else:
+            wv = tl.load(v_ptrs)
+        P = tl.reshape(wv, [A, 2, T, 32, 2, 2])                               # [A, h, T, 32, qq, b]
+        d01 = libdevice.byte_perm(P, 0, (nib & 3) * _MUL01 + _ADD01)          # dense slots 0, 1
+        d23 = libdevice.byte_perm(P, 0, ((nib >> 2) & 3) * _MUL23 + _ADD23)   # dense slots 2, 3
+    if W_BF16:
+        WT: tl.constexpr = tl.bfloat16
+    else:
+        WT: tl.constexpr = tl.float16
+    w0 = (d01 & 0xFFFF).to(tl.int16).to(WT, bitcast=True)
+    w1 = (d01 >> 16).to(tl.int16).to(WT, bitcast=True)
+    w2 = (d23 & 0xFFFF).to(tl.int16).to(WT, bitcast=True)
+    w3 = (d23 >> 16).to(tl.int16).to(WT, bitcast=True)
+
+    # Dot order inside each 16-column chunk: position 8hh + 2j + e holds dense
+    # column 4j + 2hh + e, so lane (i, j) holds its groups' columns in its
+    # A-fragment registers. [A, h, T, i, j, qq, b, e, hh] -> [BLOCK_N, BLOCK_K].
+    w = tl.join(tl.join(w0, w1), tl.join(w2, w3))
+    w = tl.reshape(w, [A, 2, T, 8, 4, 2, 2, 2, 2])
+    w = tl.reshape(tl.permute(w, [2, 6, 3, 0, 1, 5, 8, 4, 7]), [BLOCK_N, BLOCK_K])
+
+    # x^T with the same column permutation: [16, BLOCK_K] -> [BLOCK_K, 16].
+    if MASKED:
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        xm = tl.load(x_ptrs, mask=(offs_k < K)[None, :], other=0.0)
+    else:
+        xm = tl.load(x_ptrs)
+    xm = tl.reshape(xm, [BLOCK_M, BLOCK_K // 16, 4, 2, 2])
+    xt = tl.reshape(tl.permute(xm, [1, 3, 2, 4, 0]), [BLOCK_K, BLOCK_M])
+
+    XT: tl.constexpr = x_ptrs.dtype.element_ty
+    if INT8:
+        if XT != tl.float16:  # subnormals only in fp16 dots: scale back to the integers, exactly
+            w = (w.to(tl.float32) * _TWO_POW_24).to(XT)
+    elif WT != XT:
+        w = w.to(XT)
+    return tl.dot(w, xt, acc, input_precision=DOT_PRECISION)
+
+
+def _sparse24_decode(
+    x_ptr, v_ptr, meta_ptr, scale_ptr, bias_ptr, out_ptr,
+    M, N, K, KA, KM,
+    stride_xm, stride_xk,
+    stride_om, stride_on,
+    INT8: tl.constexpr, W_BF16: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+):
+    # Grid: (cdiv(N, BLOCK_N), SPLIT_K, cdiv(M, 16)); a program covers 16 rows
+    # of x (all of them at decode sizes, M <= 16) and BLOCK_N // 16 row tiles of
+    # W, one per warp (num_warps == BLOCK_N // 16). Larger M re-decodes W once
+    # per 16 rows: correct, but the decode cost is only amortized at M <= 16.
+    # v_ptr / meta_ptr: the decode layout (contiguous), values read as int32 words;
+    # KA atoms per row, KM atoms per lane of meta storage.
+    BLOCK_M: tl.constexpr = 16
+    A: tl.constexpr = BLOCK_K // 64
+    T: tl.constexpr = BLOCK_N // 16
+    # The values arrive in their own dtype (float16/bfloat16/uint8); the kernel
+    # reads them as 32-bit words (a host-side view would cost ~1 us per call).
+    v_ptr = v_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    # This program's 16 rows of x and out: pointers moved, M counted from them.
+    m0 = tl.program_id(2).to(tl.int64) * BLOCK_M
+    x_ptr += m0 * stride_xm
+    out_ptr += m0 * stride_om
+    M = M - m0
+
+    # Row tiles: the layout pads rows to a multiple of 128, so a program's T
+    # tiles (T = 2, 4 or 8) never run past the end: no masks on weight loads.
+    NT = (N + 127) // 128 * 8
+    t0 = pid_n * T
+
+    # Split-K: split pid_k owns whole K-tiles [k_lo, k_hi) (possibly none);
+    # tiles below n_full = K // BLOCK_K are full (no masks), the partial tile
+    # n_full (when K % BLOCK_K) runs once after the loop, in the split owning it.
+    k_tiles = (K + BLOCK_K - 1) // BLOCK_K
+    per_split = (k_tiles + SPLIT_K - 1) // SPLIT_K
+    k_lo = pid_k * per_split
+    k_hi = min(k_tiles, k_lo + per_split)
+    n_full = K // BLOCK_K
+    k_main = min(k_hi, n_full)
+
+    atoms = (k_lo * A + tl.arange(0, A)).to(tl.int64)
+    lanes = tl.arange(0, T * 128)        # T row tiles x 32 lanes x 4 words, contiguous
+    if INT8:
+        v_ptrs = v_ptr + (atoms[:, None] * NT + t0) * 128 + lanes[None, :]                  # [A, T*128]
+        V_STEP: tl.constexpr = A * 128
+    else:
+        v_ptrs = (v_ptr + ((atoms[:, None, None] * 2 + tl.arange(0, 2)[None, :, None]) * NT + t0) * 128
+                  + lanes[None, None, :])                                                  # [A, 2, T*128]
+        V_STEP: tl.constexpr = A * 256
+    m_ptrs = meta_ptr + (t0 * 32 + tl.arange(0, T * 32)).to(tl.int64)[:, None] * KM + atoms[None, :]  # [T*32, A]
+    rows = tl.minimum(tl.arange(0, BLOCK_M), M - 1).to(tl.int64)   # rows past M: clamped, never stored
+    x_ptrs = x_ptr + rows[:, None] * stride_xm + (k_lo * BLOCK_K + tl.arange(0, BLOCK_K))[None, :] * stride_xk
+
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for kt in range(k_lo, k_main):
+        acc = _decode_tile(acc, x_ptrs, v_ptrs, m_ptrs, kt * BLOCK_K, K, kt * A, KA, False, INT8, W_BF16,
+                           DOT_PRECISION, BLOCK_N, BLOCK_K)
+        v_ptrs += V_STEP * NT
+        m_ptrs += A
+        x_ptrs += BLOCK_K * stride_xk
+    if (n_full >= k_lo) & (n_full < k_hi):  # this split owns the partial tile (pointers are there)
+        acc = _decode_tile(acc, x_ptrs, v_ptrs, m_ptrs, n_full * BLOCK_K, K, n_full * A, KA, True, INT8, W_BF16,
+                           DOT_PRECISION, BLOCK_N, BLOCK_K)
+
+    # Epilogue in fp32 on out^T [BLOCK_N, BLOCK_M]: INT8 scale (times 2**24 when
+    # the dot saw fp16 subnormals), then bias (split 0 only).
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    mask_n = offs_n < N
+    if INT8:
+        scale = tl.load(scale_ptr + offs_n, mask=mask_n, other=0.0)
+        if x_ptr.dtype.element_ty == tl.float16:
+            scale = scale * _TWO_POW_24
+        acc = acc * scale[:, None]
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+        if SPLIT_K > 1:
+            bias = tl.where(pid_k == 0, bias, 0.0)
+        acc = acc + bias[:, None]
+    out_ptrs = out_ptr + offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None] * stride_on
+    out_mask = mask_n[:, None] & (offs_m < M)[None, :]
+    if SPLIT_K == 1:
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        # out is a zeroed fp32 buffer; the splits add their partial sums.
+        tl.atomic_add(out_ptrs, acc, mask=out_mask, sem="relaxed")
+
+
+# M is not specialized: one compiled variant per config serves every M.
+sparse24_decode = triton.jit(_sparse24_decode, do_not_specialize=["M"])
+sparse24_decode_interpreted = InterpretedKernel(_sparse24_decode)

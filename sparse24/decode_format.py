@@ -1,0 +1,250 @@
+"""The decode layout (version 1): a compressed 2:4 weight re-ordered for the
+decode-path Triton kernels (``kernels/sparse24_decode.py``) and its slots
+re-encoded as keep masks, still 4 bits per group; an exact round trip to and
+from :class:`sparse24.format.Sparse24Tensor` (layout v1, the interchange
+format: state dicts and checkpoints always hold v1). The layout is defined in
+the comment block below, once.
+"""
+from __future__ import annotations
+
+import torch
+
+from .format import Sparse24Tensor, _pack_meta
+
+__all__ = ["DecodePacked", "pack_decode", "decode_dims", "DECODE_LAYOUT_VERSION"]
+
+
+# --- decode layout (version 1) -------------------------------------------------
+#
+# The decode-path kernels (kernels/sparse24_decode.py, M <= 16) spend their
+# instruction budget on decoding, so the weight is stored for them in the
+# order their threads consume it, with the slots re-encoded so that each
+# byte-permute selector costs one multiply-add (measured with the general
+# kernel and layout v1: 0.37-0.41 SASS warp-instructions per byte; with this
+# layout and the decode kernel: docs/kernels.md). Same information, still
+# 4 bits per group; exact round trip to and from Sparse24Tensor.
+#
+# An (R, C) weight is cut into atoms of 16 rows x 64 dense columns: row tile
+# t = r // 16, atom a = c // 64. Rows are zero-padded to a multiple of 128
+# (NT = 8 * ceil(R / 128) row tiles, so a program's 2, 4 or 8 tiles never run
+# past the end), columns to whole atoms (KA = ceil(C / 64)). Inside an atom,
+# the group at row 8*b + i (b in 0..1, i in 0..7) and dense columns
+# 16*q + 4*j .. 16*q + 4*j + 3 (q in 0..3, j in 0..3) belongs to lane
+# l = 4*i + j and is that lane's group number g = 2*q + b. (This is the
+# mma.m16n8k16 A-fragment ownership once the kernel permutes the 16 columns
+# of each chunk: lane 4*i + j holds rows i, i + 8 and one whole group of each.)
+#
+# * ``meta``: int32 (NT, 32, KM), KM = KA rounded up to a multiple of 16:
+#   word meta[t, l, a] holds lane l's 8 groups of atom a, group g in bits
+#   4g .. 4g+3, as a keep mask with bit order (slot 0, slot 1, slot 3, slot 2):
+#   bit 4g+0 set when slot 0 is kept, 4g+1 slot 1, 4g+2 slot 3, 4g+3 slot 2.
+#   Exactly two bits per real group; padding groups and atoms are 0. (Slots 3
+#   and 2 are swapped so that both byte-permute selectors are one multiply-add
+#   of a 2-bit field.) A lane's words of consecutive atoms are contiguous, so a
+#   thread loads its own K-tile's words as one vector.
+# * ``values`` for 16-bit weights (float16/bfloat16): (KA, 2, NT, 32, 8), the
+#   weight's dtype: values[a, q // 2, t, l, 4*(q % 2) + 2*b + v] is lane l's
+#   group (q, b) value v (0: lower slot, 1: higher slot). A lane's 8 values of
+#   one half-atom are 16 contiguous bytes, a warp's 512 bytes are contiguous and
+#   so are consecutive row tiles of one half-atom.
+# * ``values`` for INT8 weights: uint8 (KA, NT, 32, 16), sign-magnitude bytes
+#   (bit 7 sign, bits 0-6 |value|, |value| <= 127):
+#   values[a, t, l, 4*q + 2*v + b]; with ``scale`` (R,) float32 as in layout v1.
+#   (Sign-magnitude lets one AND turn a byte into the exact float16 value
+#   value * 2**-24, a subnormal; the kernel multiplies by 2**24 in the epilogue.)
+# * padding rows, columns and atoms: values 0, keep mask 0 (they decode to zeros).
+
+DECODE_LAYOUT_VERSION = 1
+_DEC_ROWS, _DEC_COLS, _DEC_ROW_ALIGN, _DEC_META_ALIGN = 16, 64, 128, 16
+_DEC_CODE_BIT = (0, 1, 3, 2)  # slot -> bit of the group's 4-bit keep mask
+
+
+def decode_dims(R: int, C: int) -> tuple[int, int, int]:
+    """``(NT, KA, KM)``: padded row tiles, atoms, and atoms of meta storage."""
+    NT = -(-R // _DEC_ROW_ALIGN) * (_DEC_ROW_ALIGN // _DEC_ROWS)
+    KA = -(-C // _DEC_COLS)
+    return NT, KA, -(-KA // _DEC_META_ALIGN) * _DEC_META_ALIGN
+
+
+def _dec_pad(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    return torch.nn.functional.pad(x, (0, 0, 0, cols - x.shape[1], 0, rows - x.shape[0]))
+
+
+class DecodePacked:
+    """A compressed 2:4 weight in decode layout version 1 (see the comment
+    block above this class in ``sparse24/format.py``): what the decode-path
+    kernels (M <= 16) read.
+
+    Attributes:
+        values: 16-bit weights: ``(KA, 2, NT, 32, 8)`` float16/bfloat16;
+            INT8 weights: ``(KA, NT, 32, 16)`` uint8 sign-magnitude bytes.
+        meta: ``(NT, 32, KM)`` int32 keep masks (8 groups per word).
+        scale: ``None`` or ``(R,)`` float32 dequantization scales (INT8).
+        shape: logical ``(R, C)``; ``NT = 8 * ceil(R / 128)``,
+            ``KA = ceil(C / 64)``, ``KM = 16 * ceil(KA / 16)``.
+        dtype: logical dtype of the dense matrix.
+        version: :data:`DECODE_LAYOUT_VERSION`.
+
+    Build one with :func:`pack_decode`; :meth:`to_sparse24` is its exact inverse.
+    """
+
+    version = DECODE_LAYOUT_VERSION
+
+    def __init__(self, values: torch.Tensor, meta: torch.Tensor, shape, dtype: torch.dtype,
+                 scale: torch.Tensor | None = None, *, check: bool = True):
+        R, C = (int(s) for s in shape)
+        if C % 4 or R < 0 or C < 0:
+            raise ValueError(f"logical shape must be (R, C) with C divisible by 4, got {(R, C)}")
+        NT, KA, KM = decode_dims(R, C)
+        want = (KA, NT, 32, 16) if scale is not None else (KA, 2, NT, 32, 8)
+        vdt = (torch.uint8,) if scale is not None else (torch.float16, torch.bfloat16)
+        if values.dtype not in vdt or tuple(values.shape) != want:
+            raise ValueError(f"values must be {' or '.join(map(str, vdt))} of shape {want} for logical shape "
+                             f"{(R, C)}, got {values.dtype} {tuple(values.shape)}")
+        if meta.dtype != torch.int32 or tuple(meta.shape) != (NT, 32, KM):
+            raise ValueError(f"meta must be int32 of shape {(NT, 32, KM)}, got {meta.dtype} {tuple(meta.shape)}")
+        if scale is not None and (scale.dtype != torch.float32 or tuple(scale.shape) != (R,)):
+            raise ValueError(f"scale must be float32 of shape {(R,)}, got {scale.dtype} {tuple(scale.shape)}")
+        if meta.device != values.device or (scale is not None and scale.device != values.device):
+            raise ValueError("values, meta and scale must be on one device")
+        if not (values.is_contiguous() and meta.is_contiguous()):
+            raise ValueError("values and meta must be contiguous")
+        self.values, self.meta, self.scale = values, meta, scale
+        self.shape, self.dtype = torch.Size((R, C)), dtype
+        if check:
+            self.validate()
+
+    @property
+    def device(self) -> torch.device:
+        return self.values.device
+
+    @property
+    def nbytes(self) -> int:
+        """Stored bytes of values + meta (padding included)."""
+        return self.values.numel() * self.values.element_size() + self.meta.numel() * 4
+
+    def __repr__(self) -> str:
+        q = ", quantized=int8" if self.scale is not None else ""
+        return f"DecodePacked(shape={tuple(self.shape)}, dtype={self.dtype}{q}, version={self.version}, " \
+               f"device={self.device})"
+
+    def to(self, device) -> "DecodePacked":
+        scale = None if self.scale is None else self.scale.to(device)
+        return DecodePacked(self.values.to(device), self.meta.to(device), self.shape, self.dtype, scale, check=False)
+
+    def _unpacked(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(codes (Rp, 16 KA) int64, values (Rp, 16 KA, 2), meta padding atoms)`` in
+        logical order (group columns), row and column padding included."""
+        NT, KA, KM = decode_dims(*self.shape)
+        shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=self.device)
+        codes = ((self.meta[..., :KA].unsqueeze(-1) >> shifts) & 15).long()   # (t, l, a, g = 2q + b)
+        codes = codes.view(NT, 8, 4, KA, 4, 2).permute(0, 5, 1, 3, 4, 2)     # (t, b, i, a, q, j)
+        if self.scale is None:
+            v = self.values.view(KA, 2, NT, 8, 4, 2, 2, 2)                   # (a, h, t, i, j, qq, b, v)
+            v = v.permute(2, 6, 3, 0, 1, 5, 4, 7)                            # (t, b, i, a, h, qq, j, v)
+        else:
+            v = self.values.view(KA, NT, 8, 4, 4, 2, 2)                      # (a, t, i, j, q, v, b)
+            v = v.permute(1, 6, 2, 0, 4, 3, 5)                               # (t, b, i, a, q, j, v)
+        return codes.reshape(NT * 16, KA * 16), v.reshape(NT * 16, KA * 16, 2), self.meta[..., KA:]
+
+    def slots(self) -> torch.Tensor:
+        """``(R, C // 4, 2)`` int64 slot (0..3) of each kept value (lower slot first)."""
+        R, C = self.shape
+        codes = self._unpacked()[0][:R, :C // 4]
+        return _slots_of_code(self.device).index_select(0, codes.reshape(-1)).view(R, C // 4, 2)
+
+    def validate(self) -> "DecodePacked":
+        """Raise ValueError naming the first bad row/group unless every real
+        group keeps exactly two slots and all padding is zero. Returns self."""
+        R, C = self.shape
+        codes, vals, meta_pad = self._unpacked()
+        real = codes[:R, :C // 4]
+        bad = _slots_of_code(self.device)[real.reshape(-1), 0].view(real.shape) < 0
+        if bool(bad.any()):
+            r, g = (int(i) for i in bad.nonzero()[0])
+            raise ValueError(f"corrupt decode metadata at row {r}, group {g} (columns {4 * g}..{4 * g + 3}): keep mask "
+                             f"{int(real[r, g]):#06b} does not keep exactly two slots")
+        pad = torch.ones_like(codes, dtype=torch.bool)
+        pad[:R, :C // 4] = False
+        if bool((codes[pad] != 0).any()) or bool((vals[pad] != 0).any()) or bool((meta_pad != 0).any()):
+            raise ValueError(f"corrupt decode layout: padding past the logical shape {(R, C)} is not zero")
+        if self.scale is not None and not bool(torch.isfinite(self.scale).all()):
+            raise ValueError("corrupt scales: non-finite values")
+        return self
+
+    def to_sparse24(self) -> Sparse24Tensor:
+        """The same weight in layout v1 (exact inverse of :func:`pack_decode`)."""
+        R, C = self.shape
+        slots = self.slots()
+        vals = self._unpacked()[1][:R, :C // 4]
+        if self.scale is not None:
+            mag = (vals & 0x7F).to(torch.int16)
+            vals = torch.where(vals >= 0x80, -mag, mag).to(torch.int8)
+        meta = _pack_meta((slots[..., 0] | slots[..., 1] << 2).int())
+        return Sparse24Tensor(vals.reshape(R, C // 2).contiguous(), meta, (R, C), self.dtype, self.scale, check=False)
+
+    def to_dense(self) -> torch.Tensor:
+        """Decompress to the dense ``(R, C)`` matrix in ``dtype`` (dequantized when INT8)."""
+        return self.to_sparse24().to_dense()
+
+
+def _slots_of_code(device) -> torch.Tensor:
+    """``(16, 2)`` int64: code (4-bit keep mask, bit order slot 0, 1, 3, 2) -> (lower slot,
+    higher slot), ``(-1, -1)`` unless exactly two are kept. Built from factory calls, not
+    kept as a module-level tensor: the registered op's backward calls this under tracing."""
+    codes = torch.arange(16, device=device)
+    kept = torch.stack([(codes >> bit) & 1 for bit in _DEC_CODE_BIT], dim=1).bool()   # (16, slot)
+    slot = torch.arange(4, device=device)
+    lo = torch.where(kept, slot, 4).amin(1)
+    hi = torch.where(kept, slot, -1).amax(1)
+    return torch.where((kept.sum(1) == 2)[:, None], torch.stack((lo, hi), dim=1), -1)
+
+
+def pack_decode(p: Sparse24Tensor) -> DecodePacked:
+    """Re-order and re-encode a compressed weight for the decode-path kernels.
+
+    Args:
+        p: :class:`Sparse24Tensor` ``(R, C)`` with float16/bfloat16 values, or
+            INT8 values with scales (see :mod:`sparse24.quant`). Any device.
+    Returns:
+        :class:`DecodePacked` (decode layout version 1) on p's device;
+        ``pack_decode(p).to_sparse24()`` equals ``p`` exactly.
+    Raises:
+        TypeError: float32/float64 values (cast with ``p.to(dtype=torch.float16)``).
+        ValueError: an INT8 value of -128 (sign-magnitude bytes hold [-127, 127]).
+    Example:
+        >>> d = pack_decode(compress(torch.randn(40, 100).half()))
+        >>> d.values.shape, d.meta.shape
+        (torch.Size([2, 2, 8, 32, 8]), torch.Size([8, 32, 16]))
+    """
+    if not isinstance(p, Sparse24Tensor):
+        raise TypeError(f"pack_decode needs a Sparse24Tensor, got {type(p).__name__}")
+    if p.scale is None and p.values.dtype not in (torch.float16, torch.bfloat16):
+        raise TypeError(f"the decode layout holds float16, bfloat16 or INT8 values, got {p.values.dtype}; "
+                        f"cast first, e.g. p.to(dtype=torch.float16)")
+    R, C = p.shape
+    NT, KA, KM = decode_dims(R, C)
+    Rp, Gp = NT * _DEC_ROWS, KA * _DEC_COLS // 4
+    slots = p.slots()                                                          # (R, C/4, 2)
+    bits = torch.tensor(_DEC_CODE_BIT, device=p.device)
+    codes = (1 << bits[slots[..., 0]]) | (1 << bits[slots[..., 1]])
+    codes = _dec_pad(codes.unsqueeze(-1), Rp, Gp).squeeze(-1)                  # (Rp, Gp)
+    codes = codes.view(NT, 2, 8, KA, 4, 4).permute(0, 2, 5, 3, 4, 1)           # (t, i, j, a, q, b)
+    shifts = torch.arange(0, 32, 4, device=p.device)
+    words = (codes.reshape(NT, 32, KA, 8) << shifts).sum(-1)                   # int64 < 2**32
+    words = torch.nn.functional.pad(words, (0, KM - KA))
+    meta = torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32).contiguous()
+    vals = p.values.view(R, C // 4, 2)
+    if p.scale is not None:
+        v16 = vals.to(torch.int16)
+        if bool((v16 == -128).any()):
+            raise ValueError("INT8 values must lie in [-127, 127] (sign-magnitude bytes); -128 found")
+        vals = (v16.abs() | torch.where(v16 < 0, 0x80, 0).to(torch.int16)).to(torch.uint8)
+    vals = _dec_pad(vals, Rp, Gp)                                              # (Rp, Gp, 2)
+    if p.scale is None:
+        v = vals.view(NT, 2, 8, KA, 2, 2, 4, 2).permute(3, 4, 0, 2, 6, 5, 1, 7)  # (a, h, t, i, j, qq, b, v)
+        values = v.reshape(KA, 2, NT, 32, 8).contiguous()
+    else:
+        v = vals.view(NT, 2, 8, KA, 4, 4, 2).permute(3, 0, 2, 5, 4, 6, 1)       # (a, t, i, j, q, v, b)
+        values = v.reshape(KA, NT, 32, 16).contiguous()
+    return DecodePacked(values, meta, (R, C), p.dtype, p.scale, check=False)

@@ -1,0 +1,96 @@
+"""Decode layout version 1 (sparse24.decode_format.DecodePacked): exact round trips,
+the documented bit positions, and validation of corrupt input."""
+import pytest
+import torch
+
+import sparse24
+from sparse24.decode_format import DECODE_LAYOUT_VERSION, DecodePacked, pack_decode
+
+SHAPES = [(40, 100), (1, 4), (16, 64), (33, 200), (130, 1100), (0, 8), (7, 0)]
+
+
+def _case(R, C, dtype):
+    return pytest.param(R, C, dtype, id=f"R{R}-C{C}-{str(dtype)[6:]}")
+
+
+@pytest.mark.parametrize("R,C,dtype", [_case(R, C, dt) for R, C in SHAPES for dt in (torch.float16, torch.bfloat16)])
+def test_round_trip_is_exact(R, C, dtype, gen):
+    w = torch.randn(R, C, generator=gen).to(dtype)
+    p = sparse24.compress(w)
+    d = pack_decode(p)
+    assert d.version == DECODE_LAYOUT_VERSION == 1
+    assert torch.equal(d.to_dense(), w * sparse24.mask_nm(w))     # bit-identical to the masked weight
+    q = d.to_sparse24()
+    assert torch.equal(q.values, p.values) and torch.equal(q.meta, p.meta)
+    assert torch.equal(d.slots(), p.slots())
+    d.validate()
+
+
+@pytest.mark.parametrize("R,C", [(40, 100), (16, 64), (130, 1100)])
+def test_int8_round_trip_is_exact(R, C, gen):
+    p = sparse24.compress(torch.randn(R, C, generator=gen), quantize="int8")
+    d = pack_decode(p)
+    assert d.values.dtype == torch.uint8 and d.scale is p.scale
+    q = d.to_sparse24()
+    assert torch.equal(q.values, p.values) and torch.equal(q.meta, p.meta)
+    assert torch.equal(d.to_dense(), p.to_dense())
+
+
+def test_shapes_and_padding():
+    d = pack_decode(sparse24.compress(torch.randn(40, 100).half()))
+    # rows padded to 128 (8 row tiles), 100 columns -> 2 atoms, meta atoms to 16
+    assert d.values.shape == (2, 2, 8, 32, 8) and d.meta.shape == (8, 32, 16)
+    assert d.nbytes == d.values.numel() * 2 + d.meta.numel() * 4
+    d8 = pack_decode(sparse24.compress(torch.randn(40, 100), quantize="int8"))
+    assert d8.values.shape == (2, 8, 32, 16)
+
+
+def test_documented_bit_positions():
+    """Place one known group and find it where the format comment says."""
+    R, C = 16, 128
+    w = torch.zeros(R, C, dtype=torch.float16)
+    r, col = 8 * 1 + 5, 64 * 1 + 16 * 2 + 4 * 3           # b = 1, i = 5; atom 1, q = 2, j = 3
+    w[r, col + 1], w[r, col + 3] = 1.5, -2.0                # slots 1 and 3 kept
+    d = pack_decode(sparse24.compress(w))
+    lane, g = 4 * 5 + 3, 2 * 2 + 1                          # lane 4i + j, group 2q + b
+    code = (int(d.meta[0, lane, 1]) >> (4 * g)) & 15
+    assert code == 0b0110                                   # bits: slot 0, slot 1, slot 3, slot 2
+    vals = d.values[1, 1, 0, lane, 4 * 0 + 2 * 1:4 * 0 + 2 * 1 + 2]   # h = q // 2, index 4 (q % 2) + 2b + v
+    assert vals.tolist() == [1.5, -2.0]
+    assert torch.equal(d.to_dense(), w)
+
+
+def test_int8_sign_magnitude_bytes():
+    w = torch.zeros(16, 64)
+    w[0, 0], w[0, 1] = -1.0, 0.5                           # quantized to -127 and 64 (scale 1/127)
+    p = sparse24.compress(w, quantize="int8")
+    d = pack_decode(p)
+    # row 0: b = 0, i = 0; columns 0, 1: q = 0, j = 0 -> lane 0, bytes 4q + 2v + b = 0 (lo), 2 (hi)
+    assert d.values[0, 0, 0, 0].item() == 0x80 | 127 and d.values[0, 0, 0, 2].item() == 64
+    assert torch.equal(d.to_dense(), p.to_dense())
+
+
+def test_corrupt_keep_mask_is_rejected_with_its_place():
+    d = pack_decode(sparse24.compress(torch.randn(40, 100).half()))
+    meta = d.meta.clone()
+    # row 8*1 + 2 (t 0, b 1, i 2), group column 16*1 + 4*2 + 0 (a 1, q 2, j 0): lane 8, g 5
+    meta[0, 8, 1] ^= 1 << 20                                # one keep bit flipped: 1 or 3 slots kept
+    with pytest.raises(ValueError, match=r"corrupt decode metadata at row 10, group 24 \(columns 96..99\)"):
+        DecodePacked(d.values, meta, d.shape, d.dtype)
+    values = d.values.clone()
+    values[0, 0, 7, 0, 0] = 1.0                            # row tile 7: rows 112..127, all padding
+    with pytest.raises(ValueError, match="padding past the logical shape"):
+        DecodePacked(values, d.meta, d.shape, d.dtype)
+    with pytest.raises(ValueError, match="meta must be int32 of shape"):
+        DecodePacked(d.values, d.meta[:, :, :8], d.shape, d.dtype)
+
+
+def test_rejects_what_the_layout_cannot_hold(gen):
+    with pytest.raises(TypeError, match="float16, bfloat16 or INT8 values, got torch.float32"):
+        pack_decode(sparse24.compress(torch.randn(8, 16, generator=gen)))
+    p = sparse24.compress(torch.randn(8, 16, generator=gen), quantize="int8")
+    bad = sparse24.Sparse24Tensor(torch.full_like(p.values, -128), p.meta, p.shape, p.dtype, p.scale)
+    with pytest.raises(ValueError, match=r"\[-127, 127\]"):
+        pack_decode(bad)
+    with pytest.raises(TypeError, match="needs a Sparse24Tensor"):
+        pack_decode(torch.randn(8, 16))

@@ -1,0 +1,307 @@
+"""The decode-path kernel (M <= 16), run on CPU tensors in Triton's interpreter
+(the same source the GPU compiles; libdevice's byte_perm bound to its exact
+emulation), against F.linear in fp64 on the masked dense weight. Plus the
+byte-permute selectors, the config space, and an ahead-of-time sm_90 compile."""
+import importlib.util
+import itertools
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import sparse24
+from sparse24.decode_format import DecodePacked, pack_decode
+from sparse24.kernels.interpreter import byte_perm_reference
+from sparse24.kernels.sparse24_decode import SELECTORS, SM_MASK
+from sparse24.ops.config_space import KernelConfig, check_decode_config, decode_configs
+from sparse24.ops.linear24 import launch
+from sparse24.ops.linear24 import linear_triton as linear_decode
+
+from conftest import assert_matches_reference, reference_linear, tolerance
+
+ROOT = Path(__file__).resolve().parents[2]
+CASES = [(0, 1), (0, 2), (0, 3), (1, 2), (1, 3), (2, 3)]
+CODE_BIT = (0, 1, 3, 2)   # the decode layout's keep-mask bit of each slot
+
+
+# --- byte_perm and the selectors -------------------------------------------------
+
+def test_byte_perm_reference_follows_the_cuda_definition():
+    rng = np.random.default_rng(0)
+    x, y, s = (rng.integers(-2 ** 31, 2 ** 31, 64, dtype=np.int64).astype(np.int32) for _ in range(3))
+    out = byte_perm_reference(x, y, s)
+    for xi, yi, si, oi in zip(x.tolist(), y.tolist(), s.tolist(), out.tolist()):
+        src = (xi & 0xFFFFFFFF) | (yi & 0xFFFFFFFF) << 32
+        want = sum(((src >> (8 * ((si >> (4 * n)) & 7))) & 0xFF) << (8 * n) for n in range(4))
+        assert oi & 0xFFFFFFFF == want
+    assert byte_perm_reference(0x03020100, 0x07060504, 0x3210) == 0x03020100
+    assert byte_perm_reference(0x03020100, 0x07060504, 0x7654 | 0x8888 | 0x12340000) == 0x07060504  # bits ignored
+    assert byte_perm_reference(0x44332211, 0, 0x4401) == 0x00001122             # nibble n picks byte n
+
+
+@pytest.mark.parametrize("int8,b", [(False, 0), (True, 0), (True, 1)], ids=["16bit", "int8-b0", "int8-b1"])
+def test_selectors_decode_every_slot_pair(int8, b):
+    """S = field * MUL + ADD, byte-permuted as the kernel does, gives each dense
+    slot exactly its value (or zero) for all six slot pairs."""
+    mul01, add01, mul23, add23 = SELECTORS[(int8, b)]
+    for lo_slot, hi_slot in CASES:
+        code = (1 << CODE_BIT[lo_slot]) | (1 << CODE_BIT[hi_slot])
+        if int8:   # word bytes (lo_0, lo_1, hi_0, hi_1), sign-magnitude
+            lo, hi = (0x85, 0x13) if b == 0 else (0x7F, 0xFF)
+            word = (lo << 8 * b) | (hi << (16 + 8 * b)) | ((0x2A << 8 * (1 - b)) | (0x91 << (16 + 8 * (1 - b))))
+            lane = lambda v: (v & 0x80) << 8 | (v & 0x7F)   # noqa: E731  the exact fp16 subnormal bits
+        else:
+            lo, hi = 0xAB12, 0xCD34
+            word = lo | hi << 16
+            lane = lambda v: v                              # noqa: E731
+        d01 = int(byte_perm_reference(word, 0, (code & 3) * mul01 + add01)) & 0xFFFFFFFF
+        d23 = int(byte_perm_reference(word, 0, ((code >> 2) & 3) * mul23 + add23)) & 0xFFFFFFFF
+        if int8:
+            d01, d23 = d01 & SM_MASK, d23 & SM_MASK
+        want = [0, 0, 0, 0]
+        want[lo_slot], want[hi_slot] = lane(lo), lane(hi)
+        assert [d01 & 0xFFFF, d01 >> 16, d23 & 0xFFFF, d23 >> 16] == want, (lo_slot, hi_slot)
+
+
+# --- the kernel against fp64 ---------------------------------------------------
+
+def _cfg(bn, bk, split=1, stages=1):
+    return KernelConfig(16, bn, bk, 1, split, bn // 16, stages, kernel="decode")
+
+
+def _weight(N, K, wtype, gen):
+    w = torch.randn(N, K, generator=gen)
+    if wtype == "int8":
+        p = sparse24.compress(w, quantize="int8")
+        return pack_decode(p), p.to_dense().double()
+    w = w.half()
+    return pack_decode(sparse24.compress(w)), (w * sparse24.mask_nm(w)).double()
+
+
+def _case(M, N, K, xtype, wtype, bias, cfg):
+    ids = f"M{M}-N{N}-K{K}-x{str(xtype)[6:]}-w{wtype}-{'bias' if bias else 'nobias'}-" \
+          f"{cfg.block_n}x{cfg.block_k}s{cfg.split_k}"
+    return pytest.param(M, N, K, xtype, wtype, bias, cfg, id=ids)
+
+
+@pytest.mark.parametrize("M,N,K,xtype,wtype,bias,cfg", [
+    # every M bucket, odd M, both activation dtypes, both weight kinds, bias on/off
+    _case(1, 40, 100, torch.float16, "fp16", True, _cfg(32, 64)),
+    _case(2, 72, 200, torch.float32, "fp16", False, _cfg(64, 128)),
+    _case(4, 40, 256, torch.float16, "int8", True, _cfg(64, 64)),
+    _case(8, 72, 200, torch.float32, "int8", False, _cfg(128, 128)),
+    _case(16, 40, 100, torch.float16, "fp16", False, _cfg(128, 256)),
+    _case(13, 72, 200, torch.float16, "int8", True, _cfg(64, 128, split=2)),
+    _case(3, 40, 300, torch.float32, "fp16", True, _cfg(32, 64, split=3)),    # 5 K-tiles (last partial), 3 splits
+    _case(16, 200, 64, torch.float16, "fp16", True, _cfg(128, 64)),           # 2 programs, one K-tile
+    _case(13, 40, 200, torch.float32, "int8", True, _cfg(64, 64, split=8)),   # 4 K-tiles: splits 4..7 own none
+])
+def test_kernel_matches_reference(M, N, K, xtype, wtype, bias, cfg, gen):
+    d, dense = _weight(N, K, wtype, gen)
+    x = torch.randn(M, K, generator=gen).to(xtype)
+    b = torch.randn(N, generator=gen) if bias else None
+    tri = linear_decode(x, d, b, config=cfg)
+    assert tri.dtype == xtype and tri.shape == (M, N)
+    assert_matches_reference(tri, x, dense, b)
+
+
+def _space(dtype: str) -> list[KernelConfig]:
+    """One config per distinct (BLOCK_N, BLOCK_K, SPLIT_K) the tuner may pick (stages do not
+    change the interpreted result)."""
+    seen = {}
+    for c in decode_configs(16, 4096, 4096, dtype):
+        seen.setdefault((c.block_n, c.block_k, c.split_k), c)
+    return list(seen.values())
+
+
+@pytest.mark.parametrize("wtype", ["fp16", "int8"])
+def test_every_config_in_the_space_matches_reference(wtype, gen):
+    # Each config the tuner may pick must be right before device time is spent on it. N = 72 and
+    # K = 200 leave a partial row block, a partial K-tile and a partial metadata atom; deep
+    # split-K leaves splits with no K-tile.
+    d, dense = _weight(72, 200, wtype, gen)
+    b = torch.randn(72, generator=gen)
+    for cfg in _space("int8-float16" if wtype == "int8" else "float16"):
+        x = torch.randn(5, 200, generator=gen).half()
+        assert_matches_reference(linear_decode(x, d, b, config=cfg), x, dense, b)
+
+
+@pytest.mark.parametrize("wtype", ["fp16", "int8"])
+def test_a_wrong_keep_bit_fails_the_check(wtype, gen):
+    """The tolerance catches one mis-decoded group, and the kernel really decodes
+    the keep masks: with one group's kept pair moved to the other two slots it
+    matches the dense weight those bits describe, not the original."""
+    N, K = 40, 128
+    d, dense = _weight(N, K, wtype, gen)
+    meta = d.meta.clone()
+    # row 5 (b 0, i 5), columns 16..19 (atom 0, q 1, j 0): lane 20, group 2, bits 8..11
+    meta[0, 20, 0] ^= 0b1111 << 8                           # complement: the other two slots
+    bad = DecodePacked(d.values, meta, d.shape, d.dtype, d.scale)   # valid, wrong positions
+    assert not torch.equal(bad.to_dense(), d.to_dense())
+    x = torch.randn(13, K, generator=gen)
+    tri = linear_decode(x, bad, config=_cfg(64, 64))
+    assert not torch.allclose(tri.double(), reference_linear(x, dense), **tolerance(torch.float32, K))
+    assert_matches_reference(tri, x, bad.to_dense().double())
+
+
+def test_strided_3d_and_empty_inputs(gen):
+    d, dense = _weight(40, 64, "fp16", gen)
+    x2 = torch.randn(64, 13, generator=gen).half().t()            # (13, 64), strides (1, 13)
+    x3 = torch.randn(2, 3, 80, generator=gen).half()[:, :, 8:72]   # (2, 3, 64), rows 80 apart
+    for x in (x2, x3):
+        assert not x.is_contiguous()
+        y = linear_decode(x, d, config=_cfg(32, 64))
+        assert y.shape == (*x.shape[:-1], 40)
+        assert_matches_reference(y, x, dense)
+    assert linear_decode(torch.randn(0, 64).half(), d).shape == (0, 40)
+    z = pack_decode(sparse24.compress(torch.randn(5, 0).half()))
+    b = torch.randn(5, generator=gen)
+    assert torch.equal(linear_decode(torch.randn(3, 0), z, b), b.expand(3, 5))
+
+
+def test_deterministic_mode_disables_split_k(monkeypatch, gen):
+    seen = []
+    real = launch._Plan.launch
+    monkeypatch.setattr(launch._Plan, "launch", lambda plan, grid, *a: seen.append(grid[1]) or real(plan, grid, *a))
+    d, dense = _weight(40, 256, "fp16", gen)
+    x = torch.randn(3, 256, generator=gen)
+    before = torch.are_deterministic_algorithms_enabled()
+    try:
+        torch.use_deterministic_algorithms(True)
+        y = linear_decode(x, d, config=_cfg(64, 64, split=4))
+    finally:
+        torch.use_deterministic_algorithms(before)
+    assert seen == [1]
+    assert_matches_reference(y, x, dense)
+
+
+def test_rejects_bad_input_and_changes_nothing(gen):
+    d, _ = _weight(40, 64, "fp16", gen)
+    x = torch.randn(3, 64, generator=gen)
+    saved = [t.clone() for t in (x, d.values, d.meta)]
+    with pytest.raises(ValueError, match="a Sparse24Tensor weight runs the 'matmul' kernel, got a config for 'decode'"):
+        linear_decode(x, sparse24.compress(torch.randn(40, 64).half()), config=_cfg(64, 64))
+    with pytest.raises(ValueError, match="a DecodePacked weight runs the 'decode' kernel, got a config for 'matmul'"):
+        linear_decode(x, d, config=KernelConfig(16, 64, 64))
+    with pytest.raises(TypeError, match="no bfloat16 arithmetic"):
+        linear_decode(x.bfloat16(), d)
+    with pytest.raises(TypeError, match="float16, bfloat16 or float32, got torch.float64"):
+        linear_decode(x.double(), d)
+    with pytest.raises(ValueError, match="x has 32 features but the weight expects 64"):
+        linear_decode(x[:, :32], d)
+    with pytest.raises(ValueError, match=r"bias must have shape \(40,\)"):
+        linear_decode(x, d, torch.randn(39))
+    with pytest.raises(ValueError, match="num_warps == block_n // 16"):
+        linear_decode(x, d, config=KernelConfig(16, 64, 64, 1, 1, 2, 1, kernel="decode"))
+    with pytest.raises(ValueError, match="block_k >= 64"):
+        linear_decode(x, d, config=KernelConfig(16, 64, 32, 1, 1, 4, 1, kernel="decode"))
+    with pytest.raises(ValueError, match="M must be >= 1"):
+        decode_configs(0, 4096, 4096)
+    for before, after in zip(saved, (x, d.values, d.meta)):
+        assert torch.equal(before, after)
+
+
+@pytest.mark.parametrize("M", [17, 37])
+def test_rows_past_16_run_in_more_programs(M, gen):
+    """Above decode sizes each program takes 16 rows of x (a third grid dimension)."""
+    for wtype in ("fp16", "int8"):
+        d, dense = _weight(72, 200, wtype, gen)
+        x, b = torch.randn(M, 200, generator=gen).half(), torch.randn(72, generator=gen)
+        assert_matches_reference(linear_decode(x, d, b, config=_cfg(64, 64, split=2)), x, dense, b)
+
+
+def test_interpreted_launch_restores_the_libdevice_stub(gen):
+    from triton.language.extra import libdevice
+    stub = libdevice.byte_perm
+    d, dense = _weight(40, 64, "fp16", gen)
+    x = torch.randn(2, 64, generator=gen)
+    assert_matches_reference(linear_decode(x, d, config=_cfg(32, 64)), x, dense)
+    assert libdevice.byte_perm is stub
+
+
+# --- the config space and its measured budget -------------------------------------
+
+def test_config_space():
+    for dtype in ("float16", "bfloat16", "int8-float16"):
+        space = decode_configs(1, 4096, 4096, dtype)
+        assert space == decode_configs(16, 4096, 4096, dtype)       # M does not change the kernel
+        for c in space:
+            check_decode_config(c)
+            assert -(-4096 // c.block_n) * c.split_k <= 4 * 132 and 4096 >= 2 * c.split_k * c.block_k
+        assert {c.block_n for c in space} == {64, 128}
+    assert all(c.split_k == 1 for c in decode_configs(4, 40, 100))   # too short to split
+
+
+def _committed_csvs() -> list[Path]:
+    return sorted((ROOT / "results" / "static-sm90").glob("decode-triton-*.csv"))
+
+
+@pytest.mark.parametrize("path", _committed_csvs(), ids=lambda p: p.name)
+def test_committed_sass_counts_cover_the_space_within_budget(path):
+    """The committed SASS counts (scripts/kernel_static_check.py --sass) cover every config
+    decode_configs returns for the 4096 x 4096 layer at M = 1..16, and all are within budget:
+    change the space, re-run the tool."""
+    budget = {"float16": 0.15, "bfloat16": 0.15, "int8-float16": 0.22}
+    lines = path.read_text().splitlines()
+    rows = [line.split(",") for line in lines if line and not line.startswith(("#", "kernel,"))]
+    have = {(r[1], int(r[2]), r[3]): float(r[6]) for r in rows}
+    name = "BM{}_BN{}_BK{}_W{}_S{}_SK{}"
+    for dtype, m in itertools.product(budget, (1, 2, 4, 8, 16)):
+        for c in decode_configs(m, 4096, 4096, dtype):
+            key = (dtype, m, name.format(c.block_m, c.block_n, c.block_k, c.num_warps, c.num_stages, c.split_k))
+            assert key in have, f"{path.name} lacks {key}"
+            assert have[key] <= budget[dtype], key
+    summary = re.search(r"max warp_instr_per_byte at M<=16: fp16 ([\d.]+), bf16 ([\d.]+), int8 ([\d.]+)", lines[-1])
+    assert summary, lines[-1]
+    assert all(float(v) <= b for v, b in zip(summary.groups(), (0.15, 0.15, 0.22)))
+
+
+def test_sass_counts_are_committed_for_both_tritons():
+    names = {p.name for p in _committed_csvs()}
+    assert any(n.startswith("decode-triton-3.9") for n in names) and any(n.startswith("decode-triton-3.6")
+                                                                       for n in names), names
+
+
+# --- ahead-of-time compile for sm_90 -----------------------------------------------
+
+def _static_check():
+    spec = importlib.util.spec_from_file_location("kernel_static_check", ROOT / "scripts" / "kernel_static_check.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("x_dtype,wtype,bias,cfg,cap", [
+    pytest.param(torch.float16, "fp16", False, _cfg(64, 128), 90, id="fp16-sm90"),
+    pytest.param(torch.bfloat16, "bf16", True, _cfg(128, 64, split=2, stages=3), 90, id="bf16-bias-splitk-sm90"),
+    pytest.param(torch.float16, "int8", True, _cfg(128, 128, stages=2), 90, id="int8-fp16-bias-sm90"),
+    pytest.param(torch.bfloat16, "int8", False, _cfg(32, 64), 80, id="int8-bf16-mma-sm80"),
+])
+def test_kernel_compiles_for_gpus(x_dtype, wtype, bias, cfg, cap, monkeypatch):
+    """No GPU here: compile ahead of time (Triton -> PTX -> cubin with the ptxas in
+    Triton's wheel) with the launcher's exact arguments; on sm_90 also count the main
+    loop's SASS as scripts/kernel_static_check.py does and hold it to the budget."""
+    monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")
+    N, K = 256, 512
+    w = torch.randn(N, K)
+    if wtype == "int8":
+        d = pack_decode(sparse24.compress(w, quantize="int8"))
+    else:
+        d = pack_decode(sparse24.compress(w.to(torch.bfloat16 if wtype == "bf16" else torch.float16)))
+    x = torch.randn(16, K).to(x_dtype)
+    target = torch.empty(16, N, dtype=torch.float32 if cfg.split_k > 1 else x_dtype)
+    b = torch.randn(N) if bias else None
+    compiled = launch.aot_compile(x, d, b, target, cfg, cfg.split_k, (cap // 10, cap % 10))
+    ptx = compiled.asm["ptx"]
+    assert "prmt.b32" in ptx                                            # the byte-permute decode
+    assert ("wgmma" in ptx) == (cap == 90 and cfg.block_n >= 64)
+    if cfg.split_k > 1:
+        assert "atom.global" in ptx or "red.global" in ptx
+    if cap == 90:
+        tool = _static_check()
+        loop = tool.main_loop(tool.sass_instructions(compiled.asm["cubin"]))
+        value_bytes = 1 if wtype == "int8" else 2
+        tile = cfg.block_n * cfg.block_k * value_bytes // 2 + cfg.block_n * cfg.block_k // 8
+        assert len(loop) * cfg.num_warps / tile <= (0.22 if wtype == "int8" else 0.15)

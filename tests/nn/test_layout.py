@@ -1,0 +1,134 @@
+"""A compressed Sparse24Linear in the decode layout (what it holds on CUDA, asked for here with
+to_layout("decode") since CI has no GPU): the same outputs, state dicts always in layout v1,
+moves and casts that keep the layout right, the decode kernel through the module (interpreter),
+and torch.compile / export seeing the op with the decode tensors."""
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import sparse24
+from sparse24 import Sparse24Linear
+from sparse24.ops.linear24 import op
+
+from conftest import assert_matches_reference, dequantized_reference, top2_mask
+
+
+def _layer(gen, quantize=None, bias=True, dtype=torch.float16, R=72, C=200):
+    lin = nn.Linear(C, R, bias=bias)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(R, C, generator=gen))
+    lin = lin.to(dtype)
+    return Sparse24Linear.from_linear(lin, mode="compressed", quantize=quantize)
+
+
+def _same_state(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) and a[k].dtype == b[k].dtype for k in a)
+
+
+@pytest.mark.parametrize("quantize", [None, "int8"])
+def test_decode_layout_keeps_outputs_and_state_dict(quantize, gen):
+    layer = _layer(gen, quantize)
+    v1_state = {k: v.clone() for k, v in layer.state_dict().items()}
+    x = torch.randn(5, 200, generator=gen).half()
+    with torch.no_grad():
+        y_v1 = layer(x)
+        assert layer.layout == "v1" and layer.to_layout("decode") is layer and layer.layout == "decode"
+        assert layer.values.dim() > 2 and "layout=decode" in repr(layer)
+        assert torch.equal(layer(x), y_v1)                      # reference backend on CPU: the same numbers
+    assert _same_state(layer.state_dict(), v1_state)            # checkpoints hold layout v1
+    fresh = _layer(torch.Generator().manual_seed(99), quantize)  # other weights, layout v1
+    fresh.load_state_dict(layer.state_dict())
+    assert _same_state(fresh.state_dict(), v1_state)
+    layer.load_state_dict(v1_state)                             # a v1 checkpoint into a decode-layout layer
+    assert layer.layout == "decode" and _same_state(layer.state_dict(), v1_state)
+    assert torch.equal(layer.sparse_tensor().values, fresh.sparse_tensor().values)
+    layer.to_layout("v1")
+    assert layer.layout == "v1" and _same_state(layer.state_dict(), v1_state)
+
+
+@pytest.mark.parametrize("quantize", [None, "int8"])
+def test_the_decode_kernel_runs_through_the_module(quantize, monkeypatch, gen):
+    """The module's steady path with the kernel (as on CUDA), here in Triton's interpreter, vs fp64."""
+    monkeypatch.setattr(op, "_auto_backend", lambda *a: "triton")
+    layer = _layer(gen, quantize).to_layout("decode")
+    mask = top2_mask(layer.dense_weight() if quantize is None else layer.sparse_tensor().to_dense())
+    dense = dequantized_reference(layer.to_layout("v1"), mask) if quantize else layer.dense_weight().double()
+    layer.to_layout("decode")
+    for M in (1, 13, 20):  # 20 rows: two programs of 16
+        x = torch.randn(M, 200, generator=gen).half()
+        with torch.no_grad():
+            assert_matches_reference(layer(x), x, dense, layer.bias)
+
+
+def test_casts_and_moves_keep_the_layout_right(gen):
+    layer = _layer(gen).to_layout("decode")
+    ref = layer.dense_weight()
+    layer.float()                   # fp32 values: the decode layout holds 16-bit or INT8 ones
+    assert layer.layout == "v1" and layer.values.dtype == torch.float32
+    layer.half()
+    assert layer.layout == "decode"  # the layer asked for it and can hold it again
+    assert torch.equal(layer.dense_weight(), ref)
+    layer.to("cpu")
+    assert layer.layout == "decode"
+    twin = copy.deepcopy(layer)
+    assert twin.layout == "decode" and torch.equal(twin.dense_weight(), ref)
+    layer.to_layout("auto")         # the default: the decode layout on CUDA only
+    assert layer.layout == "v1"
+
+
+def test_trainable_values_stay_in_layout_v1(gen):
+    layer = _layer(gen).to_layout("decode")
+    layer.to_compressed(trainable_values=True)
+    assert layer.layout == "v1" and layer.values.requires_grad
+    with pytest.raises(ValueError, match="that do not train"):
+        layer.to_layout("decode")
+    assert layer.layout == "v1"
+    layer.to_compressed(trainable_values=False)
+    assert layer.layout == "decode"  # its request stands once the values are frozen again
+
+
+def test_to_layout_rejects_what_it_cannot_do(gen):
+    fp32 = _layer(gen, dtype=torch.float32)
+    with pytest.raises(ValueError, match="float16, bfloat16 or INT8 values"):
+        fp32.to_layout("decode")
+    assert fp32.layout == "v1"
+    with pytest.raises(ValueError, match="layout must be 'v1', 'decode' or 'auto'"):
+        fp32.to_layout("v2")
+    masked = Sparse24Linear.from_linear(nn.Linear(64, 32))
+    with pytest.raises(ValueError, match="only compressed mode has a layout"):
+        masked.to_layout("decode")
+    assert masked.layout is None
+
+
+def test_add_to_kept_and_mode_switches_from_the_decode_layout(gen):
+    layer = _layer(gen).to_layout("decode")
+    before = layer.dense_weight()
+    delta = torch.randn(72, 200, generator=gen)
+    layer.add_to_kept_(delta)
+    assert layer.layout == "decode"
+    mask = before != 0
+    assert torch.equal(layer.dense_weight(), torch.where(mask, before + delta.half(), 0))
+    dense_now = layer.dense_weight()
+    layer.to_masked()
+    assert layer.layout is None and torch.equal(layer.dense_weight(), dense_now)
+
+
+def test_compile_and_export_see_the_op_with_decode_tensors(gen):
+    net = nn.Sequential(_layer(gen, R=64, C=128), nn.ReLU(), _layer(gen, "int8", R=32, C=64))
+    for m in net:
+        if isinstance(m, Sparse24Linear):
+            m.to_layout("decode")
+    x = torch.randn(3, 128, generator=gen).half()
+    with torch.no_grad():
+        ref = net(x)
+        torch._dynamo.reset()
+        explained = torch._dynamo.explain(net)(x)
+        assert explained.graph_break_count == 0 and explained.graph_count == 1
+        compiled = torch.compile(net, backend="aot_eager", fullgraph=True)
+        torch.testing.assert_close(compiled(x), ref, rtol=0, atol=0)
+    ep = torch.export.export(net, (x,))
+    targets = [n.target for n in ep.graph.nodes if n.op == "call_function"]
+    assert targets.count(torch.ops.sparse24.linear.default) == 2
+    torch.testing.assert_close(ep.module()(x), ref, rtol=0, atol=0)
