@@ -1,8 +1,9 @@
 """The :class:`Sparse24Linear` module (see :mod:`sparse24.nn` for its modes and
-mechanisms). One class, over 400 lines by design: its two modes, the switches
-between them and its loading logic share the module's state and are read
-together; the free-standing pieces live beside it (``prepare``, ``masking``,
-``state``)."""
+mechanisms): its construction, the two modes and the switches between them,
+forward, and moves. (Just under 500 lines: one class whose parts share the
+module's state; what has a seam lives beside it: ``prepare`` (a swap computed
+before anything changes), ``masking`` (the hooks), ``layout`` (v1 or decode)
+and ``state`` (state dicts), the last two as mixins of the class.)"""
 from __future__ import annotations
 
 import weakref
@@ -11,24 +12,22 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..decode_format import DecodePacked, pack_decode
+from ..decode_format import DecodePacked
 from ..format import FLOAT_DTYPES, Sparse24Tensor, compress, quantize_values
 from ..ops import linear24
+from .layout import LayoutMixin
 from .masking import _GRAD_HOOKED, _HAS_HOOK, _MASKED_MODULES, _ZERO_CHECKED, _grad_mask_hook
-from . import prepare
 from .prepare import (_check_mode, _mask_from_slots, _placeholder, _prepare, _Prepared, is_conv1d, is_conv1d_class,
                       linear_shape)
-from .state import _check_state_masked, check_state
+from .state import StateDictMixin
 
 __all__ = ["Sparse24Linear"]
 
 # The module's attributes a mode or layout switch changes (besides its tensors).
 _MODE_STATE = ("_mode", "_dtype", "_weight_requires_grad", "_pending", "_layout", "_layout_pref")
-# Values the decode layout holds (INT8 too, with scales); others stay in layout v1.
-_DECODE_DTYPES = (torch.float16, torch.bfloat16)
 
 
-class Sparse24Linear(nn.Module):
+class Sparse24Linear(LayoutMixin, StateDictMixin, nn.Module):
     """``nn.Linear`` whose weight is 2:4 sparse, in ``"masked"`` (training) or
     ``"compressed"`` (inference) mode; see the module docstring.
 
@@ -171,59 +170,6 @@ class Sparse24Linear(nn.Module):
         self._mode = "compressed"
         self._layout = "v1"
         self._settle_layout()
-
-    # -- the compressed weight's layout: v1 (interchange), or decode (on CUDA) --
-    def _wanted_layout(self) -> str:
-        """The decode layout for a frozen float16/bfloat16/INT8 weight on CUDA (or where
-        :meth:`to_layout` asked for it), layout v1 otherwise."""
-        values = self.values
-        if values.requires_grad or values.is_meta or not (self.scale is not None
-                                                          or values.dtype in _DECODE_DTYPES):
-            return "v1"  # gradients of the kept values, and fp32/fp64 values, need layout v1
-        pref = self.__dict__.get("_layout_pref")
-        return pref if pref is not None else ("decode" if values.is_cuda else "v1")
-
-    def _settle_layout(self) -> None:
-        if self._mode == "compressed" and not self.pending and self._wanted_layout() != self._layout:
-            self._convert_layout(self._wanted_layout())
-
-    def _convert_layout(self, layout: str) -> None:
-        """Hold the compressed tensors in ``layout`` (new tensor objects: a snapshot taken
-        before keeps the old ones, so an all-or-nothing call can still undo)."""
-        p = self.sparse_tensor()
-        new = pack_decode(p) if layout == "decode" else p
-        self._parameters["values"] = nn.Parameter(new.values, requires_grad=self.values.requires_grad)
-        self._buffers["meta"] = new.meta
-        self._layout = layout
-
-    def to_layout(self, layout: str) -> "Sparse24Linear":
-        """Hold the compressed weight in ``layout``: ``"decode"`` (what the decode
-        kernel reads: float16/bfloat16/INT8 values, not trainable), ``"v1"``, or
-        ``"auto"`` (the default: decode on CUDA, v1 elsewhere). Outputs and state
-        dicts (always layout v1) do not change. Returns self.
-
-        Example:
-            >>> layer = Sparse24Linear(64, 32, mode="compressed", dtype=torch.float16)
-            >>> layer.to_layout("decode").layout   # e.g. to run the decode kernel on CPU tensors
-            'decode'
-        """
-        if layout not in ("v1", "decode", "auto"):
-            raise ValueError(f"layout must be 'v1', 'decode' or 'auto', got {layout!r}")
-        if self._mode != "compressed":
-            raise ValueError("only compressed mode has a layout (masked mode holds the dense weight)")
-        before = self.__dict__.get("_layout_pref")
-        self._layout_pref = None if layout == "auto" else layout
-        if layout == "decode" and self._wanted_layout() != "decode":
-            self._layout_pref = before  # refused: nothing changes
-            raise ValueError("the decode layout holds float16, bfloat16 or INT8 values that do not train; this "
-                             f"layer has {self.values.dtype} values (requires_grad={self.values.requires_grad})")
-        self._settle_layout()
-        return self
-
-    @property
-    def layout(self) -> str | None:
-        """``"v1"`` or ``"decode"`` in compressed mode (see :meth:`to_layout`), None in masked mode."""
-        return self.__dict__.get("_layout") if self._mode == "compressed" else None
 
     def _track_masked(self) -> None:
         """Register for the optimizer post-hook and make this module the owner
@@ -551,110 +497,3 @@ class Sparse24Linear(nn.Module):
         if self.pending:
             s += f", mask pending ({self._pending['method']})"
         return s
-
-    # -- checks, state dict --
-    def validate(self) -> "Sparse24Linear":
-        """Raise ValueError if the sparse state is inconsistent; returns self."""
-        if self.pending:
-            raise ValueError("the 2:4 mask is pending: the layer was built on the meta device and no weights "
-                             "were loaded yet")
-        R, C = self.out_features, self.in_features
-        if self._mode == "masked":
-            _check_state_masked(self.weight.detach(), self.mask, (R, C), "")
-        else:
-            self.sparse_tensor().validate()
-        return self
-
-    def _finish_loading(self, trainable_values: bool = False) -> None:
-        """After a loader assigned this layer's tensors directly (Hugging Face's
-        ``from_pretrained`` sets attributes, bypassing ``load_state_dict``, and makes every
-        floating one a Parameter requiring grad): check them, clear the pending mask,
-        freeze the compressed values unless ``trainable_values``, re-register the masking.
-        Raises ValueError on corrupt ones."""
-        self._pending = None
-        if self._mode == "compressed":
-            self.__dict__.pop("weight", None)  # a loader's stand-in (see sparse24.hf)
-            self.values.requires_grad_(trainable_values and self.values.is_floating_point())
-            if self.scale is None:
-                self._dtype = self.values.dtype
-        try:
-            self.validate()
-        except ValueError as e:
-            raise ValueError(f"corrupt 2:4 layer ({self.out_features}x{self.in_features}, {self._mode}): {e}") from None
-        if self._mode == "masked":
-            self._track_masked()
-        self._settle_layout()
-
-    def _holds_meta(self) -> bool:
-        return any(t is not None and t.is_meta for t in (*self._parameters.values(), *self._buffers.values()))
-
-    def _save_to_state_dict(self, destination, prefix, keep_vars):
-        super()._save_to_state_dict(destination, prefix, keep_vars)
-        if self._mode == "compressed" and self._layout == "decode":  # checkpoints hold layout v1, always
-            p = self.sparse_tensor()
-            destination[prefix + "values"], destination[prefix + "meta"] = p.values, p.meta
-
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
-                              unexpected_keys, error_msgs):
-        if self._mode == "compressed" and self._layout == "decode":
-            self._convert_layout("v1")  # entries are layout v1 (see _save_to_state_dict)
-        try:
-            self._load_v1(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
-        finally:
-            self._settle_layout()
-
-    def _load_v1(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
-        try:
-            if self.pending and self._has_dense_entry_only(state_dict, prefix):
-                self._fill_from_dense(state_dict, prefix)  # the weights arrived: compute the mask now
-            check_state(self, state_dict, prefix)
-        except (ValueError, TypeError) as e:
-            error_msgs.append(f"{prefix[:-1] or 'Sparse24Linear'}: {e}")
-            return  # nothing of this module changes
-        if self._holds_meta():  # copying into meta tensors is a no-op: the loaded tensors must be taken as they are
-            local_metadata = {**local_metadata, "assign_to_params_buffers": True}
-        weight_before = self._parameters.get("weight")
-        n_missing = len(missing_keys)
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
-                                      unexpected_keys, error_msgs)
-        if self.pending and len(missing_keys) == n_missing and not self._holds_meta():
-            self._pending = None
-        if self._mode == "masked" and self.weight is not weight_before:
-            self._track_masked()  # load_state_dict(assign=True) installs new Parameters
-
-    def _has_dense_entry_only(self, sd: dict, prefix: str) -> bool:
-        return prefix + "weight" in sd and not any(prefix + k in sd for k in ("mask", "values", "meta", "scale"))
-
-    def _fill_from_dense(self, sd: dict, prefix: str) -> None:
-        """Replace a dense ``weight`` entry of ``sd`` by this layer's 2:4 entries, pruned by the
-        pending method (``sd`` is load_state_dict's own copy: changing it is allowed)."""
-        w = sd.pop(prefix + "weight")
-        sd.update({prefix + k: v for k, v in self.entries_from_dense(w)[0].items()})
-
-    def entries_from_dense(self, weight: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-        """The state-dict entries this layer holds for a dense weight, pruned by the method it
-        was built with (a pending layer's; magnitude otherwise). Changes nothing.
-
-        Args:
-            weight: ``(R, C)`` dense floating weight; ``(C, R)`` when this layer replaced a
-                Hugging Face ``Conv1D`` (as Conv1D and its checkpoints store it).
-        Returns:
-            ``(entries, mask)``: ``{"weight", "mask"}`` (masked mode) or ``{"values", "meta"}``
-            (+ ``"scale"`` for INT8) in this layer's mode, and the ``(R, C)`` bool mask.
-        """
-        if not isinstance(weight, torch.Tensor):
-            raise TypeError(f"weight must be a tensor, got {type(weight).__name__}")
-        R, C = self.out_features, self.in_features
-        conv1d = is_conv1d_class(self.__dict__.get("_dense_cls"))
-        if tuple(weight.shape) != ((C, R) if conv1d else (R, C)):
-            raise ValueError(f"weight has shape {tuple(weight.shape)}, expected {(C, R) if conv1d else (R, C)}"
-                             + (" (a Conv1D stores (in, out))" if conv1d else ""))
-        w = weight.t() if conv1d else weight
-        if not w.is_floating_point():
-            raise TypeError(f"weight must be floating point, got {w.dtype}")
-        pending = self.__dict__.get("_pending") or {"method": "magnitude", "kwargs": {}}
-        new_w, mask = prepare._prune_weight(w, pending["method"], **pending["kwargs"])
-        kept = w if new_w is None else new_w
-        if self._mode == "masked":
-            return {"weight": torch.where(mask, kept, 0), "mask": mask}, mask  # the caller's tensor stays
-        return compress(kept, mask, quantize=self.quantize).state_tensors(), mask

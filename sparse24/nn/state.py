@@ -1,13 +1,19 @@
-"""Checking a state dict's entries for a :class:`~sparse24.nn.Sparse24Linear`
-before anything is copied: dense, masked, compressed and INT8 checkpoints
-are told apart, and a partial, mismatched or corrupt one is a clear error."""
+"""How a :class:`~sparse24.nn.Sparse24Linear` enters and leaves a state dict:
+its entries are checked before anything is copied (dense, masked, compressed
+and INT8 checkpoints are told apart; a partial, mismatched or corrupt one is a
+clear error), a layer whose mask is pending (built on the meta device) computes
+it from the dense weight that arrives, and compressed entries are always
+layout v1. Kept apart from the class only for length: these methods read and
+write the module's own state."""
 from __future__ import annotations
 
 import torch
 
-from ..format import Sparse24Tensor, _check_mask24
+from ..format import Sparse24Tensor, _check_mask24, compress
+from . import prepare
+from .prepare import is_conv1d_class
 
-__all__ = ["check_state"]
+__all__ = ["check_state", "StateDictMixin"]
 
 
 def check_state(self, sd: dict, prefix: str) -> None:
@@ -64,3 +70,113 @@ def _check_state_masked(weight: torch.Tensor, mask: torch.Tensor, shape, prefix:
     _check_mask24(mask, weight)
     if bool((weight.detach()[~mask] != 0).any()):
         raise ValueError(f"'{prefix}weight' is non-zero where '{prefix}mask' is False: not a 2:4 masked weight")
+
+
+class StateDictMixin:
+    """Validation, state-dict saving and loading of :class:`~sparse24.nn.Sparse24Linear`."""
+
+    def validate(self) -> "StateDictMixin":
+        """Raise ValueError if the sparse state is inconsistent; returns self."""
+        if self.pending:
+            raise ValueError("the 2:4 mask is pending: the layer was built on the meta device and no weights "
+                             "were loaded yet")
+        R, C = self.out_features, self.in_features
+        if self._mode == "masked":
+            _check_state_masked(self.weight.detach(), self.mask, (R, C), "")
+        else:
+            self.sparse_tensor().validate()
+        return self
+
+    def _finish_loading(self, trainable_values: bool = False) -> None:
+        """After a loader assigned this layer's tensors directly (Hugging Face's
+        ``from_pretrained`` sets attributes, bypassing ``load_state_dict``, and makes every
+        floating one a Parameter requiring grad): check them, clear the pending mask,
+        freeze the compressed values unless ``trainable_values``, re-register the masking.
+        Raises ValueError on corrupt ones."""
+        self._pending = None
+        if self._mode == "compressed":
+            self.__dict__.pop("weight", None)  # a loader's stand-in (see sparse24.hf)
+            self.values.requires_grad_(trainable_values and self.values.is_floating_point())
+            if self.scale is None:
+                self._dtype = self.values.dtype
+        try:
+            self.validate()
+        except ValueError as e:
+            raise ValueError(f"corrupt 2:4 layer ({self.out_features}x{self.in_features}, {self._mode}): {e}") from None
+        if self._mode == "masked":
+            self._track_masked()
+        self._settle_layout()
+
+    def _holds_meta(self) -> bool:
+        return any(t is not None and t.is_meta for t in (*self._parameters.values(), *self._buffers.values()))
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self._mode == "compressed" and self._layout == "decode":  # checkpoints hold layout v1, always
+            p = self.sparse_tensor()
+            destination[prefix + "values"], destination[prefix + "meta"] = p.values, p.meta
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        if self._mode == "compressed" and self._layout == "decode":
+            self._convert_layout("v1")  # entries are layout v1 (see _save_to_state_dict)
+        try:
+            self._load_v1(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
+        finally:
+            self._settle_layout()
+
+    def _load_v1(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+        try:
+            if self.pending and self._has_dense_entry_only(state_dict, prefix):
+                self._fill_from_dense(state_dict, prefix)  # the weights arrived: compute the mask now
+            check_state(self, state_dict, prefix)
+        except (ValueError, TypeError) as e:
+            error_msgs.append(f"{prefix[:-1] or 'Sparse24Linear'}: {e}")
+            return  # nothing of this module changes
+        if self._holds_meta():  # copying into meta tensors is a no-op: the loaded tensors must be taken as they are
+            local_metadata = {**local_metadata, "assign_to_params_buffers": True}
+        weight_before = self._parameters.get("weight")
+        n_missing = len(missing_keys)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
+        if self.pending and len(missing_keys) == n_missing and not self._holds_meta():
+            self._pending = None
+        if self._mode == "masked" and self.weight is not weight_before:
+            self._track_masked()  # load_state_dict(assign=True) installs new Parameters
+
+    def _has_dense_entry_only(self, sd: dict, prefix: str) -> bool:
+        return prefix + "weight" in sd and not any(prefix + k in sd for k in ("mask", "values", "meta", "scale"))
+
+    def _fill_from_dense(self, sd: dict, prefix: str) -> None:
+        """Replace a dense ``weight`` entry of ``sd`` by this layer's 2:4 entries, pruned by the
+        pending method (``sd`` is load_state_dict's own copy: changing it is allowed)."""
+        w = sd.pop(prefix + "weight")
+        sd.update({prefix + k: v for k, v in self.entries_from_dense(w)[0].items()})
+
+    def entries_from_dense(self, weight: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """The state-dict entries this layer holds for a dense weight, pruned by the method it
+        was built with (a pending layer's; magnitude otherwise). Changes nothing.
+
+        Args:
+            weight: ``(R, C)`` dense floating weight; ``(C, R)`` when this layer replaced a
+                Hugging Face ``Conv1D`` (as Conv1D and its checkpoints store it).
+        Returns:
+            ``(entries, mask)``: ``{"weight", "mask"}`` (masked mode) or ``{"values", "meta"}``
+            (+ ``"scale"`` for INT8) in this layer's mode, and the ``(R, C)`` bool mask.
+        """
+        if not isinstance(weight, torch.Tensor):
+            raise TypeError(f"weight must be a tensor, got {type(weight).__name__}")
+        R, C = self.out_features, self.in_features
+        conv1d = is_conv1d_class(self.__dict__.get("_dense_cls"))
+        if tuple(weight.shape) != ((C, R) if conv1d else (R, C)):
+            raise ValueError(f"weight has shape {tuple(weight.shape)}, expected {(C, R) if conv1d else (R, C)}"
+                             + (" (a Conv1D stores (in, out))" if conv1d else ""))
+        w = weight.t() if conv1d else weight
+        if not w.is_floating_point():
+            raise TypeError(f"weight must be floating point, got {w.dtype}")
+        pending = self.__dict__.get("_pending") or {"method": "magnitude", "kwargs": {}}
+        new_w, mask = prepare._prune_weight(w, pending["method"], **pending["kwargs"])
+        kept = w if new_w is None else new_w
+        if self._mode == "masked":
+            return {"weight": torch.where(mask, kept, 0), "mask": mask}, mask  # the caller's tensor stays
+        return compress(kept, mask, quantize=self.quantize).state_tensors(), mask

@@ -1,0 +1,72 @@
+"""The compressed weight's layout, as a part of :class:`~sparse24.nn.Sparse24Linear`:
+layout v1 (the interchange format: state dicts and checkpoints hold it, always) or
+the decode layout (what the decode kernel reads; held on CUDA by frozen
+float16/bfloat16/INT8 weights). Kept apart from the class only for length: these
+methods read and write the module's own state."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..decode_format import pack_decode
+
+__all__ = ["LayoutMixin"]
+
+# Values the decode layout holds (INT8 too, with scales); others stay in layout v1.
+_DECODE_DTYPES = (torch.float16, torch.bfloat16)
+
+
+class LayoutMixin:
+    """:meth:`to_layout`, :attr:`layout` and the conversions behind them."""
+
+    def _wanted_layout(self) -> str:
+        """The decode layout for a frozen float16/bfloat16/INT8 weight on CUDA (or where
+        :meth:`to_layout` asked for it), layout v1 otherwise."""
+        values = self.values
+        if values.requires_grad or values.is_meta or not (self.scale is not None
+                                                          or values.dtype in _DECODE_DTYPES):
+            return "v1"  # gradients of the kept values, and fp32/fp64 values, need layout v1
+        pref = self.__dict__.get("_layout_pref")
+        return pref if pref is not None else ("decode" if values.is_cuda else "v1")
+
+    def _settle_layout(self) -> None:
+        if self._mode == "compressed" and not self.pending and self._wanted_layout() != self._layout:
+            self._convert_layout(self._wanted_layout())
+
+    def _convert_layout(self, layout: str) -> None:
+        """Hold the compressed tensors in ``layout`` (new tensor objects: a snapshot taken
+        before keeps the old ones, so an all-or-nothing call can still undo)."""
+        p = self.sparse_tensor()
+        new = pack_decode(p) if layout == "decode" else p
+        self._parameters["values"] = nn.Parameter(new.values, requires_grad=self.values.requires_grad)
+        self._buffers["meta"] = new.meta
+        self._layout = layout
+
+    def to_layout(self, layout: str) -> "LayoutMixin":
+        """Hold the compressed weight in ``layout``: ``"decode"`` (what the decode
+        kernel reads: float16/bfloat16/INT8 values, not trainable), ``"v1"``, or
+        ``"auto"`` (the default: decode on CUDA, v1 elsewhere). Outputs and state
+        dicts (always layout v1) do not change. Returns self.
+
+        Example:
+            >>> layer = Sparse24Linear(64, 32, mode="compressed", dtype=torch.float16)
+            >>> layer.to_layout("decode").layout   # e.g. to run the decode kernel on CPU tensors
+            'decode'
+        """
+        if layout not in ("v1", "decode", "auto"):
+            raise ValueError(f"layout must be 'v1', 'decode' or 'auto', got {layout!r}")
+        if self._mode != "compressed":
+            raise ValueError("only compressed mode has a layout (masked mode holds the dense weight)")
+        before = self.__dict__.get("_layout_pref")
+        self._layout_pref = None if layout == "auto" else layout
+        if layout == "decode" and self._wanted_layout() != "decode":
+            self._layout_pref = before  # refused: nothing changes
+            raise ValueError("the decode layout holds float16, bfloat16 or INT8 values that do not train; this "
+                             f"layer has {self.values.dtype} values (requires_grad={self.values.requires_grad})")
+        self._settle_layout()
+        return self
+
+    @property
+    def layout(self) -> str | None:
+        """``"v1"`` or ``"decode"`` in compressed mode (see :meth:`to_layout`), None in masked mode."""
+        return self.__dict__.get("_layout") if self._mode == "compressed" else None
