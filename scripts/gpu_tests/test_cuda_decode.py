@@ -6,8 +6,6 @@ What only a GPU can check: libdevice's byte_perm (PRMT) behaves as the
 interpreter's emulation (kernels/interpreter.py), and the tensor cores take
 INT8 values as exact float16 subnormals (value * 2**-24, no flush to zero).
 """
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,19 +15,7 @@ from sparse24.decode_format import pack_decode
 from sparse24.ops.config_space import decode_configs
 from sparse24.ops.linear24 import linear_triton as linear_decode
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
-from conftest import assert_matches_reference  # noqa: E402
-
-if not torch.cuda.is_available():
-    raise RuntimeError("these tests need a CUDA GPU; the CPU suite is tests/")
-
-DEV = torch.device("cuda")
-ACT = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
-
-
-@pytest.fixture
-def gen():
-    return torch.Generator(device=DEV).manual_seed(1234)
+from _cuda import ACT, DEV, assert_matches_reference, gen  # noqa: F401  (gen: the fixture)
 
 
 def _weight(N, K, wtype, act, gen):

@@ -5,8 +5,6 @@ of the CPU suite (CI has no GPU): ``python -m pytest -q scripts/gpu_tests``.
 Same tolerance table as the CPU tests (tests/conftest.py). Outputs are
 poisoned with NaN before each call, so an unwritten element fails.
 """
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,19 +13,7 @@ import sparse24
 from sparse24 import tuning
 from sparse24.ops.linear24 import linear_triton
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
-from conftest import assert_matches_reference  # noqa: E402
-
-if not torch.cuda.is_available():
-    raise RuntimeError("these tests need a CUDA GPU; the CPU suite is tests/")
-
-DEV = torch.device("cuda")
-ACT = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
-
-
-@pytest.fixture
-def gen():
-    return torch.Generator(device=DEV).manual_seed(1234)
+from _cuda import ACT, DEV, assert_matches_reference, gen  # noqa: F401  (gen: the fixture)
 
 
 def _poison(numel: int, dtype) -> None:
