@@ -67,7 +67,10 @@ def decode_dims(R: int, C: int) -> tuple[int, int, int]:
 
 
 def _dec_pad(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
-    return torch.nn.functional.pad(x, (0, 0, 0, cols - x.shape[1], 0, rows - x.shape[0]))
+    """``x`` (r, c, ...) zero-padded to (rows, cols, ...) (not F.pad: torch 2.7 refuses it on empty inputs)."""
+    out = x.new_zeros(rows, cols, *x.shape[2:])
+    out[:x.shape[0], :x.shape[1]] = x
+    return out
 
 
 class DecodePacked:
@@ -232,7 +235,7 @@ def pack_decode(p: Sparse24Tensor) -> DecodePacked:
     codes = codes.view(NT, 2, 8, KA, 4, 4).permute(0, 2, 5, 3, 4, 1)           # (t, i, j, a, q, b)
     shifts = torch.arange(0, 32, 4, device=p.device)
     words = (codes.reshape(NT, 32, KA, 8) << shifts).sum(-1)                   # int64 < 2**32
-    words = torch.nn.functional.pad(words, (0, KM - KA))
+    words = _dec_pad(words.movedim(-1, 0), KM, words.shape[0]).movedim(0, -1)  # atoms padded to KM
     meta = torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32).contiguous()
     vals = p.values.view(R, C // 4, 2)
     if p.scale is not None:

@@ -231,7 +231,8 @@ def test_trainer_resume_dequantize_and_compile_on_a_loaded_model(tmp_path):
     assert same_state(sparse24.from_pretrained(LlamaForCausalLM, tmp_path / "run" / "checkpoint-3"), ckpt)
     ckpt.eval()
     compiled = torch.compile(ckpt, backend="eager")
-    torch.testing.assert_close(logits(compiled, tokens()), logits(ckpt, tokens()), rtol=0, atol=0)
+    # fp32 rounding, not exactness: under torch 2.7 Dynamo moves a dense tiny Llama's logits by 1.2e-7 too
+    torch.testing.assert_close(logits(compiled, tokens()), logits(ckpt, tokens()), rtol=1e-6, atol=1e-6)
     y = logits(ckpt, tokens())
     ckpt.dequantize()  # transformers' own call: plain Linears holding the masked weights
     assert type(ckpt.model.layers[0].self_attn.q_proj) is torch.nn.Linear
