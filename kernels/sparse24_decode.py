@@ -1,9 +1,10 @@
-"""Triton kernel for decode-sized batches (M <= 16): ``out = x @ W^T (* scale) + bias``
-with W in the decode layout (``sparse24.format.DecodePacked``, version 1).
+"""Triton kernel for decode-sized batches (M <= 16; larger M in more programs):
+``out = x @ W^T (* scale) + bias`` with W in the decode layout
+(``sparse24.decode_format.DecodePacked``, version 1).
 
 Triton only (no torch.nn, no policy). The launcher, checks and config space
-live in ``sparse24.ops.decode_linear``; the bit layout is defined in
-``sparse24.format`` (section "decode layout").
+live in ``sparse24.ops.linear24.launch`` and ``sparse24.ops.config_space``; the bit layout is defined in
+``sparse24/decode_format.py``.
 
 Why a second kernel: at M <= 16 the general kernel (``sparse24_matmul.py``)
 runs out of issue slots before bandwidth: 0.37-0.41 SASS warp-instructions per

@@ -75,7 +75,7 @@ def _dec_pad(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
 
 class DecodePacked:
     """A compressed 2:4 weight in decode layout version 1 (see the comment
-    block above this class in ``sparse24/format.py``): what the decode-path
+    block above this class in ``sparse24/decode_format.py``): what the decode-path
     kernels (M <= 16) read.
 
     Attributes:
