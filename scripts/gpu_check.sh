@@ -3,8 +3,10 @@
 # Triton 3.6, numpy 2.5, pytest-xdist; no network, nothing installed). About 5
 # minutes on one H100/H200 class GPU:
 #   1. tests: the kernels and modules on CUDA against the fp64 reference (scripts/gpu_tests);
-#   2. autotune: decode sizes (M = 1..16) and one large M for the standard shapes, fp16 and
-#      INT8 weights, into autotune_configs/<GPU>/sparse24_matmul.json (merged after every key);
+#   2. autotune: the decode ends (M = 1 and 16; M = 2..8 take the nearest entry) and one large M
+#      for the standard shapes, fp16 and INT8 weights, in the decode layout the modules hold
+#      there (72 / 36 configs a key), into autotune_configs/<GPU>/sparse24_matmul.json (merged
+#      after every key);
 #   3. bench: the throughput sweep (CSV + PNG) into results/<GPU>/, with the tuned configs;
 #   4. user view: eager wall time per call of a layer at M = 1 and tokens/s of an 8-block
 #      Llama-7B-shaped MLP stack under torch.compile(mode="reduce-overhead"), dense vs 2:4
@@ -19,7 +21,8 @@ cd "$(dirname "$0")/.."
 ROOT=$PWD
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
-M_TUNE=1,2,4,8,16,4096
+# tuned: the decode ends (2-8 take the nearest bucket's entry) and one large M
+M_TUNE=1,16,4096
 M_BENCH=1,2,4,8,16,64,256,1024,4096
 T_TESTS=${T_TESTS:-60}          # seconds per step: 60 + 100 + 60 + 80 = 5 minutes at most
 T_TUNE=${T_TUNE:-100}
