@@ -30,8 +30,10 @@ class LayoutMixin:
         return pref if pref is not None else ("decode" if values.is_cuda else "v1")
 
     def _settle_layout(self) -> None:
-        if self._mode == "compressed" and not self.pending and self._wanted_layout() != self._layout:
-            self._convert_layout(self._wanted_layout())
+        if self._mode == "compressed" and not self.pending:
+            wanted = self._wanted_layout()
+            if wanted != self._layout:
+                self._convert_layout(wanted)
 
     def _convert_layout(self, layout: str) -> None:
         """Hold the compressed tensors in ``layout`` (new tensor objects: a snapshot taken

@@ -79,12 +79,11 @@ def linear_reference(x: torch.Tensor, p: Sparse24Tensor | DecodePacked,
     if isinstance(p, DecodePacked):
         p = p.to_sparse24()
     N, K = p.shape
-    rows = chunk_rows(K, p.device)
-    if rows >= N:  # small layer: one piece
+    chunks = row_chunks(N, K, p.device)
+    if len(chunks) <= 1:  # small layer: one piece
         return F.linear(x, p.to_dense().to(x.dtype), None if bias is None else bias.to(x.dtype))
     out = x.new_empty(*x.shape[:-1], N)
-    for n0 in range(0, N, rows):
-        sl = slice(n0, min(N, n0 + rows))
+    for sl in chunks:
         b = None if bias is None else bias[sl].to(x.dtype)
         out[..., sl] = F.linear(x, p.to_dense(rows=sl).to(x.dtype), b)
     return out
