@@ -175,11 +175,14 @@ def all_nm(model: nn.Module) -> bool:
 
 # --- training and evaluation -----------------------------------------------------
 
-def train(model: nn.Module, train_ids: torch.Tensor, cfg: dict, after_step=None) -> tuple[list[float], float]:
+def train(model: nn.Module, train_ids: torch.Tensor, cfg: dict, after_step=None,
+          teacher: nn.Module | None = None) -> tuple[list[float], float]:
     """One training run: AdamW, linear warmup then cosine decay to 10%, grad clip 1.
 
     The batch sequence depends only on ``cfg["seed"]``, so every run (dense,
-    retraining, from scratch) sees the same data in the same order.
+    retraining, from scratch) sees the same data in the same order. With a
+    ``teacher`` the loss is ``(1 - kd) x cross-entropy + kd x KL(teacher || model)``
+    on every position (``kd = cfg["kd"]``; the logged loss stays the cross-entropy).
     Returns (training loss in bits/char per step, seconds).
     """
     steps, warm = cfg["steps"], max(1, cfg["steps"] // 20)
@@ -194,8 +197,15 @@ def train(model: nn.Module, train_ids: torch.Tensor, cfg: dict, after_step=None)
     model.train()
     for step in range(steps):
         x, y = get_batch(train_ids, cfg["batch"], cfg["ctx"], gen)
-        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
-        loss.backward()
+        logits = model(x).flatten(0, 1)
+        loss = F.cross_entropy(logits, y.flatten())
+        total = loss
+        if teacher is not None:
+            with torch.no_grad():
+                ref = teacher(x).flatten(0, 1).log_softmax(-1)
+            kl = F.kl_div(logits.log_softmax(-1), ref, log_target=True, reduction="batchmean")
+            total = (1 - cfg["kd"]) * loss + cfg["kd"] * kl
+        total.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
@@ -280,7 +290,8 @@ def job_dense(cfg: dict) -> dict:
     gains = permute_model_(permuted, permutation_groups(permuted), score="sparsegpt", calibration=stats,
                            example=calib[0], max_iters=cfg["perm_iters"], time_limit=600)
     m = copy.deepcopy(permuted)
-    sparsify_(m, method="sparsegpt", calibration=stats)
+    sparsify_(m, method="sparsegpt", calibration=stats, skip_output_head=False)
+    assert all_nm(m)
     rows.append(row("2:4 one-shot sparsegpt + permutation", m, val_ids, cfg, cfg["steps"], secs, "one-shot",
                     f"{len(gains)} groups, OBS importance kept +{100 * sum(gains.values()) / len(gains):.2f}% on "
                     f"average; {time.perf_counter() - t0:.1f} s, no retraining"))
@@ -289,7 +300,7 @@ def job_dense(cfg: dict) -> dict:
     batches = [get_batch(train_ids, cfg["batch"], cfg["ctx"], gen)[0] for _ in range(cfg["learn_steps"])]
     m = copy.deepcopy(permuted)
     rep = learn_masks(m, batches, cfg["learn_steps"], teacher=permuted, prior="sparsegpt", calibration=stats,
-                      output_loss="kl", lr=cfg["mask_lr"], seed=cfg["seed"])
+                      output_loss="kl", lr=cfg["mask_lr"], seed=cfg["seed"], skip_output_head=False)
     assert all_nm(m)
     rows.append(row("2:4 learned masks (weights frozen)", m, val_ids, cfg, cfg["steps"], secs, "one-shot",
                     f"{cfg['learn_steps']} steps distilling from the dense model (KL), prior sparsegpt + "
@@ -308,7 +319,8 @@ def job_retrain(cfg: dict, dense_state: dict, masked: bool) -> dict:
     if not masked:
         curve, secs = train(model, train_ids, cfg)
         return {"rows": [row("dense retrained (control)", model, val_ids, cfg, 2 * cfg["steps"], secs, "retrained",
-                             "second run without mask")], "curves": {"dense retrained (control)": curve}}
+                             "second run without mask")], "curves": {"dense retrained (control)": curve},
+                "state": model.state_dict()}
     # masked mode: Sparse24Linear keeps pruned weights at exactly 0 through AdamW; every Linear, the head too
     sparsify_(model, skip_output_head=False)
     curve, secs = train(model, train_ids, cfg)
@@ -337,7 +349,7 @@ def job_learned_retrain(cfg: dict, learned_state: dict) -> dict:
     magnitude mask."""
     train_ids, val_ids, _ = _setup_worker(cfg)
     model = build_model(cfg)
-    sparsify_(model)  # masked layers of the right shapes; the checkpoint brings weights and learned masks
+    sparsify_(model, skip_output_head=False)  # masked layers of the right shapes; the checkpoint brings the masks
     model.load_state_dict(learned_state)
     curve, secs = train(model, train_ids, cfg)
     assert all_nm(model)
@@ -345,6 +357,25 @@ def job_learned_retrain(cfg: dict, learned_state: dict) -> dict:
     return {"rows": [row(name, model, val_ids, cfg, 2 * cfg["steps"], secs, "retrained",
                          "learned-mask model above retrained with its masks frozen, same hyper-parameters")],
             "curves": {name: curve}}
+
+
+def job_distilled_retrain(cfg: dict, learned_state: dict, control_state: dict) -> dict:
+    """The recovery recipe with a teacher: the same second run from the learned-mask model,
+    masks frozen, its loss mixing the cross-entropy with the KL divergence to the dense
+    control (the best dense model of the table: the first run's dense model is worse than
+    what the 2:4 model reaches, and distilling from it pulls the student back)."""
+    train_ids, val_ids, _ = _setup_worker(cfg)
+    teacher = build_model(cfg)
+    teacher.load_state_dict(control_state)
+    model = build_model(cfg)
+    sparsify_(model, skip_output_head=False)
+    model.load_state_dict(learned_state)
+    curve, secs = train(model, train_ids, cfg, teacher=teacher.eval())
+    assert all_nm(model)
+    name = "2:4 retrained, learned masks, distilled"
+    return {"rows": [row(name, model, val_ids, cfg, 2 * cfg["steps"], secs, "retrained",
+                         f"as the row above, loss (1 - {cfg['kd']:g}) x cross-entropy + {cfg['kd']:g} x KL to the "
+                         "dense control (teacher)")], "curves": {name: curve}}
 
 
 def _gradual_schedule(steps: int) -> dict:
@@ -381,8 +412,14 @@ def job_from_scratch(cfg: dict, kind: str) -> dict:
 ORDER = ["dense", "dense INT8", "2:4 one-shot magnitude", "2:4 one-shot wanda", "2:4 one-shot sparsegpt",
          "2:4 one-shot sparsegpt + permutation", "2:4 learned masks (weights frozen)",
          "2:4 retrained", "2:4 retrained, compressed", "2:4 retrained + INT8", "2:4 retrained, learned masks",
-         "dense retrained (control)",
+         "2:4 retrained, learned masks, distilled", "dense retrained (control)",
          "50% unstructured gradual", "2:4 gradual", "2:4 SR-STE from scratch"]
+
+
+def _verdict_003(gap: float) -> str:
+    """The 0.03-BPC target's verdict with its margin: this is one seed, and a margin of a few
+    thousandths is inside what another seed moves (see docs/recipes.md)."""
+    return f"met by {0.03 - gap:.4f} (one seed)" if gap <= 0.03 else "NOT met"
 
 
 def write_results(out: Path, rows: list[dict], curves: dict, sqnr: list[dict], cfg: dict, info: dict,
@@ -432,8 +469,9 @@ def write_results(out: Path, rows: list[dict], curves: dict, sqnr: list[dict], c
               f"- Target 2:4 retrained within 0.02 BPC of dense: {d_retrain:+.4f} -> {verdict(d_retrain)}",
               f"- Target 2:4 + INT8 within 0.02 BPC of 2:4 alone: {d_int8:+.4f} -> {verdict(d_int8)}",
               *(f"- Target {name} within 0.03 BPC of the dense control (the same second run without a mask): "
-                f"{by[name]['bpc'] - control:+.4f} -> {'met' if by[name]['bpc'] - control <= 0.03 else 'NOT met'}"
-                for name in ("2:4 retrained", "2:4 retrained, learned masks")),
+                f"{by[name]['bpc'] - control:+.4f} -> {_verdict_003(by[name]['bpc'] - control)}"
+                for name in ("2:4 retrained", "2:4 retrained, learned masks",
+                             "2:4 retrained, learned masks, distilled")),
               f"- Control: dense retrained the same way without a mask: "
               f"{by['dense retrained (control)']['bpc'] - dense:+.4f} vs dense", "",
               "## INT8 weight SQNR per layer (dB)", "", "| layer | dense INT8 | 2:4 retrained INT8 |", "|---|---:|---:|"]
@@ -499,6 +537,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--srste-decay", type=float, default=2e-4)
     ap.add_argument("--mask-lr", type=float, default=0.1, help="learning rate of the mask logits")
     ap.add_argument("--learn-steps", type=int, default=300, help="steps of the frozen-weight learned-mask row")
+    # kd: exploratory runs from the magnitude mask (2000 steps, teacher = the dense control): 0.25 -> 2.345,
+    # 0.5 -> 2.336, 0.9 -> 2.353 BPC; distilling from the first run's dense model instead (0.3): 2.373
+    ap.add_argument("--kd", type=float, default=0.5, help="weight of the KL term in the distilled retraining")
     ap.add_argument("--perm-iters", type=int, default=300, help="permutation search steps per group")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
@@ -507,7 +548,7 @@ def main(argv: list[str] | None = None) -> None:
     cfg = {"steps": args.steps, "d_model": args.d_model, "layers": args.layers, "heads": 4, "ctx": 128,
            "batch": args.batch, "lr": args.lr, "wd": 0.01, "eval_windows": args.eval_windows,
            "calib_batches": 8, "srste_decay": args.srste_decay, "seed": args.seed, "mask_lr": args.mask_lr,
-           "learn_steps": args.learn_steps, "perm_iters": args.perm_iters,
+           "learn_steps": args.learn_steps, "perm_iters": args.perm_iters, "kd": args.kd,
            "threads": args.threads, "jobs": args.jobs}
     if args.quick:
         cfg.update(steps=40, eval_windows=64, calib_batches=2, learn_steps=5, perm_iters=5)
@@ -528,9 +569,11 @@ def main(argv: list[str] | None = None) -> None:
         dense = pool.submit(job_dense, cfg)
         scratch = [pool.submit(job_from_scratch, cfg, k) for k in ("gradual50", "gradual24", "srste")]
         first = collect(dense.result())
-        second = [pool.submit(job_retrain, cfg, first["state"], masked) for masked in (True, False)]
-        second.append(pool.submit(job_learned_retrain, cfg, first["learned_state"]))
-        for f in scratch + second:
+        control = pool.submit(job_retrain, cfg, first["state"], False)
+        second = [pool.submit(job_retrain, cfg, first["state"], True),
+                  pool.submit(job_learned_retrain, cfg, first["learned_state"])]
+        third = pool.submit(job_distilled_retrain, cfg, first["learned_state"], collect(control.result())["state"])
+        for f in scratch + second + [third]:
             collect(f.result())
     wall = time.perf_counter() - t0
     write_results(out, rows, curves, sqnr, cfg, info, wall, argv)

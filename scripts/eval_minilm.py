@@ -47,7 +47,6 @@ import ast
 import copy
 import csv
 import json
-import math
 import os
 import platform
 import re
@@ -346,10 +345,15 @@ def permutation_groups(model: MiniLM) -> list[PermutationGroup]:
 
 
 def sentence_batches(tok: WordPiece, texts: list[str], n: int, bs: int, seed: int) -> list:
-    """``n`` batches of ``bs`` sentences drawn at random (with a seeded generator)."""
-    gen = torch.Generator().manual_seed(seed)
-    return [tok.batch([texts[j] for j in torch.randint(0, len(texts), (bs,), generator=gen).tolist()])
-            for _ in range(n)]
+    """``n`` batches of ``bs`` sentences of about the same length: the texts sorted by token
+    count and cut into runs of ``bs``, the runs taken in a seeded random order (cycled).
+    Every sentence is as likely as in uniform draws, with a fraction of the padding
+    (16 random sentences pad to 2.1x their tokens, bucketed ones to 1.003x; a step costs what
+    its padded batch costs)."""
+    order = sorted(texts, key=lambda t: (len(tok.encode(t)), t))
+    runs = [order[i:i + bs] for i in range(0, len(order) - bs + 1, bs)]
+    pick = torch.randperm(len(runs), generator=torch.Generator().manual_seed(seed)).tolist()
+    return [tok.batch(runs[pick[i % len(pick)]]) for i in range(n)]
 
 
 def verify(model: MiniLM, tok: WordPiece, mdir: Path, texts: list[str]) -> str:
@@ -392,26 +396,34 @@ def _row(rows: list, ctx: dict, tok: WordPiece, name: str, model: nn.Module, sec
     print(f"  {name:<40} cosine {r['cosine']:.4f} / {r['cosine_manual']:.4f}  ({seconds:.0f} s)", flush=True)
 
 
-def _calib_batches(ctx: dict, tok: WordPiece) -> list:
-    return [tok.batch(ctx["calib"][i:i + 32]) for i in range(0, len(ctx["calib"]), 32)]
+def _calibrate(ctx: dict, tok: WordPiece, model: nn.Module) -> dict:
+    """Statistics of every Linear over the calibration sentences (batches of 32), padding
+    positions left out (``token_mask``: they would be 56% of the rows)."""
+    batches = [tok.batch(ctx["calib"][i:i + 32]) for i in range(0, len(ctx["calib"]), 32)]
+    return calibrate(model, batches, hessian=True, token_mask=lambda b: b[1])
 
 
 def job_new(ctx: dict) -> list[dict]:
-    """One shot (magnitude, Wanda, SparseGPT, SparseGPT + permutation), then learned masks
-    from the permuted SparseGPT prior, then the recovery recipe."""
+    """One shot (magnitude, Wanda, SparseGPT, with least-squares reconstruction, and after channel
+    permutations), then learned masks from the best one-shot model, then the recovery recipe."""
     dense, tok = _worker(ctx)
     rows = []
     t0 = time.perf_counter()
-    stats = calibrate(dense, _calib_batches(ctx, tok), hessian=True)
+    stats = _calibrate(ctx, tok, dense)
     t_calib = time.perf_counter() - t0
-    for method in ("magnitude", "wanda", "sparsegpt"):
+    calib_note = f"{len(ctx['calib'])} calibration sentences (padding left out)"
+    for name, method, extra in (("magnitude", "magnitude", {}), ("wanda", "wanda", {}),
+                                ("sparsegpt", "sparsegpt", {}),
+                                ("sparsegpt + reconstruction", "sparsegpt", {"refit": True})):
         t0 = time.perf_counter()
         m = copy.deepcopy(dense)
-        sparsify_(m, method=method, calibration=None if method == "magnitude" else stats)
+        sparsify_(m, method=method, calibration=None if method == "magnitude" else stats, **extra)
         secs = time.perf_counter() - t0 + (0 if method == "magnitude" else t_calib)
-        _row(rows, ctx, tok, method, m, secs, note="" if method == "magnitude" else
-             f"{len(ctx['calib'])} calibration sentences")
-    # channel permutations on SparseGPT's importance, outputs checked equal, then SparseGPT
+        note = "" if method == "magnitude" else calib_note
+        if extra:
+            note += "; kept weights re-solved exactly for SparseGPT's masks (least squares, reconstruct_weight)"
+        _row(rows, ctx, tok, name, m, secs, note=note)
+    # channel permutations on SparseGPT's importance, outputs checked equal, then SparseGPT + reconstruction
     t0 = time.perf_counter()
     permuted = copy.deepcopy(dense)
     example = tok.batch(ctx["calib"][:8])  # outputs before and after the permutations must agree on it
@@ -420,22 +432,21 @@ def job_new(ctx: dict) -> list[dict]:
     t_perm = time.perf_counter() - t0
     gain = sum(gains.values()) / len(gains)
     student = copy.deepcopy(permuted)
-    sparsify_(student, method="sparsegpt", calibration=stats)
-    _row(rows, ctx, tok, "sparsegpt + permutation", student, time.perf_counter() - t0 + t_calib,
+    sparsify_(student, method="sparsegpt", calibration=stats, refit=True)
+    _row(rows, ctx, tok, "sparsegpt + permutation + reconstruction", student, time.perf_counter() - t0 + t_calib,
          note=f"{len(gains)} groups (MLP channels, value channels per head), {ctx['perm_iters']} search steps each, "
               f"OBS importance kept +{100 * gain:.2f}% on average; permutation {t_perm:.0f} s")
-    # learned masks, weights frozen, prior = the permuted SparseGPT masks; teacher = the permuted dense model
+    # learned masks, weights frozen, prior = the row above (its masks and rebuilt weights); teacher = the
+    # permuted dense model, which gives the candidate weights the prior pruned
     n_learn, n_dist, bs = ctx["learn_steps"], ctx["distill_steps"], ctx["batch"]
     stream = sentence_batches(tok, ctx["train"], n_learn + n_dist, bs, seed=1)
-    student = copy.deepcopy(permuted)
     hidden = [f"layers.{i}" for i in range(len(student.layers))]
-    rep = learn_masks(student, stream[:n_learn], n_learn, teacher=permuted, prior="sparsegpt", calibration=stats,
-                      lr=ctx["learn_lr"], tau=ctx["tau"], hard_fraction=ctx["hard_fraction"],
-                      confidence=ctx["confidence"], output_loss="cosine", hidden=hidden,
-                      hidden_weight=ctx["learn_hidden"], seed=0)
+    rep = learn_masks(student, stream[:n_learn], n_learn, teacher=permuted, lr=ctx["learn_lr"], tau=ctx["tau"],
+                      hard_fraction=ctx["hard_fraction"], confidence=ctx["confidence"], output_loss="cosine",
+                      hidden=hidden, hidden_weight=ctx["learn_hidden"], seed=0)
     changed = sum(rep.layers.values()) / len(rep.layers)
     _row(rows, ctx, tok, "learned masks (weights frozen)", student, rep.seconds, n_learn, n_learn * bs,
-         f"prior: sparsegpt + permutation; lr {ctx['learn_lr']:g}, tau {ctx['tau'][0]:g} -> {ctx['tau'][1]:g}, "
+         f"prior: the row above; lr {ctx['learn_lr']:g}, tau {ctx['tau'][0]:g} -> {ctx['tau'][1]:g}, "
          f"hard draws in the last {100 * ctx['hard_fraction']:.0f}%; {100 * changed:.1f}% of groups changed; "
          f"kept {rep.kept} (check loss {rep.learned_loss:.4f} vs prior {rep.prior_loss:.4f}); "
          f"logits {rep.logit_bytes / 2**20:.1f} MiB")
@@ -453,7 +464,7 @@ def job_previous(ctx: dict) -> list[dict]:
     """The previous recipe at the same budget: SparseGPT, then frozen-mask distillation on
     the output only, as many steps on the same sentences as the new pipeline's two phases."""
     dense, tok = _worker(ctx)
-    stats = calibrate(dense, _calib_batches(ctx, tok), hessian=True)
+    stats = _calibrate(ctx, tok, dense)
     student = copy.deepcopy(dense)
     sparsify_(student, method="sparsegpt", calibration=stats)
     steps, bs = ctx["learn_steps"] + ctx["distill_steps"], ctx["batch"]
@@ -475,19 +486,24 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--eval-sentences", type=int, default=512, help="per evaluation text")
     ap.add_argument("--calib-sentences", type=int, default=1024)
-    ap.add_argument("--batch", type=int, default=16, help="sentences per gradient step")
-    # Steps: the previous table's 600 x 32 sentences took 28 min on its own on a quieter machine; at the load
-    # of late 2026 (load average 6-10 from other jobs) a step here takes 2-4x as long, so both recipes get
-    # 400 x 16 sentences (a third of it) to keep the whole table under 40 minutes.
-    ap.add_argument("--learn-steps", type=int, default=200)
+    # Budget (exploratory runs on training-file sentences, one thread each, two runs side by side): a step of 64
+    # length-bucketed sentences costs 1.4 s (distillation) / 1.5 s (mask learning) vs 0.64 / 0.74 s for 16, so
+    # 64 reads 1.8x the sentences per second. Distillation from the one-shot model: 150 steps x 64 at lr 4e-4
+    # -> 0.955 in 244 s (8e-4: 0.956; 2e-4: 0.952), vs 800 steps x 16 at lr 2e-4 -> 0.959 in 551 s; at 16
+    # sentences lr 1e-3 ended below its start (0.927), 5e-4 and 1e-4 below 2e-4; a layer-wise weight of 1 beat
+    # 0.1 (0.947 vs 0.945 at 200 x 16). Mask learning (lr 0.1) gained as much in 200 steps as in 600 (0.937 vs
+    # 0.938); lr 0.3 without the layer-wise loss ended worse than its prior. So: a short mask phase, the rest of
+    # the 40 minutes on distillation.
+    ap.add_argument("--batch", type=int, default=64, help="sentences per gradient step")
+    ap.add_argument("--learn-steps", type=int, default=150)
     ap.add_argument("--learn-lr", type=float, default=0.1)
     ap.add_argument("--tau", type=float, nargs=2, default=(1.0, 0.05))
     ap.add_argument("--hard-fraction", type=float, default=0.2)
     ap.add_argument("--confidence", type=float, default=3.0)
     ap.add_argument("--learn-hidden", type=float, default=1.0, help="weight of the layer-wise loss while learning")
-    ap.add_argument("--distill-steps", type=int, default=200)
-    ap.add_argument("--distill-lr", type=float, default=5e-4)
-    ap.add_argument("--distill-hidden", type=float, default=0.1, help="weight of the layer-wise distillation loss")
+    ap.add_argument("--distill-steps", type=int, default=700)
+    ap.add_argument("--distill-lr", type=float, default=6e-4)
+    ap.add_argument("--distill-hidden", type=float, default=1.0, help="weight of the layer-wise distillation loss")
     ap.add_argument("--perm-iters", type=int, default=300, help="permutation search steps per group")
     ap.add_argument("--max-len", type=int, default=128)
     ap.add_argument("--threads", type=int, default=1, help="torch threads per worker (2 workers)")

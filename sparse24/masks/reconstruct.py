@@ -1,0 +1,96 @@
+"""Exact least-squares reconstruction of the kept weights for a fixed mask.
+
+SparseGPT chooses the mask and updates the weights in one left-to-right sweep:
+each column's update only sees the columns to its right, so its final weights
+are not the best ones for its final mask. For a fixed mask the best weights
+have a closed form, row by row: with ``S`` the kept columns of a row and
+``H = X^T X`` the layer's input Hessian,
+
+    argmin_{w: w_j = 0 off S} ||X w - X w0||^2   ->   w_S = H_SS^-1 (H w0)_S
+
+(a ``|S| x |S|`` Cholesky solve per row). On all-MiniLM-L6-v2 with every Linear
+2:4 this alone moves SparseGPT's mean embedding cosine from 0.887 to 0.920 with
+the same masks (``scripts/eval_minilm.py``).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .._checks import check_mask
+
+__all__ = ["reconstruct_weight"]
+
+
+def reconstruct_weight(w: torch.Tensor, mask: torch.Tensor, hessian: torch.Tensor, percdamp: float = 0.01,
+                       rows_per_chunk: int = 64) -> torch.Tensor:
+    """The weights that best reproduce ``w``'s outputs on the calibration inputs with ``mask`` fixed.
+
+    Solves, for every row ``r`` independently (fp64), ``min ||X (v - w_r)||^2``
+    over ``v`` with ``v_j = 0`` where ``mask[r, j]`` is False, with ``X^T X``
+    = ``hessian`` plus ``percdamp`` x its mean diagonal on the diagonal (as
+    SparseGPT damps it, so both solve the same regularised problem).
+
+    Args:
+        w: ``(R, C)`` float weight to reproduce (the dense weight; not modified).
+        mask: ``(R, C)`` bool mask (any pattern; rows may keep different counts).
+        hessian: ``(C, C)`` ``X^T X`` of the layer's inputs (any positive scale),
+            e.g. ``calibrate(model, batches, hessian=True)[name].hessian``.
+        percdamp: diagonal damping as a fraction of the mean diagonal (> 0).
+        rows_per_chunk: rows solved together (memory ``rows x kept^2`` fp64).
+    Returns:
+        ``(R, C)`` tensor in ``w``'s dtype, exactly zero where ``mask`` is False.
+    Example:
+        >>> x = torch.randn(256, 16, dtype=torch.float64); w = torch.randn(8, 16, dtype=torch.float64)
+        >>> mask = mask_nm(w)
+        >>> v = reconstruct_weight(w, mask, x.T @ x, percdamp=1e-9)
+        >>> bool(((x @ v.T - x @ w.T).norm() <= (x @ (w * mask).T - x @ w.T).norm()))
+        True
+    """
+    if not isinstance(w, torch.Tensor) or w.dim() != 2 or not w.is_floating_point():
+        raise TypeError("w must be a 2-D floating-point tensor (out_features, in_features)")
+    check_mask(mask, w)
+    R, C = w.shape
+    if not isinstance(hessian, torch.Tensor) or hessian.shape != (C, C):
+        got = tuple(hessian.shape) if isinstance(hessian, torch.Tensor) else type(hessian).__name__
+        raise ValueError(f"hessian must be a ({C}, {C}) tensor for a weight with {C} input columns, got {got}")
+    if not hessian.is_floating_point() or not bool(torch.isfinite(hessian).all()):
+        raise ValueError("hessian must be finite floating point")
+    if isinstance(percdamp, bool) or not (isinstance(percdamp, (int, float)) and 0 < percdamp < math.inf):
+        raise ValueError(f"percdamp must be a finite number > 0, got {percdamp!r}")
+    if isinstance(rows_per_chunk, bool) or not isinstance(rows_per_chunk, int) or rows_per_chunk < 1:
+        raise ValueError(f"rows_per_chunk must be an int >= 1, got {rows_per_chunk!r}")
+    if not bool(torch.isfinite(w).all()):
+        raise ValueError("weight contains NaN or inf: nothing to reconstruct")
+    dev = w.device
+    H = hessian.detach().to(device=dev, dtype=torch.float64).clone()
+    dead = torch.diag(H) == 0  # inputs that never fire: any weight there is as good; keep it 0
+    if bool(dead.all()):
+        raise ValueError("hessian is all zero (no calibration inputs reached this layer)")
+    H[dead, dead] = 1
+    H.diagonal().add_(percdamp * float(torch.diag(H).mean()))
+    w0 = w.detach().to(torch.float64).masked_fill(dead, 0)
+    keep = mask & ~dead
+    rhs = w0 @ H  # row r: (H w0_r)^T, H symmetric
+    out = torch.zeros(R, C, dtype=torch.float64, device=dev)
+    counts = keep.sum(1)
+    k = int(counts.max()) if R else 0
+    if k == 0:
+        return out.to(w.dtype)
+    # Each row's kept columns first (stable: in column order), padded to k with a dummy index whose
+    # row and column of the small system are replaced by the identity and whose right side is 0.
+    order = torch.sort((~keep).to(torch.uint8), dim=1, stable=True).indices[:, :k]
+    valid = torch.arange(k, device=dev) < counts[:, None]
+    for a in range(0, R, rows_per_chunk):
+        idx, ok = order[a:a + rows_per_chunk], valid[a:a + rows_per_chunk]
+        pair = ok[:, :, None] & ok[:, None, :]
+        A = torch.where(pair, H[idx[:, :, None], idx[:, None, :]], torch.diag_embed(torch.ones_like(ok, dtype=H.dtype)))
+        b = torch.where(ok, torch.gather(rhs[a:a + rows_per_chunk], 1, idx), 0.0)
+        L, info = torch.linalg.cholesky_ex(A)
+        if bool(info.any()):
+            raise ValueError("hessian is not positive semi-definite (Cholesky failed even after damping): pass "
+                             "X^T X of the layer's inputs, e.g. calibrate(..., hessian=True)[name].hessian")
+        sol = torch.cholesky_solve(b.unsqueeze(-1), L).squeeze(-1)
+        out[a:a + rows_per_chunk].scatter_(1, idx, torch.where(ok, sol, 0.0))
+    return out.masked_fill_(~keep, 0).to(w.dtype)

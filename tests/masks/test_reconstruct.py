@@ -1,0 +1,140 @@
+"""Least-squares reconstruction for a fixed mask and padding-free calibration, against
+independent references: per-row least squares of the augmented system, and statistics
+of the same tokens without padding."""
+import pytest
+import torch
+from torch import nn
+
+from sparse24 import is_nm, mask_nm
+from sparse24.masks import calibrate, prune_layerwise_, reconstruct_weight, sparsegpt_prune
+
+
+def _data(R=12, C=32, N=200, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(N, C, generator=g, dtype=torch.float64) @ torch.randn(C, C, generator=g, dtype=torch.float64)
+    return x, torch.randn(R, C, generator=g, dtype=torch.float64)
+
+
+def _reference(w, mask, x, percdamp):
+    """Row by row: min ||X (v - w_r)||^2 + lam ||v - w_r||^2 over v zero off the mask, as an
+    ordinary least-squares problem on the kept columns of the stacked system [X; sqrt(lam) I]."""
+    lam = percdamp * float((x * x).sum(0).mean())
+    A = torch.cat([x, lam ** 0.5 * torch.eye(x.shape[1], dtype=x.dtype)])
+    out = torch.zeros_like(w)
+    for r in range(w.shape[0]):
+        keep = mask[r].nonzero().flatten()
+        if len(keep):
+            out[r, keep] = torch.linalg.lstsq(A[:, keep], (A @ w[r]).unsqueeze(1)).solution.flatten()
+    return out
+
+
+@pytest.mark.parametrize("kind", ["nm", "ragged"])
+def test_reconstruct_matches_least_squares(kind):
+    x, w = _data()
+    g = torch.Generator().manual_seed(1)
+    mask = mask_nm(w) if kind == "nm" else torch.rand(w.shape, generator=g) < 0.4
+    if kind == "ragged":
+        mask[0] = False  # a row that keeps nothing
+        mask[1] = True  # and one that keeps everything
+    got = reconstruct_weight(w, mask, x.T @ x, percdamp=0.01)
+    torch.testing.assert_close(got, _reference(w, mask, x, 0.01), rtol=1e-9, atol=1e-9)
+    assert bool((got[~mask] == 0).all())
+    if kind == "ragged":
+        torch.testing.assert_close(got[1], w[1])  # nothing pruned: nothing to change
+        assert bool((got[0] == 0).all())
+
+
+def test_refit_beats_sparsegpt_sweep_and_keeps_its_mask():
+    x, w = _data(R=16, C=64, N=400, seed=2)
+    h = x.T @ x
+    w_sweep, mask = sparsegpt_prune(w, h, blocksize=16)
+    w_refit, mask2 = sparsegpt_prune(w, h, blocksize=16, refit=True)
+    assert torch.equal(mask, mask2) and is_nm(w_refit)
+    err = lambda v: float((x @ (v - w).T).norm())  # noqa: E731
+    assert err(w_refit) < err(w_sweep) < err(w * mask)
+    torch.testing.assert_close(w_refit, reconstruct_weight(w, mask, h), rtol=0, atol=0)
+    assert w_refit.dtype == w.dtype and sparsegpt_prune(w.float(), h, refit=True)[0].dtype == torch.float32
+
+
+def test_reconstruct_dead_inputs_and_rejects_bad_input():
+    x, w = _data(R=4, C=8, N=50)
+    x[:, 3] = 0  # an input that never fires
+    mask = mask_nm(w)
+    got = reconstruct_weight(w, mask, x.T @ x)
+    assert bool((got[:, 3] == 0).all()) and torch.isfinite(got).all()
+    h = x.T @ x
+    with pytest.raises(ValueError, match=r"\(8, 8\)"):
+        reconstruct_weight(w, mask, h[:4, :4])
+    with pytest.raises(TypeError, match="bool"):
+        reconstruct_weight(w, mask.float(), h)
+    with pytest.raises(ValueError, match="percdamp"):
+        reconstruct_weight(w, mask, h, percdamp=0)
+    with pytest.raises(ValueError, match="NaN"):
+        reconstruct_weight(w.clone().fill_(float("nan")), mask, h)
+    with pytest.raises(ValueError, match="all zero"):
+        reconstruct_weight(w, mask, torch.zeros(8, 8))
+    with pytest.raises(ValueError, match="positive semi-definite"):
+        reconstruct_weight(w, mask, -torch.eye(8, dtype=torch.float64))
+    with pytest.raises(TypeError, match="refit"):
+        sparsegpt_prune(w, h, refit=1)
+
+
+class _Tok(nn.Module):
+    """Embedding + Linear over (ids, mask) batches, like a padded language model."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.lin = nn.Embedding(20, 8), nn.Linear(8, 8)
+
+    def forward(self, ids, mask):
+        return self.lin(self.emb(ids))
+
+
+def test_calibrate_token_mask_equals_unpadded_batches():
+    model = _Tok()
+    seqs = [torch.tensor(s) for s in ([3, 4, 5, 6], [7, 8], [9, 10, 11], [12])]
+    padded = torch.zeros(4, 4, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        padded[i, :len(s)] = s
+    masked = calibrate(model, [(padded, padded != 0)], hessian=True, token_mask=lambda b: b[1])["lin"]
+    plain = calibrate(model, [(s[None], None) for s in seqs], hessian=True)["lin"]
+    assert masked.count == plain.count == 10
+    torch.testing.assert_close(masked.xtx, plain.xtx)
+    torch.testing.assert_close(masked.sq_sum, plain.sq_sum)
+    unmasked = calibrate(model, [(padded, None)], hessian=True)["lin"]
+    assert unmasked.count == 16 and not torch.allclose(unmasked.xtx, plain.xtx)  # padding would count
+    # 0/1 integer masks work too; layer-wise pruning passes the mask on
+    ints = calibrate(model, [(padded, (padded != 0).long())], token_mask=lambda b: b[1])["lin"]
+    assert ints.count == 10
+    res = prune_layerwise_(model, [(padded, padded != 0)], token_mask=lambda b: b[1])
+    assert is_nm(res["lin"].weight)
+
+
+def test_calibrate_token_mask_errors():
+    model = _Tok()
+    ids = torch.ones(2, 3, dtype=torch.long)
+    with pytest.raises(TypeError, match="callable"):
+        calibrate(model, [(ids, None)], token_mask=torch.ones(2, 3, dtype=torch.bool))
+    with pytest.raises(ValueError, match=r"token_mask gave shape \(3, 2\)"):
+        calibrate(model, [(ids, None)], token_mask=lambda b: torch.ones(3, 2, dtype=torch.bool))
+    with pytest.raises(TypeError, match="bool"):
+        calibrate(model, [(ids, None)], token_mask=lambda b: torch.ones(2, 3))
+    with pytest.raises(ValueError, match="other than 0 and 1"):
+        calibrate(model, [(ids, None)], token_mask=lambda b: torch.full((2, 3), 2))
+
+
+def test_sparsify_with_refit_stores_the_least_squares_weights():
+    import sparse24
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 8)).double()
+    x = torch.randn(300, 32, dtype=torch.float64)
+    stats = calibrate(net, [x], hessian=True)
+    w0 = net[0].weight.detach().clone()
+    ref_w, ref_mask = sparsegpt_prune(w0, stats["0"].hessian)
+    sparse24.sparsify_(net, method="sparsegpt", calibration=stats, refit=True, min_features=8,
+                       skip_output_head=False)
+    got = net[0].dense_weight()
+    assert torch.equal(got != 0, ref_mask)
+    torch.testing.assert_close(got, reconstruct_weight(w0, ref_mask, stats["0"].hessian), rtol=0, atol=0)
+    assert not torch.allclose(got, ref_w)  # not the sweep's weights
