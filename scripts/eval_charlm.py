@@ -19,7 +19,8 @@ bits per character are measured on the same fixed held-out windows:
   shows what the extra training alone is worth);
 * ``2:4 retrained, learned masks``: the same second run (same batches, steps,
   optimizer settings and schedule) from the learned-mask model below, masks
-  frozen: the recovery recipe;
+  frozen: the recovery recipe; and ``... distilled``: the same run with half
+  of the loss the KL divergence to the dense control's predictions;
 * one-shot ``sparsegpt + permutation`` (``sparse24.permute_model_``: the
   residual stream with its LayerNorms and embeddings, each head's value
   channels, the MLP channels) and ``learned masks (weights frozen)``
@@ -35,7 +36,7 @@ Writes ``table.csv``, ``table.md`` (machine, versions, steps, wall time,
 per-layer INT8 SQNR), ``sqnr.csv`` and ``bpc.png`` to ``--out``.
 
 Usage:
-    python scripts/eval_charlm.py                  # the committed results (~20 min on 2 shared cores)
+    python scripts/eval_charlm.py                  # the committed results (3.4-10.5 min on 2 shared cores)
     python scripts/eval_charlm.py --quick          # smoke test, ~1 min, writes results/charlm-quick
 """
 from __future__ import annotations

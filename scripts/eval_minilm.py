@@ -421,7 +421,8 @@ def job_new(ctx: dict) -> list[dict]:
         secs = time.perf_counter() - t0 + (0 if method == "magnitude" else t_calib)
         note = "" if method == "magnitude" else calib_note
         if extra:
-            note += "; kept weights re-solved exactly for SparseGPT's masks (least squares, reconstruct_weight)"
+            note += ("; kept weights re-solved exactly for SparseGPT's masks (least squares, "
+                     "sparse24.reconstruct_weight)")
         _row(rows, ctx, tok, name, m, secs, note=note)
     # channel permutations on SparseGPT's importance, outputs checked equal, then SparseGPT + reconstruction
     t0 = time.perf_counter()
