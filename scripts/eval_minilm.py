@@ -24,12 +24,14 @@ the sparse and dense sentence embeddings. Rows, all from the same dense model,
 the same calibration sentences and the same training sentences:
 
 * one shot (no gradient step): magnitude; Wanda and SparseGPT (statistics from
-  ``sparse24.calibrate``, one pass of the dense model); SparseGPT after
-  channel permutations (``sparse24.permute_model_``: per layer the MLP's
-  hidden channels and each head's value channels, searched on SparseGPT's
-  OBS importance, outputs checked equal before pruning);
+  ``sparse24.calibrate``, one pass of the dense model, padding positions left
+  out); SparseGPT with its kept weights re-solved exactly for its masks
+  (``refit=True``, least squares); the same after channel permutations
+  (``sparse24.permute_model_``: per layer the MLP's hidden channels and each
+  head's value channels, searched on SparseGPT's OBS importance, outputs
+  checked equal before pruning);
 * learned masks (``sparse24.learn_masks``, MaskLLM), weights frozen, prior
-  the permuted SparseGPT masks, distilled from the dense model;
+  the last one-shot model (its masks and weights), distilled from the dense model;
 * the recovery recipe (``sparse24.distill_``): the learned-mask model
   retrained with its masks frozen toward the dense model, output + layer-wise
   losses; and, for comparison with as many steps on the same sentences as
