@@ -51,7 +51,18 @@ def reconstruct_weight(w: torch.Tensor, mask: torch.Tensor, hessian: torch.Tenso
     if not isinstance(w, torch.Tensor) or w.dim() != 2 or not w.is_floating_point():
         raise TypeError("w must be a 2-D floating-point tensor (out_features, in_features)")
     check_mask(mask, w)
-    R, C = w.shape
+    if isinstance(rows_per_chunk, bool) or not isinstance(rows_per_chunk, int) or rows_per_chunk < 1:
+        raise ValueError(f"rows_per_chunk must be an int >= 1, got {rows_per_chunk!r}")
+    if not bool(torch.isfinite(w).all()):
+        raise ValueError("weight contains NaN or inf: nothing to reconstruct")
+    H, dead = damped_hessian(hessian, w.shape[1], percdamp, w.device)
+    return _refit(w, mask, H, dead, rows_per_chunk)
+
+
+def damped_hessian(hessian: torch.Tensor, C: int, percdamp: float, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Check a layer's ``(C, C)`` Hessian and return ``(H, dead)``: an fp64 copy on ``device`` with
+    the never-firing inputs (``dead``, ``(C,)`` bool: zero diagonal) given a unit diagonal and
+    ``percdamp`` x the mean diagonal added (SparseGPT's damping; shared with :func:`sparsegpt_prune`)."""
     if not isinstance(hessian, torch.Tensor) or hessian.shape != (C, C):
         got = tuple(hessian.shape) if isinstance(hessian, torch.Tensor) else type(hessian).__name__
         raise ValueError(f"hessian must be a ({C}, {C}) tensor for a weight with {C} input columns, got {got}")
@@ -59,18 +70,21 @@ def reconstruct_weight(w: torch.Tensor, mask: torch.Tensor, hessian: torch.Tenso
         raise ValueError("hessian must be finite floating point")
     if isinstance(percdamp, bool) or not (isinstance(percdamp, (int, float)) and 0 < percdamp < math.inf):
         raise ValueError(f"percdamp must be a finite number > 0, got {percdamp!r}")
-    if isinstance(rows_per_chunk, bool) or not isinstance(rows_per_chunk, int) or rows_per_chunk < 1:
-        raise ValueError(f"rows_per_chunk must be an int >= 1, got {rows_per_chunk!r}")
-    if not bool(torch.isfinite(w).all()):
-        raise ValueError("weight contains NaN or inf: nothing to reconstruct")
-    dev = w.device
-    H = hessian.detach().to(device=dev, dtype=torch.float64).clone()
-    dead = torch.diag(H) == 0  # inputs that never fire: any weight there is as good; keep it 0
-    if bool(dead.all()):
+    H = hessian.detach().to(device=device, dtype=torch.float64).clone()
+    dead = torch.diag(H) == 0  # inputs that never fire: their weights do not matter
+    if bool(dead.all()):  # no inputs at all: every weight would be zeroed
         raise ValueError("hessian is all zero (no calibration inputs reached this layer)")
     H[dead, dead] = 1
     H.diagonal().add_(percdamp * float(torch.diag(H).mean()))
-    w0 = w.detach().to(torch.float64).masked_fill(dead, 0)
+    return H, dead
+
+
+def _refit(w: torch.Tensor, mask: torch.Tensor, H: torch.Tensor, dead: torch.Tensor,
+           rows_per_chunk: int = 64) -> torch.Tensor:
+    """:func:`reconstruct_weight` on a checked weight and mask with ``(H, dead)`` from :func:`damped_hessian`."""
+    R, C = w.shape
+    dev = w.device
+    w0 = w.detach().to(torch.float64).masked_fill(dead, 0)  # a dead input's weight is kept 0
     keep = mask & ~dead
     rhs = w0 @ H  # row r: (H w0_r)^T, H symmetric
     out = torch.zeros(R, C, dtype=torch.float64, device=dev)
@@ -93,4 +107,4 @@ def reconstruct_weight(w: torch.Tensor, mask: torch.Tensor, hessian: torch.Tenso
                              "X^T X of the layer's inputs, e.g. calibrate(..., hessian=True)[name].hessian")
         sol = torch.cholesky_solve(b.unsqueeze(-1), L).squeeze(-1)
         out[a:a + rows_per_chunk].scatter_(1, idx, torch.where(ok, sol, 0.0))
-    return out.masked_fill_(~keep, 0).to(w.dtype)
+    return out.to(w.dtype)  # zero off keep: padded indices are non-kept columns and get 0
