@@ -291,7 +291,7 @@ def job_dense(cfg: dict) -> dict:
     # channel permutations on SparseGPT's importance (outputs checked equal), then SparseGPT; then masks
     # learned with the weights frozen, distilled from the dense model on training text
     t0 = time.perf_counter()
-    _, one_shot, m, gains, rep = learned_model(cfg, model, train_ids, calib)
+    one_shot, m, gains, rep = learned_model(cfg, model, train_ids, calib)
     rows.append(row("2:4 one-shot sparsegpt + permutation", one_shot, val_ids, cfg, cfg["steps"], secs, "one-shot",
                     f"{len(gains)} groups, OBS importance kept +{100 * sum(gains.values()) / len(gains):.2f}% on "
                     f"average; {time.perf_counter() - t0 - rep.seconds:.1f} s, no retraining"))
@@ -304,7 +304,7 @@ def job_dense(cfg: dict) -> dict:
 
 
 def learned_model(cfg: dict, model: nn.Module, train_ids: torch.Tensor, calib: list):
-    """From a trained dense model: (permuted dense copy, its one-shot SparseGPT 2:4 model, the
+    """From a trained dense model: (its one-shot SparseGPT 2:4 model after channel permutations, the
     learned-mask model, permutation gains, learn_masks report). Every Linear is pruned, the head too."""
     permuted = copy.deepcopy(model)
     stats = calibrate(permuted, calib, hessian=True)
@@ -318,7 +318,7 @@ def learned_model(cfg: dict, model: nn.Module, train_ids: torch.Tensor, calib: l
     rep = learn_masks(learned, batches, cfg["learn_steps"], teacher=permuted, prior="sparsegpt", calibration=stats,
                       output_loss="kl", lr=cfg["mask_lr"], seed=cfg["seed"], skip_output_head=False)
     assert all_nm(one_shot) and all_nm(learned)
-    return permuted, one_shot, learned, gains, rep
+    return one_shot, learned, gains, rep
 
 
 def job_seed(cfg: dict, seed: int) -> dict:
@@ -333,7 +333,7 @@ def job_seed(cfg: dict, seed: int) -> dict:
     train(control, train_ids, cfg)
     sparsify_(plain, skip_output_head=False)
     train(plain, train_ids, cfg)
-    learned = learned_model(cfg, dense, train_ids, calibration_batches(train_ids, cfg))[2]
+    learned = learned_model(cfg, dense, train_ids, calibration_batches(train_ids, cfg))[1]
     train(learned, train_ids, cfg, teacher=control.eval())
     assert all_nm(plain) and all_nm(learned)
     out = {"seed": seed, "dense": bpc(dense, val_ids, cfg), "control": bpc(control, val_ids, cfg),
