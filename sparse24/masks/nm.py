@@ -62,10 +62,13 @@ class LayerStats:
         sq_sum: ``(K,)`` sum over all input rows (tokens) of ``x_j^2``.
         count: number of input rows seen (batch x sequence positions).
         xtx: ``(K, K)`` sum of ``x^T x`` or None (``calibrate(hessian=True)``).
+        xtx_teacher: ``(K, K)`` sum of ``x^T x_t``, ``x_t`` the teacher layer's
+            input for the same token, or None (``calibrate(teacher=...)``).
     """
     sq_sum: torch.Tensor
     count: int = 0
     xtx: torch.Tensor | None = field(default=None, repr=False)
+    xtx_teacher: torch.Tensor | None = field(default=None, repr=False)
 
     @property
     def act_norm(self) -> torch.Tensor:

@@ -1,8 +1,11 @@
 """Least-squares reconstruction for a fixed mask and padding-free calibration, against
 independent references: per-row least squares of the augmented system, and statistics
 of the same tokens without padding."""
+import copy
+
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from sparse24 import is_nm, mask_nm
@@ -15,16 +18,18 @@ def _data(R=12, C=32, N=200, seed=0):
     return x, torch.randn(R, C, generator=g, dtype=torch.float64)
 
 
-def _reference(w, mask, x, percdamp):
-    """Row by row: min ||X (v - w_r)||^2 + lam ||v - w_r||^2 over v zero off the mask, as an
-    ordinary least-squares problem on the kept columns of the stacked system [X; sqrt(lam) I]."""
+def _reference(w, mask, x, percdamp, x_teacher=None):
+    """Row by row: min ||X v - X_t w_r||^2 + lam ||v - w_r||^2 over v zero off the mask (X_t = X
+    without a teacher), as an ordinary least-squares problem on the kept columns of the stacked
+    system [X; sqrt(lam) I] with right side [X_t w_r; sqrt(lam) w_r]."""
     lam = percdamp * float((x * x).sum(0).mean())
-    A = torch.cat([x, lam ** 0.5 * torch.eye(x.shape[1], dtype=x.dtype)])
+    root = lam ** 0.5 * torch.eye(x.shape[1], dtype=x.dtype)
+    A, T = torch.cat([x, root]), torch.cat([x if x_teacher is None else x_teacher, root])
     out = torch.zeros_like(w)
     for r in range(w.shape[0]):
         keep = mask[r].nonzero().flatten()
         if len(keep):
-            out[r, keep] = torch.linalg.lstsq(A[:, keep], (A @ w[r]).unsqueeze(1)).solution.flatten()
+            out[r, keep] = torch.linalg.lstsq(A[:, keep], (T @ w[r]).unsqueeze(1)).solution.flatten()
     return out
 
 
@@ -138,3 +143,66 @@ def test_sparsify_with_refit_stores_the_least_squares_weights():
     assert torch.equal(got != 0, ref_mask)
     torch.testing.assert_close(got, reconstruct_weight(w0, ref_mask, stats["0"].hessian), rtol=0, atol=0)
     assert not torch.allclose(got, ref_w)  # not the sweep's weights
+
+
+# --- fitting each layer to a teacher's outputs (asymmetric, layer by layer) ---------------
+
+def _two_layers(seed=0):
+    torch.manual_seed(seed)
+    net = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 8)).double()
+    x, _ = _data(C=16, N=300, seed=seed + 1)
+    return net, [x[:120], x[120:]], x
+
+
+def test_calibrate_with_teacher_pairs_the_inputs_of_the_same_tokens():
+    net, batches, x = _two_layers()
+    teacher = copy.deepcopy(net)
+    with torch.no_grad():
+        net[0].weight.mul_(mask_nm(net[0].weight))  # the model's second layer now reads other inputs
+    stats = calibrate(net, batches, teacher=teacher, stop_early=True)  # implies the Hessian
+    with torch.no_grad():
+        h, h_t = F.gelu(net[0](x)), F.gelu(teacher[0](x))
+    torch.testing.assert_close(stats["2"].xtx_teacher, h.T @ h_t)
+    torch.testing.assert_close(stats["2"].xtx, h.T @ h)
+    torch.testing.assert_close(stats["0"].xtx_teacher, x.T @ x)
+    assert stats["2"].count == 300 and calibrate(net, batches)["2"].xtx_teacher is None
+
+
+def test_prune_layerwise_with_teacher_fits_the_teachers_outputs():
+    net, batches, x = _two_layers()
+    teacher, plain = copy.deepcopy(net), copy.deepcopy(net)
+    res = prune_layerwise_(net, batches, method="sparsegpt", refit=True, percdamp=0.01, teacher=teacher)
+    prune_layerwise_(plain, batches, method="sparsegpt", refit=True, percdamp=0.01)
+    # the first layer reads the teacher's own inputs: the same problem as without a teacher
+    torch.testing.assert_close(net[0].weight, plain[0].weight, rtol=1e-9, atol=1e-9)
+    with torch.no_grad():
+        h, h_t = F.gelu(net[0](x)), F.gelu(teacher[0](x))
+    # the second layer: exact least squares from the pruned model's inputs to the teacher's outputs
+    want = _reference(teacher[2].weight.detach(), res["2"].mask, h, 0.01, x_teacher=h_t)
+    torch.testing.assert_close(net[2].weight.detach(), want, rtol=1e-8, atol=1e-10)
+    assert is_nm(net[2].weight) and is_nm(net[0].weight)
+    with torch.no_grad():  # and the whole network ends closer to the teacher than without it
+        ref = teacher(x)
+        assert (net(x) - ref).norm() < 0.9 * (plain(x) - ref).norm()
+
+
+def test_prune_layerwise_teacher_errors_change_nothing():
+    net, batches, _ = _two_layers()
+    before = copy.deepcopy(net.state_dict())
+    with pytest.raises(ValueError, match="shares parameters"):
+        prune_layerwise_(net, batches, teacher=net)
+    with pytest.raises(TypeError, match="teacher must be an nn.Module"):
+        prune_layerwise_(net, batches, teacher=net.state_dict())
+    narrow = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(16, 8)).double()
+    with pytest.raises(ValueError, match=r"no nn.Linear '2' with in_features=32"):
+        prune_layerwise_(net, batches, teacher=narrow)
+    with pytest.raises(ValueError, match=r"no nn.Linear '2'"):
+        prune_layerwise_(net, batches, teacher=nn.Sequential(nn.Linear(16, 32)).double())
+    shortcut = copy.deepcopy(net)
+    shortcut.forward = lambda x: shortcut[0](x)  # never calls its layer '2'
+    with pytest.raises(ValueError, match="the teacher calls its layers in another order"):
+        prune_layerwise_(net, batches, teacher=shortcut)
+    with pytest.raises(ValueError, match=r"teacher's layer '2' did not see the same inputs"):
+        calibrate(net, batches, teacher=shortcut)
+    after = net.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
