@@ -28,18 +28,23 @@ bits per character are measured on the same fixed held-out windows:
   permutation prior, no retraining);
 * from scratch, same steps: 50% unstructured gradual magnitude pruning and
   2:4 gradual pruning (``GradualPruner``, cubic schedule), and 2:4 SR-STE;
-* the 0.03 comparison (control, 2:4 retrained, distilled) again at the
-  ``--check-seeds`` (default 1 and 2): a gap of a few thousandths on one seed
-  decides nothing.
+* ``2:4 retrained, head dense`` and ``... learned masks, distilled, head
+  dense``: the same two recipes with the output head left dense, as
+  ``sparsify_`` does by default (as SparseGPT, Wanda and published 2:4 LLM
+  checkpoints keep it);
+* the 0.03 comparison (control, 2:4 retrained, distilled, both head pruned
+  and dense) again at the ``--check-seeds`` (default 1 and 2): a gap of a few
+  thousandths on one seed decides nothing.
 
 All ``nn.Linear`` layers are pruned (attention in/out projections, MLP, and
-the output head); embeddings and LayerNorms stay dense.
+the output head, but in the rows marked head dense); embeddings and
+LayerNorms stay dense.
 
 Writes ``table.csv``, ``table.md`` (machine, versions, steps, wall time,
 per-layer INT8 SQNR), ``sqnr.csv`` and ``bpc.png`` to ``--out``.
 
 Usage:
-    python scripts/eval_charlm.py                  # the committed results (6.1 min on 2 cores)
+    python scripts/eval_charlm.py                  # the committed results (9.1 min on 2 cores)
     python scripts/eval_charlm.py --quick          # smoke test, ~1 min, writes results/charlm-quick
 """
 from __future__ import annotations
@@ -173,8 +178,9 @@ def zero_fraction(model: nn.Module) -> float:
     return sum(int((w == 0).sum()) for w in ws) / sum(w.numel() for w in ws)
 
 
-def all_nm(model: nn.Module) -> bool:
-    return all(is_nm(w, 2, 4) for w in linear_weights(model).values())
+def all_nm(model: nn.Module, head_dense: bool = False) -> bool:
+    """Every Linear 2:4 (but the output head, which stays dense, with ``head_dense``)."""
+    return all(is_nm(w, 2, 4) or (head_dense and fqn == "head") for fqn, w in linear_weights(model).items())
 
 
 # --- training and evaluation -----------------------------------------------------
@@ -299,52 +305,58 @@ def job_dense(cfg: dict) -> dict:
                     f"{cfg['learn_steps']} steps distilling from the dense model (KL), prior sparsegpt + "
                     f"permutation; {100 * sum(rep.layers.values()) / len(rep.layers):.1f}% of groups changed; "
                     f"{rep.seconds:.0f} s, no retraining"))
+    learned_head = learned_model(cfg, model, train_ids, calib, head_dense=True)[1]
     return {"rows": rows, "curves": {"dense": curve}, "state": model.state_dict(), "sqnr": sqnr,
-            "learned_state": m.state_dict()}
+            "learned_state": m.state_dict(), "learned_state_head_dense": learned_head.state_dict()}
 
 
-def learned_model(cfg: dict, model: nn.Module, train_ids: torch.Tensor, calib: list):
+def learned_model(cfg: dict, model: nn.Module, train_ids: torch.Tensor, calib: list, head_dense: bool = False):
     """From a trained dense model: (its one-shot SparseGPT 2:4 model after channel permutations, the
-    learned-mask model, permutation gains, learn_masks report). Every Linear is pruned, the head too."""
+    learned-mask model, permutation gains, learn_masks report). Every Linear is pruned, the head too
+    unless ``head_dense`` (the library's default)."""
     permuted = copy.deepcopy(model)
     stats = calibrate(permuted, calib, hessian=True)
     gains = permute_model_(permuted, permutation_groups(permuted), score="sparsegpt", calibration=stats,
                            example=calib[0], max_iters=cfg["perm_iters"], time_limit=600)
     one_shot = copy.deepcopy(permuted)
-    sparsify_(one_shot, method="sparsegpt", calibration=stats, skip_output_head=False)
+    sparsify_(one_shot, method="sparsegpt", calibration=stats, skip_output_head=head_dense)
     gen = torch.Generator().manual_seed(cfg["seed"] + 2)
     batches = [get_batch(train_ids, cfg["batch"], cfg["ctx"], gen)[0] for _ in range(cfg["learn_steps"])]
     learned = copy.deepcopy(permuted)
     rep = learn_masks(learned, batches, cfg["learn_steps"], teacher=permuted, prior="sparsegpt", calibration=stats,
-                      output_loss="kl", lr=cfg["mask_lr"], seed=cfg["seed"], skip_output_head=False)
-    assert all_nm(one_shot) and all_nm(learned)
+                      output_loss="kl", lr=cfg["mask_lr"], seed=cfg["seed"], skip_output_head=head_dense)
+    assert all_nm(one_shot, head_dense) and all_nm(learned, head_dense)
     return one_shot, learned, gains, rep
 
 
 def job_seed(cfg: dict, seed: int) -> dict:
     """The 0.03 comparison again at another seed (initialization and batch order): the dense
     run, then from it the control, 2:4 retrained from magnitude, and the distilled recipe
-    (learned masks retrained with the control as teacher)."""
+    (learned masks retrained with the control as teacher), each with the head pruned and dense."""
     cfg = {**cfg, "seed": seed}
     train_ids, val_ids, _ = _setup_worker(cfg)
     dense = build_model(cfg)
     train(dense, train_ids, cfg)
-    control, plain = copy.deepcopy(dense), copy.deepcopy(dense)
+    control = copy.deepcopy(dense)
     train(control, train_ids, cfg)
-    sparsify_(plain, skip_output_head=False)
-    train(plain, train_ids, cfg)
-    learned = learned_model(cfg, dense, train_ids, calibration_batches(train_ids, cfg))[1]
-    train(learned, train_ids, cfg, teacher=control.eval())
-    assert all_nm(plain) and all_nm(learned)
-    out = {"seed": seed, "dense": bpc(dense, val_ids, cfg), "control": bpc(control, val_ids, cfg),
-           "plain": bpc(plain, val_ids, cfg), "distilled": bpc(learned, val_ids, cfg)}
+    out = {"seed": seed, "dense": bpc(dense, val_ids, cfg), "control": bpc(control, val_ids, cfg)}
+    calib = calibration_batches(train_ids, cfg)
+    for head_dense, suffix in ((False, ""), (True, "_head_dense")):
+        plain = copy.deepcopy(dense)
+        sparsify_(plain, skip_output_head=head_dense)
+        train(plain, train_ids, cfg)
+        learned = learned_model(cfg, dense, train_ids, calib, head_dense)[1]
+        train(learned, train_ids, cfg, teacher=control.eval())
+        assert all_nm(plain, head_dense) and all_nm(learned, head_dense)
+        out["plain" + suffix], out["distilled" + suffix] = bpc(plain, val_ids, cfg), bpc(learned, val_ids, cfg)
     print(f"  seed {seed}: " + ", ".join(f"{k} {v:.4f}" for k, v in out.items() if k != "seed"), flush=True)
     return {"rows": [], "curves": {}, "seed_row": out}
 
 
-def job_retrain(cfg: dict, dense_state: dict, masked: bool) -> dict:
+def job_retrain(cfg: dict, dense_state: dict, masked: bool, head_dense: bool = False) -> dict:
     """Repeat the training run from the trained dense weights, with the 2:4
-    magnitude mask frozen (masked=True) or without any mask (the control)."""
+    magnitude mask frozen (masked=True; the output head dense too with ``head_dense``)
+    or without any mask (the control)."""
     train_ids, val_ids, _ = _setup_worker(cfg)
     model = build_model(cfg)
     model.load_state_dict(dense_state)
@@ -354,9 +366,14 @@ def job_retrain(cfg: dict, dense_state: dict, masked: bool) -> dict:
                              "second run without mask")], "curves": {"dense retrained (control)": curve},
                 "state": model.state_dict()}
     # masked mode: Sparse24Linear keeps pruned weights at exactly 0 through AdamW; every Linear, the head too
-    sparsify_(model, skip_output_head=False)
+    sparsify_(model, skip_output_head=head_dense)
     curve, secs = train(model, train_ids, cfg)
-    assert all_nm(model)
+    assert all_nm(model, head_dense)
+    if head_dense:
+        name = "2:4 retrained, head dense"
+        return {"rows": [row(name, model, val_ids, cfg, 2 * cfg["steps"], secs, "retrained",
+                             "as 2:4 retrained, the output head left dense (sparsify_'s default)")],
+                "curves": {}}
     rows = [row("2:4 retrained", model, val_ids, cfg, 2 * cfg["steps"], secs, "retrained",
                 "magnitude mask frozen, same hyper-parameters")]
     masked_w = linear_weights(model)
@@ -391,7 +408,7 @@ def job_learned_retrain(cfg: dict, learned_state: dict) -> dict:
             "curves": {name: curve}}
 
 
-def job_distilled_retrain(cfg: dict, learned_state: dict, control_state: dict) -> dict:
+def job_distilled_retrain(cfg: dict, learned_state: dict, control_state: dict, head_dense: bool = False) -> dict:
     """The recovery recipe with a teacher: the same second run from the learned-mask model,
     masks frozen, its loss mixing the cross-entropy with the KL divergence to the dense
     control (the best dense model of the table: the first run's dense model is worse than
@@ -400,14 +417,17 @@ def job_distilled_retrain(cfg: dict, learned_state: dict, control_state: dict) -
     teacher = build_model(cfg)
     teacher.load_state_dict(control_state)
     model = build_model(cfg)
-    sparsify_(model, skip_output_head=False)
+    sparsify_(model, skip_output_head=head_dense)
     model.load_state_dict(learned_state)
     curve, secs = train(model, train_ids, cfg, teacher=teacher.eval())
-    assert all_nm(model)
-    name = "2:4 retrained, learned masks, distilled"
-    return {"rows": [row(name, model, val_ids, cfg, 2 * cfg["steps"], secs, "retrained",
-                         f"as the row above, loss (1 - {cfg['kd']:g}) x cross-entropy + {cfg['kd']:g} x KL to the "
-                         "dense control (teacher)")], "curves": {name: curve}}
+    assert all_nm(model, head_dense)
+    name = "2:4 retrained, learned masks, distilled" + (", head dense" if head_dense else "")
+    note = (f"as the row above, loss (1 - {cfg['kd']:g}) x cross-entropy + {cfg['kd']:g} x KL to the dense control "
+            "(teacher)")
+    if head_dense:
+        note = "as the row above with the output head left dense (masks learned without it)"
+    return {"rows": [row(name, model, val_ids, cfg, 2 * cfg["steps"], secs, "retrained", note)],
+            "curves": {} if head_dense else {name: curve}}
 
 
 def _gradual_schedule(steps: int) -> dict:
@@ -444,7 +464,8 @@ def job_from_scratch(cfg: dict, kind: str) -> dict:
 ORDER = ["dense", "dense INT8", "2:4 one-shot magnitude", "2:4 one-shot wanda", "2:4 one-shot sparsegpt",
          "2:4 one-shot sparsegpt + permutation", "2:4 learned masks (weights frozen)",
          "2:4 retrained", "2:4 retrained, compressed", "2:4 retrained + INT8", "2:4 retrained, learned masks",
-         "2:4 retrained, learned masks, distilled", "dense retrained (control)",
+         "2:4 retrained, learned masks, distilled", "2:4 retrained, head dense",
+         "2:4 retrained, learned masks, distilled, head dense", "dense retrained (control)",
          "50% unstructured gradual", "2:4 gradual", "2:4 SR-STE from scratch"]
 
 
@@ -488,7 +509,7 @@ def write_results(out: Path, rows: list[dict], curves: dict, sqnr: list[dict], s
         f"(every {HELD_OUT_EVERY}th by name); {info['train_chars']:,} training / {info['val_chars']:,} held-out chars",
         f"- Model: {cfg['layers']} transformer blocks, d_model {cfg['d_model']}, {cfg['heads']} heads, MLP 4x, "
         f"context {cfg['ctx']}, {sum(p.numel() for p in build_model(cfg).parameters()):,} parameters; "
-        "every nn.Linear (qkv, proj, fc1, fc2, head) is pruned",
+        "every nn.Linear (qkv, proj, fc1, fc2, head) is pruned, but in the rows marked head dense",
         f"- Training run: {cfg['steps']} steps x batch {cfg['batch']} x {cfg['ctx']} chars, AdamW lr {cfg['lr']:g} "
         f"(warmup 5%, cosine to 10%), weight decay {cfg['wd']:g}, grad clip 1, seed {cfg['seed']}",
         f"- BPC on {cfg['eval_windows']} fixed held-out windows ({cfg['eval_windows'] * cfg['ctx']:,} chars)",
@@ -503,24 +524,28 @@ def write_results(out: Path, rows: list[dict], curves: dict, sqnr: list[dict], s
               *(f"- Target {name} within 0.03 BPC of the dense control (the same second run without a mask): "
                 f"{by[name]['bpc'] - control:+.4f} -> {_verdict_003(by[name]['bpc'] - control)}"
                 for name in ("2:4 retrained", "2:4 retrained, learned masks",
-                             "2:4 retrained, learned masks, distilled")),
+                             "2:4 retrained, learned masks, distilled", "2:4 retrained, head dense",
+                             "2:4 retrained, learned masks, distilled, head dense")),
               f"- Control: dense retrained the same way without a mask: "
               f"{by['dense retrained (control)']['bpc'] - dense:+.4f} vs dense", ""]
     if seed_rows:  # the 0.03 comparison at every seed: this one (from the table) and the check seeds
-        this = {"seed": cfg["seed"], "dense": dense, "control": control, "plain": by["2:4 retrained"]["bpc"],
-                "distilled": by["2:4 retrained, learned masks, distilled"]["bpc"]}
+        kinds = {"plain": "2:4 retrained", "distilled": "2:4 retrained, learned masks, distilled",
+                 "plain_head_dense": "2:4 retrained, head dense",
+                 "distilled_head_dense": "2:4 retrained, learned masks, distilled, head dense"}
+        this = {"seed": cfg["seed"], "dense": dense, "control": control,
+                **{k: by[name]["bpc"] for k, name in kinds.items()}}
         runs = [this] + sorted(seed_rows, key=lambda r: r["seed"])
-        gaps = {k: [r[k] - r["control"] for r in runs] for k in ("plain", "distilled")}
+        gaps = {k: [r[k] - r["control"] for r in runs] for k in kinds}
         lines += ["## The 0.03 comparison at more seeds", "",
                   "Each seed its own initialization and batch order: dense run, then the control, 2:4 retrained "
-                  "from magnitude and the distilled recipe (learned masks, that seed's control as teacher); gaps to "
-                  "that seed's control.", "",
-                  "| seed | dense | control | 2:4 retrained | gap | learned masks, distilled | gap |",
-                  "|---:|---:|---:|---:|---:|---:|---:|"]
-        lines += [f"| {r['seed']} | {r['dense']:.4f} | {r['control']:.4f} | {r['plain']:.4f} | "
-                  f"{r['plain'] - r['control']:+.4f} | {r['distilled']:.4f} | {r['distilled'] - r['control']:+.4f} |"
-                  for r in runs]
-        for k, name in (("plain", "2:4 retrained"), ("distilled", "2:4 retrained, learned masks, distilled")):
+                  "from magnitude and the distilled recipe (learned masks, that seed's control as teacher), with "
+                  "every Linear pruned and with the output head left dense (`sparsify_`'s default); gaps to that "
+                  "seed's control.", "",
+                  "| seed | dense | control | 2:4 retrained | gap | distilled | gap | 2:4 retrained, head dense | gap "
+                  "| distilled, head dense | gap |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        lines += [f"| {r['seed']} | {r['dense']:.4f} | {r['control']:.4f} | "
+                  + " | ".join(f"{r[k]:.4f} | {r[k] - r['control']:+.4f}" for k in kinds) + " |" for r in runs]
+        for k, name in kinds.items():
             g = gaps[k]
             lines.append(f"- {name}: mean gap {sum(g) / len(g):+.4f}, worst {max(g):+.4f} over {len(g)} seeds -> "
                          f"{'met on every seed' if max(g) <= 0.03 else 'NOT met on every seed'}")
@@ -627,10 +652,13 @@ def main(argv: list[str] | None = None) -> None:
         first = collect(dense.result())
         control = pool.submit(job_retrain, cfg, first["state"], False)
         second = [pool.submit(job_retrain, cfg, first["state"], True),
-                  pool.submit(job_learned_retrain, cfg, first["learned_state"])]
-        third = pool.submit(job_distilled_retrain, cfg, first["learned_state"], collect(control.result())["state"])
+                  pool.submit(job_learned_retrain, cfg, first["learned_state"]),
+                  pool.submit(job_retrain, cfg, first["state"], True, True)]
+        control_state = collect(control.result())["state"]
+        third = [pool.submit(job_distilled_retrain, cfg, first["learned_state"], control_state),
+                 pool.submit(job_distilled_retrain, cfg, first["learned_state_head_dense"], control_state, True)]
         seeds = [pool.submit(job_seed, cfg, sd) for sd in args.check_seeds if sd != cfg["seed"]]
-        for f in scratch + second + [third] + seeds:
+        for f in scratch + second + third + seeds:
             collect(f.result())
     wall = time.perf_counter() - t0
     write_results(out, rows, curves, sqnr, seed_rows, cfg, info, wall, argv)

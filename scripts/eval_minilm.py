@@ -29,7 +29,9 @@ the same calibration sentences and the same training sentences:
   (``refit=True``, least squares); the same after channel permutations
   (``sparse24.permute_model_``: per layer the MLP's hidden channels and each
   head's value channels, searched on SparseGPT's OBS importance, outputs
-  checked equal before pruning);
+  checked equal before pruning); and the same pruned layer by layer, each
+  layer fit to the dense model's outputs from the inputs the pruned layers
+  before it give (``sparse24.prune_layerwise_(..., teacher=dense)``);
 * learned masks (``sparse24.learn_masks``, MaskLLM), weights frozen, prior
   the last one-shot model (its masks and weights), distilled from the dense model;
 * the recovery recipe (``sparse24.distill_``): the learned-mask model
@@ -66,7 +68,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import sparse24
-from sparse24 import calibrate, distill_, is_nm, learn_masks, permute_model_, sparsify_
+from sparse24 import calibrate, distill_, is_nm, learn_masks, permute_model_, prune_layerwise_, sparsify_
 from sparse24.bench import cpu_name
 from sparse24.masks import PermutationGroup
 
@@ -398,11 +400,14 @@ def _row(rows: list, ctx: dict, tok: WordPiece, name: str, model: nn.Module, sec
     print(f"  {name:<40} cosine {r['cosine']:.4f} / {r['cosine_manual']:.4f}  ({seconds:.0f} s)", flush=True)
 
 
+def _calibration_batches(ctx: dict, tok: WordPiece) -> list:
+    return [tok.batch(ctx["calib"][i:i + 32]) for i in range(0, len(ctx["calib"]), 32)]
+
+
 def _calibrate(ctx: dict, tok: WordPiece, model: nn.Module) -> dict:
     """Statistics of every Linear over the calibration sentences (batches of 32), padding
     positions left out (``token_mask``: they would be 56% of the rows)."""
-    batches = [tok.batch(ctx["calib"][i:i + 32]) for i in range(0, len(ctx["calib"]), 32)]
-    return calibrate(model, batches, hessian=True, token_mask=lambda b: b[1])
+    return calibrate(model, _calibration_batches(ctx, tok), hessian=True, token_mask=lambda b: b[1])
 
 
 def job_new(ctx: dict) -> list[dict]:
@@ -439,6 +444,16 @@ def job_new(ctx: dict) -> list[dict]:
     _row(rows, ctx, tok, "sparsegpt + permutation + reconstruction", student, time.perf_counter() - t0 + t_calib,
          note=f"{len(gains)} groups (MLP channels, value channels per head), {ctx['perm_iters']} search steps each, "
               f"OBS importance kept +{100 * gain:.2f}% on average; permutation {t_perm:.0f} s")
+    # the same, layer by layer, each layer fit to the (permuted) dense model's outputs
+    t0 = time.perf_counter()
+    student = copy.deepcopy(permuted)
+    prune_layerwise_(student, _calibration_batches(ctx, tok), method="sparsegpt", refit=True,
+                     token_mask=lambda b: b[1], teacher=permuted)
+    sparsify_(student)  # masked layers keeping exactly the non-zeros
+    _row(rows, ctx, tok, "sparsegpt + permutation + reconstruction to dense outputs", student,
+         time.perf_counter() - t0 + t_perm + t_calib, note="the permutations above, then layer by layer: each "
+         "layer's weights fit to the dense layer's outputs from the inputs the pruned layers before it give "
+         "(prune_layerwise_ with teacher=); one calibration pass per layer input (24)")
     # learned masks, weights frozen, prior = the row above (its masks and rebuilt weights); teacher = the
     # permuted dense model, which gives the candidate weights the prior pruned
     n_learn, n_dist, bs = ctx["learn_steps"], ctx["distill_steps"], ctx["batch"]
