@@ -20,7 +20,9 @@ bits per character are measured on the same fixed held-out windows:
 * ``2:4 retrained, learned masks``: the same second run (same batches, steps,
   optimizer settings and schedule) from the learned-mask model below, masks
   frozen: the recovery recipe; and ``... distilled``: the same run with half
-  of the loss the KL divergence to the dense control's predictions;
+  of the loss the KL divergence to the dense control's predictions (and
+  ``2:4 retrained, distilled``: the same from the magnitude masks, to see what
+  the learned start adds once a teacher is there);
 * one-shot ``sparsegpt + permutation`` (``sparse24.permute_model_``: the
   residual stream with its LayerNorms and embeddings, each head's value
   channels, the MLP channels) and ``learned masks (weights frozen)``
@@ -28,12 +30,12 @@ bits per character are measured on the same fixed held-out windows:
   permutation prior, no retraining);
 * from scratch, same steps: 50% unstructured gradual magnitude pruning and
   2:4 gradual pruning (``GradualPruner``, cubic schedule), and 2:4 SR-STE;
-* ``2:4 retrained, head dense`` and ``... learned masks, distilled, head
-  dense``: the same two recipes with the output head left dense, as
+* ``..., head dense``: the retrained and distilled recipes with the output
+  head left dense, as
   ``sparsify_`` does by default (as SparseGPT, Wanda and published 2:4 LLM
   checkpoints keep it);
-* the 0.03 comparison (control, 2:4 retrained, distilled, both head pruned
-  and dense) again at the ``--check-seeds`` (default 1 and 2): a gap of a few
+* the 0.03 comparison (control, 2:4 retrained, both distilled recipes, head
+  pruned and dense) again at the ``--check-seeds`` (default 1 and 2): a gap of a few
   thousandths on one seed decides nothing.
 
 All ``nn.Linear`` layers are pruned (attention in/out projections, MLP, and
@@ -331,8 +333,8 @@ def learned_model(cfg: dict, model: nn.Module, train_ids: torch.Tensor, calib: l
 
 def job_seed(cfg: dict, seed: int) -> dict:
     """The 0.03 comparison again at another seed (initialization and batch order): the dense
-    run, then from it the control, 2:4 retrained from magnitude, and the distilled recipe
-    (learned masks retrained with the control as teacher), each with the head pruned and dense."""
+    run, then from it the control, 2:4 retrained from magnitude, distilled from magnitude and
+    distilled from learned masks (the control as teacher), each with the head pruned and dense."""
     cfg = {**cfg, "seed": seed}
     train_ids, val_ids, _ = _setup_worker(cfg)
     dense = build_model(cfg)
@@ -342,13 +344,16 @@ def job_seed(cfg: dict, seed: int) -> dict:
     out = {"seed": seed, "dense": bpc(dense, val_ids, cfg), "control": bpc(control, val_ids, cfg)}
     calib = calibration_batches(train_ids, cfg)
     for head_dense, suffix in ((False, ""), (True, "_head_dense")):
-        plain = copy.deepcopy(dense)
-        sparsify_(plain, skip_output_head=head_dense)
+        plain, kd = copy.deepcopy(dense), copy.deepcopy(dense)
+        for m in (plain, kd):
+            sparsify_(m, skip_output_head=head_dense)
         train(plain, train_ids, cfg)
+        train(kd, train_ids, cfg, teacher=control.eval())
         learned = learned_model(cfg, dense, train_ids, calib, head_dense)[1]
         train(learned, train_ids, cfg, teacher=control.eval())
-        assert all_nm(plain, head_dense) and all_nm(learned, head_dense)
-        out["plain" + suffix], out["distilled" + suffix] = bpc(plain, val_ids, cfg), bpc(learned, val_ids, cfg)
+        for key, m in (("plain", plain), ("kd_magnitude", kd), ("distilled", learned)):
+            assert all_nm(m, head_dense)
+            out[key + suffix] = bpc(m, val_ids, cfg)
     print(f"  seed {seed}: " + ", ".join(f"{k} {v:.4f}" for k, v in out.items() if k != "seed"), flush=True)
     return {"rows": [], "curves": {}, "seed_row": out}
 
@@ -408,26 +413,32 @@ def job_learned_retrain(cfg: dict, learned_state: dict) -> dict:
             "curves": {name: curve}}
 
 
-def job_distilled_retrain(cfg: dict, learned_state: dict, control_state: dict, head_dense: bool = False) -> dict:
-    """The recovery recipe with a teacher: the same second run from the learned-mask model,
-    masks frozen, its loss mixing the cross-entropy with the KL divergence to the dense
-    control (the best dense model of the table: the first run's dense model is worse than
-    what the 2:4 model reaches, and distilling from it pulls the student back)."""
+def job_distilled_retrain(cfg: dict, state: dict, control_state: dict, head_dense: bool = False,
+                          learned: bool = True) -> dict:
+    """The recovery recipe with a teacher: the same second run, masks frozen, its loss mixing the
+    cross-entropy with the KL divergence to the dense control (the best dense model of the table:
+    the first run's dense model is worse than what the 2:4 model reaches, and distilling from it
+    pulls the student back); from the learned-mask model (``state``), or with ``learned=False``
+    from the dense model's magnitude masks (``state`` = the dense weights)."""
     train_ids, val_ids, _ = _setup_worker(cfg)
     teacher = build_model(cfg)
     teacher.load_state_dict(control_state)
     model = build_model(cfg)
-    sparsify_(model, skip_output_head=head_dense)
-    model.load_state_dict(learned_state)
+    if learned:
+        sparsify_(model, skip_output_head=head_dense)  # the checkpoint brings the masks
+        model.load_state_dict(state)
+    else:
+        model.load_state_dict(state)
+        sparsify_(model, skip_output_head=head_dense)
     curve, secs = train(model, train_ids, cfg, teacher=teacher.eval())
     assert all_nm(model, head_dense)
-    name = "2:4 retrained, learned masks, distilled" + (", head dense" if head_dense else "")
-    note = (f"as the row above, loss (1 - {cfg['kd']:g}) x cross-entropy + {cfg['kd']:g} x KL to the dense control "
-            "(teacher)")
+    name = "2:4 retrained, " + ("learned masks, " if learned else "") + "distilled" + (", head dense" if head_dense else "")
+    note = (f"{'learned-mask model' if learned else 'magnitude masks'}, masks frozen, same run with the loss "
+            f"(1 - {cfg['kd']:g}) x cross-entropy + {cfg['kd']:g} x KL to the dense control (teacher)")
     if head_dense:
-        note = "as the row above with the output head left dense (masks learned without it)"
+        note += "; output head dense"
     return {"rows": [row(name, model, val_ids, cfg, 2 * cfg["steps"], secs, "retrained", note)],
-            "curves": {} if head_dense else {name: curve}}
+            "curves": {} if head_dense or not learned else {name: curve}}
 
 
 def _gradual_schedule(steps: int) -> dict:
@@ -464,9 +475,18 @@ def job_from_scratch(cfg: dict, kind: str) -> dict:
 ORDER = ["dense", "dense INT8", "2:4 one-shot magnitude", "2:4 one-shot wanda", "2:4 one-shot sparsegpt",
          "2:4 one-shot sparsegpt + permutation", "2:4 learned masks (weights frozen)",
          "2:4 retrained", "2:4 retrained, compressed", "2:4 retrained + INT8", "2:4 retrained, learned masks",
-         "2:4 retrained, learned masks, distilled", "2:4 retrained, head dense",
-         "2:4 retrained, learned masks, distilled, head dense", "dense retrained (control)",
+         "2:4 retrained, distilled", "2:4 retrained, learned masks, distilled", "2:4 retrained, head dense",
+         "2:4 retrained, distilled, head dense", "2:4 retrained, learned masks, distilled, head dense",
+         "dense retrained (control)",
          "50% unstructured gradual", "2:4 gradual", "2:4 SR-STE from scratch"]
+
+
+# the recipes of the 0.03 comparison at every seed: {key in job_seed's result: table row}
+GAP_ROWS = {"plain": "2:4 retrained", "plain_head_dense": "2:4 retrained, head dense",
+            "kd_magnitude": "2:4 retrained, distilled",
+            "kd_magnitude_head_dense": "2:4 retrained, distilled, head dense",
+            "distilled": "2:4 retrained, learned masks, distilled",
+            "distilled_head_dense": "2:4 retrained, learned masks, distilled, head dense"}
 
 
 def _verdict_003(gap: float) -> str:
@@ -523,32 +543,25 @@ def write_results(out: Path, rows: list[dict], curves: dict, sqnr: list[dict], s
               f"- Target 2:4 + INT8 within 0.02 BPC of 2:4 alone: {d_int8:+.4f} -> {verdict(d_int8)}",
               *(f"- Target {name} within 0.03 BPC of the dense control (the same second run without a mask): "
                 f"{by[name]['bpc'] - control:+.4f} -> {_verdict_003(by[name]['bpc'] - control)}"
-                for name in ("2:4 retrained", "2:4 retrained, learned masks",
-                             "2:4 retrained, learned masks, distilled", "2:4 retrained, head dense",
-                             "2:4 retrained, learned masks, distilled, head dense")),
+                for name in ("2:4 retrained", "2:4 retrained, learned masks", *list(GAP_ROWS.values())[1:])),
               f"- Control: dense retrained the same way without a mask: "
               f"{by['dense retrained (control)']['bpc'] - dense:+.4f} vs dense", ""]
     if seed_rows:  # the 0.03 comparison at every seed: this one (from the table) and the check seeds
-        kinds = {"plain": "2:4 retrained", "distilled": "2:4 retrained, learned masks, distilled",
-                 "plain_head_dense": "2:4 retrained, head dense",
-                 "distilled_head_dense": "2:4 retrained, learned masks, distilled, head dense"}
+        kinds = GAP_ROWS
         this = {"seed": cfg["seed"], "dense": dense, "control": control,
                 **{k: by[name]["bpc"] for k, name in kinds.items()}}
         runs = [this] + sorted(seed_rows, key=lambda r: r["seed"])
-        gaps = {k: [r[k] - r["control"] for r in runs] for k in kinds}
         lines += ["## The 0.03 comparison at more seeds", "",
-                  "Each seed its own initialization and batch order: dense run, then the control, 2:4 retrained "
-                  "from magnitude and the distilled recipe (learned masks, that seed's control as teacher), with "
-                  "every Linear pruned and with the output head left dense (`sparsify_`'s default); gaps to that "
-                  "seed's control.", "",
-                  "| seed | dense | control | 2:4 retrained | gap | distilled | gap | 2:4 retrained, head dense | gap "
-                  "| distilled, head dense | gap |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-        lines += [f"| {r['seed']} | {r['dense']:.4f} | {r['control']:.4f} | "
-                  + " | ".join(f"{r[k]:.4f} | {r[k] - r['control']:+.4f}" for k in kinds) + " |" for r in runs]
+                  "Each seed its own initialization and batch order: dense run, then from it the control and the 2:4 "
+                  "recipes (distilled: that seed's control as teacher), with every Linear pruned and with the output "
+                  "head left dense (`sparsify_`'s default). Dense / control BPC per seed: "
+                  + "; ".join(f"seed {r['seed']} {r['dense']:.4f} / {r['control']:.4f}" for r in runs) + ".", "",
+                  "| gap to the control | " + " | ".join(f"seed {r['seed']}" for r in runs)
+                  + " | mean | worst | within 0.03 on every seed |", "|---|" + "---:|" * (len(runs) + 3)]
         for k, name in kinds.items():
-            g = gaps[k]
-            lines.append(f"- {name}: mean gap {sum(g) / len(g):+.4f}, worst {max(g):+.4f} over {len(g)} seeds -> "
-                         f"{'met on every seed' if max(g) <= 0.03 else 'NOT met on every seed'}")
+            g = [r[k] - r["control"] for r in runs]
+            lines.append(f"| {name} | " + " | ".join(f"{x:+.4f}" for x in g) + f" | {sum(g) / len(g):+.4f} | "
+                         f"{max(g):+.4f} | {'met' if max(g) <= 0.03 else 'NOT met'} |")
         lines.append("")
     lines += ["## INT8 weight SQNR per layer (dB)", "", "| layer | dense INT8 | 2:4 retrained INT8 |", "|---|---:|---:|"]
     s = {(x["model"], x["layer"]): x["sqnr_db"] for x in sqnr}
@@ -656,7 +669,9 @@ def main(argv: list[str] | None = None) -> None:
                   pool.submit(job_retrain, cfg, first["state"], True, True)]
         control_state = collect(control.result())["state"]
         third = [pool.submit(job_distilled_retrain, cfg, first["learned_state"], control_state),
-                 pool.submit(job_distilled_retrain, cfg, first["learned_state_head_dense"], control_state, True)]
+                 pool.submit(job_distilled_retrain, cfg, first["learned_state_head_dense"], control_state, True),
+                 pool.submit(job_distilled_retrain, cfg, first["state"], control_state, False, False),
+                 pool.submit(job_distilled_retrain, cfg, first["state"], control_state, True, False)]
         seeds = [pool.submit(job_seed, cfg, sd) for sd in args.check_seeds if sd != cfg["seed"]]
         for f in scratch + second + third + seeds:
             collect(f.result())
