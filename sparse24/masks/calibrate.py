@@ -172,8 +172,10 @@ def _check_teacher(model: nn.Module, teacher: nn.Module, selected: dict[str, nn.
     Linear of the same name and width for every selected layer."""
     if not isinstance(teacher, nn.Module):
         raise TypeError(f"teacher must be an nn.Module, got {type(teacher).__name__}")
-    own = {id(p) for p in model.parameters()}
-    if teacher is model or any(id(p) in own for p in teacher.parameters()):
+    # the same Parameter objects, or other Parameters over the same memory (nn.Parameter(w.data))
+    ids = {id(p) for p in model.parameters()}
+    memory = {p.data_ptr() for p in model.parameters() if p.numel()}
+    if teacher is model or any(id(p) in ids or (p.numel() and p.data_ptr() in memory) for p in teacher.parameters()):
         raise ValueError("teacher shares parameters with the model: pass a separate copy made before pruning "
                          "(copy.deepcopy(model))")
     for fqn, mod in selected.items():

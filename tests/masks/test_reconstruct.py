@@ -191,6 +191,10 @@ def test_prune_layerwise_teacher_errors_change_nothing():
     before = copy.deepcopy(net.state_dict())
     with pytest.raises(ValueError, match="shares parameters"):
         prune_layerwise_(net, batches, teacher=net)
+    aliased = copy.deepcopy(net)
+    aliased[0].weight = nn.Parameter(net[0].weight.data)  # another Parameter over the same memory
+    with pytest.raises(ValueError, match="shares parameters"):
+        prune_layerwise_(net, batches, teacher=aliased)
     with pytest.raises(TypeError, match="teacher must be an nn.Module"):
         prune_layerwise_(net, batches, teacher=net.state_dict())
     narrow = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(16, 8)).double()
