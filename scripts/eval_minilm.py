@@ -38,7 +38,11 @@ the same calibration sentences and the same training sentences:
   retrained with its masks frozen toward the dense model, output + layer-wise
   losses; and, for comparison with as many steps on the same sentences as
   both phases together, the previous recipe (SparseGPT + distillation on the
-  output only), in a second worker process.
+  output only).
+
+Two worker processes share the work: one runs the one-shot rows up to the
+permutations and then the previous recipe, the other the chain that starts
+from the layer-by-layer row (layer by layer -> learned masks -> recovery).
 
 Usage:
     python scripts/eval_minilm.py                 # writes results/minilm/table.md + table.csv
@@ -381,7 +385,7 @@ def verify(model: MiniLM, tok: WordPiece, mdir: Path, texts: list[str]) -> str:
             f"{bad} tokenization mismatches, max |embedding difference| {err:.2e}")
 
 
-# --- the runs (two worker processes: the new pipeline, and the previous recipe beside it) ---------
+# --- the runs (two worker processes: one-shot rows + the previous recipe; the new chain) ---------
 
 def _worker(ctx: dict) -> tuple[MiniLM, WordPiece]:
     torch.set_num_threads(ctx["threads"])
@@ -400,6 +404,13 @@ def _row(rows: list, ctx: dict, tok: WordPiece, name: str, model: nn.Module, sec
     print(f"  {name:<40} cosine {r['cosine']:.4f} / {r['cosine_manual']:.4f}  ({seconds:.0f} s)", flush=True)
 
 
+def _training_precision(ctx: dict) -> torch.autocast:
+    """Gradient steps (mask learning, distillation) under CPU autocast to bf16 when ``ctx["bf16"]``:
+    the matmuls (3/4 of a step) run in bf16, weights, optimizer state and losses stay fp32; a step took
+    1.3x less time. Calibration, one-shot pruning and every evaluation stay fp32."""
+    return torch.autocast("cpu", dtype=torch.bfloat16, enabled=ctx["bf16"])
+
+
 def _calibration_batches(ctx: dict, tok: WordPiece) -> list:
     return [tok.batch(ctx["calib"][i:i + 32]) for i in range(0, len(ctx["calib"]), 32)]
 
@@ -410,9 +421,22 @@ def _calibrate(ctx: dict, tok: WordPiece, model: nn.Module) -> dict:
     return calibrate(model, _calibration_batches(ctx, tok), hessian=True, token_mask=lambda b: b[1])
 
 
-def job_new(ctx: dict) -> list[dict]:
-    """One shot (magnitude, Wanda, SparseGPT, with least-squares reconstruction, and after channel
-    permutations), then learned masks from the best one-shot model, then the recovery recipe."""
+def _permuted(ctx: dict, tok: WordPiece, dense: nn.Module, stats: dict) -> tuple[nn.Module, dict, float]:
+    """The dense model with channel permutations searched on SparseGPT's importance, outputs checked
+    equal on 8 calibration sentences; returns (model, {group: importance gain}, seconds). Deterministic (the
+    search stops at ``perm_iters``, far below its time limit), so both workers get the same permutations."""
+    t0 = time.perf_counter()
+    permuted = copy.deepcopy(dense)
+    gains = permute_model_(permuted, permutation_groups(permuted), score="sparsegpt", calibration=stats,
+                           example=tok.batch(ctx["calib"][:8]), max_iters=ctx["perm_iters"], time_limit=600)
+    return permuted, gains, time.perf_counter() - t0
+
+
+def job_oneshot(ctx: dict) -> list[dict]:
+    """The one-shot rows (magnitude, Wanda, SparseGPT, with least-squares reconstruction, and after
+    channel permutations), then the previous recipe at the same budget as the new pipeline: SparseGPT,
+    then frozen-mask distillation on the output only, as many steps on the same sentences as the new
+    pipeline's two phases."""
     dense, tok = _worker(ctx)
     rows = []
     t0 = time.perf_counter()
@@ -431,27 +455,42 @@ def job_new(ctx: dict) -> list[dict]:
             note += ("; kept weights re-solved exactly for SparseGPT's masks (least squares, "
                      "sparse24.reconstruct_weight)")
         _row(rows, ctx, tok, name, m, secs, note=note)
-    # channel permutations on SparseGPT's importance, outputs checked equal, then SparseGPT + reconstruction
     t0 = time.perf_counter()
-    permuted = copy.deepcopy(dense)
-    example = tok.batch(ctx["calib"][:8])  # outputs before and after the permutations must agree on it
-    gains = permute_model_(permuted, permutation_groups(permuted), score="sparsegpt", calibration=stats,
-                           example=example, max_iters=ctx["perm_iters"], time_limit=600)
-    t_perm = time.perf_counter() - t0
+    permuted, gains, t_perm = _permuted(ctx, tok, dense, stats)
     gain = sum(gains.values()) / len(gains)
-    student = copy.deepcopy(permuted)
-    sparsify_(student, method="sparsegpt", calibration=stats, refit=True)
-    _row(rows, ctx, tok, "sparsegpt + permutation + reconstruction", student, time.perf_counter() - t0 + t_calib,
+    sparsify_(permuted, method="sparsegpt", calibration=stats, refit=True)
+    _row(rows, ctx, tok, "sparsegpt + permutation + reconstruction", permuted, time.perf_counter() - t0 + t_calib,
          note=f"{len(gains)} groups (MLP channels, value channels per head), {ctx['perm_iters']} search steps each, "
               f"OBS importance kept +{100 * gain:.2f}% on average; permutation {t_perm:.0f} s")
-    # the same, layer by layer, each layer fit to the (permuted) dense model's outputs
+    student = copy.deepcopy(dense)
+    sparsify_(student, method="sparsegpt", calibration=stats)
+    steps, bs = ctx["learn_steps"] + ctx["distill_steps"], ctx["batch"]
+    stream = sentence_batches(tok, ctx["train"], steps, bs, seed=1)
+    params = [p for n, p in student.named_parameters() if not n.startswith(("word.", "pos.", "tok_type."))]
+    with _training_precision(ctx):
+        d = distill_(student, stream, steps, teacher=dense, lr=ctx["distill_lr"], output_loss="cosine",
+                     parameters=params)
+    _row(rows, ctx, tok, "sparsegpt + distillation (previous recipe)", student, d.seconds, steps, steps * bs,
+         f"same sentences and steps as the two phases above; lr {ctx['distill_lr']:g}, loss 1 - cos only; "
+         f"loss {d.losses[0]:.3f} -> {sum(d.losses[-10:]) / len(d.losses[-10:]):.3f}")
+    return rows
+
+
+def job_new(ctx: dict) -> list[dict]:
+    """The permuted model pruned layer by layer to the dense outputs, then learned masks from it,
+    then the recovery recipe (the chain of rows each starting from the one before)."""
+    dense, tok = _worker(ctx)
+    rows = []
     t0 = time.perf_counter()
+    stats = _calibrate(ctx, tok, dense)
+    permuted, _, _ = _permuted(ctx, tok, dense, stats)
+    del stats  # the layer-by-layer pass collects its own statistics
     student = copy.deepcopy(permuted)
     prune_layerwise_(student, _calibration_batches(ctx, tok), method="sparsegpt", refit=True,
                      token_mask=lambda b: b[1], teacher=permuted)
     sparsify_(student)  # masked layers keeping exactly the non-zeros
     _row(rows, ctx, tok, "sparsegpt + permutation + reconstruction to dense outputs", student,
-         time.perf_counter() - t0 + t_perm + t_calib, note="the permutations above, then layer by layer: each "
+         time.perf_counter() - t0, note="the permutations above, then layer by layer: each "
          "layer's weights fit to the dense layer's outputs from the inputs the pruned layers before it give "
          "(prune_layerwise_ with teacher=); one calibration pass per layer input (24)")
     # learned masks, weights frozen, prior = the row above (its masks and rebuilt weights); teacher = the
@@ -459,42 +498,28 @@ def job_new(ctx: dict) -> list[dict]:
     n_learn, n_dist, bs = ctx["learn_steps"], ctx["distill_steps"], ctx["batch"]
     stream = sentence_batches(tok, ctx["train"], n_learn + n_dist, bs, seed=1)
     hidden = [f"layers.{i}" for i in range(len(student.layers))]
-    rep = learn_masks(student, stream[:n_learn], n_learn, teacher=permuted, lr=ctx["learn_lr"], tau=ctx["tau"],
-                      hard_fraction=ctx["hard_fraction"], confidence=ctx["confidence"], output_loss="cosine",
-                      hidden=hidden, hidden_weight=ctx["learn_hidden"], seed=0)
+    with _training_precision(ctx):
+        rep = learn_masks(student, stream[:n_learn], n_learn, teacher=permuted, lr=ctx["learn_lr"],
+                          tau=ctx["tau"], noise=ctx["noise"], hard_fraction=ctx["hard_fraction"],
+                          confidence=ctx["confidence"], output_loss="cosine", hidden=hidden,
+                          hidden_weight=ctx["learn_hidden"], seed=0)
     changed = sum(rep.layers.values()) / len(rep.layers)
     _row(rows, ctx, tok, "learned masks (weights frozen)", student, rep.seconds, n_learn, n_learn * bs,
          f"prior: the row above; lr {ctx['learn_lr']:g}, tau {ctx['tau'][0]:g} -> {ctx['tau'][1]:g}, "
+         f"Gumbel noise x {ctx['noise'][0]:g} -> {ctx['noise'][1]:g}, "
          f"hard draws in the last {100 * ctx['hard_fraction']:.0f}%; {100 * changed:.1f}% of groups changed; "
          f"kept {rep.kept} (check loss {rep.learned_loss:.4f} vs prior {rep.prior_loss:.4f}); "
          f"logits {rep.logit_bytes / 2**20:.1f} MiB")
     params = [p for n, p in student.named_parameters() if not n.startswith(("word.", "pos.", "tok_type."))]
-    d = distill_(student, stream[n_learn:], n_dist, teacher=permuted, lr=ctx["distill_lr"], output_loss="cosine",
-                 hidden=hidden, hidden_weight=ctx["distill_hidden"], parameters=params)
+    with _training_precision(ctx):
+        d = distill_(student, stream[n_learn:], n_dist, teacher=permuted, lr=ctx["distill_lr"],
+                     output_loss="cosine", hidden=hidden, hidden_weight=ctx["distill_hidden"], parameters=params)
     _row(rows, ctx, tok, "learned masks + distillation", student, rep.seconds + d.seconds, n_learn + n_dist,
          (n_learn + n_dist) * bs, f"{n_dist} frozen-mask distillation steps after the {n_learn} above, lr "
          f"{ctx['distill_lr']:g}, loss 1 - cos + {ctx['distill_hidden']:g} x layer-wise relative MSE; "
          f"loss {d.losses[0]:.3f} -> {sum(d.losses[-10:]) / len(d.losses[-10:]):.3f}")
     return rows
 
-
-def job_previous(ctx: dict) -> list[dict]:
-    """The previous recipe at the same budget: SparseGPT, then frozen-mask distillation on
-    the output only, as many steps on the same sentences as the new pipeline's two phases."""
-    dense, tok = _worker(ctx)
-    stats = _calibrate(ctx, tok, dense)
-    student = copy.deepcopy(dense)
-    sparsify_(student, method="sparsegpt", calibration=stats)
-    steps, bs = ctx["learn_steps"] + ctx["distill_steps"], ctx["batch"]
-    stream = sentence_batches(tok, ctx["train"], steps, bs, seed=1)
-    params = [p for n, p in student.named_parameters() if not n.startswith(("word.", "pos.", "tok_type."))]
-    d = distill_(student, stream, steps, teacher=dense, lr=ctx["distill_lr"], output_loss="cosine",
-                 parameters=params)
-    rows = []
-    _row(rows, ctx, tok, "sparsegpt + distillation (previous recipe)", student, d.seconds, steps, steps * bs,
-         f"same sentences and steps as the two phases above; lr {ctx['distill_lr']:g}, loss 1 - cos only; "
-         f"loss {d.losses[0]:.3f} -> {sum(d.losses[-10:]) / len(d.losses[-10:]):.3f}")
-    return rows
 
 
 # --- main ------------------------------------------------------------------------
@@ -506,22 +531,25 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--calib-sentences", type=int, default=1024)
     # Budget (exploratory runs on training-file sentences, one thread each, two runs side by side): a step of 64
     # length-bucketed sentences costs 1.4 s (distillation) / 1.5 s (mask learning) vs 0.64 / 0.74 s for 16, so
-    # 64 reads 1.8x the sentences per second. Distillation from the one-shot model: 150 steps x 64 at lr 4e-4
-    # -> 0.955 in 244 s (8e-4: 0.956; 2e-4: 0.952), vs 800 steps x 16 at lr 2e-4 -> 0.959 in 551 s; at 16
-    # sentences lr 1e-3 ended below its start (0.927), 5e-4 and 1e-4 below 2e-4; a layer-wise weight of 1 beat
-    # 0.1 (0.947 vs 0.945 at 200 x 16). Mask learning (lr 0.1) gained as much in 200 steps as in 600 (0.937 vs
-    # 0.938); lr 0.3 without the layer-wise loss ended worse than its prior. So: a short mask phase, the rest of
-    # the 40 minutes on distillation.
+    # 64 reads 1.8x the sentences per second; under bf16 autocast a step costs 1.3x less (820 distillation steps:
+    # 1122 s vs 1454 s, 0.9704 vs 0.9705; 300 mask steps: 0.9499 both). Distillation from the one-shot model:
+    # 150 steps x 64 at lr 4e-4 -> 0.955 (8e-4: 0.956; 2e-4: 0.952); a layer-wise weight of 1 beat 0.1. Mask
+    # learning from the layer-by-layer prior (0.941): with full Gumbel noise 150 steps gave 0.945 and more steps
+    # did not help; with the noise scaled to 0.3 -> 0.01, 150 steps 0.946, 400 steps 0.951 (no noise: 300 steps
+    # 0.950); lr 0.3 ended worse than its prior. So 400 mask steps, then distillation to fill the 40 minutes.
     ap.add_argument("--batch", type=int, default=64, help="sentences per gradient step")
-    ap.add_argument("--learn-steps", type=int, default=150)
+    ap.add_argument("--learn-steps", type=int, default=400)
     ap.add_argument("--learn-lr", type=float, default=0.1)
     ap.add_argument("--tau", type=float, nargs=2, default=(1.0, 0.05))
+    ap.add_argument("--noise", type=float, nargs=2, default=(0.3, 0.01), help="Gumbel noise scale, start and end")
     ap.add_argument("--hard-fraction", type=float, default=0.2)
     ap.add_argument("--confidence", type=float, default=3.0)
     ap.add_argument("--learn-hidden", type=float, default=1.0, help="weight of the layer-wise loss while learning")
-    ap.add_argument("--distill-steps", type=int, default=700)
+    ap.add_argument("--distill-steps", type=int, default=800)
     ap.add_argument("--distill-lr", type=float, default=6e-4)
     ap.add_argument("--distill-hidden", type=float, default=1.0, help="weight of the layer-wise distillation loss")
+    ap.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=True,
+                    help="gradient steps under CPU autocast to bf16 (--no-bf16: fp32)")
     ap.add_argument("--perm-iters", type=int, default=300, help="permutation search steps per group")
     ap.add_argument("--max-len", type=int, default=128)
     ap.add_argument("--threads", type=int, default=1, help="torch threads per worker (2 workers)")
@@ -552,12 +580,14 @@ def main(argv: list[str] | None = None) -> None:
     ctx = {"threads": args.threads, "max_len": args.max_len, "held": held, "manual": manual, "calib": calib,
            "train": learn_texts, "ref_held": embed(dense, tok, held), "ref_manual": embed(dense, tok, manual),
            "batch": args.batch, "learn_steps": args.learn_steps, "learn_lr": args.learn_lr, "tau": tuple(args.tau),
+           "noise": tuple(args.noise),
            "hard_fraction": args.hard_fraction, "confidence": args.confidence, "learn_hidden": args.learn_hidden,
            "distill_steps": args.distill_steps, "distill_lr": args.distill_lr,
-           "distill_hidden": args.distill_hidden, "perm_iters": args.perm_iters}
+           "distill_hidden": args.distill_hidden, "perm_iters": args.perm_iters, "bf16": args.bf16}
     with ProcessPoolExecutor(2, mp_context=get_context("spawn")) as pool:
-        jobs = [pool.submit(job_new, ctx), pool.submit(job_previous, ctx)]
+        jobs = [pool.submit(job_oneshot, ctx), pool.submit(job_new, ctx)]
         rows = [r for j in jobs for r in j.result()]
+    rows.sort(key=lambda r: r["method"].endswith("(previous recipe)"))  # stable: one shot, new chain, previous
     wall = time.perf_counter() - t_start
 
     out.mkdir(parents=True, exist_ok=True)
@@ -585,6 +615,9 @@ def main(argv: list[str] | None = None) -> None:
         f"else; max {args.max_len} tokens",
         "- Metric: mean cosine similarity between the 2:4 model's and the dense model's normalized "
         "sentence embeddings (1.0 = identical)",
+        "- Precision: calibration, one-shot pruning and every evaluation in fp32; gradient steps (mask learning, "
+        "distillation) " + ("under CPU autocast to bf16 (fp32 weights, optimizer state and losses)" if args.bf16
+                            else "in fp32"),
         "- Seconds: the method's own time (calibration, search, training steps), not the evaluation", "",
         "| 2:4 method | mean cosine, held-out docstrings | mean cosine, reference manual | gradient steps | "
         "sentences seen | seconds | note |", "|---|---:|---:|---:|---:|---:|---|"]

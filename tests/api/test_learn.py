@@ -180,6 +180,27 @@ def test_distill_trains_with_masks_frozen_and_layerwise_losses():
         distill_(student, data, steps=1, teacher=dense, warmup=2)
 
 
+def test_learning_without_noise_and_distillation_under_cpu_bf16_autocast():
+    """What scripts/eval_minilm.py runs: mask learning with the noise off (the softmax relaxation, hard
+    draws at the end) and distillation, both inside torch.autocast(bf16) on CPU. Weights, logits and masks
+    stay fp32 / exact 2:4, the masks stay frozen while distilling, and the result (judged in fp32) beats
+    the magnitude prior."""
+    dense, data = teacher_and_data()
+    prior_model = copy.deepcopy(dense)
+    sparsify_(prior_model)
+    model = copy.deepcopy(dense)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        rep = learn_masks(model, data, steps=60, lr=0.1, noise=0.0, check_batches=0, seed=0)
+        masks = layer_masks(model)
+        distill_(model, data, steps=20, teacher=dense, lr=3e-3)
+    assert all(0 < v < 1 for v in rep.layers.values())
+    for fqn, m in layer_masks(model).items():
+        layer = model.get_submodule(fqn)
+        assert layer.weight.dtype == torch.float32 and is_nm(layer.dense_weight(), 2, 4)
+        assert torch.equal(m, masks[fqn])
+    assert output_loss(model, dense, data) < 0.9 * output_loss(prior_model, dense, data)
+
+
 def test_kl_and_cosine_output_losses():
     dense, data = teacher_and_data(8)
     for kind in ("kl", "cosine"):
