@@ -10,7 +10,7 @@ from torch import nn
 
 from .._checks import check_model
 from .nm import METHODS, LayerStats, PruneResult, prune_nm
-from .reconstruct import damped_hessian
+from .reconstruct import PERCDAMP, damped_hessian
 
 __all__ = ["calibrate", "prune_layerwise_"]
 
@@ -275,7 +275,8 @@ def prune_layerwise_(model: nn.Module, batches, n: int = 2, m: int = 4, method: 
             if fqn not in stats:
                 raise ValueError(f"layer {fqn!r} received no input rows from batches: nothing to calibrate it on")
             lin = layers[fqn]
-            w = lin.weight if teacher is None else _teacher_target(lin.weight, stats[fqn], kwargs.get("percdamp", 0.01))
+            w = (lin.weight if teacher is None
+                 else _teacher_target(lin.weight, stats[fqn], kwargs.get("percdamp", PERCDAMP)))
             r = prune_nm(w, n, m, method, calibration=stats[fqn], **kwargs)
             with torch.no_grad():
                 lin.weight.copy_(r.weight)
@@ -302,7 +303,7 @@ def _call_order(model: nn.Module, names: dict[nn.Module, str], batch, device) ->
     return calls
 
 
-def _teacher_target(w: torch.Tensor, stats: LayerStats, percdamp: float = 0.01) -> torch.Tensor:
+def _teacher_target(w: torch.Tensor, stats: LayerStats, percdamp: float = PERCDAMP) -> torch.Tensor:
     """The dense weight that best maps this layer's inputs to its teacher's outputs.
 
     Args:

@@ -31,6 +31,7 @@ from torch import nn
 
 from .nm import LayerStats
 from .permutation import search_permutation
+from .reconstruct import PERCDAMP
 
 __all__ = ["PermutationGroup", "find_permutation_groups", "check_group", "permute_model_", "group_importance"]
 
@@ -243,7 +244,7 @@ def find_permutation_groups(model: nn.Module, example, heads: int | None = None)
     return groups
 
 
-def _importance(lin: nn.Linear, score: str, stats: LayerStats | None, percdamp: float = 0.01) -> torch.Tensor:
+def _importance(lin: nn.Linear, score: str, stats: LayerStats | None, percdamp: float = PERCDAMP) -> torch.Tensor:
     """``(R, C)`` non-negative importance of each weight of ``lin`` under ``score``."""
     w = lin.weight.detach().double()
     if score == "magnitude":

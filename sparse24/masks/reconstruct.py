@@ -20,10 +20,13 @@ import torch
 
 from .._checks import check_mask
 
+# SparseGPT's damping, as a fraction of the Hessian's mean diagonal: the default of every fit here
+PERCDAMP = 0.01
+
 __all__ = ["reconstruct_weight"]
 
 
-def reconstruct_weight(w: torch.Tensor, mask: torch.Tensor, hessian: torch.Tensor, percdamp: float = 0.01,
+def reconstruct_weight(w: torch.Tensor, mask: torch.Tensor, hessian: torch.Tensor, percdamp: float = PERCDAMP,
                        rows_per_chunk: int = 64) -> torch.Tensor:
     """The weights that best reproduce ``w``'s outputs on the calibration inputs with ``mask`` fixed.
 

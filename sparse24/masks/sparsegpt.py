@@ -5,13 +5,13 @@ from __future__ import annotations
 import torch
 
 from .._checks import check_nm, check_weight
-from .reconstruct import _refit, damped_hessian
+from .reconstruct import PERCDAMP, _refit, damped_hessian
 
 __all__ = ["sparsegpt_prune"]
 
 
 def sparsegpt_prune(w: torch.Tensor, hessian: torch.Tensor | None = None, n: int = 2, m: int = 4,
-                    blocksize: int = 128, percdamp: float = 0.01,
+                    blocksize: int = 128, percdamp: float = PERCDAMP,
                     refit: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """One-shot N:M pruning with OBS weight reconstruction (SparseGPT, Frantar & Alistarh 2023).
 
