@@ -411,6 +411,16 @@ def _training_precision(ctx: dict) -> torch.autocast:
     return torch.autocast("cpu", dtype=torch.bfloat16, enabled=ctx["bf16"])
 
 
+def _trainable(model: nn.Module) -> list:
+    """What distillation trains: every parameter but the embeddings."""
+    return [p for n, p in model.named_parameters() if not n.startswith(("word.", "pos.", "tok_type."))]
+
+
+def _loss_note(d) -> str:
+    """A distillation report's first loss and the mean of its last 10, for the table's note."""
+    return f"loss {d.losses[0]:.3f} -> {sum(d.losses[-10:]) / len(d.losses[-10:]):.3f}"
+
+
 def _calibration_batches(ctx: dict, tok: WordPiece) -> list:
     return [tok.batch(ctx["calib"][i:i + 32]) for i in range(0, len(ctx["calib"]), 32)]
 
@@ -466,13 +476,12 @@ def job_oneshot(ctx: dict) -> list[dict]:
     sparsify_(student, method="sparsegpt", calibration=stats)
     steps, bs = ctx["learn_steps"] + ctx["distill_steps"], ctx["batch"]
     stream = sentence_batches(tok, ctx["train"], steps, bs, seed=1)
-    params = [p for n, p in student.named_parameters() if not n.startswith(("word.", "pos.", "tok_type."))]
     with _training_precision(ctx):
         d = distill_(student, stream, steps, teacher=dense, lr=ctx["distill_lr"], output_loss="cosine",
-                     parameters=params)
+                     parameters=_trainable(student))
     _row(rows, ctx, tok, "sparsegpt + distillation (previous recipe)", student, d.seconds, steps, steps * bs,
          f"same sentences and steps as the two phases above; lr {ctx['distill_lr']:g}, loss 1 - cos only; "
-         f"loss {d.losses[0]:.3f} -> {sum(d.losses[-10:]) / len(d.losses[-10:]):.3f}")
+         + _loss_note(d))
     return rows
 
 
@@ -510,16 +519,15 @@ def job_new(ctx: dict) -> list[dict]:
          f"hard draws in the last {100 * ctx['hard_fraction']:.0f}%; {100 * changed:.1f}% of groups changed; "
          f"kept {rep.kept} (check loss {rep.learned_loss:.4f} vs prior {rep.prior_loss:.4f}); "
          f"logits {rep.logit_bytes / 2**20:.1f} MiB")
-    params = [p for n, p in student.named_parameters() if not n.startswith(("word.", "pos.", "tok_type."))]
     with _training_precision(ctx):
         d = distill_(student, stream[n_learn:], n_dist, teacher=permuted, lr=ctx["distill_lr"],
-                     output_loss="cosine", hidden=hidden, hidden_weight=ctx["distill_hidden"], parameters=params)
+                     output_loss="cosine", hidden=hidden, hidden_weight=ctx["distill_hidden"],
+                     parameters=_trainable(student))
     _row(rows, ctx, tok, "learned masks + distillation", student, rep.seconds + d.seconds, n_learn + n_dist,
          (n_learn + n_dist) * bs, f"{n_dist} frozen-mask distillation steps after the {n_learn} above, lr "
          f"{ctx['distill_lr']:g}, loss 1 - cos + {ctx['distill_hidden']:g} x layer-wise relative MSE; "
-         f"loss {d.losses[0]:.3f} -> {sum(d.losses[-10:]) / len(d.losses[-10:]):.3f}")
+         + _loss_note(d))
     return rows
-
 
 
 # --- main ------------------------------------------------------------------------
