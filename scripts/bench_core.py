@@ -25,7 +25,7 @@ from torch.sparse._semi_structured_conversions import (
     sparse_semi_structured_from_dense_cutlass, sparse_semi_structured_to_dense_cutlass)
 
 import sparse24
-from sparse24.bench import cpu_name
+from sparse24.tools.bench import cpu_name
 
 
 def side_by_side(fns: dict, repeats: int) -> dict[str, float]:

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import sparse24
-from sparse24.bench import cpu_name
+from sparse24.tools.bench import cpu_name
 
 
 def _median_ms(fns: dict, repeats: int, inner: int) -> dict:

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 import sparse24
-from sparse24.bench import cpu_name
+from sparse24.tools.bench import cpu_name
 from sparse24.ops.linear24 import launch, op
 
 

@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from sparse24.bench import cpu_name
+from sparse24.tools.bench import cpu_name
 from sparse24.masks import LearnableMask
 
 

@@ -23,7 +23,7 @@ import time
 import torch
 
 from sparse24 import mask_nm
-from sparse24.bench import cpu_name
+from sparse24.tools.bench import cpu_name
 from sparse24.masks import kept_magnitude_fraction, search_permutation, sparsegpt_prune
 
 def machine() -> str:

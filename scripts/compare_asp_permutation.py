@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from sparse24 import mask_nm
-from sparse24.bench import cpu_name
+from sparse24.tools.bench import cpu_name
 from sparse24.masks import search_permutation
 
 ASP_SEED, ASP_ROWS, ASP_CHANNELS = 1, 128, 64

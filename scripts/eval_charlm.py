@@ -72,7 +72,7 @@ from torch import nn
 import sparse24
 from sparse24 import (GradualPruner, SRSTE, calibrate, compress, compress_, is_nm, learn_masks, permute_model_,
                       sparsify_, sqnr_db)
-from sparse24.bench import cpu_name
+from sparse24.tools.bench import cpu_name
 from sparse24.masks import PermutationGroup
 from sparse24.nn import Sparse24Linear
 

@@ -73,7 +73,7 @@ from torch import nn
 
 import sparse24
 from sparse24 import calibrate, distill_, is_nm, learn_masks, permute_model_, prune_layerwise_, sparsify_
-from sparse24.bench import cpu_name
+from sparse24.tools.bench import cpu_name
 from sparse24.masks import PermutationGroup
 
 ROOT = Path(__file__).resolve().parent.parent

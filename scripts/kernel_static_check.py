@@ -171,7 +171,7 @@ def config_name(c) -> str:
 def sass_main(a) -> int:
     import triton
 
-    from sparse24.bench import cpu_name
+    from sparse24.tools.bench import cpu_name
     from sparse24.ops.config_space import candidate_configs, decode_configs
 
     N, K = map(int, a.shape.split(","))

@@ -54,6 +54,11 @@ def __getattr__(name):
     raise AttributeError(f"module 'sparse24' has no attribute {name!r}")
 
 
+def __dir__():
+    # the lazily imported names too: tab completion shows the whole API
+    return sorted({*globals(), *_LAZY})
+
+
 __all__ = ["Sparse24Tensor", "compress", "is_nm", "mask_nm", "linear", "linear_reference", "FLOAT_DTYPES",
            "DecodePacked", "pack_decode",
            "__version__", *_LAZY]

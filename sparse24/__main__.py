@@ -1,4 +1,4 @@
-"""``python -m sparse24 ...`` and the ``sparse24`` console script (see :mod:`sparse24.cli`)."""
+"""``python -m sparse24 ...`` and the ``sparse24`` console script (see :mod:`sparse24.tools.cli`)."""
 import sys
 
 from .tools.cli import main

@@ -19,9 +19,6 @@ LAYERS = {
     "sparse24.api": 6, "sparse24.recipes": 6, "sparse24.learn": 6,                    # whole models
     "sparse24.hf": 6, "sparse24.lora": 6,                 # transformers save/load, PEFT LoRA (api -> hf -> lora)
     "sparse24.tools": 7,                                                              # tuning, bench, plot, cli
-    # old import paths of the tools: aliases of the same module objects
-    "sparse24.bench": 7, "sparse24.plot": 7, "sparse24.demo": 7, "sparse24.cli": 7, "sparse24.tuning": 7,
-    "sparse24.shapes": 7,
     "sparse24": 8, "sparse24.__main__": 8,                                            # the facade
 }
 

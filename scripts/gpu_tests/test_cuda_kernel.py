@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import sparse24
-from sparse24 import tuning
+from sparse24.tools import tuning
 from sparse24.ops.linear24 import linear_triton
 
 from _cuda import ACT, DEV, assert_matches_reference, gen  # noqa: F401  (gen: the fixture)

@@ -30,7 +30,7 @@ A missing folder is silent; a corrupt or schema-invalid file gives one warning
 and is skipped, so a bad file can never crash a forward pass or pick an invalid
 config. ``SPARSE24_AUTOTUNE=1`` replaces steps 2-5 by timing the config space
 on the spot (CUDA only; results kept for the process): the tuner lives in the
-tools layer (:mod:`sparse24.tuning`) and plugs itself in with
+tools layer (:mod:`sparse24.tools.tuning`) and plugs itself in with
 :func:`set_live_tuner`, so this store never imports upward.
 """
 from __future__ import annotations
@@ -286,7 +286,7 @@ _LIVE_TUNER = None
 def set_live_tuner(tuner) -> None:
     """Plug in the function ``SPARSE24_AUTOTUNE=1`` calls for a shape without an exact
     entry: ``tuner(M_bucket, N, K, dtype, device, layout=...) -> Choice``; None unplugs it.
-    (:mod:`sparse24.tuning` registers its tuner when imported.)"""
+    (:mod:`sparse24.tools.tuning` registers its tuner when imported.)"""
     global _LIVE_TUNER
     _LIVE_TUNER = tuner
     clear_cache()

@@ -1,5 +1,5 @@
 """Throughput sweeps: time ``y = x @ W^T`` over batch sizes M for each provider,
-write CSV rows (measurement only; :mod:`sparse24.plot` draws them). (Just over
+write CSV rows (measurement only; :mod:`sparse24.tools.plot` draws them). (Just over
 400 lines: the providers, the timer and the CSV schema are one measurement's
 parts and change together.)
 
@@ -53,7 +53,7 @@ from ..ops.linear24 import linear
 __all__ = ["SCHEMA", "COLUMNS", "PROVIDERS", "BenchSettings", "Progress", "device_info", "device_slug",
            "provider_status", "default_settings", "run_bench", "write_csv", "write_together"]
 
-# Bump when a column changes meaning; sparse24.plot refuses other schemas.
+# Bump when a column changes meaning; sparse24.tools.plot refuses other schemas.
 SCHEMA = "sparse24-bench/1"
 COLUMNS = ["schema", "device_type", "device", "threads", "torch", "triton", "sparse24", "dtype", "shape",
            "N", "K", "M", "provider", "weight_bytes", "median_ms", "tflops", "gbps", "speedup_vs_dense",
@@ -140,7 +140,7 @@ def device_info(device: torch.device) -> dict:
 
 def device_slug(info: dict) -> str:
     """Folder name for a device's results: ``cpu-amd-epyc`` or the GPU's tuned-config
-    folder name (``NVIDIA_H100_80GB_HBM3``, as ``sparse24.tuning.gpu_file_name``)."""
+    folder name (``NVIDIA_H100_80GB_HBM3``, as ``sparse24.tools.tuning.gpu_file_name``)."""
     if info["device_type"] == "cuda":
         return re.sub(r"[^A-Za-z0-9.-]+", "_", info["device"]).strip("_") or "unknown"
     return "cpu-" + (re.sub(r"[^a-z0-9.]+", "-", info["device"].lower()).strip("-") or "unknown")
@@ -261,7 +261,7 @@ class BenchSettings:
 
     Attributes:
         device: ``torch.device("cpu")`` or a CUDA device.
-        shapes: ``(label, N, K)`` rows (see :func:`sparse24.shapes.parse_shapes`).
+        shapes: ``(label, N, K)`` rows (see :func:`sparse24.tools.shapes.parse_shapes`).
         ms: batch sizes M.
         dtypes: activation (and dense weight) dtypes.
         providers: provider names (``dense`` is always added: speedups need it).

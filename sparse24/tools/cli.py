@@ -165,7 +165,7 @@ def _cmd_info(args) -> int:
         text += "".join(f"\n  problem in {path}: {_one_line(why)[:200]}"
                         for d in config_dirs() if d.is_dir() for path, why in validate_dir(d))
     except ImportError as e:
-        text = f"sparse24.tuning is not importable ({e})"
+        text = f"sparse24.tools.tuning is not importable ({e})"
     print("\n".join("  " + line for line in text.splitlines()))
     return 0
 
@@ -175,7 +175,7 @@ def _cmd_info(args) -> int:
 def _cmd_autotune(argv: list[str]) -> int:
     """``python -m sparse24 autotune [--shapes NAME|N,K ...] [--m 1,2,4,...] [--dtype ...] [--out-dir DIR]``:
     parse and check every argument (exit 2 on a bad one, before any GPU work), then
-    :func:`sparse24.tuning.autotune`. Returns 0 on success, 1 when there is no CUDA GPU
+    :func:`sparse24.tools.tuning.autotune`. Returns 0 on success, 1 when there is no CUDA GPU
     or a key found no working config."""
     from ..ops.config_space import DTYPE_KEYS, M_BUCKETS, m_bucket
     from ..ops.config_store import shipped_config_dir
@@ -184,7 +184,7 @@ def _cmd_autotune(argv: list[str]) -> int:
     ap = _Parser(prog=f"{_prog()} autotune",
                  description="Tune the 2:4 Triton kernel's tile configs on this GPU and save them.")
     ap.add_argument("--shapes", nargs="+", default=["standard"],
-                    help="weight shapes: names from sparse24.shapes (standard, llama-7b, ...) or N,K "
+                    help="weight shapes: names from sparse24.tools.shapes (standard, llama-7b, ...) or N,K "
                          "(default: standard)")
     ap.add_argument("--m", default=",".join(map(str, M_BUCKETS)),
                     help="batch sizes, comma-separated; each maps to its M bucket (default: all buckets)")

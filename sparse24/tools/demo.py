@@ -11,7 +11,7 @@
    alone is worth, so "2:4 retrained vs dense retrained" is the cost of 2:4.
 4. Compress and swap (``compress_``: values + 2-bit indices, fp32 and INT8):
    accuracy must not move (fp32) or barely (INT8); bytes saved.
-5. A quick throughput sweep on this CPU (``sparse24.bench``) and its plot.
+5. A quick throughput sweep on this CPU (``sparse24.tools.bench``) and its plot.
 
 Accuracy is bits per character (BPC) on held-out text: lower is better.
 Everything is seeded; results depend only on the machine's float rounding
@@ -365,7 +365,7 @@ def _run_demo(args) -> int:
 
     bench_note = "skipped (--no-bench)"
     if not args.no_bench:
-        say("\n[5/5] throughput sweep on this CPU (sparse24.bench, --quick settings)")
+        say("\n[5/5] throughput sweep on this CPU (sparse24.tools.bench, --quick settings)")
         bench_note = _bench_step(out, machine, threads, args.quick)
 
     files = (f"state dict files: dense {dense_file:,} B; 2:4 fp32 {sparse_file:,} B "

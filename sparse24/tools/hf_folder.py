@@ -81,7 +81,7 @@ def prune_folder(src: str | os.PathLike, dst: str | os.PathLike, method: str = "
         prune_head: prune the output head too (``skip_output_head=False``).
     Returns:
         one report dict per 2-D weight considered: ``name, shape, dtype, action, reason, kept,
-        bytes_before, bytes_after`` (as :func:`sparse24.cli.prune_state_dict`).
+        bytes_before, bytes_after`` (as :func:`sparse24.tools.cli.prune_state_dict`).
     Example:
         >>> prune_folder("llama-dense", "llama-2of4", quantize="int8")
     """

@@ -1,4 +1,4 @@
-"""Throughput plots from the CSV files :mod:`sparse24.bench` writes (reading only;
+"""Throughput plots from the CSV files :mod:`sparse24.tools.bench` writes (reading only;
 nothing here measures).
 
 One figure: a row per weight shape, TFLOP/s vs M on the left and speedup vs
@@ -109,7 +109,7 @@ def plot_rows(rows: list[dict], out: str | os.PathLike, title: str | None = None
     """Draw TFLOP/s vs M and speedup vs M (one row of panels per shape) to a PNG.
 
     Args:
-        rows: from :func:`read_rows` (or :func:`sparse24.bench.run_bench`,
+        rows: from :func:`read_rows` (or :func:`sparse24.tools.bench.run_bench`,
             numeric fields as numbers or strings).
         out: PNG path (folders are created).
         title: figure title; default names the devices and dtypes.

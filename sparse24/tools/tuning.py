@@ -275,7 +275,7 @@ def autotune(shapes, ms, dtypes, out_dir, warmup_ms: float = 10, rep_ms: float =
     (``python -m sparse24 autotune``, whose parser checks the arguments).
 
     Args:
-        shapes: ``[(label, N, K), ...]`` (:func:`sparse24.shapes.parse_shapes`).
+        shapes: ``[(label, N, K), ...]`` (:func:`sparse24.tools.shapes.parse_shapes`).
         ms: M buckets; dtypes: dtype keys; out_dir: config folder.
         warmup_ms, rep_ms: timing budgets per candidate; jobs: parallel compile processes.
     Returns:

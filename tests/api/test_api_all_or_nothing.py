@@ -10,8 +10,8 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 import sparse24
-from sparse24 import Sparse24Linear, api
-from sparse24.api import walk
+from sparse24 import Sparse24Linear
+from sparse24.api import swap, walk
 
 from conftest import top2_mask
 
@@ -82,7 +82,7 @@ def fail_on_call(monkeypatch, owner, name, k):
 def test_sparsify_fails_at_any_layer_and_changes_nothing(monkeypatch, where, k):
     model = build()
     snap = snapshot(model)
-    owner = {"_adopt": Sparse24Linear, "_prepare": api, "_set_child": walk}[where]
+    owner = {"_adopt": Sparse24Linear, "_prepare": swap, "_set_child": walk}[where]
     fail_on_call(monkeypatch, owner, where, k)
     with pytest.raises(RuntimeError, match=f"injected failure at call {k}"):
         sparse24.sparsify_(model)

@@ -7,7 +7,7 @@ import torch
 import sparse24
 from sparse24.ops.linear24 import launch
 from sparse24.ops.linear24 import linear_triton
-from sparse24.tuning import KernelConfig
+from sparse24.tools.tuning import KernelConfig
 
 from conftest import assert_matches_reference, reference_linear, tolerance
 
@@ -43,7 +43,7 @@ def test_kernel_matches_reference(M, N, K, dtype, bias, config, gen):
 
 def _tuning_tiles() -> list[KernelConfig]:
     """One config per distinct (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K) the tuner may pick."""
-    from sparse24.tuning import candidate_configs
+    from sparse24.tools.tuning import candidate_configs
     seen = {}
     for M in (1, 16, 64, 256):
         for c in candidate_configs(M, 4096, 4096):

@@ -1,12 +1,12 @@
-"""sparse24.bench (measurement, CSV rows) and sparse24.plot (reading CSVs, drawing)."""
+"""sparse24.tools.bench (measurement, CSV rows) and sparse24.tools.plot (reading CSVs, drawing)."""
 import csv
 import io
 
 import pytest
 import torch
 
-from sparse24 import bench, plot
-from sparse24.bench import BenchSettings, Progress, run_bench, write_csv
+from sparse24.tools import bench, plot
+from sparse24.tools.bench import BenchSettings, Progress, run_bench, write_csv
 
 CPU = torch.device("cpu")
 TINY = [("64x128", 64, 128)]
@@ -91,7 +91,7 @@ def test_default_settings_and_device_naming():
     assert cuda["shapes"] == ["standard"] and cuda["dtypes"] == ["float16"] and 1 in cuda["ms"]
     assert bench.device_slug({"device_type": "cpu", "device": "AMD EPYC 7B13 64-Core Processor"}) == \
         "cpu-amd-epyc-7b13-64-core-processor"
-    from sparse24.tuning import gpu_file_name  # same folder names as the tuned-config files
+    from sparse24.tools.tuning import gpu_file_name  # same folder names as the tuned-config files
     name = "NVIDIA H100 80GB HBM3"
     assert bench.device_slug({"device_type": "cuda", "device": name}) == gpu_file_name(name) == "NVIDIA_H100_80GB_HBM3"
 

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import sparse24
-from sparse24.cli import main
+from sparse24.tools.cli import main
 
 
 @pytest.fixture(autouse=True)
@@ -46,7 +46,7 @@ def test_info(capsys):
         assert needle in out
     if not torch.cuda.is_available():  # this machine: say why each GPU path is not there
         assert "GPU: none" in out and "interpreter only" in out and "need CUDA" in out
-        assert "not a CUDA device" in out  # from sparse24.tuning.describe_config_source
+        assert "not a CUDA device" in out  # from sparse24.tools.tuning.describe_config_source
 
 
 def test_bench_writes_csv_png_and_env(capsys, tmp_path):
@@ -130,7 +130,7 @@ def test_bench_failure_keeps_previous_results(capsys, tmp_path, monkeypatch):
 
     def no_disk(rows, path, title=None):
         raise OSError(28, "No space left on device")
-    monkeypatch.setattr("sparse24.plot.plot_rows", no_disk)
+    monkeypatch.setattr("sparse24.tools.plot.plot_rows", no_disk)
     rc, _, err = _tiny_bench(capsys, tmp_path, "--m", "1,2")
     assert rc == 2
     assert_one_line_error(err.splitlines()[-1], "No space left on device")
@@ -155,7 +155,7 @@ def test_bench_repeated_values_are_measured_once(capsys, tmp_path):
 
 
 def test_out_of_memory_is_one_line(capsys, tmp_path, monkeypatch):
-    from sparse24 import bench
+    from sparse24.tools import bench
 
     def oom(*a, **k):
         raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: can't allocate memory: "
@@ -180,7 +180,7 @@ def test_plot_out_is_a_folder(capsys, tmp_path):
 
 def test_info_lists_invalid_tuned_files(capsys, tmp_path, monkeypatch):
     import warnings
-    from sparse24 import tuning
+    from sparse24.tools import tuning
     bad = tmp_path / "Some_GPU" / "sparse24_matmul.json"
     bad.parent.mkdir()
     bad.write_text("{not json")
@@ -198,7 +198,7 @@ def test_info_lists_invalid_tuned_files(capsys, tmp_path, monkeypatch):
 
 
 def test_plot_refuses_other_schema(capsys, tmp_path):
-    from sparse24 import bench
+    from sparse24.tools import bench
     rows = bench.run_bench(bench.BenchSettings(torch.device("cpu"), [("64x128", 64, 128)], [1], [torch.float32],
                                                ["dense"], 1), progress=False)
     old = tmp_path / "old.csv"
@@ -365,7 +365,7 @@ def test_prune_bad_inputs_and_outputs(capsys, tmp_path, monkeypatch):
 
 
 def test_prune_does_not_overwrite_existing_entries():
-    from sparse24.cli import prune_state_dict
+    from sparse24.tools.cli import prune_state_dict
     values = torch.randn(3)
     new, report = prune_state_dict({"fc.weight": torch.randn(64, 64), "fc.values": values,
                                     "ok.weight": torch.randn(64, 64)})
@@ -375,7 +375,7 @@ def test_prune_does_not_overwrite_existing_entries():
 
 
 def test_demo_reports_the_characters_it_scored(capsys, tmp_path, monkeypatch):
-    from sparse24 import demo
+    from sparse24.tools import demo
     real = demo.load_corpus
 
     def small(max_files=None):
@@ -391,7 +391,7 @@ def test_demo_reports_the_characters_it_scored(capsys, tmp_path, monkeypatch):
 
 
 def test_prune_skips_tied_weights():
-    from sparse24.cli import prune_state_dict
+    from sparse24.tools.cli import prune_state_dict
     w = torch.randn(64, 64)
     new, report = prune_state_dict({"dec.weight": w, "head.weight": w, "fc.weight": torch.randn(64, 64)})
     assert torch.equal(new["dec.weight"], w) and torch.equal(new["head.weight"], w)
@@ -400,7 +400,7 @@ def test_prune_skips_tied_weights():
 
 
 def test_demo_thread_choice():
-    from sparse24.demo import _pick_threads
+    from sparse24.tools.demo import _pick_threads
     n, note = _pick_threads("auto")
     assert 1 <= n <= max(1, torch.get_num_threads()) and (note.startswith("probe: 1 thread") or note == "one available")
     assert _pick_threads("1") == (1, "as asked")

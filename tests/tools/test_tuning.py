@@ -5,12 +5,12 @@ import warnings
 import pytest
 import torch
 
-from sparse24 import tuning
-from sparse24.cli import main
+from sparse24.tools import tuning
+from sparse24.tools.cli import main
 from sparse24.ops import config_store
 from sparse24.ops.config_store import DeviceInfo
 from sparse24.ops.linear24.op import faster_backend
-from sparse24.tuning import KernelConfig
+from sparse24.tools.tuning import KernelConfig
 
 GPU, FAMILY_GPU, OTHER_GPU = "Fake GPU H1 80GB", "Fake GPU H2", "Fake GPU A1"
 CFG_A = KernelConfig(16, 32, 256, 8, 1, 2, 3)

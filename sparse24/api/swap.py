@@ -1,0 +1,380 @@
+"""Whole-model 2:4 sparsity: swap ``nn.Linear`` instances in place (layer 6; the
+names are gathered in :mod:`sparse24.api`).
+
+* :func:`sparsify_`: every eligible ``nn.Linear`` (and Hugging Face ``Conv1D``,
+  GPT-2's Linear with a transposed weight) -> :class:`Sparse24Linear` (masked or
+  compressed), with a :class:`SparsifyReport` of what was swapped, what was
+  skipped and why (every other module holding a weight matrix included), and the
+  weight bytes.
+* :func:`compress_` / :func:`decompress_`: switch every ``Sparse24Linear``
+  between masked (training) and compressed (inference) mode; outputs unchanged.
+* :func:`densify_`: back to plain ``nn.Linear`` (or ``Conv1D``) holding the masked weights.
+* :func:`prune_trained_model`: the ASP-style one call that prunes a trained
+  model and leaves it, and its optimizer, ready to retrain with frozen masks.
+* :func:`count_parameters`: parameter counts that mean the same in both modes.
+
+All or nothing: each of these computes everything that can fail (masks,
+compressed weights, new modules) before it changes the model, and undoes its
+module swaps if one fails; the one step left after that, zeroing the pruned
+entries of shared weights in place, cannot fail short of running out of memory.
+Frozen layers (``requires_grad=False``, as under PEFT) are sparsified and stay frozen.
+
+Modules are swapped by assigning new children; classes are never patched.
+Layers whose weight other code reads directly are handled explicitly:
+
+* ``nn.MultiheadAttention`` reads ``out_proj.weight`` in its functional
+  forward, and ``nn.TransformerEncoderLayer`` (and ``nn.TransformerEncoder``
+  through its first layer) read ``linear1/linear2.weight`` in their inference
+  fast path. Masked mode serves them correctly: the stored weight is exactly
+  zero where pruned and its gradient is masked from every use. Compressed mode
+  has no dense weight to read, so these layers stay in masked mode (reported).
+* a weight shared with another module (tied embeddings) is skipped: masking it
+  would silently prune the other module too.
+* the output head of a language model (``skip_output_head=True``, the default)
+  stays dense, as SparseGPT, Wanda and published 2:4 LLM checkpoints keep it.
+
+On a model built on the meta device nothing is computed: layers get a pending
+mask, filled in by ``load_state_dict`` from the dense weights (see
+:mod:`sparse24.nn`). On a ``transformers`` model, each call also records the
+sparse24 section of ``model.config`` that ``save_pretrained`` writes (see
+:mod:`sparse24.hf`; ``transformers`` is never imported by this module itself).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+import torch
+from torch import nn
+
+from .._checks import check_model
+from ..masks import kept_magnitude_fraction
+from ..nn import Sparse24Linear
+from ..nn.prepare import _check_mode, _linear_weight, _prepare
+from .report import LayerReport, SparsifyReport
+from .walk import (MIN_FEATURES, FilterFn, _after_change, _check_foreign_quantization, _child_slots, _direct_readers,
+                   _entry, _is_linear, _not_handled, _output_heads, _shared_weights, _skip_reason, _Undo)
+
+__all__ = ["sparsify_", "densify_", "compress_", "decompress_", "prune_trained_model", "count_parameters",
+           "SparsifyReport", "LayerReport", "MIN_FEATURES"]
+
+
+# --- public API ------------------------------------------------------------------
+
+def sparsify_(model: nn.Module, filter_fn: FilterFn | None = None, mode: str = "masked", method: str = "magnitude",
+              calibration: dict | None = None, quantize: str | None = None, min_features: int = MIN_FEATURES,
+              trainable_values: bool = False, skip_output_head: bool | str | Iterable[str] = True,
+              optimizer: torch.optim.Optimizer | None = None, **mask_kwargs) -> SparsifyReport:
+    """Swap every eligible ``nn.Linear`` (and Hugging Face ``Conv1D``) of ``model`` for a
+    :class:`Sparse24Linear`, in place; all or nothing.
+
+    Masked mode shares each ``nn.Linear``'s weight/bias Parameters (optimizers keep
+    working) and zeroes the pruned weights in place; ``requires_grad`` is kept. On the
+    meta device masks are pending until the weights are loaded (``load_state_dict``).
+
+    Args:
+        model: any ``nn.Module``.
+        filter_fn: ``(module, fqn) -> bool``; only layers it accepts are swapped.
+        mode: ``"masked"`` (retraining) or ``"compressed"`` (inference).
+        method: mask method (``"magnitude"``, ``"2d_greedy"``, ``"2d_optimal"``,
+            ``"wanda"``, ``"sparsegpt"``).
+        calibration: ``{fqn: LayerStats}`` from ``sparse24.calibrate(model, batches)``
+            (needed by ``"wanda"`` and ``"sparsegpt"``); ``calibration[fqn]`` goes to
+            the mask method of layer ``fqn``.
+        quantize: ``None`` or ``"int8"`` (compressed mode).
+        min_features: skip layers with fewer input or output features.
+        trainable_values: compressed mode: ``values`` require grad (frozen layers stay frozen).
+        skip_output_head: ``True`` (default): keep the output head dense: the model's
+            ``get_output_embeddings()`` where it has one (transformers), else any Linear with as
+            many outputs as the input embedding has rows; ``False``: prune it too; a layer name
+            or a list of names: keep those.
+        optimizer: an optimizer training the model: a layer whose weight becomes a new
+            Parameter (a ``Conv1D``'s, stored transposed) is swapped in it, with its state
+            transposed (see :func:`prune_trained_model`, which also zeroes the pruned state).
+        **mask_kwargs: more options for the mask method.
+    Returns:
+        :class:`SparsifyReport` (``print(report)`` for a table), skipped layers and every
+        module holding a weight matrix that is not handled (``nn.Embedding``, ``nn.Conv2d``, ...)
+        with the reason.
+    Example:
+        >>> model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
+        >>> report = sparsify_(model)
+        >>> [r.fqn for r in report.swapped], [r.fqn for r in report.skipped]
+        (['0'], ['2'])
+    """
+    check_model(model, filter_fn)
+    _check_mode(mode, quantize, trainable_values)
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    if not isinstance(method, str):
+        raise TypeError(f"method must be a string, got {type(method).__name__}")
+    if calibration is not None and not isinstance(calibration, dict):
+        raise TypeError(f"calibration must be a dict {{fqn: stats}} from sparse24.calibrate, "
+                        f"got {type(calibration).__name__}")
+    if not isinstance(min_features, int) or min_features < 0:
+        raise ValueError(f"min_features must be a non-negative int, got {min_features!r}")
+    _check_foreign_quantization(model)
+    heads = _output_heads(model, skip_output_head)
+    settings = {"mode": mode, "method": method}
+    settings.update({k: v for k, v in (("quantize", quantize), ("calibration", calibration and "given")) if v})
+    report = SparsifyReport("sparsify_", settings)
+    slots, readers, shared = _child_slots(model), _direct_readers(model), _shared_weights(model)
+    plan = []
+    for fqn, mod in model.named_modules():
+        if isinstance(mod, Sparse24Linear):
+            report.layers.append(_entry(fqn, mod, "skipped", "already a Sparse24Linear"))
+        elif not _is_linear(mod):
+            line = _not_handled(fqn, mod)
+            if line is not None:
+                report.layers.append(line)
+        elif why := _skip_reason(fqn, mod, filter_fn, min_features, shared, readers, heads, method, calibration):
+            report.layers.append(_entry(fqn, mod, "skipped", why))
+        else:
+            plan.append((fqn, mod))
+    # 1. Compute every mask (and compressed weight) and build every new module: nothing changes yet.
+    built = []
+    for fqn, mod in plan:
+        note = readers.get(id(mod), "")
+        layer_mode = "masked" if note else mode
+        if note and mode == "compressed":
+            note = f"kept in masked mode: {note}"
+        train_values = trainable_values and layer_mode == "compressed"
+        try:
+            work = _prepare(mod, None, layer_mode, method, quantize if layer_mode == "compressed" else None,
+                            None if calibration is None else calibration.get(fqn), train_values, mask_kwargs)
+            new = Sparse24Linear._empty()._adopt(mod, work, train_values, finish=False)
+        except (ValueError, TypeError) as e:
+            raise type(e)(f"sparsify_: layer {fqn!r}: {e} (nothing was changed)") from e
+        if work.pending is not None:
+            kept = None
+            note = "; ".join(filter(None, [note, f"mask pending (meta device): computed by {method!r} when "
+                                                 "load_state_dict brings the weights"]))
+        else:  # of the weight before pruning
+            kept = kept_magnitude_fraction(_linear_weight(mod), work.mask)
+        built.append((fqn, mod, new, note, kept))
+    moves = _optimizer_moves(optimizer, [(mod, new) for _, mod, new, _, _ in built]) if optimizer is not None else []
+    # 2. Swap (undone if one fails), 3. prune shared weights in place and register the masking.
+    undo = _Undo()
+    try:
+        for _, mod, new, _, _ in built:
+            undo.replace(slots, mod, new)
+        for move in moves:
+            move(undo)
+    except BaseException:
+        undo.undo()
+        raise
+    for fqn, mod, new, note, kept in built:
+        new._finish()
+        report.layers.append(_entry(fqn, new, "swapped", note))
+        report.layers[-1].kept_fraction = kept
+    _after_change(model)
+    return report
+
+
+def _optimizer_moves(optimizer, pairs) -> list[Callable[[_Undo], None]]:
+    """Where a swap gives a layer a new weight Parameter (Conv1D: stored transposed), the
+    steps that hand the optimizer the new Parameter and its state (transposed copies,
+    computed now)."""
+    index = {id(p): (group, i) for group in optimizer.param_groups for i, p in enumerate(group["params"])}
+    moves = []
+    for old_layer, new in pairs:
+        old, w = old_layer.weight, new.weight
+        if w is old or id(old) not in index:
+            continue
+        group, i = index[id(old)]
+        state = {k: (v.t().contiguous() if isinstance(v, torch.Tensor) and v.shape == old.shape and v.dim() == 2
+                     else v) for k, v in optimizer.state.get(old, {}).items()}
+
+        def move(undo, group=group, i=i, old=old, w=w, state=state):
+            group["params"][i] = w
+            undo.add(lambda: group["params"].__setitem__(i, old))
+            if old in optimizer.state:
+                optimizer.state[w] = state
+                undo.add(lambda: optimizer.state.pop(w, None))
+        moves.append(move)
+    return moves
+
+
+def _sparse_layers(model: nn.Module) -> list[tuple[str, Sparse24Linear]]:
+    return [(fqn, m) for fqn, m in model.named_modules() if isinstance(m, Sparse24Linear)]
+
+
+def _switch_all(steps: list[tuple[Sparse24Linear, Callable[[], object]]]) -> None:
+    """Run each ``(layer, switch)``; if one fails, put every layer back as it was."""
+    done = []
+    try:
+        for m, switch in steps:
+            done.append((m, m._snapshot()))
+            switch()
+    except BaseException:
+        for m, snap in reversed(done):
+            m._restore(snap)
+        raise
+
+
+def compress_(model: nn.Module, quantize: str | None = None, trainable_values: bool = False) -> SparsifyReport:
+    """Switch every masked :class:`Sparse24Linear` of ``model`` to compressed mode; all or nothing.
+
+    Outputs do not change (unless ``quantize="int8"``). Layers whose weight is
+    read directly by their parent (``nn.MultiheadAttention.out_proj``, ...)
+    stay masked and are reported as skipped. The dense weight Parameters are
+    dropped: build a new optimizer if you train afterwards.
+
+    Args:
+        model: a model prepared by :func:`sparsify_`.
+        quantize: ``None`` or ``"int8"``.
+        trainable_values: the compressed ``values`` require grad (frozen layers stay frozen).
+    Returns:
+        :class:`SparsifyReport`.
+    Example:
+        >>> model = nn.Sequential(nn.Linear(64, 64)); _ = sparsify_(model)
+        >>> compress_(model).changed[0].mode
+        'compressed'
+    """
+    check_model(model, None)
+    _check_mode("compressed", quantize, trainable_values)
+    layers, readers = _sparse_layers(model), _direct_readers(model)
+    for fqn, m in layers:  # refuse before changing anything
+        if m.mode == "compressed" and m.quantize != quantize:
+            raise ValueError(f"layer {fqn!r} is already compressed with quantize={m.quantize!r}; "
+                             f"decompress_ first to re-compress with quantize={quantize!r}")
+    # Compress every masked layer first, so a failing one (e.g. inf weights with int8) leaves the model untouched.
+    packed = {}
+    for fqn, m in layers:
+        if id(m) in readers or (m.mode == "compressed" and trainable_values == m.values.requires_grad):
+            continue
+        try:
+            packed[fqn] = m._compressed_form(quantize)
+        except (ValueError, TypeError) as e:
+            raise type(e)(f"compress_: layer {fqn!r}: {e} (nothing was changed)") from e
+    _switch_all([(m, lambda m=m, p=packed[fqn]: m._set_compressed(p, trainable_values, m._requires_grad()))
+                 for fqn, m in layers if fqn in packed])
+    report = SparsifyReport("compress_", {"quantize": quantize} if quantize else {})
+    for fqn, m in layers:
+        if id(m) in readers:
+            report.layers.append(_entry(fqn, m, "skipped", f"kept in masked mode: {readers[id(m)]}"))
+        elif fqn not in packed:
+            report.layers.append(_entry(fqn, m, "skipped", "already compressed"))
+        else:
+            report.layers.append(_entry(fqn, m, "compressed"))
+    _after_change(model)
+    return report
+
+
+def decompress_(model: nn.Module) -> SparsifyReport:
+    """Switch every compressed :class:`Sparse24Linear` of ``model`` back to masked
+    mode (outputs unchanged; new weight Parameters, trainable again unless frozen); all or nothing.
+
+    Returns:
+        :class:`SparsifyReport`.
+    """
+    check_model(model, None)
+    report = SparsifyReport("decompress_")
+    todo = [(fqn, m) for fqn, m in _sparse_layers(model) if m.mode == "compressed"]
+    _switch_all([(m, m.to_masked) for _, m in todo])
+    report.layers += [_entry(fqn, m, "decompressed") for fqn, m in todo]
+    _after_change(model)
+    return report
+
+
+def densify_(model: nn.Module) -> SparsifyReport:
+    """Replace every :class:`Sparse24Linear` by a plain ``nn.Linear`` (the class
+    it came from; ``Conv1D`` for GPT-2's) holding the masked dense weight; outputs unchanged.
+
+    Masked-mode ``nn.Linear`` layers hand over their weight and bias Parameters (an
+    optimizer keeps working, now without the mask); the others get new dense weights.
+
+    Returns:
+        :class:`SparsifyReport`.
+    Example:
+        >>> model = nn.Sequential(nn.Linear(64, 64)); _ = sparsify_(model)
+        >>> _ = densify_(model); type(model[0]).__name__
+        'Linear'
+    """
+    check_model(model, None)
+    report = SparsifyReport("densify_")
+    slots = _child_slots(model)
+    layers = _sparse_layers(model)
+    if any(not fqn for fqn, _ in layers):
+        raise ValueError("the model itself is a Sparse24Linear: nothing holds it to swap; "
+                         "use model.to_dense_module()")
+    built = [(fqn, m, m.to_dense_module(release=False)) for fqn, m in layers]
+    undo = _Undo()
+    try:
+        for _, m, dense in built:
+            undo.replace(slots, m, dense)
+    except BaseException:
+        undo.undo()
+        raise
+    for fqn, m, dense in built:
+        m._release()
+        report.layers.append(_entry(fqn, dense, "densified"))
+    _after_change(model)
+    return report
+
+
+def prune_trained_model(model: nn.Module, optimizer: torch.optim.Optimizer, **kwargs) -> SparsifyReport:
+    """Prune a trained model to 2:4 and leave it ready to retrain with the masks frozen; all or nothing.
+
+    The ASP-style one call: :func:`sparsify_` in masked mode (same Parameter
+    objects, so ``optimizer`` keeps training them; a ``Conv1D``'s transposed weight
+    is a new Parameter, which the optimizer gets in place of the old one, with its
+    state transposed), then the optimizer's per-parameter state (momentum, Adam
+    moments) is zeroed at the pruned positions so the retraining starts as if those
+    weights never existed. Afterwards every ``optimizer.step()`` keeps the pruned
+    weights at exactly 0.
+
+    Args:
+        model: a trained model.
+        optimizer: the ``torch.optim.Optimizer`` that trains it (state kept).
+        **kwargs: :func:`sparsify_` options (``filter_fn``, ``method``,
+            ``calibration``, ``min_features``, ``skip_output_head``...); ``mode`` is always masked.
+    Returns:
+        :class:`SparsifyReport`.
+    Example:
+        >>> model = nn.Sequential(nn.Linear(64, 64)); opt = torch.optim.AdamW(model.parameters())
+        >>> len(prune_trained_model(model, opt).swapped)
+        1
+    """
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    if kwargs.get("mode", "masked") != "masked" or kwargs.get("quantize") is not None:
+        raise ValueError("prune_trained_model retrains in masked mode; compress_ after retraining")
+    kwargs.pop("mode", None)
+    report = sparsify_(model, mode="masked", optimizer=optimizer, **kwargs)
+    report.operation = "prune_trained_model"
+    with torch.no_grad():
+        for r in report.changed:
+            m = model.get_submodule(r.fqn)
+            for v in optimizer.state.get(m.weight, {}).values():
+                if isinstance(v, torch.Tensor) and v.shape == m.mask.shape:
+                    v.masked_fill_(~m.mask, 0)
+    return report
+
+
+def count_parameters(model: nn.Module) -> dict[str, int]:
+    """Parameter counts that mean the same in masked and compressed mode.
+
+    ``model.parameters()`` (and transformers' ``num_parameters()``) count Parameters
+    only: a masked layer's dense weight counts fully (pruned zeros included), a
+    compressed one's ``values`` are buffers and do not count, so that number
+    halves-and-more after :func:`compress_` without the model changing.
+
+    Returns:
+        ``{"parameters": numel of model.parameters(), "dense": the count as if every 2:4
+        layer were dense (R*C each), "nonzero": the count with every 2:4 layer's pruned
+        half removed (R*C/2 each)}``.
+    Example:
+        >>> model = nn.Sequential(nn.Linear(64, 64)); _ = sparsify_(model)
+        >>> count_parameters(model)
+        {'parameters': 4160, 'dense': 4160, 'nonzero': 2112}
+    """
+    check_model(model, None)
+    total = sum(p.numel() for p in model.parameters())
+    dense = nonzero = total
+    for m in {id(m): m for m in model.modules() if isinstance(m, Sparse24Linear)}.values():
+        RC = m.out_features * m.in_features
+        held = sum(p.numel() for name, p in m._parameters.items() if name in ("weight", "values") and p is not None)
+        dense += RC - held
+        nonzero += RC // 2 - held
+    return {"parameters": total, "dense": dense, "nonzero": nonzero}
