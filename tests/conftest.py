@@ -14,8 +14,8 @@ UNDERFLOW = {torch.float64: 2.0 ** -1075, torch.float32: 2.0 ** -150, torch.floa
 # product itself (a non-FMA order, e.g. the interpreter's numpy matmul), up to 32
 # split-K partial sums (KernelConfig caps SPLIT_K at 32), the bias, the INT8 scale.
 EXTRA_ROUNDINGS = 35
-# The widest K-tile of any kernel: BLOCK_K is a power of two <= 512 and tiles start
-# at multiples of it, so every tile lies inside one 512-column block.
+# The widest K-tile of any kernel (BLOCK_K <= 512): a tile of consecutive columns
+# then spans at most two 512-column blocks.
 TILE = 512
 
 
@@ -42,16 +42,22 @@ def error_bound(x: torch.Tensor, w_dense: torch.Tensor, bias=None, dtype=None, x
     The arithmetic bounded: exact operands (x in its dtype, weights exact in the
     dot's operand dtype) multiplied and summed in the accumulator (fp32; fp64
     for fp64): split-K cuts K into contiguous ranges; each range is one chain
-    carried across its K-tiles in ascending order (a compiled fp32 ``tl.dot``:
-    one FMA per k), any order inside a tile (tensor cores, the interpreter's
-    numpy matmul); the parts added in any order, then bias, INT8 scale, and
-    one rounding to ``dtype``. Every accumulator rounding has relative error
-    < ``u' = 2 u(acc) = 2**-23``: twice round-to-nearest's, so the bound also
-    holds if tensor cores accumulate with round-toward-zero (measured on
-    V100/T4/A100 by Fasi et al. 2021; unknown for Hopper), whose error per
-    rounding is < 2**-23 and always points toward zero. (A probabilistic
-    sqrt(K) bound would not hold: it needs unbiased errors, and RZ errors
-    add up linearly while the partial sums keep one sign.)
+    carried across its K-tiles (<= 512 consecutive columns) in ascending order
+    (a compiled fp32 ``tl.dot``: one FMA per k), any order inside a tile
+    (tensor cores, the interpreter's numpy matmul); the parts added in any
+    order, then bias, INT8 scale, and one rounding to ``dtype`` (the
+    activations' dtype: it is also the dot's operand dtype). Every accumulator
+    rounding has relative error < ``u'``:
+
+    * fp32 (and fp64) outputs: ``u' = u(acc)``. Their dots are IEEE FMA
+      chains on CUDA cores (``input_precision="ieee"``; TF32 is off unless the
+      user turns it on), rounded to nearest;
+    * fp16/bf16 outputs: ``u' = 2 u(acc) = 2**-23``. Their dots run on tensor
+      cores, which may accumulate with round-toward-zero (measured on
+      V100/T4/A100 by Fasi et al. 2021; unknown for Hopper): RZ's error per
+      rounding is < 2**-23, so the same bound covers it. (A probabilistic
+      sqrt(K) bound would not: it needs unbiased errors, and RZ errors all
+      point toward zero, adding up linearly while the partial sums keep a sign.)
 
     The error is a sum over roundings of ``delta_i * v_i`` (v_i the value
     rounded), each carried by at most ``n = K + EXTRA_ROUNDINGS`` factors
@@ -61,7 +67,7 @@ def error_bound(x: torch.Tensor, w_dense: torch.Tensor, bias=None, dtype=None, x
       ``gamma_n(u') * A``, with ``A = sum_k |x_k| |w_k| + |b|``;
     * the order above: the K chain roundings round partial sums
       ``S_t - S_a + (part of one tile)``, S the prefix sums in ascending k, so
-      ``|v_i| <= R = 2 P + 3 A_T`` (P: the largest ``|S|`` at 512-column block
+      ``|v_i| <= R = 2 P + 4 A_T`` (P: the largest ``|S|`` at 512-column block
       boundaries, A_T: the largest ``sum |x_k||w_k|`` over one block); the 35
       other roundings see at most ``A``. Error
       ``<= (1 + gamma_n)^2 u' (K (R + gamma_n A) + 35 A)``. For random signs
@@ -82,18 +88,18 @@ def error_bound(x: torch.Tensor, w_dense: torch.Tensor, bias=None, dtype=None, x
     n = K + EXTRA_ROUNDINGS
     xs, wd = x.detach().double(), w_dense.detach().double()
     xa, wa = xs.abs() if x_err is None else xs.abs() + x_err.double(), wd.abs()
-    s = P = A = A_T = 0.0
+    ref = reference_linear(x, w_dense, bias).abs()
+    s, P, A, A_T = (torch.zeros_like(ref) for _ in range(4))
     for k0 in range(0, K, TILE):  # per 512-column block: prefix sum, its abs sum
-        s = s + xs[..., k0:k0 + TILE] @ wd[:, k0:k0 + TILE].T
+        s += xs[..., k0:k0 + TILE] @ wd[:, k0:k0 + TILE].T
         a = xa[..., k0:k0 + TILE] @ wa[:, k0:k0 + TILE].T
-        P, A, A_T = torch.maximum(torch.as_tensor(P), s.abs()), A + a, torch.maximum(torch.as_tensor(A_T), a)
+        P, A, A_T = torch.maximum(P, s.abs()), A + a, torch.maximum(A_T, a)
     A = A + (0.0 if bias is None else bias.detach().double().abs())
     prop = 0.0 if x_err is None else x_err.double() @ wa.T   # |w| |dx|: the input error carried through
-    u, g64 = 2 * EPS[acc], gamma(n, EPS[torch.float64])
+    u, g64 = (EPS[acc] if dtype == acc else 2 * EPS[acc]), gamma(n, EPS[torch.float64])
     g = gamma(n, u)
-    R = 2 * (P + prop + g64 * A) + 3 * A_T
+    R = 2 * (P + prop + g64 * A) + 4 * A_T
     acc_err = torch.minimum(g * A, (1 + g) ** 2 * u * (K * (R + g * A) + EXTRA_ROUNDINGS * A)) + 2 * n * UNDERFLOW[acc]
-    ref = reference_linear(x, w_dense, bias).abs()
     u_out = 0.0 if dtype == acc else EPS[dtype]
     return (1 + u_out) * (acc_err + g64 * A + prop) + u_out * ref + UNDERFLOW[dtype]
 
