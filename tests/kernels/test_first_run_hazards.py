@@ -2,6 +2,7 @@
 item 6): int32 offsets that wrap, grids past CUDA's limits, values not aligned
 for the kernel's 4-byte word loads, and byte_perm's selector mask. Each is
 checked here in Triton's interpreter, on small memory."""
+import re
 import time
 
 import numpy as np
@@ -161,3 +162,36 @@ def test_kernel_without_the_selector_mask_decodes_wrong(monkeypatch, gen):
     assert_matches_reference(linear_triton(x, d, config=DECODE), x, dense)
     monkeypatch.setattr(interpreter, "BYTE_PERM", prmt_raw_reference)
     assert not matches_reference(linear_triton(x, d, config=DECODE), x, dense)
+
+
+def _prmt_selector_defs(ptx: str) -> list[str]:
+    """For each ``prmt.b32`` of a PTX listing, the line that defines its selector
+    register (or the immediate selector itself)."""
+    defs = {m.group(1): m.group(0).strip() for m in re.finditer(r"^\s*\S+\s+(%r\d+),[^;]*;", ptx, re.M)}
+    sels = [m.group(1).strip() for m in re.finditer(r"prmt\.b32\s+%r\d+,[^,]+,[^,]+,([^;]+);", ptx)]
+    return [defs.get(s, f"undefined {s}") if s.startswith("%") else s for s in sels]
+
+
+@pytest.mark.parametrize("int8", [False, True], ids=["fp16", "int8"])
+def test_compiled_prmt_selectors_are_masked(int8, monkeypatch):
+    """In the sm_90 PTX, every prmt.b32 takes a selector ANDed with a constant that clears
+    bit 3 of every nibble (libdevice's 0x7777, which LLVM may narrow to 0x7774 when the
+    low bits are known): a raw PRMT (inline asm) without the mask would fail here."""
+    monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")
+    w = torch.randn(256, 512)
+    d = pack_decode(sparse24.compress(w, quantize="int8") if int8 else sparse24.compress(w.half()))
+    cfg = KernelConfig(16, 64, 128, 1, 1, 4, 1, kernel="decode")
+    ptx = launch.aot_compile(torch.randn(16, 512).half(), d, None, torch.empty(16, 256).half(), cfg, 1).asm["ptx"]
+    defs = _prmt_selector_defs(ptx)
+    assert len(defs) >= 32 and all(_masked(line) for line in defs), [d for d in defs if not _masked(d)]
+    # the check itself: a raw PRMT of the multiply-add selector fails it
+    raw = "mad.lo.s32 \t%r5, %r4, 8516, 22092;\n\tprmt.b32 \t%r6, %r1, 0, %r5;"
+    assert not _masked(_prmt_selector_defs(raw)[0])
+
+
+def _masked(line: str) -> bool:
+    """Whether a selector definition is an AND with (or an immediate of) no nibble bit 3."""
+    mask = re.fullmatch(r"and\.b32\s+%r\d+,\s*%r\d+,\s*(-?\d+);", line)
+    if mask is not None:
+        return int(mask.group(1)) & 0x8888 == 0
+    return bool(re.fullmatch(r"(0x)?[0-9a-fA-F]+", line)) and int(line, 0) & 0x8888 == 0
