@@ -50,7 +50,7 @@ for _name in ("triton.compiler.code_generator", "triton.language.extra.libdevice
         pass
 libdevice = sys.modules.get("triton.language.extra.libdevice")
 
-__all__ = ["InterpretedKernel", "byte_perm_reference"]
+__all__ = ["InterpretedKernel", "byte_perm_reference", "prmt_raw_reference"]
 
 
 def _patchable() -> list:
@@ -112,20 +112,40 @@ def byte_perm_reference(x, y, s):
     byte n of the result is byte ``(s >> 4n) & 7`` of the 8 bytes (y:x), x's
     bytes first; the upper 16 bits of s are ignored (CUDA Math API; libdevice
     masks the selector with 0x7777 before ``prmt.b32``). Returns int32."""
+    return _prmt(x, y, s, replicate_sign=False)
+
+
+def prmt_raw_reference(x, y, s):
+    """PTX ``prmt.b32 d, x, y, s`` (default mode) as written, without
+    libdevice's 0x7777 mask: as :func:`byte_perm_reference`, except that a set
+    bit 3 of a selector nibble fills that result byte with the sign bit of
+    the byte it picks. The decode kernel's selectors set such bits: bound to
+    :data:`BYTE_PERM`, it shows a kernel calling raw PRMT decodes wrong."""
+    return _prmt(x, y, s, replicate_sign=True)
+
+
+def _prmt(x, y, s, replicate_sign: bool):
     x, y, s = (np.asarray(v).astype(np.int64) & 0xFFFFFFFF for v in (x, y, s))
     src = [(x >> (8 * i)) & 0xFF for i in range(4)] + [(y >> (8 * i)) & 0xFF for i in range(4)]
     out = np.zeros(np.broadcast_shapes(x.shape, y.shape, s.shape), dtype=np.int64)
     for n in range(4):
-        idx = (s >> (4 * n)) & 7
-        out |= np.choose(np.broadcast_to(idx, out.shape), [np.broadcast_to(b, out.shape) for b in src]) << (8 * n)
+        nibble = np.broadcast_to((s >> (4 * n)) & 15, out.shape)
+        byte = np.choose(nibble & 7, [np.broadcast_to(b, out.shape) for b in src])
+        if replicate_sign:
+            byte = np.where(nibble & 8, np.where(byte & 0x80, 0xFF, 0), byte)
+        out |= byte << (8 * n)
     return np.where(out >= 2 ** 31, out - 2 ** 32, out).astype(np.int32)
+
+
+# What an interpreted launch binds libdevice.byte_perm to (a test swaps in raw PRMT).
+BYTE_PERM = byte_perm_reference
 
 
 def _byte_perm_interpreted(x, y, s, *args, **kwargs):
     """``libdevice.byte_perm`` on the interpreter's tensors."""
     def data(v):
         return v.handle.data if isinstance(v, tl.tensor) else v
-    out = byte_perm_reference(data(x), data(y), data(s))
+    out = BYTE_PERM(data(x), data(y), data(s))
     ty = tl.block_type(tl.int32, list(out.shape)) if out.shape else tl.int32
     return tl.tensor(TensorHandle(out, tl.int32), ty)
 

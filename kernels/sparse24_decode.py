@@ -107,6 +107,10 @@ def _decode_tile(acc, x_ptrs, v_ptrs, m_ptrs, k0, K, a0, KA,
     iq = tl.arange(0, 2)[None, None, None, None, :, None]
     ib = tl.arange(0, 2)[None, None, None, None, None, :]
     nib = mw >> ((4 * ih + 2 * iq + ib) * 4)                                  # [A, h, T, 32, qq, b]
+    # byte_perm must stay libdevice's: it masks the selector with 0x7777 before prmt.b32.
+    # The multiply-add selectors set bit 3 of some nibbles, which raw PRMT reads as
+    # "fill with the byte's sign": 15 of the 24 selectors would decode wrong
+    # (tests/kernels/test_first_run_hazards.py).
     if INT8:
         # 16 bytes per lane and atom; word q = 2h + qq holds groups (q, 0) and
         # (q, 1): each word gives 4 dense pairs, with per-group selectors.
@@ -220,6 +224,9 @@ def _sparse24_decode(
         V_STEP: tl.constexpr = A * 256
     m_ptrs = meta_ptr + (t0 * 32 + tl.arange(0, T * 32)).to(tl.int64)[:, None] * KM + atoms[None, :]  # [T*32, A]
     rows = tl.minimum(tl.arange(0, BLOCK_M), M - 1).to(tl.int64)   # rows past M: clamped, never stored
+    # int64 column offsets (and K-tile steps): a transposed x has stride_xk = M, so
+    # k * stride_xk passes 2**31 once M * K does. A stride of 1 stays a constant.
+    stride_xk = tl.cast(stride_xk, tl.int64)
     x_ptrs = x_ptr + rows[:, None] * stride_xm + (k_lo * BLOCK_K + tl.arange(0, BLOCK_K))[None, :] * stride_xk
 
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)

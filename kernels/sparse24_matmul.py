@@ -67,7 +67,11 @@ def _sparse24_matmul(
     k_begin = pid_k * tiles_per_split * BLOCK_K
     k_end = min(K, k_begin + tiles_per_split * BLOCK_K)
 
-    # Row offsets in int64: M * stride_xm can pass 2**31 for long prompts.
+    # Offsets in int64: M * stride_xm can pass 2**31 for long prompts, and so can
+    # K * stride_xk for a transposed x (stride_xk = M); the weight's strides alike.
+    # (A stride of 1 stays a constant: loads still vectorize.)
+    stride_xk, stride_vk, stride_mk = tl.cast(stride_xk, tl.int64), tl.cast(stride_vk, tl.int64), \
+        tl.cast(stride_mk, tl.int64)
     x_ptrs = (x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
               + (k_begin + offs_k)[None, :] * stride_xk)                    # [BM, BK]
     v_ptrs = (v_ptr + offs_n[:, None].to(tl.int64) * stride_vn

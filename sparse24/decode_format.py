@@ -88,7 +88,9 @@ class DecodePacked:
         dtype: logical dtype of the dense matrix.
         version: :data:`DECODE_LAYOUT_VERSION`.
 
-    Build one with :func:`pack_decode`; :meth:`to_sparse24` is its exact inverse.
+    values and meta must be contiguous and start at 4-byte aligned addresses
+    (the kernel reads 32-bit words). Build one with :func:`pack_decode`;
+    :meth:`to_sparse24` is its exact inverse.
     """
 
     version = DECODE_LAYOUT_VERSION
@@ -112,6 +114,8 @@ class DecodePacked:
             raise ValueError("values, meta and scale must be on one device")
         if not (values.is_contiguous() and meta.is_contiguous()):
             raise ValueError("values and meta must be contiguous")
+        if check:  # (check=False: made here from fresh tensors, or FakeTensors under tracing)
+            check_word_aligned(values, meta)
         self.values, self.meta, self.scale = values, meta, scale
         self.shape, self.dtype = torch.Size((R, C)), dtype
         if check:
@@ -189,6 +193,17 @@ class DecodePacked:
     def to_dense(self) -> torch.Tensor:
         """Decompress to the dense ``(R, C)`` matrix in ``dtype`` (dequantized when INT8)."""
         return self.to_sparse24().to_dense()
+
+
+def check_word_aligned(values: torch.Tensor, meta: torch.Tensor) -> None:
+    """Raise ValueError unless ``values`` and ``meta`` start at 4-byte aligned
+    addresses: the decode kernel reads both as 32-bit words (a contiguous view
+    at an odd storage offset faults on a GPU; a copy is aligned)."""
+    for name, t in (("values", values), ("meta", meta)):
+        if t.data_ptr() % 4:
+            raise ValueError(f"decode layout {name} must start at a 4-byte aligned address (data_ptr() % 4 == 0): "
+                             f"the kernel reads them as 32-bit words; got a view at byte offset "
+                             f"{t.storage_offset() * t.element_size()} of its storage; pass {name}.clone()")
 
 
 def _slots_of_code(device) -> torch.Tensor:

@@ -2,7 +2,7 @@
 the masked (dequantized) dense weight. Run by scripts/gpu_check.sh; not part
 of the CPU suite (CI has no GPU): ``python -m pytest -q scripts/gpu_tests``.
 
-Same tolerance table as the CPU tests (tests/conftest.py). Outputs are
+Same error bound as the CPU tests (tests/conftest.py, error_bound). Outputs are
 poisoned with NaN before each call, so an unwritten element fails.
 """
 

@@ -19,7 +19,7 @@ from sparse24.ops.config_space import KernelConfig, check_decode_config, decode_
 from sparse24.ops.linear24 import launch
 from sparse24.ops.linear24 import linear_triton as linear_decode
 
-from conftest import assert_matches_reference, reference_linear, tolerance
+from conftest import assert_matches_reference, matches_reference
 
 ROOT = Path(__file__).resolve().parents[2]
 CASES = [(0, 1), (0, 2), (0, 3), (1, 2), (1, 3), (2, 3)]
@@ -130,7 +130,7 @@ def test_every_config_in_the_space_matches_reference(wtype, gen):
 
 @pytest.mark.parametrize("wtype", ["fp16", "int8"])
 def test_a_wrong_keep_bit_fails_the_check(wtype, gen):
-    """The tolerance catches one mis-decoded group, and the kernel really decodes
+    """The error bound catches one mis-decoded group, and the kernel really decodes
     the keep masks: with one group's kept pair moved to the other two slots it
     matches the dense weight those bits describe, not the original."""
     N, K = 40, 128
@@ -142,7 +142,26 @@ def test_a_wrong_keep_bit_fails_the_check(wtype, gen):
     assert not torch.equal(bad.to_dense(), d.to_dense())
     x = torch.randn(13, K, generator=gen)
     tri = linear_decode(x, bad, config=_cfg(64, 64))
-    assert not torch.allclose(tri.double(), reference_linear(x, dense), **tolerance(torch.float32, K))
+    assert not matches_reference(tri, x, dense)
+    assert_matches_reference(tri, x, bad.to_dense().double())
+
+
+@pytest.mark.parametrize("wtype", ["fp16", "int8"])
+def test_a_wrong_value_byte_fails_the_check(wtype, gen):
+    """One kept value with its least significant byte changed (fp16: the low 8
+    mantissa bits complemented; INT8: the lowest magnitude bit flipped, one
+    quantization step) is outside the error bound, at the K of these tests."""
+    N, K = 40, 128
+    d, dense = _weight(N, K, wtype, gen)
+    # Both layouts start with atom 0, row tile 0, 16 bytes per lane: byte 0 of lane 20 is the
+    # low byte of the lower kept value of row 5, columns 0..3.
+    flat = d.values.view(torch.uint8).flatten().clone()
+    flat[20 * 16] ^= 0xFF if wtype == "fp16" else 0x01
+    bad = DecodePacked(flat.view(d.values.dtype).view(d.values.shape), d.meta, d.shape, d.dtype, d.scale)
+    assert not torch.equal(bad.to_dense(), d.to_dense())
+    x = torch.randn(13, K, generator=gen)
+    tri = linear_decode(x, bad, config=_cfg(64, 64))
+    assert not matches_reference(tri, x, dense)
     assert_matches_reference(tri, x, bad.to_dense().double())
 
 

@@ -30,7 +30,7 @@ import contextlib
 
 import torch
 
-from ...decode_format import DecodePacked, decode_dims
+from ...decode_format import DecodePacked, check_word_aligned, decode_dims
 from ...format import Sparse24Tensor
 from ..config_space import LAYOUT_KERNEL, KernelConfig, check_decode_config, dtype_key, m_bucket
 from ..config_store import get_config, on_clear
@@ -162,6 +162,7 @@ class _Plan:
         self.N, self.device, self.cuda, self.device_index = N, device, device.type == "cuda", device.index
         # the integer arguments of contiguous tensors: fixed by N and K
         self.contiguous_ints = self.variant.contiguous_ints(N, K)
+        self.max_rows = self.variant.max_rows(N, config)
         self.compiled = None
 
     def __call__(self, x2, values, meta, scale, bias, M):
@@ -178,7 +179,14 @@ class _Plan:
         else:
             args = self.variant.args(x2, values, meta, s, b, target, M)
             aligned = False
-        self.launch(self.variant.grid(M, self.N, self.config, self.split_k), args, aligned)
+        if not aligned:  # off the fast path only: 16-byte aligned pointers are word-aligned
+            self.variant.check_alignment(values, meta)
+        if M <= self.max_rows:
+            self.launch(self.variant.grid(M, self.N, self.config, self.split_k), args, aligned)
+        else:  # the grid would pass CUDA's limits: one launch per row chunk (Triton's path)
+            for r0, r1 in row_chunks(M, self.max_rows):
+                self.launch(self.variant.grid(r1 - r0, self.N, self.config, self.split_k),
+                            self.variant.args(x2[r0:r1], values, meta, s, b, target[r0:r1], r1 - r0), False)
         return target if self.split_k == 1 else target.to(x2.dtype)  # the same tensor when x is fp32
 
     def launch(self, grid, args, aligned: bool) -> None:
@@ -223,6 +231,15 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+# CUDA's grid limits: x up to 2**31 - 1 programs, y and z up to 65535.
+GRID_LIMITS = (2 ** 31 - 1, 65535, 65535)
+
+
+def row_chunks(M: int, rows: int) -> list[tuple[int, int]]:
+    """``[(r0, r1), ...]``: M rows cut into consecutive launches of at most ``rows`` rows."""
+    return [(r0, min(M, r0 + rows)) for r0 in range(0, M, rows)]
+
+
 # --- the two kernels' arguments ---------------------------------------------------
 # Each variant: its kernel, its constexprs (in signature order: the kept handle
 # appends them to the runtime arguments), its runtime arguments (general and
@@ -257,6 +274,15 @@ class _Matmul:
     def grid(M, N, config, split_k) -> tuple:
         return (_cdiv(M, config.block_m) * _cdiv(N, config.block_n), split_k, 1)
 
+    @staticmethod
+    def max_rows(N, config) -> int:
+        """Most rows one launch takes: grid x = row blocks * column blocks <= 2**31 - 1."""
+        return GRID_LIMITS[0] // _cdiv(N, config.block_n) * config.block_m
+
+    @staticmethod
+    def check_alignment(values, meta) -> None:
+        """Nothing to check: the kernel loads every tensor in its own element type."""
+
 
 class _Decode:
     """``kernels/sparse24_decode.py``: the decode layout, 16 rows of x per program."""
@@ -287,6 +313,17 @@ class _Decode:
     @staticmethod
     def grid(M, N, config, split_k) -> tuple:
         return (_cdiv(N, config.block_n), split_k, _cdiv(M, 16))
+
+    @staticmethod
+    def max_rows(N, config) -> int:
+        """Most rows one launch takes: 65535 programs of 16 rows along grid z (1,048,560)."""
+        return GRID_LIMITS[2] * 16
+
+    @staticmethod
+    def check_alignment(values, meta) -> None:
+        """The kernel reads values and meta as 4-byte words: a view at an unaligned
+        storage offset would fault on a GPU (the interpreter would not notice)."""
+        check_word_aligned(values, meta)
 
 
 _VARIANTS = {"matmul": _Matmul, "decode": _Decode}
