@@ -53,9 +53,11 @@ def dequantized_reference(layer, mask):
 
 def model_snapshot(model, optimizer=None) -> dict:
     """Everything a failed whole-model call must leave as it was: the module objects and their types,
-    the parameter and buffer objects, ``requires_grad``, every value (clones), the optimizer's groups and state."""
+    the parameter and buffer objects, ``requires_grad``, every value and gradient (clones), the optimizer's
+    groups and state."""
     snap = {"modules": [(n, m, type(m)) for n, m in model.named_modules()],
-            "params": [(n, p, p.requires_grad, p.detach().clone()) for n, p in model.named_parameters()],
+            "params": [(n, p, p.requires_grad, p.detach().clone(), None if p.grad is None else p.grad.clone())
+                       for n, p in model.named_parameters()],
             "buffers": [(n, b, b.clone()) for n, b in model.named_buffers()],
             "state": {k: v.clone() for k, v in model.state_dict().items()}}
     if optimizer is not None:
@@ -79,6 +81,8 @@ def assert_model_unchanged(model, snap, optimizer=None) -> None:
     params = list(model.named_parameters())
     assert [(n, p, p.requires_grad) for n, p in params] == [s[:3] for s in snap["params"]]
     assert all(_same(p, s[3]) for (_, p), s in zip(params, snap["params"]))
+    assert all((p.grad is None) == (s[4] is None) and (p.grad is None or _same(p.grad, s[4]))
+               for (_, p), s in zip(params, snap["params"]))
     buffers = list(model.named_buffers())
     assert [(n, b) for n, b in buffers] == [s[:2] for s in snap["buffers"]]
     assert all(_same(b, s[2]) for (_, b), s in zip(buffers, snap["buffers"]))

@@ -19,6 +19,7 @@ from torch import nn
 
 from .._rollback import TensorBackup
 from ..nn import Sparse24Linear
+from ..nn.masking import _MASKED_MODULES
 from .walk import _CALIBRATED_METHODS, _after_change, _is_linear
 
 __all__ = ["check_calibration", "require_sparse_layers", "ModelRollback"]
@@ -66,7 +67,7 @@ class ModelRollback:
 
     Recorded at construction (references only, no copies): every module's children,
     parameters and buffers (so swapped modules and replaced tensors come back as the same
-    objects), every parameter's ``requires_grad``, and each ``Sparse24Linear``'s mode state.
+    objects), every parameter's ``requires_grad`` and ``.grad``, and each ``Sparse24Linear``'s mode state.
     Tensors the call will write in place are added with :meth:`keep` (their values are
     copied to the CPU, or taken from ``same``, tensors known to hold equal values).
 
@@ -82,8 +83,9 @@ class ModelRollback:
         self.model = model
         self.modules = [(m, dict(m._modules), dict(m._parameters), dict(m._buffers)) for m in model.modules()]
         self.sparse = {m: m._snapshot() for m in model.modules() if isinstance(m, Sparse24Linear)}
-        self.flags = [(p, p.requires_grad) for p in model.parameters()]
+        self.flags = [(p, p.requires_grad, p.grad) for p in model.parameters()]
         self.values = TensorBackup()
+        self.values.keep([g for _, _, g in self.flags if g is not None])  # backward accumulates in place
         self.values.keep(list(keep), same)
 
     def keep(self, tensors: Iterable[torch.Tensor], same: dict | None = None) -> None:
@@ -92,15 +94,20 @@ class ModelRollback:
 
     def restore(self) -> None:
         """Everything recorded comes back; 2:4 layers made since stop masking the weights they shared."""
-        made = [m for m in self.model.modules() if isinstance(m, Sparse24Linear) and m not in self.sparse]
+        # 2:4 layers made since, in the model or swapped out of it (e.g. behind a stand-in), that mask one of
+        # its weights: released, so that neither gradients nor optimizer steps of the weight are masked anymore
+        own = {id(p) for _, _, params, _ in self.modules for p in params.values() if p is not None}
+        made = {m for m in self.model.modules() if isinstance(m, Sparse24Linear) and m not in self.sparse}
+        made |= {m for m in list(_MASKED_MODULES) if m not in self.sparse and id(m._parameters.get("weight")) in own}
         for m, children, params, buffers in self.modules:
             for table, saved in ((m._modules, children), (m._parameters, params), (m._buffers, buffers)):
                 table.clear()
                 table.update(saved)
         for m in made:
             m._release()
-        for p, flag in self.flags:
+        for p, flag, grad in self.flags:
             p.requires_grad_(flag)
+            p.grad = grad
         for m, snap in self.sparse.items():
             m._restore(snap)
         self.values.restore()
