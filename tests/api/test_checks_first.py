@@ -84,3 +84,21 @@ def test_checkpoint_with_non_finite_values_is_refused_naming_the_key(kind, key, 
     # torch loads the other layers before reporting: those are the checkpoint's, this one is untouched
     layer_keys = [k for k in snap["state"] if k.startswith("block.0.")]
     assert all(torch.equal(model.state_dict()[k], snap["state"][k]) for k in layer_keys)
+
+
+def test_transformers_folder_with_non_finite_values_is_refused_naming_the_layer(tmp_path):
+    from safetensors.torch import load_file, save_file
+    from transformers import LlamaForCausalLM
+
+    from hf_models import tiny_llama
+    model = tiny_llama()
+    sparse24.sparsify_(model, mode="compressed")
+    model.save_pretrained(tmp_path)
+    (path,) = tmp_path.glob("*.safetensors")
+    tensors = load_file(path)
+    key = "model.layers.1.mlp.up_proj.values"
+    tensors[key].view(-1)[3] = float("nan")
+    save_file(tensors, path, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"layer 'model.layers.1.mlp.up_proj': corrupt 2:4 layer .*'values' has 1 "
+                                         r"non-finite value"):
+        sparse24.from_pretrained(LlamaForCausalLM, tmp_path)
