@@ -97,6 +97,19 @@ def assert_model_unchanged(model, snap, optimizer=None) -> None:
                        for k, v in s.items())
 
 
+def fail_on_call(monkeypatch, owner, name, k):
+    """Make ``owner.name`` raise on its k-th call (0-based)."""
+    real = getattr(owner, name)
+    calls = []
+
+    def wrapper(*a, **kw):
+        calls.append(1)
+        if len(calls) == k + 1:
+            raise RuntimeError(f"injected failure at call {k}")
+        return real(*a, **kw)
+    monkeypatch.setattr(owner, name, wrapper)
+
+
 @pytest.fixture
 def gen():
     return torch.Generator().manual_seed(1234)

@@ -6,8 +6,8 @@ when they fail after changing it (all or nothing).
 * :func:`require_sparse_layers`: mode switches on a model without any 2:4 layer are
   errors, not silent no-ops.
 * :class:`ModelRollback`: a record of a model's module tree, its parameters and
-  buffers (the same objects, ``requires_grad``, and the values of those the call will
-  write), and every :class:`~sparse24.nn.Sparse24Linear`'s mode state;
+  buffers (the same objects, ``requires_grad`` and ``.grad``, and the values of those
+  the call will write), and every :class:`~sparse24.nn.Sparse24Linear`'s mode state;
   :meth:`ModelRollback.restore` puts all of it back.
 """
 from __future__ import annotations
@@ -42,11 +42,11 @@ def check_calibration(model: nn.Module, calibration: dict | None, method: str, p
     if calibration is None:
         return
     layers = {fqn for fqn, m in model.named_modules() if _is_linear(m) or isinstance(m, Sparse24Linear)}
-    unknown = sorted(k for k in calibration if k not in layers)
+    unknown = [k for k in calibration if k not in layers]
     if unknown:
-        raise ValueError(f"{who}: calibration names {len(unknown)} layer(s) the model does not have: {_few(unknown)}; keys "
-                         "must be the names in model.named_modules() (statistics of a submodule lack its prefix: "
-                         "calibrate the model you prune; nothing was changed)")
+        raise ValueError(f"{who}: calibration names {len(unknown)} layer(s) the model does not have: "
+                         f"{_few(unknown)}; keys must be the names in model.named_modules() (statistics of a "
+                         "submodule lack its prefix: calibrate the model you prune; nothing was changed)")
     if method in _CALIBRATED_METHODS:
         missing = [fqn for fqn in planned if fqn not in calibration]
         if missing:

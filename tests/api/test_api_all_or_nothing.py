@@ -13,7 +13,7 @@ import sparse24
 from sparse24 import Sparse24Linear
 from sparse24.api import swap, walk
 
-from conftest import assert_model_unchanged as assert_unchanged, model_snapshot as snapshot, top2_mask
+from conftest import assert_model_unchanged as assert_unchanged, fail_on_call, model_snapshot as snapshot, top2_mask
 
 VOCAB, D = 96, 64
 
@@ -48,19 +48,6 @@ def assert_gradient_masked(model, name="fc1"):
     model(torch.randint(0, VOCAB, (2, 5))).sum().backward()
     layer = model.get_submodule(name)
     assert bool((layer.weight.grad[~layer.mask] == 0).all())
-
-
-def fail_on_call(monkeypatch, owner, name, k):
-    """Make ``owner.name`` raise on its k-th call (0-based)."""
-    real = getattr(owner, name)
-    calls = []
-
-    def wrapper(*a, **kw):
-        calls.append(1)
-        if len(calls) == k + 1:
-            raise RuntimeError(f"injected failure at call {k}")
-        return real(*a, **kw)
-    monkeypatch.setattr(owner, name, wrapper)
 
 
 @pytest.mark.parametrize("where", ["_prepare", "_adopt", "_set_child"])

@@ -12,7 +12,7 @@ import sparse24
 from sparse24 import Sparse24Linear, sparsify_
 from sparse24.learn import distill_, learn_masks, learned_masks
 
-from conftest import assert_model_unchanged, model_snapshot
+from conftest import assert_model_unchanged, fail_on_call, model_snapshot
 from hf_models import tiny_llama, tokens
 
 
@@ -60,14 +60,7 @@ def test_learn_masks_fails_at_any_stage_and_changes_nothing(monkeypatch, stage, 
     snap = model_snapshot(model)
     kw = {"steps": 6, "lr": 0.1, "train_weights": train_weights, "check_batches": 2}
     if stage == "mask":  # building the k-th layer's learnable mask (after the prior's swaps)
-        real, calls = learned_masks.LearnableMask, []
-
-        def build(*a, **kw2):
-            calls.append(1)
-            if len(calls) == k + 1:
-                raise RuntimeError(f"injected failure at mask {k}")
-            return real(*a, **kw2)
-        monkeypatch.setattr(learned_masks, "LearnableMask", build)
+        fail_on_call(monkeypatch, learned_masks, "LearnableMask", k)
     elif stage == "step":
         kw["callback"] = fail_at(k)
     elif stage == "batch":  # the model cannot run batches[2], first drawn at step 2

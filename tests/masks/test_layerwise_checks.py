@@ -12,7 +12,7 @@ from transformers import BertConfig, BertModel
 from sparse24 import is_nm
 from sparse24.masks import prune_layerwise_
 
-from conftest import assert_model_unchanged, model_snapshot, top2_mask
+from conftest import assert_model_unchanged, fail_on_call, model_snapshot, top2_mask
 
 layerwise = sys.modules["sparse24.masks.calibrate"]  # the package's `calibrate` attribute is the function
 
@@ -111,14 +111,7 @@ def test_a_failure_at_any_stage_leaves_every_weight_as_it_was(monkeypatch, stage
     for k in range(n):
         model = mlp()
         snap = model_snapshot(model)
-        real, calls = getattr(layerwise, stage), []
-
-        def failing(*a, **kw2):
-            calls.append(1)
-            if len(calls) == k + 1:
-                raise RuntimeError(f"injected failure at call {k}")
-            return real(*a, **kw2)
-        monkeypatch.setattr(layerwise, stage, failing)
+        fail_on_call(monkeypatch, layerwise, stage, k)
         with pytest.raises(RuntimeError, match=f"injected failure at call {k}") as err:
             run(model)
         monkeypatch.undo()
