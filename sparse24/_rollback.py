@@ -39,9 +39,6 @@ class TensorBackup:
             self._saved.append((t, src.detach()))
             self._ids.add(id(t))
 
-    def __contains__(self, t: torch.Tensor) -> bool:
-        return id(t) in self._ids
-
     def restore(self) -> None:
         """Write every recorded value back (in place: the same tensor objects)."""
         with torch.no_grad():

@@ -50,9 +50,10 @@ def check_calibration(model: nn.Module, calibration: dict | None, method: str, p
     if method in _CALIBRATED_METHODS:
         missing = [fqn for fqn in planned if fqn not in calibration]
         if missing:
-            raise ValueError(f"{who}: calibration has no statistics for {len(missing)} layer(s) that method={method!r} "
-                             f"would prune: {_few(missing)} (did calibrate() run them? it sees nn.Linear inputs "
-                             "only); calibrate them, or leave them out with filter_fn (nothing was changed)")
+            raise ValueError(f"{who}: calibration has no statistics for {len(missing)} layer(s) that "
+                             f"method={method!r} would prune: {_few(missing)} (did calibrate() run them? it sees "
+                             "nn.Linear inputs only); calibrate them, or leave them out with filter_fn (nothing was "
+                             "changed)")
 
 
 def require_sparse_layers(model: nn.Module, who: str) -> None:
@@ -65,11 +66,12 @@ def require_sparse_layers(model: nn.Module, who: str) -> None:
 class ModelRollback:
     """Put a model back exactly as it was when a whole-model call fails part way.
 
-    Recorded at construction (references only, no copies): every module's children,
-    parameters and buffers (so swapped modules and replaced tensors come back as the same
-    objects), every parameter's ``requires_grad`` and ``.grad``, and each ``Sparse24Linear``'s mode state.
-    Tensors the call will write in place are added with :meth:`keep` (their values are
-    copied to the CPU, or taken from ``same``, tensors known to hold equal values).
+    Recorded at construction: every module's children, parameters and buffers (references,
+    so swapped modules and replaced tensors come back as the same objects), every
+    parameter's ``requires_grad`` and ``.grad`` (existing gradients copied: backward adds
+    to them in place), and each ``Sparse24Linear``'s mode state. The values of ``keep``,
+    the tensors the call will write in place, are copied to the CPU, or taken from
+    ``same`` (``{id(tensor): tensor holding equal values}``) without a copy.
 
     Example:
         >>> rollback = ModelRollback(model, keep=[p for p in model.parameters() if p.requires_grad])

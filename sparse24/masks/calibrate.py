@@ -279,13 +279,15 @@ def prune_layerwise_(model: nn.Module, batches, n: int = 2, m: int = 4, method: 
     results: dict[str, PruneResult] = {}
     layers = dict(model.named_modules())
     backup = TensorBackup()  # the weights pruned so far, written back if a later layer fails
-    fqn = None
+    at = ""
     try:
         for wave in waves:
+            at = f"the calibration pass of layer(s) {wave}"
             stats = calibrate(model, batches, hessian=method == "sparsegpt", device=device, stop_early=once,
                               filter_fn=lambda mod, name, wave=wave: name in wave, token_mask=token_mask,
                               teacher=teacher)
             for fqn in wave:
+                at = f"layer {fqn!r}"
                 if fqn not in stats:
                     raise ValueError(f"layer {fqn!r} received no input rows from batches: nothing to calibrate it on")
                 lin = layers[fqn]
@@ -298,8 +300,8 @@ def prune_layerwise_(model: nn.Module, batches, n: int = 2, m: int = 4, method: 
                 results[fqn] = r
     except BaseException as e:
         backup.restore()
-        e.add_note(f"prune_layerwise_: failed at layer {fqn!r} (the {len(results)} layer(s) pruned before it "
-                   "were restored: the model is as it was)")
+        e.add_note(f"prune_layerwise_: failed at {at} (the {len(results)} layer(s) pruned before were restored: "
+                   "the model is as it was)")
         raise
     return results
 

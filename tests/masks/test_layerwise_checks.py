@@ -116,7 +116,12 @@ def test_a_failure_at_any_stage_leaves_every_weight_as_it_was(monkeypatch, stage
             run(model)
         monkeypatch.undo()
         assert_model_unchanged(model, snap)
-        pruning = stage == "prune_nm" or k >= 2 + teacher  # past the check pass
-        assert any("the model is as it was" in note for note in err.value.__notes__) == pruning
+        notes = " | ".join(err.value.__notes__)
+        if stage == "prune_nm" or k >= 2 + teacher:  # past the check pass: i layers were pruned and restored
+            i = k if stage == "prune_nm" else k - 2 - teacher
+            where = f"layer '{'024'[i]}'" if stage == "prune_nm" else f"the calibration pass of layer(s) ['{'024'[i]}']"
+            assert f"prune_layerwise_: failed at {where} (the {i} layer(s) pruned before were restored" in notes
+        else:
+            assert "failed in the check before pruning (nothing was changed)" in notes
     run(model)  # and it still works afterwards
     assert all(is_nm(model[i].weight) for i in (0, 2, 4))
