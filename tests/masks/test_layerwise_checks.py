@@ -10,7 +10,7 @@ from torch import nn
 from transformers import BertConfig, BertModel
 
 from sparse24 import is_nm
-from sparse24.masks import prune_layerwise_
+from sparse24.masks import calibrate, prune_layerwise_
 
 from conftest import assert_model_unchanged, fail_on_call, model_snapshot, top2_mask
 
@@ -55,6 +55,9 @@ def inputs_of(model, name, batches, keep=None):
 def test_bert_pooler_is_calibrated_on_every_sequence_and_padding_is_left_out():
     model, batches = tiny_bert(), padded_batches()
     dense = copy.deepcopy(model)
+    stats = calibrate(dense, batches, token_mask=lambda b: b["attention_mask"])  # one pass: the same rule
+    assert stats["pooler.dense"].count == 8 and stats["encoder.layer.0.attention.self.query"].count == int(
+        sum(b["attention_mask"].sum() for b in batches))
     res = prune_layerwise_(model, batches, method="wanda", token_mask=lambda b: b["attention_mask"])
     linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
     assert list(res) == linears and "pooler.dense" in res and all(is_nm(model.get_submodule(n).weight) for n in linears)
