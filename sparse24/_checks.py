@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["FLOAT_DTYPES", "check_weight", "check_nm", "check_mask", "check_model"]
+__all__ = ["FLOAT_DTYPES", "check_weight", "check_nm", "check_mask", "check_model", "check_finite"]
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -47,3 +47,16 @@ def check_model(model, filter_fn, who: str = "") -> None:
         raise TypeError(f"{who}model must be a torch.nn.Module, got {type(model).__name__}")
     if filter_fn is not None and not callable(filter_fn):
         raise TypeError(f"{who}filter_fn must be callable (module, fqn) -> bool, got {type(filter_fn).__name__}")
+
+
+def check_finite(t: torch.Tensor, name: str = "weight",
+                 why: str = "a 2:4 mask ranks magnitudes, and inf/NaN would spread to every output") -> None:
+    """ValueError unless every entry of a floating ``t`` is finite; the message names ``name``,
+    how many entries are inf/NaN, where the first one is, and ``why`` (integer tensors pass)."""
+    if not t.is_floating_point() or t.is_meta:
+        return
+    bad = ~torch.isfinite(t.detach())
+    if bool(bad.any()):
+        first = tuple(int(i) for i in bad.nonzero()[0])
+        raise ValueError(f"{name} has {int(bad.sum())} non-finite value(s) (inf/NaN), the first at index {first}"
+                         + (f": {why}" if why else ""))

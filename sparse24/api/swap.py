@@ -47,10 +47,11 @@ from typing import Callable, Iterable
 import torch
 from torch import nn
 
-from .._checks import check_model
+from .._checks import check_finite, check_model
 from ..masks import kept_magnitude_fraction
 from ..nn import Sparse24Linear
 from ..nn.prepare import _check_mode, _linear_weight, _prepare
+from .guard import check_calibration, require_sparse_layers
 from .report import LayerReport, SparsifyReport
 from .walk import (MIN_FEATURES, FilterFn, _after_change, _check_foreign_quantization, _child_slots, _direct_readers,
                    _entry, _is_linear, _not_handled, _output_heads, _shared_weights, _skip_reason, _Undo)
@@ -80,7 +81,9 @@ def sparsify_(model: nn.Module, filter_fn: FilterFn | None = None, mode: str = "
             ``"wanda"``, ``"sparsegpt"``).
         calibration: ``{fqn: LayerStats}`` from ``sparse24.calibrate(model, batches)``
             (needed by ``"wanda"`` and ``"sparsegpt"``); ``calibration[fqn]`` goes to
-            the mask method of layer ``fqn``.
+            the mask method of layer ``fqn``. A key naming no layer of ``model``, or a layer
+            to prune without its entry, is a ValueError naming them (``filter_fn`` leaves
+            layers out).
         quantize: ``None`` or ``"int8"`` (compressed mode).
         min_features: skip layers with fewer input or output features.
         trainable_values: compressed mode: ``values`` require grad (frozen layers stay frozen).
@@ -96,6 +99,9 @@ def sparsify_(model: nn.Module, filter_fn: FilterFn | None = None, mode: str = "
         :class:`SparsifyReport` (``print(report)`` for a table), skipped layers and every
         module holding a weight matrix that is not handled (``nn.Embedding``, ``nn.Conv2d``, ...)
         with the reason.
+    Raises:
+        ValueError naming the layer, nothing changed: inf/NaN weights, calibration that does
+        not fit the model, a mask method failing on a layer.
     Example:
         >>> model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
         >>> report = sparsify_(model)
@@ -131,6 +137,7 @@ def sparsify_(model: nn.Module, filter_fn: FilterFn | None = None, mode: str = "
             report.layers.append(_entry(fqn, mod, "skipped", why))
         else:
             plan.append((fqn, mod))
+    check_calibration(model, calibration, method, [fqn for fqn, _ in plan])
     # 1. Compute every mask (and compressed weight) and build every new module: nothing changes yet.
     built = []
     for fqn, mod in plan:
@@ -226,6 +233,9 @@ def compress_(model: nn.Module, quantize: str | None = None, trainable_values: b
         trainable_values: the compressed ``values`` require grad (frozen layers stay frozen).
     Returns:
         :class:`SparsifyReport`.
+    Raises:
+        ValueError (nothing changed): the model has no ``Sparse24Linear`` (never sparsified:
+        compressing it would silently do nothing), a masked layer's weight holds inf/NaN.
     Example:
         >>> model = nn.Sequential(nn.Linear(64, 64)); _ = sparsify_(model)
         >>> compress_(model).changed[0].mode
@@ -233,6 +243,7 @@ def compress_(model: nn.Module, quantize: str | None = None, trainable_values: b
     """
     check_model(model, None)
     _check_mode("compressed", quantize, trainable_values)
+    require_sparse_layers(model, "compress_")
     layers, readers = _sparse_layers(model), _direct_readers(model)
     for fqn, m in layers:  # refuse before changing anything
         if m.mode == "compressed" and m.quantize != quantize:
@@ -244,6 +255,8 @@ def compress_(model: nn.Module, quantize: str | None = None, trainable_values: b
         if id(m) in readers or (m.mode == "compressed" and trainable_values == m.values.requires_grad):
             continue
         try:
+            if m.mode == "masked":
+                check_finite(m.weight)
             packed[fqn] = m._compressed_form(quantize)
         except (ValueError, TypeError) as e:
             raise type(e)(f"compress_: layer {fqn!r}: {e} (nothing was changed)") from e
@@ -267,8 +280,11 @@ def decompress_(model: nn.Module) -> SparsifyReport:
 
     Returns:
         :class:`SparsifyReport`.
+    Raises:
+        ValueError: the model has no ``Sparse24Linear`` (nothing to switch).
     """
     check_model(model, None)
+    require_sparse_layers(model, "decompress_")
     report = SparsifyReport("decompress_")
     todo = [(fqn, m) for fqn, m in _sparse_layers(model) if m.mode == "compressed"]
     _switch_all([(m, m.to_masked) for _, m in todo])
@@ -286,12 +302,15 @@ def densify_(model: nn.Module) -> SparsifyReport:
 
     Returns:
         :class:`SparsifyReport`.
+    Raises:
+        ValueError: the model has no ``Sparse24Linear`` (nothing to switch).
     Example:
         >>> model = nn.Sequential(nn.Linear(64, 64)); _ = sparsify_(model)
         >>> _ = densify_(model); type(model[0]).__name__
         'Linear'
     """
     check_model(model, None)
+    require_sparse_layers(model, "densify_")
     report = SparsifyReport("densify_")
     slots = _child_slots(model)
     layers = _sparse_layers(model)

@@ -191,10 +191,10 @@ def _skip_reason(fqn, mod, filter_fn, min_features, shared, readers, heads, meth
         return f"weight is shared with {', '.join(others)} (tied): pruning it would also prune those"
     if id(mod) in heads:
         return heads[id(mod)]
-    if method in _CALIBRATED_METHODS and calibration is not None and fqn not in calibration:
-        why = (f"{readers[id(mod)]}, so calibrate() never sees its input" if id(mod) in readers
-               else "was it run during calibrate()?")
-        return f"no calibration statistics for this layer (method={method!r}): {why}"
+    if method in _CALIBRATED_METHODS and calibration is not None and fqn not in calibration and id(mod) in readers:
+        # any other layer without statistics is an error (api.guard.check_calibration)
+        return (f"no calibration statistics for this layer (method={method!r}): {readers[id(mod)]}, "
+                "so calibrate() never sees its input")
     return ""
 
 

@@ -10,7 +10,8 @@ import torch
 from torch import nn
 
 from .._checks import check_model
-from .objective import _batch_stream, _check_steps, _nonempty, _Objective, _optimizer_step, _warmup_cosine
+from .objective import (_batch_stream, _check_steps, _failure_note, _nonempty, _Objective, _optimizer_step,
+                        _rollback_for, _warmup_cosine)
 
 __all__ = ["distill_", "DistillReport"]
 
@@ -38,7 +39,10 @@ def distill_(model: nn.Module, batches, steps: int, *, teacher: nn.Module | None
     through any optimizer, so this trains every given parameter freely: AdamW,
     linear warmup over ``warmup * steps`` steps, cosine decay to
     ``final_lr * lr``, gradient clipping; the models run in the mode they are
-    in (``.eval()`` switches dropout off). Loss: ``loss_fn(output, batch)``
+    in (``.eval()`` switches dropout off). All or nothing: if a step fails (or on
+    Ctrl-C), every trained parameter and buffer gets its value from before the call
+    back (a copy is kept on the CPU while it runs; save checkpoints from ``callback``
+    to keep progress) and the error notes the step and batch. Loss: ``loss_fn(output, batch)``
     and/or distillation from ``teacher`` (``output_loss`` on the outputs plus
     ``hidden_weight`` x the relative MSE of the ``hidden`` modules' outputs,
     averaged over those modules).
@@ -82,12 +86,18 @@ def distill_(model: nn.Module, batches, steps: int, *, teacher: nn.Module | None
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _warmup_cosine(steps, warmup, final_lr))
     rep = DistillReport()
+    rollback = _rollback_for(model, params)  # all or nothing: a failure at step k puts back what was trained
     t0 = time.perf_counter()
     try:
         for step, batch in enumerate(_batch_stream(batches, steps)):
             rep.losses.append(_optimizer_step(objective(batch), params, clip, opt, sched))
             if callback is not None:
                 callback(step, rep.losses[-1])
+    except BaseException as e:
+        rollback.restore()
+        e.add_note(_failure_note("distill_", objective, steps, batches)
+                   + ": the model was put back as it was before the call")
+        raise
     finally:
         objective.close()
     rep.seconds = time.perf_counter() - t0

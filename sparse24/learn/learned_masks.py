@@ -13,10 +13,11 @@ from torch import nn
 
 from .._checks import check_model
 from ..api import MIN_FEATURES, SparsifyReport, sparsify_
-from ..api.walk import _child_slots, _Undo
+from ..api.walk import _SWAPPABLE, _child_slots, _Undo
 from ..masks import LearnableMask
 from ..nn import Sparse24Linear
-from .objective import _batch_stream, _check_steps, _nonempty, _Objective, _optimizer_step, _warmup_cosine
+from .objective import (_batch_stream, _check_steps, _failure_note, _nonempty, _Objective, _optimizer_step,
+                        _rollback_for, _warmup_cosine)
 
 __all__ = ["learn_masks", "LearnReport"]
 
@@ -134,6 +135,12 @@ def learn_masks(model: nn.Module, batches, steps: int, *, loss_fn: Callable | No
     The model and the teacher run in the train/eval mode they are in (call
     ``.eval()`` to switch dropout off); the default teacher is in eval mode.
 
+    All or nothing: if anything fails (a batch the model cannot run, ``loss_fn``,
+    ``callback``, Ctrl-C), the layer swaps are undone and the weights, buffers and
+    gradients get their values from before the call back (the pruned weights from the
+    teacher's copy where it holds them, the rest from a CPU copy); the error's notes
+    give the step and the batch (``batches[i]`` for a list).
+
     Memory: the logits are ``(6, R, C/4)`` per layer in ``logits_dtype``, 6
     floats per group (24 B per 4 weights in fp32; AdamW adds 2 more per logit),
     plus a dense copy of the selected weights (the default teacher).
@@ -212,11 +219,23 @@ def learn_masks(model: nn.Module, batches, steps: int, *, loss_fn: Callable | No
         raise ValueError(f"clip must be None or a number > 0, got {clip!r}")
     objective = _Objective(model, teacher, loss_fn, output_loss, hidden, hidden_weight, forward)  # checks first
     opt_kwargs = {"lr": lr, "weight_lr": weight_lr, "weight_decay": weight_decay, "betas": tuple(betas), "clip": clip}
+    # All or nothing: what the call may write (the pruned weights, the weights it trains, buffers) is kept,
+    # taken from the teacher's parameters where they hold equal values (our own copy's always do; the
+    # teacher's parameters are only read, its buffers may move in train mode).
+    t_params = dict(teacher.named_parameters()) if teacher is not None else {}
+    same = {id(p): t_params[k] for k, p in model.named_parameters() if k in t_params}
+    rollback = _rollback_for(model, [p for p in model.parameters() if train_weights and p.requires_grad]
+                             + [m.weight for m in model.modules() if type(m) in _SWAPPABLE], same)
     try:
         return _learn(model, batches, steps, objective, teacher, prior, calibration, tau, hard_fraction, noise,
                       confidence, magnitude_reg, train_weights, opt_kwargs, filter_fn,
                       {"min_features": min_features, "skip_output_head": skip_output_head}, logits_dtype,
                       check_batches, seed, callback)
+    except BaseException as e:
+        rollback.restore()
+        e.add_note("learn_masks: every layer swap and weight change was undone: the model is as it was before the "
+                   "call")
+        raise
     finally:
         objective.close()
 
@@ -269,15 +288,18 @@ def _learn(model, batches, steps, objective, teacher, prior, calibration, tau, h
     try:
         _train_masks(batches, steps, objective, learners, schedule, tau, hard_fraction, noise, magnitude_reg,
                      train_weights, opt_kwargs, check_batches, callback, rep)
-    finally:
-        # 4. write the masks back (also after an error or Ctrl-C: the model stays a valid 2:4 model)
-        for fqn, (sp, stand_in) in learners.items():
-            final = stand_in.mask.hard_mask() if rep.kept == "learned" else stand_in.prior
-            with torch.no_grad():
-                sp.mask.copy_(final)
-                sp.weight.copy_(torch.where(final, stand_in.weight.detach(), 0))
-            rep.layers[fqn] = float((final != stand_in.prior).view(-1, 4).any(-1).float().mean())
-        swaps.undo()  # every layer back into the slots it came from
+    except BaseException as e:  # learn_masks puts the whole model back
+        swaps.undo()
+        e.add_note(_failure_note("learn_masks", objective, steps, batches))
+        raise
+    # 4. write the masks back
+    for fqn, (sp, stand_in) in learners.items():
+        final = stand_in.mask.hard_mask() if rep.kept == "learned" else stand_in.prior
+        with torch.no_grad():
+            sp.mask.copy_(final)
+            sp.weight.copy_(torch.where(final, stand_in.weight.detach(), 0))
+        rep.layers[fqn] = float((final != stand_in.prior).view(-1, 4).any(-1).float().mean())
+    swaps.undo()  # every layer back into the slots it came from
     rep.logit_bytes = sum(s.mask.logits.numel() * s.mask.logits.element_size() for _, s in learners.values())
     return rep
 

@@ -10,6 +10,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..api.guard import ModelRollback
+from ..nn import Sparse24Linear
+
 __all__ = ["OUTPUT_LOSSES"]
 
 OUTPUT_LOSSES = ("mse", "cosine", "kl")
@@ -87,6 +90,7 @@ class _Objective:
         self.student, self.teacher, self.loss_fn, self.output_loss = student, teacher, loss_fn, output_loss
         self.hidden, self.hidden_weight = hidden, float(hidden_weight)
         self._s, self._t, self._handles = {}, {}, []
+        self.calls = 0  # losses asked for: the step a failure happened at
         for h in hidden:
             self._handles.append(s_mods[h].register_forward_hook(self._keep(self._s, h)))
             self._handles.append(t_mods[h].register_forward_hook(self._keep(self._t, h)))
@@ -98,6 +102,7 @@ class _Objective:
         return hook
 
     def __call__(self, batch) -> torch.Tensor:
+        self.calls += 1
         out = self.forward(self.student, batch)
         loss = self.loss_fn(out, batch) if self.loss_fn is not None else 0.0
         if self.teacher is not None:
@@ -176,3 +181,23 @@ def _warmup_cosine(steps: int, warmup: float, floor: float):
             return (s + 1) / w
         return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * (s - w) / max(1, steps - w)))
     return factor
+
+
+def _rollback_for(model: nn.Module, trained, same: dict | None = None) -> ModelRollback:
+    """What a training call must put back if it fails: ``model``'s structure, the values of the
+    ``trained`` tensors and of its buffers (running statistics move in train mode); the 2:4 masks,
+    written only on success, are left out."""
+    masks = {id(m.mask) for m in model.modules() if isinstance(m, Sparse24Linear) and m.mode == "masked"}
+    buffers = [b for b in model.buffers() if id(b) not in masks]
+    return ModelRollback(model, keep=[*trained, *buffers], same=same)
+
+
+def _failure_note(who: str, objective: _Objective, steps: int, batches) -> str:
+    """Where a training loop stopped (one objective call per step): the step and, for a list of
+    batches (cycled), the batch's index."""
+    step = objective.calls - 1
+    if step >= steps:
+        return f"{who}: failed after the {steps} training steps"
+    n = len(batches) if hasattr(batches, "__len__") else None
+    which = f"batches[{step % n}]" if n else f"the batch drawn for step {step}"
+    return f"{who}: failed at step {step} of {steps}, on {which}"

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from .._checks import check_model
+from .._rollback import TensorBackup
 from .nm import METHODS, LayerStats, PruneResult, prune_nm
 from .reconstruct import PERCDAMP, damped_hessian
 
@@ -46,6 +47,10 @@ def calibrate(model: nn.Module, batches, hessian: bool = False, filter_fn=None, 
             it is True count. Padding positions carry hidden states the model
             never uses; left in, they bias every statistic (on
             all-MiniLM-L6-v2 batches of 32 random sentences are 56% padding).
+            A layer whose input lacks the mask's last (token) axis, ``(B, K)``
+            for a ``(B, L)`` mask, as BERT's pooler reading one token per
+            sequence, has no padding rows: all its rows count. Any other shape
+            is a ValueError naming the layer.
         teacher: optional separate module with an ``nn.Linear`` of the same
             name and ``in_features`` for every selected layer (e.g. a
             ``copy.deepcopy`` of the model made before pruning it). It runs
@@ -81,13 +86,7 @@ def calibrate(model: nn.Module, batches, hessian: bool = False, filter_fn=None, 
     seen: set[str] = set()
 
     def inputs(fqn: str, k: int, args) -> torch.Tensor:
-        x = args[0].detach()
-        if rows[0] is not None:
-            if tuple(x.shape[:-1]) != tuple(rows[0].shape):
-                raise ValueError(f"token_mask gave shape {tuple(rows[0].shape)} but layer {fqn!r} reads an "
-                                 f"input of shape {tuple(x.shape)}: it must match the leading dimensions")
-            x = x[rows[0]]
-        return x.reshape(-1, k).to(dtype)
+        return _token_inputs(fqn, args[0].detach(), rows[0]).reshape(-1, k).to(dtype)
 
     def stop_if_done():
         if stop_early and len(seen) == len(selected):
@@ -217,6 +216,14 @@ def prune_layerwise_(model: nn.Module, batches, n: int = 2, m: int = 4, method: 
     reconstruction) this took the mean embedding cosine from 0.923 to 0.941;
     without a teacher, layer by layer gave 0.923, the same as one pass.
 
+    All or nothing: before any layer changes, one forward pass over every batch
+    (no statistics) checks that each batch runs, that ``token_mask`` fits every
+    layer's input and that every layer gets rows (errors name the batch and the
+    layer); the teacher's names, widths and call order are checked on the first
+    batch. If a layer still fails later (or on Ctrl-C), the layers already pruned
+    get their weights back (a copy of each is kept on the CPU until the call
+    returns) and the error says at which layer it stopped.
+
     Args:
         model: module with ``nn.Linear`` layers (``in_features % m == 0`` to be pruned).
         batches: a re-iterable collection (e.g. a list) of batches as in :func:`calibrate`.
@@ -244,13 +251,16 @@ def prune_layerwise_(model: nn.Module, batches, n: int = 2, m: int = 4, method: 
     first = next(iter(batches), None)
     if first is None:
         raise ValueError("batches is empty: prune_layerwise_ needs calibration inputs")
+    if token_mask is not None and not callable(token_mask):
+        raise TypeError(f"token_mask must be callable (batch) -> bool tensor, got {type(token_mask).__name__}")
     names = {mod: fqn for fqn, mod in model.named_modules()
              if isinstance(mod, nn.Linear) and mod.in_features % m == 0 and (filter_fn is None or filter_fn(mod, fqn))}
-    calls = _call_order(model, names, first, device)
-    if teacher is not None:  # checked before any layer changes, so that bad input changes nothing
+    # Everything checked before any layer changes, so that bad input changes nothing.
+    calls = _check_inputs(model, names, batches, device, token_mask)
+    if teacher is not None:
         _check_teacher(model, teacher, {fqn: mod for mod, fqn in names.items()})
         t_names = {teacher.get_submodule(fqn): fqn for fqn in names.values()}
-        if [fqn for fqn, _ in _call_order(teacher, t_names, first, device)] != [fqn for fqn, _ in calls]:
+        if [fqn for fqn, _ in _check_inputs(teacher, t_names, [first], device)] != [fqn for fqn, _ in calls]:
             raise ValueError("the teacher calls its layers in another order or number than the model does on "
                              "the first batch: it must run the same computation (the model before pruning)")
     once = len({fqn for fqn, _ in calls}) == len(calls)  # every layer called once per forward
@@ -268,38 +278,91 @@ def prune_layerwise_(model: nn.Module, batches, n: int = 2, m: int = 4, method: 
             waves.append([fqn])
     results: dict[str, PruneResult] = {}
     layers = dict(model.named_modules())
-    for wave in waves:
-        stats = calibrate(model, batches, hessian=method == "sparsegpt", device=device, stop_early=once,
-                          filter_fn=lambda mod, name, wave=wave: name in wave, token_mask=token_mask, teacher=teacher)
-        for fqn in wave:
-            if fqn not in stats:
-                raise ValueError(f"layer {fqn!r} received no input rows from batches: nothing to calibrate it on")
-            lin = layers[fqn]
-            w = (lin.weight if teacher is None
-                 else _teacher_target(lin.weight, stats[fqn], kwargs.get("percdamp", PERCDAMP)))
-            r = prune_nm(w, n, m, method, calibration=stats[fqn], **kwargs)
-            with torch.no_grad():
-                lin.weight.copy_(r.weight)
-            results[fqn] = r
+    backup = TensorBackup()  # the weights pruned so far, written back if a later layer fails
+    at = ""
+    try:
+        for wave in waves:
+            at = f"the calibration pass of layer(s) {wave}"
+            stats = calibrate(model, batches, hessian=method == "sparsegpt", device=device, stop_early=once,
+                              filter_fn=lambda mod, name, wave=wave: name in wave, token_mask=token_mask,
+                              teacher=teacher)
+            for fqn in wave:
+                at = f"layer {fqn!r}"
+                if fqn not in stats:
+                    raise ValueError(f"layer {fqn!r} received no input rows from batches: nothing to calibrate it on")
+                lin = layers[fqn]
+                w = (lin.weight if teacher is None
+                     else _teacher_target(lin.weight, stats[fqn], kwargs.get("percdamp", PERCDAMP)))
+                r = prune_nm(w, n, m, method, calibration=stats[fqn], **kwargs)
+                backup.keep([lin.weight])
+                with torch.no_grad():
+                    lin.weight.copy_(r.weight)
+                results[fqn] = r
+    except BaseException as e:
+        backup.restore()
+        e.add_note(f"prune_layerwise_: failed at {at} (the {len(results)} layer(s) pruned before were restored: "
+                   "the model is as it was)")
+        raise
     return results
 
 
-def _call_order(model: nn.Module, names: dict[nn.Module, str], batch, device) -> list[tuple[str, bool]]:
-    """``(layer name, reads the same input tensor as the call before)`` for every call of the
-    ``names`` layers in one forward pass of ``batch``; only the last input is held, so no
-    activation beyond one is kept alive."""
+def _token_inputs(fqn: str, x: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+    """The rows of a layer's input ``x`` (``(..., K)``) that the batch's token mask ``rows``
+    keeps: ``x[rows]`` when ``x``'s leading dimensions are the mask's; all of them when ``x``
+    lacks the mask's last (token) axis (a pooler's ``(B, K)`` under a ``(B, L)`` mask); else
+    ValueError naming the layer."""
+    if rows is None:
+        return x
+    lead, want = tuple(x.shape[:-1]), tuple(rows.shape)
+    if lead == want:
+        return x[rows]
+    if lead == want[:-1]:  # one row per sequence: no padding positions to drop
+        return x
+    raise ValueError(f"token_mask gave shape {want} but layer {fqn!r} reads an input of shape {tuple(x.shape)}: "
+                     f"its leading dimensions must be the mask's {want} (or {want[:-1]}, one row per sequence)")
+
+
+def _check_inputs(model: nn.Module, names: dict[nn.Module, str], batches, device,
+                  token_mask: Callable | None = None) -> list[tuple[str, bool]]:
+    """One forward pass over every batch (no statistics, nothing changed) that checks what
+    layer-by-layer pruning would otherwise meet part way: every batch runs, ``token_mask``
+    fits every ``names`` layer's input (:func:`_token_inputs`), every layer called gets rows.
+
+    Returns ``(layer name, reads the same input tensor as the call before)`` for every call
+    of the ``names`` layers in the forward pass of the first batch. Only the last input is
+    held, so no activation beyond one is kept alive.
+    """
     calls: list[tuple[str, bool]] = []
-    last = [None]
+    last, rows, index = [None], [None], [0]
+    counts: dict[str, int] = {}
 
     def record(mod, args):
-        calls.append((names[mod], args[0] is last[0]))
-        last[0] = args[0]
+        fqn, x = names[mod], args[0]
+        if index[0] == 0:
+            calls.append((fqn, x is last[0]))
+            last[0] = x
+        counts[fqn] = counts.get(fqn, 0) + _token_inputs(fqn, x, rows[0]).numel() // max(1, x.shape[-1])
     handles = [mod.register_forward_pre_hook(record) for mod in names]
-    try:  # no statistics collected
-        calibrate(model, [batch], device=device, filter_fn=lambda mod, fqn: False)
+    try:
+        for index[0], b in enumerate(batches):
+            try:
+                if token_mask is not None:
+                    rows[0] = _token_rows(token_mask(_to_device(b, device)))
+                calibrate(model, [b], device=device, filter_fn=lambda mod, fqn: False)  # no statistics collected
+            except (ValueError, TypeError) as e:
+                raise type(e)(f"batch {index[0]}: {e} (checked before pruning: nothing was changed)") from e
+            except Exception as e:
+                e.add_note(f"prune_layerwise_: batch {index[0]} failed in the check before pruning (nothing was "
+                           "changed)")
+                raise
+            last[0] = None
     finally:
         for h in handles:
             h.remove()
+    empty = [fqn for fqn, c in counts.items() if c == 0]
+    if empty:
+        raise ValueError(f"layer(s) {empty} received no input rows from batches (token_mask keeps none of their "
+                         "tokens): nothing to calibrate them on (nothing was changed)")
     return calls
 
 

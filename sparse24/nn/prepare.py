@@ -10,6 +10,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from .._checks import check_finite
 from ..format import FLOAT_DTYPES, Sparse24Tensor, _check_mask24, compress
 from ..masks import METHODS, mask_nm, prune_nm
 
@@ -128,6 +129,7 @@ def _prepare(linear, mask, mode, method, quantize, calibration, trainable_values
             raise TypeError(f"weight must be floating point, got {w.dtype}")
         p = _placeholder(R, C, w.dtype, quantize, "meta") if mode == "compressed" else None
         return _Prepared(None, torch.empty(R, C, dtype=torch.bool, device="meta"), p, pending)
+    check_finite(w)
     if mask is None:
         new_w, mask = _prune_weight(w, method, calibration, **mask_kwargs)
     else:

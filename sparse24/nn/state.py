@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from .._checks import check_finite
 from ..format import Sparse24Tensor, _check_mask24, compress
 from . import prepare
 from .prepare import is_conv1d_class
@@ -48,6 +49,7 @@ def check_state(self, sd: dict, prefix: str) -> None:
         raise ValueError(f"incomplete 2:4 entries: got {sorted(has)}, a {self._mode} layer needs all of "
                          f"{sorted(want)} (or none)")
     # else: all wanted entries plus extras (reported as unexpected by nn.Module): check the wanted ones
+    _check_finite_entries(sd, prefix, sorted(want))
     if self._mode == "masked":
         _check_state_masked(sd[prefix + "weight"], sd[prefix + "mask"], (R, C), prefix)
         return
@@ -58,6 +60,13 @@ def check_state(self, sd: dict, prefix: str) -> None:
         raise TypeError(f"'{prefix}values' must be int8 for an INT8 layer, got {values.dtype}")
     dtype = None if scale is None else self._dtype
     Sparse24Tensor(values, meta, (R, C), dtype, scale).validate()  # shapes, dtypes, corrupt slots
+
+
+def _check_finite_entries(sd: dict, prefix: str, keys) -> None:
+    """A checkpoint's floating entries must be finite: inf/NaN values (a corrupt file, a diverged
+    run) would load without a word and spread to every output."""
+    for k in keys:
+        check_finite(sd[prefix + k], f"'{prefix}{k}'", "a corrupt or diverged checkpoint")
 
 
 def _check_state_masked(weight: torch.Tensor, mask: torch.Tensor, shape, prefix: str) -> None:
@@ -85,6 +94,8 @@ class StateDictMixin:
             _check_state_masked(self.weight.detach(), self.mask, (R, C), "")
         else:
             self.sparse_tensor().validate()
+        _check_finite_entries(dict(self.named_parameters(recurse=False)) | dict(self.named_buffers(recurse=False)),
+                              "", [k for k in ("weight", "values", "scale") if getattr(self, k, None) is not None])
         return self
 
     def _finish_loading(self, trainable_values: bool = False) -> None:

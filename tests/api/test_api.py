@@ -235,9 +235,11 @@ def test_mask_methods_and_calibration_are_forwarded():
     stats = sparse24.calibrate(model, [tokens])
     del stats["proj"]
     weights = {f: model.get_submodule(f).weight.detach().clone() for f in SWAPPED}
-    report = sparse24.sparsify_(model, method="wanda", calibration=stats)
+    with pytest.raises(ValueError, match="no statistics for 1 layer.s. that method='wanda' would prune: 'proj'"):
+        sparse24.sparsify_(model, method="wanda", calibration=stats)  # a layer left out is an error, as None is
+    report = sparse24.sparsify_(model, lambda mod, fqn: fqn != "proj", method="wanda", calibration=stats)
     reasons = {r.fqn: r.reason for r in report.skipped}
-    assert "no calibration statistics for this layer (method='wanda'): was it run" in reasons["proj"]
+    assert reasons["proj"] == "excluded by filter_fn"
     out_projs = {f"enc.layers.{i}.self_attn.out_proj" for i in range(2)}  # MultiheadAttention never calls them
     assert all("reads out_proj.weight in its functional forward, so calibrate() never sees" in reasons[f]
                for f in out_projs)
@@ -331,9 +333,11 @@ def test_compress_int8_failing_layer_leaves_the_model_untouched():
     sparse24.sparsify_(model)
     with torch.no_grad():
         model[1].weight[0, model[1].mask[0].nonzero()[0, 0]] = float("inf")
-    with pytest.raises(ValueError, match=r"compress_: layer '1': cannot quantize.*\(nothing was changed\)"):
-        sparse24.compress_(model, quantize="int8")
-    assert [m.mode for m in model] == ["masked", "masked"]
+    for quantize in ("int8", None):  # inf is refused with or without quantization
+        with pytest.raises(ValueError, match=r"compress_: layer '1': weight has 1 non-finite value.*"
+                                             r"\(nothing was changed\)"):
+            sparse24.compress_(model, quantize=quantize)
+        assert [m.mode for m in model] == ["masked", "masked"]
 
 
 def test_sparsify_compressed_int8_matches_dequantized_model():

@@ -13,7 +13,7 @@ import sparse24
 from sparse24 import Sparse24Linear
 from sparse24.api import swap, walk
 
-from conftest import top2_mask
+from conftest import assert_model_unchanged as assert_unchanged, fail_on_call, model_snapshot as snapshot, top2_mask
 
 VOCAB, D = 96, 64
 
@@ -43,38 +43,11 @@ def build(seed=0):
     return LM()
 
 
-def snapshot(model):
-    """Everything a failed call must leave as it was: module objects, parameter objects and flags, values."""
-    return {"modules": dict(model.named_modules()),
-            "params": {n: (p, p.requires_grad) for n, p in model.named_parameters()},
-            "state": {k: v.clone() for k, v in model.state_dict().items()}}
-
-
-def assert_unchanged(model, snap):
-    assert dict(model.named_modules()) == snap["modules"]
-    assert {n: (p, p.requires_grad) for n, p in model.named_parameters()} == snap["params"]
-    state = model.state_dict()
-    assert state.keys() == snap["state"].keys() and all(torch.equal(state[k], v) for k, v in snap["state"].items())
-
-
 def assert_gradient_masked(model, name="fc1"):
     """A backward pass through the model leaves the layer's pruned weights without gradient."""
     model(torch.randint(0, VOCAB, (2, 5))).sum().backward()
     layer = model.get_submodule(name)
     assert bool((layer.weight.grad[~layer.mask] == 0).all())
-
-
-def fail_on_call(monkeypatch, owner, name, k):
-    """Make ``owner.name`` raise on its k-th call (0-based)."""
-    real = getattr(owner, name)
-    calls = []
-
-    def wrapper(*a, **kw):
-        calls.append(1)
-        if len(calls) == k + 1:
-            raise RuntimeError(f"injected failure at call {k}")
-        return real(*a, **kw)
-    monkeypatch.setattr(owner, name, wrapper)
 
 
 @pytest.mark.parametrize("where", ["_prepare", "_adopt", "_set_child"])
@@ -98,16 +71,11 @@ def test_prune_trained_model_fails_at_any_layer_and_changes_nothing(monkeypatch,
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     model(torch.randint(0, VOCAB, (2, 5))).sum().backward()
     opt.step()
-    groups = [list(g["params"]) for g in opt.param_groups]
-    opt_state = {p: {k2: v.clone() for k2, v in s.items()} for p, s in opt.state.items()}
-    snap = snapshot(model)
+    snap = snapshot(model, opt)
     fail_on_call(monkeypatch, walk, "_set_child", k)
     with pytest.raises(RuntimeError, match="injected failure"):
         sparse24.prune_trained_model(model, opt)
-    assert_unchanged(model, snap)
-    assert [list(g["params"]) for g in opt.param_groups] == groups
-    assert opt.state.keys() == opt_state.keys()
-    assert all(torch.equal(opt.state[p][n], v) for p, s in opt_state.items() for n, v in s.items())
+    assert_unchanged(model, snap, opt)
 
 
 @pytest.mark.parametrize("call", ["compress_", "decompress_", "densify_"])

@@ -1,0 +1,46 @@
+"""Tensor values kept aside so that a call that fails part way can write them back (the
+bottom floor: imports only torch; whole-model calls build on it to stay all or nothing)."""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+
+__all__ = ["TensorBackup"]
+
+
+class TensorBackup:
+    """The values of tensors a call is about to write in place, and :meth:`restore` to write
+    them back.
+
+    Copies go to the CPU (host memory is the cheaper place for a model-sized copy), unless
+    ``same`` offers a tensor already holding equal values (e.g. a teacher's copy of a weight),
+    which is then used without a copy. Meta tensors hold no values and are not kept.
+
+    Example:
+        >>> w = torch.ones(2, 2); backup = TensorBackup(); backup.keep([w])
+        >>> _ = w.zero_(); backup.restore(); float(w.sum())
+        4.0
+    """
+
+    def __init__(self):
+        self._saved: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._ids: set[int] = set()
+
+    def keep(self, tensors: Iterable[torch.Tensor], same: dict | None = None) -> None:
+        """Record the current values of ``tensors`` (each once); ``same``: ``{id(tensor): equal tensor}``."""
+        for t in tensors:
+            if id(t) in self._ids or t.is_meta:
+                continue
+            src = (same or {}).get(id(t))
+            if not (isinstance(src, torch.Tensor) and src.shape == t.shape and src.dtype == t.dtype
+                    and torch.equal(src.detach().to(t.device), t.detach())):
+                src = t.detach().to("cpu", copy=True)
+            self._saved.append((t, src.detach()))
+            self._ids.add(id(t))
+
+    def restore(self) -> None:
+        """Write every recorded value back (in place: the same tensor objects)."""
+        with torch.no_grad():
+            for t, v in self._saved:
+                t.copy_(v)
