@@ -1,0 +1,109 @@
+"""The prefill kernel's launch pieces (``kernels/sparse24_prefill.py``, M > 16,
+the decode layout): its config space and untuned defaults, and its argument
+variant for the plan-cached launch path in :mod:`.launch` (which imports it).
+
+At M > 16 on CUDA a decode-layout weight runs this kernel (``sparse24::linear``
+routes it, :mod:`.op`): each weight tile is decoded once per BLOCK_M rows of x
+(128 or 256 at prefill sizes), straight from the one copy the module holds;
+no call converts or decompresses the whole weight (``scripts/bench_host.py
+--prefill`` counts the aten ops and bytes a call allocates).
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ...decode_format import decode_dims
+from ..config_space import DECODE_M, KernelConfig
+
+__all__ = ["prefill_config", "prefill_configs", "check_prefill_config", "PrefillVariant"]
+
+# The untuned defaults, chosen from the sm_90 SASS counts and the model built on them
+# (scripts/kernel_static_check.py --prefill, docs/kernels.md "Prefill path"; not timed
+# on a GPU yet). One 16-row W tile per warp (num_warps == BLOCK_N // 16, the decode
+# layout's fragment ownership) and BLOCK_N >= 64, so sm_90 runs wgmma with W from
+# registers (HGMMA). The loop waits for its own wgmma before decoding the next tile,
+# so decode and tensor cores overlap only across programs sharing an SM: 128 x 128 x 64
+# tiles with 2 stages need 128 registers (2 programs per SM; INT8 needs 3 stages to stay
+# at 127, 2 stages take 137), and where those tiles give fewer than 2 programs per SM
+# 128 x 64 tiles (3 per SM) are predicted faster.
+_SMALL_M = {32: (32, 64, 128, 4, 2), 64: (64, 64, 128, 4, 2)}
+
+
+def prefill_config(M: int, N: int, K: int, int8: bool = False, num_sms: int = 132) -> KernelConfig:
+    """The untuned prefill config for ``M`` rows (``M > 16``) of an ``N x K`` weight:
+    BLOCK_M covers all rows up to 64 (one program row, W decoded once per call),
+    128 beyond, with BLOCK_N 128 when that still gives 2 programs per SM of the
+    ``num_sms`` (default: an H200's 132), else 64."""
+    if M <= DECODE_M:
+        raise ValueError(f"the prefill kernel serves M > {DECODE_M}, got M = {M}")
+    if M <= 64:
+        bm, bn, bk, warps, stages = _SMALL_M[32 if M <= 32 else 64]
+    elif -(-M // 128) * -(-N // 128) >= 2 * num_sms:
+        bm, bn, bk, warps, stages = 128, 128, 64, 8, 3 if int8 else 2
+    else:
+        bm, bn, bk, warps, stages = 128, 64, 64, 4, 2
+    return _config(bm, bn, bk, warps, stages)
+
+
+@functools.lru_cache(maxsize=None)
+def _config(bm, bn, bk, warps, stages) -> KernelConfig:
+    return KernelConfig(bm, bn, bk, 8, 1, warps, stages, kernel="prefill")
+
+
+def prefill_configs(M: int) -> list[KernelConfig]:
+    """The prefill config space for the static report and a tuner: BLOCK_M in
+    (128, 256) (32 and 64 at M <= 64), BLOCK_N x warps in (64 x 4, 128 x 8),
+    BLOCK_K 64, 2 or 3 stages (pipelined x loads). Left out, measured by the
+    static report (sm_90, Triton 3.9): BLOCK_K 128 (200-255 registers, one
+    program per SM or spills), 4 stages (the issue count of 3)."""
+    bms = (32, 64) if M <= 32 else (64,) if M <= 64 else (128, 256)
+    return [check_prefill_config(KernelConfig(bm, bn, 64 if bm >= 128 else 128, 8, 1, w, st, kernel="prefill"))
+            for bm in bms for bn, w in ((64, 4), (128, 8)) for st in (2, 3)]
+
+
+def check_prefill_config(config: KernelConfig) -> KernelConfig:
+    """Raise ValueError unless the prefill kernel can run ``config``; returns it."""
+    c = config.validate()
+    if c.kernel != "prefill" or c.block_m < 16 or c.block_k < 64 or c.block_n not in (32, 64, 128) \
+            or c.num_warps != c.block_n // 16 or c.split_k != 1:
+        raise ValueError(f"bad prefill config {c}: need kernel 'prefill', block_m >= 16, block_k >= 64, block_n "
+                         f"in (32, 64, 128), num_warps == block_n // 16 and split_k == 1")
+    return c
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class PrefillVariant:
+    """``kernels/sparse24_prefill.py``: the decode layout, BLOCK_M rows of x per program
+    (the interface of the variants in :mod:`.launch`)."""
+
+    @staticmethod
+    def kernel(cuda: bool):
+        from sparse24.kernels.sparse24_prefill import sparse24_prefill, sparse24_prefill_interpreted
+        return sparse24_prefill if cuda else sparse24_prefill_interpreted
+
+    @staticmethod
+    def constexprs(config, split_k, has_scale, values_dtype, has_bias, tf32) -> dict:
+        return dict(INT8=has_scale, W_BF16=values_dtype == torch.bfloat16, HAS_BIAS=has_bias,
+                    DOT_PRECISION="tf32" if tf32 else "ieee", BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+                    BLOCK_K=config.block_k, GROUP_M=config.group_m)
+
+    @staticmethod
+    def args(x2, values, meta, s, b, target, M) -> tuple:
+        N, K = target.shape[1], x2.shape[1]
+        return (x2, values, meta, s, b, target, M, N, K, _cdiv(K, 64), meta.shape[2],
+                x2.stride(0), x2.stride(1), target.stride(0), target.stride(1))
+
+    @staticmethod
+    def contiguous_ints(N, K) -> tuple:
+        # N, K, atoms KA and meta atoms KM of the layout, strides of x (M, K) and out (M, N)
+        _, KA, KM = decode_dims(N, K)
+        return (N, K, KA, KM, K, 1, N, 1)
+
+    @staticmethod
+    def grid(M, N, config, split_k) -> tuple:
+        return (_cdiv(M, config.block_m) * _cdiv(N, config.block_n), 1, 1)
