@@ -319,8 +319,15 @@ def prefill_main(a) -> int:
     with ProcessPoolExecutor(a.jobs) as ex:
         rows = [prefill_model(r) for r in ex.map(prefill_one, [dt for dt, _ in jobs], [c for _, c in jobs],
                                                  [a.cap] * len(jobs))]
-    print(f"# prefill kernel, sm_{a.cap}, triton {rows[0]['triton']}: per K-tile of one program; issue cycles "
-          f"per scheduler, half-rate integer instructions counted twice")
+    from sparse24.tools.bench import cpu_name
+    print(f"# sparse24 prefill kernel, sm_{a.cap}, triton {rows[0]['triton']}, torch {torch.__version__}, python "
+          f"{platform.python_version()}; machine: {cpu_name()}\n# command: "
+          + "".join(f"{k}={os.environ[k]} " for k in ("TRITON_DEFAULT_FP_FUSION",) if k in os.environ)
+          + "python scripts/kernel_static_check.py " + " ".join(a.argv))
+    print("# per K-tile of one program: loop = SASS instructions per warp, mma = tensor-core instructions per warp "
+          "(H: HGMMA, wgmma), half = half-rate integer ones among them; issue/mma = (loop - mma + half) / mma; "
+          "t_issue = issue cycles per scheduler (half-rate counted twice), t_tensor = SM clocks of its "
+          "multiply-adds at 2048 per clock; /SM = resident programs (registers, shared memory)")
     print(f"{'dtype':13} {'config':26} {'regs':>4} {'smem':>6} {'/SM':>3} {'mma':>4} {'loop':>5} {'half':>4} "
           f"{'issue/mma':>9} {'t_issue':>7} {'t_tensor':>8} wgmma-wait")
     for r in rows:

@@ -26,7 +26,7 @@ __all__ = ["prefill_config", "prefill_configs", "check_prefill_config", "Prefill
 # registers (HGMMA). The loop waits for its own wgmma before decoding the next tile,
 # so decode and tensor cores overlap only across programs sharing an SM: 128 x 128 x 64
 # tiles with 2 stages need 128 registers (2 programs per SM; INT8 needs 3 stages to stay
-# at 127, 2 stages take 137), and where those tiles give fewer than 2 programs per SM
+# at 127, 2 stages take 137), and where those tiles give at most one program per SM
 # 128 x 64 tiles (3 per SM) are predicted faster.
 _SMALL_M = {32: (32, 64, 128, 4, 2), 64: (64, 64, 128, 4, 2)}
 
@@ -34,13 +34,13 @@ _SMALL_M = {32: (32, 64, 128, 4, 2), 64: (64, 64, 128, 4, 2)}
 def prefill_config(M: int, N: int, K: int, int8: bool = False, num_sms: int = 132) -> KernelConfig:
     """The untuned prefill config for ``M`` rows (``M > 16``) of an ``N x K`` weight:
     BLOCK_M covers all rows up to 64 (one program row, W decoded once per call),
-    128 beyond, with BLOCK_N 128 when that still gives 2 programs per SM of the
-    ``num_sms`` (default: an H200's 132), else 64."""
+    128 beyond, with BLOCK_N 128 when that gives more programs than the
+    ``num_sms`` multiprocessors (default: an H200's 132), else 64."""
     if M <= DECODE_M:
         raise ValueError(f"the prefill kernel serves M > {DECODE_M}, got M = {M}")
     if M <= 64:
         bm, bn, bk, warps, stages = _SMALL_M[32 if M <= 32 else 64]
-    elif -(-M // 128) * -(-N // 128) >= 2 * num_sms:
+    elif -(-M // 128) * -(-N // 128) > num_sms:
         bm, bn, bk, warps, stages = 128, 128, 64, 8, 3 if int8 else 2
     else:
         bm, bn, bk, warps, stages = 128, 64, 64, 4, 2
