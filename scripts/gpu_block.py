@@ -16,7 +16,6 @@ kernel at M <= 16, the prefill kernel above.
 """
 import argparse
 import csv
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -27,6 +26,9 @@ from torch import nn
 
 import sparse24
 from sparse24.tools.dispatch_count import count_dispatch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_user_view import _sync, _wall_us  # noqa: E402  (the same synchronized wall-clock timer)
 
 
 class Block(nn.Module):
@@ -48,24 +50,6 @@ class Block(nn.Module):
         a = F.scaled_dot_product_attention(split(self.q(h)), split(self.k(h)), split(self.v(h)), is_causal=T > 1)
         h = h + self.o(a.transpose(1, 2).reshape(B, T, d))
         return h + self.down(F.silu(self.gate(h)) * self.up(h))
-
-
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _median_us(fn, device, calls: int, repeats: int) -> float:
-    """Median wall time per call over ``repeats`` samples of ``calls`` calls, synchronized."""
-    samples = []
-    for _ in range(repeats):
-        _sync(device)
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        _sync(device)
-        samples.append(1e6 * (time.perf_counter() - t0) / calls)
-    return statistics.median(samples)
 
 
 def _kernels_per_call(fn, device, calls: int = 3):
@@ -117,7 +101,7 @@ def run(a) -> list[dict]:
                     _sync(device)
                     warm_s = time.perf_counter() - t0
                     calls = max(1, a.calls // T) if T > 1 else a.calls
-                    us = _median_us(lambda: fn(x), device, calls, a.repeats)
+                    us = _wall_us(lambda: fn(x), device, calls, a.repeats)
                     err = float((y.float() - model(x).float()).abs().max())
                     row = dict(mode=mode, variant=name, phase=phase, tokens=B * T, us_per_call=round(us, 2),
                                tokens_per_s=round(B * T * 1e6 / us, 1), kernels_per_call=_kernels_per_call(

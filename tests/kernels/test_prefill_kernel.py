@@ -2,34 +2,20 @@
 weight tile), run on CPU tensors in Triton's interpreter (the same source the
 GPU compiles), against F.linear in fp64 on the masked dense weight; its config
 checks; and an ahead-of-time sm_90 compile (wgmma with W from registers)."""
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
 
-import sparse24
-from sparse24.decode_format import DecodePacked, pack_decode
+from sparse24.decode_format import DecodePacked
 from sparse24.ops.config_space import KernelConfig
 from sparse24.ops.linear24.launch import linear_prefill
 from sparse24.ops.linear24.prefill import check_prefill_config, prefill_config, prefill_configs
 
 from conftest import assert_matches_reference, reference_linear, tolerance
-
-ROOT = Path(__file__).resolve().parents[2]
+from test_decode_kernel import _static_check, _weight  # the decode kernel's weights and static-check loader
 
 
 def _cfg(bm, bn, bk, stages=2, group=8):
     return KernelConfig(bm, bn, bk, group, 1, bn // 16, stages, kernel="prefill")
-
-
-def _weight(N, K, wtype, gen):
-    w = torch.randn(N, K, generator=gen)
-    if wtype == "int8":
-        p = sparse24.compress(w, quantize="int8")
-        return pack_decode(p), p.to_dense().double()
-    w = w.half()
-    return pack_decode(sparse24.compress(w)), (w * sparse24.mask_nm(w)).double()
 
 
 def _case(M, N, K, xtype, wtype, bias, cfg=None):
@@ -125,13 +111,6 @@ def test_default_configs():
         c = check_prefill_config(prefill_config(M, 4096, 4096))
         assert c.num_warps == c.block_n // 16 and c.block_n >= 64  # wgmma with W from registers on sm_90
         assert c in prefill_configs(M)
-
-
-def _static_check():
-    spec = importlib.util.spec_from_file_location("kernel_static_check", ROOT / "scripts" / "kernel_static_check.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 @pytest.mark.parametrize("dtype", ["float16", "int8-bfloat16"])

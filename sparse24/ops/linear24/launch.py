@@ -35,7 +35,7 @@ from ...format import Sparse24Tensor
 from ..config_space import DECODE_M, LAYOUT_KERNEL, KernelConfig, check_decode_config, dtype_key, m_bucket
 from ..config_store import get_config, on_clear
 from .naive import check_linear_args
-from .prefill import PrefillVariant, check_prefill_config, prefill_config
+from .prefill import check_prefill_config, prefill_config
 
 __all__ = ["linear_triton", "linear_prefill", "check_triton_args", "kernel_call", "aot_compile", "layout_of",
            "SUPPORTED_DTYPES"]
@@ -99,14 +99,19 @@ def linear_triton(x: torch.Tensor, p: Sparse24Tensor | DecodePacked, bias: torch
     check_linear_args(x, p, bias)
     check_triton_args(x, p)
     if config is not None:
-        if not isinstance(config, KernelConfig):
-            raise TypeError(f"config must be a sparse24.ops.config_space.KernelConfig, got {type(config).__name__}")
+        _config_type(config)
         layout = "v1" if isinstance(p, Sparse24Tensor) else "decode"
         if config.kernel != LAYOUT_KERNEL[layout]:
             raise ValueError(f"a {type(p).__name__} weight runs the {LAYOUT_KERNEL[layout]!r} kernel, got a config "
                              f"for {config.kernel!r}")
         config.validate() if layout == "v1" else check_decode_config(config)
     return run(x, p.values, p.meta, p.scale, bias, p.shape[0], config)
+
+
+def _config_type(config) -> KernelConfig:
+    if not isinstance(config, KernelConfig):
+        raise TypeError(f"config must be a sparse24.ops.config_space.KernelConfig, got {type(config).__name__}")
+    return config
 
 
 def linear_prefill(x: torch.Tensor, p: DecodePacked, bias: torch.Tensor | None = None, *,
@@ -138,9 +143,7 @@ def linear_prefill(x: torch.Tensor, p: DecodePacked, bias: torch.Tensor | None =
     check_linear_args(x, p, bias)
     check_triton_args(x, p)
     if config is not None:
-        if not isinstance(config, KernelConfig):
-            raise TypeError(f"config must be a sparse24.ops.config_space.KernelConfig, got {type(config).__name__}")
-        check_prefill_config(config)
+        check_prefill_config(_config_type(config))
     return run_prefill(x, p.values, p.meta, p.scale, bias, p.shape[0], config)
 
 
@@ -337,7 +340,27 @@ class _Decode:
         return (_cdiv(N, config.block_n), split_k, _cdiv(M, 16))
 
 
-_VARIANTS = {"matmul": _Matmul, "decode": _Decode, "prefill": PrefillVariant}
+class _Prefill(_Decode):
+    """``kernels/sparse24_prefill.py``: the decode layout, BLOCK_M rows of x per program
+    (the decode kernel's arguments; one program per (BLOCK_N, BLOCK_M) tile, no split-K)."""
+
+    @staticmethod
+    def kernel(cuda: bool):
+        from sparse24.kernels.sparse24_prefill import sparse24_prefill, sparse24_prefill_interpreted
+        return sparse24_prefill if cuda else sparse24_prefill_interpreted
+
+    @staticmethod
+    def constexprs(config, split_k, has_scale, values_dtype, has_bias, tf32) -> dict:
+        return dict(INT8=has_scale, W_BF16=values_dtype == torch.bfloat16, HAS_BIAS=has_bias,
+                    DOT_PRECISION="tf32" if tf32 else "ieee", BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+                    BLOCK_K=config.block_k, GROUP_M=config.group_m)
+
+    @staticmethod
+    def grid(M, N, config, split_k) -> tuple:
+        return (_cdiv(M, config.block_m) * _cdiv(N, config.block_n), 1, 1)
+
+
+_VARIANTS = {"matmul": _Matmul, "decode": _Decode, "prefill": _Prefill}
 
 
 def kernel_call(x2, p: Sparse24Tensor | DecodePacked, bias, target, config: KernelConfig, split_k: int):

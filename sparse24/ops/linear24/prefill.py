@@ -1,6 +1,6 @@
-"""The prefill kernel's launch pieces (``kernels/sparse24_prefill.py``, M > 16,
-the decode layout): its config space and untuned defaults, and its argument
-variant for the plan-cached launch path in :mod:`.launch` (which imports it).
+"""The prefill kernel's configs (``kernels/sparse24_prefill.py``, M > 16, the
+decode layout): its config space and untuned defaults. Its launch is a variant
+of the plan-cached path in :mod:`.launch` (``linear_prefill``, ``run_prefill``).
 
 At M > 16 on CUDA a decode-layout weight runs this kernel (``sparse24::linear``
 routes it, :mod:`.op`): each weight tile is decoded once per BLOCK_M rows of x
@@ -12,12 +12,9 @@ from __future__ import annotations
 
 import functools
 
-import torch
-
-from ...decode_format import decode_dims
 from ..config_space import DECODE_M, KernelConfig
 
-__all__ = ["prefill_config", "prefill_configs", "check_prefill_config", "PrefillVariant"]
+__all__ = ["prefill_config", "prefill_configs", "check_prefill_config"]
 
 # The untuned defaults, chosen from the sm_90 SASS counts and the model built on them
 # (scripts/kernel_static_check.py --prefill, docs/kernels.md "Prefill path"; not timed
@@ -71,39 +68,3 @@ def check_prefill_config(config: KernelConfig) -> KernelConfig:
         raise ValueError(f"bad prefill config {c}: need kernel 'prefill', block_m >= 16, block_k >= 64, block_n "
                          f"in (32, 64, 128), num_warps == block_n // 16 and split_k == 1")
     return c
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-class PrefillVariant:
-    """``kernels/sparse24_prefill.py``: the decode layout, BLOCK_M rows of x per program
-    (the interface of the variants in :mod:`.launch`)."""
-
-    @staticmethod
-    def kernel(cuda: bool):
-        from sparse24.kernels.sparse24_prefill import sparse24_prefill, sparse24_prefill_interpreted
-        return sparse24_prefill if cuda else sparse24_prefill_interpreted
-
-    @staticmethod
-    def constexprs(config, split_k, has_scale, values_dtype, has_bias, tf32) -> dict:
-        return dict(INT8=has_scale, W_BF16=values_dtype == torch.bfloat16, HAS_BIAS=has_bias,
-                    DOT_PRECISION="tf32" if tf32 else "ieee", BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-                    BLOCK_K=config.block_k, GROUP_M=config.group_m)
-
-    @staticmethod
-    def args(x2, values, meta, s, b, target, M) -> tuple:
-        N, K = target.shape[1], x2.shape[1]
-        return (x2, values, meta, s, b, target, M, N, K, _cdiv(K, 64), meta.shape[2],
-                x2.stride(0), x2.stride(1), target.stride(0), target.stride(1))
-
-    @staticmethod
-    def contiguous_ints(N, K) -> tuple:
-        # N, K, atoms KA and meta atoms KM of the layout, strides of x (M, K) and out (M, N)
-        _, KA, KM = decode_dims(N, K)
-        return (N, K, KA, KM, K, 1, N, 1)
-
-    @staticmethod
-    def grid(M, N, config, split_k) -> tuple:
-        return (_cdiv(M, config.block_m) * _cdiv(N, config.block_n), 1, 1)
