@@ -79,6 +79,7 @@ def _sparse24_prefill(
     m_ptrs = meta_ptr + (t0 * 32 + tl.arange(0, T * 32)).to(tl.int64)[:, None] * KM + atoms[None, :]  # [T*32, A]
     rows = tl.minimum(tl.arange(0, BLOCK_M), M - 1).to(tl.int64)   # rows past M: clamped, never stored
     x_ptrs = x_ptr + rows[:, None] * stride_xm + tl.arange(0, BLOCK_K).to(tl.int64)[None, :] * stride_xk
+    x_step = tl.cast(stride_xk, tl.int64) * BLOCK_K  # a transposed x has stride_xk = M: int64 steps
 
     # One decode per weight tile for all BLOCK_M rows of x (the decode kernel: 16).
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
@@ -87,7 +88,7 @@ def _sparse24_prefill(
                            DOT_PRECISION, BLOCK_N, BLOCK_K)
         v_ptrs += V_STEP * NT
         m_ptrs += A
-        x_ptrs += BLOCK_K * stride_xk
+        x_ptrs += x_step
     if n_full * BLOCK_K < K:
         acc = _decode_tile(acc, x_ptrs, v_ptrs, m_ptrs, n_full * BLOCK_K, K, n_full * A, KA, True, INT8, W_BF16,
                            DOT_PRECISION, BLOCK_N, BLOCK_K)

@@ -4,7 +4,7 @@ of the plan-cached path in :mod:`.launch` (``linear_prefill``, ``run_prefill``).
 
 At M > 16 on CUDA a decode-layout weight runs this kernel (``sparse24::linear``
 routes it, :mod:`.op`): each weight tile is decoded once per BLOCK_M rows of x
-(128 or 256 at prefill sizes), straight from the one copy the module holds;
+(128 by default at prefill sizes), straight from the one copy the module holds;
 no call converts or decompresses the whole weight (``scripts/bench_host.py
 --prefill`` counts the aten ops and bytes a call allocates).
 """
