@@ -95,7 +95,7 @@ def _decode_tile(acc, x_ptrs, v_ptrs, m_ptrs, k0, K, a0, KA,
     # version (3.6 and 3.9 order equally contiguous dimensions differently).
     A: tl.constexpr = BLOCK_K // 64
     T: tl.constexpr = BLOCK_N // 16
-    BLOCK_M: tl.constexpr = 16
+    BLOCK_M: tl.constexpr = x_ptrs.shape[0]  # rows of x: 16 here, 32-256 in the prefill kernel
     if MASKED:  # the partial last tile only: atoms past the padded K, columns past K
         ok_a = (a0 + tl.arange(0, A)) < KA
         mw = tl.load(m_ptrs, mask=ok_a[None, :], other=0)                   # [T*32, A]

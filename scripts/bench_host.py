@@ -15,6 +15,14 @@ arithmetic), and a 16x16 layer at M = 1 (a real GEMV of 256 multiply-adds).
     python scripts/bench_host.py [--repeats 15] [--calls 2000]
 
 Prints the medians (us per call) and the ratio sparse / nn.Linear.
+
+``--prefill``: the M > 16 route of a decode-layout layer (what it holds on
+CUDA), taken as on CUDA (the backend decision sees a CUDA tensor, the launch is
+a no-op): per M in 64, 512, 4096, the aten ops one call runs, the bytes they
+allocate against the output's, and whether the weight was converted or
+decompressed; and the layer's memory against its dense fp16 weight.
+
+    python scripts/bench_host.py --prefill
 """
 import argparse
 import statistics
@@ -35,13 +43,91 @@ def _per_call_us(fn, calls: int) -> float:
     return 1e6 * (time.perf_counter() - t0) / calls
 
 
+class _AsCuda:
+    """What the backend decision reads of x (``op._auto_backend``), as a CUDA tensor would show it."""
+    is_cuda = True
+
+    def __init__(self, x):
+        self.dtype, self.shape, self.device, self.dim = x.dtype, x.shape, torch.device("cuda"), x.dim
+
+
+def prefill_figures(N: int, K: int, ms=(64, 512, 4096), quantize=None) -> list[dict]:
+    """Per M: aten ops and allocated bytes of one call of a decode-layout ``Sparse24Linear``
+    (N x K, fp16 activations) on its M > 16 CUDA route, with the launch a no-op."""
+    from sparse24.decode_format import DecodePacked
+    from sparse24.format import Sparse24Tensor
+    from sparse24.tools.dispatch_count import count_dispatch
+
+    layer = sparse24.Sparse24Linear.from_linear(nn.Linear(K, N, dtype=torch.float16), mode="compressed",
+                                                quantize=quantize)
+    layer.to_layout("decode")
+    real_auto = op._auto_backend
+    real_launch = launch._Plan.launch
+    conversions = []
+    watched = [(DecodePacked, "to_sparse24"), (DecodePacked, "to_dense"), (Sparse24Tensor, "to_dense")]
+    originals = {(cls, name): getattr(cls, name) for cls, name in watched}
+    rows = []
+    try:
+        op._auto_backend = lambda x, *rest: real_auto(_AsCuda(x), *rest)
+        launch._Plan.launch = lambda plan, grid, args, aligned: None
+        for (cls, name), fn in originals.items():
+            setattr(cls, name, lambda self, *a, _n=f"{cls.__name__}.{name}", _f=fn, **k:
+                    conversions.append(_n) or _f(self, *a, **k))
+        with torch.no_grad():
+            for M in ms:
+                x = torch.randn(M, K, dtype=torch.float16)
+                layer(x)  # the plan is made on the first call
+                conversions.clear()
+                y, count = count_dispatch(layer, x)
+                rows.append(dict(M=M, backend=real_auto(_AsCuda(x), layer.values, layer.scale, N),
+                                 aten_ops=len(count.ops), ops=",".join(count.ops),
+                                 bytes_allocated=count.bytes_allocated, output_bytes=y.numel() * y.element_size(),
+                                 conversions=len(conversions)))
+    finally:
+        op._auto_backend = real_auto
+        launch._Plan.launch = real_launch
+        for (cls, name), fn in originals.items():
+            setattr(cls, name, fn)
+        op._AUTO.clear()
+        launch._PLANS.clear()
+    held = sum(t.numel() * t.element_size() for t in (*layer.parameters(), *layer.buffers()) if t is not None)
+    for r in rows:
+        r["layer_bytes_over_dense_fp16"] = held / (N * K * 2)
+    return rows
+
+
+def prefill_main(a) -> int:
+    print(f"# {cpu_name()}, torch {torch.__version__}; Sparse24Linear {a.n}x{a.k} in the decode layout, fp16 x, "
+          f"the M > 16 route as on CUDA (backend decision on a CUDA-looking x), launch a no-op")
+    print(f"{'weights':8} {'M':>5} {'route':>8} {'aten ops':>8} {'allocated B':>12} {'output B':>10} "
+          f"{'conversions':>11} {'layer/dense fp16':>16}  ops")
+    worst = {}
+    for quantize in (None, "int8"):
+        for r in prefill_figures(a.n, a.k, quantize=quantize):
+            name = quantize or "fp16"
+            print(f"{name:8} {r['M']:>5} {r['backend']:>8} {r['aten_ops']:>8} {r['bytes_allocated']:>12} "
+                  f"{r['output_bytes']:>10} {r['conversions']:>11} {r['layer_bytes_over_dense_fp16']:>16.3f}  "
+                  f"{r['ops']}")
+            worst["ops"] = max(worst.get("ops", 0), r["aten_ops"])
+            worst["extra"] = max(worst.get("extra", 0), r["bytes_allocated"] - r["output_bytes"])
+            worst["conv"] = max(worst.get("conv", 0), r["conversions"])
+            worst["mem"] = max(worst.get("mem", 0), r["layer_bytes_over_dense_fp16"])
+    print(f"prefill per call at M>16: max aten ops {worst['ops']}, max bytes allocated beyond the output "
+          f"{worst['extra']}, whole-weight conversions {worst['conv']}; layer memory <= "
+          f"{worst['mem']:.3f}x dense fp16")
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--calls", type=int, default=2000)
     ap.add_argument("--n", type=int, default=4096)
     ap.add_argument("--k", type=int, default=4096)
+    ap.add_argument("--prefill", action="store_true", help="aten ops and bytes per call of the M > 16 route")
     a = ap.parse_args(argv)
+    if a.prefill:
+        return prefill_main(a)
     torch.set_num_threads(1)
     N, K = a.n, a.k
 

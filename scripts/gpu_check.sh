@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The one prepared GPU check, for the GPU image as it is (Python 3.12, torch 2.11,
-# Triton 3.6, numpy 2.5, pytest-xdist; no network, nothing installed). About 5
+# Triton 3.6, numpy 2.5, pytest-xdist; no network, nothing installed). At most about 7.5
 # minutes on one H100/H200 class GPU:
 #   1. tests: the kernels and modules on CUDA against the fp64 reference (scripts/gpu_tests);
 #   2. autotune: the decode ends (M = 1 and 16; M = 2..8 take the nearest entry) and one large M
@@ -10,7 +10,10 @@
 #   3. bench: the throughput sweep (CSV + PNG) into results/<GPU>/, with the tuned configs;
 #   4. user view: eager wall time per call of a layer at M = 1 and tokens/s of an 8-block
 #      Llama-7B-shaped MLP stack under torch.compile(mode="reduce-overhead"), dense vs 2:4
-#      (fp16 and INT8), with the graph-break count (scripts/gpu_user_view.py).
+#      (fp16 and INT8), with the graph-break count (scripts/gpu_user_view.py);
+#   5. both phases of one Llama-7B-shaped block (q, k, v, o, gate, up, down): decode tokens/s at
+#      batch 1 and 8, prefill of 2048 tokens, dense vs 2:4 vs 2:4 INT8, eager and compiled, with
+#      CUDA kernels per call from torch.profiler (scripts/gpu_block.py: block.csv, block.md).
 # Each step has its own time limit; a failing step does not stop the next ones, and the
 # script exits non-zero if any failed. Every step's outputs are copied to $OUT (when set)
 # as soon as the step ends, so a run cut short keeps what it measured.
@@ -24,10 +27,11 @@ export PYTHONUNBUFFERED=1
 # tuned: the decode ends (2-8 take the nearest bucket's entry) and one large M
 M_TUNE=1,16,4096
 M_BENCH=1,2,4,8,16,64,256,1024,4096
-T_TESTS=${T_TESTS:-60}          # seconds per step: 60 + 100 + 60 + 80 = 5 minutes at most
+T_TESTS=${T_TESTS:-60}          # seconds per step: 60 + 100 + 60 + 80 = 5 minutes
 T_TUNE=${T_TUNE:-100}
 T_BENCH=${T_BENCH:-60}
 T_USER=${T_USER:-80}
+T_BLOCK=${T_BLOCK:-150}         # + 150 = 7.5 minutes at most
 
 # Import this tree without installing it: kernels/ and autotune_configs/ are
 # sub-packages of sparse24 only once installed (pyproject's package-dir), so
@@ -58,7 +62,7 @@ torch.cuda.get_device_properties(0).multi_processor_count)"
 
 keep() {  # copy what the run has so far to $OUT (files at most 2 folders down)
     if [ -n "${OUT:-}" ]; then
-        cp "$RES"/*.log "$RES"/*.txt "$RES"/*.csv "$RES"/*.png "$OUT/" 2>/dev/null
+        cp "$RES"/*.log "$RES"/*.txt "$RES"/*.csv "$RES"/*.md "$RES"/*.png "$OUT/" 2>/dev/null
         cp autotune_configs/"$GPU"/*.json "$OUT/" 2>/dev/null
     fi
     return 0
@@ -91,6 +95,9 @@ step bench "$T_BENCH" "$PY" -m sparse24 bench --device cuda --shapes standard --
 
 # 4. what a user sees: eager calls and compiled decode, dense vs 2:4
 step user_view "$T_USER" "$PY" scripts/gpu_user_view.py --out "$RES/"
+
+# 5. one Llama-7B-shaped block, decode and prefill (rows written as they are measured)
+step block "$T_BLOCK" "$PY" scripts/gpu_block.py --out "$RES/"
 
 if [ "${#FAILED[@]}" -ne 0 ]; then
     echo "gpu_check: FAILED steps: ${FAILED[*]}"

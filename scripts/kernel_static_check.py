@@ -222,6 +222,142 @@ def sass_main(a) -> int:
     return 1 if a.check and over else 0
 
 
+# --- --prefill: decode cost per tensor-core instruction, predicted ratio to dense ---------
+
+# The shapes (out, in) of issue 22, and the M of the prediction.
+PREFILL_SHAPES = ((4096, 4096), (11008, 4096), (4096, 11008), (14336, 4096), (4096, 14336), (8192, 8192),
+                  (28672, 8192), (8192, 28672), (3072, 768), (768, 3072), (1024, 4096))
+PREFILL_M = (512, 2048, 4096)
+# H200 (sm_90): 132 SMs; per SM 65536 registers, 228 KiB shared memory (1 KiB
+# reserved per program), 64 warps; dense fp16/bf16 tensor cores 1024 x 2 = 2048
+# multiply-adds per clock per SM (989 TFLOP/s at 1.83 GHz over 132 SMs). LOP3,
+# SHF, SGXT, PRMT, IADD3, SEL and integer IMAD issue at half rate (REFERENCE.md 5):
+# each counts two issue cycles. HBM 4.0 TB/s at 1.98 GHz for the memory floor.
+SMS, REGS_PER_SM, SMEM_PER_SM, WARPS_PER_SM, MACS_PER_CLK = 132, 65536, 228 * 1024, 64, 2048
+HBM_BYTES_PER_SM_CLK = 4.0e12 / 1.98e9 / SMS
+HALF_RATE = ("LOP3", "SHF", "SGXT", "PRMT", "IADD3", "SEL", "IMAD", "ISETP", "LEA")
+
+
+def programs_per_sm(regs: int, shared: int, warps: int) -> int:
+    """Resident programs per SM from registers (allocated per warp in units of
+    256), shared memory and warps."""
+    per_warp = -(-regs * 32 // 256) * 256
+    return max(0, min(REGS_PER_SM // (per_warp * warps), SMEM_PER_SM // (shared + 1024), WARPS_PER_SM // warps))
+
+
+def prefill_one(dtype: str, cfg, cap: int) -> dict:
+    """Compile one prefill config; count its main loop: instructions per warp, HGMMA/HMMA per
+    warp, half-rate integer instructions, whether the loop waits for its wgmma (serial decode)."""
+    import triton
+
+    from sparse24.ops.linear24 import aot_compile
+
+    act, w = _weights("decode", dtype, 4096, 4096)
+    x = torch.randn(cfg.block_m, 4096).to(act)
+    ck = aot_compile(x, w, None, torch.empty(cfg.block_m, 4096, dtype=act), cfg, 1, (cap // 10, cap % 10))
+    loop = main_loop(sass_instructions(ck.asm["cubin"]))
+    ops = collections.Counter(_opcode(t).split(".")[0] for t in loop)
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(ck.asm["cubin"])
+        f.flush()
+        res = subprocess.run([_tool("cuobjdump"), "--dump-resource-usage", f.name], capture_output=True,
+                             text=True).stdout
+    regs = int(re.search(r"REG:(\d+)", res).group(1))
+    spills = int(re.search(r"LOCAL:(\d+)", res).group(1)) + int(re.search(r"STACK:(\d+)", res).group(1))
+    mma = ops["HGMMA"] + ops["HMMA"]
+    return dict(dtype=dtype, cfg=cfg, loop=len(loop), mma=mma, hgmma=ops["HGMMA"] > 0, local=ops["LDL"] + ops["STL"],
+                half=sum(ops[o] for o in HALF_RATE), regs=regs, spills=spills, shared=ck.metadata.shared,
+                waits=any(re.search(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x0", t) for t in loop),
+                triton=triton.__version__)
+
+
+def prefill_model(r: dict) -> dict:
+    """Per K-tile of one program: tensor-core cycles (SM-wide), issue cycles of the
+    rest (per scheduler, half-rate integer instructions twice), programs per SM."""
+    c = r["cfg"]
+    r = dict(r)
+    r["t_tensor"] = c.block_m * c.block_n * c.block_k / MACS_PER_CLK
+    r["t_issue"] = (r["loop"] - r["mma"] + r["half"]) * c.num_warps / 4
+    r["per_sm"] = programs_per_sm(r["regs"], r["shared"], c.num_warps)
+    r["issue_per_mma"] = (r["loop"] - r["mma"] + r["half"]) / max(r["mma"], 1)
+    return r
+
+
+def predicted_time(r: dict, M: int, N: int, K: int, w_bytes: float) -> tuple[float, float]:
+    """``(ours, dense)`` in SM clocks for (M, N, K): programs spread over the SMs,
+    ``per_sm`` resident at once; a program's K-tiles run its decode and its
+    wgmma one after the other (the loop waits for them), other programs on the
+    SM fill the gaps: a round of p programs takes max(p t_tensor, p t_issue,
+    t_tensor + t_issue). Dense: the same tiles with no decode (tensor-bound),
+    the ideal kernel cuBLAS is taken to equal. Both floored by HBM traffic
+    (weight bytes w_bytes per element, x and out fp16)."""
+    c = r["cfg"]
+    progs = -(-M // c.block_m) * -(-N // c.block_n)
+    per_sm_progs = -(-progs // SMS)
+    iters = -(-K // c.block_k)
+    tt, ti, p = r["t_tensor"], r["t_issue"], max(r["per_sm"], 1)
+    full, rest = divmod(per_sm_progs, p)
+    def rnd(n):
+        return max(n * tt, n * ti, tt + ti) if n else 0.0
+    ours = iters * (full * rnd(p) + rnd(rest))
+    dense = per_sm_progs * iters * tt
+    io = (M * K + M * N) * 2 / SMS / HBM_BYTES_PER_SM_CLK
+    return max(ours, (N * K * w_bytes) / SMS / HBM_BYTES_PER_SM_CLK + io), \
+        max(dense, N * K * 2 / SMS / HBM_BYTES_PER_SM_CLK + io)
+
+
+def prefill_main(a) -> int:
+    """``--prefill``: compile the prefill kernel's configs for sm_90, count the
+    decode's issue cost per tensor-core instruction, predict the ratio to dense."""
+    from sparse24.ops.linear24.prefill import prefill_config, prefill_configs
+
+    dtypes = a.dtypes.split(",")
+    cfgs = list(dict.fromkeys(prefill_configs(4096) + prefill_configs(64) + prefill_configs(32)))
+    if a.limit:
+        cfgs = cfgs[:a.limit]
+    jobs = [(dt, c) for dt in dtypes for c in cfgs]
+    with ProcessPoolExecutor(a.jobs) as ex:
+        rows = [prefill_model(r) for r in ex.map(prefill_one, [dt for dt, _ in jobs], [c for _, c in jobs],
+                                                 [a.cap] * len(jobs))]
+    from sparse24.tools.bench import cpu_name
+    print(f"# sparse24 prefill kernel, sm_{a.cap}, triton {rows[0]['triton']}, torch {torch.__version__}, python "
+          f"{platform.python_version()}; machine: {cpu_name()}\n# command: "
+          + "".join(f"{k}={os.environ[k]} " for k in ("TRITON_DEFAULT_FP_FUSION",) if k in os.environ)
+          + "python scripts/kernel_static_check.py " + " ".join(a.argv))
+    print("# per K-tile of one program: loop = SASS instructions per warp, mma = tensor-core instructions per warp "
+          "(H: HGMMA, wgmma), half = half-rate integer ones among them; issue/mma = (loop - mma + half) / mma; "
+          "t_issue = issue cycles per scheduler (half-rate counted twice), t_tensor = SM clocks of its "
+          "multiply-adds at 2048 per clock; /SM = resident programs (registers, shared memory)")
+    print(f"{'dtype':13} {'config':26} {'regs':>4} {'smem':>6} {'/SM':>3} {'mma':>4} {'loop':>5} {'half':>4} "
+          f"{'issue/mma':>9} {'t_issue':>7} {'t_tensor':>8} wgmma-wait")
+    for r in rows:
+        kind = "HGMMA" if r["hgmma"] else "HMMA"
+        print(f"{r['dtype']:13} {config_name(r['cfg']):26} {r['regs']:>4} {r['shared']:>6} {r['per_sm']:>3} "
+              f"{r['mma']:>3}{kind[0]} {r['loop']:>5} {r['half']:>4} {r['issue_per_mma']:>9.1f} "
+              f"{r['t_issue']:>7.0f} {r['t_tensor']:>8.0f} {'yes' if r['waits'] else 'no'}"
+              + (f"  spills {r['spills']} B, {r['local']} LDL/STL in the loop" if r["spills"] else ""))
+    print("# predicted ratio dense / prefill kernel (> 1: faster than dense), per shape (out x in) and M:"
+          " the default config, and the best config of the space in brackets")
+    worst = {}
+    for dt in dtypes:
+        w_bytes = 0.625 if dt.startswith("int8-") else 1.125
+        by_cfg = {r["cfg"]: r for r in rows if r["dtype"] == dt}
+        print(f"{dt:13} " + " ".join(f"{'M=' + str(m):>15}" for m in PREFILL_M))
+        for N, K in PREFILL_SHAPES:
+            cells = []
+            for M in PREFILL_M:
+                ratios = {c: (lambda t: t[1] / t[0])(predicted_time(r, M, N, K, w_bytes)) for c, r in by_cfg.items()}
+                d = ratios.get(prefill_config(M, N, K, dt.startswith("int8-")))
+                best = max(ratios.values())
+                if d is not None:
+                    worst[(dt, M)] = min(worst.get((dt, M), 9.0), d)
+                cells.append(f"{d if d is not None else float('nan'):.2f} ({best:.2f})")
+            print(f"  {N}x{K:<8}  " + " ".join(f"{c:>15}" for c in cells))
+    print("min predicted prefill ratio to dense (default configs): " + ", ".join(
+        f"{dt} M={m} {v:.2f}" for (dt, m), v in sorted(worst.items())))
+    return 0
+
+
 def main(argv=None):
     from sparse24.ops.config_space import candidate_configs
 
@@ -238,8 +374,12 @@ def main(argv=None):
     ap.add_argument("--csv", default=None, help="with --sass: write the rows here")
     ap.add_argument("--check", action="store_true", help="with --sass: exit 1 when over the budget")
     ap.add_argument("--verbose", action="store_true", help="with --sass: opcode mix per config")
+    ap.add_argument("--prefill", action="store_true",
+                    help="the prefill kernel: decode issue cost per tensor-core instruction, predicted ratio to dense")
     a = ap.parse_args(argv)
     a.argv = list(sys.argv[1:] if argv is None else argv)
+    if a.prefill:
+        return prefill_main(a)
     if a.sass:
         a.m = a.m or "1,2,4,8,16"
         return sass_main(a)

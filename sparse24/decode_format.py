@@ -190,9 +190,28 @@ class DecodePacked:
         meta = _pack_meta((slots[..., 0] | slots[..., 1] << 2).int())
         return Sparse24Tensor(vals.reshape(R, C // 2).contiguous(), meta, (R, C), self.dtype, self.scale, check=False)
 
-    def to_dense(self) -> torch.Tensor:
-        """Decompress to the dense ``(R, C)`` matrix in ``dtype`` (dequantized when INT8)."""
-        return self.to_sparse24().to_dense()
+    def to_dense(self, rows: slice | None = None) -> torch.Tensor:
+        """Decompress to the dense ``(R, C)`` matrix in ``dtype`` (dequantized when INT8),
+        or only ``rows`` of it (a step-1 slice): then only the 128-row blocks that
+        hold them are re-ordered, never the whole weight."""
+        if rows is None:
+            return self.to_sparse24().to_dense()
+        if not isinstance(rows, slice) or rows.step not in (None, 1):
+            raise TypeError(f"rows must be a slice with step 1 or None, got {rows!r}")
+        R, C = self.shape
+        NT = decode_dims(R, C)[0]
+        r0, r1, _ = rows.indices(R)
+        r1 = max(r0, r1)
+        t0 = r0 // _DEC_ROW_ALIGN * (_DEC_ROW_ALIGN // _DEC_ROWS)
+        t1 = min(NT, -(-r1 // _DEC_ROW_ALIGN) * (_DEC_ROW_ALIGN // _DEC_ROWS))
+        if t1 <= t0:
+            return torch.zeros(0, C, dtype=self.dtype, device=self.device)
+        b0, b1 = t0 * _DEC_ROWS, min(R, t1 * _DEC_ROWS)  # whole blocks of 128 rows (the last one real rows)
+        values = self.values[:, :, t0:t1] if self.scale is None else self.values[:, t0:t1]
+        scale = None if self.scale is None else self.scale[b0:b1]
+        block = DecodePacked(values.contiguous(), self.meta[t0:t1].contiguous(), (b1 - b0, C), self.dtype, scale,
+                             check=False)
+        return block.to_sparse24().to_dense()[r0 - b0:r1 - b0]
 
 
 def check_word_aligned(values: torch.Tensor, meta: torch.Tensor) -> None:

@@ -20,8 +20,9 @@ __all__ = ["KernelConfig", "KERNEL_VARIANTS", "LAYOUTS", "LAYOUT_KERNEL", "M_BUC
 # Kernel variants a config may name (kernels/): "matmul" (sparse24_matmul.py)
 # expands each weight tile in registers and runs tl.dot, any M, layout v1;
 # "decode" (sparse24_decode.py) decodes the weight straight into the dot's
-# register operand, 16 rows of x per program, the decode layout.
-KERNEL_VARIANTS = ("matmul", "decode")
+# register operand, 16 rows of x per program, the decode layout; "prefill"
+# (sparse24_prefill.py) the same decode for BLOCK_M rows, the decode layout at M > 16.
+KERNEL_VARIANTS = ("matmul", "decode", "prefill")
 LAYOUTS = ("v1", "decode")
 LAYOUT_KERNEL = {"v1": "matmul", "decode": "decode"}
 # Decode sizes: at M <= 16 the weight is streamed once per call, and the decode

@@ -94,3 +94,18 @@ def test_rejects_what_the_layout_cannot_hold(gen):
         pack_decode(bad)
     with pytest.raises(TypeError, match="needs a Sparse24Tensor"):
         pack_decode(torch.randn(8, 16))
+
+
+@pytest.mark.parametrize("quantize", [None, "int8"])
+def test_to_dense_rows_decodes_only_those_blocks(quantize):
+    """``to_dense(rows=...)`` equals the rows of the whole decompression, for slices inside,
+    across and at the end of the 128-row blocks (the reference backend's pieces)."""
+    w = torch.randn(300, 72, generator=torch.Generator().manual_seed(3))
+    p = sparse24.compress(w, quantize="int8") if quantize else sparse24.compress(w.half())
+    d = pack_decode(p)
+    full = d.to_dense()
+    for sl in (slice(0, 128), slice(5, 17), slice(100, 260), slice(256, 300), slice(290, 400), slice(0, 300),
+               slice(128, 128)):
+        assert torch.equal(d.to_dense(rows=sl), full[sl]), sl
+    with pytest.raises(TypeError, match="step 1"):
+        d.to_dense(rows=slice(0, 10, 2))

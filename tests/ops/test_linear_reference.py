@@ -89,3 +89,23 @@ def test_auto_uses_the_reference_off_gpu(gen):
     p = sparse24.compress(torch.randn(8, 16, generator=gen))
     for dtype in (torch.float32, torch.float16, torch.float64):
         assert choose_backend(torch.randn(2, 16).to(dtype), p) == "reference"
+
+
+def test_reference_reads_the_decode_layout_in_row_blocks(monkeypatch):
+    """A decode-layout weight is decompressed a block of 128-row tiles at a time (never
+    re-ordered whole): with 1-row chunks requested, blocks of 128 rows, same result."""
+    from sparse24.decode_format import pack_decode
+    from sparse24.ops.linear24 import naive
+
+    gen = torch.Generator().manual_seed(5)
+    w = torch.randn(300, 64, generator=gen).half()
+    d = pack_decode(sparse24.compress(w))
+    x, b = torch.randn(7, 64, generator=gen), torch.randn(300, generator=gen)
+    dense = (w * sparse24.mask_nm(w)).double()
+    monkeypatch.setattr(naive, "CHUNK_ELEMENTS", 1)
+    seen = []
+    real = type(d).to_dense
+    monkeypatch.setattr(type(d), "to_dense", lambda self, rows=None: seen.append(rows) or real(self, rows))
+    out = naive.linear_reference(x, d, b)
+    assert seen == [slice(0, 128), slice(128, 256), slice(256, 300)]
+    assert_matches_reference(out, x, dense, b)

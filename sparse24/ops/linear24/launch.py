@@ -32,11 +32,13 @@ import torch
 
 from ...decode_format import DecodePacked, check_word_aligned, decode_dims
 from ...format import Sparse24Tensor
-from ..config_space import LAYOUT_KERNEL, KernelConfig, check_decode_config, dtype_key, m_bucket
+from ..config_space import DECODE_M, LAYOUT_KERNEL, KernelConfig, check_decode_config, dtype_key, m_bucket
 from ..config_store import get_config, on_clear
 from .naive import check_linear_args
+from .prefill import check_prefill_config, prefill_config
 
-__all__ = ["linear_triton", "check_triton_args", "kernel_call", "aot_compile", "layout_of", "SUPPORTED_DTYPES"]
+__all__ = ["linear_triton", "linear_prefill", "check_triton_args", "kernel_call", "aot_compile", "layout_of",
+           "SUPPORTED_DTYPES"]
 
 # tl.dot takes fp16/bf16/fp32 operands; fp64 has no tensor-core path, so
 # float64 inputs are rejected here (backend="reference" computes them).
@@ -97,14 +99,63 @@ def linear_triton(x: torch.Tensor, p: Sparse24Tensor | DecodePacked, bias: torch
     check_linear_args(x, p, bias)
     check_triton_args(x, p)
     if config is not None:
-        if not isinstance(config, KernelConfig):
-            raise TypeError(f"config must be a sparse24.ops.config_space.KernelConfig, got {type(config).__name__}")
+        _config_type(config)
         layout = "v1" if isinstance(p, Sparse24Tensor) else "decode"
         if config.kernel != LAYOUT_KERNEL[layout]:
             raise ValueError(f"a {type(p).__name__} weight runs the {LAYOUT_KERNEL[layout]!r} kernel, got a config "
                              f"for {config.kernel!r}")
         config.validate() if layout == "v1" else check_decode_config(config)
     return run(x, p.values, p.meta, p.scale, bias, p.shape[0], config)
+
+
+def _config_type(config) -> KernelConfig:
+    if not isinstance(config, KernelConfig):
+        raise TypeError(f"config must be a sparse24.ops.config_space.KernelConfig, got {type(config).__name__}")
+    return config
+
+
+def linear_prefill(x: torch.Tensor, p: DecodePacked, bias: torch.Tensor | None = None, *,
+                   config: KernelConfig | None = None) -> torch.Tensor:
+    """``y = x @ W^T + bias`` with the prefill kernel (``kernels/sparse24_prefill.py``):
+    W in the decode layout, each weight tile decoded once per ``config.block_m``
+    rows of x. What ``sparse24.linear`` runs for M > 16 on CUDA.
+
+    Args:
+        x: ``(..., K)`` float16 / bfloat16 / float32 (CPU: float16/float32, in
+            Triton's interpreter), any leading dims and strides.
+        p: :class:`DecodePacked` ``(N, K)`` (float16/bfloat16 or INT8 values).
+        bias: ``(N,)`` or None (added in fp32).
+        config: a ``kernel="prefill"`` :class:`KernelConfig`; default
+            :func:`~sparse24.ops.linear24.prefill.prefill_config` for x's rows
+            (which needs M > 16; pass a config for fewer rows).
+    Returns:
+        ``(..., N)`` in x's dtype.
+    Raises:
+        TypeError: a layout-v1 weight, float64 x, bfloat16 x on CPU.
+        ValueError: bad shapes or config.
+    Example:
+        >>> d = sparse24.pack_decode(sparse24.compress(torch.randn(64, 128).half()))
+        >>> linear_prefill(torch.randn(40, 128).half(), d).shape
+        torch.Size([40, 64])
+    """
+    if not isinstance(p, DecodePacked):
+        raise TypeError(f"the prefill kernel reads the decode layout (sparse24.pack_decode), got {type(p).__name__}")
+    check_linear_args(x, p, bias)
+    check_triton_args(x, p)
+    if config is not None:
+        check_prefill_config(_config_type(config))
+    return run_prefill(x, p.values, p.meta, p.scale, bias, p.shape[0], config)
+
+
+def run_prefill(x: torch.Tensor, values: torch.Tensor, meta: torch.Tensor, scale: torch.Tensor | None,
+                bias: torch.Tensor | None, N: int, config: KernelConfig | None = None) -> torch.Tensor:
+    """:func:`run` with the prefill kernel (arguments already checked, decode-layout
+    tensors): the untuned :func:`~sparse24.ops.linear24.prefill.prefill_config` of
+    x's M bucket unless ``config`` is given."""
+    if config is None:
+        M = x.shape[0] if x.dim() == 2 else x.shape[:-1].numel()
+        config = prefill_config(max(M, DECODE_M + 1), N, x.shape[-1], scale is not None)
+    return run(x, values, meta, scale, bias, N, config)
 
 
 def run(x: torch.Tensor, values: torch.Tensor, meta: torch.Tensor, scale: torch.Tensor | None,
@@ -326,7 +377,27 @@ class _Decode:
         check_word_aligned(values, meta)
 
 
-_VARIANTS = {"matmul": _Matmul, "decode": _Decode}
+class _Prefill(_Decode):
+    """``kernels/sparse24_prefill.py``: the decode layout, BLOCK_M rows of x per program
+    (the decode kernel's arguments; one program per (BLOCK_N, BLOCK_M) tile, no split-K)."""
+
+    @staticmethod
+    def kernel(cuda: bool):
+        from sparse24.kernels.sparse24_prefill import sparse24_prefill, sparse24_prefill_interpreted
+        return sparse24_prefill if cuda else sparse24_prefill_interpreted
+
+    @staticmethod
+    def constexprs(config, split_k, has_scale, values_dtype, has_bias, tf32) -> dict:
+        return dict(INT8=has_scale, W_BF16=values_dtype == torch.bfloat16, HAS_BIAS=has_bias,
+                    DOT_PRECISION="tf32" if tf32 else "ieee", BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+                    BLOCK_K=config.block_k, GROUP_M=config.group_m)
+
+    @staticmethod
+    def grid(M, N, config, split_k) -> tuple:
+        return (_cdiv(M, config.block_m) * _cdiv(N, config.block_n), 1, 1)
+
+
+_VARIANTS = {"matmul": _Matmul, "decode": _Decode, "prefill": _Prefill}
 
 
 def kernel_call(x2, p: Sparse24Tensor | DecodePacked, bias, target, config: KernelConfig, split_k: int):

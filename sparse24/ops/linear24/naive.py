@@ -31,9 +31,10 @@ def chunk_rows(n_cols: int, device: torch.device) -> int:
     return max(1, budget // max(n_cols, 1))
 
 
-def row_chunks(n_rows: int, n_cols: int, device: torch.device) -> list[slice]:
-    """Row slices of the reference backend's block size (bounded dense memory)."""
-    rows = chunk_rows(n_cols, device)
+def row_chunks(n_rows: int, n_cols: int, device: torch.device, multiple: int = 1) -> list[slice]:
+    """Row slices of the reference backend's block size (bounded dense memory), each
+    starting at a multiple of ``multiple`` rows (the decode layout's 128-row blocks)."""
+    rows = -(-chunk_rows(n_cols, device) // multiple) * multiple
     return [slice(r0, min(n_rows, r0 + rows)) for r0 in range(0, n_rows, rows)]
 
 
@@ -69,17 +70,19 @@ def linear_reference(x: torch.Tensor, p: Sparse24Tensor | DecodePacked,
                      bias: torch.Tensor | None = None) -> torch.Tensor:
     """Pure-torch ``x @ W^T + bias``, decompressing W a block of rows at a time.
 
+    The pure-torch twin of the three kernels: for a decode-layout weight (the
+    decode and prefill kernels' input) each block of 128-row tiles is re-ordered
+    and decompressed on its own (:meth:`DecodePacked.to_dense` with ``rows``).
+
     Args:
-        x: ``(..., K)``; p: weight of shape ``(N, K)`` (a decode-layout weight is
-            re-ordered to layout v1 first); bias: ``(N,)`` or None.
+        x: ``(..., K)``; p: weight of shape ``(N, K)`` (layout v1 or the decode
+            layout); bias: ``(N,)`` or None.
     Returns:
         ``(..., N)`` in x's dtype. Computed in x's dtype (the weight is cast to it).
     """
     check_linear_args(x, p, bias)
-    if isinstance(p, DecodePacked):
-        p = p.to_sparse24()
     N, K = p.shape
-    chunks = row_chunks(N, K, p.device)
+    chunks = row_chunks(N, K, p.device, 128 if isinstance(p, DecodePacked) else 1)
     if len(chunks) <= 1:  # small layer: one piece
         return F.linear(x, p.to_dense().to(x.dtype), None if bias is None else bias.to(x.dtype))
     out = x.new_empty(*x.shape[:-1], N)

@@ -81,6 +81,8 @@ def _compute(x, values, meta, scale, bias, weight_dtype, backend, out_features):
         backend = _auto_backend(x, values, scale, out_features)
     if backend == "triton":
         return launch.run(x, values, meta, scale, bias, out_features)
+    if backend == "prefill":  # chosen by "auto" only: the decode layout at M > 16 on CUDA
+        return launch.run_prefill(x, values, meta, scale, bias, out_features)
     return linear_reference(x, _weight(values, meta, scale, weight_dtype, (out_features, x.shape[-1])), bias)
 
 
@@ -136,9 +138,11 @@ def linear(x: torch.Tensor, p: Sparse24Tensor | DecodePacked, bias: torch.Tensor
 
 def choose_backend(x: torch.Tensor, p: Sparse24Tensor | DecodePacked) -> str:
     """The backend ``"auto"`` runs for ``x`` and ``p``: the Triton kernel for
-    fp16/bf16/fp32 x on CUDA; at M > 16, the reference backend (row-block
-    decompression + cuBLAS) instead where this GPU's tuned file measured it
-    faster than the kernel; the reference everywhere else (CPU, fp64, no triton)."""
+    fp16/bf16/fp32 x on CUDA; at M > 16, ``"prefill"`` (the prefill kernel,
+    :func:`~sparse24.ops.linear24.launch.linear_prefill`) for a decode-layout
+    weight, and for layout v1 the reference backend (row-block decompression +
+    cuBLAS) instead where this GPU's tuned file measured it faster than the
+    kernel; the reference everywhere else (CPU, fp64, no triton)."""
     return _auto_backend(x, p.values, p.scale, p.shape[0])
 
 
@@ -152,6 +156,11 @@ def _auto_backend(x: torch.Tensor, values: torch.Tensor, scale, out_features: in
     M = x.shape[0] if x.dim() == 2 else x.shape[:-1].numel()
     if M <= DECODE_M:
         return "triton"
+    if values.dim() != 2:
+        # The decode layout (the one copy a module holds on CUDA): the prefill kernel decodes
+        # each weight tile once per 128 rows; the reference would re-order and decompress the
+        # whole weight on every call (264 aten calls, 596 MiB at 4096 x 4096).
+        return "prefill"
     key = (x.device, x.dtype, scale is not None, values.dim(), out_features, x.shape[-1], m_bucket(M))
     choice = _AUTO.get(key)
     if choice is None:
@@ -164,13 +173,15 @@ def _auto_backend(x: torch.Tensor, values: torch.Tensor, scale, out_features: in
 
 # Unmeasured, the decode kernel (which re-decodes the weight for every 16 rows of x)
 # serves up to this many rows; above, the reference backend (decompression + cuBLAS).
+# (``sparse24.linear``'s "auto" runs the prefill kernel for a decode-layout weight
+# at M > 16 before asking this.)
 DECODE_KERNEL_MAX_M = 64
 
 
 def faster_backend(timings: dict, layout: str = "v1", M: int = 1) -> str:
     """``"reference"`` where a tuned entry measured it faster than the kernel, else ``"triton"``;
     with no measurement, the reference for a decode-layout weight past
-    :data:`DECODE_KERNEL_MAX_M` rows."""
+    :data:`DECODE_KERNEL_MAX_M` rows (the tuner's comparison of the decode kernel)."""
     if "reference_us" in timings and "kernel_us" in timings:
         return "reference" if timings["reference_us"] < timings["kernel_us"] else "triton"
     return "reference" if layout == "decode" and M > DECODE_KERNEL_MAX_M else "triton"

@@ -1,0 +1,114 @@
+"""Triton kernel for prefill-sized batches (M > 16):
+``out = x @ W^T (* scale) + bias`` with W in the decode layout
+(``sparse24.decode_format.DecodePacked``), the one copy a compressed module
+holds on CUDA.
+
+Triton only (no torch.nn, no policy). The launcher and its default configs
+live in ``sparse24.ops.prefill24``; the bit layout in ``sparse24/decode_format.py``.
+
+Why a third kernel: the decode kernel takes 16 rows of x per program, so at
+M rows it decodes every weight tile ceil(M / 16) times; here a program takes
+BLOCK_M (32-256) rows and decodes each of its weight tiles once for all of
+them. The decode itself is the decode kernel's ``_decode_tile`` (byte
+permutes straight into the dot's register operand, out^T = W x^T): W is the
+first dot operand, decoded in registers, x^T the second. On sm_90 with
+BLOCK_N >= 64 (one 16-row tile per warp, 4 or 8 warps) Triton emits wgmma
+with W from registers and x^T from shared memory (HGMMA in the SASS; counts
+in docs/kernels.md, "Prefill path"), and num_stages > 1 pipelines the x loads.
+
+Grid: one program per (BLOCK_N rows of W, BLOCK_M rows of x), in groups of
+GROUP_M x-blocks that share W tiles while they sit in L2. No split-K: at
+M > 16 the grid has ceil(N / BLOCK_N) * ceil(M / BLOCK_M) programs.
+Offsets that can pass 2**31 (x and out rows, weight atoms) are int64.
+
+Two callables share ONE source function, ``_sparse24_prefill``:
+``sparse24_prefill`` (``triton.jit``, GPU tensors) and
+``sparse24_prefill_interpreted`` (Triton's interpreter, CPU tensors).
+"""
+import triton
+import triton.language as tl
+
+from .interpreter import InterpretedKernel
+from .sparse24_decode import _TWO_POW_24, _decode_tile
+
+__all__ = ["sparse24_prefill", "sparse24_prefill_interpreted"]
+
+
+def _sparse24_prefill(
+    x_ptr, v_ptr, meta_ptr, scale_ptr, bias_ptr, out_ptr,
+    M, N, K, KA, KM,
+    stride_xm, stride_xk,
+    stride_om, stride_on,
+    INT8: tl.constexpr, W_BF16: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    A: tl.constexpr = BLOCK_K // 64
+    T: tl.constexpr = BLOCK_N // 16
+    v_ptr = v_ptr.to(tl.pointer_type(tl.int32), bitcast=True)  # values read as 32-bit words
+    # Grouped order (Triton tutorial 03): GROUP_M consecutive x-blocks walk the
+    # same W columns, so a decoded program's weight tiles are re-read from L2.
+    pid = tl.program_id(0)
+    num_m = (M + BLOCK_M - 1) // BLOCK_M
+    num_n = (N + BLOCK_N - 1) // BLOCK_N
+    in_group = GROUP_M * num_n
+    first_m = (pid // in_group) * GROUP_M
+    group_size = min(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % in_group) % group_size
+    pid_n = (pid % in_group) // group_size
+
+    # This program's BLOCK_M rows of x and out: pointers moved (int64), M counted from them.
+    m0 = pid_m.to(tl.int64) * BLOCK_M
+    x_ptr += m0 * stride_xm
+    out_ptr += m0 * stride_om
+    M = M - m0
+
+    # Row tiles of W: rows padded to 128 in the layout, so no masks on weight loads.
+    NT = (N + 127) // 128 * 8
+    t0 = pid_n * T
+    n_full = K // BLOCK_K  # full K-tiles; a partial tile (K % BLOCK_K) runs once after the loop
+
+    atoms = tl.arange(0, A).to(tl.int64)
+    lanes = tl.arange(0, T * 128)  # T row tiles x 32 lanes x 4 words, contiguous
+    if INT8:
+        v_ptrs = v_ptr + (atoms[:, None] * NT + t0) * 128 + lanes[None, :]                  # [A, T*128]
+        V_STEP: tl.constexpr = A * 128
+    else:
+        v_ptrs = (v_ptr + ((atoms[:, None, None] * 2 + tl.arange(0, 2)[None, :, None]) * NT + t0) * 128
+                  + lanes[None, None, :])                                                  # [A, 2, T*128]
+        V_STEP: tl.constexpr = A * 256
+    m_ptrs = meta_ptr + (t0 * 32 + tl.arange(0, T * 32)).to(tl.int64)[:, None] * KM + atoms[None, :]  # [T*32, A]
+    rows = tl.minimum(tl.arange(0, BLOCK_M), M - 1).to(tl.int64)   # rows past M: clamped, never stored
+    x_ptrs = x_ptr + rows[:, None] * stride_xm + tl.arange(0, BLOCK_K).to(tl.int64)[None, :] * stride_xk
+    x_step = tl.cast(stride_xk, tl.int64) * BLOCK_K  # a transposed x has stride_xk = M: int64 steps
+
+    # One decode per weight tile for all BLOCK_M rows of x (the decode kernel: 16).
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for kt in range(0, n_full):
+        acc = _decode_tile(acc, x_ptrs, v_ptrs, m_ptrs, kt * BLOCK_K, K, kt * A, KA, False, INT8, W_BF16,
+                           DOT_PRECISION, BLOCK_N, BLOCK_K)
+        v_ptrs += V_STEP * NT
+        m_ptrs += A
+        x_ptrs += x_step
+    if n_full * BLOCK_K < K:
+        acc = _decode_tile(acc, x_ptrs, v_ptrs, m_ptrs, n_full * BLOCK_K, K, n_full * A, KA, True, INT8, W_BF16,
+                           DOT_PRECISION, BLOCK_N, BLOCK_K)
+
+    # Epilogue in fp32 on out^T [BLOCK_N, BLOCK_M]: INT8 scale (times 2**24 when
+    # the dot saw fp16 subnormals), bias, then x's dtype.
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    mask_n = offs_n < N
+    if INT8:
+        scale = tl.load(scale_ptr + offs_n, mask=mask_n, other=0.0)
+        if x_ptr.dtype.element_ty == tl.float16:
+            scale = scale * _TWO_POW_24
+        acc = acc * scale[:, None]
+    if HAS_BIAS:
+        acc = acc + tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[:, None]
+    out_ptrs = out_ptr + offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None] * stride_on
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_n[:, None] & (offs_m < M)[None, :])
+
+
+# M is not specialized: one compiled variant per config serves every M.
+sparse24_prefill = triton.jit(_sparse24_prefill, do_not_specialize=["M"])
+sparse24_prefill_interpreted = InterpretedKernel(_sparse24_prefill)

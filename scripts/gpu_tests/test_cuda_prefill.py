@@ -1,0 +1,40 @@
+"""The prefill kernel (M > 16, decode layout) compiled on a CUDA GPU, against
+F.linear in fp64 on the masked (dequantized) dense weight, through the route
+``sparse24.linear`` takes on CUDA. Run by scripts/gpu_check.sh; not part of the
+CPU suite (there: tests/kernels/test_prefill_kernel.py, in the interpreter).
+
+Tolerances: the CPU suite's table, whose fp32 atol was calibrated on CPU
+products; a long-K fp32 failure here is the accumulation-order question of
+issue 22 item 6, not necessarily a wrong byte.
+"""
+import pytest
+import torch
+
+import sparse24
+from sparse24.ops.linear24 import launch, op
+from sparse24.ops.linear24.prefill import prefill_configs
+
+from _cuda import ACT, DEV, assert_matches_reference, gen  # noqa: F401  (gen: the fixture)
+from test_cuda_decode import _weight
+
+
+@pytest.mark.parametrize("wtype,xtype", [("fp16", "fp16"), ("bf16", "bf16"), ("int8", "fp16"), ("int8", "bf16")])
+@pytest.mark.parametrize("M", [17, 67, 130, 1000])
+def test_auto_route_matches_reference(M, wtype, xtype, gen):
+    d, dense = _weight(200, 328, wtype, ACT[xtype], gen)
+    x = torch.randn(M, 328, generator=gen, device=DEV).to(ACT[xtype])
+    b = torch.randn(200, generator=gen, device=DEV)
+    assert op.choose_backend(x, d) == "prefill"
+    y = sparse24.linear(x, d, b)
+    torch.cuda.synchronize()
+    assert_matches_reference(y, x, dense, b)
+
+
+@pytest.mark.parametrize("wtype", ["fp16", "int8"])
+def test_every_config_matches_reference(wtype, gen):
+    d, dense = _weight(264, 520, wtype, torch.float16, gen)
+    x = torch.randn(300, 520, generator=gen, device=DEV).half()
+    for cfg in {c for M in (32, 64, 4096) for c in prefill_configs(M)}:
+        y = launch.linear_prefill(x, d, None, config=cfg)
+        torch.cuda.synchronize()
+        assert_matches_reference(y, x, dense)

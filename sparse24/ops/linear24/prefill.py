@@ -1,0 +1,70 @@
+"""The prefill kernel's configs (``kernels/sparse24_prefill.py``, M > 16, the
+decode layout): its config space and untuned defaults. Its launch is a variant
+of the plan-cached path in :mod:`.launch` (``linear_prefill``, ``run_prefill``).
+
+At M > 16 on CUDA a decode-layout weight runs this kernel (``sparse24::linear``
+routes it, :mod:`.op`): each weight tile is decoded once per BLOCK_M rows of x
+(128 by default at prefill sizes), straight from the one copy the module holds;
+no call converts or decompresses the whole weight (``scripts/bench_host.py
+--prefill`` counts the aten ops and bytes a call allocates).
+"""
+from __future__ import annotations
+
+import functools
+
+from ..config_space import DECODE_M, KernelConfig
+
+__all__ = ["prefill_config", "prefill_configs", "check_prefill_config"]
+
+# The untuned defaults, chosen from the sm_90 SASS counts and the model built on them
+# (scripts/kernel_static_check.py --prefill, docs/kernels.md "Prefill path"; not timed
+# on a GPU yet). One 16-row W tile per warp (num_warps == BLOCK_N // 16, the decode
+# layout's fragment ownership) and BLOCK_N >= 64, so sm_90 runs wgmma with W from
+# registers (HGMMA). The loop waits for its own wgmma before decoding the next tile,
+# so decode and tensor cores overlap only across programs sharing an SM: 128 x 128 x 64
+# tiles with 2 stages need 128 registers (2 programs per SM; INT8 needs 3 stages to stay
+# at 127, 2 stages take 137), and where those tiles give at most one program per SM
+# 128 x 64 tiles (3 per SM) are predicted faster.
+_SMALL_M = {32: (32, 64, 128, 4, 2), 64: (64, 64, 128, 4, 2)}
+
+
+def prefill_config(M: int, N: int, K: int, int8: bool = False, num_sms: int = 132) -> KernelConfig:
+    """The untuned prefill config for ``M`` rows (``M > 16``) of an ``N x K`` weight:
+    BLOCK_M covers all rows up to 64 (one program row, W decoded once per call),
+    128 beyond, with BLOCK_N 128 when that gives more programs than the
+    ``num_sms`` multiprocessors (default: an H200's 132), else 64."""
+    if M <= DECODE_M:
+        raise ValueError(f"the prefill kernel serves M > {DECODE_M}, got M = {M}")
+    if M <= 64:
+        bm, bn, bk, warps, stages = _SMALL_M[32 if M <= 32 else 64]
+    elif -(-M // 128) * -(-N // 128) > num_sms:
+        bm, bn, bk, warps, stages = 128, 128, 64, 8, 3 if int8 else 2
+    else:
+        bm, bn, bk, warps, stages = 128, 64, 64, 4, 2
+    return _config(bm, bn, bk, warps, stages)
+
+
+@functools.lru_cache(maxsize=None)
+def _config(bm, bn, bk, warps, stages) -> KernelConfig:
+    return KernelConfig(bm, bn, bk, 8, 1, warps, stages, kernel="prefill")
+
+
+def prefill_configs(M: int) -> list[KernelConfig]:
+    """The prefill config space for the static report and a tuner: BLOCK_M in
+    (128, 256) (32 and 64 at M <= 64), BLOCK_N x warps in (64 x 4, 128 x 8),
+    BLOCK_K 64, 2 or 3 stages (pipelined x loads). Left out, measured by the
+    static report (sm_90, Triton 3.9): BLOCK_K 128 (200-255 registers, one
+    program per SM or spills), 4 stages (the issue count of 3)."""
+    bms = (32, 64) if M <= 32 else (64,) if M <= 64 else (128, 256)
+    return [check_prefill_config(KernelConfig(bm, bn, 64 if bm >= 128 else 128, 8, 1, w, st, kernel="prefill"))
+            for bm in bms for bn, w in ((64, 4), (128, 8)) for st in (2, 3)]
+
+
+def check_prefill_config(config: KernelConfig) -> KernelConfig:
+    """Raise ValueError unless the prefill kernel can run ``config``; returns it."""
+    c = config.validate()
+    if c.kernel != "prefill" or c.block_m < 16 or c.block_k < 64 or c.block_n not in (32, 64, 128) \
+            or c.num_warps != c.block_n // 16 or c.split_k != 1:
+        raise ValueError(f"bad prefill config {c}: need kernel 'prefill', block_m >= 16, block_k >= 64, block_n "
+                         f"in (32, 64, 128), num_warps == block_n // 16 and split_k == 1")
+    return c

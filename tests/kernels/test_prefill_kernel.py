@@ -1,0 +1,129 @@
+"""The prefill kernel (M > 16, the decode layout, BLOCK_M rows of x per decoded
+weight tile), run on CPU tensors in Triton's interpreter (the same source the
+GPU compiles), against F.linear in fp64 on the masked dense weight; its config
+checks; and an ahead-of-time sm_90 compile (wgmma with W from registers)."""
+import pytest
+import torch
+
+from sparse24.decode_format import DecodePacked
+from sparse24.ops.config_space import KernelConfig
+from sparse24.ops.linear24.launch import linear_prefill
+from sparse24.ops.linear24.prefill import check_prefill_config, prefill_config, prefill_configs
+
+from conftest import assert_matches_reference, reference_linear, tolerance
+from test_decode_kernel import _static_check, _weight  # the decode kernel's weights and static-check loader
+
+
+def _cfg(bm, bn, bk, stages=2, group=8):
+    return KernelConfig(bm, bn, bk, group, 1, bn // 16, stages, kernel="prefill")
+
+
+def _case(M, N, K, xtype, wtype, bias, cfg=None):
+    ids = f"M{M}-N{N}-K{K}-x{str(xtype)[6:]}-w{wtype}-{'bias' if bias else 'nobias'}-" \
+          + ("default" if cfg is None else f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k}g{cfg.group_m}")
+    return pytest.param(M, N, K, xtype, wtype, bias, cfg, id=ids)
+
+
+@pytest.mark.parametrize("M,N,K,xtype,wtype,bias,cfg", [
+    # the default config of each M bucket; N, K not multiples of the tiles (partial row block,
+    # partial K-tile, partial metadata atom); both activation dtypes, both weight kinds, bias
+    _case(17, 40, 100, torch.float16, "fp16", True),
+    _case(67, 72, 200, torch.float32, "int8", False),
+    _case(130, 200, 196, torch.float16, "int8", True),
+    _case(130, 72, 260, torch.float32, "fp16", True),
+    # several x-blocks and W-blocks, grouped order with a partial last group
+    _case(67, 200, 196, torch.float16, "fp16", False, _cfg(32, 64, 64, group=2)),
+    _case(130, 136, 132, torch.float32, "int8", True, _cfg(32, 128, 128, group=3)),
+])
+def test_kernel_matches_reference(M, N, K, xtype, wtype, bias, cfg, gen):
+    d, dense = _weight(N, K, wtype, gen)
+    x = torch.randn(M, K, generator=gen).to(xtype)
+    b = torch.randn(N, generator=gen) if bias else None
+    tri = linear_prefill(x, d, b, config=cfg)
+    assert tri.dtype == xtype and tri.shape == (M, N)
+    assert_matches_reference(tri, x, dense, b)
+
+
+@pytest.mark.parametrize("wtype", ["fp16", "int8"])
+def test_every_config_in_the_space_matches_reference(wtype, gen):
+    """Each config a tuner may pick, with BLOCK_M 128/256 covering 67 rows of x (rows past M
+    clamped, never stored); stages do not change the interpreted result."""
+    d, dense = _weight(72, 200, wtype, gen)
+    b = torch.randn(72, generator=gen)
+    x = torch.randn(67, 200, generator=gen).half()
+    seen = {}
+    for c in prefill_configs(4096) + prefill_configs(64):
+        seen.setdefault((c.block_m, c.block_n, c.block_k), c)
+    for cfg in seen.values():
+        assert_matches_reference(linear_prefill(x, d, b, config=cfg), x, dense, b)
+
+
+@pytest.mark.parametrize("wtype", ["fp16", "int8"])
+def test_a_wrong_keep_bit_fails_the_check(wtype, gen):
+    """The kernel really decodes the keep masks: one group's pair moved to the other two
+    slots gives the dense weight those bits describe, and misses the original by more
+    than the tolerance."""
+    N, K = 40, 128
+    d, dense = _weight(N, K, wtype, gen)
+    meta = d.meta.clone()
+    meta[0, 20, 0] ^= 0b1111 << 8                      # row 5, columns 16..19: the other two slots
+    bad = DecodePacked(d.values, meta, d.shape, d.dtype, d.scale)
+    x = torch.randn(33, K, generator=gen)
+    tri = linear_prefill(x, bad)
+    assert not torch.allclose(tri.double(), reference_linear(x, dense), **tolerance(torch.float32, K))
+    assert_matches_reference(tri, x, bad.to_dense().double())
+
+
+def test_strided_3d_and_empty_inputs(gen):
+    d, dense = _weight(40, 64, "fp16", gen)
+    x = torch.randn(64, 3, 20, generator=gen).half().transpose(0, 2)   # (20, 3, 64), strided
+    assert_matches_reference(linear_prefill(x, d), x, dense)
+    assert linear_prefill(torch.empty(0, 64).half(), d).shape == (0, 40)
+
+
+def test_rejects_bad_input(gen):
+    d, _ = _weight(40, 64, "fp16", gen)
+    x = torch.randn(20, 64).half()
+    with pytest.raises(TypeError, match="decode layout"):
+        linear_prefill(x, d.to_sparse24())
+    with pytest.raises(TypeError, match="bfloat16"):
+        linear_prefill(x.bfloat16(), d)
+    with pytest.raises(ValueError, match="features"):
+        linear_prefill(torch.randn(20, 32).half(), d)
+    with pytest.raises(ValueError, match="bad prefill config"):
+        linear_prefill(x, d, config=KernelConfig(32, 64, 64, 8, 1, 2, 2, kernel="prefill"))  # warps != BN / 16
+    with pytest.raises(ValueError, match="bad prefill config"):
+        linear_prefill(x, d, config=KernelConfig(16, 64, 64, 8, 1, 4, 1, kernel="decode"))
+    with pytest.raises(ValueError, match="M > 16"):
+        prefill_config(16, 64, 64)
+
+
+def test_default_configs():
+    """BLOCK_M covers all rows up to 64 (one decode of W per call), 128 beyond; every
+    default passes the config check and sits in the space the static report covers."""
+    assert [prefill_config(M, 4096, 4096).block_m for M in (17, 32, 33, 64, 65, 512, 100000)] == \
+        [32, 32, 64, 64, 128, 128, 128]
+    # 128 x 128 tiles only where they give more programs than an H200's 132 SMs (else 128 x 64);
+    # INT8 with 3 stages (127 registers: 2 programs per SM; 2 stages take 137)
+    assert prefill_config(512, 4096, 4096).block_n == 64 and prefill_config(640, 4096, 4096).block_n == 128
+    assert prefill_config(4096, 4096, 4096).num_stages == 2 and prefill_config(4096, 4096, 4096, True).num_stages == 3
+    for M in (17, 64, 512, 4096):
+        c = check_prefill_config(prefill_config(M, 4096, 4096))
+        assert c.num_warps == c.block_n // 16 and c.block_n >= 64  # wgmma with W from registers on sm_90
+        assert c in prefill_configs(M)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "int8-bfloat16"])
+def test_large_m_default_compiles_to_hgmma_for_sm90(dtype, monkeypatch):
+    """No GPU here: the large-M default compiled for sm_90 with the launcher's arguments
+    (scripts/kernel_static_check.py --prefill) runs wgmma with W from registers (HGMMA, one
+    per 16 columns of a K-tile), spills nothing and fits two programs per SM, so one decodes
+    while the other's wgmma runs: the premise of the prediction in docs/kernels.md."""
+    monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")
+    tool = _static_check()
+    cfg = prefill_config(4096, 4096, 4096, int8=dtype.startswith("int8-"))
+    assert (cfg.block_m, cfg.block_n) == (128, 128)
+    r = tool.prefill_one(dtype, cfg, 90)
+    assert r["hgmma"] and r["mma"] == cfg.block_k // 16
+    assert r["spills"] == 0 and r["local"] == 0
+    assert tool.programs_per_sm(r["regs"], r["shared"], cfg.num_warps) >= 2

@@ -1,0 +1,108 @@
+"""The M > 16 route of a decode-layout layer on CUDA, taken on CPU tensors: the
+backend decision sees a CUDA-looking x and the kernel launch is a no-op, so a
+call's aten ops and allocated bytes are counted at torch's dispatcher (as
+``scripts/bench_host.py --prefill`` does). No call may convert or decompress
+the weight; the layer holds one copy of the kept values."""
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import sparse24
+from sparse24.decode_format import DecodePacked
+from sparse24.format import Sparse24Tensor
+from sparse24.ops.linear24 import launch, op
+from sparse24.tools.dispatch_count import count_dispatch
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _bench_host():
+    spec = importlib.util.spec_from_file_location("bench_host", ROOT / "scripts" / "bench_host.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+_AsCuda = _bench_host()._AsCuda  # what the backend decision reads of x, as a CUDA tensor shows it
+
+
+@pytest.fixture
+def cuda_route(monkeypatch):
+    """The CUDA decision on CPU tensors, the launch a no-op; returns the launches' grids."""
+    real = op._auto_backend
+    monkeypatch.setattr(op, "_auto_backend", lambda x, *rest: real(_AsCuda(x), *rest))
+    monkeypatch.setattr(op, "_triton_available", lambda: True)
+    grids = []
+    monkeypatch.setattr(launch._Plan, "launch", lambda plan, grid, args, aligned: grids.append((plan.config, grid)))
+    op._AUTO.clear()
+    yield grids
+    op._AUTO.clear()
+    launch._PLANS.clear()
+
+
+def _layer(quantize, N=256, K=512):
+    torch.manual_seed(0)
+    return sparse24.Sparse24Linear.from_linear(nn.Linear(K, N, dtype=torch.float16), mode="compressed",
+                                               quantize=quantize).to_layout("decode")
+
+
+@pytest.mark.parametrize("quantize", [None, "int8"])
+def test_prefill_route_converts_nothing(quantize, cuda_route, monkeypatch):
+    layer = _layer(quantize)
+    for cls, name in ((DecodePacked, "to_sparse24"), (DecodePacked, "to_dense"), (Sparse24Tensor, "to_dense")):
+        monkeypatch.setattr(cls, name, lambda *a, _n=name, **k: pytest.fail(f"the M > 16 route called {_n}"))
+    with torch.no_grad():
+        for shape in ((17, 512), (64, 512), (300, 512), (5, 60, 512)):
+            x = torch.randn(*shape, dtype=torch.float16)
+            M = x[..., 0].numel()
+            assert op._auto_backend(x, layer.values, layer.scale, 256) == "prefill"
+            layer(x)                                     # the plan is made on the first call
+            cuda_route.clear()
+            y, count = count_dispatch(layer, x)
+            assert y.shape == (*shape[:-1], 256)
+            assert len(cuda_route) == 1 and cuda_route[0][0].kernel == "prefill"   # one launch
+            assert cuda_route[0][0].block_m == (32 if M <= 32 else 64 if M <= 64 else 128)
+            assert len(count.ops) <= 3, count.ops                                   # empty (+ views for 3-D x)
+            assert count.bytes_allocated <= y.numel() * y.element_size(), count
+
+
+def test_the_count_sees_a_whole_weight_conversion(cuda_route, monkeypatch):
+    """The same measurement on the route the layer took before (the reference backend:
+    re-order to layout v1, decompress, matmul) fails the prefill limits: the test can fail."""
+    layer = _layer(None)
+    monkeypatch.setattr(op, "_auto_backend", lambda *a: "reference")
+    x = torch.randn(64, 512, dtype=torch.float16)
+    with torch.no_grad():
+        y, count = count_dispatch(layer, x)
+    assert len(count.ops) > 3 and count.bytes_allocated > y.numel() * y.element_size() + 256 * 512
+
+
+def test_decode_sizes_keep_the_decode_kernel(cuda_route):
+    layer = _layer(None)
+    with torch.no_grad():
+        for M in (1, 16):
+            layer(torch.randn(M, 512, dtype=torch.float16))
+    assert [c.kernel for c, _ in cuda_route] == ["decode", "decode"]
+
+
+@pytest.mark.parametrize("quantize,limit", [(None, 0.60), ("int8", 0.35)])
+def test_layer_holds_one_copy(quantize, limit):
+    """A decode-layout layer's memory (values + keep masks + scales + bias) against its dense
+    fp16 weight: one copy of the kept values (fp16: 0.5625 + row/column padding)."""
+    layer = _layer(quantize, N=1000, K=1000)
+    held = sum(t.numel() * t.element_size() for t in (*layer.parameters(), *layer.buffers()))
+    assert held <= limit * 1000 * 1000 * 2, held / (1000 * 1000 * 2)
+
+
+@pytest.mark.parametrize("quantize", [None, "int8"])
+def test_bench_host_prefill_figures(quantize):
+    """``scripts/bench_host.py --prefill`` on a small layer: the figures it prints are within
+    issue 22's limits (<= 3 aten ops, allocation <= the output, no conversion, one copy)."""
+    rows = _bench_host().prefill_figures(256, 1024, (17, 64, 300), quantize)  # K = 1024: whole meta atoms
+    assert [r["M"] for r in rows] == [17, 64, 300] and {r["backend"] for r in rows} == {"prefill"}
+    for r in rows:
+        assert r["aten_ops"] <= 3 and r["bytes_allocated"] <= r["output_bytes"] and r["conversions"] == 0, r
+        assert r["layer_bytes_over_dense_fp16"] <= 0.60
