@@ -167,7 +167,7 @@ def _decode_tile(acc, x_ptrs, v_ptrs, m_ptrs, k0, K, a0, KA,
 
 
 def _sparse24_decode(
-    x_ptr, v_ptr, meta_ptr, scale_ptr, bias_ptr, out_ptr,
+    x_ptr, v_ptr, meta_ptr, scale_ptr, bias_ptr, out_ptr, ws_ptr, count_ptr,
     M, N, K, KA, KM,
     stride_xm, stride_xk,
     stride_om, stride_on,
@@ -233,28 +233,42 @@ def _sparse24_decode(
         acc = _decode_tile(acc, x_ptrs, v_ptrs, m_ptrs, n_full * BLOCK_K, K, n_full * A, KA, True, INT8, W_BF16,
                            DOT_PRECISION, BLOCK_N, BLOCK_K)
 
-    # Epilogue in fp32 on out^T [BLOCK_N, BLOCK_M]: INT8 scale (times 2**24 when
-    # the dot saw fp16 subnormals), then bias (split 0 only).
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
-    mask_n = offs_n < N
-    if INT8:
-        scale = tl.load(scale_ptr + offs_n, mask=mask_n, other=0.0)
-        if x_ptr.dtype.element_ty == tl.float16:
-            scale = scale * _TWO_POW_24
-        acc = acc * scale[:, None]
-    if HAS_BIAS:
-        bias = tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-        if SPLIT_K > 1:
-            bias = tl.where(pid_k == 0, bias, 0.0)
-        acc = acc + bias[:, None]
-    out_ptrs = out_ptr + offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None] * stride_on
-    out_mask = mask_n[:, None] & (offs_m < M)[None, :]
-    if SPLIT_K == 1:
+    write = True
+    if SPLIT_K > 1:
+        # Serial split-K, inside this one launch: every split stores its fp32
+        # partial tile in the plan's workspace (ws_ptr: [tiles, SPLIT_K,
+        # BLOCK_N, 16]); the tile's counter (count_ptr, zero between launches)
+        # says which program arrives last; that one adds the SPLIT_K partials
+        # in split order (the same bits whatever the arrival order: split-K
+        # stays deterministic), runs the epilogue and resets the counter.
+        tile = tl.program_id(2) * tl.num_programs(0) + pid_n
+        part = (ws_ptr + tile.to(tl.int64) * (SPLIT_K * BLOCK_N * BLOCK_M)
+                + tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + offs_m[None, :])
+        tl.store(part + pid_k * (BLOCK_N * BLOCK_M), acc, cache_modifier=".cg")
+        tl.debug_barrier()  # all threads' partials are stored before the counter releases them
+        arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        write = arrived == SPLIT_K - 1
+        if write:
+            acc = tl.load(part, cache_modifier=".cg")
+            for j in tl.static_range(1, SPLIT_K):
+                acc += tl.load(part + j * (BLOCK_N * BLOCK_M), cache_modifier=".cg")
+            tl.store(count_ptr + tile, 0)  # ready for the next launch
+    if write:
+        # Epilogue in fp32 on out^T [BLOCK_N, BLOCK_M]: INT8 scale (times 2**24
+        # when the dot saw fp16 subnormals), then bias; out in x's dtype.
+        mask_n = offs_n < N
+        if INT8:
+            scale = tl.load(scale_ptr + offs_n, mask=mask_n, other=0.0)
+            if x_ptr.dtype.element_ty == tl.float16:
+                scale = scale * _TWO_POW_24
+            acc = acc * scale[:, None]
+        if HAS_BIAS:
+            acc = acc + tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[:, None]
+        out_ptrs = out_ptr + offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None] * stride_on
+        out_mask = mask_n[:, None] & (offs_m < M)[None, :]
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
-    else:
-        # out is a zeroed fp32 buffer; the splits add their partial sums.
-        tl.atomic_add(out_ptrs, acc, mask=out_mask, sem="relaxed")
 
 
 # M is not specialized: one compiled variant per config serves every M.

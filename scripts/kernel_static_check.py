@@ -46,13 +46,14 @@ def compile_one(cfg, dtype, cap, N, K):
 
     import sparse24
     from sparse24.ops.linear24 import aot_compile
+    from sparse24.ops.linear24.launch import target_dtype
 
     act = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}[dtype.removeprefix("int8-")]
     p = sparse24.compress(torch.randn(N, K), quantize="int8" if dtype.startswith("int8-") else None)
     if p.scale is None:
         p = p.to(dtype=act)
     x = torch.randn(16, K).to(act)
-    target = torch.empty(16, N, dtype=torch.float32 if cfg.split_k > 1 else act)
+    target = torch.empty(16, N, dtype=target_dtype(cfg, cfg.split_k, act))
     t0 = time.time()
     ck = aot_compile(x, p, None, target, cfg, cfg.split_k, (cap // 10, cap % 10))
     ptx = ck.asm["ptx"]
@@ -143,10 +144,11 @@ def _weights(kernel: str, dtype: str, N: int, K: int):
 def sass_one(kernel: str, dtype: str, cfg, cap: int, N: int, K: int) -> dict:
     """Compile one config, return its main-loop counts (one row of the CSV, without M)."""
     from sparse24.ops.linear24 import aot_compile
+    from sparse24.ops.linear24.launch import target_dtype
 
     act, w = _weights(kernel, dtype, N, K)
     x = torch.randn(cfg.block_m, K).to(act)
-    target = torch.empty(cfg.block_m, N, dtype=torch.float32 if cfg.split_k > 1 else act)
+    target = torch.empty(cfg.block_m, N, dtype=target_dtype(cfg, cfg.split_k, act))
     ck = aot_compile(x, w, None, target, cfg, cfg.split_k, (cap // 10, cap % 10))
     loop = main_loop(sass_instructions(ck.asm["cubin"]))
     value_bytes = 1 if dtype.startswith("int8-") else 2

@@ -161,20 +161,28 @@ def test_strided_3d_and_empty_inputs(gen):
     assert torch.equal(linear_decode(torch.randn(3, 0), z, b), b.expand(3, 5))
 
 
-def test_deterministic_mode_disables_split_k(monkeypatch, gen):
+def test_split_k_is_one_launch_and_deterministic(monkeypatch, gen):
+    """Serial split-K: one launch, output in x's dtype (no fp32 buffer, no cast), the
+    counters left at zero for the next launch, and the same bits on every call, in
+    deterministic mode too (the last program adds the partials in split order)."""
     seen = []
     real = launch._Plan.launch
-    monkeypatch.setattr(launch._Plan, "launch", lambda plan, grid, *a: seen.append(grid[1]) or real(plan, grid, *a))
-    d, dense = _weight(40, 256, "fp16", gen)
-    x = torch.randn(3, 256, generator=gen)
+    monkeypatch.setattr(launch._Plan, "launch", lambda plan, grid, *a: seen.append(grid) or real(plan, grid, *a))
+    d, dense = _weight(72, 300, "fp16", gen)
+    x, b = torch.randn(3, 300, generator=gen).half(), torch.randn(72, generator=gen)
+    cfg = _cfg(64, 64, split=4)
     before = torch.are_deterministic_algorithms_enabled()
     try:
+        y1 = linear_decode(x, d, b, config=cfg)
         torch.use_deterministic_algorithms(True)
-        y = linear_decode(x, d, config=_cfg(64, 64, split=4))
+        y2 = linear_decode(x, d, b, config=cfg)
     finally:
         torch.use_deterministic_algorithms(before)
-    assert seen == [1]
-    assert_matches_reference(y, x, dense)
+    assert seen == [(2, 4, 1), (2, 4, 1)]
+    assert y1.dtype == torch.float16 and torch.equal(y1, y2)
+    assert_matches_reference(y1, x, dense, b)
+    _, counts = launch.decode_workspace(x.device, 72, cfg, 4)
+    assert counts.shape == (2,) and not counts.any()
 
 
 def test_rejects_bad_input_and_changes_nothing(gen):
@@ -291,7 +299,7 @@ def test_kernel_compiles_for_gpus(x_dtype, wtype, bias, cfg, cap, monkeypatch):
     else:
         d = pack_decode(sparse24.compress(w.to(torch.bfloat16 if wtype == "bf16" else torch.float16)))
     x = torch.randn(16, K).to(x_dtype)
-    target = torch.empty(16, N, dtype=torch.float32 if cfg.split_k > 1 else x_dtype)
+    target = torch.empty(16, N, dtype=x_dtype)
     b = torch.randn(N) if bias else None
     compiled = launch.aot_compile(x, d, b, target, cfg, cfg.split_k, (cap // 10, cap % 10))
     ptx = compiled.asm["ptx"]
