@@ -49,7 +49,7 @@ from triton.language.extra import libdevice
 
 from .interpreter import InterpretedKernel
 
-__all__ = ["sparse24_decode", "sparse24_decode_interpreted", "SELECTORS", "SM_MASK"]
+__all__ = ["sparse24_decode", "sparse24_decode_interpreted", "int8_bf16_words", "SELECTORS", "SM_MASK"]
 
 # Byte-permute selectors, per dense register pair: S = x * MUL + ADD, with x
 # the 2-bit field of the group's keep mask (slots 0,1: bits 0-1; slots 3,2:
@@ -81,6 +81,21 @@ SELECTORS = {
 _SM_MASK = tl.constexpr(-0x7F807F81)   # 0x807F807F as int32: sign bits + 7-bit magnitudes
 SM_MASK = _SM_MASK.value & 0xFFFFFFFF
 _TWO_POW_24 = tl.constexpr(16777216.0)  # INT8 values enter the fp16 dot as value * 2**-24
+# INT8 with bfloat16 activations: OR-ing a lane with 0x4300 makes the bfloat16
+# +-(128 + |v|) (exponent 2**7, |v| <= 127 the 7-bit mantissa); masking that to
+# sign and exponent gives +-128; their difference is v exactly (Sterbenz).
+_BF16_MAGIC = tl.constexpr(0x43004300)
+_BF16_SIGN_EXP = tl.constexpr(-0x007F0080)   # 0xFF80FF80 as int32
+
+
+@triton.jit
+def int8_bf16_words(d):
+    """Sign-magnitude INT8 lanes (sign in bit 15, |v| in bits 0-6, as the byte
+    permute and the AND leave them) -> two words of bfloat16 pairs, y and c,
+    with y - c == v exactly: two LOP3 and one bfloat16x2 subtraction per pair,
+    no int -> float conversion."""
+    y = d | _BF16_MAGIC
+    return y, y & _BF16_SIGN_EXP
 
 
 @triton.jit
@@ -132,14 +147,23 @@ def _decode_tile(acc, x_ptrs, v_ptrs, m_ptrs, k0, K, a0, KA,
         P = tl.reshape(wv, [A, 2, T, 32, 2, 2])                               # [A, h, T, 32, qq, b]
         d01 = libdevice.byte_perm(P, 0, (nib & 3) * _MUL01 + _ADD01)          # dense slots 0, 1
         d23 = libdevice.byte_perm(P, 0, ((nib >> 2) & 3) * _MUL23 + _ADD23)   # dense slots 2, 3
-    if W_BF16:
+    XT: tl.constexpr = x_ptrs.dtype.element_ty
+    if W_BF16 or (INT8 and XT == tl.bfloat16):
         WT: tl.constexpr = tl.bfloat16
     else:
         WT: tl.constexpr = tl.float16
+    if INT8 and XT == tl.bfloat16:
+        d01, c01 = int8_bf16_words(d01)
+        d23, c23 = int8_bf16_words(d23)
     w0 = (d01 & 0xFFFF).to(tl.int16).to(WT, bitcast=True)
     w1 = (d01 >> 16).to(tl.int16).to(WT, bitcast=True)
     w2 = (d23 & 0xFFFF).to(tl.int16).to(WT, bitcast=True)
     w3 = (d23 >> 16).to(tl.int16).to(WT, bitcast=True)
+    if INT8 and XT == tl.bfloat16:
+        w0 -= (c01 & 0xFFFF).to(tl.int16).to(WT, bitcast=True)
+        w1 -= (c01 >> 16).to(tl.int16).to(WT, bitcast=True)
+        w2 -= (c23 & 0xFFFF).to(tl.int16).to(WT, bitcast=True)
+        w3 -= (c23 >> 16).to(tl.int16).to(WT, bitcast=True)
 
     # Dot order inside each 16-column chunk: position 8hh + 2j + e holds dense
     # column 4j + 2hh + e, so lane (i, j) holds its groups' columns in its
@@ -157,10 +181,9 @@ def _decode_tile(acc, x_ptrs, v_ptrs, m_ptrs, k0, K, a0, KA,
     xm = tl.reshape(xm, [BLOCK_M, BLOCK_K // 16, 4, 2, 2])
     xt = tl.reshape(tl.permute(xm, [1, 3, 2, 4, 0]), [BLOCK_K, BLOCK_M])
 
-    XT: tl.constexpr = x_ptrs.dtype.element_ty
     if INT8:
-        if XT != tl.float16:  # subnormals only in fp16 dots: scale back to the integers, exactly
-            w = (w.to(tl.float32) * _TWO_POW_24).to(XT)
+        if XT == tl.float32:  # fp32 dots: scale the fp16 subnormals back to the integers, exactly
+            w = w.to(tl.float32) * _TWO_POW_24
     elif WT != XT:
         w = w.to(XT)
     return tl.dot(w, xt, acc, input_precision=DOT_PRECISION)

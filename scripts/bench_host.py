@@ -12,16 +12,24 @@ runs where its compute is nil: the same 4096x4096 fp16 layer on an empty
 batch (M = 0: module call, dispatch, shape checks, output allocation, no
 arithmetic), and a 16x16 layer at M = 1 (a real GEMV of 256 multiply-adds).
 
-    python scripts/bench_host.py [--repeats 15] [--calls 2000]
+    python scripts/bench_host.py [--repeats 15] [--calls 2000] [--counts-only]
 
-Prints the medians (us per call) and the ratio sparse / nn.Linear.
+Prints the medians (us per call) and the ratio sparse / nn.Linear. Then, for
+every (weight, activation) pair a layer holds in the decode layout on CUDA
+(and fp32 activations) at the listed shapes and M = 1, 4, 16, the device work
+of one call with the launch stubbed: kernels per call (stubbed launches plus
+every aten op that would run a device kernel: anything but allocation and
+views) and aten ops per call (a TorchDispatchMode counter), ending with
+``kernels per call at M<=16: max N``.
 """
 import argparse
+import dataclasses
 import statistics
 import time
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import sparse24
 from sparse24.tools.bench import cpu_name
@@ -35,14 +43,96 @@ def _per_call_us(fn, calls: int) -> float:
     return 1e6 * (time.perf_counter() - t0) / calls
 
 
+# aten ops that run no device kernel: allocation, views and metadata
+_NO_KERNEL = {"empty", "empty_strided", "view", "_unsafe_view", "as_strided", "t", "transpose", "expand", "detach",
+              "alias", "unsqueeze", "squeeze", "select", "slice", "permute", "_reshape_alias", "reshape"}
+
+
+class _AtenCounter(TorchDispatchMode):
+    """Records the name of every aten op dispatched inside it."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def _decode_weight(N: int, K: int, pair: str):
+    """A DecodePacked of the right shapes and dtypes, its storage never touched
+    (only the launch arguments are built from it)."""
+    from sparse24.decode_format import DecodePacked, decode_dims
+    NT, KA, KM = decode_dims(N, K)
+    if pair.startswith("int8"):
+        values, scale, dtype = torch.empty(KA, NT, 32, 16, dtype=torch.uint8), torch.empty(N), torch.float32
+    else:
+        dtype = torch.bfloat16 if pair == "bf16" else torch.float16
+        values, scale = torch.empty(KA, 2, NT, 32, 8, dtype=dtype), None
+    return DecodePacked(values, torch.empty(NT, 32, KM, dtype=torch.int32), (N, K), dtype, scale, check=False)
+
+
+def count_device_work(ms=(1, 4, 16)) -> int:
+    """Print kernels and aten ops per call of the decode path (module-level forward,
+    as Sparse24Linear calls it; the launch stubbed, untuned configs as on an H200)
+    per pair, listed shape and M; return the most kernels any call at M <= 16 launched."""
+    from sparse24.ops.config_space import DECODE_PAIRS, LISTED_SHAPES
+    from sparse24.ops.linear24 import forward
+    launches = []
+    saved = launch._Plan.launch, op._auto_backend
+    launch._Plan.launch = lambda plan, grid, args, aligned: launches.append((plan, grid))
+    op._auto_backend = lambda *args: "triton"  # the CUDA decision at M <= 16, taken on CPU tensors
+    pairs = [(name, torch.bfloat16 if name.endswith("bf16") else torch.float16) for name in DECODE_PAIRS]
+    pairs.append(("fp16", torch.float32))  # fp32 activations: one kernel too, off the tensor cores (docs)
+    worst, seen = 0, set()
+    print(f"# device work per decode call, launch stubbed: kernels (launches + aten ops that run a device kernel) "
+          f"/ aten ops; M = {', '.join(map(str, ms))}")
+    print(f"{'pair':18s} {'shape (out x in)':>16s} {'config (untuned)':28s} " + " ".join(f"M={m:<5d}" for m in ms))
+    try:
+        with torch.no_grad():
+            for pair, act in pairs:
+                for N, K in LISTED_SHAPES:
+                    w = _decode_weight(N, K, pair)
+                    bias = torch.empty(N, dtype=act)
+                    cells, cfg = [], None
+                    for m in ms:
+                        x = torch.empty(m, K, dtype=act)
+                        forward(x, w.values, w.meta, w.scale, bias, w.dtype, N)  # makes the plan (once)
+                        launches.clear()
+                        with _AtenCounter() as ops:
+                            forward(x, w.values, w.meta, w.scale, bias, w.dtype, N)
+                        kernels = len(launches) + sum(op not in _NO_KERNEL for op in ops.ops)
+                        worst = max(worst, kernels)
+                        cells.append(f"{kernels} / {len(ops.ops)}")
+                        seen.update(ops.ops)
+                        plan, grid = launches[0]
+                        cfg = dataclasses.replace(plan.config, split_k=plan.split_k)
+                    name = f"{pair}/{str(act)[6:]}"
+                    print(f"{name:18s} {f'{N}x{K}':>16s} {_cfg_name(cfg):28s} " + "  ".join(cells))
+    finally:
+        launch._Plan.launch, op._auto_backend = saved
+    print(f"aten ops seen in these calls: {', '.join(sorted(seen))}")
+    print(f"kernels per call at M<=16: max {worst}")
+    return worst
+
+
+def _cfg_name(c) -> str:
+    return f"BN{c.block_n}_BK{c.block_k}_W{c.num_warps}_S{c.num_stages}_SK{c.split_k}"
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--calls", type=int, default=2000)
     ap.add_argument("--n", type=int, default=4096)
     ap.add_argument("--k", type=int, default=4096)
+    ap.add_argument("--counts-only", action="store_true", help="only the kernels / aten ops per call")
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
+    if a.counts_only:
+        count_device_work()
+        return 0
     N, K = a.n, a.k
 
     # The layout a compressed fp16 layer holds on CUDA (the decode kernel's), asked for on CPU.
@@ -81,6 +171,8 @@ def main(argv=None) -> int:
     s = med["Sparse24Linear (compressed, kernel path, launch no-op)"]
     for name in list(cases)[1:]:
         print(f"ratio sparse / {name}: {s / med[name]:.2f}x")
+    launch._PLANS.clear()
+    count_device_work()
     return 0
 
 

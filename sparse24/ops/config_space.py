@@ -15,6 +15,7 @@ import dataclasses
 import torch
 
 __all__ = ["KernelConfig", "KERNEL_VARIANTS", "LAYOUTS", "LAYOUT_KERNEL", "M_BUCKETS", "DTYPE_KEYS", "DECODE_M",
+           "DECODE_PAIRS", "LISTED_SHAPES",
            "m_bucket", "dtype_key", "builtin_config", "candidate_configs", "decode_configs", "check_decode_config"]
 
 # Kernel variants a config may name (kernels/): "matmul" (sparse24_matmul.py)
@@ -28,6 +29,13 @@ LAYOUT_KERNEL = {"v1": "matmul", "decode": "decode"}
 # kernel's main loop is held to the sm_90 instruction budget (docs/kernels.md).
 DECODE_M = 16
 M_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+# The (weight, activation) pairs a compressed layer holds in the decode layout on CUDA:
+# short name -> dtype key (fp32 activations run too, off the tensor-core path).
+DECODE_PAIRS = {"fp16": "float16", "bf16": "bfloat16", "int8": "int8-float16", "int8-bf16": "int8-bfloat16"}
+# Layer shapes (out, in) the decode path's static figures are held to (Llama-2/3-7B/8B/70B
+# projections and MLPs, BERT-base): scripts/kernel_static_check.py, scripts/bench_host.py.
+LISTED_SHAPES = ((4096, 4096), (11008, 4096), (4096, 11008), (14336, 4096), (4096, 14336), (8192, 8192),
+                 (28672, 8192), (8192, 28672), (3072, 768), (768, 3072), (1024, 4096))
 _DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 DTYPE_KEYS = tuple(_DTYPE_NAMES.values()) + tuple(f"int8-{n}" for n in _DTYPE_NAMES.values())
 

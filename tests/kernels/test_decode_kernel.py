@@ -10,11 +10,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import triton.language as tl
 
 import sparse24
 from sparse24.decode_format import DecodePacked, pack_decode
-from sparse24.kernels.interpreter import byte_perm_reference
-from sparse24.kernels.sparse24_decode import SELECTORS, SM_MASK
+from sparse24.kernels.interpreter import InterpretedKernel, byte_perm_reference
+from sparse24.kernels.sparse24_decode import SELECTORS, SM_MASK, int8_bf16_words
 from sparse24.ops.config_space import KernelConfig, check_decode_config, decode_configs
 from sparse24.ops.linear24 import launch
 from sparse24.ops.linear24 import linear_triton as linear_decode
@@ -313,3 +314,30 @@ def test_kernel_compiles_for_gpus(x_dtype, wtype, bias, cfg, cap, monkeypatch):
         value_bytes = 1 if wtype == "int8" else 2
         tile = cfg.block_n * cfg.block_k * value_bytes // 2 + cfg.block_n * cfg.block_k // 8
         assert len(loop) * cfg.num_warps / tile <= (0.22 if wtype == "int8" else 0.15)
+
+
+
+def _bf16_words_kernel(d_ptr, y_ptr, c_ptr, n: tl.constexpr):
+    d = tl.load(d_ptr + tl.arange(0, n))
+    y, c = int8_bf16_words(d)
+    tl.store(y_ptr + tl.arange(0, n), y)
+    tl.store(c_ptr + tl.arange(0, n), c)
+
+
+def test_int8_bf16_words_build_every_value_exactly():
+    """INT8 weights with bfloat16 activations: the kernel's integer bit building
+    (int8_bf16_words, run here in Triton's interpreter on every pair of
+    sign-magnitude values, as the permute + AND leave them, and on zero lanes)
+    gives bfloat16 words y, c whose difference is the INT8 value exactly
+    (bfloat16 subtraction emulated by torch: fp32 arithmetic rounded to bfloat16,
+    as the GPU's round-to-nearest subtraction)."""
+    v = torch.arange(-127, 128)
+    lane = torch.where(v < 0, 0x8000, 0) | v.abs()                    # sign bit 15, |v| in bits 0-6
+    lo, hi = lane.repeat(255), lane.repeat_interleave(255)           # every pair of values in one word
+    d = torch.cat([lo | hi << 16, torch.zeros(65536 - 255 * 255, dtype=torch.int64)])  # + zero lanes
+    d = torch.where(d >= 2 ** 31, d - 2 ** 32, d).to(torch.int32)
+    y, c = torch.empty_like(d), torch.empty_like(d)
+    InterpretedKernel(_bf16_words_kernel)[(1,)](d, y, c, n=65536)
+    got = (y.view(torch.bfloat16) - c.view(torch.bfloat16)).view(-1, 2).float()   # (low, high) lanes
+    assert torch.equal(got[:255 * 255], torch.stack([v.repeat(255), v.repeat_interleave(255)], 1).float())
+    assert not got[255 * 255:].any()
