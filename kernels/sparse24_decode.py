@@ -195,7 +195,7 @@ def _sparse24_decode(
     stride_xm, stride_xk,
     stride_om, stride_on,
     INT8: tl.constexpr, W_BF16: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
 ):
     # Grid: (cdiv(N, BLOCK_N), SPLIT_K, cdiv(M, 16)); a program covers 16 rows
     # of x (all of them at decode sizes, M <= 16) and BLOCK_N // 16 row tiles of
@@ -252,9 +252,10 @@ def _sparse24_decode(
         v_ptrs += V_STEP * NT
         m_ptrs += A
         x_ptrs += BLOCK_K * stride_xk
-    if (n_full >= k_lo) & (n_full < k_hi):  # this split owns the partial tile (pointers are there)
-        acc = _decode_tile(acc, x_ptrs, v_ptrs, m_ptrs, n_full * BLOCK_K, K, n_full * A, KA, True, INT8, W_BF16,
-                           DOT_PRECISION, BLOCK_N, BLOCK_K)
+    if not EVEN_K:  # K % BLOCK_K: the partial tile's code is compiled only where it exists
+        if (n_full >= k_lo) & (n_full < k_hi):  # this split owns the partial tile (pointers are there)
+            acc = _decode_tile(acc, x_ptrs, v_ptrs, m_ptrs, n_full * BLOCK_K, K, n_full * A, KA, True, INT8,
+                               W_BF16, DOT_PRECISION, BLOCK_N, BLOCK_K)
 
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)

@@ -32,6 +32,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import sparse24
+from sparse24.decode_format import DecodePacked
 from sparse24.tools.bench import cpu_name
 from sparse24.ops.linear24 import launch, op
 
@@ -60,19 +61,6 @@ class _AtenCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _decode_weight(N: int, K: int, pair: str):
-    """A DecodePacked of the right shapes and dtypes, its storage never touched
-    (only the launch arguments are built from it)."""
-    from sparse24.decode_format import DecodePacked, decode_dims
-    NT, KA, KM = decode_dims(N, K)
-    if pair.startswith("int8"):
-        values, scale, dtype = torch.empty(KA, NT, 32, 16, dtype=torch.uint8), torch.empty(N), torch.float32
-    else:
-        dtype = torch.bfloat16 if pair == "bf16" else torch.float16
-        values, scale = torch.empty(KA, 2, NT, 32, 8, dtype=dtype), None
-    return DecodePacked(values, torch.empty(NT, 32, KM, dtype=torch.int32), (N, K), dtype, scale, check=False)
-
-
 def count_device_work(ms=(1, 4, 16)) -> int:
     """Print kernels and aten ops per call of the decode path (module-level forward,
     as Sparse24Linear calls it; the launch stubbed, untuned configs as on an H200)
@@ -93,7 +81,7 @@ def count_device_work(ms=(1, 4, 16)) -> int:
         with torch.no_grad():
             for pair, act in pairs:
                 for N, K in LISTED_SHAPES:
-                    w = _decode_weight(N, K, pair)
+                    w = DecodePacked.empty(N, K, act if pair == "bf16" else torch.float16, pair.startswith("int8"))
                     bias = torch.empty(N, dtype=act)
                     cells, cfg = [], None
                     for m in ms:

@@ -16,7 +16,7 @@ import torch
 
 __all__ = ["KernelConfig", "KERNEL_VARIANTS", "LAYOUTS", "LAYOUT_KERNEL", "M_BUCKETS", "DTYPE_KEYS", "DECODE_M",
            "DECODE_PAIRS", "LISTED_SHAPES",
-           "m_bucket", "dtype_key", "builtin_config", "candidate_configs", "decode_configs", "check_decode_config"]
+           "m_bucket", "dtype_key", "builtin_config", "decode_default", "candidate_configs", "decode_configs", "check_decode_config"]
 
 # Kernel variants a config may name (kernels/): "matmul" (sparse24_matmul.py)
 # expands each weight tile in registers and runs tl.dot, any M, layout v1;
@@ -101,15 +101,18 @@ def dtype_key(x_dtype: torch.dtype, int8_weights: bool = False) -> str:
     return f"int8-{name}" if int8_weights else name
 
 
-def builtin_config(M: int, N: int = 4096, K: int = 4096, num_sms: int = 132, layout: str = "v1") -> KernelConfig:
+def builtin_config(M: int, N: int = 4096, K: int = 4096, num_sms: int = 132, layout: str = "v1",
+                   dtype: str = "float16") -> KernelConfig:
     """The untuned fallback: small tiles that compile on every CUDA GPU Triton
     supports. At decode sizes (M <= 16) the programs must fill the ``num_sms``
     multiprocessors (N = 4096 with BLOCK_N = 64 gives 64 programs for an H200's
     132): layout v1 shrinks BLOCK_N to 16 first, and only then split-K grows
-    (each split keeping >= 2 K-tiles), since split-K costs a zeroed fp32 buffer
-    and a copy per call; the decode kernel (BLOCK_N 64 at least, the sm_90
-    budget) grows split-K. Not measured: a tuned file should replace it."""
+    (each split keeping >= 2 K-tiles), since its split-K costs a zeroed fp32
+    buffer and a copy per call. The decode layout: :func:`decode_default`.
+    Not measured: a tuned file should replace it."""
     if layout == "decode":
+        if M <= DECODE_M:
+            return decode_default(N, K, dtype, num_sms)
         programs, split = -(-N // 64) * -(-M // 16), 1
         while programs * split < num_sms and split < 8 and K >= 2 * 128 * (2 * split):
             split *= 2
@@ -209,6 +212,37 @@ def decode_configs(M: int, N: int, K: int, dtype: str = "float16", num_sms: int 
                 stages = stages[-1:]  # backend wins: one stage per tile, to time it against the reference
             out += [KernelConfig(16, bn, bk, 1, s, warps, st, kernel="decode") for s in splits for st in stages]
     return [check_decode_config(c) for c in out]
+
+
+# Weight bytes a multiprocessor should have requested and not yet received
+# (Little's law: 4.8 TB/s x ~0.7-0.9 us of HBM latency over 132 SMs ~ 25-33 KB).
+DECODE_IN_FLIGHT = 32 * 1024
+
+
+def decode_default(N: int, K: int, dtype: str = "float16", num_sms: int = 132) -> KernelConfig:
+    """The decode kernel's untuned config at M <= 16 for an (N, K) layer.
+
+    64-row tiles (4 warps, ~70-160 registers: several programs fit an SM), BLOCK_K
+    256 (128 where 256 leaves SMs without a program), pipelined: 16-bit weights 2
+    stages (one K-tile's loads in flight while another decodes), INT8 3 stages (two:
+    its tiles hold half the bytes). Then split-K (serial, inside the one launch) just
+    large enough that the programs running at once keep ``DECODE_IN_FLIGHT`` weight
+    bytes requested per SM, or, for small layers, one K-tile per program (the whole
+    weight at once). Predicted by ``scripts/kernel_static_check.py --occupancy`` and
+    ``--sass`` (docs/kernels.md), not measured on a GPU."""
+    int8 = dtype.startswith("int8-")
+    rows = -(-N // 64)
+    bk = 256 if rows * -(-K // 256) >= num_sms else 128
+    stages = 3 if int8 else 2
+    tiles = -(-K // bk)
+    tile_bytes = 64 * bk * (5 if int8 else 9) // 8
+    split = tiles
+    for per_split in range(tiles, 0, -1):               # the fewest splits (longest K ranges) that do
+        split = -(-tiles // per_split)
+        ahead = min(stages - 1, per_split)              # K-tiles a program has requested ahead
+        if rows * split >= max(num_sms * DECODE_IN_FLIGHT / (ahead * tile_bytes), num_sms):
+            break
+    return check_decode_config(KernelConfig(16, 64, bk, 1, min(split, 32), 4, stages, kernel="decode"))
 
 
 def check_decode_config(config: KernelConfig) -> KernelConfig:

@@ -262,7 +262,8 @@ def test_committed_sass_counts_cover_the_space_within_budget(path):
             key = (dtype, m, name.format(c.block_m, c.block_n, c.block_k, c.num_warps, c.num_stages, c.split_k))
             assert key in have, f"{path.name} lacks {key}"
             assert have[key] <= budget[dtype], key
-    summary = re.search(r"max warp_instr_per_byte at M<=16: fp16 ([\d.]+), bf16 ([\d.]+), int8 ([\d.]+)", lines[-1])
+    summary = re.search(r"max warp_instr_per_byte at M<=16: fp16 ([\d.]+), bf16 ([\d.]+), int8 ([\d.]+)",
+                        "\n".join(lines))
     assert summary, lines[-1]
     assert all(float(v) <= b for v, b in zip(summary.groups(), (0.15, 0.15, 0.22)))
 
@@ -341,3 +342,25 @@ def test_int8_bf16_words_build_every_value_exactly():
     got = (y.view(torch.bfloat16) - c.view(torch.bfloat16)).view(-1, 2).float()   # (low, high) lanes
     assert torch.equal(got[:255 * 255], torch.stack([v.repeat(255), v.repeat_interleave(255)], 1).float())
     assert not got[255 * 255:].any()
+
+
+# INT8 weights: the main loop alone costs 0.19-0.26 (the byte-permute decode's integer
+# work, 0.16-0.20 on the integer pipe); not yet within the budget (docs/kernels.md).
+_INT8_OVER = pytest.mark.xfail(strict=True, reason="INT8 decode over the sm_90 budget: issue 22 item 3 open")
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", pytest.param("int8-float16", marks=_INT8_OVER),
+                                   pytest.param("int8-bfloat16", marks=_INT8_OVER)])
+def test_default_config_within_budget_live_sm90(dtype, monkeypatch):
+    """Compiled here and now for sm_90 (not a committed CSV): the config a 4096 x 4096
+    decode-layout layer of each (weight, activation) pair uses untuned, its SASS counted
+    as scripts/kernel_static_check.py does, prologue and epilogue amortized over the
+    program's K range: all instructions and integer-pipe ones within budget."""
+    monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")
+    monkeypatch.delenv("SPARSE24_CONFIG_DIR", raising=False)
+    tool = _static_check()
+    cfg, source = tool.default_config(dtype, 4096, 4096)
+    assert source == "builtin" and cfg.split_k > 1        # the serial split-K epilogue is counted too
+    total, ints = tool.amortized(tool.compile_listed(dtype, cfg, 90, 4096, 4096))
+    assert total <= tool.BUDGET[dtype], total
+    assert ints <= tool.INT_BUDGET, ints

@@ -151,7 +151,7 @@ class _Plan:
         self.split_k = self.variant.split_k(config, bucket, deterministic)
         self.kernel = self.variant.kernel(device.type == "cuda")
         self.constexprs = self.variant.constexprs(config, self.split_k, has_scale, values_dtype, bias_dtype is not None,
-                                                  tf32)
+                                                  tf32, K)
         names = tuple(self.constexprs)
         if device.type == "cuda":  # the kept handle gets the constexprs appended in signature order
             assert tuple(self.kernel.arg_names[-len(names):]) == names, self.kernel.arg_names
@@ -271,7 +271,7 @@ class _Matmul:
         return sparse24_matmul if cuda else sparse24_matmul_interpreted
 
     @staticmethod
-    def constexprs(config, split_k, has_scale, values_dtype, has_bias, tf32) -> dict:
+    def constexprs(config, split_k, has_scale, values_dtype, has_bias, tf32, K) -> dict:
         return dict(HAS_SCALE=has_scale, HAS_BIAS=has_bias, DOT_PRECISION="tf32" if tf32 else "ieee",
                     BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
                     GROUP_M=config.group_m, SPLIT_K=split_k)
@@ -311,10 +311,10 @@ class _Decode:
         return sparse24_decode if cuda else sparse24_decode_interpreted
 
     @staticmethod
-    def constexprs(config, split_k, has_scale, values_dtype, has_bias, tf32) -> dict:
+    def constexprs(config, split_k, has_scale, values_dtype, has_bias, tf32, K) -> dict:
         return dict(INT8=has_scale, W_BF16=values_dtype == torch.bfloat16, HAS_BIAS=has_bias,
                     DOT_PRECISION="tf32" if tf32 else "ieee", BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-                    SPLIT_K=split_k)
+                    SPLIT_K=split_k, EVEN_K=K % config.block_k == 0)
 
     @staticmethod
     def split_k(config, bucket, deterministic) -> int:
@@ -362,7 +362,8 @@ def kernel_call(x2, p: Sparse24Tensor | DecodePacked, bias, target, config: Kern
     tf32 = x2.is_cuda and x2.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32
     s = p.meta if p.scale is None else p.scale
     b = p.meta if bias is None else bias
-    kwargs = dict(variant.constexprs(config, split_k, p.scale is not None, p.values.dtype, bias is not None, tf32),
+    kwargs = dict(variant.constexprs(config, split_k, p.scale is not None, p.values.dtype, bias is not None, tf32,
+                                     x2.shape[1]),
                   num_warps=config.num_warps, num_stages=config.num_stages)
     grid = variant.grid(M, p.shape[0], config, split_k)
     extra = variant.extra(x2.device, p.shape[0], config, split_k)
