@@ -23,6 +23,7 @@ views) and aten ops per call (a TorchDispatchMode counter), ending with
 ``kernels per call at M<=16: max N``.
 """
 import argparse
+import contextlib
 import dataclasses
 import statistics
 import time
@@ -61,45 +62,59 @@ class _AtenCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def count_device_work(ms=(1, 4, 16)) -> int:
-    """Print kernels and aten ops per call of the decode path (module-level forward,
-    as Sparse24Linear calls it; the launch stubbed, untuned configs as on an H200)
-    per pair, listed shape and M; return the most kernels any call at M <= 16 launched."""
-    from sparse24.ops.config_space import DECODE_PAIRS, LISTED_SHAPES
-    from sparse24.ops.linear24 import forward
+@contextlib.contextmanager
+def stubbed_launch():
+    """Inside: kernel launches are recorded ``(plan, grid)``, not run, and ``backend="auto"``
+    takes the kernel as it does on CUDA at M <= 16 (CPU tensors stand in for CUDA ones)."""
     launches = []
     saved = launch._Plan.launch, op._auto_backend
     launch._Plan.launch = lambda plan, grid, args, aligned: launches.append((plan, grid))
-    op._auto_backend = lambda *args: "triton"  # the CUDA decision at M <= 16, taken on CPU tensors
+    op._auto_backend = lambda *args: "triton"
+    try:
+        yield launches
+    finally:
+        launch._Plan.launch, op._auto_backend = saved
+
+
+def device_work(call, launches: list) -> tuple[int, list[str]]:
+    """``(kernels, aten ops)`` of one ``call()`` inside :func:`stubbed_launch`: kernels are
+    the launches plus every aten op that would run a device kernel (anything but
+    allocation, views and metadata); the first call (which makes the plan) is not counted."""
+    call()
+    launches.clear()
+    with _AtenCounter() as ops:
+        call()
+    return len(launches) + sum(name not in _NO_KERNEL for name in ops.ops), ops.ops
+
+
+def count_device_work(shapes=None, ms=(1, 4, 16)) -> int:
+    """Print kernels and aten ops per call of the decode path (module-level forward,
+    as Sparse24Linear calls it; the launch stubbed, untuned configs as on an H200)
+    per pair, shape (default: the listed ones) and M; return the most kernels any call launched."""
+    from sparse24.ops.config_space import DECODE_PAIRS, LISTED_SHAPES
+    from sparse24.ops.linear24 import forward
     pairs = [(name, torch.bfloat16 if name.endswith("bf16") else torch.float16) for name in DECODE_PAIRS]
     pairs.append(("fp16", torch.float32))  # fp32 activations: one kernel too, off the tensor cores (docs)
     worst, seen = 0, set()
     print(f"# device work per decode call, launch stubbed: kernels (launches + aten ops that run a device kernel) "
           f"/ aten ops; M = {', '.join(map(str, ms))}")
     print(f"{'pair':18s} {'shape (out x in)':>16s} {'config (untuned)':28s} " + " ".join(f"M={m:<5d}" for m in ms))
-    try:
-        with torch.no_grad():
-            for pair, act in pairs:
-                for N, K in LISTED_SHAPES:
-                    w = DecodePacked.empty(N, K, act if pair == "bf16" else torch.float16, pair.startswith("int8"))
-                    bias = torch.empty(N, dtype=act)
-                    cells, cfg = [], None
-                    for m in ms:
-                        x = torch.empty(m, K, dtype=act)
-                        forward(x, w.values, w.meta, w.scale, bias, w.dtype, N)  # makes the plan (once)
-                        launches.clear()
-                        with _AtenCounter() as ops:
-                            forward(x, w.values, w.meta, w.scale, bias, w.dtype, N)
-                        kernels = len(launches) + sum(op not in _NO_KERNEL for op in ops.ops)
-                        worst = max(worst, kernels)
-                        cells.append(f"{kernels} / {len(ops.ops)}")
-                        seen.update(ops.ops)
-                        plan, grid = launches[0]
-                        cfg = dataclasses.replace(plan.config, split_k=plan.split_k)
-                    name = f"{pair}/{str(act)[6:]}"
-                    print(f"{name:18s} {f'{N}x{K}':>16s} {_cfg_name(cfg):28s} " + "  ".join(cells))
-    finally:
-        launch._Plan.launch, op._auto_backend = saved
+    with stubbed_launch() as launches, torch.no_grad():
+        for pair, act in pairs:
+            for N, K in shapes or LISTED_SHAPES:
+                w = DecodePacked.empty(N, K, act if pair == "bf16" else torch.float16, pair.startswith("int8"))
+                bias = torch.empty(N, dtype=act)
+                cells = []
+                for m in ms:
+                    x = torch.empty(m, K, dtype=act)
+                    kernels, ops = device_work(lambda: forward(x, w.values, w.meta, w.scale, bias, w.dtype, N),
+                                               launches)
+                    worst = max(worst, kernels)
+                    cells.append(f"{kernels} / {len(ops)}")
+                    seen.update(ops)
+                plan = launches[0][0]
+                cfg = dataclasses.replace(plan.config, split_k=plan.split_k)
+                print(f"{pair + '/' + str(act)[6:]:18s} {f'{N}x{K}':>16s} {_cfg_name(cfg):28s} " + "  ".join(cells))
     print(f"aten ops seen in these calls: {', '.join(sorted(seen))}")
     print(f"kernels per call at M<=16: max {worst}")
     return worst

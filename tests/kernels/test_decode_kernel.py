@@ -98,6 +98,10 @@ def _case(M, N, K, xtype, wtype, bias, cfg):
     _case(3, 40, 300, torch.float32, "fp16", True, _cfg(32, 64, split=3)),    # 5 K-tiles (last partial), 3 splits
     _case(16, 200, 64, torch.float16, "fp16", True, _cfg(128, 64)),           # 2 programs, one K-tile
     _case(13, 40, 200, torch.float32, "int8", True, _cfg(64, 64, split=8)),   # 4 K-tiles: splits 4..7 own none
+    # serial split-K where K divides into tiles (no partial-tile code), odd M, both activation dtypes
+    _case(5, 72, 256, torch.float32, "int8", True, _cfg(64, 64, split=3, stages=3)),  # split 2 owns no tile
+    _case(7, 40, 256, torch.float16, "fp16", True, _cfg(64, 128, split=2, stages=2)),
+    _case(11, 136, 512, torch.float16, "int8", False, _cfg(128, 64, split=5)),         # 8 tiles in 5 splits
 ])
 def test_kernel_matches_reference(M, N, K, xtype, wtype, bias, cfg, gen):
     d, dense = _weight(N, K, wtype, gen)
