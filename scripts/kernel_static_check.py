@@ -9,23 +9,34 @@ memory before any device time is spent.
 
 ``--sass``: the instruction budget. Compiles every config the tuner may pick
 at the given M buckets (decode kernel: ``decode_configs``; ``--kernel
-matmul``: the general kernel's ``candidate_configs``), disassembles the cubin
+matmul``: the general kernel's ``candidate_configs``) for the four pairs
+(fp16, bf16, INT8 with fp16 or bf16 activations), disassembles the cubin
 with the cuobjdump in Triton's wheel, finds the main K-loop (the largest
 backward branch of the SASS) and counts its instructions. Writes a CSV
 (``--csv FILE``) with ``kernel,dtype,m,config,loop_warp_instructions,
-bytes_per_iteration,warp_instr_per_byte`` and prints the summary line
-``max warp_instr_per_byte at M<=16: fp16 X, bf16 Y, int8 Z``.
+bytes_per_iteration,warp_instr_per_byte,int_warp_instr_per_byte`` and prints
+``max warp_instr_per_byte at M<=16: fp16 X, bf16 Y, int8 Z, int8-bf16 W``.
+Then (decode kernel; ``--listed-only`` for this part alone) each pair at the
+listed shapes with the config a layer uses, everything outside the loop
+amortized over a program's K range:
+``max amortized warp_instr_per_byte at listed shapes: ...``.
 
     loop_warp_instructions = SASS instructions of the loop x warps of a program
     bytes_per_iteration    = compressed weight bytes (values + metadata) the loop
                              streams per iteration (one K-tile, times the unroll
                              factor, checked against the loop's load widths)
     warp_instr_per_byte    = loop_warp_instructions / bytes_per_iteration
+    int_...                = the same for integer-pipe opcodes (INT_OPS)
 
-Budget on sm_90 (docs/kernels.md): <= 0.15 for fp16/bf16 weights, <= 0.22 for
-INT8; ``--check`` exits 1 when a config is over it.
+Budget on sm_90 (docs/kernels.md): <= 0.15 for fp16/bf16 weights, <= 0.20 for
+INT8, <= 0.10 on the integer pipe; ``--check`` exits 1 when over.
 
     python scripts/kernel_static_check.py --sass --csv results/static-sm90/decode-triton-3.9.0.csv
+
+``--occupancy``: for each pair at the listed shapes, the config a layer uses
+(tuned file or built-in default) compiled for sm_90: programs per SM from
+registers and shared memory, waves on 132 SMs, and weight bytes in flight per
+SM; prints ``min weight bytes in flight per SM: N KiB``.
 """
 import argparse
 import collections
@@ -83,6 +94,7 @@ def compile_one(cfg, dtype, cap, N, K):
 # and those of the integer pipe alone (half the issue rate: 64 lanes per clock per SM)
 BUDGET = {"float16": 0.15, "bfloat16": 0.15, "int8-float16": 0.20, "int8-bfloat16": 0.20}
 INT_BUDGET = 0.10
+ISSUE_PER_BYTE = 132 * 4 * 1.98e9 / 4.8e12   # H200: warp-instructions issued per byte of HBM bandwidth
 SUMMARY_NAMES = (("fp16", "float16"), ("bf16", "bfloat16"), ("int8", "int8-float16"), ("int8-bf16", "int8-bfloat16"))
 # Integer-pipe opcodes (per-thread ALU work at 64 lanes/clock/SM on sm_90); uniform-datapath
 # (U*) and FP ops are not counted. IMAD counts in every form (IMAD.MOV, IMAD.SHL, IMAD.HI ...).
@@ -190,6 +202,9 @@ def sass_main(a) -> int:
     from sparse24.tools.bench import cpu_name
     from sparse24.ops.config_space import candidate_configs, decode_configs
 
+    if a.listed_only:
+        worst = listed_main(a, a.dtypes.split(","))
+        return 1 if a.check and any(v > BUDGET.get(dt, 1.0) for dt, v in worst.items()) else 0
     N, K = map(int, a.shape.split(","))
     ms = [int(m) for m in a.m.split(",")]
     dtypes = a.dtypes.split(",")
@@ -262,9 +277,9 @@ def compile_listed(dtype: str, cfg, cap: int, N: int, K: int) -> dict:
     from sparse24.decode_format import DecodePacked
     from sparse24.ops.linear24 import aot_compile
 
-    act = torch.bfloat16 if dtype.endswith("bfloat16") else torch.float16
+    act = {"bfloat16": torch.bfloat16, "float32": torch.float32}.get(dtype.removeprefix("int8-"), torch.float16)
     int8 = dtype.startswith("int8-")
-    w = DecodePacked.empty(N, K, act, int8)
+    w = DecodePacked.empty(N, K, torch.float16 if act == torch.float32 else act, int8)  # fp32 x: fp16 weights
     x, target = torch.empty(16, K, dtype=act), torch.empty(16, N, dtype=act)
     ck = aot_compile(x, w, None, target, cfg, cfg.split_k, (cap // 10, cap % 10))
     instrs = sass_instructions(ck.asm["cubin"])
@@ -344,6 +359,18 @@ def listed_main(a, dtypes) -> dict:
         print(f"  {r['dtype']:14} {r['N']:>5}x{r['K']:<5} {config_name(c):28} {r['source']:8} {r['loop']:>5} "
               f"{r['total'] - r['loop']:>5} {tiles / r['unroll']:>5.1f} {tot:>6.3f} {ints:>6.3f}")
     print(f"{len(results)} compiles in {time.time() - t0:.0f} s")
+    # Predicted decode speed against dense fp16/bf16 weights read at the same bandwidth:
+    # the byte ratio, unless issue (all instructions, 1.05e12/s) or the integer pipe
+    # (half rate) takes longer than the bytes take to arrive (4.8 TB/s).
+    per_byte = ISSUE_PER_BYTE
+    ratios = {}
+    for r in results:
+        tot, ints = amortized(r)
+        dense = 2.0 / (0.625 if r["dtype"].startswith("int8-") else 1.125)
+        ratios.setdefault(r["dtype"], []).append(dense * min(1.0, per_byte / tot, per_byte / (2 * ints)))
+    print("predicted decode speed vs dense 16-bit at equal bandwidth (byte ratio x min(1, 0.219 / all, "
+          "0.219 / (2 x integer))): " + ", ".join(f"{short} {min(ratios[dt]):.2f}-{max(ratios[dt]):.2f}x"
+                                                   for short, dt in SUMMARY_NAMES if dt in ratios))
     print("max amortized warp_instr_per_byte at listed shapes: " + ", ".join(
         f"{short} {worst[dt]:.3f}" for short, dt in SUMMARY_NAMES if dt in worst))
     print("max amortized integer-pipe warp_instr_per_byte at listed shapes: " + ", ".join(
@@ -395,6 +422,7 @@ def main(argv=None):
     ap.add_argument("--sass", action="store_true", help="count the main loop's SASS instructions (budget)")
     ap.add_argument("--kernel", choices=("decode", "matmul"), default="decode", help="with --sass")
     ap.add_argument("--dtypes", default="float16,bfloat16,int8-float16,int8-bfloat16", help="with --sass")
+    ap.add_argument("--listed-only", action="store_true", help="with --sass: only the listed shapes")
     ap.add_argument("--no-listed", action="store_true",
                     help="with --sass: skip the amortized count at the listed shapes")
     ap.add_argument("--occupancy", action="store_true",
