@@ -249,7 +249,7 @@ def sass_main(a) -> int:
     if a.csv:
         os.makedirs(os.path.dirname(os.path.abspath(a.csv)), exist_ok=True)
         with open(a.csv, "w") as f:
-            f.write("\n".join(head + rows + [f"# {summary}"]) + "\n")
+            f.write("\n".join(head + rows + [f"# {line}" for line in summary.splitlines()]) + "\n")
     print(f"{len(results)} compiles in {time.time() - t0:.0f} s" + (f"; wrote {a.csv}" if a.csv else ""))
     print(summary)
     over = [dt for dt in worst if dt in BUDGET and worst[dt] > BUDGET[dt]]
@@ -292,22 +292,34 @@ def compile_listed(dtype: str, cfg, cap: int, N: int, K: int) -> dict:
     tile_w = cfg.block_n * cfg.block_k * (1 if int8 else 2) // 2 + cfg.block_n * cfg.block_k // 8
     tile_x = 16 * cfg.block_k * act.itemsize
     unroll = round(global_load_bytes(loop) * 32 * cfg.num_warps / (tile_w + tile_x))
+    # Serial split-K: after the arrival counter's atomic, every program but the last of its
+    # tile exits (the first predicated EXIT); what follows (the partials' sum and the
+    # epilogue) runs in one program of SPLIT_K.
+    texts = [t for _, t in instrs]
+    atom = next((i for i, t in enumerate(texts) if _opcode(t).startswith(("ATOMG", "ATOM.", "RED"))), None)
+    exit_ = None if atom is None else next(
+        (i for i in range(atom, len(texts)) if texts[i].startswith("@") and _opcode(texts[i]) == "EXIT"), None)
+    last = texts[exit_ + 1:] if exit_ is not None else []
     spills = int(re.search(r"LOCAL:(\d+)", res).group(1)) + int(re.search(r"STACK:(\d+)", res).group(1))
     return dict(dtype=dtype, cfg=cfg, N=N, K=K, regs=int(re.search(r"REG:(\d+)", res).group(1)), spills=spills,
                 shared=ck.metadata.shared, loop=len(loop), total=len(instrs), unroll=max(unroll, 1),
-                loop_int=_int_count(loop), total_int=_int_count(t for _, t in instrs), tile_w=tile_w)
+                loop_int=_int_count(loop), total_int=_int_count(texts), tile_w=tile_w, last=len(last),
+                last_int=_int_count(last))
 
 
 def amortized(r: dict) -> tuple[float, float]:
     """(all, integer-pipe) warp-instructions per compressed weight byte of one program at
-    (N, K): the loop times its iterations plus every instruction outside the loop once
-    (an upper bound: the split-K reduction runs in one program of SPLIT_K)."""
+    (N, K), averaged over the programs of a tile: the loop times its iterations, every
+    other instruction once, except the last-arriving program's split-K sum and epilogue,
+    once per SPLIT_K programs (an upper bound still: every branch outside the loop counts
+    as taken)."""
     c = r["cfg"]
     tiles = -(-(-(-r["K"] // c.block_k)) // c.split_k)   # K-tiles of one split
     iters = tiles / r["unroll"]
     nbytes = tiles * r["tile_w"]
-    return ((r["loop"] * iters + r["total"] - r["loop"]) * c.num_warps / nbytes,
-            (r["loop_int"] * iters + r["total_int"] - r["loop_int"]) * c.num_warps / nbytes)
+    rest = r["total"] - r["loop"] - r["last"] + r["last"] / c.split_k
+    rest_int = r["total_int"] - r["loop_int"] - r["last_int"] + r["last_int"] / c.split_k
+    return ((r["loop"] * iters + rest) * c.num_warps / nbytes, (r["loop_int"] * iters + rest_int) * c.num_warps / nbytes)
 
 
 def occupancy(r: dict) -> dict:
@@ -346,9 +358,9 @@ def listed_main(a, dtypes) -> dict:
     t0 = time.time()
     results = _listed_results(a, dtypes)
     worst, worst_int = {}, {}
-    print(f"amortized over a program's K range (loop x iterations + the rest of the kernel once), config a layer "
-          f"uses on {a.gpu} untuned or tuned:")
-    print(f"  {'dtype':14} {'shape':>11} {'config':28} {'source':8} {'loop':>5} {'rest':>5} {'iters':>5} "
+    print(f"amortized over a program's K range (loop x iterations + the rest of the kernel once, its last part, "
+          f"the split-K sum and epilogue, once per SPLIT_K programs), config a layer uses on {a.gpu} untuned or tuned:")
+    print(f"  {'dtype':14} {'shape':>11} {'config':28} {'source':8} {'loop':>5} {'rest':>5} {'last':>5} {'iters':>5} "
           f"{'all/B':>6} {'int/B':>6}")
     for r in results:
         tot, ints = amortized(r)
@@ -357,7 +369,7 @@ def listed_main(a, dtypes) -> dict:
         c = r["cfg"]
         tiles = -(-(-(-r["K"] // c.block_k)) // c.split_k)
         print(f"  {r['dtype']:14} {r['N']:>5}x{r['K']:<5} {config_name(c):28} {r['source']:8} {r['loop']:>5} "
-              f"{r['total'] - r['loop']:>5} {tiles / r['unroll']:>5.1f} {tot:>6.3f} {ints:>6.3f}")
+              f"{r['total'] - r['loop']:>5} {r['last']:>5} {tiles / r['unroll']:>5.1f} {tot:>6.3f} {ints:>6.3f}")
     print(f"{len(results)} compiles in {time.time() - t0:.0f} s")
     # Predicted decode speed against dense fp16/bf16 weights read at the same bandwidth:
     # the byte ratio, unless issue (all instructions, 1.05e12/s) or the integer pipe

@@ -228,8 +228,9 @@ def decode_default(N: int, K: int, dtype: str = "float16", num_sms: int = 132) -
     its tiles hold half the bytes). Then split-K (serial, inside the one launch) just
     large enough that the programs running at once keep ``DECODE_IN_FLIGHT`` weight
     bytes requested per SM, or, for small layers, one K-tile per program (the whole
-    weight at once). Predicted by ``scripts/kernel_static_check.py --occupancy`` and
-    ``--sass`` (docs/kernels.md), not measured on a GPU."""
+    weight at once, in one stage: there is no later tile to prefetch). Predicted by
+    ``scripts/kernel_static_check.py --occupancy`` and ``--sass`` (docs/kernels.md), not
+    measured on a GPU."""
     int8 = dtype.startswith("int8-")
     rows = -(-N // 64)
     bk = 256 if rows * -(-K // 256) >= num_sms else 128
@@ -242,6 +243,8 @@ def decode_default(N: int, K: int, dtype: str = "float16", num_sms: int = 132) -
         ahead = min(stages - 1, per_split)              # K-tiles a program has requested ahead
         if rows * split >= max(num_sms * DECODE_IN_FLIGHT / (ahead * tile_bytes), num_sms):
             break
+    if per_split == 1:  # one K-tile per program: nothing to overlap, and a pipeline's prologue costs ~40%
+        stages = 1
     return check_decode_config(KernelConfig(16, 64, bk, 1, min(split, 32), 4, stages, kernel="decode"))
 
 

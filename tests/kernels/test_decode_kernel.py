@@ -247,6 +247,22 @@ def test_config_space():
     assert all(c.split_k == 1 for c in decode_configs(4, 40, 100))   # too short to split
 
 
+def test_untuned_default_fills_the_gpu_at_the_listed_shapes():
+    """decode_default (scripts/kernel_static_check.py --occupancy has the bytes in flight): every
+    listed shape gives each of 132 SMs a program, splits K only into whole K-tiles, pipelines
+    exactly where a program has a later K-tile to prefetch, and is a config of the kernel."""
+    from sparse24.ops.config_space import LISTED_SHAPES, decode_default
+    for dtype in ("float16", "bfloat16", "int8-float16", "int8-bfloat16"):
+        for N, K in LISTED_SHAPES:
+            c = check_decode_config(decode_default(N, K, dtype))
+            tiles = -(-K // c.block_k)
+            per_split = -(-tiles // c.split_k)
+            assert -(-N // c.block_n) * c.split_k >= 132, (dtype, N, K, c)
+            assert -(-tiles // per_split) == c.split_k                     # no split without a K-tile
+            assert (c.num_stages == 1) == (per_split == 1), (dtype, N, K, c)
+    assert decode_default(4096, 4096).split_k == 4 and decode_default(28672, 8192).split_k == 1
+
+
 def _committed_csvs() -> list[Path]:
     return sorted((ROOT / "results" / "static-sm90").glob("decode-triton-*.csv"))
 

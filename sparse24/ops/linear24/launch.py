@@ -166,7 +166,7 @@ class _Plan:
         self.compiled = None
         if device.type == "cuda" and x_dtype == torch.float32 and layout == "decode":
             warnings.warn(f"sparse24: float32 activations on a {values_dtype if not has_scale else 'INT8'} "
-                          f"decode-layout weight ({N}x{K}) run fp32 dots on CUDA cores (about 4x the decode "
+                          f"decode-layout weight ({N}x{K}) run fp32 dots on CUDA cores (about 5-7x the decode "
                           f"path's instruction budget, docs/kernels.md); for the tensor-core path cast the "
                           f"activations once (e.g. model.half() or torch.autocast)", RuntimeWarning, stacklevel=5)
 
