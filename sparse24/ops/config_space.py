@@ -113,10 +113,7 @@ def builtin_config(M: int, N: int = 4096, K: int = 4096, num_sms: int = 132, lay
     if layout == "decode":
         if M <= DECODE_M:
             return decode_default(N, K, dtype, num_sms)
-        programs, split = -(-N // 64) * -(-M // 16), 1
-        while programs * split < num_sms and split < 8 and K >= 2 * 128 * (2 * split):
-            split *= 2
-        return KernelConfig(16, 64, 128, 1, split, 4, 1, kernel="decode")
+        return KernelConfig(16, 64, 128, 1, 1, 4, 1, kernel="decode")  # split-K only at decode sizes
     if M <= 16:
         bn = next((b for b in (64, 32, 16) if -(-N // b) >= num_sms), 16)
         programs, split = -(-N // bn), 1
@@ -190,9 +187,10 @@ def decode_configs(M: int, N: int, K: int, dtype: str = "float16", num_sms: int 
     only 64 programs of 64 rows for 132 SMs). INT8 weights (``dtype``
     ``"int8-..."``): one stage, or two on tiles of >= 16384 elements (see the
     comment above). The space does not depend on M at decode sizes; above 16
-    rows the programs multiply by ceil(M / 16) and only the deepest pipeline of
-    each tile is kept (the tuner times the kernel there to compare it with the
-    reference backend, not to win).
+    rows the programs multiply by ceil(M / 16), K is not split (the launch's
+    split-K is serial, M <= 16 only) and only the deepest pipeline of each tile
+    is kept (the tuner times the kernel there to compare it with the reference
+    backend, not to win).
 
     Args:
         M, N, K: problem size (x is M x K, W is N x K); dtype: a :func:`dtype_key`.
@@ -206,7 +204,8 @@ def decode_configs(M: int, N: int, K: int, dtype: str = "float16", num_sms: int 
     for bn, warps in _DECODE_TILES:
         for bk in _DECODE_BLOCK_K:
             programs = -(-N // bn) * -(-M // 16)
-            splits = [1] + [s for s in (2, 4, 8) if programs * s <= 4 * num_sms and K >= 2 * s * bk]
+            splits = [1] + [s for s in (2, 4, 8) if programs * s <= 4 * num_sms and K >= 2 * s * bk
+                            and M <= DECODE_M]   # serial split-K's workspace holds one 16-row block
             stages = ((1, 2) if bn * bk >= 16384 else (1,)) if int8 else (1, 2, 3)
             if M > DECODE_M:  # past decode sizes the kernel re-decodes W per 16 rows and the reference
                 stages = stages[-1:]  # backend wins: one stage per tile, to time it against the reference
