@@ -49,7 +49,7 @@ from triton.language.extra import libdevice
 
 from .interpreter import InterpretedKernel
 
-__all__ = ["sparse24_decode", "sparse24_decode_interpreted", "SELECTORS", "SM_MASK"]
+__all__ = ["sparse24_decode", "sparse24_decode_interpreted", "int8_bf16_words", "SELECTORS", "SM_MASK"]
 
 # Byte-permute selectors, per dense register pair: S = x * MUL + ADD, with x
 # the 2-bit field of the group's keep mask (slots 0,1: bits 0-1; slots 3,2:
@@ -81,6 +81,21 @@ SELECTORS = {
 _SM_MASK = tl.constexpr(-0x7F807F81)   # 0x807F807F as int32: sign bits + 7-bit magnitudes
 SM_MASK = _SM_MASK.value & 0xFFFFFFFF
 _TWO_POW_24 = tl.constexpr(16777216.0)  # INT8 values enter the fp16 dot as value * 2**-24
+# INT8 with bfloat16 activations: OR-ing a lane with 0x4300 makes the bfloat16
+# +-(128 + |v|) (exponent 2**7, |v| <= 127 the 7-bit mantissa); masking that to
+# sign and exponent gives +-128; their difference is v exactly (Sterbenz).
+_BF16_MAGIC = tl.constexpr(0x43004300)
+_BF16_SIGN_EXP = tl.constexpr(-0x007F0080)   # 0xFF80FF80 as int32
+
+
+@triton.jit
+def int8_bf16_words(d):
+    """Sign-magnitude INT8 lanes (sign in bit 15, |v| in bits 0-6, as the byte
+    permute and the AND leave them) -> two words of bfloat16 pairs, y and c,
+    with y - c == v exactly: two LOP3 and one bfloat16x2 subtraction per pair,
+    no int -> float conversion."""
+    y = d | _BF16_MAGIC
+    return y, y & _BF16_SIGN_EXP
 
 
 @triton.jit
@@ -136,14 +151,23 @@ def _decode_tile(acc, x_ptrs, v_ptrs, m_ptrs, k0, K, a0, KA,
         P = tl.reshape(wv, [A, 2, T, 32, 2, 2])                               # [A, h, T, 32, qq, b]
         d01 = libdevice.byte_perm(P, 0, (nib & 3) * _MUL01 + _ADD01)          # dense slots 0, 1
         d23 = libdevice.byte_perm(P, 0, ((nib >> 2) & 3) * _MUL23 + _ADD23)   # dense slots 2, 3
-    if W_BF16:
+    XT: tl.constexpr = x_ptrs.dtype.element_ty
+    if W_BF16 or (INT8 and XT == tl.bfloat16):
         WT: tl.constexpr = tl.bfloat16
     else:
         WT: tl.constexpr = tl.float16
+    if INT8 and XT == tl.bfloat16:
+        d01, c01 = int8_bf16_words(d01)
+        d23, c23 = int8_bf16_words(d23)
     w0 = (d01 & 0xFFFF).to(tl.int16).to(WT, bitcast=True)
     w1 = (d01 >> 16).to(tl.int16).to(WT, bitcast=True)
     w2 = (d23 & 0xFFFF).to(tl.int16).to(WT, bitcast=True)
     w3 = (d23 >> 16).to(tl.int16).to(WT, bitcast=True)
+    if INT8 and XT == tl.bfloat16:
+        w0 -= (c01 & 0xFFFF).to(tl.int16).to(WT, bitcast=True)
+        w1 -= (c01 >> 16).to(tl.int16).to(WT, bitcast=True)
+        w2 -= (c23 & 0xFFFF).to(tl.int16).to(WT, bitcast=True)
+        w3 -= (c23 >> 16).to(tl.int16).to(WT, bitcast=True)
 
     # Dot order inside each 16-column chunk: position 8hh + 2j + e holds dense
     # column 4j + 2hh + e, so lane (i, j) holds its groups' columns in its
@@ -161,22 +185,21 @@ def _decode_tile(acc, x_ptrs, v_ptrs, m_ptrs, k0, K, a0, KA,
     xm = tl.reshape(xm, [BLOCK_M, BLOCK_K // 16, 4, 2, 2])
     xt = tl.reshape(tl.permute(xm, [1, 3, 2, 4, 0]), [BLOCK_K, BLOCK_M])
 
-    XT: tl.constexpr = x_ptrs.dtype.element_ty
     if INT8:
-        if XT != tl.float16:  # subnormals only in fp16 dots: scale back to the integers, exactly
-            w = (w.to(tl.float32) * _TWO_POW_24).to(XT)
+        if XT == tl.float32:  # fp32 dots: scale the fp16 subnormals back to the integers, exactly
+            w = w.to(tl.float32) * _TWO_POW_24
     elif WT != XT:
         w = w.to(XT)
     return tl.dot(w, xt, acc, input_precision=DOT_PRECISION)
 
 
 def _sparse24_decode(
-    x_ptr, v_ptr, meta_ptr, scale_ptr, bias_ptr, out_ptr,
+    x_ptr, v_ptr, meta_ptr, scale_ptr, bias_ptr, out_ptr, ws_ptr, count_ptr,
     M, N, K, KA, KM,
     stride_xm, stride_xk,
     stride_om, stride_on,
     INT8: tl.constexpr, W_BF16: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
 ):
     # Grid: (cdiv(N, BLOCK_N), SPLIT_K, cdiv(M, 16)); a program covers 16 rows
     # of x (all of them at decode sizes, M <= 16) and BLOCK_N // 16 row tiles of
@@ -236,32 +259,47 @@ def _sparse24_decode(
         v_ptrs += V_STEP * NT
         m_ptrs += A
         x_ptrs += BLOCK_K * stride_xk
-    if (n_full >= k_lo) & (n_full < k_hi):  # this split owns the partial tile (pointers are there)
-        acc = _decode_tile(acc, x_ptrs, v_ptrs, m_ptrs, n_full * BLOCK_K, K, n_full * A, KA, True, INT8, W_BF16,
-                           DOT_PRECISION, BLOCK_N, BLOCK_K)
+    if not EVEN_K:  # K % BLOCK_K: the partial tile's code is compiled only where it exists
+        if (n_full >= k_lo) & (n_full < k_hi):  # this split owns the partial tile (pointers are there)
+            acc = _decode_tile(acc, x_ptrs, v_ptrs, m_ptrs, n_full * BLOCK_K, K, n_full * A, KA, True, INT8,
+                               W_BF16, DOT_PRECISION, BLOCK_N, BLOCK_K)
 
-    # Epilogue in fp32 on out^T [BLOCK_N, BLOCK_M]: INT8 scale (times 2**24 when
-    # the dot saw fp16 subnormals), then bias (split 0 only).
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
-    mask_n = offs_n < N
-    if INT8:
-        scale = tl.load(scale_ptr + offs_n, mask=mask_n, other=0.0)
-        if x_ptr.dtype.element_ty == tl.float16:
-            scale = scale * _TWO_POW_24
-        acc = acc * scale[:, None]
-    if HAS_BIAS:
-        bias = tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-        if SPLIT_K > 1:
-            bias = tl.where(pid_k == 0, bias, 0.0)
-        acc = acc + bias[:, None]
-    out_ptrs = out_ptr + offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None] * stride_on
-    out_mask = mask_n[:, None] & (offs_m < M)[None, :]
-    if SPLIT_K == 1:
+    write = True
+    if SPLIT_K > 1:
+        # Serial split-K, inside this one launch: every split stores its fp32
+        # partial tile in the plan's workspace (ws_ptr: [tiles, SPLIT_K,
+        # BLOCK_N, 16]); the tile's counter (count_ptr, zero between launches)
+        # says which program arrives last; that one adds the SPLIT_K partials
+        # in split order (the same bits whatever the arrival order: split-K
+        # stays deterministic), runs the epilogue and resets the counter.
+        tile = tl.program_id(2) * tl.num_programs(0) + pid_n
+        part = (ws_ptr + tile.to(tl.int64) * (SPLIT_K * BLOCK_N * BLOCK_M)
+                + tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + offs_m[None, :])
+        tl.store(part + pid_k * (BLOCK_N * BLOCK_M), acc, cache_modifier=".cg")
+        tl.debug_barrier()  # all threads' partials are stored before the counter releases them
+        arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        write = arrived == SPLIT_K - 1
+        if write:
+            acc = tl.load(part, cache_modifier=".cg")
+            for j in tl.static_range(1, SPLIT_K):
+                acc += tl.load(part + j * (BLOCK_N * BLOCK_M), cache_modifier=".cg")
+            tl.store(count_ptr + tile, 0)  # ready for the next launch
+    if write:
+        # Epilogue in fp32 on out^T [BLOCK_N, BLOCK_M]: INT8 scale (times 2**24
+        # when the dot saw fp16 subnormals), then bias; out in x's dtype.
+        mask_n = offs_n < N
+        if INT8:
+            scale = tl.load(scale_ptr + offs_n, mask=mask_n, other=0.0)
+            if x_ptr.dtype.element_ty == tl.float16:
+                scale = scale * _TWO_POW_24
+            acc = acc * scale[:, None]
+        if HAS_BIAS:
+            acc = acc + tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[:, None]
+        out_ptrs = out_ptr + offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None] * stride_on
+        out_mask = mask_n[:, None] & (offs_m < M)[None, :]
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
-    else:
-        # out is a zeroed fp32 buffer; the splits add their partial sums.
-        tl.atomic_add(out_ptrs, acc, mask=out_mask, sem="relaxed")
 
 
 # M is not specialized: one compiled variant per config serves every M.

@@ -12,9 +12,15 @@ runs where its compute is nil: the same 4096x4096 fp16 layer on an empty
 batch (M = 0: module call, dispatch, shape checks, output allocation, no
 arithmetic), and a 16x16 layer at M = 1 (a real GEMV of 256 multiply-adds).
 
-    python scripts/bench_host.py [--repeats 15] [--calls 2000]
+    python scripts/bench_host.py [--repeats 15] [--calls 2000] [--counts-only]
 
-Prints the medians (us per call) and the ratio sparse / nn.Linear.
+Prints the medians (us per call) and the ratio sparse / nn.Linear. Then, for
+every (weight, activation) pair a layer holds in the decode layout on CUDA
+(and fp32 activations) at the listed shapes and M = 1, 4, 16, the device work
+of one call with the launch stubbed: kernels per call (stubbed launches plus
+every aten op that would run a device kernel: anything but allocation and
+views) and aten ops per call (sparse24.tools.dispatch_count), ending with
+``kernels per call at M<=16: max N``.
 
 ``--prefill``: the M > 16 route of a decode-layout layer (what it holds on
 CUDA), taken as on CUDA (the backend decision sees a CUDA tensor, the launch is
@@ -25,6 +31,8 @@ decompressed; and the layer's memory against its dense fp16 weight.
     python scripts/bench_host.py --prefill
 """
 import argparse
+import contextlib
+import dataclasses
 import statistics
 import time
 
@@ -32,8 +40,10 @@ import torch
 from torch import nn
 
 import sparse24
+from sparse24.decode_format import DecodePacked
 from sparse24.tools.bench import cpu_name
 from sparse24.ops.linear24 import launch, op
+from sparse24.tools.dispatch_count import count_dispatch
 
 
 def _per_call_us(fn, calls: int) -> float:
@@ -56,7 +66,6 @@ def prefill_figures(N: int, K: int, ms=(64, 512, 4096), quantize=None) -> list[d
     (N x K, fp16 activations) on its M > 16 CUDA route, with the launch a no-op."""
     from sparse24.decode_format import DecodePacked
     from sparse24.format import Sparse24Tensor
-    from sparse24.tools.dispatch_count import count_dispatch
 
     layer = sparse24.Sparse24Linear.from_linear(nn.Linear(K, N, dtype=torch.float16), mode="compressed",
                                                 quantize=quantize)
@@ -118,6 +127,72 @@ def prefill_main(a) -> int:
     return 0
 
 
+# aten ops that run no device kernel: allocation, views and metadata
+_NO_KERNEL = {"empty", "empty_strided", "view", "_unsafe_view", "as_strided", "t", "transpose", "expand", "detach",
+              "alias", "unsqueeze", "squeeze", "select", "slice", "permute", "_reshape_alias", "reshape"}
+
+
+@contextlib.contextmanager
+def stubbed_launch():
+    """Inside: kernel launches are recorded ``(plan, grid)``, not run, and ``backend="auto"``
+    takes the kernel as it does on CUDA at M <= 16 (CPU tensors stand in for CUDA ones)."""
+    launches = []
+    saved = launch._Plan.launch, op._auto_backend
+    launch._Plan.launch = lambda plan, grid, args, aligned: launches.append((plan, grid))
+    op._auto_backend = lambda *args: "triton"
+    try:
+        yield launches
+    finally:
+        launch._Plan.launch, op._auto_backend = saved
+
+
+def device_work(call, launches: list) -> tuple[int, list[str]]:
+    """``(kernels, aten ops)`` of one ``call()`` inside :func:`stubbed_launch`: kernels are
+    the launches plus every aten op that would run a device kernel (anything but
+    allocation, views and metadata); the first call (which makes the plan) is not counted."""
+    call()
+    launches.clear()
+    _, count = count_dispatch(call)
+    return len(launches) + sum(name not in _NO_KERNEL for name in count.ops), count.ops
+
+
+def count_device_work(shapes=None, ms=(1, 4, 16)) -> int:
+    """Print kernels and aten ops per call of the decode path (module-level forward,
+    as Sparse24Linear calls it; the launch stubbed, untuned configs as on an H200)
+    per pair, shape (default: the listed ones) and M; return the most kernels any call launched."""
+    from sparse24.ops.config_space import DECODE_PAIRS, LISTED_SHAPES
+    from sparse24.ops.linear24 import forward
+    pairs = [(name, torch.bfloat16 if name.endswith("bf16") else torch.float16) for name in DECODE_PAIRS]
+    pairs.append(("fp16", torch.float32))  # fp32 activations: one kernel too, off the tensor cores (docs)
+    worst, seen = 0, set()
+    print(f"# device work per decode call, launch stubbed: kernels (launches + aten ops that run a device kernel) "
+          f"/ aten ops; M = {', '.join(map(str, ms))}")
+    print(f"{'pair':18s} {'shape (out x in)':>16s} {'config (untuned)':28s} " + " ".join(f"M={m:<5d}" for m in ms))
+    with stubbed_launch() as launches, torch.no_grad():
+        for pair, act in pairs:
+            for N, K in shapes or LISTED_SHAPES:
+                w = DecodePacked.empty(N, K, act if pair == "bf16" else torch.float16, pair.startswith("int8"))
+                bias = torch.empty(N, dtype=act)
+                cells = []
+                for m in ms:
+                    x = torch.empty(m, K, dtype=act)
+                    kernels, ops = device_work(lambda: forward(x, w.values, w.meta, w.scale, bias, w.dtype, N),
+                                               launches)
+                    worst = max(worst, kernels)
+                    cells.append(f"{kernels} / {len(ops)}")
+                    seen.update(ops)
+                plan = launches[0][0]
+                cfg = dataclasses.replace(plan.config, split_k=plan.split_k)
+                print(f"{pair + '/' + str(act)[6:]:18s} {f'{N}x{K}':>16s} {_cfg_name(cfg):28s} " + "  ".join(cells))
+    print(f"aten ops seen in these calls: {', '.join(sorted(seen))}")
+    print(f"kernels per call at M<=16: max {worst}")
+    return worst
+
+
+def _cfg_name(c) -> str:
+    return f"BN{c.block_n}_BK{c.block_k}_W{c.num_warps}_S{c.num_stages}_SK{c.split_k}"
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=15)
@@ -125,10 +200,14 @@ def main(argv=None) -> int:
     ap.add_argument("--n", type=int, default=4096)
     ap.add_argument("--k", type=int, default=4096)
     ap.add_argument("--prefill", action="store_true", help="aten ops and bytes per call of the M > 16 route")
+    ap.add_argument("--counts-only", action="store_true", help="only the kernels / aten ops per call")
     a = ap.parse_args(argv)
     if a.prefill:
         return prefill_main(a)
     torch.set_num_threads(1)
+    if a.counts_only:
+        count_device_work()
+        return 0
     N, K = a.n, a.k
 
     # The layout a compressed fp16 layer holds on CUDA (the decode kernel's), asked for on CPU.
@@ -167,6 +246,8 @@ def main(argv=None) -> int:
     s = med["Sparse24Linear (compressed, kernel path, launch no-op)"]
     for name in list(cases)[1:]:
         print(f"ratio sparse / {name}: {s / med[name]:.2f}x")
+    launch._PLANS.clear()
+    count_device_work()
     return 0
 
 

@@ -9,23 +9,38 @@ memory before any device time is spent.
 
 ``--sass``: the instruction budget. Compiles every config the tuner may pick
 at the given M buckets (decode kernel: ``decode_configs``; ``--kernel
-matmul``: the general kernel's ``candidate_configs``), disassembles the cubin
+matmul``: the general kernel's ``candidate_configs``) for the four pairs
+(fp16, bf16, INT8 with fp16 or bf16 activations), disassembles the cubin
 with the cuobjdump in Triton's wheel, finds the main K-loop (the largest
 backward branch of the SASS) and counts its instructions. Writes a CSV
 (``--csv FILE``) with ``kernel,dtype,m,config,loop_warp_instructions,
-bytes_per_iteration,warp_instr_per_byte`` and prints the summary line
-``max warp_instr_per_byte at M<=16: fp16 X, bf16 Y, int8 Z``.
+bytes_per_iteration,warp_instr_per_byte,int_warp_instr_per_byte`` and prints
+``max warp_instr_per_byte at M<=16: fp16 X, bf16 Y, int8 Z, int8-bf16 W``.
+Then (decode kernel; ``--listed-only`` for this part alone) each pair at the
+listed shapes with the config a layer uses, everything outside the loop
+amortized over a program's K range:
+``max amortized warp_instr_per_byte at listed shapes: ...``.
 
     loop_warp_instructions = SASS instructions of the loop x warps of a program
     bytes_per_iteration    = compressed weight bytes (values + metadata) the loop
                              streams per iteration (one K-tile, times the unroll
                              factor, checked against the loop's load widths)
     warp_instr_per_byte    = loop_warp_instructions / bytes_per_iteration
+    int_...                = the same for integer-pipe opcodes (INT_OPS)
 
-Budget on sm_90 (docs/kernels.md): <= 0.15 for fp16/bf16 weights, <= 0.22 for
-INT8; ``--check`` exits 1 when a config is over it.
+Budget on sm_90 (docs/kernels.md): <= 0.15 for fp16/bf16 weights, <= 0.20 for
+INT8, <= 0.10 on the integer pipe; ``--check`` exits 1 when over.
 
     python scripts/kernel_static_check.py --sass --csv results/static-sm90/decode-triton-3.9.0.csv
+
+``--occupancy``: for each pair at the listed shapes, the config a layer uses
+(tuned file or built-in default) compiled for sm_90: programs per SM from
+registers and shared memory, waves on 132 SMs, and weight bytes in flight per
+SM; prints ``min weight bytes in flight per SM: N KiB``.
+
+``--prefill``: the prefill kernel (M > 16) compiled for sm_90: issue cycles of
+its main loop per tensor-core instruction and the predicted ratio to dense at
+the listed shapes (docs/kernels.md, "Prefill path").
 """
 import argparse
 import collections
@@ -46,13 +61,14 @@ def compile_one(cfg, dtype, cap, N, K):
 
     import sparse24
     from sparse24.ops.linear24 import aot_compile
+    from sparse24.ops.linear24.launch import target_dtype
 
     act = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}[dtype.removeprefix("int8-")]
     p = sparse24.compress(torch.randn(N, K), quantize="int8" if dtype.startswith("int8-") else None)
     if p.scale is None:
         p = p.to(dtype=act)
     x = torch.randn(16, K).to(act)
-    target = torch.empty(16, N, dtype=torch.float32 if cfg.split_k > 1 else act)
+    target = torch.empty(16, N, dtype=target_dtype(cfg, cfg.split_k, act))
     t0 = time.time()
     ck = aot_compile(x, p, None, target, cfg, cfg.split_k, (cap // 10, cap % 10))
     ptx = ck.asm["ptx"]
@@ -78,8 +94,19 @@ def compile_one(cfg, dtype, cap, N, K):
 
 # --- --sass: the instruction budget ---------------------------------------------
 
-BUDGET = {"float16": 0.15, "bfloat16": 0.15, "int8-float16": 0.22}
-SUMMARY_NAMES = (("fp16", "float16"), ("bf16", "bfloat16"), ("int8", "int8-float16"))
+# warp-instructions per compressed weight byte on sm_90 (docs/kernels.md): all instructions,
+# and those of the integer pipe alone (half the issue rate: 64 lanes per clock per SM)
+BUDGET = {"float16": 0.15, "bfloat16": 0.15, "int8-float16": 0.20, "int8-bfloat16": 0.20}
+INT_BUDGET = 0.10
+ISSUE_PER_BYTE = 132 * 4 * 1.98e9 / 4.8e12   # H200: warp-instructions issued per byte of HBM bandwidth
+SUMMARY_NAMES = (("fp16", "float16"), ("bf16", "bfloat16"), ("int8", "int8-float16"), ("int8-bf16", "int8-bfloat16"))
+# Integer-pipe opcodes (per-thread ALU work at 64 lanes/clock/SM on sm_90); uniform-datapath
+# (U*) and FP ops are not counted. IMAD counts in every form (IMAD.MOV, IMAD.SHL, IMAD.HI ...).
+INT_OPS = frozenset({"LOP3", "LOP", "SHF", "SHL", "SHR", "SGXT", "PRMT", "IMAD", "IADD3", "IADD", "VIADD", "LEA",
+                     "ISETP", "IMNMX", "VIMNMX", "SEL", "BMSK", "IABS", "POPC", "FLO", "BREV"})
+# H200 (sm_90): multiprocessors, registers and shared memory per SM (1 KiB of it reserved per block)
+SMS, SM_REGS, SM_SHARED, SM_WARPS, SM_BLOCKS = 132, 65536, 233472, 64, 32
+IN_FLIGHT_GOAL = 32 * 1024
 _LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
 _BRA = re.compile(r"\bBRA\s+(?:`\(\.L_x_\d+\)\s*)?(0x[0-9a-f]+)")
 
@@ -143,10 +170,11 @@ def _weights(kernel: str, dtype: str, N: int, K: int):
 def sass_one(kernel: str, dtype: str, cfg, cap: int, N: int, K: int) -> dict:
     """Compile one config, return its main-loop counts (one row of the CSV, without M)."""
     from sparse24.ops.linear24 import aot_compile
+    from sparse24.ops.linear24.launch import target_dtype
 
     act, w = _weights(kernel, dtype, N, K)
     x = torch.randn(cfg.block_m, K).to(act)
-    target = torch.empty(cfg.block_m, N, dtype=torch.float32 if cfg.split_k > 1 else act)
+    target = torch.empty(cfg.block_m, N, dtype=target_dtype(cfg, cfg.split_k, act))
     ck = aot_compile(x, w, None, target, cfg, cfg.split_k, (cap // 10, cap % 10))
     loop = main_loop(sass_instructions(ck.asm["cubin"]))
     value_bytes = 1 if dtype.startswith("int8-") else 2
@@ -161,7 +189,11 @@ def sass_one(kernel: str, dtype: str, cfg, cap: int, N: int, K: int) -> dict:
     per_warp = len(loop)
     ops = collections.Counter(_opcode(t).split(".")[0] for t in loop)
     return dict(kernel=kernel, dtype=dtype, cfg=cfg, loop=per_warp, warp_instr=per_warp * cfg.num_warps,
-                bytes=tile_w * round(unroll), ops=ops)
+                bytes=tile_w * round(unroll), ops=ops, int_instr=_int_count(loop) * cfg.num_warps)
+
+
+def _int_count(instrs) -> int:
+    return sum(_opcode(t).split(".")[0] in INT_OPS for t in instrs)
 
 
 def config_name(c) -> str:
@@ -174,6 +206,9 @@ def sass_main(a) -> int:
     from sparse24.tools.bench import cpu_name
     from sparse24.ops.config_space import candidate_configs, decode_configs
 
+    if a.listed_only:
+        worst = listed_main(a, a.dtypes.split(","))
+        return 1 if a.check and any(v > BUDGET.get(dt, 1.0) for dt, v in worst.items()) else 0
     N, K = map(int, a.shape.split(","))
     ms = [int(m) for m in a.m.split(",")]
     dtypes = a.dtypes.split(",")
@@ -188,24 +223,29 @@ def sass_main(a) -> int:
             f"{platform.python_version()}, triton {triton.__version__}, torch {torch.__version__}",
             "# command: " + "".join(f"{k}={os.environ[k]} " for k in ("TRITON_DEFAULT_FP_FUSION",) if k in os.environ)
             + "python scripts/kernel_static_check.py " + " ".join(a.argv),
-            "kernel,dtype,m,config,loop_warp_instructions,bytes_per_iteration,warp_instr_per_byte"]
+            "kernel,dtype,m,config,loop_warp_instructions,bytes_per_iteration,warp_instr_per_byte,"
+            "int_warp_instr_per_byte"]
     print("\n".join(head[:3]), flush=True)
     t0 = time.time()
     with ProcessPoolExecutor(a.jobs) as ex:
         results = list(ex.map(sass_one, [a.kernel] * len(jobs), [dt for dt, _ in jobs], [c for _, c in jobs],
                               [a.cap] * len(jobs), [N] * len(jobs), [K] * len(jobs)))
     by_key = {(r["dtype"], r["cfg"]): r for r in results}
-    rows, worst = [], {}
+    rows, worst, worst_int = [], {}, {}
     for dt in dtypes:
         for m in ms:
             for c in per_m[(m, dt)]:
                 r = by_key[(dt, c)]
                 wipb = r["warp_instr"] / r["bytes"]
-                rows.append(f"{a.kernel},{dt},{m},{config_name(c)},{r['warp_instr']},{r['bytes']},{wipb:.4f}")
+                rows.append(f"{a.kernel},{dt},{m},{config_name(c)},{r['warp_instr']},{r['bytes']},{wipb:.4f},"
+                            f"{r['int_instr'] / r['bytes']:.4f}")
                 if m <= 16:
                     worst[dt] = max(worst.get(dt, 0.0), wipb)
+                    worst_int[dt] = max(worst_int.get(dt, 0.0), r["int_instr"] / r["bytes"])
     summary = "max warp_instr_per_byte at M<=16: " + ", ".join(
         f"{short} {worst[dt]:.3f}" if dt in worst else f"{short} n/a" for short, dt in SUMMARY_NAMES)
+    summary += "\nmax integer-pipe warp_instr_per_byte at M<=16: " + ", ".join(
+        f"{short} {worst_int[dt]:.3f}" if dt in worst_int else f"{short} n/a" for short, dt in SUMMARY_NAMES)
     if a.verbose:
         for r in sorted(results, key=lambda r: (r["dtype"], r["warp_instr"] / r["bytes"])):
             print(f"  {r['dtype']:13} {config_name(r['cfg']):28} {r['warp_instr'] / r['bytes']:.4f}  "
@@ -213,13 +253,176 @@ def sass_main(a) -> int:
     if a.csv:
         os.makedirs(os.path.dirname(os.path.abspath(a.csv)), exist_ok=True)
         with open(a.csv, "w") as f:
-            f.write("\n".join(head + rows + [f"# {summary}"]) + "\n")
+            f.write("\n".join(head + rows + [f"# {line}" for line in summary.splitlines()]) + "\n")
     print(f"{len(results)} compiles in {time.time() - t0:.0f} s" + (f"; wrote {a.csv}" if a.csv else ""))
     print(summary)
     over = [dt for dt in worst if dt in BUDGET and worst[dt] > BUDGET[dt]]
+    if a.kernel == "decode" and not a.no_listed:
+        amortized = listed_main(a, dtypes)
+        over += [dt for dt, v in amortized.items() if v > BUDGET.get(dt, 1.0)]
     if over:
         print(f"over the sm_90 budget ({', '.join(f'{dt} {BUDGET[dt]}' for dt in over)})", file=sys.stderr)
     return 1 if a.check and over else 0
+
+
+# --- the listed shapes: the config a layer would use, amortized and occupancy -----
+
+def default_config(dtype: str, N: int, K: int, gpu: str = "NVIDIA H200"):
+    """``(config, source)`` a decode-layout layer of ``dtype`` (a dtype key) at M <= 16 uses on
+    ``gpu`` (sm_90, 132 SMs): a tuned file's entry where one applies, else the built-in default."""
+    from sparse24.ops.config_store import lookup
+    choice = lookup(16, N, K, dtype, gpu, (9, 0), SMS, "decode")
+    return choice.config, choice.kind
+
+
+def compile_listed(dtype: str, cfg, cap: int, N: int, K: int) -> dict:
+    """Compile ``cfg`` for an (N, K) decode-layout layer (uninitialized storage: only shapes,
+    dtypes and alignment matter); registers, shared memory, loop and whole-kernel SASS counts."""
+    from sparse24.decode_format import DecodePacked
+    from sparse24.ops.linear24 import aot_compile
+
+    act = {"bfloat16": torch.bfloat16, "float32": torch.float32}.get(dtype.removeprefix("int8-"), torch.float16)
+    int8 = dtype.startswith("int8-")
+    w = DecodePacked.empty(N, K, torch.float16 if act == torch.float32 else act, int8)  # fp32 x: fp16 weights
+    x, target = torch.empty(16, K, dtype=act), torch.empty(16, N, dtype=act)
+    ck = aot_compile(x, w, None, target, cfg, cfg.split_k, (cap // 10, cap % 10))
+    instrs = sass_instructions(ck.asm["cubin"])
+    loop = main_loop(instrs)
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(ck.asm["cubin"])
+        f.flush()
+        res = subprocess.run([_tool("cuobjdump"), "--dump-resource-usage", f.name], capture_output=True,
+                             text=True, check=True).stdout
+    tile_w = cfg.block_n * cfg.block_k * (1 if int8 else 2) // 2 + cfg.block_n * cfg.block_k // 8
+    tile_x = 16 * cfg.block_k * act.itemsize
+    unroll = round(global_load_bytes(loop) * 32 * cfg.num_warps / (tile_w + tile_x))
+    # Serial split-K: after the arrival counter's atomic, every program but the last of its
+    # tile exits (the first predicated EXIT); what follows (the partials' sum and the
+    # epilogue) runs in one program of SPLIT_K.
+    texts = [t for _, t in instrs]
+    atom = next((i for i, t in enumerate(texts) if _opcode(t).startswith(("ATOMG", "ATOM.", "RED"))), None)
+    exit_ = None if atom is None else next(
+        (i for i in range(atom, len(texts)) if texts[i].startswith("@") and _opcode(texts[i]) == "EXIT"), None)
+    last = texts[exit_ + 1:] if exit_ is not None else []
+    spills = int(re.search(r"LOCAL:(\d+)", res).group(1)) + int(re.search(r"STACK:(\d+)", res).group(1))
+    return dict(dtype=dtype, cfg=cfg, N=N, K=K, regs=int(re.search(r"REG:(\d+)", res).group(1)), spills=spills,
+                shared=ck.metadata.shared, loop=len(loop), total=len(instrs), unroll=max(unroll, 1),
+                loop_int=_int_count(loop), total_int=_int_count(texts), tile_w=tile_w, last=len(last),
+                last_int=_int_count(last))
+
+
+def amortized(r: dict) -> tuple[float, float]:
+    """(all, integer-pipe) warp-instructions per compressed weight byte of one program at
+    (N, K), averaged over the programs of a tile: the loop times its iterations, every
+    other instruction once, except the last-arriving program's split-K sum and epilogue,
+    once per SPLIT_K programs (an upper bound still: every branch outside the loop counts
+    as taken)."""
+    c = r["cfg"]
+    tiles = -(-(-(-r["K"] // c.block_k)) // c.split_k)   # K-tiles of one split
+    iters = tiles / r["unroll"]
+    nbytes = tiles * r["tile_w"]
+    rest = r["total"] - r["loop"] - r["last"] + r["last"] / c.split_k
+    rest_int = r["total_int"] - r["loop_int"] - r["last_int"] + r["last_int"] / c.split_k
+    return ((r["loop"] * iters + rest) * c.num_warps / nbytes, (r["loop_int"] * iters + rest_int) * c.num_warps / nbytes)
+
+
+def occupancy(r: dict) -> dict:
+    """Programs per SM (registers, shared memory, warps), waves and weight bytes in
+    flight per SM (average over the SMs) for one compiled config at (N, K), M <= 16."""
+    c = r["cfg"]
+    per_warp = -(-r["regs"] * 32 // 256) * 256
+    fit = min(SM_REGS // per_warp // c.num_warps, SM_SHARED // (r["shared"] + 1024), SM_WARPS // c.num_warps,
+              SM_BLOCKS)
+    programs = -(-r["N"] // c.block_n) * c.split_k
+    resident = min(fit, programs / SMS)              # programs running at once, per SM on average
+    tiles = -(-(-(-r["K"] // c.block_k)) // c.split_k)
+    # Tiles requested ahead of the one being decoded: num_stages - 1 with Triton's
+    # pipeliner; one stage has no prefetch: its tile's loads are in flight only until
+    # they land (counted as 1, a peak), none while it decodes.
+    depth = min(max(c.num_stages - 1, 1), tiles)
+    return dict(fit=fit, programs=programs, waves=programs / (SMS * fit), resident=resident, depth=depth,
+                in_flight=resident * depth * r["tile_w"], whole=r["N"] * r["K"] * r["tile_w"]
+                / (c.block_n * c.block_k) / SMS)
+
+
+def _listed_results(a, dtypes) -> list[dict]:
+    from sparse24.ops.config_space import LISTED_SHAPES
+    jobs = [(dt, *default_config(dt, N, K, a.gpu), N, K) for dt in dtypes for N, K in LISTED_SHAPES]
+    with ProcessPoolExecutor(a.jobs) as ex:
+        results = list(ex.map(compile_listed, [j[0] for j in jobs], [j[1] for j in jobs], [a.cap] * len(jobs),
+                              [j[3] for j in jobs], [j[4] for j in jobs]))
+    for r, j in zip(results, jobs):
+        r["source"] = j[2]
+    return results
+
+
+def listed_main(a, dtypes) -> dict:
+    """Each pair at the listed shapes, the config a layer would use, instructions outside
+    the loop amortized over a program's K range; returns the worst per dtype."""
+    t0 = time.time()
+    results = _listed_results(a, dtypes)
+    worst, worst_int = {}, {}
+    print(f"amortized over a program's K range (loop x iterations + the rest of the kernel once, its last part, "
+          f"the split-K sum and epilogue, once per SPLIT_K programs), config a layer uses on {a.gpu} untuned or tuned:")
+    print(f"  {'dtype':14} {'shape':>11} {'config':28} {'source':8} {'loop':>5} {'rest':>5} {'last':>5} {'iters':>5} "
+          f"{'all/B':>6} {'int/B':>6}")
+    for r in results:
+        tot, ints = amortized(r)
+        worst[r["dtype"]] = max(worst.get(r["dtype"], 0.0), tot)
+        worst_int[r["dtype"]] = max(worst_int.get(r["dtype"], 0.0), ints)
+        c = r["cfg"]
+        tiles = -(-(-(-r["K"] // c.block_k)) // c.split_k)
+        print(f"  {r['dtype']:14} {r['N']:>5}x{r['K']:<5} {config_name(c):28} {r['source']:8} {r['loop']:>5} "
+              f"{r['total'] - r['loop']:>5} {r['last']:>5} {tiles / r['unroll']:>5.1f} {tot:>6.3f} {ints:>6.3f}")
+    print(f"{len(results)} compiles in {time.time() - t0:.0f} s")
+    # Predicted decode speed against dense fp16/bf16 weights read at the same bandwidth:
+    # the byte ratio, unless issue (all instructions, 1.05e12/s) or the integer pipe
+    # (half rate) takes longer than the bytes take to arrive (4.8 TB/s).
+    per_byte = ISSUE_PER_BYTE
+    ratios = {}
+    for r in results:
+        tot, ints = amortized(r)
+        dense = 2.0 / (0.625 if r["dtype"].startswith("int8-") else 1.125)
+        ratios.setdefault(r["dtype"], []).append(dense * min(1.0, per_byte / tot, per_byte / (2 * ints)))
+    print("predicted decode speed vs dense 16-bit at equal bandwidth (byte ratio x min(1, 0.219 / all, "
+          "0.219 / (2 x integer))): " + ", ".join(f"{short} {min(ratios[dt]):.2f}-{max(ratios[dt]):.2f}x"
+                                                   for short, dt in SUMMARY_NAMES if dt in ratios))
+    print("max amortized warp_instr_per_byte at listed shapes: " + ", ".join(
+        f"{short} {worst[dt]:.3f}" for short, dt in SUMMARY_NAMES if dt in worst))
+    print("max amortized integer-pipe warp_instr_per_byte at listed shapes: " + ", ".join(
+        f"{short} {worst_int[dt]:.3f}" for short, dt in SUMMARY_NAMES if dt in worst_int))
+    return worst
+
+
+def occupancy_main(a) -> int:
+    dtypes = a.dtypes.split(",")
+    t0 = time.time()
+    results = _listed_results(a, dtypes)
+    print(f"# sm_{a.cap} ({SMS} SMs, {SM_REGS} registers, {SM_SHARED // 1024} KiB shared memory per SM), M <= 16, "
+          f"the config a decode-layout layer uses on {a.gpu} (tuned file entry, else built-in default)")
+    print(f"  {'dtype':14} {'shape':>11} {'config':28} {'source':8} {'regs':>4} {'smem':>6} {'fit':>3} "
+          f"{'progs':>5} {'waves':>5} {'res/SM':>6} {'tileKiB':>7} {'depth':>5} {'flightKiB':>9} {'wholeKiB':>8}")
+    least, short = None, []
+    for r in results:
+        o = occupancy(r)
+        c = r["cfg"]
+        print(f"  {r['dtype']:14} {r['N']:>5}x{r['K']:<5} {config_name(c):28} {r['source']:8} {r['regs']:>4} "
+              f"{r['shared']:>6} {o['fit']:>3} {o['programs']:>5} {o['waves']:>5.2f} {o['resident']:>6.2f} "
+              f"{r['tile_w'] / 1024:>7.1f} {o['depth']:>3}{'*' if c.num_stages == 1 else ' ':2} "
+              f"{o['in_flight'] / 1024:>9.1f} {o['whole'] / 1024:>8.1f}")
+        least = o["in_flight"] if least is None else min(least, o["in_flight"])
+        if o["programs"] < SMS or o["in_flight"] < min(IN_FLIGHT_GOAL, o["whole"]) * (1 - 1e-9):
+            short.append(f"{r['dtype']} {r['N']}x{r['K']}")
+    print("  fit: programs per SM (registers, shared memory, warps); waves: programs / (132 x fit); res/SM: "
+          "programs running at once per SM (average); depth: K-tiles requested ahead (num_stages - 1; * one "
+          "stage: no prefetch, the tile's loads are in flight only until they land); wholeKiB: the layer's "
+          "whole weight / 132 SMs (no config can hold more in flight)")
+    print(f"{len(results)} compiles in {time.time() - t0:.0f} s; spill bytes at most "
+          f"{max(r['spills'] for r in results)}")
+    print(f"min weight bytes in flight per SM: {least / 1024:.1f} KiB")
+    print(f"every SM busy and >= {IN_FLIGHT_GOAL // 1024} KiB in flight per SM (or the whole weight where it is "
+          f"smaller): " + ("met at every listed shape and pair" if not short else "NOT met: " + "; ".join(short)))
+    return 1 if a.check and short else 0
 
 
 # --- --prefill: decode cost per tensor-core instruction, predicted ratio to dense ---------
@@ -370,7 +573,13 @@ def main(argv=None):
     ap.add_argument("--limit", type=int, default=0, help="only the first N configs")
     ap.add_argument("--sass", action="store_true", help="count the main loop's SASS instructions (budget)")
     ap.add_argument("--kernel", choices=("decode", "matmul"), default="decode", help="with --sass")
-    ap.add_argument("--dtypes", default="float16,bfloat16,int8-float16", help="with --sass")
+    ap.add_argument("--dtypes", default="float16,bfloat16,int8-float16,int8-bfloat16", help="with --sass")
+    ap.add_argument("--listed-only", action="store_true", help="with --sass: only the listed shapes")
+    ap.add_argument("--no-listed", action="store_true",
+                    help="with --sass: skip the amortized count at the listed shapes")
+    ap.add_argument("--occupancy", action="store_true",
+                    help="programs per SM, waves and weight bytes in flight at the listed shapes")
+    ap.add_argument("--gpu", default="NVIDIA H200", help="with --occupancy: whose tuned file applies")
     ap.add_argument("--csv", default=None, help="with --sass: write the rows here")
     ap.add_argument("--check", action="store_true", help="with --sass: exit 1 when over the budget")
     ap.add_argument("--verbose", action="store_true", help="with --sass: opcode mix per config")
@@ -380,6 +589,8 @@ def main(argv=None):
     a.argv = list(sys.argv[1:] if argv is None else argv)
     if a.prefill:
         return prefill_main(a)
+    if a.occupancy:
+        return occupancy_main(a)
     if a.sass:
         a.m = a.m or "1,2,4,8,16"
         return sass_main(a)

@@ -121,6 +121,21 @@ class DecodePacked:
         if check:
             self.validate()
 
+    @classmethod
+    def empty(cls, R: int, C: int, dtype: torch.dtype = torch.float16, int8: bool = False,
+              device="cpu") -> "DecodePacked":
+        """An uninitialized (R, C) weight of this layout: right shapes, dtypes and
+        alignment, storage never written or checked. Only for what reads shapes
+        (ahead-of-time compiles, host-side benchmarks with the launch stubbed)."""
+        NT, KA, KM = decode_dims(R, C)
+        if int8:
+            values, scale = torch.empty(KA, NT, 32, 16, dtype=torch.uint8, device=device), \
+                torch.empty(R, device=device)
+        else:
+            values, scale = torch.empty(KA, 2, NT, 32, 8, dtype=dtype, device=device), None
+        meta = torch.empty(NT, 32, KM, dtype=torch.int32, device=device)
+        return cls(values, meta, (R, C), torch.float32 if int8 else dtype, scale, check=False)
+
     @property
     def device(self) -> torch.device:
         return self.values.device

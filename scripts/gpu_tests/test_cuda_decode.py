@@ -65,3 +65,19 @@ def test_every_tile_of_the_space_matches_reference(dtype, gen):
     picked += [c for c in space if c.num_stages == deepest and c.split_k == 8][:2]
     for cfg in picked:
         assert_matches_reference(_run(x, d, None, cfg), x, dense)
+
+
+@pytest.mark.parametrize("wtype,xtype", [("fp16", "fp16"), ("bf16", "bf16"), ("int8", "fp16"), ("int8", "bf16")])
+def test_untuned_call_is_one_deterministic_kernel(wtype, xtype, gen):
+    """The 4096 x 4096 untuned default splits K (serial split-K inside the launch): one
+    CUDA kernel per call in the profiler, the same bits on every call, right against fp64."""
+    d, dense = _weight(4096, 4096, wtype, ACT[xtype], gen)
+    x = torch.randn(1, 4096, generator=gen, device=DEV).to(ACT[xtype])
+    y1 = _run(x, d, None, None)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        y2 = linear_decode(x, d)
+        torch.cuda.synchronize()
+    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert len(kernels) == 1, kernels
+    assert torch.equal(y1, y2)
+    assert_matches_reference(y1, x, dense)

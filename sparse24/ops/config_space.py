@@ -15,7 +15,8 @@ import dataclasses
 import torch
 
 __all__ = ["KernelConfig", "KERNEL_VARIANTS", "LAYOUTS", "LAYOUT_KERNEL", "M_BUCKETS", "DTYPE_KEYS", "DECODE_M",
-           "m_bucket", "dtype_key", "builtin_config", "candidate_configs", "decode_configs", "check_decode_config"]
+           "DECODE_PAIRS", "LISTED_SHAPES",
+           "m_bucket", "dtype_key", "builtin_config", "decode_default", "candidate_configs", "decode_configs", "check_decode_config"]
 
 # Kernel variants a config may name (kernels/): "matmul" (sparse24_matmul.py)
 # expands each weight tile in registers and runs tl.dot, any M, layout v1;
@@ -29,6 +30,13 @@ LAYOUT_KERNEL = {"v1": "matmul", "decode": "decode"}
 # kernel's main loop is held to the sm_90 instruction budget (docs/kernels.md).
 DECODE_M = 16
 M_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+# The (weight, activation) pairs a compressed layer holds in the decode layout on CUDA:
+# short name -> dtype key (fp32 activations run too, off the tensor-core path).
+DECODE_PAIRS = {"fp16": "float16", "bf16": "bfloat16", "int8": "int8-float16", "int8-bf16": "int8-bfloat16"}
+# Layer shapes (out, in) the decode path's static figures are held to (Llama-2/3-7B/8B/70B
+# projections and MLPs, BERT-base): scripts/kernel_static_check.py, scripts/bench_host.py.
+LISTED_SHAPES = ((4096, 4096), (11008, 4096), (4096, 11008), (14336, 4096), (4096, 14336), (8192, 8192),
+                 (28672, 8192), (8192, 28672), (3072, 768), (768, 3072), (1024, 4096))
 _DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 DTYPE_KEYS = tuple(_DTYPE_NAMES.values()) + tuple(f"int8-{n}" for n in _DTYPE_NAMES.values())
 
@@ -94,19 +102,19 @@ def dtype_key(x_dtype: torch.dtype, int8_weights: bool = False) -> str:
     return f"int8-{name}" if int8_weights else name
 
 
-def builtin_config(M: int, N: int = 4096, K: int = 4096, num_sms: int = 132, layout: str = "v1") -> KernelConfig:
+def builtin_config(M: int, N: int = 4096, K: int = 4096, num_sms: int = 132, layout: str = "v1",
+                   dtype: str = "float16") -> KernelConfig:
     """The untuned fallback: small tiles that compile on every CUDA GPU Triton
     supports. At decode sizes (M <= 16) the programs must fill the ``num_sms``
     multiprocessors (N = 4096 with BLOCK_N = 64 gives 64 programs for an H200's
     132): layout v1 shrinks BLOCK_N to 16 first, and only then split-K grows
-    (each split keeping >= 2 K-tiles), since split-K costs a zeroed fp32 buffer
-    and a copy per call; the decode kernel (BLOCK_N 64 at least, the sm_90
-    budget) grows split-K. Not measured: a tuned file should replace it."""
+    (each split keeping >= 2 K-tiles), since its split-K costs a zeroed fp32
+    buffer and a copy per call. The decode layout: :func:`decode_default`.
+    Not measured: a tuned file should replace it."""
     if layout == "decode":
-        programs, split = -(-N // 64) * -(-M // 16), 1
-        while programs * split < num_sms and split < 8 and K >= 2 * 128 * (2 * split):
-            split *= 2
-        return KernelConfig(16, 64, 128, 1, split, 4, 1, kernel="decode")
+        if M <= DECODE_M:
+            return decode_default(N, K, dtype, num_sms)
+        return KernelConfig(16, 64, 128, 1, 1, 4, 1, kernel="decode")  # split-K only at decode sizes
     if M <= 16:
         bn = next((b for b in (64, 32, 16) if -(-N // b) >= num_sms), 16)
         programs, split = -(-N // bn), 1
@@ -180,9 +188,10 @@ def decode_configs(M: int, N: int, K: int, dtype: str = "float16", num_sms: int 
     only 64 programs of 64 rows for 132 SMs). INT8 weights (``dtype``
     ``"int8-..."``): one stage, or two on tiles of >= 16384 elements (see the
     comment above). The space does not depend on M at decode sizes; above 16
-    rows the programs multiply by ceil(M / 16) and only the deepest pipeline of
-    each tile is kept (the tuner times the kernel there to compare it with the
-    reference backend, not to win).
+    rows the programs multiply by ceil(M / 16), K is not split (the launch's
+    split-K is serial, M <= 16 only) and only the deepest pipeline of each tile
+    is kept (the tuner times the kernel there to compare it with the reference
+    backend, not to win).
 
     Args:
         M, N, K: problem size (x is M x K, W is N x K); dtype: a :func:`dtype_key`.
@@ -196,12 +205,47 @@ def decode_configs(M: int, N: int, K: int, dtype: str = "float16", num_sms: int 
     for bn, warps in _DECODE_TILES:
         for bk in _DECODE_BLOCK_K:
             programs = -(-N // bn) * -(-M // 16)
-            splits = [1] + [s for s in (2, 4, 8) if programs * s <= 4 * num_sms and K >= 2 * s * bk]
+            splits = [1] + [s for s in (2, 4, 8) if programs * s <= 4 * num_sms and K >= 2 * s * bk
+                            and M <= DECODE_M]   # serial split-K's workspace holds one 16-row block
             stages = ((1, 2) if bn * bk >= 16384 else (1,)) if int8 else (1, 2, 3)
             if M > DECODE_M:  # past decode sizes the kernel re-decodes W per 16 rows and the reference
                 stages = stages[-1:]  # backend wins: one stage per tile, to time it against the reference
             out += [KernelConfig(16, bn, bk, 1, s, warps, st, kernel="decode") for s in splits for st in stages]
     return [check_decode_config(c) for c in out]
+
+
+# Weight bytes a multiprocessor should have requested and not yet received
+# (Little's law: 4.8 TB/s x ~0.7-0.9 us of HBM latency over 132 SMs ~ 25-33 KB).
+DECODE_IN_FLIGHT = 32 * 1024
+
+
+def decode_default(N: int, K: int, dtype: str = "float16", num_sms: int = 132) -> KernelConfig:
+    """The decode kernel's untuned config at M <= 16 for an (N, K) layer.
+
+    64-row tiles (4 warps, ~70-160 registers: several programs fit an SM), BLOCK_K
+    256 (128 where 256 leaves SMs without a program), pipelined: 16-bit weights 2
+    stages (one K-tile's loads in flight while another decodes), INT8 3 stages (two:
+    its tiles hold half the bytes). Then split-K (serial, inside the one launch) just
+    large enough that the programs running at once keep ``DECODE_IN_FLIGHT`` weight
+    bytes requested per SM, or, for small layers, one K-tile per program (the whole
+    weight at once, in one stage: there is no later tile to prefetch). Predicted by
+    ``scripts/kernel_static_check.py --occupancy`` and ``--sass`` (docs/kernels.md), not
+    measured on a GPU."""
+    int8 = dtype.startswith("int8-")
+    rows = -(-N // 64)
+    bk = 256 if rows * -(-K // 256) >= num_sms else 128
+    stages = 3 if int8 else 2
+    tiles = -(-K // bk)
+    tile_bytes = 64 * bk * (5 if int8 else 9) // 8
+    split = tiles
+    for per_split in range(tiles, 0, -1):               # the fewest splits (longest K ranges) that do
+        split = -(-tiles // per_split)
+        ahead = min(stages - 1, per_split)              # K-tiles a program has requested ahead
+        if rows * split >= max(num_sms * DECODE_IN_FLIGHT / (ahead * tile_bytes), num_sms):
+            break
+    if per_split == 1:  # one K-tile per program: nothing to overlap, and a pipeline's prologue costs ~40%
+        stages = 1
+    return check_decode_config(KernelConfig(16, 64, bk, 1, min(split, 32), 4, stages, kernel="decode"))
 
 
 def check_decode_config(config: KernelConfig) -> KernelConfig:

@@ -245,7 +245,7 @@ def lookup(M: int, N: int, K: int, dtype: str, gpu_name: str, capability: tuple[
     for f in own:
         if f["default"].kernel == kernel:
             return Choice(f["default"], "file-default", f"default of {f['path']}")
-    return Choice(builtin_config(M, N, K, num_sms, layout), "builtin",
+    return Choice(builtin_config(M, N, K, num_sms, layout, dtype), "builtin",
                   "built-in untuned config (no tuned config of this layout for this GPU)")
 
 

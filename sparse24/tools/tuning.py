@@ -30,7 +30,7 @@ from ..ops.config_store import (KERNEL, SCHEMA_VERSION, Choice, clear_cache, con
                                describe_config_source, get_config, gpu_file_name, lookup, measured_timings,
                                shipped_config_dir, validate_dir, validate_file)
 from ..ops.linear24 import linear_reference, linear_triton
-from ..ops.linear24.launch import kernel_call
+from ..ops.linear24.launch import kernel_call, target_dtype
 from ..ops.linear24.op import DECODE_M
 
 __all__ = ["tune_key", "time_launches_us", "write_entries", "autotune", "KernelConfig", "candidate_configs",
@@ -186,7 +186,7 @@ def _compile_worker(items: list, device_index: int) -> list[str]:
     for M, N, K, dtype, cfg in items:
         try:
             x, p, _ = _tuning_inputs(M, N, K, dtype, device, layout=runtime_layout(dtype))
-            target = torch.empty(M, N, device=device, dtype=torch.float32 if cfg.split_k > 1 else x.dtype)
+            target = torch.empty(M, N, device=device, dtype=target_dtype(cfg, cfg.split_k, x.dtype))
             kernel, grid, args, kwargs = kernel_call(x, p, None, target, cfg, cfg.split_k)
             kernel.warmup(*args, grid=grid, **kwargs)
         except Exception as e:  # reported; the timing pass skips configs that fail again

@@ -10,11 +10,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import triton.language as tl
 
 import sparse24
 from sparse24.decode_format import DecodePacked, pack_decode
-from sparse24.kernels.interpreter import byte_perm_reference
-from sparse24.kernels.sparse24_decode import SELECTORS, SM_MASK
+from sparse24.kernels.interpreter import InterpretedKernel, byte_perm_reference
+from sparse24.kernels.sparse24_decode import SELECTORS, SM_MASK, int8_bf16_words
 from sparse24.ops.config_space import KernelConfig, check_decode_config, decode_configs
 from sparse24.ops.linear24 import launch
 from sparse24.ops.linear24 import linear_triton as linear_decode
@@ -97,6 +98,10 @@ def _case(M, N, K, xtype, wtype, bias, cfg):
     _case(3, 40, 300, torch.float32, "fp16", True, _cfg(32, 64, split=3)),    # 5 K-tiles (last partial), 3 splits
     _case(16, 200, 64, torch.float16, "fp16", True, _cfg(128, 64)),           # 2 programs, one K-tile
     _case(13, 40, 200, torch.float32, "int8", True, _cfg(64, 64, split=8)),   # 4 K-tiles: splits 4..7 own none
+    # serial split-K where K divides into tiles (no partial-tile code), odd M, both activation dtypes
+    _case(5, 72, 256, torch.float32, "int8", True, _cfg(64, 64, split=3, stages=3)),  # split 2 owns no tile
+    _case(7, 40, 256, torch.float16, "fp16", True, _cfg(64, 128, split=2, stages=2)),
+    _case(11, 136, 512, torch.float16, "int8", False, _cfg(128, 64, split=5)),         # 8 tiles in 5 splits
 ])
 def test_kernel_matches_reference(M, N, K, xtype, wtype, bias, cfg, gen):
     d, dense = _weight(N, K, wtype, gen)
@@ -180,20 +185,28 @@ def test_strided_3d_and_empty_inputs(gen):
     assert torch.equal(linear_decode(torch.randn(3, 0), z, b), b.expand(3, 5))
 
 
-def test_deterministic_mode_disables_split_k(monkeypatch, gen):
+def test_split_k_is_one_launch_and_deterministic(monkeypatch, gen):
+    """Serial split-K: one launch, output in x's dtype (no fp32 buffer, no cast), the
+    counters left at zero for the next launch, and the same bits on every call, in
+    deterministic mode too (the last program adds the partials in split order)."""
     seen = []
     real = launch._Plan.launch
-    monkeypatch.setattr(launch._Plan, "launch", lambda plan, grid, *a: seen.append(grid[1]) or real(plan, grid, *a))
-    d, dense = _weight(40, 256, "fp16", gen)
-    x = torch.randn(3, 256, generator=gen)
+    monkeypatch.setattr(launch._Plan, "launch", lambda plan, grid, *a: seen.append(grid) or real(plan, grid, *a))
+    d, dense = _weight(72, 300, "fp16", gen)
+    x, b = torch.randn(3, 300, generator=gen).half(), torch.randn(72, generator=gen)
+    cfg = _cfg(64, 64, split=4)
     before = torch.are_deterministic_algorithms_enabled()
     try:
+        y1 = linear_decode(x, d, b, config=cfg)
         torch.use_deterministic_algorithms(True)
-        y = linear_decode(x, d, config=_cfg(64, 64, split=4))
+        y2 = linear_decode(x, d, b, config=cfg)
     finally:
         torch.use_deterministic_algorithms(before)
-    assert seen == [1]
-    assert_matches_reference(y, x, dense)
+    assert seen == [(2, 4, 1), (2, 4, 1)]
+    assert y1.dtype == torch.float16 and torch.equal(y1, y2)
+    assert_matches_reference(y1, x, dense, b)
+    _, counts = launch.decode_workspace(x.device, 72, cfg, 4)
+    assert counts.shape == (2,) and not counts.any()
 
 
 def test_rejects_bad_input_and_changes_nothing(gen):
@@ -253,6 +266,22 @@ def test_config_space():
     assert all(c.split_k == 1 for c in decode_configs(4, 40, 100))   # too short to split
 
 
+def test_untuned_default_fills_the_gpu_at_the_listed_shapes():
+    """decode_default (scripts/kernel_static_check.py --occupancy has the bytes in flight): every
+    listed shape gives each of 132 SMs a program, splits K only into whole K-tiles, pipelines
+    exactly where a program has a later K-tile to prefetch, and is a config of the kernel."""
+    from sparse24.ops.config_space import LISTED_SHAPES, decode_default
+    for dtype in ("float16", "bfloat16", "int8-float16", "int8-bfloat16"):
+        for N, K in LISTED_SHAPES:
+            c = check_decode_config(decode_default(N, K, dtype))
+            tiles = -(-K // c.block_k)
+            per_split = -(-tiles // c.split_k)
+            assert -(-N // c.block_n) * c.split_k >= 132, (dtype, N, K, c)
+            assert -(-tiles // per_split) == c.split_k                     # no split without a K-tile
+            assert (c.num_stages == 1) == (per_split == 1), (dtype, N, K, c)
+    assert decode_default(4096, 4096).split_k == 4 and decode_default(28672, 8192).split_k == 1
+
+
 def _committed_csvs() -> list[Path]:
     return sorted((ROOT / "results" / "static-sm90").glob("decode-triton-*.csv"))
 
@@ -272,7 +301,8 @@ def test_committed_sass_counts_cover_the_space_within_budget(path):
             key = (dtype, m, name.format(c.block_m, c.block_n, c.block_k, c.num_warps, c.num_stages, c.split_k))
             assert key in have, f"{path.name} lacks {key}"
             assert have[key] <= budget[dtype], key
-    summary = re.search(r"max warp_instr_per_byte at M<=16: fp16 ([\d.]+), bf16 ([\d.]+), int8 ([\d.]+)", lines[-1])
+    summary = re.search(r"max warp_instr_per_byte at M<=16: fp16 ([\d.]+), bf16 ([\d.]+), int8 ([\d.]+)",
+                        "\n".join(lines))
     assert summary, lines[-1]
     assert all(float(v) <= b for v, b in zip(summary.groups(), (0.15, 0.15, 0.22)))
 
@@ -310,7 +340,7 @@ def test_kernel_compiles_for_gpus(x_dtype, wtype, bias, cfg, cap, monkeypatch):
     else:
         d = pack_decode(sparse24.compress(w.to(torch.bfloat16 if wtype == "bf16" else torch.float16)))
     x = torch.randn(16, K).to(x_dtype)
-    target = torch.empty(16, N, dtype=torch.float32 if cfg.split_k > 1 else x_dtype)
+    target = torch.empty(16, N, dtype=x_dtype)
     b = torch.randn(N) if bias else None
     compiled = launch.aot_compile(x, d, b, target, cfg, cfg.split_k, (cap // 10, cap % 10))
     ptx = compiled.asm["ptx"]
@@ -324,3 +354,52 @@ def test_kernel_compiles_for_gpus(x_dtype, wtype, bias, cfg, cap, monkeypatch):
         value_bytes = 1 if wtype == "int8" else 2
         tile = cfg.block_n * cfg.block_k * value_bytes // 2 + cfg.block_n * cfg.block_k // 8
         assert len(loop) * cfg.num_warps / tile <= (0.22 if wtype == "int8" else 0.15)
+
+
+
+def _bf16_words_kernel(d_ptr, y_ptr, c_ptr, n: tl.constexpr):
+    d = tl.load(d_ptr + tl.arange(0, n))
+    y, c = int8_bf16_words(d)
+    tl.store(y_ptr + tl.arange(0, n), y)
+    tl.store(c_ptr + tl.arange(0, n), c)
+
+
+def test_int8_bf16_words_build_every_value_exactly():
+    """INT8 weights with bfloat16 activations: the kernel's integer bit building
+    (int8_bf16_words, run here in Triton's interpreter on every pair of
+    sign-magnitude values, as the permute + AND leave them, and on zero lanes)
+    gives bfloat16 words y, c whose difference is the INT8 value exactly
+    (bfloat16 subtraction emulated by torch: fp32 arithmetic rounded to bfloat16,
+    as the GPU's round-to-nearest subtraction)."""
+    v = torch.arange(-127, 128)
+    lane = torch.where(v < 0, 0x8000, 0) | v.abs()                    # sign bit 15, |v| in bits 0-6
+    lo, hi = lane.repeat(255), lane.repeat_interleave(255)           # every pair of values in one word
+    d = torch.cat([lo | hi << 16, torch.zeros(65536 - 255 * 255, dtype=torch.int64)])  # + zero lanes
+    d = torch.where(d >= 2 ** 31, d - 2 ** 32, d).to(torch.int32)
+    y, c = torch.empty_like(d), torch.empty_like(d)
+    InterpretedKernel(_bf16_words_kernel)[(1,)](d, y, c, n=65536)
+    got = (y.view(torch.bfloat16) - c.view(torch.bfloat16)).view(-1, 2).float()   # (low, high) lanes
+    assert torch.equal(got[:255 * 255], torch.stack([v.repeat(255), v.repeat_interleave(255)], 1).float())
+    assert not got[255 * 255:].any()
+
+
+# INT8 weights: the main loop alone costs 0.19-0.26 (the byte-permute decode's integer
+# work, 0.16-0.20 on the integer pipe); not yet within the budget (docs/kernels.md).
+_INT8_OVER = pytest.mark.xfail(strict=True, reason="INT8 decode over the sm_90 budget: issue 22 item 3 open")
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", pytest.param("int8-float16", marks=_INT8_OVER),
+                                   pytest.param("int8-bfloat16", marks=_INT8_OVER)])
+def test_default_config_within_budget_live_sm90(dtype, monkeypatch):
+    """Compiled here and now for sm_90 (not a committed CSV): the config a 4096 x 4096
+    decode-layout layer of each (weight, activation) pair uses untuned, its SASS counted
+    as scripts/kernel_static_check.py does, prologue and epilogue amortized over the
+    program's K range: all instructions and integer-pipe ones within budget."""
+    monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")
+    monkeypatch.delenv("SPARSE24_CONFIG_DIR", raising=False)
+    tool = _static_check()
+    cfg, source = tool.default_config(dtype, 4096, 4096)
+    assert source == "builtin" and cfg.split_k > 1        # the serial split-K epilogue is counted too
+    total, ints = tool.amortized(tool.compile_listed(dtype, cfg, 90, 4096, 4096))
+    assert total <= tool.BUDGET[dtype], total
+    assert ints <= tool.INT_BUDGET, ints

@@ -141,3 +141,42 @@ def test_one_plan_per_key_and_lookups_only_once(monkeypatch, gen):
     config_store.clear_cache()  # forgets the plans too
     launch.run(torch.randn(1, 64, generator=gen), p.values, p.meta, None, None, 40)
     assert [a[0] for a in lookups] == [1, 4, 8, 1]
+
+
+def _bench_host():
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[2] / "scripts" / "bench_host.py"
+    spec = importlib.util.spec_from_file_location("bench_host", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("pair,act", [("fp16", torch.float16), ("bf16", torch.bfloat16), ("int8", torch.float16),
+                                      ("int8-bf16", torch.bfloat16), ("fp16", torch.float32)])
+def test_one_kernel_per_decode_call(pair, act):
+    """A decode-sized call (M <= 16) of a decode-layout weight, the launch stubbed, counted at
+    the dispatcher: exactly one launch and one aten op (the output's allocation), also where
+    the untuned config splits K (4096 x 4096: split-K 4, reduced inside the launch). The
+    same counter sees the three kernels of the general kernel's atomic split-K."""
+    from sparse24.decode_format import DecodePacked
+    from sparse24.ops.linear24 import forward
+
+    bench = _bench_host()
+    with bench.stubbed_launch() as launches, torch.no_grad():
+        for N, K in ((4096, 4096), (768, 3072), (72, 200)):
+            w = DecodePacked.empty(N, K, act if pair == "bf16" else torch.float16, pair.startswith("int8"))
+            bias = torch.empty(N, dtype=act)
+            for M in (1, 5, 16):
+                x = torch.empty(M, K, dtype=act)
+                kernels, ops = bench.device_work(lambda: forward(x, w.values, w.meta, w.scale, bias, w.dtype, N),
+                                                 launches)
+                assert (kernels, ops) == (1, ["empty"]), (N, K, M)
+                plan, grid = launches[0]
+                assert grid[1] == plan.split_k == (4 if (N, K) == (4096, 4096) else grid[1])
+        p = sparse24.compress(torch.randn(64, 256).half())   # layout v1, the general kernel
+        x = torch.randn(3, 256).half()
+        kernels, ops = bench.device_work(lambda: launch.run(x, p.values, p.meta, None, None, 64,
+                                                            KernelConfig(16, 32, 32, split_k=2)), launches)
+        assert (kernels, ops) == (3, ["zeros", "_to_copy"])   # zeroed fp32 buffer, the kernel, the cast

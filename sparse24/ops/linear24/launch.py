@@ -27,6 +27,7 @@ takes Triton's own path.
 from __future__ import annotations
 
 import contextlib
+import warnings
 
 import torch
 
@@ -38,6 +39,7 @@ from .naive import check_linear_args
 from .prefill import check_prefill_config, prefill_config
 
 __all__ = ["linear_triton", "linear_prefill", "check_triton_args", "kernel_call", "aot_compile", "layout_of",
+           "target_dtype",
            "SUPPORTED_DTYPES"]
 
 # tl.dot takes fp16/bf16/fp32 operands; fp64 has no tensor-core path, so
@@ -197,14 +199,10 @@ class _Plan:
         if config is None:
             config = get_config(bucket, N, K, dtype_key(x_dtype, has_scale), device, layout)
         self.config, self.variant = config, _VARIANTS[config.kernel]
-        # Split-K partial sums meet by fp32 atomic adds in a zeroed buffer: one
-        # M x N buffer (not SPLIT_K of them) and no reduction launch; the cost is
-        # run-to-run differences at fp32 rounding, so deterministic mode
-        # (torch.use_deterministic_algorithms) forces SPLIT_K = 1.
-        self.split_k = 1 if deterministic else config.split_k
+        self.split_k = self.variant.split_k(config, bucket, deterministic)
         self.kernel = self.variant.kernel(device.type == "cuda")
         self.constexprs = self.variant.constexprs(config, self.split_k, has_scale, values_dtype, bias_dtype is not None,
-                                                  tf32)
+                                                  tf32, K)
         names = tuple(self.constexprs)
         if device.type == "cuda":  # the kept handle gets the constexprs appended in signature order
             assert tuple(self.kernel.arg_names[-len(names):]) == names, self.kernel.arg_names
@@ -214,21 +212,29 @@ class _Plan:
         # the integer arguments of contiguous tensors: fixed by N and K
         self.contiguous_ints = self.variant.contiguous_ints(N, K)
         self.max_rows = self.variant.max_rows(N, config)
+        # the variant's extra tensors (decode: split-K workspace and counters, kept for the process)
+        self.extra = self.variant.extra(device, N, config, self.split_k)
+        self.atomic_split = config.kernel == "matmul" and self.split_k > 1
         self.compiled = None
+        if device.type == "cuda" and x_dtype == torch.float32 and layout == "decode":
+            warnings.warn(f"sparse24: float32 activations on a {values_dtype if not has_scale else 'INT8'} "
+                          f"decode-layout weight ({N}x{K}) run fp32 dots on CUDA cores (about 5-7x the decode "
+                          f"path's instruction budget, docs/kernels.md); for the tensor-core path cast the "
+                          f"activations once (e.g. model.half() or torch.autocast)", RuntimeWarning, stacklevel=5)
 
     def __call__(self, x2, values, meta, scale, bias, M):
-        if self.split_k == 1:
+        if not self.atomic_split:  # one launch writes x's dtype (decode split-K reduces in the kernel)
             target = torch.empty((M, self.N), dtype=x2.dtype, device=self.device)
-        else:  # split-K adds fp32 partial sums into a zeroed buffer (see __init__)
+        else:  # the general kernel's split-K adds fp32 partial sums into a zeroed buffer
             target = torch.zeros((M, self.N), dtype=torch.float32, device=self.device)
         s = meta if scale is None else scale  # never read when there is no scale / bias
         b = meta if bias is None else bias
         if x2.is_contiguous() and values.is_contiguous() and meta.is_contiguous() and s.is_contiguous() \
                 and b.is_contiguous():
-            args = (x2, values, meta, s, b, target, M, *self.contiguous_ints)
+            args = (x2, values, meta, s, b, target, *self.extra, M, *self.contiguous_ints)
             aligned = (x2.data_ptr() | values.data_ptr() | meta.data_ptr() | s.data_ptr() | b.data_ptr()) % 16 == 0
         else:
-            args = self.variant.args(x2, values, meta, s, b, target, M)
+            args = self.variant.args(x2, values, meta, s, b, target, M, self.extra)
             aligned = False
         if not aligned:  # off the fast path only: 16-byte aligned pointers are word-aligned
             self.variant.check_alignment(values, meta)
@@ -237,8 +243,9 @@ class _Plan:
         else:  # the grid would pass CUDA's limits: one launch per row chunk (Triton's path)
             for r0, r1 in row_chunks(M, self.max_rows):
                 self.launch(self.variant.grid(r1 - r0, self.N, self.config, self.split_k),
-                            self.variant.args(x2[r0:r1], values, meta, s, b, target[r0:r1], r1 - r0), False)
-        return target if self.split_k == 1 else target.to(x2.dtype)  # the same tensor when x is fp32
+                            self.variant.args(x2[r0:r1], values, meta, s, b, target[r0:r1], r1 - r0, self.extra),
+                            False)
+        return target if not self.atomic_split else target.to(x2.dtype)  # the same tensor when x is fp32
 
     def launch(self, grid, args, aligned: bool) -> None:
         """Launch once: through the kept compiled handle when the arguments
@@ -291,7 +298,35 @@ def row_chunks(M: int, rows: int) -> list[tuple[int, int]]:
     return [(r0, min(M, r0 + rows)) for r0 in range(0, M, rows)]
 
 
-# --- the two kernels' arguments ---------------------------------------------------
+def target_dtype(config: KernelConfig, split_k: int, x_dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the ``target`` a launch of ``config`` writes: x's, except the
+    general kernel's split-K, which adds fp32 partial sums into a zeroed buffer."""
+    return torch.float32 if config.kernel == "matmul" and split_k > 1 else x_dtype
+
+
+# Decode split-K workspaces: {(device, partial floats, counters): (workspace, counters)},
+# never freed, so a CUDA graph that captured a launch keeps valid pointers. Plans of
+# equal size share one: launches on one stream run one after another and each leaves
+# its counters at zero. (Two streams running plans of one size at the same time would
+# race on it: not supported.)
+_WORKSPACES: dict = {}
+
+
+def decode_workspace(device, N: int, config: KernelConfig, split_k: int) -> tuple:
+    """``(workspace, counters)`` of the decode kernel's serial split-K at M <= 16: fp32
+    ``(tiles, split_k, BLOCK_N, 16)`` partials and int32 ``(tiles,)`` arrival counters,
+    zero between launches (tiles = ceil(N / BLOCK_N)); ``(None, None)`` without split-K."""
+    if split_k == 1:
+        return None, None
+    tiles = _cdiv(N, config.block_n)
+    key = (torch.device(device), tiles * split_k * config.block_n * 16, tiles)
+    if key not in _WORKSPACES:
+        _WORKSPACES[key] = (torch.empty(key[1], dtype=torch.float32, device=device),
+                            torch.zeros(tiles, dtype=torch.int32, device=device))
+    return _WORKSPACES[key]
+
+
+# --- the three kernels' arguments ---------------------------------------------------
 # Each variant: its kernel, its constexprs (in signature order: the kept handle
 # appends them to the runtime arguments), its runtime arguments (general and
 # for contiguous tensors) and its grid.
@@ -305,13 +340,23 @@ class _Matmul:
         return sparse24_matmul if cuda else sparse24_matmul_interpreted
 
     @staticmethod
-    def constexprs(config, split_k, has_scale, values_dtype, has_bias, tf32) -> dict:
+    def constexprs(config, split_k, has_scale, values_dtype, has_bias, tf32, K) -> dict:
         return dict(HAS_SCALE=has_scale, HAS_BIAS=has_bias, DOT_PRECISION="tf32" if tf32 else "ieee",
                     BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
                     GROUP_M=config.group_m, SPLIT_K=split_k)
 
     @staticmethod
-    def args(x2, values, meta, s, b, target, M) -> tuple:
+    def split_k(config, bucket, deterministic) -> int:
+        # Split-K partial sums meet by fp32 atomic adds in a zeroed buffer: run-to-run
+        # differences at fp32 rounding, so deterministic mode forces SPLIT_K = 1.
+        return 1 if deterministic else config.split_k
+
+    @staticmethod
+    def extra(device, N, config, split_k) -> tuple:
+        return ()
+
+    @staticmethod
+    def args(x2, values, meta, s, b, target, M, extra=()) -> tuple:
         N, K = target.shape[1], x2.shape[1]
         return (x2, values, meta, s, b, target, M, N, K, x2.stride(0), x2.stride(1), values.stride(0),
                 values.stride(1), meta.stride(0), meta.stride(1), target.stride(0), target.stride(1))
@@ -344,15 +389,28 @@ class _Decode:
         return sparse24_decode if cuda else sparse24_decode_interpreted
 
     @staticmethod
-    def constexprs(config, split_k, has_scale, values_dtype, has_bias, tf32) -> dict:
+    def constexprs(config, split_k, has_scale, values_dtype, has_bias, tf32, K) -> dict:
         return dict(INT8=has_scale, W_BF16=values_dtype == torch.bfloat16, HAS_BIAS=has_bias,
                     DOT_PRECISION="tf32" if tf32 else "ieee", BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-                    SPLIT_K=split_k)
+                    SPLIT_K=split_k, EVEN_K=K % config.block_k == 0)
 
     @staticmethod
-    def args(x2, values, meta, s, b, target, M) -> tuple:
+    def split_k(config, bucket, deterministic) -> int:
+        # Serial split-K sums the partials in split order: deterministic. Only at
+        # decode sizes (the workspace holds one 16-row block of partials).
+        return config.split_k if bucket <= DECODE_M else 1
+
+    @staticmethod
+    def extra(device, N, config, split_k) -> tuple:
+        ws, counts = decode_workspace(device, N, config, split_k)
+        # without split-K the two pointers are never read: any tensor will do
+        return (ws, counts) if ws is not None else (_PLACEHOLDER.setdefault(device, torch.empty(
+            1, dtype=torch.int32, device=device)),) * 2
+
+    @staticmethod
+    def args(x2, values, meta, s, b, target, M, extra) -> tuple:
         N, K = target.shape[1], x2.shape[1]
-        return (x2, values, meta, s, b, target, M, N, K, _cdiv(K, 64), meta.shape[2],
+        return (x2, values, meta, s, b, target, *extra, M, N, K, _cdiv(K, 64), meta.shape[2],
                 x2.stride(0), x2.stride(1), target.stride(0), target.stride(1))
 
     @staticmethod
@@ -387,10 +445,24 @@ class _Prefill(_Decode):
         return sparse24_prefill if cuda else sparse24_prefill_interpreted
 
     @staticmethod
-    def constexprs(config, split_k, has_scale, values_dtype, has_bias, tf32) -> dict:
+    def constexprs(config, split_k, has_scale, values_dtype, has_bias, tf32, K) -> dict:
         return dict(INT8=has_scale, W_BF16=values_dtype == torch.bfloat16, HAS_BIAS=has_bias,
                     DOT_PRECISION="tf32" if tf32 else "ieee", BLOCK_M=config.block_m, BLOCK_N=config.block_n,
                     BLOCK_K=config.block_k, GROUP_M=config.group_m)
+
+    @staticmethod
+    def split_k(config, bucket, deterministic) -> int:
+        return 1
+
+    @staticmethod
+    def extra(device, N, config, split_k) -> tuple:
+        return ()
+
+    @staticmethod
+    def args(x2, values, meta, s, b, target, M, extra=()) -> tuple:
+        N, K = target.shape[1], x2.shape[1]
+        return (x2, values, meta, s, b, target, M, N, K, _cdiv(K, 64), meta.shape[2],
+                x2.stride(0), x2.stride(1), target.stride(0), target.stride(1))
 
     @staticmethod
     def grid(M, N, config, split_k) -> tuple:
@@ -398,22 +470,27 @@ class _Prefill(_Decode):
 
 
 _VARIANTS = {"matmul": _Matmul, "decode": _Decode, "prefill": _Prefill}
+_PLACEHOLDER: dict = {}
 
 
 def kernel_call(x2, p: Sparse24Tensor | DecodePacked, bias, target, config: KernelConfig, split_k: int):
     """``(kernel, grid, args, kwargs)`` of one launch writing ``target`` (M, N)
-    (fp32 and zeroed when ``split_k > 1``); shared by the tuner's parallel
-    pre-compilation and the ahead-of-time compile, so both build the same
-    kernel variant as the launch path."""
+    (dtype :func:`target_dtype`; zeroed when that is the general kernel's fp32
+    split-K buffer); shared by the tuner's parallel pre-compilation and the
+    ahead-of-time compile, so both build the same kernel variant as the launch path."""
     variant = _VARIANTS[config.kernel]
     M = x2.shape[0]
+    if target.dtype != target_dtype(config, split_k, x2.dtype):
+        raise ValueError(f"target must be {target_dtype(config, split_k, x2.dtype)} for {config}, got {target.dtype}")
     tf32 = x2.is_cuda and x2.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32
     s = p.meta if p.scale is None else p.scale
     b = p.meta if bias is None else bias
-    kwargs = dict(variant.constexprs(config, split_k, p.scale is not None, p.values.dtype, bias is not None, tf32),
+    kwargs = dict(variant.constexprs(config, split_k, p.scale is not None, p.values.dtype, bias is not None, tf32,
+                                     x2.shape[1]),
                   num_warps=config.num_warps, num_stages=config.num_stages)
     grid = variant.grid(M, p.shape[0], config, split_k)
-    return variant.kernel(x2.is_cuda), grid, variant.args(x2, p.values, p.meta, s, b, target, M), kwargs
+    extra = variant.extra(x2.device, p.shape[0], config, split_k)
+    return variant.kernel(x2.is_cuda), grid, variant.args(x2, p.values, p.meta, s, b, target, M, extra), kwargs
 
 
 def aot_compile(x2, p: Sparse24Tensor | DecodePacked, bias, target, config: KernelConfig, split_k: int,
@@ -426,7 +503,7 @@ def aot_compile(x2, p: Sparse24Tensor | DecodePacked, bias, target, config: Kern
 
     Args:
         x2: ``(M, K)`` CPU tensor, p: weight (either layout), bias: ``(N,)`` or None,
-        target: ``(M, N)`` output (fp32 when ``split_k > 1``), config, split_k.
+        target: ``(M, N)`` output (dtype :func:`target_dtype`), config, split_k.
         capability: ``(major, minor)``, e.g. ``(9, 0)`` for H100/H200.
     Returns:
         Triton's ``CompiledKernel`` (``.asm["ptx"]``, ``.asm["cubin"]``, ``.metadata.shared``).
