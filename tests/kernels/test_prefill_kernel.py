@@ -106,9 +106,10 @@ def test_default_configs():
         [32, 32, 32, 32, 64, 128, 128]
     assert prefill_config(64, 8192, 8192).block_m == 64   # 128 programs of 64 x 64 fill the SMs
     assert prefill_config(40, 28672, 8192).block_m == 64  # never 128 rows for 40
-    # 128 x 128 tiles from 1.5 (INT8: 1.8) programs per SM, else 128 x 64
-    assert prefill_config(640, 4096, 4096).block_n == 64 and prefill_config(1024, 4096, 4096).block_n == 128
-    assert prefill_config(896, 4096, 4096, True).block_n == 64 and prefill_config(1024, 4096, 4096, True).block_n == 128
+    # 128 x 128 tiles from 1.5 programs per SM, else 128 x 64
+    for int8 in (False, True):
+        assert prefill_config(768, 4096, 4096, int8).block_n == 64 and prefill_config(896, 4096, 4096, int8).block_n == 128
+    assert prefill_config(128, 3072, 768).block_m == 64    # 96 programs of 64 x 64 beat 192 of 32 x 64
     # INT8 with 3 stages (127 registers: 2 programs per SM; 2 stages take 137)
     assert prefill_config(4096, 4096, 4096).num_stages == 2 and prefill_config(4096, 4096, 4096, True).num_stages == 3
     for M in (17, 64, 100, 512, 4096):

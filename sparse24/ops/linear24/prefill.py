@@ -23,12 +23,12 @@ __all__ = ["prefill_config", "prefill_configs", "check_prefill_config"]
 # registers (HGMMA). The loop waits for its own wgmma before decoding the next tile,
 # so decode and tensor cores overlap only across programs sharing an SM. Tiles in
 # order of their predicted efficiency over full waves, each with the programs (in units
-# of the SMs) it needs before it beats the next, smaller one at filling the GPU:
-# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, SMs fp16, SMs INT8). 128 x 128 x 64 needs
-# 128 registers (2 programs per SM; INT8 needs 3 stages to stay at 127, 2 stages take
-# 137); the last tile takes whatever is left.
-_TILES = ((128, 128, 64, 8, 2, 1.5, 1.8), (128, 64, 64, 4, 2, 1.0, 1.0), (64, 64, 128, 4, 2, 0.9, 0.9),
-          (32, 64, 128, 4, 2, 0.0, 0.0))
+# of the SMs) it needs before it beats the next, smaller one at filling the GPU, fitted
+# to the report's model over the 11 shapes of issue 22 at M = 64-4096:
+# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, SMs). 128 x 128 x 64 needs 128 registers
+# (2 programs per SM; INT8 needs 3 stages to stay at 127, 2 stages take 137); the last
+# tile takes whatever is left.
+_TILES = ((128, 128, 64, 8, 2, 1.5), (128, 64, 64, 4, 2, 1.0), (64, 64, 128, 4, 2, 0.7), (32, 64, 128, 4, 2, 0.0))
 
 
 def prefill_config(M: int, N: int, K: int, int8: bool = False, num_sms: int = 132) -> KernelConfig:
@@ -38,8 +38,8 @@ def prefill_config(M: int, N: int, K: int, int8: bool = False, num_sms: int = 13
     multiprocessors (default: an H200's 132); else 32 x 64."""
     if M <= DECODE_M:
         raise ValueError(f"the prefill kernel serves M > {DECODE_M}, got M = {M}")
-    for bm, bn, bk, warps, stages, fill16, fill8 in _TILES:
-        if bm < 2 * M and -(-M // bm) * -(-N // bn) >= (fill8 if int8 else fill16) * num_sms:
+    for bm, bn, bk, warps, stages, fill in _TILES:
+        if bm < 2 * M and -(-M // bm) * -(-N // bn) >= fill * num_sms:
             break
     if int8 and (bm, bn) == (128, 128):
         stages = 3
