@@ -430,7 +430,7 @@ def occupancy_main(a) -> int:
 # The shapes (out, in) of issue 22, and the M of the prediction.
 PREFILL_SHAPES = ((4096, 4096), (11008, 4096), (4096, 11008), (14336, 4096), (4096, 14336), (8192, 8192),
                   (28672, 8192), (8192, 28672), (3072, 768), (768, 3072), (1024, 4096))
-PREFILL_M = (512, 2048, 4096)
+PREFILL_M = (64, 128, 256, 512, 2048, 4096)
 # H200 (sm_90): 132 SMs; per SM 65536 registers, 228 KiB shared memory (1 KiB
 # reserved per program), 64 warps; dense fp16/bf16 tensor cores 1024 x 2 = 2048
 # multiply-adds per clock per SM (989 TFLOP/s at 1.83 GHz over 132 SMs). LOP3,
@@ -486,14 +486,24 @@ def prefill_model(r: dict) -> dict:
     return r
 
 
+def dense_time(M: int, N: int, K: int) -> float:
+    """SM clocks of the idealized dense GEMM (fp16 weight) the prediction compares with:
+    tensor cores always busy, the best of 64x128, 128x128, 128x256 and 256x128 tiles
+    (whole waves of programs over the SMs), floored by HBM traffic. The same for every
+    config of ours, so configs compare fairly; cuBLAS reaches ~70-80% of this."""
+    io = (M * K + M * N) * 2 / SMS / HBM_BYTES_PER_SM_CLK
+    tiles = min(-(-(-(-M // bm) * -(-N // bn)) // SMS) * bm * bn
+                for bm, bn in ((64, 128), (128, 128), (128, 256), (256, 128)))
+    return max(tiles * K / MACS_PER_CLK, N * K * 2 / SMS / HBM_BYTES_PER_SM_CLK + io)
+
+
 def predicted_time(r: dict, M: int, N: int, K: int, w_bytes: float) -> tuple[float, float]:
     """``(ours, dense)`` in SM clocks for (M, N, K): programs spread over the SMs,
     ``per_sm`` resident at once; a program's K-tiles run its decode and its
     wgmma one after the other (the loop waits for them), other programs on the
     SM fill the gaps: a round of p programs takes max(p t_tensor, p t_issue,
-    t_tensor + t_issue). Dense: the same tiles with no decode (tensor-bound),
-    the ideal kernel cuBLAS is taken to equal. Both floored by HBM traffic
-    (weight bytes w_bytes per element, x and out fp16)."""
+    t_tensor + t_issue), floored by HBM traffic (weight bytes w_bytes per element,
+    x and out fp16). Dense: :func:`dense_time`."""
     c = r["cfg"]
     progs = -(-M // c.block_m) * -(-N // c.block_n)
     per_sm_progs = -(-progs // SMS)
@@ -503,10 +513,8 @@ def predicted_time(r: dict, M: int, N: int, K: int, w_bytes: float) -> tuple[flo
     def rnd(n):
         return max(n * tt, n * ti, tt + ti) if n else 0.0
     ours = iters * (full * rnd(p) + rnd(rest))
-    dense = per_sm_progs * iters * tt
     io = (M * K + M * N) * 2 / SMS / HBM_BYTES_PER_SM_CLK
-    return max(ours, (N * K * w_bytes) / SMS / HBM_BYTES_PER_SM_CLK + io), \
-        max(dense, N * K * 2 / SMS / HBM_BYTES_PER_SM_CLK + io)
+    return max(ours, (N * K * w_bytes) / SMS / HBM_BYTES_PER_SM_CLK + io), dense_time(M, N, K)
 
 
 def prefill_main(a) -> int:
@@ -540,24 +548,29 @@ def prefill_main(a) -> int:
               f"{r['t_issue']:>7.0f} {r['t_tensor']:>8.0f} {'yes' if r['waits'] else 'no'}"
               + (f"  spills {r['spills']} B, {r['local']} LDL/STL in the loop" if r["spills"] else ""))
     print("# predicted ratio dense / prefill kernel (> 1: faster than dense), per shape (out x in) and M:"
-          " the default config, and the best config of the space in brackets")
-    worst = {}
+          " the default config, and in brackets the best config of the space that spills nothing (its"
+          " BLOCK_M x BLOCK_N); dense: the idealized dense GEMM of dense_time(), the same for every config")
+    worst, wins = {}, []
     for dt in dtypes:
         w_bytes = 0.625 if dt.startswith("int8-") else 1.125
         by_cfg = {r["cfg"]: r for r in rows if r["dtype"] == dt}
-        print(f"{dt:13} " + " ".join(f"{'M=' + str(m):>15}" for m in PREFILL_M))
+        print(f"{dt:13} " + " ".join(f"{'M=' + str(m):>19}" for m in PREFILL_M))
         for N, K in PREFILL_SHAPES:
             cells = []
             for M in PREFILL_M:
                 ratios = {c: (lambda t: t[1] / t[0])(predicted_time(r, M, N, K, w_bytes)) for c, r in by_cfg.items()}
                 d = ratios.get(prefill_config(M, N, K, dt.startswith("int8-")))
-                best = max(ratios.values())
+                best = max((c for c in ratios if not by_cfg[c]["spills"]), key=ratios.get)
                 if d is not None:
                     worst[(dt, M)] = min(worst.get((dt, M), 9.0), d)
-                cells.append(f"{d if d is not None else float('nan'):.2f} ({best:.2f})")
-            print(f"  {N}x{K:<8}  " + " ".join(f"{c:>15}" for c in cells))
+                    if d >= 1.0:
+                        wins.append(f"{dt} {N}x{K} M={M} {d:.2f}")
+                cells.append(f"{d if d is not None else float('nan'):.2f} ({ratios[best]:.2f} "
+                             f"{best.block_m}x{best.block_n})")
+            print(f"  {N}x{K:<8}  " + " ".join(f"{c:>19}" for c in cells))
     print("min predicted prefill ratio to dense (default configs): " + ", ".join(
         f"{dt} M={m} {v:.2f}" for (dt, m), v in sorted(worst.items())))
+    print("predicted >= 1.0 of dense (default configs): " + (", ".join(wins) or "nowhere"))
     return 0
 
 

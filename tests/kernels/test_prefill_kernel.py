@@ -99,18 +99,25 @@ def test_rejects_bad_input(gen):
 
 
 def test_default_configs():
-    """BLOCK_M covers all rows up to 64 (one decode of W per call), 128 beyond; every
-    default passes the config check and sits in the space the static report covers."""
+    """The largest tile that still gives enough programs for an H200's 132 SMs, wasting
+    at most half its rows; every default passes the config check and sits in the space
+    the static report covers."""
     assert [prefill_config(M, 4096, 4096).block_m for M in (17, 32, 33, 64, 65, 512, 100000)] == \
-        [32, 32, 64, 64, 128, 128, 128]
-    # 128 x 128 tiles only where they give more programs than an H200's 132 SMs (else 128 x 64);
+        [32, 32, 32, 32, 64, 128, 128]
+    assert prefill_config(64, 8192, 8192).block_m == 64   # 128 programs of 64 x 64 fill the SMs
+    assert prefill_config(40, 28672, 8192).block_m == 64  # never 128 rows for 40
+    # 128 x 128 tiles from 1.5 programs per SM, else 128 x 64
+    for int8 in (False, True):
+        assert prefill_config(768, 4096, 4096, int8).block_n == 64 and prefill_config(896, 4096, 4096, int8).block_n == 128
+    assert prefill_config(128, 3072, 768).block_m == 64    # 96 programs of 64 x 64 beat 192 of 32 x 64
     # INT8 with 3 stages (127 registers: 2 programs per SM; 2 stages take 137)
-    assert prefill_config(512, 4096, 4096).block_n == 64 and prefill_config(640, 4096, 4096).block_n == 128
     assert prefill_config(4096, 4096, 4096).num_stages == 2 and prefill_config(4096, 4096, 4096, True).num_stages == 3
-    for M in (17, 64, 512, 4096):
-        c = check_prefill_config(prefill_config(M, 4096, 4096))
-        assert c.num_warps == c.block_n // 16 and c.block_n >= 64  # wgmma with W from registers on sm_90
-        assert c in prefill_configs(M)
+    for M in (17, 64, 100, 512, 4096):
+        for N in (768, 4096, 28672):
+            for int8 in (False, True):
+                c = check_prefill_config(prefill_config(M, N, 4096, int8))
+                assert c.num_warps == c.block_n // 16 and c.block_n >= 64  # wgmma with W from registers on sm_90
+                assert c in prefill_configs(M) and c.block_m < 2 * M
 
 
 @pytest.mark.parametrize("dtype", ["float16", "int8-bfloat16"])

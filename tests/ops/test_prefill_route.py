@@ -14,6 +14,7 @@ import sparse24
 from sparse24.decode_format import DecodePacked
 from sparse24.format import Sparse24Tensor
 from sparse24.ops.linear24 import launch, op
+from sparse24.ops.linear24.prefill import prefill_config
 from sparse24.tools.dispatch_count import count_dispatch
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -64,7 +65,7 @@ def test_prefill_route_converts_nothing(quantize, cuda_route, monkeypatch):
             y, count = count_dispatch(layer, x)
             assert y.shape == (*shape[:-1], 256)
             assert len(cuda_route) == 1 and cuda_route[0][0].kernel == "prefill"   # one launch
-            assert cuda_route[0][0].block_m == (32 if M <= 32 else 64 if M <= 64 else 128)
+            assert cuda_route[0][0] == prefill_config(M, 256, 512, quantize is not None)   # the untuned default
             assert len(count.ops) <= 3, count.ops                                   # empty (+ views for 3-D x)
             assert count.bytes_allocated <= y.numel() * y.element_size(), count
 

@@ -21,26 +21,28 @@ __all__ = ["prefill_config", "prefill_configs", "check_prefill_config"]
 # on a GPU yet). One 16-row W tile per warp (num_warps == BLOCK_N // 16, the decode
 # layout's fragment ownership) and BLOCK_N >= 64, so sm_90 runs wgmma with W from
 # registers (HGMMA). The loop waits for its own wgmma before decoding the next tile,
-# so decode and tensor cores overlap only across programs sharing an SM: 128 x 128 x 64
-# tiles with 2 stages need 128 registers (2 programs per SM; INT8 needs 3 stages to stay
-# at 127, 2 stages take 137), and where those tiles give at most one program per SM
-# 128 x 64 tiles (3 per SM) are predicted faster.
-_SMALL_M = {32: (32, 64, 128, 4, 2), 64: (64, 64, 128, 4, 2)}
+# so decode and tensor cores overlap only across programs sharing an SM. Tiles in
+# order of their predicted efficiency over full waves, each with the programs (in units
+# of the SMs) it needs before it beats the next, smaller one at filling the GPU, fitted
+# to the report's model over the 11 shapes of issue 22 at M = 64-4096:
+# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, SMs). 128 x 128 x 64 needs 128 registers
+# (2 programs per SM; INT8 needs 3 stages to stay at 127, 2 stages take 137); the last
+# tile takes whatever is left.
+_TILES = ((128, 128, 64, 8, 2, 1.5), (128, 64, 64, 4, 2, 1.0), (64, 64, 128, 4, 2, 0.7), (32, 64, 128, 4, 2, 0.0))
 
 
 def prefill_config(M: int, N: int, K: int, int8: bool = False, num_sms: int = 132) -> KernelConfig:
     """The untuned prefill config for ``M`` rows (``M > 16``) of an ``N x K`` weight:
-    BLOCK_M covers all rows up to 64 (one program row, W decoded once per call),
-    128 beyond, with BLOCK_N 128 when that gives more programs than the
-    ``num_sms`` multiprocessors (default: an H200's 132), else 64."""
+    the first tile of ``_TILES`` that wastes at most half its BLOCK_M rows and gives
+    enough programs, ``ceil(M / BLOCK_M) * ceil(N / BLOCK_N)``, for the ``num_sms``
+    multiprocessors (default: an H200's 132); else 32 x 64."""
     if M <= DECODE_M:
         raise ValueError(f"the prefill kernel serves M > {DECODE_M}, got M = {M}")
-    if M <= 64:
-        bm, bn, bk, warps, stages = _SMALL_M[32 if M <= 32 else 64]
-    elif -(-M // 128) * -(-N // 128) > num_sms:
-        bm, bn, bk, warps, stages = 128, 128, 64, 8, 3 if int8 else 2
-    else:
-        bm, bn, bk, warps, stages = 128, 64, 64, 4, 2
+    for bm, bn, bk, warps, stages, fill in _TILES:
+        if bm < 2 * M and -(-M // bm) * -(-N // bn) >= fill * num_sms:
+            break
+    if int8 and (bm, bn) == (128, 128):
+        stages = 3
     return _config(bm, bn, bk, warps, stages)
 
 
@@ -51,11 +53,12 @@ def _config(bm, bn, bk, warps, stages) -> KernelConfig:
 
 def prefill_configs(M: int) -> list[KernelConfig]:
     """The prefill config space for the static report and a tuner: BLOCK_M in
-    (128, 256) (32 and 64 at M <= 64), BLOCK_N x warps in (64 x 4, 128 x 8),
-    BLOCK_K 64, 2 or 3 stages (pipelined x loads). Left out, measured by the
-    static report (sm_90, Triton 3.9): BLOCK_K 128 (200-255 registers, one
-    program per SM or spills), 4 stages (the issue count of 3)."""
-    bms = (32, 64) if M <= 32 else (64,) if M <= 64 else (128, 256)
+    (32, 64) at M <= 64, else (32, 64, 128, 256) (BLOCK_K 128 for
+    BLOCK_M < 128, else 64), BLOCK_N x warps in (64 x 4, 128 x 8), 2 or 3 stages
+    (pipelined x loads). Left out, measured by the static report (sm_90, Triton
+    3.9): BLOCK_K 128 at BLOCK_M >= 128 (200-255 registers, one program per SM
+    or spills), 4 stages (the issue count of 3)."""
+    bms = (32, 64) if M <= 64 else (32, 64, 128, 256)
     return [check_prefill_config(KernelConfig(bm, bn, 64 if bm >= 128 else 128, 8, 1, w, st, kernel="prefill"))
             for bm in bms for bn, w in ((64, 4), (128, 8)) for st in (2, 3)]
 
