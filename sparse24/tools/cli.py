@@ -23,7 +23,7 @@ import torch
 
 from .._version import __version__
 from .cli_common import (CLIError, _check_fits, _choices, _device, _device_kind, _int_list, _one_line,
-                         _out_dir, _Parser, _prog, _threads)
+                         _out_dir, _Parser, _prog, _threads, add_progress_argument)
 from .prune import PRUNE_EXCLUDE, cmd_prune, prune_state_dict
 
 __all__ = ["main", "CLIError", "prune_state_dict", "PRUNE_EXCLUDE"]
@@ -64,7 +64,7 @@ def _cmd_bench(args) -> int:
           + (f", {info['threads']} threads" if dev.type == "cpu" else "") + f"): {len(shapes)} shape(s), "
           f"M in {ms}, {', '.join(str(t)[6:] for t in dtypes)}, median of {repeats}", file=sys.stderr)
     t0 = time.perf_counter()
-    rows = bench.run_bench(settings, explicit_providers=explicit)
+    rows = bench.run_bench(settings, explicit_providers=explicit, progress=args.progress)
     seconds = time.perf_counter() - t0
     from .plot import plot_rows
     bench.write_together({out / "bench.csv": lambda p: bench.write_csv(rows, p),
@@ -249,6 +249,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "with 2 threads on 2 busy cores a 16x768x768 GEMM took 16 ms instead of 1 ms)")
     b.add_argument("--out", metavar="DIR", help="output folder (default: runs/bench/<device>)")
     b.add_argument("--no-plot", action="store_true", help="write the CSV only")
+    add_progress_argument(b)
     b.set_defaults(func=_cmd_bench)
 
     p = sub.add_parser("plot", help="redraw a PNG from one or more bench CSVs (devices overlay)")

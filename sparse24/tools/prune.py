@@ -4,12 +4,14 @@ Hugging Face model folder (:mod:`sparse24.tools.hf_folder`)."""
 from __future__ import annotations
 
 import importlib.util
+import pickle
 import re
 import warnings
 from pathlib import Path
 
 import torch
 
+from .checkpoint import dense_row, is_weight_matrix
 from .cli_common import CLIError, _one_line, _prog
 
 __all__ = ["prune_state_dict", "PRUNE_EXCLUDE", "cmd_prune"]
@@ -39,13 +41,9 @@ def _load_state_dict(path: str) -> tuple[dict, str]:
             warnings.simplefilter("ignore")
             obj = torch.load(p, map_location="cpu", weights_only=True)
     except Exception as e:  # torch raises many types for non-checkpoint files
-        why = _one_line(e)
-        found = re.search(r"WeightsUnpickler error: (.*?)(?: was not an allowed| Please| Check the|\. |$)", why)
-        if found:  # torch's text is a paragraph (with terminal escapes); its cause is one phrase in it
-            why = (f"it holds objects other than tensors ({found.group(1)}), which torch.load(weights_only=True) "
-                   f"refuses; save model.state_dict() alone")
+        why = _refused_unpickling(e) or _one_line(e)[:200]
         raise CLIError(f"cannot read {path} as a torch checkpoint: "
-                       f"{why[:200] or type(e).__name__ + (' (empty file)' if not p.stat().st_size else '')}") from None
+                       f"{why or type(e).__name__ + (' (empty file)' if not p.stat().st_size else '')}") from None
     if isinstance(obj, dict) and obj and all(isinstance(v, torch.Tensor) for v in obj.values()):
         return obj, ""
     for key in ("state_dict", "model"):
@@ -53,6 +51,26 @@ def _load_state_dict(path: str) -> tuple[dict, str]:
         if isinstance(inner, dict) and inner and all(isinstance(v, torch.Tensor) for v in inner.values()):
             return inner, key
     raise CLIError(f"{path} is not a state dict (a dict of tensors, or one under 'state_dict'/'model')")
+
+
+def _refused_unpickling(e: Exception) -> str:
+    """Why torch's tensors-only loader refused a file, in our words, or "" for other errors.
+
+    torch's own text is a paragraph that also explains how to load the file with the
+    unrestricted unpickler; cut short it read as advice to do so. Unpickling runs whatever
+    code the file names, so sparse24 never does it: the user is told that, and what to save.
+    """
+    text = str(e)
+    if not (isinstance(e, pickle.UnpicklingError) and text.startswith("Weights only load failed")):
+        return ""
+    found = re.search(r"GLOBAL ([\w.]+)", text)
+    if found:
+        return (f"it holds objects other than tensors ({found.group(1)}): loading them needs unrestricted "
+                "unpickling, which can run arbitrary code from the file, and sparse24 refuses to do that; "
+                "save model.state_dict() alone (torch.save or safetensors) and prune that file")
+    cause = re.search(r"WeightsUnpickler error:\s*(.*?)\s*(?:\n|Check the|$)", text)
+    return (f"it is not a tensors-only torch.save file ({_one_line(cause.group(1)) if cause else 'refused'}); "
+            "sparse24 loads only tensors and never unpickles arbitrary objects, which can run code")
 
 
 def _direct_reader(prefix: str, sd: dict) -> str:
@@ -110,7 +128,7 @@ def prune_state_dict(sd: dict, method: str = "magnitude", quantize: str | None =
         (['fc.bias', 'fc.meta', 'fc.values'], 'compressed')
     """
     from ..api import MIN_FEATURES
-    from ..format import FLOAT_DTYPES, compress
+    from ..format import compress
     from ..masks import kept_magnitude_fraction, mask_nm
 
     if method in ("wanda", "sparsegpt"):
@@ -139,15 +157,12 @@ def prune_state_dict(sd: dict, method: str = "magnitude", quantize: str | None =
              and (re.search(r"(^|\.)(lm_head|head|output)\.weight$", k) or [k] == last)}
     out, report = {}, []
     for key, t in sd.items():
-        if not (key.endswith(".weight") or key == "weight") or t.dim() != 2 or t.dtype not in FLOAT_DTYPES \
-                or key not in plain:
+        if not is_weight_matrix(key, t) or key not in plain:
             out[key] = t
             continue
         prefix = key[: -len("weight")]  # "fc." (or "" for a bare Linear's state dict)
         R, C = t.shape
-        nbytes = t.numel() * t.element_size()
-        row = {"name": key, "shape": (R, C), "dtype": str(t.dtype)[6:], "action": "kept dense", "reason": "",
-               "kept": 1.0, "bytes_before": nbytes, "bytes_after": nbytes}
+        row = dense_row(key, t, "")
         tied = [k for k in storages[t.untyped_storage().data_ptr()] if k != key]
         taken = [prefix + n for n in ("values", "meta", "scale", "mask") if prefix + n in sd]
         if taken:  # writing them would overwrite those entries silently
@@ -219,7 +234,8 @@ def _print_prune_table(title: str, report: list[dict], out: Path, size_in: int) 
     before, after = (sum(r[k] for r in report) for k in ("bytes_before", "bytes_after"))
     n = sum(r["action"] != "kept dense" for r in report)
     size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file()) if out.is_dir() else out.stat().st_size
-    print(f"  {n} of {len(report)} 2-D weights pruned; their bytes {before} -> {after} "
+    print(f"  {n} of the checkpoint's {len(report)} 2-D float weight tensors pruned (embedding tables "
+          f"and heads count too); their bytes {before} -> {after} "
           f"({100 * after / max(before, 1):.1f}%); other tensors copied unchanged")
     print(f"  {'folder' if out.is_dir() else 'file'}: {out} ({size} bytes; input {size_in} bytes)")
 
