@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from .._checks import check_model
+from .._progress import progress_bar, progress_enabled
 from .nm import METHODS, LayerStats, PruneResult, prune_nm
 from .reconstruct import PERCDAMP, damped_hessian
 
@@ -21,7 +22,8 @@ class _StopForward(Exception):
 
 def calibrate(model: nn.Module, batches, hessian: bool = False, filter_fn=None, device=None,
               dtype: torch.dtype = torch.float64, stop_early: bool = False,
-              token_mask: Callable | None = None, teacher: nn.Module | None = None) -> dict[str, LayerStats]:
+              token_mask: Callable | None = None, teacher: nn.Module | None = None,
+              progress: bool | None = None) -> dict[str, LayerStats]:
     """Run ``model`` on ``batches`` and collect per-input-channel statistics of every ``nn.Linear``.
 
     The model runs in eval mode under ``torch.no_grad()`` (its train/eval
@@ -55,6 +57,8 @@ def calibrate(model: nn.Module, batches, hessian: bool = False, filter_fn=None, 
             of a layer pairs with the teacher's k-th): what fitting a layer to
             the teacher's outputs needs (:func:`prune_layerwise_`). Implies
             ``hessian=True``.
+        progress: a tqdm bar over the batches on stderr (default None: when stderr is a
+            terminal or in a notebook; False: none).
     Returns:
         ``{fqn: LayerStats}`` for each Linear that saw at least one input,
         ``fqn`` as in ``model.named_modules()``.
@@ -65,6 +69,7 @@ def calibrate(model: nn.Module, batches, hessian: bool = False, filter_fn=None, 
         torch.Size([16])
     """
     check_model(model, filter_fn)
+    progress = progress_enabled(progress)
     if dtype not in (torch.float32, torch.float64):
         raise TypeError(f"dtype must be torch.float32 or torch.float64, got {dtype}")
     if token_mask is not None and not callable(token_mask):
@@ -135,7 +140,7 @@ def calibrate(model: nn.Module, batches, hessian: bool = False, filter_fn=None, 
         for mod, _ in modes:
             mod.training = False
         with torch.no_grad():
-            for b in batches:
+            for b in progress_bar(batches, desc="calibrate", progress=progress, unit="batch"):
                 b = _to_device(b, device)
                 if token_mask is not None:
                     rows[0] = _token_rows(token_mask(b))
@@ -191,7 +196,8 @@ def _check_teacher(model: nn.Module, teacher: nn.Module, selected: dict[str, nn.
 
 def prune_layerwise_(model: nn.Module, batches, n: int = 2, m: int = 4, method: str = "sparsegpt",
                      filter_fn=None, device=None, token_mask: Callable | None = None,
-                     teacher: nn.Module | None = None, **kwargs) -> dict[str, PruneResult]:
+                     teacher: nn.Module | None = None, progress: bool | None = None,
+                     **kwargs) -> dict[str, PruneResult]:
     """Prune every ``nn.Linear`` of ``model`` to N:M in place, one layer at a time,
     each calibrated on the inputs it receives once the layers before it are pruned.
 
@@ -226,6 +232,8 @@ def prune_layerwise_(model: nn.Module, batches, n: int = 2, m: int = 4, method: 
         device, token_mask: passed to :func:`calibrate`.
         teacher: optional separate module with the model's layer names and
             widths, run on the same batches (see above and :func:`calibrate`).
+        progress: a tqdm bar over the layers on stderr (default None: when stderr is a
+            terminal or in a notebook; False: none).
         **kwargs: method options (``blocksize=``, ``percdamp=``, ``refit=``).
     Returns:
         ``{fqn: PruneResult}`` in pruning order.
@@ -236,6 +244,7 @@ def prune_layerwise_(model: nn.Module, batches, n: int = 2, m: int = 4, method: 
         [True, True]
     """
     check_model(model, filter_fn)
+    progress = progress_enabled(progress)
     if iter(batches) is batches:
         raise TypeError("batches must be re-iterable (a list or a DataLoader, not an iterator or generator): "
                         "every layer needs its own pass over them")
@@ -268,9 +277,12 @@ def prune_layerwise_(model: nn.Module, batches, n: int = 2, m: int = 4, method: 
             waves.append([fqn])
     results: dict[str, PruneResult] = {}
     layers = dict(model.named_modules())
+    bar = progress_bar(total=sum(map(len, waves)), desc="prune_layerwise_", progress=progress, unit="layer")
     for wave in waves:
+        bar.set_postfix_str(wave[0], refresh=False)
         stats = calibrate(model, batches, hessian=method == "sparsegpt", device=device, stop_early=once,
-                          filter_fn=lambda mod, name, wave=wave: name in wave, token_mask=token_mask, teacher=teacher)
+                          filter_fn=lambda mod, name, wave=wave: name in wave, token_mask=token_mask, teacher=teacher,
+                          progress=False)
         for fqn in wave:
             if fqn not in stats:
                 raise ValueError(f"layer {fqn!r} received no input rows from batches: nothing to calibrate it on")
@@ -281,6 +293,8 @@ def prune_layerwise_(model: nn.Module, batches, n: int = 2, m: int = 4, method: 
             with torch.no_grad():
                 lin.weight.copy_(r.weight)
             results[fqn] = r
+        bar.update(len(wave))
+    bar.close()
     return results
 
 
@@ -296,7 +310,7 @@ def _call_order(model: nn.Module, names: dict[nn.Module, str], batch, device) ->
         last[0] = args[0]
     handles = [mod.register_forward_pre_hook(record) for mod in names]
     try:  # no statistics collected
-        calibrate(model, [batch], device=device, filter_fn=lambda mod, fqn: False)
+        calibrate(model, [batch], device=device, filter_fn=lambda mod, fqn: False, progress=False)
     finally:
         for h in handles:
             h.remove()
