@@ -7,10 +7,10 @@ from pathlib import Path
 
 import torch
 
-from ..format import FLOAT_DTYPES
+from ..format import FLOAT_DTYPES, Sparse24Tensor
 from .cli_common import _one_line
 
-__all__ = ["is_weight_matrix", "dense_row", "check_shards"]
+__all__ = ["is_weight_matrix", "dense_row", "check_shards", "stored_mask"]
 
 
 def is_weight_matrix(key: str, t: torch.Tensor) -> bool:
@@ -38,3 +38,10 @@ def check_shards(folder: Path, shards: list[str]) -> None:
         except (SafetensorError, OSError) as e:
             raise ValueError(f"cannot read {folder / shard} as a safetensors file (truncated, or not one): "
                              f"{_one_line(e)}") from None
+
+
+def stored_mask(p: Sparse24Tensor) -> torch.Tensor:
+    """``(R, C)`` bool: the positions a compressed weight keeps (its 2-bit slots), whatever the values."""
+    R, C = p.shape
+    keep = torch.zeros(R, C // 4, 4, dtype=torch.bool, device=p.device)
+    return keep.scatter_(-1, p.slots(), True).view(R, C)

@@ -270,11 +270,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="file for a state dict (.safetensors: safetensors, else torch.save), folder for a model folder")
     r.add_argument("--prune-head", action="store_true",
                    help="prune the output head too (kept dense by default, as LLM pruning does)")
-    r.add_argument("--method", default="magnitude", choices=("magnitude", "2d_greedy", "2d_optimal"))
+    r.add_argument("--method", default="magnitude",
+                   choices=("magnitude", "2d_greedy", "2d_optimal", "wanda", "sparsegpt", "layerwise"),
+                   help="magnitude (default), 2d_greedy, 2d_optimal: no data needed; wanda, sparsegpt (+ least-squares "
+                        "refit), layerwise (each layer fit to the dense outputs, the recommended one): a model folder "
+                        "and --calibration text")
     r.add_argument("--quantize", choices=("int8",), help="store INT8 values + per-row scales")
     r.add_argument("--min-features", type=int, help="skip weights with fewer rows or columns (default: as sparsify_)")
     r.add_argument("--exclude", default=PRUNE_EXCLUDE, metavar="REGEX",
                    help=f"leave matching weights dense (default {PRUNE_EXCLUDE!r}: embedding tables; '' for none)")
+    from .prune_calibrated import add_calibration_arguments
+    add_calibration_arguments(r)
+    add_progress_argument(r)
     r.set_defaults(func=cmd_prune)
 
     sub.add_parser("autotune", help="tune the Triton kernel on this GPU (options: autotune --help)", add_help=False)

@@ -133,7 +133,9 @@ def prune_state_dict(sd: dict, method: str = "magnitude", quantize: str | None =
 
     if method in ("wanda", "sparsegpt"):
         raise ValueError(f"method {method!r} needs calibration data (layer inputs), which a checkpoint does not "
-                         f"have; use sparse24.calibrate + sparsify_ in Python, or magnitude/2d_greedy/2d_optimal")
+                         f"have; prune a Hugging Face model folder with calibration text (python -m sparse24 "
+                         f"prune FOLDER --method {method} --calibration TEXT), use sparse24.calibrate + sparsify_ in Python, or "
+                         f"magnitude/2d_greedy/2d_optimal")
     if quantize not in (None, "int8"):
         raise ValueError(f"--quantize must be int8 (or absent), got {quantize!r}")
     min_features = MIN_FEATURES if min_features is None else min_features
@@ -241,9 +243,13 @@ def _print_prune_table(title: str, report: list[dict], out: Path, size_in: int) 
 
 
 def cmd_prune(args) -> int:
+    from .prune_calibrated import CALIBRATED, check_calibration_arguments
     out = _check_prune_out(args)
     src = Path(args.checkpoint)
     settings = f": method={args.method}" + (f", quantize={args.quantize}" if args.quantize else "")
+    check_calibration_arguments(args, src)
+    if args.method in CALIBRATED:
+        return _prune_calibrated(args, src, out, settings)
     if src.is_dir() and (src / "config.json").is_file():
         return _prune_folder(args, src, out, settings)
     if out.is_dir():
@@ -277,5 +283,18 @@ def _prune_folder(args, src: Path, out: Path, settings: str) -> int:
     report = prune_folder(src, out, args.method, args.quantize, args.min_features, args.exclude, args.prune_head)
     size_in = sum(f.stat().st_size for f in src.rglob("*") if f.is_file())
     _print_prune_table(f"{_prog()} prune {src} (Hugging Face folder){settings}", report, out, size_in)
+    print(f"  load it with: sparse24.from_pretrained(<model class>, {str(out)!r})")
+    return 0
+
+
+def _prune_calibrated(args, src: Path, out: Path, settings: str) -> int:
+    """``prune FOLDER --method wanda|sparsegpt|layerwise --calibration TEXT`` (see
+    :mod:`sparse24.tools.prune_calibrated`)."""
+    if importlib.util.find_spec("transformers") is None or importlib.util.find_spec("safetensors") is None:
+        raise CLIError("pruning a model folder needs transformers and safetensors: pip install 'sparse24[hf]'", 1)
+    from .prune_calibrated import prune_folder_calibrated
+    report, note = prune_folder_calibrated(src, out, args)
+    size_in = sum(f.stat().st_size for f in src.rglob("*") if f.is_file())
+    _print_prune_table(f"{_prog()} prune {src} (Hugging Face folder){settings}; {note}", report, out, size_in)
     print(f"  load it with: sparse24.from_pretrained(<model class>, {str(out)!r})")
     return 0
