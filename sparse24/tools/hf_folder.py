@@ -24,6 +24,7 @@ from ..api import MIN_FEATURES, sparsify_
 from ..hf import FORMAT_VERSION, sparsity_config
 from ..masks import kept_magnitude_fraction
 from ..nn import Sparse24Linear, is_conv1d_class
+from .._progress import progress_bar
 from .checkpoint import check_shards, dense_row, is_weight_matrix
 
 __all__ = ["is_model_folder", "prune_folder", "WEIGHT_FILES"]
@@ -68,7 +69,7 @@ def _skeleton(folder: Path):
 
 def prune_folder(src: str | os.PathLike, dst: str | os.PathLike, method: str = "magnitude",
                  quantize: str | None = None, min_features: int | None = None, exclude: str | None = None,
-                 prune_head: bool = False) -> list[dict]:
+                 prune_head: bool = False, progress: bool | None = None) -> list[dict]:
     """2:4-prune the model in Hugging Face folder ``src`` into the new folder ``dst``.
 
     Args:
@@ -81,6 +82,7 @@ def prune_folder(src: str | os.PathLike, dst: str | os.PathLike, method: str = "
         min_features: as :func:`sparse24.sparsify_` (default its ``MIN_FEATURES``).
         exclude: regular expression; matching layer names stay dense.
         prune_head: prune the output head too (``skip_output_head=False``).
+        progress: a tqdm bar over the shards (default None: when stderr is a terminal).
     Returns:
         one report dict per 2-D floating-point ``weight`` tensor stored in the checkpoint (the
         tensors :func:`sparse24.tools.prune.prune_state_dict` reports for a file): ``name, shape,
@@ -112,7 +114,7 @@ def prune_folder(src: str | os.PathLike, dst: str | os.PathLike, method: str = "
     tmp.mkdir(parents=True)
     try:
         weight_map = {}
-        for shard in shards:
+        for shard in progress_bar(shards, desc="prune", progress=progress, unit="shard"):
             out = {}
             with safe_open(src / shard, framework="pt") as f:
                 for key in f.keys():

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from .._progress import progress_bar
 from .checkpoint import dense_row, is_weight_matrix
 from .cli_common import CLIError, _one_line, _prog
 
@@ -87,7 +88,7 @@ def _direct_reader(prefix: str, sd: dict) -> str:
 
 def prune_state_dict(sd: dict, method: str = "magnitude", quantize: str | None = None,
                      min_features: int | None = None, exclude: str = PRUNE_EXCLUDE,
-                     prune_head: bool = False) -> tuple[dict, list[dict]]:
+                     prune_head: bool = False, progress: bool | None = None) -> tuple[dict, list[dict]]:
     """2:4-prune the linear weights of a raw state dict (no model class needed).
 
     Every 2-D floating ``<prefix>.weight`` with in-features divisible by 4 and
@@ -117,6 +118,7 @@ def prune_state_dict(sd: dict, method: str = "magnitude", quantize: str | None =
         min_features: default ``sparse24.api.MIN_FEATURES`` (the same rule as ``sparsify_``).
         exclude: regular expression; matching weight names are left dense.
         prune_head: prune the output head too.
+        progress: a tqdm bar over the entries (default None: when stderr is a terminal).
     Returns:
         ``(new_state_dict, report)`` with one report dict per 2-D float weight:
         ``name, shape, dtype, action ("compressed" | "masked" | "kept dense"),
@@ -158,7 +160,7 @@ def prune_state_dict(sd: dict, method: str = "magnitude", quantize: str | None =
     heads = {k for k in plain if vocab is not None and sd[k].dim() == 2 and sd[k].shape[0] == vocab
              and (re.search(r"(^|\.)(lm_head|head|output)\.weight$", k) or [k] == last)}
     out, report = {}, []
-    for key, t in sd.items():
+    for key, t in progress_bar(sd.items(), desc="prune", progress=progress, unit="tensor"):
         if not is_weight_matrix(key, t) or key not in plain:
             out[key] = t
             continue
@@ -257,7 +259,8 @@ def cmd_prune(args) -> int:
     if out.suffix == ".safetensors" and importlib.util.find_spec("safetensors") is None:
         raise CLIError("writing .safetensors needs the safetensors package: pip install 'sparse24[hf]'", 1)
     sd, wrapper = _load_state_dict(args.checkpoint)
-    new, report = prune_state_dict(sd, args.method, args.quantize, args.min_features, args.exclude, args.prune_head)
+    new, report = prune_state_dict(sd, args.method, args.quantize, args.min_features, args.exclude, args.prune_head,
+                                   args.progress)
     if not any(r["action"] != "kept dense" for r in report):
         raise CLIError(f"{args.checkpoint}: no weight could be pruned ({len(report)} 2-D float weight(s), "
                        "none eligible" + (f"; first: {report[0]['name']}: {report[0]['reason']}" if report else "")
@@ -280,7 +283,8 @@ def _prune_folder(args, src: Path, out: Path, settings: str) -> int:
     if importlib.util.find_spec("transformers") is None or importlib.util.find_spec("safetensors") is None:
         raise CLIError("pruning a model folder needs transformers and safetensors: pip install 'sparse24[hf]'", 1)
     from .hf_folder import prune_folder
-    report = prune_folder(src, out, args.method, args.quantize, args.min_features, args.exclude, args.prune_head)
+    report = prune_folder(src, out, args.method, args.quantize, args.min_features, args.exclude, args.prune_head,
+                          args.progress)
     size_in = sum(f.stat().st_size for f in src.rglob("*") if f.is_file())
     _print_prune_table(f"{_prog()} prune {src} (Hugging Face folder){settings}", report, out, size_in)
     print(f"  load it with: sparse24.from_pretrained(<model class>, {str(out)!r})")

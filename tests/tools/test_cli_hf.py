@@ -112,6 +112,21 @@ def test_file_and_folder_summaries_count_the_same_weights(capsys, tmp_path):
     assert rows[0] == rows[1] and set(rows[0]) == stored  # same weights, shapes, kept |w|, bytes and actions
 
 
+def test_prune_progress_bar(capsys, tmp_path):
+    tiny_llama().save_pretrained(tmp_path / "dense", max_shard_size="40KB")
+    save_file(tiny_llama().state_dict(), tmp_path / "dense.safetensors")
+    capsys.readouterr()
+    rc, _, err = run(capsys, "prune", str(tmp_path / "dense"), "--out", str(tmp_path / "a"), "--progress")
+    shards = len(list((tmp_path / "dense").glob("model-*.safetensors")))
+    assert rc == 0 and "prune: 100%" in err and f"{shards}/{shards} [" in err and "shard/s" in err
+    rc, _, err = run(capsys, "prune", str(tmp_path / "dense.safetensors"), "--out", str(tmp_path / "a.pt"), "--progress")
+    n = len(tiny_llama().state_dict())
+    assert rc == 0 and "prune: 100%" in err and f"{n}/{n} [" in err
+    for argv in (["--no-progress"], []):  # off, and off by default where stderr is no terminal
+        rc, _, err = run(capsys, "prune", str(tmp_path / "dense"), "--out", str(tmp_path / f"b{len(argv)}"), *argv)
+        assert rc == 0 and err == ""
+
+
 def test_usage_names_the_program_as_invoked(tmp_path):
     script = Path(sys.executable).with_name("sparse24")  # the console script pip installed beside python
     for argv, prog in [([str(script)], "sparse24"), ([sys.executable, "-m", "sparse24"], "python -m sparse24")]:
