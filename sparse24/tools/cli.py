@@ -1,4 +1,4 @@
-"""The command line: ``python -m sparse24 {bench,plot,info,prune,autotune,demo}``.
+"""The command line: ``python -m sparse24 {bench,plot,info,prune,inspect,autotune,demo}``.
 
 Every error a user can cause (a bad path, shape, dtype or CSV, no GPU for
 ``--device cuda``) ends with one line on stderr, ``sparse24 <command>: error:
@@ -217,6 +217,11 @@ def _cmd_autotune(argv: list[str]) -> int:
     return autotune(shapes, ms, dtypes, out_dir, args.warmup_ms, args.rep_ms, args.jobs)
 
 
+def _cmd_inspect(args) -> int:
+    from .inspect_checkpoint import cmd_inspect
+    return cmd_inspect(args)
+
+
 def _cmd_demo(args) -> int:
     from .demo import run_demo
     return run_demo(args)
@@ -230,7 +235,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     ap = _Parser(prog=_prog(), description="sparse24: 2:4 structured sparsity for PyTorch.")
     ap.add_argument("--version", action="version", version=f"sparse24 {__version__}")
-    sub = ap.add_subparsers(dest="command", metavar="{bench,plot,info,prune,autotune,demo}", required=True)
+    sub = ap.add_subparsers(dest="command", metavar="{bench,plot,info,prune,inspect,autotune,demo}", required=True)
 
     b = sub.add_parser("bench", help="time dense vs 2:4 providers over batch sizes M; write CSV + PNG",
                        description="Sweep M for weight shapes over the providers this machine has; write "
@@ -283,6 +288,16 @@ def build_parser() -> argparse.ArgumentParser:
     add_calibration_arguments(r)
     add_progress_argument(r)
     r.set_defaults(func=cmd_prune)
+
+    n = sub.add_parser("inspect", help="per layer of a pruned checkpoint: mode, exact 2:4 check, kept |w|, bytes",
+                       description="Check a pruned checkpoint (state dict file or Hugging Face folder) layer by layer: "
+                                   "mode (compressed, INT8, masked, dense), whether the 2:4 pattern is exact (as "
+                                   "loading checks it), bytes, dtype, and the totals. Exit 0 when every layer passes, "
+                                   "1 when one fails, 2 when the file cannot be read.")
+    n.add_argument("path", help="a .pt/.safetensors state dict or a Hugging Face model folder")
+    n.add_argument("--dense", metavar="ORIGINAL", help="the dense checkpoint it was pruned from (same names): "
+                   "adds the share of each layer's sum |W| the mask keeps")
+    n.set_defaults(func=_cmd_inspect)
 
     sub.add_parser("autotune", help="tune the Triton kernel on this GPU (options: autotune --help)", add_help=False)
 

@@ -136,8 +136,8 @@ def prune_state_dict(sd: dict, method: str = "magnitude", quantize: str | None =
     if method in ("wanda", "sparsegpt"):
         raise ValueError(f"method {method!r} needs calibration data (layer inputs), which a checkpoint does not "
                          f"have; prune a Hugging Face model folder with calibration text (python -m sparse24 "
-                         f"prune FOLDER --method {method} --calibration TEXT), use sparse24.calibrate + sparsify_ in Python, or "
-                         f"magnitude/2d_greedy/2d_optimal")
+                         f"prune FOLDER --method {method} --calibration TEXT), use sparse24.calibrate + sparsify_ "
+                         "in Python, or magnitude/2d_greedy/2d_optimal")
     if quantize not in (None, "int8"):
         raise ValueError(f"--quantize must be int8 (or absent), got {quantize!r}")
     min_features = MIN_FEATURES if min_features is None else min_features
