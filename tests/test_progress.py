@@ -1,12 +1,16 @@
 """Progress bars of the long calls (tqdm on stderr): drawn when asked or on a terminal, silent in
 logs and tests by default, and the argument checked before anything changes."""
 import copy
+import io
+import sys
+import types
 
 import pytest
 import torch
 from torch import nn
 
 import sparse24
+from sparse24._progress import progress_bar, progress_enabled
 from sparse24.masks import prune_layerwise_
 
 
@@ -28,6 +32,26 @@ def _calls():
         "distill_": lambda m, **kw: (sparse24.sparsify_(m, min_features=0),
                                      sparse24.distill_(m, BATCHES, steps=4, teacher=dense, **kw)),
     }
+
+
+def test_default_follows_the_terminal_and_notebooks(monkeypatch):
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+    assert progress_enabled(None, Terminal()) and not progress_enabled(None, io.StringIO())
+    assert progress_enabled(True, io.StringIO()) and not progress_enabled(False, Terminal())
+    out = Terminal()
+    bar = progress_bar(range(5), desc="sweep", file=out)  # a terminal: drawn, redrawn in place
+    assert list(bar) == list(range(5))
+    assert "sweep: 100%" in out.getvalue() and "\r" in out.getvalue()
+    with pytest.raises(TypeError, match="progress must be True, False or None"):
+        progress_enabled("yes")
+    # a Jupyter kernel: its stderr is no terminal, yet it draws (IPython's shell class there)
+    ZMQInteractiveShell = type("ZMQInteractiveShell", (), {})
+    monkeypatch.setitem(sys.modules, "IPython", types.SimpleNamespace(get_ipython=ZMQInteractiveShell))
+    assert progress_enabled(None, io.StringIO()) and not progress_enabled(False, io.StringIO())
+    monkeypatch.setitem(sys.modules, "IPython", types.SimpleNamespace(get_ipython=lambda: None))  # plain IPython
+    assert not progress_enabled(None, io.StringIO())
 
 
 @pytest.mark.parametrize("name, total, unit", [("calibrate", 3, "batch"), ("prune_layerwise_", 2, "layer"),

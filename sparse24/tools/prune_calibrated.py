@@ -215,7 +215,9 @@ def prune_folder_calibrated(src: Path, dst: Path, args) -> tuple[list[dict], str
         raise CLIError(f"{src}: no layer to prune (see --min-features / --exclude)", 1)
     with _transformers_bars(progress_enabled(args.progress)):
         model = type(skeleton).from_pretrained(src).eval()
-    batches = tokenize_samples(tokenizer, model, texts, args.seq_len)
+    # no longer than the model's positions (a longer sample would fail inside its embedding lookup)
+    seq_len = min(args.seq_len, getattr(config, "max_position_embeddings", None) or args.seq_len)
+    batches = tokenize_samples(tokenizer, model, texts, seq_len)
     kept, groups = prune_calibrated(model, batches, args.method, set(planned), args.permute,
                             getattr(config, "num_attention_heads", None), args.quantize, args.prune_head,
                             min_features, args.permute_iters, args.progress)
@@ -251,7 +253,7 @@ def prune_folder_calibrated(src: Path, dst: Path, args) -> tuple[list[dict], str
         rows.append({**dense_row(key, t, ""), "action": "compressed" + (" int8" if args.quantize else ""),
                      "kept": kept[fqn], "bytes_after": sum(v.numel() * v.element_size() for v in stored)})
     tokens = sum(b["input_ids"].numel() for b in batches)
-    note = (f"{len(batches)} calibration samples from {args.calibration} ({tokens} tokens, at most {args.seq_len} "
+    note = (f"{len(batches)} calibration samples from {args.calibration} ({tokens} tokens, at most {seq_len} "
             "each)" + (f"; channel permutations in {groups} group(s) proved exact" if args.permute else ""))
     return rows, note
 

@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from sparse24.tools import bench, plot
-from sparse24._progress import progress_bar, progress_enabled
 from sparse24.tools.bench import BenchSettings, run_bench, write_csv
 
 CPU = torch.device("cpu")
@@ -105,20 +104,6 @@ def test_progress_bar_is_tqdm_on_stderr_and_can_be_turned_off(capsys):
     run_bench(s, progress=False, log=io.StringIO())
     run_bench(s, log=io.StringIO())  # default: only on a terminal (pytest's stderr is not one)
     assert capsys.readouterr().err == ""
-
-
-def test_progress_default_follows_the_terminal(monkeypatch):
-    class Terminal(io.StringIO):
-        def isatty(self):
-            return True
-    assert progress_enabled(None, Terminal()) and not progress_enabled(None, io.StringIO())
-    assert progress_enabled(True, io.StringIO()) and not progress_enabled(False, Terminal())
-    out = Terminal()
-    bar = progress_bar(range(5), desc="sweep", file=out)  # a terminal: drawn, redrawn in place
-    assert list(bar) == list(range(5))
-    assert "sweep: 100%" in out.getvalue() and "\r" in out.getvalue()
-    with pytest.raises(TypeError, match="progress must be True, False or None"):
-        progress_enabled("yes")
 
 
 def test_csv_round_trip_and_plot(tmp_path):

@@ -79,6 +79,7 @@ def test_calibrated_prune_equals_the_library(capsys, tmp_path, arch, method, per
     assert rc == 0, err
     assert err == ""  # no bars (stderr is no terminal), transformers' own ones included
     assert f"12 calibration samples from {tmp_path / 'calib.txt'}" in out
+    assert f"at most {64 if arch == 'bert' else 512} each" in out  # --seq-len capped at the model's positions
     got = sparse24.from_pretrained(cls, tmp_path / "sparse")
     want, batches = _library(cls, folder, method, permute, 12)
     sd, ref = got.state_dict(), want.state_dict()
