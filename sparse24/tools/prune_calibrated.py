@@ -41,7 +41,7 @@ from ..masks import calibrate, find_permutation_groups, kept_magnitude_fraction,
 from ..nn import Sparse24Linear, is_conv1d_class
 from .._progress import progress_enabled
 from .checkpoint import check_shards, dense_row, is_weight_matrix, stored_mask
-from .cli_common import CLIError, _one_line, _prog
+from .cli_common import CLIError, _one_line
 
 __all__ = ["CALIBRATED", "read_samples", "tokenize_samples", "prune_calibrated", "prune_folder_calibrated",
            "add_calibration_arguments", "check_calibration_arguments"]
