@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from .._checks import check_model
+from .._progress import progress_bar, progress_enabled
 from .objective import (_batch_stream, _check_steps, _failure_note, _nonempty, _Objective, _optimizer_step,
                         _rollback_for, _warmup_cosine)
 
@@ -32,7 +33,7 @@ def distill_(model: nn.Module, batches, steps: int, *, teacher: nn.Module | None
              loss_fn: Callable | None = None, lr: float = 5e-4, warmup: float = 0.02, final_lr: float = 0.0,
              weight_decay: float = 0.0, clip: float | None = 1.0, output_loss="mse", hidden=(),
              hidden_weight: float = 1.0, parameters=None, forward: Callable | None = None,
-             callback: Callable | None = None) -> DistillReport:
+             callback: Callable | None = None, progress: bool | None = None) -> DistillReport:
     """Retrain a 2:4 model with its masks frozen (the recovery recipe), in place.
 
     ``Sparse24Linear`` masked layers keep their pruned weights at exactly zero
@@ -59,6 +60,8 @@ def distill_(model: nn.Module, batches, steps: int, *, teacher: nn.Module | None
         parameters: the parameters to train (default: every trainable one of ``model``).
         forward: ``(model, batch) -> output`` (default as in :func:`learn_masks`).
         callback: ``callback(step, loss)`` after each step.
+        progress: a tqdm bar on stderr with the last loss (default None: when stderr is a
+            terminal or in a notebook; False: none).
     Returns:
         :class:`DistillReport`.
     Example:
@@ -69,6 +72,7 @@ def distill_(model: nn.Module, batches, steps: int, *, teacher: nn.Module | None
         3
     """
     check_model(model, None)
+    progress = progress_enabled(progress)  # checked before anything changes
     steps = _check_steps(steps)
     for name, v in (("lr", lr),):
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf:
@@ -88,9 +92,11 @@ def distill_(model: nn.Module, batches, steps: int, *, teacher: nn.Module | None
     rep = DistillReport()
     rollback = _rollback_for(model, params)  # all or nothing: a failure at step k puts back what was trained
     t0 = time.perf_counter()
+    bar = progress_bar(_batch_stream(batches, steps), total=steps, desc="distill_", progress=progress, unit="step")
     try:
-        for step, batch in enumerate(_batch_stream(batches, steps)):
+        for step, batch in enumerate(bar):
             rep.losses.append(_optimizer_step(objective(batch), params, clip, opt, sched))
+            bar.set_postfix_str(f"loss {rep.losses[-1]:.4g}", refresh=False)
             if callback is not None:
                 callback(step, rep.losses[-1])
     except BaseException as e:
@@ -99,6 +105,7 @@ def distill_(model: nn.Module, batches, steps: int, *, teacher: nn.Module | None
                    + ": the model was put back as it was before the call")
         raise
     finally:
+        bar.close()
         objective.close()
     rep.seconds = time.perf_counter() - t0
     return rep

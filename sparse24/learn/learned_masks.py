@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .._checks import check_model
+from .._progress import progress_bar, progress_enabled
 from ..api import MIN_FEATURES, SparsifyReport, sparsify_
 from ..api.walk import _SWAPPABLE, _child_slots, _Undo
 from ..masks import LearnableMask
@@ -103,7 +104,8 @@ def learn_masks(model: nn.Module, batches, steps: int, *, loss_fn: Callable | No
                 clip: float | None = None, output_loss="mse", hidden=(), hidden_weight: float = 1.0,
                 forward: Callable | None = None, filter_fn=None, min_features: int = MIN_FEATURES,
                 skip_output_head=True, logits_dtype: torch.dtype = torch.float32,
-                check_batches: int = 4, seed: int = 0, callback: Callable | None = None) -> LearnReport:
+                check_batches: int = 4, seed: int = 0, callback: Callable | None = None,
+                progress: bool | None = None) -> LearnReport:
     """Learn the 2:4 masks of ``model``'s Linear layers end to end (MaskLLM), in place.
 
     1. The selected ``nn.Linear`` layers are swapped for masked-mode
@@ -175,6 +177,8 @@ def learn_masks(model: nn.Module, batches, steps: int, *, loss_fn: Callable | No
         check_batches: batches for the final prior-vs-learned check (0: none).
         seed: seeds the Gumbel noise (runs are deterministic for a seed).
         callback: ``callback(step, loss)`` after each step.
+        progress: a tqdm bar on stderr with the last loss (default None: when stderr is a
+            terminal or in a notebook; False: none).
     Returns:
         :class:`LearnReport`.
     Example:
@@ -184,6 +188,7 @@ def learn_masks(model: nn.Module, batches, steps: int, *, loss_fn: Callable | No
         ('Sparse24Linear', True)
     """
     check_model(model, filter_fn)
+    progress = progress_enabled(progress)  # checked before anything changes
     steps = _check_steps(steps)
     for name, v in (("lr", lr), ("weight_lr", weight_lr)):
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf:
@@ -230,7 +235,7 @@ def learn_masks(model: nn.Module, batches, steps: int, *, loss_fn: Callable | No
         return _learn(model, batches, steps, objective, teacher, prior, calibration, tau, hard_fraction, noise,
                       confidence, magnitude_reg, train_weights, opt_kwargs, filter_fn,
                       {"min_features": min_features, "skip_output_head": skip_output_head}, logits_dtype,
-                      check_batches, seed, callback)
+                      check_batches, seed, callback, progress)
     except BaseException as e:
         rollback.restore()
         e.add_note("learn_masks: every layer swap and weight change was undone: the model is as it was before the "
@@ -242,7 +247,7 @@ def learn_masks(model: nn.Module, batches, steps: int, *, loss_fn: Callable | No
 
 def _learn(model, batches, steps, objective, teacher, prior, calibration, tau, hard_fraction, noise, confidence,
            magnitude_reg, train_weights, opt_kwargs, filter_fn, select, logits_dtype, check_batches, seed,
-           callback) -> LearnReport:
+           callback, progress=None) -> LearnReport:
     # 1. dense weights of the layers about to be pruned (a view of the teacher's when it is our copy)
     t_mods = dict(teacher.named_modules()) if teacher is not None else {}
     dense = {}
@@ -287,7 +292,7 @@ def _learn(model, batches, steps, objective, teacher, prior, calibration, tau, h
         swaps.replace(slots, sp, stand_in)
     try:
         _train_masks(batches, steps, objective, learners, schedule, tau, hard_fraction, noise, magnitude_reg,
-                     train_weights, opt_kwargs, check_batches, callback, rep)
+                     train_weights, opt_kwargs, check_batches, callback, rep, progress)
     except BaseException as e:  # learn_masks puts the whole model back
         swaps.undo()
         e.add_note(_failure_note("learn_masks", objective, steps, batches))
@@ -305,7 +310,7 @@ def _learn(model, batches, steps, objective, teacher, prior, calibration, tau, h
 
 
 def _train_masks(batches, steps, objective, learners, schedule, tau, hard_fraction, noise, magnitude_reg,
-                 train_weights, opt_kwargs, check_batches, callback, rep) -> None:
+                 train_weights, opt_kwargs, check_batches, callback, rep, progress=None) -> None:
     stand_ins = [s for _, s in learners.values()]
     groups = [{"params": [s.mask.logits for s in stand_ins], "lr": opt_kwargs["lr"], "weight_decay": 0.0}]
     if train_weights:  # the candidate weights and every other trainable parameter of the model
@@ -322,7 +327,8 @@ def _train_masks(batches, steps, objective, learners, schedule, tau, hard_fracti
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _warmup_cosine(steps, 0.05, 0.1))
     hard_from = steps - round(hard_fraction * steps)
     t0 = time.perf_counter()
-    for step, batch in enumerate(_batch_stream(batches, steps)):
+    bar = progress_bar(_batch_stream(batches, steps), total=steps, desc="learn_masks", progress=progress, unit="step")
+    for step, batch in enumerate(bar):
         frac = step / max(1, steps - 1)
         schedule.tau = tau[0] * (tau[1] / tau[0]) ** frac  # geometric: equal time per decade
         schedule.noise = (noise[0] * (noise[1] / noise[0]) ** frac if min(noise) > 0
@@ -332,8 +338,10 @@ def _train_masks(batches, steps, objective, learners, schedule, tau, hard_fracti
         if magnitude_reg:
             loss = loss - magnitude_reg * sum(s.kept_norm_fraction() for s in stand_ins) / len(stand_ins)
         rep.losses.append(_optimizer_step(loss, params, opt_kwargs["clip"], opt, sched))
+        bar.set_postfix_str(f"loss {rep.losses[-1]:.4g}", refresh=False)
         if callback is not None:
             callback(step, rep.losses[-1])
+    bar.close()
     rep.seconds = time.perf_counter() - t0
     if check_batches:
         rep.learned_loss, rep.prior_loss = (_mean_loss(objective, batches, check_batches, schedule, use)

@@ -10,6 +10,7 @@ from torch import nn
 
 from .._checks import check_model
 from .._rollback import TensorBackup
+from .._progress import progress_bar, progress_enabled
 from .nm import METHODS, LayerStats, PruneResult, prune_nm
 from .reconstruct import PERCDAMP, damped_hessian
 
@@ -22,7 +23,8 @@ class _StopForward(Exception):
 
 def calibrate(model: nn.Module, batches, hessian: bool = False, filter_fn=None, device=None,
               dtype: torch.dtype = torch.float64, stop_early: bool = False,
-              token_mask: Callable | None = None, teacher: nn.Module | None = None) -> dict[str, LayerStats]:
+              token_mask: Callable | None = None, teacher: nn.Module | None = None,
+              progress: bool | None = None) -> dict[str, LayerStats]:
     """Run ``model`` on ``batches`` and collect per-input-channel statistics of every ``nn.Linear``.
 
     The model runs in eval mode under ``torch.no_grad()`` (its train/eval
@@ -60,6 +62,8 @@ def calibrate(model: nn.Module, batches, hessian: bool = False, filter_fn=None, 
             of a layer pairs with the teacher's k-th): what fitting a layer to
             the teacher's outputs needs (:func:`prune_layerwise_`). Implies
             ``hessian=True``.
+        progress: a tqdm bar over the batches on stderr (default None: when stderr is a
+            terminal or in a notebook; False: none).
     Returns:
         ``{fqn: LayerStats}`` for each Linear that saw at least one input,
         ``fqn`` as in ``model.named_modules()``.
@@ -70,6 +74,7 @@ def calibrate(model: nn.Module, batches, hessian: bool = False, filter_fn=None, 
         torch.Size([16])
     """
     check_model(model, filter_fn)
+    progress = progress_enabled(progress)
     if dtype not in (torch.float32, torch.float64):
         raise TypeError(f"dtype must be torch.float32 or torch.float64, got {dtype}")
     if token_mask is not None and not callable(token_mask):
@@ -134,7 +139,7 @@ def calibrate(model: nn.Module, batches, hessian: bool = False, filter_fn=None, 
         for mod, _ in modes:
             mod.training = False
         with torch.no_grad():
-            for b in batches:
+            for b in progress_bar(batches, desc="calibrate", progress=progress, unit="batch"):
                 b = _to_device(b, device)
                 if token_mask is not None:
                     rows[0] = _token_rows(token_mask(b))
@@ -190,7 +195,8 @@ def _check_teacher(model: nn.Module, teacher: nn.Module, selected: dict[str, nn.
 
 def prune_layerwise_(model: nn.Module, batches, n: int = 2, m: int = 4, method: str = "sparsegpt",
                      filter_fn=None, device=None, token_mask: Callable | None = None,
-                     teacher: nn.Module | None = None, **kwargs) -> dict[str, PruneResult]:
+                     teacher: nn.Module | None = None, progress: bool | None = None,
+                     **kwargs) -> dict[str, PruneResult]:
     """Prune every ``nn.Linear`` of ``model`` to N:M in place, one layer at a time,
     each calibrated on the inputs it receives once the layers before it are pruned.
 
@@ -233,6 +239,8 @@ def prune_layerwise_(model: nn.Module, batches, n: int = 2, m: int = 4, method: 
         device, token_mask: passed to :func:`calibrate`.
         teacher: optional separate module with the model's layer names and
             widths, run on the same batches (see above and :func:`calibrate`).
+        progress: a tqdm bar over the layers on stderr (default None: when stderr is a
+            terminal or in a notebook; False: none).
         **kwargs: method options (``blocksize=``, ``percdamp=``, ``refit=``).
     Returns:
         ``{fqn: PruneResult}`` in pruning order.
@@ -243,6 +251,7 @@ def prune_layerwise_(model: nn.Module, batches, n: int = 2, m: int = 4, method: 
         [True, True]
     """
     check_model(model, filter_fn)
+    progress = progress_enabled(progress)
     if iter(batches) is batches:
         raise TypeError("batches must be re-iterable (a list or a DataLoader, not an iterator or generator): "
                         "every layer needs its own pass over them")
@@ -278,14 +287,16 @@ def prune_layerwise_(model: nn.Module, batches, n: int = 2, m: int = 4, method: 
             waves.append([fqn])
     results: dict[str, PruneResult] = {}
     layers = dict(model.named_modules())
+    bar = progress_bar(total=sum(map(len, waves)), desc="prune_layerwise_", progress=progress, unit="layer")
     backup = TensorBackup()  # the weights pruned so far, written back if a later layer fails
     at = ""
     try:
         for wave in waves:
+            bar.set_postfix_str(wave[0], refresh=False)
             at = f"the calibration pass of layer(s) {wave}"
             stats = calibrate(model, batches, hessian=method == "sparsegpt", device=device, stop_early=once,
                               filter_fn=lambda mod, name, wave=wave: name in wave, token_mask=token_mask,
-                              teacher=teacher)
+                              teacher=teacher, progress=False)
             for fqn in wave:
                 at = f"layer {fqn!r}"
                 if fqn not in stats:
@@ -298,11 +309,14 @@ def prune_layerwise_(model: nn.Module, batches, n: int = 2, m: int = 4, method: 
                 with torch.no_grad():
                     lin.weight.copy_(r.weight)
                 results[fqn] = r
+            bar.update(len(wave))
     except BaseException as e:
         backup.restore()
         e.add_note(f"prune_layerwise_: failed at {at} (the {len(results)} layer(s) pruned before were restored: "
                    "the model is as it was)")
         raise
+    finally:
+        bar.close()
     return results
 
 
@@ -348,7 +362,8 @@ def _check_inputs(model: nn.Module, names: dict[nn.Module, str], batches, device
             try:
                 if token_mask is not None:
                     rows[0] = _token_rows(token_mask(_to_device(b, device)))
-                calibrate(model, [b], device=device, filter_fn=lambda mod, fqn: False)  # no statistics collected
+                calibrate(model, [b], device=device, filter_fn=lambda mod, fqn: False,  # no statistics collected
+                          progress=False)
             except (ValueError, TypeError) as e:
                 raise type(e)(f"batch {index[0]}: {e} (checked before pruning: nothing was changed)") from e
             except Exception as e:

@@ -4,20 +4,20 @@ application to a producer/consumer pair of layers so outputs stay equal."""
 from __future__ import annotations
 
 import math
-import sys
 import time
 
 import torch
 from torch import nn
 
 from .._checks import check_nm, check_weight
+from .._progress import progress_bar
 from .two_d import score_dtype
 
 __all__ = ["search_permutation", "apply_permutation"]
 
 
 def search_permutation(w: torch.Tensor, n: int = 2, m: int = 4, time_limit: float = 10.0,
-                       max_iters: int | None = None, seed: int = 0, progress: bool = True,
+                       max_iters: int | None = None, seed: int = 0, progress: bool | None = None,
                        window: int = 128, tenure: int = 10, round_iters: int = 64) -> torch.Tensor:
     """Input-channel permutation raising the magnitude an N:M mask keeps.
 
@@ -44,7 +44,8 @@ def search_permutation(w: torch.Tensor, n: int = 2, m: int = 4, time_limit: floa
             running at the deadline stops at its next ~16M-term chunk.
         max_iters: optional cap on search steps.
         seed: seeds the window draws.
-        progress: draw a progress bar on stderr.
+        progress: a tqdm bar on stderr: share of the time (or steps) used, kept-magnitude gain
+            (default None: when stderr is a terminal or in a notebook).
         window: columns per window (rounded down to a multiple of ``m``).
         tenure: steps a moved column stays tabu.
         round_iters: steps between window re-draws (when ``C > window``).
@@ -271,26 +272,23 @@ class _TabuWindows:
 
 
 class _Progress:
-    """A one-line text progress bar on stderr: share of the time (or steps) used, kept-magnitude gain."""
+    """The search's tqdm bar: share of the time (or steps) used, in percent, and the kept-magnitude gain."""
 
-    def __init__(self, time_limit, max_iters, base, enabled):
-        self.time_limit, self.max_iters, self.base, self.enabled = time_limit, max_iters, base, enabled
-        self.t0, self.last = time.perf_counter(), -1.0
+    def __init__(self, time_limit, max_iters, base, progress):
+        self.time_limit, self.max_iters, self.base = time_limit, max_iters, base
+        self.bar = progress_bar(total=100, desc="search_permutation", progress=progress, unit="%")
+        self.last = -1.0
 
     def update(self, deadline, it, gain):
         now = time.perf_counter()
-        if not self.enabled or now - self.last < 0.25:
+        if self.bar.disable or now - self.last < 0.25:
             return
         self.last = now
         frac = 1 - (deadline - now) / self.time_limit
         if self.max_iters:
             frac = max(frac, it / self.max_iters)
-        frac = min(max(frac, 0.0), 1.0)
-        sys.stderr.write(f"\rsearch_permutation |{'#' * int(30 * frac):<30}| {100 * frac:3.0f}% "
-                         f"{now - self.t0:5.1f}s step {it} kept {100 * gain / max(self.base, 1e-30):+.3f}%")
-        sys.stderr.flush()
+        self.bar.n = round(100 * min(max(frac, 0.0), 1.0))
+        self.bar.set_postfix_str(f"step {it} kept {100 * gain / max(self.base, 1e-30):+.3f}%")  # redraws
 
     def close(self):
-        if self.enabled and self.last >= 0:
-            sys.stderr.write("\n")
-            sys.stderr.flush()
+        self.bar.close()

@@ -34,7 +34,6 @@ import math
 import os
 import platform
 import re
-import shutil
 import statistics
 import sys
 import time
@@ -45,12 +44,13 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from .._progress import progress_bar
 from .._version import __version__
 from ..decode_format import pack_decode
 from ..format import compress, mask_nm
 from ..ops.linear24 import linear
 
-__all__ = ["SCHEMA", "COLUMNS", "PROVIDERS", "BenchSettings", "Progress", "device_info", "device_slug",
+__all__ = ["SCHEMA", "COLUMNS", "PROVIDERS", "BenchSettings", "device_info", "device_slug",
            "provider_status", "default_settings", "run_bench", "write_csv", "write_together"]
 
 # Bump when a column changes meaning; sparse24.tools.plot refuses other schemas.
@@ -70,51 +70,6 @@ CPU_TRITON_MAX_ELEMENTS = 128 * 128
 # result counts as wrong (a broken decode is off by O(1); int8 is compared with
 # its own dequantized weight, so quantization error does not count).
 _MAX_REL_ERR = {torch.float16: 1e-2, torch.bfloat16: 5e-2, torch.float32: 1e-4}
-
-
-# --- progress bar ------------------------------------------------------------------
-
-class Progress:
-    """A dependency-free progress bar on stderr.
-
-    On a terminal it redraws one line; in a log (not a TTY) it prints a line
-    every 10% so logs stay short.
-
-    Example:
-        >>> with Progress(3, "sweep") as bar:
-        ...     for i in range(3):
-        ...         bar.update(note=f"item {i}")
-    """
-
-    def __init__(self, total: int, label: str = "", stream=None, width: int = 24):
-        self.total, self.label, self.width = max(int(total), 1), label, width
-        self.stream = stream if stream is not None else sys.stderr
-        self.done, self.t0, self._last_decile = 0, time.perf_counter(), -1
-        self.tty = hasattr(self.stream, "isatty") and self.stream.isatty()
-
-    def update(self, n: int = 1, note: str = "") -> None:
-        self.done = min(self.total, self.done + n)
-        frac = self.done / self.total
-        elapsed = time.perf_counter() - self.t0
-        eta = elapsed / frac - elapsed if frac > 0 else 0.0
-        fill = int(self.width * frac)
-        line = (f"{self.label} [{'#' * fill}{'.' * (self.width - fill)}] {self.done}/{self.total} "
-                f"{elapsed:5.1f}s elapsed, ~{eta:4.0f}s left  {note}")
-        if self.tty:  # redraw in place; never wider than the terminal, or each redraw wraps to a new line
-            cols = shutil.get_terminal_size((100, 20)).columns - 1
-            self.stream.write("\r" + line[:cols].ljust(cols) + ("\n" if self.done == self.total else ""))
-        elif int(10 * frac) != self._last_decile or self.done == self.total:
-            self._last_decile = int(10 * frac)
-            self.stream.write(line + "\n")
-        self.stream.flush()
-
-    def __enter__(self) -> "Progress":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self.tty and self.done < self.total:
-            self.stream.write("\n")
-            self.stream.flush()
 
 
 # --- the machine ---------------------------------------------------------------------
@@ -311,7 +266,7 @@ def plan_providers(settings: BenchSettings, explicit: bool) -> tuple[list, list[
     return jobs, notes
 
 
-def run_bench(settings: BenchSettings, explicit_providers: bool = False, progress: bool = True,
+def run_bench(settings: BenchSettings, explicit_providers: bool = False, progress: bool | None = None,
               log=None) -> list[dict]:
     """Sweep M for every shape, dtype and provider; return CSV rows (dicts keyed by :data:`COLUMNS`).
 
@@ -319,7 +274,7 @@ def run_bench(settings: BenchSettings, explicit_providers: bool = False, progres
         settings: :class:`BenchSettings`.
         explicit_providers: the user named the providers (on CPU the Triton
             interpreter then runs on every shape).
-        progress: draw a progress bar on stderr.
+        progress: a progress bar on stderr (tqdm; None: when stderr is a terminal or in a notebook).
         log: where skip notes go (default stderr).
     Returns:
         one row per (dtype, shape, M, provider) that ran.
@@ -341,7 +296,7 @@ def run_bench(settings: BenchSettings, explicit_providers: bool = False, progres
     for dtype, label, N, K, name in jobs:
         groups.setdefault((dtype, label, N, K), []).append(name)
     total = sum(len(v) for v in groups.values()) * len(settings.ms)  # measurements
-    bar = Progress(total, "bench") if progress else None
+    bar = progress_bar(total=total, desc="bench", progress=progress, unit="point")
     timer = _Timer(dev)
     rows = []
     gen = torch.Generator(device="cpu").manual_seed(settings.seed)
@@ -365,9 +320,10 @@ def run_bench(settings: BenchSettings, explicit_providers: bool = False, progres
                              "tflops": f"{2 * M * N * K / t / 1e12:.6g}", "gbps": f"{io_bytes / t / 1e9:.6g}",
                              "speedup_vs_dense": f"{t_dense / t:.5g}", "rel_err": f"{err:.2e}",
                              "repeats": settings.repeats})
-            if bar:
-                bar.update(len(names), note=f"{label} M={M}")
+            bar.set_postfix_str(f"{label} M={M}", refresh=False)
+            bar.update(len(names))
         del ops, w, mask
+    bar.close()
     return rows
 
 

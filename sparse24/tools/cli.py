@@ -1,4 +1,4 @@
-"""The command line: ``python -m sparse24 {bench,plot,info,prune,autotune,demo}``.
+"""The command line: ``python -m sparse24 {bench,plot,info,prune,inspect,autotune,demo}``.
 
 Every error a user can cause (a bad path, shape, dtype or CSV, no GPU for
 ``--device cuda``) ends with one line on stderr, ``sparse24 <command>: error:
@@ -23,7 +23,7 @@ import torch
 
 from .._version import __version__
 from .cli_common import (CLIError, _check_fits, _choices, _device, _device_kind, _int_list, _one_line,
-                         _out_dir, _Parser, _prog, _threads)
+                         _out_dir, _Parser, _prog, _threads, add_progress_argument)
 from .prune import PRUNE_EXCLUDE, cmd_prune, prune_state_dict
 
 __all__ = ["main", "CLIError", "prune_state_dict", "PRUNE_EXCLUDE"]
@@ -64,7 +64,7 @@ def _cmd_bench(args) -> int:
           + (f", {info['threads']} threads" if dev.type == "cpu" else "") + f"): {len(shapes)} shape(s), "
           f"M in {ms}, {', '.join(str(t)[6:] for t in dtypes)}, median of {repeats}", file=sys.stderr)
     t0 = time.perf_counter()
-    rows = bench.run_bench(settings, explicit_providers=explicit)
+    rows = bench.run_bench(settings, explicit_providers=explicit, progress=args.progress)
     seconds = time.perf_counter() - t0
     from .plot import plot_rows
     bench.write_together({out / "bench.csv": lambda p: bench.write_csv(rows, p),
@@ -217,6 +217,11 @@ def _cmd_autotune(argv: list[str]) -> int:
     return autotune(shapes, ms, dtypes, out_dir, args.warmup_ms, args.rep_ms, args.jobs)
 
 
+def _cmd_inspect(args) -> int:
+    from .inspect_checkpoint import cmd_inspect
+    return cmd_inspect(args)
+
+
 def _cmd_demo(args) -> int:
     from .demo import run_demo
     return run_demo(args)
@@ -230,7 +235,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     ap = _Parser(prog=_prog(), description="sparse24: 2:4 structured sparsity for PyTorch.")
     ap.add_argument("--version", action="version", version=f"sparse24 {__version__}")
-    sub = ap.add_subparsers(dest="command", metavar="{bench,plot,info,prune,autotune,demo}", required=True)
+    sub = ap.add_subparsers(dest="command", metavar="{bench,plot,info,prune,inspect,autotune,demo}", required=True)
 
     b = sub.add_parser("bench", help="time dense vs 2:4 providers over batch sizes M; write CSV + PNG",
                        description="Sweep M for weight shapes over the providers this machine has; write "
@@ -249,6 +254,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "with 2 threads on 2 busy cores a 16x768x768 GEMM took 16 ms instead of 1 ms)")
     b.add_argument("--out", metavar="DIR", help="output folder (default: runs/bench/<device>)")
     b.add_argument("--no-plot", action="store_true", help="write the CSV only")
+    add_progress_argument(b)
     b.set_defaults(func=_cmd_bench)
 
     p = sub.add_parser("plot", help="redraw a PNG from one or more bench CSVs (devices overlay)")
@@ -269,12 +275,29 @@ def build_parser() -> argparse.ArgumentParser:
                    help="file for a state dict (.safetensors: safetensors, else torch.save), folder for a model folder")
     r.add_argument("--prune-head", action="store_true",
                    help="prune the output head too (kept dense by default, as LLM pruning does)")
-    r.add_argument("--method", default="magnitude", choices=("magnitude", "2d_greedy", "2d_optimal"))
+    r.add_argument("--method", default="magnitude",
+                   choices=("magnitude", "2d_greedy", "2d_optimal", "wanda", "sparsegpt", "layerwise"),
+                   help="magnitude (default), 2d_greedy, 2d_optimal: no data needed; wanda, sparsegpt (+ least-squares "
+                        "refit), layerwise (each layer fit to the dense outputs, the recommended one): a model folder "
+                        "and --calibration text")
     r.add_argument("--quantize", choices=("int8",), help="store INT8 values + per-row scales")
     r.add_argument("--min-features", type=int, help="skip weights with fewer rows or columns (default: as sparsify_)")
     r.add_argument("--exclude", default=PRUNE_EXCLUDE, metavar="REGEX",
                    help=f"leave matching weights dense (default {PRUNE_EXCLUDE!r}: embedding tables; '' for none)")
+    from .prune_calibrated import add_calibration_arguments
+    add_calibration_arguments(r)
+    add_progress_argument(r)
     r.set_defaults(func=cmd_prune)
+
+    n = sub.add_parser("inspect", help="per layer of a pruned checkpoint: mode, exact 2:4 check, kept |w|, bytes",
+                       description="Check a pruned checkpoint (state dict file or Hugging Face folder) layer by layer: "
+                                   "mode (compressed, INT8, masked, dense), whether the 2:4 pattern is exact (as "
+                                   "loading checks it), bytes, dtype, and the totals. Exit 0 when every layer passes, "
+                                   "1 when one fails, 2 when the file cannot be read.")
+    n.add_argument("path", help="a .pt/.safetensors state dict or a Hugging Face model folder")
+    n.add_argument("--dense", metavar="ORIGINAL", help="the dense checkpoint it was pruned from (same names): "
+                   "adds the share of each layer's sum |W| the mask keeps")
+    n.set_defaults(func=_cmd_inspect)
 
     sub.add_parser("autotune", help="tune the Triton kernel on this GPU (options: autotune --help)", add_help=False)
 

@@ -77,6 +77,12 @@ def _device(name: str) -> torch.device:
     return dev
 
 
+def add_progress_argument(p: argparse.ArgumentParser) -> None:
+    """``--progress`` / ``--no-progress`` (default: bars only when stderr is a terminal or in a notebook)."""
+    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                   help="progress bars on stderr (default: only when stderr is a terminal)")
+
+
 def _out_dir(path: str) -> Path:
     p = Path(path)
     if p.exists() and not p.is_dir():

@@ -35,7 +35,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .bench import Progress
+from .._progress import progress_bar
+from .cli_common import add_progress_argument
 
 __all__ = ["CharMLP", "TrainConfig", "load_corpus", "train", "evaluate_bpc", "add_demo_arguments", "run_demo"]
 
@@ -136,7 +137,8 @@ class TrainConfig:
         return self.lr * warm * 0.5 * (1 + math.cos(math.pi * step / max(self.steps, 1)))
 
 
-def train(model: CharMLP, ids: torch.Tensor, cfg: TrainConfig, label: str = "train", progress: bool = True) -> float:
+def train(model: CharMLP, ids: torch.Tensor, cfg: TrainConfig, label: str = "train",
+          progress: bool | None = None) -> float:
     """Train ``model`` on ``ids`` with a fresh AdamW; returns the last 50 steps' mean loss in bits/char.
 
     Works the same for a dense model and a ``sparsify_``-ed one (masks stay frozen).
@@ -145,7 +147,7 @@ def train(model: CharMLP, ids: torch.Tensor, cfg: TrainConfig, label: str = "tra
     gen = torch.Generator().manual_seed(cfg.seed)
     model.train()
     recent: list[float] = []
-    bar = Progress(cfg.steps, label) if progress else None
+    bar = progress_bar(total=cfg.steps, desc=label, progress=progress, unit="step")
     for step in range(cfg.steps):
         for group in opt.param_groups:
             group["lr"] = cfg.lr_at(step)
@@ -155,14 +157,15 @@ def train(model: CharMLP, ids: torch.Tensor, cfg: TrainConfig, label: str = "tra
         loss.backward()
         opt.step()
         recent = (recent + [loss.item() / math.log(2)])[-50:]
-        if bar:
-            bar.update(note=f"loss {sum(recent) / len(recent):.3f} bits/char")
+        bar.set_postfix_str(f"loss {sum(recent) / len(recent):.3f} bits/char", refresh=False)
+        bar.update()
+    bar.close()
     return sum(recent) / max(len(recent), 1)
 
 
 @torch.no_grad()
 def evaluate_bpc(model: nn.Module, ids: torch.Tensor, n_chars: int, ctx: int = 32, label: str = "",
-                 progress: bool = False) -> float:
+                 progress: bool | None = False) -> float:
     """Bits per character predicting each of the first ``n_chars`` held-out
     characters (after the first ``ctx``) from the ``ctx`` before it.
 
@@ -174,12 +177,9 @@ def evaluate_bpc(model: nn.Module, ids: torch.Tensor, n_chars: int, ctx: int = 3
     model.eval()
     starts = torch.arange(0, min(n_chars, ids.numel() - ctx - 1))
     total, chunk = 0.0, 4096
-    bar = Progress(math.ceil(len(starts) / chunk), label) if progress else None
-    for a in range(0, len(starts), chunk):
+    for a in progress_bar(range(0, len(starts), chunk), desc=label, progress=progress, unit="chunk"):
         x, y = _windows(ids, starts[a:a + chunk], ctx)
         total += F.cross_entropy(model(x), y, reduction="sum").item()
-        if bar:
-            bar.update()
     return total / len(starts) / math.log(2)
 
 
@@ -200,6 +200,7 @@ def add_demo_arguments(p) -> None:
     p.add_argument("--threads", default="auto", help="torch CPU threads: N, or auto (probe 1 vs all: on a "
                                                      "busy machine one thread can be several times faster)")
     p.add_argument("--seed", type=int, default=0)
+    add_progress_argument(p)
 
 
 def _pick_threads(choice: str) -> tuple[int, str]:
@@ -239,7 +240,7 @@ def _file_bytes(sd: dict, path: Path) -> int:
     return path.stat().st_size
 
 
-def _bench_step(out: Path, machine: str, threads: int, quick: bool) -> str:
+def _bench_step(out: Path, machine: str, threads: int, quick: bool, progress: bool | None = None) -> str:
     """The quick CPU throughput sweep (CSV + PNG in ``out``); returns a one-line summary."""
     from . import bench
     from .plot import plot_rows
@@ -252,7 +253,7 @@ def _bench_step(out: Path, machine: str, threads: int, quick: bool) -> str:
         d = bench.default_settings(cpu, quick=True)
         shapes, ms, repeats = d["shapes"], d["ms"], d["repeats"]
     settings = bench.BenchSettings(cpu, parse_shapes(shapes), ms, [torch.float32], list(bench.PROVIDERS), repeats)
-    rows = bench.run_bench(settings, log=sys.stdout)
+    rows = bench.run_bench(settings, log=sys.stdout, progress=progress)
     csv_path = bench.write_csv(rows, out / "bench.csv")
     png = plot_rows(rows, out / "bench.png", title=f"sparse24 demo: throughput on {machine} "
                                                    f"(CPU, fp32, {threads} thread(s))")
@@ -328,11 +329,11 @@ def _run_demo(args) -> int:
     rows: list[dict] = []
 
     def record(name: str, m: nn.Module, weights: str) -> None:
-        rows.append({"model": name, "bpc": evaluate_bpc(m, val_ids, eval_chars, m.ctx, "eval", progress=True),
-                     "weights": weights})
+        bpc = evaluate_bpc(m, val_ids, eval_chars, m.ctx, "eval", progress=args.progress)
+        rows.append({"model": name, "bpc": bpc, "weights": weights})
 
     say("\n[1/5] dense training")
-    train(model, train_ids, cfg, "dense training")
+    train(model, train_ids, cfg, "dense training", progress=args.progress)
     dense_state = copy.deepcopy(model.state_dict())
     dense_file = _file_bytes(dense_state, out / "dense.pt")
 
@@ -344,11 +345,11 @@ def _run_demo(args) -> int:
     record(ONESHOT, model, "dense + mask (training form)")
 
     say("\n[3/5] retrain with the mask frozen, same hyper-parameters and batch order")
-    train(model, train_ids, cfg, "2:4 retraining")
+    train(model, train_ids, cfg, "2:4 retraining", progress=args.progress)
     record(RETRAINED, model, "dense + mask (training form)")
     if not args.no_control:
         control = _dense_copy(dense_state)
-        train(control, train_ids, cfg, "control: dense retraining")
+        train(control, train_ids, cfg, "control: dense retraining", progress=args.progress)
         record(CONTROL, control, dense_w)
         del control
 
@@ -366,7 +367,7 @@ def _run_demo(args) -> int:
     bench_note = "skipped (--no-bench)"
     if not args.no_bench:
         say("\n[5/5] throughput sweep on this CPU (sparse24.tools.bench, --quick settings)")
-        bench_note = _bench_step(out, machine, threads, args.quick)
+        bench_note = _bench_step(out, machine, threads, args.quick, args.progress)
 
     files = (f"state dict files: dense {dense_file:,} B; 2:4 fp32 {sparse_file:,} B "
              f"({100 * sparse_file / dense_file:.1f}%); 2:4 INT8 {int8_file:,} B "

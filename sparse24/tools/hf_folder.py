@@ -24,10 +24,13 @@ from ..api import MIN_FEATURES, sparsify_
 from ..hf import FORMAT_VERSION, sparsity_config
 from ..masks import kept_magnitude_fraction
 from ..nn import Sparse24Linear, is_conv1d_class
+from .._progress import progress_bar
+from .checkpoint import check_shards, dense_row, is_weight_matrix
 
 __all__ = ["is_model_folder", "prune_folder", "WEIGHT_FILES"]
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
+NOT_SWAPPED = "not the weight of a layer sparsify_ prunes (an embedding table, or not a Linear)"
 
 
 def is_model_folder(path: str | os.PathLike) -> bool:
@@ -66,7 +69,7 @@ def _skeleton(folder: Path):
 
 def prune_folder(src: str | os.PathLike, dst: str | os.PathLike, method: str = "magnitude",
                  quantize: str | None = None, min_features: int | None = None, exclude: str | None = None,
-                 prune_head: bool = False) -> list[dict]:
+                 prune_head: bool = False, progress: bool | None = None) -> list[dict]:
     """2:4-prune the model in Hugging Face folder ``src`` into the new folder ``dst``.
 
     Args:
@@ -79,9 +82,11 @@ def prune_folder(src: str | os.PathLike, dst: str | os.PathLike, method: str = "
         min_features: as :func:`sparse24.sparsify_` (default its ``MIN_FEATURES``).
         exclude: regular expression; matching layer names stay dense.
         prune_head: prune the output head too (``skip_output_head=False``).
+        progress: a tqdm bar over the shards (default None: when stderr is a terminal).
     Returns:
-        one report dict per 2-D weight considered: ``name, shape, dtype, action, reason, kept,
-        bytes_before, bytes_after`` (as :func:`sparse24.tools.cli.prune_state_dict`).
+        one report dict per 2-D floating-point ``weight`` tensor stored in the checkpoint (the
+        tensors :func:`sparse24.tools.prune.prune_state_dict` reports for a file): ``name, shape,
+        dtype, action, reason, kept, bytes_before, bytes_after``.
     Example:
         >>> prune_folder("llama-dense", "llama-2of4", quantize="int8")
     """
@@ -93,6 +98,7 @@ def prune_folder(src: str | os.PathLike, dst: str | os.PathLike, method: str = "
         raise ValueError(f"--out {dst}: exists and is not an empty folder")
     excl = re.compile(exclude, re.IGNORECASE) if exclude else None
     shards, index = _shards(src)
+    check_shards(src, shards)
     config, model = _skeleton(src)
     report = sparsify_(model, filter_fn=None if excl is None else (lambda m, fqn: not excl.search(fqn)),
                        mode="compressed", method=method, quantize=quantize,
@@ -102,12 +108,13 @@ def prune_folder(src: str | os.PathLike, dst: str | os.PathLike, method: str = "
               if isinstance(m, Sparse24Linear)}
     prefix = f"{model.base_model_prefix}." if model.base_model_prefix else ""
     rows, done = [], set()
+    skipped = {r.fqn + ".weight": r.reason for r in report.skipped}
     tmp = dst.with_name(f".{dst.name}.{os.getpid()}.partial")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
         weight_map = {}
-        for shard in shards:
+        for shard in progress_bar(shards, desc="prune", progress=progress, unit="shard"):
             out = {}
             with safe_open(src / shard, framework="pt") as f:
                 for key in f.keys():
@@ -115,6 +122,8 @@ def prune_folder(src: str | os.PathLike, dst: str | os.PathLike, method: str = "
                     t = f.get_tensor(key)
                     if name is None:
                         out[key] = t
+                        if is_weight_matrix(key, t):  # counted as prune_state_dict counts a file's weights
+                            rows.append(dense_row(key, t, skipped.get(key) or skipped.get(prefix + key) or NOT_SWAPPED))
                         continue
                     fqn, layer = layers[name]
                     entries, mask = layer.entries_from_dense(t)
@@ -148,9 +157,4 @@ def prune_folder(src: str | os.PathLike, dst: str | os.PathLike, method: str = "
         os.replace(tmp, dst)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    for r in report.skipped:
-        if r.fqn + ".weight" in layers or r.reason.startswith("not handled"):
-            continue
-        rows.append({"name": r.fqn + ".weight", "shape": r.shape, "dtype": str(r.dtype)[6:], "action": "kept dense",
-                     "reason": r.reason, "kept": 1.0, "bytes_before": r.dense_bytes, "bytes_after": r.dense_bytes})
     return rows

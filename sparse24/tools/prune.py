@@ -4,12 +4,15 @@ Hugging Face model folder (:mod:`sparse24.tools.hf_folder`)."""
 from __future__ import annotations
 
 import importlib.util
+import pickle
 import re
 import warnings
 from pathlib import Path
 
 import torch
 
+from .._progress import progress_bar
+from .checkpoint import dense_row, is_weight_matrix
 from .cli_common import CLIError, _one_line, _prog
 
 __all__ = ["prune_state_dict", "PRUNE_EXCLUDE", "cmd_prune"]
@@ -39,13 +42,9 @@ def _load_state_dict(path: str) -> tuple[dict, str]:
             warnings.simplefilter("ignore")
             obj = torch.load(p, map_location="cpu", weights_only=True)
     except Exception as e:  # torch raises many types for non-checkpoint files
-        why = _one_line(e)
-        found = re.search(r"WeightsUnpickler error: (.*?)(?: was not an allowed| Please| Check the|\. |$)", why)
-        if found:  # torch's text is a paragraph (with terminal escapes); its cause is one phrase in it
-            why = (f"it holds objects other than tensors ({found.group(1)}), which torch.load(weights_only=True) "
-                   f"refuses; save model.state_dict() alone")
+        why = _refused_unpickling(e) or _one_line(e)[:200]
         raise CLIError(f"cannot read {path} as a torch checkpoint: "
-                       f"{why[:200] or type(e).__name__ + (' (empty file)' if not p.stat().st_size else '')}") from None
+                       f"{why or type(e).__name__ + (' (empty file)' if not p.stat().st_size else '')}") from None
     if isinstance(obj, dict) and obj and all(isinstance(v, torch.Tensor) for v in obj.values()):
         return obj, ""
     for key in ("state_dict", "model"):
@@ -53,6 +52,26 @@ def _load_state_dict(path: str) -> tuple[dict, str]:
         if isinstance(inner, dict) and inner and all(isinstance(v, torch.Tensor) for v in inner.values()):
             return inner, key
     raise CLIError(f"{path} is not a state dict (a dict of tensors, or one under 'state_dict'/'model')")
+
+
+def _refused_unpickling(e: Exception) -> str:
+    """Why torch's tensors-only loader refused a file, in our words, or "" for other errors.
+
+    torch's own text is a paragraph that also explains how to load the file with the
+    unrestricted unpickler; cut short it read as advice to do so. Unpickling runs whatever
+    code the file names, so sparse24 never does it: the user is told that, and what to save.
+    """
+    text = str(e)
+    if not (isinstance(e, pickle.UnpicklingError) and text.startswith("Weights only load failed")):
+        return ""
+    found = re.search(r"GLOBAL ([\w.]+)", text)
+    if found:
+        return (f"it holds objects other than tensors ({found.group(1)}): loading them needs unrestricted "
+                "unpickling, which can run arbitrary code from the file, and sparse24 refuses to do that; "
+                "save model.state_dict() alone (torch.save or safetensors) and prune that file")
+    cause = re.search(r"WeightsUnpickler error:\s*(.*?)\s*(?:\n|Check the|$)", text)
+    return (f"it is not a tensors-only torch.save file ({_one_line(cause.group(1)) if cause else 'refused'}); "
+            "sparse24 loads only tensors and never unpickles arbitrary objects, which can run code")
 
 
 def _direct_reader(prefix: str, sd: dict) -> str:
@@ -69,7 +88,7 @@ def _direct_reader(prefix: str, sd: dict) -> str:
 
 def prune_state_dict(sd: dict, method: str = "magnitude", quantize: str | None = None,
                      min_features: int | None = None, exclude: str = PRUNE_EXCLUDE,
-                     prune_head: bool = False) -> tuple[dict, list[dict]]:
+                     prune_head: bool = False, progress: bool | None = None) -> tuple[dict, list[dict]]:
     """2:4-prune the linear weights of a raw state dict (no model class needed).
 
     Every 2-D floating ``<prefix>.weight`` with in-features divisible by 4 and
@@ -99,6 +118,7 @@ def prune_state_dict(sd: dict, method: str = "magnitude", quantize: str | None =
         min_features: default ``sparse24.api.MIN_FEATURES`` (the same rule as ``sparsify_``).
         exclude: regular expression; matching weight names are left dense.
         prune_head: prune the output head too.
+        progress: a tqdm bar over the entries (default None: when stderr is a terminal).
     Returns:
         ``(new_state_dict, report)`` with one report dict per 2-D float weight:
         ``name, shape, dtype, action ("compressed" | "masked" | "kept dense"),
@@ -110,12 +130,14 @@ def prune_state_dict(sd: dict, method: str = "magnitude", quantize: str | None =
         (['fc.bias', 'fc.meta', 'fc.values'], 'compressed')
     """
     from ..api import MIN_FEATURES
-    from ..format import FLOAT_DTYPES, compress
+    from ..format import compress
     from ..masks import kept_magnitude_fraction, mask_nm
 
     if method in ("wanda", "sparsegpt"):
         raise ValueError(f"method {method!r} needs calibration data (layer inputs), which a checkpoint does not "
-                         f"have; use sparse24.calibrate + sparsify_ in Python, or magnitude/2d_greedy/2d_optimal")
+                         f"have; prune a Hugging Face model folder with calibration text (python -m sparse24 "
+                         f"prune FOLDER --method {method} --calibration TEXT), use sparse24.calibrate + sparsify_ "
+                         "in Python, or magnitude/2d_greedy/2d_optimal")
     if quantize not in (None, "int8"):
         raise ValueError(f"--quantize must be int8 (or absent), got {quantize!r}")
     min_features = MIN_FEATURES if min_features is None else min_features
@@ -138,16 +160,13 @@ def prune_state_dict(sd: dict, method: str = "magnitude", quantize: str | None =
     heads = {k for k in plain if vocab is not None and sd[k].dim() == 2 and sd[k].shape[0] == vocab
              and (re.search(r"(^|\.)(lm_head|head|output)\.weight$", k) or [k] == last)}
     out, report = {}, []
-    for key, t in sd.items():
-        if not (key.endswith(".weight") or key == "weight") or t.dim() != 2 or t.dtype not in FLOAT_DTYPES \
-                or key not in plain:
+    for key, t in progress_bar(sd.items(), desc="prune", progress=progress, unit="tensor"):
+        if not is_weight_matrix(key, t) or key not in plain:
             out[key] = t
             continue
         prefix = key[: -len("weight")]  # "fc." (or "" for a bare Linear's state dict)
         R, C = t.shape
-        nbytes = t.numel() * t.element_size()
-        row = {"name": key, "shape": (R, C), "dtype": str(t.dtype)[6:], "action": "kept dense", "reason": "",
-               "kept": 1.0, "bytes_before": nbytes, "bytes_after": nbytes}
+        row = dense_row(key, t, "")
         tied = [k for k in storages[t.untyped_storage().data_ptr()] if k != key]
         taken = [prefix + n for n in ("values", "meta", "scale", "mask") if prefix + n in sd]
         if taken:  # writing them would overwrite those entries silently
@@ -219,15 +238,20 @@ def _print_prune_table(title: str, report: list[dict], out: Path, size_in: int) 
     before, after = (sum(r[k] for r in report) for k in ("bytes_before", "bytes_after"))
     n = sum(r["action"] != "kept dense" for r in report)
     size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file()) if out.is_dir() else out.stat().st_size
-    print(f"  {n} of {len(report)} 2-D weights pruned; their bytes {before} -> {after} "
+    print(f"  {n} of the checkpoint's {len(report)} 2-D float weight tensors pruned (embedding tables "
+          f"and heads count too); their bytes {before} -> {after} "
           f"({100 * after / max(before, 1):.1f}%); other tensors copied unchanged")
     print(f"  {'folder' if out.is_dir() else 'file'}: {out} ({size} bytes; input {size_in} bytes)")
 
 
 def cmd_prune(args) -> int:
+    from .prune_calibrated import CALIBRATED, check_calibration_arguments
     out = _check_prune_out(args)
     src = Path(args.checkpoint)
     settings = f": method={args.method}" + (f", quantize={args.quantize}" if args.quantize else "")
+    check_calibration_arguments(args, src)
+    if args.method in CALIBRATED:
+        return _prune_calibrated(args, src, out, settings)
     if src.is_dir() and (src / "config.json").is_file():
         return _prune_folder(args, src, out, settings)
     if out.is_dir():
@@ -235,7 +259,8 @@ def cmd_prune(args) -> int:
     if out.suffix == ".safetensors" and importlib.util.find_spec("safetensors") is None:
         raise CLIError("writing .safetensors needs the safetensors package: pip install 'sparse24[hf]'", 1)
     sd, wrapper = _load_state_dict(args.checkpoint)
-    new, report = prune_state_dict(sd, args.method, args.quantize, args.min_features, args.exclude, args.prune_head)
+    new, report = prune_state_dict(sd, args.method, args.quantize, args.min_features, args.exclude, args.prune_head,
+                                   args.progress)
     if not any(r["action"] != "kept dense" for r in report):
         raise CLIError(f"{args.checkpoint}: no weight could be pruned ({len(report)} 2-D float weight(s), "
                        "none eligible" + (f"; first: {report[0]['name']}: {report[0]['reason']}" if report else "")
@@ -258,8 +283,22 @@ def _prune_folder(args, src: Path, out: Path, settings: str) -> int:
     if importlib.util.find_spec("transformers") is None or importlib.util.find_spec("safetensors") is None:
         raise CLIError("pruning a model folder needs transformers and safetensors: pip install 'sparse24[hf]'", 1)
     from .hf_folder import prune_folder
-    report = prune_folder(src, out, args.method, args.quantize, args.min_features, args.exclude, args.prune_head)
+    report = prune_folder(src, out, args.method, args.quantize, args.min_features, args.exclude, args.prune_head,
+                          args.progress)
     size_in = sum(f.stat().st_size for f in src.rglob("*") if f.is_file())
     _print_prune_table(f"{_prog()} prune {src} (Hugging Face folder){settings}", report, out, size_in)
+    print(f"  load it with: sparse24.from_pretrained(<model class>, {str(out)!r})")
+    return 0
+
+
+def _prune_calibrated(args, src: Path, out: Path, settings: str) -> int:
+    """``prune FOLDER --method wanda|sparsegpt|layerwise --calibration TEXT`` (see
+    :mod:`sparse24.tools.prune_calibrated`)."""
+    if importlib.util.find_spec("transformers") is None or importlib.util.find_spec("safetensors") is None:
+        raise CLIError("pruning a model folder needs transformers and safetensors: pip install 'sparse24[hf]'", 1)
+    from .prune_calibrated import prune_folder_calibrated
+    report, note = prune_folder_calibrated(src, out, args)
+    size_in = sum(f.stat().st_size for f in src.rglob("*") if f.is_file())
+    _print_prune_table(f"{_prog()} prune {src} (Hugging Face folder){settings}; {note}", report, out, size_in)
     print(f"  load it with: sparse24.from_pretrained(<model class>, {str(out)!r})")
     return 0

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from sparse24.tools import bench, plot
-from sparse24.tools.bench import BenchSettings, Progress, run_bench, write_csv
+from sparse24.tools.bench import BenchSettings, run_bench, write_csv
 
 CPU = torch.device("cpu")
 TINY = [("64x128", 64, 128)]
@@ -96,27 +96,14 @@ def test_default_settings_and_device_naming():
     assert bench.device_slug({"device_type": "cuda", "device": name}) == gpu_file_name(name) == "NVIDIA_H100_80GB_HBM3"
 
 
-def test_progress_bar_in_a_log_prints_few_lines():
-    out = io.StringIO()
-    with Progress(100, "sweep", stream=out) as bar:
-        for i in range(100):
-            bar.update(note=f"item {i}")
-    lines = out.getvalue().splitlines()
-    assert 10 <= len(lines) <= 11, lines
-    assert lines[-1].startswith("sweep [" + "#" * 24 + "] 100/100") and "item 99" in lines[-1]
-
-
-def test_progress_bar_on_a_terminal_redraws_one_line():
-    class Terminal(io.StringIO):
-        def isatty(self):
-            return True
-    out = Terminal()
-    with Progress(5, "sweep", stream=out) as bar:
-        for _ in range(5):
-            bar.update()
-    text = out.getvalue()
-    assert text.count("\r") == 5 and text.count("\n") == 1 and text.endswith("\n")
-    assert "5/5" in text.rsplit("\r", 1)[1]
+def test_progress_bar_is_tqdm_on_stderr_and_can_be_turned_off(capsys):
+    s = BenchSettings(CPU, TINY, [1, 5], [torch.float32], ["dense", "sparse24-reference"], repeats=2)
+    run_bench(s, progress=True, log=io.StringIO())
+    err = capsys.readouterr().err
+    assert "bench: 100%" in err and "4/4" in err and "64x128 M=5" in err  # 2 providers x 2 M, last point named
+    run_bench(s, progress=False, log=io.StringIO())
+    run_bench(s, log=io.StringIO())  # default: only on a terminal (pytest's stderr is not one)
+    assert capsys.readouterr().err == ""
 
 
 def test_csv_round_trip_and_plot(tmp_path):

@@ -64,7 +64,7 @@ def test_bench_writes_csv_png_and_env(capsys, tmp_path):
     env = (tmp_path / "bench.txt").read_text()
     assert "load average" in env and "1 torch threads" in env
     assert "speedup vs dense" in out and f"CSV:  {tmp_path / 'bench.csv'}" in out
-    assert "bench [" in err  # the progress bar
+    assert "100%|" not in err  # no progress bar when stderr is no terminal (--progress forces one)
 
     png = tmp_path / "again.png"
     rc, out, _ = run(capsys, "plot", str(tmp_path / "bench.csv"), str(tmp_path / "bench.csv"), "--out", str(png),
@@ -96,7 +96,8 @@ def test_bench_writes_csv_png_and_env(capsys, tmp_path):
     (["plot", "a.csv", "--out", "x.jpg"], 2, ["--out must name a .png"]),
     (["plot", "a.csv"], 2, ["--out", "required"]),
     (["prune", "missing.pt", "--out", "x.pt"], 2, ["no such checkpoint file: missing.pt"]),
-    (["prune", "a.pt", "--out", "b.pt", "--method", "wanda"], 2, ["invalid choice: 'wanda'"]),
+    (["prune", "a.pt", "--out", "b.pt", "--method", "wanda"], 2,
+     ["--method wanda runs calibration text through the model", "needs a Hugging Face model folder"]),
     (["prune", "a.pt", "--out", "b.pt", "--min-features", "x"], 2, ["invalid int value: 'x'"]),
     (["prune", "a.pt", "--out", "."], 2, ["--out .: is a folder"]),  # was a torch.save traceback
     (["frobnicate"], 2, ["invalid choice: 'frobnicate'"]),
@@ -352,6 +353,17 @@ def test_prune_bad_inputs_and_outputs(capsys, tmp_path, monkeypatch):
     rc, _, err = run(capsys, "prune", str(tmp_path / "obj.pt"), "--out", str(out))
     assert rc == 2  # was torch's paragraph cut at 200 characters, terminal escapes included
     assert_one_line_error(err, "holds objects other than tensors", "Namespace", "save model.state_dict() alone")
+
+    class Payload:  # what a malicious checkpoint holds: a call unpickling would make
+        def __reduce__(self):
+            return os.system, (f"touch {tmp_path / 'ran'}",)
+    torch.save({"fc.weight": torch.randn(64, 64), "x": Payload()}, tmp_path / "evil.pt")
+    rc, _, err = run(capsys, "prune", str(tmp_path / "evil.pt"), "--out", str(out))
+    assert rc == 2 and not (tmp_path / "ran").exists()
+    # said plainly, whole, and never torch's advice to load it with weights_only=False
+    assert_one_line_error(err, "system)", "needs unrestricted unpickling, which can run arbitrary code",
+                          "sparse24 refuses to do that", "save model.state_dict() alone")
+    assert "weights_only" not in err
     (tmp_path / "empty.pt").write_bytes(b"")
     rc, _, err = run(capsys, "prune", str(tmp_path / "empty.pt"), "--out", str(out))
     assert rc == 2
@@ -383,7 +395,7 @@ def test_demo_reports_the_characters_it_scored(capsys, tmp_path, monkeypatch):
         return tr, val[:500], {**info, "heldout_chars": 500}
     monkeypatch.setattr(demo, "load_corpus", small)
     rc, out, err = run(capsys, "demo", "--quick", "--steps", "1", "--eval-chars", "100000", "--no-control",
-                       "--no-bench", "--threads", "1", "--out", str(tmp_path))
+                       "--no-bench", "--threads", "1", "--out", str(tmp_path), "--progress")
     assert rc == 0, err
     with open(tmp_path / "results.csv") as f:  # was 100000: more than the 500 held-out characters exist
         assert {r["eval_chars"] for r in csv.DictReader(f)} == {str(500 - 32 - 1)}
@@ -415,7 +427,7 @@ def test_demo_thread_choice():
 
 def test_demo_tiny(capsys, tmp_path):
     rc, out, err = run(capsys, "demo", "--quick", "--steps", "4", "--eval-chars", "600", "--no-control",
-                       "--threads", "1", "--out", str(tmp_path))
+                       "--threads", "1", "--out", str(tmp_path), "--progress")
     assert rc == 0, err
     with open(tmp_path / "results.csv") as f:
         res = {r["model"]: float(r["bpc"]) for r in csv.DictReader(f)}
@@ -427,7 +439,7 @@ def test_demo_tiny(capsys, tmp_path):
     assert (tmp_path / "sparse24.pt").stat().st_size < 0.6 * (tmp_path / "dense.pt").stat().st_size
     assert f"results: {tmp_path / 'results.md'}" in out and "bench.png" in out
     assert "| dense |" in (tmp_path / "results.md").read_text()
-    assert "dense training [" in out + err  # progress bars
+    assert "dense training: 100%" in err and "4/4" in err and "bench: 100%" in err  # --progress: tqdm bars
 
 
 GPU_CHECK = Path(__file__).resolve().parents[2] / "scripts" / "gpu_check.sh"

@@ -1,5 +1,6 @@
 """prune with safetensors files and Hugging Face model folders; the program named as invoked."""
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -11,7 +12,7 @@ from transformers import GPT2LMHeadModel, LlamaForCausalLM
 
 import sparse24
 from hf_models import tiny_gpt2, tiny_llama, tokens
-from test_cli import run
+from test_cli import assert_one_line_error, run
 
 
 def test_out_safetensors_writes_safetensors(capsys, tmp_path):
@@ -74,6 +75,56 @@ def test_prune_folder_errors(capsys, tmp_path):
     rc, _, err = run(capsys, "prune", str(tmp_path / "dense"), "--out", str(tmp_path / "o"))
     assert rc == 2 and "has no model.safetensors" in err
     assert not (tmp_path / "o").exists() and not list(tmp_path.glob(".o.*"))
+
+
+def test_truncated_shard_is_one_line_and_writes_nothing(capsys, tmp_path):
+    tiny_llama().save_pretrained(tmp_path / "dense", max_shard_size="40KB")
+    shard = sorted((tmp_path / "dense").glob("model-*.safetensors"))[-1]
+    shard.write_bytes(shard.read_bytes()[:-100])  # a download cut short
+    capsys.readouterr()  # transformers' own "Writing model shards" bar
+    rc, _, err = run(capsys, "prune", str(tmp_path / "dense"), "--out", str(tmp_path / "o"))
+    assert rc == 2
+    assert_one_line_error(err, f"cannot read {shard} as a safetensors file")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dense"]  # no output, no partial folder
+
+
+def _summary(out: str) -> tuple[int, int]:
+    line = next(li for li in out.splitlines() if "2-D float weight tensors pruned" in li)
+    n, total = re.search(r"(\d+) of the checkpoint's (\d+) 2-D", line).groups()
+    return int(n), int(total)
+
+
+def test_file_and_folder_summaries_count_the_same_weights(capsys, tmp_path):
+    dense = tiny_llama()
+    dense.save_pretrained(tmp_path / "dense")
+    save_file(dense.state_dict(), tmp_path / "dense.safetensors")
+    rc, folder_out, err = run(capsys, "prune", str(tmp_path / "dense"), "--out", str(tmp_path / "o"))
+    assert rc == 0, err
+    rc, file_out, err = run(capsys, "prune", str(tmp_path / "dense.safetensors"), "--out", str(tmp_path / "o.pt"))
+    assert rc == 0, err
+    # independent count: every 2-D float tensor named *.weight in the checkpoint; the pruned ones are the Linears
+    stored = {k for k, v in load_file(tmp_path / "dense" / "model.safetensors").items()
+              if k.endswith(".weight") and v.dim() == 2}
+    linears = {f"{n}.weight" for n, m in dense.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"}
+    assert _summary(folder_out) == _summary(file_out) == (len(linears), len(stored)) == (14, 16)
+    rows = [dict(re.findall(r"^  ((?:model|lm_head)\S+) (.*?(?:kept dense|compressed))", o, re.M))
+            for o in (folder_out, file_out)]
+    assert rows[0] == rows[1] and set(rows[0]) == stored  # same weights, shapes, kept |w|, bytes and actions
+
+
+def test_prune_progress_bar(capsys, tmp_path):
+    tiny_llama().save_pretrained(tmp_path / "dense", max_shard_size="40KB")
+    save_file(tiny_llama().state_dict(), tmp_path / "dense.safetensors")
+    capsys.readouterr()
+    rc, _, err = run(capsys, "prune", str(tmp_path / "dense"), "--out", str(tmp_path / "a"), "--progress")
+    shards = len(list((tmp_path / "dense").glob("model-*.safetensors")))
+    assert rc == 0 and "prune: 100%" in err and f"{shards}/{shards} [" in err and "shard/s" in err
+    rc, _, err = run(capsys, "prune", str(tmp_path / "dense.safetensors"), "--out", str(tmp_path / "a.pt"), "--progress")
+    n = len(tiny_llama().state_dict())
+    assert rc == 0 and "prune: 100%" in err and f"{n}/{n} [" in err
+    for argv in (["--no-progress"], []):  # off, and off by default where stderr is no terminal
+        rc, _, err = run(capsys, "prune", str(tmp_path / "dense"), "--out", str(tmp_path / f"b{len(argv)}"), *argv)
+        assert rc == 0 and err == ""
 
 
 def test_usage_names_the_program_as_invoked(tmp_path):

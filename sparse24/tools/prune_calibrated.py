@@ -1,0 +1,292 @@
+"""Calibrated pruning of a Hugging Face model folder from the command line:
+``python -m sparse24 prune FOLDER --out DIR --method wanda|sparsegpt|layerwise
+[--permute] --calibration TEXT [--samples N] [--seq-len L]``.
+
+The calibration text (a file with one sample per line, or a folder with one
+sample per file) is tokenized with the folder's own tokenizer, one sample per
+batch (no padding, so every statistic counts real tokens only and layers that
+read one vector per sequence, such as BERT's pooler, calibrate too). Then the
+library runs exactly what a user would write in Python (:func:`prune_calibrated`):
+
+* ``wanda``: ``calibrate`` + ``sparsify_(method="wanda")``;
+* ``sparsegpt``: ``calibrate(hessian=True)`` + ``sparsify_(method="sparsegpt",
+  refit=True)`` (SparseGPT's mask, kept weights re-solved by least squares);
+* ``layerwise`` (the recommended one-shot recipe, docs/masks.md): each layer, in
+  order, fit by SparseGPT + least squares to the dense model's outputs from the
+  inputs the pruned layers before it give (``prune_layerwise_(..., teacher=dense,
+  refit=True)``), then ``sparsify_``;
+* ``--permute`` first: channel permutations found by ``find_permutation_groups``
+  (proved exact on the first sample) and searched on the method's importance
+  (``permute_model_``).
+
+The layers are those ``sparsify_`` picks (output head dense unless
+``--prune-head``, ``--exclude``, ``--min-features``), planned on a meta-device
+copy as for magnitude pruning. The new folder is ``save_pretrained``'s, with the
+tokenizer and every other file copied; ``sparse24.from_pretrained`` loads it.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import inspect
+import os
+import re
+import shutil
+from pathlib import Path
+
+import torch
+
+from ..api import MIN_FEATURES, sparsify_
+from ..masks import calibrate, find_permutation_groups, kept_magnitude_fraction, permute_model_, prune_layerwise_
+from ..nn import Sparse24Linear, is_conv1d_class
+from .._progress import progress_enabled
+from .checkpoint import check_shards, dense_row, is_weight_matrix, stored_mask
+from .cli_common import CLIError, _one_line
+
+__all__ = ["CALIBRATED", "read_samples", "tokenize_samples", "prune_calibrated", "prune_folder_calibrated",
+           "add_calibration_arguments", "check_calibration_arguments"]
+
+CALIBRATED = ("wanda", "sparsegpt", "layerwise")
+PERMUTE_ITERS = 200  # search steps per permutation group: deterministic (the time limit is far away)
+
+
+def read_samples(path: str | os.PathLike, samples: int) -> list[str]:
+    """The first ``samples`` calibration texts of ``path``: its non-empty lines (a file)
+    or the text of each file (a folder, in name order; empty files skipped)."""
+    p = Path(path)
+    if p.is_dir():
+        files = sorted(f for f in p.iterdir() if f.is_file() and not f.name.startswith("."))
+        texts = [t for t in (_read_text(f) for f in files) if t.strip()]
+    elif p.is_file():
+        texts = [line for line in _read_text(p).splitlines() if line.strip()]
+    else:
+        raise CLIError(f"--calibration {path}: no such file or folder")
+    if not texts:
+        raise CLIError(f"--calibration {path}: no text in it (a file with one sample per line, or a folder with one "
+                       "sample per file)")
+    return [t.strip() for t in texts[:samples]]
+
+
+def _read_text(f: Path) -> str:
+    try:
+        return f.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise CLIError(f"--calibration: {f} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+
+
+def tokenize_samples(tokenizer, model: torch.nn.Module, texts: list[str], seq_len: int) -> list[dict]:
+    """One batch per text: ``tokenizer(text, truncation=True, max_length=seq_len)`` as ``(1, L)``
+    tensors, keeping only the inputs ``model.forward`` names (a tokenizer may add
+    ``token_type_ids`` a decoder does not take), plus ``use_cache=False`` where it takes one."""
+    names = {n for n, prm in inspect.signature(model.forward).parameters.items()
+             if prm.kind not in (prm.VAR_KEYWORD, prm.VAR_POSITIONAL)}
+    # no key/value cache: nothing reads it, and its objects make two runs' outputs compare unequal
+    extra = {"use_cache": False} if "use_cache" in names else {}
+    batches = []
+    for text in texts:
+        enc = tokenizer(text, truncation=True, max_length=seq_len, return_tensors="pt")
+        b = {**{k: v for k, v in enc.items() if k in names}, **extra}
+        if "input_ids" not in b or b["input_ids"].numel() == 0:
+            continue  # nothing left of this sample (e.g. only characters the tokenizer drops)
+        batches.append(b)
+    if not batches:
+        raise CLIError("--calibration: the tokenizer gave no tokens for any sample")
+    return batches
+
+
+def prune_calibrated(model: torch.nn.Module, batches: list, method: str, layers: set[str], permute: bool = False,
+                     heads: int | None = None, quantize: str | None = None, prune_head: bool = False,
+                     min_features: int = MIN_FEATURES, permute_iters: int = PERMUTE_ITERS,
+                     progress: bool | None = None) -> tuple[dict[str, float], int]:
+    """Prune ``model`` in place with a calibrated ``method`` (see the module docstring), the
+    ``layers`` (names) compressed, and return each layer's kept fraction of the dense ``sum |W|``.
+
+    Args:
+        model: a dense model (``nn.Linear`` layers).
+        batches: ``model(**batch)`` inputs, one sample each.
+        method: ``"wanda"``, ``"sparsegpt"`` or ``"layerwise"``.
+        layers: the ``nn.Linear`` names to prune (``sparsify_``'s plan).
+        permute: search channel permutations first (``heads``: attention heads, for the value channels).
+        quantize, prune_head, min_features: as :func:`sparse24.sparsify_`.
+        permute_iters: search steps per permutation group.
+        progress: tqdm bars (None: on a terminal).
+    Returns:
+        ``({layer name: kept fraction of sum |W| of the dense (permuted) weight}, permutation groups applied)``.
+    """
+    def chosen(mod, fqn):
+        return fqn in layers
+
+    options = {"filter_fn": chosen, "mode": "compressed", "quantize": quantize, "min_features": min_features,
+               "skip_output_head": not prune_head}
+    stats, groups = None, []
+    if permute or method != "layerwise":
+        stats = calibrate(model, batches, hessian=method != "wanda", filter_fn=chosen, progress=progress)
+    if permute:
+        groups = [g for g in find_permutation_groups(model, batches[0], heads=heads)
+                  if all(c in layers for c in g.consumers)]
+        permute_model_(model, groups, score="wanda" if method == "wanda" else "sparsegpt", calibration=stats,
+                       example=batches[0], max_iters=permute_iters, time_limit=3600,
+                       progress=progress_enabled(progress))
+    if method != "layerwise":
+        report = sparsify_(model, method=method, calibration=stats, **options,
+                           **({"refit": True} if method == "sparsegpt" else {}))
+        return {r.fqn: r.kept_fraction for r in report.changed}, len(groups)
+    del stats
+    dense = copy.deepcopy(model)  # the teacher: the dense (permuted) model, only read
+    prune_layerwise_(model, batches, method="sparsegpt", refit=True, teacher=dense, filter_fn=chosen,
+                     progress=progress)
+    sparsify_(model, **options)  # magnitude masks keep exactly the non-zeros left
+    mods = dict(dense.named_modules())
+    return {fqn: kept_magnitude_fraction(mods[fqn].weight, stored_mask(m.sparse_tensor()))
+            for fqn, m in model.named_modules() if isinstance(m, Sparse24Linear)}, len(groups)
+
+
+# --- the command line ------------------------------------------------------------------
+
+def add_calibration_arguments(p) -> None:
+    """The options of ``prune`` for the calibrated methods."""
+    p.add_argument("--calibration", metavar="TEXT", help="calibration text for --method wanda|sparsegpt|layerwise: "
+                   "a file (one sample per line) or a folder (one sample per file), tokenized with the model "
+                   "folder's own tokenizer")
+    p.add_argument("--samples", type=int, default=128, help="calibration samples used (the first N; default 128)")
+    p.add_argument("--seq-len", type=int, default=512, help="tokens per sample at most (default 512)")
+    p.add_argument("--permute", action="store_true", help="search channel permutations first (proved exact on the "
+                   "first sample; calibrated methods only)")
+    p.add_argument("--permute-iters", type=int, default=PERMUTE_ITERS,
+                   help=f"search steps per permutation group (default {PERMUTE_ITERS})")
+
+
+def check_calibration_arguments(args, src: Path) -> None:
+    """Refuse what cannot work before anything is read (exit 2)."""
+    if args.method not in CALIBRATED:
+        for flag, given in (("--calibration", args.calibration is not None), ("--permute", args.permute)):
+            if given:
+                raise CLIError(f"{flag} is for the calibrated methods ({', '.join(CALIBRATED)}), not --method "
+                               f"{args.method}")
+        return
+    if not (src.is_dir() and (src / "config.json").is_file()):
+        what = "a bare state dict" if src.is_file() else "not a Hugging Face model folder"
+        raise CLIError(f"--method {args.method} runs calibration text through the model, so it needs a Hugging Face "
+                       f"model folder (config.json, weights, tokenizer); {src} is {what}: use --method magnitude, "
+                       "2d_greedy or 2d_optimal for it")
+    if args.calibration is None:
+        raise CLIError(f"--method {args.method} needs --calibration TEXT (a file with one sample per line, or a "
+                       "folder with one sample per file)")
+    for flag, v in (("--samples", args.samples), ("--seq-len", args.seq_len), ("--permute-iters", args.permute_iters)):
+        if v < 1:
+            raise CLIError(f"{flag} must be >= 1, got {v}")
+
+
+def prune_folder_calibrated(src: Path, dst: Path, args) -> tuple[list[dict], str]:
+    """``prune FOLDER --method wanda|sparsegpt|layerwise``: everything is checked (arguments,
+    calibration text, shards, model class, tokenizer) before the model is loaded; the new
+    folder is written under a temporary name and renamed. Returns the report rows (one per
+    2-D float ``*.weight`` stored in the checkpoint, as for the other methods) and a note on
+    the calibration data."""
+    from transformers import AutoTokenizer
+
+    from .hf_folder import NOT_SWAPPED, WEIGHT_FILES, _shards, _skeleton
+
+    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
+        raise CLIError(f"--out {dst}: exists and is not an empty folder")
+    texts = read_samples(args.calibration, args.samples)
+    try:
+        excl = re.compile(args.exclude, re.IGNORECASE) if args.exclude else None
+    except re.error as e:
+        raise CLIError(f"--exclude {args.exclude!r} is not a regular expression: {e}") from None
+    shards, _ = _shards(src)
+    check_shards(src, shards)
+    config, skeleton = _skeleton(src)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(src)
+    except Exception as e:  # transformers raises OSError, ValueError or its own types for a missing tokenizer
+        raise CLIError(f"{src} has no tokenizer that transformers.AutoTokenizer loads ({_one_line(e)[:160]}); the "
+                       "calibration text is tokenized with the model's own: save it into the folder "
+                       "(tokenizer.save_pretrained)") from None
+    min_features = MIN_FEATURES if args.min_features is None else args.min_features
+    plan = sparsify_(skeleton, filter_fn=None if excl is None else (lambda m, fqn: not excl.search(fqn)),
+                     mode="compressed", min_features=min_features, skip_output_head=not args.prune_head)
+    planned = {fqn: m for fqn, m in skeleton.named_modules() if isinstance(m, Sparse24Linear)}
+    conv = [fqn for fqn, m in planned.items() if is_conv1d_class(m._dense_cls)]
+    if conv:
+        raise CLIError(f"--method {args.method} calibrates nn.Linear layers, and {type(skeleton).__name__} holds "
+                       f"transformers Conv1D layers ({conv[0]}, ...): prune it with --method magnitude")
+    if not planned:
+        raise CLIError(f"{src}: no layer to prune (see --min-features / --exclude)", 1)
+    with _transformers_bars(progress_enabled(args.progress)):
+        model = type(skeleton).from_pretrained(src).eval()
+    # no longer than the model's positions (a longer sample would fail inside its embedding lookup)
+    seq_len = min(args.seq_len, getattr(config, "max_position_embeddings", None) or args.seq_len)
+    batches = tokenize_samples(tokenizer, model, texts, seq_len)
+    kept, groups = prune_calibrated(model, batches, args.method, set(planned), args.permute,
+                            getattr(config, "num_attention_heads", None), args.quantize, args.prune_head,
+                            min_features, args.permute_iters, args.progress)
+    tmp = dst.with_name(f".{dst.name}.{os.getpid()}.partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        with _transformers_bars(progress_enabled(args.progress)):
+            model.save_pretrained(tmp)
+        for item in src.iterdir():  # tokenizer, generation config, README, ... (what save_pretrained did not write)
+            if item.is_file() and item.name not in (*WEIGHT_FILES, "config.json", *shards) \
+                    and not (tmp / item.name).exists():
+                shutil.copy2(item, tmp / item.name)
+        if dst.exists():
+            dst.rmdir()
+        os.replace(tmp, dst)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    skipped = {r.fqn + ".weight": r.reason for r in plan.skipped}
+    state = model.state_dict()
+    prefix = f"{model.base_model_prefix}." if model.base_model_prefix else ""
+    rows = []
+    for key, (shape, dtype) in _stored_tensors(src, shards).items():
+        t = torch.empty(shape, dtype=dtype, device="meta")
+        if not is_weight_matrix(key, t):
+            continue
+        # the model's name for it: the key, or the key under the base model's prefix
+        name = next((n for n in (key, prefix + key) if n in skipped or n[:-len(".weight")] in planned), key)
+        fqn = name[:-len(".weight")]
+        if fqn not in planned:
+            rows.append(dense_row(key, t, skipped.get(name) or NOT_SWAPPED))
+            continue
+        stored = [state[f"{fqn}.{n}"] for n in ("values", "meta", "scale") if f"{fqn}.{n}" in state]
+        rows.append({**dense_row(key, t, ""), "action": "compressed" + (" int8" if args.quantize else ""),
+                     "kept": kept[fqn], "bytes_after": sum(v.numel() * v.element_size() for v in stored)})
+    tokens = sum(b["input_ids"].numel() for b in batches)
+    note = (f"{len(batches)} calibration samples from {args.calibration} ({tokens} tokens, at most {seq_len} "
+            "each)" + (f"; channel permutations in {groups} group(s) proved exact" if args.permute else ""))
+    return rows, note
+
+
+@contextlib.contextmanager
+def _transformers_bars(progress: bool):
+    """transformers' own loading and saving bars only when ours are on."""
+    from transformers.utils import logging
+
+    was = logging.is_progress_bar_enabled()
+    if not progress:
+        logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            logging.enable_progress_bar()
+
+
+def _stored_tensors(folder: Path, shards: list[str]) -> dict:
+    """``{key: (shape, dtype)}`` of every tensor in the shards (headers only)."""
+    from safetensors import safe_open
+
+    out = {}
+    for shard in shards:
+        with safe_open(folder / shard, framework="pt") as f:
+            for key in f.keys():
+                sl = f.get_slice(key)
+                # other dtypes (float8, ...): no weight matrix sparse24 prunes, so not counted as one
+                out[key] = (tuple(sl.get_shape()), _SAFETENSORS_DTYPES.get(sl.get_dtype(), torch.uint8))
+    return out
+
+
+_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+                       "BOOL": torch.bool}
