@@ -104,7 +104,7 @@ def run(a) -> list[dict]:
                     us = _wall_us(lambda: fn(x), device, calls, a.repeats)
                     err = float((y.float() - model(x).float()).abs().max())
                     row = dict(mode=mode, variant=name, phase=phase, tokens=B * T, us_per_call=round(us, 2),
-                               tokens_per_s=round(B * T * 1e6 / us, 1), kernels_per_call=_kernels_per_call(
+                               tokens_per_s=float(f"{B * T * 1e6 / us:.4g}"), kernels_per_call=_kernels_per_call(
                                    lambda: fn(x), device), aten_ops_per_call=None, warmup_s=round(warm_s, 1),
                                max_abs_diff_vs_eager=err)
                     if mode == "eager":
@@ -127,7 +127,7 @@ def _write(a, rows) -> None:
     dense = {(r["mode"], r["phase"]): r["us_per_call"] for r in rows if r["variant"] == "dense"}
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    full = [dict(r, device=name, speedup_vs_dense=round(dense[(r["mode"], r["phase"])] / r["us_per_call"], 3)
+    full = [dict(r, device=name, speedup_vs_dense=float(f"{dense[(r['mode'], r['phase'])] / r['us_per_call']:.4g}")
                  if (r["mode"], r["phase"]) in dense else None) for r in rows]
     with open(out / "block.csv", "w", newline="") as f:
         w = csv.DictWriter(f, COLUMNS)
