@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from .._checks import check_model
+from .distributed import check_group, sum_over_ranks
 from .nm import METHODS, LayerStats, PruneResult, prune_nm
 from .reconstruct import PERCDAMP, damped_hessian
 
@@ -21,7 +22,8 @@ class _StopForward(Exception):
 
 def calibrate(model: nn.Module, batches, hessian: bool = False, filter_fn=None, device=None,
               dtype: torch.dtype = torch.float64, stop_early: bool = False,
-              token_mask: Callable | None = None, teacher: nn.Module | None = None) -> dict[str, LayerStats]:
+              token_mask: Callable | None = None, teacher: nn.Module | None = None,
+              group=None) -> dict[str, LayerStats]:
     """Run ``model`` on ``batches`` and collect per-input-channel statistics of every ``nn.Linear``.
 
     The model runs in eval mode under ``torch.no_grad()`` (its train/eval
@@ -55,8 +57,13 @@ def calibrate(model: nn.Module, batches, hessian: bool = False, filter_fn=None, 
             of a layer pairs with the teacher's k-th): what fitting a layer to
             the teacher's outputs needs (:func:`prune_layerwise_`). Implies
             ``hessian=True``.
+        group: data-parallel calibration: a ``torch.distributed`` process group (e.g.
+            ``torch.distributed.group.WORLD``) whose ranks each call this with their own
+            share of the batches; the statistics are summed over the ranks (one
+            ``all_reduce`` per layer), so every rank gets those of all the data. Default
+            None: this process's batches only, no communication.
     Returns:
-        ``{fqn: LayerStats}`` for each Linear that saw at least one input,
+        ``{fqn: LayerStats}`` for each Linear that saw at least one input (on any rank of ``group``),
         ``fqn`` as in ``model.named_modules()``.
     Example:
         >>> net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
@@ -65,6 +72,7 @@ def calibrate(model: nn.Module, batches, hessian: bool = False, filter_fn=None, 
         torch.Size([16])
     """
     check_model(model, filter_fn)
+    check_group(group)
     if dtype not in (torch.float32, torch.float64):
         raise TypeError(f"dtype must be torch.float32 or torch.float64, got {dtype}")
     if token_mask is not None and not callable(token_mask):
@@ -151,6 +159,8 @@ def calibrate(model: nn.Module, batches, hessian: bool = False, filter_fn=None, 
             h.remove()
         for mod, training in modes:
             mod.training = training
+    if group is not None:
+        return sum_over_ranks(stats, selected, hessian, teacher is not None, dtype, device, group)
     # A layer that only saw empty inputs has no statistics (all-zero norms would zero SparseGPT's weights).
     return {fqn: s for fqn, s in stats.items() if s.count > 0}
 
@@ -191,7 +201,7 @@ def _check_teacher(model: nn.Module, teacher: nn.Module, selected: dict[str, nn.
 
 def prune_layerwise_(model: nn.Module, batches, n: int = 2, m: int = 4, method: str = "sparsegpt",
                      filter_fn=None, device=None, token_mask: Callable | None = None,
-                     teacher: nn.Module | None = None, **kwargs) -> dict[str, PruneResult]:
+                     teacher: nn.Module | None = None, group=None, **kwargs) -> dict[str, PruneResult]:
     """Prune every ``nn.Linear`` of ``model`` to N:M in place, one layer at a time,
     each calibrated on the inputs it receives once the layers before it are pruned.
 
@@ -226,6 +236,8 @@ def prune_layerwise_(model: nn.Module, batches, n: int = 2, m: int = 4, method: 
         device, token_mask: passed to :func:`calibrate`.
         teacher: optional separate module with the model's layer names and
             widths, run on the same batches (see above and :func:`calibrate`).
+        group: data-parallel calibration (see :func:`calibrate`): each rank passes its own
+            share of the batches and every rank prunes alike, from the statistics of all of them.
         **kwargs: method options (``blocksize=``, ``percdamp=``, ``refit=``).
     Returns:
         ``{fqn: PruneResult}`` in pruning order.
@@ -236,6 +248,7 @@ def prune_layerwise_(model: nn.Module, batches, n: int = 2, m: int = 4, method: 
         [True, True]
     """
     check_model(model, filter_fn)
+    check_group(group)
     if iter(batches) is batches:
         raise TypeError("batches must be re-iterable (a list or a DataLoader, not an iterator or generator): "
                         "every layer needs its own pass over them")
@@ -270,7 +283,8 @@ def prune_layerwise_(model: nn.Module, batches, n: int = 2, m: int = 4, method: 
     layers = dict(model.named_modules())
     for wave in waves:
         stats = calibrate(model, batches, hessian=method == "sparsegpt", device=device, stop_early=once,
-                          filter_fn=lambda mod, name, wave=wave: name in wave, token_mask=token_mask, teacher=teacher)
+                          filter_fn=lambda mod, name, wave=wave: name in wave, token_mask=token_mask, teacher=teacher,
+                          group=group)
         for fqn in wave:
             if fqn not in stats:
                 raise ValueError(f"layer {fqn!r} received no input rows from batches: nothing to calibrate it on")
