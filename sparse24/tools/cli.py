@@ -24,7 +24,7 @@ import torch
 from .._version import __version__
 from .cli_common import (CLIError, _check_fits, _choices, _device, _device_kind, _int_list, _one_line,
                          _out_dir, _Parser, _prog, _threads)
-from .prune import PRUNE_EXCLUDE, cmd_prune, prune_state_dict
+from .prune import PRUNE_EXCLUDE, add_blockwise_args, cmd_prune, prune_state_dict
 
 __all__ = ["main", "CLIError", "prune_state_dict", "PRUNE_EXCLUDE"]
 
@@ -269,11 +269,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="file for a state dict (.safetensors: safetensors, else torch.save), folder for a model folder")
     r.add_argument("--prune-head", action="store_true",
                    help="prune the output head too (kept dense by default, as LLM pruning does)")
-    r.add_argument("--method", default="magnitude", choices=("magnitude", "2d_greedy", "2d_optimal"))
+    r.add_argument("--method", default="magnitude", choices=("magnitude", "2d_greedy", "2d_optimal", "wanda",
+                                                              "sparsegpt"))
     r.add_argument("--quantize", choices=("int8",), help="store INT8 values + per-row scales")
     r.add_argument("--min-features", type=int, help="skip weights with fewer rows or columns (default: as sparsify_)")
     r.add_argument("--exclude", default=PRUNE_EXCLUDE, metavar="REGEX",
                    help=f"leave matching weights dense (default {PRUNE_EXCLUDE!r}: embedding tables; '' for none)")
+    add_blockwise_args(r)
     r.set_defaults(func=cmd_prune)
 
     sub.add_parser("autotune", help="tune the Triton kernel on this GPU (options: autotune --help)", add_help=False)

@@ -11,6 +11,7 @@ from sparse24.nn.prepare import _mask_from_slots
 from sparse24.tools.blockwise import prune_folder_blockwise
 
 from hf_models import tiny_llama, tokens
+from test_cli import run
 
 BATCHES = [tokens(seed=s, shape=(2, 11)) for s in range(3)]
 
@@ -49,3 +50,19 @@ def test_bad_calibration_input_changes_nothing(tmp_path, folder):
     with pytest.raises(ValueError, match="token ids must lie in"):
         prune_folder_blockwise(folder, tmp_path / "out", [torch.full((1, 4), 10_000)])
     assert not (tmp_path / "out").exists() and not any(p.name.endswith(".partial") for p in tmp_path.iterdir())
+
+
+def test_cli_prunes_block_by_block(capsys, tmp_path, folder):
+    torch.save(torch.cat(BATCHES), tmp_path / "ids.pt")
+    rc, out, err = run(capsys, "prune", str(folder), "--out", str(tmp_path / "cli"), "--method", "wanda",
+                       "--calibration-ids", str(tmp_path / "ids.pt"), "--batch-size", "2")
+    assert rc == 0, err
+    assert "block by block on 6 x 11 tokens" in out
+    prune_folder_blockwise(folder, tmp_path / "api", list(torch.cat(BATCHES).split(2)), method="wanda")
+    a, b = (sparse24.from_pretrained(LlamaForCausalLM, tmp_path / n).state_dict() for n in ("cli", "api"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    torch.save(torch.zeros(3), tmp_path / "bad.pt")
+    rc, _, err = run(capsys, "prune", str(folder), "--out", str(tmp_path / "o"), "--method", "sparsegpt",
+                     "--calibration-ids", str(tmp_path / "bad.pt"))
+    assert rc == 2 and "expected an (N, L) int64 tensor of token ids" in err
+    assert not (tmp_path / "o").exists()
