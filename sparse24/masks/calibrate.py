@@ -240,7 +240,8 @@ def prune_layerwise_(model: nn.Module, batches, n: int = 2, m: int = 4, method: 
             share of the batches and every rank prunes alike, from the statistics of all of them.
         **kwargs: method options (``blocksize=``, ``percdamp=``, ``refit=``).
     Returns:
-        ``{fqn: PruneResult}`` in pruning order.
+        ``{fqn: PruneResult}`` in pruning order; each ``weight`` is the layer's pruned weight
+        itself (detached, the same memory), not a copy.
     Example:
         >>> net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8))
         >>> results = prune_layerwise_(net, [torch.randn(64, 16)])
@@ -294,6 +295,7 @@ def prune_layerwise_(model: nn.Module, batches, n: int = 2, m: int = 4, method: 
             r = prune_nm(w, n, m, method, calibration=stats[fqn], **kwargs)
             with torch.no_grad():
                 lin.weight.copy_(r.weight)
+            r.weight = lin.weight.detach()  # the layer's own memory: no second copy of the model
             results[fqn] = r
     return results
 

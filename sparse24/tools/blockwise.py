@@ -166,7 +166,7 @@ def prune_folder_blockwise(src: str | os.PathLike, dst: str | os.PathLike, batch
     outside = [f for f in layers if not f.startswith("model.layers.")]
     if outside:
         raise ValueError(f"layers outside the decoder blocks cannot be pruned block by block: {outside[:3]}")
-    # checkpoint key -> (module state key, shard); keys may lack the base model's prefix
+    # module state key -> (checkpoint key, shard): checkpoint keys may lack the base model's prefix
     names = set(model.state_dict())
     where = {}
     for shard in shards:
@@ -191,33 +191,42 @@ def prune_folder_blockwise(src: str | os.PathLike, dst: str | os.PathLike, batch
             with torch.no_grad():  # the next block's inputs, from this pruned block
                 block.eval()
                 inputs = [{**b, "hidden_states": block(**b)} for b in inputs]
-            out = {}
-            for k, t in block.state_dict().items():
-                lin = k.rpartition(".")[0]
-                if lin in mine and k.endswith("weight"):
-                    r, layer = results[lin], layers[pre + lin]
-                    w = r.weight.to(stored[k])
-                    if layer.mode == "compressed":
-                        entries = compress(w, r.mask, quantize=quantize).state_tensors()
-                        entries["weight"] = torch.zeros(1, dtype=torch.uint8)  # see sparse24.hf: the marker
-                    else:
-                        entries = {"weight": torch.where(r.mask, w, 0), "mask": r.mask}
-                    out.update({f"{pre}{lin}.{n}": v.contiguous() for n, v in entries.items()})
-                    rows.append({"name": pre + k, "shape": tuple(w.shape), "dtype": str(w.dtype)[6:],
-                                 "action": layer.mode + (" int8" if quantize else ""), "reason": "",
-                                 "kept": r.kept_fraction, "bytes_before": w.numel() * w.element_size(),
-                                 "bytes_after": sum(v.numel() * v.element_size() for n, v in entries.items()
-                                                    if n != "weight" or layer.mode == "masked")})
-                else:
-                    out[pre + k] = t.to(stored[k])  # an exact round trip (norms, biases)
+            out = _block_entries(block, pre, {f: (results.pop(f), layers[pre + f]) for f in mine}, stored,
+                                 quantize, rows)
+            block.to("meta")  # frees it before the output is serialized
             nbytes += _write(out, tmp, f"model-block-{i:05d}.safetensors", weight_map)
-            block.to("meta")  # frees it
-            del out, results
+            del out
         nbytes += _copy_rest(src, tmp, where, weight_map)
         _finish(src, tmp, dst, shards, nbytes, weight_map, config, plan)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return rows
+
+
+def _block_entries(block: nn.Module, pre: str, pruned: dict, stored: dict, quantize, rows: list) -> dict:
+    """The output entries of a pruned block: ``pruned`` ``{relative name: (PruneResult, planned layer)}``
+    compressed (or masked) in the checkpoint's dtype, every other tensor cast back (an exact round trip:
+    norms, biases); appends a report row per pruned layer."""
+    out = {}
+    for k, t in block.state_dict().items():
+        lin = k.rpartition(".")[0]
+        if lin not in pruned or not k.endswith("weight"):
+            out[pre + k] = t.to(stored[k])
+            continue
+        r, layer = pruned.pop(lin)
+        w = r.weight.to(stored[k])
+        if layer.mode == "compressed":
+            entries = compress(w, r.mask, quantize=quantize).state_tensors()
+            entries["weight"] = torch.zeros(1, dtype=torch.uint8)  # see sparse24.hf: the marker
+        else:
+            entries = {"weight": torch.where(r.mask, w, 0), "mask": r.mask}
+        out.update({f"{pre}{lin}.{n}": v.contiguous() for n, v in entries.items()})
+        rows.append({"name": pre + k, "shape": tuple(w.shape), "dtype": str(w.dtype)[6:],
+                     "action": layer.mode + (" int8" if quantize else ""), "reason": "", "kept": r.kept_fraction,
+                     "bytes_before": w.numel() * w.element_size(),
+                     "bytes_after": sum(v.numel() * v.element_size() for n, v in entries.items()
+                                        if n != "weight" or layer.mode == "masked")})
+    return out
 
 
 def _write(tensors: dict, folder: Path, name: str, weight_map: dict) -> int:
