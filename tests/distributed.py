@@ -1,5 +1,7 @@
-"""Running a test body on N CPU processes over gloo on loopback (free ports on 127.0.0.1 only)."""
+"""Running a test body on N CPU processes over gloo on this machine."""
 import socket
+import tempfile
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -12,16 +14,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank, fn, world, port, args):
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+def _entry(rank, fn, world, folder, args):
+    # rendezvous through a file: no port to pick, so no race with other processes for a free one
+    dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=world)
     try:
         torch.set_num_threads(1)
-        fn(rank, *args)
+        result = fn(rank, *args)
+        if rank == 0:
+            torch.save(result, f"{folder}/rank0.pt")
     finally:
         dist.destroy_process_group()
 
 
-def spawn(fn, world: int, *args) -> None:
-    """Run ``fn(rank, *args)`` in ``world`` processes with the default process group initialized;
-    ``fn`` must be a module-level function. A failure in any process fails the caller."""
-    mp.spawn(_entry, args=(fn, world, free_port(), args), nprocs=world, join=True)
+def spawn(fn, world: int, *args):
+    """Run ``fn(rank, *args)`` in ``world`` processes with the default process group initialized
+    and return what rank 0 returned; ``fn`` must be a module-level function. A failure in any
+    process fails the caller."""
+    with tempfile.TemporaryDirectory() as d:
+        mp.spawn(_entry, args=(fn, world, d, args), nprocs=world, join=True)
+        return torch.load(Path(d) / "rank0.pt", weights_only=False)

@@ -20,7 +20,7 @@ Supported: Llama-shaped decoders (``model.model.layers``, ``embed_tokens``, ``ro
 from __future__ import annotations
 
 import copy
-import json
+import ctypes
 import os
 import re
 import shutil
@@ -32,10 +32,10 @@ from torch import nn
 
 from ..api import MIN_FEATURES, sparsify_
 from ..format import compress
-from ..hf import FORMAT_VERSION, sparsity_config
+from ..hf import FORMAT_VERSION
 from ..masks import kept_magnitude_fraction, prune_layerwise_
 from ..nn import Sparse24Linear
-from .hf_folder import WEIGHT_FILES, _shards, _skeleton, prune_folder
+from .hf_folder import _finish_folder, _shards, _skeleton, prune_folder
 
 __all__ = ["prune_folder_blockwise", "CALIBRATED"]
 
@@ -196,8 +196,9 @@ def prune_folder_blockwise(src: str | os.PathLike, dst: str | os.PathLike, batch
             block.to("meta")  # frees it before the output is serialized
             nbytes += _write(out, tmp, f"model-block-{i:05d}.safetensors", weight_map)
             del out
+            _return_freed_memory()
         nbytes += _copy_rest(src, tmp, where, weight_map)
-        _finish(src, tmp, dst, shards, nbytes, weight_map, config, plan)
+        _finish_folder(src, tmp, dst, shards, weight_map, config, plan, {"total_size": nbytes})
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return rows
@@ -229,6 +230,20 @@ def _block_entries(block: nn.Module, pre: str, pruned: dict, stored: dict, quant
     return out
 
 
+def _return_freed_memory() -> None:
+    """Hand the C heap's freed pages back to the OS (glibc only; elsewhere nothing).
+
+    Each block allocates and frees tensors of a few to tens of MiB; glibc keeps freed ones
+    below its (self-raising) mmap threshold in the heap, so the process grew by ~40 MiB a
+    block without holding a single object more (22-block 1.1e9-parameter Llama: 1561 MiB peak).
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def _write(tensors: dict, folder: Path, name: str, weight_map: dict) -> int:
     """Write one output shard; returns its tensor bytes."""
     from safetensors.torch import save_file
@@ -242,17 +257,3 @@ def _copy_rest(src: Path, tmp: Path, where: dict, weight_map: dict) -> int:
     outside = sorted((k, v) for k, v in where.items() if not k.startswith("model.layers."))
     return sum(_write({key: _read(src, shard, key)}, tmp, f"model-other-{j:05d}.safetensors", weight_map)
                for j, (_, (key, shard)) in enumerate(outside))
-
-
-def _finish(src: Path, tmp: Path, dst: Path, shards, nbytes: int, weight_map: dict, config, plan) -> None:
-    """The index, every other file of ``src``, the config with the sparse24 section; then ``tmp`` -> ``dst``."""
-    (tmp / "model.safetensors.index.json").write_text(json.dumps(
-        {"metadata": {"total_size": nbytes}, "weight_map": dict(sorted(weight_map.items()))}, indent=2))
-    for item in src.iterdir():  # tokenizer, generation config, README, ...
-        if item.name not in (*WEIGHT_FILES, "config.json", *shards) and item.is_file():
-            shutil.copy2(item, tmp / item.name)
-    config.quantization_config = sparsity_config(plan)
-    config.save_pretrained(tmp)
-    if dst.exists():
-        dst.rmdir()
-    os.replace(tmp, dst)
