@@ -136,8 +136,8 @@ def prune_nm(w: torch.Tensor, n: int = 2, m: int = 4, method: str = "magnitude",
     kwargs = _with_calibration(method, calibration, kwargs)
     if method == "sparsegpt":
         weight, mask = sparsegpt_prune(w, n=n, m=m, **kwargs)
-    elif method in ("magnitude", "wanda") and isinstance(w, torch.Tensor) and w.dim() == 2:  # row by row: the same mask, bounded temporaries
-        check_weight(w, m)
+    elif method in ("magnitude", "wanda") and isinstance(w, torch.Tensor) and w.dim() == 2:
+        check_weight(w, m)  # row by row below: the same mask, bounded temporaries
         mask = torch.empty(w.shape, dtype=torch.bool, device=w.device)
         for rows in _row_chunks(w):
             mask[rows] = mask_nm(w[rows], n, m, method=method, **kwargs)

@@ -17,9 +17,9 @@ from ..format import FLOAT_DTYPES, Sparse24Tensor, compress, quantize_values
 from ..ops import linear24
 from .layout import LayoutMixin
 from .masking import _GRAD_HOOKED, _HAS_HOOK, _MASKED_MODULES, _ZERO_CHECKED, _grad_mask_hook
-from .sharded import gather_mask, is_dtensor, shard_like
 from .prepare import (_check_mode, _mask_from_slots, _placeholder, _prepare, _Prepared, is_conv1d, is_conv1d_class,
                       linear_shape)
+from .sharded import gather_mask, is_dtensor, shard_like
 from .state import StateDictMixin
 
 __all__ = ["Sparse24Linear"]
@@ -229,8 +229,8 @@ class Sparse24Linear(LayoutMixin, StateDictMixin, nn.Module):
 
     def _refuse_sharded(self, what: str) -> None:
         if self._mode == "masked" and is_dtensor(self.weight):
-            raise RuntimeError(f"this Sparse24Linear's weight is sharded (a DTensor, e.g. by fully_shard), so it cannot "
-                               f"{what}: gather a full state dict (torch.distributed.checkpoint.state_dict."
+            raise RuntimeError(f"this Sparse24Linear's weight is sharded (a DTensor, e.g. by fully_shard), so it "
+                               f"cannot {what}: gather a full state dict (torch.distributed.checkpoint.state_dict."
                                "get_model_state_dict with full_state_dict=True) into an unsharded model first")
 
     def __getattr__(self, name: str):

@@ -31,8 +31,8 @@ _ZERO_CHECKED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def _stepped_pairs(optimizer, sharded_only: bool = False):
-    """``(weight, mask)`` pieces (views, see :func:`~sparse24.nn.sharded.local_pair`) of every
-    masked weight ``optimizer`` steps; a sharded weight's mask is sharded like it first."""
+    """``(weight, mask)`` of every masked weight ``optimizer`` steps (only the sharded ones if
+    ``sharded_only``); a sharded weight's mask is sharded like it first."""
     stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
     for mod in list(_MASKED_MODULES):
         w = mod._parameters.get("weight")

@@ -74,12 +74,14 @@ def gather_mask(mask: "DTensor") -> torch.Tensor:
     return ((whole.unsqueeze(-1) >> bit) & 1).bool().view(R, C + pad)[:, :C]
 
 
-def local_pair(weight: torch.Tensor, mask: torch.Tensor, whole_groups: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def local_pair(weight: torch.Tensor, mask: torch.Tensor,
+               whole_groups: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``(weight, mask)`` as plain tensors covering the same positions: each rank's own pieces
     (views: in-place changes reach the DTensors) when both are sharded alike. ``whole_groups``
     (for checking the 2:4 pattern): pieces only when sharded along rows, else the full tensors
     (copies); otherwise a DTensor not sharded like the other is an error."""
-    if is_dtensor(weight) and is_dtensor(mask) and _same_spec(weight, mask) and (_rows_only(weight) or not whole_groups):
+    alike = is_dtensor(weight) and is_dtensor(mask) and _same_spec(weight, mask)
+    if alike and (_rows_only(weight) or not whole_groups):
         return weight.to_local(), mask.to_local()
     if not whole_groups and (is_dtensor(weight) or is_dtensor(mask)):
         raise RuntimeError("a 2:4 weight (or its gradient) and its mask are not sharded alike: "
