@@ -11,7 +11,6 @@ from transformers import AutoModelForCausalLM
 import sparse24
 from sparse24 import Sparse24Linear
 
-from distributed import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -19,11 +18,12 @@ from fsdp_finetune import tiny_config  # noqa: E402
 
 
 def test_torchrun_finetune_then_export(tmp_path):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(free_port()), str(ROOT / "scripts" / "fsdp_finetune.py"), "--tiny", "--device",
-           "cpu", "--steps", "2", "--lr", "1e-2", "--out", str(tmp_path)]
+    # --standalone: torchrun binds a free port on this machine itself (no race for one picked in advance)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(ROOT / "scripts" / "fsdp_finetune.py"), "--tiny", "--device", "cpu", "--steps", "2", "--lr", "1e-2",
+           "--out", str(tmp_path)]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.returncode == 0, (run.stdout[-2000:], run.stderr[-3000:])
     assert "step 1: loss" in run.stdout
 
     torch.manual_seed(0)
