@@ -22,6 +22,9 @@ def _entry(rank, fn, world, folder, args):
         result = fn(rank, *args)
         if rank == 0:
             torch.save(result, f"{folder}/rank0.pt")
+        # Tear down together: a rank leaving while the other still works aborted at exit now and then
+        # ("terminate called without an active exception", after DCP and full-state-dict gathers).
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
