@@ -11,6 +11,7 @@ from torch import nn
 from .._checks import check_model
 from .._rollback import TensorBackup
 from .._progress import progress_bar, progress_enabled
+from .distributed import check_group, sum_over_ranks
 from .nm import METHODS, LayerStats, PruneResult, prune_nm
 from .reconstruct import PERCDAMP, damped_hessian
 
@@ -24,7 +25,7 @@ class _StopForward(Exception):
 def calibrate(model: nn.Module, batches, hessian: bool = False, filter_fn=None, device=None,
               dtype: torch.dtype = torch.float64, stop_early: bool = False,
               token_mask: Callable | None = None, teacher: nn.Module | None = None,
-              progress: bool | None = None) -> dict[str, LayerStats]:
+              progress: bool | None = None, group=None) -> dict[str, LayerStats]:
     """Run ``model`` on ``batches`` and collect per-input-channel statistics of every ``nn.Linear``.
 
     The model runs in eval mode under ``torch.no_grad()`` (its train/eval
@@ -64,8 +65,13 @@ def calibrate(model: nn.Module, batches, hessian: bool = False, filter_fn=None, 
             ``hessian=True``.
         progress: a tqdm bar over the batches on stderr (default None: when stderr is a
             terminal or in a notebook; False: none).
+        group: data-parallel calibration: a ``torch.distributed`` process group (e.g.
+            ``torch.distributed.group.WORLD``) whose ranks each call this with their own
+            share of the batches; the statistics are summed over the ranks (one
+            ``all_reduce`` per layer), so every rank gets those of all the data. Default
+            None: this process's batches only, no communication.
     Returns:
-        ``{fqn: LayerStats}`` for each Linear that saw at least one input,
+        ``{fqn: LayerStats}`` for each Linear that saw at least one input (on any rank of ``group``),
         ``fqn`` as in ``model.named_modules()``.
     Example:
         >>> net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
@@ -75,6 +81,7 @@ def calibrate(model: nn.Module, batches, hessian: bool = False, filter_fn=None, 
     """
     check_model(model, filter_fn)
     progress = progress_enabled(progress)
+    check_group(group)
     if dtype not in (torch.float32, torch.float64):
         raise TypeError(f"dtype must be torch.float32 or torch.float64, got {dtype}")
     if token_mask is not None and not callable(token_mask):
@@ -155,6 +162,8 @@ def calibrate(model: nn.Module, batches, hessian: bool = False, filter_fn=None, 
             h.remove()
         for mod, training in modes:
             mod.training = training
+    if group is not None:
+        return sum_over_ranks(stats, selected, hessian, teacher is not None, dtype, device, group)
     # A layer that only saw empty inputs has no statistics (all-zero norms would zero SparseGPT's weights).
     return {fqn: s for fqn, s in stats.items() if s.count > 0}
 
@@ -195,7 +204,7 @@ def _check_teacher(model: nn.Module, teacher: nn.Module, selected: dict[str, nn.
 
 def prune_layerwise_(model: nn.Module, batches, n: int = 2, m: int = 4, method: str = "sparsegpt",
                      filter_fn=None, device=None, token_mask: Callable | None = None,
-                     teacher: nn.Module | None = None, progress: bool | None = None,
+                     teacher: nn.Module | None = None, progress: bool | None = None, group=None,
                      **kwargs) -> dict[str, PruneResult]:
     """Prune every ``nn.Linear`` of ``model`` to N:M in place, one layer at a time,
     each calibrated on the inputs it receives once the layers before it are pruned.
@@ -241,9 +250,12 @@ def prune_layerwise_(model: nn.Module, batches, n: int = 2, m: int = 4, method: 
             widths, run on the same batches (see above and :func:`calibrate`).
         progress: a tqdm bar over the layers on stderr (default None: when stderr is a
             terminal or in a notebook; False: none).
+        group: data-parallel calibration (see :func:`calibrate`): each rank passes its own
+            share of the batches and every rank prunes alike, from the statistics of all of them.
         **kwargs: method options (``blocksize=``, ``percdamp=``, ``refit=``).
     Returns:
-        ``{fqn: PruneResult}`` in pruning order.
+        ``{fqn: PruneResult}`` in pruning order; each ``weight`` is the layer's pruned weight
+        itself (detached, the same memory), not a copy.
     Example:
         >>> net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8))
         >>> results = prune_layerwise_(net, [torch.randn(64, 16)])
@@ -252,6 +264,7 @@ def prune_layerwise_(model: nn.Module, batches, n: int = 2, m: int = 4, method: 
     """
     check_model(model, filter_fn)
     progress = progress_enabled(progress)
+    check_group(group)
     if iter(batches) is batches:
         raise TypeError("batches must be re-iterable (a list or a DataLoader, not an iterator or generator): "
                         "every layer needs its own pass over them")
@@ -296,7 +309,7 @@ def prune_layerwise_(model: nn.Module, batches, n: int = 2, m: int = 4, method: 
             at = f"the calibration pass of layer(s) {wave}"
             stats = calibrate(model, batches, hessian=method == "sparsegpt", device=device, stop_early=once,
                               filter_fn=lambda mod, name, wave=wave: name in wave, token_mask=token_mask,
-                              teacher=teacher, progress=False)
+                              teacher=teacher, progress=False, group=group)
             for fqn in wave:
                 at = f"layer {fqn!r}"
                 if fqn not in stats:
@@ -308,6 +321,7 @@ def prune_layerwise_(model: nn.Module, batches, n: int = 2, m: int = 4, method: 
                 backup.keep([lin.weight])
                 with torch.no_grad():
                     lin.weight.copy_(r.weight)
+                r.weight = lin.weight.detach()  # the layer's own memory: no second copy of the model
                 results[fqn] = r
             bar.update(len(wave))
     except BaseException as e:

@@ -39,6 +39,9 @@ Two modes, switchable both ways without changing outputs:
 
 State dicts hold plain tensors only (safetensors-compatible); loading checks
 the entries and raises a clear error for dense, mismatched or corrupt ones.
+Under FSDP2 (``fully_shard``, after ``sparsify_``) the mask is a DTensor sharded
+like its weight, so distributed checkpoints hold and reshard both
+(:mod:`sparse24.nn.sharded`, docs/distributed.md).
 
 A layer built on the meta device (``Sparse24Linear(..., device="meta")``,
 ``sparsify_`` of a model built under ``torch.device("meta")``) holds shapes only:

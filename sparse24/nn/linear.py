@@ -19,6 +19,7 @@ from .layout import LayoutMixin
 from .masking import _GRAD_HOOKED, _HAS_HOOK, _MASKED_MODULES, _ZERO_CHECKED, _grad_mask_hook
 from .prepare import (_check_mode, _mask_from_slots, _placeholder, _prepare, _Prepared, is_conv1d, is_conv1d_class,
                       linear_shape)
+from .sharded import gather_mask, is_dtensor, shard_like
 from .state import StateDictMixin
 
 __all__ = ["Sparse24Linear"]
@@ -219,6 +220,19 @@ class Sparse24Linear(LayoutMixin, StateDictMixin, nn.Module):
         if self.__dict__.get("_mode") == "masked":
             self._track_masked()
 
+    def __setattr__(self, name: str, value) -> None:
+        # FSDP2's fully_shard installs the sharded weight with setattr (the plain
+        # nn.Module.__setattr__ would be bypassed): shard the mask alike, at once.
+        if name == "weight" and is_dtensor(value) and self.__dict__.get("_mode") == "masked":
+            self._buffers["mask"] = shard_like(self._buffers["mask"], value)
+        super().__setattr__(name, value)
+
+    def _refuse_sharded(self, what: str) -> None:
+        if self._mode == "masked" and is_dtensor(self.weight):
+            raise RuntimeError(f"this Sparse24Linear's weight is sharded (a DTensor, e.g. by fully_shard), so it "
+                               f"cannot {what}: gather a full state dict (torch.distributed.checkpoint.state_dict."
+                               "get_model_state_dict with full_state_dict=True) into an unsharded model first")
+
     def __getattr__(self, name: str):
         try:
             return super().__getattr__(name)
@@ -260,6 +274,7 @@ class Sparse24Linear(LayoutMixin, StateDictMixin, nn.Module):
         """The weight as a :class:`Sparse24Tensor` (views of the buffers in compressed mode and
         layout v1; re-ordered from the decode layout)."""
         self._refuse_pending("give its 2:4 weight")
+        self._refuse_sharded("give its 2:4 weight")
         if self._mode == "masked":
             return compress(self.weight.detach(), self.mask)
         if self.__dict__.get("_layout") == "decode":
@@ -272,6 +287,7 @@ class Sparse24Linear(LayoutMixin, StateDictMixin, nn.Module):
         """``(R, C)`` dense weight with zeros at the pruned positions (a new, detached tensor;
         dequantized when int8)."""
         self._refuse_pending("give its weight")
+        self._refuse_sharded("give its weight")
         if self._mode == "masked":
             return torch.where(self.mask, self.weight.detach(), 0)
         return self.sparse_tensor().to_dense()
@@ -291,6 +307,7 @@ class Sparse24Linear(LayoutMixin, StateDictMixin, nn.Module):
             ``nn.Linear`` (weight ``(R, C)``) or ``Conv1D`` (weight ``(C, R)``).
         """
         self._refuse_pending("be densified")
+        self._refuse_sharded("be densified")
         cls = self.__dict__.get("_dense_cls", nn.Linear)
         R, C = self.out_features, self.in_features
         with torch.device("meta"):  # no dense random init: the weight is set below
@@ -320,6 +337,7 @@ class Sparse24Linear(LayoutMixin, StateDictMixin, nn.Module):
             INT8 values are dequantized, updated in fp32 and requantized (new ``scale``).
         """
         self._refuse_pending("be updated")
+        self._refuse_sharded("be updated")
         R, C = self.out_features, self.in_features
         if not isinstance(delta, torch.Tensor) or tuple(delta.shape) != (R, C) or not delta.is_floating_point():
             raise ValueError(f"delta must be a floating ({R}, {C}) tensor, got "
@@ -369,6 +387,7 @@ class Sparse24Linear(LayoutMixin, StateDictMixin, nn.Module):
     def _compressed_form(self, quantize: str | None) -> Sparse24Tensor:
         """The weight as compressed mode holds it; changes nothing (so a caller can
         prepare several layers before switching any)."""
+        self._refuse_sharded("be compressed")
         if self.pending:  # no values yet: the right shapes, filled when the weights are loaded
             return _placeholder(self.out_features, self.in_features, self.dtype, quantize, self.device)
         if self._mode == "compressed":
@@ -402,7 +421,10 @@ class Sparse24Linear(LayoutMixin, StateDictMixin, nn.Module):
         if self.__dict__.get("_pending") is not None:
             self._refuse_pending("run")
         if self._mode == "masked":
-            w = self.weight
+            w, mask = self.weight, self.mask
+            if is_dtensor(mask) and not is_dtensor(w):
+                # in FSDP2's forward: the weight is gathered, the mask still sharded
+                return F.linear(x, torch.where(gather_mask(mask), w, 0), self.bias)
             if w.requires_grad and torch.is_grad_enabled():
                 if not torch.compiler.is_compiling():
                     self._hook_if_needed(w)  # a layer frozen when sparsified and trained now

@@ -2,15 +2,19 @@
 hook on each masked weight Parameter (masks its gradient from every use, also
 code that reads ``.weight`` directly) and a process-wide optimizer step
 post-hook (re-zeroes pruned entries that momentum, Adam state or weight decay
-moved). See :mod:`sparse24.nn` for the costs."""
+moved). See :mod:`sparse24.nn` for the costs. A weight sharded by FSDP2
+(a DTensor) gets its gradient masked by a step pre-hook instead: FSDP2 writes
+the sharded gradient directly, so no tensor hook sees it."""
 from __future__ import annotations
 
 import weakref
 
 import torch
 from torch import nn
-from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
+
+from .sharded import is_dtensor, local_pair, shard_like
 
 __all__ = []
 
@@ -26,18 +30,42 @@ _HAS_HOOK = WeakIdKeyDictionary()
 _ZERO_CHECKED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
+def _stepped_pairs(optimizer, sharded_only: bool = False):
+    """``(weight, mask)`` of every masked weight ``optimizer`` steps (only the sharded ones if
+    ``sharded_only``); a sharded weight's mask is sharded like it first."""
+    stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    for mod in list(_MASKED_MODULES):
+        w = mod._parameters.get("weight")
+        if w is None or id(w) not in stepped or (sharded_only and not is_dtensor(w)):
+            continue
+        if is_dtensor(w):
+            mod._buffers["mask"] = shard_like(mod.mask, w)  # no-op once sharded alike
+        yield w, mod.mask
+
+
 def _remask_after_step(optimizer, args, kwargs) -> None:
     """Optimizer step post-hook (every optimizer): re-zero pruned weights."""
     if not _MASKED_MODULES:
         return
-    stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
     with torch.no_grad():
-        for mod in list(_MASKED_MODULES):
-            w = mod._parameters.get("weight")
-            if w is not None and id(w) in stepped:
-                w.masked_fill_(~mod.mask, 0)
+        for w, mask in _stepped_pairs(optimizer):
+            w, mask = local_pair(w, mask)
+            w.masked_fill_(~mask, 0)
 
 
+def _mask_sharded_grads(optimizer, args, kwargs) -> None:
+    """Optimizer step pre-hook: zero the pruned entries of sharded weights' gradients, so that
+    no optimizer state (momentum, Adam moments) grows there."""
+    if not _MASKED_MODULES:
+        return
+    with torch.no_grad():
+        for w, mask in _stepped_pairs(optimizer, sharded_only=True):
+            if w.grad is not None:
+                grad, mask = local_pair(w.grad, mask)
+                grad.masked_fill_(~mask, 0)
+
+
+register_optimizer_step_pre_hook(_mask_sharded_grads)
 register_optimizer_step_post_hook(_remask_after_step)
 
 

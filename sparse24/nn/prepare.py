@@ -13,6 +13,7 @@ from torch import nn
 from .._checks import check_finite
 from ..format import FLOAT_DTYPES, Sparse24Tensor, _check_mask24, compress
 from ..masks import METHODS, mask_nm, prune_nm
+from .sharded import is_dtensor
 
 __all__ = ["MODES", "QUANTIZE", "is_conv1d", "is_conv1d_class", "linear_shape", "compressed_nbytes", "memory_nbytes"]
 
@@ -116,6 +117,10 @@ def _prepare(linear, mask, mode, method, quantize, calibration, trainable_values
     if not isinstance(w, nn.Parameter):
         raise ValueError(f"the Linear's weight is a computed tensor ({type(w).__name__}, e.g. a "
                          "parametrization such as SR-STE or weight_norm); remove it first")
+    if is_dtensor(w):
+        raise ValueError("the Linear's weight is already sharded (a DTensor: fully_shard or tensor parallel ran "
+                         "first): sparsify before sharding (sparsify_(model), then fully_shard), so that each "
+                         "mask is computed from the whole weight and sharded with it")
     R, C = linear_shape(linear)
     if C % 4:
         raise ValueError(f"in_features ({C}) must be divisible by 4 for 2:4 sparsity")

@@ -13,6 +13,7 @@ from .._checks import check_finite
 from ..format import Sparse24Tensor, _check_mask24, compress
 from . import prepare
 from .prepare import is_conv1d_class
+from .sharded import local_pair
 
 __all__ = ["check_state", "StateDictMixin"]
 
@@ -74,6 +75,7 @@ def _check_state_masked(weight: torch.Tensor, mask: torch.Tensor, shape, prefix:
         raise ValueError(f"'{prefix}weight' has shape {tuple(weight.shape)}, expected {tuple(shape)}")
     if not weight.is_floating_point():
         raise TypeError(f"'{prefix}weight' must be floating point, got {weight.dtype}")
+    weight, mask = local_pair(weight, mask, whole_groups=True)  # sharded (FSDP2): each rank checks its rows
     if mask.device != weight.device:
         mask = mask.to(weight.device)
     _check_mask24(mask, weight)

@@ -24,7 +24,7 @@ import torch
 from .._version import __version__
 from .cli_common import (CLIError, _check_fits, _choices, _device, _device_kind, _int_list, _one_line,
                          _out_dir, _Parser, _prog, _threads, add_progress_argument)
-from .prune import PRUNE_EXCLUDE, cmd_prune, prune_state_dict
+from .prune import PRUNE_EXCLUDE, add_blockwise_args, cmd_prune, prune_state_dict
 
 __all__ = ["main", "CLIError", "prune_state_dict", "PRUNE_EXCLUDE"]
 
@@ -287,6 +287,7 @@ def build_parser() -> argparse.ArgumentParser:
     from .prune_calibrated import add_calibration_arguments
     add_calibration_arguments(r)
     add_progress_argument(r)
+    add_blockwise_args(r)
     r.set_defaults(func=cmd_prune)
 
     n = sub.add_parser("inspect", help="per layer of a pruned checkpoint: mode, exact 2:4 check, kept |w|, bytes",

@@ -144,17 +144,25 @@ def prune_folder(src: str | os.PathLike, dst: str | os.PathLike, method: str = "
         if missing:
             raise ValueError(f"the checkpoint has no weight for layer(s) {', '.join(missing[:5])}"
                              + (" ..." if len(missing) > 5 else "") + f" of {type(model).__name__}")
-        if index is not None:
-            (tmp / "model.safetensors.index.json").write_text(json.dumps(
-                {"metadata": index.get("metadata", {}), "weight_map": dict(sorted(weight_map.items()))}, indent=2))
-        for item in src.iterdir():  # tokenizer, generation config, README, ...
-            if item.name not in (*WEIGHT_FILES, "config.json", *shards) and item.is_file():
-                shutil.copy2(item, tmp / item.name)
-        config.quantization_config = sparsity_config(model)
-        config.save_pretrained(tmp)
-        if dst.exists():
-            dst.rmdir()
-        os.replace(tmp, dst)
+        _finish_folder(src, tmp, dst, shards, weight_map, config, model,
+                       None if index is None else index.get("metadata", {}))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return rows
+
+
+def _finish_folder(src: Path, tmp: Path, dst: Path, shards, weight_map: dict, config, model,
+                   metadata: dict | None) -> None:
+    """Complete the new folder ``tmp`` (the shard index when ``metadata`` is given, every other file
+    of ``src``, the config with ``model``'s sparse24 section), then rename it to ``dst``."""
+    if metadata is not None:
+        (tmp / "model.safetensors.index.json").write_text(json.dumps(
+            {"metadata": metadata, "weight_map": dict(sorted(weight_map.items()))}, indent=2))
+    for item in src.iterdir():  # tokenizer, generation config, README, ...
+        if item.name not in (*WEIGHT_FILES, "config.json", *shards) and item.is_file():
+            shutil.copy2(item, tmp / item.name)
+    config.quantization_config = sparsity_config(model)
+    config.save_pretrained(tmp)
+    if dst.exists():
+        dst.rmdir()
+    os.replace(tmp, dst)

@@ -15,7 +15,7 @@ from .._progress import progress_bar
 from .checkpoint import dense_row, is_weight_matrix
 from .cli_common import CLIError, _one_line, _prog
 
-__all__ = ["prune_state_dict", "PRUNE_EXCLUDE", "cmd_prune"]
+__all__ = ["prune_state_dict", "PRUNE_EXCLUDE", "cmd_prune", "add_blockwise_args"]
 
 # A raw state dict does not say which 2-D weights are embedding tables; these
 # names (GPT-2's wte/wpe, *embed*, *emb*) are, and pruning a lookup table 2:4
@@ -249,6 +249,8 @@ def cmd_prune(args) -> int:
     out = _check_prune_out(args)
     src = Path(args.checkpoint)
     settings = f": method={args.method}" + (f", quantize={args.quantize}" if args.quantize else "")
+    if getattr(args, "calibration_ids", None) is not None:
+        return _prune_blockwise(args, src, out, settings)
     check_calibration_arguments(args, src)
     if args.method in CALIBRATED:
         return _prune_calibrated(args, src, out, settings)
@@ -300,5 +302,47 @@ def _prune_calibrated(args, src: Path, out: Path, settings: str) -> int:
     report, note = prune_folder_calibrated(src, out, args)
     size_in = sum(f.stat().st_size for f in src.rglob("*") if f.is_file())
     _print_prune_table(f"{_prog()} prune {src} (Hugging Face folder){settings}; {note}", report, out, size_in)
+    print(f"  load it with: sparse24.from_pretrained(<model class>, {str(out)!r})")
+    return 0
+
+
+def add_blockwise_args(parser) -> None:
+    """The options of ``prune`` with calibration: a Hugging Face folder pruned block by block."""
+    parser.add_argument("--calibration-ids", metavar="FILE",
+                        help="torch file holding an (N, L) int64 tensor of token ids: prune a Hugging Face folder "
+                             "one decoder block at a time on them (--method wanda or sparsegpt; a model larger "
+                             "than memory)")
+    parser.add_argument("--batch-size", type=int, default=1, help="calibration sequences per forward (default 1)")
+
+
+def _prune_blockwise(args, src: Path, out: Path, settings: str) -> int:
+    """``prune FOLDER --out DIR --method wanda|sparsegpt --calibration-ids FILE``
+    (see :mod:`sparse24.tools.blockwise`)."""
+    if args.method not in ("wanda", "sparsegpt"):
+        raise CLIError(f"--calibration-ids (block by block) takes --method wanda or sparsegpt, not {args.method}")
+    if args.calibration is not None or args.permute:
+        raise CLIError("--calibration-ids prunes block by block on token ids: give it without --calibration and "
+                       "--permute (those are the in-memory calibrated path)")
+    if not (src.is_dir() and (src / "config.json").is_file()):
+        raise CLIError(f"{src}: calibrated pruning takes a Hugging Face model folder (config.json + safetensors)")
+    if args.batch_size < 1:
+        raise CLIError(f"--batch-size must be >= 1, got {args.batch_size}")
+    if importlib.util.find_spec("transformers") is None or importlib.util.find_spec("safetensors") is None:
+        raise CLIError("pruning a model folder needs transformers and safetensors: pip install 'sparse24[hf]'", 1)
+    try:
+        ids = torch.load(args.calibration_ids, map_location="cpu", weights_only=True)
+    except Exception as e:  # torch raises many types for non-checkpoint files
+        raise CLIError(f"cannot read --calibration-ids {args.calibration_ids}: {_one_line(e)[:200]}") from None
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.dtype not in (torch.int64, torch.int32):
+        raise CLIError(f"--calibration-ids {args.calibration_ids}: expected an (N, L) int64 tensor of token ids")
+    from .blockwise import prune_folder_blockwise
+    try:
+        report = prune_folder_blockwise(src, out, list(ids.split(args.batch_size)), args.method, args.quantize,
+                                        args.min_features, args.exclude)
+    except (ValueError, TypeError) as e:
+        raise CLIError(f"{src}: {_one_line(e)}") from None
+    size_in = sum(f.stat().st_size for f in src.rglob("*") if f.is_file())
+    _print_prune_table(f"{_prog()} prune {src} (Hugging Face folder, block by block on {ids.shape[0]} x "
+                       f"{ids.shape[1]} tokens){settings}", report, out, size_in)
     print(f"  load it with: sparse24.from_pretrained(<model class>, {str(out)!r})")
     return 0

@@ -1,15 +1,13 @@
 """Frozen-mask retraining under DistributedDataParallel: 2 CPU processes, gloo, loopback."""
-import os
-import socket
-
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import sparse24
+
+from distributed import spawn
 
 WORLD, STEPS, GLOBAL_BATCH = 2, 5, 16
 
@@ -38,35 +36,21 @@ def train(model, opt, xs, ys):
         opt.step()
 
 
-def _worker(rank, port, out_path):
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
-    try:
-        torch.set_num_threads(1)
-        model = build(seed=100 + rank)  # different init and masks per rank on purpose
-        ddp = DDP(model)  # broadcasts rank 0's parameters AND buffers (the masks) to every rank
-        opt = make_opt(ddp.parameters())
-        xs, ys = data()
-        per = GLOBAL_BATCH // WORLD
-        train(ddp, opt, xs[:, rank * per:(rank + 1) * per], ys[:, rank * per:(rank + 1) * per])
-        state = {k: v.clone() for k, v in model.state_dict().items()}
-        gathered = [None] * WORLD
-        dist.all_gather_object(gathered, state)
-        if rank == 0:
-            torch.save(gathered, out_path)
-    finally:
-        dist.destroy_process_group()
+def _worker(rank):
+    model = build(seed=100 + rank)  # different init and masks per rank on purpose
+    ddp = DDP(model)  # broadcasts rank 0's parameters AND buffers (the masks) to every rank
+    opt = make_opt(ddp.parameters())
+    xs, ys = data()
+    per = GLOBAL_BATCH // WORLD
+    train(ddp, opt, xs[:, rank * per:(rank + 1) * per], ys[:, rank * per:(rank + 1) * per])
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    gathered = [None] * WORLD
+    dist.all_gather_object(gathered, state)
+    return gathered
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def test_ddp_matches_single_process(tmp_path):
-    out = str(tmp_path / "states.pt")
-    mp.spawn(_worker, args=(free_port(), out), nprocs=WORLD, join=True)
-    states = torch.load(out, weights_only=True)
+def test_ddp_matches_single_process():
+    states = spawn(_worker, WORLD)
 
     single = build(seed=100)  # rank 0's model, trained on the whole global batch
     xs, ys = data()

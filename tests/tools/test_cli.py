@@ -98,6 +98,10 @@ def test_bench_writes_csv_png_and_env(capsys, tmp_path):
     (["prune", "missing.pt", "--out", "x.pt"], 2, ["no such checkpoint file: missing.pt"]),
     (["prune", "a.pt", "--out", "b.pt", "--method", "wanda"], 2,
      ["--method wanda runs calibration text through the model", "needs a Hugging Face model folder"]),
+    (["prune", "a.pt", "--out", "b.pt", "--method", "wanda", "--calibration-ids", "c.pt"], 2,
+     ["takes a Hugging Face model folder"]),
+    (["prune", "a.pt", "--out", "b.pt", "--method", "layerwise", "--calibration-ids", "c.pt"], 2,
+     ["takes --method wanda or sparsegpt, not layerwise"]),
     (["prune", "a.pt", "--out", "b.pt", "--min-features", "x"], 2, ["invalid int value: 'x'"]),
     (["prune", "a.pt", "--out", "."], 2, ["--out .: is a folder"]),  # was a torch.save traceback
     (["frobnicate"], 2, ["invalid choice: 'frobnicate'"]),

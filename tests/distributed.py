@@ -1,0 +1,38 @@
+"""Running a test body on N CPU processes over gloo on this machine."""
+import socket
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank, fn, world, folder, args):
+    # rendezvous through a file: no port to pick, so no race with other processes for a free one
+    dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=world)
+    try:
+        torch.set_num_threads(1)
+        result = fn(rank, *args)
+        if rank == 0:
+            torch.save(result, f"{folder}/rank0.pt")
+        # Tear down together: a rank leaving while the other still works aborted at exit now and then
+        # ("terminate called without an active exception", after DCP and full-state-dict gathers).
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn(fn, world: int, *args):
+    """Run ``fn(rank, *args)`` in ``world`` processes with the default process group initialized
+    and return what rank 0 returned; ``fn`` must be a module-level function. A failure in any
+    process fails the caller."""
+    with tempfile.TemporaryDirectory() as d:
+        mp.spawn(_entry, args=(fn, world, d, args), nprocs=world, join=True)
+        return torch.load(Path(d) / "rank0.pt", weights_only=False)

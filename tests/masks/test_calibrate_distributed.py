@@ -1,0 +1,72 @@
+"""Data-parallel calibration: 2 gloo processes, each with part of the calibration batches, get the
+statistics, masks and weights of one process with all of them (fp64)."""
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import sparse24
+from sparse24.masks import calibrate, prune_layerwise_
+
+from distributed import spawn
+
+WORLD = 2
+# uneven shares: rank 0 gets batches 0, 2, 4 (36 rows), rank 1 gets 1, 3 (16 rows)
+BATCHES = [torch.randn(n, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(i))
+           for i, n in enumerate((12, 7, 10, 9, 14))]
+
+
+def build():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16), nn.ReLU(), nn.Linear(16, 8)).double()
+
+
+def run(batches, group=None):
+    """Teacher statistics, layer-wise SparseGPT fit to a teacher with refit, and Wanda masks."""
+    model = build()
+    stats = calibrate(model, batches, teacher=build(), group=group)
+    pruned = build()
+    fit = prune_layerwise_(pruned, batches, method="sparsegpt", teacher=build(), refit=True, group=group)
+    wanda = build()
+    sparse24.sparsify_(wanda, method="wanda", calibration=calibrate(wanda, batches, group=group), min_features=0,
+                       skip_output_head=False)
+    return {"stats": {k: (s.count, s.sq_sum, s.xtx, s.xtx_teacher) for k, s in stats.items()},
+            "fit": {k: (r.mask, r.weight) for k, r in fit.items()},
+            "wanda": {k: v for k, v in wanda.state_dict().items() if k.endswith("mask")}}
+
+
+def _worker(rank):
+    out = run(BATCHES[rank::WORLD], group=dist.group.WORLD)
+    every = [None] * WORLD
+    dist.all_gather_object(every, out)
+    return every
+
+
+def test_ranks_with_parts_of_the_data_equal_one_with_all():
+    every = spawn(_worker, WORLD)
+    ref = run(BATCHES)
+    assert len(ref["stats"]) == 3 and len(ref["fit"]) == 3 and len(ref["wanda"]) == 3
+    for out in every:  # every rank holds the same result
+        for fqn, (count, *sums) in ref["stats"].items():
+            assert out["stats"][fqn][0] == count == sum(b.shape[0] for b in BATCHES)
+            for got, want in zip(out["stats"][fqn][1:], sums):
+                torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)  # fp64 sums in another order
+        for fqn, (mask, weight) in ref["fit"].items():
+            assert torch.equal(out["fit"][fqn][0], mask), fqn
+            torch.testing.assert_close(out["fit"][fqn][1], weight, rtol=1e-9, atol=1e-12)
+        for k, mask in ref["wanda"].items():
+            assert torch.equal(out["wanda"][k], mask), k
+    # one rank's own share alone gives other statistics: the sums did cross the processes
+    alone = calibrate(build(), BATCHES[::WORLD])
+    assert alone["0"].count != ref["stats"]["0"][0]
+
+
+def test_group_needs_an_initialized_process_group():
+    model, before = build(), copy.deepcopy(build().state_dict())
+    with pytest.raises(ValueError, match="torch.distributed initialized"):
+        calibrate(model, BATCHES, group=object())
+    with pytest.raises(ValueError, match="torch.distributed initialized"):
+        prune_layerwise_(model, BATCHES, group=object())
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
