@@ -438,7 +438,9 @@ def _mask_nibbles24(mask: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     keeping more than 2 (ValueError naming the first row/group).
     """
     check_mask(mask, w)
-    k = mask.contiguous().view(-1, 4).view(torch.uint8)
+    # clamp: a bool stored as a byte other than 0/1 (a corrupt file) is True to torch, and a
+    # raw byte above 1 would index past the table (fuzzing found it: tests/format/test_fuzz_findings.py)
+    k = mask.contiguous().view(-1, 4).view(torch.uint8).clamp(max=1)
     nib = _lookup(_NIB_FROM_KEEP, k[:, 0] | k[:, 1] << 1 | k[:, 2] << 2 | k[:, 3] << 3)
     bad = nib == _BAD
     if bool(bad.any()):

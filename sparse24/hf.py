@@ -104,12 +104,14 @@ class Sparse24Config(QuantizationConfigMixin):
                  sparse24_version: str | None = None, quant_method: str = QUANT_METHOD, **kwargs):
         if quant_method != QUANT_METHOD:
             raise ValueError(f"not a sparse24 section: quant_method={quant_method!r}")
-        if not isinstance(format_version, int) or format_version > FORMAT_VERSION:
+        if isinstance(format_version, bool) or not isinstance(format_version, int) or format_version > FORMAT_VERSION:
             raise ValueError(f"this folder was written in sparse24 format {format_version!r} (sparse24 "
                              f"{sparse24_version}); this sparse24 ({__version__}) reads up to {FORMAT_VERSION}: "
                              "upgrade sparse24")
         if (n, m) != (2, 4):
             raise ValueError(f"sparse24 stores 2:4 layers, the section says {n}:{m}")
+        if layers is not None and not isinstance(layers, dict):  # found by fuzzing (an AttributeError before)
+            raise ValueError(f"sparse24 section: 'layers' must map layer names to entries, got {layers!r:.60}")
         for fqn, e in (layers or {}).items():
             if not isinstance(e, dict) or e.get("mode") not in MODES or e.get("quantize") not in QUANTIZE \
                     or e.get("kind", "linear") not in _KINDS:
@@ -255,8 +257,11 @@ def _checkpoint_keys(files) -> set | None:
     from safetensors import safe_open
     keys = set()
     for f in files:
-        with safe_open(f, framework="pt") as fh:
-            keys.update(fh.keys())
+        try:
+            with safe_open(f, framework="pt") as fh:
+                keys.update(fh.keys())
+        except Exception as e:  # safetensors' own error type names neither the file nor the fix (found by fuzzing)
+            raise ValueError(f"cannot read the weights file {f}: {' '.join(str(e).split())[:300]}") from None
     return keys
 
 
