@@ -449,7 +449,8 @@ def mutate_safetensors_header(rng: random.Random, data: bytes) -> bytes:
         header = json.loads(data[8:8 + n])
     except Exception:
         return mutate_bytes(rng, data)
-    names = [k for k in header if k != "__metadata__"]
+    names = [k for k in header if k != "__metadata__"] if isinstance(header, dict) else []
+    names = [k for k in names if isinstance(header[k], dict)]  # entries an earlier mutation left whole
     if names and rng.random() < 0.7:
         e = header[rng.choice(names)]
         field = rng.choice(["dtype", "shape", "data_offsets"])
@@ -457,9 +458,11 @@ def mutate_safetensors_header(rng: random.Random, data: bytes) -> bytes:
             e["dtype"] = rng.choice(["F16", "BF16", "F32", "F64", "I8", "U8", "I16", "I32", "I64", "BOOL", "F8_E4M3",
                                      "X", 3])
         elif field == "shape":
-            e["shape"] = rng.choice([[], [0], [2 ** 40], [-1], [2 ** 31, 2 ** 31], e["shape"][::-1],
-                                     e["shape"] + [1], [x * 2 for x in e["shape"]], "x"])
-        else:
+            shape = e.get("shape") if isinstance(e.get("shape"), list) else [1]
+            e["shape"] = rng.choice([[], [0], [2 ** 40], [-1], [2 ** 31, 2 ** 31], shape[::-1], shape + [1],
+                                     [x * 2 if isinstance(x, int) else x for x in shape], "x"])
+        elif isinstance(e.get("data_offsets"), list) and len(e["data_offsets"]) == 2 \
+                and all(isinstance(x, int) for x in e["data_offsets"]):
             a, b = e["data_offsets"]
             e["data_offsets"] = rng.choice([[b, a], [a, b + 4], [a + 1, b + 1], [0, 2 ** 62], [a, a], [-1, b], None])
     else:
@@ -808,7 +811,11 @@ def fuzz(name: str, seconds: float, seed: int, failures: Path | None, max_inputs
     seeds, outcomes, fails = [target.seed], Counter(), []
     t_end, tried, t0 = time.perf_counter() + seconds, 0, time.perf_counter()
     while time.perf_counter() < t_end and (max_inputs is None or tried < max_inputs):
-        data = target.mutate(rng, seeds)
+        try:
+            data = target.mutate(rng, seeds)
+        except Exception as e:  # a mutator bug must not end a long run; it is reported
+            print(f"{name}: mutator raised {type(e).__name__}: {e}", file=sys.stderr)
+            data = mutate_bytes(rng, target.seed)
         tried += 1
         try:
             outcome = run_one_classified(target, data)
