@@ -736,8 +736,9 @@ class CLITarget:
         bench.run_bench = lambda *a, **k: [dict(r) for r in self.rows]
         demo.load_corpus = accepted
         threads = torch.get_num_threads()
-        try:
-            with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out), warnings.catch_warnings():
+        try:  # in its own folder: relative paths (--out 3, default runs/...) land there
+            with contextlib.chdir(self.dir), contextlib.redirect_stderr(err), contextlib.redirect_stdout(out), \
+                    warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 rc = main(argv)
         except self.Accepted:
