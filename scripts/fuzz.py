@@ -23,16 +23,21 @@ Oracle for every input, checked in this process:
 - loaded: the model holds exactly what the file says (every tensor equal to the
   file's, cast to the model's dtype as ``load_state_dict`` casts) and every 2:4
   layer validates; the outcome is "same model" when that equals the valid file.
-- refused: one exception of a clear kind (ValueError, TypeError, RuntimeError,
-  OSError, ...; not KeyError, IndexError, AttributeError, ...) whose message names
-  the field (a state-dict key, a JSON field) or the file; the model passed to
-  ``load_state_dict`` is unchanged, tensor by tensor.
+- refused by sparse24: one exception of a clear kind (ValueError, TypeError,
+  RuntimeError, OSError; not KeyError, IndexError, AttributeError, ...) whose message
+  names the entry or the file; every module either unchanged or, as torch's
+  ``load_state_dict`` copies module by module, holding all of the file's entries for
+  it (those outcomes are counted apart); a 2:4 layer holding neither is a failure.
+- refused by the code below us (``torch.load``, safetensors, transformers' config
+  classes): an outcome naming that library, not a failure: not ours to fix.
 - every call: at most 1 s of CPU time, and no allocation above ``64 MiB + 64 x``
-  the input's size (256 MiB + 64 x for the HF folder, where transformers builds a
-  model): the address-space limit (RLIMIT_AS) is lowered to that above the current
-  size for the call, so a larger allocation fails and is reported as a failure.
+  the input's size (256 MiB + 64 x for the HF folder and the CLI, where transformers
+  builds a model): the address-space limit (RLIMIT_AS) is lowered to that above the
+  current size for the call, so a larger allocation fails and is reported as a
+  failure (except inside ``torch.load``, and for a ``config.json`` changed outside the
+  sparse24 section, which describes another model transformers builds).
 - the CLI: exit 0, or 1/2 with exactly one line on stderr and no traceback; on a
-  non-zero exit no output path changed.
+  non-zero exit the output folder (an existing file, a folder) is unchanged.
 
 Usage: python scripts/fuzz.py --seconds 60 [--targets state-pt,cli] [--seed 0]
        [--failures fuzz-failures] [--max-inputs N]
@@ -707,7 +712,8 @@ class CLITarget:
             argv.append(rng.choice(self.pool["values"]))
         if cmd == "bench" and rng.random() < 0.7:
             argv += ["--shapes", "8,16", "--m", "1", "--repeats", "1"]
-        rng.shuffle(argv) if rng.random() < 0.1 else None
+        if rng.random() < 0.1:
+            rng.shuffle(argv)
         return json.dumps(argv).encode()
 
     def _reset_outputs(self) -> None:
