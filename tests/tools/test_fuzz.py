@@ -152,3 +152,33 @@ def _load_folder(target, config: bytes, weights: bytes):
     (folder / "config.json").write_bytes(config)
     (folder / "model.safetensors").write_bytes(weights)
     return sparse24.from_pretrained(target.cls, folder)
+
+
+def test_finding_values_stored_in_another_dtype(hf_target):
+    """q_proj.values (an INT8 layer) stored as float8 in model.safetensors loaded as INT8 values:
+    transformers cast them to the layer's dtype. Now the stored dtypes are checked first."""
+    from safetensors.torch import load, save
+    config, weights = hf_target.unpack(hf_target.seed)
+    sd = load(weights)
+    key = "model.layers.0.self_attn.q_proj.values"
+    for dtype in (torch.float8_e4m3fn, torch.float32, torch.int16):
+        bad = dict(sd, **{key: sd[key].to(dtype)})
+        with pytest.raises(ValueError, match=rf"model\.safetensors: '{key}' is stored as .*; the 2:4 compressed INT8 "
+                                             r"layer needs I8"):
+            _load_folder(hf_target, config, save(bad))
+    key = "model.layers.0.mlp.up_proj.meta"  # int32 metadata stored as int64: refused, not cast
+    with pytest.raises(ValueError, match=rf"'{key}' is stored as I64; .* needs I32"):
+        _load_folder(hf_target, config, save(dict(sd, **{key: sd[key].long()})))
+    # a float layer's values in another float width are cast as load_state_dict casts them: loads
+    key = "model.layers.0.mlp.up_proj.values"
+    model = _load_folder(hf_target, config, save(dict(sd, **{key: sd[key].double()})))
+    assert torch.equal(model.model.layers[0].mlp.up_proj.values, sd[key])
+
+
+def test_finding_layer_entry_without_quantize(hf_target):
+    """A layer entry of the sparse24 section without "quantize" raised KeyError."""
+    config, weights = hf_target.unpack(hf_target.seed)
+    cfg = json.loads(config)
+    del cfg["quantization_config"]["layers"]["model.layers.0.mlp.up_proj"]["quantize"]
+    with pytest.raises(ValueError, match="layer 'model.layers.0.mlp.up_proj' has an unreadable entry"):
+        _load_folder(hf_target, json.dumps(cfg).encode(), weights)
