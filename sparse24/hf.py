@@ -104,15 +104,17 @@ class Sparse24Config(QuantizationConfigMixin):
                  sparse24_version: str | None = None, quant_method: str = QUANT_METHOD, **kwargs):
         if quant_method != QUANT_METHOD:
             raise ValueError(f"not a sparse24 section: quant_method={quant_method!r}")
-        if not isinstance(format_version, int) or format_version > FORMAT_VERSION:
+        if isinstance(format_version, bool) or not isinstance(format_version, int) or format_version > FORMAT_VERSION:
             raise ValueError(f"this folder was written in sparse24 format {format_version!r} (sparse24 "
                              f"{sparse24_version}); this sparse24 ({__version__}) reads up to {FORMAT_VERSION}: "
                              "upgrade sparse24")
         if (n, m) != (2, 4):
             raise ValueError(f"sparse24 stores 2:4 layers, the section says {n}:{m}")
+        if layers is not None and not isinstance(layers, dict):  # found by fuzzing (an AttributeError before)
+            raise ValueError(f"sparse24 section: 'layers' must map layer names to entries, got {layers!r:.60}")
         for fqn, e in (layers or {}).items():
-            if not isinstance(e, dict) or e.get("mode") not in MODES or e.get("quantize") not in QUANTIZE \
-                    or e.get("kind", "linear") not in _KINDS:
+            if not isinstance(e, dict) or e.get("mode") not in MODES or "quantize" not in e \
+                    or e["quantize"] not in QUANTIZE or e.get("kind", "linear") not in _KINDS:
                 raise ValueError(f"sparse24 section: layer {fqn!r} has an unreadable entry {e!r}")
         self.quant_method = QUANT_METHOD
         self.format_version = format_version
@@ -160,6 +162,7 @@ class Sparse24Quantizer(HfQuantizer):
                 if lacking:
                     raise ValueError(f"the checkpoint lacks {', '.join(f'{saved}.{k}' for k in lacking)} for the 2:4 "
                                      f"{spec['mode']} layer {saved!r} that config.json lists")
+                _check_stored_dtypes(found, saved, need, spec)
             model.set_submodule(fqn, shell)
             if spec["mode"] == "compressed":
                 ignore += [re.escape(saved), re.escape(fqn)]
@@ -247,17 +250,37 @@ def _shell(dense: nn.Module, spec: dict) -> Sparse24Linear:
     return shell
 
 
-def _checkpoint_keys(files) -> set | None:
-    """The tensor names in a model's checkpoint files (safetensors headers only), or None when
-    they cannot be listed cheaply (then missing entries surface in transformers' load report)."""
+def _checkpoint_keys(files) -> dict | None:
+    """``{tensor name: (safetensors dtype, file)}`` of a model's checkpoint files (headers only), or
+    None when they cannot be listed cheaply (then missing entries surface in transformers' load report)."""
     if not files or not all(str(f).endswith(".safetensors") for f in files):
         return None
     from safetensors import safe_open
-    keys = set()
+    keys = {}
     for f in files:
-        with safe_open(f, framework="pt") as fh:
-            keys.update(fh.keys())
+        try:
+            with safe_open(f, framework="pt") as fh:
+                keys.update({k: (fh.get_slice(k).get_dtype(), f) for k in fh.keys()})
+        except Exception as e:  # safetensors' own error type names neither the file nor the fix (found by fuzzing)
+            raise ValueError(f"cannot read the weights file {f}: {' '.join(str(e).split())[:300]}") from None
     return keys
+
+
+_FLOATS = ("F16", "BF16", "F32", "F64")
+
+
+def _check_stored_dtypes(found: dict, saved: str, need: list, spec: dict) -> None:
+    """Refuse a 2:4 entry stored in a dtype its layer cannot take as it is: transformers casts
+    each tensor to the dtype of the layer's buffer, so float8 values became INT8 values without a
+    word (found by fuzzing: tests/tools/test_fuzz.py). Floating entries may differ in width, as
+    in ``load_state_dict``."""
+    allowed = {"meta": ("I32",), "mask": ("BOOL",), "scale": ("F32",), "weight": _FLOATS,
+               "values": ("I8",) if spec["quantize"] else _FLOATS}
+    for k in need:
+        dtype, file = found[f"{saved}.{k}"]
+        if k in allowed and dtype not in allowed[k]:
+            raise ValueError(f"{file}: '{saved}.{k}' is stored as {dtype}; the 2:4 {spec['mode']}"
+                             f"{' INT8' if spec['quantize'] else ''} layer needs {' or '.join(allowed[k])}")
 
 
 def attach(model: nn.Module) -> None:

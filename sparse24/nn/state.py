@@ -70,6 +70,24 @@ def _check_finite_entries(sd: dict, prefix: str, keys) -> None:
         check_finite(sd[prefix + k], f"'{prefix}{k}'", "a corrupt or diverged checkpoint")
 
 
+def _check_whole(self, sd: dict, prefix: str) -> None:
+    """All of this layer's entries load or none, the bias with the 2:4 set (found by fuzzing:
+    tests/tools/test_fuzz.py): torch copies entry by entry and reports a bad or missing bias
+    at the end, which left new 2:4 values beside the old bias. As for the 2:4 set, this holds
+    with ``strict=False`` too (torch does not tell a module which mode it loads in)."""
+    own = list(self.state_dict(keep_vars=True))
+    given = [k for k in own if prefix + k in sd]
+    if given and len(given) < len(own):
+        raise ValueError(f"missing {', '.join(repr(prefix + k) for k in own if k not in given)} beside "
+                         f"{', '.join(repr(prefix + k) for k in given)}: a layer loads all its entries or none")
+    if self.bias is not None and prefix + "bias" in sd:
+        bias = sd[prefix + "bias"]
+        if not isinstance(bias, torch.Tensor):
+            raise TypeError(f"'{prefix}bias' must be a tensor, got {type(bias).__name__}")
+        if bias.shape != self.bias.shape:
+            raise ValueError(f"'{prefix}bias' has shape {tuple(bias.shape)}, expected {tuple(self.bias.shape)}")
+
+
 def _check_state_masked(weight: torch.Tensor, mask: torch.Tensor, shape, prefix: str) -> None:
     if tuple(weight.shape) != tuple(shape):
         raise ValueError(f"'{prefix}weight' has shape {tuple(weight.shape)}, expected {tuple(shape)}")
@@ -143,6 +161,7 @@ class StateDictMixin:
             if self.pending and self._has_dense_entry_only(state_dict, prefix):
                 self._fill_from_dense(state_dict, prefix)  # the weights arrived: compute the mask now
             check_state(self, state_dict, prefix)
+            _check_whole(self, state_dict, prefix)
         except (ValueError, TypeError) as e:
             error_msgs.append(f"{prefix[:-1] or 'Sparse24Linear'}: {e}")
             return  # nothing of this module changes

@@ -2,8 +2,9 @@
 nothing here measures).
 
 One figure: a row per weight shape, TFLOP/s vs M on the left and speedup vs
-dense on the right (log-x). Several CSVs (several GPUs, or a GPU and a CPU)
-overlay in one figure: colour = provider, line style = device.
+dense on the right (log-x; log-y where the values span more than 8x). Several
+CSVs (several GPUs, or a GPU and a CPU) overlay in one figure: colour =
+provider, line style = device; one legend below the panels.
 
 The speedup panel draws the byte-count ceiling of each sparse format: with
 dense weights of ``e`` bytes per element, 2:4 stores ``e/2 + 1/8`` bytes per
@@ -12,7 +13,8 @@ dense element (half the values + a 2-bit index each) and INT8 2:4 stores
 scales with bytes, so speedup <= ``e / (e/2 + 1/8)`` = 1.78x for fp16 and
 ``e / 0.625`` = 3.2x for INT8 weights vs fp16. At large M the GEMM is
 compute-bound and the ceiling does not apply (a kernel without sparse tensor
-cores does the dense FLOPs: expect <= 1x there).
+cores does the dense FLOPs: expect <= 1x there). The axis is set by the
+measurements; a ceiling far above them is named at the panel's top edge.
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ from pathlib import Path
 from .._version import __version__
 from .bench import COLUMNS, PROVIDERS, SCHEMA, write_together
 
-__all__ = ["read_rows", "byte_ceiling", "plot_rows", "plot_csv"]
+__all__ = ["read_rows", "byte_ceiling", "plot_rows", "plot_csv", "figure"]
 
 _ELT = {"float16": 2, "bfloat16": 2, "float32": 4}
 _COLORS = dict(zip(PROVIDERS, ["black", "tab:blue", "tab:cyan", "tab:green", "tab:orange", "tab:red", "tab:pink"]))
@@ -116,6 +118,15 @@ def plot_rows(rows: list[dict], out: str | os.PathLike, title: str | None = None
     Returns:
         the PNG path.
     """
+    fig = figure(rows, title)
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_together({out: lambda tmp: fig.savefig(tmp, dpi=110, format="png")})
+    return out
+
+
+def figure(rows: list[dict], title: str | None = None):
+    """The matplotlib ``Figure`` :func:`plot_rows` saves (rows and title as there)."""
     from matplotlib.figure import Figure  # no pyplot: works headless and leaves the user's backend alone
     from matplotlib.ticker import FuncFormatter
 
@@ -126,8 +137,9 @@ def plot_rows(rows: list[dict], out: str | os.PathLike, title: str | None = None
     multi_dtype = len({r["dtype"] for r in rows}) > 1
     # CPUs reach GFLOP/s, GPUs TFLOP/s: label in the unit that gives readable numbers
     unit, scale = ("TFLOP/s", 1.0) if max(r["tflops"] for r in rows) >= 1 else ("GFLOP/s", 1e3)
-    fig = Figure(figsize=(12, 3.3 * len(shapes) + 0.8), layout="constrained")
+    fig = Figure(figsize=(12, 3.3 * len(shapes) + 1.2), layout="constrained")
     axes = fig.subplots(len(shapes), 2, squeeze=False)
+    handles = {}
     for (shape, N, K), (ax_t, ax_s) in zip(shapes, axes):
         here = [r for r in rows if (r["shape"], r["N"], r["K"]) == (shape, N, K)]
         lines = dict.fromkeys((r["device"], r["dtype"], r["provider"]) for r in here)
@@ -138,16 +150,13 @@ def plot_rows(rows: list[dict], out: str | os.PathLike, title: str | None = None
             label = prov + (f" {dtype}" if multi_dtype else "") + (f" ({dev})" if len(devices) > 1 else "")
             style = dict(color=_COLORS.get(prov, "gray"), linestyle=_STYLES[devices.index(dev) % len(_STYLES)],
                          marker="o", markersize=3.5)
-            ax_t.plot(ms, [v * scale for v in tf], label=label, **style)
+            handles.setdefault(label, ax_t.plot(ms, [v * scale for v in tf], label=label, **style)[0])
             ax_s.plot(ms, sp, **style)
-        ceilings = sorted({(round(c, 2), dtype, "int8" in prov) for _, dtype, prov in lines
-                           if (c := byte_ceiling(prov, dtype))})
-        for c, dtype, int8 in ceilings:
-            what = f"int8 2:4 vs {dtype}" if int8 else f"{dtype} 2:4"
-            ax_s.axhline(c, color="tab:red" if int8 else "tab:blue", linestyle=(0, (4, 3)), linewidth=1, alpha=0.6)
-            ax_s.annotate(f"byte ceiling {c:.2f}x ({what}; memory-bound M only)", (0.01, c), xycoords=("axes fraction",
-                          "data"), fontsize=7, va="bottom", color="dimgray")
+        _value_axis(ax_t, [r["tflops"] * scale for r in here])
         ax_s.axhline(1.0, color="gray", linewidth=0.8)
+        _speedup_axis(ax_s, [r["speedup_vs_dense"] for r in here],
+                      sorted({(round(c, 2), dtype, "int8" in prov) for _, dtype, prov in lines
+                              if (c := byte_ceiling(prov, dtype))}))
         for ax, ylabel in ((ax_t, f"{unit} (2MNK / t)"), (ax_s, "speedup vs dense (same run)")):
             ax.set_xscale("log", base=2)
             ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
@@ -155,16 +164,60 @@ def plot_rows(rows: list[dict], out: str | os.PathLike, title: str | None = None
             ax.set_ylabel(ylabel)
             ax.grid(True, which="both", alpha=0.3)
             ax.set_title(f"{shape}  (N={N}, K={K})", fontsize=9)
-        ax_s.set_ylim(bottom=0)
-        ax_t.legend(fontsize=7, loc="upper left")
+    # one legend for the figure, below the panels: it never covers a curve
+    fig.legend(list(handles.values()), list(handles), loc="outside lower center", ncol=min(len(handles), 4),
+               fontsize=8, frameon=False)
     if title is None:
         dts = ", ".join(dict.fromkeys(r["dtype"] for r in rows))
         title = f"sparse24 throughput on {' vs '.join(devices)}: {dts}"
     fig.suptitle(title, fontsize=11)
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    write_together({out: lambda tmp: fig.savefig(tmp, dpi=110, format="png")})
-    return out
+    return fig
+
+
+# A y range wider than this (max / min) is drawn on a log axis: on a linear one the small
+# values (CPU speedups of 0.04-0.4x beside 1x, GFLOP/s at M = 1 beside M = 128) sit on zero.
+_LOG_RANGE = 8.0
+
+
+def _value_axis(ax, values: list[float]) -> None:
+    """Log y when the data span more than ``_LOG_RANGE``; else linear from zero."""
+    lo, hi = min(values), max(values)
+    if hi / lo > _LOG_RANGE:
+        ax.set_yscale("log")
+        ax.set_ylim(lo / 1.5, hi * 1.5)
+    else:
+        ax.set_ylim(0, hi * 1.1)
+
+
+def _speedup_axis(ax, speedups: list[float], ceilings: list[tuple[float, str, bool]]) -> None:
+    """Axis limits from the measured speedups (and the 1x line), not from the byte ceilings: a
+    ceiling within reach of the data is drawn as a line (the axis grows to show it); one far above
+    it (CPU: 0.04-0.4x measured, 6.4x ceiling) is a note at the top edge."""
+    lo, hi = min(min(speedups), 1.0), max(max(speedups), 1.0)
+    log = hi / lo > _LOG_RANGE
+    top = hi * (1.5 if log else 1.15)
+    near = [c for c in ceilings if c[0] <= 2 * top]
+    top = max([top] + [c[0] * (1.8 if log else 1.15) for c in near])  # room above a line for the far note
+    for c, dtype, int8 in ceilings:
+        what = f"int8 2:4 vs {dtype}" if int8 else f"{dtype} 2:4"
+        color = "tab:red" if int8 else "tab:blue"
+        if (c, dtype, int8) in near:
+            ax.axhline(c, color=color, linestyle=(0, (4, 3)), linewidth=1, alpha=0.6)
+            ax.annotate(f"byte ceiling {c:.2f}x ({what}; memory-bound M)", (0.01, c),
+                        xycoords=("axes fraction", "data"), fontsize=7, va="bottom", color="dimgray")
+    far = [c for c in ceilings if c not in near]
+    if far:
+        text = "far above: byte ceiling " + ", ".join(
+            f"{c:.2f}x ({f'int8 2:4 vs {d}' if i8 else f'{d} 2:4'})" for c, d, i8 in far)
+        ax.annotate(text + " \u2191", (0.99, 0.98), xycoords="axes fraction", ha="right", va="top", fontsize=7,
+                    color="tab:red" if all(i8 for *_, i8 in far) else "dimgray")
+    if log:
+        from matplotlib.ticker import FuncFormatter
+        ax.set_yscale("log")
+        ax.set_ylim(lo / 1.5, top)
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}x"))
+    else:
+        ax.set_ylim(0, top)
 
 
 def _device_label(row: dict) -> str:

@@ -210,3 +210,33 @@ def test_failed_writes_leave_previous_files(tmp_path, monkeypatch):
     with pytest.raises(OSError, match="No space"):
         plot.plot_rows(rows, png)
     assert png.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["b.csv", "p.png"]
+
+
+def _synthetic(speedups: dict, dtype="float32"):
+    """Bench rows with given speedups per provider at M = 1, 16, 128 (GFLOP/s scaled alike)."""
+    rows = []
+    for prov, sps in speedups.items():
+        for M, sp in zip((1, 16, 128), sps):
+            rows.append({"schema": bench.SCHEMA, "device_type": "cpu", "device": "X", "threads": 1, "dtype": dtype,
+                         "shape": "s", "N": 64, "K": 64, "M": M, "provider": prov, "weight_bytes": 1,
+                         "median_ms": 1.0, "tflops": 1e-3 * sp * M, "gbps": 1.0, "speedup_vs_dense": sp})
+    return rows
+
+
+def test_plot_axes_follow_the_data_and_the_legend_stays_outside():
+    # a CPU: 0.04-0.6x measured, byte ceilings 1.88x and 6.4x (int8 vs fp32)
+    fig = plot.figure(_synthetic({"dense": [1, 1, 1], "sparse24-reference": [0.04, 0.25, 0.6],
+                                  "sparse24-int8-reference": [0.03, 0.2, 0.55]}))
+    ax_t, ax_s = fig.axes[:2]
+    assert ax_s.get_yscale() == "log" and ax_t.get_yscale() == "log"  # 0.03 .. 1: a wide range
+    lo, hi = ax_s.get_ylim()
+    assert lo < 0.03 and 1.88 < hi < 6.4  # the near ceiling is shown, the far one does not set the axis
+    assert [round(l.get_ydata()[0], 2) for l in ax_s.lines if l.get_linestyle() == "--"] == [1.88]
+    notes = [t.get_text() for t in ax_s.texts]
+    assert any("far above" in t and "6.40x" in t for t in notes) and any("1.88x" in t for t in notes)
+    assert all(ax.get_legend() is None for ax in fig.axes) and len(fig.legends) == 1  # below the panels
+    # a GPU-like range (0.8-1.6x, ceiling 1.78x): linear from zero, the ceiling drawn as a line
+    fig = plot.figure(_synthetic({"dense": [1, 1, 1], "sparse24-triton": [1.6, 1.3, 0.8]}, "float16"))
+    ax_s = fig.axes[1]
+    assert ax_s.get_yscale() == "linear" and ax_s.get_ylim()[0] == 0 and ax_s.get_ylim()[1] > 1.78
+    assert not any("far above" in t.get_text() for t in ax_s.texts)
