@@ -31,7 +31,10 @@ same 4096x4096 layer, every config of its space, Triton 3.9 and 3.6
   scale (no int -> float conversion instructions);
 * no masks in the main loop: the packed weight is padded to whole 64-column
   atoms and to 128 rows, x rows past M are clamped (their outputs are never
-  stored) and the partial last K-tile runs once, masked, after the loop.
+  stored) and the partial last K-tile runs once, masked, after the loop;
+* where every split owns one K-tile (``ONE_TILE``: SPLIT_K == K-tiles, the
+  small layers' default) the kernel compiles without the loop: the ~250
+  instructions outside the tile are all a program runs besides it.
 
 ``byte_perm`` is libdevice's ``__nv_byte_perm`` (PTX ``prmt.b32``, selector
 nibbles masked to 3 bits). Triton's interpreter has no libdevice, so
@@ -135,7 +138,10 @@ def _decode_tile(acc, x_ptrs, v_ptrs, m_ptrs, k0, K, a0, KA,
             wv = tl.load(v_ptrs)
         P = tl.permute(tl.reshape(wv, [A, T, 32, 2, 2]), [0, 3, 1, 2, 4])     # [A, h, T, 32, qq]
         n0, n1 = tl.split(nib)
-        sm_mask = libdevice.byte_perm(_SM_MASK, 0, 0x3210)  # opaque: a constant AND is split per half (+4/group)
+        # The mask must reach ptxas as a register, not a constant: a constant AND is split per
+        # half (+4/group), and only a register mask fuses with bf16's OR into one LOP3. KA >> 31
+        # is 0 (KA >= 0), which no compiler can know: the mask stays a runtime value.
+        sm_mask = _SM_MASK | (KA >> 31)
         d01_0 = libdevice.byte_perm(P, 0, (n0 & 3) * _MUL01_B0 + _ADD01_B0) & sm_mask
         d23_0 = libdevice.byte_perm(P, 0, ((n0 >> 2) & 3) * _MUL23_B0 + _ADD23_B0) & sm_mask
         d01_1 = libdevice.byte_perm(P, 0, (n1 & 3) * _MUL01_B1 + _ADD01_B1) & sm_mask
@@ -200,6 +206,7 @@ def _sparse24_decode(
     stride_om, stride_on,
     INT8: tl.constexpr, W_BF16: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
+    ONE_TILE: tl.constexpr,
 ):
     # Grid: (cdiv(N, BLOCK_N), SPLIT_K, cdiv(M, 16)); a program covers 16 rows
     # of x (all of them at decode sizes, M <= 16) and BLOCK_N // 16 row tiles of
@@ -219,7 +226,8 @@ def _sparse24_decode(
     m0 = tl.program_id(2).to(tl.int64) * BLOCK_M
     x_ptr += m0 * stride_xm
     out_ptr += m0 * stride_om
-    M = M - m0
+    # Rows of this block (1..16) as an int32 scalar: row clamps and the store mask stay 32-bit.
+    m_left = tl.minimum(M - tl.program_id(2) * BLOCK_M, BLOCK_M)
 
     # Row tiles: the layout pads rows to a multiple of 128, so a program's T
     # tiles (T = 2, 4 or 8) never run past the end: no masks on weight loads.
@@ -229,36 +237,55 @@ def _sparse24_decode(
     # Split-K: split pid_k owns whole K-tiles [k_lo, k_hi) (possibly none);
     # tiles below n_full = K // BLOCK_K are full (no masks), the partial tile
     # n_full (when K % BLOCK_K) runs once after the loop, in the split owning it.
-    k_tiles = (K + BLOCK_K - 1) // BLOCK_K
-    per_split = (k_tiles + SPLIT_K - 1) // SPLIT_K
-    k_lo = pid_k * per_split
-    k_hi = min(k_tiles, k_lo + per_split)
     n_full = K // BLOCK_K
-    k_main = min(k_hi, n_full)
+    if ONE_TILE:  # SPLIT_K == K-tiles (small layers): split pid_k owns K-tile pid_k
+        k_lo = pid_k
+        k_hi = pid_k + 1
+    else:
+        k_tiles = (K + BLOCK_K - 1) // BLOCK_K
+        per_split = (k_tiles + SPLIT_K - 1) // SPLIT_K
+        k_lo = pid_k * per_split
+        k_hi = min(k_tiles, k_lo + per_split)
 
     atoms = (k_lo * A + tl.arange(0, A)).to(tl.int64)
     lanes = tl.arange(0, T * 128)        # T row tiles x 32 lanes x 4 words, contiguous
+    # The value pointers as one per-thread pointer (the scalar part int64) plus a
+    # per-register multiple of the scalar atom stride: each load's address is then
+    # one 64-bit add, not a 64-bit multiply-add of its own (~24 integer instructions).
+    atom_words = NT.to(tl.int64) * 128   # one 16-byte slot per lane, NT row tiles: one atom (half-atom for 16 bit)
     if INT8:
-        v_ptrs = v_ptr + (atoms[:, None] * NT + t0) * 128 + lanes[None, :]                  # [A, T*128]
+        v_base = v_ptr + (k_lo.to(tl.int64) * A * NT + t0) * 128 + lanes
+        v_ptrs = v_base[None, :] + tl.arange(0, A).to(tl.int64)[:, None] * atom_words       # [A, T*128]
         V_STEP: tl.constexpr = A * 128
     else:
-        v_ptrs = (v_ptr + ((atoms[:, None, None] * 2 + tl.arange(0, 2)[None, :, None]) * NT + t0) * 128
-                  + lanes[None, None, :])                                                  # [A, 2, T*128]
+        v_base = v_ptr + (k_lo.to(tl.int64) * (2 * A) * NT + t0) * 128 + lanes
+        v_ptrs = v_base[None, None, :] + (tl.arange(0, A)[:, None, None] * 2
+                                          + tl.arange(0, 2)[None, :, None]).to(tl.int64) * atom_words  # [A, 2, T*128]
         V_STEP: tl.constexpr = A * 256
     m_ptrs = meta_ptr + (t0 * 32 + tl.arange(0, T * 32)).to(tl.int64)[:, None] * KM + atoms[None, :]  # [T*32, A]
-    rows = tl.minimum(tl.arange(0, BLOCK_M), M - 1).to(tl.int64)   # rows past M: clamped, never stored
+    rows = tl.minimum(tl.arange(0, BLOCK_M), m_left - 1).to(tl.int64)   # rows past M: clamped, never stored
     # int64 column offsets (and K-tile steps): a transposed x has stride_xk = M, so
     # k * stride_xk passes 2**31 once M * K does. A stride of 1 stays a constant.
     stride_xk = tl.cast(stride_xk, tl.int64)
     x_ptrs = x_ptr + rows[:, None] * stride_xm + (k_lo * BLOCK_K + tl.arange(0, BLOCK_K))[None, :] * stride_xk
 
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    for kt in range(k_lo, k_main):
-        acc = _decode_tile(acc, x_ptrs, v_ptrs, m_ptrs, kt * BLOCK_K, K, kt * A, KA, False, INT8, W_BF16,
-                           DOT_PRECISION, BLOCK_N, BLOCK_K)
-        v_ptrs += V_STEP * NT
-        m_ptrs += A
-        x_ptrs += BLOCK_K * stride_xk
+    if ONE_TILE:
+        # No loop: no loop-carried pointers, no loop control and, where BLOCK_K divides
+        # K, no zero-trip path (the ~100 instructions a one-tile program cannot amortize).
+        if EVEN_K:
+            acc = _decode_tile(acc, x_ptrs, v_ptrs, m_ptrs, k_lo * BLOCK_K, K, k_lo * A, KA, False, INT8, W_BF16,
+                               DOT_PRECISION, BLOCK_N, BLOCK_K)
+        elif k_lo < n_full:
+            acc = _decode_tile(acc, x_ptrs, v_ptrs, m_ptrs, k_lo * BLOCK_K, K, k_lo * A, KA, False, INT8, W_BF16,
+                               DOT_PRECISION, BLOCK_N, BLOCK_K)
+    else:
+        for kt in range(k_lo, min(k_hi, n_full)):
+            acc = _decode_tile(acc, x_ptrs, v_ptrs, m_ptrs, kt * BLOCK_K, K, kt * A, KA, False, INT8, W_BF16,
+                               DOT_PRECISION, BLOCK_N, BLOCK_K)
+            v_ptrs += V_STEP * NT
+            m_ptrs += A
+            x_ptrs += BLOCK_K * stride_xk
     if not EVEN_K:  # K % BLOCK_K: the partial tile's code is compiled only where it exists
         if (n_full >= k_lo) & (n_full < k_hi):  # this split owns the partial tile (pointers are there)
             acc = _decode_tile(acc, x_ptrs, v_ptrs, m_ptrs, n_full * BLOCK_K, K, n_full * A, KA, True, INT8,
@@ -298,7 +325,7 @@ def _sparse24_decode(
         if HAS_BIAS:
             acc = acc + tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[:, None]
         out_ptrs = out_ptr + offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None] * stride_on
-        out_mask = mask_n[:, None] & (offs_m < M)[None, :]
+        out_mask = mask_n[:, None] & (offs_m < m_left)[None, :]
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 

@@ -126,9 +126,20 @@ def sass_instructions(cubin: bytes) -> list[tuple[int, str]]:
     return [(int(m.group(1), 16), m.group(2)) for m in _LINE.finditer(text)]
 
 
-def main_loop(instrs: list[tuple[int, str]]) -> list[str]:
+def without_padding(instrs: list[tuple[int, str]]) -> list[tuple[int, str]]:
+    """``instrs`` less the tail after the last ``EXIT``: the ``BRA`` to itself and the
+    ``NOP`` alignment padding, never executed."""
+    end = len(instrs)
+    while end and (_opcode(instrs[end - 1][1]) == "NOP" or (lambda m: m and int(m.group(1), 16) == instrs[end - 1][0])(
+            _BRA.search(instrs[end - 1][1]))):
+        end -= 1
+    return instrs[:end]
+
+
+def main_loop(instrs: list[tuple[int, str]], required: bool = True) -> list[str]:
     """The instructions of the largest loop: from a backward branch's target to
-    the branch, inclusive (the trailing ``BRA`` to itself is not a loop)."""
+    the branch, inclusive (the trailing ``BRA`` to itself is not a loop). With
+    ``required=False`` a kernel without a loop gives ``[]``."""
     loops = []
     for addr, text in instrs:
         m = _BRA.search(text)
@@ -136,6 +147,8 @@ def main_loop(instrs: list[tuple[int, str]]) -> list[str]:
             target = int(m.group(1), 16)
             loops.append([t for a, t in instrs if target <= a <= addr])
     if not loops:
+        if not required:
+            return []
         raise RuntimeError("no loop in the SASS")
     return max(loops, key=len)
 
@@ -286,8 +299,8 @@ def compile_listed(dtype: str, cfg, cap: int, N: int, K: int) -> dict:
     w = DecodePacked.empty(N, K, torch.float16 if act == torch.float32 else act, int8)  # fp32 x: fp16 weights
     x, target = torch.empty(16, K, dtype=act), torch.empty(16, N, dtype=act)
     ck = aot_compile(x, w, None, target, cfg, cfg.split_k, (cap // 10, cap % 10))
-    instrs = sass_instructions(ck.asm["cubin"])
-    loop = main_loop(instrs)
+    instrs = without_padding(sass_instructions(ck.asm["cubin"]))
+    loop = main_loop(instrs, required=cfg.split_k != -(-K // cfg.block_k))   # ONE_TILE kernels have no loop
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(ck.asm["cubin"])
         f.flush()
@@ -363,7 +376,8 @@ def listed_main(a, dtypes) -> dict:
     results = _listed_results(a, dtypes)
     worst, worst_int = {}, {}
     print(f"amortized over a program's K range (loop x iterations + the rest of the kernel once, its last part, "
-          f"the split-K sum and epilogue, once per SPLIT_K programs), config a layer uses on {a.gpu} untuned or tuned:")
+          f"the split-K sum and epilogue, once per SPLIT_K programs; loop 0: one K-tile per program, no loop; the "
+          f"never-executed padding after the last EXIT not counted), config a layer uses on {a.gpu} untuned or tuned:")
     print(f"  {'dtype':14} {'shape':>11} {'config':28} {'source':8} {'loop':>5} {'rest':>5} {'last':>5} {'iters':>5} "
           f"{'all/B':>6} {'int/B':>6}")
     for r in results:

@@ -228,7 +228,9 @@ def decode_default(N: int, K: int, dtype: str = "float16", num_sms: int = 132) -
     its tiles hold half the bytes). Then split-K (serial, inside the one launch) just
     large enough that the programs running at once keep ``DECODE_IN_FLIGHT`` weight
     bytes requested per SM, or, for small layers, one K-tile per program (the whole
-    weight at once, in one stage: there is no later tile to prefetch). Predicted by
+    weight at once, in one stage: there is no later tile to prefetch; SPLIT_K equals the
+    K-tiles, so the kernel compiles without its K-loop, which keeps the ~250 instructions
+    outside the tile within the budget). Predicted by
     ``scripts/kernel_static_check.py --occupancy`` and ``--sass`` (docs/kernels.md), not
     measured on a GPU."""
     int8 = dtype.startswith("int8-")

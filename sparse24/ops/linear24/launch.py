@@ -392,7 +392,8 @@ class _Decode:
     def constexprs(config, split_k, has_scale, values_dtype, has_bias, tf32, K) -> dict:
         return dict(INT8=has_scale, W_BF16=values_dtype == torch.bfloat16, HAS_BIAS=has_bias,
                     DOT_PRECISION="tf32" if tf32 else "ieee", BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-                    SPLIT_K=split_k, EVEN_K=K % config.block_k == 0)
+                    SPLIT_K=split_k, EVEN_K=K % config.block_k == 0,
+                    ONE_TILE=split_k == _cdiv(K, config.block_k))  # one K-tile per split: no loop
 
     @staticmethod
     def split_k(config, bucket, deterministic) -> int:
