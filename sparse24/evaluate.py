@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .learn.objective import _call
+from .learn.objective import _call, _output_tensor
 
 __all__ = ["sentence_embeddings", "embedding_fidelity", "bits_per_char"]
 
@@ -40,23 +40,6 @@ class _EvalMode:
     def __exit__(self, *exc):
         for mod, training in self.modes:
             mod.training = training
-
-
-def _hidden(out) -> torch.Tensor:
-    """The token (or sentence) vectors of an encoder's output: a tensor itself, ``last_hidden_state``
-    of a dict-like output (Hugging Face ``ModelOutput``), else its first tensor."""
-    if isinstance(out, torch.Tensor):
-        return out
-    if isinstance(out, dict):
-        if "last_hidden_state" in out:
-            return out["last_hidden_state"]
-        out = list(out.values())
-    if isinstance(out, (tuple, list)):
-        for v in out:
-            if isinstance(v, torch.Tensor):
-                return v
-    raise TypeError(f"cannot read embeddings from a model output of type {type(out).__name__}: return a tensor, "
-                    "a tuple or a dict with 'last_hidden_state'")
 
 
 def sentence_embeddings(model: nn.Module, batches, token_mask: Callable | None = None,
@@ -90,7 +73,8 @@ def sentence_embeddings(model: nn.Module, batches, token_mask: Callable | None =
     out = []
     with _EvalMode(model), torch.no_grad():
         for i, b in enumerate(batches):
-            h = _hidden(_call(model, b))
+            # token vectors: last_hidden_state of a Hugging Face output
+            h = _output_tensor(_call(model, b), "last_hidden_state", "read embeddings from")
             if h.dim() == 3:
                 mask = token_mask(b) if token_mask is not None else (
                     b["attention_mask"] if isinstance(b, dict) and "attention_mask" in b else None)

@@ -106,6 +106,11 @@ def test_bad_inputs_name_the_problem():
         sentence_embeddings(model, [])
     with pytest.raises(TypeError, match="token_mask must be callable"):
         sentence_embeddings(model, [b], token_mask=b["attention_mask"])
+    class Text(nn.Module):
+        def forward(self, x):
+            return "no tensor"
+    with pytest.raises(TypeError, match="cannot read embeddings from a model output of type str"):
+        sentence_embeddings(Text(), [b["input_ids"]])
     with pytest.raises(ValueError, match="reference embeddings have shape"):
         embedding_fidelity(model, [b], torch.zeros(3, 32))
     lm = nn.Embedding(4, 4)
