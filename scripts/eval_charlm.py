@@ -70,8 +70,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import sparse24
-from sparse24 import (GradualPruner, SRSTE, calibrate, compress, compress_, is_nm, learn_masks, permute_model_,
-                      sparsify_, sqnr_db)
+from sparse24 import (GradualPruner, SRSTE, bits_per_char, calibrate, compress, compress_, is_nm, learn_masks,
+                      permute_model_, sparsify_, sqnr_db)
 from sparse24.tools.bench import cpu_name
 from sparse24.masks import PermutationGroup
 from sparse24.nn import Sparse24Linear
@@ -228,21 +228,9 @@ def train(model: nn.Module, train_ids: torch.Tensor, cfg: dict, after_step=None,
     return losses, time.perf_counter() - t0
 
 
-@torch.no_grad()
 def bpc(model: nn.Module, val_ids: torch.Tensor, cfg: dict) -> float:
-    """Bits per character over ``eval_windows`` fixed, evenly spaced,
-    non-overlapping held-out windows (every position scored)."""
-    model.eval()
-    ctx, n = cfg["ctx"], cfg["eval_windows"]
-    starts = torch.linspace(0, val_ids.numel() - ctx - 1, n).long().tolist()
-    total, count = 0.0, 0
-    for i in range(0, n, 64):
-        win = torch.stack([val_ids[s:s + ctx + 1] for s in starts[i:i + 64]]).long()
-        logits = model(win[:, :-1])
-        total += float(F.cross_entropy(logits.flatten(0, 1), win[:, 1:].flatten(), reduction="sum"))
-        count += win[:, 1:].numel()
-    model.train()
-    return total / count / math.log(2)
+    """Bits per character over ``eval_windows`` fixed, evenly spaced, non-overlapping held-out windows."""
+    return bits_per_char(model, val_ids, cfg["ctx"], cfg["eval_windows"])
 
 
 def calibration_batches(train_ids: torch.Tensor, cfg: dict) -> list[torch.Tensor]:

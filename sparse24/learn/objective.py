@@ -18,21 +18,21 @@ __all__ = ["OUTPUT_LOSSES"]
 OUTPUT_LOSSES = ("mse", "cosine", "kl")
 
 
-def _output_tensor(out):
-    """The tensor to distil from a model output: itself, ``logits`` of a dict-like
+def _output_tensor(out, key: str = "logits", use: str = "distil from"):
+    """The tensor to distil from (``use``) a model output: itself, ``out[key]`` of a dict-like
     output (Hugging Face ModelOutput), else its first tensor."""
     if isinstance(out, torch.Tensor):
         return out
     if isinstance(out, dict):
-        if "logits" in out:
-            return out["logits"]
+        if key in out:
+            return out[key]
         out = list(out.values())
     if isinstance(out, (tuple, list)):
         for v in out:
             if isinstance(v, torch.Tensor):
                 return v
-    raise TypeError(f"cannot distil from a model output of type {type(out).__name__}: return a tensor, "
-                    "a tuple or a dict of tensors, or pass loss_fn")
+    raise TypeError(f"cannot {use} a model output of type {type(out).__name__}: return a tensor, "
+                    "a tuple or a dict of tensors" + (", or pass loss_fn" if use == "distil from" else ""))
 
 
 def _relative_mse(s: torch.Tensor, t: torch.Tensor) -> torch.Tensor:

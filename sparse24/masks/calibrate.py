@@ -252,7 +252,8 @@ def prune_layerwise_(model: nn.Module, batches, n: int = 2, m: int = 4, method: 
             terminal or in a notebook; False: none).
         group: data-parallel calibration (see :func:`calibrate`): each rank passes its own
             share of the batches and every rank prunes alike, from the statistics of all of them.
-        **kwargs: method options (``blocksize=``, ``percdamp=``, ``refit=``).
+        **kwargs: method options (``blocksize=``, ``percdamp=``, ``refit=``, ``shrink=``;
+            ``percdamp`` and ``shrink`` also apply to the teacher fit).
     Returns:
         ``{fqn: PruneResult}`` in pruning order; each ``weight`` is the layer's pruned weight
         itself (detached, the same memory), not a copy.
@@ -316,7 +317,8 @@ def prune_layerwise_(model: nn.Module, batches, n: int = 2, m: int = 4, method: 
                     raise ValueError(f"layer {fqn!r} received no input rows from batches: nothing to calibrate it on")
                 lin = layers[fqn]
                 w = (lin.weight if teacher is None
-                     else _teacher_target(lin.weight, stats[fqn], kwargs.get("percdamp", PERCDAMP)))
+                     else _teacher_target(lin.weight, stats[fqn], kwargs.get("percdamp", PERCDAMP),
+                                          kwargs.get("shrink", 0.0)))
                 r = prune_nm(w, n, m, method, calibration=stats[fqn], **kwargs)
                 backup.keep([lin.weight])
                 with torch.no_grad():
@@ -395,7 +397,8 @@ def _check_inputs(model: nn.Module, names: dict[nn.Module, str], batches, device
     return calls
 
 
-def _teacher_target(w: torch.Tensor, stats: LayerStats, percdamp: float = PERCDAMP) -> torch.Tensor:
+def _teacher_target(w: torch.Tensor, stats: LayerStats, percdamp: float = PERCDAMP,
+                    shrink: float = 0.0) -> torch.Tensor:
     """The dense weight that best maps this layer's inputs to its teacher's outputs.
 
     Args:
@@ -403,18 +406,23 @@ def _teacher_target(w: torch.Tensor, stats: LayerStats, percdamp: float = PERCDA
         stats: the layer's :class:`LayerStats` from ``calibrate(..., teacher=)``.
         percdamp: ridge ``lam`` as a fraction of the mean diagonal of ``H = X^T X / tokens``
             (SparseGPT's damping).
+        shrink: in [0, 1]: weight ``a`` of a second, synthetic set of inputs, independent
+            channels with the measured variances ``D = diag(H)`` and the teacher's input equal
+            to the layer's (so its target is ``W`` itself), mixed with ``1 - a`` of the measured ones.
     Returns:
-        ``(R, C)`` ``W_t = argmin_V ||X V^T - X_t W^T||^2 + lam ||V - W||^2`` in ``w``'s
-        dtype: ``W_t^T = (H + lam I)^-1 (X^T X_t / tokens + lam I) W^T``. The ridge pulls
-        towards ``W``, so ``W_t = W`` when the inputs equal the teacher's.
+        ``(R, C)`` ``W_t = argmin_V (1 - a) ||X V^T - X_t W^T||^2 / tokens + a (V - W) D (V - W)^T
+        + lam ||V - W||^2`` in ``w``'s dtype: ``W_t^T = ((1 - a) H + a D + lam I)^-1 ((1 - a)
+        X^T X_t / tokens + a D + lam I) W^T``. Both terms pull towards ``W``, so ``W_t = W`` when
+        the inputs equal the teacher's.
     """
     if stats.xtx_teacher is None:
         raise ValueError("no teacher statistics: collect them with calibrate(..., teacher=)")
     hess = stats.hessian.to(device=w.device, dtype=torch.float64)
-    H, _ = damped_hessian(hess, w.shape[1], percdamp, w.device)
+    H, _ = damped_hessian(hess, w.shape[1], percdamp, w.device, shrink)
     cross = stats.xtx_teacher.to(device=w.device, dtype=torch.float64) / max(stats.count, 1)
-    # H - hess is the damping (lam I, and 1 on never-firing inputs, which H treats the same way)
-    return torch.linalg.solve(H, (cross + H - hess) @ w.detach().to(torch.float64).T).T.to(w.dtype)
+    # H - (1 - a) hess = a D + lam I (and 1 on never-firing inputs, which H treats the same way)
+    rhs = (1 - shrink) * cross + H - (1 - shrink) * hess
+    return torch.linalg.solve(H, rhs @ w.detach().to(torch.float64).T).T.to(w.dtype)
 
 
 def _token_rows(rows) -> torch.Tensor:

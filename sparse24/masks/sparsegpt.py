@@ -12,7 +12,7 @@ __all__ = ["sparsegpt_prune"]
 
 def sparsegpt_prune(w: torch.Tensor, hessian: torch.Tensor | None = None, n: int = 2, m: int = 4,
                     blocksize: int = 128, percdamp: float = PERCDAMP,
-                    refit: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                    refit: bool = False, shrink: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """One-shot N:M pruning with OBS weight reconstruction (SparseGPT, Frantar & Alistarh 2023).
 
     Minimizes ``||X W^T - X W'^T||`` over N:M ``W'`` approximately: columns are
@@ -34,6 +34,9 @@ def sparsegpt_prune(w: torch.Tensor, hessian: torch.Tensor | None = None, n: int
             sweep's updates only look rightwards, so they are not the best
             weights for the final mask; costs one ``C/2``-sized Cholesky
             solve per row.
+        shrink: in [0, 1]: prune with ``(1 - shrink) H + shrink diag(H)``,
+            the measured correlations between inputs partly trusted (see
+            :func:`sparse24.masks.reconstruct.damped_hessian`; 0: SparseGPT).
     Returns:
         ``(new_w, mask)``: ``(R, C)`` reconstructed weight in ``w``'s dtype,
         zero where ``mask`` is False, and the ``(R, C)`` bool N:M mask.
@@ -57,7 +60,7 @@ def sparsegpt_prune(w: torch.Tensor, hessian: torch.Tensor | None = None, n: int
         raise ValueError("weight contains NaN or inf: SparseGPT cannot reconstruct it")
 
     dev, wdt = w.device, (torch.float64 if w.dtype == torch.float64 else torch.float32)
-    H, dead = damped_hessian(hessian, C, percdamp, dev)
+    H, dead = damped_hessian(hessian, C, percdamp, dev, shrink)
     W = w.detach().to(wdt).clone()
     W[:, dead] = 0
     # Upper Cholesky factor U of H^-1 (H^-1 = U^T U), in fp64, without forming H^-1:

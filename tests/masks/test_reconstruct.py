@@ -18,13 +18,16 @@ def _data(R=12, C=32, N=200, seed=0):
     return x, torch.randn(R, C, generator=g, dtype=torch.float64)
 
 
-def _reference(w, mask, x, percdamp, x_teacher=None):
-    """Row by row: min ||X v - X_t w_r||^2 + lam ||v - w_r||^2 over v zero off the mask (X_t = X
-    without a teacher), as an ordinary least-squares problem on the kept columns of the stacked
-    system [X; sqrt(lam) I] with right side [X_t w_r; sqrt(lam) w_r]."""
-    lam = percdamp * float((x * x).sum(0).mean())
-    root = lam ** 0.5 * torch.eye(x.shape[1], dtype=x.dtype)
-    A, T = torch.cat([x, root]), torch.cat([x if x_teacher is None else x_teacher, root])
+def _reference(w, mask, x, percdamp, x_teacher=None, shrink=0.0):
+    """Row by row: min (1 - a) ||X v - X_t w_r||^2 + (v - w_r)^T (a D + lam I) (v - w_r) over v zero
+    off the mask (X_t = X without a teacher; a = shrink, D = diag(X^T X)), as an ordinary
+    least-squares problem on the kept columns of the stacked system [sqrt(1 - a) X; sqrt(a D + lam)]
+    with right side [sqrt(1 - a) X_t w_r; sqrt(a D + lam) w_r]."""
+    d = (x * x).sum(0)
+    lam = percdamp * float(d.mean())
+    root = torch.diag((shrink * d + lam).sqrt())
+    keep = (1 - shrink) ** 0.5
+    A, T = torch.cat([keep * x, root]), torch.cat([keep * (x if x_teacher is None else x_teacher), root])
     out = torch.zeros_like(w)
     for r in range(w.shape[0]):
         keep = mask[r].nonzero().flatten()
@@ -210,3 +213,51 @@ def test_prune_layerwise_teacher_errors_change_nothing():
         calibrate(net, batches, teacher=shortcut)
     after = net.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+@pytest.mark.parametrize("shrink", [0.3, 1.0])
+def test_shrink_matches_the_mixed_least_squares(shrink):
+    x, w = _data()
+    mask = mask_nm(w)
+    got = reconstruct_weight(w, mask, x.T @ x, percdamp=0.01, shrink=shrink)
+    torch.testing.assert_close(got, _reference(w, mask, x, 0.01, shrink=shrink), rtol=1e-9, atol=1e-9)
+    assert not torch.allclose(got, reconstruct_weight(w, mask, x.T @ x, percdamp=0.01), atol=1e-3)
+    # SparseGPT's sweep with refit solves the same problem for its own mask
+    w_sg, mask_sg = sparsegpt_prune(w, x.T @ x, percdamp=0.01, shrink=shrink, refit=True)
+    torch.testing.assert_close(w_sg, _reference(w, mask_sg, x, 0.01, shrink=shrink), rtol=1e-9, atol=1e-9)
+
+
+def test_shrink_one_is_a_diagonal_hessian():
+    # no correlation kept: no compensation, the kept weights stay, the mask keeps the largest w^2 (h_jj + lam)
+    x, w = _data(R=16, C=32)
+    d = (x * x).sum(0)
+    new_w, mask = sparsegpt_prune(w, x.T @ x, percdamp=0.01, shrink=1.0)
+    assert torch.equal(mask, mask_nm(w * (d + 0.01 * d.mean()).sqrt()))
+    torch.testing.assert_close(new_w, w * mask, rtol=0, atol=1e-12)
+    assert not torch.equal(mask, sparsegpt_prune(w, x.T @ x, percdamp=0.01)[1])
+
+
+def test_prune_layerwise_teacher_fit_with_shrink():
+    net, batches, x = _two_layers()
+    teacher = copy.deepcopy(net)
+    res = prune_layerwise_(net, batches, method="sparsegpt", refit=True, percdamp=0.01, shrink=0.5, teacher=teacher)
+    with torch.no_grad():
+        h, h_t = F.gelu(net[0](x)), F.gelu(teacher[0](x))
+    for name, inp, inp_t in (("0", x, x), ("2", h, h_t)):  # the mixed problem, from the pruned model's inputs
+        want = _reference(teacher.get_submodule(name).weight.detach(), res[name].mask, inp, 0.01, x_teacher=inp_t,
+                          shrink=0.5)
+        torch.testing.assert_close(net.get_submodule(name).weight.detach(), want, rtol=1e-8, atol=1e-10)
+
+
+@pytest.mark.parametrize("bad", [-0.1, 1.5, True, "0.5", float("nan")])
+def test_bad_shrink_is_refused_and_changes_nothing(bad):
+    x, w = _data(R=4, C=8, N=50)
+    with pytest.raises(ValueError, match="shrink must be a number in"):
+        reconstruct_weight(w, mask_nm(w), x.T @ x, shrink=bad)
+    with pytest.raises(ValueError, match="shrink must be a number in"):
+        sparsegpt_prune(w, x.T @ x, shrink=bad)
+    net, batches, _ = _two_layers()
+    teacher, before = copy.deepcopy(net), copy.deepcopy(net.state_dict())
+    with pytest.raises(ValueError, match="shrink must be a number in"):
+        prune_layerwise_(net, batches, method="sparsegpt", shrink=bad, teacher=teacher)
+    assert all(torch.equal(v, net.state_dict()[k]) for k, v in before.items())
