@@ -199,6 +199,25 @@ def _decode_tile(acc, x_ptrs, v_ptrs, m_ptrs, k0, K, a0, KA,
     return tl.dot(w, xt, acc, input_precision=DOT_PRECISION)
 
 
+
+@triton.jit
+def _epilogue(acc, out_ptr, scale_ptr, bias_ptr, offs_n, offs_m, N, M, stride_om, stride_on,
+              X_FP16: tl.constexpr, INT8: tl.constexpr, HAS_BIAS: tl.constexpr):
+    # On out^T [BLOCK_N, BLOCK_M] in fp32 (the decode and prefill kernels'):
+    # INT8 scale (times 2**24 when the dot saw fp16 subnormals), then bias;
+    # rows offs_m < M and columns offs_n < N stored in out's dtype.
+    mask_n = offs_n < N
+    if INT8:
+        scale = tl.load(scale_ptr + offs_n, mask=mask_n, other=0.0)
+        if X_FP16:
+            scale = scale * _TWO_POW_24
+        acc = acc * scale[:, None]
+    if HAS_BIAS:
+        acc = acc + tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[:, None]
+    out_ptrs = out_ptr + offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None] * stride_on
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_n[:, None] & (offs_m < M)[None, :])
+
+
 def _sparse24_decode(
     x_ptr, v_ptr, meta_ptr, scale_ptr, bias_ptr, out_ptr, ws_ptr, count_ptr,
     M, N, K, KA, KM,
@@ -314,19 +333,8 @@ def _sparse24_decode(
                 acc += tl.load(part + j * (BLOCK_N * BLOCK_M), cache_modifier=".cg")
             tl.store(count_ptr + tile, 0)  # ready for the next launch
     if write:
-        # Epilogue in fp32 on out^T [BLOCK_N, BLOCK_M]: INT8 scale (times 2**24
-        # when the dot saw fp16 subnormals), then bias; out in x's dtype.
-        mask_n = offs_n < N
-        if INT8:
-            scale = tl.load(scale_ptr + offs_n, mask=mask_n, other=0.0)
-            if x_ptr.dtype.element_ty == tl.float16:
-                scale = scale * _TWO_POW_24
-            acc = acc * scale[:, None]
-        if HAS_BIAS:
-            acc = acc + tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[:, None]
-        out_ptrs = out_ptr + offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None] * stride_on
-        out_mask = mask_n[:, None] & (offs_m < m_left)[None, :]
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+        _epilogue(acc, out_ptr, scale_ptr, bias_ptr, offs_n, offs_m, N, m_left, stride_om, stride_on,
+                  x_ptr.dtype.element_ty == tl.float16, INT8, HAS_BIAS)
 
 
 # M is not specialized: one compiled variant per config serves every M.

@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from .interpreter import InterpretedKernel
-from .sparse24_decode import _TWO_POW_24, _decode_tile
+from .sparse24_decode import _decode_tile, _epilogue
 
 __all__ = ["sparse24_prefill", "sparse24_prefill_interpreted"]
 
@@ -93,20 +93,10 @@ def _sparse24_prefill(
         acc = _decode_tile(acc, x_ptrs, v_ptrs, m_ptrs, n_full * BLOCK_K, K, n_full * A, KA, True, INT8, W_BF16,
                            DOT_PRECISION, BLOCK_N, BLOCK_K)
 
-    # Epilogue in fp32 on out^T [BLOCK_N, BLOCK_M]: INT8 scale (times 2**24 when
-    # the dot saw fp16 subnormals), bias, then x's dtype.
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
-    mask_n = offs_n < N
-    if INT8:
-        scale = tl.load(scale_ptr + offs_n, mask=mask_n, other=0.0)
-        if x_ptr.dtype.element_ty == tl.float16:
-            scale = scale * _TWO_POW_24
-        acc = acc * scale[:, None]
-    if HAS_BIAS:
-        acc = acc + tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[:, None]
-    out_ptrs = out_ptr + offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None] * stride_on
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_n[:, None] & (offs_m < M)[None, :])
+    _epilogue(acc, out_ptr, scale_ptr, bias_ptr, offs_n, offs_m, N, M, stride_om, stride_on,
+              x_ptr.dtype.element_ty == tl.float16, INT8, HAS_BIAS)
 
 
 # M is not specialized: one compiled variant per config serves every M.
