@@ -1,5 +1,7 @@
 """Running a test body on N CPU processes over gloo on this machine."""
+import os
 import socket
+import sys
 import tempfile
 from pathlib import Path
 
@@ -27,6 +29,12 @@ def _entry(rank, fn, world, folder, args):
         dist.barrier()
     finally:
         dist.destroy_process_group()
+    # Success: leave without the interpreter's teardown. A joinable C++ thread destroyed there
+    # (gloo / autograd workers after FSDP and DCP) aborted the process now and then even after
+    # the barrier (1 run in ~10 of the HF FSDP test); the result is already saved, so skip it.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def spawn(fn, world: int, *args):
