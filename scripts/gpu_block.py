@@ -28,7 +28,7 @@ import sparse24
 from sparse24.tools.dispatch_count import count_dispatch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_user_view import _sync, _wall_us  # noqa: E402  (the same synchronized wall-clock timer)
+from gpu_user_view import _sync, _wall_us, variants  # noqa: E402  (the same timer and model variants)
 
 
 class Block(nn.Module):
@@ -67,16 +67,7 @@ def _kernels_per_call(fn, device, calls: int = 3):
 
 
 def build(d, ff, heads, device) -> dict:
-    torch.manual_seed(0)
-    base = Block(d, ff, heads, torch.float16, device).eval()
-    models = {"dense": base}
-    for name, quantize in (("2:4 fp16", None), ("2:4 int8", "int8")):
-        m = Block(d, ff, heads, torch.float16, device).eval()
-        m.load_state_dict(base.state_dict())
-        report = sparse24.sparsify_(m, mode="compressed", quantize=quantize)
-        assert sum(isinstance(x, sparse24.Sparse24Linear) for x in m.modules()) == 7, report
-        models[name] = m
-    return models
+    return variants(lambda: Block(d, ff, heads, torch.float16, device), 7)
 
 
 def run(a) -> list[dict]:

@@ -84,18 +84,25 @@ def _clone(lin: nn.Linear) -> nn.Linear:
     return c
 
 
+def variants(make, layers: int) -> dict:
+    """``{"dense", "2:4 fp16", "2:4 int8": model}``: ``make()`` built once dense (seed 0) and twice
+    more with its weights, sparsified compressed (fp16 / INT8 values); each must swap ``layers`` Linears."""
+    torch.manual_seed(0)
+    base = make().eval()
+    models = {"dense": base}
+    for name, quantize in (("2:4 fp16", None), ("2:4 int8", "int8")):
+        m = make().eval()
+        m.load_state_dict(base.state_dict())
+        report = sparse24.sparsify_(m, mode="compressed", quantize=quantize)
+        assert sum(isinstance(mod, sparse24.Sparse24Linear) for mod in m.modules()) == layers, report
+        models[name] = m
+    return models
+
+
 def decode(d: int, ff: int, blocks: int, device, tokens: int, backend: str, mode: str, repeats: int) -> list[dict]:
     """Tokens/s of the compiled MLP stack at M = 1, dense vs 2:4 vs 2:4 INT8, with graph breaks and
     the largest difference of the compiled 2:4 output from the same model run eagerly."""
-    torch.manual_seed(0)
-    base = MLPStack(d, ff, blocks, torch.float16, device).eval()
-    models = {"dense": base}
-    for name, quantize in (("2:4 fp16", None), ("2:4 int8", "int8")):
-        m = MLPStack(d, ff, blocks, torch.float16, device).eval()
-        m.load_state_dict(base.state_dict())
-        report = sparse24.sparsify_(m, mode="compressed", quantize=quantize)
-        assert sum(isinstance(mod, sparse24.Sparse24Linear) for mod in m.modules()) == 2 * blocks, report
-        models[name] = m
+    models = variants(lambda: MLPStack(d, ff, blocks, torch.float16, device), 2 * blocks)
     x = torch.randn(1, d, dtype=torch.float16, device=device)
     rows = []
     with torch.no_grad():
