@@ -52,7 +52,7 @@ def test_column_offsets_past_2_31_elements(gen):
 
 # --- grids past CUDA's limits: one launch per row chunk ----------------------------------
 
-def test_row_chunks_keep_every_grid_within_cuda_limits():
+def test_grid_chunks_keep_every_grid_within_cuda_limits():
     dec = launch._Decode
     assert dec.max_rows(4096, DECODE) == 65535 * 16 == 1_048_560
     for M in (1, 16, 1_048_560):
@@ -61,8 +61,8 @@ def test_row_chunks_keep_every_grid_within_cuda_limits():
     mm = launch._Matmul
     rows = mm.max_rows(4096, MATMUL)
     assert mm.grid(rows, 4096, MATMUL, 1)[0] <= 2 ** 31 - 1 < mm.grid(rows + 16, 4096, MATMUL, 1)[0]
-    assert launch.row_chunks(10, 4) == [(0, 4), (4, 8), (8, 10)]
-    assert launch.row_chunks(2_097_121, 1_048_560) == [(0, 1_048_560), (1_048_560, 2_097_120),
+    assert launch.grid_chunks(10, 4) == [(0, 4), (4, 8), (8, 10)]
+    assert launch.grid_chunks(2_097_121, 1_048_560) == [(0, 1_048_560), (1_048_560, 2_097_120),
                                                       (2_097_120, 2_097_121)]
 
 

@@ -214,7 +214,7 @@ class _Plan:
         self.max_rows = self.variant.max_rows(N, config)
         # the variant's extra tensors (decode: split-K workspace and counters, kept for the process)
         self.extra = self.variant.extra(device, N, config, self.split_k)
-        self.atomic_split = config.kernel == "matmul" and self.split_k > 1
+        self.atomic_split = _atomic_split(config, self.split_k)
         self.compiled = None
         if device.type == "cuda" and x_dtype == torch.float32 and layout == "decode":
             warnings.warn(f"sparse24: float32 activations on a {values_dtype if not has_scale else 'INT8'} "
@@ -241,7 +241,7 @@ class _Plan:
         if M <= self.max_rows:
             self.launch(self.variant.grid(M, self.N, self.config, self.split_k), args, aligned)
         else:  # the grid would pass CUDA's limits: one launch per row chunk (Triton's path)
-            for r0, r1 in row_chunks(M, self.max_rows):
+            for r0, r1 in grid_chunks(M, self.max_rows):
                 self.launch(self.variant.grid(r1 - r0, self.N, self.config, self.split_k),
                             self.variant.args(x2[r0:r1], values, meta, s, b, target[r0:r1], r1 - r0, self.extra),
                             False)
@@ -293,15 +293,22 @@ def _cdiv(a: int, b: int) -> int:
 GRID_LIMITS = (2 ** 31 - 1, 65535, 65535)
 
 
-def row_chunks(M: int, rows: int) -> list[tuple[int, int]]:
-    """``[(r0, r1), ...]``: M rows cut into consecutive launches of at most ``rows`` rows."""
+def grid_chunks(M: int, rows: int) -> list[tuple[int, int]]:
+    """``[(r0, r1), ...]``: M rows cut into consecutive launches of at most ``rows`` rows
+    (the launches' counterpart of :func:`.naive.row_chunks`, which bounds dense memory)."""
     return [(r0, min(M, r0 + rows)) for r0 in range(0, M, rows)]
+
+
+def _atomic_split(config: KernelConfig, split_k: int) -> bool:
+    """Whether the splits meet by fp32 atomic adds in a zeroed buffer (the general kernel's
+    split-K; the decode kernel's reduces inside its launch)."""
+    return config.kernel == "matmul" and split_k > 1
 
 
 def target_dtype(config: KernelConfig, split_k: int, x_dtype: torch.dtype) -> torch.dtype:
     """The dtype of the ``target`` a launch of ``config`` writes: x's, except the
     general kernel's split-K, which adds fp32 partial sums into a zeroed buffer."""
-    return torch.float32 if config.kernel == "matmul" and split_k > 1 else x_dtype
+    return torch.float32 if _atomic_split(config, split_k) else x_dtype
 
 
 # Decode split-K workspaces: {(device, partial floats, counters): (workspace, counters)},
