@@ -1,8 +1,9 @@
-"""What the checkpoint commands (``prune``, ``inspect``) share: which stored tensors
+"""What the checkpoint commands (``prune``, ``inspect``) share: what a model folder is, which stored tensors
 count as weight matrices, the report row of one left dense, and a first read of
 safetensors shards that names a bad file in one line."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
@@ -10,7 +11,12 @@ import torch
 from ..format import FLOAT_DTYPES, Sparse24Tensor
 from .cli_common import _one_line
 
-__all__ = ["is_weight_matrix", "dense_row", "check_shards", "stored_mask"]
+__all__ = ["is_model_folder", "is_weight_matrix", "dense_row", "check_shards", "stored_mask"]
+
+
+def is_model_folder(path: str | os.PathLike) -> bool:
+    """A folder with a ``config.json`` (a Hugging Face model folder)."""
+    return Path(path).is_dir() and (Path(path) / "config.json").is_file()
 
 
 def is_weight_matrix(key: str, t: torch.Tensor) -> bool:

@@ -25,17 +25,12 @@ from ..hf import FORMAT_VERSION, sparsity_config
 from ..masks import kept_magnitude_fraction
 from ..nn import Sparse24Linear, is_conv1d_class
 from .._progress import progress_bar
-from .checkpoint import check_shards, dense_row, is_weight_matrix
+from .checkpoint import check_shards, dense_row, is_model_folder, is_weight_matrix
 
 __all__ = ["is_model_folder", "prune_folder", "WEIGHT_FILES"]
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
 NOT_SWAPPED = "not the weight of a layer sparsify_ prunes (an embedding table, or not a Linear)"
-
-
-def is_model_folder(path: str | os.PathLike) -> bool:
-    """A folder with a ``config.json`` (a Hugging Face model folder)."""
-    return Path(path).is_dir() and (Path(path) / "config.json").is_file()
 
 
 def _shards(folder: Path) -> tuple[list[str], dict | None]:

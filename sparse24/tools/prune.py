@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from .._progress import progress_bar
-from .checkpoint import dense_row, is_weight_matrix
+from .checkpoint import dense_row, is_model_folder, is_weight_matrix
 from .cli_common import CLIError, _one_line, _prog
 
 __all__ = ["prune_state_dict", "PRUNE_EXCLUDE", "cmd_prune", "add_blockwise_args"]
@@ -254,7 +254,7 @@ def cmd_prune(args) -> int:
     check_calibration_arguments(args, src)
     if args.method in CALIBRATED:
         return _prune_calibrated(args, src, out, settings)
-    if src.is_dir() and (src / "config.json").is_file():
+    if is_model_folder(src):
         return _prune_folder(args, src, out, settings)
     if out.is_dir():
         raise CLIError(f"--out {out}: is a folder; name the file to write")
@@ -323,7 +323,7 @@ def _prune_blockwise(args, src: Path, out: Path, settings: str) -> int:
     if args.calibration is not None or args.permute:
         raise CLIError("--calibration-ids prunes block by block on token ids: give it without --calibration and "
                        "--permute (those are the in-memory calibrated path)")
-    if not (src.is_dir() and (src / "config.json").is_file()):
+    if not is_model_folder(src):
         raise CLIError(f"{src}: calibrated pruning takes a Hugging Face model folder (config.json + safetensors)")
     if args.batch_size < 1:
         raise CLIError(f"--batch-size must be >= 1, got {args.batch_size}")

@@ -40,7 +40,7 @@ from ..api import MIN_FEATURES, sparsify_
 from ..masks import calibrate, find_permutation_groups, kept_magnitude_fraction, permute_model_, prune_layerwise_
 from ..nn import Sparse24Linear, is_conv1d_class
 from .._progress import progress_enabled
-from .checkpoint import check_shards, dense_row, is_weight_matrix, stored_mask
+from .checkpoint import check_shards, dense_row, is_model_folder, is_weight_matrix, stored_mask
 from .cli_common import CLIError, _one_line
 
 __all__ = ["CALIBRATED", "read_samples", "tokenize_samples", "prune_calibrated", "prune_folder_calibrated",
@@ -164,7 +164,7 @@ def check_calibration_arguments(args, src: Path) -> None:
                 raise CLIError(f"{flag} is for the calibrated methods ({', '.join(CALIBRATED)}), not --method "
                                f"{args.method}")
         return
-    if not (src.is_dir() and (src / "config.json").is_file()):
+    if not is_model_folder(src):
         what = "a bare state dict" if src.is_file() else "not a Hugging Face model folder"
         raise CLIError(f"--method {args.method} runs calibration text through the model, so it needs a Hugging Face "
                        f"model folder (config.json, weights, tokenizer); {src} is {what}: use --method magnitude, "
