@@ -23,6 +23,26 @@ layout is defined; the Triton kernels in ``sparse24.kernels`` decode exactly thi
 * ``scale``: ``None``, or ``(R,)`` float32 per-output-row scales when the
   values are int8: ``W[r, c] = values[r, j] * scale[r]``.
 
+INT4 (``quantize="int4"``, W4A16) keeps ``meta`` exactly as above and stores:
+
+* ``values``: ``(R, C // 4)`` uint8, one byte per group: byte ``g`` of row ``r``
+  holds kept value ``2g`` (the lower slot) in bits 0-3 and ``2g + 1`` (the
+  higher slot) in bits 4-7, each an unsigned 4-bit code ``u`` (0..15).
+* ``scale``: ``(R, ceil(C / group_size))`` float16; quantization group ``k`` of
+  a row covers dense columns ``k * group_size .. (k + 1) * group_size - 1``
+  (``group_size`` 32, 64 or 128; the last group of a row may be short), i.e.
+  kept values ``k * group_size / 2 ..``.
+* ``zero``: ``None`` (symmetric: the zero point is 8 for every group) or
+  ``(R, ceil(C / group_size))`` uint8 zero points 0..15 (asymmetric).
+
+  ``W[r, c] = (u - zero[r, k]) * scale[r, k]``, evaluated exactly in float32
+  (a 5-bit integer times an fp16 scale fits float32's mantissa), then cast to
+  the logical dtype. Storage per weight: 0.25 B of values + 0.125 B of slots +
+  2 / group_size B of scales (+ 1 / group_size B of zero points): 0.390625 B at
+  group 128 symmetric, 19.53% of dense fp16 (0.3984375 B, 19.92%, asymmetric).
+  The codes are offset-binary so that a kernel turns a nibble into a float16
+  with one OR of 0x6400 (1024 + u) and folds the offset into the zero point.
+
 A group whose mask keeps fewer than 2 columns is stored with zero values in
 the lowest unused slots, so every group always names two distinct slots;
 ``validate`` rejects anything else.
@@ -38,7 +58,8 @@ import torch
 
 from ._checks import FLOAT_DTYPES, check_mask, check_nm, check_weight
 
-__all__ = ["mask_nm", "is_nm", "Sparse24Tensor", "compress", "quantize_values", "QUANT_MODES", "FLOAT_DTYPES"]
+__all__ = ["mask_nm", "is_nm", "Sparse24Tensor", "compress", "quantize_values", "QUANT_MODES", "FLOAT_DTYPES",
+           "INT4_GROUP_SIZES"]
 
 # The integer view of each float dtype: for finite values, comparing
 # ``bits & max`` orders magnitudes exactly, and integer compares are much
@@ -218,13 +239,18 @@ def _byte_columns(device) -> torch.Tensor:
 class Sparse24Tensor:
     """A 2:4-sparse matrix stored compressed: kept values plus 2-bit slots.
 
-    Plain tensors only (``values``, ``meta``, optional ``scale``), so it can
-    live in a state dict. See the module docstring for the bit layout.
+    Plain tensors only (``values``, ``meta``, optional ``scale`` and ``zero``),
+    so it can live in a state dict. See the module docstring for the bit layout.
 
     Attributes:
-        values: ``(R, C // 2)`` kept values (``dtype``, or int8 if ``scale``).
+        values: ``(R, C // 2)`` kept values (``dtype``; int8 when INT8), or
+            ``(R, C // 4)`` uint8, two 4-bit codes per byte, when INT4.
         meta: ``(ceil(C / 32), R)`` int32 packed slots.
-        scale: ``None`` or ``(R,)`` float32 dequantization scales.
+        scale: ``None``; ``(R,)`` float32 (INT8); ``(R, ceil(C / group_size))``
+            float16 (INT4).
+        zero: ``None``, or ``(R, ceil(C / group_size))`` uint8 INT4 zero points.
+        group_size: INT4 quantization group along C (32, 64 or 128), else None.
+        quantized: ``None``, ``"int8"`` or ``"int4"``.
         shape: logical ``(R, C)``.
         dtype: logical dtype of the dense matrix.
 
@@ -233,7 +259,8 @@ class Sparse24Tensor:
     """
 
     def __init__(self, values: torch.Tensor, meta: torch.Tensor, shape, dtype: torch.dtype | None = None,
-                 scale: torch.Tensor | None = None, *, check: bool = True):
+                 scale: torch.Tensor | None = None, *, zero: torch.Tensor | None = None,
+                 group_size: int | None = None, check: bool = True):
         if not isinstance(shape, (tuple, list, torch.Size)) or len(shape) != 2:
             raise ValueError(f"shape must be a logical (R, C) pair, got {shape!r}")
         R, C = (int(s) for s in shape)
@@ -241,28 +268,40 @@ class Sparse24Tensor:
             raise ValueError(f"logical shape must be (R, C) with C divisible by 4, got {(R, C)}")
         if not isinstance(values, torch.Tensor) or not isinstance(meta, torch.Tensor):
             raise TypeError("values and meta must be tensors")
-        if scale is not None and not isinstance(scale, torch.Tensor):
-            raise TypeError(f"scale must be a tensor or None, got {type(scale).__name__}")
-        if tuple(values.shape) != (R, C // 2):
-            raise ValueError(f"values must have shape {(R, C // 2)} for logical shape {(R, C)}, got {tuple(values.shape)}")
+        for name, t in (("scale", scale), ("zero", zero)):
+            if t is not None and not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name} must be a tensor or None, got {type(t).__name__}")
+        int4 = group_size is not None
+        if zero is not None and not int4:
+            raise ValueError("zero points belong to INT4 weights: pass group_size too")
+        want = (R, C // 4) if int4 else (R, C // 2)
+        if tuple(values.shape) != want:
+            raise ValueError(f"values must have shape {want} for logical shape {(R, C)}"
+                             f"{' (INT4: one byte per group)' if int4 else ''}, got {tuple(values.shape)}")
         if meta.dtype != torch.int32 or tuple(meta.shape) != ((C + 31) // 32, R):
             raise ValueError(f"meta must be int32 of shape {((C + 31) // 32, R)}, got {meta.dtype} {tuple(meta.shape)}")
-        if meta.device != values.device or (scale is not None and scale.device != values.device):
-            raise ValueError("values, meta and scale must be on one device")
+        if any(t is not None and t.device != values.device for t in (meta, scale, zero)):
+            raise ValueError("values, meta, scale and zero must be on one device")
         if scale is None:
+            if int4:
+                raise ValueError("INT4 weights need scales")
             if values.dtype not in FLOAT_DTYPES:
                 raise TypeError(f"unquantized values must be floating point, got {values.dtype}")
             dtype = values.dtype if dtype is None else dtype
             if dtype != values.dtype:
                 raise TypeError(f"dtype {dtype} does not match values' dtype {values.dtype}")
         else:
-            if values.dtype != torch.int8:
-                raise TypeError(f"quantized values must be int8, got {values.dtype}")
-            if scale.dtype != torch.float32 or tuple(scale.shape) != (R,):
+            if int4:
+                _check_int4_fields(values, scale, zero, group_size, R, C)
+            elif values.dtype != torch.int8:
+                raise TypeError(f"quantized values must be int8 (or uint8 with group_size for INT4), "
+                                f"got {values.dtype}")
+            elif scale.dtype != torch.float32 or tuple(scale.shape) != (R,):
                 raise ValueError(f"scale must be float32 of shape {(R,)}, got {scale.dtype} {tuple(scale.shape)}")
             if dtype not in FLOAT_DTYPES:
                 raise TypeError(f"quantized tensors need a floating logical dtype, got {dtype}")
-        self.values, self.meta, self.scale = values, meta, scale
+        self.values, self.meta, self.scale, self.zero = values, meta, scale, zero
+        self.group_size = int(group_size) if int4 else None
         self.shape = torch.Size((R, C))
         self.dtype = dtype
         # Hand-built metadata may claim one slot twice, which every backend would
@@ -285,28 +324,43 @@ class Sparse24Tensor:
         return self.values.numel() * self.values.element_size() + (R * C + 7) // 8
 
     @property
+    def quantized(self) -> str | None:
+        """``None``, ``"int8"`` or ``"int4"``."""
+        if self.scale is None:
+            return None
+        return "int4" if self.group_size is not None else "int8"
+
+    @property
     def scale_nbytes(self) -> int:
-        return 0 if self.scale is None else self.scale.numel() * self.scale.element_size()
+        """Bytes of the scales and (INT4, asymmetric) zero points."""
+        return sum(t.numel() * t.element_size() for t in (self.scale, self.zero) if t is not None)
 
     @property
     def dense_nbytes(self) -> int:
-        """Bytes of the dense matrix in the stored element type (int8 when quantized)."""
+        """Bytes of the dense matrix in the stored element type (int8 when INT8,
+        half a byte per weight when INT4)."""
+        if self.group_size is not None:
+            return (self.shape.numel() + 1) // 2
         return self.shape.numel() * self.values.element_size()
 
     def __repr__(self) -> str:
-        q = ", quantized=int8" if self.scale is not None else ""
+        q = f", quantized={self.quantized}" if self.scale is not None else ""
+        if self.group_size is not None:
+            q += f", group_size={self.group_size}, {'asymmetric' if self.zero is not None else 'symmetric'}"
         return f"Sparse24Tensor(shape={tuple(self.shape)}, dtype={self.dtype}{q}, device={self.device})"
 
     def to(self, device=None, dtype: torch.dtype | None = None) -> "Sparse24Tensor":
-        """Move to ``device`` and/or cast the (unquantized) values to ``dtype``."""
+        """Move to ``device`` and/or cast the (unquantized) values to ``dtype``
+        (a quantized tensor changes only its logical dtype)."""
         values = self.values.to(device)
         if dtype is not None and dtype != self.dtype:
             if dtype not in FLOAT_DTYPES:
                 raise TypeError(f"cannot cast a Sparse24Tensor to {dtype}")
             if self.scale is None:
                 values = values.to(dtype)
-        scale = None if self.scale is None else self.scale.to(device)
-        return Sparse24Tensor(values, self.meta.to(device), self.shape, dtype or self.dtype, scale, check=False)
+        scale, zero = (None if t is None else t.to(device) for t in (self.scale, self.zero))
+        return Sparse24Tensor(values, self.meta.to(device), self.shape, dtype or self.dtype, scale, zero=zero,
+                              group_size=self.group_size, check=False)
 
     def slots(self) -> torch.Tensor:
         """``(R, C // 4, 2)`` int64 slot (0..3) of each kept value."""
@@ -314,10 +368,27 @@ class Sparse24Tensor:
 
     def dequantized_values(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """``(R, C // 2)`` kept values in ``dtype`` (default: the logical dtype)."""
-        dtype = dtype or self.dtype
+        return self._dequantized(slice(None)).to(dtype or self.dtype)
+
+    def int4_codes(self) -> torch.Tensor:
+        """INT4 only: ``(R, C // 2)`` uint8 codes ``u`` (0..15) of the kept values, in values order."""
+        if self.group_size is None:
+            raise ValueError("int4_codes() needs an INT4 tensor")
+        return _unpack_nibbles(self.values)
+
+    def _dequantized(self, rows: slice) -> torch.Tensor:
+        """Kept values of ``rows`` as stored (unquantized) or dequantized in float32."""
+        values = self.values[rows]
         if self.scale is None:
-            return self.values.to(dtype)
-        return (self.values.float() * self.scale[:, None]).to(dtype)
+            return values
+        if self.group_size is None:
+            return values.float() * self.scale[rows, None]
+        zero = 8.0 if self.zero is None else self._per_value(self.zero[rows]).float()
+        return (_unpack_nibbles(values).float() - zero) * self._per_value(self.scale[rows]).float()
+
+    def _per_value(self, t: torch.Tensor) -> torch.Tensor:
+        """``(r, groups)`` per-quantization-group tensor -> ``(r, C // 2)``, one per kept value."""
+        return t.repeat_interleave(self.group_size // 2, dim=1)[:, :self.shape[1] // 2]
 
     def to_dense(self, rows: slice | None = None) -> torch.Tensor:
         """Decompress to the dense ``(R, C)`` matrix (or ``rows`` of it), zeros elsewhere.
@@ -333,9 +404,8 @@ class Sparse24Tensor:
         if rows is not None and not isinstance(rows, slice):
             raise TypeError(f"rows must be a slice or None, got {type(rows).__name__}")
         rows = slice(None) if rows is None else rows
-        values, meta = self.values[rows], self.meta[:, rows]
-        scale = None if self.scale is None else self.scale[rows]
-        r, pairs = values.shape[0], (C // 4 + 1) // 2  # groups are read two (one byte) at a time
+        meta, row_ids = self.meta[:, rows], range(R)[rows]
+        r, pairs = len(row_ids), (C // 4 + 1) // 2  # groups are read two (one byte) at a time
         out = torch.empty(r, C, dtype=self.dtype, device=self.device)
         columns = _byte_columns(self.device)
         base = torch.arange(0, 8 * pairs, 8, device=self.device).view(pairs, 1)
@@ -347,9 +417,9 @@ class Sparse24Tensor:
             byte = ((m.t().unsqueeze(-1) >> shifts) & 255).reshape(r1 - r0, 4 * m.shape[0])[:, :pairs]
             idx = (columns.index_select(0, byte.reshape(-1)).view(r1 - r0, pairs, 4) + base)
             idx = idx.view(r1 - r0, 4 * pairs)[:, :C // 2]  # an odd group count: drop the padding group
-            v = values[r0:r1]
-            if scale is not None:  # dequantized as dequantized_values does, a block at a time
-                v = (v.float() * scale[r0:r1, None]).to(self.dtype)
+            # dequantized as dequantized_values does, a block at a time
+            sub = row_ids[r0:r1]
+            v = self._dequantized(slice(sub.start, sub.stop, sub.step)).to(self.dtype)
             block = out[r0:r1]
             block.zero_()
             block.scatter_(1, idx, v)
@@ -374,15 +444,22 @@ class Sparse24Tensor:
                 raise ValueError(f"corrupt metadata at row {r}: padding bits past column {C} are not zero")
         if self.scale is not None and not bool(torch.isfinite(self.scale).all()):
             raise ValueError("corrupt scales: non-finite values")
+        if self.zero is not None and bool((self.zero > 15).any()):
+            r, k = (int(i) for i in (self.zero > 15).nonzero()[0])
+            raise ValueError(f"corrupt INT4 zero points at row {r}, group {k}: {int(self.zero[r, k])} is not in 0..15")
         return self
 
     # -- state dict helpers --
     def state_tensors(self) -> dict[str, torch.Tensor]:
-        """``{"values": (R, C/2), "meta": (ceil(C/32), R)}`` plus ``"scale": (R,)`` when
-        quantized: the plain tensors to store (the same objects, not copies)."""
+        """``{"values", "meta"}`` plus ``"scale"`` when quantized and ``"zero"`` when
+        INT4 asymmetric (shapes in the class docstring): the plain tensors to store
+        (the same objects, not copies). An INT4 tensor's ``group_size`` is not a
+        tensor: whoever stores these stores it beside them."""
         d = {"values": self.values, "meta": self.meta}
         if self.scale is not None:
             d["scale"] = self.scale
+        if self.zero is not None:
+            d["zero"] = self.zero
         return d
 
 
@@ -393,7 +470,8 @@ def compress(w: torch.Tensor, mask: torch.Tensor | None = None, **kwargs) -> Spa
         w: ``(R, C)`` floating weight, ``C % 4 == 0``, any device.
         mask: optional ``(R, C)`` bool mask with at most 2 True per group of
             4 along the last dim; default: the 2:4 magnitude mask.
-        quantize: ``None`` or ``"int8"`` (see :mod:`sparse24.quant`).
+        quantize: ``None``, ``"int8"`` or ``"int4"`` (see :mod:`sparse24.quant`).
+        group_size, symmetric: INT4 only, passed to :func:`quantize_values`.
     Returns:
         :class:`Sparse24Tensor` with ``to_dense() == w * mask`` exactly.
     Example:
@@ -402,8 +480,11 @@ def compress(w: torch.Tensor, mask: torch.Tensor | None = None, **kwargs) -> Spa
         (torch.Size([16, 16]), torch.Size([1, 16]))
     """
     quantize = kwargs.pop("quantize", None)
+    qargs = {k: kwargs.pop(k) for k in ("group_size", "symmetric") if k in kwargs}
     if kwargs:
         raise TypeError(f"unexpected arguments: {sorted(kwargs)}")
+    if qargs and quantize != "int4":
+        raise TypeError(f"{sorted(qargs)} only apply to quantize='int4', got quantize={quantize!r}")
     check_weight(w, 4)
     R, C = w.shape
     w4 = w.detach().contiguous().view(-1, 4)
@@ -418,38 +499,55 @@ def compress(w: torch.Tensor, mask: torch.Tensor | None = None, **kwargs) -> Spa
     meta = _pack_meta(nib.view(R, C // 4).int())
     p = Sparse24Tensor(values, meta, (R, C), w.dtype, check=False)
     if quantize is not None:
-        p = quantize_values(p, quantize)
+        p = quantize_values(p, quantize, **qargs)
     return p
 
 
-# --- INT8 values ---------------------------------------------------------------
+# --- quantized values (INT8, INT4) --------------------------------------------
 
-QUANT_MODES = ("int8",)
+QUANT_MODES = ("int8", "int4")
 _QMAX = 127  # symmetric: -128 is never used, so negation cannot overflow
+INT4_GROUP_SIZES = (32, 64, 128)
+_INT4_ZERO = 8  # the symmetric zero point: codes 1..15 hold -7..7
 
 
-def quantize_values(p: Sparse24Tensor, mode: str = "int8") -> Sparse24Tensor:
-    """Quantize the kept values of a 2:4 weight to int8 with one scale per output row.
+def quantize_values(p: Sparse24Tensor, mode: str = "int8", *, group_size: int = 128,
+                    symmetric: bool = True) -> Sparse24Tensor:
+    """Round the kept values of a 2:4 weight to INT8 or INT4 (round to nearest).
 
-    ``scale[r] = max_j |values[r, j]| / 127`` (computed in float32; 1.0 for an
-    all-zero row), ``q = round(values / scale)`` (half to even), clamped to
-    [-127, 127]. The dequantized weight is ``q * scale[r]``; its error per
-    kept value is at most ``scale[r] / 2``.
+    INT8: one float32 scale per output row, ``scale[r] = max_j |values[r, j]| / 127``
+    (1.0 for an all-zero row), ``q = round(values / scale)`` clamped to [-127, 127].
+
+    INT4: one float16 scale per row and quantization group of ``group_size``
+    dense columns (see the module docstring). Symmetric: ``scale = amax / 7``
+    (rounded to float16, at least 2**-24; 1.0 for an all-zero group),
+    ``u = round(v / scale) + 8`` clamped to 1..15. Asymmetric: ``lo, hi`` =
+    the group's min and max with 0 included, ``scale = (hi - lo) / 15``,
+    ``zero = round(-lo / scale)`` in 0..15, ``u = round(v / scale) + zero``
+    clamped to 0..15. Rounding is half to even; every kept value's error is at
+    most ``scale / 2`` (up to the float16 rounding of ``scale``).
 
     Args:
         p: unquantized :class:`Sparse24Tensor` ``(R, C)`` (any float dtype, any device).
-        mode: ``"int8"``.
+        mode: ``"int8"`` or ``"int4"``.
+        group_size: INT4: 32, 64 or 128 (a row's last group may be short).
+        symmetric: INT4: False adds per-group zero points.
     Returns:
-        A new :class:`Sparse24Tensor`: ``values`` int8 ``(R, C/2)``, the same
-        ``meta`` tensor (shared, not copied), ``scale`` float32 ``(R,)``, the
-        logical dtype of ``p`` (what ``to_dense()`` returns).
+        A new :class:`Sparse24Tensor` sharing ``p.meta`` (not copied), with ``p``'s
+        logical dtype: INT8 ``values`` int8 ``(R, C/2)`` and ``scale`` float32
+        ``(R,)``; INT4 ``values`` uint8 ``(R, C/4)``, ``scale`` float16
+        ``(R, ceil(C / group_size))`` and ``zero`` (asymmetric) uint8 of that shape.
     Raises:
         TypeError: ``p`` is not a Sparse24Tensor, or ``mode`` is not a string.
-        ValueError: unknown mode, ``p`` already quantized, non-finite values.
+        ValueError: unknown mode or group size, ``p`` already quantized,
+            non-finite values, an INT4 scale beyond float16's range.
     Example:
         >>> q = quantize_values(sparse24.compress(torch.randn(8, 32)), "int8")
         >>> q.values.dtype, q.scale.shape, q.nbytes / q.dense_nbytes
         (torch.int8, torch.Size([8]), 0.625)
+        >>> q4 = quantize_values(sparse24.compress(torch.randn(8, 256)), "int4")
+        >>> q4.values.shape, q4.scale.shape
+        (torch.Size([8, 64]), torch.Size([8, 2]))
     """
     if not isinstance(p, Sparse24Tensor):
         raise TypeError(f"quantize_values needs a Sparse24Tensor (see sparse24.compress), got {type(p).__name__}")
@@ -462,10 +560,86 @@ def quantize_values(p: Sparse24Tensor, mode: str = "int8") -> Sparse24Tensor:
     v = p.values.float()
     if not bool(torch.isfinite(v).all()):
         raise ValueError("cannot quantize: the weight has non-finite (inf/NaN) kept values")
+    if mode == "int4":
+        check_group_size(group_size)
+        codes, scale, zero = int4_quantize(v, group_size, symmetric)
+        return Sparse24Tensor(_pack_nibbles(codes), p.meta, p.shape, p.dtype, scale, zero=zero,
+                              group_size=group_size, check=False)
     amax = v.abs().amax(dim=1) if v.shape[1] else v.new_zeros(v.shape[0])
     scale = torch.where(amax > 0, amax / _QMAX, torch.ones_like(amax))
     q = torch.round(v / scale[:, None]).clamp_(-_QMAX, _QMAX).to(torch.int8)
     return Sparse24Tensor(q, p.meta, p.shape, p.dtype, scale, check=False)
+
+
+def check_group_size(group_size) -> int:
+    """Raise unless ``group_size`` is an INT4 group size (32, 64 or 128); return it."""
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size not in INT4_GROUP_SIZES:
+        raise ValueError(f"INT4 group_size must be one of {INT4_GROUP_SIZES}, got {group_size!r}")
+    return group_size
+
+
+def int4_quantize(v: torch.Tensor, group_size: int, symmetric: bool = True,
+                  scale: torch.Tensor | None = None, zero: torch.Tensor | None = None):
+    """Round kept values to INT4 codes on a group-wise grid (the rule of :func:`quantize_values`).
+
+    Args:
+        v: ``(R, n)`` float32 kept values in values order (``n = C / 2``; a row's
+            kept values ``k * group_size / 2 ..`` form quantization group ``k``).
+        group_size, symmetric: as in :func:`quantize_values`.
+        scale, zero: an existing grid ``(R, ceil(2n / group_size))`` (float16,
+            uint8 or None) to round onto instead of computing one from ``v``
+            (what GPTQ-style quantizers do column by column).
+    Returns:
+        ``(codes (R, n) uint8 0..15, scale float16, zero uint8 or None)``.
+    """
+    R, n = v.shape
+    half = group_size // 2
+    groups = -(-n // half)
+    if scale is None:
+        padded = v.new_zeros(R, groups * half)
+        padded[:, :n] = v
+        g = padded.view(R, groups, half)
+        if symmetric:
+            amax = g.abs().amax(-1) if half else g.new_zeros(R, groups)
+            s = torch.where(amax > 0, amax / (15 - _INT4_ZERO), torch.ones_like(amax))
+        else:
+            lo, hi = g.amin(-1).clamp(max=0), g.amax(-1).clamp(min=0)
+            s = torch.where(hi > lo, (hi - lo) / 15, torch.ones_like(hi))
+        if bool((s > torch.finfo(torch.float16).max).any()):
+            raise ValueError("cannot quantize to INT4: a group's scale exceeds float16's range (|w| > 458,528)")
+        scale = s.clamp(min=2.0 ** -24).half()
+        if not symmetric:
+            zero = torch.round(-lo / scale.float()).clamp_(0, 15).to(torch.uint8)
+    s = scale.float().repeat_interleave(half, dim=1)[:, :n]
+    if zero is None:
+        codes = torch.round(v / s).clamp_(1 - _INT4_ZERO, 15 - _INT4_ZERO) + _INT4_ZERO
+    else:
+        z = zero.float().repeat_interleave(half, dim=1)[:, :n]
+        codes = (torch.round(v / s) + z).clamp_(0, 15)
+    return codes.to(torch.uint8), scale, zero
+
+
+def _pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """``(R, n)`` uint8 codes 0..15 (n even) -> ``(R, n / 2)`` bytes, even index in the low nibble."""
+    return codes[:, 0::2] | (codes[:, 1::2] << 4)
+
+
+def _unpack_nibbles(values: torch.Tensor) -> torch.Tensor:
+    """``(R, n / 2)`` uint8 bytes -> ``(R, n)`` codes, the inverse of :func:`_pack_nibbles`."""
+    return torch.stack((values & 15, values >> 4), dim=-1).view(values.shape[0], -1)
+
+
+def _check_int4_fields(values, scale, zero, group_size, R: int, C: int) -> None:
+    """The constructor's INT4 checks: dtypes and shapes of values, scale, zero; the group size."""
+    check_group_size(group_size)
+    groups = -(-C // group_size)
+    if values.dtype != torch.uint8:
+        raise TypeError(f"INT4 values must be uint8 (two 4-bit codes per byte), got {values.dtype}")
+    if scale.dtype != torch.float16 or tuple(scale.shape) != (R, groups):
+        raise ValueError(f"INT4 scale must be float16 of shape {(R, groups)} (group_size {group_size}), "
+                         f"got {scale.dtype} {tuple(scale.shape)}")
+    if zero is not None and (zero.dtype != torch.uint8 or tuple(zero.shape) != (R, groups)):
+        raise ValueError(f"INT4 zero points must be uint8 of shape {(R, groups)}, got {zero.dtype} {tuple(zero.shape)}")
 
 
 def _mask_nibbles24(mask: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

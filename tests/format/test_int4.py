@@ -1,0 +1,124 @@
+"""INT4 2:4 storage (layout in sparse24/format.py): the grid against an independent
+float64 / numpy reference built from the dense masked weight, the byte count, and
+the constructor's refusals."""
+import numpy as np
+import pytest
+import torch
+
+from sparse24.format import Sparse24Tensor, compress, mask_nm, quantize_values
+
+
+def _reference(w: torch.Tensor, group_size: int, symmetric: bool) -> np.ndarray:
+    """Dense dequantized 2:4 INT4 weight, computed from the dense masked weight column group
+    by column group in numpy (float16 scales as the format stores them)."""
+    wm = (w * mask_nm(w)).double().numpy()
+    keep = mask_nm(w).numpy()
+    out = np.zeros_like(wm)
+    R, C = wm.shape
+    for r in range(R):
+        for c0 in range(0, C, group_size):
+            cols = np.arange(c0, min(C, c0 + group_size))
+            kept = wm[r, cols][keep[r, cols]]
+            if symmetric:
+                amax = np.abs(kept).max(initial=0.0)
+                s = np.float64(np.float16(max(amax / 7, 2.0 ** -24))) if amax > 0 else 1.0
+                q = np.clip(np.round(kept / s), -7, 7)
+            else:
+                lo, hi = min(kept.min(initial=0.0), 0.0), max(kept.max(initial=0.0), 0.0)
+                s = np.float64(np.float16(max((hi - lo) / 15, 2.0 ** -24))) if hi > lo else 1.0
+                z = np.clip(np.round(-lo / s), 0, 15)
+                q = np.clip(np.round(kept / s) + z, 0, 15) - z
+            dense = np.zeros(len(cols))
+            dense[keep[r, cols]] = q * s
+            out[r, cols] = dense
+    return out
+
+
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("shape", [(5, 128), (3, 200), (7, 36), (1, 4)])
+def test_int4_grid_matches_independent_reference(group_size, symmetric, shape):
+    torch.manual_seed(sum(shape) + group_size)
+    w = torch.randn(*shape) * torch.logspace(-2, 1, shape[1])  # groups of very different scale
+    q = compress(w, quantize="int4", group_size=group_size, symmetric=symmetric)
+    assert q.quantized == "int4" and q.values.dtype == torch.uint8 and q.scale.dtype == torch.float16
+    got = q.to_dense().double().numpy()
+    np.testing.assert_array_equal(got, _reference(w, group_size, symmetric).astype(np.float32))
+    # error of each kept value <= half its group's scale (times the float16 rounding of the scale)
+    s = q.scale.double().repeat_interleave(group_size, 1)[:, :shape[1]]
+    kept = mask_nm(w)
+    err = (torch.from_numpy(got) - (w * kept).double()).abs()
+    assert bool((err[kept] <= s[kept] * 0.5 * (1 + 2 ** -10)).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_int4_keeps_logical_dtype_and_rows(dtype):
+    w = torch.randn(9, 96).to(dtype)
+    q = compress(w, quantize="int4", group_size=32)
+    assert q.dtype == dtype and q.to_dense().dtype == dtype
+    assert torch.equal(q.to_dense(rows=slice(2, 7)), q.to_dense()[2:7])
+    assert torch.equal(q.to_dense(rows=slice(1, 9, 3)), q.to_dense()[1:9:3])
+    assert torch.equal(q.dequantized_values(torch.float64).float(), q.dequantized_values(torch.float32))
+    back = q.to(dtype=torch.float32)
+    assert back.dtype == torch.float32 and torch.equal(back.values, q.values)
+
+
+def test_int4_codes_and_layout():
+    """One byte per group, lower slot in the low nibble; codes 1..15 when symmetric."""
+    w = torch.tensor([[0.0, 7.0, 0.0, -3.5] * 8])  # 32 columns: one group of 32
+    q = compress(w, quantize="int4", group_size=32)
+    assert float(q.scale[0, 0]) == 1.0
+    assert q.values.tolist() == [[(8 + 7) | ((8 - 4) << 4)] * 8]  # -3.5 rounds half to even: -4
+    assert q.int4_codes()[0, :2].tolist() == [15, 4]
+
+
+def test_int4_storage_is_under_a_fifth_of_fp16():
+    w = torch.randn(64, 1024, dtype=torch.float16)
+    for symmetric, frac in ((True, 0.1953125), (False, 0.19921875)):
+        q = compress(w, quantize="int4", group_size=128, symmetric=symmetric)
+        assert (q.nbytes + q.scale_nbytes) / (w.numel() * 2) == frac
+    q = compress(w, quantize="int4", group_size=32)
+    assert (q.nbytes + q.scale_nbytes) / (w.numel() * 2) == (0.25 + 0.125 + 2 / 32) / 2
+
+
+def test_int4_refusals():
+    w = torch.randn(4, 64)
+    q = compress(w, quantize="int4", group_size=64)
+    with pytest.raises(ValueError, match="group_size must be one of"):
+        compress(w, quantize="int4", group_size=48)
+    with pytest.raises(TypeError, match="only apply to quantize='int4'"):
+        compress(w, quantize="int8", group_size=64)
+    with pytest.raises(ValueError, match="already quantized"):
+        quantize_values(q, "int4")
+    with pytest.raises(ValueError, match="non-finite"):
+        compress(torch.full((4, 64), float("inf")), quantize="int4")
+    with pytest.raises(ValueError, match="float16's range"):
+        compress(torch.full((4, 64), 1e6), quantize="int4")
+    with pytest.raises(TypeError, match="uint8"):
+        Sparse24Tensor(q.values.to(torch.int8), q.meta, (4, 64), torch.float32, q.scale, group_size=64)
+    with pytest.raises(ValueError, match="one byte per group"):
+        Sparse24Tensor(q.values[:, :8], q.meta, (4, 64), torch.float32, q.scale, group_size=64)
+    with pytest.raises(ValueError, match="float16 of shape"):
+        Sparse24Tensor(q.values, q.meta, (4, 64), torch.float32, q.scale.float(), group_size=64)
+    with pytest.raises(ValueError, match="float16 of shape"):
+        Sparse24Tensor(q.values, q.meta, (4, 64), torch.float32, q.scale, group_size=32)
+    with pytest.raises(ValueError, match="need scales"):
+        Sparse24Tensor(q.values, q.meta, (4, 64), torch.float32, None, group_size=64)
+    with pytest.raises(ValueError, match="pass group_size"):
+        Sparse24Tensor(q.values, q.meta, (4, 64), torch.float32, q.scale, zero=q.values)
+    zero = torch.full((4, 1), 16, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="zero points at row 0, group 0"):
+        Sparse24Tensor(q.values, q.meta, (4, 64), torch.float32, q.scale, zero=zero, group_size=64)
+    with pytest.raises(ValueError, match="non-finite"):
+        Sparse24Tensor(q.values, q.meta, (4, 64), torch.float32, torch.full_like(q.scale, float("nan")),
+                       group_size=64)
+
+
+def test_int4_state_tensors_round_trip():
+    w = torch.randn(6, 160)
+    q = compress(w, quantize="int4", group_size=64, symmetric=False)
+    st = q.state_tensors()
+    assert set(st) == {"values", "meta", "scale", "zero"}
+    again = Sparse24Tensor(st["values"], st["meta"], q.shape, q.dtype, st["scale"], zero=st["zero"],
+                           group_size=64)
+    assert torch.equal(again.to_dense(), q.to_dense())
