@@ -22,13 +22,15 @@ def _model(gen, quantize=None, trainable_values=False):
     return net
 
 
-@pytest.mark.parametrize("backend", ["reference", "triton"])
-@pytest.mark.parametrize("weight", ["fp32", "int8", "decode-fp16", "decode-int8"])
+@pytest.mark.parametrize("backend, weight", [(b, w) for b in ("reference", "triton")
+                                             for w in ("fp32", "int8", "int4", "decode-fp16", "decode-int8")
+                                             if (b, w) != ("triton", "int4")])  # INT4 kernel: issue 25
 def test_opcheck(backend, weight, gen):
     """Schema, fake (meta) kernel, autograd registration and AOT dispatch, as torch.library checks
     them, for both layouts (the decode layout's values do not train)."""
     w = torch.randn(40, 64, generator=gen)
-    p = sparse24.compress(w.half() if weight == "decode-fp16" else w, quantize="int8" if "int8" in weight else None)
+    quantize = "int8" if "int8" in weight else "int4" if weight == "int4" else None
+    p = sparse24.compress(w.half() if weight == "decode-fp16" else w, quantize=quantize)
     if weight.startswith("decode"):
         p = sparse24.pack_decode(p)
     values = p.values.clone().requires_grad_(True) if weight == "fp32" else p.values
@@ -36,7 +38,8 @@ def test_opcheck(backend, weight, gen):
     b = torch.randn(40, generator=gen, requires_grad=True)
     for bias in (b, None):
         torch.library.opcheck(torch.ops.sparse24.linear.default,
-                              (x.requires_grad_(True), values, p.meta, p.scale, bias, p.dtype, backend, 40))
+                              (x.requires_grad_(True), values, p.meta, p.scale, getattr(p, "zero", None), bias,
+                               p.dtype, backend, 40, getattr(p, "group_size", None) or 0))
 
 
 def test_op_gradients_match_dense_fp64(gen):
@@ -44,7 +47,7 @@ def test_op_gradients_match_dense_fp64(gen):
     p = sparse24.compress(w)
     values = p.values.double().requires_grad_(True)
     xd, bd = x.double().requires_grad_(True), b.double().requires_grad_(True)
-    y = torch.ops.sparse24.linear(xd, values, p.meta, None, bd, torch.float64, "reference", 40)
+    y = torch.ops.sparse24.linear(xd, values, p.meta, None, None, bd, torch.float64, "reference", 40, 0)
     gy = torch.randn(y.shape, generator=gen, dtype=torch.float64)
     gx, gv, gb = torch.autograd.grad(y, (xd, values, bd), gy)
     dense = (w * sparse24.mask_nm(w)).double().requires_grad_(True)

@@ -64,6 +64,8 @@ def check_triton_args(x: torch.Tensor, p: Sparse24Tensor | DecodePacked) -> None
                             "arithmetic; use float16/float32 on CPU, backend='reference', or a CUDA device")
     elif x.device.type != "cuda":
         raise ValueError(f"backend='triton' needs CUDA or CPU tensors, got device {x.device}")
+    if getattr(p, "group_size", None) is not None:
+        raise TypeError("backend='triton' has no INT4 kernel yet; use backend='reference' (or 'auto')")
     if p.scale is None and p.values.dtype == torch.float64:
         raise TypeError("backend='triton' cannot read float64 weight values; cast the weight with "
                         "p.to(dtype=torch.float32) or use backend='reference'")

@@ -33,57 +33,62 @@ KERNEL_DTYPES = launch.SUPPORTED_DTYPES
 
 @torch.library.custom_op("sparse24::linear", mutates_args=())
 def _linear_op(x: torch.Tensor, values: torch.Tensor, meta: torch.Tensor, scale: torch.Tensor | None,
-               bias: torch.Tensor | None, weight_dtype: torch.dtype, backend: str, out_features: int) -> torch.Tensor:
+               zero: torch.Tensor | None, bias: torch.Tensor | None, weight_dtype: torch.dtype, backend: str,
+               out_features: int, group_size: int) -> torch.Tensor:
     """``(..., K) -> (..., N)`` with W ``(N, K)`` given by its compressed tensors in
-    either layout (v1: ``values (N, K/2)``, ``meta (ceil(K/32), N)``; the decode
-    layout: :class:`~sparse24.decode_format.DecodePacked`'s tensors), ``scale (N,)``
-    or None, its logical dtype and ``out_features`` = N."""
-    return _compute(x, values, meta, scale, bias, weight_dtype, backend, out_features)
+    either layout (v1: ``values (N, K/2)`` or INT4 ``(N, K/4)``, ``meta (ceil(K/32), N)``;
+    the decode layout: :class:`~sparse24.decode_format.DecodePacked`'s tensors),
+    ``scale`` (INT8 ``(N,)``, INT4 ``(N, ceil(K/group_size))``) or None, INT4 ``zero`` or
+    None, its logical dtype, ``out_features`` = N and the INT4 ``group_size`` (0: not INT4)."""
+    return _compute(x, values, meta, scale, zero, bias, weight_dtype, backend, out_features, group_size)
 
 
 @_linear_op.register_fake
-def _(x, values, meta, scale, bias, weight_dtype, backend, out_features):
-    if values.dim() == 2 and x.shape[-1] != 2 * values.shape[1]:
-        raise ValueError(f"x has {x.shape[-1]} features but the weight expects {2 * values.shape[1]}")
+def _(x, values, meta, scale, zero, bias, weight_dtype, backend, out_features, group_size):
+    per_column = 4 if group_size else 2  # dense columns per stored column of values
+    if values.dim() == 2 and x.shape[-1] != per_column * values.shape[1]:
+        raise ValueError(f"x has {x.shape[-1]} features but the weight expects {per_column * values.shape[1]}")
     return x.new_empty(*x.shape[:-1], out_features)
 
 
 def _setup_context(ctx, inputs, output):
-    x, values, meta, scale, bias, weight_dtype, backend, out_features = inputs
-    ctx.weight_dtype, ctx.shape = weight_dtype, (out_features, x.shape[-1])
+    x, values, meta, scale, zero, bias, weight_dtype, backend, out_features, group_size = inputs
+    ctx.weight_dtype, ctx.shape, ctx.group_size = weight_dtype, (out_features, x.shape[-1]), group_size
     ctx.bias_dtype = None if bias is None else bias.dtype
-    ctx.save_for_backward(x if ctx.needs_input_grad[1] else None, values, meta, scale)
+    ctx.save_for_backward(x if ctx.needs_input_grad[1] else None, values, meta, scale, zero)
 
 
 def _backward(ctx, grad_y):
-    x, values, meta, scale = ctx.saved_tensors
+    x, values, meta, scale, zero = ctx.saved_tensors
     need = ctx.needs_input_grad
     if need[1] and values.dim() != 2:
         raise RuntimeError("gradients for the kept values need layout v1 (trainable values stay in layout v1)")
-    p = _weight(values, meta, scale, ctx.weight_dtype, ctx.shape)
-    grad_x, grad_values, grad_bias = linear_backward_reference(grad_y, x, p, need[0], need[1], need[4],
+    p = _weight(values, meta, scale, zero, ctx.group_size, ctx.weight_dtype, ctx.shape)
+    grad_x, grad_values, grad_bias = linear_backward_reference(grad_y, x, p, need[0], need[1], need[5],
                                                                ctx.bias_dtype)
-    return grad_x, grad_values, None, None, grad_bias, None, None, None
+    return grad_x, grad_values, None, None, None, grad_bias, None, None, None, None
 
 
 torch.library.register_autograd("sparse24::linear", _backward, setup_context=_setup_context)
 
 
-def _weight(values, meta, scale, weight_dtype, shape) -> Sparse24Tensor:
+def _weight(values, meta, scale, zero, group_size, weight_dtype, shape) -> Sparse24Tensor:
     """The op's weight tensors as a layout-v1 :class:`Sparse24Tensor` (a decode-layout weight re-ordered)."""
     if values.dim() == 2:
-        return Sparse24Tensor(values, meta, shape, weight_dtype, scale, check=False)
+        return Sparse24Tensor(values, meta, shape, weight_dtype, scale, zero=zero, group_size=group_size or None,
+                              check=False)
     return DecodePacked(values, meta, shape, weight_dtype, scale, check=False).to_sparse24()
 
 
-def _compute(x, values, meta, scale, bias, weight_dtype, backend, out_features):
+def _compute(x, values, meta, scale, zero, bias, weight_dtype, backend, out_features, group_size):
     if backend == "auto":
-        backend = _auto_backend(x, values, scale, out_features)
+        backend = "reference" if group_size else _auto_backend(x, values, scale, out_features)
     if backend == "triton":
         return launch.run(x, values, meta, scale, bias, out_features)
     if backend == "prefill":  # chosen by "auto" only: the decode layout at M > 16 on CUDA
         return launch.run_prefill(x, values, meta, scale, bias, out_features)
-    return linear_reference(x, _weight(values, meta, scale, weight_dtype, (out_features, x.shape[-1])), bias)
+    return linear_reference(x, _weight(values, meta, scale, zero, group_size, weight_dtype,
+                                       (out_features, x.shape[-1])), bias)
 
 
 def _needs_op(x, values, bias) -> bool:
@@ -96,13 +101,15 @@ def _needs_op(x, values, bias) -> bool:
 
 def forward(x: torch.Tensor, values: torch.Tensor, meta: torch.Tensor, scale: torch.Tensor | None,
             bias: torch.Tensor | None, weight_dtype: torch.dtype, out_features: int,
-            backend: str = "auto") -> torch.Tensor:
+            backend: str = "auto", zero: torch.Tensor | None = None, group_size: int = 0) -> torch.Tensor:
     """:func:`linear` for callers whose weight tensors are valid by construction
     (the modules), in either layout: ``x`` is checked by the caller, the weight
-    is not. Shapes as in :func:`linear`."""
+    is not. Shapes as in :func:`linear`; ``zero`` and ``group_size`` (0: not INT4)
+    as in :class:`~sparse24.format.Sparse24Tensor`."""
     if _needs_op(x, values, bias):
-        return torch.ops.sparse24.linear(x, values, meta, scale, bias, weight_dtype, backend, out_features)
-    return _compute(x, values, meta, scale, bias, weight_dtype, backend, out_features)
+        return torch.ops.sparse24.linear(x, values, meta, scale, zero, bias, weight_dtype, backend, out_features,
+                                         group_size)
+    return _compute(x, values, meta, scale, zero, bias, weight_dtype, backend, out_features, group_size)
 
 
 def linear(x: torch.Tensor, p: Sparse24Tensor | DecodePacked, bias: torch.Tensor | None = None,
@@ -133,7 +140,8 @@ def linear(x: torch.Tensor, p: Sparse24Tensor | DecodePacked, bias: torch.Tensor
     check_linear_args(x, p, bias)
     if backend == "triton":
         launch.check_triton_args(x, p)
-    return forward(x, p.values, p.meta, p.scale, bias, p.dtype, p.shape[0], backend)
+    return forward(x, p.values, p.meta, p.scale, bias, p.dtype, p.shape[0], backend, getattr(p, "zero", None),
+                   getattr(p, "group_size", None) or 0)
 
 
 def choose_backend(x: torch.Tensor, p: Sparse24Tensor | DecodePacked) -> str:
