@@ -60,6 +60,7 @@ Conv1D back.
 from .linear import Sparse24Linear
 from .prepare import (MODES, QUANTIZE, compressed_nbytes, is_conv1d, is_conv1d_class, linear_shape, memory_nbytes,
                       quant_options)
+from .state import compressed_entries
 
-__all__ = ["Sparse24Linear", "MODES", "QUANTIZE", "quant_options", "is_conv1d", "is_conv1d_class", "linear_shape",
+__all__ = ["Sparse24Linear", "MODES", "QUANTIZE", "quant_options", "compressed_entries", "is_conv1d", "is_conv1d_class", "linear_shape",
            "compressed_nbytes", "memory_nbytes"]

@@ -15,7 +15,7 @@ from . import prepare
 from .prepare import is_conv1d_class
 from .sharded import local_pair
 
-__all__ = ["check_state", "StateDictMixin"]
+__all__ = ["check_state", "StateDictMixin", "compressed_entries"]
 
 
 # A compressed layer's entries by quantization (INT4 asymmetric adds "zero").
@@ -110,6 +110,20 @@ def check_int4_entries(group_size: torch.Tensor, scale: torch.Tensor, expected: 
     if scale.is_floating_point() and not scale.is_meta and bool((scale <= 0).any()):
         r, k = (int(i) for i in (scale <= 0).nonzero()[0])
         raise ValueError(f"corrupt INT4 scales: '{prefix}scale'[{r}, {k}] is {float(scale[r, k])}, not positive")
+
+
+def compressed_entries(p: Sparse24Tensor) -> dict[str, torch.Tensor]:
+    """The state-dict entries of a compressed :class:`~sparse24.nn.Sparse24Linear` holding ``p``:
+    ``p.state_tensors()`` plus, for INT4, the 0-d int32 ``group_size`` entry.
+
+    Example:
+        >>> sorted(compressed_entries(sparse24.compress(torch.randn(8, 64), quantize="int4")))
+        ['group_size', 'meta', 'scale', 'values']
+    """
+    entries = p.state_tensors()
+    if p.group_size is not None:
+        entries["group_size"] = torch.tensor(p.group_size, dtype=torch.int32, device=p.device)
+    return entries
 
 
 def _check_finite_entries(sd: dict, prefix: str, keys) -> None:
@@ -262,7 +276,4 @@ class StateDictMixin:
         kept = w if new_w is None else new_w
         if self._mode == "masked":
             return {"weight": torch.where(mask, kept, 0), "mask": mask}, mask  # the caller's tensor stays
-        entries = compress(kept, mask, **self._quant()).state_tensors()
-        if self.quantize == "int4":
-            entries["group_size"] = torch.tensor(self._group_size, dtype=torch.int32, device=kept.device)
-        return entries, mask
+        return compressed_entries(compress(kept, mask, **self._quant())), mask

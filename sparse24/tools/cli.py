@@ -280,7 +280,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="magnitude (default), 2d_greedy, 2d_optimal: no data needed; wanda, sparsegpt (+ least-squares "
                         "refit), layerwise (each layer fit to the dense outputs, the recommended one): a model folder "
                         "and --calibration text")
-    r.add_argument("--quantize", choices=("int8",), help="store INT8 values + per-row scales")
+    r.add_argument("--quantize", choices=("int8", "int4"),
+                   help="int8: INT8 values + per-row fp32 scales; int4: 4-bit values + fp16 scales per --group-size "
+                        "input columns")
+    r.add_argument("--group-size", type=int, choices=(32, 64, 128), metavar="{32,64,128}",
+                   help="--quantize int4: input columns per scale (default 128)")
+    r.add_argument("--asymmetric", action="store_true", help="--quantize int4: a uint8 zero point per group too")
     r.add_argument("--min-features", type=int, help="skip weights with fewer rows or columns (default: as sparsify_)")
     r.add_argument("--exclude", default=PRUNE_EXCLUDE, metavar="REGEX",
                    help=f"leave matching weights dense (default {PRUNE_EXCLUDE!r}: embedding tables; '' for none)")
