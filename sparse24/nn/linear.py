@@ -6,6 +6,7 @@ before anything changes), ``masking`` (the hooks), ``layout`` (v1 or decode)
 and ``state`` (state dicts), the last two as mixins of the class.)"""
 from __future__ import annotations
 
+import warnings
 import weakref
 
 import torch
@@ -13,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..decode_format import DecodePacked
-from ..format import FLOAT_DTYPES, Sparse24Tensor, compress, quantize_values
+from ..format import FLOAT_DTYPES, Sparse24Tensor, _pack_nibbles, compress, int4_quantize, quantize_values
 from ..ops import linear24
 from .layout import LayoutMixin
 from .masking import _GRAD_HOOKED, _HAS_HOOK, _MASKED_MODULES, _ZERO_CHECKED, _grad_mask_hook
@@ -366,7 +367,14 @@ class Sparse24Linear(LayoutMixin, StateDictMixin, nn.Module):
             delta: ``(R, C)`` floating tensor; its entries at pruned positions are ignored.
         Returns:
             self. Masked mode updates ``weight`` (same Parameter), compressed mode ``values``;
-            INT8 values are dequantized, updated in fp32 and requantized (new ``scale``).
+            INT8 values are dequantized, updated in fp32 and requantized (new ``scale``). INT4
+            values move to the point of the layer's own grid nearest the exact ``W + delta``
+            (scales and zero points do not change, so the layer keeps its format): within half
+            its group's step inside the grid's range, at the range's end outside it; a
+            :class:`UserWarning` says how many codes changed and how many were clipped (an
+            update under half a step rounds away).
+        Raises:
+            ValueError, nothing changed: a wrong ``delta``.
         """
         self._refuse_pending("be updated")
         self._refuse_sharded("be updated")
@@ -384,6 +392,8 @@ class Sparse24Linear(LayoutMixin, StateDictMixin, nn.Module):
         kept = delta.reshape(R, C // 4, 4).gather(-1, p.slots().to(delta.device)).reshape(R, C // 2)
         if self.scale is None:
             self.values.add_(kept.to(self.values.dtype))
+        elif self.quantize == "int4":
+            self.values.copy_(_onto_int4_grid(p, p.dequantized_values(torch.float32) + kept.float()))
         else:
             merged = Sparse24Tensor(p.dequantized_values(torch.float32) + kept.float(), p.meta, p.shape,
                                     torch.float32, check=False)
@@ -554,3 +564,22 @@ class Sparse24Linear(LayoutMixin, StateDictMixin, nn.Module):
             s += f", mask pending ({self._pending['method']})"
         return s
 
+
+
+def _onto_int4_grid(p: Sparse24Tensor, v: torch.Tensor) -> torch.Tensor:
+    """INT4 bytes ``(R, C/4)`` of kept values ``v`` ``(R, C/2)`` fp32 rounded to the nearest point of
+    ``p``'s grid (its scales and zero points; a value past the grid's range goes to its end), with a
+    warning that counts the codes changed and the values clipped."""
+    codes, _, _ = int4_quantize(v, p.group_size, p.zero is None, scale=p.scale, zero=p.zero)
+    q = Sparse24Tensor(_pack_nibbles(codes), p.meta, p.shape, torch.float32, p.scale, zero=p.zero,
+                       group_size=p.group_size, check=False)
+    step = p._per_value(p.scale).float()
+    err = (q.dequantized_values(torch.float32) - v).abs() / step
+    clipped = int((err > 0.5 * (1 + 2.0 ** -20)).sum())  # slack: fp32 rounding of v / scale
+    moved = int((codes != p.int4_codes()).sum())
+    warnings.warn(f"INT4 merge onto the layer's own grid (scales and zero points kept): {moved} of {codes.numel()} "
+                  f"kept weights changed code, {clipped} clipped at their group's range (error up to "
+                  f"{float(err.max()) if err.numel() else 0.0:.3g} steps); updates under half a step round away: "
+                  "keep the adapter unmerged for its full effect, or merge into float weights (to_masked(), merge, "
+                  "to_compressed(quantize='int4'))", UserWarning, stacklevel=3)
+    return _pack_nibbles(codes)
