@@ -62,5 +62,6 @@ from .prepare import (MODES, QUANTIZE, compressed_nbytes, is_conv1d, is_conv1d_c
                       quant_options)
 from .state import compressed_entries
 
-__all__ = ["Sparse24Linear", "MODES", "QUANTIZE", "quant_options", "compressed_entries", "is_conv1d", "is_conv1d_class", "linear_shape",
+__all__ = ["Sparse24Linear", "MODES", "QUANTIZE", "quant_options", "compressed_entries", "is_conv1d", "is_conv1d_class",
+           "linear_shape",
            "compressed_nbytes", "memory_nbytes"]

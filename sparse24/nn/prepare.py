@@ -15,7 +15,8 @@ from ..format import FLOAT_DTYPES, Sparse24Tensor, _check_mask24, check_group_si
 from ..masks import METHODS, mask_nm, prune_nm
 from .sharded import is_dtensor
 
-__all__ = ["MODES", "QUANTIZE", "quant_options", "is_conv1d", "is_conv1d_class", "linear_shape", "compressed_nbytes", "memory_nbytes"]
+__all__ = ["MODES", "QUANTIZE", "quant_options", "describe_quant", "is_conv1d", "is_conv1d_class", "linear_shape",
+           "compressed_nbytes", "memory_nbytes"]
 
 MODES = ("masked", "compressed")
 QUANTIZE = (None, "int8", "int4")

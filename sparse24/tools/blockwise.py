@@ -211,8 +211,8 @@ def prune_folder_blockwise(src: str | os.PathLike, dst: str | os.PathLike, batch
 
 def _block_entries(block: nn.Module, pre: str, pruned: dict, stored: dict, quant: dict, rows: list) -> dict:
     """The output entries of a pruned block: ``pruned`` ``{relative name: (PruneResult, planned layer)}``
-    compressed (``quant``: :func:`sparse24.nn.quant_options`) or masked in the checkpoint's dtype, every other tensor cast back (an exact round trip:
-    norms, biases); appends a report row per pruned layer."""
+    compressed (``quant``: :func:`sparse24.nn.quant_options`) or masked in the checkpoint's dtype, every
+    other tensor cast back (an exact round trip: norms, biases); appends a report row per pruned layer."""
     out = {}
     for k, t in block.state_dict().items():
         lin = k.rpartition(".")[0]

@@ -103,8 +103,8 @@ def inspect_tensors(sd, dense=None) -> list[dict]:
         t = sd[key]
         if is_weight_matrix(key, t):
             pattern = t.shape[1] % 4 == 0 and is_nm(t)
-            rows.append({"layer": prefix.rstrip(".") or key, "mode": "dense", "group_size": None, "shape": tuple(t.shape),
-                         "dtype": str(t.dtype)[6:], "valid": True if pattern else None,
+            rows.append({"layer": prefix.rstrip(".") or key, "mode": "dense", "group_size": None,
+                         "shape": tuple(t.shape), "dtype": str(t.dtype)[6:], "valid": True if pattern else None,
                          "problem": "" if pattern else "not 2:4", "kept": None, "bytes": _nbytes(t)})
     return rows
 
@@ -187,7 +187,7 @@ def cmd_inspect(args) -> int:
         kept = f"{100 * r['kept']:.1f}%" if r["kept"] is not None else "-"
         check = ("exact" if r["valid"] and r["mode"] != "dense" else "exact (stored dense)" if r["valid"]
                  else "-" if r["valid"] is None else f"INVALID: {r['problem']}")
-        mode = r["mode"] + (f" g{r['group_size']}" if r["group_size"] else "") + (" asym" if r.get("asymmetric") else "")
+        mode = r["mode"] + (f" g{r['group_size']}" if r["group_size"] else "") + (" asym" * bool(r.get("asymmetric")))
         print(f"  {r['layer']:<{w}}  {mode:<10}  {str(r['shape']):>12}  {r['dtype']:>8}  {kept:>8}  "
               f"{r['bytes']:>10}  {check}")
     sparse = [r for r in rows if r["mode"] != "dense"]

@@ -13,16 +13,7 @@ import sparse24
 from sparse24 import Sparse24Linear
 
 from hf_models import masked_reference, tiny_gpt2, tiny_llama, tokens
-
-
-def logits(model, ids):
-    with torch.no_grad():
-        return model(ids).logits
-
-
-def same_state(a, b):
-    sa, sb = a.state_dict(), b.state_dict()
-    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) and sa[k].dtype == sb[k].dtype for k in sa)
+from test_hf_transformers import logits, same_state
 
 
 @pytest.mark.parametrize("build, symmetric", [(tiny_llama, False), (tiny_gpt2, True)], ids=["llama", "gpt2"])

@@ -13,7 +13,7 @@ from sparse24.lora import Sparse24LoraLinear
 
 from conftest import int4_dequantized_reference, tolerance, top2_mask
 from hf_models import tiny_llama, tokens
-from test_hf_peft import TARGETS, base_tensors, lora
+from test_hf_peft import TARGETS, base_tensors, lora, train_adapters
 
 
 def test_lora_on_an_int4_base_trains_merges_onto_its_grid_and_unmerges():
@@ -25,14 +25,8 @@ def test_lora_on_an_int4_base_trains_merges_onto_its_grid_and_unmerges():
     assert len(wrapped) == 2 * len(TARGETS)
     assert all("lora_" in n for n, p in pm.named_parameters() if p.requires_grad)  # the base is frozen
     before = base_tensors(pm)
-    opt = torch.optim.AdamW([p for p in pm.parameters() if p.requires_grad], lr=1e-2)
-    ids, losses = tokens(), []
-    for _ in range(4):
-        opt.zero_grad()
-        loss = pm(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+    ids = tokens()
+    losses = train_adapters(pm, ids)
     assert losses[-1] < losses[0]
     after = base_tensors(pm)
     assert all(torch.equal(after[k], v) for k, v in before.items())  # codes, scales, group sizes untouched
