@@ -41,6 +41,11 @@ def test_int4_round_trip_is_bit_exact(tmp_path, build, symmetric):
         layer = loaded.get_submodule(r.fqn)
         assert isinstance(layer, Sparse24Linear) and layer.quantize == "int4" and layer.symmetric is symmetric
         assert not layer.values.requires_grad and not layer.pending
+    # another logical dtype: codes, fp16 scales and zero points load as stored
+    half = sparse24.from_pretrained(type(model), tmp_path, dtype=torch.bfloat16)
+    layer, src = half.get_submodule(fqn), model.get_submodule(fqn)
+    assert layer.dtype == torch.bfloat16 and layer.scale.dtype == torch.float16
+    assert all(torch.equal(getattr(layer, k), getattr(src, k)) for k in ("values", "meta", "scale", "group_size"))
 
 
 def test_int4_folders_that_do_not_fit_are_loud_errors(tmp_path):
