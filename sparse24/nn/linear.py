@@ -1,6 +1,6 @@
 """The :class:`Sparse24Linear` module (see :mod:`sparse24.nn` for its modes and
 mechanisms): its construction, the two modes and the switches between them,
-forward, and moves. (Just under 500 lines: one class whose parts share the
+forward, and moves. (Under 600 lines: one class whose parts share the
 module's state; what has a seam lives beside it: ``prepare`` (a swap computed
 before anything changes), ``masking`` (the hooks), ``layout`` (v1 or decode)
 and ``state`` (state dicts), the last two as mixins of the class.)"""
