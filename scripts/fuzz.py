@@ -2,13 +2,13 @@
 
 Targets, each started from valid files the project itself writes:
 
-- ``state-pt``: a compressed state dict (fp32, INT8 and masked 2:4 layers, a
+- ``state-pt``: a compressed state dict (fp32, INT8, INT4 and masked 2:4 layers, a
   LayerNorm, biases) saved with ``torch.save``; read with
   ``torch.load(weights_only=True)`` and given to ``model.load_state_dict``.
 - ``state-safetensors``: the same state dict as a safetensors file
   (``safetensors.torch.load`` then ``load_state_dict``).
 - ``hf-folder``: a tiny Llama folder written by ``save_pretrained`` (compressed,
-  INT8 and masked layers), loaded with ``sparse24.from_pretrained``.
+  INT8, INT4 and masked layers), loaded with ``sparse24.from_pretrained``.
 - ``tuned-config``: a tuned-config JSON file read by the config store
   (``sparse24.ops.config_store``) and used by a lookup.
 - ``cli``: random argument vectors for every subcommand of ``python -m sparse24``.
@@ -276,13 +276,17 @@ def json_bytes(obj) -> bytes:
 # --- state-dict targets --------------------------------------------------------------
 
 def tiny_model() -> nn.Module:
-    """fp32 compressed, INT8 compressed and masked 2:4 layers, a LayerNorm and biases."""
+    """fp32 compressed, INT8 compressed, masked and INT4 (asymmetric, a short group) 2:4 layers, a
+    LayerNorm and biases."""
     torch.manual_seed(0)
-    m = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 32), nn.LayerNorm(32), nn.Linear(32, 16))
+    m = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 32), nn.LayerNorm(32), nn.Linear(32, 16),
+                      nn.ReLU(), nn.Linear(16, 8))
     sparsify = sparse24.sparsify_
     sparsify(m, filter_fn=lambda mod, fqn: fqn == "0", mode="compressed", min_features=0)
     sparsify(m, filter_fn=lambda mod, fqn: fqn == "2", mode="compressed", quantize="int8", min_features=0)
     sparsify(m, filter_fn=lambda mod, fqn: fqn == "4", mode="masked", min_features=0, skip_output_head=False)
+    sparsify(m, filter_fn=lambda mod, fqn: fqn == "6", mode="compressed", quantize="int4", group_size=32,
+             symmetric=False, min_features=0, skip_output_head=False)
     return m
 
 
@@ -497,6 +501,8 @@ class HFFolderTarget:
         model = LlamaForCausalLM(cfg)
         sparse24.sparsify_(model, filter_fn=lambda m, f: f.endswith(("q_proj", "k_proj")), mode="compressed",
                            quantize="int8", min_features=0)
+        sparse24.sparsify_(model, filter_fn=lambda m, f: f.endswith("o_proj"), mode="compressed", quantize="int4",
+                           group_size=32, symmetric=False, min_features=0)
         sparse24.sparsify_(model, filter_fn=lambda m, f: f.endswith("v_proj"), mode="masked", min_features=0)
         sparse24.sparsify_(model, mode="compressed", min_features=0)
         self.dir = Path(tempfile.mkdtemp(prefix="sparse24-fuzz-hf-"))

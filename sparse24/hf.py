@@ -17,9 +17,12 @@ third-party quantization and compression methods)::
                                                                       "kind": "linear"}, ...}}
 
 ``mode`` / ``quantization`` summarize the layers (``"mixed"`` when they differ);
-``layers`` names every 2:4 layer with its mode, INT8 quantization, and
-``kind`` (``"conv1d"`` for GPT-2's transposed layers). The weights file holds
-each layer's state-dict entries (``values``/``meta``/``scale`` or
+``layers`` names every 2:4 layer with its mode, quantization (``null``,
+``"int8"``, ``"int4"``; an INT4 entry adds ``"group_size": 128`` and
+``"symmetric": true``), and ``kind`` (``"conv1d"`` for GPT-2's transposed
+layers); ``group_size`` summarizes the INT4 layers' group sizes when there are
+any. The weights file holds each layer's state-dict entries
+(``values``/``meta``/``scale``, INT4 ``zero``/``group_size`` too, or
 ``weight``/``mask``) plus, for a compressed layer, a one-byte ``<layer>.weight``
 marker: a ``from_pretrained`` that does not know sparse24 finds it the wrong
 shape and raises instead of filling the layer with random weights.
@@ -51,6 +54,7 @@ from transformers.quantizers.auto import AUTO_QUANTIZER_MAPPING
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from ._version import __version__
+from .format import INT4_GROUP_SIZES
 from .nn import MODES, QUANTIZE, Sparse24Linear, is_conv1d, is_conv1d_class, linear_shape
 
 __all__ = ["register", "from_pretrained", "attach", "sparsity_config", "Sparse24Config", "Sparse24Quantizer",
@@ -78,17 +82,31 @@ def sparsity_config(model: nn.Module) -> dict:
     layers = {}
     for fqn, m in model.named_modules(remove_duplicate=False):
         if isinstance(m, Sparse24Linear) and fqn:
-            entry = {"mode": m.mode, "quantize": m.quantize,
+            entry = {"mode": m.mode, **{"quantize": None} | m._quant(),
                      "kind": "conv1d" if is_conv1d_class(m.__dict__.get("_dense_cls")) else "linear"}
             if m.mode == "compressed" and m.values.requires_grad:
                 entry["trainable_values"] = True
             layers[fqn] = entry
 
     def summary(key):
-        found = {e[key] for e in layers.values()}
+        found = {e[key] for e in layers.values() if key in e}
         return found.pop() if len(found) == 1 else ("mixed" if found else None)
-    return {"quant_method": QUANT_METHOD, "format_version": FORMAT_VERSION, "sparse24_version": __version__,
-            "n": 2, "m": 4, "mode": summary("mode"), "quantization": summary("quantize"), "layers": layers}
+    section = {"quant_method": QUANT_METHOD, "format_version": FORMAT_VERSION, "sparse24_version": __version__,
+               "n": 2, "m": 4, "mode": summary("mode"), "quantization": summary("quantize"), "layers": layers}
+    if any("group_size" in e for e in layers.values()):
+        section["group_size"] = summary("group_size")
+    return section
+
+
+def _readable(e) -> bool:
+    """A layer entry of the section this sparse24 can rebuild a layer from."""
+    if not isinstance(e, dict) or e.get("mode") not in MODES or "quantize" not in e \
+            or e["quantize"] not in QUANTIZE or e.get("kind", "linear") not in _KINDS:
+        return False
+    if e["quantize"] == "int4":
+        return e.get("group_size") in INT4_GROUP_SIZES and not isinstance(e.get("group_size"), bool) \
+            and isinstance(e.get("symmetric"), bool)
+    return "group_size" not in e and "symmetric" not in e
 
 
 class Sparse24Config(QuantizationConfigMixin):
@@ -113,8 +131,7 @@ class Sparse24Config(QuantizationConfigMixin):
         if layers is not None and not isinstance(layers, dict):  # found by fuzzing (an AttributeError before)
             raise ValueError(f"sparse24 section: 'layers' must map layer names to entries, got {layers!r:.60}")
         for fqn, e in (layers or {}).items():
-            if not isinstance(e, dict) or e.get("mode") not in MODES or "quantize" not in e \
-                    or e["quantize"] not in QUANTIZE or e.get("kind", "linear") not in _KINDS:
+            if not _readable(e):
                 raise ValueError(f"sparse24 section: layer {fqn!r} has an unreadable entry {e!r}")
         self.quant_method = QUANT_METHOD
         self.format_version = format_version
@@ -162,7 +179,7 @@ class Sparse24Quantizer(HfQuantizer):
                 if lacking:
                     raise ValueError(f"the checkpoint lacks {', '.join(f'{saved}.{k}' for k in lacking)} for the 2:4 "
                                      f"{spec['mode']} layer {saved!r} that config.json lists")
-                _check_stored_dtypes(found, saved, need, spec)
+                _check_stored(found, saved, shell, need, spec)
             model.set_submodule(fqn, shell)
             if spec["mode"] == "compressed":
                 ignore += [re.escape(saved), re.escape(fqn)]
@@ -235,8 +252,8 @@ def _shell(dense: nn.Module, spec: dict) -> Sparse24Linear:
     R, C = linear_shape(dense)
     with torch.device("meta"):
         shell = Sparse24Linear(C, R, bias=dense.bias is not None, mode=spec["mode"], quantize=spec["quantize"],
-                               trainable_values=bool(spec.get("trainable_values")), device="meta",
-                               dtype=dense.weight.dtype)
+                               trainable_values=bool(spec.get("trainable_values")), group_size=spec.get("group_size"),
+                               symmetric=spec.get("symmetric"), device="meta", dtype=dense.weight.dtype)
     shell._dense_cls = type(dense)
     if dense.bias is not None:
         shell.bias = dense.bias
@@ -251,7 +268,7 @@ def _shell(dense: nn.Module, spec: dict) -> Sparse24Linear:
 
 
 def _checkpoint_keys(files) -> dict | None:
-    """``{tensor name: (safetensors dtype, file)}`` of a model's checkpoint files (headers only), or
+    """``{tensor name: (safetensors dtype, shape, file)}`` of a model's checkpoint files (headers only), or
     None when they cannot be listed cheaply (then missing entries surface in transformers' load report)."""
     if not files or not all(str(f).endswith(".safetensors") for f in files):
         return None
@@ -260,7 +277,8 @@ def _checkpoint_keys(files) -> dict | None:
     for f in files:
         try:
             with safe_open(f, framework="pt") as fh:
-                keys.update({k: (fh.get_slice(k).get_dtype(), f) for k in fh.keys()})
+                keys.update({k: (fh.get_slice(k).get_dtype(), tuple(fh.get_slice(k).get_shape()), f)
+                             for k in fh.keys()})
         except Exception as e:  # safetensors' own error type names neither the file nor the fix (found by fuzzing)
             raise ValueError(f"cannot read the weights file {f}: {' '.join(str(e).split())[:300]}") from None
     return keys
@@ -269,18 +287,25 @@ def _checkpoint_keys(files) -> dict | None:
 _FLOATS = ("F16", "BF16", "F32", "F64")
 
 
-def _check_stored_dtypes(found: dict, saved: str, need: list, spec: dict) -> None:
+def _check_stored(found: dict, saved: str, shell: Sparse24Linear, need: list, spec: dict) -> None:
     """Refuse a 2:4 entry stored in a dtype its layer cannot take as it is: transformers casts
     each tensor to the dtype of the layer's buffer, so float8 values became INT8 values without a
     word (found by fuzzing: tests/tools/test_fuzz.py). Floating entries may differ in width, as
-    in ``load_state_dict``."""
-    allowed = {"meta": ("I32",), "mask": ("BOOL",), "scale": ("F32",), "weight": _FLOATS,
-               "values": ("I8",) if spec["quantize"] else _FLOATS}
+    in ``load_state_dict``. Shapes must be the shell's: an INT4 scale of another group size would
+    otherwise surface as transformers' size-mismatch report, which does not say why."""
+    shapes = {k: tuple(t.shape) for k, t in shell.state_dict(keep_vars=True).items()}
+    q = spec["quantize"]
+    allowed = {"meta": ("I32",), "mask": ("BOOL",), "scale": ("F16",) if q == "int4" else ("F32",),
+               "weight": _FLOATS, "values": {None: _FLOATS, "int8": ("I8",), "int4": ("U8",)}[q],
+               "zero": ("U8",), "group_size": ("I32",)}
     for k in need:
-        dtype, file = found[f"{saved}.{k}"]
+        dtype, shape, file = found[f"{saved}.{k}"]
+        what = f"the 2:4 {spec['mode']}{' ' + q.upper() if q else ''} layer"
         if k in allowed and dtype not in allowed[k]:
-            raise ValueError(f"{file}: '{saved}.{k}' is stored as {dtype}; the 2:4 {spec['mode']}"
-                             f"{' INT8' if spec['quantize'] else ''} layer needs {' or '.join(allowed[k])}")
+            raise ValueError(f"{file}: '{saved}.{k}' is stored as {dtype}; {what} needs {' or '.join(allowed[k])}")
+        if shape != shapes[k]:
+            group = f" (group_size {spec['group_size']} in config.json)" if q == "int4" else ""
+            raise ValueError(f"{file}: '{saved}.{k}' has shape {shape}; {what}{group} needs {shapes[k]}")
 
 
 def attach(model: nn.Module) -> None:

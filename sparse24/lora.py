@@ -8,18 +8,26 @@ Needs ``peft`` (``pip install "sparse24[hf]"``). :func:`register` (run by
 route for custom layers also works:
 ``config._register_custom_module({Sparse24Linear: Sparse24LoraLinear})``.
 
-Semantics, in masked and compressed (also INT8) mode:
+Semantics, in masked and compressed (also INT8 and INT4) mode:
 
 * forward: ``base(x) + scaling * B(A(dropout(x)))``, PEFT's LoRA; the base is
   frozen by PEFT and untouched by training (its masked-mode forward then skips
   the per-call ``where``, see :mod:`sparse24.nn`).
 * merge: the adapter's update ``BA * scaling`` is added at the base's kept
   positions only, so the merged layer stays 2:4 in its mode (compressed values
-  are updated in place, INT8 ones requantized); the part of the update that
+  are updated in place, INT8 ones requantized, INT4 ones see below); the part of the update that
   falls on pruned positions is dropped, so merged outputs equal the base with
   ``mask * BA * scaling`` added, not ``base + BA`` (exactly equal when the
   adapter's update is itself zero where pruned). This is the sparsity-keeping
   merge of SPP / SQFT; a dense merge would lose the 2:4 pattern.
+* INT4 base (QLoRA-style: the base is frozen, adapters train in the activation
+  dtype): merge keeps the layer INT4 in its format, its scales and zero points
+  unchanged, and moves each kept weight to the nearest point of that grid: within
+  half a step of the exact merge inside the grid's range, at its end outside
+  (a warning counts the codes moved and the weights clipped). An update under
+  half a step rounds away, so for an adapter's full effect serve it unmerged, or
+  merge into float weights (``decompress_``, merge, ``compress_(quantize="int4")``
+  requantizes with new scales).
 * unmerge: restores the base tensors exactly as they were before the merge.
 * DoRA and other LoRA variants need the dense base weight: PEFT refuses them.
 """

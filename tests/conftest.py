@@ -170,6 +170,22 @@ def dequantized_reference(layer, mask):
     return ref
 
 
+def int4_dequantized_reference(layer, mask):
+    """Dense fp64 weight of an INT4 layer from its stored bytes as the format defines them
+    (byte g of a row: kept value 2g in bits 0-3, 2g+1 in bits 4-7; value j in quantization
+    group j // (group_size / 2); ``(u - zero) * scale``, zero 8 when symmetric), placed at
+    ``mask`` (row-major; exactly 2 kept per group of 4)."""
+    R, C = mask.shape
+    v = layer.values.long()
+    codes = torch.stack((v & 15, v >> 4), dim=-1).reshape(R, C // 2).double()
+    group = torch.arange(C // 2) // (int(layer.group_size) // 2)
+    scale = layer.scale.double()[:, group]
+    zero = 8.0 if layer.zero is None else layer.zero.double()[:, group]
+    ref = torch.zeros(R, C, dtype=torch.float64)
+    ref[mask] = ((codes - zero) * scale).flatten()
+    return ref
+
+
 def model_snapshot(model, optimizer=None) -> dict:
     """Everything a failed whole-model call must leave as it was: the module objects and their types,
     the parameter and buffer objects, ``requires_grad``, every value and gradient (clones), the optimizer's

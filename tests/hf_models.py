@@ -7,7 +7,7 @@ from transformers.pytorch_utils import Conv1D
 
 from sparse24 import Sparse24Linear
 
-from conftest import top2_mask
+from conftest import int4_dequantized_reference, top2_mask
 
 VOCAB = 96
 
@@ -32,7 +32,7 @@ def tokens(seed: int = 0, shape=(2, 9)) -> torch.Tensor:
 
 def masked_reference(dense, sparse):
     """fp64 copy of ``dense`` whose layers that are 2:4 in ``sparse`` hold W * (independent top-2 mask),
-    or for INT8 layers the dequantized stored values placed by that mask."""
+    or for INT8 / INT4 layers the dequantized stored values placed by that mask."""
     ref = copy.deepcopy(dense).double()
     with torch.no_grad():
         for fqn, m in sparse.named_modules():
@@ -45,6 +45,8 @@ def masked_reference(dense, sparse):
                 q = torch.zeros_like(w)
                 q[mask] = (m.values.double() * m.scale.double()[:, None]).flatten()
                 w.copy_(q)
+            elif m.mode == "compressed" and m.quantize == "int4":
+                w.copy_(int4_dequantized_reference(m, mask))
             else:
                 w.mul_(mask)
     return ref

@@ -50,7 +50,7 @@ from torch import nn
 from .._checks import check_finite, check_model
 from ..masks import kept_magnitude_fraction
 from ..nn import Sparse24Linear
-from ..nn.prepare import _check_mode, _linear_weight, _prepare
+from ..nn.prepare import _check_mode, _linear_weight, _prepare, describe_quant
 from .guard import check_calibration, require_sparse_layers
 from .report import LayerReport, SparsifyReport
 from .walk import (MIN_FEATURES, FilterFn, _after_change, _check_foreign_quantization, _child_slots, _direct_readers,
@@ -65,7 +65,8 @@ __all__ = ["sparsify_", "densify_", "compress_", "decompress_", "prune_trained_m
 def sparsify_(model: nn.Module, filter_fn: FilterFn | None = None, mode: str = "masked", method: str = "magnitude",
               calibration: dict | None = None, quantize: str | None = None, min_features: int = MIN_FEATURES,
               trainable_values: bool = False, skip_output_head: bool | str | Iterable[str] = True,
-              optimizer: torch.optim.Optimizer | None = None, **mask_kwargs) -> SparsifyReport:
+              optimizer: torch.optim.Optimizer | None = None, group_size: int | None = None,
+              symmetric: bool | None = None, **mask_kwargs) -> SparsifyReport:
     """Swap every eligible ``nn.Linear`` (and Hugging Face ``Conv1D``) of ``model`` for a
     :class:`Sparse24Linear`, in place; all or nothing.
 
@@ -84,7 +85,7 @@ def sparsify_(model: nn.Module, filter_fn: FilterFn | None = None, mode: str = "
             the mask method of layer ``fqn``. A key naming no layer of ``model``, or a layer
             to prune without its entry, is a ValueError naming them (``filter_fn`` leaves
             layers out).
-        quantize: ``None`` or ``"int8"`` (compressed mode).
+        quantize: ``None``, ``"int8"`` or ``"int4"`` (compressed mode).
         min_features: skip layers with fewer input or output features.
         trainable_values: compressed mode: ``values`` require grad (frozen layers stay frozen).
         skip_output_head: ``True`` (default): keep the output head dense: the model's
@@ -94,6 +95,8 @@ def sparsify_(model: nn.Module, filter_fn: FilterFn | None = None, mode: str = "
         optimizer: an optimizer training the model: a layer whose weight becomes a new
             Parameter (a ``Conv1D``'s, stored transposed) is swapped in it, with its state
             transposed (see :func:`prune_trained_model`, which also zeroes the pruned state).
+        group_size, symmetric: ``quantize="int4"`` only: scales per ``group_size`` input
+            columns (32, 64, 128; default 128), zero points when ``symmetric=False``.
         **mask_kwargs: more options for the mask method.
     Returns:
         :class:`SparsifyReport` (``print(report)`` for a table), skipped layers and every
@@ -109,7 +112,7 @@ def sparsify_(model: nn.Module, filter_fn: FilterFn | None = None, mode: str = "
         (['0'], ['2'])
     """
     check_model(model, filter_fn)
-    _check_mode(mode, quantize, trainable_values)
+    quant = _check_mode(mode, quantize, trainable_values, group_size, symmetric)
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
     if not isinstance(method, str):
@@ -121,8 +124,8 @@ def sparsify_(model: nn.Module, filter_fn: FilterFn | None = None, mode: str = "
         raise ValueError(f"min_features must be a non-negative int, got {min_features!r}")
     _check_foreign_quantization(model)
     heads = _output_heads(model, skip_output_head)
-    settings = {"mode": mode, "method": method}
-    settings.update({k: v for k, v in (("quantize", quantize), ("calibration", calibration and "given")) if v})
+    settings = {"mode": mode, "method": method, **quant}
+    settings.update({k: v for k, v in (("calibration", calibration and "given"),) if v})
     report = SparsifyReport("sparsify_", settings)
     slots, readers, shared = _child_slots(model), _direct_readers(model), _shared_weights(model)
     plan = []
@@ -147,7 +150,7 @@ def sparsify_(model: nn.Module, filter_fn: FilterFn | None = None, mode: str = "
             note = f"kept in masked mode: {note}"
         train_values = trainable_values and layer_mode == "compressed"
         try:
-            work = _prepare(mod, None, layer_mode, method, quantize if layer_mode == "compressed" else None,
+            work = _prepare(mod, None, layer_mode, method, quant if layer_mode == "compressed" else {},
                             None if calibration is None else calibration.get(fqn), train_values, mask_kwargs)
             new = Sparse24Linear._empty()._adopt(mod, work, train_values, finish=False)
         except (ValueError, TypeError) as e:
@@ -219,18 +222,21 @@ def _switch_all(steps: list[tuple[Sparse24Linear, Callable[[], object]]]) -> Non
         raise
 
 
-def compress_(model: nn.Module, quantize: str | None = None, trainable_values: bool = False) -> SparsifyReport:
+def compress_(model: nn.Module, quantize: str | None = None, trainable_values: bool = False, *,
+              group_size: int | None = None, symmetric: bool | None = None) -> SparsifyReport:
     """Switch every masked :class:`Sparse24Linear` of ``model`` to compressed mode; all or nothing.
 
-    Outputs do not change (unless ``quantize="int8"``). Layers whose weight is
+    Outputs do not change (unless ``quantize`` is set). Layers whose weight is
     read directly by their parent (``nn.MultiheadAttention.out_proj``, ...)
     stay masked and are reported as skipped. The dense weight Parameters are
     dropped: build a new optimizer if you train afterwards.
 
     Args:
         model: a model prepared by :func:`sparsify_`.
-        quantize: ``None`` or ``"int8"``.
+        quantize: ``None``, ``"int8"`` or ``"int4"``.
         trainable_values: the compressed ``values`` require grad (frozen layers stay frozen).
+        group_size, symmetric: INT4 only: 32, 64 or 128 input columns per fp16 scale
+            (default 128); ``symmetric=False`` adds uint8 zero points (default True).
     Returns:
         :class:`SparsifyReport`.
     Raises:
@@ -242,13 +248,13 @@ def compress_(model: nn.Module, quantize: str | None = None, trainable_values: b
         'compressed'
     """
     check_model(model, None)
-    _check_mode("compressed", quantize, trainable_values)
+    quant = _check_mode("compressed", quantize, trainable_values, group_size, symmetric)
     require_sparse_layers(model, "compress_")
     layers, readers = _sparse_layers(model), _direct_readers(model)
     for fqn, m in layers:  # refuse before changing anything
-        if m.mode == "compressed" and m.quantize != quantize:
-            raise ValueError(f"layer {fqn!r} is already compressed with quantize={m.quantize!r}; "
-                             f"decompress_ first to re-compress with quantize={quantize!r}")
+        if m.mode == "compressed" and m._quant() != quant:
+            raise ValueError(f"layer {fqn!r} is already compressed with {describe_quant(m._quant())}; "
+                             f"decompress_ first to re-compress with {describe_quant(quant)}")
     # Compress every masked layer first, so a failing one (e.g. inf weights with int8) leaves the model untouched.
     packed = {}
     for fqn, m in layers:
@@ -257,12 +263,12 @@ def compress_(model: nn.Module, quantize: str | None = None, trainable_values: b
         try:
             if m.mode == "masked":
                 check_finite(m.weight)
-            packed[fqn] = m._compressed_form(quantize)
+            packed[fqn] = m._compressed_form(quant)
         except (ValueError, TypeError) as e:
             raise type(e)(f"compress_: layer {fqn!r}: {e} (nothing was changed)") from e
     _switch_all([(m, lambda m=m, p=packed[fqn]: m._set_compressed(p, trainable_values, m._requires_grad()))
                  for fqn, m in layers if fqn in packed])
-    report = SparsifyReport("compress_", {"quantize": quantize} if quantize else {})
+    report = SparsifyReport("compress_", quant)
     for fqn, m in layers:
         if id(m) in readers:
             report.layers.append(_entry(fqn, m, "skipped", f"kept in masked mode: {readers[id(m)]}"))

@@ -147,7 +147,9 @@ def _entry(fqn: str, mod: nn.Module, action: str, reason: str = "") -> LayerRepo
     if isinstance(mod, Sparse24Linear):
         dtype, mode = mod.dtype, mod.mode
         elt = torch.empty(0, dtype=dtype).element_size()
-        comp, mem = compressed_nbytes(R, C, elt, mod.quantize == "int8"), memory_nbytes(mod)
+        q = mod._quant()
+        comp = compressed_nbytes(R, C, elt, q.get("quantize"), q.get("group_size"), q.get("symmetric", True))
+        mem = memory_nbytes(mod)
     else:
         dtype, mode = mod.weight.dtype, None
         elt = mod.weight.element_size()

@@ -23,7 +23,10 @@ Two modes, switchable both ways without changing outputs:
 
 * ``"compressed"`` (inference): Parameter ``values`` (R, C/2), frozen unless
   ``trainable_values=True``, and buffers ``meta`` (the packed 2-bit slots) and,
-  for INT8, ``scale`` (R,) fp32: exactly :class:`sparse24.Sparse24Tensor`'s
+  for INT8, ``scale`` (R,) fp32; for INT4 (``quantize="int4"``), ``values``
+  (R, C/4) uint8, ``scale`` (R, ceil(C/group_size)) fp16, ``zero`` (same shape,
+  uint8, asymmetric only) and ``group_size``, a 0-d int32 entry that makes a
+  checkpoint say its group size: exactly :class:`sparse24.Sparse24Tensor`'s
   tensors. ``values`` is a Parameter so that parameter counts
   (``num_parameters()``) see the kept weights and tools that place adapters by
   a layer's first Parameter (PEFT) find it. Forward is one call of the
@@ -55,7 +58,10 @@ with the weight transposed, and :meth:`Sparse24Linear.to_dense_module` gives the
 Conv1D back.
 """
 from .linear import Sparse24Linear
-from .prepare import MODES, QUANTIZE, compressed_nbytes, is_conv1d, is_conv1d_class, linear_shape, memory_nbytes
+from .prepare import (MODES, QUANTIZE, compressed_nbytes, is_conv1d, is_conv1d_class, linear_shape, memory_nbytes,
+                      quant_options)
+from .state import compressed_entries
 
-__all__ = ["Sparse24Linear", "MODES", "QUANTIZE", "is_conv1d", "is_conv1d_class", "linear_shape",
+__all__ = ["Sparse24Linear", "MODES", "QUANTIZE", "quant_options", "compressed_entries", "is_conv1d", "is_conv1d_class",
+           "linear_shape",
            "compressed_nbytes", "memory_nbytes"]

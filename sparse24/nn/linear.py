@@ -1,11 +1,12 @@
 """The :class:`Sparse24Linear` module (see :mod:`sparse24.nn` for its modes and
 mechanisms): its construction, the two modes and the switches between them,
-forward, and moves. (Just under 500 lines: one class whose parts share the
+forward, and moves. (Under 600 lines: one class whose parts share the
 module's state; what has a seam lives beside it: ``prepare`` (a swap computed
 before anything changes), ``masking`` (the hooks), ``layout`` (v1 or decode)
 and ``state`` (state dicts), the last two as mixins of the class.)"""
 from __future__ import annotations
 
+import warnings
 import weakref
 
 import torch
@@ -13,19 +14,21 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..decode_format import DecodePacked
-from ..format import FLOAT_DTYPES, Sparse24Tensor, compress, quantize_values
+from ..format import FLOAT_DTYPES, Sparse24Tensor, _pack_nibbles, compress, int4_quantize, quantize_values
 from ..ops import linear24
 from .layout import LayoutMixin
 from .masking import _GRAD_HOOKED, _HAS_HOOK, _MASKED_MODULES, _ZERO_CHECKED, _grad_mask_hook
 from .prepare import (_check_mode, _mask_from_slots, _placeholder, _prepare, _Prepared, is_conv1d, is_conv1d_class,
-                      linear_shape)
+                      describe_quant, linear_shape, quant_options)
 from .sharded import gather_mask, is_dtensor, shard_like
 from .state import StateDictMixin
 
 __all__ = ["Sparse24Linear"]
 
 # The module's attributes a mode or layout switch changes (besides its tensors).
-_MODE_STATE = ("_mode", "_dtype", "_weight_requires_grad", "_pending", "_layout", "_layout_pref")
+_MODE_STATE = ("_mode", "_dtype", "_weight_requires_grad", "_pending", "_layout", "_layout_pref", "_group_size")
+# Compressed mode's tensors (``zero`` and ``group_size`` only when INT4; see _set_compressed).
+_COMPRESSED = ("values", "meta", "scale", "zero", "group_size")
 
 
 class Sparse24Linear(LayoutMixin, StateDictMixin, nn.Module):
@@ -41,8 +44,10 @@ class Sparse24Linear(LayoutMixin, StateDictMixin, nn.Module):
         in_features: C, divisible by 4. out_features: R.
         bias: add a learnable bias.
         mode: ``"masked"`` or ``"compressed"``.
-        quantize: ``None`` or ``"int8"`` (compressed mode only).
+        quantize: ``None``, ``"int8"`` or ``"int4"`` (compressed mode only).
         trainable_values: compressed mode: ``values`` requires grad.
+        group_size, symmetric: INT4 only: scales per ``group_size`` input columns (32, 64
+            or 128; default 128); ``symmetric=False`` adds uint8 zero points (default True).
         device, dtype: as for ``nn.Linear``.
     Shapes:
         input ``(..., C)`` -> output ``(..., R)``.
@@ -53,16 +58,19 @@ class Sparse24Linear(LayoutMixin, StateDictMixin, nn.Module):
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, mode: str = "masked",
-                 quantize: str | None = None, trainable_values: bool = False, device=None, dtype=None):
+                 quantize: str | None = None, trainable_values: bool = False, group_size: int | None = None,
+                 symmetric: bool | None = None, device=None, dtype=None):
         super().__init__()
+        quant = quant_options(quantize, group_size, symmetric)
         dense = nn.Linear(in_features, out_features, bias, device=device, dtype=dtype)
-        self._adopt(dense, _prepare(dense, None, mode, "magnitude", quantize, None, trainable_values, {}),
+        self._adopt(dense, _prepare(dense, None, mode, "magnitude", quant, None, trainable_values, {}),
                     trainable_values)
 
     @classmethod
     def from_linear(cls, linear: nn.Module, mask: torch.Tensor | None = None, mode: str = "masked",
                     method: str = "magnitude", quantize: str | None = None, calibration=None,
-                    trainable_values: bool = False, **mask_kwargs) -> "Sparse24Linear":
+                    trainable_values: bool = False, group_size: int | None = None, symmetric: bool | None = None,
+                    **mask_kwargs) -> "Sparse24Linear":
         """Build a Sparse24Linear from ``linear``.
 
         Masked mode SHARES an ``nn.Linear``'s weight and bias Parameters (so an
@@ -82,10 +90,11 @@ class Sparse24Linear(LayoutMixin, StateDictMixin, nn.Module):
                 ``"sparsegpt"``; the latter two need ``calibration`` or
                 ``act_norm=`` / ``hessian=``). SparseGPT's reconstructed
                 weights are stored.
-            quantize: ``None`` or ``"int8"`` (compressed mode).
+            quantize: ``None``, ``"int8"`` or ``"int4"`` (compressed mode).
             calibration: this layer's statistics from ``sparse24.calibrate``.
             trainable_values: compressed mode: ``values`` requires grad (kept frozen when
                 ``linear``'s weight is).
+            group_size, symmetric: INT4 only (see the class docstring).
             **mask_kwargs: passed to the mask method.
         Returns:
             the new module (``linear`` itself is not replaced; see ``sparsify_``).
@@ -95,7 +104,8 @@ class Sparse24Linear(LayoutMixin, StateDictMixin, nn.Module):
             >>> sp.values.shape, sp.meta.shape
             (torch.Size([16, 16]), torch.Size([1, 16]))
         """
-        prepared = _prepare(linear, mask, mode, method, quantize, calibration, trainable_values, mask_kwargs)
+        quant = quant_options(quantize, group_size, symmetric)
+        prepared = _prepare(linear, mask, mode, method, quant, calibration, trainable_values, mask_kwargs)
         return cls._empty()._adopt(linear, prepared, trainable_values)
 
     @classmethod
@@ -147,10 +157,10 @@ class Sparse24Linear(LayoutMixin, StateDictMixin, nn.Module):
 
     # -- mode plumbing --
     def _set_masked(self, weight: nn.Parameter, mask: torch.Tensor, track: bool = True) -> None:
-        for name in ("values", "meta", "scale"):
+        for name in _COMPRESSED:
             self._buffers.pop(name, None)
             self._parameters.pop(name, None)
-        for name in ("_dtype", "_weight_requires_grad", "_layout", "_layout_pref"):
+        for name in ("_dtype", "_weight_requires_grad", "_layout", "_layout_pref", "_group_size"):
             self.__dict__.pop(name, None)
         self.weight = weight
         self.register_buffer("mask", mask)
@@ -165,8 +175,14 @@ class Sparse24Linear(LayoutMixin, StateDictMixin, nn.Module):
             self._parameters.pop(name, None)
         self.values = nn.Parameter(p.values, requires_grad=trainable_values and requires_grad)
         self.register_buffer("meta", p.meta)
-        self.register_buffer("scale", p.scale)  # None unless int8 (then not in the state dict)
-        self._dtype = p.dtype  # logical dtype (differs from values' when int8)
+        self.register_buffer("scale", p.scale)  # None unless quantized (then not in the state dict)
+        self.register_buffer("zero", p.zero)  # INT4 asymmetric only
+        # INT4: the group size as a 0-d int32 entry too, so that a checkpoint says which it holds (a
+        # scale's shape does not tell 64 from 128 when C <= 64); the Python int is what forward reads.
+        self._group_size = p.group_size
+        self.register_buffer("group_size", None if p.group_size is None else
+                             torch.tensor(p.group_size, dtype=torch.int32, device=p.device))
+        self._dtype = p.dtype  # logical dtype (differs from values' when quantized)
         self._weight_requires_grad = requires_grad  # a frozen layer stays frozen through to_masked
         self._mode = "compressed"
         self._layout = "v1"
@@ -219,6 +235,10 @@ class Sparse24Linear(LayoutMixin, StateDictMixin, nn.Module):
         super().__setstate__(state)
         if self.__dict__.get("_mode") == "masked":
             self._track_masked()
+        elif self.__dict__.get("_mode") == "compressed":  # pickled before INT4 existed
+            self.__dict__.setdefault("_group_size", None)
+            for name in ("zero", "group_size"):
+                self._buffers.setdefault(name, None)
 
     def __setattr__(self, name: str, value) -> None:
         # FSDP2's fully_shard installs the sharded weight with setattr (the plain
@@ -248,7 +268,20 @@ class Sparse24Linear(LayoutMixin, StateDictMixin, nn.Module):
 
     @property
     def quantize(self) -> str | None:
-        return "int8" if self._mode == "compressed" and self.scale is not None else None
+        """``None``, ``"int8"`` or ``"int4"`` (compressed mode)."""
+        if self._mode != "compressed" or self.scale is None:
+            return None
+        return "int8" if self._group_size is None else "int4"
+
+    @property
+    def symmetric(self) -> bool | None:
+        """INT4: False when the layer stores zero points; None unless INT4."""
+        return None if self.quantize != "int4" else self.zero is None
+
+    def _quant(self) -> dict:
+        """This layer's quantization as :func:`sparse24.nn.quant_options` gives it."""
+        q = self.quantize
+        return quant_options(q, self._group_size, self.symmetric) if q == "int4" else quant_options(q)
 
     @property
     def pending(self) -> bool:
@@ -281,11 +314,11 @@ class Sparse24Linear(LayoutMixin, StateDictMixin, nn.Module):
             return DecodePacked(self.values.detach(), self.meta, (self.out_features, self.in_features), self._dtype,
                                 self.scale, check=False).to_sparse24()
         return Sparse24Tensor(self.values.detach(), self.meta, (self.out_features, self.in_features),
-                              self._dtype, self.scale, check=False)
+                              self._dtype, self.scale, zero=self.zero, group_size=self._group_size, check=False)
 
     def dense_weight(self) -> torch.Tensor:
         """``(R, C)`` dense weight with zeros at the pruned positions (a new, detached tensor;
-        dequantized when int8)."""
+        dequantized when INT8/INT4)."""
         self._refuse_pending("give its weight")
         self._refuse_sharded("give its weight")
         if self._mode == "masked":
@@ -334,7 +367,14 @@ class Sparse24Linear(LayoutMixin, StateDictMixin, nn.Module):
             delta: ``(R, C)`` floating tensor; its entries at pruned positions are ignored.
         Returns:
             self. Masked mode updates ``weight`` (same Parameter), compressed mode ``values``;
-            INT8 values are dequantized, updated in fp32 and requantized (new ``scale``).
+            INT8 values are dequantized, updated in fp32 and requantized (new ``scale``). INT4
+            values move to the point of the layer's own grid nearest the exact ``W + delta``
+            (scales and zero points do not change, so the layer keeps its format): within half
+            its group's step inside the grid's range, at the range's end outside it; a
+            :class:`UserWarning` says how many codes changed and how many were clipped (an
+            update under half a step rounds away).
+        Raises:
+            ValueError, nothing changed: a wrong ``delta``.
         """
         self._refuse_pending("be updated")
         self._refuse_sharded("be updated")
@@ -352,6 +392,8 @@ class Sparse24Linear(LayoutMixin, StateDictMixin, nn.Module):
         kept = delta.reshape(R, C // 4, 4).gather(-1, p.slots().to(delta.device)).reshape(R, C // 2)
         if self.scale is None:
             self.values.add_(kept.to(self.values.dtype))
+        elif self.quantize == "int4":
+            self.values.copy_(_onto_int4_grid(p, p.dequantized_values(torch.float32) + kept.float()))
         else:
             merged = Sparse24Tensor(p.dequantized_values(torch.float32) + kept.float(), p.meta, p.shape,
                                     torch.float32, check=False)
@@ -362,37 +404,38 @@ class Sparse24Linear(LayoutMixin, StateDictMixin, nn.Module):
             self._convert_layout("decode")
         return self
 
-    def to_compressed(self, quantize: str | None = None, trainable_values: bool = False) -> "Sparse24Linear":
+    def to_compressed(self, quantize: str | None = None, trainable_values: bool = False, *,
+                      group_size: int | None = None, symmetric: bool | None = None) -> "Sparse24Linear":
         """Switch to compressed mode in place (outputs unchanged unless ``quantize``). Returns self.
 
         The dense weight Parameter is dropped: an optimizer holding it no
-        longer trains this layer.
+        longer trains this layer. ``group_size`` / ``symmetric``: INT4 only (see the class).
         """
-        _check_mode("compressed", quantize, trainable_values)
+        quant = _check_mode("compressed", quantize, trainable_values, group_size, symmetric)
         if self._mode == "compressed":
-            if quantize != self.quantize:
-                raise ValueError(f"already compressed with quantize={self.quantize!r}; call to_masked() first "
-                                 f"to re-compress with quantize={quantize!r}")
+            if quant != self._quant():
+                raise ValueError(f"already compressed with {describe_quant(self._quant())}; call to_masked() first "
+                                 f"to re-compress with {describe_quant(quant)}")
             if trainable_values and self._layout == "decode":
                 self._convert_layout("v1")  # gradients of the kept values need layout v1
             self.values.requires_grad_(trainable_values)
             self._settle_layout()
             return self
-        self._set_compressed(self._compressed_form(quantize), trainable_values, self._requires_grad())
+        self._set_compressed(self._compressed_form(quant), trainable_values, self._requires_grad())
         return self
 
     def _requires_grad(self) -> bool:
         return self.weight.requires_grad if self._mode == "masked" else self._weight_requires_grad
 
-    def _compressed_form(self, quantize: str | None) -> Sparse24Tensor:
-        """The weight as compressed mode holds it; changes nothing (so a caller can
-        prepare several layers before switching any)."""
+    def _compressed_form(self, quant: dict) -> Sparse24Tensor:
+        """The weight as compressed mode holds it (``quant``: :func:`~sparse24.nn.quant_options`);
+        changes nothing (so a caller can prepare several layers before switching any)."""
         self._refuse_sharded("be compressed")
         if self.pending:  # no values yet: the right shapes, filled when the weights are loaded
-            return _placeholder(self.out_features, self.in_features, self.dtype, quantize, self.device)
+            return _placeholder(self.out_features, self.in_features, self.dtype, quant, self.device)
         if self._mode == "compressed":
             return self.sparse_tensor()
-        return compress(self.weight.detach(), self.mask, quantize=quantize)
+        return compress(self.weight.detach(), self.mask, **quant)
 
     def to_masked(self) -> "Sparse24Linear":
         """Switch to masked mode in place (outputs unchanged). Returns self.
@@ -478,12 +521,13 @@ class Sparse24Linear(LayoutMixin, StateDictMixin, nn.Module):
             values = params["values"]
         linear24.check_input(x, self.in_features, values.device)
         return linear24.forward(x, values, buffers["meta"], buffers["scale"], params.get("bias"), self._dtype,
-                                self.out_features)
+                                self.out_features, zero=buffers["zero"], group_size=self._group_size or 0)
 
     # -- dtype/device moves: only floating tensors follow a dtype change --
     def _apply(self, fn, recurse=True):
-        # ints (meta), bools (mask), int8 values and the fp32 INT8 scales keep their dtype
-        # (e.g. under module.half() or module.type(...)); they only change device.
+        # ints (meta, INT4 zero points and group size), bools (mask), int8/uint8 values and the
+        # scales (fp32 INT8, fp16 INT4) keep their dtype (e.g. under module.half() or
+        # module.type(...)); they only change device.
         keep = {n: b for n, b in self._buffers.items()
                 if b is not None and (n == "scale" or not b.is_floating_point())}
         keep_params = {n: p.detach() for n, p in self._parameters.items()
@@ -513,9 +557,29 @@ class Sparse24Linear(LayoutMixin, StateDictMixin, nn.Module):
         s = (f"in_features={self.in_features}, out_features={self.out_features}, "
              f"bias={self.bias is not None}, mode={self._mode}")
         if self._mode == "compressed":
-            s += f", dtype={self._dtype}" + (", quantize=int8" if self.scale is not None else "")
+            s += f", dtype={self._dtype}" + (f", {describe_quant(self._quant())}" if self.scale is not None else "")
             s += ", trainable_values=True" if self.values.requires_grad else ""
             s += ", layout=decode" if self._layout == "decode" else ""
         if self.pending:
             s += f", mask pending ({self._pending['method']})"
         return s
+
+
+
+def _onto_int4_grid(p: Sparse24Tensor, v: torch.Tensor) -> torch.Tensor:
+    """INT4 bytes ``(R, C/4)`` of kept values ``v`` ``(R, C/2)`` fp32 rounded to the nearest point of
+    ``p``'s grid (its scales and zero points; a value past the grid's range goes to its end), with a
+    warning that counts the codes changed and the values clipped."""
+    codes, _, _ = int4_quantize(v, p.group_size, p.zero is None, scale=p.scale, zero=p.zero)
+    q = Sparse24Tensor(_pack_nibbles(codes), p.meta, p.shape, torch.float32, p.scale, zero=p.zero,
+                       group_size=p.group_size, check=False)
+    step = p._per_value(p.scale).float()
+    err = (q.dequantized_values(torch.float32) - v).abs() / step
+    clipped = int((err > 0.5 * (1 + 2.0 ** -20)).sum())  # slack: fp32 rounding of v / scale
+    moved = int((codes != p.int4_codes()).sum())
+    warnings.warn(f"INT4 merge onto the layer's own grid (scales and zero points kept): {moved} of {codes.numel()} "
+                  f"kept weights changed code, {clipped} clipped at their group's range (error up to "
+                  f"{float(err.max()) if err.numel() else 0.0:.3g} steps); updates under half a step round away: "
+                  "keep the adapter unmerged for its full effect, or merge into float weights (to_masked(), merge, "
+                  "to_compressed(quantize='int4'))", UserWarning, stacklevel=3)
+    return _pack_nibbles(codes)

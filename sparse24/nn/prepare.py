@@ -11,26 +11,60 @@ import torch
 from torch import nn
 
 from .._checks import check_finite
-from ..format import FLOAT_DTYPES, Sparse24Tensor, _check_mask24, compress
+from ..format import FLOAT_DTYPES, Sparse24Tensor, _check_mask24, check_group_size, compress
 from ..masks import METHODS, mask_nm, prune_nm
 from .sharded import is_dtensor
 
-__all__ = ["MODES", "QUANTIZE", "is_conv1d", "is_conv1d_class", "linear_shape", "compressed_nbytes", "memory_nbytes"]
+__all__ = ["MODES", "QUANTIZE", "quant_options", "describe_quant", "is_conv1d", "is_conv1d_class", "linear_shape",
+           "compressed_nbytes", "memory_nbytes"]
 
 MODES = ("masked", "compressed")
-QUANTIZE = (None, "int8")
+QUANTIZE = (None, "int8", "int4")
+INT4_DEFAULTS = {"group_size": 128, "symmetric": True}
 
 
-def _check_mode(mode, quantize, trainable_values) -> None:
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+def quant_options(quantize=None, group_size=None, symmetric=None) -> dict:
+    """Check a quantization setting; return it as :func:`sparse24.compress` takes it.
+
+    Args:
+        quantize: ``None``, ``"int8"`` or ``"int4"``.
+        group_size: INT4 only: 32, 64 or 128 (default 128).
+        symmetric: INT4 only: ``False`` stores per-group zero points (default True).
+    Returns:
+        ``{}``, ``{"quantize": "int8"}`` or ``{"quantize": "int4", "group_size": g, "symmetric": s}``.
+    Example:
+        >>> quant_options("int4", group_size=64)
+        {'quantize': 'int4', 'group_size': 64, 'symmetric': True}
+    """
     if quantize not in QUANTIZE:
         raise ValueError(f"quantize must be one of {QUANTIZE}, got {quantize!r}")
+    if quantize != "int4":
+        if group_size is not None or symmetric is not None:
+            raise ValueError(f"group_size and symmetric apply to quantize='int4', got quantize={quantize!r}")
+        return {} if quantize is None else {"quantize": quantize}
+    group_size = check_group_size(INT4_DEFAULTS["group_size"] if group_size is None else group_size)
+    symmetric = INT4_DEFAULTS["symmetric"] if symmetric is None else symmetric
+    if not isinstance(symmetric, bool):
+        raise TypeError(f"symmetric must be a bool, got {type(symmetric).__name__}")
+    return {"quantize": "int4", "group_size": group_size, "symmetric": symmetric}
+
+
+def describe_quant(quant: dict) -> str:
+    """:func:`quant_options` in words: ``quantize=None``, ``quantize=int4, group_size=128, symmetric=True``."""
+    return ", ".join(f"{k}={v}" for k, v in ({"quantize": None} | quant).items())
+
+
+def _check_mode(mode, quantize, trainable_values, group_size=None, symmetric=None) -> dict:
+    """Check a mode and its quantization; return :func:`quant_options`."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    quant = quant_options(quantize, group_size, symmetric)
     if mode == "masked" and quantize is not None:
         raise ValueError("quantize applies to mode='compressed' (masked mode trains the dense weight); "
                          "compress afterwards with to_compressed(quantize=...) / sparse24.compress_")
     if trainable_values and (mode != "compressed" or quantize is not None):
         raise ValueError("trainable_values needs mode='compressed' with floating values (quantize=None)")
+    return quant
 
 
 def is_conv1d(module) -> bool:
@@ -85,12 +119,19 @@ class _Prepared(NamedTuple):
     pending: dict | None = None
 
 
-def _placeholder(R: int, C: int, dtype, quantize, device) -> Sparse24Tensor:
-    """A compressed weight of the right shapes and dtypes, values not yet known (meta device, or
-    pending after ``to_empty``)."""
-    values = torch.empty(R, C // 2, dtype=torch.int8 if quantize else dtype, device=device)
+def _placeholder(R: int, C: int, dtype, quant: dict, device) -> Sparse24Tensor:
+    """A compressed weight of the right shapes and dtypes (``quant``: :func:`quant_options`),
+    values not yet known (meta device, or pending after ``to_empty``)."""
     meta = torch.zeros((C + 31) // 32, R, dtype=torch.int32, device=device)
-    scale = torch.ones(R, dtype=torch.float32, device=device) if quantize else None
+    if quant.get("quantize") == "int4":
+        g = quant["group_size"]
+        groups = -(-C // g)
+        values = torch.empty(R, C // 4, dtype=torch.uint8, device=device)
+        scale = torch.ones(R, groups, dtype=torch.float16, device=device)
+        zero = None if quant["symmetric"] else torch.zeros(R, groups, dtype=torch.uint8, device=device)
+        return Sparse24Tensor(values, meta, (R, C), dtype, scale, zero=zero, group_size=g, check=False)
+    values = torch.empty(R, C // 2, dtype=torch.int8 if quant else dtype, device=device)
+    scale = torch.ones(R, dtype=torch.float32, device=device) if quant else None
     return Sparse24Tensor(values, meta, (R, C), dtype, scale, check=False)
 
 
@@ -107,12 +148,12 @@ def _check_deferrable(method, calibration, mask_kwargs, R) -> dict:
     return {"method": method, "kwargs": {}}
 
 
-def _prepare(linear, mask, mode, method, quantize, calibration, trainable_values, mask_kwargs) -> _Prepared:
+def _prepare(linear, mask, mode, method, quant: dict, calibration, trainable_values, mask_kwargs) -> _Prepared:
     """Validate and compute a swap of ``linear`` (an ``nn.Linear`` or Hugging Face ``Conv1D``)
-    without changing anything."""
+    without changing anything. ``quant``: :func:`quant_options`."""
     if not (isinstance(linear, nn.Linear) or is_conv1d(linear)):
         raise TypeError(f"expected an nn.Linear (or a transformers Conv1D), got {type(linear).__name__}")
-    _check_mode(mode, quantize, trainable_values)
+    _check_mode(mode, quant.get("quantize"), trainable_values, quant.get("group_size"), quant.get("symmetric"))
     w = linear.weight
     if not isinstance(w, nn.Parameter):
         raise ValueError(f"the Linear's weight is a computed tensor ({type(w).__name__}, e.g. a "
@@ -132,7 +173,7 @@ def _prepare(linear, mask, mode, method, quantize, calibration, trainable_values
         pending = _check_deferrable(method, calibration, mask_kwargs, R)
         if w.dtype not in FLOAT_DTYPES:
             raise TypeError(f"weight must be floating point, got {w.dtype}")
-        p = _placeholder(R, C, w.dtype, quantize, "meta") if mode == "compressed" else None
+        p = _placeholder(R, C, w.dtype, quant, "meta") if mode == "compressed" else None
         return _Prepared(None, torch.empty(R, C, dtype=torch.bool, device="meta"), p, pending)
     check_finite(w)
     if mask is None:
@@ -143,7 +184,7 @@ def _prepare(linear, mask, mode, method, quantize, calibration, trainable_values
         new_w, mask = None, _check_mask24(mask, w).clone()
     p = None
     if mode == "compressed":
-        p = compress(w if new_w is None else new_w, mask, quantize=quantize)
+        p = compress(w if new_w is None else new_w, mask, **quant)
     return _Prepared(new_w, mask, p)
 
 
@@ -161,15 +202,24 @@ def is_conv1d_class(cls) -> bool:
     return utils is not None and isinstance(cls, type) and issubclass(cls, utils.Conv1D)
 
 
-def compressed_nbytes(out_features: int, in_features: int, element_size: int, quantized: bool = False) -> int:
-    """Bytes of a compressed ``(R, C)`` weight: values + 2-bit indices (+ fp32 scales if INT8)."""
+def compressed_nbytes(out_features: int, in_features: int, element_size: int, quantized=False,
+                      group_size: int | None = None, symmetric: bool = True) -> int:
+    """Bytes of a compressed ``(R, C)`` weight: values + 2-bit indices + scales.
+
+    ``quantized``: False/None, ``"int8"`` (or True: one byte per kept value, fp32 scale per
+    row) or ``"int4"`` (half a byte per kept value, an fp16 scale per row and ``group_size``
+    columns, and a uint8 zero point beside it unless ``symmetric``)."""
     R, C = out_features, in_features
     half = R * (C // 2)
-    return half * (1 if quantized else element_size) + half * 2 // 8 + (4 * R if quantized else 0)
+    slots = half * 2 // 8
+    if quantized == "int4":
+        groups = R * -(-C // check_group_size(group_size))
+        return half // 2 + slots + groups * (2 if symmetric else 3)
+    return half * (1 if quantized else element_size) + slots + (4 * R if quantized else 0)
 
 
 def memory_nbytes(mod) -> int:
     """Bytes a :class:`~sparse24.nn.Sparse24Linear` holds for its weight now (masked: dense weight + bool mask)."""
     if mod.mode == "masked":
         return mod.weight.numel() * mod.weight.element_size() + mod.mask.numel()
-    return sum(t.numel() * t.element_size() for t in (mod.values, mod.meta, mod.scale) if t is not None)
+    return sum(t.numel() * t.element_size() for t in (mod.values, mod.meta, mod.scale, mod.zero) if t is not None)

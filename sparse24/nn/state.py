@@ -1,6 +1,6 @@
 """How a :class:`~sparse24.nn.Sparse24Linear` enters and leaves a state dict:
-its entries are checked before anything is copied (dense, masked, compressed
-and INT8 checkpoints are told apart; a partial, mismatched or corrupt one is a
+its entries are checked before anything is copied (dense, masked, compressed,
+INT8 and INT4 checkpoints are told apart; a partial, mismatched or corrupt one is a
 clear error), a layer whose mask is pending (built on the meta device) computes
 it from the dense weight that arrives, and compressed entries are always
 layout v1. Kept apart from the class only for length: these methods read and
@@ -15,18 +15,49 @@ from . import prepare
 from .prepare import is_conv1d_class
 from .sharded import local_pair
 
-__all__ = ["check_state", "StateDictMixin"]
+__all__ = ["check_state", "StateDictMixin", "compressed_entries"]
+
+
+# A compressed layer's entries by quantization (INT4 asymmetric adds "zero").
+_COMPRESSED_KEYS = {None: {"values", "meta"}, "int8": {"values", "meta", "scale"},
+                    "int4": {"values", "meta", "scale", "group_size"}}
+_ALL_KEYS = ("weight", "mask", "values", "meta", "scale", "zero", "group_size")
+
+
+def _wanted(self) -> set:
+    if self._mode == "masked":
+        return {"weight", "mask"}
+    return _COMPRESSED_KEYS[self.quantize] | ({"zero"} if self.symmetric is False else set())
+
+
+def _quant_mismatch(self, has: set) -> str | None:
+    """Why a compressed checkpoint holding the entries ``has`` does not fit this compressed layer
+    (INT8 vs INT4 vs unquantized, symmetric vs not), or None."""
+    theirs = "int4" if "group_size" in has else "int8" if "scale" in has else None
+    names = {None: "an unquantized", "int8": "an INT8", "int4": "an INT4"}
+    hint = {None: "without quantize", "int8": "with quantize='int8'", "int4": "with quantize='int4' and its group_size"}
+    if theirs != self.quantize:
+        if self.quantize and "scale" not in has:
+            return f"this layer is {self.quantize.upper()}-quantized but the checkpoint has no scale: it is not " \
+                   f"{self.quantize.upper()}"
+        return f"got {names[theirs]} checkpoint ({' + '.join(sorted(has & {'values', 'scale', 'group_size'}))}) " \
+               f"for {names[self.quantize]} layer; build the model {hint[theirs]}"
+    if theirs == "int4" and ("zero" in has) == self.symmetric:
+        return ("got an asymmetric INT4 checkpoint (with zero points) for a symmetric INT4 layer; build it with "
+                "symmetric=False") if self.symmetric else ("got a symmetric INT4 checkpoint (no zero points) for an "
+                                                            "asymmetric INT4 layer; build it with symmetric=True")
+    return None
 
 
 def check_state(self, sd: dict, prefix: str) -> None:
     """Validate this layer's entries of a state dict before anything is copied."""
     R, C = self.out_features, self.in_features
-    has = {k for k in ("weight", "mask", "values", "meta", "scale") if prefix + k in sd}
+    has = {k for k in _ALL_KEYS if prefix + k in sd}
     for k in has:
         if not isinstance(sd[prefix + k], torch.Tensor):
             raise TypeError(f"'{prefix}{k}' must be a tensor, got {type(sd[prefix + k]).__name__}")
     quantized = self.quantize is not None
-    want = {"weight", "mask"} if self._mode == "masked" else {"values", "meta"} | ({"scale"} if quantized else set())
+    want = _wanted(self)
     if has == want:
         pass
     elif has == {"weight"}:
@@ -38,11 +69,11 @@ def check_state(self, sd: dict, prefix: str) -> None:
     elif self._mode == "masked" and has >= {"values", "meta"}:
         raise ValueError("got a compressed checkpoint (values + meta) for a masked-mode layer; "
                          "compress_ this model before loading (or decompress_ it after)")
-    elif "scale" in has and not quantized:
-        raise ValueError("got an INT8 checkpoint (values + scale) for an unquantized layer; "
-                         "build the model with quantize='int8'")
-    elif quantized and "scale" not in has:
-        raise ValueError("this layer is INT8-quantized but the checkpoint has no scale: it is not INT8")
+    elif self._mode == "compressed" and has >= {"values", "meta"} and _quant_mismatch(self, has):
+        raise ValueError(_quant_mismatch(self, has))
+    elif self._mode == "masked" and has & {"scale", "zero", "group_size"}:
+        raise ValueError(f"got a quantized checkpoint ({', '.join(sorted(has & {'scale', 'zero', 'group_size'}))}) "
+                         "for a masked-mode layer; compress_ this model with its quantization before loading")
     elif not has:
         return  # entries missing altogether: nn.Module reports missing keys (strict mode)
     elif not has >= want:
@@ -57,10 +88,42 @@ def check_state(self, sd: dict, prefix: str) -> None:
     values, meta, scale = sd[prefix + "values"], sd[prefix + "meta"], sd.get(prefix + "scale")
     if not quantized and not values.is_floating_point():
         raise TypeError(f"'{prefix}values' must be floating point for an unquantized layer, got {values.dtype}")
-    if quantized and values.dtype != torch.int8:
+    if self.quantize == "int8" and values.dtype != torch.int8:
         raise TypeError(f"'{prefix}values' must be int8 for an INT8 layer, got {values.dtype}")
+    if self.quantize == "int4":
+        check_int4_entries(sd[prefix + "group_size"], scale, self._group_size, prefix)
     dtype = None if scale is None else self._dtype
-    Sparse24Tensor(values, meta, (R, C), dtype, scale).validate()  # shapes, dtypes, corrupt slots
+    # shapes, dtypes, corrupt slots and zero points
+    Sparse24Tensor(values, meta, (R, C), dtype, scale, zero=sd.get(prefix + "zero"), group_size=self._group_size)
+
+
+def check_int4_entries(group_size: torch.Tensor, scale: torch.Tensor, expected: int, prefix: str = "") -> None:
+    """An INT4 layer's ``group_size`` entry (a 0-d integer tensor equal to the layer's group size)
+    and its scales (positive: the quantizers never write 0 or a negative scale, so one is a corrupt
+    file). Shapes and dtypes are checked by :class:`~sparse24.format.Sparse24Tensor`."""
+    if group_size.dim() != 0 or group_size.dtype not in (torch.int32, torch.int64) or group_size.is_meta:
+        raise ValueError(f"'{prefix}group_size' must be a 0-d int32 tensor holding the INT4 group size, got "
+                         f"{group_size.dtype} of shape {tuple(group_size.shape)}")
+    if int(group_size) != expected:
+        raise ValueError(f"the checkpoint's INT4 group size is {int(group_size)}, this layer's is {expected}; build "
+                         f"the model with group_size={int(group_size)}")
+    if scale.is_floating_point() and not scale.is_meta and bool((scale <= 0).any()):
+        r, k = (int(i) for i in (scale <= 0).nonzero()[0])
+        raise ValueError(f"corrupt INT4 scales: '{prefix}scale'[{r}, {k}] is {float(scale[r, k])}, not positive")
+
+
+def compressed_entries(p: Sparse24Tensor) -> dict[str, torch.Tensor]:
+    """The state-dict entries of a compressed :class:`~sparse24.nn.Sparse24Linear` holding ``p``:
+    ``p.state_tensors()`` plus, for INT4, the 0-d int32 ``group_size`` entry.
+
+    Example:
+        >>> sorted(compressed_entries(sparse24.compress(torch.randn(8, 64), quantize="int4")))
+        ['group_size', 'meta', 'scale', 'values']
+    """
+    entries = p.state_tensors()
+    if p.group_size is not None:
+        entries["group_size"] = torch.tensor(p.group_size, dtype=torch.int32, device=p.device)
+    return entries
 
 
 def _check_finite_entries(sd: dict, prefix: str, keys) -> None:
@@ -113,6 +176,8 @@ class StateDictMixin:
         if self._mode == "masked":
             _check_state_masked(self.weight.detach(), self.mask, (R, C), "")
         else:
+            if self.quantize == "int4":
+                check_int4_entries(self.group_size, self.scale, self._group_size)
             self.sparse_tensor().validate()
         _check_finite_entries(dict(self.named_parameters(recurse=False)) | dict(self.named_buffers(recurse=False)),
                               "", [k for k in ("weight", "values", "scale") if getattr(self, k, None) is not None])
@@ -177,7 +242,7 @@ class StateDictMixin:
             self._track_masked()  # load_state_dict(assign=True) installs new Parameters
 
     def _has_dense_entry_only(self, sd: dict, prefix: str) -> bool:
-        return prefix + "weight" in sd and not any(prefix + k in sd for k in ("mask", "values", "meta", "scale"))
+        return prefix + "weight" in sd and not any(prefix + k in sd for k in _ALL_KEYS[1:])
 
     def _fill_from_dense(self, sd: dict, prefix: str) -> None:
         """Replace a dense ``weight`` entry of ``sd`` by this layer's 2:4 entries, pruned by the
@@ -194,7 +259,7 @@ class StateDictMixin:
                 Hugging Face ``Conv1D`` (as Conv1D and its checkpoints store it).
         Returns:
             ``(entries, mask)``: ``{"weight", "mask"}`` (masked mode) or ``{"values", "meta"}``
-            (+ ``"scale"`` for INT8) in this layer's mode, and the ``(R, C)`` bool mask.
+            (+ ``"scale"``, INT4 ``"zero"``, ``"group_size"``) in this layer's mode, and the ``(R, C)`` bool mask.
         """
         if not isinstance(weight, torch.Tensor):
             raise TypeError(f"weight must be a tensor, got {type(weight).__name__}")
@@ -211,4 +276,4 @@ class StateDictMixin:
         kept = w if new_w is None else new_w
         if self._mode == "masked":
             return {"weight": torch.where(mask, kept, 0), "mask": mask}, mask  # the caller's tensor stays
-        return compress(kept, mask, quantize=self.quantize).state_tensors(), mask
+        return compressed_entries(compress(kept, mask, **self._quant())), mask

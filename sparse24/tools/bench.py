@@ -15,6 +15,11 @@ Providers (each on the same masked 2:4 weight, one shape and M at a time):
 * ``torch-semi-structured``: ``torch.sparse.to_sparse_semi_structured`` (CUDA, sm80+);
 * ``sparse24-int8-triton`` / ``sparse24-int8-reference``: INT8 values + per-row
   scales (``sparse24.compress(w, quantize="int8")``), activations in ``--dtype``.
+* ``sparse24-int4-reference`` / ``sparse24-int4-auto`` / ``sparse24-int4-triton``: INT4
+  values + fp16 scales per 128 input columns, symmetric
+  (``sparse24.compress(w, quantize="int4")``), activations in ``--dtype``; ``auto`` is
+  the backend a layer gets (CUDA only, as ``sparse24-auto``), ``triton`` is skipped with the
+  reason while the Triton backend refuses INT4 weights.
 
 Timing: medians over ``repeats`` samples after warm-up, providers interleaved
 round-robin so that a load change on a shared machine hits all of them alike.
@@ -48,7 +53,7 @@ from .._progress import progress_bar
 from .._version import __version__
 from ..decode_format import pack_decode
 from ..format import compress, mask_nm
-from ..ops.linear24 import linear
+from ..ops.linear24 import launch, linear
 
 __all__ = ["SCHEMA", "COLUMNS", "PROVIDERS", "BenchSettings", "device_info", "device_slug",
            "provider_status", "default_settings", "run_bench", "write_csv", "write_together"]
@@ -59,7 +64,8 @@ COLUMNS = ["schema", "device_type", "device", "threads", "torch", "triton", "spa
            "N", "K", "M", "provider", "weight_bytes", "median_ms", "tflops", "gbps", "speedup_vs_dense",
            "rel_err", "repeats"]
 PROVIDERS = ("dense", "sparse24-triton", "sparse24-reference", "sparse24-auto", "torch-semi-structured",
-             "sparse24-int8-triton", "sparse24-int8-reference")
+             "sparse24-int8-triton", "sparse24-int8-reference", "sparse24-int4-triton", "sparse24-int4-auto",
+             "sparse24-int4-reference")
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 # The Triton interpreter takes ~0.08 s for a 64x128 weight and ~1.9 s for
 # 768x768 at M = 1 (2-core CPU), so on CPU the kernel is timed only for weights
@@ -67,8 +73,8 @@ DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch
 # about GPU speed, it only shows the path runs.
 CPU_TRITON_MAX_ELEMENTS = 128 * 128
 # Largest relative Frobenius error vs the fp64 product before a provider's
-# result counts as wrong (a broken decode is off by O(1); int8 is compared with
-# its own dequantized weight, so quantization error does not count).
+# result counts as wrong (a broken decode is off by O(1); int8 and int4 are compared
+# with their own dequantized weight, so quantization error does not count).
 _MAX_REL_ERR = {torch.float16: 1e-2, torch.bfloat16: 5e-2, torch.float32: 1e-4}
 
 
@@ -120,8 +126,13 @@ def provider_status(name: str, device: torch.device, dtype: torch.dtype) -> str:
             return "triton is not installed"
         if device.type == "cpu" and dtype == torch.bfloat16:
             return "Triton's interpreter (CPU) has no bfloat16 arithmetic"
-    if name == "sparse24-auto" and device.type != "cuda":
-        return "on CPU backend='auto' is the reference backend (timed as sparse24-reference)"
+        if "int4" in name:
+            try:  # the Triton backend says itself whether it takes INT4 weights (its kernel lands separately)
+                launch.check_triton_args(torch.zeros(1, 128), compress(torch.zeros(1, 128), quantize="int4"))
+            except TypeError as e:
+                return str(e)
+    if name in ("sparse24-auto", "sparse24-int4-auto") and device.type != "cuda":
+        return f"on CPU backend='auto' is the reference backend (timed as {name.replace('auto', 'reference')})"
     if name == "torch-semi-structured":
         if device.type != "cuda":
             return "torch's semi-structured kernels (CUTLASS/cuSPARSELt) run on CUDA only"
@@ -148,14 +159,14 @@ def _make_op(name: str, w: torch.Tensor, mask: torch.Tensor) -> tuple[Callable, 
     if name == "torch-semi-structured":
         ws = torch.sparse.to_sparse_semi_structured(w)
         return (lambda x: F.linear(x, ws)), _semi_structured_bytes(ws), w
-    int8 = "int8" in name
-    p = compress(w, mask, quantize="int8" if int8 else None)
+    quantize = next((q for q in ("int8", "int4") if q in name), None)
+    p = compress(w, mask, quantize=quantize)
     backend = name.rsplit("-", 1)[1]
     q = p
-    if backend != "reference" and w.is_cuda and (int8 or w.dtype in (torch.float16, torch.bfloat16)):
+    if backend != "reference" and w.is_cuda and (quantize or w.dtype in (torch.float16, torch.bfloat16)):
         q = pack_decode(p)  # the layout a compressed module holds there: what users' layers run
-    # fp values must reproduce the masked dense weight itself; int8 ones its dequantized form
-    return (lambda x: linear(x, q, backend=backend)), p.nbytes + p.scale_nbytes, p.to_dense() if int8 else w
+    # fp values must reproduce the masked dense weight itself; quantized ones their dequantized form
+    return (lambda x: linear(x, q, backend=backend)), p.nbytes + p.scale_nbytes, p.to_dense() if quantize else w
 
 
 # --- timing --------------------------------------------------------------------------

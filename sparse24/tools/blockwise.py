@@ -34,7 +34,8 @@ from ..api import MIN_FEATURES, sparsify_
 from ..format import compress
 from ..hf import FORMAT_VERSION
 from ..masks import kept_magnitude_fraction, prune_layerwise_
-from ..nn import Sparse24Linear
+from ..nn import Sparse24Linear, compressed_entries, quant_options
+from .checkpoint import quant_label
 from .hf_folder import _finish_folder, _shards, _skeleton, prune_folder
 
 __all__ = ["prune_folder_blockwise", "CALIBRATED"]
@@ -123,6 +124,7 @@ def _materialize(block: nn.Module, names: dict[str, tuple[str, str]], src: Path)
 
 def prune_folder_blockwise(src: str | os.PathLike, dst: str | os.PathLike, batches, method: str = "wanda",
                            quantize: str | None = None, min_features: int | None = None, exclude: str | None = None,
+                           *, group_size: int | None = None, symmetric: bool | None = None,
                            **method_kwargs) -> list[dict]:
     """2:4-prune the model of Hugging Face folder ``src`` into ``dst`` one decoder block at a time
     (see the module docstring), calibrated on ``batches``.
@@ -133,7 +135,8 @@ def prune_folder_blockwise(src: str | os.PathLike, dst: str | os.PathLike, batch
         batches: list of ``(B, L)`` int64 token-id tensors (what ``model(batch)`` takes).
         method: ``"wanda"`` or ``"sparsegpt"``; a method without calibration goes to
             :func:`~sparse24.tools.hf_folder.prune_folder` (shard by shard, ``batches`` unused).
-        quantize: ``None`` or ``"int8"``.
+        quantize: ``None``, ``"int8"`` or ``"int4"`` (``group_size``, ``symmetric``: as for
+            :func:`sparse24.sparsify_`).
         min_features, exclude: as :func:`~sparse24.tools.hf_folder.prune_folder`; the output
             head stays dense.
         **method_kwargs: for the method (``blocksize=``, ``percdamp=``, ``refit=``).
@@ -146,7 +149,9 @@ def prune_folder_blockwise(src: str | os.PathLike, dst: str | os.PathLike, batch
     from safetensors import safe_open
 
     if method not in CALIBRATED:
-        return prune_folder(src, dst, method, quantize, min_features, exclude)
+        return prune_folder(src, dst, method, quantize, min_features, exclude, group_size=group_size,
+                            symmetric=symmetric)
+    quant = quant_options(quantize, group_size, symmetric)
     src, dst = Path(src), Path(dst)
     if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
         raise ValueError(f"--out {dst}: exists and is not an empty folder")
@@ -161,7 +166,7 @@ def prune_folder_blockwise(src: str | os.PathLike, dst: str | os.PathLike, batch
                          "sparse24.prune_layerwise_")
     plan = copy.deepcopy(model)  # which layers sparsify_ takes (meta: nothing computed)
     sparsify_(plan, filter_fn=None if excl is None else (lambda m, fqn: not excl.search(fqn)), mode="compressed",
-              quantize=quantize, min_features=MIN_FEATURES if min_features is None else min_features)
+              min_features=MIN_FEATURES if min_features is None else min_features, **quant)
     layers = {fqn: m for fqn, m in plan.named_modules() if isinstance(m, Sparse24Linear)}
     outside = [f for f in layers if not f.startswith("model.layers.")]
     if outside:
@@ -192,7 +197,7 @@ def prune_folder_blockwise(src: str | os.PathLike, dst: str | os.PathLike, batch
                 block.eval()
                 inputs = [{**b, "hidden_states": block(**b)} for b in inputs]
             out = _block_entries(block, pre, {f: (results.pop(f), layers[pre + f]) for f in mine}, stored,
-                                 quantize, rows)
+                                 quant, rows)
             block.to("meta")  # frees it before the output is serialized
             nbytes += _write(out, tmp, f"model-block-{i:05d}.safetensors", weight_map)
             del out
@@ -204,10 +209,10 @@ def prune_folder_blockwise(src: str | os.PathLike, dst: str | os.PathLike, batch
     return rows
 
 
-def _block_entries(block: nn.Module, pre: str, pruned: dict, stored: dict, quantize, rows: list) -> dict:
+def _block_entries(block: nn.Module, pre: str, pruned: dict, stored: dict, quant: dict, rows: list) -> dict:
     """The output entries of a pruned block: ``pruned`` ``{relative name: (PruneResult, planned layer)}``
-    compressed (or masked) in the checkpoint's dtype, every other tensor cast back (an exact round trip:
-    norms, biases); appends a report row per pruned layer."""
+    compressed (``quant``: :func:`sparse24.nn.quant_options`) or masked in the checkpoint's dtype, every
+    other tensor cast back (an exact round trip: norms, biases); appends a report row per pruned layer."""
     out = {}
     for k, t in block.state_dict().items():
         lin = k.rpartition(".")[0]
@@ -217,13 +222,14 @@ def _block_entries(block: nn.Module, pre: str, pruned: dict, stored: dict, quant
         r, layer = pruned.pop(lin)
         w = r.weight.to(stored[k])
         if layer.mode == "compressed":
-            entries = compress(w, r.mask, quantize=quantize).state_tensors()
+            entries = compressed_entries(compress(w, r.mask, **quant))
             entries["weight"] = torch.zeros(1, dtype=torch.uint8)  # see sparse24.hf: the marker
         else:
             entries = {"weight": torch.where(r.mask, w, 0), "mask": r.mask}
         out.update({f"{pre}{lin}.{n}": v.contiguous() for n, v in entries.items()})
         rows.append({"name": pre + k, "shape": tuple(w.shape), "dtype": str(w.dtype)[6:],
-                     "action": layer.mode + (" int8" if quantize else ""), "reason": "", "kept": r.kept_fraction,
+                     "action": layer.mode + quant_label(quant if layer.mode == "compressed" else {}), "reason": "",
+                     "kept": r.kept_fraction,
                      "bytes_before": w.numel() * w.element_size(),
                      "bytes_after": sum(v.numel() * v.element_size() for n, v in entries.items()
                                         if n != "weight" or layer.mode == "masked")})

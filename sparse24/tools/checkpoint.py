@@ -11,7 +11,12 @@ import torch
 from ..format import FLOAT_DTYPES, Sparse24Tensor
 from .cli_common import _one_line
 
-__all__ = ["is_model_folder", "is_weight_matrix", "dense_row", "check_shards", "stored_mask"]
+__all__ = ["is_model_folder", "is_weight_matrix", "dense_row", "check_shards", "stored_mask", "quant_label",
+           "LAYER_ENTRIES"]
+
+# The state-dict entries of a 2:4 layer besides its bias (masked: weight + mask; compressed: values + meta,
+# INT8/INT4 scale, INT4 zero points and group size).
+LAYER_ENTRIES = ("weight", "mask", "values", "meta", "scale", "zero", "group_size")
 
 
 def is_model_folder(path: str | os.PathLike) -> bool:
@@ -23,6 +28,14 @@ def is_weight_matrix(key: str, t: torch.Tensor) -> bool:
     """The tensors a ``prune`` report counts, for a file and a folder alike: every 2-D
     floating-point ``weight`` (``<prefix>.weight``) stored in the checkpoint."""
     return (key == "weight" or key.endswith(".weight")) and t.dim() == 2 and t.dtype in FLOAT_DTYPES
+
+
+def quant_label(quant: dict) -> str:
+    """A report's words for :func:`sparse24.nn.quant_options`: ``""``, ``" int8"``, ``" int4 g128"``
+    (``" int4 g128 asym"`` with zero points)."""
+    if quant.get("quantize") != "int4":
+        return f" {quant['quantize']}" if quant else ""
+    return f" int4 g{quant['group_size']}" + ("" if quant["symmetric"] else " asym")
 
 
 def dense_row(key: str, t: torch.Tensor, reason: str) -> dict:

@@ -119,7 +119,7 @@ def _cmd_plot(args) -> int:
 # --- info -----------------------------------------------------------------------
 
 def _cmd_info(args) -> int:
-    from .bench import cpu_name, _triton_version
+    from .bench import _triton_version, cpu_name, provider_status
     tv = _triton_version()
     print(f"sparse24 {__version__} | torch {torch.__version__} | triton {tv or 'not installed'} | "
           f"python {sys.version.split()[0]}")
@@ -153,6 +153,10 @@ def _cmd_info(args) -> int:
                                               "via sparse24.to_semi_structured)"))
     rows.append(("int8 weights", "available: sparse24.compress(w, quantize='int8'); fused dequant in the "
                                  "Triton kernel, dequantizing reference elsewhere"))
+    no_int4 = provider_status("sparse24-int4-triton", torch.device("cpu"), torch.float32)
+    rows.append(("int4 weights", "available: sparse24.compress(w, quantize='int4', group_size=128); "
+                 + (f"dequantizing reference backend ({no_int4})" if no_int4 else
+                    "fused dequant in the Triton kernel, dequantizing reference elsewhere")))
     w = max(len(r[0]) for r in rows)
     for name, text in rows:
         print(f"  {name:<{w}}  {text}")
@@ -280,7 +284,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="magnitude (default), 2d_greedy, 2d_optimal: no data needed; wanda, sparsegpt (+ least-squares "
                         "refit), layerwise (each layer fit to the dense outputs, the recommended one): a model folder "
                         "and --calibration text")
-    r.add_argument("--quantize", choices=("int8",), help="store INT8 values + per-row scales")
+    r.add_argument("--quantize", choices=("int8", "int4"),
+                   help="int8: INT8 values + per-row fp32 scales; int4: 4-bit values + fp16 scales per --group-size "
+                        "input columns")
+    r.add_argument("--group-size", type=int, choices=(32, 64, 128), metavar="{32,64,128}",
+                   help="--quantize int4: input columns per scale (default 128)")
+    r.add_argument("--asymmetric", action="store_true", help="--quantize int4: a uint8 zero point per group too")
     r.add_argument("--min-features", type=int, help="skip weights with fewer rows or columns (default: as sparsify_)")
     r.add_argument("--exclude", default=PRUNE_EXCLUDE, metavar="REGEX",
                    help=f"leave matching weights dense (default {PRUNE_EXCLUDE!r}: embedding tables; '' for none)")

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["CLIError"]
+__all__ = ["CLIError", "prune_quant", "int4_args"]
 
 
 class CLIError(Exception):
@@ -122,3 +122,17 @@ def _check_fits(dev: torch.device, shapes, ms, dtypes) -> None:
         if cap and need > cap:
             raise CLIError(f"shape {label} at M={max(ms)} needs over {need / 2 ** 30:.3g} GiB, more than this "
                            f"{dev.type} has ({cap / 2 ** 30:.3g} GiB); use a smaller --m or --shapes")
+
+
+def prune_quant(args) -> dict:
+    """``--quantize``, ``--group-size``, ``--asymmetric`` as :func:`sparse24.nn.quant_options` (CLIError,
+    exit 2, when they do not go together)."""
+    from ..nn import quant_options
+    if (args.group_size is not None or args.asymmetric) and args.quantize != "int4":
+        raise CLIError("--group-size and --asymmetric go with --quantize int4")
+    return quant_options(args.quantize, args.group_size, False if args.asymmetric else None)
+
+
+def int4_args(quant: dict) -> dict:
+    """The INT4 keywords of the prune functions (``group_size``, ``symmetric``), from :func:`prune_quant`."""
+    return {k: quant[k] for k in ("group_size", "symmetric") if k in quant}

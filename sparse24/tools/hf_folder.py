@@ -25,7 +25,7 @@ from ..hf import FORMAT_VERSION, sparsity_config
 from ..masks import kept_magnitude_fraction
 from ..nn import Sparse24Linear, is_conv1d_class
 from .._progress import progress_bar
-from .checkpoint import check_shards, dense_row, is_model_folder, is_weight_matrix
+from .checkpoint import check_shards, dense_row, is_model_folder, is_weight_matrix, quant_label
 
 __all__ = ["is_model_folder", "prune_folder", "WEIGHT_FILES"]
 
@@ -64,7 +64,8 @@ def _skeleton(folder: Path):
 
 def prune_folder(src: str | os.PathLike, dst: str | os.PathLike, method: str = "magnitude",
                  quantize: str | None = None, min_features: int | None = None, exclude: str | None = None,
-                 prune_head: bool = False, progress: bool | None = None) -> list[dict]:
+                 prune_head: bool = False, progress: bool | None = None, *, group_size: int | None = None,
+                 symmetric: bool | None = None) -> list[dict]:
     """2:4-prune the model in Hugging Face folder ``src`` into the new folder ``dst``.
 
     Args:
@@ -73,7 +74,8 @@ def prune_folder(src: str | os.PathLike, dst: str | os.PathLike, method: str = "
         dst: folder to create (must not exist, or be empty); written under a temporary
             name and renamed at the end, so a failure leaves nothing half-written.
         method: ``"magnitude"``, ``"2d_greedy"`` or ``"2d_optimal"`` (no calibration data).
-        quantize: ``None`` or ``"int8"``.
+        quantize: ``None``, ``"int8"`` or ``"int4"`` (``group_size``, ``symmetric``: as for
+            :func:`sparse24.sparsify_`).
         min_features: as :func:`sparse24.sparsify_` (default its ``MIN_FEATURES``).
         exclude: regular expression; matching layer names stay dense.
         prune_head: prune the output head too (``skip_output_head=False``).
@@ -96,7 +98,8 @@ def prune_folder(src: str | os.PathLike, dst: str | os.PathLike, method: str = "
     check_shards(src, shards)
     config, model = _skeleton(src)
     report = sparsify_(model, filter_fn=None if excl is None else (lambda m, fqn: not excl.search(fqn)),
-                       mode="compressed", method=method, quantize=quantize,
+                       mode="compressed", method=method, quantize=quantize, group_size=group_size,
+                       symmetric=symmetric,
                        min_features=MIN_FEATURES if min_features is None else min_features,
                        skip_output_head=not prune_head)
     layers = {f"{fqn}.weight": (fqn, m) for fqn, m in model.named_modules(remove_duplicate=False)
@@ -128,7 +131,7 @@ def prune_folder(src: str | os.PathLike, dst: str | os.PathLike, method: str = "
                     out.update(new)
                     done.add(name)
                     rows.append({"name": key, "shape": tuple(mask.shape), "dtype": str(t.dtype)[6:],
-                                 "action": layer.mode + (" int8" if layer.quantize else ""), "reason": "",
+                                 "action": layer.mode + quant_label(layer._quant()), "reason": "",
                                  "kept": kept_magnitude_fraction(t.t() if is_conv1d_class(layer._dense_cls) else t,
                                                                  mask),
                                  "bytes_before": t.numel() * t.element_size(),

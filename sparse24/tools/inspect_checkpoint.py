@@ -1,8 +1,8 @@
 """``python -m sparse24 inspect PATH [--dense ORIGINAL]``: what a pruned checkpoint holds.
 
 PATH is a state dict file (torch or safetensors) or a Hugging Face model folder
-(sharded or not). One row per weight matrix: its mode (compressed, INT8,
-masked, or dense), shape, dtype, bytes as stored, and whether its 2:4 pattern
+(sharded or not). One row per weight matrix: its mode (compressed, INT8, INT4
+with its group size, masked, or dense), shape, dtype, bytes as stored, and whether its 2:4 pattern
 is exact, checked as :class:`sparse24.Sparse24Linear` checks a state dict
 before loading it (compressed: :meth:`Sparse24Tensor.validate` of the
 metadata; masked: the mask exactly 2 of every 4 and the weight zero off it),
@@ -22,12 +22,13 @@ import torch
 
 from ..format import Sparse24Tensor, is_nm
 from ..masks import kept_magnitude_fraction
+from ..nn.state import _check_state_masked, check_int4_entries
 from .checkpoint import check_shards, is_weight_matrix, stored_mask
 from .cli_common import CLIError, _one_line, _prog
 
 __all__ = ["inspect_tensors", "cmd_inspect", "open_checkpoint"]
 
-_SPARSE = ("values", "meta", "scale", "mask")
+_SPARSE = ("values", "meta", "scale", "zero", "group_size", "mask")
 
 
 @contextlib.contextmanager
@@ -74,9 +75,10 @@ def inspect_tensors(sd, dense=None) -> list[dict]:
         sd: the checkpoint's tensors.
         dense: optional tensors of the dense original (same names), for the kept magnitude.
     Returns:
-        dicts ``layer, mode ("compressed" | "INT8" | "masked" | "dense"), shape (R, C), dtype,
-        valid (True / False / None for a dense weight that is not 2:4), problem, kept (float or
-        None), bytes`` (as stored).
+        dicts ``layer, mode ("compressed" | "INT8" | "INT4" | "masked" | "dense"), group_size (INT4,
+        else None), shape (R, C), dtype, valid (True / False / None for a dense weight that is not
+        2:4), problem, kept (float or None), bytes`` (as stored: INT4 and INT8 bytes include the
+        scales, zero points and the group-size entry).
     Example:
         >>> sd = {"fc.weight": torch.randn(8, 16)}
         >>> inspect_tensors(sd)[0]["mode"]
@@ -101,8 +103,8 @@ def inspect_tensors(sd, dense=None) -> list[dict]:
         t = sd[key]
         if is_weight_matrix(key, t):
             pattern = t.shape[1] % 4 == 0 and is_nm(t)
-            rows.append({"layer": prefix.rstrip(".") or key, "mode": "dense", "shape": tuple(t.shape),
-                         "dtype": str(t.dtype)[6:], "valid": True if pattern else None,
+            rows.append({"layer": prefix.rstrip(".") or key, "mode": "dense", "group_size": None,
+                         "shape": tuple(t.shape), "dtype": str(t.dtype)[6:], "valid": True if pattern else None,
                          "problem": "" if pattern else "not 2:4", "kept": None, "bytes": _nbytes(t)})
     return rows
 
@@ -113,16 +115,26 @@ def _sparse_row(prefix: str, t: dict) -> dict | None:
     if not compressed and "weight" not in t:
         return None  # a "mask" of some other module
     stored = {n: v for n, v in t.items() if n != "weight" or not compressed}  # a compressed layer's 1-byte marker
-    row = {"layer": prefix.rstrip("."), "mode": "compressed", "shape": None, "dtype": "", "valid": False,
-           "problem": "", "kept": None, "bytes": sum(_nbytes(v) for v in stored.values()), "_mask": None}
+    row = {"layer": prefix.rstrip("."), "mode": "compressed", "group_size": None, "shape": None, "dtype": "",
+           "valid": False, "problem": "", "kept": None, "bytes": sum(_nbytes(v) for v in stored.values()),
+           "_mask": None}
     try:
         if compressed:
-            values, meta, scale = t["values"], t.get("meta"), t.get("scale")
-            row.update(mode="INT8" if scale is not None else "compressed", dtype=str(values.dtype)[6:])
+            values, meta, scale, gs = t["values"], t.get("meta"), t.get("scale"), t.get("group_size")
+            row.update(mode="INT4" if gs is not None else "INT8" if scale is not None else "compressed",
+                       dtype=str(values.dtype)[6:])
             if meta is None or values.dim() != 2:
                 raise ValueError("values without meta" if meta is None else f"values are {values.dim()}-D")
-            row["shape"] = (values.shape[0], 2 * values.shape[1])
-            p = Sparse24Tensor(values, meta, row["shape"], torch.float32 if scale is not None else None, scale)
+            row["shape"] = (values.shape[0], (4 if gs is not None else 2) * values.shape[1])
+            if gs is not None:
+                if scale is None:
+                    raise ValueError("an INT4 group_size without scales")
+                if gs.dim() == 0 and not gs.is_floating_point():
+                    row["group_size"] = int(gs)
+                check_int4_entries(gs, scale, row["group_size"], prefix)
+                row["asymmetric"] = "zero" in t
+            p = Sparse24Tensor(values, meta, row["shape"], torch.float32 if scale is not None else None, scale,
+                               zero=t.get("zero"), group_size=row["group_size"])
             _finite(values, "values")
             row["_mask"] = stored_mask(p)
         else:
@@ -130,7 +142,6 @@ def _sparse_row(prefix: str, t: dict) -> dict | None:
             row.update(mode="masked", shape=tuple(w.shape), dtype=str(w.dtype)[6:])
             if w.dim() != 2 or not w.is_floating_point():
                 raise ValueError(f"weight is {w.dim()}-D {w.dtype}, not a 2-D float matrix")
-            from ..nn.state import _check_state_masked
             _check_state_masked(w, mask, tuple(w.shape), prefix)
             _finite(w, "weight")
             row["_mask"] = mask
@@ -176,13 +187,14 @@ def cmd_inspect(args) -> int:
         kept = f"{100 * r['kept']:.1f}%" if r["kept"] is not None else "-"
         check = ("exact" if r["valid"] and r["mode"] != "dense" else "exact (stored dense)" if r["valid"]
                  else "-" if r["valid"] is None else f"INVALID: {r['problem']}")
-        print(f"  {r['layer']:<{w}}  {r['mode']:<10}  {str(r['shape']):>12}  {r['dtype']:>8}  {kept:>8}  "
+        mode = r["mode"] + (f" g{r['group_size']}" if r["group_size"] else "") + (" asym" * bool(r.get("asymmetric")))
+        print(f"  {r['layer']:<{w}}  {mode:<10}  {str(r['shape']):>12}  {r['dtype']:>8}  {kept:>8}  "
               f"{r['bytes']:>10}  {check}")
     sparse = [r for r in rows if r["mode"] != "dense"]
     bad = [r for r in rows if r["valid"] is False]
     listed = set(section.get("layers", {})) if section else set()
     missing = sorted(listed - {r["layer"] for r in sparse})
-    counts = ", ".join(f"{sum(r['mode'] == m for r in sparse)} {m}" for m in ("compressed", "INT8", "masked")
+    counts = ", ".join(f"{sum(r['mode'] == m for r in sparse)} {m}" for m in ("compressed", "INT8", "INT4", "masked")
                        if any(r["mode"] == m for r in sparse))
     kept = [r["kept"] for r in sparse if r["kept"] is not None]
     print(f"  {len(sparse)} 2:4 layer(s) ({counts or 'none'}), {len(rows) - len(sparse)} dense; "

@@ -9,9 +9,11 @@ provider, line style = device; one legend below the panels.
 The speedup panel draws the byte-count ceiling of each sparse format: with
 dense weights of ``e`` bytes per element, 2:4 stores ``e/2 + 1/8`` bytes per
 dense element (half the values + a 2-bit index each) and INT8 2:4 stores
-``1/2 + 1/8``. When the weight read dominates (small M, memory-bound) time
-scales with bytes, so speedup <= ``e / (e/2 + 1/8)`` = 1.78x for fp16 and
-``e / 0.625`` = 3.2x for INT8 weights vs fp16. At large M the GEMM is
+``1/2 + 1/8`` (+ its fp32 row scales, negligible), INT4 2:4 ``1/4 + 1/8 + 2/128``
+(fp16 scales per 128 columns, as the bench stores them). When the weight read
+dominates (small M, memory-bound) time scales with bytes, so speedup <=
+``e / (e/2 + 1/8)`` = 1.78x for fp16, ``e / 0.625`` = 3.2x for INT8 and
+``e / 0.390625`` = 5.12x for INT4 weights vs fp16. At large M the GEMM is
 compute-bound and the ceiling does not apply (a kernel without sparse tensor
 cores does the dense FLOPs: expect <= 1x there). The axis is set by the
 measurements; a ceiling far above them is named at the panel's top edge.
@@ -29,7 +31,11 @@ from .bench import COLUMNS, PROVIDERS, SCHEMA, write_together
 __all__ = ["read_rows", "byte_ceiling", "plot_rows", "plot_csv", "figure"]
 
 _ELT = {"float16": 2, "bfloat16": 2, "float32": 4}
-_COLORS = dict(zip(PROVIDERS, ["black", "tab:blue", "tab:cyan", "tab:green", "tab:orange", "tab:red", "tab:pink"]))
+_COLORS = dict(zip(PROVIDERS, ["black", "tab:blue", "tab:cyan", "tab:green", "tab:orange", "tab:red", "tab:pink",
+                                "tab:purple", "tab:brown", "tab:olive"]))
+# Bytes stored per dense weight by the quantized providers (INT4: group 128, symmetric, as the bench stores it).
+_QUANT_BYTES = {"int8": 0.5 + 0.125, "int4": 0.25 + 0.125 + 2 / 128}
+_CEILING_COLORS = {"": "tab:blue", "int8": "tab:red", "int4": "tab:purple"}
 _STYLES = ["-", "--", ":", "-."]
 _NUMERIC = {"N": int, "K": int, "M": int, "weight_bytes": int, "median_ms": float, "tflops": float,
             "gbps": float, "speedup_vs_dense": float}
@@ -99,12 +105,18 @@ def byte_ceiling(provider: str, dtype: str) -> float | None:
     Example:
         >>> round(byte_ceiling("sparse24-triton", "float16"), 2), byte_ceiling("sparse24-int8-triton", "float16")
         (1.78, 3.2)
+        >>> byte_ceiling("sparse24-int4-reference", "float16")
+        5.12
     """
     e = _ELT.get(dtype)
     if e is None or provider == "dense":
         return None
-    stored = 0.5 + 0.125 if "int8" in provider else e / 2 + 0.125
-    return e / stored
+    return e / _QUANT_BYTES.get(_quant_of(provider), e / 2 + 0.125)
+
+
+def _quant_of(provider: str) -> str:
+    """``"int8"``, ``"int4"`` or ``""`` (16/32-bit values) for a provider name."""
+    return next((q for q in _QUANT_BYTES if q in provider), "")
 
 
 def plot_rows(rows: list[dict], out: str | os.PathLike, title: str | None = None) -> Path:
@@ -155,7 +167,7 @@ def figure(rows: list[dict], title: str | None = None):
         _value_axis(ax_t, [r["tflops"] * scale for r in here])
         ax_s.axhline(1.0, color="gray", linewidth=0.8)
         _speedup_axis(ax_s, [r["speedup_vs_dense"] for r in here],
-                      sorted({(round(c, 2), dtype, "int8" in prov) for _, dtype, prov in lines
+                      sorted({(round(c, 2), dtype, _quant_of(prov)) for _, dtype, prov in lines
                               if (c := byte_ceiling(prov, dtype))}))
         for ax, ylabel in ((ax_t, f"{unit} (2MNK / t)"), (ax_s, "speedup vs dense (same run)")):
             ax.set_xscale("log", base=2)
@@ -189,7 +201,7 @@ def _value_axis(ax, values: list[float]) -> None:
         ax.set_ylim(0, hi * 1.1)
 
 
-def _speedup_axis(ax, speedups: list[float], ceilings: list[tuple[float, str, bool]]) -> None:
+def _speedup_axis(ax, speedups: list[float], ceilings: list[tuple[float, str, str]]) -> None:
     """Axis limits from the measured speedups (and the 1x line), not from the byte ceilings: a
     ceiling within reach of the data is drawn as a line (the axis grows to show it); one far above
     it (CPU: 0.04-0.4x measured, 6.4x ceiling) is a note at the top edge."""
@@ -198,19 +210,20 @@ def _speedup_axis(ax, speedups: list[float], ceilings: list[tuple[float, str, bo
     top = hi * (1.5 if log else 1.15)
     near = [c for c in ceilings if c[0] <= 2 * top]
     top = max([top] + [c[0] * (1.8 if log else 1.15) for c in near])  # room above a line for the far note
-    for c, dtype, int8 in ceilings:
-        what = f"int8 2:4 vs {dtype}" if int8 else f"{dtype} 2:4"
-        color = "tab:red" if int8 else "tab:blue"
-        if (c, dtype, int8) in near:
+    for c, dtype, quant in ceilings:
+        what = f"{quant} 2:4 vs {dtype}" if quant else f"{dtype} 2:4"
+        color = _CEILING_COLORS[quant]
+        if (c, dtype, quant) in near:
             ax.axhline(c, color=color, linestyle=(0, (4, 3)), linewidth=1, alpha=0.6)
             ax.annotate(f"byte ceiling {c:.2f}x ({what}; memory-bound M)", (0.01, c),
                         xycoords=("axes fraction", "data"), fontsize=7, va="bottom", color="dimgray")
     far = [c for c in ceilings if c not in near]
     if far:
         text = "far above: byte ceiling " + ", ".join(
-            f"{c:.2f}x ({f'int8 2:4 vs {d}' if i8 else f'{d} 2:4'})" for c, d, i8 in far)
+            f"{c:.2f}x ({f'{q} 2:4 vs {d}' if q else f'{d} 2:4'})" for c, d, q in far)
+        quants = {q for *_, q in far}
         ax.annotate(text + " \u2191", (0.99, 0.98), xycoords="axes fraction", ha="right", va="top", fontsize=7,
-                    color="tab:red" if all(i8 for *_, i8 in far) else "dimgray")
+                    color=_CEILING_COLORS[quants.pop()] if len(quants) == 1 and "" not in quants else "dimgray")
     if log:
         from matplotlib.ticker import FuncFormatter
         ax.set_yscale("log")

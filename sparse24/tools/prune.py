@@ -12,8 +12,8 @@ from pathlib import Path
 import torch
 
 from .._progress import progress_bar
-from .checkpoint import dense_row, is_model_folder, is_weight_matrix
-from .cli_common import CLIError, _one_line, _prog
+from .checkpoint import LAYER_ENTRIES, dense_row, is_model_folder, is_weight_matrix, quant_label
+from .cli_common import CLIError, _one_line, _prog, int4_args, prune_quant
 
 __all__ = ["prune_state_dict", "PRUNE_EXCLUDE", "cmd_prune", "add_blockwise_args"]
 
@@ -88,7 +88,8 @@ def _direct_reader(prefix: str, sd: dict) -> str:
 
 def prune_state_dict(sd: dict, method: str = "magnitude", quantize: str | None = None,
                      min_features: int | None = None, exclude: str = PRUNE_EXCLUDE,
-                     prune_head: bool = False, progress: bool | None = None) -> tuple[dict, list[dict]]:
+                     prune_head: bool = False, progress: bool | None = None, *, group_size: int | None = None,
+                     symmetric: bool | None = None) -> tuple[dict, list[dict]]:
     """2:4-prune the linear weights of a raw state dict (no model class needed).
 
     Every 2-D floating ``<prefix>.weight`` with in-features divisible by 4 and
@@ -103,7 +104,9 @@ def prune_state_dict(sd: dict, method: str = "magnitude", quantize: str | None =
     ``sparse24.sparsify_(model, mode="compressed", quantize=...)`` takes them:
 
     * ``<prefix>.values`` ``(R, C/2)``, ``<prefix>.meta`` ``(ceil(C/32), R)`` int32 and,
-      for INT8, ``<prefix>.scale`` ``(R,)`` fp32, replacing ``<prefix>.weight``;
+      for INT8, ``<prefix>.scale`` ``(R,)`` fp32 (INT4: values ``(R, C/4)`` uint8, scale
+      ``(R, ceil(C/group_size))`` fp16, zero points when asymmetric, and ``group_size``),
+      replacing ``<prefix>.weight``;
     * layers whose parent reads ``.weight`` directly (``nn.MultiheadAttention.out_proj``,
       ``nn.TransformerEncoderLayer.linear1/2``) stay in masked mode, as ``sparsify_``
       keeps them: ``<prefix>.weight`` (zeros where pruned) + ``<prefix>.mask`` (bool).
@@ -114,11 +117,12 @@ def prune_state_dict(sd: dict, method: str = "magnitude", quantize: str | None =
         sd: ``{name: tensor}``.
         method: a mask method needing no calibration data (``"magnitude"``,
             ``"2d_greedy"``, ``"2d_optimal"``).
-        quantize: ``None`` or ``"int8"``.
+        quantize: ``None``, ``"int8"`` or ``"int4"``.
         min_features: default ``sparse24.api.MIN_FEATURES`` (the same rule as ``sparsify_``).
         exclude: regular expression; matching weight names are left dense.
         prune_head: prune the output head too.
         progress: a tqdm bar over the entries (default None: when stderr is a terminal).
+        group_size, symmetric: ``quantize="int4"`` only, as for :func:`sparse24.compress_`.
     Returns:
         ``(new_state_dict, report)`` with one report dict per 2-D float weight:
         ``name, shape, dtype, action ("compressed" | "masked" | "kept dense"),
@@ -132,14 +136,14 @@ def prune_state_dict(sd: dict, method: str = "magnitude", quantize: str | None =
     from ..api import MIN_FEATURES
     from ..format import compress
     from ..masks import kept_magnitude_fraction, mask_nm
+    from ..nn import compressed_entries, quant_options
 
     if method in ("wanda", "sparsegpt"):
         raise ValueError(f"method {method!r} needs calibration data (layer inputs), which a checkpoint does not "
                          f"have; prune a Hugging Face model folder with calibration text (python -m sparse24 "
                          f"prune FOLDER --method {method} --calibration TEXT), use sparse24.calibrate + sparsify_ "
                          "in Python, or magnitude/2d_greedy/2d_optimal")
-    if quantize not in (None, "int8"):
-        raise ValueError(f"--quantize must be int8 (or absent), got {quantize!r}")
+    quant = quant_options(quantize, group_size, symmetric)
     min_features = MIN_FEATURES if min_features is None else min_features
     if min_features < 0:
         raise ValueError(f"--min-features must be >= 0, got {min_features}")
@@ -168,7 +172,7 @@ def prune_state_dict(sd: dict, method: str = "magnitude", quantize: str | None =
         R, C = t.shape
         row = dense_row(key, t, "")
         tied = [k for k in storages[t.untyped_storage().data_ptr()] if k != key]
-        taken = [prefix + n for n in ("values", "meta", "scale", "mask") if prefix + n in sd]
+        taken = [prefix + n for n in LAYER_ENTRIES[1:] if prefix + n in sd]
         if taken:  # writing them would overwrite those entries silently
             row["reason"] = f"the state dict already has {', '.join(taken)}"
         elif C % 4:
@@ -193,11 +197,10 @@ def prune_state_dict(sd: dict, method: str = "magnitude", quantize: str | None =
             out[key], out[prefix + "mask"] = torch.where(mask, t, 0), mask
             row.update(action="masked", reason=f"kept as weight + mask: {reader}")
         else:
-            p = compress(t, mask, quantize=quantize)
-            out.update({prefix + n: v for n, v in p.state_tensors().items()})
-            row["action"] = "compressed" + (" int8" if quantize else "")
+            out.update({prefix + n: v for n, v in compressed_entries(compress(t, mask, **quant)).items()})
+            row["action"] = "compressed" + quant_label(quant)
         row["bytes_after"] = sum(out[k].numel() * out[k].element_size() for k in out if k.startswith(prefix)
-                                 and k[len(prefix):] in ("weight", "mask", "values", "meta", "scale"))
+                                 and k[len(prefix):] in LAYER_ENTRIES)
         report.append(row)
     return out, report
 
@@ -248,7 +251,8 @@ def cmd_prune(args) -> int:
     from .prune_calibrated import CALIBRATED, check_calibration_arguments
     out = _check_prune_out(args)
     src = Path(args.checkpoint)
-    settings = f": method={args.method}" + (f", quantize={args.quantize}" if args.quantize else "")
+    quant = prune_quant(args)
+    settings = f": method={args.method}" + "".join(f", {k}={v}" for k, v in quant.items())
     if getattr(args, "calibration_ids", None) is not None:
         return _prune_blockwise(args, src, out, settings)
     check_calibration_arguments(args, src)
@@ -262,7 +266,7 @@ def cmd_prune(args) -> int:
         raise CLIError("writing .safetensors needs the safetensors package: pip install 'sparse24[hf]'", 1)
     sd, wrapper = _load_state_dict(args.checkpoint)
     new, report = prune_state_dict(sd, args.method, args.quantize, args.min_features, args.exclude, args.prune_head,
-                                   args.progress)
+                                   args.progress, **int4_args(quant))
     if not any(r["action"] != "kept dense" for r in report):
         raise CLIError(f"{args.checkpoint}: no weight could be pruned ({len(report)} 2-D float weight(s), "
                        "none eligible" + (f"; first: {report[0]['name']}: {report[0]['reason']}" if report else "")
@@ -273,7 +277,7 @@ def cmd_prune(args) -> int:
     _print_prune_table(f"{_prog()} prune {args.checkpoint}" + (f" (state dict under '{wrapper}')" if wrapper else "")
                        + settings, report, out, src.stat().st_size)
     print("  load it with: sparse24.sparsify_(model, mode='compressed'"
-          + (f", quantize='{args.quantize}'" if args.quantize else "") + (", skip_output_head=False"
+          + "".join(f", {k}={v!r}" for k, v in quant.items()) + (", skip_output_head=False"
                                                                           if args.prune_head else "")
           + "); model.load_state_dict("
           + ("safetensors.torch.load_file(...))" if out.suffix == ".safetensors" else "torch.load(...))"))
@@ -286,7 +290,7 @@ def _prune_folder(args, src: Path, out: Path, settings: str) -> int:
         raise CLIError("pruning a model folder needs transformers and safetensors: pip install 'sparse24[hf]'", 1)
     from .hf_folder import prune_folder
     report = prune_folder(src, out, args.method, args.quantize, args.min_features, args.exclude, args.prune_head,
-                          args.progress)
+                          args.progress, **int4_args(prune_quant(args)))
     size_in = sum(f.stat().st_size for f in src.rglob("*") if f.is_file())
     _print_prune_table(f"{_prog()} prune {src} (Hugging Face folder){settings}", report, out, size_in)
     print(f"  load it with: sparse24.from_pretrained(<model class>, {str(out)!r})")
@@ -338,7 +342,7 @@ def _prune_blockwise(args, src: Path, out: Path, settings: str) -> int:
     from .blockwise import prune_folder_blockwise
     try:
         report = prune_folder_blockwise(src, out, list(ids.split(args.batch_size)), args.method, args.quantize,
-                                        args.min_features, args.exclude)
+                                        args.min_features, args.exclude, **int4_args(prune_quant(args)))
     except (ValueError, TypeError) as e:
         raise CLIError(f"{src}: {_one_line(e)}") from None
     size_in = sum(f.stat().st_size for f in src.rglob("*") if f.is_file())

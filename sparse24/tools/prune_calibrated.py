@@ -40,8 +40,9 @@ from ..api import MIN_FEATURES, sparsify_
 from ..masks import calibrate, find_permutation_groups, kept_magnitude_fraction, permute_model_, prune_layerwise_
 from ..nn import Sparse24Linear, is_conv1d_class
 from .._progress import progress_enabled
-from .checkpoint import check_shards, dense_row, is_model_folder, is_weight_matrix, stored_mask
-from .cli_common import CLIError, _one_line
+from .checkpoint import (LAYER_ENTRIES, check_shards, dense_row, is_model_folder, is_weight_matrix, quant_label,
+                         stored_mask)
+from .cli_common import CLIError, _one_line, int4_args, prune_quant
 
 __all__ = ["CALIBRATED", "read_samples", "tokenize_samples", "prune_calibrated", "prune_folder_calibrated",
            "add_calibration_arguments", "check_calibration_arguments"]
@@ -97,7 +98,8 @@ def tokenize_samples(tokenizer, model: torch.nn.Module, texts: list[str], seq_le
 def prune_calibrated(model: torch.nn.Module, batches: list, method: str, layers: set[str], permute: bool = False,
                      heads: int | None = None, quantize: str | None = None, prune_head: bool = False,
                      min_features: int = MIN_FEATURES, permute_iters: int = PERMUTE_ITERS,
-                     progress: bool | None = None) -> tuple[dict[str, float], int]:
+                     progress: bool | None = None, *, group_size: int | None = None,
+                     symmetric: bool | None = None) -> tuple[dict[str, float], int]:
     """Prune ``model`` in place with a calibrated ``method`` (see the module docstring), the
     ``layers`` (names) compressed, and return each layer's kept fraction of the dense ``sum |W|``.
 
@@ -107,7 +109,7 @@ def prune_calibrated(model: torch.nn.Module, batches: list, method: str, layers:
         method: ``"wanda"``, ``"sparsegpt"`` or ``"layerwise"``.
         layers: the ``nn.Linear`` names to prune (``sparsify_``'s plan).
         permute: search channel permutations first (``heads``: attention heads, for the value channels).
-        quantize, prune_head, min_features: as :func:`sparse24.sparsify_`.
+        quantize, prune_head, min_features, group_size, symmetric: as :func:`sparse24.sparsify_`.
         permute_iters: search steps per permutation group.
         progress: tqdm bars (None: on a terminal).
     Returns:
@@ -117,7 +119,7 @@ def prune_calibrated(model: torch.nn.Module, batches: list, method: str, layers:
         return fqn in layers
 
     options = {"filter_fn": chosen, "mode": "compressed", "quantize": quantize, "min_features": min_features,
-               "skip_output_head": not prune_head}
+               "skip_output_head": not prune_head, "group_size": group_size, "symmetric": symmetric}
     stats, groups = None, []
     if permute or method != "layerwise":
         stats = calibrate(model, batches, hessian=method != "wanda", filter_fn=chosen, progress=progress)
@@ -189,6 +191,7 @@ def prune_folder_calibrated(src: Path, dst: Path, args) -> tuple[list[dict], str
 
     if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
         raise CLIError(f"--out {dst}: exists and is not an empty folder")
+    quant = prune_quant(args)
     texts = read_samples(args.calibration, args.samples)
     try:
         excl = re.compile(args.exclude, re.IGNORECASE) if args.exclude else None
@@ -220,7 +223,7 @@ def prune_folder_calibrated(src: Path, dst: Path, args) -> tuple[list[dict], str
     batches = tokenize_samples(tokenizer, model, texts, seq_len)
     kept, groups = prune_calibrated(model, batches, args.method, set(planned), args.permute,
                             getattr(config, "num_attention_heads", None), args.quantize, args.prune_head,
-                            min_features, args.permute_iters, args.progress)
+                            min_features, args.permute_iters, args.progress, **int4_args(quant))
     tmp = dst.with_name(f".{dst.name}.{os.getpid()}.partial")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
@@ -249,8 +252,8 @@ def prune_folder_calibrated(src: Path, dst: Path, args) -> tuple[list[dict], str
         if fqn not in planned:
             rows.append(dense_row(key, t, skipped.get(name) or NOT_SWAPPED))
             continue
-        stored = [state[f"{fqn}.{n}"] for n in ("values", "meta", "scale") if f"{fqn}.{n}" in state]
-        rows.append({**dense_row(key, t, ""), "action": "compressed" + (" int8" if args.quantize else ""),
+        stored = [state[f"{fqn}.{n}"] for n in LAYER_ENTRIES if f"{fqn}.{n}" in state]
+        rows.append({**dense_row(key, t, ""), "action": "compressed" + quant_label(quant),
                      "kept": kept[fqn], "bytes_after": sum(v.numel() * v.element_size() for v in stored)})
     tokens = sum(b["input_ids"].numel() for b in batches)
     note = (f"{len(batches)} calibration samples from {args.calibration} ({tokens} tokens, at most {seq_len} "

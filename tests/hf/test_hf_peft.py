@@ -28,6 +28,19 @@ def base_tensors(model):
     return {n: t.detach().clone() for n, t in model.state_dict().items() if "lora_" not in n}
 
 
+def train_adapters(pm, ids, steps=4):
+    """A few AdamW steps on the trainable (adapter) parameters; the losses."""
+    opt = torch.optim.AdamW([p for p in pm.parameters() if p.requires_grad], lr=1e-2)
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = pm(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
 def independent_weight(dense_w, layer):
     """fp64 (R, C) weight the base must compute with: the dense weight under the independent top-2 mask,
     or the stored int8 values dequantized and placed by it."""
@@ -48,16 +61,9 @@ def test_lora_trains_on_an_untouched_2of4_base(kind):
     wrapped = {n: m for n, m in pm.named_modules() if isinstance(m, Sparse24LoraLinear)}
     assert len(wrapped) == 2 * len(TARGETS)
     before = base_tensors(pm)
-    opt = torch.optim.AdamW([p for p in pm.parameters() if p.requires_grad], lr=1e-2)
     assert all("lora_" in n for n, p in pm.named_parameters() if p.requires_grad)
     ids = tokens()
-    losses = []
-    for _ in range(4):
-        opt.zero_grad()
-        loss = pm(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+    losses = train_adapters(pm, ids)
     assert losses[-1] < losses[0]
     after = base_tensors(pm)
     assert after.keys() == before.keys() and all(torch.equal(after[k], v) for k, v in before.items())

@@ -298,7 +298,13 @@ def test_from_linear_rejects_bad_input(gen):
     with pytest.raises(ValueError, match="quantize applies to mode='compressed'"):
         Sparse24Linear.from_linear(lin, quantize="int8")
     with pytest.raises(ValueError, match="quantize must be one of"):
-        Sparse24Linear.from_linear(lin, mode="compressed", quantize="int4")
+        Sparse24Linear.from_linear(lin, mode="compressed", quantize="int2")
+    with pytest.raises(ValueError, match=r"INT4 group_size must be one of \(32, 64, 128\), got 48"):
+        Sparse24Linear.from_linear(lin, mode="compressed", quantize="int4", group_size=48)
+    with pytest.raises(ValueError, match="group_size and symmetric apply to quantize='int4', got quantize='int8'"):
+        Sparse24Linear.from_linear(lin, mode="compressed", quantize="int8", group_size=64)
+    with pytest.raises(TypeError, match="symmetric must be a bool"):
+        Sparse24Linear.from_linear(lin, mode="compressed", quantize="int4", symmetric="no")
     assert torch.equal(lin.weight, w)  # nothing pruned by any failed call
 
 
@@ -348,7 +354,7 @@ def test_loading_corrupt_or_mismatched_checkpoints(gen):
     cases.append((masked, {**sd, "weight": bad_w}, r"'weight' is non-zero where 'mask' is False"))
     cases.append((masked, {**sd, "weight": sd["weight"][:8], "mask": sd["mask"][:8]}, r"'weight' has shape \(8, 64\)"))
     cases.append((masked, comp.state_dict(), "got a compressed checkpoint"))
-    cases.append((masked, {**sd, "scale": torch.ones(16)}, "got an INT8 checkpoint"))
+    cases.append((masked, {**sd, "scale": torch.ones(16)}, r"got a quantized checkpoint \(scale\) for a masked"))
     sd = comp.state_dict()
     meta = sd["meta"].clone()
     meta[0, 3] = 0  # every group of row 3 claims slot 0 twice

@@ -1,0 +1,47 @@
+"""The bench's INT4 providers and the plot's INT4 byte ceiling: bytes as stored with the scales, results
+checked against the INT4 weight's own dequantized form, the Triton INT4 provider following the backend."""
+import io
+
+import pytest
+import torch
+
+from sparse24.ops.linear24 import launch
+from sparse24.tools import bench, plot
+from sparse24.tools.bench import BenchSettings, run_bench
+
+CPU = torch.device("cpu")
+
+
+def test_int4_rows_bytes_and_results():
+    N, K = 64, 320  # 320 columns: 3 scale groups of 128, the last short
+    s = BenchSettings(CPU, [("64x320", N, K)], [1, 3], [torch.float32],
+                      ["dense", "sparse24-int4-reference", "sparse24-int4-auto", "sparse24-int4-triton"], repeats=2)
+    log = io.StringIO()
+    rows = run_bench(s, progress=False, log=log)
+    assert [(r["M"], r["provider"]) for r in rows] == [(m, p) for m in (1, 3)
+                                                      for p in ("dense", "sparse24-int4-reference")]
+    # values K/4 + 2-bit slots K/8 bytes per row + an fp16 scale per row and group of 128 columns
+    int4 = [r for r in rows if r["provider"] == "sparse24-int4-reference"]
+    assert all(r["weight_bytes"] == N * K // 4 + N * K // 8 + 2 * N * 3 for r in int4)
+    assert all(float(r["rel_err"]) < 1e-5 for r in rows)  # vs the dequantized weight: the right product
+    notes = log.getvalue()
+    assert "sparse24-int4-auto (float32): skipped, on CPU backend='auto' is the reference backend" in notes
+    assert "sparse24-int4-triton (float32): skipped, backend='triton' has no INT4 kernel yet" in notes
+
+
+def test_int4_triton_provider_follows_the_backend(monkeypatch):
+    assert bench.provider_status("sparse24-int4-triton", CPU, torch.float32)
+    monkeypatch.setattr(launch, "check_triton_args", lambda x, p: None)  # a backend that takes INT4
+    assert bench.provider_status("sparse24-int4-triton", CPU, torch.float32) == ""
+
+
+def test_int4_byte_ceiling():
+    # fp16 bytes per weight / (values 1/4 + slots 1/8 + fp16 scale per 128 columns) = 2 / 0.390625
+    assert plot.byte_ceiling("sparse24-int4-reference", "float16") == pytest.approx(5.12)
+    assert plot.byte_ceiling("sparse24-int4-auto", "float32") == pytest.approx(10.24)
+    fig = plot.figure([{**r, "device_type": "cpu", "device": "x", "threads": 1, "dtype": "float16", "shape": "s",
+                        "N": 8, "K": 128, "weight_bytes": 1, "median_ms": 1, "tflops": 1, "gbps": 1}
+                       for r in ({"M": m, "provider": p, "speedup_vs_dense": v}
+                                 for p, v in (("dense", 1.0), ("sparse24-int4-reference", 3.0)) for m in (1, 4))])
+    texts = [t.get_text() for ax in fig.axes for t in ax.texts]
+    assert any("byte ceiling 5.12x (int4 2:4 vs float16" in t for t in texts)
