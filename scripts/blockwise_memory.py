@@ -10,7 +10,6 @@ the goal: 1.5 x one block's fp32 weights + the calibration activations + the fix
 """
 import argparse
 import json
-import resource
 import subprocess
 import sys
 import time
@@ -32,7 +31,12 @@ def rss_mib() -> float:
 
 
 def peak_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    """This process's peak RSS (Linux). Not getrusage's ru_maxrss: that one survives exec, so the
+    child reported the parent's peak from generating the checkpoint."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
 
 
 def generate(folder: Path, layers: int, shard_bytes: int = 500 * MIB) -> int:

@@ -205,7 +205,7 @@ def _check_teacher(model: nn.Module, teacher: nn.Module, selected: dict[str, nn.
 def prune_layerwise_(model: nn.Module, batches, n: int = 2, m: int = 4, method: str = "sparsegpt",
                      filter_fn=None, device=None, token_mask: Callable | None = None,
                      teacher: nn.Module | None = None, progress: bool | None = None, group=None,
-                     **kwargs) -> dict[str, PruneResult]:
+                     on_layer: Callable | None = None, rollback: bool = True, **kwargs) -> dict[str, PruneResult]:
     """Prune every ``nn.Linear`` of ``model`` to N:M in place, one layer at a time,
     each calibrated on the inputs it receives once the layers before it are pruned.
 
@@ -252,6 +252,12 @@ def prune_layerwise_(model: nn.Module, batches, n: int = 2, m: int = 4, method: 
             terminal or in a notebook; False: none).
         group: data-parallel calibration (see :func:`calibrate`): each rank passes its own
             share of the batches and every rank prunes alike, from the statistics of all of them.
+        on_layer: optional ``(fqn, PruneResult) -> value``, called right after each layer is
+            pruned (its weight already written); the returned dict then holds these values
+            instead of the results, so no mask outlives its call (block-by-block pruning
+            compresses and writes each layer there).
+        rollback: keep a copy of each weight to restore on failure (default). False saves that
+            copy (the size of the pruned layers) for callers that discard a failed model.
         **kwargs: method options (``blocksize=``, ``percdamp=``, ``refit=``, ``shrink=``;
             ``percdamp`` and ``shrink`` also apply to the teacher fit).
     Returns:
@@ -319,17 +325,18 @@ def prune_layerwise_(model: nn.Module, batches, n: int = 2, m: int = 4, method: 
                 w = (lin.weight if teacher is None
                      else _teacher_target(lin.weight, stats[fqn], kwargs.get("percdamp", PERCDAMP),
                                           kwargs.get("shrink", 0.0)))
-                r = prune_nm(w, n, m, method, calibration=stats[fqn], **kwargs)
-                backup.keep([lin.weight])
-                with torch.no_grad():
-                    lin.weight.copy_(r.weight)
-                r.weight = lin.weight.detach()  # the layer's own memory: no second copy of the model
-                results[fqn] = r
+                if rollback:
+                    backup.keep([lin.weight])
+                # written into the layer's own memory: no second copy of the model, nor of the layer
+                r = prune_nm(w, n, m, method, calibration=stats[fqn], out=lin.weight.detach(), **kwargs)
+                results[fqn] = r if on_layer is None else on_layer(fqn, r)
+                del r
             bar.update(len(wave))
     except BaseException as e:
         backup.restore()
-        e.add_note(f"prune_layerwise_: failed at {at} (the {len(results)} layer(s) pruned before were restored: "
-                   "the model is as it was)")
+        e.add_note(f"prune_layerwise_: failed at {at} " + (
+            f"(the {len(results)} layer(s) pruned before were restored: the model is as it was)" if rollback
+            else f"(rollback=False: the {len(results)} layer(s) pruned before stay pruned)"))
         raise
     finally:
         bar.close()

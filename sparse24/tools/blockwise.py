@@ -33,7 +33,8 @@ from torch import nn
 from ..api import MIN_FEATURES, sparsify_
 from ..format import compress
 from ..hf import FORMAT_VERSION
-from ..masks import kept_magnitude_fraction, prune_layerwise_
+from ..masks import prune_layerwise_
+from ..masks.nm import _row_chunks
 from ..nn import Sparse24Linear
 from .hf_folder import _finish_folder, _shards, _skeleton, prune_folder
 
@@ -187,15 +188,28 @@ def prune_folder_blockwise(src: str | os.PathLike, dst: str | os.PathLike, batch
             block = body.layers[i]
             stored = _materialize(block, {k[len(pre):]: v for k, v in where.items() if k.startswith(pre)}, src)
             mine = {f[len(pre):] for f in layers if f.startswith(pre)}
-            results = prune_layerwise_(block, inputs, method=method, filter_fn=lambda m, f: f in mine, **method_kwargs)
+
+            def write_layer(f, r, i=i, pre=pre, stored=stored):
+                """Each layer written as soon as it is pruned: its mask never outlives this call."""
+                nonlocal nbytes
+                entries, row = _layer_entries(pre + f, r, layers[pre + f], stored[f + ".weight"], quantize)
+                nbytes += _write(entries, tmp, f"model-block-{i:05d}-{f}.safetensors", weight_map)
+                del entries, r
+                _return_freed_memory()
+                return row
+
+            # rollback=False: a failure discards the whole output folder, so no copy of the block is kept
+            rows += prune_layerwise_(block, inputs, method=method, filter_fn=lambda m, f: f in mine,
+                                     on_layer=write_layer, rollback=False, **method_kwargs).values()
             with torch.no_grad():  # the next block's inputs, from this pruned block
                 block.eval()
                 inputs = [{**b, "hidden_states": block(**b)} for b in inputs]
-            out = _block_entries(block, pre, {f: (results.pop(f), layers[pre + f]) for f in mine}, stored,
-                                 quantize, rows)
-            block.to("meta")  # frees it before the output is serialized
-            nbytes += _write(out, tmp, f"model-block-{i:05d}.safetensors", weight_map)
-            del out
+            # the rest of the block (norms, biases) cast back: an exact round trip
+            rest = {pre + k: t.to(stored[k]) for k, t in block.state_dict().items()
+                    if not (k.endswith(".weight") and k[:-len(".weight")] in mine)}
+            block.to("meta")
+            nbytes += _write(rest, tmp, f"model-block-{i:05d}.safetensors", weight_map)
+            del rest
             _return_freed_memory()
         nbytes += _copy_rest(src, tmp, where, weight_map)
         _finish_folder(src, tmp, dst, shards, weight_map, config, plan, {"total_size": nbytes})
@@ -204,30 +218,29 @@ def prune_folder_blockwise(src: str | os.PathLike, dst: str | os.PathLike, batch
     return rows
 
 
-def _block_entries(block: nn.Module, pre: str, pruned: dict, stored: dict, quantize, rows: list) -> dict:
-    """The output entries of a pruned block: ``pruned`` ``{relative name: (PruneResult, planned layer)}``
-    compressed (or masked) in the checkpoint's dtype, every other tensor cast back (an exact round trip:
-    norms, biases); appends a report row per pruned layer."""
-    out = {}
-    for k, t in block.state_dict().items():
-        lin = k.rpartition(".")[0]
-        if lin not in pruned or not k.endswith("weight"):
-            out[pre + k] = t.to(stored[k])
-            continue
-        r, layer = pruned.pop(lin)
-        w = r.weight.to(stored[k])
-        if layer.mode == "compressed":
-            entries = compress(w, r.mask, quantize=quantize).state_tensors()
-            entries["weight"] = torch.zeros(1, dtype=torch.uint8)  # see sparse24.hf: the marker
-        else:
-            entries = {"weight": torch.where(r.mask, w, 0), "mask": r.mask}
-        out.update({f"{pre}{lin}.{n}": v.contiguous() for n, v in entries.items()})
-        rows.append({"name": pre + k, "shape": tuple(w.shape), "dtype": str(w.dtype)[6:],
-                     "action": layer.mode + (" int8" if quantize else ""), "reason": "", "kept": r.kept_fraction,
-                     "bytes_before": w.numel() * w.element_size(),
-                     "bytes_after": sum(v.numel() * v.element_size() for n, v in entries.items()
-                                        if n != "weight" or layer.mode == "masked")})
-    return out
+def _layer_entries(name: str, r, layer: Sparse24Linear, dtype: torch.dtype, quantize) -> tuple[dict, dict]:
+    """One pruned layer's output entries (``{"weight": marker, "values", "meta"[, "scale"]}`` compressed
+    in ``dtype``, or the masked weight and its mask) and its report row. Compressed a chunk of rows at a
+    time (every 2:4 group, meta word and scale belongs to one row), so the temporaries stay a few MiB
+    instead of ~1.5x the fp32 weight."""
+    w, mask = r.weight, r.mask
+    if layer.mode == "compressed":
+        entries = {}
+        for rows in _row_chunks(w):
+            for n, t in compress(w[rows].to(dtype), mask[rows], quantize=quantize).state_tensors().items():
+                dim = 1 if n == "meta" else 0  # meta is (words, R)
+                if n not in entries:
+                    entries[n] = t.new_empty(t.shape[:dim] + w.shape[:1] + t.shape[dim + 1:])
+                entries[n].narrow(dim, rows.start, t.shape[dim]).copy_(t)
+        entries["weight"] = torch.zeros(1, dtype=torch.uint8)  # see sparse24.hf: the marker
+    else:
+        entries = {"weight": torch.where(mask, w.to(dtype), 0), "mask": mask}
+    size = w.numel() * dtype.itemsize
+    row = {"name": name + ".weight", "shape": tuple(w.shape), "dtype": str(dtype)[6:],
+           "action": layer.mode + (" int8" if quantize else ""), "reason": "", "kept": r.kept_fraction,
+           "bytes_before": size, "bytes_after": sum(v.numel() * v.element_size() for n, v in entries.items()
+                                                    if n != "weight" or layer.mode == "masked")}
+    return {f"{name}.{n}": v.contiguous() for n, v in entries.items()}, row
 
 
 def _return_freed_memory() -> None:
