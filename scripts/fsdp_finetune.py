@@ -51,7 +51,8 @@ def memory_report(model, opt, rank: int, world: int, before: float, sharded: flo
     masks = [b for n, b in model.named_buffers() if n.endswith(".mask")]
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     state = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
-    return (f"rank {rank}/{world}: parameters {local_mib(model.parameters()):.0f} MiB, masks {local_mib(masks):.0f} MiB, "
+    return (f"rank {rank}/{world}: parameters {local_mib(model.parameters()):.0f} MiB, "
+            f"masks {local_mib(masks):.0f} MiB, "
             f"gradients {local_mib(grads):.0f} MiB, AdamW state {local_mib(state):.0f} MiB (this rank's shards); "
             f"RSS before the model {before:.0f} MiB, after sharding {sharded:.0f} MiB, "
             f"peak while training {rss_mib('VmHWM'):.0f} MiB")

@@ -11,7 +11,7 @@ from torch import nn
 from .._checks import check_model
 from .._rollback import TensorBackup
 from .._progress import progress_bar, progress_enabled
-from .distributed import check_group, sum_over_ranks
+from .distributed import agree, check_group, sum_over_ranks
 from .nm import METHODS, LayerStats, PruneResult, prune_nm
 from .reconstruct import PERCDAMP, damped_hessian
 
@@ -136,7 +136,7 @@ def calibrate(model: nn.Module, batches, hessian: bool = False, filter_fn=None, 
             stop_if_done()
         return hook
 
-    handles = []
+    handles, error = [], None
     modes = [(mod, mod.training) for net in (model, teacher) if net is not None for mod in net.modules()]
     try:
         for fqn, mod in selected.items():
@@ -157,12 +157,17 @@ def calibrate(model: nn.Module, batches, hessian: bool = False, filter_fn=None, 
                     _forward(teacher, b)
                 seen.clear()
                 _forward(model, b)
+    except Exception as e:
+        if group is None:
+            raise
+        error = e  # raised on every rank below, so that none waits in the all_reduce for this one
     finally:
         for h in handles:
             h.remove()
         for mod, training in modes:
             mod.training = training
     if group is not None:
+        agree(error, group, "calibrate")
         return sum_over_ranks(stats, selected, hessian, teacher is not None, dtype, device, group)
     # A layer that only saw empty inputs has no statistics (all-zero norms would zero SparseGPT's weights).
     return {fqn: s for fqn, s in stats.items() if s.count > 0}
@@ -272,26 +277,34 @@ def prune_layerwise_(model: nn.Module, batches, n: int = 2, m: int = 4, method: 
     check_model(model, filter_fn)
     progress = progress_enabled(progress)
     check_group(group)
-    if iter(batches) is batches:
-        raise TypeError("batches must be re-iterable (a list or a DataLoader, not an iterator or generator): "
-                        "every layer needs its own pass over them")
-    if method not in METHODS:
-        raise ValueError(f"unknown mask method {method!r}; choose one of {', '.join(METHODS)}")
-    first = next(iter(batches), None)
-    if first is None:
-        raise ValueError("batches is empty: prune_layerwise_ needs calibration inputs")
-    if token_mask is not None and not callable(token_mask):
-        raise TypeError(f"token_mask must be callable (batch) -> bool tensor, got {type(token_mask).__name__}")
-    names = {mod: fqn for fqn, mod in model.named_modules()
-             if isinstance(mod, nn.Linear) and mod.in_features % m == 0 and (filter_fn is None or filter_fn(mod, fqn))}
-    # Everything checked before any layer changes, so that bad input changes nothing.
-    calls = _check_inputs(model, names, batches, device, token_mask)
-    if teacher is not None:
-        _check_teacher(model, teacher, {fqn: mod for mod, fqn in names.items()})
-        t_names = {teacher.get_submodule(fqn): fqn for fqn in names.values()}
-        if [fqn for fqn, _ in _check_inputs(teacher, t_names, [first], device)] != [fqn for fqn, _ in calls]:
-            raise ValueError("the teacher calls its layers in another order or number than the model does on "
-                             "the first batch: it must run the same computation (the model before pruning)")
+    error = None
+    try:  # with a group, every rank learns whether any rank's input failed a check (no rank waits)
+        if iter(batches) is batches:
+            raise TypeError("batches must be re-iterable (a list or a DataLoader, not an iterator or generator): "
+                            "every layer needs its own pass over them")
+        if method not in METHODS:
+            raise ValueError(f"unknown mask method {method!r}; choose one of {', '.join(METHODS)}")
+        first = next(iter(batches), None)
+        if first is None:
+            raise ValueError("batches is empty: prune_layerwise_ needs calibration inputs")
+        if token_mask is not None and not callable(token_mask):
+            raise TypeError(f"token_mask must be callable (batch) -> bool tensor, got {type(token_mask).__name__}")
+        names = {mod: fqn for fqn, mod in model.named_modules() if isinstance(mod, nn.Linear)
+                 and mod.in_features % m == 0 and (filter_fn is None or filter_fn(mod, fqn))}
+        # Everything checked before any layer changes, so that bad input changes nothing.
+        calls = _check_inputs(model, names, batches, device, token_mask)
+        if teacher is not None:
+            _check_teacher(model, teacher, {fqn: mod for mod, fqn in names.items()})
+            t_names = {teacher.get_submodule(fqn): fqn for fqn in names.values()}
+            if [fqn for fqn, _ in _check_inputs(teacher, t_names, [first], device)] != [fqn for fqn, _ in calls]:
+                raise ValueError("the teacher calls its layers in another order or number than the model does on "
+                                 "the first batch: it must run the same computation (the model before pruning)")
+    except Exception as e:
+        if group is None:
+            raise
+        error = e
+    if group is not None:
+        agree(error, group, "prune_layerwise_'s checks")
     once = len({fqn for fqn, _ in calls}) == len(calls)  # every layer called once per forward
     # Waves: consecutive layers reading the very same input tensor (q, k, v) are pruned together,
     # with one pass; each pass stops at the wave when layers are called once per forward.

@@ -167,8 +167,9 @@ def _accelerate_worker(rank):
     assert acc.distributed_type == DistributedType.MULTI_CPU
     acc.state.distributed_type, acc.state.fsdp_plugin = DistributedType.FSDP, plugin
     losses, bad, model = train(build(), IDS[:, 2 * rank:2 * rank + 2], distributed=True, accelerator=acc)
-    sharded = all(isinstance(m.weight, DTensor) and isinstance(m.mask, DTensor) and m.mask.placements == m.weight.placements
-                  for m in model.modules() if isinstance(m, Sparse24Linear))
+    layers = [m for m in model.modules() if isinstance(m, Sparse24Linear)]
+    sharded = all(isinstance(m.weight, DTensor) and isinstance(m.mask, DTensor)
+                  and m.mask.placements == m.weight.placements for m in layers)
     return losses, bad, sharded, full_state(model)
 
 
