@@ -4,17 +4,21 @@ calibration (``python -m sparse24 prune FOLDER --out DIR --method wanda --calibr
 SparseGPT's sequential scheme, on a model that never exists whole: the model is built on
 the meta device; the first decoder block's inputs are computed from the checkpoint's
 embedding rows by the model's own forward (attention masks, rotary embeddings), stopped
-at block 0. Then each block in turn is materialized in fp32 from the safetensors shards,
-pruned layer by layer on the inputs it receives (:func:`sparse24.prune_layerwise_`), run
-once more to give the next block its inputs, compressed in the checkpoint's dtype, written
-as its own output shard and freed. The result is what pruning the whole fp32 model in memory
-with ``prune_layerwise_`` gives (the tests compare the two), stored in the checkpoint's dtype.
+at block 0. Then each block in turn is materialized in fp32 from the safetensors shards and
+pruned layer by layer on the inputs it receives (:func:`sparse24.prune_layerwise_`); each layer,
+as soon as it is pruned (in place), is compressed in the checkpoint's dtype, a few rows at a time,
+and written as its own output shard, so no mask outlives its layer. The pruned block then runs
+once more to give the next block its inputs, its other tensors (norms) are written, and it is
+freed. The result is what pruning the whole fp32 model in memory with ``prune_layerwise_`` gives
+(the tests compare the two), stored in the checkpoint's dtype.
 
-Memory: one block in fp32, the calibration hidden states twice (a block's inputs and
-outputs), the method's statistics (Wanda: ``K`` numbers per layer; SparseGPT: a ``K x K``
-fp64 Hessian per layer of a wave and its solver's copies), and a fixed overhead (Python,
-torch, transformers, the meta model). Tensors are read one at a time from memory-mapped
-shards, each file closed after its read, so no shard is ever resident whole.
+Memory: one block in fp32, plus one layer's mask and compressed form and a few MiB of
+temporaries; the calibration hidden states twice (a block's inputs and outputs); the method's
+statistics (Wanda: ``K`` numbers per layer; SparseGPT: a ``K x K`` fp64 Hessian per layer of a
+wave and its solver's copies); and a fixed overhead (Python, torch, transformers, the meta
+model). No copy of the block is kept to undo a failure (the output folder is discarded instead).
+Tensors are read one at a time from memory-mapped shards, each file closed after its read, so
+no shard is ever resident whole.
 Supported: Llama-shaped decoders (``model.model.layers``, ``embed_tokens``, ``rotary_emb``).
 """
 from __future__ import annotations
