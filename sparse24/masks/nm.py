@@ -33,7 +33,8 @@ __all__ = ["METHODS", "mask_nm", "prune_nm", "PruneResult", "LayerStats", "kept_
 METHODS = ("magnitude", "2d_greedy", "2d_optimal", "wanda", "sparsegpt")
 # Elements per chunk of rows for the row-wise methods: their temporaries (scores, keys, |w|) stay a few MiB
 # instead of ~6x the weight (a 2048x5632 fp32 Wanda prune peaked at +286 MiB for a 44 MiB weight; 1 << 20
-# elements still left ~40 MiB of temporaries, 1 << 18 ~10 MiB, at no measurable cost in time).
+# elements still left ~40 MiB of temporaries, 1 << 18 ~10 MiB, and took 1.01 s against 1.34 s, medians of 5
+# side by side, 1 thread, loaded 2-core CPU).
 _CHUNK = 1 << 18
 
 
