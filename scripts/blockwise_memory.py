@@ -10,7 +10,6 @@ the goal: 1.5 x one block's fp32 weights + the calibration activations + the fix
 """
 import argparse
 import json
-import resource
 import subprocess
 import sys
 import time
@@ -32,7 +31,12 @@ def rss_mib() -> float:
 
 
 def peak_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    """This process's peak RSS (Linux). Not getrusage's ru_maxrss: that one survives exec, so the
+    child reported the parent's peak from generating the checkpoint."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
 
 
 def generate(folder: Path, layers: int, shard_bytes: int = 500 * MIB) -> int:
@@ -79,7 +83,6 @@ def prune(folder: Path, out: Path, method: str, sequences: int, seq: int) -> Non
     fixed = rss_mib()
     ids = torch.randint(3, config.vocab_size, (sequences, seq), generator=torch.Generator().manual_seed(1))
     hidden = sequences * seq * config.hidden_size * 4  # one copy of the hidden states, fp32
-    del model
     t0 = time.perf_counter()
     rows = prune_folder_blockwise(folder, out, list(ids.split(1)), method=method)
     wall = time.perf_counter() - t0
@@ -90,7 +93,11 @@ def prune(folder: Path, out: Path, method: str, sequences: int, seq: int) -> Non
           f"block by block, in {wall:.0f} s")
     print(f"one block fp32: {block / MIB:.0f} MiB; calibration hidden states: 2 x {hidden / MIB:.0f} MiB; "
           f"fixed overhead (imports + meta model): {fixed:.0f} MiB")
-    print(f"peak RSS: {peak:.0f} MiB; goal (1.5 x block + activations + fixed): {goal:.0f} MiB -> "
+    if method == "sparsegpt":  # its statistics: a K x K fp64 Hessian per layer of a wave, not in the goal
+        k = max(m.in_features for m in model.model.layers[0].modules() if isinstance(m, torch.nn.Linear))
+        print(f"SparseGPT's largest Hessian (K = {k}, fp64): {8 * k * k / MIB:.0f} MiB")
+    print(f"peak RSS: {peak:.0f} MiB = fixed + {(peak - fixed) / (block / MIB):.2f} x one block's fp32 weights "
+          f"(activations aside); goal (1.5 x block + activations + fixed): {goal:.0f} MiB -> "
           f"{'met' if peak <= goal else 'NOT met'} ({peak / goal:.2f}x of the goal)")
 
 

@@ -1,4 +1,5 @@
 """Running a test body on N CPU processes over gloo on this machine."""
+import datetime
 import os
 import socket
 import sys
@@ -16,9 +17,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank, fn, world, folder, args):
+def _entry(rank, fn, world, folder, args, timeout):
     # rendezvous through a file: no port to pick, so no race with other processes for a free one
-    dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=world,
+                            **({} if timeout is None else {"timeout": datetime.timedelta(seconds=timeout)}))
     try:
         torch.set_num_threads(1)
         result = fn(rank, *args)
@@ -37,10 +39,11 @@ def _entry(rank, fn, world, folder, args):
     os._exit(0)
 
 
-def spawn(fn, world: int, *args):
+def spawn(fn, world: int, *args, timeout: float | None = None):
     """Run ``fn(rank, *args)`` in ``world`` processes with the default process group initialized
     and return what rank 0 returned; ``fn`` must be a module-level function. A failure in any
-    process fails the caller."""
+    process fails the caller; ``timeout``: seconds a collective may wait (a test of what would
+    otherwise hang fails instead)."""
     with tempfile.TemporaryDirectory() as d:
-        mp.spawn(_entry, args=(fn, world, d, args), nprocs=world, join=True)
+        mp.spawn(_entry, args=(fn, world, d, args, timeout), nprocs=world, join=True)
         return torch.load(Path(d) / "rank0.pt", weights_only=False)

@@ -11,7 +11,7 @@ from torch import nn
 from .._checks import check_model
 from .._rollback import TensorBackup
 from .._progress import progress_bar, progress_enabled
-from .distributed import check_group, sum_over_ranks
+from .distributed import agree, check_group, sum_over_ranks
 from .nm import METHODS, LayerStats, PruneResult, prune_nm
 from .reconstruct import PERCDAMP, damped_hessian
 
@@ -136,7 +136,7 @@ def calibrate(model: nn.Module, batches, hessian: bool = False, filter_fn=None, 
             stop_if_done()
         return hook
 
-    handles = []
+    handles, error = [], None
     modes = [(mod, mod.training) for net in (model, teacher) if net is not None for mod in net.modules()]
     try:
         for fqn, mod in selected.items():
@@ -157,12 +157,17 @@ def calibrate(model: nn.Module, batches, hessian: bool = False, filter_fn=None, 
                     _forward(teacher, b)
                 seen.clear()
                 _forward(model, b)
+    except Exception as e:
+        if group is None:
+            raise
+        error = e  # raised on every rank below, so that none waits in the all_reduce for this one
     finally:
         for h in handles:
             h.remove()
         for mod, training in modes:
             mod.training = training
     if group is not None:
+        agree(error, group, "calibrate")
         return sum_over_ranks(stats, selected, hessian, teacher is not None, dtype, device, group)
     # A layer that only saw empty inputs has no statistics (all-zero norms would zero SparseGPT's weights).
     return {fqn: s for fqn, s in stats.items() if s.count > 0}
@@ -205,7 +210,7 @@ def _check_teacher(model: nn.Module, teacher: nn.Module, selected: dict[str, nn.
 def prune_layerwise_(model: nn.Module, batches, n: int = 2, m: int = 4, method: str = "sparsegpt",
                      filter_fn=None, device=None, token_mask: Callable | None = None,
                      teacher: nn.Module | None = None, progress: bool | None = None, group=None,
-                     **kwargs) -> dict[str, PruneResult]:
+                     on_layer: Callable | None = None, rollback: bool = True, **kwargs) -> dict[str, PruneResult]:
     """Prune every ``nn.Linear`` of ``model`` to N:M in place, one layer at a time,
     each calibrated on the inputs it receives once the layers before it are pruned.
 
@@ -252,6 +257,12 @@ def prune_layerwise_(model: nn.Module, batches, n: int = 2, m: int = 4, method: 
             terminal or in a notebook; False: none).
         group: data-parallel calibration (see :func:`calibrate`): each rank passes its own
             share of the batches and every rank prunes alike, from the statistics of all of them.
+        on_layer: optional ``(fqn, PruneResult) -> value``, called right after each layer is
+            pruned (its weight already written); the returned dict then holds these values
+            instead of the results, so no mask outlives its call (block-by-block pruning
+            compresses and writes each layer there).
+        rollback: keep a copy of each weight to restore on failure (default). False saves that
+            copy (the size of the pruned layers) for callers that discard a failed model.
         **kwargs: method options (``blocksize=``, ``percdamp=``, ``refit=``, ``shrink=``;
             ``percdamp`` and ``shrink`` also apply to the teacher fit).
     Returns:
@@ -266,26 +277,34 @@ def prune_layerwise_(model: nn.Module, batches, n: int = 2, m: int = 4, method: 
     check_model(model, filter_fn)
     progress = progress_enabled(progress)
     check_group(group)
-    if iter(batches) is batches:
-        raise TypeError("batches must be re-iterable (a list or a DataLoader, not an iterator or generator): "
-                        "every layer needs its own pass over them")
-    if method not in METHODS:
-        raise ValueError(f"unknown mask method {method!r}; choose one of {', '.join(METHODS)}")
-    first = next(iter(batches), None)
-    if first is None:
-        raise ValueError("batches is empty: prune_layerwise_ needs calibration inputs")
-    if token_mask is not None and not callable(token_mask):
-        raise TypeError(f"token_mask must be callable (batch) -> bool tensor, got {type(token_mask).__name__}")
-    names = {mod: fqn for fqn, mod in model.named_modules()
-             if isinstance(mod, nn.Linear) and mod.in_features % m == 0 and (filter_fn is None or filter_fn(mod, fqn))}
-    # Everything checked before any layer changes, so that bad input changes nothing.
-    calls = _check_inputs(model, names, batches, device, token_mask)
-    if teacher is not None:
-        _check_teacher(model, teacher, {fqn: mod for mod, fqn in names.items()})
-        t_names = {teacher.get_submodule(fqn): fqn for fqn in names.values()}
-        if [fqn for fqn, _ in _check_inputs(teacher, t_names, [first], device)] != [fqn for fqn, _ in calls]:
-            raise ValueError("the teacher calls its layers in another order or number than the model does on "
-                             "the first batch: it must run the same computation (the model before pruning)")
+    error = None
+    try:  # with a group, every rank learns whether any rank's input failed a check (no rank waits)
+        if iter(batches) is batches:
+            raise TypeError("batches must be re-iterable (a list or a DataLoader, not an iterator or generator): "
+                            "every layer needs its own pass over them")
+        if method not in METHODS:
+            raise ValueError(f"unknown mask method {method!r}; choose one of {', '.join(METHODS)}")
+        first = next(iter(batches), None)
+        if first is None:
+            raise ValueError("batches is empty: prune_layerwise_ needs calibration inputs")
+        if token_mask is not None and not callable(token_mask):
+            raise TypeError(f"token_mask must be callable (batch) -> bool tensor, got {type(token_mask).__name__}")
+        names = {mod: fqn for fqn, mod in model.named_modules() if isinstance(mod, nn.Linear)
+                 and mod.in_features % m == 0 and (filter_fn is None or filter_fn(mod, fqn))}
+        # Everything checked before any layer changes, so that bad input changes nothing.
+        calls = _check_inputs(model, names, batches, device, token_mask)
+        if teacher is not None:
+            _check_teacher(model, teacher, {fqn: mod for mod, fqn in names.items()})
+            t_names = {teacher.get_submodule(fqn): fqn for fqn in names.values()}
+            if [fqn for fqn, _ in _check_inputs(teacher, t_names, [first], device)] != [fqn for fqn, _ in calls]:
+                raise ValueError("the teacher calls its layers in another order or number than the model does on "
+                                 "the first batch: it must run the same computation (the model before pruning)")
+    except Exception as e:
+        if group is None:
+            raise
+        error = e
+    if group is not None:
+        agree(error, group, "prune_layerwise_'s checks")
     once = len({fqn for fqn, _ in calls}) == len(calls)  # every layer called once per forward
     # Waves: consecutive layers reading the very same input tensor (q, k, v) are pruned together,
     # with one pass; each pass stops at the wave when layers are called once per forward.
@@ -319,17 +338,18 @@ def prune_layerwise_(model: nn.Module, batches, n: int = 2, m: int = 4, method: 
                 w = (lin.weight if teacher is None
                      else _teacher_target(lin.weight, stats[fqn], kwargs.get("percdamp", PERCDAMP),
                                           kwargs.get("shrink", 0.0)))
-                r = prune_nm(w, n, m, method, calibration=stats[fqn], **kwargs)
-                backup.keep([lin.weight])
-                with torch.no_grad():
-                    lin.weight.copy_(r.weight)
-                r.weight = lin.weight.detach()  # the layer's own memory: no second copy of the model
-                results[fqn] = r
+                if rollback:
+                    backup.keep([lin.weight])
+                # written into the layer's own memory: no second copy of the model, nor of the layer
+                r = prune_nm(w, n, m, method, calibration=stats[fqn], out=lin.weight.detach(), **kwargs)
+                results[fqn] = r if on_layer is None else on_layer(fqn, r)
+                del r
             bar.update(len(wave))
     except BaseException as e:
         backup.restore()
-        e.add_note(f"prune_layerwise_: failed at {at} (the {len(results)} layer(s) pruned before were restored: "
-                   "the model is as it was)")
+        e.add_note(f"prune_layerwise_: failed at {at} " + (
+            f"(the {len(results)} layer(s) pruned before were restored: the model is as it was)" if rollback
+            else f"(rollback=False: the {len(results)} layer(s) pruned before stay pruned)"))
         raise
     finally:
         bar.close()

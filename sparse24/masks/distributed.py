@@ -10,7 +10,7 @@ from torch import nn
 
 from .nm import LayerStats
 
-__all__ = ["check_group", "sum_over_ranks"]
+__all__ = ["check_group", "sum_over_ranks", "agree"]
 
 
 def check_group(group) -> None:
@@ -61,3 +61,23 @@ def sum_over_ranks(stats: dict[str, LayerStats], layers: dict[str, nn.Linear], h
         squares = iter(t.view(k, k) for t in squares)
         out[fqn] = LayerStats(sq_sum, total, next(squares) if hessian else None, next(squares) if teacher else None)
     return out
+
+
+def agree(error: Exception | None, group, what: str) -> None:
+    """A collective after a step that may fail on some ranks only (a bad batch on one rank): every rank
+    of ``group`` learns which failed and raises, its own error where it failed, so that no rank is
+    left waiting in the next collective for one that has left.
+
+    Args:
+        error: this rank's exception, or None. group: the process group. what: the step, for the message.
+    """
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
+    failed = torch.zeros(dist.get_world_size(group), dtype=torch.int64, device=device)
+    failed[dist.get_rank(group)] = error is not None
+    dist.all_reduce(failed, group=group)
+    if error is not None:
+        raise error
+    if bool(failed.any()):
+        ranks = failed.nonzero().flatten().tolist()
+        raise RuntimeError(f"{what} failed on rank(s) {ranks} of the process group (see their errors); stopped on "
+                           "every rank, so that none waits for them in a collective")

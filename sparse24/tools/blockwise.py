@@ -4,17 +4,21 @@ calibration (``python -m sparse24 prune FOLDER --out DIR --method wanda --calibr
 SparseGPT's sequential scheme, on a model that never exists whole: the model is built on
 the meta device; the first decoder block's inputs are computed from the checkpoint's
 embedding rows by the model's own forward (attention masks, rotary embeddings), stopped
-at block 0. Then each block in turn is materialized in fp32 from the safetensors shards,
-pruned layer by layer on the inputs it receives (:func:`sparse24.prune_layerwise_`), run
-once more to give the next block its inputs, compressed in the checkpoint's dtype, written
-as its own output shard and freed. The result is what pruning the whole fp32 model in memory
-with ``prune_layerwise_`` gives (the tests compare the two), stored in the checkpoint's dtype.
+at block 0. Then each block in turn is materialized in fp32 from the safetensors shards and
+pruned layer by layer on the inputs it receives (:func:`sparse24.prune_layerwise_`); each layer,
+as soon as it is pruned (in place), is compressed in the checkpoint's dtype, a few rows at a time,
+and written as its own output shard, so no mask outlives its layer. The pruned block then runs
+once more to give the next block its inputs, its other tensors (norms) are written, and it is
+freed. The result is what pruning the whole fp32 model in memory with ``prune_layerwise_`` gives
+(the tests compare the two), stored in the checkpoint's dtype.
 
-Memory: one block in fp32, the calibration hidden states twice (a block's inputs and
-outputs), the method's statistics (Wanda: ``K`` numbers per layer; SparseGPT: a ``K x K``
-fp64 Hessian per layer of a wave and its solver's copies), and a fixed overhead (Python,
-torch, transformers, the meta model). Tensors are read one at a time from memory-mapped
-shards, each file closed after its read, so no shard is ever resident whole.
+Memory: one block in fp32, plus one layer's mask and compressed form and a few MiB of
+temporaries; the calibration hidden states twice (a block's inputs and outputs); the method's
+statistics (Wanda: ``K`` numbers per layer; SparseGPT: a ``K x K`` fp64 Hessian per layer of a
+wave and its solver's copies); and a fixed overhead (Python, torch, transformers, the meta
+model). No copy of the block is kept to undo a failure (the output folder is discarded instead).
+Tensors are read one at a time from memory-mapped shards, each file closed after its read, so
+no shard is ever resident whole.
 Supported: Llama-shaped decoders (``model.model.layers``, ``embed_tokens``, ``rotary_emb``).
 """
 from __future__ import annotations
@@ -33,7 +37,8 @@ from torch import nn
 from ..api import MIN_FEATURES, sparsify_
 from ..format import compress
 from ..hf import FORMAT_VERSION
-from ..masks import kept_magnitude_fraction, prune_layerwise_
+from ..masks import prune_layerwise_
+from ..masks.nm import _row_chunks
 from ..nn import Sparse24Linear, compressed_entries, quant_options
 from .checkpoint import quant_label
 from .hf_folder import _finish_folder, _shards, _skeleton, prune_folder
@@ -192,15 +197,28 @@ def prune_folder_blockwise(src: str | os.PathLike, dst: str | os.PathLike, batch
             block = body.layers[i]
             stored = _materialize(block, {k[len(pre):]: v for k, v in where.items() if k.startswith(pre)}, src)
             mine = {f[len(pre):] for f in layers if f.startswith(pre)}
-            results = prune_layerwise_(block, inputs, method=method, filter_fn=lambda m, f: f in mine, **method_kwargs)
+
+            def write_layer(f, r, i=i, pre=pre, stored=stored):
+                """Each layer written as soon as it is pruned: its mask never outlives this call."""
+                nonlocal nbytes
+                entries, row = _layer_entries(pre + f, r, layers[pre + f], stored[f + ".weight"], quant)
+                nbytes += _write(entries, tmp, f"model-block-{i:05d}-{f}.safetensors", weight_map)
+                del entries, r
+                _return_freed_memory()
+                return row
+
+            # rollback=False: a failure discards the whole output folder, so no copy of the block is kept
+            rows += prune_layerwise_(block, inputs, method=method, filter_fn=lambda m, f: f in mine,
+                                     on_layer=write_layer, rollback=False, **method_kwargs).values()
             with torch.no_grad():  # the next block's inputs, from this pruned block
                 block.eval()
                 inputs = [{**b, "hidden_states": block(**b)} for b in inputs]
-            out = _block_entries(block, pre, {f: (results.pop(f), layers[pre + f]) for f in mine}, stored,
-                                 quant, rows)
-            block.to("meta")  # frees it before the output is serialized
-            nbytes += _write(out, tmp, f"model-block-{i:05d}.safetensors", weight_map)
-            del out
+            # the rest of the block (norms, biases) cast back: an exact round trip
+            rest = {pre + k: t.to(stored[k]) for k, t in block.state_dict().items()
+                    if not (k.endswith(".weight") and k[:-len(".weight")] in mine)}
+            block.to("meta")
+            nbytes += _write(rest, tmp, f"model-block-{i:05d}.safetensors", weight_map)
+            del rest
             _return_freed_memory()
         nbytes += _copy_rest(src, tmp, where, weight_map)
         _finish_folder(src, tmp, dst, shards, weight_map, config, plan, {"total_size": nbytes})
@@ -209,31 +227,34 @@ def prune_folder_blockwise(src: str | os.PathLike, dst: str | os.PathLike, batch
     return rows
 
 
-def _block_entries(block: nn.Module, pre: str, pruned: dict, stored: dict, quant: dict, rows: list) -> dict:
-    """The output entries of a pruned block: ``pruned`` ``{relative name: (PruneResult, planned layer)}``
-    compressed (``quant``: :func:`sparse24.nn.quant_options`) or masked in the checkpoint's dtype, every
-    other tensor cast back (an exact round trip: norms, biases); appends a report row per pruned layer."""
-    out = {}
-    for k, t in block.state_dict().items():
-        lin = k.rpartition(".")[0]
-        if lin not in pruned or not k.endswith("weight"):
-            out[pre + k] = t.to(stored[k])
-            continue
-        r, layer = pruned.pop(lin)
-        w = r.weight.to(stored[k])
-        if layer.mode == "compressed":
-            entries = compressed_entries(compress(w, r.mask, **quant))
-            entries["weight"] = torch.zeros(1, dtype=torch.uint8)  # see sparse24.hf: the marker
-        else:
-            entries = {"weight": torch.where(r.mask, w, 0), "mask": r.mask}
-        out.update({f"{pre}{lin}.{n}": v.contiguous() for n, v in entries.items()})
-        rows.append({"name": pre + k, "shape": tuple(w.shape), "dtype": str(w.dtype)[6:],
-                     "action": layer.mode + quant_label(quant if layer.mode == "compressed" else {}), "reason": "",
-                     "kept": r.kept_fraction,
-                     "bytes_before": w.numel() * w.element_size(),
-                     "bytes_after": sum(v.numel() * v.element_size() for n, v in entries.items()
-                                        if n != "weight" or layer.mode == "masked")})
-    return out
+def _layer_entries(name: str, r, layer: Sparse24Linear, dtype: torch.dtype, quant: dict) -> tuple[dict, dict]:
+    """One pruned layer's output entries (``{"weight": marker, "values", "meta"[, "scale", ...]}`` compressed
+    in ``dtype`` with ``quant`` (:func:`sparse24.nn.quant_options`), or the masked weight and its mask) and
+    its report row. Compressed a chunk of rows at a time (every 2:4 group, meta word, scale and INT4
+    quantization group belongs to one row), so the temporaries stay a few MiB instead of ~1.5x the fp32
+    weight."""
+    w, mask = r.weight, r.mask
+    if layer.mode == "compressed":
+        entries = {}
+        for rows in _row_chunks(w):
+            for n, t in compressed_entries(compress(w[rows].to(dtype), mask[rows], **quant)).items():
+                if t.dim() == 0:  # INT4's group size: one per layer
+                    entries[n] = t
+                    continue
+                dim = 1 if n == "meta" else 0  # meta is (words, R)
+                if n not in entries:
+                    entries[n] = t.new_empty(t.shape[:dim] + w.shape[:1] + t.shape[dim + 1:])
+                entries[n].narrow(dim, rows.start, t.shape[dim]).copy_(t)
+        entries["weight"] = torch.zeros(1, dtype=torch.uint8)  # see sparse24.hf: the marker
+    else:
+        entries = {"weight": torch.where(mask, w.to(dtype), 0), "mask": mask}
+    size = w.numel() * dtype.itemsize
+    row = {"name": name + ".weight", "shape": tuple(w.shape), "dtype": str(dtype)[6:],
+           "action": layer.mode + quant_label(quant if layer.mode == "compressed" else {}), "reason": "",
+           "kept": r.kept_fraction, "bytes_before": size,
+           "bytes_after": sum(v.numel() * v.element_size() for n, v in entries.items()
+                              if n != "weight" or layer.mode == "masked")}
+    return {f"{name}.{n}": v.contiguous() for n, v in entries.items()}, row
 
 
 def _return_freed_memory() -> None:

@@ -2,6 +2,8 @@
 checkpointing) against one process on the whole batch; distributed checkpoints saved from 2 ranks and
 loaded into 2 ranks and into 1, bit for bit, masks included; a full state dict gathered from the
 shards that compress_ and save_pretrained take."""
+import os
+
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -55,13 +57,15 @@ def violations(model, opt) -> int:
     return bad
 
 
-def train(model, ids, distributed=False):
+def train(model, ids, distributed=False, accelerator=None):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    if accelerator is not None:  # Accelerate shards the model and points the optimizer at the shards
+        model, opt = accelerator.prepare(model, opt)
     losses, bad = [], []
     for batch in ids:
         opt.zero_grad()
         loss = model(input_ids=batch, labels=batch).loss  # same tokens per rank: the mean of means is the mean
-        loss.backward()
+        accelerator.backward(loss) if accelerator is not None else loss.backward()
         opt.step()
         loss = loss.detach()
         if distributed:
@@ -69,7 +73,7 @@ def train(model, ids, distributed=False):
             loss /= WORLD
         losses.append(float(loss))
         bad.append(violations(model, opt))
-    return losses, bad
+    return (losses, bad) if accelerator is None else (losses, bad, model)
 
 
 def _worker(rank, folder):
@@ -97,14 +101,18 @@ def _worker(rank, folder):
     return out
 
 
-def test_fsdp2_llama_and_distributed_checkpoints(tmp_path):
-    out = spawn(_worker, WORLD, str(tmp_path))
-
+def reference():
+    """One process on the whole batch: the losses, the final state, the masks of the start."""
     ref = build()
     masks = {fqn: top2_mask(m.weight) for fqn, m in ref.named_modules() if isinstance(m, Sparse24Linear)}
-    ref_losses, ref_bad = train(ref, IDS)
-    ref_state = full_state(ref)
-    assert ref_bad == [0] * STEPS
+    losses, bad = train(ref, IDS)
+    assert bad == [0] * STEPS
+    return losses, full_state(ref), masks
+
+
+def test_fsdp2_llama_and_distributed_checkpoints(tmp_path):
+    out = spawn(_worker, WORLD, str(tmp_path))
+    ref_losses, ref_state, masks = reference()
     for name in ("plain", "checkpointed"):
         losses, bad = out[name]
         assert bad == [0] * STEPS, (name, bad)
@@ -142,3 +150,39 @@ def test_fsdp2_llama_and_distributed_checkpoints(tmp_path):
         layer = loaded.get_submodule(fqn)
         assert layer.mode == "compressed"
         assert torch.equal(layer.dense_weight(), state[f"{fqn}.weight"]), fqn
+
+
+def _accelerate_worker(rank):
+    from accelerate import Accelerator
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    # what torchrun / accelerate launch would set (the process group is already up: Accelerate keeps it)
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_WORLD_SIZE=str(WORLD),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
+                                            transformer_cls_names_to_wrap=["LlamaDecoderLayer"])
+    acc = Accelerator(fsdp_plugin=plugin, cpu=True)
+    # Accelerate 1.15 turns FSDP on only for accelerator devices (CUDA, XPU, NPU, ...); on CPU it drops the
+    # plugin and wraps DDP. Its FSDP2 path itself runs on CPU: select it (needless on GPUs).
+    assert acc.distributed_type == DistributedType.MULTI_CPU
+    acc.state.distributed_type, acc.state.fsdp_plugin = DistributedType.FSDP, plugin
+    losses, bad, model = train(build(), IDS[:, 2 * rank:2 * rank + 2], distributed=True, accelerator=acc)
+    layers = [m for m in model.modules() if isinstance(m, Sparse24Linear)]
+    sharded = all(isinstance(m.weight, DTensor) and isinstance(m.mask, DTensor)
+                  and m.mask.placements == m.weight.placements for m in layers)
+    return losses, bad, sharded, full_state(model)
+
+
+def test_accelerate_fsdp2_keeps_masks_frozen():
+    """Accelerate's FSDP2 (Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2)), prepare,
+    backward) on 2 ranks: every step exactly 2:4, pruned weights and AdamW moments zero, and the same run
+    as one process on the whole batch."""
+    losses, bad, sharded, state = spawn(_accelerate_worker, WORLD)
+    ref_losses, ref_state, masks = reference()
+    assert sharded and bad == [0] * STEPS
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+    assert state.keys() == ref_state.keys()
+    for k, v in ref_state.items():
+        torch.testing.assert_close(state[k], v, rtol=1e-5, atol=1e-5, msg=k)  # as above
+    for fqn, mask in masks.items():
+        assert torch.equal(state[f"{fqn}.mask"], mask), fqn

@@ -70,3 +70,36 @@ def test_group_needs_an_initialized_process_group():
     with pytest.raises(ValueError, match="torch.distributed initialized"):
         prune_layerwise_(model, BATCHES, group=object())
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def _one_rank_fails(rank):
+    """Rank 1 alone has bad input; every rank must raise (not wait in a collective) and stay in step."""
+    group, out = dist.group.WORLD, {}
+    wrong_width = [torch.randn(4, 15, dtype=torch.float64)]
+    cases = {"calibrate: a batch of the wrong width": (calibrate, wrong_width),
+             "prune_layerwise_: a batch of the wrong width": (prune_layerwise_, wrong_width),
+             "prune_layerwise_: no batches": (prune_layerwise_, [])}
+    for name, (call, bad) in cases.items():
+        model_before = build().state_dict()
+        try:
+            call(build(), bad if rank == 1 else BATCHES[rank::WORLD], group=group)
+            out[name] = "returned"
+        except Exception as e:  # noqa: BLE001 - what each rank raised is the result
+            out[name] = f"{type(e).__name__}: {e}"
+        assert all(torch.equal(v, model_before[k]) for k, v in build().state_dict().items())
+    step = torch.ones(1)
+    dist.all_reduce(step)  # the ranks are still in step: the next collective meets
+    out["next collective"] = float(step)
+    every = [None] * WORLD
+    dist.all_gather_object(every, out)
+    return every
+
+
+def test_a_check_failing_on_one_rank_raises_on_every_rank():
+    rank0, rank1 = spawn(_one_rank_fails, WORLD, timeout=60)  # without the agreement rank 0 waited: timeout
+    for name in ("calibrate: a batch of the wrong width", "prune_layerwise_: a batch of the wrong width",
+                 "prune_layerwise_: no batches"):
+        assert rank0[name].startswith("RuntimeError: ") and "failed on rank(s) [1] of the process group" in rank0[name]
+        assert "failed on rank(s)" not in rank1[name] and rank1[name] != "returned", rank1[name]
+    assert "batches is empty" in rank1["prune_layerwise_: no batches"]
+    assert rank0["next collective"] == rank1["next collective"] == 2.0

@@ -128,3 +128,15 @@ def test_a_failure_at_any_stage_leaves_every_weight_as_it_was(monkeypatch, stage
             assert "failed in the check before pruning (nothing was changed)" in notes
     run(model)  # and it still works afterwards
     assert all(is_nm(model[i].weight) for i in (0, 2, 4))
+
+
+def test_without_rollback_a_failure_leaves_the_layers_pruned_before(monkeypatch):
+    batches = [torch.randn(40, 16, dtype=torch.float64)]
+    model = mlp()
+    snap = model_snapshot(model)
+    fail_on_call(monkeypatch, layerwise, "prune_nm", 1)
+    with pytest.raises(RuntimeError, match="injected failure at call 1") as err:
+        prune_layerwise_(model, batches, method="wanda", rollback=False)
+    assert "rollback=False: the 1 layer(s) pruned before stay pruned" in " | ".join(err.value.__notes__)
+    assert is_nm(model[0].weight) and not torch.equal(model[0].weight, snap["state"]["0.weight"])
+    assert torch.equal(model[2].weight, snap["state"]["2.weight"])  # the failing layer: untouched

@@ -15,6 +15,7 @@ import sparse24
 from sparse24 import is_nm, mask_nm
 from sparse24.masks import (LayerStats, apply_permutation, block_patterns, calibrate, kept_magnitude_fraction,
                             prune_layerwise_, prune_nm, search_permutation, sparsegpt_prune)
+from sparse24.masks import nm
 from sparse24.masks.permutation import _TabuWindows
 
 
@@ -358,6 +359,45 @@ def test_kept_magnitude_fraction_and_prune_nm():
         kept_magnitude_fraction(w, torch.ones(2, 2, dtype=torch.bool))
     with pytest.raises(TypeError, match="mask must be bool"):
         kept_magnitude_fraction(w, torch.ones(2, 4))
+
+
+@pytest.mark.parametrize("method", ["magnitude", "wanda", "2d_greedy", "sparsegpt"])
+def test_prune_nm_in_place(monkeypatch, method):
+    """out=w prunes w itself (row chunks of 3 rows here), as a fresh result would: w * mask (or SparseGPT's
+    weight), the kept fraction of the original w; a bad out is refused before anything changes."""
+    monkeypatch.setattr(nm, "_CHUNK", 48)
+    w = _randn(16, 16)
+    kw = ({"act_norm": _randn(16, seed=1).abs()} if method == "wanda" else
+          {"hessian": (lambda x: x.T @ x)(_randn(64, 16, seed=2)), "blocksize": 8} if method == "sparsegpt" else {})
+    fresh = prune_nm(w, 2, 4, method, **kw)
+    inplace = w.clone()
+    r = prune_nm(inplace, 2, 4, method, out=inplace, **kw)
+    assert r.weight.data_ptr() == inplace.data_ptr() and torch.equal(r.mask, fresh.mask)
+    ref = torch.where(fresh.mask, w, 0) if method != "sparsegpt" else fresh.weight
+    assert torch.equal(inplace, ref) and r.kept_fraction == kept_magnitude_fraction(w, fresh.mask)
+    for bad in (torch.zeros(16, 8, dtype=torch.float64), torch.zeros(16, 16)):
+        before = w.clone()
+        with pytest.raises(ValueError, match="out must be a tensor of w's shape, dtype and device"):
+            prune_nm(w, 2, 4, method, out=bad, **kw)
+        assert torch.equal(w, before) and not bad.any()
+
+
+def test_prune_layerwise_on_layer_sees_each_result_once():
+    torch.manual_seed(3)
+    net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8)).double()
+    ref = copy.deepcopy(net)
+    batches = [torch.randn(20, 16, dtype=torch.float64)]
+    expected = prune_layerwise_(ref, batches, method="wanda")
+    seen = []
+
+    def on_layer(fqn, r):  # called with the layer's weight already pruned
+        assert r.weight.data_ptr() == net.get_submodule(fqn).weight.data_ptr()
+        assert torch.equal(r.weight, expected[fqn].weight) and torch.equal(r.mask, expected[fqn].mask)
+        seen.append(fqn)
+        return int(r.mask.sum())
+
+    out = prune_layerwise_(net, batches, method="wanda", on_layer=on_layer, rollback=False)
+    assert seen == ["0", "2"] and out == {"0": 32 * 8, "2": 8 * 16}
 
 
 def test_public_names():

@@ -6,7 +6,8 @@ from transformers import LlamaForCausalLM
 
 import sparse24
 from sparse24 import Sparse24Linear
-from sparse24.masks import prune_layerwise_
+from sparse24 import compress
+from sparse24.masks import nm, prune_layerwise_
 from sparse24.nn.prepare import _mask_from_slots
 from sparse24.tools.blockwise import prune_folder_blockwise
 
@@ -42,6 +43,23 @@ def test_block_by_block_equals_in_memory(tmp_path, folder, method):
     for k, v in dense.state_dict().items():  # everything else as it was
         if k.rpartition(".")[0] not in layers:
             assert torch.equal(out.state_dict()[k], v), k
+
+
+def test_int8_compressed_row_chunk_by_chunk_equals_compressing_whole(tmp_path, folder, monkeypatch):
+    """Each layer is compressed a few rows at a time (2 here); values, meta words and scales are those of
+    compressing the whole in-memory result at once."""
+    from safetensors.torch import load_file
+    monkeypatch.setattr(nm, "_CHUNK", 2 * 64)
+    prune_folder_blockwise(folder, tmp_path / "out", BATCHES, method="wanda", quantize="int8")
+    monkeypatch.undo()
+    stored = {k: v for f in (tmp_path / "out").glob("*.safetensors") for k, v in load_file(f).items()}
+    ref = LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    results = prune_layerwise_(ref, BATCHES, method="wanda", filter_fn=lambda m, f: f.startswith("model.layers."))
+    for fqn, r in results.items():
+        want = compress(r.weight.half(), r.mask, quantize="int8").state_tensors()
+        assert set(want) == {"values", "meta", "scale"}
+        for n, t in want.items():
+            assert torch.equal(stored[f"{fqn}.{n}"], t), (fqn, n)
 
 
 def test_bad_calibration_input_changes_nothing(tmp_path, folder):

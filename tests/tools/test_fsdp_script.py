@@ -21,10 +21,11 @@ def test_torchrun_finetune_then_export(tmp_path):
     # --standalone: torchrun binds a free port on this machine itself (no race for one picked in advance)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            str(ROOT / "scripts" / "fsdp_finetune.py"), "--tiny", "--device", "cpu", "--steps", "2", "--lr", "1e-2",
-           "--out", str(tmp_path)]
+           "--memory", "--out", str(tmp_path)]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, (run.stdout[-2000:], run.stderr[-3000:])
     assert "step 1: loss" in run.stdout
+    assert all(f"rank {r}/2: parameters" in run.stdout for r in (0, 1)) and "peak while training" in run.stdout
 
     torch.manual_seed(0)
     before = AutoModelForCausalLM.from_config(tiny_config())
