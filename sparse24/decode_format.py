@@ -11,7 +11,7 @@ import torch
 
 from .format import Sparse24Tensor, _pack_meta, check_group_size
 
-__all__ = ["DecodePacked", "pack_decode", "decode_dims", "int4_groups", "DECODE_LAYOUT_VERSION"]
+__all__ = ["DecodePacked", "pack_decode", "decode_dims", "DECODE_LAYOUT_VERSION"]
 
 
 # --- decode layout (version 1) -------------------------------------------------
@@ -59,10 +59,9 @@ __all__ = ["DecodePacked", "pack_decode", "decode_dims", "int4_groups", "DECODE_
 #   one AND of (w_h >> 4k) with 0x000F000F puts group k's two codes in the low
 #   bits of the word's two 16-bit halves, where one OR with a magic exponent
 #   makes them float16 1024 + u (bfloat16 128 + u).
-#   ``scale``: float16 (GP, NT * 16), GP = ceil(64 * KA / group_size):
-#   scale[k, r] is layout v1's scale[r, k] (transposed: a K-tile's scales of
-#   consecutive rows are contiguous); ``zero``: None (symmetric, 8) or uint8
-#   (GP, NT * 16) the same way. Rows and groups past the logical shape: 0.
+#   ``scale`` and ``zero`` as in layout v1 ((R, ceil(C / group_size)), the same
+#   tensors: a module's buffers do not change with its layout); the kernel clamps
+#   padding rows to row R - 1 (never stored) and masks groups past C.
 # * padding rows, columns and atoms: values 0, keep mask 0 (they decode to zeros).
 #
 # Bytes per weight of the INT4 decode layout: 0.25 values + 0.125 keep masks +
@@ -97,9 +96,8 @@ class DecodePacked:
             INT8 weights: ``(KA, NT, 32, 16)`` uint8 sign-magnitude bytes;
             INT4 weights: ``(KA, NT, 32, 8)`` uint8, two 4-bit codes per byte.
         meta: ``(NT, 32, KM)`` int32 keep masks (8 groups per word).
-        scale: ``None``; ``(R,)`` float32 (INT8); ``(GP, NT * 16)`` float16 (INT4,
-            transposed and zero-padded, ``GP = ceil(64 KA / group_size)``).
-        zero: ``None``, or INT4 ``(GP, NT * 16)`` uint8 zero points (asymmetric).
+        scale: ``None``; ``(R,)`` float32 (INT8); ``(R, ceil(C / group_size))`` float16 (INT4).
+        zero: ``None``, or INT4 ``(R, ceil(C / group_size))`` uint8 zero points (asymmetric).
         group_size: INT4 quantization group along K (32, 64, 128), else None.
         shape: logical ``(R, C)``; ``NT = 8 * ceil(R / 128)``,
             ``KA = ceil(C / 64)``, ``KM = 16 * ceil(KA / 16)``.
@@ -135,13 +133,13 @@ class DecodePacked:
         if meta.dtype != torch.int32 or tuple(meta.shape) != (NT, 32, KM):
             raise ValueError(f"meta must be int32 of shape {(NT, 32, KM)}, got {meta.dtype} {tuple(meta.shape)}")
         if int4:
-            gshape = (int4_groups(KA, group_size), NT * _DEC_ROWS)
+            gshape = (R, -(-C // group_size))
             if scale.dtype != torch.float16 or tuple(scale.shape) != gshape:
-                raise ValueError(f"INT4 scale must be float16 of shape {gshape} (decode layout, group_size "
-                                 f"{group_size}), got {scale.dtype} {tuple(scale.shape)}")
+                raise ValueError(f"INT4 scale must be float16 of shape {gshape} (group_size {group_size}), got "
+                                 f"{scale.dtype} {tuple(scale.shape)}")
             if zero is not None and (zero.dtype != torch.uint8 or tuple(zero.shape) != gshape):
-                raise ValueError(f"INT4 zero points must be uint8 of shape {gshape} (decode layout), got "
-                                 f"{zero.dtype} {tuple(zero.shape)}")
+                raise ValueError(f"INT4 zero points must be uint8 of shape {gshape}, got {zero.dtype} "
+                                 f"{tuple(zero.shape)}")
         elif scale is not None and (scale.dtype != torch.float32 or tuple(scale.shape) != (R,)):
             raise ValueError(f"scale must be float32 of shape {(R,)}, got {scale.dtype} {tuple(scale.shape)}")
         if any(t is not None and t.device != values.device for t in (meta, scale, zero)):
@@ -168,7 +166,7 @@ class DecodePacked:
         NT, KA, KM = decode_dims(R, C)
         zero = None
         if group_size is not None:
-            gshape = (int4_groups(KA, group_size), NT * _DEC_ROWS)
+            gshape = (R, -(-C // group_size))
             values = torch.empty(KA, NT, 32, 8, dtype=torch.uint8, device=device)
             scale = torch.empty(gshape, dtype=torch.float16, device=device)
             zero = None if symmetric else torch.empty(gshape, dtype=torch.uint8, device=device)
@@ -250,16 +248,9 @@ class DecodePacked:
             raise ValueError(f"corrupt decode layout: padding past the logical shape {(R, C)} is not zero")
         if self.scale is not None and not bool(torch.isfinite(self.scale).all()):
             raise ValueError("corrupt scales: non-finite values")
-        if self.group_size is not None:
-            groups = -(-C // self.group_size)
-            for name, t in (("scales", self.scale), ("zero points", self.zero)):
-                if t is not None and (bool((t[groups:] != 0).any()) or bool((t[:, R:] != 0).any())):
-                    raise ValueError(f"corrupt decode layout: INT4 {name} past the logical shape {(R, C)} "
-                                     f"(group_size {self.group_size}) are not zero")
-            if self.zero is not None and bool((self.zero > 15).any()):
-                k, r = (int(i) for i in (self.zero > 15).nonzero()[0])
-                raise ValueError(f"corrupt INT4 zero points at row {r}, group {k}: {int(self.zero[k, r])} is not "
-                                 f"in 0..15")
+        if self.zero is not None and bool((self.zero > 15).any()):
+            r, k = (int(i) for i in (self.zero > 15).nonzero()[0])
+            raise ValueError(f"corrupt INT4 zero points at row {r}, group {k}: {int(self.zero[r, k])} is not in 0..15")
         return self
 
     def to_sparse24(self) -> Sparse24Tensor:
@@ -267,16 +258,14 @@ class DecodePacked:
         R, C = self.shape
         slots = self.slots()
         vals = self._unpacked()[1][:R, :C // 4]
-        scale, zero = self.scale, self.zero
         if self.group_size is not None:
             vals = (vals[..., 0] | vals[..., 1] << 4).to(torch.uint8)                    # (R, C / 4) bytes
-            groups = -(-C // self.group_size)
-            scale, zero = (None if t is None else t[:groups, :R].t().contiguous() for t in (scale, zero))
         elif self.scale is not None:
             mag = (vals & 0x7F).to(torch.int16)
             vals = torch.where(vals >= 0x80, -mag, mag).to(torch.int8)
         meta = _pack_meta((slots[..., 0] | slots[..., 1] << 2).int())
-        return Sparse24Tensor(vals.reshape(R, C // (4 if self.group_size else 2)).contiguous(), meta, (R, C), self.dtype, scale, zero=zero,
+        return Sparse24Tensor(vals.reshape(R, C // (4 if self.group_size else 2)).contiguous(), meta, (R, C),
+                              self.dtype, self.scale, zero=self.zero,
                               group_size=self.group_size, check=False)
 
     def to_dense(self, rows: slice | None = None) -> torch.Tensor:
@@ -298,9 +287,7 @@ class DecodePacked:
         b0, b1 = t0 * _DEC_ROWS, min(R, t1 * _DEC_ROWS)  # whole blocks of 128 rows (the last one real rows)
         scale, zero = self.scale, self.zero
         if self.group_size is not None:
-            values = self.values[:, t0:t1]
-            scale, zero = (None if t is None else t[:, t0 * _DEC_ROWS:t1 * _DEC_ROWS].contiguous()
-                           for t in (scale, zero))
+            values, scale, zero = self.values[:, t0:t1], scale[b0:b1], None if zero is None else zero[b0:b1]
         elif self.scale is None:
             values = self.values[:, :, t0:t1]
         else:
@@ -308,12 +295,6 @@ class DecodePacked:
         block = DecodePacked(values.contiguous(), self.meta[t0:t1].contiguous(), (b1 - b0, C), self.dtype, scale,
                              zero=zero, group_size=self.group_size, check=False)
         return block.to_sparse24().to_dense()[r0 - b0:r1 - b0]
-
-
-def int4_groups(KA: int, group_size: int) -> int:
-    """``GP``: quantization groups of the INT4 decode layout's scales, ``ceil(64 KA / group_size)``
-    (every padded column of the layout has a scale: the kernel loads them unmasked)."""
-    return -(-KA * _DEC_COLS // group_size)
 
 
 def check_word_aligned(values: torch.Tensor, meta: torch.Tensor) -> None:
@@ -398,6 +379,4 @@ def _pack_int4(p: Sparse24Tensor, meta: torch.Tensor, NT: int, KA: int, Rp: int,
     nib = codes.view(NT, 2, 8, KA, 2, 2, 4, 2).permute(3, 0, 2, 6, 4, 7, 5, 1)       # (a, t, i, j, h, v, qq, b)
     nib = nib.reshape(KA, NT, 32, 2, 8)                                              # nibble n = 4v + 2qq + b
     values = (nib[..., 0::2] | nib[..., 1::2] << 4).reshape(KA, NT, 32, 8).contiguous()
-    gshape = (int4_groups(KA, p.group_size), Rp)
-    scale, zero = (None if t is None else _dec_pad(t.t(), *gshape).contiguous() for t in (p.scale, p.zero))
-    return DecodePacked(values, meta, (R, C), p.dtype, scale, zero=zero, group_size=p.group_size, check=False)
+    return DecodePacked(values, meta, (R, C), p.dtype, p.scale, zero=p.zero, group_size=p.group_size, check=False)

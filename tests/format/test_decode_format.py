@@ -107,7 +107,7 @@ def test_int4_round_trip_is_exact(R, C, gs, symmetric, gen):
     d = pack_decode(p)
     assert d.quantized == "int4" and d.group_size == gs and d.values.dtype == torch.uint8
     assert d.values.shape == (-(-C // 64), 8 * -(-R // 128), 32, 8)
-    assert d.scale.shape == (-(-64 * -(-C // 64) // gs), 128 * -(-R // 128)) and d.scale.dtype == torch.float16
+    assert d.scale is p.scale and d.zero is p.zero                       # the same tensors as layout v1
     assert (d.zero is None) == symmetric
     q = d.to_sparse24()
     for name in ("values", "meta", "scale", "zero"):
@@ -131,16 +131,16 @@ def test_int4_documented_bit_positions():
     word = int.from_bytes(bytes(d.values[1, 0, lane, 4:8].tolist()), "little")   # h = 1: bytes 4..7
     n = 2 * 1 + 1                                           # nibble 2 qq + b (+ 4 for the higher slot)
     assert (word >> 4 * n) & 15 == 11 and (word >> 4 * (n + 4)) & 15 == 1
-    k = col // 32                                           # quantization group of the column
-    assert d.scale[k, r].item() == p.scale[r, k].item() == 1.0
     assert torch.equal(d.to_dense(), p.to_dense())
 
 
 def test_int4_corrupt_input_is_rejected():
     p = sparse24.compress(torch.randn(40, 100), quantize="int4", group_size=32, symmetric=False)
     d = pack_decode(p)
-    with pytest.raises(ValueError, match="INT4 scale must be float16 of shape"):
-        DecodePacked(d.values, d.meta, d.shape, d.dtype, d.scale[:, :40], zero=d.zero, group_size=32)
+    with pytest.raises(ValueError, match=r"INT4 scale must be float16 of shape \(40, 4\)"):
+        DecodePacked(d.values, d.meta, d.shape, d.dtype, d.scale[:, :3], zero=d.zero, group_size=32)
+    with pytest.raises(ValueError, match=r"INT4 zero points must be uint8 of shape \(40, 4\)"):
+        DecodePacked(d.values, d.meta, d.shape, d.dtype, d.scale, zero=d.zero.t(), group_size=32)
     with pytest.raises(ValueError, match="INT4 scale must be float16"):
         DecodePacked(d.values, d.meta, d.shape, d.dtype, d.scale.float(), zero=d.zero, group_size=32)
     with pytest.raises(ValueError, match="group_size must be one of"):
@@ -150,17 +150,11 @@ def test_int4_corrupt_input_is_rejected():
     with pytest.raises(ValueError, match=r"values must be torch.uint8 of shape \(2, 8, 32, 8\)"):
         DecodePacked(d.values[:, :, :, :4].contiguous(), d.meta, d.shape, d.dtype, d.scale, group_size=32)
     zero = d.zero.clone()
-    zero[2, 7] = 16
+    zero[7, 2] = 16
     with pytest.raises(ValueError, match="corrupt INT4 zero points at row 7, group 2: 16"):
         DecodePacked(d.values, d.meta, d.shape, d.dtype, d.scale, zero=zero, group_size=32)
-    for t, name in ((d.scale, "scales"), (d.zero, "zero points")):
-        bad = t.clone()
-        bad[0, 40] = 1                                      # row 40: padding
-        with pytest.raises(ValueError, match=f"INT4 {name} past the logical shape"):
-            DecodePacked(d.values, d.meta, d.shape, d.dtype, bad if name == "scales" else d.scale,
-                         zero=bad if name != "scales" else d.zero, group_size=32)
     scale = d.scale.clone()
-    scale[1, 3] = float("inf")
+    scale[3, 1] = float("inf")
     with pytest.raises(ValueError, match="non-finite"):
         DecodePacked(d.values, d.meta, d.shape, d.dtype, scale, zero=d.zero, group_size=32)
     values = d.values.clone()
