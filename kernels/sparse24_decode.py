@@ -50,7 +50,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from .interpreter import InterpretedKernel
+from .interpreter import ASM_EMULATIONS, InterpretedKernel, f16x2_reference
 
 __all__ = ["sparse24_decode", "sparse24_decode_interpreted", "int8_bf16_words", "SELECTORS", "SM_MASK"]
 
@@ -147,6 +147,32 @@ def _int4_words(wv, s_rows, z_rows, ok_a, a0, G, MASKED: tl.constexpr, HAS_ZERO:
     return P, Z, s
 
 
+# INT4 dequantization on whole 32-bit words (two halves each): Triton's per-element
+# float16 arithmetic made LLVM re-pair the halves (a PRMT per operand and result, 0.62
+# warp-instructions per byte at 4096 x 4096 against 0.XX this way). Each string has a numpy
+# emulation for interpreted launches (kernels/interpreter.py).
+_SUB_F16X2 = tl.constexpr("sub.f16x2 $0, $1, $2;")
+_MUL_F16X2 = tl.constexpr("mul.f16x2 $0, $1, $2;")
+# bfloat16: u - z exactly, then (u - z) * s rounded once: s = hi + lo with hi = bf16(s) and
+# lo = s - hi exact in bfloat16 (float16's 11 bits = 8 + 3), (u - z) * lo exact (<= 8 bits),
+# one fma adds (u - z) * hi to it with a single rounding.
+_DEQUANT_BF16X2 = tl.constexpr(
+    "{ .reg .b32 t, p; sub.rn.bf16x2 t, $1, $2; mul.rn.bf16x2 p, t, $4; fma.rn.bf16x2 $0, t, $3, p; }")
+ASM_EMULATIONS[_SUB_F16X2.value] = f16x2_reference("sub")
+ASM_EMULATIONS[_MUL_F16X2.value] = f16x2_reference("mul")
+
+
+@triton.jit
+def _f16x2(asm: tl.constexpr, a, b):
+    return tl.inline_asm_elementwise(asm, "=r,r,r", [a, b], dtype=tl.int32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _half_word(h):
+    """A float16/bfloat16 tensor -> int32 words holding it in both halves."""
+    return (h.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF) * 0x10001
+
+
 @triton.jit
 def _int4_rows(scale_ptr, zero_ptr, t0, N, G, T: tl.constexpr):
     # INT4: a lane's scale and zero-point pointers at quantization group 0, [1, 1, T, 32, 1, b]:
@@ -201,6 +227,25 @@ def _decode_tile(acc, x_ptrs, v_ptrs, m_ptrs, k0, K, a0, KA, s_rows, z_rows, G,
         P, Z, sc = _int4_words(wv, s_rows, z_rows, ok_a, a0, G, MASKED, HAS_ZERO, GROUP, MAGIC, A, T)
         d01 = libdevice.byte_perm(P, Z, (nib & 3) * _MUL01_I4 + _ADD01_I4)      # dense slots 0, 1
         d23 = libdevice.byte_perm(P, Z, ((nib >> 2) & 3) * _MUL23_I4 + _ADD23_I4)  # dense slots 2, 3
+        # u - z exactly (integers below 2**11 / 2**8), then times the float16 scale, on whole
+        # words: x float16, in float16 (one rounding of the exact product); x bfloat16, the
+        # exact product rounded once (_DEQUANT_BF16X2); x float32, u - z here, the scale
+        # after, in float32 (exact).
+        if XT == tl.float16:
+            S = _half_word(sc)
+            d01 = _f16x2(_MUL_F16X2, _f16x2(_SUB_F16X2, d01, Z), S)
+            d23 = _f16x2(_MUL_F16X2, _f16x2(_SUB_F16X2, d23, Z), S)
+        elif XT == tl.bfloat16:
+            hi = sc.to(tl.bfloat16)
+            lo = (sc.to(tl.float32) - hi.to(tl.float32)).to(tl.bfloat16)
+            SH, SL = _half_word(hi), _half_word(lo)
+            d01 = tl.inline_asm_elementwise(_DEQUANT_BF16X2, "=r,r,r,r,r", [d01, Z, SH, SL], dtype=tl.int32,
+                                            is_pure=True, pack=1)
+            d23 = tl.inline_asm_elementwise(_DEQUANT_BF16X2, "=r,r,r,r,r", [d23, Z, SH, SL], dtype=tl.int32,
+                                            is_pure=True, pack=1)
+        else:
+            d01 = _f16x2(_SUB_F16X2, d01, Z)
+            d23 = _f16x2(_SUB_F16X2, d23, Z)
     elif INT8:
         # 16 bytes per lane and atom; word q = 2h + qq holds groups (q, 0) and
         # (q, 1): each word gives 4 dense pairs, with per-group selectors.
@@ -245,19 +290,9 @@ def _decode_tile(acc, x_ptrs, v_ptrs, m_ptrs, k0, K, a0, KA, s_rows, z_rows, G,
         w1 -= (c01 >> 16).to(tl.int16).to(WT, bitcast=True)
         w2 -= (c23 & 0xFFFF).to(tl.int16).to(WT, bitcast=True)
         w3 -= (c23 >> 16).to(tl.int16).to(WT, bitcast=True)
-    if INT4:
-        # u - z exactly (integers below 2**11 / 2**8), then times the float16 scale: in
-        # float16 one rounding of the exact product; for bfloat16 and float32 x in float32
-        # (exact), then rounded once to x's dtype: the weight the format defines, in x's dtype.
-        zf = (Z & 0xFFFF).to(tl.int16).to(WT, bitcast=True)
-        if XT == tl.float16:
-            w0, w1, w2, w3 = (w0 - zf) * sc, (w1 - zf) * sc, (w2 - zf) * sc, (w3 - zf) * sc
-        else:
-            s32 = sc.to(tl.float32)
-            w0 = ((w0 - zf).to(tl.float32) * s32).to(XT)
-            w1 = ((w1 - zf).to(tl.float32) * s32).to(XT)
-            w2 = ((w2 - zf).to(tl.float32) * s32).to(XT)
-            w3 = ((w3 - zf).to(tl.float32) * s32).to(XT)
+    if INT4 and XT == tl.float32:
+        s32 = sc.to(tl.float32)
+        w0, w1, w2, w3 = w0.to(XT) * s32, w1.to(XT) * s32, w2.to(XT) * s32, w3.to(XT) * s32
 
     # Dot order inside each 16-column chunk: position 8hh + 2j + e holds dense
     # column 4j + 2hh + e, so lane (i, j) holds its groups' columns in its
