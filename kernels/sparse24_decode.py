@@ -148,16 +148,20 @@ def _int4_words(wv, s_rows, z_rows, ok_a, a0, G, MASKED: tl.constexpr, HAS_ZERO:
 
 
 # INT4 dequantization on whole 32-bit words (two halves each): Triton's per-element
-# float16 arithmetic made LLVM re-pair the halves (a PRMT per operand and result, 0.62
-# warp-instructions per byte at 4096 x 4096 against 0.XX this way). Each string has a numpy
-# emulation for interpreted launches (kernels/interpreter.py).
+# float16 arithmetic made LLVM re-pair the halves (a PRMT per operand and result: 0.62
+# warp-instructions per byte in the 4096 x 4096 main loop, 0.53 this way). Each string
+# has a numpy emulation for interpreted launches (kernels/interpreter.py).
 _SUB_F16X2 = tl.constexpr("sub.f16x2 $0, $1, $2;")
 _MUL_F16X2 = tl.constexpr("mul.f16x2 $0, $1, $2;")
 # bfloat16: u - z exactly, then (u - z) * s rounded once: s = hi + lo with hi = bf16(s) and
 # lo = s - hi exact in bfloat16 (float16's 11 bits = 8 + 3), (u - z) * lo exact (<= 8 bits),
-# one fma adds (u - z) * hi to it with a single rounding.
+# one fma adds (u - z) * hi to it with a single rounding. All fma.rn.bf16x2 (sm_80; the
+# bf16x2 sub and mul forms need sm_90): t = Z * -1 + d, p = t * lo + -0, t * hi + p
+# (operands: $1 d, $2 Z, $3 hi, $4 lo, $5 the words of -1 and $6 of -0: no immediates in fma).
 _DEQUANT_BF16X2 = tl.constexpr(
-    "{ .reg .b32 t, p; sub.rn.bf16x2 t, $1, $2; mul.rn.bf16x2 p, t, $4; fma.rn.bf16x2 $0, t, $3, p; }")
+    "{ .reg .b32 t, p; fma.rn.bf16x2 t, $2, $5, $1; fma.rn.bf16x2 p, t, $4, $6; fma.rn.bf16x2 $0, t, $3, p; }")
+_BF16X2_MINUS_ONE = tl.constexpr(-0x407F4080)   # 0xBF80BF80 as int32
+_BF16X2_MINUS_ZERO = tl.constexpr(-0x7FFF8000)  # 0x80008000 as int32
 ASM_EMULATIONS[_SUB_F16X2.value] = f16x2_reference("sub")
 ASM_EMULATIONS[_MUL_F16X2.value] = f16x2_reference("mul")
 
@@ -239,10 +243,12 @@ def _decode_tile(acc, x_ptrs, v_ptrs, m_ptrs, k0, K, a0, KA, s_rows, z_rows, G,
             hi = sc.to(tl.bfloat16)
             lo = (sc.to(tl.float32) - hi.to(tl.float32)).to(tl.bfloat16)
             SH, SL = _half_word(hi), _half_word(lo)
-            d01 = tl.inline_asm_elementwise(_DEQUANT_BF16X2, "=r,r,r,r,r", [d01, Z, SH, SL], dtype=tl.int32,
-                                            is_pure=True, pack=1)
-            d23 = tl.inline_asm_elementwise(_DEQUANT_BF16X2, "=r,r,r,r,r", [d23, Z, SH, SL], dtype=tl.int32,
-                                            is_pure=True, pack=1)
+            m1 = tl.full([1, 1, 1, 1, 1, 1], _BF16X2_MINUS_ONE, tl.int32)
+            m0 = tl.full([1, 1, 1, 1, 1, 1], _BF16X2_MINUS_ZERO, tl.int32)
+            d01 = tl.inline_asm_elementwise(_DEQUANT_BF16X2, "=r,r,r,r,r,r,r", [d01, Z, SH, SL, m1, m0],
+                                            dtype=tl.int32, is_pure=True, pack=1)
+            d23 = tl.inline_asm_elementwise(_DEQUANT_BF16X2, "=r,r,r,r,r,r,r", [d23, Z, SH, SL, m1, m0],
+                                            dtype=tl.int32, is_pure=True, pack=1)
         else:
             d01 = _f16x2(_SUB_F16X2, d01, Z)
             d23 = _f16x2(_SUB_F16X2, d23, Z)

@@ -77,18 +77,28 @@ def test_int4_selectors_fill_unkept_slots_with_the_zero_word():
 def test_int4_magic_numbers_give_exact_integers(xtype, magic):
     """The identities the kernel's dequantization rests on, for every code u and zero point z:
     (magic | u) - (magic | z) == u - z exactly in x's 16-bit type, and (u - z) * scale done as
-    the kernel does (fp16: in fp16; bf16: in fp32, then rounded) is the exact product rounded once."""
-    u = torch.arange(16).repeat_interleave(16)
-    z = torch.arange(16).repeat(16)
+    the kernel does is the exact product rounded once to x's dtype. fp16: one mul.f16x2.
+    bf16 (three fma.rn.bf16x2, each one rounding of an exact a * b + c, emulated exactly in
+    fp32 here since every exact result fits its 24 bits): s = hi + lo, hi = bf16(s), lo exact,
+    p = (u - z) * lo exact, then (u - z) * hi + p rounded once."""
+    u = torch.arange(16).repeat_interleave(16).repeat(64)
+    z = torch.arange(16).repeat(16).repeat(64)
     a = (magic | u).to(torch.int16).view(xtype)
     b = (magic | z).to(torch.int16).view(xtype)
-    assert torch.equal((a - b).double(), (u - z).double())
-    s = torch.randn(256, generator=torch.Generator().manual_seed(0)).half()
+    t = a - b
+    assert torch.equal(t.double(), (u - z).double())
+    s = (torch.randn(u.numel(), generator=torch.Generator().manual_seed(0))
+         * torch.logspace(-6, 3, u.numel(), dtype=torch.float64).float()).half()
     exact = (u - z).double() * s.double()
     if xtype == torch.float16:
-        got = (a - b) * s
+        got = t * s
     else:
-        got = ((a - b).float() * s.float()).to(xtype)
+        hi = s.to(torch.bfloat16)
+        lo = (s.float() - hi.float()).to(torch.bfloat16)
+        assert torch.equal(lo.double() + hi.double(), s.double())              # the split is exact
+        p = (t.float() * lo.float()).to(torch.bfloat16)
+        assert torch.equal(p.double(), t.double() * lo.double())               # so is (u - z) * lo
+        got = (t.float() * hi.float() + p.float()).to(torch.bfloat16)
     assert torch.equal(got, exact.to(xtype))
 
 
@@ -191,15 +201,19 @@ def test_a_wrong_scale_index_fails_the_check(where, gen):
 
 def test_bf16_is_refused_on_cpu_and_compiles_for_sm90(gen):
     """The interpreter cannot run bfloat16 (a clear error); the bfloat16 INT4 path compiles for
-    sm_90 with its magic constant, tensor-core dots and no local memory."""
+    sm_80 and sm_90 with its magic constant, its fma dequantization, tensor-core dots and no
+    local memory."""
     p, _ = _int4(64, 256, 128, False, gen)
     d = pack_decode(p)
     with pytest.raises(TypeError, match="no bfloat16"):
         linear_decode(torch.randn(2, 256).bfloat16(), d)
     pytest.importorskip("triton.backends.nvidia")
-    cfg = _cfg(64, 128, split=2, stages=2)
-    ck = launch.aot_compile(torch.randn(16, 256).bfloat16(), d, None, torch.empty(16, 64).bfloat16(), cfg, 2)
-    ptx = ck.asm["ptx"]
-    assert "1124090624" in ptx or "0x43004300" in ptx.lower()   # 0x43004300: bfloat16 128 + u
-    assert "mma.sync" in ptx or "wgmma" in ptx
-    assert "ld.local" not in ptx and "st.local" not in ptx
+    for cap, bn in ((80, 32), (90, 64)):
+        cfg = _cfg(bn, 128, split=2, stages=2)
+        ck = launch.aot_compile(torch.randn(16, 256).bfloat16(), d, None, torch.empty(16, 64).bfloat16(), cfg, 2,
+                                (cap // 10, 0))
+        ptx = ck.asm["ptx"]
+        assert "1124090624" in ptx or "0x43004300" in ptx.lower()   # 0x43004300: bfloat16 128 + u
+        assert ptx.count("fma.rn.bf16x2") >= 3 and "sub.f16x2" not in ptx
+        assert ("wgmma" in ptx) == (cap == 90) and ("mma.sync" in ptx) == (cap == 80)
+        assert "ld.local" not in ptx and "st.local" not in ptx
