@@ -29,6 +29,14 @@ same 4096x4096 layer, every config of its space, Triton 3.9 and 3.6
 * INT8 values are sign-magnitude bytes: one AND turns a permuted byte pair into
   the exact float16 subnormal value * 2**-24; the 2**24 goes into the epilogue
   scale (no int -> float conversion instructions);
+* INT4 values (W4A16): one AND + OR per group makes its two 4-bit codes a
+  float16 (bfloat16) pair 1024 + u (128 + u); the same two byte permutes, with
+  the zero point's word 1024 + z as their second source (unkept slots), put it
+  in the dense registers; one packed subtraction leaves u - z (0 on unkept
+  slots) and one packed multiply the group's scale (bfloat16: an exact split of
+  the scale and three fma). Over the sm_90 budget (0.54-0.76 per compressed
+  byte at the listed shapes, docs/kernels.md "INT4 weights"): the 16-bit
+  scatter alone costs more per group than INT4's 1.5 bytes allow;
 * no masks in the main loop: the packed weight is padded to whole 64-column
   atoms and to 128 rows, x rows past M are clamped (their outputs are never
   stored) and the partial last K-tile runs once, masked, after the loop;

@@ -224,8 +224,8 @@ def decode_default(N: int, K: int, dtype: str = "float16", num_sms: int = 132) -
 
     64-row tiles (4 warps, ~70-160 registers: several programs fit an SM), BLOCK_K
     256 (128 where 256 leaves SMs without a program), pipelined: 16-bit weights 2
-    stages (one K-tile's loads in flight while another decodes), INT8 3 stages (two:
-    its tiles hold half the bytes). Then split-K (serial, inside the one launch) just
+    stages (one K-tile's loads in flight while another decodes), INT8 and INT4 3 stages
+    (two: their tiles hold 5/9 and 3/9 of the bytes). Then split-K (serial, inside the one launch) just
     large enough that the programs running at once keep ``DECODE_IN_FLIGHT`` weight
     bytes requested per SM, or, for small layers, one K-tile per program (the whole
     weight at once, in one stage: there is no later tile to prefetch; SPLIT_K equals the

@@ -6,8 +6,6 @@ magnitude mask. bfloat16 has no numpy type, so the interpreter cannot run it: it
 dequantization identities are checked exactly below, and its code path is compiled
 for sm_90 (scripts/kernel_static_check.py and the last test here)."""
 import itertools
-import sys
-from pathlib import Path
 
 import pytest
 import torch
