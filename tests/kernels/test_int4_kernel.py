@@ -16,6 +16,7 @@ from sparse24.kernels.interpreter import byte_perm_reference
 from sparse24.kernels.sparse24_decode import SELECTORS
 from sparse24.ops.config_space import KernelConfig
 from sparse24.ops.linear24 import launch, linear_prefill
+from sparse24.ops.linear24.prefill import prefill_config
 from sparse24.ops.linear24 import linear_triton as linear_decode
 
 from conftest import assert_matches_reference, matches_reference, top2_mask
@@ -153,6 +154,8 @@ def test_default_configs_and_the_op(gen):
     x = torch.randn(4, 200, generator=gen).half()
     assert_matches_reference(sparse24.linear(x, p, backend="triton"), x, _operand(W, torch.float16))
     assert_matches_reference(linear_decode(x, p), x, _operand(W, torch.float16))
+    # the untuned prefill tile: never 128 x 128 for INT4 (one program per SM there, sm_90)
+    assert (prefill_config(4096, 4096, 4096).block_n, prefill_config(4096, 4096, 4096, int4=True).block_n) == (128, 64)
 
 
 # --- corruption is caught ------------------------------------------------------------
