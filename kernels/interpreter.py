@@ -50,7 +50,7 @@ for _name in ("triton.compiler.code_generator", "triton.language.extra.libdevice
         pass
 libdevice = sys.modules.get("triton.language.extra.libdevice")
 
-__all__ = ["InterpretedKernel", "byte_perm_reference", "prmt_raw_reference"]
+__all__ = ["InterpretedKernel", "byte_perm_reference", "prmt_raw_reference", "ASM_EMULATIONS", "f16x2_reference"]
 
 
 def _patchable() -> list:
@@ -155,6 +155,38 @@ def _byte_perm_interpreted(x, y, s, *args, **kwargs):
 _byte_perm_interpreted.__module__ = "triton.language.extra.libdevice"
 
 
+def f16x2_reference(op: str):
+    """A numpy emulation of PTX ``{op}.f16x2`` on int32 words (two float16 each, low half
+    first): numpy rounds each float16 result once to nearest even, as the GPU does."""
+    def run(a, b):
+        a, b = (np.ascontiguousarray(np.broadcast_to(np.asarray(v, dtype=np.int32), np.broadcast_shapes(
+            np.shape(a), np.shape(b)))).view(np.float16) for v in (a, b))
+        return (a - b if op == "sub" else a * b).view(np.int32)
+    return run
+
+
+# Inline PTX an interpreted launch can run: asm string -> numpy function of the operands'
+# int32 arrays (a kernel module registers its own strings; the interpreter has no PTX).
+ASM_EMULATIONS: dict = {}
+
+
+class _AsmResults:
+    def __init__(self, outs):
+        self.outs = outs
+
+    def get_result(self, i):
+        return self.outs[i]
+
+
+def _inline_asm_interpreted(builder, asm, constraints, values, types, is_pure, pack):
+    """``tl.inline_asm_elementwise`` on the interpreter's tensors, through :data:`ASM_EMULATIONS`."""
+    fn = ASM_EMULATIONS.get(asm)
+    if fn is None or pack != 1:
+        raise NotImplementedError(f"no interpreter emulation of this inline asm (pack {pack}): {asm!r}")
+    out = np.asarray(fn(*[v.data for v in values]), dtype=np.int32)
+    return _AsmResults([TensorHandle(out, tl.int32)])
+
+
 def _call_interpreted(jit_fn, *args, **kwargs):
     if jit_fn not in _INTERPRETED_HELPERS:
         _INTERPRETED_HELPERS[jit_fn] = InterpretedFunction(jit_fn.fn)
@@ -180,9 +212,12 @@ class InterpretedKernel:
             undo_index_fix = _scalar_index_fix()
             if libdevice is not None:
                 libdevice.byte_perm = _byte_perm_interpreted
+            asm = _interpreter.InterpreterBuilder.create_inline_asm
+            _interpreter.InterpreterBuilder.create_inline_asm = _inline_asm_interpreted
             try:
                 return self.fn[grid](*args, **kwargs)
             finally:
+                _interpreter.InterpreterBuilder.create_inline_asm = asm
                 undo_index_fix()
                 _restore(snapshot)
         return launch

@@ -29,6 +29,14 @@ same 4096x4096 layer, every config of its space, Triton 3.9 and 3.6
 * INT8 values are sign-magnitude bytes: one AND turns a permuted byte pair into
   the exact float16 subnormal value * 2**-24; the 2**24 goes into the epilogue
   scale (no int -> float conversion instructions);
+* INT4 values (W4A16): one AND + OR per group makes its two 4-bit codes a
+  float16 (bfloat16) pair 1024 + u (128 + u); the same two byte permutes, with
+  the zero point's word 1024 + z as their second source (unkept slots), put it
+  in the dense registers; one packed subtraction leaves u - z (0 on unkept
+  slots) and one packed multiply the group's scale (bfloat16: an exact split of
+  the scale and three fma). Over the sm_90 budget (0.54-0.76 per compressed
+  byte at the listed shapes, docs/kernels.md "INT4 weights"): the 16-bit
+  scatter alone costs more per group than INT4's 1.5 bytes allow;
 * no masks in the main loop: the packed weight is padded to whole 64-column
   atoms and to 128 rows, x rows past M are clamped (their outputs are never
   stored) and the partial last K-tile runs once, masked, after the loop;
@@ -50,7 +58,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from .interpreter import InterpretedKernel
+from .interpreter import ASM_EMULATIONS, InterpretedKernel, f16x2_reference
 
 __all__ = ["sparse24_decode", "sparse24_decode_interpreted", "int8_bf16_words", "SELECTORS", "SM_MASK"]
 
@@ -74,8 +82,16 @@ _MUL01_B1 = tl.constexpr(0x2244)
 _ADD01_B1 = tl.constexpr(0x54CD)
 _MUL23_B1 = tl.constexpr(0x43E6)
 _ADD23_B1 = tl.constexpr(0x6F67)
-# (int8, group b of the word) -> (MUL01, ADD01, MUL23, ADD23), for tests and docs
+# INT4: the group's word is (0x6400 | lo, 0x6400 | hi) (bfloat16: 0x4300), the
+# second word Z the zero point's (0x6400 | z) twice: an unkept slot selects Z's
+# bytes in order, so after subtracting 1024 + z it is exactly 0, a kept one u - z.
+_MUL01_I4 = tl.constexpr(0x21BC)
+_ADD01_I4 = tl.constexpr(0x54DC)
+_MUL23_I4 = tl.constexpr(0xBBDE)
+_ADD23_I4 = tl.constexpr(0x7E76)
+# (int8, group b of the word) -> (MUL01, ADD01, MUL23, ADD23), for tests and docs; "int4": INT4's
 SELECTORS = {
+    "int4": (_MUL01_I4.value, _ADD01_I4.value, _MUL23_I4.value, _ADD23_I4.value),
     (False, 0): (_MUL01.value, _ADD01.value, _MUL23.value, _ADD23.value),
     (False, 1): (_MUL01.value, _ADD01.value, _MUL23.value, _ADD23.value),
     (True, 0): (_MUL01_B0.value, _ADD01_B0.value, _MUL23_B0.value, _ADD23_B0.value),
@@ -101,10 +117,91 @@ def int8_bf16_words(d):
     return y, y & _BF16_SIGN_EXP
 
 
+# INT4: a code u OR-ed into the exponent bits of 1024 (float16) or 128 (bfloat16)
+# is that number + u exactly (the 10 / 7 mantissa bits hold u <= 15).
+_MAGIC_F16 = tl.constexpr(0x64006400)
+_MAGIC_BF16 = tl.constexpr(0x43004300)
+
+
 @triton.jit
-def _decode_tile(acc, x_ptrs, v_ptrs, m_ptrs, k0, K, a0, KA,
+def _int4_words(wv, s_rows, z_rows, ok_a, a0, G, MASKED: tl.constexpr, HAS_ZERO: tl.constexpr,
+                GROUP: tl.constexpr, MAGIC: tl.constexpr, A: tl.constexpr, T: tl.constexpr):
+    # INT4 values [A, T*64] (a lane's two words per atom) -> the groups' code words P
+    # (magic | lo, magic | hi) and zero words Z (magic | z, twice), [A, h, T, 32, qq, b],
+    # and the scales [A, h or 1, T, 32, 1, b] (float16) of each group's row and
+    # quantization group (at most 2 per lane and atom: rows i, i + 8).
+    W = tl.reshape(tl.permute(tl.reshape(wv, [A, T, 32, 2]), [0, 3, 1, 2]), [A, 2, T, 32, 1, 1])
+    iq = tl.arange(0, 2)[None, None, None, None, :, None]
+    ib = tl.arange(0, 2)[None, None, None, None, None, :]
+    P = ((W >> ((2 * iq + ib) * 4)) & 0x000F000F) | MAGIC                   # group 2qq + b: nibbles k, k + 4
+    ia = tl.arange(0, A)[:, None, None, None, None, None]
+    if GROUP == 32:  # the two halves of an atom are two quantization groups
+        kq = (a0 + ia) * 2 + tl.arange(0, 2)[None, :, None, None, None, None]
+    else:
+        kq = (a0 + ia) // (GROUP // 64)
+    if MASKED:  # the partial tile: groups past the last one (columns >= K) are not read
+        ok = ok_a[:, None, None, None, None, None] & (kq < G)
+        s = tl.load(s_rows + kq, mask=ok, other=0.0)
+        if HAS_ZERO:
+            Z = tl.load(z_rows + kq, mask=ok, other=0).to(tl.int32) * 0x10001 | MAGIC
+        else:
+            Z = tl.full([1, 1, 1, 1, 1, 1], MAGIC | 0x80008, tl.int32)
+    else:
+        s = tl.load(s_rows + kq)
+        if HAS_ZERO:
+            Z = tl.load(z_rows + kq).to(tl.int32) * 0x10001 | MAGIC
+        else:
+            Z = tl.full([1, 1, 1, 1, 1, 1], MAGIC | 0x80008, tl.int32)     # symmetric: z = 8
+    return P, Z, s
+
+
+# INT4 dequantization on whole 32-bit words (two halves each): Triton's per-element
+# float16 arithmetic made LLVM re-pair the halves (a PRMT per operand and result: 0.62
+# warp-instructions per byte in the 4096 x 4096 main loop, 0.53 this way). Each string
+# has a numpy emulation for interpreted launches (kernels/interpreter.py).
+_SUB_F16X2 = tl.constexpr("sub.f16x2 $0, $1, $2;")
+_MUL_F16X2 = tl.constexpr("mul.f16x2 $0, $1, $2;")
+# bfloat16: u - z exactly, then (u - z) * s rounded once: s = hi + lo with hi = bf16(s) and
+# lo = s - hi exact in bfloat16 (float16's 11 bits = 8 + 3), (u - z) * lo exact (<= 8 bits),
+# one fma adds (u - z) * hi to it with a single rounding. All fma.rn.bf16x2 (sm_80; the
+# bf16x2 sub and mul forms need sm_90): t = Z * -1 + d, p = t * lo + -0, t * hi + p
+# (operands: $1 d, $2 Z, $3 hi, $4 lo, $5 the words of -1 and $6 of -0: no immediates in fma).
+_DEQUANT_BF16X2 = tl.constexpr(
+    "{ .reg .b32 t, p; fma.rn.bf16x2 t, $2, $5, $1; fma.rn.bf16x2 p, t, $4, $6; fma.rn.bf16x2 $0, t, $3, p; }")
+_BF16X2_MINUS_ONE = tl.constexpr(-0x407F4080)   # 0xBF80BF80 as int32
+_BF16X2_MINUS_ZERO = tl.constexpr(-0x7FFF8000)  # 0x80008000 as int32
+ASM_EMULATIONS[_SUB_F16X2.value] = f16x2_reference("sub")
+ASM_EMULATIONS[_MUL_F16X2.value] = f16x2_reference("mul")
+
+
+@triton.jit
+def _f16x2(asm: tl.constexpr, a, b):
+    return tl.inline_asm_elementwise(asm, "=r,r,r", [a, b], dtype=tl.int32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _half_word(h):
+    """A float16/bfloat16 tensor -> int32 words holding it in both halves."""
+    return (h.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF) * 0x10001
+
+
+@triton.jit
+def _int4_rows(scale_ptr, zero_ptr, t0, N, G, T: tl.constexpr):
+    # INT4: a lane's scale and zero-point pointers at quantization group 0, [1, 1, T, 32, 1, b]:
+    # rows 16 t + 8 b + i of lane 4 i + j of the (N, G) arrays; padding rows (>= N, never
+    # stored) clamped to N - 1, once per program: the loop's scale loads need no masks.
+    it = tl.arange(0, T)[None, None, :, None, None, None]
+    il = tl.arange(0, 32)[None, None, None, :, None, None]
+    ib = tl.arange(0, 2)[None, None, None, None, None, :]
+    r = tl.minimum((t0 + it) * 16 + ib * 8 + il // 4, N - 1).to(tl.int64) * G
+    return scale_ptr + r, zero_ptr + r
+
+
+@triton.jit
+def _decode_tile(acc, x_ptrs, v_ptrs, m_ptrs, k0, K, a0, KA, s_rows, z_rows, G,
                  MASKED: tl.constexpr, INT8: tl.constexpr, W_BF16: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INT4: tl.constexpr = False,
+                 GROUP: tl.constexpr = 128, HAS_ZERO: tl.constexpr = False):
     # One K-tile: A atoms (64 columns) of T row tiles (16 rows), T = num_warps.
     # Decode tensors are indexed (atom, half-atom h, row tile, lane,
     # chunk-in-half qq, row half b). Every load has ONE contiguous dimension
@@ -114,8 +211,8 @@ def _decode_tile(acc, x_ptrs, v_ptrs, m_ptrs, k0, K, a0, KA,
     A: tl.constexpr = BLOCK_K // 64
     T: tl.constexpr = BLOCK_N // 16
     BLOCK_M: tl.constexpr = x_ptrs.shape[0]  # rows of x: 16 here, 32-256 in the prefill kernel
-    if MASKED:  # the partial last tile only: atoms past the padded K, columns past K
-        ok_a = (a0 + tl.arange(0, A)) < KA
+    ok_a = (a0 + tl.arange(0, A)) < KA   # the partial last tile only: atoms past the padded K
+    if MASKED:  # (and columns past K)
         mw = tl.load(m_ptrs, mask=ok_a[None, :], other=0)                   # [T*32, A]
     else:
         mw = tl.load(m_ptrs)
@@ -129,7 +226,41 @@ def _decode_tile(acc, x_ptrs, v_ptrs, m_ptrs, k0, K, a0, KA,
     # The multiply-add selectors set bit 3 of some nibbles, which raw PRMT reads as
     # "fill with the byte's sign": 15 of the 24 selectors would decode wrong
     # (tests/kernels/test_first_run_hazards.py).
-    if INT8:
+    XT: tl.constexpr = x_ptrs.dtype.element_ty
+    if INT4:
+        # 8 bytes per lane and atom. Each dense register pair is one byte permute of
+        # the group's code word P and its zero word Z; subtracting 1024 + z (128 + z)
+        # leaves u - z on kept slots and exactly 0 on the others; then the scale.
+        MAGIC: tl.constexpr = _MAGIC_BF16 if XT == tl.bfloat16 else _MAGIC_F16
+        if MASKED:
+            wv = tl.load(v_ptrs, mask=ok_a[:, None], other=0)                 # [A, T*64]
+        else:
+            wv = tl.load(v_ptrs)
+        P, Z, sc = _int4_words(wv, s_rows, z_rows, ok_a, a0, G, MASKED, HAS_ZERO, GROUP, MAGIC, A, T)
+        d01 = libdevice.byte_perm(P, Z, (nib & 3) * _MUL01_I4 + _ADD01_I4)      # dense slots 0, 1
+        d23 = libdevice.byte_perm(P, Z, ((nib >> 2) & 3) * _MUL23_I4 + _ADD23_I4)  # dense slots 2, 3
+        # u - z exactly (integers below 2**11 / 2**8), then times the float16 scale, on whole
+        # words: x float16, in float16 (one rounding of the exact product); x bfloat16, the
+        # exact product rounded once (_DEQUANT_BF16X2); x float32, u - z here, the scale
+        # after, in float32 (exact).
+        if XT == tl.float16:
+            S = _half_word(sc)
+            d01 = _f16x2(_MUL_F16X2, _f16x2(_SUB_F16X2, d01, Z), S)
+            d23 = _f16x2(_MUL_F16X2, _f16x2(_SUB_F16X2, d23, Z), S)
+        elif XT == tl.bfloat16:
+            hi = sc.to(tl.bfloat16)
+            lo = (sc.to(tl.float32) - hi.to(tl.float32)).to(tl.bfloat16)
+            SH, SL = _half_word(hi), _half_word(lo)
+            m1 = tl.full([1, 1, 1, 1, 1, 1], _BF16X2_MINUS_ONE, tl.int32)
+            m0 = tl.full([1, 1, 1, 1, 1, 1], _BF16X2_MINUS_ZERO, tl.int32)
+            d01 = tl.inline_asm_elementwise(_DEQUANT_BF16X2, "=r,r,r,r,r,r,r", [d01, Z, SH, SL, m1, m0],
+                                            dtype=tl.int32, is_pure=True, pack=1)
+            d23 = tl.inline_asm_elementwise(_DEQUANT_BF16X2, "=r,r,r,r,r,r,r", [d23, Z, SH, SL, m1, m0],
+                                            dtype=tl.int32, is_pure=True, pack=1)
+        else:
+            d01 = _f16x2(_SUB_F16X2, d01, Z)
+            d23 = _f16x2(_SUB_F16X2, d23, Z)
+    elif INT8:
         # 16 bytes per lane and atom; word q = 2h + qq holds groups (q, 0) and
         # (q, 1): each word gives 4 dense pairs, with per-group selectors.
         if MASKED:
@@ -157,8 +288,7 @@ def _decode_tile(acc, x_ptrs, v_ptrs, m_ptrs, k0, K, a0, KA,
         P = tl.reshape(wv, [A, 2, T, 32, 2, 2])                               # [A, h, T, 32, qq, b]
         d01 = libdevice.byte_perm(P, 0, (nib & 3) * _MUL01 + _ADD01)          # dense slots 0, 1
         d23 = libdevice.byte_perm(P, 0, ((nib >> 2) & 3) * _MUL23 + _ADD23)   # dense slots 2, 3
-    XT: tl.constexpr = x_ptrs.dtype.element_ty
-    if W_BF16 or (INT8 and XT == tl.bfloat16):
+    if W_BF16 or ((INT8 or INT4) and XT == tl.bfloat16):
         WT: tl.constexpr = tl.bfloat16
     else:
         WT: tl.constexpr = tl.float16
@@ -174,6 +304,9 @@ def _decode_tile(acc, x_ptrs, v_ptrs, m_ptrs, k0, K, a0, KA,
         w1 -= (c01 >> 16).to(tl.int16).to(WT, bitcast=True)
         w2 -= (c23 & 0xFFFF).to(tl.int16).to(WT, bitcast=True)
         w3 -= (c23 >> 16).to(tl.int16).to(WT, bitcast=True)
+    if INT4 and XT == tl.float32:
+        s32 = sc.to(tl.float32)
+        w0, w1, w2, w3 = w0.to(XT) * s32, w1.to(XT) * s32, w2.to(XT) * s32, w3.to(XT) * s32
 
     # Dot order inside each 16-column chunk: position 8hh + 2j + e holds dense
     # column 4j + 2hh + e, so lane (i, j) holds its groups' columns in its
@@ -194,7 +327,7 @@ def _decode_tile(acc, x_ptrs, v_ptrs, m_ptrs, k0, K, a0, KA,
     if INT8:
         if XT == tl.float32:  # fp32 dots: scale the fp16 subnormals back to the integers, exactly
             w = w.to(tl.float32) * _TWO_POW_24
-    elif WT != XT:
+    elif WT != XT and not INT4:
         w = w.to(XT)
     return tl.dot(w, xt, acc, input_precision=DOT_PRECISION)
 
@@ -219,13 +352,13 @@ def _epilogue(acc, out_ptr, scale_ptr, bias_ptr, offs_n, offs_m, N, M, stride_om
 
 
 def _sparse24_decode(
-    x_ptr, v_ptr, meta_ptr, scale_ptr, bias_ptr, out_ptr, ws_ptr, count_ptr,
+    x_ptr, v_ptr, meta_ptr, scale_ptr, zero_ptr, bias_ptr, out_ptr, ws_ptr, count_ptr,
     M, N, K, KA, KM,
     stride_xm, stride_xk,
     stride_om, stride_on,
     INT8: tl.constexpr, W_BF16: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
-    ONE_TILE: tl.constexpr,
+    ONE_TILE: tl.constexpr, INT4: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr,
 ):
     # Grid: (cdiv(N, BLOCK_N), SPLIT_K, cdiv(M, 16)); a program covers 16 rows
     # of x (all of them at decode sizes, M <= 16) and BLOCK_N // 16 row tiles of
@@ -272,7 +405,11 @@ def _sparse24_decode(
     # per-register multiple of the scalar atom stride: each load's address is then
     # one 64-bit add, not a 64-bit multiply-add of its own (~24 integer instructions).
     atom_words = NT.to(tl.int64) * 128   # one 16-byte slot per lane, NT row tiles: one atom (half-atom for 16 bit)
-    if INT8:
+    if INT4:  # 8 bytes per lane and atom
+        v_base = v_ptr + (k_lo.to(tl.int64) * A * NT + t0) * 64 + tl.arange(0, T * 64)
+        v_ptrs = v_base[None, :] + tl.arange(0, A).to(tl.int64)[:, None] * (atom_words // 2)  # [A, T*64]
+        V_STEP: tl.constexpr = A * 64
+    elif INT8:
         v_base = v_ptr + (k_lo.to(tl.int64) * A * NT + t0) * 128 + lanes
         v_ptrs = v_base[None, :] + tl.arange(0, A).to(tl.int64)[:, None] * atom_words       # [A, T*128]
         V_STEP: tl.constexpr = A * 128
@@ -282,6 +419,8 @@ def _sparse24_decode(
                                           + tl.arange(0, 2)[None, :, None]).to(tl.int64) * atom_words  # [A, 2, T*128]
         V_STEP: tl.constexpr = A * 256
     m_ptrs = meta_ptr + (t0 * 32 + tl.arange(0, T * 32)).to(tl.int64)[:, None] * KM + atoms[None, :]  # [T*32, A]
+    G = (K + GROUP - 1) // GROUP   # INT4: quantization groups per row
+    s_rows, z_rows = _int4_rows(scale_ptr, zero_ptr, t0, N, G, T) if INT4 else (scale_ptr, zero_ptr)
     rows = tl.minimum(tl.arange(0, BLOCK_M), m_left - 1).to(tl.int64)   # rows past M: clamped, never stored
     # int64 column offsets (and K-tile steps): a transposed x has stride_xk = M, so
     # k * stride_xk passes 2**31 once M * K does. A stride of 1 stays a constant.
@@ -293,22 +432,22 @@ def _sparse24_decode(
         # No loop: no loop-carried pointers, no loop control and, where BLOCK_K divides
         # K, no zero-trip path (the ~100 instructions a one-tile program cannot amortize).
         if EVEN_K:
-            acc = _decode_tile(acc, x_ptrs, v_ptrs, m_ptrs, k_lo * BLOCK_K, K, k_lo * A, KA, False, INT8, W_BF16,
-                               DOT_PRECISION, BLOCK_N, BLOCK_K)
+            acc = _decode_tile(acc, x_ptrs, v_ptrs, m_ptrs, k_lo * BLOCK_K, K, k_lo * A, KA, s_rows, z_rows, G,
+                               False, INT8, W_BF16, DOT_PRECISION, BLOCK_N, BLOCK_K, INT4, GROUP, HAS_ZERO)
         elif k_lo < n_full:
-            acc = _decode_tile(acc, x_ptrs, v_ptrs, m_ptrs, k_lo * BLOCK_K, K, k_lo * A, KA, False, INT8, W_BF16,
-                               DOT_PRECISION, BLOCK_N, BLOCK_K)
+            acc = _decode_tile(acc, x_ptrs, v_ptrs, m_ptrs, k_lo * BLOCK_K, K, k_lo * A, KA, s_rows, z_rows, G,
+                               False, INT8, W_BF16, DOT_PRECISION, BLOCK_N, BLOCK_K, INT4, GROUP, HAS_ZERO)
     else:
         for kt in range(k_lo, min(k_hi, n_full)):
-            acc = _decode_tile(acc, x_ptrs, v_ptrs, m_ptrs, kt * BLOCK_K, K, kt * A, KA, False, INT8, W_BF16,
-                               DOT_PRECISION, BLOCK_N, BLOCK_K)
+            acc = _decode_tile(acc, x_ptrs, v_ptrs, m_ptrs, kt * BLOCK_K, K, kt * A, KA, s_rows, z_rows, G,
+                               False, INT8, W_BF16, DOT_PRECISION, BLOCK_N, BLOCK_K, INT4, GROUP, HAS_ZERO)
             v_ptrs += V_STEP * NT
             m_ptrs += A
             x_ptrs += BLOCK_K * stride_xk
     if not EVEN_K:  # K % BLOCK_K: the partial tile's code is compiled only where it exists
         if (n_full >= k_lo) & (n_full < k_hi):  # this split owns the partial tile (pointers are there)
-            acc = _decode_tile(acc, x_ptrs, v_ptrs, m_ptrs, n_full * BLOCK_K, K, n_full * A, KA, True, INT8,
-                               W_BF16, DOT_PRECISION, BLOCK_N, BLOCK_K)
+            acc = _decode_tile(acc, x_ptrs, v_ptrs, m_ptrs, n_full * BLOCK_K, K, n_full * A, KA, s_rows, z_rows,
+                               G, True, INT8, W_BF16, DOT_PRECISION, BLOCK_N, BLOCK_K, INT4, GROUP, HAS_ZERO)
 
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)

@@ -29,18 +29,19 @@ import triton
 import triton.language as tl
 
 from .interpreter import InterpretedKernel
-from .sparse24_decode import _decode_tile, _epilogue
+from .sparse24_decode import _decode_tile, _epilogue, _int4_rows
 
 __all__ = ["sparse24_prefill", "sparse24_prefill_interpreted"]
 
 
 def _sparse24_prefill(
-    x_ptr, v_ptr, meta_ptr, scale_ptr, bias_ptr, out_ptr,
+    x_ptr, v_ptr, meta_ptr, scale_ptr, zero_ptr, bias_ptr, out_ptr,
     M, N, K, KA, KM,
     stride_xm, stride_xk,
     stride_om, stride_on,
     INT8: tl.constexpr, W_BF16: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    INT4: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr,
 ):
     A: tl.constexpr = BLOCK_K // 64
     T: tl.constexpr = BLOCK_N // 16
@@ -69,7 +70,10 @@ def _sparse24_prefill(
 
     atoms = tl.arange(0, A).to(tl.int64)
     lanes = tl.arange(0, T * 128)  # T row tiles x 32 lanes x 4 words, contiguous
-    if INT8:
+    if INT4:  # 8 bytes per lane and atom
+        v_ptrs = v_ptr + (atoms[:, None] * NT + t0) * 64 + tl.arange(0, T * 64)[None, :]   # [A, T*64]
+        V_STEP: tl.constexpr = A * 64
+    elif INT8:
         v_ptrs = v_ptr + (atoms[:, None] * NT + t0) * 128 + lanes[None, :]                  # [A, T*128]
         V_STEP: tl.constexpr = A * 128
     else:
@@ -77,6 +81,8 @@ def _sparse24_prefill(
                   + lanes[None, None, :])                                                  # [A, 2, T*128]
         V_STEP: tl.constexpr = A * 256
     m_ptrs = meta_ptr + (t0 * 32 + tl.arange(0, T * 32)).to(tl.int64)[:, None] * KM + atoms[None, :]  # [T*32, A]
+    G = (K + GROUP - 1) // GROUP   # INT4: quantization groups per row
+    s_rows, z_rows = _int4_rows(scale_ptr, zero_ptr, t0, N, G, T) if INT4 else (scale_ptr, zero_ptr)
     rows = tl.minimum(tl.arange(0, BLOCK_M), M - 1).to(tl.int64)   # rows past M: clamped, never stored
     x_ptrs = x_ptr + rows[:, None] * stride_xm + tl.arange(0, BLOCK_K).to(tl.int64)[None, :] * stride_xk
     x_step = tl.cast(stride_xk, tl.int64) * BLOCK_K  # a transposed x has stride_xk = M: int64 steps
@@ -84,14 +90,14 @@ def _sparse24_prefill(
     # One decode per weight tile for all BLOCK_M rows of x (the decode kernel: 16).
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for kt in range(0, n_full):
-        acc = _decode_tile(acc, x_ptrs, v_ptrs, m_ptrs, kt * BLOCK_K, K, kt * A, KA, False, INT8, W_BF16,
-                           DOT_PRECISION, BLOCK_N, BLOCK_K)
+        acc = _decode_tile(acc, x_ptrs, v_ptrs, m_ptrs, kt * BLOCK_K, K, kt * A, KA, s_rows, z_rows, G,
+                           False, INT8, W_BF16, DOT_PRECISION, BLOCK_N, BLOCK_K, INT4, GROUP, HAS_ZERO)
         v_ptrs += V_STEP * NT
         m_ptrs += A
         x_ptrs += x_step
     if n_full * BLOCK_K < K:
-        acc = _decode_tile(acc, x_ptrs, v_ptrs, m_ptrs, n_full * BLOCK_K, K, n_full * A, KA, True, INT8, W_BF16,
-                           DOT_PRECISION, BLOCK_N, BLOCK_K)
+        acc = _decode_tile(acc, x_ptrs, v_ptrs, m_ptrs, n_full * BLOCK_K, K, n_full * A, KA, s_rows, z_rows,
+                           G, True, INT8, W_BF16, DOT_PRECISION, BLOCK_N, BLOCK_K, INT4, GROUP, HAS_ZERO)
 
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)

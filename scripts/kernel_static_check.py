@@ -96,10 +96,14 @@ def compile_one(cfg, dtype, cap, N, K):
 
 # warp-instructions per compressed weight byte on sm_90 (docs/kernels.md): all instructions,
 # and those of the integer pipe alone (half the issue rate: 64 lanes per clock per SM)
-BUDGET = {"float16": 0.15, "bfloat16": 0.15, "int8-float16": 0.20, "int8-bfloat16": 0.20}
+BUDGET = {"float16": 0.15, "bfloat16": 0.15, "int8-float16": 0.20, "int8-bfloat16": 0.20,
+          "int4-float16": 0.20, "int4-bfloat16": 0.20}
 INT_BUDGET = 0.10
 ISSUE_PER_BYTE = 132 * 4 * 1.98e9 / 4.8e12   # H200: warp-instructions issued per byte of HBM bandwidth
-SUMMARY_NAMES = (("fp16", "float16"), ("bf16", "bfloat16"), ("int8", "int8-float16"), ("int8-bf16", "int8-bfloat16"))
+SUMMARY_NAMES = (("fp16", "float16"), ("bf16", "bfloat16"), ("int8", "int8-float16"), ("int8-bf16", "int8-bfloat16"),
+                 ("int4", "int4-float16"), ("int4-bf16", "int4-bfloat16"))
+# INT4 weights in these reports: group size 128, asymmetric (zero points loaded: the dearer variant)
+INT4_GROUP = 128
 # Integer-pipe opcodes (per-thread ALU work at 64 lanes/clock/SM on sm_90); uniform-datapath
 # (U*) and FP ops are not counted. IMAD counts in every form (IMAD.MOV, IMAD.SHL, IMAD.HI ...).
 INT_OPS = frozenset({"LOP3", "LOP", "SHF", "SHL", "SHR", "SGXT", "PRMT", "IMAD", "IADD3", "IADD", "VIADD", "LEA",
@@ -174,10 +178,30 @@ def _weights(kernel: str, dtype: str, N: int, K: int):
     import sparse24
     from sparse24.decode_format import pack_decode
 
-    act = {"float16": torch.float16, "bfloat16": torch.bfloat16}[dtype.removeprefix("int8-")]
+    act = {"float16": torch.float16, "bfloat16": torch.bfloat16}[dtype.split("-")[-1]]
     w = torch.randn(N, K, generator=torch.Generator().manual_seed(0))
-    p = sparse24.compress(w, quantize="int8") if dtype.startswith("int8-") else sparse24.compress(w.to(act))
+    if dtype.startswith("int4-"):
+        p = sparse24.compress(w, quantize="int4", group_size=INT4_GROUP, symmetric=False)
+    else:
+        p = sparse24.compress(w, quantize="int8") if dtype.startswith("int8-") else sparse24.compress(w.to(act))
     return act, (pack_decode(p) if kernel == "decode" else p)
+
+
+def weight_tile_bytes(dtype: str, block_n: int, block_k: int) -> int:
+    """Compressed weight bytes of one BLOCK_N x BLOCK_K tile (values + 2-bit metadata): the
+    bytes the per-byte figures divide by. INT4's scales and zero points are not counted (at
+    group 128 they add 3 / 128 B per weight, 6%: the figures are per byte of values + metadata)."""
+    value_quarters = 1 if dtype.startswith("int4-") else 2 if dtype.startswith("int8-") else 4  # per dense weight
+    return block_n * block_k * value_quarters // 4 + block_n * block_k // 8
+
+
+def side_bytes(dtype: str, block_n: int, block_k: int) -> int:
+    """Bytes the loop loads per tile besides weights and x: INT4's scale (2 B) and zero-point
+    (1 B) loads, one per lane, row (i, i + 8) and quantization group of the tile (the
+    compiler merges the loads of atoms in one group), as the compiled loop issues them."""
+    if not dtype.startswith("int4-"):
+        return 0
+    return (block_n // 16) * 32 * 2 * max(1, block_k // INT4_GROUP) * 3
 
 
 def sass_one(kernel: str, dtype: str, cfg, cap: int, N: int, K: int) -> dict:
@@ -190,9 +214,8 @@ def sass_one(kernel: str, dtype: str, cfg, cap: int, N: int, K: int) -> dict:
     target = torch.empty(cfg.block_m, N, dtype=target_dtype(cfg, cfg.split_k, act))
     ck = aot_compile(x, w, None, target, cfg, cfg.split_k, (cap // 10, cap % 10))
     loop = main_loop(sass_instructions(ck.asm["cubin"]))
-    value_bytes = 1 if dtype.startswith("int8-") else 2
-    tile_w = cfg.block_n * cfg.block_k * value_bytes // 2 + cfg.block_n * cfg.block_k // 8
-    tile_x = cfg.block_m * cfg.block_k * act.itemsize
+    tile_w = weight_tile_bytes(dtype, cfg.block_n, cfg.block_k)
+    tile_x = cfg.block_m * cfg.block_k * act.itemsize + side_bytes(dtype, cfg.block_n, cfg.block_k)
     loaded = global_load_bytes(loop) * 32 * cfg.num_warps
     unroll = loaded / (tile_w + tile_x)
     # Each iteration must stream whole tiles: the loop's load widths say how many.
@@ -294,9 +317,10 @@ def compile_listed(dtype: str, cfg, cap: int, N: int, K: int) -> dict:
     from sparse24.decode_format import DecodePacked
     from sparse24.ops.linear24 import aot_compile
 
-    act = {"bfloat16": torch.bfloat16, "float32": torch.float32}.get(dtype.removeprefix("int8-"), torch.float16)
+    act = {"bfloat16": torch.bfloat16, "float32": torch.float32}.get(dtype.split("-")[-1], torch.float16)
     int8 = dtype.startswith("int8-")
-    w = DecodePacked.empty(N, K, torch.float16 if act == torch.float32 else act, int8)  # fp32 x: fp16 weights
+    w = DecodePacked.empty(N, K, torch.float16 if act == torch.float32 else act, int8,  # fp32 x: fp16 weights
+                           group_size=INT4_GROUP if dtype.startswith("int4-") else None, symmetric=False)
     x, target = torch.empty(16, K, dtype=act), torch.empty(16, N, dtype=act)
     ck = aot_compile(x, w, None, target, cfg, cfg.split_k, (cap // 10, cap % 10))
     instrs = without_padding(sass_instructions(ck.asm["cubin"]))
@@ -306,8 +330,8 @@ def compile_listed(dtype: str, cfg, cap: int, N: int, K: int) -> dict:
         f.flush()
         res = subprocess.run([_tool("cuobjdump"), "--dump-resource-usage", f.name], capture_output=True,
                              text=True, check=True).stdout
-    tile_w = cfg.block_n * cfg.block_k * (1 if int8 else 2) // 2 + cfg.block_n * cfg.block_k // 8
-    tile_x = 16 * cfg.block_k * act.itemsize
+    tile_w = weight_tile_bytes(dtype, cfg.block_n, cfg.block_k)
+    tile_x = 16 * cfg.block_k * act.itemsize + side_bytes(dtype, cfg.block_n, cfg.block_k)
     unroll = round(global_load_bytes(loop) * 32 * cfg.num_warps / (tile_w + tile_x))
     # Serial split-K: after the arrival counter's atomic, every program but the last of its
     # tile exits (the first predicated EXIT); what follows (the partials' sum and the
@@ -337,6 +361,12 @@ def amortized(r: dict) -> tuple[float, float]:
     rest = r["total"] - r["loop"] - r["last"] + r["last"] / c.split_k
     rest_int = r["total_int"] - r["loop_int"] - r["last_int"] + r["last_int"] / c.split_k
     return ((r["loop"] * iters + rest) * c.num_warps / nbytes, (r["loop_int"] * iters + rest_int) * c.num_warps / nbytes)
+
+
+def dense_bytes_per_weight(dtype: str) -> float:
+    """Bytes per weight a layer of ``dtype`` streams: 16-bit 1.125, INT8 0.625, INT4 0.375 +
+    its group-128 scales and zero points (3 / 128): the byte ratio to dense fp16 is 2 / this."""
+    return 0.375 + 3 / INT4_GROUP if dtype.startswith("int4-") else 0.625 if dtype.startswith("int8-") else 1.125
 
 
 def occupancy(r: dict) -> dict:
@@ -396,7 +426,7 @@ def listed_main(a, dtypes) -> dict:
     ratios = {}
     for r in results:
         tot, ints = amortized(r)
-        dense = 2.0 / (0.625 if r["dtype"].startswith("int8-") else 1.125)
+        dense = 2.0 / dense_bytes_per_weight(r["dtype"])
         ratios.setdefault(r["dtype"], []).append(dense * min(1.0, per_byte / tot, per_byte / (2 * ints)))
     print("predicted decode speed vs dense 16-bit at equal bandwidth (byte ratio x min(1, 0.219 / all, "
           "0.219 / (2 x integer))): " + ", ".join(f"{short} {min(ratios[dt]):.2f}-{max(ratios[dt]):.2f}x"
@@ -566,14 +596,14 @@ def prefill_main(a) -> int:
           " BLOCK_M x BLOCK_N); dense: the idealized dense GEMM of dense_time(), the same for every config")
     worst, wins = {}, []
     for dt in dtypes:
-        w_bytes = 0.625 if dt.startswith("int8-") else 1.125
+        w_bytes = dense_bytes_per_weight(dt)
         by_cfg = {r["cfg"]: r for r in rows if r["dtype"] == dt}
         print(f"{dt:13} " + " ".join(f"{'M=' + str(m):>19}" for m in PREFILL_M))
         for N, K in PREFILL_SHAPES:
             cells = []
             for M in PREFILL_M:
                 ratios = {c: (lambda t: t[1] / t[0])(predicted_time(r, M, N, K, w_bytes)) for c, r in by_cfg.items()}
-                d = ratios.get(prefill_config(M, N, K, dt.startswith("int8-")))
+                d = ratios.get(prefill_config(M, N, K, dt.startswith("int8-"), int4=dt.startswith("int4-")))
                 best = max((c for c in ratios if not by_cfg[c]["spills"]), key=ratios.get)
                 if d is not None:
                     worst[(dt, M)] = min(worst.get((dt, M), 9.0), d)
@@ -600,7 +630,8 @@ def main(argv=None):
     ap.add_argument("--limit", type=int, default=0, help="only the first N configs")
     ap.add_argument("--sass", action="store_true", help="count the main loop's SASS instructions (budget)")
     ap.add_argument("--kernel", choices=("decode", "matmul"), default="decode", help="with --sass")
-    ap.add_argument("--dtypes", default="float16,bfloat16,int8-float16,int8-bfloat16", help="with --sass")
+    ap.add_argument("--dtypes", default="float16,bfloat16,int8-float16,int8-bfloat16,int4-float16,int4-bfloat16",
+                    help="with --sass, --occupancy, --prefill")
     ap.add_argument("--listed-only", action="store_true", help="with --sass: only the listed shapes")
     ap.add_argument("--no-listed", action="store_true",
                     help="with --sass: skip the amortized count at the listed shapes")

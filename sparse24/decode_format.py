@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .format import Sparse24Tensor, _pack_meta
+from .format import Sparse24Tensor, _pack_meta, check_group_size
 
 __all__ = ["DecodePacked", "pack_decode", "decode_dims", "DECODE_LAYOUT_VERSION"]
 
@@ -52,7 +52,20 @@ __all__ = ["DecodePacked", "pack_decode", "decode_dims", "DECODE_LAYOUT_VERSION"
 #   values[a, t, l, 4*q + 2*v + b]; with ``scale`` (R,) float32 as in layout v1.
 #   (Sign-magnitude lets one AND turn a byte into the exact float16 value
 #   value * 2**-24, a subnormal; the kernel multiplies by 2**24 in the epilogue.)
+# * ``values`` for INT4 weights (layout v1's offset-binary 4-bit codes u):
+#   uint8 (KA, NT, 32, 8), a lane's 16 codes of one atom as two 32-bit words
+#   w_h (h = q // 2, little-endian bytes 4h .. 4h+3): nibble n of w_h (bits
+#   4n .. 4n+3) holds group (q = 2h + qq, b) value v at n = 2*qq + b + 4*v. So
+#   one AND of (w_h >> 4k) with 0x000F000F puts group k's two codes in the low
+#   bits of the word's two 16-bit halves, where one OR with a magic exponent
+#   makes them float16 1024 + u (bfloat16 128 + u).
+#   ``scale`` and ``zero`` as in layout v1 ((R, ceil(C / group_size)), the same
+#   tensors: a module's buffers do not change with its layout); the kernel clamps
+#   padding rows to row R - 1 (never stored) and masks groups past C.
 # * padding rows, columns and atoms: values 0, keep mask 0 (they decode to zeros).
+#
+# Bytes per weight of the INT4 decode layout: 0.25 values + 0.125 keep masks +
+# 2 (3 asymmetric) / group_size scales, as layout v1, plus the padding.
 
 DECODE_LAYOUT_VERSION = 1
 _DEC_ROWS, _DEC_COLS, _DEC_ROW_ALIGN, _DEC_META_ALIGN = 16, 64, 128, 16
@@ -80,9 +93,12 @@ class DecodePacked:
 
     Attributes:
         values: 16-bit weights: ``(KA, 2, NT, 32, 8)`` float16/bfloat16;
-            INT8 weights: ``(KA, NT, 32, 16)`` uint8 sign-magnitude bytes.
+            INT8 weights: ``(KA, NT, 32, 16)`` uint8 sign-magnitude bytes;
+            INT4 weights: ``(KA, NT, 32, 8)`` uint8, two 4-bit codes per byte.
         meta: ``(NT, 32, KM)`` int32 keep masks (8 groups per word).
-        scale: ``None`` or ``(R,)`` float32 dequantization scales (INT8).
+        scale: ``None``; ``(R,)`` float32 (INT8); ``(R, ceil(C / group_size))`` float16 (INT4).
+        zero: ``None``, or INT4 ``(R, ceil(C / group_size))`` uint8 zero points (asymmetric).
+        group_size: INT4 quantization group along K (32, 64, 128), else None.
         shape: logical ``(R, C)``; ``NT = 8 * ceil(R / 128)``,
             ``KA = ceil(C / 64)``, ``KM = 16 * ceil(KA / 16)``.
         dtype: logical dtype of the dense matrix.
@@ -96,49 +112,81 @@ class DecodePacked:
     version = DECODE_LAYOUT_VERSION
 
     def __init__(self, values: torch.Tensor, meta: torch.Tensor, shape, dtype: torch.dtype,
-                 scale: torch.Tensor | None = None, *, check: bool = True):
+                 scale: torch.Tensor | None = None, *, zero: torch.Tensor | None = None,
+                 group_size: int | None = None, check: bool = True):
         R, C = (int(s) for s in shape)
         if C % 4 or R < 0 or C < 0:
             raise ValueError(f"logical shape must be (R, C) with C divisible by 4, got {(R, C)}")
         NT, KA, KM = decode_dims(R, C)
-        want = (KA, NT, 32, 16) if scale is not None else (KA, 2, NT, 32, 8)
+        int4 = group_size is not None
+        if int4:
+            check_group_size(group_size)
+            if scale is None:
+                raise ValueError("INT4 weights need scales")
+        elif zero is not None:
+            raise ValueError("zero points belong to INT4 weights: pass group_size too")
+        want = (KA, NT, 32, 8) if int4 else (KA, NT, 32, 16) if scale is not None else (KA, 2, NT, 32, 8)
         vdt = (torch.uint8,) if scale is not None else (torch.float16, torch.bfloat16)
         if values.dtype not in vdt or tuple(values.shape) != want:
             raise ValueError(f"values must be {' or '.join(map(str, vdt))} of shape {want} for logical shape "
                              f"{(R, C)}, got {values.dtype} {tuple(values.shape)}")
         if meta.dtype != torch.int32 or tuple(meta.shape) != (NT, 32, KM):
             raise ValueError(f"meta must be int32 of shape {(NT, 32, KM)}, got {meta.dtype} {tuple(meta.shape)}")
-        if scale is not None and (scale.dtype != torch.float32 or tuple(scale.shape) != (R,)):
+        if int4:
+            gshape = (R, -(-C // group_size))
+            if scale.dtype != torch.float16 or tuple(scale.shape) != gshape:
+                raise ValueError(f"INT4 scale must be float16 of shape {gshape} (group_size {group_size}), got "
+                                 f"{scale.dtype} {tuple(scale.shape)}")
+            if zero is not None and (zero.dtype != torch.uint8 or tuple(zero.shape) != gshape):
+                raise ValueError(f"INT4 zero points must be uint8 of shape {gshape}, got {zero.dtype} "
+                                 f"{tuple(zero.shape)}")
+        elif scale is not None and (scale.dtype != torch.float32 or tuple(scale.shape) != (R,)):
             raise ValueError(f"scale must be float32 of shape {(R,)}, got {scale.dtype} {tuple(scale.shape)}")
-        if meta.device != values.device or (scale is not None and scale.device != values.device):
-            raise ValueError("values, meta and scale must be on one device")
+        if any(t is not None and t.device != values.device for t in (meta, scale, zero)):
+            raise ValueError("values, meta, scale and zero must be on one device")
         if not (values.is_contiguous() and meta.is_contiguous()):
             raise ValueError("values and meta must be contiguous")
+        if int4 and not (scale.is_contiguous() and (zero is None or zero.is_contiguous())):
+            raise ValueError("INT4 scale and zero points must be contiguous")
         if check:  # (check=False: made here from fresh tensors, or FakeTensors under tracing)
             check_word_aligned(values, meta)
-        self.values, self.meta, self.scale = values, meta, scale
+        self.values, self.meta, self.scale, self.zero = values, meta, scale, zero
+        self.group_size = int(group_size) if int4 else None
         self.shape, self.dtype = torch.Size((R, C)), dtype
         if check:
             self.validate()
 
     @classmethod
     def empty(cls, R: int, C: int, dtype: torch.dtype = torch.float16, int8: bool = False,
-              device="cpu") -> "DecodePacked":
+              device="cpu", *, group_size: int | None = None, symmetric: bool = True) -> "DecodePacked":
         """An uninitialized (R, C) weight of this layout: right shapes, dtypes and
         alignment, storage never written or checked. Only for what reads shapes
-        (ahead-of-time compiles, host-side benchmarks with the launch stubbed)."""
+        (ahead-of-time compiles, host-side benchmarks with the launch stubbed).
+        ``group_size``: an INT4 weight of that group size (``symmetric=False``: with zero points)."""
         NT, KA, KM = decode_dims(R, C)
-        if int8:
+        zero = None
+        if group_size is not None:
+            gshape = (R, -(-C // group_size))
+            values = torch.empty(KA, NT, 32, 8, dtype=torch.uint8, device=device)
+            scale = torch.empty(gshape, dtype=torch.float16, device=device)
+            zero = None if symmetric else torch.empty(gshape, dtype=torch.uint8, device=device)
+        elif int8:
             values, scale = torch.empty(KA, NT, 32, 16, dtype=torch.uint8, device=device), \
                 torch.empty(R, device=device)
         else:
             values, scale = torch.empty(KA, 2, NT, 32, 8, dtype=dtype, device=device), None
         meta = torch.empty(NT, 32, KM, dtype=torch.int32, device=device)
-        return cls(values, meta, (R, C), torch.float32 if int8 else dtype, scale, check=False)
+        return cls(values, meta, (R, C), torch.float32 if int8 else dtype, scale, zero=zero, group_size=group_size,
+                   check=False)
 
     @property
     def device(self) -> torch.device:
         return self.values.device
+
+    @property
+    def quantized(self) -> str | None:
+        """``None``, ``"int8"`` or ``"int4"``."""
+        return None if self.scale is None else "int4" if self.group_size is not None else "int8"
 
     @property
     def nbytes(self) -> int:
@@ -146,22 +194,29 @@ class DecodePacked:
         return self.values.numel() * self.values.element_size() + self.meta.numel() * 4
 
     def __repr__(self) -> str:
-        q = ", quantized=int8" if self.scale is not None else ""
+        q = f", quantized={self.quantized}" if self.scale is not None else ""
+        if self.group_size is not None:
+            q += f", group_size={self.group_size}, {'asymmetric' if self.zero is not None else 'symmetric'}"
         return f"DecodePacked(shape={tuple(self.shape)}, dtype={self.dtype}{q}, version={self.version}, " \
                f"device={self.device})"
 
     def to(self, device) -> "DecodePacked":
-        scale = None if self.scale is None else self.scale.to(device)
-        return DecodePacked(self.values.to(device), self.meta.to(device), self.shape, self.dtype, scale, check=False)
+        scale, zero = (None if t is None else t.to(device) for t in (self.scale, self.zero))
+        return DecodePacked(self.values.to(device), self.meta.to(device), self.shape, self.dtype, scale, zero=zero,
+                            group_size=self.group_size, check=False)
 
     def _unpacked(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(codes (Rp, 16 KA) int64, values (Rp, 16 KA, 2), meta padding atoms)`` in
-        logical order (group columns), row and column padding included."""
+        logical order (group columns), row and column padding included (INT4: the 4-bit codes)."""
         NT, KA, KM = decode_dims(*self.shape)
         shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=self.device)
         codes = ((self.meta[..., :KA].unsqueeze(-1) >> shifts) & 15).long()   # (t, l, a, g = 2q + b)
         codes = codes.view(NT, 8, 4, KA, 4, 2).permute(0, 5, 1, 3, 4, 2)     # (t, b, i, a, q, j)
-        if self.scale is None:
+        if self.group_size is not None:
+            nib = torch.stack((self.values & 15, self.values >> 4), dim=-1)  # (a, t, l, byte, nibble)
+            v = nib.view(KA, NT, 8, 4, 2, 2, 2, 2)                           # (a, t, i, j, h, v, qq, b)
+            v = v.permute(1, 7, 2, 0, 4, 6, 3, 5)                            # (t, b, i, a, h, qq, j, v)
+        elif self.scale is None:
             v = self.values.view(KA, 2, NT, 8, 4, 2, 2, 2)                   # (a, h, t, i, j, qq, b, v)
             v = v.permute(2, 6, 3, 0, 1, 5, 4, 7)                            # (t, b, i, a, h, qq, j, v)
         else:
@@ -177,7 +232,8 @@ class DecodePacked:
 
     def validate(self) -> "DecodePacked":
         """Raise ValueError naming the first bad row/group unless every real
-        group keeps exactly two slots and all padding is zero. Returns self."""
+        group keeps exactly two slots and all padding is zero (INT4: and every
+        zero point is 0..15, every scale finite). Returns self."""
         R, C = self.shape
         codes, vals, meta_pad = self._unpacked()
         real = codes[:R, :C // 4]
@@ -192,6 +248,9 @@ class DecodePacked:
             raise ValueError(f"corrupt decode layout: padding past the logical shape {(R, C)} is not zero")
         if self.scale is not None and not bool(torch.isfinite(self.scale).all()):
             raise ValueError("corrupt scales: non-finite values")
+        if self.zero is not None and bool((self.zero > 15).any()):
+            r, k = (int(i) for i in (self.zero > 15).nonzero()[0])
+            raise ValueError(f"corrupt INT4 zero points at row {r}, group {k}: {int(self.zero[r, k])} is not in 0..15")
         return self
 
     def to_sparse24(self) -> Sparse24Tensor:
@@ -199,14 +258,18 @@ class DecodePacked:
         R, C = self.shape
         slots = self.slots()
         vals = self._unpacked()[1][:R, :C // 4]
-        if self.scale is not None:
+        if self.group_size is not None:
+            vals = (vals[..., 0] | vals[..., 1] << 4).to(torch.uint8)                    # (R, C / 4) bytes
+        elif self.scale is not None:
             mag = (vals & 0x7F).to(torch.int16)
             vals = torch.where(vals >= 0x80, -mag, mag).to(torch.int8)
         meta = _pack_meta((slots[..., 0] | slots[..., 1] << 2).int())
-        return Sparse24Tensor(vals.reshape(R, C // 2).contiguous(), meta, (R, C), self.dtype, self.scale, check=False)
+        return Sparse24Tensor(vals.reshape(R, C // (4 if self.group_size else 2)).contiguous(), meta, (R, C),
+                              self.dtype, self.scale, zero=self.zero,
+                              group_size=self.group_size, check=False)
 
     def to_dense(self, rows: slice | None = None) -> torch.Tensor:
-        """Decompress to the dense ``(R, C)`` matrix in ``dtype`` (dequantized when INT8),
+        """Decompress to the dense ``(R, C)`` matrix in ``dtype`` (dequantized when INT8/INT4),
         or only ``rows`` of it (a step-1 slice): then only the 128-row blocks that
         hold them are re-ordered, never the whole weight."""
         if rows is None:
@@ -222,10 +285,15 @@ class DecodePacked:
         if t1 <= t0:
             return torch.zeros(0, C, dtype=self.dtype, device=self.device)
         b0, b1 = t0 * _DEC_ROWS, min(R, t1 * _DEC_ROWS)  # whole blocks of 128 rows (the last one real rows)
-        values = self.values[:, :, t0:t1] if self.scale is None else self.values[:, t0:t1]
-        scale = None if self.scale is None else self.scale[b0:b1]
+        scale, zero = self.scale, self.zero
+        if self.group_size is not None:
+            values, scale, zero = self.values[:, t0:t1], scale[b0:b1], None if zero is None else zero[b0:b1]
+        elif self.scale is None:
+            values = self.values[:, :, t0:t1]
+        else:
+            values, scale = self.values[:, t0:t1], self.scale[b0:b1]
         block = DecodePacked(values.contiguous(), self.meta[t0:t1].contiguous(), (b1 - b0, C), self.dtype, scale,
-                             check=False)
+                             zero=zero, group_size=self.group_size, check=False)
         return block.to_sparse24().to_dense()[r0 - b0:r1 - b0]
 
 
@@ -257,7 +325,7 @@ def pack_decode(p: Sparse24Tensor) -> DecodePacked:
 
     Args:
         p: :class:`Sparse24Tensor` ``(R, C)`` with float16/bfloat16 values, or
-            INT8 values with scales (see :mod:`sparse24.quant`). Any device.
+            INT8 or INT4 values with scales (see :mod:`sparse24.quant`). Any device.
     Returns:
         :class:`DecodePacked` (decode layout version 1) on p's device;
         ``pack_decode(p).to_sparse24()`` equals ``p`` exactly.
@@ -272,7 +340,7 @@ def pack_decode(p: Sparse24Tensor) -> DecodePacked:
     if not isinstance(p, Sparse24Tensor):
         raise TypeError(f"pack_decode needs a Sparse24Tensor, got {type(p).__name__}")
     if p.scale is None and p.values.dtype not in (torch.float16, torch.bfloat16):
-        raise TypeError(f"the decode layout holds float16, bfloat16 or INT8 values, got {p.values.dtype}; "
+        raise TypeError(f"the decode layout holds float16, bfloat16, INT8 or INT4 values, got {p.values.dtype}; "
                         f"cast first, e.g. p.to(dtype=torch.float16)")
     R, C = p.shape
     NT, KA, KM = decode_dims(R, C)
@@ -286,6 +354,8 @@ def pack_decode(p: Sparse24Tensor) -> DecodePacked:
     words = (codes.reshape(NT, 32, KA, 8) << shifts).sum(-1)                   # int64 < 2**32
     words = _dec_pad(words.movedim(-1, 0), KM, words.shape[0]).movedim(0, -1)  # atoms padded to KM
     meta = torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32).contiguous()
+    if p.group_size is not None:
+        return _pack_int4(p, meta, NT, KA, Rp, Gp)
     vals = p.values.view(R, C // 4, 2)
     if p.scale is not None:
         v16 = vals.to(torch.int16)
@@ -300,3 +370,13 @@ def pack_decode(p: Sparse24Tensor) -> DecodePacked:
         v = vals.view(NT, 2, 8, KA, 4, 4, 2).permute(3, 0, 2, 5, 4, 6, 1)       # (a, t, i, j, q, v, b)
         values = v.reshape(KA, NT, 32, 16).contiguous()
     return DecodePacked(values, meta, (R, C), p.dtype, p.scale, check=False)
+
+
+def _pack_int4(p: Sparse24Tensor, meta: torch.Tensor, NT: int, KA: int, Rp: int, Gp: int) -> DecodePacked:
+    """:func:`pack_decode` of an INT4 weight, given its decode-layout keep masks."""
+    R, C = p.shape
+    codes = _dec_pad(torch.stack((p.values & 15, p.values >> 4), dim=-1), Rp, Gp)     # (Rp, Gp, 2) codes u
+    nib = codes.view(NT, 2, 8, KA, 2, 2, 4, 2).permute(3, 0, 2, 6, 4, 7, 5, 1)       # (a, t, i, j, h, v, qq, b)
+    nib = nib.reshape(KA, NT, 32, 2, 8)                                              # nibble n = 4v + 2qq + b
+    values = (nib[..., 0::2] | nib[..., 1::2] << 4).reshape(KA, NT, 32, 8).contiguous()
+    return DecodePacked(values, meta, (R, C), p.dtype, p.scale, zero=p.zero, group_size=p.group_size, check=False)

@@ -1,7 +1,8 @@
 """The compressed weight's layout, as a part of :class:`~sparse24.nn.Sparse24Linear`:
 layout v1 (the interchange format: state dicts and checkpoints hold it, always) or
 the decode layout (what the decode kernel reads; held on CUDA by frozen
-float16/bfloat16/INT8 weights). Kept apart from the class only for length: these
+float16/bfloat16/INT8/INT4 weights; INT4's scales and zero points are the same
+tensors in both layouts, only values and meta are re-ordered). Kept apart from the class only for length: these
 methods read and write the module's own state."""
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from ..decode_format import pack_decode
 
 __all__ = ["LayoutMixin"]
 
-# Values the decode layout holds (INT8 too, with scales); others stay in layout v1.
+# Values the decode layout holds (INT8 and INT4 too: quantized values have scales); others stay in layout v1.
 _DECODE_DTYPES = (torch.float16, torch.bfloat16)
 
 
@@ -20,7 +21,7 @@ class LayoutMixin:
     """:meth:`to_layout`, :attr:`layout` and the conversions behind them."""
 
     def _wanted_layout(self) -> str:
-        """The decode layout for a frozen float16/bfloat16/INT8 weight on CUDA (or where
+        """The decode layout for a frozen float16/bfloat16/INT8/INT4 weight on CUDA (or where
         :meth:`to_layout` asked for it), layout v1 otherwise."""
         values = self.values
         if values.requires_grad or values.is_meta or not (self.scale is not None
@@ -46,7 +47,7 @@ class LayoutMixin:
 
     def to_layout(self, layout: str) -> "LayoutMixin":
         """Hold the compressed weight in ``layout``: ``"decode"`` (what the decode
-        kernel reads: float16/bfloat16/INT8 values, not trainable), ``"v1"``, or
+        kernel reads: float16/bfloat16/INT8/INT4 values, not trainable), ``"v1"``, or
         ``"auto"`` (the default: decode on CUDA, v1 elsewhere). Outputs and state
         dicts (always layout v1) do not change. Returns self.
 
@@ -63,7 +64,7 @@ class LayoutMixin:
         self._layout_pref = None if layout == "auto" else layout
         if layout == "decode" and self._wanted_layout() != "decode":
             self._layout_pref = before  # refused: nothing changes
-            raise ValueError("the decode layout holds float16, bfloat16 or INT8 values that do not train; this "
+            raise ValueError("the decode layout holds float16, bfloat16, INT8 or INT4 values that do not train; this "
                              f"layer has {self.values.dtype} values (requires_grad={self.values.requires_grad})")
         self._settle_layout()
         return self

@@ -38,7 +38,7 @@ DECODE_PAIRS = {"fp16": "float16", "bf16": "bfloat16", "int8": "int8-float16", "
 LISTED_SHAPES = ((4096, 4096), (11008, 4096), (4096, 11008), (14336, 4096), (4096, 14336), (8192, 8192),
                  (28672, 8192), (8192, 28672), (3072, 768), (768, 3072), (1024, 4096))
 _DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
-DTYPE_KEYS = tuple(_DTYPE_NAMES.values()) + tuple(f"int8-{n}" for n in _DTYPE_NAMES.values())
+DTYPE_KEYS = tuple(_DTYPE_NAMES.values()) + tuple(f"{q}-{n}" for q in ("int8", "int4") for n in _DTYPE_NAMES.values())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,12 +94,12 @@ def m_bucket(M: int) -> int:
     return 1 if M <= 1 else min(1 << (M - 1).bit_length(), M_BUCKETS[-1])
 
 
-def dtype_key(x_dtype: torch.dtype, int8_weights: bool = False) -> str:
-    """``float16`` etc. for the activation dtype, prefixed ``int8-`` for INT8 weights."""
+def dtype_key(x_dtype: torch.dtype, int8_weights: bool = False, int4_weights: bool = False) -> str:
+    """``float16`` etc. for the activation dtype, prefixed ``int8-`` for INT8 weights, ``int4-`` for INT4."""
     name = _DTYPE_NAMES.get(x_dtype)
     if name is None:
         raise TypeError(f"no kernel configs for activations of dtype {x_dtype}")
-    return f"int8-{name}" if int8_weights else name
+    return f"int4-{name}" if int4_weights else f"int8-{name}" if int8_weights else name
 
 
 def builtin_config(M: int, N: int = 4096, K: int = 4096, num_sms: int = 132, layout: str = "v1",
@@ -224,8 +224,8 @@ def decode_default(N: int, K: int, dtype: str = "float16", num_sms: int = 132) -
 
     64-row tiles (4 warps, ~70-160 registers: several programs fit an SM), BLOCK_K
     256 (128 where 256 leaves SMs without a program), pipelined: 16-bit weights 2
-    stages (one K-tile's loads in flight while another decodes), INT8 3 stages (two:
-    its tiles hold half the bytes). Then split-K (serial, inside the one launch) just
+    stages (one K-tile's loads in flight while another decodes), INT8 and INT4 3 stages
+    (two: their tiles hold 5/9 and 3/9 of the bytes). Then split-K (serial, inside the one launch) just
     large enough that the programs running at once keep ``DECODE_IN_FLIGHT`` weight
     bytes requested per SM, or, for small layers, one K-tile per program (the whole
     weight at once, in one stage: there is no later tile to prefetch; SPLIT_K equals the
@@ -233,12 +233,12 @@ def decode_default(N: int, K: int, dtype: str = "float16", num_sms: int = 132) -
     outside the tile within the budget). Predicted by
     ``scripts/kernel_static_check.py --occupancy`` and ``--sass`` (docs/kernels.md), not
     measured on a GPU."""
-    int8 = dtype.startswith("int8-")
+    quantized = dtype.startswith(("int8-", "int4-"))
     rows = -(-N // 64)
     bk = 256 if rows * -(-K // 256) >= num_sms else 128
-    stages = 3 if int8 else 2
+    stages = 3 if quantized else 2
     tiles = -(-K // bk)
-    tile_bytes = 64 * bk * (5 if int8 else 9) // 8
+    tile_bytes = 64 * bk * (3 if dtype.startswith("int4-") else 5 if quantized else 9) // 8  # eighths of a byte
     split = tiles
     for per_split in range(tiles, 0, -1):               # the fewest splits (longest K ranges) that do
         split = -(-tiles // per_split)

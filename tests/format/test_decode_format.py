@@ -86,7 +86,7 @@ def test_corrupt_keep_mask_is_rejected_with_its_place():
 
 
 def test_rejects_what_the_layout_cannot_hold(gen):
-    with pytest.raises(TypeError, match="float16, bfloat16 or INT8 values, got torch.float32"):
+    with pytest.raises(TypeError, match="float16, bfloat16, INT8 or INT4 values, got torch.float32"):
         pack_decode(sparse24.compress(torch.randn(8, 16, generator=gen)))
     p = sparse24.compress(torch.randn(8, 16, generator=gen), quantize="int8")
     bad = sparse24.Sparse24Tensor(torch.full_like(p.values, -128), p.meta, p.shape, p.dtype, p.scale)
@@ -96,12 +96,80 @@ def test_rejects_what_the_layout_cannot_hold(gen):
         pack_decode(torch.randn(8, 16))
 
 
-@pytest.mark.parametrize("quantize", [None, "int8"])
+INT4_CASES = [(40, 100, 32, True), (130, 260, 64, False), (5, 128, 128, True), (16, 200, 128, False),
+              (0, 64, 32, False), (17, 4, 64, True), (3, 0, 32, True)]
+
+
+@pytest.mark.parametrize("R,C,gs,symmetric", INT4_CASES, ids=[f"R{r}-C{c}-g{g}-{'sym' if s else 'asym'}"
+                                                               for r, c, g, s in INT4_CASES])
+def test_int4_round_trip_is_exact(R, C, gs, symmetric, gen):
+    p = sparse24.compress(torch.randn(R, C, generator=gen), quantize="int4", group_size=gs, symmetric=symmetric)
+    d = pack_decode(p)
+    assert d.quantized == "int4" and d.group_size == gs and d.values.dtype == torch.uint8
+    assert d.values.shape == (-(-C // 64), 8 * -(-R // 128), 32, 8)
+    assert d.scale is p.scale and d.zero is p.zero                       # the same tensors as layout v1
+    assert (d.zero is None) == symmetric
+    q = d.to_sparse24()
+    for name in ("values", "meta", "scale", "zero"):
+        a, b = getattr(q, name), getattr(p, name)
+        assert (a is None and b is None) or torch.equal(a, b), name
+    assert q.group_size == gs and torch.equal(d.slots(), p.slots())
+    assert torch.equal(d.to_dense(), p.to_dense())
+    d.validate()
+
+
+def test_int4_documented_bit_positions():
+    """One known group, codes and scale found where the layout comment says."""
+    R, C = 16, 128
+    r, col = 8 * 1 + 5, 64 * 1 + 16 * 3 + 4 * 2           # b = 1, i = 5; atom 1, q = 3 (h 1, qq 1), j = 2
+    w = torch.zeros(R, C)
+    w[r, col + 0], w[r, col + 2] = 3.0, -7.0                # slots 0 and 2 kept
+    p = sparse24.compress(w, quantize="int4", group_size=32)
+    assert p.int4_codes()[r, col // 2:col // 2 + 2].tolist() == [11, 1]   # 3 / 1 + 8, -7 / 1 + 8 (scale 1)
+    d = pack_decode(p)
+    lane = 4 * 5 + 2
+    word = int.from_bytes(bytes(d.values[1, 0, lane, 4:8].tolist()), "little")   # h = 1: bytes 4..7
+    n = 2 * 1 + 1                                           # nibble 2 qq + b (+ 4 for the higher slot)
+    assert (word >> 4 * n) & 15 == 11 and (word >> 4 * (n + 4)) & 15 == 1
+    assert torch.equal(d.to_dense(), p.to_dense())
+
+
+def test_int4_corrupt_input_is_rejected():
+    p = sparse24.compress(torch.randn(40, 100), quantize="int4", group_size=32, symmetric=False)
+    d = pack_decode(p)
+    with pytest.raises(ValueError, match=r"INT4 scale must be float16 of shape \(40, 4\)"):
+        DecodePacked(d.values, d.meta, d.shape, d.dtype, d.scale[:, :3], zero=d.zero, group_size=32)
+    with pytest.raises(ValueError, match=r"INT4 zero points must be uint8 of shape \(40, 4\)"):
+        DecodePacked(d.values, d.meta, d.shape, d.dtype, d.scale, zero=d.zero.t(), group_size=32)
+    with pytest.raises(ValueError, match="INT4 scale must be float16"):
+        DecodePacked(d.values, d.meta, d.shape, d.dtype, d.scale.float(), zero=d.zero, group_size=32)
+    with pytest.raises(ValueError, match="group_size must be one of"):
+        DecodePacked(d.values, d.meta, d.shape, d.dtype, d.scale, zero=d.zero, group_size=48)
+    with pytest.raises(ValueError, match="zero points belong to INT4"):
+        DecodePacked(d.values, d.meta, d.shape, d.dtype, d.scale, zero=d.zero)
+    with pytest.raises(ValueError, match=r"values must be torch.uint8 of shape \(2, 8, 32, 8\)"):
+        DecodePacked(d.values[:, :, :, :4].contiguous(), d.meta, d.shape, d.dtype, d.scale, group_size=32)
+    zero = d.zero.clone()
+    zero[7, 2] = 16
+    with pytest.raises(ValueError, match="corrupt INT4 zero points at row 7, group 2: 16"):
+        DecodePacked(d.values, d.meta, d.shape, d.dtype, d.scale, zero=zero, group_size=32)
+    scale = d.scale.clone()
+    scale[3, 1] = float("inf")
+    with pytest.raises(ValueError, match="non-finite"):
+        DecodePacked(d.values, d.meta, d.shape, d.dtype, scale, zero=d.zero, group_size=32)
+    values = d.values.clone()
+    values[0, 7, 0, 0] = 0x10                               # row tile 7: padding rows
+    with pytest.raises(ValueError, match="padding past the logical shape"):
+        DecodePacked(values, d.meta, d.shape, d.dtype, d.scale, zero=d.zero, group_size=32)
+
+
+@pytest.mark.parametrize("quantize", [None, "int8", "int4"])
 def test_to_dense_rows_decodes_only_those_blocks(quantize):
     """``to_dense(rows=...)`` equals the rows of the whole decompression, for slices inside,
     across and at the end of the 128-row blocks (the reference backend's pieces)."""
     w = torch.randn(300, 72, generator=torch.Generator().manual_seed(3))
-    p = sparse24.compress(w, quantize="int8") if quantize else sparse24.compress(w.half())
+    p = sparse24.compress(w, quantize=quantize, **({"group_size": 32, "symmetric": False} if quantize == "int4"
+                                                   else {})) if quantize else sparse24.compress(w.half())
     d = pack_decode(p)
     full = d.to_dense()
     for sl in (slice(0, 128), slice(5, 17), slice(100, 260), slice(256, 300), slice(290, 400), slice(0, 300),

@@ -389,11 +389,17 @@ def test_int8_bf16_words_build_every_value_exactly():
 # INT8 weights: the main loop alone costs 0.19-0.26 (the byte-permute decode's integer
 # work, 0.16-0.20 on the integer pipe); not yet within the budget (docs/kernels.md).
 _INT8_OVER = pytest.mark.xfail(strict=True, reason="INT8 decode over the sm_90 budget: issue 22 item 3 open")
+# INT4 weights: 0.54-0.76 amortized, 0.32-0.44 on the integer pipe (the 16-bit byte-permute scatter alone
+# costs more per group than INT4's 1.5 B allow; docs/kernels.md, "INT4 weights").
+_INT4_OVER = pytest.mark.xfail(strict=True, raises=AssertionError,
+                               reason="INT4 decode over the sm_90 budget: issue 25 item 3 open")
 
 
 @pytest.mark.parametrize("dtype,N,K", [("float16", 4096, 4096), ("bfloat16", 4096, 4096),
                                        pytest.param("int8-float16", 4096, 4096, marks=_INT8_OVER),
                                        pytest.param("int8-bfloat16", 4096, 4096, marks=_INT8_OVER),
+                                       pytest.param("int4-float16", 4096, 4096, marks=_INT4_OVER),
+                                       pytest.param("int4-bfloat16", 4096, 4096, marks=_INT4_OVER),
                                        # the listed layer closest to the budget: one K-tile per program
                                        ("float16", 3072, 768), ("bfloat16", 3072, 768)])
 def test_default_config_within_budget_live_sm90(dtype, N, K, monkeypatch):

@@ -131,9 +131,10 @@ def test_unaligned_meta_is_refused(gen):
 
 # --- byte_perm's selector mask ---------------------------------------------------------
 
-def _kernel_selectors() -> set[int]:
-    """Every selector the decode kernel computes: field * MUL + ADD, field 0..3."""
-    return {f * mul + add for mul01, add01, mul23, add23 in SELECTORS.values()
+def _kernel_selectors(kinds=((False, 0), (False, 1), (True, 0), (True, 1))) -> set[int]:
+    """Every selector the decode kernel computes for 16-bit and INT8 weights (``kinds``,
+    keys of SELECTORS): field * MUL + ADD, field 0..3."""
+    return {f * mul + add for mul01, add01, mul23, add23 in (SELECTORS[k] for k in kinds)
             for mul, add in ((mul01, add01), (mul23, add23)) for f in range(4)}
 
 
@@ -152,6 +153,13 @@ def test_raw_prmt_differs_for_15_of_the_kernel_s_selectors():
     assert differ == {s for s in sels if any((s >> 4 * n) & 15 in (8, 9, 10, 11) for n in range(4))}
     # 0xBA98 on bytes (03, 82, 01, 80): raw PRMT fills each byte with its sign
     assert prmt_raw_reference(0x80018203 - 2 ** 32, 0, 0xBA98) == 0xFF00FF00 - 2 ** 32
+    # INT4 permutes (P, Z), both words of positive bytes (0x64 | u, 0x64 | z): raw PRMT would
+    # write 0x00 wherever a nibble has bit 3, and all 8 of its selectors have one
+    sels4 = _kernel_selectors(["int4"])
+    P = (rng.integers(0, 16, 256) | rng.integers(0, 16, 256) << 16 | 0x64006400).astype(np.int32)
+    differ4 = {s for s in sels4 if not np.array_equal(byte_perm_reference(P, 0x64096409, s),
+                                                      prmt_raw_reference(P, 0x64096409, s))}
+    assert len(sels4) == 8 and differ4 == sels4
 
 
 def test_kernel_without_the_selector_mask_decodes_wrong(monkeypatch, gen):

@@ -91,7 +91,7 @@ def test_trainable_values_stay_in_layout_v1(gen):
 
 def test_to_layout_rejects_what_it_cannot_do(gen):
     fp32 = _layer(gen, dtype=torch.float32)
-    with pytest.raises(ValueError, match="float16, bfloat16 or INT8 values"):
+    with pytest.raises(ValueError, match="float16, bfloat16, INT8 or INT4 values"):
         fp32.to_layout("decode")
     assert fp32.layout == "v1"
     with pytest.raises(ValueError, match="layout must be 'v1', 'decode' or 'auto'"):

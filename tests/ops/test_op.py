@@ -23,13 +23,13 @@ def _model(gen, quantize=None, trainable_values=False):
 
 
 @pytest.mark.parametrize("backend, weight", [(b, w) for b in ("reference", "triton")
-                                             for w in ("fp32", "int8", "int4", "decode-fp16", "decode-int8")
-                                             if (b, w) != ("triton", "int4")])  # INT4 kernel: issue 25
+                                             for w in ("fp32", "int8", "int4", "decode-fp16", "decode-int8",
+                                                       "decode-int4")])
 def test_opcheck(backend, weight, gen):
     """Schema, fake (meta) kernel, autograd registration and AOT dispatch, as torch.library checks
     them, for both layouts (the decode layout's values do not train)."""
     w = torch.randn(40, 64, generator=gen)
-    quantize = "int8" if "int8" in weight else "int4" if weight == "int4" else None
+    quantize = "int8" if "int8" in weight else "int4" if "int4" in weight else None
     p = sparse24.compress(w.half() if weight == "decode-fp16" else w, quantize=quantize)
     if weight.startswith("decode"):
         p = sparse24.pack_decode(p)

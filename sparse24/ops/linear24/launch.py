@@ -31,7 +31,7 @@ import warnings
 
 import torch
 
-from ...decode_format import DecodePacked, check_word_aligned, decode_dims
+from ...decode_format import DecodePacked, check_word_aligned, decode_dims, pack_decode
 from ...format import Sparse24Tensor
 from ..config_space import DECODE_M, LAYOUT_KERNEL, KernelConfig, check_decode_config, dtype_key, m_bucket
 from ..config_store import get_config, on_clear
@@ -64,8 +64,6 @@ def check_triton_args(x: torch.Tensor, p: Sparse24Tensor | DecodePacked) -> None
                             "arithmetic; use float16/float32 on CPU, backend='reference', or a CUDA device")
     elif x.device.type != "cuda":
         raise ValueError(f"backend='triton' needs CUDA or CPU tensors, got device {x.device}")
-    if getattr(p, "group_size", None) is not None:
-        raise TypeError("backend='triton' has no INT4 kernel yet; use backend='reference' (or 'auto')")
     if p.scale is None and p.values.dtype == torch.float64:
         raise TypeError("backend='triton' cannot read float64 weight values; cast the weight with "
                         "p.to(dtype=torch.float32) or use backend='reference'")
@@ -85,7 +83,9 @@ def linear_triton(x: torch.Tensor, p: Sparse24Tensor | DecodePacked, bias: torch
             in Triton's interpreter (float16/float32 only; slow, for tests).
         p: ``(N, K)``: a :class:`Sparse24Tensor` (float16/bfloat16/float32 values,
             or int8 values with ``(N,)`` float32 scales; the ``matmul`` kernel) or a
-            :class:`DecodePacked` (float16/bfloat16 or INT8; the ``decode`` kernel).
+            :class:`DecodePacked` (float16/bfloat16, INT8 or INT4; the ``decode`` kernel).
+            An INT4 :class:`Sparse24Tensor` is re-ordered to the decode layout on every
+            call (only the decode kernels read INT4): pack it once with ``pack_decode``.
         bias: ``(N,)`` or None, any float dtype (added in fp32).
         config: a :class:`~sparse24.ops.config_space.KernelConfig` of the weight's
             kernel variant to pin; default: the tuned-config lookup
@@ -104,12 +104,12 @@ def linear_triton(x: torch.Tensor, p: Sparse24Tensor | DecodePacked, bias: torch
     check_triton_args(x, p)
     if config is not None:
         _config_type(config)
-        layout = "v1" if isinstance(p, Sparse24Tensor) else "decode"
+        layout = "v1" if isinstance(p, Sparse24Tensor) and p.group_size is None else "decode"
         if config.kernel != LAYOUT_KERNEL[layout]:
             raise ValueError(f"a {type(p).__name__} weight runs the {LAYOUT_KERNEL[layout]!r} kernel, got a config "
                              f"for {config.kernel!r}")
         config.validate() if layout == "v1" else check_decode_config(config)
-    return run(x, p.values, p.meta, p.scale, bias, p.shape[0], config)
+    return run(x, p.values, p.meta, p.scale, bias, p.shape[0], config, p.zero, p.group_size or 0)
 
 
 def _config_type(config) -> KernelConfig:
@@ -127,7 +127,7 @@ def linear_prefill(x: torch.Tensor, p: DecodePacked, bias: torch.Tensor | None =
     Args:
         x: ``(..., K)`` float16 / bfloat16 / float32 (CPU: float16/float32, in
             Triton's interpreter), any leading dims and strides.
-        p: :class:`DecodePacked` ``(N, K)`` (float16/bfloat16 or INT8 values).
+        p: :class:`DecodePacked` ``(N, K)`` (float16/bfloat16, INT8 or INT4 values).
         bias: ``(N,)`` or None (added in fp32).
         config: a ``kernel="prefill"`` :class:`KernelConfig`; default
             :func:`~sparse24.ops.linear24.prefill.prefill_config` for x's rows
@@ -148,26 +148,35 @@ def linear_prefill(x: torch.Tensor, p: DecodePacked, bias: torch.Tensor | None =
     check_triton_args(x, p)
     if config is not None:
         check_prefill_config(_config_type(config))
-    return run_prefill(x, p.values, p.meta, p.scale, bias, p.shape[0], config)
+    return run_prefill(x, p.values, p.meta, p.scale, bias, p.shape[0], config, p.zero, p.group_size or 0)
 
 
 def run_prefill(x: torch.Tensor, values: torch.Tensor, meta: torch.Tensor, scale: torch.Tensor | None,
-                bias: torch.Tensor | None, N: int, config: KernelConfig | None = None) -> torch.Tensor:
+                bias: torch.Tensor | None, N: int, config: KernelConfig | None = None,
+                zero: torch.Tensor | None = None, group_size: int = 0) -> torch.Tensor:
     """:func:`run` with the prefill kernel (arguments already checked, decode-layout
     tensors): the untuned :func:`~sparse24.ops.linear24.prefill.prefill_config` of
     x's M bucket unless ``config`` is given."""
     if config is None:
         M = x.shape[0] if x.dim() == 2 else x.shape[:-1].numel()
-        config = prefill_config(max(M, DECODE_M + 1), N, x.shape[-1], scale is not None)
-    return run(x, values, meta, scale, bias, N, config)
+        config = prefill_config(max(M, DECODE_M + 1), N, x.shape[-1], scale is not None and not group_size,
+                                int4=group_size > 0)
+    return run(x, values, meta, scale, bias, N, config, zero, group_size)
 
 
 def run(x: torch.Tensor, values: torch.Tensor, meta: torch.Tensor, scale: torch.Tensor | None,
-        bias: torch.Tensor | None, N: int, config: KernelConfig | None = None) -> torch.Tensor:
+        bias: torch.Tensor | None, N: int, config: KernelConfig | None = None, zero: torch.Tensor | None = None,
+        group_size: int = 0) -> torch.Tensor:
     """The launch behind :func:`linear_triton`, for arguments already checked
     (the registered op and the modules call it directly); W's layout is read
-    off ``values`` (:func:`layout_of`), N is its logical rows. Shapes as there.
+    off ``values`` (:func:`layout_of`), N is its logical rows. Shapes as there;
+    INT4 (``group_size`` > 0): ``scale`` and ``zero`` (or None) of the weight's layout
+    (a layout-v1 INT4 weight is re-ordered to the decode layout first, every call).
     Every line here runs on every call: each costs 0.1-2 us of host time."""
+    if group_size and values.dim() == 2:
+        d = pack_decode(Sparse24Tensor(values, meta, (N, x.shape[-1]), torch.float32, scale, zero=zero,
+                                       group_size=group_size, check=False))
+        values, meta, scale, zero = d.values, d.meta, d.scale, d.zero
     K = x.shape[-1]
     flat = x.dim() == 2
     M = x.shape[0] if flat else x.shape[:-1].numel()
@@ -178,13 +187,13 @@ def run(x: torch.Tensor, values: torch.Tensor, meta: torch.Tensor, scale: torch.
     # results match F.linear); half types ignore it.
     tf32 = x.dtype == torch.float32 and x.is_cuda and torch.backends.cuda.matmul.allow_tf32
     key = (x.device, x.dtype, values.dtype, values.dim(), scale is not None, None if bias is None else bias.dtype,
-           N, K, m_bucket(M), torch.are_deterministic_algorithms_enabled(), tf32, config)
+           N, K, m_bucket(M), torch.are_deterministic_algorithms_enabled(), tf32, config, group_size, zero is not None)
     plan = _PLANS.get(key)
     if plan is None:
         plan = _PLANS[key] = _Plan(key, config)
     if flat:
-        return plan(x, values, meta, scale, bias, M)
-    return plan(x.reshape(M, K), values, meta, scale, bias, M).view(*x.shape[:-1], N)
+        return plan(x, values, meta, scale, bias, M, zero)
+    return plan(x.reshape(M, K), values, meta, scale, bias, M, zero).view(*x.shape[:-1], N)
 
 
 _PLANS: dict = {}
@@ -196,15 +205,16 @@ class _Plan:
     config, split-K, the constexprs, and (CUDA) the compiled kernel handle."""
 
     def __init__(self, key, config: KernelConfig | None):
-        device, x_dtype, values_dtype, values_dim, has_scale, bias_dtype, N, K, bucket, deterministic, tf32, _ = key
+        device, x_dtype, values_dtype, values_dim, has_scale, bias_dtype, N, K, bucket, deterministic, tf32, _, \
+            group_size, has_zero = key
         layout = "v1" if values_dim == 2 else "decode"
         if config is None:
-            config = get_config(bucket, N, K, dtype_key(x_dtype, has_scale), device, layout)
+            config = get_config(bucket, N, K, dtype_key(x_dtype, has_scale, group_size > 0), device, layout)
         self.config, self.variant = config, _VARIANTS[config.kernel]
         self.split_k = self.variant.split_k(config, bucket, deterministic)
         self.kernel = self.variant.kernel(device.type == "cuda")
         self.constexprs = self.variant.constexprs(config, self.split_k, has_scale, values_dtype, bias_dtype is not None,
-                                                  tf32, K)
+                                                  tf32, K, group_size, has_zero)
         names = tuple(self.constexprs)
         if device.type == "cuda":  # the kept handle gets the constexprs appended in signature order
             assert tuple(self.kernel.arg_names[-len(names):]) == names, self.kernel.arg_names
@@ -219,24 +229,27 @@ class _Plan:
         self.atomic_split = _atomic_split(config, self.split_k)
         self.compiled = None
         if device.type == "cuda" and x_dtype == torch.float32 and layout == "decode":
-            warnings.warn(f"sparse24: float32 activations on a {values_dtype if not has_scale else 'INT8'} "
+            warnings.warn(f"sparse24: float32 activations on a "
+                          f"{values_dtype if not has_scale else 'INT4' if group_size else 'INT8'} "
                           f"decode-layout weight ({N}x{K}) run fp32 dots on CUDA cores (about 5-7x the decode "
                           f"path's instruction budget, docs/kernels.md); for the tensor-core path cast the "
                           f"activations once (e.g. model.half() or torch.autocast)", RuntimeWarning, stacklevel=5)
 
-    def __call__(self, x2, values, meta, scale, bias, M):
+    def __call__(self, x2, values, meta, scale, bias, M, zero=None):
         if not self.atomic_split:  # one launch writes x's dtype (decode split-K reduces in the kernel)
             target = torch.empty((M, self.N), dtype=x2.dtype, device=self.device)
         else:  # the general kernel's split-K adds fp32 partial sums into a zeroed buffer
             target = torch.zeros((M, self.N), dtype=torch.float32, device=self.device)
-        s = meta if scale is None else scale  # never read when there is no scale / bias
+        s = meta if scale is None else scale  # never read when there is no scale / bias / zero point
         b = meta if bias is None else bias
+        z = self.variant.zero_arg(meta if zero is None else zero)   # () for the general kernel
         if x2.is_contiguous() and values.is_contiguous() and meta.is_contiguous() and s.is_contiguous() \
-                and b.is_contiguous():
-            args = (x2, values, meta, s, b, target, *self.extra, M, *self.contiguous_ints)
-            aligned = (x2.data_ptr() | values.data_ptr() | meta.data_ptr() | s.data_ptr() | b.data_ptr()) % 16 == 0
+                and b.is_contiguous() and all(t.is_contiguous() for t in z):
+            args = (x2, values, meta, s, *z, b, target, *self.extra, M, *self.contiguous_ints)
+            aligned = (x2.data_ptr() | values.data_ptr() | meta.data_ptr() | s.data_ptr() | b.data_ptr()) % 16 == 0 \
+                and all(t.data_ptr() % 16 == 0 for t in z)
         else:
-            args = self.variant.args(x2, values, meta, s, b, target, M, self.extra)
+            args = self.variant.args(x2, values, meta, s, b, target, M, self.extra, z)
             aligned = False
         if not aligned:  # off the fast path only: 16-byte aligned pointers are word-aligned
             self.variant.check_alignment(values, meta)
@@ -245,7 +258,7 @@ class _Plan:
         else:  # the grid would pass CUDA's limits: one launch per row chunk (Triton's path)
             for r0, r1 in grid_chunks(M, self.max_rows):
                 self.launch(self.variant.grid(r1 - r0, self.N, self.config, self.split_k),
-                            self.variant.args(x2[r0:r1], values, meta, s, b, target[r0:r1], r1 - r0, self.extra),
+                            self.variant.args(x2[r0:r1], values, meta, s, b, target[r0:r1], r1 - r0, self.extra, z),
                             False)
         return target if not self.atomic_split else target.to(x2.dtype)  # the same tensor when x is fp32
 
@@ -349,7 +362,7 @@ class _Matmul:
         return sparse24_matmul if cuda else sparse24_matmul_interpreted
 
     @staticmethod
-    def constexprs(config, split_k, has_scale, values_dtype, has_bias, tf32, K) -> dict:
+    def constexprs(config, split_k, has_scale, values_dtype, has_bias, tf32, K, group_size=0, has_zero=False) -> dict:
         return dict(HAS_SCALE=has_scale, HAS_BIAS=has_bias, DOT_PRECISION="tf32" if tf32 else "ieee",
                     BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
                     GROUP_M=config.group_m, SPLIT_K=split_k)
@@ -365,7 +378,11 @@ class _Matmul:
         return ()
 
     @staticmethod
-    def args(x2, values, meta, s, b, target, M, extra=()) -> tuple:
+    def zero_arg(zero) -> tuple:
+        return ()   # no INT4: no zero-point argument
+
+    @staticmethod
+    def args(x2, values, meta, s, b, target, M, extra=(), z=()) -> tuple:
         N, K = target.shape[1], x2.shape[1]
         return (x2, values, meta, s, b, target, M, N, K, x2.stride(0), x2.stride(1), values.stride(0),
                 values.stride(1), meta.stride(0), meta.stride(1), target.stride(0), target.stride(1))
@@ -398,11 +415,12 @@ class _Decode:
         return sparse24_decode if cuda else sparse24_decode_interpreted
 
     @staticmethod
-    def constexprs(config, split_k, has_scale, values_dtype, has_bias, tf32, K) -> dict:
-        return dict(INT8=has_scale, W_BF16=values_dtype == torch.bfloat16, HAS_BIAS=has_bias,
+    def constexprs(config, split_k, has_scale, values_dtype, has_bias, tf32, K, group_size=0, has_zero=False) -> dict:
+        return dict(INT8=has_scale and not group_size, W_BF16=values_dtype == torch.bfloat16, HAS_BIAS=has_bias,
                     DOT_PRECISION="tf32" if tf32 else "ieee", BLOCK_N=config.block_n, BLOCK_K=config.block_k,
                     SPLIT_K=split_k, EVEN_K=K % config.block_k == 0,
-                    ONE_TILE=split_k == _cdiv(K, config.block_k))  # one K-tile per split: no loop
+                    ONE_TILE=split_k == _cdiv(K, config.block_k),  # one K-tile per split: no loop
+                    INT4=group_size > 0, GROUP=group_size or 128, HAS_ZERO=has_zero)
 
     @staticmethod
     def split_k(config, bucket, deterministic) -> int:
@@ -418,9 +436,13 @@ class _Decode:
             1, dtype=torch.int32, device=device)),) * 2
 
     @staticmethod
-    def args(x2, values, meta, s, b, target, M, extra) -> tuple:
+    def zero_arg(zero) -> tuple:
+        return (zero,)   # INT4 zero points (any tensor when there are none: never read)
+
+    @staticmethod
+    def args(x2, values, meta, s, b, target, M, extra, z) -> tuple:
         N, K = target.shape[1], x2.shape[1]
-        return (x2, values, meta, s, b, target, *extra, M, N, K, _cdiv(K, 64), meta.shape[2],
+        return (x2, values, meta, s, *z, b, target, *extra, M, N, K, _cdiv(K, 64), meta.shape[2],
                 x2.stride(0), x2.stride(1), target.stride(0), target.stride(1))
 
     @staticmethod
@@ -455,10 +477,11 @@ class _Prefill(_Decode):
         return sparse24_prefill if cuda else sparse24_prefill_interpreted
 
     @staticmethod
-    def constexprs(config, split_k, has_scale, values_dtype, has_bias, tf32, K) -> dict:
-        return dict(INT8=has_scale, W_BF16=values_dtype == torch.bfloat16, HAS_BIAS=has_bias,
+    def constexprs(config, split_k, has_scale, values_dtype, has_bias, tf32, K, group_size=0, has_zero=False) -> dict:
+        return dict(INT8=has_scale and not group_size, W_BF16=values_dtype == torch.bfloat16, HAS_BIAS=has_bias,
                     DOT_PRECISION="tf32" if tf32 else "ieee", BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-                    BLOCK_K=config.block_k, GROUP_M=config.group_m)
+                    BLOCK_K=config.block_k, GROUP_M=config.group_m, INT4=group_size > 0, GROUP=group_size or 128,
+                    HAS_ZERO=has_zero)
 
     @staticmethod
     def split_k(config, bucket, deterministic) -> int:
@@ -469,9 +492,9 @@ class _Prefill(_Decode):
         return ()
 
     @staticmethod
-    def args(x2, values, meta, s, b, target, M, extra=()) -> tuple:
+    def args(x2, values, meta, s, b, target, M, extra=(), z=()) -> tuple:
         N, K = target.shape[1], x2.shape[1]
-        return (x2, values, meta, s, b, target, M, N, K, _cdiv(K, 64), meta.shape[2],
+        return (x2, values, meta, s, *z, b, target, M, N, K, _cdiv(K, 64), meta.shape[2],
                 x2.stride(0), x2.stride(1), target.stride(0), target.stride(1))
 
     @staticmethod
@@ -495,12 +518,14 @@ def kernel_call(x2, p: Sparse24Tensor | DecodePacked, bias, target, config: Kern
     tf32 = x2.is_cuda and x2.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32
     s = p.meta if p.scale is None else p.scale
     b = p.meta if bias is None else bias
+    group_size, zero = getattr(p, "group_size", None) or 0, getattr(p, "zero", None)
     kwargs = dict(variant.constexprs(config, split_k, p.scale is not None, p.values.dtype, bias is not None, tf32,
-                                     x2.shape[1]),
+                                     x2.shape[1], group_size, zero is not None),
                   num_warps=config.num_warps, num_stages=config.num_stages)
     grid = variant.grid(M, p.shape[0], config, split_k)
     extra = variant.extra(x2.device, p.shape[0], config, split_k)
-    return variant.kernel(x2.is_cuda), grid, variant.args(x2, p.values, p.meta, s, b, target, M, extra), kwargs
+    z = variant.zero_arg(p.meta if zero is None else zero)
+    return variant.kernel(x2.is_cuda), grid, variant.args(x2, p.values, p.meta, s, b, target, M, extra, z), kwargs
 
 
 def aot_compile(x2, p: Sparse24Tensor | DecodePacked, bias, target, config: KernelConfig, split_k: int,

@@ -77,16 +77,17 @@ def _weight(values, meta, scale, zero, group_size, weight_dtype, shape) -> Spars
     if values.dim() == 2:
         return Sparse24Tensor(values, meta, shape, weight_dtype, scale, zero=zero, group_size=group_size or None,
                               check=False)
-    return DecodePacked(values, meta, shape, weight_dtype, scale, check=False).to_sparse24()
+    return DecodePacked(values, meta, shape, weight_dtype, scale, zero=zero, group_size=group_size or None,
+                        check=False).to_sparse24()
 
 
 def _compute(x, values, meta, scale, zero, bias, weight_dtype, backend, out_features, group_size):
     if backend == "auto":
-        backend = "reference" if group_size else _auto_backend(x, values, scale, out_features)
+        backend = _auto_backend(x, values, scale, out_features, group_size)
     if backend == "triton":
-        return launch.run(x, values, meta, scale, bias, out_features)
+        return launch.run(x, values, meta, scale, bias, out_features, None, zero, group_size)
     if backend == "prefill":  # chosen by "auto" only: the decode layout at M > 16 on CUDA
-        return launch.run_prefill(x, values, meta, scale, bias, out_features)
+        return launch.run_prefill(x, values, meta, scale, bias, out_features, None, zero, group_size)
     return linear_reference(x, _weight(values, meta, scale, zero, group_size, weight_dtype,
                                        (out_features, x.shape[-1])), bias)
 
@@ -151,15 +152,20 @@ def choose_backend(x: torch.Tensor, p: Sparse24Tensor | DecodePacked) -> str:
     weight, and for layout v1 the reference backend (row-block decompression +
     cuBLAS) instead where this GPU's tuned file measured it faster than the
     kernel; the reference everywhere else (CPU, fp64, no triton)."""
-    return _auto_backend(x, p.values, p.scale, p.shape[0])
+    return _auto_backend(x, p.values, p.scale, p.shape[0], getattr(p, "group_size", None) or 0)
 
 
 _AUTO: dict = {}
 on_clear(_AUTO.clear)
 
 
-def _auto_backend(x: torch.Tensor, values: torch.Tensor, scale, out_features: int) -> str:
+def _auto_backend(x: torch.Tensor, values: torch.Tensor, scale, out_features: int, group_size: int = 0) -> str:
     if not (x.is_cuda and x.dtype in KERNEL_DTYPES and _triton_available()):
+        return "reference"
+    if group_size and values.dim() == 2:
+        # INT4 in layout v1: only the decode-layout kernels read INT4, and re-ordering the
+        # whole weight every call costs about what the reference's decompression does
+        # (the modules hold INT4 in the decode layout on CUDA).
         return "reference"
     M = x.shape[0] if x.dim() == 2 else x.shape[:-1].numel()
     if M <= DECODE_M:

@@ -1,0 +1,220 @@
+"""INT4 2:4 weights (W4A16) in the decode and prefill kernels, run on CPU tensors in
+Triton's interpreter (the source the GPU compiles), against F.linear in fp64 on the
+dense weight built here from the stored codes, scales and zero points as the format
+defines it (``W = (u - zero) * scale``), at the kept positions of an independent
+magnitude mask. bfloat16 has no numpy type, so the interpreter cannot run it: its
+dequantization identities are checked exactly below, and its code path is compiled
+for sm_90 (scripts/kernel_static_check.py and the last test here)."""
+import itertools
+
+import pytest
+import torch
+
+import sparse24
+from sparse24.decode_format import DecodePacked, pack_decode
+from sparse24.kernels.interpreter import byte_perm_reference
+from sparse24.kernels.sparse24_decode import SELECTORS
+from sparse24.ops.config_space import KernelConfig
+from sparse24.ops.linear24 import launch, linear_prefill
+from sparse24.ops.linear24.prefill import prefill_config
+from sparse24.ops.linear24 import linear_triton as linear_decode
+
+from conftest import assert_matches_reference, matches_reference, top2_mask
+
+CODE_BIT = (0, 1, 3, 2)   # the decode layout's keep-mask bit of each slot
+
+
+def _cfg(bn, bk, split=1, stages=1):
+    return KernelConfig(16, bn, bk, 1, split, bn // 16, stages, kernel="decode")
+
+
+def _int4(N, K, gs, symmetric, gen):
+    """``(p, W)``: an INT4 weight and its dense fp64 dequantization, built independently of the
+    library's decoders: kept positions from :func:`top2_mask` of the original weight, codes read
+    off the bytes (group g's byte: lower kept slot in the low nibble), W = (u - zero) * scale."""
+    w = torch.randn(N, K, generator=gen)
+    p = sparse24.compress(w, quantize="int4", group_size=gs, symmetric=symmetric)
+    keep = top2_mask(w).reshape(N, K // 4, 4)
+    byte = p.values.long()
+    codes = torch.stack((byte & 15, byte >> 4), dim=-1).double()              # (N, K/4, 2)
+    col = torch.arange(K).reshape(K // 4, 4)
+    k = (col // gs)                                                           # quantization group
+    zero = torch.full((N, -(-K // gs)), 8.0, dtype=torch.float64) if p.zero is None else p.zero.double()
+    scale = p.scale.double()
+    W = torch.zeros(N, K // 4, 4, dtype=torch.float64)
+    for r, g in itertools.product(range(N), range(K // 4)):
+        slots = keep[r, g].nonzero().flatten().tolist()
+        for v, slot in enumerate(slots):
+            kk = int(k[g, slot])
+            W[r, g, slot] = (codes[r, g, v] - zero[r, kk]) * scale[r, kk]
+    return p, W.reshape(N, K)
+
+
+def _operand(W, xtype):
+    """The weight as the dot sees it: the exact dequantized value rounded once to x's dtype."""
+    return W.to(xtype).double()
+
+
+# --- byte-permute selectors ------------------------------------------------------
+
+def test_int4_selectors_fill_unkept_slots_with_the_zero_word():
+    """For all six slot pairs, S = field * MUL + ADD permutes (P, Z) into the dense pairs:
+    kept slots get their code's half of P, unkept ones Z's half (1024 + z: 0 after the subtraction)."""
+    mul01, add01, mul23, add23 = SELECTORS["int4"]
+    lo, hi, z = 0x6403, 0x640E, 0x6409
+    P, Z = lo | hi << 16, z | z << 16
+    for lo_slot, hi_slot in itertools.combinations(range(4), 2):
+        code = (1 << CODE_BIT[lo_slot]) | (1 << CODE_BIT[hi_slot])
+        d01 = int(byte_perm_reference(P, Z, (code & 3) * mul01 + add01)) & 0xFFFFFFFF
+        d23 = int(byte_perm_reference(P, Z, ((code >> 2) & 3) * mul23 + add23)) & 0xFFFFFFFF
+        want = [z] * 4
+        want[lo_slot], want[hi_slot] = lo, hi
+        assert [d01 & 0xFFFF, d01 >> 16, d23 & 0xFFFF, d23 >> 16] == want, (lo_slot, hi_slot)
+
+
+@pytest.mark.parametrize("xtype, magic", [(torch.float16, 0x6400), (torch.bfloat16, 0x4300)])
+def test_int4_magic_numbers_give_exact_integers(xtype, magic):
+    """The identities the kernel's dequantization rests on, for every code u and zero point z:
+    (magic | u) - (magic | z) == u - z exactly in x's 16-bit type, and (u - z) * scale done as
+    the kernel does is the exact product rounded once to x's dtype. fp16: one mul.f16x2.
+    bf16 (three fma.rn.bf16x2, each one rounding of an exact a * b + c, emulated exactly in
+    fp32 here since every exact result fits its 24 bits): s = hi + lo, hi = bf16(s), lo exact,
+    p = (u - z) * lo exact, then (u - z) * hi + p rounded once."""
+    u = torch.arange(16).repeat_interleave(16).repeat(64)
+    z = torch.arange(16).repeat(16).repeat(64)
+    a = (magic | u).to(torch.int16).view(xtype)
+    b = (magic | z).to(torch.int16).view(xtype)
+    t = a - b
+    assert torch.equal(t.double(), (u - z).double())
+    s = (torch.randn(u.numel(), generator=torch.Generator().manual_seed(0))
+         * torch.logspace(-6, 3, u.numel(), dtype=torch.float64).float()).half()
+    exact = (u - z).double() * s.double()
+    if xtype == torch.float16:
+        got = t * s
+    else:
+        hi = s.to(torch.bfloat16)
+        lo = (s.float() - hi.float()).to(torch.bfloat16)
+        assert torch.equal(lo.double() + hi.double(), s.double())              # the split is exact
+        p = (t.float() * lo.float()).to(torch.bfloat16)
+        assert torch.equal(p.double(), t.double() * lo.double())               # so is (u - z) * lo
+        got = (t.float() * hi.float() + p.float()).to(torch.bfloat16)
+    assert torch.equal(got, exact.to(xtype))
+
+
+# --- the kernels against fp64 ------------------------------------------------------
+
+def _case(M, N, K, xtype, gs, sym, bias, cfg):
+    ids = f"M{M}-N{N}-K{K}-x{str(xtype)[6:]}-g{gs}-{'sym' if sym else 'asym'}-{'bias' if bias else 'nobias'}-" \
+          f"{cfg.block_n}x{cfg.block_k}s{cfg.split_k}"
+    return pytest.param(M, N, K, xtype, gs, sym, bias, cfg, id=ids)
+
+
+@pytest.mark.parametrize("M,N,K,xtype,gs,sym,bias,cfg", [
+    # M = 1, 5, 16; fp16 and fp32 x; every group size; symmetric and asymmetric; N and K off the
+    # tiles (K = 200: a partial K-tile, a partial atom and a short last quantization group)
+    _case(1, 40, 200, torch.float16, 32, True, True, _cfg(32, 64)),
+    _case(5, 72, 200, torch.float32, 64, False, False, _cfg(64, 128)),
+    _case(16, 40, 200, torch.float16, 128, False, True, _cfg(64, 256)),
+    _case(5, 136, 96, torch.float16, 64, True, False, _cfg(128, 64)),         # K < group size 128 below
+    _case(1, 40, 96, torch.float32, 128, True, True, _cfg(32, 64)),
+    # serial split-K (one launch), with a partial last tile and splits that own no tile
+    _case(16, 72, 300, torch.float16, 32, False, True, _cfg(64, 64, split=3, stages=2)),
+    _case(5, 40, 256, torch.float32, 128, False, False, _cfg(64, 64, split=4)),   # one K-tile per split
+    _case(13, 40, 200, torch.float16, 64, True, True, _cfg(64, 64, split=8)),     # splits 4..7 own none
+])
+def test_decode_kernel_matches_reference(M, N, K, xtype, gs, sym, bias, cfg, gen):
+    p, W = _int4(N, K, gs, sym, gen)
+    d = pack_decode(p)
+    x = torch.randn(M, K, generator=gen).to(xtype)
+    b = torch.randn(N, generator=gen) if bias else None
+    y = linear_decode(x, d, b, config=cfg)
+    assert y.dtype == xtype and y.shape == (M, N)
+    assert_matches_reference(y, x, _operand(W, xtype), b)
+
+
+@pytest.mark.parametrize("xtype,gs,sym", [(torch.float16, 32, False), (torch.float32, 128, True)])
+def test_prefill_kernel_matches_reference(xtype, gs, sym, gen):
+    """M > 16: each weight tile dequantized once per BLOCK_M rows."""
+    p, W = _int4(72, 200, gs, sym, gen)
+    x = torch.randn(40, 200, generator=gen).to(xtype)
+    b = torch.randn(72, generator=gen)
+    cfg = KernelConfig(32, 64, 64, 8, 1, 4, 2, kernel="prefill")
+    y = linear_prefill(x, pack_decode(p), b, config=cfg)
+    assert_matches_reference(y, x, _operand(W, xtype), b)
+
+
+def test_default_configs_and_the_op(gen):
+    """Without a config (the built-in defaults), through sparse24.linear: the decode layout at
+    M <= 16 and M > 16, and a layout-v1 INT4 weight with backend='triton' (re-ordered per call)."""
+    p, W = _int4(72, 200, 64, False, gen)
+    d = pack_decode(p)
+    for M in (3, 20):
+        x = torch.randn(M, 200, generator=gen).half()
+        assert_matches_reference(sparse24.linear(x, d, backend="triton"), x, _operand(W, torch.float16))
+    x = torch.randn(4, 200, generator=gen).half()
+    assert_matches_reference(sparse24.linear(x, p, backend="triton"), x, _operand(W, torch.float16))
+    assert_matches_reference(linear_decode(x, p), x, _operand(W, torch.float16))
+    # the untuned prefill tile: never 128 x 128 for INT4 (one program per SM there, sm_90)
+    assert (prefill_config(4096, 4096, 4096).block_n, prefill_config(4096, 4096, 4096, int4=True).block_n) == (128, 64)
+
+
+# --- corruption is caught ------------------------------------------------------------
+
+def test_a_moved_nibble_fails_the_check(gen):
+    """Swapping the two codes of one group (a nibble in the wrong place) is outside the bound;
+    the kernel then matches the weight those bytes describe."""
+    p, W = _int4(40, 128, 32, True, gen)
+    d = pack_decode(p)
+    values = d.values.clone()
+    # lane 20 (rows 5, 13), word 0: group k = 2 qq + b has its codes at nibbles k (lower slot)
+    # and k + 4 (higher slot); swap them in the first group whose two codes differ
+    word = int.from_bytes(bytes(values[0, 0, 20, :4].tolist()), "little")
+    k = next(k for k in range(4) if (word >> 4 * k) & 15 != (word >> 4 * (k + 4)) & 15)
+    lo, hi = (word >> 4 * k) & 15, (word >> 4 * (k + 4)) & 15
+    word = (word & ~(0xF << 4 * k | 0xF << 4 * (k + 4))) | hi << 4 * k | lo << 4 * (k + 4)
+    values[0, 0, 20, :4] = torch.tensor(list(word.to_bytes(4, "little")), dtype=torch.uint8)
+    bad = DecodePacked(values, d.meta, d.shape, d.dtype, d.scale, zero=d.zero, group_size=32)
+    x = torch.randn(13, 128, generator=gen)
+    y = linear_decode(x, bad, config=_cfg(64, 64))
+    assert not matches_reference(y, x, W)
+    assert_matches_reference(y, x, bad.to_dense().double())
+
+
+@pytest.mark.parametrize("where", ["group", "row"])
+def test_a_wrong_scale_index_fails_the_check(where, gen):
+    """Scales read one quantization group off (or from the neighbouring row) are outside the bound:
+    the kernel indexes scales by (row, group), and a transposed or shifted read would show here."""
+    p, W = _int4(40, 128, 32, False, gen)
+    d = pack_decode(p)
+    scale = d.scale.clone()
+    if where == "group":
+        scale[:, [0, 1]] = scale[:, [1, 0]]    # groups 0 and 1 of every row swapped
+    else:
+        scale[[4, 5]] = scale[[5, 4]]          # rows 4 and 5 swapped
+    bad = DecodePacked(d.values, d.meta, d.shape, d.dtype, scale, zero=d.zero, group_size=32)
+    x = torch.randn(5, 128, generator=gen)
+    y = linear_decode(x, bad, config=_cfg(64, 128))
+    assert not matches_reference(y, x, W)
+    assert_matches_reference(y, x, bad.to_dense().double())
+
+
+# --- bfloat16 and the GPU build --------------------------------------------------------
+
+def test_bf16_is_refused_on_cpu_and_compiles_for_sm90(gen):
+    """The interpreter cannot run bfloat16 (a clear error); the bfloat16 INT4 path compiles for
+    sm_80 and sm_90 with its magic constant, its fma dequantization, tensor-core dots and no
+    local memory."""
+    p, _ = _int4(64, 256, 128, False, gen)
+    d = pack_decode(p)
+    with pytest.raises(TypeError, match="no bfloat16"):
+        linear_decode(torch.randn(2, 256).bfloat16(), d)
+    pytest.importorskip("triton.backends.nvidia")
+    for cap, bn in ((80, 32), (90, 64)):
+        cfg = _cfg(bn, 128, split=2, stages=2)
+        ck = launch.aot_compile(torch.randn(16, 256).bfloat16(), d, None, torch.empty(16, 64).bfloat16(), cfg, 2,
+                                (cap // 10, 0))
+        ptx = ck.asm["ptx"]
+        assert "1124090624" in ptx or "0x43004300" in ptx.lower()   # 0x43004300: bfloat16 128 + u
+        assert ptx.count("fma.rn.bf16x2") >= 3 and "sub.f16x2" not in ptx
+        assert ("wgmma" in ptx) == (cap == 90) and ("mma.sync" in ptx) == (cap == 80)
+        assert "ld.local" not in ptx and "st.local" not in ptx
