@@ -312,7 +312,7 @@ class Sparse24Linear(LayoutMixin, StateDictMixin, nn.Module):
             return compress(self.weight.detach(), self.mask)
         if self.__dict__.get("_layout") == "decode":
             return DecodePacked(self.values.detach(), self.meta, (self.out_features, self.in_features), self._dtype,
-                                self.scale, check=False).to_sparse24()
+                                self.scale, zero=self.zero, group_size=self._group_size, check=False).to_sparse24()
         return Sparse24Tensor(self.values.detach(), self.meta, (self.out_features, self.in_features),
                               self._dtype, self.scale, zero=self.zero, group_size=self._group_size, check=False)
 

@@ -20,16 +20,18 @@ def _layer(gen, quantize=None, bias=True, dtype=torch.float16, R=72, C=200):
     with torch.no_grad():
         lin.weight.copy_(torch.randn(R, C, generator=gen))
     lin = lin.to(dtype)
-    return Sparse24Linear.from_linear(lin, mode="compressed", quantize=quantize)
+    extra = {"group_size": 64, "symmetric": False} if quantize == "int4" else {}  # zero points and 4 groups
+    return Sparse24Linear.from_linear(lin, mode="compressed", quantize=quantize, **extra)
 
 
 def _same_state(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) and a[k].dtype == b[k].dtype for k in a)
 
 
-@pytest.mark.parametrize("quantize", [None, "int8"])
+@pytest.mark.parametrize("quantize", [None, "int8", "int4"])
 def test_decode_layout_keeps_outputs_and_state_dict(quantize, gen):
     layer = _layer(gen, quantize)
+    dense = layer.dense_weight()
     v1_state = {k: v.clone() for k, v in layer.state_dict().items()}
     x = torch.randn(5, 200, generator=gen).half()
     with torch.no_grad():
@@ -38,6 +40,7 @@ def test_decode_layout_keeps_outputs_and_state_dict(quantize, gen):
         assert layer.values.dim() > 2 and "layout=decode" in repr(layer)
         assert torch.equal(layer(x), y_v1)                      # reference backend on CPU: the same numbers
     assert _same_state(layer.state_dict(), v1_state)            # checkpoints hold layout v1
+    assert torch.equal(layer.dense_weight(), dense)             # re-ordered back exactly (INT4: zero points too)
     fresh = _layer(torch.Generator().manual_seed(99), quantize)  # other weights, layout v1
     fresh.load_state_dict(layer.state_dict())
     assert _same_state(fresh.state_dict(), v1_state)
