@@ -253,7 +253,11 @@ def prune_layerwise_(model: nn.Module, batches, n: int = 2, m: int = 4, method: 
         group: data-parallel calibration (see :func:`calibrate`): each rank passes its own
             share of the batches and every rank prunes alike, from the statistics of all of them.
         **kwargs: method options (``blocksize=``, ``percdamp=``, ``refit=``, ``shrink=``;
-            ``percdamp`` and ``shrink`` also apply to the teacher fit).
+            ``percdamp`` and ``shrink`` also apply to the teacher fit). ``quantize="int4"``
+            (with ``group_size=``, ``symmetric=``; method ``"sparsegpt"``): each layer is
+            pruned and quantized jointly (:func:`sparsegpt_prune`), its weight set to the
+            dequantized INT4 grid values and its result's ``packed`` the INT4 tensor to store
+            (rounding those weights again to nearest would not give the same grid).
     Returns:
         ``{fqn: PruneResult}`` in pruning order; each ``weight`` is the layer's pruned weight
         itself (detached, the same memory), not a copy.
