@@ -208,6 +208,9 @@ def mask_nm(w: torch.Tensor, n: int = 2, m: int = 4, method: str = "magnitude", 
         _no_kwargs(method, kwargs)
         return magnitude_mask(w, n, m)
     if method == "sparsegpt":
+        if kwargs.get("quantize") is not None:
+            raise ValueError("mask_nm returns a mask only: for SparseGPT's joint INT4 quantization call "
+                             "sparsegpt_prune(..., quantize='int4') or prune_nm(..., quantize='int4')")
         return sparsegpt_prune(w, n=n, m=m, **kwargs)[1]
     if method == "wanda":
         return _mask_wanda(w, n, m, **kwargs)

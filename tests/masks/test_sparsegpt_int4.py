@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from sparse24.format import compress, mask_nm
+from sparse24.masks import mask_nm as masks_mask_nm
 from sparse24.masks import prune_layerwise_, prune_nm, sparsegpt_prune
 
 
@@ -180,6 +181,8 @@ def test_bad_input(kwargs, err, msg):
     assert torch.equal(w, w0)
 
 
-def test_bad_input_prune_nm_other_method():
+def test_bad_input_prune_nm_and_mask_nm():
     with pytest.raises(ValueError, match="SparseGPT's joint quantization"):
         prune_nm(torch.randn(4, 64), method="magnitude", quantize="int4")
+    with pytest.raises(ValueError, match="returns a mask only"):
+        masks_mask_nm(torch.randn(4, 64), method="sparsegpt", hessian=torch.eye(64), quantize="int4")
