@@ -37,6 +37,7 @@ import time
 from pathlib import Path
 
 import torch
+from torch.nn.utils import parametrize
 
 import sparse24
 from sparse24 import (Sparse24Linear, bits_per_char, calibrate, compress, densify_, distill_, embedding_fidelity, is_nm,
@@ -175,6 +176,29 @@ def minilm(args, argv) -> None:
                          teacher=dense, filter_fn=enc.filter_fn)
         row("joint, layer by layer fit to the dense outputs", m, time.perf_counter() - t, (128, True),
             "prune_layerwise_(..., quantize='int4', teacher=dense); one calibration pass per layer input")
+    elif args.part == "qat":
+        t = time.perf_counter()
+        student = copy.deepcopy(dense)
+        for fqn, mod in linears(student, "encoder.").items():
+            p = sparsegpt_prune(mod.weight.detach(), stats[fqn].hessian, quantize="int4", group_size=128)
+            with torch.no_grad():
+                mod.weight.copy_(p.to_dense())
+            parametrize.register_parametrization(mod, "weight", OnGrid(p))
+        secs = time.perf_counter() - t + t_calib
+        row("joint SparseGPT + GPTQ, one pass (start)", student, secs, (128, True))
+        stream = _buckets(enc, prose[args.calib:], args.steps, args.batch)
+        hidden = [f"encoder.layer.{i}" for i in range(dense.config.num_hidden_layers)]
+        trainable = [p for n, p in student.named_parameters() if "embeddings" not in n]
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            d = distill_(student, stream, args.steps, teacher=dense, lr=args.lr, output_loss="cosine", hidden=hidden,
+                         parameters=trainable, forward=_embed(enc), progress=False)
+        for mod in linears(student, "encoder.").values():  # the weights stay on each group's grid
+            mod.parametrizations.weight[0].check(mod.weight.detach())
+        row("joint, then quantization-aware distillation on its grid and masks", student,
+            time.perf_counter() - t + t_calib, (128, True),
+            f"{args.steps} steps x {args.batch} sentences, lr {args.lr:g}, bf16 autocast, straight-through rounding "
+            f"onto the joint grid (scales, masks fixed); loss {d.losses[0]:.3f} -> "
+            f"{sum(d.losses[-10:]) / len(d.losses[-10:]):.3f}")
     else:
         t = time.perf_counter()
         student = copy.deepcopy(dense)
@@ -204,6 +228,46 @@ def minilm(args, argv) -> None:
     write(out, f"all-MiniLM-L6-v2, every encoder Linear 2:4 + INT4 ({args.part})",
           ["recipe", "group", "bytes/weight", "held-out docstrings", "reference manual", "seconds", "note"],
           rows, notes, argv, t0, True)
+
+
+class OnGrid(torch.nn.Module):
+    """Parametrization: the layer's weight rounded to nearest on a fixed INT4 grid and 2:4 mask (those of
+    ``p``), gradients passed straight through to the kept weights (quantization-aware training)."""
+
+    def __init__(self, p):
+        super().__init__()
+        R, C = p.shape
+        mask = torch.zeros(R, C // 4, 4, dtype=torch.bool).scatter_(2, p.slots(), True).view(R, C)
+        per_col = lambda t: t.float().repeat_interleave(p.group_size, 1)[:, :C]  # noqa: E731
+        self.register_buffer("mask", mask)
+        self.register_buffer("s", per_col(p.scale))
+        self.register_buffer("z", torch.full((R, C), 8.0) if p.zero is None else per_col(p.zero))
+        self.lo = 1.0 if p.zero is None else 0.0
+
+    def grid(self, w: torch.Tensor) -> torch.Tensor:
+        u = (torch.round(w / self.s) + self.z).clamp(self.lo, 15)
+        return torch.where(self.mask, (u - self.z) * self.s, 0.0)
+
+    def forward(self, w: torch.Tensor) -> torch.Tensor:
+        return _StraightThrough.apply(w, self)
+
+    def check(self, w: torch.Tensor) -> None:
+        """``w`` (the parametrized weight) is exactly on the grid: rounding it again changes nothing."""
+        assert torch.equal(w, self.grid(w)), "a weight left its INT4 grid"
+
+
+class _StraightThrough(torch.autograd.Function):
+    """Forward: the grid values exactly; backward: the gradient of the kept weights as is."""
+
+    @staticmethod
+    def forward(ctx, w, grid: OnGrid):
+        ctx.save_for_backward(grid.mask)
+        return grid.grid(w.detach())
+
+    @staticmethod
+    def backward(ctx, g):
+        (mask,) = ctx.saved_tensors
+        return g * mask, None
 
 
 def _embed(enc):
@@ -271,7 +335,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="what", required=True)
     mp = sub.add_parser("minilm")
-    mp.add_argument("--part", choices=("oneshot", "distill"), default="oneshot")
+    mp.add_argument("--part", choices=("oneshot", "distill", "qat"), default="oneshot")
     mp.add_argument("--calib", type=int, default=512, help="calibration sentences")
     mp.add_argument("--eval-sentences", type=int, default=512)
     mp.add_argument("--groups", type=int, nargs="+", default=(128, 64, 32))
