@@ -60,10 +60,11 @@ def linears(model: torch.nn.Module, prefix: str = "") -> dict:
 
 
 def quantize_on_masks_(model, how: str, group_size: int = 128, symmetric: bool = True, stats=None,
-                       prefix: str = "") -> None:
+                       prefix: str = "") -> dict:
     """Every Linear whose weight is 2:4 (masked ``Sparse24Linear``: its mask; ``nn.Linear``: its
     non-zeros) set to its INT4 weight: ``rtn`` (round to nearest) or ``gptq`` (the joint sweep on
-    the fixed mask, from ``stats[fqn].hessian``)."""
+    the fixed mask, from ``stats[fqn].hessian``). Returns ``{fqn: INT4 Sparse24Tensor}``."""
+    out = {}
     for fqn, mod in linears(model, prefix).items():
         w = mod.weight.detach()
         mask = mod.mask if isinstance(mod, Sparse24Linear) else w != 0
@@ -74,6 +75,8 @@ def quantize_on_masks_(model, how: str, group_size: int = 128, symmetric: bool =
                                 symmetric=symmetric)
         with torch.no_grad():
             mod.weight.copy_(p.to_dense())
+        out[fqn] = p
+    return out
 
 
 def dense_stats(model, batches, **kwargs) -> dict:
@@ -222,9 +225,26 @@ def minilm(args, argv) -> None:
         dstats = dense_stats(student, calib, token_mask=enc.token_mask, filter_fn=enc.filter_fn)
         for gs in args.groups:
             m = copy.deepcopy(student)
-            quantize_on_masks_(m, "gptq", gs, stats=dstats, prefix="encoder.")
+            grids = quantize_on_masks_(m, "gptq", gs, stats=dstats, prefix="encoder.")
             row("distilled, then GPTQ on its masks", m, secs + time.perf_counter() - tc, (gs, True),
                 "sparsegpt_prune(w, H, mask=, quantize='int4'), H from the distilled model")
+            if args.qat_steps:
+                tq = time.perf_counter()
+                densify_(m)
+                for fqn, mod in linears(m, "encoder.").items():
+                    parametrize.register_parametrization(mod, "weight", OnGrid(grids[fqn]))
+                stream = _buckets(enc, prose[args.calib:], args.steps + args.qat_steps, args.batch)[args.steps:]
+                trainable = [p for n, p in m.named_parameters() if "embeddings" not in n]
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    d = distill_(m, stream, args.qat_steps, teacher=dense, lr=args.qat_lr, output_loss="cosine",
+                                 hidden=hidden, parameters=trainable, forward=_embed(enc), progress=False)
+                for mod in linears(m, "encoder.").values():  # the weights stay on each group's grid
+                    mod.parametrizations.weight[0].check(mod.weight.detach())
+                row("distilled, GPTQ, then quantization-aware distillation", m,
+                    secs + time.perf_counter() - tc, (gs, True),
+                    f"{args.qat_steps} more steps x {args.batch} sentences (new ones), lr {args.qat_lr:g}, "
+                    f"straight-through rounding onto the GPTQ grid, grid and masks fixed; loss {d.losses[0]:.3f} -> "
+                    f"{sum(d.losses[-10:]) / len(d.losses[-10:]):.3f}")
     write(out, f"all-MiniLM-L6-v2, every encoder Linear 2:4 + INT4 ({args.part})",
           ["recipe", "group", "bytes/weight", "held-out docstrings", "reference manual", "seconds", "note"],
           rows, notes, argv, t0, True)
@@ -323,6 +343,23 @@ def charlm(args, argv) -> None:
             m = copy.deepcopy(model)
             quantize_on_masks_(m, how, gs, stats=stats)
             row(f"2:4 retrained + INT4 {how.upper()}", m, gs)
+    for gs in args.groups if args.qat_steps else ():
+        m = copy.deepcopy(model)
+        grids = {}
+        for fqn, mod in linears(m).items():
+            grids[fqn] = sparsegpt_prune(mod.weight.detach(), stats[fqn].hessian, mask=mod.mask, quantize="int4",
+                                         group_size=gs)
+        densify_(m)
+        for fqn, mod in linears(m).items():
+            with torch.no_grad():
+                mod.weight.copy_(grids[fqn].to_dense())
+            parametrize.register_parametrization(mod, "weight", OnGrid(grids[fqn]))
+        train(m, train_ids, {**cfg, "steps": args.qat_steps, "lr": args.qat_lr})
+        for mod in linears(m).values():
+            mod.parametrizations.weight[0].check(mod.weight.detach())
+        row("2:4 retrained + INT4 GPTQ + QAT", m, gs,
+            f"{args.qat_steps} more steps (lr {args.qat_lr:g}, the run's schedule) with straight-through rounding "
+            "onto the GPTQ grid, masks and grid fixed; weights checked on the grid after")
     rows_ok = [r for r in rows[1:] if r[1] == 128]
     notes.append("- Target INT4 2:4 retrained (group 128) within 0.03 BPC of the 2:4 fp32 row: "
                  + ", ".join(f"{r[0]} {r[4]}" for r in rows_ok))
@@ -342,9 +379,13 @@ def main(argv: list[str] | None = None) -> None:
     mp.add_argument("--steps", type=int, default=600, help="distillation steps")
     mp.add_argument("--batch", type=int, default=32)
     mp.add_argument("--lr", type=float, default=6e-4)
+    mp.add_argument("--qat-steps", type=int, default=0, help="distill: quantization-aware steps after GPTQ")
+    mp.add_argument("--qat-lr", type=float, default=2e-4)
     cp = sub.add_parser("charlm")
     cp.add_argument("--steps", type=int, default=2000)
     cp.add_argument("--groups", type=int, nargs="+", default=(128, 64, 32))
+    cp.add_argument("--qat-steps", type=int, default=0, help="quantization-aware steps after GPTQ (0: none)")
+    cp.add_argument("--qat-lr", type=float, default=1e-3)
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     (minilm if args.what == "minilm" else charlm)(args, argv)
