@@ -17,14 +17,21 @@ its masks frozen (``distill_``: 1 - cosine of the sentence embeddings + layer-wi
 MSE), then quantized on those masks: RTN, and GPTQ on the fixed masks from the distilled
 model's own calibration (``sparsegpt_prune(..., mask=, quantize="int4")``).
 
+``--qat-steps``: then quantization-aware distillation, the GPTQ grid and masks fixed, the
+weights rounded onto the grid in the forward pass with the gradient passed straight through
+(:class:`OnGrid`); ``minilm --part qat``: the same from the joint one-pass model.
+
 ``charlm``: ``eval_charlm.py``'s model and training run (dense, then the same run again
 with the magnitude 2:4 masks frozen, every Linear), then that 2:4 model in INT4 (RTN and
-GPTQ on its masks, group 32 / 64 / 128): BPC on the same held-out windows.
+GPTQ on its masks, group 32 / 64 / 128, and ``--qat-steps`` of quantization-aware training):
+BPC on the same held-out windows.
 
-Usage:
-    python scripts/eval_int4.py minilm --part oneshot     # results/int4/minilm-oneshot.md
-    python scripts/eval_int4.py minilm --part distill     # results/int4/minilm-distill.md
-    python scripts/eval_int4.py charlm                    # results/int4/charlm.md
+Usage (the committed results; the MiniLM runs cut down for a 2-core machine shared with ~20 processes):
+    python scripts/eval_int4.py minilm --part oneshot --calib 128 --eval-sentences 128
+    python scripts/eval_int4.py minilm --part distill --calib 128 --eval-sentences 128 --steps 200 --batch 16 \
+        --groups 128 --qat-steps 200
+    python scripts/eval_int4.py minilm --part qat --calib 128 --eval-sentences 128 --steps 200 --batch 16
+    python scripts/eval_int4.py charlm --qat-steps 500    # results/int4/charlm.md (26 min)
 """
 from __future__ import annotations
 
@@ -189,12 +196,7 @@ def minilm(args, argv) -> None:
             parametrize.register_parametrization(mod, "weight", OnGrid(p))
         secs = time.perf_counter() - t + t_calib
         row("joint SparseGPT + GPTQ, one pass (start)", student, secs, (128, True))
-        stream = _buckets(enc, prose[args.calib:], args.steps, args.batch)
-        hidden = [f"encoder.layer.{i}" for i in range(dense.config.num_hidden_layers)]
-        trainable = [p for n, p in student.named_parameters() if "embeddings" not in n]
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            d = distill_(student, stream, args.steps, teacher=dense, lr=args.lr, output_loss="cosine", hidden=hidden,
-                         parameters=trainable, forward=_embed(enc), progress=False)
+        d = _distil(enc, student, dense, _buckets(enc, prose[args.calib:], args.steps, args.batch), args.lr)
         for mod in linears(student, "encoder.").values():  # the weights stay on each group's grid
             mod.parametrizations.weight[0].check(mod.weight.detach())
         row("joint, then quantization-aware distillation on its grid and masks", student,
@@ -207,12 +209,7 @@ def minilm(args, argv) -> None:
         student = copy.deepcopy(dense)
         sparsify_(student, method="sparsegpt", calibration=stats, filter_fn=enc.filter_fn)
         row("SparseGPT fp32 (start)", student, time.perf_counter() - t + t_calib, None)
-        stream = _buckets(enc, prose[args.calib:], args.steps, args.batch)
-        hidden = [f"encoder.layer.{i}" for i in range(dense.config.num_hidden_layers)]
-        trainable = [p for n, p in student.named_parameters() if "embeddings" not in n]
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            d = distill_(student, stream, args.steps, teacher=dense, lr=args.lr, output_loss="cosine", hidden=hidden,
-                         parameters=trainable, forward=_embed(enc), progress=False)
+        d = _distil(enc, student, dense, _buckets(enc, prose[args.calib:], args.steps, args.batch), args.lr)
         secs = time.perf_counter() - t + t_calib
         note = (f"{args.steps} steps x {args.batch} sentences, lr {args.lr:g}, bf16 autocast; loss "
                 f"{d.losses[0]:.3f} -> {sum(d.losses[-10:]) / len(d.losses[-10:]):.3f}")
@@ -229,15 +226,11 @@ def minilm(args, argv) -> None:
             row("distilled, then GPTQ on its masks", m, secs + time.perf_counter() - tc, (gs, True),
                 "sparsegpt_prune(w, H, mask=, quantize='int4'), H from the distilled model")
             if args.qat_steps:
-                tq = time.perf_counter()
                 densify_(m)
                 for fqn, mod in linears(m, "encoder.").items():
                     parametrize.register_parametrization(mod, "weight", OnGrid(grids[fqn]))
                 stream = _buckets(enc, prose[args.calib:], args.steps + args.qat_steps, args.batch)[args.steps:]
-                trainable = [p for n, p in m.named_parameters() if "embeddings" not in n]
-                with torch.autocast("cpu", dtype=torch.bfloat16):
-                    d = distill_(m, stream, args.qat_steps, teacher=dense, lr=args.qat_lr, output_loss="cosine",
-                                 hidden=hidden, parameters=trainable, forward=_embed(enc), progress=False)
+                d = _distil(enc, m, dense, stream, args.qat_lr)
                 for mod in linears(m, "encoder.").values():  # the weights stay on each group's grid
                     mod.parametrizations.weight[0].check(mod.weight.detach())
                 row("distilled, GPTQ, then quantization-aware distillation", m,
@@ -288,6 +281,16 @@ class _StraightThrough(torch.autograd.Function):
     def backward(ctx, g):
         (mask,) = ctx.saved_tensors
         return g * mask, None
+
+
+def _distil(enc, student, dense, stream: list, lr: float):
+    """Frozen-mask distillation of the encoder (not the embeddings) from ``dense``, one step a batch of
+    ``stream``: 1 - cosine of the sentence embeddings + the layers' relative MSE, bf16 autocast."""
+    hidden = [f"encoder.layer.{i}" for i in range(dense.config.num_hidden_layers)]
+    trainable = [p for n, p in student.named_parameters() if "embeddings" not in n]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        return distill_(student, stream, len(stream), teacher=dense, lr=lr, output_loss="cosine", hidden=hidden,
+                        parameters=trainable, forward=_embed(enc), progress=False)
 
 
 def _embed(enc):
