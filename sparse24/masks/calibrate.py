@@ -264,7 +264,11 @@ def prune_layerwise_(model: nn.Module, batches, n: int = 2, m: int = 4, method: 
         rollback: keep a copy of each weight to restore on failure (default). False saves that
             copy (the size of the pruned layers) for callers that discard a failed model.
         **kwargs: method options (``blocksize=``, ``percdamp=``, ``refit=``, ``shrink=``;
-            ``percdamp`` and ``shrink`` also apply to the teacher fit).
+            ``percdamp`` and ``shrink`` also apply to the teacher fit). ``quantize="int4"``
+            (with ``group_size=``, ``symmetric=``; method ``"sparsegpt"``): each layer is
+            pruned and quantized jointly (:func:`sparsegpt_prune`), its weight set to the
+            dequantized INT4 grid values and its result's ``packed`` the INT4 tensor to store
+            (rounding those weights again to nearest would not give the same grid).
     Returns:
         ``{fqn: PruneResult}`` in pruning order; each ``weight`` is the layer's pruned weight
         itself (detached, the same memory), not a copy.

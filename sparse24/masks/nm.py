@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .._checks import check_mask, check_nm, check_weight
+from ..format import Sparse24Tensor
 from ..format import mask_nm as magnitude_mask
 from .sparsegpt import sparsegpt_prune
 from .two_d import mask_2d_greedy, mask_2d_optimal, score_dtype
@@ -108,11 +109,14 @@ class PruneResult:
         mask: ``(R, C)`` bool, N:M along rows (and along columns for 2-D methods).
         kept_fraction: :func:`kept_magnitude_fraction` of the ORIGINAL weight.
         method: the method used.
+        packed: the INT4 :class:`~sparse24.format.Sparse24Tensor` when pruned with
+            ``quantize="int4"`` (``weight`` is then its ``to_dense()``), else None.
     """
     weight: torch.Tensor
     mask: torch.Tensor
     kept_fraction: float
     method: str
+    packed: Sparse24Tensor | None = field(default=None, repr=False)
 
 
 def prune_nm(w: torch.Tensor, n: int = 2, m: int = 4, method: str = "magnitude", calibration=None,
@@ -127,7 +131,9 @@ def prune_nm(w: torch.Tensor, n: int = 2, m: int = 4, method: str = "magnitude",
             :func:`calibrate`); supplies ``act_norm`` (wanda) and ``hessian``
             (sparsegpt, collected with ``calibrate(..., hessian=True)``).
         **kwargs: method options: ``act_norm=`` ``(C,)``, ``hessian=`` ``(C, C)``,
-            ``blocksize=``, ``percdamp=`` (sparsegpt).
+            ``blocksize=``, ``percdamp=``, ``refit=``, ``shrink=`` (sparsegpt);
+            ``quantize="int4"``, ``group_size=``, ``symmetric=``: SparseGPT's joint
+            INT4 quantization (:func:`sparsegpt_prune`), ``packed`` set.
     Returns:
         :class:`PruneResult` (``weight`` has ``w``'s dtype and device).
     Example:
@@ -141,6 +147,20 @@ def prune_nm(w: torch.Tensor, n: int = 2, m: int = 4, method: str = "magnitude",
         raise ValueError(f"out must be a tensor of w's shape, dtype and device, got "
                          f"{(tuple(out.shape), out.dtype, out.device) if isinstance(out, torch.Tensor) else out}")
     weight = None
+    if kwargs.get("quantize") is not None and method != "sparsegpt":
+        raise ValueError(f"quantize= while pruning is SparseGPT's joint quantization (method='sparsegpt'), got "
+                         f"method={method!r}; to round another method's 2:4 weight to nearest use "
+                         "sparse24.compress(weight, mask, quantize='int4')")
+    if method == "sparsegpt" and kwargs.get("quantize") is not None:
+        packed = sparsegpt_prune(w, n=n, m=m, **kwargs)
+        mask = torch.zeros(*packed.shape, dtype=torch.bool, device=w.device)
+        mask.view(packed.shape[0], -1, 4).scatter_(2, packed.slots(), True)
+        kept = kept_magnitude_fraction(w, mask)  # of the original: before out (maybe w) is written
+        weight = packed.to_dense()
+        if out is not None:
+            with torch.no_grad():
+                weight = out.copy_(weight).detach()
+        return PruneResult(weight, mask, kept, method, packed)
     if method == "sparsegpt":
         weight, mask = sparsegpt_prune(w, n=n, m=m, **kwargs)
     elif method in ("magnitude", "wanda") and isinstance(w, torch.Tensor) and w.dim() == 2:
@@ -207,6 +227,9 @@ def mask_nm(w: torch.Tensor, n: int = 2, m: int = 4, method: str = "magnitude", 
         _no_kwargs(method, kwargs)
         return magnitude_mask(w, n, m)
     if method == "sparsegpt":
+        if kwargs.get("quantize") is not None:
+            raise ValueError("mask_nm returns a mask only: for SparseGPT's joint INT4 quantization call "
+                             "sparsegpt_prune(..., quantize='int4') or prune_nm(..., quantize='int4')")
         return sparsegpt_prune(w, n=n, m=m, **kwargs)[1]
     if method == "wanda":
         return _mask_wanda(w, n, m, **kwargs)

@@ -1,10 +1,13 @@
 """SparseGPT (Frantar & Alistarh 2023): N:M masks with the kept weights
-reconstructed to compensate the pruned ones, from the layer's input Hessian."""
+reconstructed to compensate the pruned ones, from the layer's input Hessian;
+optionally joint with GPTQ-style INT4 quantization of the kept weights in the
+same sweep (the SparseGPT paper's joint sparsification + quantization)."""
 from __future__ import annotations
 
 import torch
 
-from .._checks import check_nm, check_weight
+from .._checks import check_mask, check_nm, check_weight
+from ..format import Sparse24Tensor, _pack_nibbles, check_group_size, compress, int4_quantize
 from .reconstruct import PERCDAMP, _refit, damped_hessian
 
 __all__ = ["sparsegpt_prune"]
@@ -12,8 +15,10 @@ __all__ = ["sparsegpt_prune"]
 
 def sparsegpt_prune(w: torch.Tensor, hessian: torch.Tensor | None = None, n: int = 2, m: int = 4,
                     blocksize: int = 128, percdamp: float = PERCDAMP,
-                    refit: bool = False, shrink: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """One-shot N:M pruning with OBS weight reconstruction (SparseGPT, Frantar & Alistarh 2023).
+                    refit: bool = False, shrink: float = 0.0, quantize: str | None = None,
+                    group_size: int | None = None, symmetric: bool | None = None, mask: torch.Tensor | None = None):
+    """One-shot N:M pruning with OBS weight reconstruction (SparseGPT, Frantar & Alistarh 2023),
+    optionally joint with GPTQ INT4 quantization of the kept weights.
 
     Minimizes ``||X W^T - X W'^T||`` over N:M ``W'`` approximately: columns are
     processed left to right in blocks; at the start of each group of ``m``
@@ -22,29 +27,55 @@ def sparsegpt_prune(w: torch.Tensor, hessian: torch.Tensor | None = None, n: int
     Hessian restricted to the columns not yet processed), and the error of
     each pruned column is compensated on the later columns.
 
+    ``quantize="int4"`` (2:4 only) also rounds every kept weight onto the INT4
+    grid of :mod:`sparse24.format` in the same sweep and compensates that error
+    too (the SparseGPT paper's joint sparsification + quantization, GPTQ's
+    update). When the sweep enters a quantization group (``group_size``
+    columns) it fixes the group's grid (scale, and zero point when asymmetric,
+    the rule of :func:`sparse24.format.quantize_values`) from the current,
+    already updated weights at the positions the OBS saliency would keep now;
+    the masks are still chosen every ``m`` columns from the weights updated by
+    then (choosing them all at the group's entry measured worse: a 128-column
+    group lost more to the stale masks than it gained from an exact grid), and
+    each kept column is rounded to nearest on its group's grid.
+
     Args:
         w: ``(R, C)`` float weight (not modified), ``C % m == 0``.
         hessian: ``(C, C)`` ``X^T X`` of the layer's inputs (any positive
             scale), e.g. ``calibrate(model, batches, hessian=True)[name].hessian``.
         n, m: keep ``n`` of every ``m``.
-        blocksize: columns per lazy-update block (a multiple of ``m``).
+        blocksize: columns per lazy-update block (a multiple of ``m``; with
+            ``quantize``, also a multiple or a divisor of ``group_size``).
         percdamp: damping added to the diagonal, as a fraction of its mean.
         refit: then replace the kept weights by the exact least-squares
             solution for the chosen mask (:func:`reconstruct_weight`): the
             sweep's updates only look rightwards, so they are not the best
             weights for the final mask; costs one ``C/2``-sized Cholesky
-            solve per row.
+            solve per row. Not with ``quantize`` (the refit weights would be off the grid).
         shrink: in [0, 1]: prune with ``(1 - shrink) H + shrink diag(H)``,
             the measured correlations between inputs partly trusted (see
             :func:`sparse24.masks.reconstruct.damped_hessian`; 0: SparseGPT).
+        quantize: ``None`` or ``"int4"``.
+        group_size: INT4 group along C: 32, 64 or 128 (default 128).
+        symmetric: INT4: False adds per-group zero points (default True).
+        mask: optional ``(R, C)`` bool mask keeping at most ``n`` of every ``m``
+            to use instead of choosing one (the sweep then only compensates, and
+            quantizes: GPTQ on a fixed 2:4 mask, e.g. after frozen-mask training).
     Returns:
-        ``(new_w, mask)``: ``(R, C)`` reconstructed weight in ``w``'s dtype,
-        zero where ``mask`` is False, and the ``(R, C)`` bool N:M mask.
+        ``quantize=None``: ``(new_w, mask)``: ``(R, C)`` reconstructed weight in
+        ``w``'s dtype, zero where ``mask`` is False, and the ``(R, C)`` bool N:M mask.
+        ``quantize="int4"``: an INT4 :class:`~sparse24.format.Sparse24Tensor`
+        (logical dtype ``w``'s: codes ``(R, C/4)`` uint8, float16 scales and
+        (asymmetric) uint8 zero points ``(R, ceil(C / group_size))``, the
+        mask's slots); ``to_dense()`` is the quantized 2:4 weight.
     Example:
         >>> x = torch.randn(256, 16); w = torch.randn(8, 16)
         >>> new_w, mask = sparsegpt_prune(w, x.T @ x)
         >>> bool((new_w[~mask] == 0).all())
         True
+        >>> x = torch.randn(512, 256); p = sparsegpt_prune(torch.randn(8, 256), x.T @ x, quantize="int4")
+        >>> p.quantized, tuple(p.scale.shape)
+        ('int4', (8, 2))
     """
     check_nm(n, m)
     check_weight(w, m)
@@ -56,6 +87,12 @@ def sparsegpt_prune(w: torch.Tensor, hessian: torch.Tensor | None = None, n: int
         raise ValueError(f"blocksize must be a positive multiple of m={m}, got {blocksize!r}")
     if not isinstance(refit, bool):
         raise TypeError(f"refit must be True or False, got {refit!r}")
+    gs = _check_quantize(quantize, group_size, symmetric, n, m, blocksize, refit)
+    if mask is not None:
+        check_mask(mask, w)
+        if bool((mask.reshape(R, C // m, m).sum(-1) > n).any()):
+            raise ValueError(f"mask keeps more than {n} of some group of {m} columns: it is not {n}:{m}")
+    symmetric = symmetric is not False
     if not bool(torch.isfinite(w).all()):  # NaN/inf would spread through the updates into every weight
         raise ValueError("weight contains NaN or inf: SparseGPT cannot reconstruct it")
 
@@ -73,24 +110,114 @@ def sparsegpt_prune(w: torch.Tensor, hessian: torch.Tensor | None = None, n: int
                          "X^T X of the layer's inputs, e.g. calibrate(..., hessian=True)[name].hessian")
     eye = torch.eye(C, dtype=H.dtype, device=dev)
     Hinv = torch.linalg.solve_triangular(L, eye, upper=False).flip(0, 1).to(wdt)
-    prune = torch.zeros(R, C, dtype=torch.bool, device=dev)
+    diag = torch.diag(Hinv)
+    fixed = mask is not None
+    prune = ~mask.to(dev) if fixed else torch.zeros(R, C, dtype=torch.bool, device=dev)
+    if gs:
+        grid = _Grid(R, C, gs, symmetric, dev)
     for i1 in range(0, C, blocksize):
         i2 = min(i1 + blocksize, C)
         W1, Hinv1 = W[:, i1:i2].clone(), Hinv[i1:i2, i1:i2]
         Err1 = torch.zeros_like(W1)
-        d = torch.diag(Hinv1)
+        d = diag[i1:i2]
         for i in range(i2 - i1):
-            if i % m == 0 and n < m:  # choose this group's mask from the updated weights
-                score = W1[:, i:i + m] ** 2 / d[i:i + m] ** 2
-                drop = torch.topk(score, m - n, dim=1, largest=False).indices
-                prune[:, i1 + i:i1 + i + m].scatter_(1, drop, True)
-            err = W1[:, i].masked_fill(~prune[:, i1 + i], 0) / d[i]
+            c = i1 + i
+            if gs and c % gs == 0:  # entering a quantization group: fix its grid
+                g1 = min(c + gs, C)
+                # a group reaching past this block starts at the block's start, where W is up to date
+                cur = W1[:, i:i + g1 - c] if g1 <= i2 else W[:, c:g1]
+                # from the weights the masks would keep now; the masks themselves are chosen below,
+                # every m columns as without quantization, from the weights updated by then
+                kept = ~prune[:, c:g1] if fixed else ~_drop(cur, diag[c:g1], n, m)
+                grid.fix(c // gs, cur, kept)
+            if not fixed and i % m == 0 and n < m:  # choose this group's mask from the updated weights
+                prune[:, c:c + m] = _drop(W1[:, i:i + m], d[i:i + m], n, m)
+            q = grid.round(c, W1[:, i], prune[:, c]) if gs else W1[:, i].masked_fill(prune[:, c], 0)
+            err = (W1[:, i] - q) / d[i]
             W1[:, i:].addr_(err, Hinv1[i, i:], alpha=-1)  # column i itself becomes q (pruned -> 0)
             Err1[:, i] = err
         W[:, i1:i2] = W1
         W[:, i2:] -= Err1 @ Hinv[i1:i2, i2:]
     mask = ~prune
+    if gs:
+        return grid.tensor(mask, w.dtype)
     if refit:  # the same damped Hessian, already checked and built
         return _refit(w, mask, H, dead), mask
     W[prune] = 0  # exact zeros (the update leaves rounding residue there)
     return W.to(w.dtype), mask
+
+
+def _drop(cur: torch.Tensor, d: torch.Tensor, n: int, m: int) -> torch.Tensor:
+    """``(R, k)`` current weights of ``k / m`` consecutive groups and their ``(k,)`` inverse-Hessian
+    Cholesky diagonal -> ``(R, k)`` bool, True at the ``m - n`` lowest OBS saliencies ``w^2 / d^2`` per group."""
+    R, k = cur.shape
+    score = (cur ** 2 / d ** 2).view(R, k // m, m)
+    drop = torch.topk(score, m - n, dim=2, largest=False).indices
+    return torch.zeros(R, k // m, m, dtype=torch.bool, device=cur.device).scatter_(2, drop, True).view(R, k)
+
+
+class _Grid:
+    """The INT4 grid the joint sweep builds group by group: codes of every column, scales, zero points."""
+
+    def __init__(self, R: int, C: int, group_size: int, symmetric: bool, device):
+        groups = -(-C // group_size)
+        self.gs, self.shape = group_size, (R, C)
+        self.codes = torch.zeros(R, C, dtype=torch.uint8, device=device)
+        self.scale = torch.empty(R, groups, dtype=torch.float16, device=device)
+        self.zero = None if symmetric else torch.empty(R, groups, dtype=torch.uint8, device=device)
+
+    def fix(self, k: int, cur: torch.Tensor, kept: torch.Tensor) -> None:
+        """Fix group ``k``'s grid from its ``(R, width)`` current weights at the ``kept`` (bool, same
+        shape) positions (quantize_values' rule; zeros stand in for the missing ones of a group
+        keeping fewer than 2 of 4, as the format stores them)."""
+        R = cur.shape[0]
+        v = torch.where(kept, cur, 0).view(R, -1, 4).gather(2, _slots(kept)).view(R, -1)
+        _, self.scale[:, k:k + 1], zero = int4_quantize(v, self.gs, self.zero is None)
+        if zero is not None:
+            self.zero[:, k:k + 1] = zero
+
+    def round(self, c: int, col: torch.Tensor, pruned: torch.Tensor) -> torch.Tensor:
+        """Round column ``c``'s ``(R,)`` weights to nearest on its group's grid, the ``pruned`` rows
+        to 0 (their code the zero point); record the codes; return the grid values (``col``'s dtype)."""
+        k = c // self.gs
+        zero = None if self.zero is None else self.zero[:, k:k + 1]
+        codes, scale, _ = int4_quantize(col[:, None], self.gs, zero is None, self.scale[:, k:k + 1], zero)
+        z = torch.full_like(codes[:, 0], 8) if zero is None else zero[:, 0]
+        self.codes[:, c] = codes = torch.where(pruned, z, codes[:, 0])
+        return (codes.to(col.dtype) - z.to(col.dtype)) * scale[:, 0].to(col.dtype)
+
+    def tensor(self, mask: torch.Tensor, dtype: torch.dtype) -> Sparse24Tensor:
+        """The INT4 :class:`Sparse24Tensor` of the kept codes under the 2:4 ``mask``."""
+        R, C = self.shape
+        meta = compress(mask.to(torch.float16), mask).meta  # the slots of the mask (the values are not used)
+        values = _pack_nibbles(self.codes.view(R, -1, 4).gather(2, _slots(mask)).view(R, C // 2))
+        return Sparse24Tensor(values, meta, (R, C), dtype, self.scale, zero=self.zero, group_size=self.gs)
+
+
+def _slots(kept: torch.Tensor) -> torch.Tensor:
+    """``(R, k)`` bool, at most 2 of every 4 -> ``(R, k / 4, 2)`` the slots the format stores: the
+    kept ones, a group keeping fewer filled with its lowest free slots (a stable sort of ~kept)."""
+    R = kept.shape[0]
+    return torch.sort((~kept).view(R, -1, 4).to(torch.uint8), dim=2, stable=True).indices[:, :, :2]
+
+
+def _check_quantize(quantize, group_size, symmetric, n: int, m: int, blocksize: int, refit: bool) -> int:
+    """Check the joint quantization options; return the INT4 group size, or 0 without quantization."""
+    if quantize is None:
+        if group_size is not None or symmetric is not None:
+            raise TypeError("group_size= and symmetric= only apply with quantize='int4'")
+        return 0
+    if quantize != "int4":
+        raise ValueError(f"SparseGPT quantizes jointly to 'int4' only (quantize=None: no quantization), "
+                         f"got quantize={quantize!r}")
+    if (n, m) != (2, 4):
+        raise ValueError(f"quantize='int4' stores 2:4 weights: n, m must be 2, 4, got {n}, {m}")
+    if refit:
+        raise ValueError("refit=True re-solves the kept weights off the INT4 grid: not with quantize='int4'")
+    if symmetric is not None and not isinstance(symmetric, bool):
+        raise TypeError(f"symmetric must be True or False, got {symmetric!r}")
+    gs = check_group_size(128 if group_size is None else group_size)
+    if blocksize % gs and gs % blocksize:
+        raise ValueError(f"with quantize='int4', blocksize ({blocksize}) must be a multiple or a divisor of "
+                         f"group_size ({gs})")
+    return gs
