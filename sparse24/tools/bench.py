@@ -53,7 +53,7 @@ from .._progress import progress_bar
 from .._version import __version__
 from ..decode_format import pack_decode
 from ..format import compress, mask_nm
-from ..ops.linear24 import launch, linear
+from ..ops.linear24 import linear
 
 __all__ = ["SCHEMA", "COLUMNS", "PROVIDERS", "BenchSettings", "device_info", "device_slug",
            "provider_status", "default_settings", "run_bench", "write_csv", "write_together"]
@@ -126,11 +126,6 @@ def provider_status(name: str, device: torch.device, dtype: torch.dtype) -> str:
             return "triton is not installed"
         if device.type == "cpu" and dtype == torch.bfloat16:
             return "Triton's interpreter (CPU) has no bfloat16 arithmetic"
-        if "int4" in name:
-            try:  # the Triton backend says itself whether it takes INT4 weights (its kernel lands separately)
-                launch.check_triton_args(torch.zeros(1, 128), compress(torch.zeros(1, 128), quantize="int4"))
-            except TypeError as e:
-                return str(e)
     if name in ("sparse24-auto", "sparse24-int4-auto") and device.type != "cuda":
         return f"on CPU backend='auto' is the reference backend (timed as {name.replace('auto', 'reference')})"
     if name == "torch-semi-structured":
