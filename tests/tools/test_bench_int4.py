@@ -5,7 +5,7 @@ import io
 import pytest
 import torch
 
-from sparse24.tools import bench, plot
+from sparse24.tools import plot
 from sparse24.tools.bench import BenchSettings, run_bench
 
 CPU = torch.device("cpu")
