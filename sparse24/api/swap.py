@@ -48,9 +48,10 @@ import torch
 from torch import nn
 
 from .._checks import check_finite, check_model
+from ..format import Sparse24Tensor
 from ..masks import kept_magnitude_fraction
 from ..nn import Sparse24Linear
-from ..nn.prepare import _check_mode, _linear_weight, _prepare, describe_quant
+from ..nn.prepare import _check_mode, _linear_weight, _prepare, describe_quant, quant_options
 from .guard import check_calibration, require_sparse_layers
 from .report import LayerReport, SparsifyReport
 from .walk import (MIN_FEATURES, FilterFn, _after_change, _check_foreign_quantization, _child_slots, _direct_readers,
@@ -223,7 +224,8 @@ def _switch_all(steps: list[tuple[Sparse24Linear, Callable[[], object]]]) -> Non
 
 
 def compress_(model: nn.Module, quantize: str | None = None, trainable_values: bool = False, *,
-              group_size: int | None = None, symmetric: bool | None = None) -> SparsifyReport:
+              group_size: int | None = None, symmetric: bool | None = None, packed: dict | None = None
+              ) -> SparsifyReport:
     """Switch every masked :class:`Sparse24Linear` of ``model`` to compressed mode; all or nothing.
 
     Outputs do not change (unless ``quantize`` is set). Layers whose weight is
@@ -237,6 +239,12 @@ def compress_(model: nn.Module, quantize: str | None = None, trainable_values: b
         trainable_values: the compressed ``values`` require grad (frozen layers stay frozen).
         group_size, symmetric: INT4 only: 32, 64 or 128 input columns per fp16 scale
             (default 128); ``symmetric=False`` adds uint8 zero points (default True).
+        packed: ``{layer name: Sparse24Tensor}`` (or results with a ``.packed`` one, as
+            ``prune_layerwise_(..., quantize="int4")`` returns): quantized weights to store
+            as they are for those masked layers instead of rounding their weight again
+            (a second rounding would lose the joint SparseGPT + GPTQ grid). Each must be
+            quantized as ``quantize`` / ``group_size`` / ``symmetric`` say and dequantize
+            exactly to the layer's current masked weight.
     Returns:
         :class:`SparsifyReport`.
     Raises:
@@ -255,6 +263,7 @@ def compress_(model: nn.Module, quantize: str | None = None, trainable_values: b
         if m.mode == "compressed" and m._quant() != quant:
             raise ValueError(f"layer {fqn!r} is already compressed with {describe_quant(m._quant())}; "
                              f"decompress_ first to re-compress with {describe_quant(quant)}")
+    given = _check_packed(packed, layers, readers, quant)
     # Compress every masked layer first, so a failing one (e.g. inf weights with int8) leaves the model untouched.
     packed = {}
     for fqn, m in layers:
@@ -263,7 +272,7 @@ def compress_(model: nn.Module, quantize: str | None = None, trainable_values: b
         try:
             if m.mode == "masked":
                 check_finite(m.weight)
-            packed[fqn] = m._compressed_form(quant)
+            packed[fqn] = given[fqn] if fqn in given else m._compressed_form(quant)
         except (ValueError, TypeError) as e:
             raise type(e)(f"compress_: layer {fqn!r}: {e} (nothing was changed)") from e
     _switch_all([(m, lambda m=m, p=packed[fqn]: m._set_compressed(p, trainable_values, m._requires_grad()))
@@ -278,6 +287,34 @@ def compress_(model: nn.Module, quantize: str | None = None, trainable_values: b
             report.layers.append(_entry(fqn, m, "compressed"))
     _after_change(model)
     return report
+
+
+def _check_packed(packed: dict | None, layers: list, readers: dict, quant: dict) -> dict:
+    """compress_'s ``packed``: every entry names a masked layer it can take as it is (see compress_)."""
+    if packed is None:
+        return {}
+    if not isinstance(packed, dict):
+        raise TypeError(f"packed must be a dict of layer name -> Sparse24Tensor, got {type(packed).__name__}")
+    masked = {fqn: m for fqn, m in layers if m.mode == "masked" and id(m) not in readers}
+    out = {}
+    for fqn, p in packed.items():
+        p = getattr(p, "packed", p)
+        where = f"compress_: packed[{fqn!r}]"
+        if fqn not in masked:
+            raise ValueError(f"{where}: no masked 2:4 layer of that name can take it (nothing was changed)")
+        if not isinstance(p, Sparse24Tensor):
+            raise TypeError(f"{where}: needs a Sparse24Tensor, got {type(p).__name__} (nothing was changed)")
+        got = quant_options(p.quantized, p.group_size, None if p.group_size is None else p.zero is None)
+        if got != quant:
+            raise ValueError(f"{where} is {describe_quant(got)}, compress_ was asked for {describe_quant(quant)} "
+                             "(nothing was changed)")
+        m = masked[fqn]
+        if tuple(p.shape) != (m.out_features, m.in_features) or p.device != m.weight.device \
+                or not torch.equal(p.to_dense().to(m.weight.dtype), m.dense_weight()):
+            raise ValueError(f"{where} does not dequantize to the layer's masked weight (another model, or the "
+                             "layer changed since it was pruned) (nothing was changed)")
+        out[fqn] = p if p.dtype == m.dtype else p.to(dtype=m.dtype)
+    return out
 
 
 def decompress_(model: nn.Module) -> SparsifyReport:
