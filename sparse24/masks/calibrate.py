@@ -3,7 +3,6 @@ activation-aware methods need (:class:`LayerStats`), collected with forward
 pre-hooks, and SparseGPT-style sequential pruning of a whole model."""
 from __future__ import annotations
 
-import math
 from typing import Callable
 
 import torch
@@ -205,8 +204,8 @@ def _check_teacher(model: nn.Module, teacher: nn.Module, selected: dict[str, nn.
 
 def prune_layerwise_(model: nn.Module, batches, n: int = 2, m: int = 4, method: str = "sparsegpt",
                      filter_fn=None, device=None, token_mask: Callable | None = None,
-                     teacher: nn.Module | None = None, teacher_damp: float | None = None,
-                     progress: bool | None = None, group=None, **kwargs) -> dict[str, PruneResult]:
+                     teacher: nn.Module | None = None, progress: bool | None = None, group=None,
+                     **kwargs) -> dict[str, PruneResult]:
     """Prune every ``nn.Linear`` of ``model`` to N:M in place, one layer at a time,
     each calibrated on the inputs it receives once the layers before it are pruned.
 
@@ -249,11 +248,6 @@ def prune_layerwise_(model: nn.Module, batches, n: int = 2, m: int = 4, method: 
         device, token_mask: passed to :func:`calibrate`.
         teacher: optional separate module with the model's layer names and
             widths, run on the same batches (see above and :func:`calibrate`).
-        teacher_damp: the teacher fit's ridge ``lam`` as a fraction of the mean diagonal of
-            ``X^T X / tokens``, on its own (default None: ``percdamp``, the pruning's damping).
-            Larger values pull each layer's target towards its dense weight ``W`` (at infinity:
-            plain layer-by-layer SparseGPT), trusting less the correction the calibration text
-            asks for; the pruning and the refit keep ``percdamp``.
         progress: a tqdm bar over the layers on stderr (default None: when stderr is a
             terminal or in a notebook; False: none).
         group: data-parallel calibration (see :func:`calibrate`): each rank passes its own
@@ -282,13 +276,6 @@ def prune_layerwise_(model: nn.Module, batches, n: int = 2, m: int = 4, method: 
         raise ValueError("batches is empty: prune_layerwise_ needs calibration inputs")
     if token_mask is not None and not callable(token_mask):
         raise TypeError(f"token_mask must be callable (batch) -> bool tensor, got {type(token_mask).__name__}")
-    if teacher_damp is not None:
-        if teacher is None:
-            raise ValueError("teacher_damp= is the ridge of the fit to a teacher's outputs: pass teacher= too")
-        if isinstance(teacher_damp, bool) or not (isinstance(teacher_damp, (int, float))
-                                                  and 0 < teacher_damp < math.inf):
-            raise ValueError(f"teacher_damp must be a finite number > 0 or None, got {teacher_damp!r}")
-    teacher_ridge = kwargs.get("percdamp", PERCDAMP) if teacher_damp is None else teacher_damp
     names = {mod: fqn for fqn, mod in model.named_modules()
              if isinstance(mod, nn.Linear) and mod.in_features % m == 0 and (filter_fn is None or filter_fn(mod, fqn))}
     # Everything checked before any layer changes, so that bad input changes nothing.
@@ -330,7 +317,8 @@ def prune_layerwise_(model: nn.Module, batches, n: int = 2, m: int = 4, method: 
                     raise ValueError(f"layer {fqn!r} received no input rows from batches: nothing to calibrate it on")
                 lin = layers[fqn]
                 w = (lin.weight if teacher is None
-                     else _teacher_target(lin.weight, stats[fqn], teacher_ridge, kwargs.get("shrink", 0.0)))
+                     else _teacher_target(lin.weight, stats[fqn], kwargs.get("percdamp", PERCDAMP),
+                                          kwargs.get("shrink", 0.0)))
                 r = prune_nm(w, n, m, method, calibration=stats[fqn], **kwargs)
                 backup.keep([lin.weight])
                 with torch.no_grad():
