@@ -44,6 +44,7 @@ import torch
 import sparse24
 from sparse24 import (PermutationGroup, calibrate, embedding_fidelity, is_nm, permute_model_, prune_layerwise_,
                       sentence_embeddings, sparsify_)
+from sparse24.masks.reconstruct import LAYERWISE_PERCDAMP
 from sparse24.tools.bench import cpu_name
 
 from eval_minilm import docstring_sentences, load_model, manual_sentences, model_dir, permutation_groups
@@ -132,7 +133,7 @@ def recipes(enc: Encoder, texts: list[str], robust: dict, perm_iters: int, which
     permute_model_(permuted, enc.groups, score="sparsegpt", calibration=stats, example=enc.batch(texts[:8]),
                    max_iters=perm_iters, time_limit=600)
     t_perm = time.perf_counter() - t0 + t_calib
-    for name, opts in (("recommended", {}), ("robust", robust)):
+    for name, opts in (("recommended", {"percdamp": LAYERWISE_PERCDAMP}), ("robust", robust)):
         if name not in which:
             continue
         t0 = time.perf_counter()
@@ -233,7 +234,8 @@ def write_table(args, argv: list[str], rows: list[tuple], wall: float, done: boo
         f"- Evaluation: mean cosine to the dense sentence embeddings on {args.eval_sentences} held-out docstring "
         f"sentences / {args.eval_sentences} reference-manual sentences (the texts of eval_minilm.py)",
         f"- Recipes: recommended = SparseGPT + permutation ({args.perm_iters} search steps a group) + layer by "
-        f"layer fit to the dense outputs (`prune_layerwise_(..., refit=True, teacher=)`); robust = the same with "
+        f"layer fit to the dense outputs (`prune_layerwise_(..., refit=True, teacher=, percdamp={LAYERWISE_PERCDAMP})`); "
+        f"robust = the same with "
         f"`{args.robust}`. Seconds: the recipe's own time, calibration included", "",
         "| calibrated on | lines | recipe | held-out docstrings | reference manual | seconds |",
         "|---|---:|---|---:|---:|---:|"]

@@ -22,8 +22,12 @@ from .._checks import check_mask
 
 # SparseGPT's damping, as a fraction of the Hessian's mean diagonal: the default of every fit here
 PERCDAMP = 0.01
+# The damping of the recommended one shot (prune_layerwise_ fit to a teacher; the CLI's layerwise): on
+# all-MiniLM-L6-v2 calibrated on 512 code lines it lifted held-out code 0.949 -> 0.952 and the training
+# files' docstrings 0.895 -> 0.905; in domain (1024 docstrings) 0.941 -> 0.942 (docs/recipes.md)
+LAYERWISE_PERCDAMP = 0.1
 
-__all__ = ["reconstruct_weight"]
+__all__ = ["reconstruct_weight", "LAYERWISE_PERCDAMP"]
 
 
 def reconstruct_weight(w: torch.Tensor, mask: torch.Tensor, hessian: torch.Tensor, percdamp: float = PERCDAMP,

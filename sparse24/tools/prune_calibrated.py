@@ -14,7 +14,7 @@ library runs exactly what a user would write in Python (:func:`prune_calibrated`
 * ``layerwise`` (the recommended one-shot recipe, docs/masks.md): each layer, in
   order, fit by SparseGPT + least squares to the dense model's outputs from the
   inputs the pruned layers before it give (``prune_layerwise_(..., teacher=dense,
-  refit=True)``), then ``sparsify_``;
+  refit=True, percdamp=LAYERWISE_PERCDAMP)``, damping 0.1), then ``sparsify_``;
 * ``--permute`` first: channel permutations found by ``find_permutation_groups``
   (proved exact on the first sample) and searched on the method's importance
   (``permute_model_``).
@@ -38,6 +38,7 @@ import torch
 
 from ..api import MIN_FEATURES, sparsify_
 from ..masks import calibrate, find_permutation_groups, kept_magnitude_fraction, permute_model_, prune_layerwise_
+from ..masks.reconstruct import LAYERWISE_PERCDAMP
 from ..nn import Sparse24Linear, is_conv1d_class
 from .._progress import progress_enabled
 from .checkpoint import (LAYER_ENTRIES, check_shards, dense_row, is_model_folder, is_weight_matrix, quant_label,
@@ -136,7 +137,7 @@ def prune_calibrated(model: torch.nn.Module, batches: list, method: str, layers:
     del stats
     dense = copy.deepcopy(model)  # the teacher: the dense (permuted) model, only read
     prune_layerwise_(model, batches, method="sparsegpt", refit=True, teacher=dense, filter_fn=chosen,
-                     progress=progress)
+                     percdamp=LAYERWISE_PERCDAMP, progress=progress)
     sparsify_(model, **options)  # magnitude masks keep exactly the non-zeros left
     mods = dict(dense.named_modules())
     return {fqn: kept_magnitude_fraction(mods[fqn].weight, stored_mask(m.sparse_tensor()))

@@ -10,6 +10,7 @@ from torch import nn
 
 from sparse24 import is_nm, mask_nm
 from sparse24.masks import calibrate, prune_layerwise_, reconstruct_weight, sparsegpt_prune
+from sparse24.masks.reconstruct import LAYERWISE_PERCDAMP
 
 
 def _data(R=12, C=32, N=200, seed=0):
@@ -171,17 +172,18 @@ def test_calibrate_with_teacher_pairs_the_inputs_of_the_same_tokens():
     assert stats["2"].count == 300 and calibrate(net, batches)["2"].xtx_teacher is None
 
 
-def test_prune_layerwise_with_teacher_fits_the_teachers_outputs():
+@pytest.mark.parametrize("percdamp", [0.01, LAYERWISE_PERCDAMP])  # SparseGPT's, the recommended recipe's
+def test_prune_layerwise_with_teacher_fits_the_teachers_outputs(percdamp):
     net, batches, x = _two_layers()
     teacher, plain = copy.deepcopy(net), copy.deepcopy(net)
-    res = prune_layerwise_(net, batches, method="sparsegpt", refit=True, percdamp=0.01, teacher=teacher)
-    prune_layerwise_(plain, batches, method="sparsegpt", refit=True, percdamp=0.01)
+    res = prune_layerwise_(net, batches, method="sparsegpt", refit=True, percdamp=percdamp, teacher=teacher)
+    prune_layerwise_(plain, batches, method="sparsegpt", refit=True, percdamp=percdamp)
     # the first layer reads the teacher's own inputs: the same problem as without a teacher
     torch.testing.assert_close(net[0].weight, plain[0].weight, rtol=1e-9, atol=1e-9)
     with torch.no_grad():
         h, h_t = F.gelu(net[0](x)), F.gelu(teacher[0](x))
     # the second layer: exact least squares from the pruned model's inputs to the teacher's outputs
-    want = _reference(teacher[2].weight.detach(), res["2"].mask, h, 0.01, x_teacher=h_t)
+    want = _reference(teacher[2].weight.detach(), res["2"].mask, h, percdamp, x_teacher=h_t)
     torch.testing.assert_close(net[2].weight.detach(), want, rtol=1e-8, atol=1e-10)
     assert is_nm(net[2].weight) and is_nm(net[0].weight)
     with torch.no_grad():  # and the whole network ends closer to the teacher than without it

@@ -61,7 +61,8 @@ def _library(cls, folder, method: str, permute: bool, samples: int):
                                 example=batches[0], max_iters=200, time_limit=3600)
     if method == "layerwise":
         dense = copy.deepcopy(model)
-        prune_layerwise_(model, batches, method="sparsegpt", refit=True, teacher=dense, filter_fn=chosen)
+        prune_layerwise_(model, batches, method="sparsegpt", refit=True, teacher=dense, filter_fn=chosen,
+                         percdamp=0.1)  # the recommended damping (docs/recipes.md)
         sparse24.sparsify_(model, mode="compressed")
     else:
         sparse24.sparsify_(model, mode="compressed", method=method, calibration=stats,

@@ -1,0 +1,74 @@
+"""Choosing the recommended one shot's options without the evaluation texts: variants of
+``prune_layerwise_`` (given as JSON, e.g. '{}' '{"percdamp": 0.1}') on all-MiniLM-L6-v2 calibrated
+on the first N (env N, default 512) lines of eval_minilm_calibration.py's code (env DOM=code) or
+docstring sentences (DOM=docstrings), after the same permutation (cached in the temp folder).
+
+Judged on two selection texts that are no evaluation text: 512 other code lines (the last of the
+shuffle, val-code) and 512 docstring sentences of the training files (the last of their shuffle,
+val-doc; the held-out docstrings come from other files). The evaluation texts are printed too (EVAL-).
+
+Usage: OMP_NUM_THREADS=1 python scripts/select_minilm_options.py '{}' '{"percdamp": 0.1}'
+"""
+import copy
+import json
+import os
+import sys
+import tempfile
+import time
+
+import torch
+
+from sparse24 import calibrate, embedding_fidelity, permute_model_, prune_layerwise_, sentence_embeddings, sparsify_
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from eval_minilm import docstring_sentences, manual_sentences  # noqa: E402
+from eval_minilm_calibration import Encoder, code_lines  # noqa: E402
+
+torch.set_num_threads(1)
+
+N = int(os.environ.get("N", 512)); DOM = os.environ.get("DOM", "code")
+enc = Encoder("hf", 128)
+train, held = docstring_sentences()
+manual = manual_sentences(set(train))
+gen = torch.Generator().manual_seed(0)
+held = [held[i] for i in torch.randperm(len(held), generator=gen)[:512].tolist()]
+prose = [train[i] for i in torch.randperm(len(train), generator=gen).tolist()]
+manual = [manual[i] for i in torch.randperm(len(manual), generator=gen)[:512].tolist()]
+code = code_lines()
+code = [code[i] for i in torch.randperm(len(code), generator=torch.Generator().manual_seed(1)).tolist()]
+calib = (code if DOM == "code" else prose)[:N]
+sel = {"val-code": code[-512:], "val-doc": prose[-512:], "EVAL-held": held, "EVAL-manual": manual}
+assert not set(code[-512:]) & set(code[:1024]) and not set(prose[-512:]) & set(prose[:1024])
+refs = {}
+for k, t in sel.items():
+    b = enc.batches(sorted(t, key=len), 64)
+    refs[k] = (b, sentence_embeddings(enc.model, b, token_mask=enc.token_mask))
+dense = enc.model
+batches = enc.batches(calib, 32)
+cache = os.path.join(tempfile.gettempdir(), f"sparse24-select-perm-{DOM}{N}.pt")
+if os.path.exists(cache):
+    permuted = torch.load(cache, weights_only=False)
+else:
+    t0 = time.perf_counter()
+    stats = calibrate(dense, batches, hessian=True, token_mask=enc.token_mask, filter_fn=enc.filter_fn)
+    permuted = copy.deepcopy(dense)
+    permute_model_(permuted, enc.groups, score="sparsegpt", calibration=stats, example=enc.batch(calib[:8]),
+                   max_iters=300, time_limit=600)
+    torch.save(permuted, cache)
+    print(f"permutation {time.perf_counter()-t0:.0f} s", flush=True)
+
+def run(label, perm=True, **opts):
+    t0 = time.perf_counter()
+    base = permuted if perm else dense
+    m = copy.deepcopy(base)
+    prune_layerwise_(m, batches, method="sparsegpt", refit=opts.pop("refit", True), token_mask=enc.token_mask,
+                     teacher=base if opts.pop("teacher", True) else None, filter_fn=enc.filter_fn, progress=False, **opts)
+    sparsify_(m, filter_fn=enc.filter_fn)
+    cos = {k: embedding_fidelity(m, b, r, token_mask=enc.token_mask) for k, (b, r) in refs.items()}
+    print(f"{DOM}{N} {label:<34} " + "  ".join(f"{k} {v:.4f}" for k, v in cos.items())
+          + f"  ({time.perf_counter()-t0:.0f} s)", flush=True)
+
+for spec in sys.argv[1:]:
+    label = spec
+    opts = json.loads(spec) if spec.startswith("{") else {}
+    run(label, **opts)
