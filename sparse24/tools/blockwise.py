@@ -35,6 +35,7 @@ from ..format import compress
 from ..hf import FORMAT_VERSION
 from ..masks import kept_magnitude_fraction, prune_layerwise_
 from ..nn import Sparse24Linear
+from .checkpoint import check_shards
 from .hf_folder import _finish_folder, _shards, _skeleton, prune_folder
 
 __all__ = ["prune_folder_blockwise", "CALIBRATED"]
@@ -153,7 +154,7 @@ def prune_folder_blockwise(src: str | os.PathLike, dst: str | os.PathLike, batch
     batches = _check_batches(batches)
     excl = re.compile(exclude, re.IGNORECASE) if exclude else None
     shards, _ = _shards(src)
-    config, model = _skeleton(src)
+    config, model = _skeleton(src, check_shards(src, shards))
     body = getattr(model, "model", None)
     if not all(hasattr(body, a) for a in ("layers", "embed_tokens", "rotary_emb")):
         raise ValueError(f"{type(model).__name__} is not Llama-shaped (model.layers, model.embed_tokens, "
