@@ -433,9 +433,13 @@ def _layers_24(config, headers: dict, path: str) -> set:
                          f"{section!r:.80}")
     if method == QUANT_METHOD:
         try:
-            return stored | set(Sparse24Config(**section).layers)
+            listed = set(Sparse24Config(**section).layers)
         except (ValueError, TypeError) as e:
             raise ValueError(f"{path}: {e}") from None
+        if stored - listed:  # transformers would find such a layer's marker the wrong shape, naming no file
+            raise ValueError(f"{path}: the checkpoint holds 2:4 entries for {sorted(stored - listed)[0]!r}, which "
+                             "the sparse24 section does not list")
+        return listed
     if stored:
         raise ValueError(f"{path}: the checkpoint holds 2:4 entries ({sorted(stored)[0]}, ...) but quantization_config "
                          f"is {'missing' if method is None else repr(method)}, not a sparse24 section")

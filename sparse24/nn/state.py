@@ -269,7 +269,7 @@ def _whole_model_check(model, state_dict, prefix, local_metadata, strict, missin
                 continue
             if not isinstance(v, torch.Tensor):
                 errors.append(f"'{fqn}{name}' must be a tensor, got {type(v).__name__}")
-            elif not (t.dim() == 0 and v.dim() == 1 and v.numel() == 1) and v.shape != t.shape:
+            elif not (t.dim() == 0 and v.dim() == 1 and v.numel() >= 1) and v.shape != t.shape:  # torch takes v[0]
                 errors.append(f"size mismatch for {fqn}{name}: copying a param with shape {v.shape} from "
                               f"checkpoint, the shape in current model is {t.shape}.")
     if covered and _strict_call(model):
@@ -331,14 +331,20 @@ def _local_state(m: torch.nn.Module) -> dict:
 
 def _incompatible_keys(model, sd: dict, prefix: str) -> tuple[list, list]:
     """Missing and unexpected keys as torch's strict load reports them, for ``model`` at ``prefix``."""
-    missing, unexpected = [], []
+    missing, unexpected, local = [], [], {}
     for p, m in _loading_walk(model, prefix):
-        local = _local_state(m)
-        missing += [p + k for k in local if p + k not in sd]
-        for k in sd:  # torch's rule: the first name below a module must be a child or an own entry
-            if k.startswith(p) and k[len(p):].split(".", 1)[0] not in m._modules and \
-                    k[len(p):].split(".", 1)[0] not in local and k != p + "_extra_state":
+        local[p] = (m, _local_state(m))
+        missing += [p + k for k in local[p][1] if p + k not in sd]
+    for k in sd:  # torch's rule, per key down its path: each name must be a child or an own entry
+        p = prefix
+        while k.startswith(p) and k != p + "_extra_state":
+            m, own = local[p]
+            head, _, rest = k[len(p):].partition(".")
+            if head not in m._modules and head not in own:
                 unexpected.append(k)
+            if not rest or head in own or m._modules.get(head) is None:
+                break
+            p += head + "."
     return missing, unexpected
 
 

@@ -335,3 +335,14 @@ def test_finding_config_json_in_the_cli(tmp_path, capsys):
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and needle in err[0], err
         assert not (tmp_path / "out").exists()
+
+
+def test_finding_section_missing_a_stored_layer(hf_target):
+    """A sparse24 section without one of the checkpoint's 2:4 layers: transformers found its marker
+    the wrong shape and raised "ignore_mismatched_sizes", naming no file (found by the long run)."""
+    config, weights = hf_target.unpack(hf_target.seed)
+    cfg = json.loads(config)
+    del cfg["quantization_config"]["layers"]["model.layers.0.mlp.down_proj"]
+    with pytest.raises(ValueError, match=r"config\.json: the checkpoint holds 2:4 entries for "
+                                         r"'model\.layers\.0\.mlp\.down_proj', which the sparse24 section does not"):
+        _load_folder(hf_target, json.dumps(cfg).encode(), weights)
