@@ -335,14 +335,15 @@ def _incompatible_keys(model, sd: dict, prefix: str) -> tuple[list, list]:
     for p, m in _loading_walk(model, prefix):
         local[p] = (m, _local_state(m))
         missing += [p + k for k in local[p][1] if p + k not in sd]
-    for k in sd:  # torch's rule, per key down its path: each name must be a child or an own entry
+    for k in sd:  # torch's rule, per key down its path: a name followed by more is a child, the last an entry
         p = prefix
-        while k.startswith(p) and k != p + "_extra_state":
+        while k.startswith(p):  # (an "_extra_state" entry is own only for a module that has one)
             m, own = local[p]
-            head, _, rest = k[len(p):].partition(".")
-            if head not in m._modules and head not in own:
+            head, dot, _ = k[len(p):].partition(".")
+            if head not in (m._modules if dot else own):
                 unexpected.append(k)
-            if not rest or head in own or m._modules.get(head) is None:
+                break
+            if not dot or m._modules[head] is None:
                 break
             p += head + "."
     return missing, unexpected

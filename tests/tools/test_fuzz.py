@@ -346,3 +346,48 @@ def test_finding_section_missing_a_stored_layer(hf_target):
     with pytest.raises(ValueError, match=r"config\.json: the checkpoint holds 2:4 entries for "
                                          r"'model\.layers\.0\.mlp\.down_proj', which the sparse24 section does not"):
         _load_folder(hf_target, json.dumps(cfg).encode(), weights)
+
+
+def test_finding_unexpected_keys_as_torch_finds_them(fuzz):
+    """"3.weight.values" (a LayerNorm's weight name followed by more) was not seen as unexpected by
+    the whole-model check, which let torch load the other modules first (found by the long run).
+    The check's missing/unexpected keys are compared with torch's own report on random key sets."""
+    import copy
+    from torch import nn
+    from sparse24.nn import state
+    model, sd = _fuzz_model(fuzz)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(RuntimeError, match="nothing was loaded.*\n.*Unexpected key.*'3.weight.values'"):
+        model.load_state_dict(dict({k: v * 2 if v.is_floating_point() else v for k, v in sd.items()},
+                                   **{"3.weight.values": torch.ones(1)}))
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+    class Extra(nn.Module):  # a module with extra state
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(2, 2)
+
+        def get_extra_state(self):
+            return 1
+
+        def set_extra_state(self, s):
+            pass
+    plain = nn.Sequential(nn.Linear(4, 4), nn.Sequential(nn.LayerNorm(4), nn.Linear(4, 4)), nn.ReLU(), Extra())
+    plain.register_module("none", None)
+    rng, compared = random.Random(0), 0
+    for _ in range(300):
+        d = dict(plain.state_dict())
+        for _ in range(rng.randint(1, 3)):
+            k = rng.choice(list(d) + ["x"])
+            d.pop(k, None) if rng.random() < 0.5 else None
+            d[rng.choice([k + ".values", k + "x", "1." + k, k.rpartition(".")[0], "none.w", "2.w", "_extra_state",
+                          "1._extra_state", "1.1", "3._extra_state", "3.lin._extra_state"])] = torch.zeros(1)
+        try:
+            torch_says = copy.deepcopy(plain).load_state_dict(d, strict=False)
+        except RuntimeError:  # a size mismatch: not about keys
+            continue
+        missing, unexpected = state._incompatible_keys(plain, d, "")
+        assert (sorted(missing), sorted(unexpected)) == (sorted(torch_says.missing_keys),
+                                                         sorted(torch_says.unexpected_keys)), sorted(d)
+        compared += 1
+    assert compared > 200
