@@ -3,8 +3,9 @@
 Targets, each started from valid files the project itself writes:
 
 - ``state-pt``: a compressed state dict (fp32, INT8, INT4 and masked 2:4 layers, a
-  LayerNorm, biases) saved with ``torch.save``; read with
-  ``torch.load(weights_only=True)`` and given to ``model.load_state_dict``.
+  LayerNorm, biases) saved with ``torch.save``; read as ``prune`` reads it
+  (:func:`sparse24.tools.checkpoint.load_torch_file`: the archive checked, then
+  ``torch.load(weights_only=True)``) and given to ``model.load_state_dict``.
 - ``state-safetensors``: the same state dict as a safetensors file
   (``safetensors.torch.load`` then ``load_state_dict``).
 - ``hf-folder``: a tiny Llama folder written by ``save_pretrained`` (compressed,
@@ -23,19 +24,18 @@ Oracle for every input, checked in this process:
 - loaded: the model holds exactly what the file says (every tensor equal to the
   file's, cast to the model's dtype as ``load_state_dict`` casts) and every 2:4
   layer validates; the outcome is "same model" when that equals the valid file.
-- refused by sparse24: one exception of a clear kind (ValueError, TypeError,
-  RuntimeError, OSError; not KeyError, IndexError, AttributeError, ...) whose message
-  names the entry or the file; every module either unchanged or, as torch's
-  ``load_state_dict`` copies module by module, holding all of the file's entries for
-  it (those outcomes are counted apart); a 2:4 layer holding neither is a failure.
-- refused by the code below us (``torch.load``, safetensors, transformers' config
-  classes): an outcome naming that library, not a failure: not ours to fix.
+- refused: one exception of a clear kind (ValueError, TypeError, RuntimeError,
+  OSError; not KeyError, IndexError, AttributeError, ...) whose message names the
+  entry or the file (config.json / model.safetensors for a folder), and the model
+  unchanged: ``load_state_dict`` of a model holding 2:4 layers is all or nothing
+  (``sparse24.nn.state.guard_loading``), whichever module the error is in. Errors
+  raised by torch's reader or safetensors' are outcomes named after them when they
+  are clear (their type, the file); nothing else below us is exempt.
 - every call: at most 1 s of CPU time, and no allocation above ``64 MiB + 64 x``
   the input's size (256 MiB + 64 x for the HF folder and the CLI, where transformers
   builds a model): the address-space limit (RLIMIT_AS) is lowered to that above the
   current size for the call, so a larger allocation fails and is reported as a
-  failure (except inside ``torch.load``, and for a ``config.json`` changed outside the
-  sparse24 section, which describes another model transformers builds).
+  failure, inside torch.load and transformers too.
 - the CLI: exit 0, or 1/2 with exactly one line on stderr and no traceback; on a
   non-zero exit the output folder (an existing file, a folder) is unchanged.
 
@@ -123,6 +123,7 @@ def _key(msg: str) -> str:
     """An outcome key: the message with numbers, quoted names and paths blurred."""
     msg = re.sub(r"/[^\s'\"]+", "<path>", str(msg))
     msg = re.sub(r"'[^']*'|\"[^\"]*\"", "<q>", msg)
+    msg = re.sub(r"\b0x[0-9a-fA-F]+", "N", msg)
     return re.sub(r"\d+", "N", " ".join(msg.split()))[:90]
 
 
@@ -332,8 +333,8 @@ def holds_file(model: nn.Module, sd: dict) -> bool:
 
 def partial_load(model: nn.Module, ref: dict, sd) -> str | None:
     """After a refused load: None if nothing changed; else "per module" when every module either
-    kept all its tensors or took all of them from the file (torch's load_state_dict copies module
-    by module and reports errors at the end: it is not all-or-nothing); else what went wrong."""
+    kept all its tensors or took all of them from the file (torch's own per-module loading; a
+    failure for a model holding 2:4 layers, whose load is all or nothing); else what went wrong."""
     now = model.state_dict()
     if list(now) != list(ref["state"]):
         return "the model's entries changed"
@@ -384,9 +385,13 @@ class StateTarget:
     def run(self, data: bytes) -> str:
         try:
             sd = self.read(data)
-        except Exception as e:  # torch's / safetensors' own reader: not ours to fix (see the README)
+        except Exception as e:  # the file reader (safetensors', or sparse24's checks then torch.load)
             if _alloc_failure(e):
-                return f"reader refused: {type(e).__name__}: allocation above the bound (in {self.reader})"
+                raise
+            if origin(e) == "sparse24":
+                if not isinstance(e, CLEAR) or self.file not in str(e):
+                    raise Failure(f"the reader's error names no file: {type(e).__name__}: {str(e)[:300]}") from None
+                return f"refused by sparse24's reader: {_key(str(e).split(': ', 1)[-1])}"
             return f"reader refused: {type(e).__name__}"
         keys = self.keys | (set(sd) if isinstance(sd, dict) else set())
         try:
@@ -395,16 +400,14 @@ class StateTarget:
             if _alloc_failure(e):
                 raise
             partial = partial_load(self.model, self.ref, sd)
-            if partial is not None:
+            if partial is not None:  # the model's load_state_dict is all or nothing (sparse24.nn.state.guard_loading)
                 self.restore()
-            if partial not in (None, "per module"):
                 raise Failure(f"refused load changed the model: {partial} ({type(e).__name__}: {str(e)[:300]})")
             if not isinstance(e, CLEAR):
                 raise Failure(f"unclear error {type(e).__name__}: {str(e)[:300]}")
             if not names_a_field(str(e), keys):
                 raise Failure(f"error names no field: {str(e)[:300]}")
-            partly = " (modules with valid entries loaded: torch's load_state_dict is per module)" if partial else ""
-            return f"refused{partly}: {type(e).__name__}: {_key(str(e).splitlines()[-1] if str(e) else '')}"
+            return f"refused: {type(e).__name__}: {_key(str(e).splitlines()[-1] if str(e) else '')}"
         if not holds_file(self.model, sd):
             self.restore()
             raise Failure("loaded, but the model does not hold the file's tensors (or a layer does not validate)")
@@ -419,8 +422,10 @@ class StateTarget:
 
 
 class PtTarget(StateTarget):
+    """Read as ``prune`` reads a .pt file: sparse24's checks of the archive, then
+    ``torch.load(weights_only=True)`` (:func:`sparse24.tools.checkpoint.load_torch_file`)."""
     name, suffix, allow_objects = "state-pt", ".pt", True
-    reader = "torch.load"
+    file = "state.pt"
 
     def write(self, sd):
         b = io.BytesIO()
@@ -428,14 +433,13 @@ class PtTarget(StateTarget):
         return b.getvalue()
 
     def read(self, data):
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        from sparse24.tools.checkpoint import load_torch_file
+        return load_torch_file(io.BytesIO(data), self.file)
 
 
 class SafetensorsTarget(StateTarget):
     name, suffix, allow_objects = "state-safetensors", ".safetensors", False
-    reader = "safetensors"
+    file = "state.safetensors"
 
     def write(self, sd):
         from safetensors.torch import save
@@ -542,16 +546,6 @@ class HFFolderTarget:
             weights = mutate_bytes(rng, weights)
         return self.pack(config, weights)
 
-    def foreign(self, config: bytes) -> bool:
-        """True when config.json differs from the valid one outside the sparse24 section (then it
-        may describe another, larger model, which transformers builds before sparse24 is asked)."""
-        try:
-            cfg = json.loads(config)
-            return {k: v for k, v in cfg.items() if k != "quantization_config"} != \
-                {k: v for k, v in self.config.items() if k != "quantization_config"}
-        except Exception:
-            return True
-
     def run(self, data: bytes) -> str:
         config, weights = self.unpack(data)
         folder = self.dir / "case"
@@ -567,11 +561,12 @@ class HFFolderTarget:
             if _alloc_failure(e):
                 raise
             msg, where = str(e), origin(e)
-            if where != "sparse24":  # transformers' config classes, its loader, safetensors: not ours to fix
-                return f"{where} refused: {type(e).__name__}"
             if not isinstance(e, CLEAR) or not msg:
-                raise Failure(f"unclear error {type(e).__name__}: {msg[:300]}")
-            return f"refused: {type(e).__name__}: {_key(msg.splitlines()[-1])}"
+                raise Failure(f"unclear error {type(e).__name__} (from {where}): {msg[:300]}")
+            if "config.json" not in msg and "model.safetensors" not in msg:
+                raise Failure(f"error names no file: {type(e).__name__} (from {where}): {msg[:300]}")
+            by = "" if where == "sparse24" else f" by {where}"
+            return f"refused{by}: {type(e).__name__}: {_key(msg.splitlines()[-1])}"
         state = model.state_dict()
         if set(state) == set(self.ref) and all(state[k].dtype == v.dtype and same_tensor(state[k], v)
                                                for k, v in self.ref.items()):
@@ -803,18 +798,6 @@ def run_one(target, data: bytes) -> str:
     return outcome
 
 
-def run_one_classified(target, data: bytes) -> str:
-    """:func:`run_one`; a budget overrun of a folder whose config.json describes another model is
-    transformers building that model (not sparse24's door): an outcome, not a failure."""
-    try:
-        return run_one(target, data)
-    except Failure as e:
-        if hasattr(target, "foreign") and re.match(r"took |allocation above", str(e)) \
-                and target.foreign(target.unpack(data)[0]):
-            return "over budget in transformers: config.json describes another model"
-        raise
-
-
 def fuzz(name: str, seconds: float, seed: int, failures: Path | None, max_inputs: int | None = None,
          log=print) -> dict:
     """Run one target for ``seconds`` (or ``max_inputs``); returns tried, outcomes, failures."""
@@ -831,7 +814,7 @@ def fuzz(name: str, seconds: float, seed: int, failures: Path | None, max_inputs
             data = mutate_bytes(rng, target.seed)
         tried += 1
         try:
-            outcome = run_one_classified(target, data)
+            outcome = run_one(target, data)
         except Failure as e:
             outcome = "FAILURE: " + _key(str(e))
             fails.append((data, str(e)))
@@ -853,7 +836,7 @@ def replay(path: Path) -> int:
     name = path.parent.name
     target = TARGETS[name]()
     try:
-        print(run_one_classified(target, path.read_bytes()))
+        print(run_one(target, path.read_bytes()))
         return 0
     except Failure as e:
         print(f"FAILURE: {e}")

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 import re
 
@@ -53,11 +54,14 @@ from transformers.quantizers import HfQuantizer, register_quantization_config, r
 from transformers.quantizers.auto import AUTO_QUANTIZER_MAPPING
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
+from ._checks import safetensors_headers
 from ._version import __version__
 from .format import INT4_GROUP_SIZES
 from .nn import MODES, QUANTIZE, Sparse24Linear, is_conv1d, is_conv1d_class, linear_shape
+from .nn.state import guard_loading
 
-__all__ = ["register", "from_pretrained", "attach", "sparsity_config", "Sparse24Config", "Sparse24Quantizer",
+__all__ = ["register", "from_pretrained", "check_folder", "read_config", "check_blocks",
+           "attach", "sparsity_config", "Sparse24Config", "Sparse24Quantizer",
            "QUANT_METHOD", "FORMAT_VERSION"]
 
 QUANT_METHOD = "sparse24"
@@ -161,6 +165,7 @@ class Sparse24Quantizer(HfQuantizer):
         found = _checkpoint_keys(checkpoint_files)
         ignore = []  # compressed layers, whose "<layer>.weight" is the marker
         self._names = {}  # the section's layer name -> the name in this model
+        self._files = {}  # the section's layer name -> the checkpoint file holding its entries
         for saved, spec in layers.items():
             fqn = _resolve(model, saved)
             if fqn is None:
@@ -172,7 +177,10 @@ class Sparse24Quantizer(HfQuantizer):
             if kind != spec.get("kind", "linear"):
                 raise ValueError(f"config.json lists {fqn!r} as a 2:4 {spec.get('kind', 'linear')} layer, but the "
                                  f"model built from this config has a {type(dense).__name__} there")
-            shell = _shell(dense, spec)
+            try:
+                shell = _shell(dense, spec)
+            except (ValueError, TypeError) as e:  # e.g. in_features not divisible by 4 (found by fuzzing)
+                raise ValueError(f"config.json lists {fqn!r} as a 2:4 layer, which it cannot be: {e}") from None
             if found is not None:
                 need = [k for k in shell.state_dict(keep_vars=True) if k != "bias"]
                 lacking = [k for k in need if f"{saved}.{k}" not in found]
@@ -180,6 +188,7 @@ class Sparse24Quantizer(HfQuantizer):
                     raise ValueError(f"the checkpoint lacks {', '.join(f'{saved}.{k}' for k in lacking)} for the 2:4 "
                                      f"{spec['mode']} layer {saved!r} that config.json lists")
                 _check_stored(found, saved, shell, need, spec)
+                self._files[saved] = found[f"{saved}.{need[0]}"][2]
             model.set_submodule(fqn, shell)
             if spec["mode"] == "compressed":
                 ignore += [re.escape(saved), re.escape(fqn)]
@@ -196,7 +205,9 @@ class Sparse24Quantizer(HfQuantizer):
             try:
                 model.get_submodule(fqn)._finish_loading(bool(spec.get("trainable_values")))
             except ValueError as e:
-                raise ValueError(f"layer {fqn!r}: {e}") from None
+                where = self._files.get(saved)
+                raise ValueError(f"{where + ': ' if where else ''}layer {fqn!r}: {e}") from None
+        guard_loading(model)
         attach(model)
         return model
 
@@ -268,31 +279,22 @@ def _shell(dense: nn.Module, spec: dict) -> Sparse24Linear:
 
 
 def _checkpoint_keys(files) -> dict | None:
-    """``{tensor name: (safetensors dtype, shape, file)}`` of a model's checkpoint files (headers only), or
-    None when they cannot be listed cheaply (then missing entries surface in transformers' load report)."""
+    """``{tensor name: (safetensors dtype, shape, file)}`` of a model's checkpoint files (headers only),
+    or None when they cannot be listed cheaply (then missing entries surface in transformers' load report)."""
     if not files or not all(str(f).endswith(".safetensors") for f in files):
         return None
-    from safetensors import safe_open
-    keys = {}
-    for f in files:
-        try:
-            with safe_open(f, framework="pt") as fh:
-                keys.update({k: (fh.get_slice(k).get_dtype(), tuple(fh.get_slice(k).get_shape()), f)
-                             for k in fh.keys()})
-        except Exception as e:  # safetensors' own error type names neither the file nor the fix (found by fuzzing)
-            raise ValueError(f"cannot read the weights file {f}: {' '.join(str(e).split())[:300]}") from None
-    return keys
+    return safetensors_headers(files)
 
 
 _FLOATS = ("F16", "BF16", "F32", "F64")
 
 
 def _check_stored(found: dict, saved: str, shell: Sparse24Linear, need: list, spec: dict) -> None:
-    """Refuse a 2:4 entry stored in a dtype its layer cannot take as it is: transformers casts
-    each tensor to the dtype of the layer's buffer, so float8 values became INT8 values without a
-    word (found by fuzzing: tests/tools/test_fuzz.py). Floating entries may differ in width, as
-    in ``load_state_dict``. Shapes must be the shell's: an INT4 scale of another group size would
-    otherwise surface as transformers' size-mismatch report, which does not say why."""
+    """Refuse a 2:4 entry stored in a shape or a dtype its layer cannot take as it is:
+    transformers casts each tensor to the dtype of the layer's buffer, so float8 values became
+    INT8 values without a word, and reports a wrong shape naming no file (both found by fuzzing:
+    tests/tools/test_fuzz.py); an INT4 scale of another group size has another shape. Floating
+    entries may differ in width, as in ``load_state_dict``."""
     shapes = {k: tuple(t.shape) for k, t in shell.state_dict(keep_vars=True).items()}
     q = spec["quantize"]
     allowed = {"meta": ("I32",), "mask": ("BOOL",), "scale": ("F16",) if q == "int4" else ("F32",),
@@ -301,11 +303,12 @@ def _check_stored(found: dict, saved: str, shell: Sparse24Linear, need: list, sp
     for k in need:
         dtype, shape, file = found[f"{saved}.{k}"]
         what = f"the 2:4 {spec['mode']}{' ' + q.upper() if q else ''} layer"
+        if tuple(shape) != shapes[k]:
+            group = f", group_size {spec['group_size']}" if q == "int4" else ""
+            raise ValueError(f"{file}: '{saved}.{k}' has shape {tuple(shape)}; {what} config.json describes "
+                             f"({shell.out_features}x{shell.in_features}{group}) needs {shapes[k]}")
         if k in allowed and dtype not in allowed[k]:
             raise ValueError(f"{file}: '{saved}.{k}' is stored as {dtype}; {what} needs {' or '.join(allowed[k])}")
-        if shape != shapes[k]:
-            group = f" (group_size {spec['group_size']} in config.json)" if q == "int4" else ""
-            raise ValueError(f"{file}: '{saved}.{k}' has shape {shape}; {what}{group} needs {shapes[k]}")
 
 
 def attach(model: nn.Module) -> None:
@@ -366,7 +369,148 @@ def from_pretrained(cls, path: str | os.PathLike, **kwargs) -> nn.Module:
         >>> model = sparse24.from_pretrained(LlamaForCausalLM, "out/llama-2of4")
     """
     register()
+    local = os.path.isfile(os.path.join(path, "config.json"))
+    if local and not {"config", "subfolder", "trust_remote_code"} & set(kwargs):  # else transformers' own reading
+        check_folder(path, cls)
     return cls.from_pretrained(path, **kwargs)
+
+
+# The elements a model may hold beyond its checkpoint's (freshly initialized heads, buffers) before
+# check_folder refuses it: the memory a folder makes transformers allocate stays within a bound
+# from the checkpoint's size (its elements plus as many again, plus this).
+EXTRA_ELEMENTS = 2 ** 24
+
+
+def read_config(folder: str | os.PathLike, cls=None):
+    """``folder/config.json`` as transformers reads it (``cls.config_class``, or ``AutoConfig``),
+    every failure one ValueError naming the file: transformers' config classes raise KeyError,
+    AttributeError, ZeroDivisionError, ... on corrupt values (found by fuzzing)."""
+    import transformers
+
+    path = os.path.join(folder, "config.json")
+    try:
+        with open(path, "rb") as f:
+            data = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path}: not a readable JSON file ({' '.join(str(e).split())[:200]})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: must hold a JSON object, got {type(data).__name__}")
+    config_cls = getattr(cls, "config_class", None) or transformers.AutoConfig
+    try:
+        return config_cls.from_pretrained(folder)
+    except Exception as e:
+        raise ValueError(f"{path}: transformers cannot read it ({type(e).__name__}: "
+                         f"{' '.join(str(e).split())[:200]})") from None
+
+
+def check_blocks(config, headers: dict, folder) -> None:
+    """Refuse a config describing more layers than the checkpoint holds, before any model is built
+    (a corrupt ``num_hidden_layers`` of 1M made transformers spend 9 s building it). The
+    checkpoint's layers are its longest run of numbered names (``model.layers.<i>.``, ``h.<i>.``)."""
+    n = getattr(config, "num_hidden_layers", None)
+    runs: dict[str, int] = {}
+    for key in headers:
+        parts = key.split(".")
+        for i, part in enumerate(parts):
+            if part.isdigit() and len(part) < 10:
+                group = ".".join(parts[:i])
+                runs[group] = max(runs.get(group, 0), int(part) + 1)
+    most = max(runs.values(), default=0)
+    if isinstance(n, int) and not isinstance(n, bool) and n > most:
+        where = max(runs, key=runs.get) if runs else None
+        raise ValueError(f"{os.path.join(folder, 'config.json')}: num_hidden_layers={n}, but the checkpoint holds "
+                         + (f"{most} ({where}.0 to {where}.{most - 1})" if where else "no numbered layers"))
+
+
+def _checkpoint_files(folder) -> list[str] | None:
+    index = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        try:
+            with open(index) as f:
+                shards = sorted(set(json.load(f)["weight_map"].values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"{index}: not a readable shard index ({type(e).__name__}: {e})") from None
+        return [os.path.join(folder, str(s)) for s in shards]
+    single = os.path.join(folder, "model.safetensors")
+    return [single] if os.path.isfile(single) else None
+
+
+def _layers_24(config, headers: dict, path: str) -> set:
+    """The 2:4 layers of a folder: those its sparse24 section lists (checked first) and those with
+    2:4 entries in the checkpoint, which then must have a sparse24 section (else transformers finds
+    the markers the wrong shape, or loads masked weights as dense ones)."""
+    section = getattr(config, "quantization_config", None)
+    stored = {k[:-7] for k in headers if k.endswith(".values") and k[:-7] + ".meta" in headers} | {
+        k[:-5] for k, (dtype, shape, _) in headers.items() if k.endswith(".mask") and dtype == "BOOL"
+        and headers.get(k[:-5] + ".weight", (None, None))[1] == shape}
+    if section is None:
+        method = None
+    elif isinstance(section, dict):
+        method = section.get("quant_method")
+    else:
+        method = getattr(section, "quant_method", None)
+    if section is not None and not isinstance(method, str):
+        raise ValueError(f"{path}: quantization_config must be an object with a 'quant_method' string, got "
+                         f"{section!r:.80}")
+    if method == QUANT_METHOD:
+        try:
+            listed = set(Sparse24Config(**section).layers)
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"{path}: {e}") from None
+        if stored - listed:  # transformers would find such a layer's marker the wrong shape, naming no file
+            raise ValueError(f"{path}: the checkpoint holds 2:4 entries for {sorted(stored - listed)[0]!r}, which "
+                             "the sparse24 section does not list")
+        return listed
+    if stored:
+        raise ValueError(f"{path}: the checkpoint holds 2:4 entries ({sorted(stored)[0]}, ...) but quantization_config "
+                         f"is {'missing' if method is None else repr(method)}, not a sparse24 section")
+    return stored
+
+
+def check_folder(folder: str | os.PathLike, cls) -> None:
+    """Before transformers builds anything: ``config.json`` reads (:func:`read_config`), describes
+    no more layers than the checkpoint holds (:func:`check_blocks`), and the model it describes,
+    built on the meta device, matches the safetensors headers: each tensor the checkpoint has
+    under a model name has the model's shape, and the model holds at most
+    ``EXTRA_ELEMENTS`` + the checkpoint's element count in tensors the checkpoint lacks (so a
+    corrupt size cannot make transformers allocate past a bound from the files' size). The 2:4
+    layers the section lists are checked by the quantizer. Raises ValueError naming the file."""
+    files = _checkpoint_files(folder)
+    if files is None:
+        return  # no safetensors checkpoint: transformers' own loader decides
+    headers = safetensors_headers(files)
+    config = read_config(folder, cls)
+    check_blocks(config, headers, folder)
+    path = os.path.join(folder, "config.json")
+    layers_24 = _layers_24(config, headers, path)
+    try:
+        with torch.device("meta"):
+            model = cls._from_config(config) if hasattr(cls, "_from_config") else cls.from_config(config)
+    except Exception as e:
+        raise ValueError(f"{path}: transformers cannot build the model it describes ({type(e).__name__}: "
+                         f"{' '.join(str(e).split())[:200]})") from None
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    lacking, seen = 0, set()
+    tensors = list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False))
+    supplied = set()
+    for name, t in tensors:
+        names = [name, f"{prefix}.{name}"] + ([name[len(prefix) + 1:]] if name.startswith(prefix + ".") else [])
+        key = next((k for k in names if k in headers), None)
+        if any(k.endswith(".weight") and k[:-7] in layers_24 for k in names):
+            supplied.add(id(t))  # a 2:4 layer's weight: the quantizer checks its entries, with clearer words
+        elif key is not None:
+            supplied.add(id(t))
+            if tuple(headers[key][1]) != tuple(t.shape):
+                raise ValueError(f"{path} describes {name!r} as {tuple(t.shape)}, but {headers[key][2]} holds "
+                                 f"{key!r} as {tuple(headers[key][1])}")
+    for name, t in tensors:
+        if id(t) not in supplied and id(t) not in seen:
+            seen.add(id(t))
+            lacking += t.numel()
+    stored = sum(math.prod(shape) for _, shape, _ in headers.values())
+    if lacking > EXTRA_ELEMENTS + stored:
+        raise ValueError(f"{path} describes a model with {lacking:,} elements the checkpoint does not hold "
+                         f"(it holds {stored:,}): not this checkpoint's config")
 
 
 def read_section(folder: str | os.PathLike) -> dict | None:

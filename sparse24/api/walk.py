@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from ..nn import Sparse24Linear, compressed_nbytes, is_conv1d, linear_shape, memory_nbytes
+from ..nn.state import guard_loading
 from .report import LayerReport
 
 FilterFn = Callable[[nn.Module, str], bool]
@@ -219,7 +220,9 @@ def _check_foreign_quantization(model: nn.Module) -> None:
 
 
 def _after_change(model: nn.Module) -> None:
-    """Record the sparse24 section of a transformers model's config (what save_pretrained writes)."""
+    """Make ``model.load_state_dict`` all or nothing (:func:`sparse24.nn.state.guard_loading`);
+    record the sparse24 section of a transformers model's config (what save_pretrained writes)."""
+    guard_loading(model)
     if _is_transformers_model(model):
         from .. import hf  # imports transformers: only for transformers models
         hf.attach(model)

@@ -7,6 +7,9 @@ layout v1. Kept apart from the class only for length: these methods read and
 write the module's own state."""
 from __future__ import annotations
 
+import sys
+import weakref
+
 import torch
 
 from .._checks import check_finite
@@ -15,7 +18,7 @@ from . import prepare
 from .prepare import is_conv1d_class
 from .sharded import local_pair
 
-__all__ = ["check_state", "StateDictMixin", "compressed_entries"]
+__all__ = ["check_state", "StateDictMixin", "compressed_entries", "guard_loading"]
 
 
 # A compressed layer's entries by quantization (INT4 asymmetric adds "zero").
@@ -60,6 +63,8 @@ def check_state(self, sd: dict, prefix: str) -> None:
     want = _wanted(self)
     if has == want:
         pass
+    elif not has:
+        return  # entries missing altogether: nn.Module reports missing keys (strict mode)
     elif has == {"weight"}:
         raise ValueError(f"got a dense checkpoint ('{prefix}weight' without a 2:4 mask) for a 2:4 layer in "
                          f"{self._mode} mode; load dense weights before sparsify_, or into a densify_'d model")
@@ -74,8 +79,6 @@ def check_state(self, sd: dict, prefix: str) -> None:
     elif self._mode == "masked" and has & {"scale", "zero", "group_size"}:
         raise ValueError(f"got a quantized checkpoint ({', '.join(sorted(has & {'scale', 'zero', 'group_size'}))}) "
                          "for a masked-mode layer; compress_ this model with its quantization before loading")
-    elif not has:
-        return  # entries missing altogether: nn.Module reports missing keys (strict mode)
     elif not has >= want:
         # Loading part of the set (e.g. a mask alone) would pair it with the old tensors unchecked.
         raise ValueError(f"incomplete 2:4 entries: got {sorted(has)}, a {self._mode} layer needs all of "
@@ -223,10 +226,11 @@ class StateDictMixin:
 
     def _load_v1(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
         try:
-            if self.pending and self._has_dense_entry_only(state_dict, prefix):
-                self._fill_from_dense(state_dict, prefix)  # the weights arrived: compute the mask now
-            check_state(self, state_dict, prefix)
-            _check_whole(self, state_dict, prefix)
+            if not _already_checked(self, state_dict, prefix):  # by the whole model's hook (guard_loading)
+                if self.pending and self._has_dense_entry_only(state_dict, prefix):
+                    self._fill_from_dense(state_dict, prefix)  # the weights arrived: compute the mask now
+                check_state(self, state_dict, prefix)
+                _check_whole(self, state_dict, prefix)
         except (ValueError, TypeError) as e:
             error_msgs.append(f"{prefix[:-1] or 'Sparse24Linear'}: {e}")
             return  # nothing of this module changes
@@ -277,3 +281,147 @@ class StateDictMixin:
         if self._mode == "masked":
             return {"weight": torch.where(mask, kept, 0), "mask": mask}, mask  # the caller's tensor stays
         return compressed_entries(compress(kept, mask, **self._quant())), mask
+
+
+# --- the whole model: all or nothing -------------------------------------------------------
+
+def guard_loading(model: torch.nn.Module) -> None:
+    """Make ``model.load_state_dict`` all or nothing for the 2:4 layers' sake.
+
+    torch copies module by module and reports errors at the end, so a refused 2:4 entry (or a
+    size mismatch, a missing key in strict mode) left every other module holding the file's
+    tensors (found by fuzzing: tests/tools/test_fuzz.py). A load_state_dict pre-hook on
+    ``model`` checks the whole state dict first, before any module copies anything: every 2:4
+    layer's entries (as the layer does), what torch refuses for other modules (a non-tensor, a
+    size mismatch) and, for a strict call, missing and unexpected keys. It runs where torch
+    reaches ``model``: for ``model.load_state_dict`` and for a parent's, where it covers
+    ``model``'s part (a submodule's own ``load_state_dict`` is the layers' business). Each
+    layer skips the checks the hook already made on the same tensors. Idempotent.
+
+    Args:
+        model: any ``nn.Module`` (a lone :class:`~sparse24.Sparse24Linear` needs none: it
+            loads all its entries or none by itself).
+    """
+    if isinstance(model, StateDictMixin) or any(getattr(h, "hook", h) is _whole_model_check
+                                                for h in model._load_state_dict_pre_hooks.values()):
+        return
+    model.register_load_state_dict_pre_hook(_whole_model_check)
+
+
+def _whole_model_check(model, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                       error_msgs) -> None:
+    """The pre-hook of :func:`guard_loading`: raises RuntimeError (torch's wording) listing every
+    problem before anything is copied; ``state_dict`` is torch's own copy (a pending layer's dense
+    weight is replaced by its 2:4 entries here, as the layer would)."""
+    errors, checked, covered = [], [], True
+    for fqn, m in _loading_walk(model, prefix):
+        if m is None:
+            covered = False  # a module that may rewrite its entries: torch and it decide
+            continue
+        if isinstance(m, StateDictMixin):
+            try:
+                if m.pending and m._has_dense_entry_only(state_dict, fqn):
+                    m._fill_from_dense(state_dict, fqn)
+                check_state(m, state_dict, fqn)
+                _check_whole(m, state_dict, fqn)
+                checked.append((m, fqn))
+            except (ValueError, TypeError) as e:
+                errors.append(f"{fqn[:-1] or 'Sparse24Linear'}: {e}")
+            continue
+        for name, t in _local_state(m).items():
+            v = state_dict.get(fqn + name, t)
+            if v is t or torch.nn.parameter.is_lazy(t):
+                continue
+            if not isinstance(v, torch.Tensor):
+                errors.append(f"'{fqn}{name}' must be a tensor, got {type(v).__name__}")
+            elif not (t.dim() == 0 and v.dim() == 1 and v.numel() >= 1) and v.shape != t.shape:  # torch takes v[0]
+                errors.append(f"size mismatch for {fqn}{name}: copying a param with shape {v.shape} from "
+                              f"checkpoint, the shape in current model is {t.shape}.")
+    if covered and _strict_call(model):
+        missing, unexpected = _incompatible_keys(model, state_dict, prefix)
+        if unexpected:
+            errors.insert(0, f"Unexpected key(s) in state_dict: {', '.join(repr(k) for k in unexpected)}. ")
+        if missing:
+            errors.insert(0, f"Missing key(s) in state_dict: {', '.join(repr(k) for k in missing)}. ")
+    if errors:
+        raise RuntimeError(f"Error(s) in loading state_dict for {type(model).__name__} (nothing was loaded):\n\t"
+                           + "\n\t".join(errors))
+    for m, fqn in checked:  # the layers skip these checks on these very tensors
+        m.__dict__.setdefault("_checked_entries", {})[fqn] = _entry_refs(state_dict, fqn)
+
+
+_ENTRY_NAMES = ("weight", "mask", "values", "meta", "scale", "zero", "group_size", "bias")
+
+
+def _entry_refs(sd: dict, prefix: str) -> dict:
+    """Weak references to a layer's entries in ``sd`` (None where absent): what the hook checked."""
+    return {k: weakref.ref(sd[prefix + k]) if prefix + k in sd else None for k in _ENTRY_NAMES}
+
+
+def _already_checked(layer, sd: dict, prefix: str) -> bool:
+    """The whole-model hook checked exactly these tensors for this layer (consumed once)."""
+    refs = layer.__dict__.get("_checked_entries", {}).pop(prefix, None)
+    if refs is None:
+        return False
+    return all((r is None) == (prefix + k not in sd) and (r is None or r() is sd[prefix + k])
+               for k, r in refs.items())
+
+
+def _loads_plainly(m: torch.nn.Module) -> bool:
+    """``m`` loads its entries as nn.Module does: no own _load_from_state_dict, no other pre-hook."""
+    return type(m)._load_from_state_dict is torch.nn.Module._load_from_state_dict and all(
+        getattr(h, "hook", h) is _whole_model_check for h in m._load_state_dict_pre_hooks.values())
+
+
+def _loading_walk(model, prefix: str):
+    """``(prefix, module)`` in the order torch's load_state_dict visits them (a module reused under
+    two names twice); ``(prefix, None)`` in place of a subtree whose loading cannot be foreseen
+    (a module with its own _load_from_state_dict or pre-hooks may rename or convert entries)."""
+    stack = [(prefix, model)]
+    while stack:
+        p, m = stack.pop()
+        if not (isinstance(m, StateDictMixin) or _loads_plainly(m)):
+            yield p, None
+            continue
+        yield p, m
+        stack.extend((p + n + ".", c) for n, c in reversed(m._modules.items()) if c is not None)
+
+
+def _local_state(m: torch.nn.Module) -> dict:
+    """The entries ``m`` itself saves and loads (persistent parameters and buffers)."""
+    out = {}
+    m._save_to_state_dict(out, "", keep_vars=True)
+    return out
+
+
+def _incompatible_keys(model, sd: dict, prefix: str) -> tuple[list, list]:
+    """Missing and unexpected keys as torch's strict load reports them, for ``model`` at ``prefix``."""
+    missing, unexpected, local = [], [], {}
+    for p, m in _loading_walk(model, prefix):
+        local[p] = (m, _local_state(m))
+        missing += [p + k for k in local[p][1] if p + k not in sd]
+    for k in sd:  # torch's rule, per key down its path: a name followed by more is a child, the last an entry
+        p = prefix
+        while k.startswith(p):  # (an "_extra_state" entry is own only for a module that has one)
+            m, own = local[p]
+            head, dot, _ = k[len(p):].partition(".")
+            if head not in (m._modules if dot else own):
+                unexpected.append(k)
+                break
+            if not dot or m._modules[head] is None:
+                break
+            p += head + "."
+    return missing, unexpected
+
+
+def _strict_call(model) -> bool:
+    """Whether the load_state_dict call under way is strict. torch passes True to every module's
+    loading code whatever the call says (and reports missing keys only at the end, after copying),
+    so the caller's own argument is read from its frame; False when no such frame is found (a
+    loader calling _load_from_state_dict itself: torch's report stands)."""
+    f = sys._getframe(1)
+    while f is not None:
+        if f.f_code is torch.nn.Module.load_state_dict.__code__:
+            return bool(f.f_locals.get("strict", True))
+        f = f.f_back
+    return False

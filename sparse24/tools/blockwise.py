@@ -40,7 +40,7 @@ from ..hf import FORMAT_VERSION
 from ..masks import prune_layerwise_
 from ..masks.nm import _row_chunks
 from ..nn import Sparse24Linear, compressed_entries, quant_options
-from .checkpoint import quant_label
+from .checkpoint import check_shards, quant_label
 from .hf_folder import _finish_folder, _shards, _skeleton, prune_folder
 
 __all__ = ["prune_folder_blockwise", "CALIBRATED"]
@@ -163,7 +163,7 @@ def prune_folder_blockwise(src: str | os.PathLike, dst: str | os.PathLike, batch
     batches = _check_batches(batches)
     excl = re.compile(exclude, re.IGNORECASE) if exclude else None
     shards, _ = _shards(src)
-    config, model = _skeleton(src)
+    config, model = _skeleton(src, check_shards(src, shards))
     body = getattr(model, "model", None)
     if not all(hasattr(body, a) for a in ("layers", "embed_tokens", "rotary_emb")):
         raise ValueError(f"{type(model).__name__} is not Llama-shaped (model.layers, model.embed_tokens, "

@@ -3,16 +3,20 @@ count as weight matrices, the report row of one left dense, and a first read of
 safetensors shards that names a bad file in one line."""
 from __future__ import annotations
 
+import io
 import os
+import warnings
+import zipfile
 from pathlib import Path
 
 import torch
 
+from .._checks import safetensors_headers
 from ..format import FLOAT_DTYPES, Sparse24Tensor
 from .cli_common import _one_line
 
 __all__ = ["is_model_folder", "is_weight_matrix", "dense_row", "check_shards", "stored_mask", "quant_label",
-           "LAYER_ENTRIES"]
+           "LAYER_ENTRIES", "load_torch_file", "CheckpointError"]
 
 # The state-dict entries of a 2:4 layer besides its bias (masked: weight + mask; compressed: values + meta,
 # INT8/INT4 scale, INT4 zero points and group size).
@@ -45,18 +49,10 @@ def dense_row(key: str, t: torch.Tensor, reason: str) -> dict:
             "reason": reason, "kept": 1.0, "bytes_before": nbytes, "bytes_after": nbytes}
 
 
-def check_shards(folder: Path, shards: list[str]) -> None:
-    """Read every shard's header before any work, so that a truncated or foreign file
-    is named in one line (safetensors checks that the header covers the whole file)."""
-    from safetensors import SafetensorError, safe_open
-
-    for shard in shards:
-        try:
-            with safe_open(folder / shard, framework="pt") as f:
-                f.keys()
-        except (SafetensorError, OSError) as e:
-            raise ValueError(f"cannot read {folder / shard} as a safetensors file (truncated, or not one): "
-                             f"{_one_line(e)}") from None
+def check_shards(folder: Path, shards: list[str]) -> dict:
+    """Read every shard's header before any work (:func:`sparse24._checks.safetensors_headers`:
+    a truncated or foreign file is named in one line); returns what it found."""
+    return safetensors_headers([folder / s for s in shards])
 
 
 def stored_mask(p: Sparse24Tensor) -> torch.Tensor:
@@ -64,3 +60,87 @@ def stored_mask(p: Sparse24Tensor) -> torch.Tensor:
     R, C = p.shape
     keep = torch.zeros(R, C // 4, 4, dtype=torch.bool, device=p.device)
     return keep.scatter_(-1, p.slots(), True).view(R, C)
+
+
+class CheckpointError(ValueError):
+    """A file :func:`load_torch_file` refused before or after torch read it; the message names the file."""
+
+
+def load_torch_file(f, what: str | None = None):
+    """``torch.load(f, weights_only=True)`` on the CPU, after checking that its memory stays
+    within the file's size: torch reads each stored record into a buffer of the size the zip
+    directory gives, so a corrupt size field asked for 4 GiB from a 12 KiB file (found by
+    fuzzing: tests/tools/test_fuzz.py). Nothing is unpickled before the check.
+
+    Bound: the tensors' data takes at most the file's size (every record is stored
+    uncompressed, inside the file, and their sizes sum to at most the file's size; torch checks
+    each storage against its record), plus the unpickler's objects (data.pkl is in the file too).
+    A tensor viewing more elements than its storage holds (stride 0) is refused as well: any
+    later ``clone`` would allocate past the bound.
+
+    Args:
+        f: a path or a seekable binary file object holding a ``torch.save`` zip archive
+            (the format since torch 1.6; the older one reads sizes from the stream).
+        what: how errors name the file (default: the path).
+    Returns:
+        what ``torch.load`` returns. Raises :class:`CheckpointError` (a ValueError) naming the file
+        and the record; torch's own errors pass through.
+    """
+    name = what or str(f)
+    with open(f, "rb") if isinstance(f, (str, os.PathLike)) else _rewound(f) as fh:
+        size = fh.seek(0, io.SEEK_END)
+        fh.seek(0)
+        try:
+            members = zipfile.ZipFile(fh).infolist()
+        except (zipfile.BadZipFile, ValueError, OSError, EOFError) as e:
+            why = "nothing in it (empty file)" if not size else (
+                f"not a torch.save zip archive ({_one_line(e)}); sparse24 reads the format torch has written since "
+                "1.6 (load it with torch and save it again)")
+            raise CheckpointError(f"cannot read {name} as a torch checkpoint: {why}") from None
+        total = 0
+        for m in members:
+            if m.compress_type != zipfile.ZIP_STORED or m.file_size != m.compress_size \
+                    or m.header_offset + m.file_size > size:
+                raise CheckpointError(f"cannot read {name} as a torch checkpoint: corrupt archive: record "
+                                      f"{m.filename!r} claims {m.file_size} bytes ({m.compress_size} stored, method "
+                                      f"{m.compress_type}) in a {size}-byte file")
+            total += m.file_size
+        if total > size:
+            raise CheckpointError(f"cannot read {name} as a torch checkpoint: corrupt archive: its records claim "
+                                  f"{total} bytes in a {size}-byte file")
+        fh.seek(0)
+        with warnings.catch_warnings():  # torch's multi-line pickle-protocol warning; errors say it
+            warnings.simplefilter("ignore")
+            obj = torch.load(fh, map_location="cpu", weights_only=True)
+    for key, t in _tensors(obj):
+        if t.layout == torch.strided and not t.is_meta and \
+                t.numel() * t.element_size() > t.untyped_storage().nbytes():
+            raise CheckpointError(f"cannot read {name} as a torch checkpoint: {key!r} views {t.numel()} elements "
+                                  f"of a {t.untyped_storage().nbytes()}-byte storage (an overlapping view): not a "
+                                  "saved tensor")
+    return obj
+
+
+class _rewound:
+    """A caller's file object as a context manager that does not close it."""
+
+    def __init__(self, f):
+        self.f = f
+
+    def __enter__(self):
+        return self.f
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _tensors(obj, key: str = "", depth: int = 0):
+    """``(name, tensor)`` for the tensors in nested dicts, lists and tuples (what torch.load returns)."""
+    if isinstance(obj, torch.Tensor):
+        yield key, obj
+    elif depth < 8 and isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from _tensors(v, f"{key}.{k}" if key else str(k), depth + 1)
+    elif depth < 8 and isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            yield from _tensors(v, f"{key}[{i}]", depth + 1)

@@ -119,7 +119,7 @@ def _cmd_plot(args) -> int:
 # --- info -----------------------------------------------------------------------
 
 def _cmd_info(args) -> int:
-    from .bench import _triton_version, cpu_name, provider_status
+    from .bench import _triton_version, cpu_name
     tv = _triton_version()
     print(f"sparse24 {__version__} | torch {torch.__version__} | triton {tv or 'not installed'} | "
           f"python {sys.version.split()[0]}")
@@ -153,10 +153,8 @@ def _cmd_info(args) -> int:
                                               "via sparse24.to_semi_structured)"))
     rows.append(("int8 weights", "available: sparse24.compress(w, quantize='int8'); fused dequant in the "
                                  "Triton kernel, dequantizing reference elsewhere"))
-    no_int4 = provider_status("sparse24-int4-triton", torch.device("cpu"), torch.float32)
-    rows.append(("int4 weights", "available: sparse24.compress(w, quantize='int4', group_size=128); "
-                 + (f"dequantizing reference backend ({no_int4})" if no_int4 else
-                    "fused dequant in the Triton kernel, dequantizing reference elsewhere")))
+    rows.append(("int4 weights", "available: sparse24.compress(w, quantize='int4', group_size=128); fused "
+                                 "dequant in the Triton kernel, dequantizing reference elsewhere"))
     w = max(len(r[0]) for r in rows)
     for name, text in rows:
         print(f"  {name:<{w}}  {text}")

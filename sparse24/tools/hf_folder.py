@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from ..api import MIN_FEATURES, sparsify_
-from ..hf import FORMAT_VERSION, sparsity_config
+from ..hf import FORMAT_VERSION, check_blocks, read_config, sparsity_config
 from ..masks import kept_magnitude_fraction
 from ..nn import Sparse24Linear, is_conv1d_class
 from .._progress import progress_bar
@@ -45,11 +45,13 @@ def _shards(folder: Path) -> tuple[list[str], dict | None]:
                      "folders are supported; save_pretrained writes them)")
 
 
-def _skeleton(folder: Path):
-    """The model class of ``folder/config.json``, built on the meta device."""
+def _skeleton(folder: Path, headers: dict):
+    """The model class of ``folder/config.json``, built on the meta device, after the config is
+    checked against the checkpoint's ``headers`` (:func:`sparse24.hf.check_blocks`)."""
     import transformers
 
-    config = transformers.AutoConfig.from_pretrained(folder)
+    config = read_config(folder)
+    check_blocks(config, headers, folder)
     qc = getattr(config, "quantization_config", None)
     if qc is not None:
         method = qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", "?")
@@ -58,8 +60,12 @@ def _skeleton(folder: Path):
     cls = getattr(transformers, arch, None) if arch else None
     if cls is None:
         raise ValueError(f"{folder}/config.json names no model class transformers knows (architectures={arch!r})")
-    with torch.device("meta"):
-        return config, cls(config)
+    try:
+        with torch.device("meta"):
+            return config, cls(config)
+    except Exception as e:  # transformers' model classes raise anything on a corrupt config value
+        raise ValueError(f"{folder / 'config.json'}: transformers cannot build the {arch} it describes "
+                         f"({type(e).__name__}: {' '.join(str(e).split())[:200]})") from None
 
 
 def prune_folder(src: str | os.PathLike, dst: str | os.PathLike, method: str = "magnitude",
@@ -95,8 +101,7 @@ def prune_folder(src: str | os.PathLike, dst: str | os.PathLike, method: str = "
         raise ValueError(f"--out {dst}: exists and is not an empty folder")
     excl = re.compile(exclude, re.IGNORECASE) if exclude else None
     shards, index = _shards(src)
-    check_shards(src, shards)
-    config, model = _skeleton(src)
+    config, model = _skeleton(src, check_shards(src, shards))
     report = sparsify_(model, filter_fn=None if excl is None else (lambda m, fqn: not excl.search(fqn)),
                        mode="compressed", method=method, quantize=quantize, group_size=group_size,
                        symmetric=symmetric,

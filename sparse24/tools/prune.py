@@ -6,13 +6,13 @@ from __future__ import annotations
 import importlib.util
 import pickle
 import re
-import warnings
 from pathlib import Path
 
 import torch
 
 from .._progress import progress_bar
-from .checkpoint import LAYER_ENTRIES, dense_row, is_model_folder, is_weight_matrix, quant_label
+from .checkpoint import (LAYER_ENTRIES, CheckpointError, dense_row, is_model_folder, is_weight_matrix, load_torch_file,
+                         quant_label)
 from .cli_common import CLIError, _one_line, _prog, int4_args, prune_quant
 
 __all__ = ["prune_state_dict", "PRUNE_EXCLUDE", "cmd_prune", "add_blockwise_args"]
@@ -38,9 +38,9 @@ def _load_state_dict(path: str) -> tuple[dict, str]:
         except Exception as e:  # safetensors raises its own error types for a bad header
             raise CLIError(f"cannot read {path} as a safetensors file: {_one_line(e)[:200]}") from None
     try:
-        with warnings.catch_warnings():  # torch's multi-line pickle-protocol warning; the error says it
-            warnings.simplefilter("ignore")
-            obj = torch.load(p, map_location="cpu", weights_only=True)
+        obj = load_torch_file(p)
+    except CheckpointError as e:  # ours: names the file and the record
+        raise CLIError(_one_line(e)[:300]) from None
     except Exception as e:  # torch raises many types for non-checkpoint files
         why = _refused_unpickling(e) or _one_line(e)[:200]
         raise CLIError(f"cannot read {path} as a torch checkpoint: "
@@ -334,7 +334,7 @@ def _prune_blockwise(args, src: Path, out: Path, settings: str) -> int:
     if importlib.util.find_spec("transformers") is None or importlib.util.find_spec("safetensors") is None:
         raise CLIError("pruning a model folder needs transformers and safetensors: pip install 'sparse24[hf]'", 1)
     try:
-        ids = torch.load(args.calibration_ids, map_location="cpu", weights_only=True)
+        ids = load_torch_file(args.calibration_ids)
     except Exception as e:  # torch raises many types for non-checkpoint files
         raise CLIError(f"cannot read --calibration-ids {args.calibration_ids}: {_one_line(e)[:200]}") from None
     if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.dtype not in (torch.int64, torch.int32):

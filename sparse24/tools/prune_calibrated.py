@@ -199,8 +199,7 @@ def prune_folder_calibrated(src: Path, dst: Path, args) -> tuple[list[dict], str
     except re.error as e:
         raise CLIError(f"--exclude {args.exclude!r} is not a regular expression: {e}") from None
     shards, _ = _shards(src)
-    check_shards(src, shards)
-    config, skeleton = _skeleton(src)
+    config, skeleton = _skeleton(src, check_shards(src, shards))
     try:
         tokenizer = AutoTokenizer.from_pretrained(src)
     except Exception as e:  # transformers raises OSError, ValueError or its own types for a missing tokenizer

@@ -166,7 +166,7 @@ def test_bad_folders_are_loud_errors(tmp_path):
         load_with({**qc, "layers": {**qc["layers"], "model.layers.9.mlp.up_proj": {"mode": "masked",
                                                                                    "quantize": None}}})
     with pytest.raises(ValueError, match="lists 'model.norm' as a 2:4 linear layer, but .* has a LlamaRMSNorm"):
-        load_with({**qc, "layers": {"model.norm": {"mode": "masked", "quantize": None}}})
+        load_with({**qc, "layers": {**qc["layers"], "model.norm": {"mode": "masked", "quantize": None}}})
     with pytest.raises(ValueError, match=r"lacks model.layers.0.mlp.up_proj.meta for the 2:4 compressed layer"):
         load_with(tensors={k: v for k, v in weights.items() if k != "model.layers.0.mlp.up_proj.meta"})
     bad = dict(weights)

@@ -129,7 +129,7 @@ def test_finding_safetensors_header_errors_name_the_file(fuzz, hf_target):
     """A corrupt safetensors header raised safetensors' own SafetensorError, naming no file."""
     config, weights = hf_target.unpack(hf_target.seed)
     truncated = weights[:8] + weights[8:40]  # the header cut short
-    with pytest.raises(ValueError, match=r"cannot read the weights file .*model\.safetensors"):
+    with pytest.raises(ValueError, match=r"cannot read .*model\.safetensors as a safetensors file"):
         _load_folder(hf_target, config, truncated)
 
 
@@ -182,3 +182,212 @@ def test_finding_layer_entry_without_quantize(hf_target):
     del cfg["quantization_config"]["layers"]["model.layers.0.mlp.up_proj"]["quantize"]
     with pytest.raises(ValueError, match="layer 'model.layers.0.mlp.up_proj' has an unreadable entry"):
         _load_folder(hf_target, json.dumps(cfg).encode(), weights)
+
+
+# --- findings of the strict oracle (issue 26's last gaps) ------------------------------------------
+
+def _zip_size_set(data: bytes, member: str, size: int) -> bytes:
+    """``data`` (a torch.save archive) with ``member``'s uncompressed size in the central directory set."""
+    import struct
+    i = data.index(b"PK\x01\x02" + data[data.index(b"PK\x01\x02") + 4:][:0])  # the first central entry
+    while True:
+        n = struct.unpack("<H", data[i + 28:i + 30])[0]
+        if data[i + 46:i + 46 + n] == member.encode():
+            return data[:i + 24] + struct.pack("<I", size) + data[i + 28:]
+        i = data.index(b"PK\x01\x02", i + 4)
+
+
+def test_finding_torch_load_allocates_what_a_corrupt_zip_names(fuzz, tmp_path, capsys):
+    """One changed size field in a 12 KiB torch.save file made torch.load ask for 4 GiB (torch
+    allocates the record size the zip directory names before reading it). The archive is now
+    checked first, within the file's size, and the error names the file and the record."""
+    from sparse24.tools.checkpoint import CheckpointError, load_torch_file
+    from sparse24.tools.cli import main
+    t = fuzz.PtTarget()
+    bad = _zip_size_set(t.seed, "archive/data/6", 2 ** 32 - 1)
+    with pytest.raises(CheckpointError, match=r"x\.pt as a torch checkpoint: corrupt archive: record "
+                                              r"'archive/data/6' claims 4294967295 bytes"):
+        load_torch_file(io.BytesIO(bad), "x.pt")
+    assert fuzz.run_one(t, bad).startswith("refused by sparse24's reader: corrupt archive")  # within the bound
+    (tmp_path / "bad.pt").write_bytes(bad)
+    assert main(["prune", str(tmp_path / "bad.pt"), "--out", str(tmp_path / "o.pt")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "bad.pt as a torch checkpoint: corrupt archive: record 'archive/data/6'" in err[0]
+    assert not (tmp_path / "o.pt").exists()
+    # a stride-0 view of one element stands for any number of elements: refused, as any clone of it
+    # would allocate past the file's size
+    buf = io.BytesIO()
+    torch.save({"w": torch.ones(1).expand(10 ** 6)}, buf)
+    with pytest.raises(CheckpointError, match="'w' views 1000000 elements of a 4-byte storage"):
+        load_torch_file(io.BytesIO(buf.getvalue()), "x.pt")
+    assert torch.equal(load_torch_file(io.BytesIO(t.seed), "x.pt")["0.values"], t.valid_sd["0.values"])
+
+
+def test_finding_load_state_dict_is_all_or_nothing(fuzz):
+    """A refused 2:4 entry (or a size mismatch, or a missing key in a strict load) left the other
+    modules holding the file's entries: torch copies module by module. Now nothing is loaded."""
+    model, sd = _fuzz_model(fuzz)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    changed = {k: (v * 2 if v.is_floating_point() else v) for k, v in sd.items()}  # valid, other values
+    cases = {"a 2:4 layer's mask": dict(changed, **{"4.mask": torch.ones_like(sd["4.mask"])}),
+             "a LayerNorm's shape": dict(changed, **{"3.weight": torch.ones(7)}),
+             "a non-tensor": dict(changed, **{"3.bias": "x"}),
+             "a missing key": {k: v for k, v in changed.items() if k != "3.bias"},
+             "an unexpected key": dict(changed, extra=torch.ones(1))}
+    for why, bad in cases.items():
+        with pytest.raises(RuntimeError, match="nothing was loaded"):
+            model.load_state_dict(bad)
+        for k, v in model.state_dict().items():
+            assert torch.equal(v, before[k]), (why, k)
+    # strict=False: missing and unexpected keys are allowed, as torch allows them
+    model.load_state_dict(cases["a missing key"], strict=False)
+    assert torch.equal(model[3].weight, changed["3.weight"]) and torch.equal(model[3].bias, before["3.bias"])
+    model.load_state_dict(sd)
+    # a layer with no entries at all, strict=False: loads the rest (an INT8 layer refused it as "not INT8")
+    partial = {k: v for k, v in changed.items() if not k.startswith("2.")}
+    assert sorted(model.load_state_dict(partial, strict=False).missing_keys) == ["2.bias", "2.meta", "2.scale",
+                                                                                 "2.values"]
+    assert torch.equal(model[0].values, changed["0.values"]) and torch.equal(model[2].values, before["2.values"])
+
+
+def test_whole_model_check_nested_and_once(fuzz, monkeypatch):
+    """The hook covers the sparsified model where a parent's load reaches it, and each layer's
+    entries are checked once per load (the layer skips what the hook checked on the same tensors)."""
+    from sparse24.nn import state
+    model, sd = _fuzz_model(fuzz)
+    outer = torch.nn.Sequential(torch.nn.Linear(4, 4), model)  # sparsify_ was given the inner model
+    osd = {k: v.clone() for k, v in outer.state_dict().items()}
+    before = {k: v.clone() for k, v in outer.state_dict().items()}
+    calls = []
+    real = state.check_state
+    monkeypatch.setattr(state, "check_state", lambda layer, d, p: (calls.append(p), real(layer, d, p)))
+    outer.load_state_dict(osd)
+    assert sorted(calls) == ["1.0.", "1.2.", "1.4.", "1.6."]
+    bad = dict(osd, **{"1.3.weight": osd["1.3.weight"] + 1, "1.4.mask": torch.ones_like(osd["1.4.mask"])})
+    with pytest.raises(RuntimeError, match="1.4: mask is not 2:4"):
+        outer.load_state_dict(bad)
+    for k, v in outer.state_dict().items():  # the inner model unchanged (outer "0" loads first: torch's order)
+        if k.startswith("1."):
+            assert torch.equal(v, before[k]), k
+    # a submodule's own load: its layers check their entries themselves, all or nothing per layer
+    with pytest.raises(RuntimeError, match="mask is not 2:4"):
+        model[4].load_state_dict({"weight": sd["4.weight"], "mask": torch.ones_like(sd["4.mask"]), "bias": sd["4.bias"]})
+
+
+def test_finding_float8_entries(fuzz):
+    """float8 values (a safetensors header's dtype changed to F8_E4M3) raised torch's "isfinite not
+    implemented for Float8_e4m3fn", naming no entry. The finiteness check widens them first."""
+    from safetensors.torch import load, save
+    t = fuzz.SafetensorsTarget()
+    sd = load(t.seed)
+    sd["0.values"] = sd["0.values"].to(torch.float8_e4m3fn)
+    sd["4.weight"] = torch.full_like(sd["4.weight"], float("nan")).to(torch.float8_e4m3fn)
+    assert "non-finite" in fuzz.run_one(t, save(sd))
+    with pytest.raises(RuntimeError, match="'4.weight' has 512 non-finite"):
+        t.model.load_state_dict(sd)
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("num_hidden_layers", 10 ** 6, r"config\.json: num_hidden_layers=1000000, but the checkpoint holds 1 "
+                                   r"\(model\.layers\.0 to model\.layers\.0\)"),
+    ("hidden_size", 2 ** 20, r"config\.json describes 'model\.embed_tokens\.weight' as \(64, 1048576\), but "
+                             r".*model\.safetensors holds"),
+    ("num_attention_heads", 0, r"config\.json: transformers cannot read it \(ZeroDivisionError"),
+    ("num_attention_heads", None, r"model\.safetensors: 'model\.layers\.0\.self_attn\.\w_proj\.values' has shape "
+                                  r"\(32, \d+\); the 2:4 compressed (INT4 )?layer config\.json describes"),
+    ("quantization_config", {"layers": {}}, r"config\.json: quantization_config must be an object with a "
+                                            r"'quant_method' string"),
+    ("quantization_config", None, r"config\.json: the checkpoint holds 2:4 entries \(model\.layers\.0\..*\) but "
+                                  r"quantization_config is missing"),
+])
+def test_finding_config_json_checked_against_the_checkpoint(hf_target, field, value, message):
+    """transformers raised KeyError / ZeroDivisionError / its own errors naming no file on corrupt
+    config.json values, and built whatever model the config described (1M layers: 9 s) before the
+    weights were seen. Now config.json is read, and the model it describes checked against the
+    safetensors headers, before transformers builds anything; the error names config.json."""
+    import time
+    config, weights = hf_target.unpack(hf_target.seed)
+    cfg = json.loads(config)
+    if value is None:
+        cfg.pop(field)
+    else:
+        cfg[field] = value
+    t0 = time.process_time()
+    with pytest.raises(ValueError, match=message):
+        _load_folder(hf_target, json.dumps(cfg).encode(), weights)
+    assert time.process_time() - t0 < 1.0
+
+
+def test_finding_config_json_in_the_cli(tmp_path, capsys):
+    """The CLI's folder path read config.json with AutoConfig and built the model on the meta device:
+    1M layers took seconds, a bad value raised transformers' own error types."""
+    transformers = pytest.importorskip("transformers")
+    from sparse24.tools.cli import main
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                   num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path / "src")
+    path = tmp_path / "src" / "config.json"
+    good = json.loads(path.read_text())
+    for field, value, needle in [("num_hidden_layers", 10 ** 6, "config.json: num_hidden_layers=1000000"),
+                                 ("num_attention_heads", 0, "config.json: transformers cannot read it")]:
+        path.write_text(json.dumps(dict(good, **{field: value})))
+        assert main(["prune", str(tmp_path / "src"), "--out", str(tmp_path / "out")]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and needle in err[0], err
+        assert not (tmp_path / "out").exists()
+
+
+def test_finding_section_missing_a_stored_layer(hf_target):
+    """A sparse24 section without one of the checkpoint's 2:4 layers: transformers found its marker
+    the wrong shape and raised "ignore_mismatched_sizes", naming no file (found by the long run)."""
+    config, weights = hf_target.unpack(hf_target.seed)
+    cfg = json.loads(config)
+    del cfg["quantization_config"]["layers"]["model.layers.0.mlp.down_proj"]
+    with pytest.raises(ValueError, match=r"config\.json: the checkpoint holds 2:4 entries for "
+                                         r"'model\.layers\.0\.mlp\.down_proj', which the sparse24 section does not"):
+        _load_folder(hf_target, json.dumps(cfg).encode(), weights)
+
+
+def test_finding_unexpected_keys_as_torch_finds_them(fuzz):
+    """"3.weight.values" (a LayerNorm's weight name followed by more) was not seen as unexpected by
+    the whole-model check, which let torch load the other modules first (found by the long run).
+    The check's missing/unexpected keys are compared with torch's own report on random key sets."""
+    import copy
+    from torch import nn
+    from sparse24.nn import state
+    model, sd = _fuzz_model(fuzz)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(RuntimeError, match="nothing was loaded.*\n.*Unexpected key.*'3.weight.values'"):
+        model.load_state_dict(dict({k: v * 2 if v.is_floating_point() else v for k, v in sd.items()},
+                                   **{"3.weight.values": torch.ones(1)}))
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+    class Extra(nn.Module):  # a module with extra state
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(2, 2)
+
+        def get_extra_state(self):
+            return 1
+
+        def set_extra_state(self, s):
+            pass
+    plain = nn.Sequential(nn.Linear(4, 4), nn.Sequential(nn.LayerNorm(4), nn.Linear(4, 4)), nn.ReLU(), Extra())
+    plain.register_module("none", None)
+    rng, compared = random.Random(0), 0
+    for _ in range(300):
+        d = dict(plain.state_dict())
+        for _ in range(rng.randint(1, 3)):
+            k = rng.choice(list(d) + ["x"])
+            d.pop(k, None) if rng.random() < 0.5 else None
+            d[rng.choice([k + ".values", k + "x", "1." + k, k.rpartition(".")[0], "none.w", "2.w", "_extra_state",
+                          "1._extra_state", "1.1", "3._extra_state", "3.lin._extra_state"])] = torch.zeros(1)
+        try:
+            torch_says = copy.deepcopy(plain).load_state_dict(d, strict=False)
+        except RuntimeError:  # a size mismatch: not about keys
+            continue
+        missing, unexpected = state._incompatible_keys(plain, d, "")
+        assert (sorted(missing), sorted(unexpected)) == (sorted(torch_says.missing_keys),
+                                                         sorted(torch_says.unexpected_keys)), sorted(d)
+        compared += 1
+    assert compared > 200
