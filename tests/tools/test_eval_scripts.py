@@ -53,7 +53,7 @@ def test_minilm_groups_are_exact():
 
 
 def test_charlm_groups_are_exact():
-    mod = load_script("eval_charlm")
+    mod = load_script("charlm_model")
     cfg = {"seed": 0, "d_model": 16, "layers": 2, "heads": 2, "ctx": 12}
     model = mod.build_model(cfg)
     randomize_norms(model)
