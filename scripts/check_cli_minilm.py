@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import eval_minilm  # noqa: E402  (the sentences and the weights package, shared with the evaluation)
+import minilm_common  # noqa: E402  (the sentences and the weights package, shared with the evaluation)
 
 import sparse24  # noqa: E402
 
@@ -45,11 +45,11 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     from transformers import AutoTokenizer, BertModel
 
-    train, held = eval_minilm.docstring_sentences()
+    train, held = minilm_common.docstring_sentences()
     gen = torch.Generator().manual_seed(0)  # the same draws as eval_minilm's main()
     held = [held[i] for i in torch.randperm(len(held), generator=gen)[:512].tolist()]
     calib = [train[i] for i in torch.randperm(len(train), generator=gen).tolist()[:args.samples]]
-    folder = eval_minilm.model_dir()
+    folder = minilm_common.model_dir()
     tok = AutoTokenizer.from_pretrained(folder)
     ref = embeddings(BertModel.from_pretrained(folder).eval(), tok, held)
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}

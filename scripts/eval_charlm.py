@@ -45,6 +45,10 @@ LayerNorms stay dense.
 Writes ``table.csv``, ``table.md`` (machine, versions, steps, wall time,
 per-layer INT8 SQNR), ``sqnr.csv`` and ``bpc.png`` to ``--out``.
 
+This file holds the recipes (one job per group of rows) and ``main``; the
+corpus, the model and its training run are in ``charlm_model.py``, the tables
+and the plot in ``charlm_report.py``.
+
 Usage:
     python scripts/eval_charlm.py                  # the committed results (9.1 min on 2 cores)
     python scripts/eval_charlm.py --quick          # smoke test, ~1 min, writes results/charlm-quick
@@ -53,197 +57,23 @@ from __future__ import annotations
 
 import argparse
 import copy
-import csv
-import math
-import os
-import platform
-import string
 import sys
-import sysconfig
 import time
 from concurrent.futures import ProcessPoolExecutor
 from multiprocessing import get_context
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-import sparse24
-from sparse24 import (GradualPruner, SRSTE, bits_per_char, calibrate, compress, compress_, is_nm, learn_masks,
-                      permute_model_, sparsify_, sqnr_db)
-from sparse24.tools.bench import cpu_name
-from sparse24.masks import PermutationGroup
-from sparse24.nn import Sparse24Linear
+from sparse24 import (GradualPruner, SRSTE, calibrate, compress, compress_, learn_masks, permute_model_, sparsify_,
+                      sqnr_db)
+
+from charlm_model import (all_nm, bpc, build_model, calibration_batches, fake_quant_int8, get_batch, linear_weights,
+                          load_corpus, permutation_groups, train, zero_fraction)
+from charlm_report import write_results
 
 ROOT = Path(__file__).resolve().parent.parent
-VOCAB = string.printable  # 100 characters; id 100 = anything else
-HELD_OUT_EVERY = 8
-
-
-# --- data ------------------------------------------------------------------------
-
-def load_corpus() -> tuple[torch.Tensor, torch.Tensor, dict]:
-    """(train ids, held-out ids, info): the stdlib's top-level .py files, split by file."""
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(stdlib.glob("*.py"))
-    if len(files) < 2 * HELD_OUT_EVERY:
-        raise SystemExit(f"found only {len(files)} .py files in {stdlib}; need the standard library sources")
-    lut = {c: i for i, c in enumerate(VOCAB)}
-    parts = {"train": [], "val": []}
-    for i, f in enumerate(files):
-        text = f.read_text(encoding="utf-8", errors="replace")
-        parts["val" if i % HELD_OUT_EVERY == HELD_OUT_EVERY - 1 else "train"].append(text)
-    ids = {k: torch.tensor([lut.get(c, len(VOCAB)) for c in "\n".join(v)], dtype=torch.uint8)
-           for k, v in parts.items()}
-    info = {"stdlib": str(stdlib), "files": len(files), "val_files": len(parts["val"]),
-            "train_chars": ids["train"].numel(), "val_chars": ids["val"].numel()}
-    return ids["train"], ids["val"], info
-
-
-def get_batch(ids: torch.Tensor, batch: int, ctx: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    start = torch.randint(0, ids.numel() - ctx - 1, (batch,), generator=gen)
-    win = torch.stack([ids[s:s + ctx + 1] for s in start.tolist()]).long()
-    return win[:, :-1], win[:, 1:]
-
-
-# --- model -----------------------------------------------------------------------
-
-class Block(nn.Module):
-    def __init__(self, d: int, heads: int):
-        super().__init__()
-        self.heads = heads
-        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
-        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
-        self.fc1, self.fc2 = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
-
-    def forward(self, x):
-        B, T, D = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(B, T, 3, self.heads, D // self.heads).permute(2, 0, 3, 1, 4)
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # attention products stay dense
-        x = x + self.proj(a.transpose(1, 2).reshape(B, T, D))
-        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
-
-
-class CharLM(nn.Module):
-    def __init__(self, vocab: int, d: int, layers: int, heads: int, ctx: int):
-        super().__init__()
-        self.emb = nn.Embedding(vocab, d)
-        self.pos = nn.Parameter(torch.randn(ctx, d) * 0.02)
-        self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
-        self.ln = nn.LayerNorm(d)
-        self.head = nn.Linear(d, vocab)
-
-    def forward(self, x):
-        h = self.emb(x) + self.pos[: x.shape[1]]
-        for b in self.blocks:
-            h = b(h)
-        return self.head(self.ln(h))
-
-
-def build_model(cfg: dict) -> CharLM:
-    torch.manual_seed(cfg["seed"])  # every run starts from the same initialization
-    return CharLM(len(VOCAB) + 1, cfg["d_model"], cfg["layers"], cfg["heads"], cfg["ctx"])
-
-
-def permutation_groups(model: CharLM) -> list[PermutationGroup]:
-    """Where this model absorbs a permutation of a pruned layer's input channels: the
-    residual stream (embeddings and positions, every LayerNorm's weight and bias, the
-    rows of the layers writing it: proj, fc2; the columns of those reading it: qkv,
-    fc1, head), each head's value channels (the value rows of the fused qkv, proj's
-    columns; block = head size) and each MLP's hidden channels (fc1 rows, fc2 columns)."""
-    d, blocks = model.emb.embedding_dim, range(len(model.blocks))
-    head = d // model.blocks[0].heads
-    lns = [f"blocks.{i}.{ln}" for i in blocks for ln in ("ln1", "ln2")] + ["ln"]
-    residual = PermutationGroup([f"blocks.{i}.{c}" for i in blocks for c in ("qkv", "fc1")] + ["head"],
-                                [f"blocks.{i}.{p}" for i in blocks for p in ("proj", "fc2")],
-                                [("emb.weight", 1), ("pos", 1)] + [(f"{ln}.{p}", 0) for ln in lns for p in ("weight", "bias")],
-                                name="residual")
-    return [residual] + [g for i in blocks for g in (
-        PermutationGroup([f"blocks.{i}.proj"], [(f"blocks.{i}.qkv", 2 * d)], block=head, name=f"blocks.{i}.heads"),
-        PermutationGroup([f"blocks.{i}.fc2"], [f"blocks.{i}.fc1"], name=f"blocks.{i}.mlp"))]
-
-
-def linear_weights(model: nn.Module) -> dict[str, torch.Tensor]:
-    """{fqn: dense weight as used in the forward} of every (sparse) Linear."""
-    out = {}
-    for fqn, mod in model.named_modules():
-        if isinstance(mod, Sparse24Linear):
-            out[fqn] = mod.dense_weight()
-        elif isinstance(mod, nn.Linear):
-            out[fqn] = mod.weight.detach()
-    return out
-
-
-def zero_fraction(model: nn.Module) -> float:
-    ws = linear_weights(model).values()
-    return sum(int((w == 0).sum()) for w in ws) / sum(w.numel() for w in ws)
-
-
-def all_nm(model: nn.Module, head_dense: bool = False) -> bool:
-    """Every Linear 2:4 (but the output head, which stays dense, with ``head_dense``)."""
-    return all(is_nm(w, 2, 4) or (head_dense and fqn == "head") for fqn, w in linear_weights(model).items())
-
-
-# --- training and evaluation -----------------------------------------------------
-
-def train(model: nn.Module, train_ids: torch.Tensor, cfg: dict, after_step=None,
-          teacher: nn.Module | None = None) -> tuple[list[float], float]:
-    """One training run: AdamW, linear warmup then cosine decay to 10%, grad clip 1.
-
-    The batch sequence depends only on ``cfg["seed"]``, so every run (dense,
-    retraining, from scratch) sees the same data in the same order. With a
-    ``teacher`` the loss is ``(1 - kd) x cross-entropy + kd x KL(teacher || model)``
-    on every position (``kd = cfg["kd"]``; the logged loss stays the cross-entropy).
-    Returns (training loss in bits/char per step, seconds).
-    """
-    steps, warm = cfg["steps"], max(1, cfg["steps"] // 20)
-    decay = [p for p in model.parameters() if p.dim() == 2]
-    other = [p for p in model.parameters() if p.dim() != 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg["wd"]}, {"params": other, "weight_decay": 0.0}],
-                            lr=cfg["lr"], betas=(0.9, 0.95))
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: (s + 1) / warm if s < warm else
-                                              0.1 + 0.45 * (1 + math.cos(math.pi * (s - warm) / max(1, steps - warm))))
-    gen = torch.Generator().manual_seed(cfg["seed"])
-    losses, t0 = [], time.perf_counter()
-    model.train()
-    for step in range(steps):
-        x, y = get_batch(train_ids, cfg["batch"], cfg["ctx"], gen)
-        logits = model(x).flatten(0, 1)
-        loss = F.cross_entropy(logits, y.flatten())
-        total = loss
-        if teacher is not None:
-            with torch.no_grad():
-                ref = teacher(x).flatten(0, 1).log_softmax(-1)
-            kl = F.kl_div(logits.log_softmax(-1), ref, log_target=True, reduction="batchmean")
-            total = (1 - cfg["kd"]) * loss + cfg["kd"] * kl
-        total.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
-        if after_step is not None:
-            after_step(step)
-        losses.append(loss.item() / math.log(2))
-    return losses, time.perf_counter() - t0
-
-
-def bpc(model: nn.Module, val_ids: torch.Tensor, cfg: dict) -> float:
-    """Bits per character over ``eval_windows`` fixed, evenly spaced, non-overlapping held-out windows."""
-    return bits_per_char(model, val_ids, cfg["ctx"], cfg["eval_windows"])
-
-
-def calibration_batches(train_ids: torch.Tensor, cfg: dict) -> list[torch.Tensor]:
-    gen = torch.Generator().manual_seed(cfg["seed"] + 1)  # not the training sequence's first batches
-    return [get_batch(train_ids, cfg["batch"], cfg["ctx"], gen)[0] for _ in range(cfg["calib_batches"])]
-
-
-def fake_quant_int8(w: torch.Tensor) -> torch.Tensor:
-    """Dense per-output-channel symmetric INT8 (the scheme sparse24.quant uses
-    for the kept values): scale = max|w_r| / 127, round half to even."""
-    amax = w.abs().amax(dim=1, keepdim=True)
-    scale = torch.where(amax > 0, amax / 127, torch.ones_like(amax))
-    return torch.round(w / scale).clamp(-127, 127) * scale
 
 
 # --- the runs (each one a job; jobs run in worker processes) ---------------------
@@ -456,138 +286,6 @@ def job_from_scratch(cfg: dict, kind: str) -> dict:
         assert kind == "gradual50" or all_nm(model)
     return {"rows": [row(name, model, val_ids, cfg, cfg["steps"], secs, "from scratch", note)],
             "curves": {name: curve}}
-
-
-# --- output ----------------------------------------------------------------------
-
-ORDER = ["dense", "dense INT8", "2:4 one-shot magnitude", "2:4 one-shot wanda", "2:4 one-shot sparsegpt",
-         "2:4 one-shot sparsegpt + permutation", "2:4 learned masks (weights frozen)",
-         "2:4 retrained", "2:4 retrained, compressed", "2:4 retrained + INT8", "2:4 retrained, learned masks",
-         "2:4 retrained, distilled", "2:4 retrained, learned masks, distilled", "2:4 retrained, head dense",
-         "2:4 retrained, distilled, head dense", "2:4 retrained, learned masks, distilled, head dense",
-         "dense retrained (control)",
-         "50% unstructured gradual", "2:4 gradual", "2:4 SR-STE from scratch"]
-
-
-# the recipes of the 0.03 comparison at every seed: {key in job_seed's result: table row}
-GAP_ROWS = {"plain": "2:4 retrained", "plain_head_dense": "2:4 retrained, head dense",
-            "kd_magnitude": "2:4 retrained, distilled",
-            "kd_magnitude_head_dense": "2:4 retrained, distilled, head dense",
-            "distilled": "2:4 retrained, learned masks, distilled",
-            "distilled_head_dense": "2:4 retrained, learned masks, distilled, head dense"}
-
-
-def _verdict_003(gap: float) -> str:
-    """The 0.03-BPC target's verdict with its margin: this is one seed, and a margin of a few
-    thousandths is inside what another seed moves (see docs/recipes.md)."""
-    return f"met by {0.03 - gap:.4f} (one seed)" if gap <= 0.03 else "NOT met"
-
-
-def write_results(out: Path, rows: list[dict], curves: dict, sqnr: list[dict], seed_rows: list[dict], cfg: dict,
-                  info: dict, wall: float, argv: list[str]) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    rows = sorted(rows, key=lambda r: ORDER.index(r["row"]))
-    by = {r["row"]: r for r in rows}
-    dense = by["dense"]["bpc"]
-    for r in rows:
-        r["delta_vs_dense"] = r["bpc"] - dense
-    fields = ["row", "group", "bpc", "delta_vs_dense", "zero_fraction", "train_steps", "train_seconds", "note"]
-    with open(out / "table.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=fields)
-        w.writeheader()
-        for r in rows:
-            w.writerow({k: (f"{r[k]:.4f}" if isinstance(r[k], float) and k != "train_seconds" else r[k])
-                        for k in fields})
-    with open(out / "sqnr.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=["model", "layer", "sqnr_db"])
-        w.writeheader()
-        w.writerows({**s, "sqnr_db": f"{s['sqnr_db']:.2f}"} for s in sqnr)
-
-    d_retrain = by["2:4 retrained"]["bpc"] - dense
-    d_int8 = by["2:4 retrained + INT8"]["bpc"] - by["2:4 retrained"]["bpc"]
-    verdict = lambda d: "met" if d <= 0.02 else "NOT met"
-    control = by["dense retrained (control)"]["bpc"]
-    lines = [
-        "# 2:4 sparsity on a character-level LM (Python stdlib source)", "",
-        f"Command: `python scripts/eval_charlm.py{''.join(' ' + a for a in argv)}`", "",
-        f"- Machine: {cpu_name()}, {os.cpu_count()} logical CPUs shared with other jobs; "
-        f"{cfg['jobs']} worker process(es) x {cfg['threads']} torch thread(s); no GPU",
-        f"- Software: Python {platform.python_version()}, torch {torch.__version__}, sparse24 {sparse24.__version__}",
-        f"- Corpus: {info['files']} top-level `.py` files of {info['stdlib']}; {info['val_files']} held out "
-        f"(every {HELD_OUT_EVERY}th by name); {info['train_chars']:,} training / {info['val_chars']:,} held-out chars",
-        f"- Model: {cfg['layers']} transformer blocks, d_model {cfg['d_model']}, {cfg['heads']} heads, MLP 4x, "
-        f"context {cfg['ctx']}, {sum(p.numel() for p in build_model(cfg).parameters()):,} parameters; "
-        "every nn.Linear (qkv, proj, fc1, fc2, head) is pruned, but in the rows marked head dense",
-        f"- Training run: {cfg['steps']} steps x batch {cfg['batch']} x {cfg['ctx']} chars, AdamW lr {cfg['lr']:g} "
-        f"(warmup 5%, cosine to 10%), weight decay {cfg['wd']:g}, grad clip 1, seed {cfg['seed']}",
-        f"- BPC on {cfg['eval_windows']} fixed held-out windows ({cfg['eval_windows'] * cfg['ctx']:,} chars)",
-        f"- Wall time of the whole script: {wall / 60:.1f} min", "",
-        "| run | BPC | vs dense | zero weights | train steps | note |", "|---|---:|---:|---:|---:|---|"]
-    for r in rows:
-        lines.append(f"| {r['row']} | {r['bpc']:.4f} | {r['delta_vs_dense']:+.4f} | {r['zero_fraction']:.3f} | "
-                     f"{r['train_steps']} | {r['note']} |")
-    lines += ["", "Train steps count every run the weights went through (retrained = dense run + second run).", "",
-              f"- Target 2:4 retrained within 0.02 BPC of dense: {d_retrain:+.4f} -> {verdict(d_retrain)}",
-              f"- Target 2:4 + INT8 within 0.02 BPC of 2:4 alone: {d_int8:+.4f} -> {verdict(d_int8)}",
-              *(f"- Target {name} within 0.03 BPC of the dense control (the same second run without a mask): "
-                f"{by[name]['bpc'] - control:+.4f} -> {_verdict_003(by[name]['bpc'] - control)}"
-                for name in ("2:4 retrained", "2:4 retrained, learned masks", *list(GAP_ROWS.values())[1:])),
-              f"- Control: dense retrained the same way without a mask: "
-              f"{by['dense retrained (control)']['bpc'] - dense:+.4f} vs dense", ""]
-    if seed_rows:  # the 0.03 comparison at every seed: this one (from the table) and the check seeds
-        kinds = GAP_ROWS
-        this = {"seed": cfg["seed"], "dense": dense, "control": control,
-                **{k: by[name]["bpc"] for k, name in kinds.items()}}
-        runs = [this] + sorted(seed_rows, key=lambda r: r["seed"])
-        lines += ["## The 0.03 comparison at more seeds", "",
-                  "Each seed its own initialization and batch order: dense run, then from it the control and the 2:4 "
-                  "recipes (distilled: that seed's control as teacher), with every Linear pruned and with the output "
-                  "head left dense (`sparsify_`'s default). Dense / control BPC per seed: "
-                  + "; ".join(f"seed {r['seed']} {r['dense']:.4f} / {r['control']:.4f}" for r in runs) + ".", "",
-                  "| gap to the control | " + " | ".join(f"seed {r['seed']}" for r in runs)
-                  + " | mean | worst | within 0.03 on every seed |", "|---|" + "---:|" * (len(runs) + 3)]
-        for k, name in kinds.items():
-            g = [r[k] - r["control"] for r in runs]
-            lines.append(f"| {name} | " + " | ".join(f"{x:+.4f}" for x in g) + f" | {sum(g) / len(g):+.4f} | "
-                         f"{max(g):+.4f} | {'met' if max(g) <= 0.03 else 'NOT met'} |")
-        lines.append("")
-    lines += ["## INT8 weight SQNR per layer (dB)", "", "| layer | dense INT8 | 2:4 retrained INT8 |", "|---|---:|---:|"]
-    s = {(x["model"], x["layer"]): x["sqnr_db"] for x in sqnr}
-    for layer in dict.fromkeys(x["layer"] for x in sqnr):
-        lines.append(f"| {layer} | {s.get(('dense', layer), float('nan')):.2f} | "
-                     f"{s.get(('2:4 retrained', layer), float('nan')):.2f} |")
-    (out / "table.md").write_text("\n".join(lines) + "\n")
-    plot(out / "bpc.png", rows, curves, dense)
-
-
-def plot(path: Path, rows: list[dict], curves: dict, dense: float) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    colors = {"dense": "tab:gray", "one-shot": "tab:red", "retrained": "tab:blue", "from scratch": "tab:green"}
-    fig, (a, b) = plt.subplots(1, 2, figsize=(13, 5), gridspec_kw={"width_ratios": [1.2, 1]})
-    names = [r["row"] for r in rows][::-1]
-    vals = [r["bpc"] for r in rows][::-1]
-    a.barh(names, vals, color=[colors[r["group"]] for r in rows][::-1])
-    a.axvline(dense, color="k", ls="--", lw=1, label=f"dense {dense:.3f}")
-    lo = min(vals)
-    a.set_xlim(lo - 0.15, max(vals) + 0.1)
-    for y, v in enumerate(vals):
-        a.text(v + 0.01, y, f"{v:.3f}", va="center", fontsize=8)
-    a.set_xlabel("held-out bits per character (lower is better)")
-    a.legend(loc="lower right")
-    for name, c in curves.items():
-        k = max(1, len(c) // 50)  # running mean over ~2% of the run
-        sm = [sum(c[max(0, i - k + 1):i + 1]) / len(c[max(0, i - k + 1):i + 1]) for i in range(len(c))]
-        b.plot(sm, label=name, lw=1)
-    b.set_xlabel("training step (of its run)")
-    b.set_ylabel("training loss, bits/char (running mean)")
-    b.set_ylim(top=min(4.0, max(max(c[len(c) // 10:]) for c in curves.values()) + 0.1))
-    b.legend(fontsize=8)
-    fig.suptitle("char-LM on Python stdlib source: dense vs 2:4")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 # --- main ------------------------------------------------------------------------

@@ -28,12 +28,10 @@ Usage:
 from __future__ import annotations
 
 import argparse
-import ast
 import copy
 import os
 import platform
 import sys
-import sysconfig
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from multiprocessing import get_context
@@ -42,67 +40,14 @@ from pathlib import Path
 import torch
 
 import sparse24
-from sparse24 import (PermutationGroup, calibrate, embedding_fidelity, is_nm, permute_model_, prune_layerwise_,
+from sparse24 import (calibrate, embedding_fidelity, is_nm, permute_model_, prune_layerwise_,
                       sentence_embeddings, sparsify_)
 from sparse24.masks.reconstruct import LAYERWISE_PERCDAMP
 from sparse24.tools.bench import cpu_name
 
-from eval_minilm import docstring_sentences, load_model, manual_sentences, model_dir, permutation_groups
+from minilm_common import Encoder, code_lines, texts
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def code_lines() -> list[str]:
-    """Lines of code (20-200 characters, stripped) of the training files of ``docstring_sentences``
-    (the top-level stdlib modules not held out), docstrings and comments removed (``ast.unparse``)."""
-    files = [f for i, f in enumerate(sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))) if i % 5 != 4]
-    out = []
-    for f in files:
-        try:
-            tree = ast.parse(f.read_text(encoding="utf-8", errors="replace"))
-        except (SyntaxError, ValueError):
-            continue
-        for node in ast.walk(tree):
-            body = getattr(node, "body", None)
-            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and body and \
-                    isinstance(body[0], ast.Expr) and isinstance(getattr(body[0].value, "value", None), str):
-                node.body = body[1:] or [ast.Pass()]
-        out += [s for s in (line.strip() for line in ast.unparse(tree).splitlines()) if 20 <= len(s) <= 200]
-    return list(dict.fromkeys(out))
-
-
-class Encoder:
-    """The dense model and how to batch text for it: ``transformers`` (``hf``) or ``eval_minilm``'s ``plain``."""
-
-    def __init__(self, kind: str, max_len: int):
-        self.kind = kind
-        if kind == "hf":
-            from transformers import AutoModel, AutoTokenizer
-            self.model = AutoModel.from_pretrained(model_dir()).eval()
-            self._tok = AutoTokenizer.from_pretrained(model_dir())
-            self.max_len = max_len
-            self.prefix, head = "encoder.layer.", self.model.config.hidden_size // self.model.config.num_attention_heads
-            # BertModel's pooler reads one vector a sentence; sentence-transformers does not use it
-            self.filter_fn = lambda mod, fqn: fqn.startswith("encoder.")
-            self.token_mask = lambda b: b["attention_mask"]
-            layer = "encoder.layer.{}."
-            self.groups = [g for i in range(self.model.config.num_hidden_layers) for g in (
-                PermutationGroup([layer.format(i) + "output.dense"], [layer.format(i) + "intermediate.dense"],
-                                 name=f"layers.{i}.mlp"),
-                PermutationGroup([layer.format(i) + "attention.output.dense"],
-                                 [layer.format(i) + "attention.self.value"], block=head, name=f"layers.{i}.heads"))]
-        else:
-            self.model, self._tok, _ = load_model(max_len)
-            self.filter_fn, self.token_mask = None, (lambda b: b[1])
-            self.groups = permutation_groups(self.model)
-
-    def batch(self, texts: list[str]):
-        if self.kind == "hf":  # a plain dict: the library calls model(**batch)
-            return dict(self._tok(texts, padding=True, truncation=True, max_length=self.max_len, return_tensors="pt"))
-        return self._tok.batch(texts)
-
-    def batches(self, texts: list[str], size: int) -> list:
-        return [self.batch(texts[i:i + size]) for i in range(0, len(texts), size)]
 
 
 RECIPES = ("magnitude", "sparsegpt", "recommended", "robust")
@@ -189,12 +134,7 @@ def main(argv: list[str] | None = None) -> None:
     t_start = time.perf_counter()
 
     # the texts of eval_minilm.py: the same held-out and manual sentences, the same seeded draws
-    train, held = docstring_sentences()
-    manual = manual_sentences(set(train))
-    gen = torch.Generator().manual_seed(0)
-    held = [held[i] for i in torch.randperm(len(held), generator=gen)[:args.eval_sentences].tolist()]
-    prose = [train[i] for i in torch.randperm(len(train), generator=gen).tolist()]
-    manual = [manual[i] for i in torch.randperm(len(manual), generator=gen)[:args.eval_sentences].tolist()]
+    held, prose, manual = texts(args.eval_sentences)
     code = code_lines()
     code = [code[i] for i in torch.randperm(len(code), generator=torch.Generator().manual_seed(1)).tolist()]
     calib = {"docstrings": prose, "code": code}

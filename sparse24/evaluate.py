@@ -1,5 +1,8 @@
 """How close a pruned model stays to its dense original, on held-out data (layer 6).
 
+* :func:`mean_pool`: sentence-transformers' mean pooling, differentiable (the
+  ``forward=`` of :func:`sparse24.learn_masks` / :func:`sparse24.distill_` when
+  a sentence encoder is trained on its sentence embeddings).
 * :func:`sentence_embeddings` / :func:`embedding_fidelity`: a sentence encoder
   (e.g. ``transformers.AutoModel`` of all-MiniLM-L6-v2) judged by the mean
   cosine between its sentence embeddings and the dense model's, with the mean
@@ -24,7 +27,7 @@ from torch import nn
 
 from .learn.objective import _call, _output_tensor
 
-__all__ = ["sentence_embeddings", "embedding_fidelity", "bits_per_char"]
+__all__ = ["mean_pool", "sentence_embeddings", "embedding_fidelity", "bits_per_char"]
 
 
 class _EvalMode:
@@ -40,6 +43,37 @@ class _EvalMode:
     def __exit__(self, *exc):
         for mod, training in self.modes:
             mod.training = training
+
+
+def mean_pool(hidden: torch.Tensor, mask: torch.Tensor | None = None, normalize: bool = True) -> torch.Tensor:
+    """Mean of each sentence's token vectors over the tokens ``mask`` keeps (sentence-transformers'
+    pooling), optionally L2-normalized. Differentiable: usable inside a training step.
+
+    Args:
+        hidden: ``(B, L, D)`` token vectors (``last_hidden_state``).
+        mask: ``(B, L)`` bool or 0/1 tensor of the tokens to average (the attention mask);
+            None averages every token.
+        normalize: L2-normalize each sentence vector.
+    Returns:
+        ``(B, D)`` tensor in ``hidden``'s dtype.
+    Example:
+        >>> h = torch.tensor([[[1., 0.], [3., 0.], [9., 9.]]]); mask = torch.tensor([[1, 1, 0]])
+        >>> mean_pool(h, mask, normalize=False)
+        tensor([[2., 0.]])
+    """
+    if not isinstance(hidden, torch.Tensor) or hidden.dim() != 3:
+        got = tuple(hidden.shape) if isinstance(hidden, torch.Tensor) else type(hidden).__name__
+        raise ValueError(f"mean_pool: hidden must be a (B, L, D) tensor, got {got}")
+    if mask is None:
+        pooled = hidden.mean(1)
+    else:
+        if not isinstance(mask, torch.Tensor) or tuple(mask.shape) != tuple(hidden.shape[:2]):
+            got = tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
+            raise ValueError(f"the token mask has shape {got} but the model's output {tuple(hidden.shape)} "
+                             f"needs ({hidden.shape[0]}, {hidden.shape[1]})")
+        m = mask.unsqueeze(-1).to(hidden.dtype)
+        pooled = (hidden * m).sum(1) / m.sum(1).clamp(min=1e-9)  # a sentence with no kept token gives 0
+    return F.normalize(pooled, dim=-1) if normalize else pooled
 
 
 def sentence_embeddings(model: nn.Module, batches, token_mask: Callable | None = None,
@@ -78,15 +112,10 @@ def sentence_embeddings(model: nn.Module, batches, token_mask: Callable | None =
             if h.dim() == 3:
                 mask = token_mask(b) if token_mask is not None else (
                     b["attention_mask"] if isinstance(b, dict) and "attention_mask" in b else None)
-                if mask is None:
-                    h = h.mean(1)
-                else:
-                    if not isinstance(mask, torch.Tensor) or tuple(mask.shape) != tuple(h.shape[:2]):
-                        got = tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
-                        raise ValueError(f"batch {i}: the token mask has shape {got} but the model's output "
-                                         f"{tuple(h.shape)} needs ({h.shape[0]}, {h.shape[1]})")
-                    m = mask.unsqueeze(-1).to(h.dtype)  # sentence-transformers' mean pooling
-                    h = (h * m).sum(1) / m.sum(1).clamp(min=1e-9)
+                try:
+                    h = mean_pool(h, mask, normalize=False)  # normalized in fp32 below
+                except ValueError as e:
+                    raise ValueError(f"batch {i}: {e}") from None
             elif h.dim() != 2:
                 raise ValueError(f"batch {i}: expected a (B, D) or (B, L, D) output, got shape {tuple(h.shape)}")
             out.append(F.normalize(h.float(), dim=-1) if normalize else h.float())

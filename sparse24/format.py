@@ -54,6 +54,8 @@ layout, version 1), defined in ``sparse24/decode_format.py``.
 """
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from ._checks import FLOAT_DTYPES, check_mask, check_nm, check_weight
@@ -413,8 +415,11 @@ class Sparse24Tensor:
         step = max(1, _DENSE_BLOCK // max(C, 1)) if self.device.type == "cpu" else max(r, 1)
         for r0 in range(0, r, step):
             r1 = min(r, r0 + step)
-            m = meta[:, r0:r1]
-            byte = ((m.t().unsqueeze(-1) >> shifts) & 255).reshape(r1 - r0, 4 * m.shape[0])[:, :pairs]
+            m = meta[:, r0:r1].t().contiguous()  # (rows, words)
+            # byte j of a word = its bits 8j..8j+7: on a little-endian machine, its j-th byte in memory
+            # (a view: 1/5 of the time of the shifts, which big-endian machines still need)
+            byte = m.view(torch.uint8).int() if sys.byteorder == "little" else (m.unsqueeze(-1) >> shifts) & 255
+            byte = byte.reshape(r1 - r0, 4 * m.shape[1])[:, :pairs]
             idx = (columns.index_select(0, byte.reshape(-1)).view(r1 - r0, pairs, 4) + base)
             idx = idx.view(r1 - r0, 4 * pairs)[:, :C // 2]  # an odd group count: drop the padding group
             # dequantized as dequantized_values does, a block at a time
@@ -422,6 +427,8 @@ class Sparse24Tensor:
             v = self._dequantized(slice(sub.start, sub.stop, sub.step)).to(self.dtype)
             block = out[r0:r1]
             block.zero_()
+            if block.element_size() == 2 and not v.requires_grad:  # fp16 / bf16 moved as int16 bits: torch's
+                block, v = block.view(torch.int16), v.view(torch.int16)  # CPU scatter of them is ~6x slower
             block.scatter_(1, idx, v)
         return out
 

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sparse24 import bits_per_char, embedding_fidelity, sentence_embeddings
+from sparse24 import bits_per_char, embedding_fidelity, mean_pool, sentence_embeddings
 
 
 def tiny_bert(seed: int = 0):
@@ -53,6 +53,22 @@ def test_mean_pooling_over_the_attention_mask_matches_each_sentence_alone():
     tup = [(b["input_ids"], b["attention_mask"]) for b in batches]
     torch.testing.assert_close(sentence_embeddings(model, tup, token_mask=lambda b: b[1]), emb, rtol=0, atol=0)
     assert not torch.allclose(sentence_embeddings(model, tup), emb, atol=1e-3)
+
+
+def test_mean_pool_is_differentiable_and_matches_a_loop_over_kept_tokens():
+    gen = torch.Generator().manual_seed(0)
+    h = torch.randn(3, 5, 4, generator=gen, dtype=torch.float64, requires_grad=True)
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]])
+    ref = torch.stack([h[i, :int(mask[i].sum())].mean(0) for i in range(3)])  # kept tokens lead each row
+    torch.testing.assert_close(mean_pool(h, mask, normalize=False), ref, rtol=0, atol=1e-15)
+    torch.testing.assert_close(mean_pool(h, mask.bool()), ref / ref.norm(dim=-1, keepdim=True), rtol=0, atol=1e-15)
+    torch.testing.assert_close(mean_pool(h, None, normalize=False), h.mean(1))
+    mean_pool(h, mask).sum().backward()                     # what a training step needs
+    assert h.grad is not None and (h.grad[0, 3:] == 0).all() and (h.grad[0, :3] != 0).any()
+    with pytest.raises(ValueError, match=r"token mask has shape \(3, 4\)"):
+        mean_pool(h, mask[:, :4])
+    with pytest.raises(ValueError, match=r"\(B, L, D\)"):
+        mean_pool(h[0], mask[0])
 
 
 def test_pooled_output_is_taken_as_is_and_fidelity_is_the_mean_cosine():

@@ -278,3 +278,28 @@ def test_zero_row_weight_compresses(quantize):
     assert p.meta.shape == (2, 0) and p.values.shape == (0, 20)
     assert p.validate().to_dense().shape == (0, 40)
     assert sparse24.linear(torch.randn(3, 40), p).shape == (3, 0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_to_dense_over_several_cpu_blocks_keeps_every_bit(dtype, monkeypatch, gen):
+    # Blocks of 2 rows (to_dense writes a CPU weight a cache-sized block at a time; 16-bit floats
+    # move as int16 bits): special values too, compared bit for bit with the masked weight.
+    monkeypatch.setattr(sparse24.format, "_DENSE_BLOCK", 2 * 68)
+    w = torch.randn(9, 68, generator=gen).to(dtype)
+    w[0, :4] = torch.tensor([float("nan"), -0.0, float("inf"), -float("inf")]).to(dtype)
+    mask = torch.zeros_like(w, dtype=torch.bool)
+    mask[:, 0::4] = mask[:, 1::4] = True
+    dense = sparse24.compress(w, mask=mask).to_dense()
+    assert torch.equal(_bits(dense), _bits(torch.where(mask, w, torch.zeros((), dtype=dtype))))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_to_dense_passes_gradients_to_trainable_values(dtype, gen):
+    # Values that require grad take the float scatter (the int16 bit path would drop the gradient).
+    w = torch.randn(6, 32, generator=gen).to(dtype)
+    p = sparse24.compress(w)
+    p.values.requires_grad_(True)
+    g = torch.randn(6, 32, generator=gen).to(dtype)
+    (p.to_dense() * g).sum().backward()
+    mask = sparse24.mask_nm(w)
+    assert torch.equal(p.values.grad, g[mask].view(6, 16))  # d/dvalues: g at the kept positions, row order

@@ -38,7 +38,7 @@ def check_model_groups(model, groups, batch):
 
 
 def test_minilm_groups_are_exact():
-    mod = load_script("eval_minilm")
+    mod = load_script("minilm_plain")
     torch.manual_seed(0)
     cfg = {"hidden_size": 32, "layer_norm_eps": 1e-12, "vocab_size": 50, "max_position_embeddings": 16,
            "type_vocab_size": 2, "num_attention_heads": 4, "intermediate_size": 64, "num_hidden_layers": 2}
@@ -53,7 +53,7 @@ def test_minilm_groups_are_exact():
 
 
 def test_charlm_groups_are_exact():
-    mod = load_script("eval_charlm")
+    mod = load_script("charlm_model")
     cfg = {"seed": 0, "d_model": 16, "layers": 2, "heads": 2, "ctx": 12}
     model = mod.build_model(cfg)
     randomize_norms(model)
