@@ -115,8 +115,7 @@ def write(path: Path, title: str, header: list[str], rows: list[list], notes: li
 
 def minilm(args, argv) -> None:
     sys.path.insert(0, str(ROOT / "scripts"))
-    from eval_minilm import docstring_sentences, manual_sentences
-    from eval_minilm_calibration import Encoder
+    from minilm_common import Encoder, docstring_sentences, manual_sentences
     t0 = time.perf_counter()
     enc = Encoder("hf", 128)
     dense = enc.model
@@ -313,7 +312,7 @@ def _buckets(enc, texts: list[str], n: int, bs: int) -> list:
 
 def charlm(args, argv) -> None:
     sys.path.insert(0, str(ROOT / "scripts"))
-    from eval_charlm import build_model, calibration_batches, load_corpus, train
+    from charlm_model import build_model, calibration_batches, load_corpus, train
     t0 = time.perf_counter()
     cfg = {"steps": args.steps, "d_model": 64, "layers": 2, "heads": 4, "ctx": 128, "batch": 8, "lr": 1e-2,
            "wd": 0.01, "eval_windows": 1024, "calib_batches": 8, "seed": 0, "kd": 0.5}
