@@ -186,6 +186,21 @@ def int4_dequantized_reference(layer, mask):
     return ref
 
 
+def assert_export_keeps_op_and_buffers(net, x, layers, names) -> dict:
+    """``torch.export`` of ``net``: each 2:4 layer one ``sparse24::linear`` call (no dense ``aten.linear``),
+    the compressed ``names`` of ``layers`` kept as they are, the same outputs; returns the exported state."""
+    ep = torch.export.export(net, (x,))
+    targets = [n.target for n in ep.graph.nodes if n.op == "call_function"]
+    assert targets.count(torch.ops.sparse24.linear.default) == len(layers)
+    assert "aten.linear.default" not in {str(t) for t in targets}  # no decompressed dense weight
+    state = {**ep.state_dict, **ep.constants}
+    for i in layers:
+        for name in names:
+            assert torch.equal(state[f"{i}.{name}"], getattr(net[i], name))
+    torch.testing.assert_close(ep.module()(x), net(x), rtol=0, atol=0)
+    return state
+
+
 def model_snapshot(model, optimizer=None) -> dict:
     """Everything a failed whole-model call must leave as it was: the module objects and their types,
     the parameter and buffer objects, ``requires_grad``, every value and gradient (clones), the optimizer's
