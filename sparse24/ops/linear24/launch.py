@@ -406,6 +406,13 @@ class _Matmul:
         """Nothing to check: the kernel loads every tensor in its own element type."""
 
 
+def _decode_weight_constexprs(has_scale, values_dtype, has_bias, tf32, group_size, has_zero) -> dict:
+    """The decode layout's weight and epilogue constexprs, shared by the decode and prefill kernels."""
+    return dict(INT8=has_scale and not group_size, W_BF16=values_dtype == torch.bfloat16, HAS_BIAS=has_bias,
+                DOT_PRECISION="tf32" if tf32 else "ieee", INT4=group_size > 0, GROUP=group_size or 128,
+                HAS_ZERO=has_zero)
+
+
 class _Decode:
     """``kernels/sparse24_decode.py``: the decode layout, 16 rows of x per program."""
 
@@ -416,11 +423,9 @@ class _Decode:
 
     @staticmethod
     def constexprs(config, split_k, has_scale, values_dtype, has_bias, tf32, K, group_size=0, has_zero=False) -> dict:
-        return dict(INT8=has_scale and not group_size, W_BF16=values_dtype == torch.bfloat16, HAS_BIAS=has_bias,
-                    DOT_PRECISION="tf32" if tf32 else "ieee", BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-                    SPLIT_K=split_k, EVEN_K=K % config.block_k == 0,
-                    ONE_TILE=split_k == _cdiv(K, config.block_k),  # one K-tile per split: no loop
-                    INT4=group_size > 0, GROUP=group_size or 128, HAS_ZERO=has_zero)
+        return dict(_decode_weight_constexprs(has_scale, values_dtype, has_bias, tf32, group_size, has_zero),
+                    BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=split_k, EVEN_K=K % config.block_k == 0,
+                    ONE_TILE=split_k == _cdiv(K, config.block_k))  # one K-tile per split: no loop
 
     @staticmethod
     def split_k(config, bucket, deterministic) -> int:
@@ -478,10 +483,8 @@ class _Prefill(_Decode):
 
     @staticmethod
     def constexprs(config, split_k, has_scale, values_dtype, has_bias, tf32, K, group_size=0, has_zero=False) -> dict:
-        return dict(INT8=has_scale and not group_size, W_BF16=values_dtype == torch.bfloat16, HAS_BIAS=has_bias,
-                    DOT_PRECISION="tf32" if tf32 else "ieee", BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-                    BLOCK_K=config.block_k, GROUP_M=config.group_m, INT4=group_size > 0, GROUP=group_size or 128,
-                    HAS_ZERO=has_zero)
+        return dict(_decode_weight_constexprs(has_scale, values_dtype, has_bias, tf32, group_size, has_zero),
+                    BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m)
 
     @staticmethod
     def split_k(config, bucket, deterministic) -> int:
