@@ -113,7 +113,79 @@ def write(path: Path, title: str, header: list[str], rows: list[list], notes: li
 
 # --- MiniLM ------------------------------------------------------------------------------
 
+def minilm_chain(args, argv) -> None:
+    """``minilm --part chain``: the README's fp32 recipe (eval_minilm.py's chain, its texts, settings
+    and evaluation: permutation, layer by layer to the dense outputs, learned masks, distillation),
+    then INT4 on its masks: RTN, GPTQ (the recovered model's own Hessians) and quantization-aware
+    distillation on the GPTQ grid from the same teacher (the permuted dense model)."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import eval_minilm as em
+    t0 = time.perf_counter()
+    margs = em.parser().parse_args(["--quick"] if args.quick else [])
+    ctx = em.context(margs)
+    enc, evals = em._worker(ctx)
+    rows, out = [], OUT / ("minilm-chain-quick.md" if args.quick else "minilm-chain.md")
+    header = ["recipe", "group", "bytes/weight", "held-out docstrings", "reference manual", "seconds", "note"]
+    notes = ["- Model: all-MiniLM-L6-v2 through `transformers.AutoModel`; every encoder Linear (36) 2:4, then INT4",
+             f"- Texts, settings and evaluation: `eval_minilm.py`'s ({len(ctx['held'])} held-out docstring / "
+             f"{len(ctx['manual'])} reference-manual sentences; {len(ctx['calib'])} calibration sentences; "
+             f"gradient steps of {ctx['batch']} training sentences, bf16 autocast): the fp32 rows are its table's",
+             "- Bytes per weight: INT4 codes 0.25 + slots 0.125 + fp16 scales 2/group; fp16 2:4 is 0.5625, dense "
+             "fp16 2"]
+
+    def report(fp32_rows: list, extra: list) -> None:
+        for r in fp32_rows + extra:
+            if r not in rows:
+                rows.append(r)
+        write(out, "all-MiniLM-L6-v2, every encoder Linear 2:4 + INT4 (the README's recipe, then INT4)", header,
+              rows, notes, argv, t0, False)
+
+    fp32: list[dict] = []
+    student, teacher = em.chain(ctx, enc, evals, fp32)
+    report([[r["method"] + ", fp32", "-", "", r["cosine"], r["cosine_manual"], f"{r['seconds']:.0f}", r["note"]]
+            for r in fp32], [])
+    secs = sum(r["seconds"] for r in fp32)
+
+    def int4_row(name: str, model, t: float, note: str = "") -> None:
+        ws = [mod.weight.detach() * (mod.mask if isinstance(mod, Sparse24Linear) else 1)
+              for mod in linears(model, "encoder.").values()]
+        assert len(ws) == 36 and all(is_nm(w) for w in ws), "every encoder Linear must be 2:4"
+        cos = {k: embedding_fidelity(model, b, ref, token_mask=enc.token_mask) for k, (b, ref) in evals.items()}
+        print(f"  {name:<50} {cos['held']:.4f} / {cos['manual']:.4f} ({t:.0f} s)", flush=True)
+        report([], [[name, 128, f"{bytes_per_weight(128):.4f}", cos["held"], cos["manual"], f"{t:.0f}", note]])
+
+    m = copy.deepcopy(student)
+    quantize_on_masks_(m, "rtn", 128, prefix="encoder.")
+    int4_row("recovered, then RTN", m, secs)
+    tc = time.perf_counter()
+    batches = enc.batches(ctx["calib"], 32)
+    stats = dense_stats(student, batches, token_mask=enc.token_mask, filter_fn=enc.filter_fn)
+    m = copy.deepcopy(student)
+    grids = quantize_on_masks_(m, "gptq", 128, stats=stats, prefix="encoder.")
+    int4_row("recovered, then GPTQ on its masks", m, secs + time.perf_counter() - tc,
+             "sparsegpt_prune(w, H, mask=, quantize='int4'), H from the recovered model on the calibration sentences")
+    if not args.qat_steps:
+        return write(out, "all-MiniLM-L6-v2, every encoder Linear 2:4 + INT4 (the README's recipe, then INT4)",
+                     header, rows, notes, argv, t0, True)
+    densify_(m)
+    for fqn, mod in linears(m, "encoder.").items():
+        parametrize.register_parametrization(mod, "weight", OnGrid(grids[fqn]))
+    n = ctx["learn_steps"] + ctx["distill_steps"]
+    stream = em.sentence_batches(enc, ctx["train"], n + args.qat_steps, ctx["batch"], seed=1)[n:]
+    d = _distil(enc, m, teacher, stream, args.qat_lr)
+    for mod in linears(m, "encoder.").values():  # the weights stay on each group's grid
+        mod.parametrizations.weight[0].check(mod.weight.detach())
+    int4_row("recovered, GPTQ, then quantization-aware distillation", m, secs + time.perf_counter() - tc,
+             f"{args.qat_steps} more steps x {ctx['batch']} sentences (the next of the same stream), lr "
+             f"{args.qat_lr:g}, 1 - cos + layer-wise relative MSE, straight-through rounding onto the GPTQ grid, "
+             f"grid and masks fixed; loss {d.losses[0]:.3f} -> {sum(d.losses[-10:]) / len(d.losses[-10:]):.3f}")
+    write(out, "all-MiniLM-L6-v2, every encoder Linear 2:4 + INT4 (the README's recipe, then INT4)", header, rows,
+          notes, argv, t0, True)
+
+
 def minilm(args, argv) -> None:
+    if args.part == "chain":
+        return minilm_chain(args, argv)
     sys.path.insert(0, str(ROOT / "scripts"))
     from minilm_common import Encoder, docstring_sentences, manual_sentences
     t0 = time.perf_counter()
@@ -374,7 +446,8 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="what", required=True)
     mp = sub.add_parser("minilm")
-    mp.add_argument("--part", choices=("oneshot", "distill", "qat"), default="oneshot")
+    mp.add_argument("--part", choices=("oneshot", "distill", "qat", "chain"), default="oneshot")
+    mp.add_argument("--quick", action="store_true", help="chain: eval_minilm.py --quick's sizes (a smoke test)")
     mp.add_argument("--calib", type=int, default=512, help="calibration sentences")
     mp.add_argument("--eval-sentences", type=int, default=512)
     mp.add_argument("--groups", type=int, nargs="+", default=(128, 64, 32))

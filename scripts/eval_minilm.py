@@ -196,6 +196,13 @@ def job_new(ctx: dict) -> list[dict]:
     then the recovery recipe (the chain of rows each starting from the one before)."""
     enc, evals = _worker(ctx)
     rows = []
+    chain(ctx, enc, evals, rows)
+    return rows
+
+
+def chain(ctx: dict, enc: Encoder, evals: dict, rows: list) -> tuple[nn.Module, nn.Module]:
+    """The rows of :func:`job_new` appended to ``rows``; returns (the recovered 2:4 model, the permuted
+    dense model it was distilled from)."""
     t0 = time.perf_counter()
     stats = _calibrate(ctx, enc)
     permuted, _, _ = _permuted(ctx, enc, stats)
@@ -232,7 +239,7 @@ def job_new(ctx: dict) -> list[dict]:
          (n_learn + n_dist) * bs, f"{n_dist} frozen-mask distillation steps after the {n_learn} above, lr "
          f"{ctx['distill_lr']:g}, loss 1 - cos + {ctx['distill_hidden']:g} x layer-wise relative MSE; "
          + _loss_note(d))
-    return rows
+    return student, permuted
 
 
 def job_check(ctx: dict) -> dict:
@@ -265,8 +272,7 @@ def agreement(check: dict, rows: list[dict]) -> str:
 
 # --- main ------------------------------------------------------------------------
 
-def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--eval-sentences", type=int, default=512, help="per evaluation text")
     ap.add_argument("--calib-sentences", type=int, default=1024)
@@ -297,14 +303,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch threads per worker (2 workers)")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", type=Path, default=None)
-    args = ap.parse_args(argv)
+    return ap
+
+
+def context(args) -> dict:
+    """The texts and settings every job reads, from ``parser()``'s arguments (``--quick`` applied)."""
     if args.quick:
         args.eval_sentences, args.calib_sentences, args.learn_steps, args.distill_steps = 64, 32, 3, 3
         args.perm_iters = 5
-    out = args.out or ROOT / "results" / ("minilm-quick" if args.quick else "minilm")
-    torch.set_num_threads(args.threads)
-    t_start = time.perf_counter()
-
     held, train, manual = texts(args.eval_sentences)
     calib, learn_texts = train[:args.calib_sentences], train[args.calib_sentences:]
     print(f"{len(train)} training / {len(held)} held-out / {len(manual)} manual sentences; e.g. {held[0]!r}, "
@@ -316,6 +322,17 @@ def main(argv: list[str] | None = None) -> None:
            "distill_lr": args.distill_lr, "distill_hidden": args.distill_hidden, "perm_iters": args.perm_iters,
            "bf16": args.bf16}
     ctx.update({f"ref_{k}": ref for k, (_, ref) in eval_sets(Encoder("hf", args.max_len), ctx).items()})
+    return ctx
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parser().parse_args(argv)
+    out = args.out or ROOT / "results" / ("minilm-quick" if args.quick else "minilm")
+    torch.set_num_threads(args.threads)
+    t_start = time.perf_counter()
+    ctx = context(args)
+    calib, learn_texts = ctx["calib"], ctx["train"]
     with ProcessPoolExecutor(2, mp_context=get_context("spawn")) as pool:
         jobs = [pool.submit(job_oneshot, ctx), pool.submit(job_new, ctx), pool.submit(job_check, ctx)]
         rows = [r for j in jobs[:2] for r in j.result()]

@@ -18,11 +18,10 @@ import time
 
 import torch
 
-from sparse24 import calibrate, embedding_fidelity, permute_model_, prune_layerwise_, sentence_embeddings, sparsify_
+from sparse24 import calibrate, distill_, embedding_fidelity, permute_model_, prune_layerwise_, sentence_embeddings, sparsify_
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from eval_minilm import docstring_sentences, manual_sentences  # noqa: E402
-from eval_minilm_calibration import Encoder, code_lines  # noqa: E402
+from minilm_common import Encoder, code_lines, docstring_sentences, manual_sentences  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -57,13 +56,30 @@ else:
     torch.save(permuted, cache)
     print(f"permutation {time.perf_counter()-t0:.0f} s", flush=True)
 
-def run(label, perm=True, **opts):
+def random_texts(n: int, seed: int = 7) -> list[str]:
+    """``n`` strings of random vocabulary tokens, as long as the calibration lines (a data-free prior)."""
+    g = torch.Generator().manual_seed(seed)
+    lens = [len(enc.tokens(t)) - 2 for t in calib]
+    vocab = enc._tok.vocab_size
+    return [enc._tok.decode(torch.randint(1999, vocab, (lens[i % len(lens)],), generator=g).tolist())
+            for i in range(n)]
+
+
+def run(label, perm=True, distill_steps=0, distill_lr=2e-4, augment=0, random=0, **opts):
     t0 = time.perf_counter()
     base = permuted if perm else dense
     m = copy.deepcopy(base)
-    prune_layerwise_(m, batches, method="sparsegpt", refit=opts.pop("refit", True), token_mask=enc.token_mask,
+    texts = list(calib) + (random_texts(random) if random else [])
+    for k in range(augment):  # the same lines again, joined in random pairs: new contexts, no new text
+        order = torch.randperm(len(calib), generator=torch.Generator().manual_seed(100 + k)).tolist()
+        texts += [calib[order[i]] + " " + calib[order[i + 1]] for i in range(0, len(order) - 1, 2)]
+    prune_layerwise_(m, enc.batches(texts, 32) if augment or random else batches, method="sparsegpt", refit=opts.pop("refit", True), token_mask=enc.token_mask,
                      teacher=base if opts.pop("teacher", True) else None, filter_fn=enc.filter_fn, progress=False, **opts)
     sparsify_(m, filter_fn=enc.filter_fn)
+    if distill_steps:  # frozen masks, fit to the dense model on the calibration lines themselves (cycled)
+        stream = [batches[i % len(batches)] for i in range(distill_steps)]
+        distill_(m, stream, distill_steps, teacher=base, lr=distill_lr, output_loss="cosine", hidden=enc.hidden,
+                 hidden_weight=1.0, parameters=enc.trainable(m), forward=enc.forward, progress=False)
     cos = {k: embedding_fidelity(m, b, r, token_mask=enc.token_mask) for k, (b, r) in refs.items()}
     print(f"{DOM}{N} {label:<34} " + "  ".join(f"{k} {v:.4f}" for k, v in cos.items())
           + f"  ({time.perf_counter()-t0:.0f} s)", flush=True)

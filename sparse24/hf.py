@@ -369,9 +369,19 @@ def from_pretrained(cls, path: str | os.PathLike, **kwargs) -> nn.Module:
         >>> model = sparse24.from_pretrained(LlamaForCausalLM, "out/llama-2of4")
     """
     register()
-    local = os.path.isfile(os.path.join(path, "config.json"))
-    if local and not {"config", "subfolder", "trust_remote_code"} & set(kwargs):  # else transformers' own reading
-        check_folder(path, cls)
+    import transformers
+
+    subfolder, config = kwargs.get("subfolder") or "", kwargs.get("config")
+    folder = os.path.join(path, subfolder) if isinstance(subfolder, str) else path
+    given = isinstance(config, transformers.PretrainedConfig)
+    # Checked here when transformers reads the files check_folder reads: its own config.json (or a config
+    # object), model.safetensors or its index; other files (variants, .bin, GGUF) and remote code are
+    # transformers' own to read.
+    ours = (isinstance(subfolder, str) and (config is None or given) and not kwargs.get("trust_remote_code")
+            and kwargs.get("variant") is None and kwargs.get("gguf_file") is None
+            and kwargs.get("use_safetensors") is not False)
+    if ours and os.path.isdir(folder) and (given or os.path.isfile(os.path.join(folder, "config.json"))):
+        check_folder(folder, cls, config if given else None)
     return cls.from_pretrained(path, **kwargs)
 
 
@@ -403,7 +413,7 @@ def read_config(folder: str | os.PathLike, cls=None):
                          f"{' '.join(str(e).split())[:200]})") from None
 
 
-def check_blocks(config, headers: dict, folder) -> None:
+def check_blocks(config, headers: dict, folder, path: str | None = None) -> None:
     """Refuse a config describing more layers than the checkpoint holds, before any model is built
     (a corrupt ``num_hidden_layers`` of 1M made transformers spend 9 s building it). The
     checkpoint's layers are its longest run of numbered names (``model.layers.<i>.``, ``h.<i>.``)."""
@@ -418,7 +428,7 @@ def check_blocks(config, headers: dict, folder) -> None:
     most = max(runs.values(), default=0)
     if isinstance(n, int) and not isinstance(n, bool) and n > most:
         where = max(runs, key=runs.get) if runs else None
-        raise ValueError(f"{os.path.join(folder, 'config.json')}: num_hidden_layers={n}, but the checkpoint holds "
+        raise ValueError(f"{path or os.path.join(folder, 'config.json')}: num_hidden_layers={n}, but the checkpoint holds "
                          + (f"{most} ({where}.0 to {where}.{most - 1})" if where else "no numbered layers"))
 
 
@@ -454,7 +464,7 @@ def _layers_24(config, headers: dict, path: str) -> set:
                          f"{section!r:.80}")
     if method == QUANT_METHOD:
         try:
-            listed = set(Sparse24Config(**section).layers)
+            listed = set((section if isinstance(section, Sparse24Config) else Sparse24Config(**section)).layers)
         except (ValueError, TypeError) as e:
             raise ValueError(f"{path}: {e}") from None
         if stored - listed:  # transformers would find such a layer's marker the wrong shape, naming no file
@@ -467,8 +477,9 @@ def _layers_24(config, headers: dict, path: str) -> set:
     return stored
 
 
-def check_folder(folder: str | os.PathLike, cls) -> None:
-    """Before transformers builds anything: ``config.json`` reads (:func:`read_config`), describes
+def check_folder(folder: str | os.PathLike, cls, config=None) -> None:
+    """Before transformers builds anything: ``config.json`` (or ``config``, a config object given
+    to ``from_pretrained``) reads (:func:`read_config`), describes
     no more layers than the checkpoint holds (:func:`check_blocks`), and the model it describes,
     built on the meta device, matches the safetensors headers: each tensor the checkpoint has
     under a model name has the model's shape, and the model holds at most
@@ -479,9 +490,9 @@ def check_folder(folder: str | os.PathLike, cls) -> None:
     if files is None:
         return  # no safetensors checkpoint: transformers' own loader decides
     headers = safetensors_headers(files)
-    config = read_config(folder, cls)
-    check_blocks(config, headers, folder)
-    path = os.path.join(folder, "config.json")
+    path = os.path.join(folder, "config.json") if config is None else "the config given to from_pretrained"
+    config = read_config(folder, cls) if config is None else config
+    check_blocks(config, headers, folder, path)
     layers_24 = _layers_24(config, headers, path)
     try:
         with torch.device("meta"):

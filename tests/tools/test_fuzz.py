@@ -318,6 +318,35 @@ def test_finding_config_json_checked_against_the_checkpoint(hf_target, field, va
     assert time.process_time() - t0 < 1.0
 
 
+def test_config_checked_with_subfolder_and_config_object(hf_target):
+    """``subfolder=`` and a config object given as ``config=`` went straight to transformers (no check
+    of config.json against the checkpoint): the same checks now run on the subfolder's files and on
+    the given config, which the error names; files check_folder does not read (a variant) are left to
+    transformers."""
+    import transformers
+    config, weights = hf_target.unpack(hf_target.seed)
+    bad = json.dumps(dict(json.loads(config), num_hidden_layers=10 ** 6)).encode()
+    folder = hf_target.dir / "sub-case"
+    (folder / "inner").mkdir(parents=True, exist_ok=True)
+    (folder / "inner" / "config.json").write_bytes(bad)
+    (folder / "inner" / "model.safetensors").write_bytes(weights)
+    with pytest.raises(ValueError, match=r"inner/config\.json: num_hidden_layers=1000000"):
+        sparse24.from_pretrained(hf_target.cls, folder, subfolder="inner")
+    (folder / "inner" / "config.json").write_bytes(config)
+    loaded = sparse24.from_pretrained(hf_target.cls, folder, subfolder="inner")  # a good subfolder loads
+    assert any(isinstance(m, sparse24.Sparse24Linear) for m in loaded.modules())
+    given = transformers.LlamaConfig.from_pretrained(folder / "inner")
+    given.num_hidden_layers = 10 ** 6
+    with pytest.raises(ValueError, match=r"the config given to from_pretrained: num_hidden_layers=1000000"):
+        sparse24.from_pretrained(hf_target.cls, folder / "inner", config=given)
+    given.num_hidden_layers, given.hidden_size = 1, 2 ** 20
+    with pytest.raises(ValueError, match=r"the config given to from_pretrained describes 'model\.embed_tokens"):
+        sparse24.from_pretrained(hf_target.cls, folder / "inner", config=given)
+    # a variant's files are transformers' to find: no model.fp16.safetensors here, its own error
+    with pytest.raises(OSError, match="fp16"):
+        sparse24.from_pretrained(hf_target.cls, folder / "inner", variant="fp16")
+
+
 def test_finding_config_json_in_the_cli(tmp_path, capsys):
     """The CLI's folder path read config.json with AutoConfig and built the model on the meta device:
     1M layers took seconds, a bad value raised transformers' own error types."""
