@@ -7,6 +7,12 @@ Judged on two selection texts that are no evaluation text: 512 other code lines 
 shuffle, val-code) and 512 docstring sentences of the training files (the last of their shuffle,
 val-doc; the held-out docstrings come from other files). The evaluation texts are printed too (EVAL-).
 
+Besides ``prune_layerwise_``'s own options, a variant may set: ``"perm": false`` (no permutation),
+``"teacher": false`` (fit each layer to its own dense output), ``"distill_steps": S`` and
+``"distill_lr"`` (then S steps of frozen-mask distillation on the calibration lines themselves, cycled),
+``"augment": k`` (the lines again, joined in k random pairings: new contexts, no new text) and
+``"random": R`` (R strings of random vocabulary tokens added: a data-free prior).
+
 Usage: OMP_NUM_THREADS=1 python scripts/select_minilm_options.py '{}' '{"percdamp": 0.1}'
 """
 import copy
@@ -18,7 +24,8 @@ import time
 
 import torch
 
-from sparse24 import calibrate, distill_, embedding_fidelity, permute_model_, prune_layerwise_, sentence_embeddings, sparsify_
+from sparse24 import (calibrate, distill_, embedding_fidelity, permute_model_, prune_layerwise_, sentence_embeddings,
+                      sparsify_)
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from minilm_common import Encoder, code_lines, docstring_sentences, manual_sentences  # noqa: E402
@@ -73,8 +80,10 @@ def run(label, perm=True, distill_steps=0, distill_lr=2e-4, augment=0, random=0,
     for k in range(augment):  # the same lines again, joined in random pairs: new contexts, no new text
         order = torch.randperm(len(calib), generator=torch.Generator().manual_seed(100 + k)).tolist()
         texts += [calib[order[i]] + " " + calib[order[i + 1]] for i in range(0, len(order) - 1, 2)]
-    prune_layerwise_(m, enc.batches(texts, 32) if augment or random else batches, method="sparsegpt", refit=opts.pop("refit", True), token_mask=enc.token_mask,
-                     teacher=base if opts.pop("teacher", True) else None, filter_fn=enc.filter_fn, progress=False, **opts)
+    prune_layerwise_(m, enc.batches(texts, 32) if augment or random else batches, method="sparsegpt",
+                     refit=opts.pop("refit", True), token_mask=enc.token_mask,
+                     teacher=base if opts.pop("teacher", True) else None, filter_fn=enc.filter_fn, progress=False,
+                     **opts)
     sparsify_(m, filter_fn=enc.filter_fn)
     if distill_steps:  # frozen masks, fit to the dense model on the calibration lines themselves (cycled)
         stream = [batches[i % len(batches)] for i in range(distill_steps)]

@@ -428,8 +428,8 @@ def check_blocks(config, headers: dict, folder, path: str | None = None) -> None
     most = max(runs.values(), default=0)
     if isinstance(n, int) and not isinstance(n, bool) and n > most:
         where = max(runs, key=runs.get) if runs else None
-        raise ValueError(f"{path or os.path.join(folder, 'config.json')}: num_hidden_layers={n}, but the checkpoint holds "
-                         + (f"{most} ({where}.0 to {where}.{most - 1})" if where else "no numbered layers"))
+        raise ValueError(f"{path or os.path.join(folder, 'config.json')}: num_hidden_layers={n}, but the checkpoint "
+                         "holds " + (f"{most} ({where}.0 to {where}.{most - 1})" if where else "no numbered layers"))
 
 
 def _checkpoint_files(folder) -> list[str] | None:
