@@ -355,6 +355,7 @@ def test_finding_config_json_in_the_cli(tmp_path, capsys):
     cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                    num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32)
     transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path / "src")
+    capsys.readouterr()  # save_pretrained's own progress bar, when an earlier test left transformers' bars on
     path = tmp_path / "src" / "config.json"
     good = json.loads(path.read_text())
     for field, value, needle in [("num_hidden_layers", 10 ** 6, "config.json: num_hidden_layers=1000000"),
