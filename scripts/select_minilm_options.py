@@ -10,6 +10,7 @@ val-doc; the held-out docstrings come from other files). The evaluation texts ar
 Besides ``prune_layerwise_``'s own options, a variant may set: ``"perm": false`` (no permutation),
 ``"teacher": false`` (fit each layer to its own dense output), ``"distill_steps": S`` and
 ``"distill_lr"`` (then S steps of frozen-mask distillation on the calibration lines themselves, cycled),
+``"learn_steps": S`` (masks learned on the calibration lines, cycled, weights frozen),
 ``"augment": k`` (the lines again, joined in k random pairings: new contexts, no new text) and
 ``"random": R`` (R strings of random vocabulary tokens added: a data-free prior).
 
@@ -24,8 +25,8 @@ import time
 
 import torch
 
-from sparse24 import (calibrate, distill_, embedding_fidelity, permute_model_, prune_layerwise_, sentence_embeddings,
-                      sparsify_)
+from sparse24 import (calibrate, distill_, embedding_fidelity, learn_masks, permute_model_, prune_layerwise_,
+                      sentence_embeddings, sparsify_)
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from minilm_common import Encoder, code_lines, docstring_sentences, manual_sentences  # noqa: E402
@@ -72,7 +73,7 @@ def random_texts(n: int, seed: int = 7) -> list[str]:
             for i in range(n)]
 
 
-def run(label, perm=True, distill_steps=0, distill_lr=2e-4, augment=0, random=0, **opts):
+def run(label, perm=True, distill_steps=0, distill_lr=2e-4, augment=0, random=0, learn_steps=0, **opts):
     t0 = time.perf_counter()
     base = permuted if perm else dense
     m = copy.deepcopy(base)
@@ -85,6 +86,11 @@ def run(label, perm=True, distill_steps=0, distill_lr=2e-4, augment=0, random=0,
                      teacher=base if opts.pop("teacher", True) else None, filter_fn=enc.filter_fn, progress=False,
                      **opts)
     sparsify_(m, filter_fn=enc.filter_fn)
+    if learn_steps:  # masks learned on the calibration lines themselves (cycled), eval_minilm.py's settings
+        stream = [batches[i % len(batches)] for i in range(learn_steps)]
+        learn_masks(m, stream, learn_steps, teacher=base, lr=0.1, tau=(1.0, 0.05), noise=(0.3, 0.01),
+                    hard_fraction=0.2, confidence=3.0, output_loss="cosine", hidden=enc.hidden, hidden_weight=1.0,
+                    forward=enc.forward, filter_fn=enc.filter_fn, seed=0, progress=False)
     if distill_steps:  # frozen masks, fit to the dense model on the calibration lines themselves (cycled)
         stream = [batches[i % len(batches)] for i in range(distill_steps)]
         distill_(m, stream, distill_steps, teacher=base, lr=distill_lr, output_loss="cosine", hidden=enc.hidden,
