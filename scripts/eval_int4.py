@@ -321,7 +321,7 @@ class OnGrid(torch.nn.Module):
     def __init__(self, p):
         super().__init__()
         R, C = p.shape
-        mask = torch.zeros(R, C // 4, 4, dtype=torch.bool).scatter_(2, p.slots(), True).view(R, C)
+        mask = p.kept_mask()
         per_col = lambda t: t.float().repeat_interleave(p.group_size, 1)[:, :C]  # noqa: E731
         self.register_buffer("mask", mask)
         self.register_buffer("s", per_col(p.scale))

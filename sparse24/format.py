@@ -368,6 +368,12 @@ class Sparse24Tensor:
         """``(R, C // 4, 2)`` int64 slot (0..3) of each kept value."""
         return _unpack_slots(self.meta, self.shape[1] // 4)
 
+    def kept_mask(self) -> torch.Tensor:
+        """``(R, C)`` bool: the positions this weight keeps (its 2-bit slots), whatever the values."""
+        R, C = self.shape
+        keep = torch.zeros(R, C // 4, 4, dtype=torch.bool, device=self.device)
+        return keep.scatter_(-1, self.slots(), True).view(R, C)
+
     def dequantized_values(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """``(R, C // 2)`` kept values in ``dtype`` (default: the logical dtype)."""
         return self._dequantized(slice(None)).to(dtype or self.dtype)

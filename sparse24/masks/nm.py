@@ -151,10 +151,9 @@ def prune_nm(w: torch.Tensor, n: int = 2, m: int = 4, method: str = "magnitude",
         raise ValueError(f"quantize= while pruning is SparseGPT's joint quantization (method='sparsegpt'), got "
                          f"method={method!r}; to round another method's 2:4 weight to nearest use "
                          "sparse24.compress(weight, mask, quantize='int4')")
-    if method == "sparsegpt" and kwargs.get("quantize") is not None:
+    if kwargs.get("quantize") is not None:  # method is "sparsegpt" (checked above)
         packed = sparsegpt_prune(w, n=n, m=m, **kwargs)
-        mask = torch.zeros(*packed.shape, dtype=torch.bool, device=w.device)
-        mask.view(packed.shape[0], -1, 4).scatter_(2, packed.slots(), True)
+        mask = packed.kept_mask()
         kept = kept_magnitude_fraction(w, mask)  # of the original: before out (maybe w) is written
         weight = packed.to_dense()
         if out is not None:

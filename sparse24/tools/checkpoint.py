@@ -12,10 +12,10 @@ from pathlib import Path
 import torch
 
 from .._checks import safetensors_headers
-from ..format import FLOAT_DTYPES, Sparse24Tensor
+from ..format import FLOAT_DTYPES
 from .cli_common import _one_line
 
-__all__ = ["is_model_folder", "is_weight_matrix", "dense_row", "check_shards", "stored_mask", "quant_label",
+__all__ = ["is_model_folder", "is_weight_matrix", "dense_row", "check_shards", "quant_label",
            "LAYER_ENTRIES", "load_torch_file", "CheckpointError"]
 
 # The state-dict entries of a 2:4 layer besides its bias (masked: weight + mask; compressed: values + meta,
@@ -53,13 +53,6 @@ def check_shards(folder: Path, shards: list[str]) -> dict:
     """Read every shard's header before any work (:func:`sparse24._checks.safetensors_headers`:
     a truncated or foreign file is named in one line); returns what it found."""
     return safetensors_headers([folder / s for s in shards])
-
-
-def stored_mask(p: Sparse24Tensor) -> torch.Tensor:
-    """``(R, C)`` bool: the positions a compressed weight keeps (its 2-bit slots), whatever the values."""
-    R, C = p.shape
-    keep = torch.zeros(R, C // 4, 4, dtype=torch.bool, device=p.device)
-    return keep.scatter_(-1, p.slots(), True).view(R, C)
 
 
 class CheckpointError(ValueError):

@@ -23,7 +23,7 @@ import torch
 from ..format import Sparse24Tensor, is_nm
 from ..masks import kept_magnitude_fraction
 from ..nn.state import _check_state_masked, check_int4_entries
-from .checkpoint import check_shards, is_weight_matrix, stored_mask
+from .checkpoint import check_shards, is_weight_matrix
 from .cli_common import CLIError, _one_line, _prog
 
 __all__ = ["inspect_tensors", "cmd_inspect", "open_checkpoint"]
@@ -136,7 +136,7 @@ def _sparse_row(prefix: str, t: dict) -> dict | None:
             p = Sparse24Tensor(values, meta, row["shape"], torch.float32 if scale is not None else None, scale,
                                zero=t.get("zero"), group_size=row["group_size"])
             _finite(values, "values")
-            row["_mask"] = stored_mask(p)
+            row["_mask"] = p.kept_mask()
         else:
             w, mask = t["weight"], t.get("mask")
             row.update(mode="masked", shape=tuple(w.shape), dtype=str(w.dtype)[6:])

@@ -41,8 +41,7 @@ from ..masks import calibrate, find_permutation_groups, kept_magnitude_fraction,
 from ..masks.reconstruct import LAYERWISE_PERCDAMP
 from ..nn import Sparse24Linear, is_conv1d_class
 from .._progress import progress_enabled
-from .checkpoint import (LAYER_ENTRIES, check_shards, dense_row, is_model_folder, is_weight_matrix, quant_label,
-                         stored_mask)
+from .checkpoint import LAYER_ENTRIES, check_shards, dense_row, is_model_folder, is_weight_matrix, quant_label
 from .cli_common import CLIError, _one_line, int4_args, prune_quant
 
 __all__ = ["CALIBRATED", "read_samples", "tokenize_samples", "prune_calibrated", "prune_folder_calibrated",
@@ -140,7 +139,7 @@ def prune_calibrated(model: torch.nn.Module, batches: list, method: str, layers:
                      percdamp=LAYERWISE_PERCDAMP, progress=progress)
     sparsify_(model, **options)  # magnitude masks keep exactly the non-zeros left
     mods = dict(dense.named_modules())
-    return {fqn: kept_magnitude_fraction(mods[fqn].weight, stored_mask(m.sparse_tensor()))
+    return {fqn: kept_magnitude_fraction(mods[fqn].weight, m.sparse_tensor().kept_mask())
             for fqn, m in model.named_modules() if isinstance(m, Sparse24Linear)}, len(groups)
 
 

@@ -303,3 +303,15 @@ def test_to_dense_passes_gradients_to_trainable_values(dtype, gen):
     (p.to_dense() * g).sum().backward()
     mask = sparse24.mask_nm(w)
     assert torch.equal(p.values.grad, g[mask].view(6, 16))  # d/dvalues: g at the kept positions, row order
+
+
+@pytest.mark.parametrize("quantize", [None, "int8", "int4"])
+def test_kept_mask_is_the_mask_compressed(quantize):
+    """kept_mask() reads the 2-bit slots back: the mask given to compress, even where a kept value
+    is zero (so it cannot be read off the values)."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(6, 40, generator=g)
+    mask = sparse24.mask_nm(w)
+    w[0, mask[0].nonzero()[0]] = 0.0  # a kept zero
+    p = sparse24.compress(w, mask, quantize=quantize)
+    assert p.kept_mask().dtype == torch.bool and torch.equal(p.kept_mask(), mask)
