@@ -183,8 +183,10 @@ def _inline_asm_interpreted(builder, asm, constraints, values, types, is_pure, p
     fn = ASM_EMULATIONS.get(asm)
     if fn is None or pack != 1:
         raise NotImplementedError(f"no interpreter emulation of this inline asm (pack {pack}): {asm!r}")
-    out = np.asarray(fn(*[v.data for v in values]), dtype=np.int32)
-    return _AsmResults([TensorHandle(out, tl.int32)])
+    outs = fn(*[v.data for v in values])
+    outs = outs if isinstance(outs, tuple) else (outs,)   # one array per output: int32 words or float32
+    return _AsmResults([TensorHandle(o, tl.float32) if o.dtype == np.float32 else
+                        TensorHandle(np.asarray(o, dtype=np.int32), tl.int32) for o in map(np.asarray, outs)])
 
 
 def _call_interpreted(jit_fn, *args, **kwargs):

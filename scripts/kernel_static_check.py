@@ -174,6 +174,14 @@ def global_load_bytes(loop: list[str]) -> int:
     return total
 
 
+def sparse_mma_tiles(loop: list[str], cfg, rows: int) -> float:
+    """K-tiles per iteration of a sparse tensor-core loop (kernels/sparse24_sp.py), from its
+    ``HMMA.SP`` count (each warp: 2 per 64-column atom and x row block of 8), or 0 for the
+    other kernels. (That kernel loads x per warp, so the load-width count does not apply.)"""
+    n = sum(_opcode(t).startswith("HMMA.SP") for t in loop)
+    return n / (2 * (cfg.block_k // 64) * (2 if rows > 8 else 1)) if n else 0
+
+
 def _weights(kernel: str, dtype: str, N: int, K: int):
     import sparse24
     from sparse24.decode_format import pack_decode
@@ -217,7 +225,7 @@ def sass_one(kernel: str, dtype: str, cfg, cap: int, N: int, K: int) -> dict:
     tile_w = weight_tile_bytes(dtype, cfg.block_n, cfg.block_k)
     tile_x = cfg.block_m * cfg.block_k * act.itemsize + side_bytes(dtype, cfg.block_n, cfg.block_k)
     loaded = global_load_bytes(loop) * 32 * cfg.num_warps
-    unroll = loaded / (tile_w + tile_x)
+    unroll = sparse_mma_tiles(loop, cfg, cfg.block_m) or loaded / (tile_w + tile_x)
     # Each iteration must stream whole tiles: the loop's load widths say how many.
     if round(unroll) < 1 or abs(unroll - round(unroll)) > 0.02:
         raise RuntimeError(f"{kernel} {dtype} {cfg}: the loop loads {loaded} B per iteration, "
@@ -332,7 +340,7 @@ def compile_listed(dtype: str, cfg, cap: int, N: int, K: int) -> dict:
                              text=True, check=True).stdout
     tile_w = weight_tile_bytes(dtype, cfg.block_n, cfg.block_k)
     tile_x = 16 * cfg.block_k * act.itemsize + side_bytes(dtype, cfg.block_n, cfg.block_k)
-    unroll = round(global_load_bytes(loop) * 32 * cfg.num_warps / (tile_w + tile_x))
+    unroll = round(sparse_mma_tiles(loop, cfg, 16) or global_load_bytes(loop) * 32 * cfg.num_warps / (tile_w + tile_x))
     # Serial split-K: after the arrival counter's atomic, every program but the last of its
     # tile exits (the first predicated EXIT); what follows (the partials' sum and the
     # epilogue) runs in one program of SPLIT_K.

@@ -62,7 +62,18 @@ __all__ = ["DecodePacked", "pack_decode", "decode_dims", "DECODE_LAYOUT_VERSION"
 #   ``scale`` and ``zero`` as in layout v1 ((R, ceil(C / group_size)), the same
 #   tensors: a module's buffers do not change with its layout); the kernel clamps
 #   padding rows to row R - 1 (never stored) and masks groups past C.
-# * padding rows, columns and atoms: values 0, keep mask 0 (they decode to zeros).
+# * ``meta`` of INT8 and INT4 weights: int32 (NT, 32, 2 * KM): words [..., :KM] the keep
+#   masks above, words [..., KM:] the same groups as ``mma.sp`` metadata for the sparse
+#   tensor-core kernel (kernels/sparse24_sp.py): word meta[t, l, KM + a] of lane
+#   l = 4*g + q holds the 16-column chunk q of atom a for rows g (bits 0-15) and g + 8
+#   (bits 16-31), group j of the chunk in bits 4j .. 4j+3 as its two kept slots, the
+#   lower in the low two bits (padding groups: 0b0100, slots 0 and 1 of zero values).
+#   That is the m16n8k32 metadata operand of the lanes of sparsity selector 0 (chunks
+#   0, 1 of the atom, lanes q = 0, 1) and 1 (chunks 2, 3) (kernels/sparse24_sp.py).
+#   0.0625 B per weight more; 16-bit weights do not carry them (their byte-permute
+#   decode kernel fits the instruction budget; a layer stays within 0.60x of dense).
+# * padding rows, columns and atoms: values 0, keep mask 0 (they decode to zeros),
+#   mma.sp words of padding atoms 0.
 #
 # Bytes per weight of the INT4 decode layout: 0.25 values + 0.125 keep masks +
 # 2 (3 asymmetric) / group_size scales, as layout v1, plus the padding.
@@ -95,7 +106,8 @@ class DecodePacked:
         values: 16-bit weights: ``(KA, 2, NT, 32, 8)`` float16/bfloat16;
             INT8 weights: ``(KA, NT, 32, 16)`` uint8 sign-magnitude bytes;
             INT4 weights: ``(KA, NT, 32, 8)`` uint8, two 4-bit codes per byte.
-        meta: ``(NT, 32, KM)`` int32 keep masks (8 groups per word).
+        meta: ``(NT, 32, KM)`` int32 keep masks (8 groups per word); INT8 and INT4:
+            ``(NT, 32, 2 KM)``, the keep masks then the same groups' ``mma.sp`` words.
         scale: ``None``; ``(R,)`` float32 (INT8); ``(R, ceil(C / group_size))`` float16 (INT4).
         zero: ``None``, or INT4 ``(R, ceil(C / group_size))`` uint8 zero points (asymmetric).
         group_size: INT4 quantization group along K (32, 64, 128), else None.
@@ -130,8 +142,9 @@ class DecodePacked:
         if values.dtype not in vdt or tuple(values.shape) != want:
             raise ValueError(f"values must be {' or '.join(map(str, vdt))} of shape {want} for logical shape "
                              f"{(R, C)}, got {values.dtype} {tuple(values.shape)}")
-        if meta.dtype != torch.int32 or tuple(meta.shape) != (NT, 32, KM):
-            raise ValueError(f"meta must be int32 of shape {(NT, 32, KM)}, got {meta.dtype} {tuple(meta.shape)}")
+        mshape = (NT, 32, KM * (1 if scale is None else 2))   # INT8 / INT4: keep masks + mma.sp words
+        if meta.dtype != torch.int32 or tuple(meta.shape) != mshape:
+            raise ValueError(f"meta must be int32 of shape {mshape}, got {meta.dtype} {tuple(meta.shape)}")
         if int4:
             gshape = (R, -(-C // group_size))
             if scale.dtype != torch.float16 or tuple(scale.shape) != gshape:
@@ -175,7 +188,7 @@ class DecodePacked:
                 torch.empty(R, device=device)
         else:
             values, scale = torch.empty(KA, 2, NT, 32, 8, dtype=dtype, device=device), None
-        meta = torch.empty(NT, 32, KM, dtype=torch.int32, device=device)
+        meta = torch.empty(NT, 32, KM * (1 if scale is None else 2), dtype=torch.int32, device=device)
         return cls(values, meta, (R, C), torch.float32 if int8 else dtype, scale, zero=zero, group_size=group_size,
                    check=False)
 
@@ -222,7 +235,7 @@ class DecodePacked:
         else:
             v = self.values.view(KA, NT, 8, 4, 4, 2, 2)                      # (a, t, i, j, q, v, b)
             v = v.permute(1, 6, 2, 0, 4, 3, 5)                               # (t, b, i, a, q, j, v)
-        return codes.reshape(NT * 16, KA * 16), v.reshape(NT * 16, KA * 16, 2), self.meta[..., KA:]
+        return codes.reshape(NT * 16, KA * 16), v.reshape(NT * 16, KA * 16, 2), self.meta[..., KA:KM]
 
     def slots(self) -> torch.Tensor:
         """``(R, C // 4, 2)`` int64 slot (0..3) of each kept value (lower slot first)."""
@@ -246,6 +259,13 @@ class DecodePacked:
         pad[:R, :C // 4] = False
         if bool((codes[pad] != 0).any()) or bool((vals[pad] != 0).any()) or bool((meta_pad != 0).any()):
             raise ValueError(f"corrupt decode layout: padding past the logical shape {(R, C)} is not zero")
+        if self.scale is not None:
+            KM = decode_dims(R, C)[2]
+            want = _sp_words(self.slots(), R, C)
+            if not torch.equal(self.meta[..., KM:], want):
+                t, l, a = (int(i) for i in (self.meta[..., KM:] != want).nonzero()[0])
+                raise ValueError(f"corrupt mma.sp metadata (row tile {t}, lane {l}, atom {a}): it does not hold the "
+                                 f"kept slots of the keep masks")
         if self.scale is not None and not bool(torch.isfinite(self.scale).all()):
             raise ValueError("corrupt scales: non-finite values")
         if self.zero is not None and bool((self.zero > 15).any()):
@@ -320,6 +340,26 @@ def _slots_of_code(device) -> torch.Tensor:
     return torch.where((kept.sum(1) == 2)[:, None], torch.stack((lo, hi), dim=1), -1)
 
 
+def _int32(words: torch.Tensor) -> torch.Tensor:
+    """int64 words below 2**32 -> the int32 of the same bits."""
+    return torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)
+
+
+def _sp_words(slots: torch.Tensor, R: int, C: int) -> torch.Tensor:
+    """``(NT, 32, KM)`` int32 ``mma.sp`` metadata words (layout comment above) of the kept
+    ``slots`` ``(R, C // 4, 2)`` (lower slot first)."""
+    NT, KA, KM = decode_dims(R, C)
+    idx = slots[..., 0] | slots[..., 1] << 2                                    # (R, C/4) nibbles
+    pad = torch.full((NT * _DEC_ROWS, KA * _DEC_COLS // 4), 0b0100, dtype=torch.int64, device=slots.device)
+    pad[:R, :C // 4] = idx
+    nib = pad.view(NT, 2, 8, KA, 4, 4).permute(0, 2, 4, 3, 1, 5)                # (t, g, q, a, b, j)
+    shifts = 16 * torch.arange(2, device=slots.device)[:, None] + 4 * torch.arange(4, device=slots.device)
+    words = (nib << shifts).sum((-1, -2)).reshape(NT, 32, KA)                   # lane 4g + q
+    out = torch.zeros(NT, 32, KM, dtype=torch.int64, device=slots.device)
+    out[..., :KA] = words
+    return _int32(out)
+
+
 def pack_decode(p: Sparse24Tensor) -> DecodePacked:
     """Re-order and re-encode a compressed weight for the decode-path kernels.
 
@@ -353,7 +393,9 @@ def pack_decode(p: Sparse24Tensor) -> DecodePacked:
     shifts = torch.arange(0, 32, 4, device=p.device)
     words = (codes.reshape(NT, 32, KA, 8) << shifts).sum(-1)                   # int64 < 2**32
     words = _dec_pad(words.movedim(-1, 0), KM, words.shape[0]).movedim(0, -1)  # atoms padded to KM
-    meta = torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32).contiguous()
+    meta = _int32(words).contiguous()
+    if p.scale is not None:  # INT8 / INT4: the mma.sp words after the keep masks
+        meta = torch.cat((meta, _sp_words(slots, R, C)), dim=-1).contiguous()
     if p.group_size is not None:
         return _pack_int4(p, meta, NT, KA, Rp, Gp)
     vals = p.values.view(R, C // 4, 2)

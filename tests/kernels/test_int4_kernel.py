@@ -202,8 +202,8 @@ def test_a_wrong_scale_index_fails_the_check(where, gen):
 
 def test_bf16_is_refused_on_cpu_and_compiles_for_sm90(gen):
     """The interpreter cannot run bfloat16 (a clear error); the bfloat16 INT4 path compiles for
-    sm_80 and sm_90 with its magic constant, its fma dequantization, tensor-core dots and no
-    local memory."""
+    sm_80 and sm_90 with its magic constant, its fma dequantization, sparse tensor-core mma and
+    no local memory."""
     p, _ = _int4(64, 256, 128, False, gen)
     d = pack_decode(p)
     with pytest.raises(TypeError, match="no bfloat16"):
@@ -216,5 +216,7 @@ def test_bf16_is_refused_on_cpu_and_compiles_for_sm90(gen):
         ptx = ck.asm["ptx"]
         assert "1124090624" in ptx or "0x43004300" in ptx.lower()   # 0x43004300: bfloat16 128 + u
         assert ptx.count("fma.rn.bf16x2") >= 3 and "sub.f16x2" not in ptx
-        assert ("wgmma" in ptx) == (cap == 90) and ("mma.sync" in ptx) == (cap == 80)
+        # the sparse tensor-core kernel (kernels/sparse24_sp.py) on both: no dense dot
+        assert "mma.sp.sync.aligned.m16n8k32.row.col.f32.bf16.bf16.f32" in ptx
+        assert "wgmma" not in ptx and "mma.sync" not in ptx
         assert "ld.local" not in ptx and "st.local" not in ptx

@@ -5,7 +5,7 @@ checks; and an ahead-of-time sm_90 compile (wgmma with W from registers)."""
 import pytest
 import torch
 
-from sparse24.decode_format import DecodePacked
+from sparse24.decode_format import DecodePacked, pack_decode
 from sparse24.ops.config_space import KernelConfig
 from sparse24.ops.linear24.launch import linear_prefill
 from sparse24.ops.linear24.prefill import check_prefill_config, prefill_config, prefill_configs
@@ -67,7 +67,8 @@ def test_a_wrong_keep_bit_fails_the_check(wtype, gen):
     d, dense = _weight(N, K, wtype, gen)
     meta = d.meta.clone()
     meta[0, 20, 0] ^= 0b1111 << 8                      # row 5, columns 16..19: the other two slots
-    bad = DecodePacked(d.values, meta, d.shape, d.dtype, d.scale)
+    bad = DecodePacked(d.values, meta, d.shape, d.dtype, d.scale, check=False)
+    bad = pack_decode(bad.to_sparse24())               # INT8: its mma.sp words follow the keep masks
     x = torch.randn(33, K, generator=gen)
     tri = linear_prefill(x, bad)
     assert not torch.allclose(tri.double(), reference_linear(x, dense), **tolerance(torch.float32, K))

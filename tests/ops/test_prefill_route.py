@@ -89,10 +89,11 @@ def test_decode_sizes_keep_the_decode_kernel(cuda_route):
     assert [c.kernel for c, _ in cuda_route] == ["decode", "decode"]
 
 
-@pytest.mark.parametrize("quantize,limit", [(None, 0.60), ("int8", 0.35)])
+@pytest.mark.parametrize("quantize,limit", [(None, 0.60), ("int8", 0.40)])
 def test_layer_holds_one_copy(quantize, limit):
     """A decode-layout layer's memory (values + keep masks + scales + bias) against its dense
-    fp16 weight: one copy of the kept values (fp16: 0.5625 + row/column padding)."""
+    fp16 weight: one copy of the kept values (fp16: 0.5625 + row/column padding; INT8: 0.3125
+    + the mma.sp metadata words, 0.0625, + scales and padding: 0.396 at 1000 x 1000)."""
     layer = _layer(quantize, N=1000, K=1000)
     held = sum(t.numel() * t.element_size() for t in (*layer.parameters(), *layer.buffers()))
     assert held <= limit * 1000 * 1000 * 2, held / (1000 * 1000 * 2)

@@ -210,11 +210,11 @@ class _Plan:
         layout = "v1" if values_dim == 2 else "decode"
         if config is None:
             config = get_config(bucket, N, K, dtype_key(x_dtype, has_scale, group_size > 0), device, layout)
-        self.config, self.variant = config, _VARIANTS[config.kernel]
+        self.config, self.variant = config, variant_of(config, x_dtype, has_scale)
         self.split_k = self.variant.split_k(config, bucket, deterministic)
         self.kernel = self.variant.kernel(device.type == "cuda")
         self.constexprs = self.variant.constexprs(config, self.split_k, has_scale, values_dtype, bias_dtype is not None,
-                                                  tf32, K, group_size, has_zero)
+                                                  tf32, K, group_size, has_zero, bucket)
         names = tuple(self.constexprs)
         if device.type == "cuda":  # the kept handle gets the constexprs appended in signature order
             assert tuple(self.kernel.arg_names[-len(names):]) == names, self.kernel.arg_names
@@ -222,7 +222,7 @@ class _Plan:
         self.options = {"num_warps": config.num_warps, "num_stages": config.num_stages}
         self.N, self.device, self.cuda, self.device_index = N, device, device.type == "cuda", device.index
         # the integer arguments of contiguous tensors: fixed by N and K
-        self.contiguous_ints = self.variant.contiguous_ints(N, K)
+        self.contiguous_ints = self.variant.contiguous_ints(N, K, has_scale)
         self.max_rows = self.variant.max_rows(N, config)
         # the variant's extra tensors (decode: split-K workspace and counters, kept for the process)
         self.extra = self.variant.extra(device, N, config, self.split_k)
@@ -236,6 +236,7 @@ class _Plan:
                           f"activations once (e.g. model.half() or torch.autocast)", RuntimeWarning, stacklevel=5)
 
     def __call__(self, x2, values, meta, scale, bias, M, zero=None):
+        x2 = self.variant.prepare_x(x2)
         if not self.atomic_split:  # one launch writes x's dtype (decode split-K reduces in the kernel)
             target = torch.empty((M, self.N), dtype=x2.dtype, device=self.device)
         else:  # the general kernel's split-K adds fp32 partial sums into a zeroed buffer
@@ -362,7 +363,8 @@ class _Matmul:
         return sparse24_matmul if cuda else sparse24_matmul_interpreted
 
     @staticmethod
-    def constexprs(config, split_k, has_scale, values_dtype, has_bias, tf32, K, group_size=0, has_zero=False) -> dict:
+    def constexprs(config, split_k, has_scale, values_dtype, has_bias, tf32, K, group_size=0, has_zero=False,
+                   bucket=16) -> dict:
         return dict(HAS_SCALE=has_scale, HAS_BIAS=has_bias, DOT_PRECISION="tf32" if tf32 else "ieee",
                     BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
                     GROUP_M=config.group_m, SPLIT_K=split_k)
@@ -388,7 +390,11 @@ class _Matmul:
                 values.stride(1), meta.stride(0), meta.stride(1), target.stride(0), target.stride(1))
 
     @staticmethod
-    def contiguous_ints(N, K) -> tuple:
+    def prepare_x(x2):
+        return x2
+
+    @staticmethod
+    def contiguous_ints(N, K, quantized=False) -> tuple:
         # N, K and the strides of contiguous x (M, K), values (N, K/2), meta (K/32, N), out (M, N)
         return (N, K, K, 1, K // 2, 1, N, 1, N, 1)
 
@@ -422,7 +428,8 @@ class _Decode:
         return sparse24_decode if cuda else sparse24_decode_interpreted
 
     @staticmethod
-    def constexprs(config, split_k, has_scale, values_dtype, has_bias, tf32, K, group_size=0, has_zero=False) -> dict:
+    def constexprs(config, split_k, has_scale, values_dtype, has_bias, tf32, K, group_size=0, has_zero=False,
+                   bucket=16) -> dict:
         return dict(_decode_weight_constexprs(has_scale, values_dtype, has_bias, tf32, group_size, has_zero),
                     BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=split_k, EVEN_K=K % config.block_k == 0,
                     ONE_TILE=split_k == _cdiv(K, config.block_k))  # one K-tile per split: no loop
@@ -451,10 +458,15 @@ class _Decode:
                 x2.stride(0), x2.stride(1), target.stride(0), target.stride(1))
 
     @staticmethod
-    def contiguous_ints(N, K) -> tuple:
-        # N, K, atoms KA and meta atoms KM of the layout, strides of x (M, K) and out (M, N)
+    def prepare_x(x2):
+        return x2
+
+    @staticmethod
+    def contiguous_ints(N, K, quantized=False) -> tuple:
+        # N, K, atoms KA and the meta row stride (KM atoms; INT8 / INT4 2 KM: keep masks and
+        # mma.sp words) of the layout, strides of x (M, K) and out (M, N)
         _, KA, KM = decode_dims(N, K)
-        return (N, K, KA, KM, K, 1, N, 1)
+        return (N, K, KA, KM * (2 if quantized else 1), K, 1, N, 1)
 
     @staticmethod
     def grid(M, N, config, split_k) -> tuple:
@@ -482,7 +494,8 @@ class _Prefill(_Decode):
         return sparse24_prefill if cuda else sparse24_prefill_interpreted
 
     @staticmethod
-    def constexprs(config, split_k, has_scale, values_dtype, has_bias, tf32, K, group_size=0, has_zero=False) -> dict:
+    def constexprs(config, split_k, has_scale, values_dtype, has_bias, tf32, K, group_size=0, has_zero=False,
+                   bucket=16) -> dict:
         return dict(_decode_weight_constexprs(has_scale, values_dtype, has_bias, tf32, group_size, has_zero),
                     BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m)
 
@@ -505,6 +518,39 @@ class _Prefill(_Decode):
         return (_cdiv(M, config.block_m) * _cdiv(N, config.block_n), 1, 1)
 
 
+class _DecodeSP(_Decode):
+    """``kernels/sparse24_sp.py``: INT8 / INT4 decode-layout weights with float16 / bfloat16 x
+    on the sparse tensor cores (``mma.sp``); the decode kernel's config, grid, split-K and
+    arguments, plus ``N16`` (a second mma per chunk for x rows 8-15: M buckets above 8)."""
+
+    @staticmethod
+    def kernel(cuda: bool):
+        from sparse24.kernels.sparse24_sp import sparse24_sp, sparse24_sp_interpreted
+        return sparse24_sp if cuda else sparse24_sp_interpreted
+
+    @staticmethod
+    def constexprs(config, split_k, has_scale, values_dtype, has_bias, tf32, K, group_size=0, has_zero=False,
+                   bucket=16) -> dict:
+        return dict(_Decode.constexprs(config, split_k, has_scale, values_dtype, has_bias, tf32, K, group_size,
+                                       has_zero), N16=bucket > 8)
+
+    @staticmethod
+    def prepare_x(x2):
+        """The kernel reads x as 32-bit words of two columns: unit column stride, even row
+        stride, 4-byte aligned start (any contiguous x from torch; a copy otherwise)."""
+        if x2.stride(1) == 1 and (x2.stride(0) % 2 == 0 or x2.shape[0] == 1) and x2.data_ptr() % 4 == 0:
+            return x2
+        return x2.clone(memory_format=torch.contiguous_format)
+
+
+def variant_of(config: KernelConfig, x_dtype: torch.dtype, has_scale: bool):
+    """The kernel variant a launch of ``config`` runs: a decode config with INT8 / INT4
+    weights and float16 / bfloat16 x runs the sparse tensor-core kernel."""
+    if config.kernel == "decode" and has_scale and x_dtype in (torch.float16, torch.bfloat16):
+        return _DecodeSP
+    return _VARIANTS[config.kernel]
+
+
 _VARIANTS = {"matmul": _Matmul, "decode": _Decode, "prefill": _Prefill}
 _PLACEHOLDER: dict = {}
 
@@ -514,7 +560,8 @@ def kernel_call(x2, p: Sparse24Tensor | DecodePacked, bias, target, config: Kern
     (dtype :func:`target_dtype`; zeroed when that is the general kernel's fp32
     split-K buffer); shared by the tuner's parallel pre-compilation and the
     ahead-of-time compile, so both build the same kernel variant as the launch path."""
-    variant = _VARIANTS[config.kernel]
+    variant = variant_of(config, x2.dtype, p.scale is not None)
+    x2 = variant.prepare_x(x2)
     M = x2.shape[0]
     if target.dtype != target_dtype(config, split_k, x2.dtype):
         raise ValueError(f"target must be {target_dtype(config, split_k, x2.dtype)} for {config}, got {target.dtype}")
@@ -523,7 +570,7 @@ def kernel_call(x2, p: Sparse24Tensor | DecodePacked, bias, target, config: Kern
     b = p.meta if bias is None else bias
     group_size, zero = getattr(p, "group_size", None) or 0, getattr(p, "zero", None)
     kwargs = dict(variant.constexprs(config, split_k, p.scale is not None, p.values.dtype, bias is not None, tf32,
-                                     x2.shape[1], group_size, zero is not None),
+                                     x2.shape[1], group_size, zero is not None, m_bucket(M)),
                   num_warps=config.num_warps, num_stages=config.num_stages)
     grid = variant.grid(M, p.shape[0], config, split_k)
     extra = variant.extra(x2.device, p.shape[0], config, split_k)
@@ -552,7 +599,7 @@ def aot_compile(x2, p: Sparse24Tensor | DecodePacked, bias, target, config: Kern
     from triton.runtime.jit import mangle_type
 
     _, _, args, kwargs = kernel_call(x2, p, bias, target, config, split_k)
-    jit_fn = _VARIANTS[config.kernel].kernel(cuda=True)
+    jit_fn = variant_of(config, x2.dtype, p.scale is not None).kernel(cuda=True)
     names = jit_fn.arg_names
     constexprs = {k: v for k, v in kwargs.items() if k in names}
     constexprs.update({n: 1 for n, a in zip(names, args)

@@ -1,0 +1,476 @@
+"""Triton kernel for decode-sized batches of quantized weights (INT8, INT4) on
+the sparse tensor cores: ``out = x @ W^T (* scale) + bias``, W in the decode
+layout (``sparse24.decode_format.DecodePacked``) with its ``mma.sp`` metadata
+words, x float16 or bfloat16, M <= 16 per program (larger M: more programs).
+
+Why a third kernel: the byte-permute decode kernel (``sparse24_decode.py``)
+rebuilds the dense operand in registers, ~12 integer instructions per 2:4 group,
+which an INT8 group (2.5 bytes) or an INT4 group (1.5 bytes) cannot afford on
+sm_90 (docs/kernels.md, "the sparse tensor-core path"). ``mma.sp`` takes the
+kept values and their 2-bit indices as they are and skips the zeros in
+hardware, so the only decode left is the value conversion: one byte permute
+and one AND per register pair (INT8), or shift, OR, subtract and scale (INT4).
+
+Triton has no sparse dot, so the kernel issues ``mma.sp.sync.aligned.m16n8k32``
+as inline PTX on tensors that hold ONE element per thread: a tensor of
+``32 * num_warps`` elements is laid out one per thread in lane order, so
+element ``32 w + l`` is lane ``l`` of warp ``w``, and the asm's operands are
+exactly that lane's fragment registers (no layout conversion: the compiled
+loop has no shuffle and no shared memory). Each warp owns one 16-row tile of W
+(the decode layout's row tile, lane ``4 g + t`` rows ``g`` and ``g + 8``):
+
+* A (the weight, sparse): the decode layout already stores a lane's kept values
+  in the A-fragment order of ``m16n8k32`` (the dense ``m16n8k16`` A layout over
+  the 16 x 16 kept values: registers (row g, group t), (row g + 8, group t),
+  (row g, group t + 4), (row g + 8, group t + 4) of each 32-column chunk).
+  INT8: sign-magnitude bytes; one constant byte permute and one AND make a
+  float16 register pair of value * 2**-24 (subnormals, exact; the epilogue
+  scale carries 2**24), bfloat16 ``(128 + |v|) - 128`` by two LOP3 and one
+  fma. INT4: as the decode kernel (1024 + u, minus 1024 + z, times the scale).
+* E (metadata): the layout's ``mma.sp`` words (``decode_format``: lane 4g + t
+  of atom a holds 16-column chunk t, rows g and g + 8); chunk 0 of an atom runs
+  with sparsity selector 0 (lanes t = 0, 1 hold its words), chunk 1 with 1.
+* B (x^T): lane (g, t) loads x[row g, k + 2t .. 2t + 1] and the same at
+  k + 8, 16, 24 as 32-bit words (x rows with unit column stride, even row
+  stride: the launcher guarantees it); M > 8 runs a second mma on rows 8-15.
+* C/D: fp32, lane (g, t) holds out^T rows g, g + 8, columns 2t, 2t + 1.
+
+Split-K is serial and inside the one launch, as in the decode kernel. The
+interpreter runs this source on CPU: ``kernels/interpreter.py`` emulates the
+inline PTX from the definitions above (the metadata's thread layout is the one
+fact only a GPU can confirm: ``scripts/gpu_check.sh`` tests it).
+"""
+import numpy as np
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+from .interpreter import ASM_EMULATIONS, InterpretedKernel, f16x2_reference
+from .sparse24_decode import (_BF16X2_MINUS_ONE, _BF16X2_MINUS_ZERO, _DEQUANT_BF16X2, _MAGIC_BF16, _MAGIC_F16,
+                              _MUL_F16X2, _SM_MASK, _SUB_F16X2, _TWO_POW_24, _f16x2, _half_word, int8_bf16_words)
+
+__all__ = ["sparse24_sp", "sparse24_sp_interpreted", "mma_sp_reference", "SP_META_NIBBLE_PAD"]
+
+_MMA_SP = ("mma.sp.sync.aligned.m16n8k32.row.col.f32.{t}.{t}.f32 {{$0, $1, $2, $3}}, {{$4, $5, $6, $7}}, "
+           "{{$8, $9, $10, $11}}, {{$12, $13, $14, $15}}, $16, {s};")
+_MMA_F16_0 = tl.constexpr(_MMA_SP.format(t="f16", s="0x0"))
+_MMA_F16_1 = tl.constexpr(_MMA_SP.format(t="f16", s="0x1"))
+_MMA_BF16_0 = tl.constexpr(_MMA_SP.format(t="bf16", s="0x0"))
+_MMA_BF16_1 = tl.constexpr(_MMA_SP.format(t="bf16", s="0x1"))
+# bfloat16 INT8: y - c exactly (c * -1 + y, one fma: sm_80 has no bf16x2 sub)
+_SUB_BF16X2 = tl.constexpr("fma.rn.bf16x2 $0, $2, $3, $1;")
+SP_META_NIBBLE_PAD = 0b0100   # a valid (0, 1) index pair: padding groups (zero values) must not be 0b0000
+
+
+def mma_sp_reference(selector: int, bf16: bool = False):
+    """A numpy emulation of ``mma.sp.sync.aligned.m16n8k32.row.col.f32.{f16,bf16}...`` on
+    the operand arrays of tensors laid out one element per thread (element 32 w + l is
+    lane l of warp w): A from the kept values and the metadata words of the two threads
+    of each quad that ``selector`` names (lane 4g + 2 selector + c holds columns 16c ..
+    16c + 15 of rows g (bits 0-15) and g + 8 (bits 16-31), 4 bits per group of 4
+    columns: lower kept index in bits 0-1), B and C as in the dense m16n8k16 layouts
+    extended to k = 32; products exact, the sum rounded once to float32."""
+    def run(a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3, e):
+        def halves(w):
+            w = np.ascontiguousarray(np.asarray(w, dtype=np.int32))
+            if bf16:  # bfloat16 bits are the top half of float32's
+                u = w.view(np.uint32).astype(np.uint64)
+                lo = ((u & 0xFFFF) << 16).astype(np.uint32).view(np.float32)
+                hi = ((u >> 16) << 16).astype(np.uint32).view(np.float32)
+                return lo.astype(np.float64), hi.astype(np.float64)
+            h = w.view(np.float16).reshape(-1, 2).astype(np.float64)
+            return h[:, 0], h[:, 1]
+        L = len(a0)
+        out = [np.empty(L, np.float32) for _ in range(4)]
+        c = np.stack([np.asarray(v, np.float64) for v in (c0, c1, c2, c3)], 1)
+        e = np.asarray(e).astype(np.int64) & 0xFFFFFFFF
+        for w in range(L // 32):
+            s = slice(32 * w, 32 * w + 32)
+            A = np.zeros((16, 32))
+            for reg, (dr, dg) in enumerate(((0, 0), (8, 0), (0, 4), (8, 4))):
+                lo, hi = halves((a0, a1, a2, a3)[reg][s])
+                for lane in range(32):
+                    g, t = divmod(lane, 4)
+                    row, grp = g + dr, t + dg
+                    word = e[32 * w + 4 * g + 2 * selector + grp // 4]
+                    nib = (word >> (16 * (row // 8) + 4 * (grp % 4))) & 15
+                    i0, i1 = nib & 3, nib >> 2
+                    if i0 >= i1:
+                        raise ValueError(f"invalid mma.sp metadata nibble {nib:#06b} (row {row}, group {grp})")
+                    A[row, 4 * grp + i0] = lo[lane]
+                    A[row, 4 * grp + i1] = hi[lane]
+            B = np.zeros((32, 8))
+            for reg in range(4):
+                lo, hi = halves((b0, b1, b2, b3)[reg][s])
+                for lane in range(32):
+                    g, t = divmod(lane, 4)
+                    B[8 * reg + 2 * t, g], B[8 * reg + 2 * t + 1, g] = lo[lane], hi[lane]
+            D = A @ B
+            for lane in range(32):
+                g, t = divmod(lane, 4)
+                d = (D[g, 2 * t], D[g, 2 * t + 1], D[g + 8, 2 * t], D[g + 8, 2 * t + 1])
+                for i in range(4):
+                    out[i][32 * w + lane] = np.float32(d[i] + c[32 * w + lane, i])
+        return tuple(out)
+    return run
+
+
+def _bf16x2_sub_reference(y, c):
+    y, c = (np.ascontiguousarray(np.asarray(v, np.int32)).view(np.uint32).astype(np.uint64) for v in (y, c))
+    def f(u, k):
+        return (((u >> (16 * k)) & 0xFFFF) << 16).astype(np.uint32).view(np.float32)
+    d = [(f(y, k) - f(c, k)).view(np.uint32) >> 16 for k in (0, 1)]   # exact: no rounding to do
+    return (d[0].astype(np.uint64) | d[1].astype(np.uint64) << 16).astype(np.uint32).view(np.int32)
+
+
+for _asm, _sel, _bf in ((_MMA_F16_0, 0, False), (_MMA_F16_1, 1, False), (_MMA_BF16_0, 0, True),
+                        (_MMA_BF16_1, 1, True)):
+    ASM_EMULATIONS[_asm.value] = mma_sp_reference(_sel, _bf)
+ASM_EMULATIONS[_SUB_BF16X2.value] = lambda y, c, m1: _bf16x2_sub_reference(y, c)
+ASM_EMULATIONS.setdefault(_SUB_F16X2.value, f16x2_reference("sub"))
+
+
+@triton.jit
+def _mma(a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3, e, ASM: tl.constexpr):
+    return tl.inline_asm_elementwise(ASM, "=f,=f,=f,=f,r,r,r,r,r,r,r,r,f,f,f,f,r",
+                                     [a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3, e],
+                                     dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=True, pack=1)
+
+
+@triton.jit
+def _int8_pair(p, SEL: tl.constexpr, sm_mask, BF16: tl.constexpr):
+    # Two sign-magnitude bytes of word p (selector SEL puts each in both bytes of a lane)
+    # -> an A register: float16 value * 2**-24 (AND), or bfloat16 value exactly.
+    if BF16:
+        d = libdevice.byte_perm(p, 0, SEL) & sm_mask
+        y, c = int8_bf16_words(d)
+        m1 = tl.full(y.shape, _BF16X2_MINUS_ONE, tl.int32)
+        return tl.inline_asm_elementwise(_SUB_BF16X2, "=r,r,r,r", [y, c, m1], dtype=tl.int32, is_pure=True, pack=1)
+    return libdevice.byte_perm(p, 0, SEL) & _SM_MASK   # float16: an AND with an immediate
+
+
+@triton.jit
+def _int4_pair(w, SHIFT: tl.constexpr, Z, SH, SL, nib_mask, BF16: tl.constexpr):
+    # Two 4-bit codes (nibbles SHIFT/4 and SHIFT/4 + 4 of w) -> an A register of
+    # (u - z) * scale: 1024 + u (128 + u) by one AND-OR, minus 1024 + z exactly, times the
+    # scale word SH (bfloat16: its exact split SH + SL, rounded once, as the decode kernel).
+    if BF16:
+        q = ((w >> SHIFT) & nib_mask) | _MAGIC_BF16
+        m1 = tl.full(q.shape, _BF16X2_MINUS_ONE, tl.int32)
+        m0 = tl.full(q.shape, _BF16X2_MINUS_ZERO, tl.int32)
+        return tl.inline_asm_elementwise(_DEQUANT_BF16X2, "=r,r,r,r,r,r,r", [q, Z, SH, SL, m1, m0],
+                                         dtype=tl.int32, is_pure=True, pack=1)
+    q = ((w >> SHIFT) & nib_mask) | _MAGIC_F16
+    return _f16x2(_MUL_F16X2, _f16x2(_SUB_F16X2, q, Z), SH)
+
+
+@triton.jit
+def _x_words(xw, kw: tl.constexpr, k, K, col, MASKED: tl.constexpr):
+    # B registers of one 32-column chunk (first column k): this lane's x words (two columns
+    # each) at kw, kw + 4, + 8, + 12 past xw (col = 2t: the lane's first column in the
+    # chunk); columns >= K read as 0 (K % 4 == 0: a word is inside K or past it).
+    if MASKED:
+        b0 = tl.load(xw + kw, mask=k + col < K, other=0)
+        b1 = tl.load(xw + kw + 4, mask=k + col + 8 < K, other=0)
+        b2 = tl.load(xw + kw + 8, mask=k + col + 16 < K, other=0)
+        b3 = tl.load(xw + kw + 12, mask=k + col + 24 < K, other=0)
+    else:
+        b0 = tl.load(xw + kw)
+        b1 = tl.load(xw + kw + 4)
+        b2 = tl.load(xw + kw + 8)
+        b3 = tl.load(xw + kw + 12)
+    return b0, b1, b2, b3
+
+
+@triton.jit
+def _scale_words(s, BF16: tl.constexpr):
+    # A float16 scale -> the packed words the dequantization multiplies by: float16 (s, s);
+    # bfloat16 (hi, hi) and (lo, lo) with hi = bf16(s), lo = s - hi exactly.
+    if BF16:
+        hi = s.to(tl.bfloat16)
+        lo = (s.to(tl.float32) - hi.to(tl.float32)).to(tl.bfloat16)
+        return _half_word(hi), _half_word(lo)
+    w = _half_word(s)
+    return w, w
+
+
+@triton.jit
+def _int4_group(s_rows0, s_rows1, z_rows0, z_rows1, kq, ok, like, MASKED: tl.constexpr, HAS_ZERO: tl.constexpr,
+                BF16: tl.constexpr):
+    # Scale words and zero words (magic | z, twice) of rows g and g + 8 at quantization group kq:
+    # (SH0, SL0, Z0, SH8, SL8, Z8); loaded once per group, not per atom.
+    MAGIC: tl.constexpr = _MAGIC_BF16 if BF16 else _MAGIC_F16
+    if MASKED:
+        s0 = tl.load(s_rows0 + kq, mask=ok, other=0.0)
+        s8 = tl.load(s_rows1 + kq, mask=ok, other=0.0)
+    else:
+        s0 = tl.load(s_rows0 + kq)
+        s8 = tl.load(s_rows1 + kq)
+    if HAS_ZERO:
+        if MASKED:
+            Z0 = tl.load(z_rows0 + kq, mask=ok, other=0).to(tl.int32) * 0x10001 | MAGIC
+            Z8 = tl.load(z_rows1 + kq, mask=ok, other=0).to(tl.int32) * 0x10001 | MAGIC
+        else:
+            Z0 = tl.load(z_rows0 + kq).to(tl.int32) * 0x10001 | MAGIC
+            Z8 = tl.load(z_rows1 + kq).to(tl.int32) * 0x10001 | MAGIC
+    else:  # symmetric: z = 8
+        Z0 = tl.full(like.shape, MAGIC | 0x80008, tl.int32)
+        Z8 = Z0
+    SH0, SL0 = _scale_words(s0, BF16)
+    SH8, SL8 = _scale_words(s8, BF16)
+    return SH0, SL0, Z0, SH8, SL8, Z8
+
+
+@triton.jit
+def _chunk(c0, c1, c2, c3, d0, d1, d2, d3, a0, a1, a2, a3, e, xw0, xw1, kw: tl.constexpr, k, K, col,
+           SEL: tl.constexpr, MASKED: tl.constexpr, BF16: tl.constexpr, N16: tl.constexpr):
+    # One 32-column chunk (first column k): mma.sp with x rows 0-7 (and 8-15 when N16), their
+    # words at kw past xw0, xw1.
+    b0, b1, b2, b3 = _x_words(xw0, kw, k, K, col, MASKED)
+    if BF16:
+        ASM: tl.constexpr = _MMA_BF16_1 if SEL else _MMA_BF16_0
+    else:
+        ASM: tl.constexpr = _MMA_F16_1 if SEL else _MMA_F16_0
+    c0, c1, c2, c3 = _mma(a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3, e, ASM)
+    if N16:
+        b0, b1, b2, b3 = _x_words(xw1, kw, k, K, col, MASKED)
+        d0, d1, d2, d3 = _mma(a0, a1, a2, a3, b0, b1, b2, b3, d0, d1, d2, d3, e, ASM)
+    return c0, c1, c2, c3, d0, d1, d2, d3
+
+
+@triton.jit
+def _sp_tile(c0, c1, c2, c3, d0, d1, d2, d3, vt, V_ATOM, et, xt0, xt1, col, kt, K, KA, sm_mask, nib_mask,
+             s_rows0, s_rows1, z_rows0, z_rows1, G, A: tl.constexpr,
+             MASKED: tl.constexpr, INT4: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr,
+             BF16: tl.constexpr, N16: tl.constexpr):
+    # One K-tile (A atoms of 64 columns, two mma.sp chunks each) of this warp's 16 rows:
+    # c, d the fp32 accumulator registers of x rows 0-7 and 8-15 (d unused unless N16);
+    # vt, et, xt0, xt1 this lane's value, metadata and x-word pointers at the tile's start
+    # (the atoms' offsets from them are loop-invariant or immediates).
+    for j in tl.static_range(A):
+        a = kt * A + j
+        ok = col * 0 + a < KA   # per lane (a scalar mask is not accepted by every Triton version)
+        if MASKED:  # atoms past the padded K: zero values, valid (0, 1) index pairs
+            e = tl.load(et + j, mask=ok, other=0x44444444)
+        else:
+            e = tl.load(et + j)
+        vp = (vt + j * V_ATOM)[:, None] + tl.arange(0, 2 if INT4 else 4)[None, :]
+        if MASKED:
+            p = tl.load(vp, mask=ok[:, None], other=0)   # INT4 [L, 2] (8 B), INT8 [L, 4] (16 B)
+        else:
+            p = tl.load(vp)
+        if INT4:
+            w0, w1 = tl.split(p)
+            # quantization groups: loaded at the first atom of each (GROUP >= 64), or per chunk (32)
+            if (GROUP == 32) or (j % (GROUP // 64) == 0):
+                kq = (a * 64) // GROUP
+                SH0, SL0, Z0, SH8, SL8, Z8 = _int4_group(s_rows0, s_rows1, z_rows0, z_rows1, kq,
+                                                         ok & (col * 0 + kq < G), e, MASKED, HAS_ZERO, BF16)
+            a0 = _int4_pair(w0, 0, Z0, SH0, SL0, nib_mask, BF16)
+            a1 = _int4_pair(w0, 4, Z8, SH8, SL8, nib_mask, BF16)
+            a2 = _int4_pair(w0, 8, Z0, SH0, SL0, nib_mask, BF16)
+            a3 = _int4_pair(w0, 12, Z8, SH8, SL8, nib_mask, BF16)
+            c0, c1, c2, c3, d0, d1, d2, d3 = _chunk(c0, c1, c2, c3, d0, d1, d2, d3, a0, a1, a2, a3, e, xt0, xt1,
+                                                    j * 32, a * 64, K, col, 0, MASKED, BF16, N16)
+            if GROUP == 32:  # the second chunk is the next group
+                kq = (a * 64 + 32) // GROUP
+                SH0, SL0, Z0, SH8, SL8, Z8 = _int4_group(s_rows0, s_rows1, z_rows0, z_rows1, kq,
+                                                         ok & (col * 0 + kq < G), e, MASKED, HAS_ZERO, BF16)
+            a0 = _int4_pair(w1, 0, Z0, SH0, SL0, nib_mask, BF16)
+            a1 = _int4_pair(w1, 4, Z8, SH8, SL8, nib_mask, BF16)
+            a2 = _int4_pair(w1, 8, Z0, SH0, SL0, nib_mask, BF16)
+            a3 = _int4_pair(w1, 12, Z8, SH8, SL8, nib_mask, BF16)
+        else:
+            pa, pb = tl.split(tl.reshape(p, [p.shape[0], 2, 2]))
+            p0, p2 = tl.split(pa)
+            p1, p3 = tl.split(pb)
+            # word q: bytes (row g lo, row g+8 lo, row g hi, row g+8 hi) of 16-column chunk q
+            a0 = _int8_pair(p0, 0x2200, sm_mask, BF16)
+            a1 = _int8_pair(p0, 0x3311, sm_mask, BF16)
+            a2 = _int8_pair(p1, 0x2200, sm_mask, BF16)
+            a3 = _int8_pair(p1, 0x3311, sm_mask, BF16)
+            c0, c1, c2, c3, d0, d1, d2, d3 = _chunk(c0, c1, c2, c3, d0, d1, d2, d3, a0, a1, a2, a3, e, xt0, xt1,
+                                                    j * 32, a * 64, K, col, 0, MASKED, BF16, N16)
+            a0 = _int8_pair(p2, 0x2200, sm_mask, BF16)
+            a1 = _int8_pair(p2, 0x3311, sm_mask, BF16)
+            a2 = _int8_pair(p3, 0x2200, sm_mask, BF16)
+            a3 = _int8_pair(p3, 0x3311, sm_mask, BF16)
+        c0, c1, c2, c3, d0, d1, d2, d3 = _chunk(c0, c1, c2, c3, d0, d1, d2, d3, a0, a1, a2, a3, e, xt0, xt1,
+                                                j * 32 + 16, a * 64 + 32, K, col, 1, MASKED, BF16, N16)
+    return c0, c1, c2, c3, d0, d1, d2, d3
+
+
+def _sparse24_sp(
+    x_ptr, v_ptr, meta_ptr, scale_ptr, zero_ptr, bias_ptr, out_ptr, ws_ptr, count_ptr,
+    M, N, K, KA, KM,
+    stride_xm, stride_xk,
+    stride_om, stride_on,
+    INT8: tl.constexpr, W_BF16: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
+    ONE_TILE: tl.constexpr, INT4: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, N16: tl.constexpr,
+):
+    # Grid: (cdiv(N, BLOCK_N), SPLIT_K, cdiv(M, 16)), num_warps = BLOCK_N // 16: warp w
+    # owns row tile pid_n * W + w. meta_ptr: the layout's meta, (NT, 32, KM) words whose
+    # second half (atoms KM / 2 ..) holds the mma.sp words. x: unit column stride, even
+    # row stride (stride_xk is not read). ONE_TILE and DOT_PRECISION: the decode kernel's
+    # constexprs (one signature for both launch paths), not used here.
+    W: tl.constexpr = BLOCK_N // 16
+    L: tl.constexpr = 32 * W
+    A: tl.constexpr = BLOCK_K // 64
+    BF16: tl.constexpr = x_ptr.dtype.element_ty == tl.bfloat16
+    lane = tl.arange(0, L)
+    li = lane % 32
+    g = li // 4
+    tq = li % 4
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    m0 = tl.program_id(2).to(tl.int64) * 16
+    x_ptr += m0 * stride_xm
+    out_ptr += m0 * stride_om
+    m_left = tl.minimum(M - tl.program_id(2) * 16, 16)
+    NT = (N + 127) // 128 * 8
+    t = pid_n * W + lane // 32                       # this lane's row tile
+
+    k_tiles = (K + BLOCK_K - 1) // BLOCK_K
+    per_split = (k_tiles + SPLIT_K - 1) // SPLIT_K
+    k_lo = pid_k * per_split
+    k_hi = min(k_tiles, k_lo + per_split)
+    n_full = K // BLOCK_K
+
+    # values as 32-bit words, per lane and atom: INT8 4 words (16 B), INT4 2 words (8 B)
+    v_ptr = v_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+    if INT4:
+        v_lane = v_ptr + t.to(tl.int64) * 64 + li * 2        # + atom * NT * 64
+        V_ATOM = NT.to(tl.int64) * 64
+    else:
+        v_lane = v_ptr + t.to(tl.int64) * 128 + li * 4       # + atom * NT * 128
+        V_ATOM = NT.to(tl.int64) * 128
+    e_ptrs = meta_ptr + (t * 32 + li).to(tl.int64) * KM + KM // 2
+    # x rows g and g + 8 as 32-bit words (rows past M clamped: never stored)
+    xi = x_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+    r0 = tl.minimum(g, m_left - 1).to(tl.int64)
+    r1 = tl.minimum(g + 8, m_left - 1).to(tl.int64)
+    xw0 = xi + r0 * (stride_xm // 2) + tq
+    xw1 = xi + r1 * (stride_xm // 2) + tq
+    G = (K + GROUP - 1) // GROUP
+    rw0 = tl.minimum(t * 16 + g, N - 1).to(tl.int64) * G     # INT4 scale rows g, g + 8 (padding rows clamped)
+    rw1 = tl.minimum(t * 16 + g + 8, N - 1).to(tl.int64) * G
+
+    col = 2 * tq
+    # INT8 x bfloat16: the sign-magnitude mask as a runtime register (KA >> 31 is 0, which no
+    # compiler can know) fuses the AND with the magic OR into one LOP3, instead of rebuilding
+    # the constant in a register for every use (the decode kernel's trick).
+    sm_mask = _SM_MASK | (KA >> 31)
+    nib_mask = 0x000F000F | (KA >> 31)   # INT4: the codes' AND-OR is one LOP3 the same way
+    c0 = tl.zeros([L], tl.float32)
+    c1, c2, c3, d0, d1, d2, d3 = c0, c0, c0, c0, c0, c0, c0
+    # pointers at this split's first K-tile, advanced by one tile per iteration
+    vt = v_lane + (k_lo * A).to(tl.int64) * V_ATOM
+    et = e_ptrs + k_lo * A
+    xt0 = xw0 + k_lo * (BLOCK_K // 2)
+    xt1 = xw1 + k_lo * (BLOCK_K // 2)
+    V_TILE = A * V_ATOM
+    for kt in range(k_lo, min(k_hi, n_full)):
+        c0, c1, c2, c3, d0, d1, d2, d3 = _sp_tile(
+            c0, c1, c2, c3, d0, d1, d2, d3, vt, V_ATOM, et, xt0, xt1, col, kt, K, KA, sm_mask, nib_mask,
+            scale_ptr + rw0, scale_ptr + rw1, zero_ptr + rw0, zero_ptr + rw1, G, A, False, INT4, GROUP, HAS_ZERO,
+            BF16, N16)
+        vt += V_TILE
+        et += A
+        xt0 += BLOCK_K // 2
+        xt1 += BLOCK_K // 2
+    if not EVEN_K:
+        if (n_full >= k_lo) & (n_full < k_hi):  # this split owns the partial tile (pointers are there)
+            c0, c1, c2, c3, d0, d1, d2, d3 = _sp_tile(
+                c0, c1, c2, c3, d0, d1, d2, d3, vt, V_ATOM, et, xt0, xt1, col, n_full, K, KA, sm_mask, nib_mask,
+                scale_ptr + rw0, scale_ptr + rw1, zero_ptr + rw0, zero_ptr + rw1, G, A, True, INT4, GROUP,
+                HAS_ZERO, BF16, N16)
+
+    # out^T fragment -> (n, m): n = row of W, m = row of x
+    n_lo = pid_n * BLOCK_N + (lane // 32) * 16 + g
+    m_lo = 2 * tq
+    write = True
+    if SPLIT_K > 1:
+        # Serial split-K (as the decode kernel): partials in the plan's workspace
+        # [tiles, SPLIT_K, BLOCK_N, 16], the last-arriving program sums them in split order.
+        tile = tl.program_id(2) * tl.num_programs(0) + pid_n
+        base = ws_ptr + tile.to(tl.int64) * (SPLIT_K * BLOCK_N * 16) + (n_lo - pid_n * BLOCK_N) * 16 + m_lo
+        mine = base + pid_k * (BLOCK_N * 16)
+        tl.store(mine, c0, cache_modifier=".cg")
+        tl.store(mine + 1, c1, cache_modifier=".cg")
+        tl.store(mine + 128, c2, cache_modifier=".cg")
+        tl.store(mine + 129, c3, cache_modifier=".cg")
+        if N16:
+            tl.store(mine + 8, d0, cache_modifier=".cg")
+            tl.store(mine + 9, d1, cache_modifier=".cg")
+            tl.store(mine + 136, d2, cache_modifier=".cg")
+            tl.store(mine + 137, d3, cache_modifier=".cg")
+        tl.debug_barrier()  # all threads' partials are stored before the counter releases them
+        arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        write = arrived == SPLIT_K - 1
+        if write:
+            c0 = tl.load(base, cache_modifier=".cg")
+            c1 = tl.load(base + 1, cache_modifier=".cg")
+            c2 = tl.load(base + 128, cache_modifier=".cg")
+            c3 = tl.load(base + 129, cache_modifier=".cg")
+            if N16:
+                d0 = tl.load(base + 8, cache_modifier=".cg")
+                d1 = tl.load(base + 9, cache_modifier=".cg")
+                d2 = tl.load(base + 136, cache_modifier=".cg")
+                d3 = tl.load(base + 137, cache_modifier=".cg")
+            for s in tl.static_range(1, SPLIT_K):
+                part = base + s * (BLOCK_N * 16)
+                c0 += tl.load(part, cache_modifier=".cg")
+                c1 += tl.load(part + 1, cache_modifier=".cg")
+                c2 += tl.load(part + 128, cache_modifier=".cg")
+                c3 += tl.load(part + 129, cache_modifier=".cg")
+                if N16:
+                    d0 += tl.load(part + 8, cache_modifier=".cg")
+                    d1 += tl.load(part + 9, cache_modifier=".cg")
+                    d2 += tl.load(part + 136, cache_modifier=".cg")
+                    d3 += tl.load(part + 137, cache_modifier=".cg")
+            tl.store(count_ptr + tile, 0)  # ready for the next launch
+    if write:
+        _sp_epilogue(c0, c1, c2, c3, d0, d1, d2, d3, out_ptr, scale_ptr, bias_ptr, n_lo, m_lo, N, m_left, stride_om, stride_on,
+                     INT8, not BF16, HAS_BIAS, N16)
+
+
+@triton.jit
+def _sp_epilogue(c0, c1, c2, c3, d0, d1, d2, d3, out_ptr, scale_ptr, bias_ptr, n_lo, m_lo, N, M, stride_om, stride_on,
+                 INT8: tl.constexpr, X_FP16: tl.constexpr, HAS_BIAS: tl.constexpr, N16: tl.constexpr):
+    # out[m, n] for this lane's fragment: (n_lo, m_lo), (n_lo, m_lo + 1), (n_lo + 8, ...), and
+    # m + 8 for the second n-tile; INT8 scale (times 2**24 for the float16 subnormals), bias.
+    n_hi = n_lo + 8
+    ok_lo = n_lo < N
+    ok_hi = n_hi < N
+    if INT8:
+        s_lo = tl.load(scale_ptr + n_lo, mask=ok_lo, other=0.0)
+        s_hi = tl.load(scale_ptr + n_hi, mask=ok_hi, other=0.0)
+        if X_FP16:
+            s_lo = s_lo * _TWO_POW_24
+            s_hi = s_hi * _TWO_POW_24
+        c0, c1, c2, c3 = c0 * s_lo, c1 * s_lo, c2 * s_hi, c3 * s_hi
+        d0, d1, d2, d3 = d0 * s_lo, d1 * s_lo, d2 * s_hi, d3 * s_hi
+    if HAS_BIAS:
+        b_lo = tl.load(bias_ptr + n_lo, mask=ok_lo, other=0.0).to(tl.float32)
+        b_hi = tl.load(bias_ptr + n_hi, mask=ok_hi, other=0.0).to(tl.float32)
+        c0, c1, c2, c3 = c0 + b_lo, c1 + b_lo, c2 + b_hi, c3 + b_hi
+        d0, d1, d2, d3 = d0 + b_lo, d1 + b_lo, d2 + b_hi, d3 + b_hi
+    OT: tl.constexpr = out_ptr.dtype.element_ty
+    p_lo = out_ptr + m_lo.to(tl.int64) * stride_om + n_lo * stride_on
+    p_hi = out_ptr + m_lo.to(tl.int64) * stride_om + n_hi * stride_on
+    tl.store(p_lo, c0.to(OT), mask=ok_lo & (m_lo < M))
+    tl.store(p_lo + stride_om, c1.to(OT), mask=ok_lo & (m_lo + 1 < M))
+    tl.store(p_hi, c2.to(OT), mask=ok_hi & (m_lo < M))
+    tl.store(p_hi + stride_om, c3.to(OT), mask=ok_hi & (m_lo + 1 < M))
+    if N16:
+        p_lo += 8 * stride_om
+        p_hi += 8 * stride_om
+        tl.store(p_lo, d0.to(OT), mask=ok_lo & (m_lo + 8 < M))
+        tl.store(p_lo + stride_om, d1.to(OT), mask=ok_lo & (m_lo + 9 < M))
+        tl.store(p_hi, d2.to(OT), mask=ok_hi & (m_lo + 8 < M))
+        tl.store(p_hi + stride_om, d3.to(OT), mask=ok_hi & (m_lo + 9 < M))
+
+
+sparse24_sp = triton.jit(_sparse24_sp, do_not_specialize=["M"])
+sparse24_sp_interpreted = InterpretedKernel(_sparse24_sp)

@@ -1,0 +1,190 @@
+"""The sparse tensor-core kernel (kernels/sparse24_sp.py: INT8 / INT4 weights with
+float16 x at M <= 16), run in Triton's interpreter with its inline PTX emulated,
+against F.linear in fp64 on the dense weight; the emulation of ``mma.sp`` against
+a dense product built from the PTX fragment definitions; the layout's mma.sp
+metadata words against the layout-v1 slots; and the route that picks the kernel.
+
+What no CPU can check (the hardware's reading of the metadata operand and the
+fragments) is tested on a GPU by scripts/gpu_check.sh (scripts/gpu_tests)."""
+import itertools
+
+import numpy as np
+import pytest
+import torch
+
+import sparse24
+from sparse24.decode_format import DecodePacked, decode_dims, pack_decode
+from sparse24.kernels.sparse24_sp import SP_META_NIBBLE_PAD, mma_sp_reference
+from sparse24.ops.config_space import KernelConfig, decode_configs
+from sparse24.ops.linear24 import launch
+from sparse24.ops.linear24 import linear_triton as linear_decode
+
+from conftest import assert_matches_reference, matches_reference
+
+
+def _cfg(bn, bk, split=1, stages=1):
+    return KernelConfig(16, bn, bk, 1, split, bn // 16, stages, kernel="decode")
+
+
+def _words(h):
+    """float16 (..., 2) -> int32 words (low half first)."""
+    return np.ascontiguousarray(h.astype(np.float16)).view(np.int32)[..., 0]
+
+
+# --- the mma.sp emulation ------------------------------------------------------------
+
+@pytest.mark.parametrize("selector", [0, 1])
+def test_mma_sp_emulation_computes_the_documented_product(selector):
+    """Fragments built from the PTX definitions (A: the m16n8k16 A layout over the 16 x 16
+    kept values; metadata: lane 4g + 2 selector + c, columns 16c .. 16c + 15, rows g in bits
+    0-15 and g + 8 in bits 16-31; B: k = 2t + 8i (+1), n = g; C/D: rows g, g + 8, columns 2t,
+    2t + 1) give D = A B + C of the dense 2:4 A, in two warps at once."""
+    rng = np.random.default_rng(selector)
+    warps = 2
+    A = np.zeros((warps, 16, 32))
+    slots = np.zeros((warps, 16, 8, 2), dtype=np.int64)
+    for w, r, grp in itertools.product(range(warps), range(16), range(8)):
+        lo, hi = sorted(rng.choice(4, 2, replace=False))
+        slots[w, r, grp] = lo, hi
+        A[w, r, 4 * grp + lo], A[w, r, 4 * grp + hi] = rng.integers(-8, 8, 2) / 4
+    B = rng.integers(-8, 8, (warps, 32, 8)) / 8
+    C = rng.integers(-8, 8, (warps, 16, 8)) / 2
+    L = 32 * warps
+    a = np.zeros((4, L), np.int32)
+    b = np.zeros((4, L), np.int32)
+    c = np.zeros((4, L), np.float32)
+    e = np.full(L, 0x44444444, np.int64)         # lanes the selector does not name: never read
+    for w, lane in itertools.product(range(warps), range(32)):
+        g, t = divmod(lane, 4)
+        i = 32 * w + lane
+        for reg, (row, grp) in enumerate(((g, t), (g + 8, t), (g, t + 4), (g + 8, t + 4))):
+            lo, hi = slots[w, row, grp]
+            a[reg, i] = _words(np.array([A[w, row, 4 * grp + lo], A[w, row, 4 * grp + hi]]))
+        for reg in range(4):
+            b[reg, i] = _words(np.array([B[w, 2 * t + 8 * reg, g], B[w, 2 * t + 8 * reg + 1, g]]))
+        c[:, i] = C[w, g, 2 * t], C[w, g, 2 * t + 1], C[w, g + 8, 2 * t], C[w, g + 8, 2 * t + 1]
+        if t // 2 == selector:                   # this lane holds columns 16 (t % 2) .. + 15
+            word = 0
+            for half, jj in itertools.product(range(2), range(4)):
+                lo, hi = slots[w, g + 8 * half, 4 * (t % 2) + jj]
+                word |= int(lo | hi << 2) << (16 * half + 4 * jj)
+            e[i] = word
+    e = np.where(e >= 2 ** 31, e - 2 ** 32, e).astype(np.int32)
+    d = mma_sp_reference(selector)(*a, *b, *c, e)
+    D = A @ B + C
+    for w, lane in itertools.product(range(warps), range(32)):
+        g, t = divmod(lane, 4)
+        want = (D[w, g, 2 * t], D[w, g, 2 * t + 1], D[w, g + 8, 2 * t], D[w, g + 8, 2 * t + 1])
+        assert [float(d[k][32 * w + lane]) for k in range(4)] == list(want)   # small exact values
+    bad = e.copy()
+    bad[2 * selector] = 0                        # lane (0, 2 selector): 0b0000 is not a valid index pair
+    with pytest.raises(ValueError, match="invalid mma.sp metadata"):
+        mma_sp_reference(selector)(*a, *b, *c, bad)
+
+
+# --- the layout's mma.sp words ---------------------------------------------------------
+
+@pytest.mark.parametrize("quantize", ["int8", "int4"])
+def test_sp_words_hold_the_kept_slots(quantize):
+    """Word meta[t, 4g + q, KM + a] read by the layout's definition (group j of 16-column
+    chunk q of atom a, rows 16t + g in bits 4j.. and 16t + g + 8 in bits 16 + 4j..) gives
+    layout v1's slots; padding groups hold the valid pair (0, 1); 16-bit weights carry none."""
+    R, C = 40, 200
+    w = torch.randn(R, C, generator=torch.Generator().manual_seed(1))
+    p = sparse24.compress(w, quantize="int8") if quantize == "int8" else \
+        sparse24.compress(w, quantize="int4", group_size=32)
+    d = pack_decode(p)
+    NT, KA, KM = decode_dims(R, C)
+    assert d.meta.shape == (NT, 32, 2 * KM)
+    sp = d.meta[..., KM:].long() & 0xFFFFFFFF
+    slots = p.slots()
+    for r, grp in itertools.product(range(NT * 16), range(KA * 16)):
+        t, rr = divmod(r, 16)
+        g, half = rr % 8, rr // 8
+        a, q, j = grp // 16, (grp % 16) // 4, grp % 4
+        nib = int(sp[t, 4 * g + q, a] >> (16 * half + 4 * j)) & 15
+        want = SP_META_NIBBLE_PAD if r >= R or grp >= C // 4 else int(slots[r, grp, 0] | slots[r, grp, 1] << 2)
+        assert nib == want, (r, grp)
+    assert not sp[..., KA:].any()
+    assert pack_decode(sparse24.compress(w.half())).meta.shape == (NT, 32, KM)
+
+
+def test_corrupt_sp_words_are_refused():
+    d = pack_decode(sparse24.compress(torch.randn(40, 128), quantize="int8"))
+    meta = d.meta.clone()
+    meta[0, 5, decode_dims(40, 128)[2]] ^= 0b1111   # one group's index pair: not the keep masks' slots
+    with pytest.raises(ValueError, match="corrupt mma.sp metadata"):
+        DecodePacked(d.values, meta, d.shape, d.dtype, d.scale)
+    with pytest.raises(ValueError, match="meta must be int32 of shape"):
+        DecodePacked(d.values, d.meta[..., :decode_dims(40, 128)[2]].contiguous(), d.shape, d.dtype, d.scale)
+
+
+# --- the route -----------------------------------------------------------------------
+
+def test_quantized_weights_with_half_x_take_the_sparse_kernel():
+    cfg = _cfg(64, 128)
+    for x_dtype, has_scale, want in ((torch.float16, True, launch._DecodeSP), (torch.bfloat16, True, launch._DecodeSP),
+                                     (torch.float32, True, launch._Decode), (torch.float16, False, launch._Decode)):
+        assert launch.variant_of(cfg, x_dtype, has_scale) is want
+    assert launch.variant_of(KernelConfig(16, 64, 64, 1, 1, 4, 1, kernel="prefill"), torch.float16, True) \
+        is launch._Prefill
+
+
+# --- the kernel against fp64 ---------------------------------------------------------
+
+def _int8(N, K, gen):
+    p = sparse24.compress(torch.randn(N, K, generator=gen), quantize="int8")
+    return pack_decode(p), p.to_dense().double()
+
+
+@pytest.mark.parametrize("M", [1, 8, 9, 16, 21])
+def test_every_row_count_matches_reference(M, gen):
+    """M <= 8 runs one mma per chunk, 9-16 two; 21 rows: two programs along the grid's z."""
+    d, dense = _int8(70, 200, gen)
+    b = torch.randn(70, generator=gen)
+    x = torch.randn(M, 200, generator=gen).half()
+    assert_matches_reference(linear_decode(x, d, b, config=_cfg(64, 128, split=2)), x, dense, b)
+
+
+def test_every_int4_config_in_the_space_matches_reference(gen):
+    # N = 72, K = 200: a partial row block, a partial K-tile and atom, a short last quantization group
+    p = sparse24.compress(torch.randn(72, 200, generator=gen), quantize="int4", group_size=64, symmetric=False)
+    # the operand the tensor cores see: the exact dequantized weight rounded once to float16
+    d, dense = pack_decode(p), p.to_dense().half().double()
+    for cfg in decode_configs(16, 72, 200, "int4-float16"):
+        x = torch.randn(5, 200, generator=gen).half()
+        assert_matches_reference(linear_decode(x, d, config=cfg), x, dense)
+
+
+def test_unaligned_and_strided_x(gen):
+    """x read as 32-bit words: a view at an odd element offset or with a column stride is
+    copied first (contiguous x from torch never is)."""
+    d, dense = _int8(40, 128, gen)
+    base = torch.randn(4 * 129 + 1, generator=gen).half()
+    odd = base[1:].view(4, 129)[:, :128]               # odd storage offset, row stride 129
+    assert odd.data_ptr() % 4
+    assert_matches_reference(linear_decode(odd, d), odd, dense)
+    xt = torch.randn(128, 3, generator=gen).half().t()  # column stride 3
+    assert_matches_reference(linear_decode(xt, d), xt, dense)
+
+
+def test_a_wrong_sp_word_fails_the_check(gen):
+    """The kernel reads the mma.sp words, not the keep masks: one group's index pair moved
+    gives the dense weight those words describe (built here from the pair), not the original."""
+    N, K = 40, 128
+    d, dense = _int8(N, K, gen)
+    KM = decode_dims(N, K)[2]
+    meta = d.meta.clone()
+    # lane 4g + q = 4 * 5 + 0 (row 5, chunk 0 of atom 0), group j = 1 (columns 4..7), row half 0
+    old = (int(meta[0, 20, KM]) >> 4) & 15
+    lo, hi = old & 3, old >> 2
+    new_lo, new_hi = sorted(set(range(4)) - {lo, hi})
+    meta[0, 20, KM] = int(meta[0, 20, KM]) & ~(15 << 4) | (new_lo | new_hi << 2) << 4
+    bad = DecodePacked(d.values, meta, d.shape, d.dtype, d.scale, check=False)   # the keep masks disagree
+    moved = dense.clone()
+    moved[5, 4:8] = 0
+    moved[5, 4 + new_lo], moved[5, 4 + new_hi] = dense[5, 4 + lo], dense[5, 4 + hi]
+    x = torch.randn(3, K, generator=gen).half()
+    y = linear_decode(x, bad, config=_cfg(64, 64))
+    assert not matches_reference(y, x, dense)
+    assert_matches_reference(y, x, moved)
