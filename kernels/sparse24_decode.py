@@ -1,6 +1,9 @@
 """Triton kernel for decode-sized batches (M <= 16; larger M in more programs):
 ``out = x @ W^T (* scale) + bias`` with W in the decode layout
-(``sparse24.decode_format.DecodePacked``, version 1).
+(``sparse24.decode_format.DecodePacked``, version 1). The launcher runs it for
+16-bit weights, and for INT8 / INT4 weights with float32 x; INT8 / INT4 weights
+with float16 / bfloat16 x run ``sparse24_sp.py`` on the sparse tensor cores
+(``_decode_tile`` below also serves the prefill kernel, for every pair).
 
 Triton only (no torch.nn, no policy). The launcher, checks and config space
 live in ``sparse24.ops.linear24.launch`` and ``sparse24.ops.config_space``; the bit layout is defined in

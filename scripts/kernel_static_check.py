@@ -352,6 +352,7 @@ def compile_listed(dtype: str, cfg, cap: int, N: int, K: int) -> dict:
     spills = int(re.search(r"LOCAL:(\d+)", res).group(1)) + int(re.search(r"STACK:(\d+)", res).group(1))
     return dict(dtype=dtype, cfg=cfg, N=N, K=K, regs=int(re.search(r"REG:(\d+)", res).group(1)), spills=spills,
                 shared=ck.metadata.shared, loop=len(loop), total=len(instrs), unroll=max(unroll, 1),
+                sparse=any(_opcode(t).startswith("HMMA.SP") for t in texts),
                 loop_int=_int_count(loop), total_int=_int_count(texts), tile_w=tile_w, last=len(last),
                 last_int=_int_count(last))
 
@@ -390,7 +391,9 @@ def occupancy(r: dict) -> dict:
     # Tiles requested ahead of the one being decoded: num_stages - 1 with Triton's
     # pipeliner; one stage has no prefetch: its tile's loads are in flight only until
     # they land (counted as 1, a peak), none while it decodes.
-    depth = min(max(c.num_stages - 1, 1), tiles)
+    # The sparse tensor-core kernel loads into registers (no Triton pipeline, whatever
+    # num_stages): one tile per program in flight.
+    depth = 1 if r.get("sparse") else min(max(c.num_stages - 1, 1), tiles)
     return dict(fit=fit, programs=programs, waves=programs / (SMS * fit), resident=resident, depth=depth,
                 in_flight=resident * depth * r["tile_w"], whole=r["N"] * r["K"] * r["tile_w"]
                 / (c.block_n * c.block_k) / SMS)

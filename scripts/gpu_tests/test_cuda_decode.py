@@ -81,3 +81,55 @@ def test_untuned_call_is_one_deterministic_kernel(wtype, xtype, gen):
     assert len(kernels) == 1, kernels
     assert torch.equal(y1, y2)
     assert_matches_reference(y1, x, dense)
+
+
+# --- INT8 / INT4 on the sparse tensor cores (kernels/sparse24_sp.py) ------------------
+
+def _words_other_reading(d):
+    """The mma.sp words under the other plausible reading of the PTX metadata figure for
+    m16n8k32 (lane 4g + 2s + c holds ALL 8 groups of the selector's chunk for row g + 8c),
+    for the diagnosis below; the layout's own reading: sparse24/decode_format.py."""
+    from sparse24.decode_format import _DEC_COLS, _DEC_ROWS, _int32, decode_dims
+    R, C = d.shape
+    NT, KA, KM = decode_dims(R, C)
+    slots = d.slots()
+    idx = torch.full((NT * _DEC_ROWS, KA * _DEC_COLS // 4), 0b0100, dtype=torch.int64, device=slots.device)
+    idx[:R, :C // 4] = slots[..., 0] | slots[..., 1] << 2
+    nib = idx.view(NT, 2, 8, KA, 2, 8).permute(0, 2, 4, 1, 3, 5)          # (t, g, h, c, a, grp)
+    words = (nib << (4 * torch.arange(8, device=slots.device))).sum(-1).reshape(NT, 32, KA)
+    out = torch.zeros(NT, 32, KM, dtype=torch.int64, device=slots.device)
+    out[..., :KA] = words
+    meta = d.meta.clone()
+    meta[..., KM:] = _int32(out)
+    return meta
+
+
+def test_sparse_tensor_core_metadata_layout(gen):
+    """The hardware reads the layout's mma.sp words as the interpreter's emulation does. If
+    not, say whether the other reading of the PTX figure matches (a host-side re-pack fixes it)."""
+    from sparse24.decode_format import DecodePacked
+    d, dense = _weight(128, 256, "int8", torch.float16, gen)
+    x = torch.randn(8, 256, generator=gen, device=DEV).half()
+    y = _run(x, d, None, None)
+    from conftest import matches_reference
+    if matches_reference(y, x, dense):
+        return
+    other = DecodePacked(d.values, _words_other_reading(d), d.shape, d.dtype, d.scale, check=False)
+    y2 = _run(x, other, None, None)
+    pytest.fail("mma.sp metadata: the layout's reading is wrong; the other reading (lane 4g + 2s + c: "
+                "row g + 8c, all 8 groups) " + ("MATCHES: switch _sp_words to it" if matches_reference(y2, x, dense)
+                                                  else "does not match either"))
+
+
+@pytest.mark.parametrize("xtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("gs,sym", [(32, False), (128, True)])
+@pytest.mark.parametrize("M", [1, 13])
+def test_int4_default_config_matches_reference(M, gs, sym, xtype, gen):
+    """INT4 weights on the sparse tensor cores against the dequantized weight rounded once to
+    x's dtype (the operand the kernel builds), K off the tiles and the groups."""
+    p = sparse24.compress(torch.randn(72, 200, generator=gen, device=DEV), quantize="int4", group_size=gs,
+                          symmetric=sym)
+    dense = p.to_dense().to(ACT[xtype]).double()
+    x = torch.randn(M, 200, generator=gen, device=DEV).to(ACT[xtype])
+    b = torch.randn(72, generator=gen, device=DEV)
+    assert_matches_reference(_run(x, pack_decode(p), b, None), x, dense, b)

@@ -179,6 +179,12 @@ _DECODE_TILES = ((64, 4), (128, 8))
 _DECODE_BLOCK_K = (64, 128, 256)
 
 
+def _sparse(dtype: str) -> bool:
+    """Whether a decode-layout weight of dtype key ``dtype`` runs the sparse tensor-core kernel
+    (kernels/sparse24_sp.py): INT8 or INT4 weights with float16 / bfloat16 x."""
+    return dtype.startswith(("int8-", "int4-")) and not dtype.endswith("float32")
+
+
 def decode_configs(M: int, N: int, K: int, dtype: str = "float16", num_sms: int = 132) -> list[KernelConfig]:
     """The decode kernel's config space for one (M, N, K, dtype key).
 
@@ -203,7 +209,7 @@ def decode_configs(M: int, N: int, K: int, dtype: str = "float16", num_sms: int 
     int8 = dtype.startswith("int8-")
     out = []
     for bn, warps in _DECODE_TILES:
-        for bk in _DECODE_BLOCK_K:
+        for bk in _DECODE_BLOCK_K + ((512,) if _sparse(dtype) else ()):   # (registers: no tile in shared memory)
             programs = -(-N // bn) * -(-M // 16)
             splits = [1] + [s for s in (2, 4, 8) if programs * s <= 4 * num_sms and K >= 2 * s * bk
                             and M <= DECODE_M]   # serial split-K's workspace holds one 16-row block
@@ -225,7 +231,8 @@ def decode_default(N: int, K: int, dtype: str = "float16", num_sms: int = 132) -
     64-row tiles (4 warps, ~70-160 registers: several programs fit an SM), BLOCK_K
     256 (128 where 256 leaves SMs without a program), pipelined: 16-bit weights 2
     stages (one K-tile's loads in flight while another decodes), INT8 and INT4 3 stages
-    (two: their tiles hold 5/9 and 3/9 of the bytes). Then split-K (serial, inside the one launch) just
+    (two: their tiles hold 5/9 and 3/9 of the bytes) with fp32 x; INT8 and INT4 with
+    16-bit x (the sparse tensor-core kernel) 1: one tile in flight per program. Then split-K (serial, inside the one launch) just
     large enough that the programs running at once keep ``DECODE_IN_FLIGHT`` weight
     bytes requested per SM, or, for small layers, one K-tile per program (the whole
     weight at once, in one stage: there is no later tile to prefetch; SPLIT_K equals the
@@ -234,15 +241,23 @@ def decode_default(N: int, K: int, dtype: str = "float16", num_sms: int = 132) -
     ``scripts/kernel_static_check.py --occupancy`` and ``--sass`` (docs/kernels.md), not
     measured on a GPU."""
     quantized = dtype.startswith(("int8-", "int4-"))
+    # INT8 / INT4 with 16-bit x run the sparse tensor-core kernel (kernels/sparse24_sp.py): it
+    # loads into registers, without Triton's pipeline, so a program has one K-tile in flight;
+    # its tiles may be 512 columns deep (the instructions outside the loop amortize over twice
+    # the bytes: INT4 4096 x 4096 0.307 -> 0.239 warp-instructions per byte on sm_90)
+    sparse = _sparse(dtype)
     rows = -(-N // 64)
-    bk = 256 if rows * -(-K // 256) >= num_sms else 128
-    stages = 3 if quantized else 2
+    if sparse:  # 512 where it divides K (a partial tile is a second, masked copy of the tile's code)
+        bk = next(b for b in (512, 256, 128) if (rows * -(-K // b) >= num_sms and K % b == 0) or b == 128)
+    else:
+        bk = 256 if rows * -(-K // 256) >= num_sms else 128
+    stages = 1 if sparse else 3 if quantized else 2
     tiles = -(-K // bk)
     tile_bytes = 64 * bk * (3 if dtype.startswith("int4-") else 5 if quantized else 9) // 8  # eighths of a byte
     split = tiles
     for per_split in range(tiles, 0, -1):               # the fewest splits (longest K ranges) that do
         split = -(-tiles // per_split)
-        ahead = min(stages - 1, per_split)              # K-tiles a program has requested ahead
+        ahead = 1 if sparse else min(stages - 1, per_split)   # K-tiles a program has requested ahead
         if rows * split >= max(num_sms * DECODE_IN_FLIGHT / (ahead * tile_bytes), num_sms):
             break
     if per_split == 1:  # one K-tile per program: nothing to overlap, and a pipeline's prologue costs ~40%

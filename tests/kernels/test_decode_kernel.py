@@ -273,16 +273,19 @@ def test_config_space():
 def test_untuned_default_fills_the_gpu_at_the_listed_shapes():
     """decode_default (scripts/kernel_static_check.py --occupancy has the bytes in flight): every
     listed shape gives each of 132 SMs a program, splits K only into whole K-tiles, pipelines
-    exactly where a program has a later K-tile to prefetch, and is a config of the kernel."""
+    exactly where a program has a later K-tile to prefetch (never on the sparse tensor-core
+    kernel of INT8 / INT4 with 16-bit x, which loads into registers), and is a config of the kernel."""
     from sparse24.ops.config_space import LISTED_SHAPES, decode_default
-    for dtype in ("float16", "bfloat16", "int8-float16", "int8-bfloat16"):
+    for dtype in ("float16", "bfloat16", "int8-float16", "int8-bfloat16", "int8-float32", "int4-float16",
+                  "int4-bfloat16"):
+        sparse = dtype.startswith(("int8-", "int4-")) and not dtype.endswith("float32")
         for N, K in LISTED_SHAPES:
             c = check_decode_config(decode_default(N, K, dtype))
             tiles = -(-K // c.block_k)
             per_split = -(-tiles // c.split_k)
             assert -(-N // c.block_n) * c.split_k >= 132, (dtype, N, K, c)
             assert -(-tiles // per_split) == c.split_k                     # no split without a K-tile
-            assert (c.num_stages == 1) == (per_split == 1), (dtype, N, K, c)
+            assert (c.num_stages == 1) == (sparse or per_split == 1), (dtype, N, K, c)
     assert decode_default(4096, 4096).split_k == 4 and decode_default(28672, 8192).split_k == 1
 
 
@@ -295,7 +298,7 @@ def test_committed_sass_counts_cover_the_space_within_budget(path):
     """The committed SASS counts (scripts/kernel_static_check.py --sass) cover every config
     decode_configs returns for the 4096 x 4096 layer at M = 1..16, and all are within budget:
     change the space, re-run the tool."""
-    budget = {"float16": 0.15, "bfloat16": 0.15, "int8-float16": 0.22}
+    budget = {"float16": 0.15, "bfloat16": 0.15, "int8-float16": 0.20}
     lines = path.read_text().splitlines()
     rows = [line.split(",") for line in lines if line and not line.startswith(("#", "kernel,"))]
     have = {(r[1], int(r[2]), r[3]): float(r[6]) for r in rows}

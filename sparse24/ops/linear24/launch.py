@@ -1,11 +1,13 @@
 """Launching the 2:4 Triton kernels (``kernels/``): argument checks, the
 config choice, and a launch path that costs one dict lookup per call.
 
-Two kernel variants, one per weight layout: ``sparse24_matmul`` reads layout
-v1 (:class:`~sparse24.format.Sparse24Tensor`), ``sparse24_decode`` the decode
-layout (:class:`~sparse24.decode_format.DecodePacked`, the layout the modules
-hold on CUDA; its main loop keeps within the sm_90 instruction budget at
-M <= 16, docs/kernels.md).
+Kernel variants: ``sparse24_matmul`` reads layout v1
+(:class:`~sparse24.format.Sparse24Tensor`); at M <= 16 the decode layout
+(:class:`~sparse24.decode_format.DecodePacked`, the layout the modules hold on
+CUDA) runs ``sparse24_decode`` (16-bit weights, and any weight with fp32 x) or
+``sparse24_sp`` (INT8 / INT4 weights with fp16 / bf16 x, on the sparse tensor
+cores); above 16 rows ``sparse24_prefill``. Each keeps within the sm_90
+instruction budget where docs/kernels.md says so.
 
 ``linear_triton(x, w, bias)``: (1) checks, (2) finds the call's *plan* (kernel
 variant, config, split-K, grid shape) in a dict keyed by (device, dtypes,
