@@ -11,7 +11,7 @@ kept values and their 2-bit indices as they are and skips the zeros in
 hardware, so the only decode left is the value conversion: one byte permute
 and one AND per register pair (INT8), or shift, OR, subtract and scale (INT4).
 
-Triton has no sparse dot, so the kernel issues ``mma.sp.sync.aligned.m16n8k32``
+Triton has no sparse dot, so the kernel issues ``mma.sp::ordered_metadata.sync.aligned.m16n8k32``
 as inline PTX on tensors that hold ONE element per thread: a tensor of
 ``32 * num_warps`` elements is laid out one per thread in lane order, so
 element ``32 w + l`` is lane ``l`` of warp ``w``, and the asm's operands are
@@ -37,8 +37,9 @@ loop has no shuffle and no shared memory). Each warp owns one 16-row tile of W
 
 Split-K is serial and inside the one launch, as in the decode kernel. The
 interpreter runs this source on CPU: ``kernels/interpreter.py`` emulates the
-inline PTX from the definitions above (the metadata's thread layout is the one
-fact only a GPU can confirm: ``scripts/gpu_check.sh`` tests it).
+inline PTX from the definitions above (the fragment and metadata layouts are the
+PTX ISA's, as NVIDIA's CuTe encodes them for this instruction; a GPU confirms
+them: ``scripts/gpu_check.sh``).
 """
 import numpy as np
 import triton
@@ -51,8 +52,10 @@ from .sparse24_decode import (_BF16X2_MINUS_ONE, _BF16X2_MINUS_ZERO, _DEQUANT_BF
 
 __all__ = ["sparse24_sp", "sparse24_sp_interpreted", "mma_sp_reference", "SP_META_NIBBLE_PAD"]
 
-_MMA_SP = ("mma.sp.sync.aligned.m16n8k32.row.col.f32.{t}.{t}.f32 {{$0, $1, $2, $3}}, {{$4, $5, $6, $7}}, "
-           "{{$8, $9, $10, $11}}, {{$12, $13, $14, $15}}, $16, {s};")
+# ::ordered_metadata (PTX 8.5, sm_80+): each group's lower kept index in the low bits, as the layout stores
+# them; PTX advises it over plain mma.sp, which may run much slower on newer GPUs.
+_MMA_SP = ("mma.sp::ordered_metadata.sync.aligned.m16n8k32.row.col.f32.{t}.{t}.f32 {{$0, $1, $2, $3}}, "
+           "{{$4, $5, $6, $7}}, {{$8, $9, $10, $11}}, {{$12, $13, $14, $15}}, $16, {s};")
 _MMA_F16_0 = tl.constexpr(_MMA_SP.format(t="f16", s="0x0"))
 _MMA_F16_1 = tl.constexpr(_MMA_SP.format(t="f16", s="0x1"))
 _MMA_BF16_0 = tl.constexpr(_MMA_SP.format(t="bf16", s="0x0"))
@@ -63,13 +66,14 @@ SP_META_NIBBLE_PAD = 0b0100   # a valid (0, 1) index pair: padding groups (zero 
 
 
 def mma_sp_reference(selector: int, bf16: bool = False):
-    """A numpy emulation of ``mma.sp.sync.aligned.m16n8k32.row.col.f32.{f16,bf16}...`` on
-    the operand arrays of tensors laid out one element per thread (element 32 w + l is
+    """A numpy emulation of ``mma.sp::ordered_metadata.sync.aligned.m16n8k32.row.col.f32.{f16,bf16}``
+    on the operand arrays of tensors laid out one element per thread (element 32 w + l is
     lane l of warp w): A from the kept values and the metadata words of the two threads
     of each quad that ``selector`` names (lane 4g + 2 selector + c holds columns 16c ..
     16c + 15 of rows g (bits 0-15) and g + 8 (bits 16-31), 4 bits per group of 4
     columns: lower kept index in bits 0-1), B and C as in the dense m16n8k16 layouts
-    extended to k = 32; products exact, the sum rounded once to float32."""
+    extended to k = 32 (the A, B and E layouts of CuTe's ``MMA_Traits`` for
+    ``SM80_SPARSE_16x8x32_F32F16F16F32_TN``); products exact, the sum rounded once to float32."""
     def run(a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3, e):
         def halves(w):
             w = np.ascontiguousarray(np.asarray(w, dtype=np.int32))

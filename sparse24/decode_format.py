@@ -68,8 +68,9 @@ __all__ = ["DecodePacked", "pack_decode", "decode_dims", "DECODE_LAYOUT_VERSION"
 #   l = 4*g + q holds the 16-column chunk q of atom a for rows g (bits 0-15) and g + 8
 #   (bits 16-31), group j of the chunk in bits 4j .. 4j+3 as its two kept slots, the
 #   lower in the low two bits (padding groups: 0b0100, slots 0 and 1 of zero values).
-#   That is the m16n8k32 metadata operand of the lanes of sparsity selector 0 (chunks
-#   0, 1 of the atom, lanes q = 0, 1) and 1 (chunks 2, 3) (kernels/sparse24_sp.py).
+#   That is the m16n8k32 metadata operand (PTX ISA; NVIDIA CuTe's ELayout for
+#   SM80_SPARSE_16x8x32) of the lanes of sparsity selector 0 (chunks 0, 1 of the atom,
+#   lanes q = 0, 1) and 1 (chunks 2, 3) (kernels/sparse24_sp.py).
 #   0.0625 B per weight more; 16-bit weights do not carry them (their byte-permute
 #   decode kernel fits the instruction budget; a layer stays within 0.60x of dense).
 # * padding rows, columns and atoms: values 0, keep mask 0 (they decode to zeros),

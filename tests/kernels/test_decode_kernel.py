@@ -353,7 +353,7 @@ def test_kernel_compiles_for_gpus(x_dtype, wtype, bias, cfg, cap, monkeypatch):
     ptx = compiled.asm["ptx"]
     assert "prmt.b32" in ptx                                            # the byte permutes
     if wtype == "int8":  # INT8 x fp16/bf16: the sparse tensor-core kernel, no dense dot
-        assert "mma.sp.sync.aligned.m16n8k32" in ptx and "wgmma" not in ptx and "mma.sync" not in ptx
+        assert "mma.sp::ordered_metadata.sync.aligned.m16n8k32" in ptx and "wgmma" not in ptx and "mma.sync" not in ptx
     else:
         assert ("wgmma" in ptx) == (cap == 90 and cfg.block_n >= 64)
     if cfg.split_k > 1:

@@ -217,6 +217,6 @@ def test_bf16_is_refused_on_cpu_and_compiles_for_sm90(gen):
         assert "1124090624" in ptx or "0x43004300" in ptx.lower()   # 0x43004300: bfloat16 128 + u
         assert ptx.count("fma.rn.bf16x2") >= 3 and "sub.f16x2" not in ptx
         # the sparse tensor-core kernel (kernels/sparse24_sp.py) on both: no dense dot
-        assert "mma.sp.sync.aligned.m16n8k32.row.col.f32.bf16.bf16.f32" in ptx
+        assert "mma.sp::ordered_metadata.sync.aligned.m16n8k32.row.col.f32.bf16.bf16.f32" in ptx
         assert "wgmma" not in ptx and "mma.sync" not in ptx
         assert "ld.local" not in ptx and "st.local" not in ptx
