@@ -169,6 +169,22 @@ def _int4_pair(w, SHIFT: tl.constexpr, Z, SH, SL, nib_mask, BF16: tl.constexpr):
 
 
 @triton.jit
+def _int8_regs(pq0, pq1, sm_mask, BF16: tl.constexpr):
+    # A registers of one 32-column chunk from its two 16-column words (bytes: row g lo,
+    # row g+8 lo, row g hi, row g+8 hi): (row g, group t), (row g+8, t), (g, t+4), (g+8, t+4).
+    return (_int8_pair(pq0, 0x2200, sm_mask, BF16), _int8_pair(pq0, 0x3311, sm_mask, BF16),
+            _int8_pair(pq1, 0x2200, sm_mask, BF16), _int8_pair(pq1, 0x3311, sm_mask, BF16))
+
+
+@triton.jit
+def _int4_regs(w, Z0, SH0, SL0, Z8, SH8, SL8, nib_mask, BF16: tl.constexpr):
+    # A registers of one 32-column chunk from its word w (nibbles 2qq + b + 4v): rows g
+    # (zero word Z0, scale SH0/SL0) and g + 8 (Z8, SH8/SL8), groups t and t + 4.
+    return (_int4_pair(w, 0, Z0, SH0, SL0, nib_mask, BF16), _int4_pair(w, 4, Z8, SH8, SL8, nib_mask, BF16),
+            _int4_pair(w, 8, Z0, SH0, SL0, nib_mask, BF16), _int4_pair(w, 12, Z8, SH8, SL8, nib_mask, BF16))
+
+
+@triton.jit
 def _x_words(xw, kw: tl.constexpr, k, K, col, MASKED: tl.constexpr):
     # B registers of one 32-column chunk (first column k): this lane's x words (two columns
     # each) at kw, kw + 4, + 8, + 12 past xw (col = 2t: the lane's first column in the
@@ -270,35 +286,22 @@ def _sp_tile(c0, c1, c2, c3, d0, d1, d2, d3, vt, V_ATOM, et, xt0, xt1, col, kt, 
                 kq = (a * 64) // GROUP
                 SH0, SL0, Z0, SH8, SL8, Z8 = _int4_group(s_rows0, s_rows1, z_rows0, z_rows1, kq,
                                                          ok & (col * 0 + kq < G), e, MASKED, HAS_ZERO, BF16)
-            a0 = _int4_pair(w0, 0, Z0, SH0, SL0, nib_mask, BF16)
-            a1 = _int4_pair(w0, 4, Z8, SH8, SL8, nib_mask, BF16)
-            a2 = _int4_pair(w0, 8, Z0, SH0, SL0, nib_mask, BF16)
-            a3 = _int4_pair(w0, 12, Z8, SH8, SL8, nib_mask, BF16)
+            a0, a1, a2, a3 = _int4_regs(w0, Z0, SH0, SL0, Z8, SH8, SL8, nib_mask, BF16)
             c0, c1, c2, c3, d0, d1, d2, d3 = _chunk(c0, c1, c2, c3, d0, d1, d2, d3, a0, a1, a2, a3, e, xt0, xt1,
                                                     j * 32, a * 64, K, col, 0, MASKED, BF16, N16)
             if GROUP == 32:  # the second chunk is the next group
                 kq = (a * 64 + 32) // GROUP
                 SH0, SL0, Z0, SH8, SL8, Z8 = _int4_group(s_rows0, s_rows1, z_rows0, z_rows1, kq,
                                                          ok & (col * 0 + kq < G), e, MASKED, HAS_ZERO, BF16)
-            a0 = _int4_pair(w1, 0, Z0, SH0, SL0, nib_mask, BF16)
-            a1 = _int4_pair(w1, 4, Z8, SH8, SL8, nib_mask, BF16)
-            a2 = _int4_pair(w1, 8, Z0, SH0, SL0, nib_mask, BF16)
-            a3 = _int4_pair(w1, 12, Z8, SH8, SL8, nib_mask, BF16)
+            a0, a1, a2, a3 = _int4_regs(w1, Z0, SH0, SL0, Z8, SH8, SL8, nib_mask, BF16)
         else:
             pa, pb = tl.split(tl.reshape(p, [p.shape[0], 2, 2]))
             p0, p2 = tl.split(pa)
             p1, p3 = tl.split(pb)
-            # word q: bytes (row g lo, row g+8 lo, row g hi, row g+8 hi) of 16-column chunk q
-            a0 = _int8_pair(p0, 0x2200, sm_mask, BF16)
-            a1 = _int8_pair(p0, 0x3311, sm_mask, BF16)
-            a2 = _int8_pair(p1, 0x2200, sm_mask, BF16)
-            a3 = _int8_pair(p1, 0x3311, sm_mask, BF16)
+            a0, a1, a2, a3 = _int8_regs(p0, p1, sm_mask, BF16)
             c0, c1, c2, c3, d0, d1, d2, d3 = _chunk(c0, c1, c2, c3, d0, d1, d2, d3, a0, a1, a2, a3, e, xt0, xt1,
                                                     j * 32, a * 64, K, col, 0, MASKED, BF16, N16)
-            a0 = _int8_pair(p2, 0x2200, sm_mask, BF16)
-            a1 = _int8_pair(p2, 0x3311, sm_mask, BF16)
-            a2 = _int8_pair(p3, 0x2200, sm_mask, BF16)
-            a3 = _int8_pair(p3, 0x3311, sm_mask, BF16)
+            a0, a1, a2, a3 = _int8_regs(p2, p3, sm_mask, BF16)
         c0, c1, c2, c3, d0, d1, d2, d3 = _chunk(c0, c1, c2, c3, d0, d1, d2, d3, a0, a1, a2, a3, e, xt0, xt1,
                                                 j * 32 + 16, a * 64 + 32, K, col, 1, MASKED, BF16, N16)
     return c0, c1, c2, c3, d0, d1, d2, d3
