@@ -242,69 +242,117 @@ def _int4_group(s_rows0, s_rows1, z_rows0, z_rows1, kq, ok, like, MASKED: tl.con
 
 
 @triton.jit
-def _chunk(c0, c1, c2, c3, d0, d1, d2, d3, a0, a1, a2, a3, e, xw0, xw1, kw: tl.constexpr, k, K, col,
-           SEL: tl.constexpr, MASKED: tl.constexpr, BF16: tl.constexpr, N16: tl.constexpr):
-    # One 32-column chunk (first column k): mma.sp with x rows 0-7 (and 8-15 when N16), their
-    # words at kw past xw0, xw1.
-    b0, b1, b2, b3 = _x_words(xw0, kw, k, K, col, MASKED)
-    if BF16:
-        ASM: tl.constexpr = _MMA_BF16_1 if SEL else _MMA_BF16_0
-    else:
-        ASM: tl.constexpr = _MMA_F16_1 if SEL else _MMA_F16_0
+def _mmas(c0, c1, c2, c3, d0, d1, d2, d3, a0, a1, a2, a3, e, b0, b1, b2, b3, h0, h1, h2, h3,
+          ASM: tl.constexpr, N16: tl.constexpr):
+    # One row tile's mma.sp of a chunk: x rows 0-7 (B words b) into c, rows 8-15 (h) into d.
     c0, c1, c2, c3 = _mma(a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3, e, ASM)
     if N16:
-        b0, b1, b2, b3 = _x_words(xw1, kw, k, K, col, MASKED)
-        d0, d1, d2, d3 = _mma(a0, a1, a2, a3, b0, b1, b2, b3, d0, d1, d2, d3, e, ASM)
+        d0, d1, d2, d3 = _mma(a0, a1, a2, a3, h0, h1, h2, h3, d0, d1, d2, d3, e, ASM)
     return c0, c1, c2, c3, d0, d1, d2, d3
 
 
 @triton.jit
-def _sp_tile(c0, c1, c2, c3, d0, d1, d2, d3, vt, V_ATOM, et, xt0, xt1, col, kt, K, KA, sm_mask, nib_mask,
-             s_rows0, s_rows1, z_rows0, z_rows1, G, A: tl.constexpr,
+def _chunk(acc, a0, a1, a2, a3, e, r0, r1, r2, r3, f, xw0, xw1, kw: tl.constexpr, k, K, col,
+           SEL: tl.constexpr, MASKED: tl.constexpr, BF16: tl.constexpr, N16: tl.constexpr, RT: tl.constexpr):
+    # One 32-column chunk (first column k): its x words (rows 0-7 at xw0, 8-15 at xw1, word kw
+    # on) loaded once, then mma.sp for row tile 0 (A registers a, metadata e) and, RT = 2,
+    # row tile 1 (r, f). acc: the 16 accumulator registers (tile 0's 8, tile 1's 8).
+    c0, c1, c2, c3, d0, d1, d2, d3, u0, u1, u2, u3, v0, v1, v2, v3 = acc
+    b0, b1, b2, b3 = _x_words(xw0, kw, k, K, col, MASKED)
+    h0, h1, h2, h3 = b0, b1, b2, b3
+    if N16:
+        h0, h1, h2, h3 = _x_words(xw1, kw, k, K, col, MASKED)
+    if BF16:
+        ASM: tl.constexpr = _MMA_BF16_1 if SEL else _MMA_BF16_0
+    else:
+        ASM: tl.constexpr = _MMA_F16_1 if SEL else _MMA_F16_0
+    c0, c1, c2, c3, d0, d1, d2, d3 = _mmas(c0, c1, c2, c3, d0, d1, d2, d3, a0, a1, a2, a3, e, b0, b1, b2, b3,
+                                           h0, h1, h2, h3, ASM, N16)
+    if RT == 2:
+        u0, u1, u2, u3, v0, v1, v2, v3 = _mmas(u0, u1, u2, u3, v0, v1, v2, v3, r0, r1, r2, r3, f, b0, b1, b2, b3,
+                                               h0, h1, h2, h3, ASM, N16)
+    return c0, c1, c2, c3, d0, d1, d2, d3, u0, u1, u2, u3, v0, v1, v2, v3
+
+
+@triton.jit
+def _atom_load(vp, ep, ok, MASKED: tl.constexpr, INT4: tl.constexpr):
+    # One row tile's values (INT4 [L, 2] words, INT8 [L, 4]) and metadata word of one atom.
+    if MASKED:  # atoms past the padded K: zero values, valid (0, 1) index pairs
+        e = tl.load(ep, mask=ok, other=0x44444444)
+        p = tl.load(vp, mask=ok[:, None], other=0)
+    else:
+        e = tl.load(ep)
+        p = tl.load(vp)
+    return p, e
+
+
+@triton.jit
+def _sp_tile(acc, vt, V_ATOM, V_ROWS, et, E_ROWS, xt0, xt1, col, kt, K, KA, sm_mask, nib_mask,
+             srow, zrow, G, A: tl.constexpr,
              MASKED: tl.constexpr, INT4: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr,
-             BF16: tl.constexpr, N16: tl.constexpr):
-    # One K-tile (A atoms of 64 columns, two mma.sp chunks each) of this warp's 16 rows:
-    # c, d the fp32 accumulator registers of x rows 0-7 and 8-15 (d unused unless N16);
-    # vt, et, xt0, xt1 this lane's value, metadata and x-word pointers at the tile's start
-    # (the atoms' offsets from them are loop-invariant or immediates).
+             BF16: tl.constexpr, N16: tl.constexpr, RT: tl.constexpr):
+    # One K-tile (A atoms of 64 columns, two mma.sp chunks each) of this warp's RT row tiles:
+    # acc the 16 accumulator registers (per tile: x rows 0-7, x rows 8-15; unused unless N16 /
+    # RT = 2); vt, et, xt0, xt1 this lane's value, metadata and x-word pointers at the tile's
+    # start (row tile 1: + V_ROWS, + E_ROWS); srow, zrow: INT4 scale and zero-point row
+    # pointers (rows g, g + 8 of tile 0, then of tile 1). Per atom both tiles' mma take the
+    # same x words, which live only within their chunk.
+    s0, s1, s2, s3 = srow
+    z0, z1, z2, z3 = zrow
+    W2: tl.constexpr = 2 if INT4 else 4   # value words per lane and atom
     for j in tl.static_range(A):
         a = kt * A + j
         ok = col * 0 + a < KA   # per lane (a scalar mask is not accepted by every Triton version)
-        if MASKED:  # atoms past the padded K: zero values, valid (0, 1) index pairs
-            e = tl.load(et + j, mask=ok, other=0x44444444)
-        else:
-            e = tl.load(et + j)
-        vp = (vt + j * V_ATOM)[:, None] + tl.arange(0, 2 if INT4 else 4)[None, :]
-        if MASKED:
-            p = tl.load(vp, mask=ok[:, None], other=0)   # INT4 [L, 2] (8 B), INT8 [L, 4] (16 B)
-        else:
-            p = tl.load(vp)
+        vp = (vt + j * V_ATOM)[:, None] + tl.arange(0, W2)[None, :]
+        p, e = _atom_load(vp, et + j, ok, MASKED, INT4)
+        q, f = p, e
+        if RT == 2:
+            q, f = _atom_load(vp + V_ROWS, et + E_ROWS + j, ok, MASKED, INT4)
         if INT4:
             w0, w1 = tl.split(p)
+            x0, x1 = tl.split(q)
             # quantization groups: loaded at the first atom of each (GROUP >= 64), or per chunk (32)
             if (GROUP == 32) or (j % (GROUP // 64) == 0):
                 kq = (a * 64) // GROUP
-                SH0, SL0, Z0, SH8, SL8, Z8 = _int4_group(s_rows0, s_rows1, z_rows0, z_rows1, kq,
-                                                         ok & (col * 0 + kq < G), e, MASKED, HAS_ZERO, BF16)
+                gok = ok & (col * 0 + kq < G)
+                SH0, SL0, Z0, SH8, SL8, Z8 = _int4_group(s0, s1, z0, z1, kq, gok, e, MASKED, HAS_ZERO, BF16)
+                TH0, TL0, Y0, TH8, TL8, Y8 = SH0, SL0, Z0, SH8, SL8, Z8
+                if RT == 2:
+                    TH0, TL0, Y0, TH8, TL8, Y8 = _int4_group(s2, s3, z2, z3, kq, gok, e, MASKED, HAS_ZERO, BF16)
             a0, a1, a2, a3 = _int4_regs(w0, Z0, SH0, SL0, Z8, SH8, SL8, nib_mask, BF16)
-            c0, c1, c2, c3, d0, d1, d2, d3 = _chunk(c0, c1, c2, c3, d0, d1, d2, d3, a0, a1, a2, a3, e, xt0, xt1,
-                                                    j * 32, a * 64, K, col, 0, MASKED, BF16, N16)
+            r0, r1, r2, r3 = a0, a1, a2, a3
+            if RT == 2:
+                r0, r1, r2, r3 = _int4_regs(x0, Y0, TH0, TL0, Y8, TH8, TL8, nib_mask, BF16)
+            acc = _chunk(acc, a0, a1, a2, a3, e, r0, r1, r2, r3, f, xt0, xt1, j * 32, a * 64, K, col, 0, MASKED,
+                         BF16, N16, RT)
             if GROUP == 32:  # the second chunk is the next group
                 kq = (a * 64 + 32) // GROUP
-                SH0, SL0, Z0, SH8, SL8, Z8 = _int4_group(s_rows0, s_rows1, z_rows0, z_rows1, kq,
-                                                         ok & (col * 0 + kq < G), e, MASKED, HAS_ZERO, BF16)
+                gok = ok & (col * 0 + kq < G)
+                SH0, SL0, Z0, SH8, SL8, Z8 = _int4_group(s0, s1, z0, z1, kq, gok, e, MASKED, HAS_ZERO, BF16)
+                if RT == 2:
+                    TH0, TL0, Y0, TH8, TL8, Y8 = _int4_group(s2, s3, z2, z3, kq, gok, e, MASKED, HAS_ZERO, BF16)
             a0, a1, a2, a3 = _int4_regs(w1, Z0, SH0, SL0, Z8, SH8, SL8, nib_mask, BF16)
+            if RT == 2:
+                r0, r1, r2, r3 = _int4_regs(x1, Y0, TH0, TL0, Y8, TH8, TL8, nib_mask, BF16)
         else:
             pa, pb = tl.split(tl.reshape(p, [p.shape[0], 2, 2]))
             p0, p2 = tl.split(pa)
             p1, p3 = tl.split(pb)
             a0, a1, a2, a3 = _int8_regs(p0, p1, sm_mask, BF16)
-            c0, c1, c2, c3, d0, d1, d2, d3 = _chunk(c0, c1, c2, c3, d0, d1, d2, d3, a0, a1, a2, a3, e, xt0, xt1,
-                                                    j * 32, a * 64, K, col, 0, MASKED, BF16, N16)
+            r0, r1, r2, r3 = a0, a1, a2, a3
+            if RT == 2:
+                qa, qb = tl.split(tl.reshape(q, [q.shape[0], 2, 2]))
+                q0, q2 = tl.split(qa)
+                q1, q3 = tl.split(qb)
+                r0, r1, r2, r3 = _int8_regs(q0, q1, sm_mask, BF16)
+            acc = _chunk(acc, a0, a1, a2, a3, e, r0, r1, r2, r3, f, xt0, xt1, j * 32, a * 64, K, col, 0, MASKED,
+                         BF16, N16, RT)
             a0, a1, a2, a3 = _int8_regs(p2, p3, sm_mask, BF16)
-        c0, c1, c2, c3, d0, d1, d2, d3 = _chunk(c0, c1, c2, c3, d0, d1, d2, d3, a0, a1, a2, a3, e, xt0, xt1,
-                                                j * 32 + 16, a * 64 + 32, K, col, 1, MASKED, BF16, N16)
-    return c0, c1, c2, c3, d0, d1, d2, d3
+            if RT == 2:
+                r0, r1, r2, r3 = _int8_regs(q2, q3, sm_mask, BF16)
+        acc = _chunk(acc, a0, a1, a2, a3, e, r0, r1, r2, r3, f, xt0, xt1, j * 32 + 16, a * 64 + 32, K, col, 1,
+                     MASKED, BF16, N16, RT)
+    return acc
 
 
 def _sparse24_sp(
@@ -315,13 +363,15 @@ def _sparse24_sp(
     INT8: tl.constexpr, W_BF16: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
     ONE_TILE: tl.constexpr, INT4: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, N16: tl.constexpr,
+    RT: tl.constexpr,
 ):
-    # Grid: (cdiv(N, BLOCK_N), SPLIT_K, cdiv(M, 16)), num_warps = BLOCK_N // 16: warp w
-    # owns row tile pid_n * W + w. meta_ptr: the layout's meta, (NT, 32, KM) words whose
+    # Grid: (cdiv(N, BLOCK_N), SPLIT_K, cdiv(M, 16)), num_warps = BLOCK_N // (16 RT): warp w
+    # owns the RT row tiles pid_n * BLOCK_N / 16 + RT w + r (RT = 2: both tiles' mma take the
+    # same x words, loaded once). meta_ptr: the layout's meta, (NT, 32, KM) words whose
     # second half (atoms KM / 2 ..) holds the mma.sp words. x: unit column stride, even
     # row stride (stride_xk is not read). ONE_TILE and DOT_PRECISION: the decode kernel's
     # constexprs (one signature for both launch paths), not used here.
-    W: tl.constexpr = BLOCK_N // 16
+    W: tl.constexpr = BLOCK_N // (16 * RT)
     L: tl.constexpr = 32 * W
     A: tl.constexpr = BLOCK_K // 64
     BF16: tl.constexpr = x_ptr.dtype.element_ty == tl.bfloat16
@@ -336,7 +386,7 @@ def _sparse24_sp(
     out_ptr += m0 * stride_om
     m_left = tl.minimum(M - tl.program_id(2) * 16, 16)
     NT = (N + 127) // 128 * 8
-    t = pid_n * W + lane // 32                       # this lane's row tile
+    t = pid_n * (BLOCK_N // 16) + (lane // 32) * RT    # this lane's (first) row tile
 
     k_tiles = (K + BLOCK_K - 1) // BLOCK_K
     per_split = (k_tiles + SPLIT_K - 1) // SPLIT_K
@@ -349,19 +399,25 @@ def _sparse24_sp(
     if INT4:
         v_lane = v_ptr + t.to(tl.int64) * 64 + li * 2        # + atom * NT * 64
         V_ATOM = NT.to(tl.int64) * 64
+        V_ROWS: tl.constexpr = 64                             # the next row tile
     else:
         v_lane = v_ptr + t.to(tl.int64) * 128 + li * 4       # + atom * NT * 128
         V_ATOM = NT.to(tl.int64) * 128
+        V_ROWS: tl.constexpr = 128
     e_ptrs = meta_ptr + (t * 32 + li).to(tl.int64) * KM + KM // 2
+    E_ROWS = 32 * KM
     # x rows g and g + 8 as 32-bit words (rows past M clamped: never stored)
     xi = x_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
     r0 = tl.minimum(g, m_left - 1).to(tl.int64)
     r1 = tl.minimum(g + 8, m_left - 1).to(tl.int64)
     xw0 = xi + r0 * (stride_xm // 2) + tq
     xw1 = xi + r1 * (stride_xm // 2) + tq
+    # INT4 scale and zero-point rows g, g + 8 of each row tile (padding rows clamped)
     G = (K + GROUP - 1) // GROUP
-    rw0 = tl.minimum(t * 16 + g, N - 1).to(tl.int64) * G     # INT4 scale rows g, g + 8 (padding rows clamped)
-    rw1 = tl.minimum(t * 16 + g + 8, N - 1).to(tl.int64) * G
+    rows = (tl.minimum(t * 16 + g, N - 1).to(tl.int64) * G, tl.minimum(t * 16 + g + 8, N - 1).to(tl.int64) * G,
+            tl.minimum(t * 16 + g + 16, N - 1).to(tl.int64) * G, tl.minimum(t * 16 + g + 24, N - 1).to(tl.int64) * G)
+    srow = (scale_ptr + rows[0], scale_ptr + rows[1], scale_ptr + rows[2], scale_ptr + rows[3])
+    zrow = (zero_ptr + rows[0], zero_ptr + rows[1], zero_ptr + rows[2], zero_ptr + rows[3])
 
     col = 2 * tq
     # INT8 x bfloat16: the sign-magnitude mask as a runtime register (KA >> 31 is 0, which no
@@ -369,8 +425,8 @@ def _sparse24_sp(
     # the constant in a register for every use (the decode kernel's trick).
     sm_mask = _SM_MASK | (KA >> 31)
     nib_mask = 0x000F000F | (KA >> 31)   # INT4: the codes' AND-OR is one LOP3 the same way
-    c0 = tl.zeros([L], tl.float32)
-    c1, c2, c3, d0, d1, d2, d3 = c0, c0, c0, c0, c0, c0, c0
+    z = tl.zeros([L], tl.float32)
+    acc = (z, z, z, z, z, z, z, z, z, z, z, z, z, z, z, z)   # per row tile: x rows 0-7, 8-15
     # pointers at this split's first K-tile, advanced by one tile per iteration
     vt = v_lane + (k_lo * A).to(tl.int64) * V_ATOM
     et = e_ptrs + k_lo * A
@@ -378,24 +434,21 @@ def _sparse24_sp(
     xt1 = xw1 + k_lo * (BLOCK_K // 2)
     V_TILE = A * V_ATOM
     for kt in range(k_lo, min(k_hi, n_full)):
-        c0, c1, c2, c3, d0, d1, d2, d3 = _sp_tile(
-            c0, c1, c2, c3, d0, d1, d2, d3, vt, V_ATOM, et, xt0, xt1, col, kt, K, KA, sm_mask, nib_mask,
-            scale_ptr + rw0, scale_ptr + rw1, zero_ptr + rw0, zero_ptr + rw1, G, A, False, INT4, GROUP, HAS_ZERO,
-            BF16, N16)
+        acc = _sp_tile(acc, vt, V_ATOM, V_ROWS, et, E_ROWS, xt0, xt1, col, kt, K, KA, sm_mask, nib_mask, srow, zrow,
+                       G, A, False, INT4, GROUP, HAS_ZERO, BF16, N16, RT)
         vt += V_TILE
         et += A
         xt0 += BLOCK_K // 2
         xt1 += BLOCK_K // 2
     if not EVEN_K:
         if (n_full >= k_lo) & (n_full < k_hi):  # this split owns the partial tile (pointers are there)
-            c0, c1, c2, c3, d0, d1, d2, d3 = _sp_tile(
-                c0, c1, c2, c3, d0, d1, d2, d3, vt, V_ATOM, et, xt0, xt1, col, n_full, K, KA, sm_mask, nib_mask,
-                scale_ptr + rw0, scale_ptr + rw1, zero_ptr + rw0, zero_ptr + rw1, G, A, True, INT4, GROUP,
-                HAS_ZERO, BF16, N16)
+            acc = _sp_tile(acc, vt, V_ATOM, V_ROWS, et, E_ROWS, xt0, xt1, col, n_full, K, KA, sm_mask, nib_mask,
+                           srow, zrow, G, A, True, INT4, GROUP, HAS_ZERO, BF16, N16, RT)
 
     # out^T fragment -> (n, m): n = row of W, m = row of x
-    n_lo = pid_n * BLOCK_N + (lane // 32) * 16 + g
+    n_lo = t * 16 + g
     m_lo = 2 * tq
+    c0, c1, c2, c3, d0, d1, d2, d3, u0, u1, u2, u3, v0, v1, v2, v3 = acc
     write = True
     if SPLIT_K > 1:
         # Serial split-K (as the decode kernel): partials in the plan's workspace
@@ -403,43 +456,65 @@ def _sparse24_sp(
         tile = tl.program_id(2) * tl.num_programs(0) + pid_n
         base = ws_ptr + tile.to(tl.int64) * (SPLIT_K * BLOCK_N * 16) + (n_lo - pid_n * BLOCK_N) * 16 + m_lo
         mine = base + pid_k * (BLOCK_N * 16)
-        tl.store(mine, c0, cache_modifier=".cg")
-        tl.store(mine + 1, c1, cache_modifier=".cg")
-        tl.store(mine + 128, c2, cache_modifier=".cg")
-        tl.store(mine + 129, c3, cache_modifier=".cg")
-        if N16:
-            tl.store(mine + 8, d0, cache_modifier=".cg")
-            tl.store(mine + 9, d1, cache_modifier=".cg")
-            tl.store(mine + 136, d2, cache_modifier=".cg")
-            tl.store(mine + 137, d3, cache_modifier=".cg")
+        _sp_store(mine, c0, c1, c2, c3, d0, d1, d2, d3, N16)
+        if RT == 2:  # the second tile's rows: 16 further
+            _sp_store(mine + 256, u0, u1, u2, u3, v0, v1, v2, v3, N16)
         tl.debug_barrier()  # all threads' partials are stored before the counter releases them
         arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
         write = arrived == SPLIT_K - 1
         if write:
-            c0 = tl.load(base, cache_modifier=".cg")
-            c1 = tl.load(base + 1, cache_modifier=".cg")
-            c2 = tl.load(base + 128, cache_modifier=".cg")
-            c3 = tl.load(base + 129, cache_modifier=".cg")
-            if N16:
-                d0 = tl.load(base + 8, cache_modifier=".cg")
-                d1 = tl.load(base + 9, cache_modifier=".cg")
-                d2 = tl.load(base + 136, cache_modifier=".cg")
-                d3 = tl.load(base + 137, cache_modifier=".cg")
-            for s in tl.static_range(1, SPLIT_K):
-                part = base + s * (BLOCK_N * 16)
-                c0 += tl.load(part, cache_modifier=".cg")
-                c1 += tl.load(part + 1, cache_modifier=".cg")
-                c2 += tl.load(part + 128, cache_modifier=".cg")
-                c3 += tl.load(part + 129, cache_modifier=".cg")
-                if N16:
-                    d0 += tl.load(part + 8, cache_modifier=".cg")
-                    d1 += tl.load(part + 9, cache_modifier=".cg")
-                    d2 += tl.load(part + 136, cache_modifier=".cg")
-                    d3 += tl.load(part + 137, cache_modifier=".cg")
+            c0, c1, c2, c3, d0, d1, d2, d3 = _sp_sum(base, SPLIT_K, BLOCK_N * 16, N16)
+            if RT == 2:
+                u0, u1, u2, u3, v0, v1, v2, v3 = _sp_sum(base + 256, SPLIT_K, BLOCK_N * 16, N16)
             tl.store(count_ptr + tile, 0)  # ready for the next launch
     if write:
-        _sp_epilogue(c0, c1, c2, c3, d0, d1, d2, d3, out_ptr, scale_ptr, bias_ptr, n_lo, m_lo, N, m_left, stride_om, stride_on,
-                     INT8, not BF16, HAS_BIAS, N16)
+        _sp_epilogue(c0, c1, c2, c3, d0, d1, d2, d3, out_ptr, scale_ptr, bias_ptr, n_lo, m_lo, N, m_left, stride_om,
+                     stride_on, INT8, not BF16, HAS_BIAS, N16)
+        if RT == 2:
+            _sp_epilogue(u0, u1, u2, u3, v0, v1, v2, v3, out_ptr, scale_ptr, bias_ptr, n_lo + 16, m_lo, N, m_left,
+                         stride_om, stride_on, INT8, not BF16, HAS_BIAS, N16)
+
+
+@triton.jit
+def _sp_store(p, c0, c1, c2, c3, d0, d1, d2, d3, N16: tl.constexpr):
+    # One lane's split-K partials at its places of a [BLOCK_N, 16] fp32 tile (p: row n_lo, column m_lo).
+    tl.store(p, c0, cache_modifier=".cg")
+    tl.store(p + 1, c1, cache_modifier=".cg")
+    tl.store(p + 128, c2, cache_modifier=".cg")
+    tl.store(p + 129, c3, cache_modifier=".cg")
+    if N16:
+        tl.store(p + 8, d0, cache_modifier=".cg")
+        tl.store(p + 9, d1, cache_modifier=".cg")
+        tl.store(p + 136, d2, cache_modifier=".cg")
+        tl.store(p + 137, d3, cache_modifier=".cg")
+
+
+@triton.jit
+def _sp_sum(base, SPLIT_K: tl.constexpr, STRIDE: tl.constexpr, N16: tl.constexpr):
+    # The SPLIT_K partials at a lane's places, added in split order (the same bits whatever
+    # order the programs arrived in).
+    c0 = tl.load(base, cache_modifier=".cg")
+    c1 = tl.load(base + 1, cache_modifier=".cg")
+    c2 = tl.load(base + 128, cache_modifier=".cg")
+    c3 = tl.load(base + 129, cache_modifier=".cg")
+    d0, d1, d2, d3 = c0, c1, c2, c3   # not read unless N16
+    if N16:
+        d0 = tl.load(base + 8, cache_modifier=".cg")
+        d1 = tl.load(base + 9, cache_modifier=".cg")
+        d2 = tl.load(base + 136, cache_modifier=".cg")
+        d3 = tl.load(base + 137, cache_modifier=".cg")
+    for s in tl.static_range(1, SPLIT_K):
+        part = base + s * STRIDE
+        c0 += tl.load(part, cache_modifier=".cg")
+        c1 += tl.load(part + 1, cache_modifier=".cg")
+        c2 += tl.load(part + 128, cache_modifier=".cg")
+        c3 += tl.load(part + 129, cache_modifier=".cg")
+        if N16:
+            d0 += tl.load(part + 8, cache_modifier=".cg")
+            d1 += tl.load(part + 9, cache_modifier=".cg")
+            d2 += tl.load(part + 136, cache_modifier=".cg")
+            d3 += tl.load(part + 137, cache_modifier=".cg")
+    return c0, c1, c2, c3, d0, d1, d2, d3
 
 
 @triton.jit

@@ -176,10 +176,12 @@ def global_load_bytes(loop: list[str]) -> int:
 
 def sparse_mma_tiles(loop: list[str], cfg, rows: int) -> float:
     """K-tiles per iteration of a sparse tensor-core loop (kernels/sparse24_sp.py), from its
-    ``HMMA.SP`` count (each warp: 2 per 64-column atom and x row block of 8), or 0 for the
-    other kernels. (That kernel loads x per warp, so the load-width count does not apply.)"""
+    ``HMMA.SP`` count (each warp: 2 per 64-column atom, x row block of 8 and row tile it owns,
+    ``block_n // (16 num_warps)``), or 0 for the other kernels. (That kernel loads x per warp,
+    so the load-width count does not apply.)"""
     n = sum(_opcode(t).startswith("HMMA.SP") for t in loop)
-    return n / (2 * (cfg.block_k // 64) * (2 if rows > 8 else 1)) if n else 0
+    tiles_per_warp = cfg.block_n // (16 * cfg.num_warps)
+    return n / (2 * (cfg.block_k // 64) * (2 if rows > 8 else 1) * tiles_per_warp) if n else 0
 
 
 def _weights(kernel: str, dtype: str, N: int, K: int):

@@ -22,8 +22,8 @@ from sparse24.ops.linear24 import linear_triton as linear_decode
 from conftest import assert_matches_reference, matches_reference
 
 
-def _cfg(bn, bk, split=1, stages=1):
-    return KernelConfig(16, bn, bk, 1, split, bn // 16, stages, kernel="decode")
+def _cfg(bn, bk, split=1, stages=1, tiles_per_warp=1):
+    return KernelConfig(16, bn, bk, 1, split, bn // (16 * tiles_per_warp), stages, kernel="decode")
 
 
 def _words(h):
@@ -137,13 +137,27 @@ def _int8(N, K, gen):
     return pack_decode(p), p.to_dense().double()
 
 
+@pytest.mark.parametrize("tiles_per_warp", [1, 2])
 @pytest.mark.parametrize("M", [1, 8, 9, 16, 21])
-def test_every_row_count_matches_reference(M, gen):
-    """M <= 8 runs one mma per chunk, 9-16 two; 21 rows: two programs along the grid's z."""
+def test_every_row_count_matches_reference(M, tiles_per_warp, gen):
+    """M <= 8 runs one mma per chunk, 9-16 two; 21 rows: two programs along the grid's z; one or
+    two 16-row tiles per warp (N = 70: the second tile of the last warp is padding)."""
     d, dense = _int8(70, 200, gen)
     b = torch.randn(70, generator=gen)
     x = torch.randn(M, 200, generator=gen).half()
-    assert_matches_reference(linear_decode(x, d, b, config=_cfg(64, 128, split=2)), x, dense, b)
+    cfg = _cfg(64, 128, split=2, tiles_per_warp=tiles_per_warp)
+    assert_matches_reference(linear_decode(x, d, b, config=cfg), x, dense, b)
+
+
+def test_two_tiles_per_warp_only_on_the_sparse_kernel(gen):
+    d16 = pack_decode(sparse24.compress(torch.randn(64, 128, generator=gen).half()))
+    x = torch.randn(2, 128, generator=gen).half()
+    with pytest.raises(ValueError, match="needs num_warps == block_n // 16"):
+        linear_decode(x, d16, config=_cfg(64, 64, tiles_per_warp=2))
+    d8, _ = _int8(64, 128, gen)
+    with pytest.raises(ValueError, match="needs num_warps == block_n // 16"):   # fp32 x: the byte-permute kernel
+        linear_decode(x.float(), d8, config=_cfg(64, 64, tiles_per_warp=2))
+    assert all(c.num_warps == c.block_n // 32 for c in decode_configs(16, 4096, 4096, "int8-float16"))
 
 
 def test_every_int4_config_in_the_space_matches_reference(gen):

@@ -213,6 +213,7 @@ class _Plan:
         if config is None:
             config = get_config(bucket, N, K, dtype_key(x_dtype, has_scale, group_size > 0), device, layout)
         self.config, self.variant = config, variant_of(config, x_dtype, has_scale)
+        self.variant.check_config(config)
         self.split_k = self.variant.split_k(config, bucket, deterministic)
         self.kernel = self.variant.kernel(device.type == "cuda")
         self.constexprs = self.variant.constexprs(config, self.split_k, has_scale, values_dtype, bias_dtype is not None,
@@ -396,6 +397,10 @@ class _Matmul:
         return x2
 
     @staticmethod
+    def check_config(config) -> None:
+        """Nothing beyond ``KernelConfig.validate``."""
+
+    @staticmethod
     def contiguous_ints(N, K, quantized=False) -> tuple:
         # N, K and the strides of contiguous x (M, K), values (N, K/2), meta (K/32, N), out (M, N)
         return (N, K, K, 1, K // 2, 1, N, 1, N, 1)
@@ -464,6 +469,15 @@ class _Decode:
         return x2
 
     @staticmethod
+    def check_config(config) -> None:
+        """The byte-permute decode (and prefill) kernels give each warp one 16-row tile."""
+        if config.kernel == "decode" and config.num_warps != config.block_n // 16:
+            raise ValueError(f"bad decode config {config} for this weight and x: the byte-permute decode kernel "
+                             f"(16-bit weights, or float32 x) needs num_warps == block_n // 16 (two tiles per warp, "
+                             f"num_warps == block_n // 32, is the sparse tensor-core kernel's: INT8 / INT4 weights "
+                             f"with float16 / bfloat16 x)")
+
+    @staticmethod
     def contiguous_ints(N, K, quantized=False) -> tuple:
         # N, K, atoms KA and the meta row stride (KM atoms; INT8 / INT4 2 KM: keep masks and
         # mma.sp words) of the layout, strides of x (M, K) and out (M, N)
@@ -523,7 +537,8 @@ class _Prefill(_Decode):
 class _DecodeSP(_Decode):
     """``kernels/sparse24_sp.py``: INT8 / INT4 decode-layout weights with float16 / bfloat16 x
     on the sparse tensor cores (``mma.sp``); the decode kernel's config, grid, split-K and
-    arguments, plus ``N16`` (a second mma per chunk for x rows 8-15: M buckets above 8)."""
+    arguments, plus ``N16`` (a second mma per chunk for x rows 8-15: M buckets above 8) and
+    ``RT``, the 16-row tiles per warp (``block_n // (16 num_warps)``: 1 or 2)."""
 
     @staticmethod
     def kernel(cuda: bool):
@@ -534,7 +549,11 @@ class _DecodeSP(_Decode):
     def constexprs(config, split_k, has_scale, values_dtype, has_bias, tf32, K, group_size=0, has_zero=False,
                    bucket=16) -> dict:
         return dict(_Decode.constexprs(config, split_k, has_scale, values_dtype, has_bias, tf32, K, group_size,
-                                       has_zero), N16=bucket > 8)
+                                       has_zero), N16=bucket > 8, RT=config.block_n // (16 * config.num_warps))
+
+    @staticmethod
+    def check_config(config) -> None:
+        """One or two 16-row tiles per warp: ``check_decode_config`` allows both."""
 
     @staticmethod
     def prepare_x(x2):
