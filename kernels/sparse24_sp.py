@@ -6,7 +6,7 @@ words, x float16 or bfloat16, M <= 16 per program (larger M: more programs).
 Why a third kernel: the byte-permute decode kernel (``sparse24_decode.py``)
 rebuilds the dense operand in registers, ~12 integer instructions per 2:4 group,
 which an INT8 group (2.5 bytes) or an INT4 group (1.5 bytes) cannot afford on
-sm_90 (docs/kernels.md, "the sparse tensor-core path"). ``mma.sp`` takes the
+sm_90 (docs/kernels.md, "INT8 and INT4 on the sparse tensor cores"). ``mma.sp`` takes the
 kept values and their 2-bit indices as they are and skips the zeros in
 hardware, so the only decode left is the value conversion: one byte permute
 and one AND per register pair (INT8), or shift, OR, subtract and scale (INT4).
@@ -16,8 +16,9 @@ as inline PTX on tensors that hold ONE element per thread: a tensor of
 ``32 * num_warps`` elements is laid out one per thread in lane order, so
 element ``32 w + l`` is lane ``l`` of warp ``w``, and the asm's operands are
 exactly that lane's fragment registers (no layout conversion: the compiled
-loop has no shuffle and no shared memory). Each warp owns one 16-row tile of W
-(the decode layout's row tile, lane ``4 g + t`` rows ``g`` and ``g + 8``):
+loop has no shuffle and no shared memory). Each warp owns one or two 16-row
+tiles of W (``RT``; the decode layout's row tiles, lane ``4 g + t`` rows ``g``
+and ``g + 8`` of each); with two, both tiles' mma take the same x words:
 
 * A (the weight, sparse): the decode layout already stores a lane's kept values
   in the A-fragment order of ``m16n8k32`` (the dense ``m16n8k16`` A layout over
