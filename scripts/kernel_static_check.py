@@ -321,7 +321,7 @@ def default_config(dtype: str, N: int, K: int, gpu: str = "NVIDIA H200"):
     return choice.config, choice.kind
 
 
-def compile_listed(dtype: str, cfg, cap: int, N: int, K: int) -> dict:
+def compile_listed(dtype: str, cfg, cap: int, N: int, K: int, rows: int = 16) -> dict:
     """Compile ``cfg`` for an (N, K) decode-layout layer (uninitialized storage: only shapes,
     dtypes and alignment matter); registers, shared memory, loop and whole-kernel SASS counts."""
     from sparse24.decode_format import DecodePacked
@@ -331,7 +331,9 @@ def compile_listed(dtype: str, cfg, cap: int, N: int, K: int) -> dict:
     int8 = dtype.startswith("int8-")
     w = DecodePacked.empty(N, K, torch.float16 if act == torch.float32 else act, int8,  # fp32 x: fp16 weights
                            group_size=INT4_GROUP if dtype.startswith("int4-") else None, symmetric=False)
-    x, target = torch.empty(16, K, dtype=act), torch.empty(16, N, dtype=act)
+    # rows of x: 16 (the default, the worst case of M <= 16); the sparse tensor-core kernel compiles one mma
+    # per chunk instead of two at M <= 8 (--listed-rows 8), the other kernels the same code for any M
+    x, target = torch.empty(rows, K, dtype=act), torch.empty(rows, N, dtype=act)
     ck = aot_compile(x, w, None, target, cfg, cfg.split_k, (cap // 10, cap % 10))
     instrs = without_padding(sass_instructions(ck.asm["cubin"]))
     loop = main_loop(instrs, required=cfg.split_k != -(-K // cfg.block_k))   # ONE_TILE kernels have no loop
@@ -342,7 +344,7 @@ def compile_listed(dtype: str, cfg, cap: int, N: int, K: int) -> dict:
                              text=True, check=True).stdout
     tile_w = weight_tile_bytes(dtype, cfg.block_n, cfg.block_k)
     tile_x = 16 * cfg.block_k * act.itemsize + side_bytes(dtype, cfg.block_n, cfg.block_k)
-    unroll = round(sparse_mma_tiles(loop, cfg, 16) or global_load_bytes(loop) * 32 * cfg.num_warps / (tile_w + tile_x))
+    unroll = round(sparse_mma_tiles(loop, cfg, rows) or global_load_bytes(loop) * 32 * cfg.num_warps / (tile_w + tile_x))
     # Serial split-K: after the arrival counter's atomic, every program but the last of its
     # tile exits (the first predicated EXIT); what follows (the partials' sum and the
     # epilogue) runs in one program of SPLIT_K.
@@ -406,7 +408,7 @@ def _listed_results(a, dtypes) -> list[dict]:
     jobs = [(dt, *default_config(dt, N, K, a.gpu), N, K) for dt in dtypes for N, K in LISTED_SHAPES]
     with ProcessPoolExecutor(a.jobs) as ex:
         results = list(ex.map(compile_listed, [j[0] for j in jobs], [j[1] for j in jobs], [a.cap] * len(jobs),
-                              [j[3] for j in jobs], [j[4] for j in jobs]))
+                              [j[3] for j in jobs], [j[4] for j in jobs], [a.listed_rows] * len(jobs)))
     for r, j in zip(results, jobs):
         r["source"] = j[2]
     return results
@@ -646,6 +648,9 @@ def main(argv=None):
     ap.add_argument("--dtypes", default="float16,bfloat16,int8-float16,int8-bfloat16,int4-float16,int4-bfloat16",
                     help="with --sass, --occupancy, --prefill")
     ap.add_argument("--listed-only", action="store_true", help="with --sass: only the listed shapes")
+    ap.add_argument("--listed-rows", type=int, default=16, choices=(8, 16),
+                    help="with --sass/--occupancy: rows of x at the listed shapes (8: batch <= 8, one mma per "
+                         "chunk in the sparse tensor-core kernel)")
     ap.add_argument("--no-listed", action="store_true",
                     help="with --sass: skip the amortized count at the listed shapes")
     ap.add_argument("--occupancy", action="store_true",
