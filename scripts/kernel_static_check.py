@@ -357,6 +357,7 @@ def compile_listed(dtype: str, cfg, cap: int, N: int, K: int, rows: int = 16) ->
     return dict(dtype=dtype, cfg=cfg, N=N, K=K, regs=int(re.search(r"REG:(\d+)", res).group(1)), spills=spills,
                 shared=ck.metadata.shared, loop=len(loop), total=len(instrs), unroll=max(unroll, 1),
                 sparse=any(_opcode(t).startswith("HMMA.SP") for t in texts),
+                loop_hmma_sp=sum(_opcode(t).startswith("HMMA.SP") for t in loop),
                 loop_int=_int_count(loop), total_int=_int_count(texts), tile_w=tile_w, last=len(last),
                 last_int=_int_count(last))
 

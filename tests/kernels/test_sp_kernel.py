@@ -202,3 +202,24 @@ def test_a_wrong_sp_word_fails_the_check(gen):
     y = linear_decode(x, bad, config=_cfg(64, 64))
     assert not matches_reference(y, x, dense)
     assert_matches_reference(y, x, moved)
+
+
+def test_batch_of_eight_compiles_one_mma_per_chunk(monkeypatch):
+    """Compiled for sm_90 (no GPU): at M <= 8 the kernel issues half the HMMA.SP of M = 16 (one x row
+    block of 8) and costs less per byte, both within the INT8 budget."""
+    import importlib.util
+    from pathlib import Path
+    pytest.importorskip("triton.backends.nvidia")
+    monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")
+    path = Path(__file__).resolve().parents[2] / "scripts" / "kernel_static_check.py"
+    spec = importlib.util.spec_from_file_location("kernel_static_check", path)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    cfg, _ = tool.default_config("int8-float16", 4096, 4096)
+    r8, r16 = (tool.compile_listed("int8-float16", cfg, 90, 4096, 4096, rows) for rows in (8, 16))
+    # per 64-column atom and owned row tile: 2 HMMA.SP (8 rows of x) or 4 (16 rows)
+    tiles = cfg.block_n // (16 * cfg.num_warps) * (cfg.block_k // 64)
+    assert (r8["loop_hmma_sp"], r16["loop_hmma_sp"]) == (2 * tiles, 4 * tiles)
+    assert r8["sparse"] and r16["sparse"] and r8["loop"] < r16["loop"]
+    a8, a16 = tool.amortized(r8)[0], tool.amortized(r16)[0]
+    assert a8 < a16 <= tool.BUDGET["int8-float16"], (a8, a16)
