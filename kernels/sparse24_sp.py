@@ -370,8 +370,8 @@ def _sparse24_sp(
     # owns the RT row tiles pid_n * BLOCK_N / 16 + RT w + r (RT = 2: both tiles' mma take the
     # same x words, loaded once). meta_ptr: the layout's meta, (NT, 32, KM) words whose
     # second half (atoms KM / 2 ..) holds the mma.sp words. x: unit column stride, even
-    # row stride (stride_xk is not read). ONE_TILE and DOT_PRECISION: the decode kernel's
-    # constexprs (one signature for both launch paths), not used here.
+    # row stride (stride_xk is not read). DOT_PRECISION: the decode kernel's constexpr (one
+    # signature for both launch paths), not used here.
     W: tl.constexpr = BLOCK_N // (16 * RT)
     L: tl.constexpr = 32 * W
     A: tl.constexpr = BLOCK_K // 64
@@ -434,13 +434,17 @@ def _sparse24_sp(
     xt0 = xw0 + k_lo * (BLOCK_K // 2)
     xt1 = xw1 + k_lo * (BLOCK_K // 2)
     V_TILE = A * V_ATOM
-    for kt in range(k_lo, min(k_hi, n_full)):
-        acc = _sp_tile(acc, vt, V_ATOM, V_ROWS, et, E_ROWS, xt0, xt1, col, kt, K, KA, sm_mask, nib_mask, srow, zrow,
+    if ONE_TILE and EVEN_K:  # split pid_k owns exactly K-tile pid_k (the small layers' default): no loop
+        acc = _sp_tile(acc, vt, V_ATOM, V_ROWS, et, E_ROWS, xt0, xt1, col, k_lo, K, KA, sm_mask, nib_mask, srow, zrow,
                        G, A, False, INT4, GROUP, HAS_ZERO, BF16, N16, RT)
-        vt += V_TILE
-        et += A
-        xt0 += BLOCK_K // 2
-        xt1 += BLOCK_K // 2
+    else:
+        for kt in range(k_lo, min(k_hi, n_full)):
+            acc = _sp_tile(acc, vt, V_ATOM, V_ROWS, et, E_ROWS, xt0, xt1, col, kt, K, KA, sm_mask, nib_mask, srow,
+                           zrow, G, A, False, INT4, GROUP, HAS_ZERO, BF16, N16, RT)
+            vt += V_TILE
+            et += A
+            xt0 += BLOCK_K // 2
+            xt1 += BLOCK_K // 2
     if not EVEN_K:
         if (n_full >= k_lo) & (n_full < k_hi):  # this split owns the partial tile (pointers are there)
             acc = _sp_tile(acc, vt, V_ATOM, V_ROWS, et, E_ROWS, xt0, xt1, col, n_full, K, KA, sm_mask, nib_mask,

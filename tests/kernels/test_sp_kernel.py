@@ -223,3 +223,20 @@ def test_batch_of_eight_compiles_one_mma_per_chunk(monkeypatch):
     assert r8["sparse"] and r16["sparse"] and r8["loop"] < r16["loop"]
     a8, a16 = tool.amortized(r8)[0], tool.amortized(r16)[0]
     assert a8 < a16 <= tool.BUDGET["int8-float16"], (a8, a16)
+
+
+@pytest.mark.parametrize("quantize,bk,split", [("int8", 128, 2), ("int8", 256, 1), ("int4", 64, 4)])
+def test_one_k_tile_per_split_compiles_without_the_loop(quantize, bk, split, gen):
+    """SPLIT_K equal to the K-tiles with BLOCK_K dividing K (the small layers' defaults): the kernel
+    runs its one tile without the K-loop; against fp64 at M = 3 and 13."""
+    K = 256
+    w = torch.randn(72, K, generator=gen)
+    p = sparse24.compress(w, quantize="int8") if quantize == "int8" else \
+        sparse24.compress(w, quantize="int4", group_size=64, symmetric=False)
+    d, dense = pack_decode(p), p.to_dense().half().double() if quantize == "int4" else p.to_dense().double()
+    b = torch.randn(72, generator=gen)
+    for M in (3, 13):
+        x = torch.randn(M, K, generator=gen).half()
+        cfg = _cfg(64, bk, split=split, tiles_per_warp=2)
+        assert launch._DecodeSP.constexprs(cfg, split, True, torch.uint8, True, False, K, 0, False, 16)["ONE_TILE"]
+        assert_matches_reference(linear_decode(x, d, b, config=cfg), x, dense, b)
