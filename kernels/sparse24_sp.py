@@ -47,7 +47,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from .interpreter import ASM_EMULATIONS, InterpretedKernel, f16x2_reference
+from .interpreter import ASM_EMULATIONS, InterpretedKernel
 from .sparse24_decode import (_BF16X2_MINUS_ONE, _BF16X2_MINUS_ZERO, _DEQUANT_BF16X2, _MAGIC_BF16, _MAGIC_F16,
                               _MUL_F16X2, _SM_MASK, _SUB_F16X2, _TWO_POW_24, _f16x2, _half_word, int8_bf16_words)
 
@@ -132,7 +132,6 @@ for _asm, _sel, _bf in ((_MMA_F16_0, 0, False), (_MMA_F16_1, 1, False), (_MMA_BF
                         (_MMA_BF16_1, 1, True)):
     ASM_EMULATIONS[_asm.value] = mma_sp_reference(_sel, _bf)
 ASM_EMULATIONS[_SUB_BF16X2.value] = lambda y, c, m1: _bf16x2_sub_reference(y, c)
-ASM_EMULATIONS.setdefault(_SUB_F16X2.value, f16x2_reference("sub"))
 
 
 @triton.jit

@@ -241,8 +241,7 @@ class DecodePacked:
     def slots(self) -> torch.Tensor:
         """``(R, C // 4, 2)`` int64 slot (0..3) of each kept value (lower slot first)."""
         R, C = self.shape
-        codes = self._unpacked()[0][:R, :C // 4]
-        return _slots_of_code(self.device).index_select(0, codes.reshape(-1)).view(R, C // 4, 2)
+        return _slots_of_codes(self._unpacked()[0][:R, :C // 4])
 
     def validate(self) -> "DecodePacked":
         """Raise ValueError naming the first bad row/group unless every real
@@ -251,7 +250,8 @@ class DecodePacked:
         R, C = self.shape
         codes, vals, meta_pad = self._unpacked()
         real = codes[:R, :C // 4]
-        bad = _slots_of_code(self.device)[real.reshape(-1), 0].view(real.shape) < 0
+        slots = _slots_of_codes(real)
+        bad = slots[..., 0] < 0
         if bool(bad.any()):
             r, g = (int(i) for i in bad.nonzero()[0])
             raise ValueError(f"corrupt decode metadata at row {r}, group {g} (columns {4 * g}..{4 * g + 3}): keep mask "
@@ -262,7 +262,7 @@ class DecodePacked:
             raise ValueError(f"corrupt decode layout: padding past the logical shape {(R, C)} is not zero")
         if self.scale is not None:
             KM = decode_dims(R, C)[2]
-            want = _sp_words(self.slots(), R, C)
+            want = _sp_words(slots, R, C)
             if not torch.equal(self.meta[..., KM:], want):
                 t, l, a = (int(i) for i in (self.meta[..., KM:] != want).nonzero()[0])
                 raise ValueError(f"corrupt mma.sp metadata (row tile {t}, lane {l}, atom {a}): it does not hold the "
@@ -339,6 +339,11 @@ def _slots_of_code(device) -> torch.Tensor:
     lo = torch.where(kept, slot, 4).amin(1)
     hi = torch.where(kept, slot, -1).amax(1)
     return torch.where((kept.sum(1) == 2)[:, None], torch.stack((lo, hi), dim=1), -1)
+
+
+def _slots_of_codes(codes: torch.Tensor) -> torch.Tensor:
+    """``(..., 2)`` slots of the keep-mask codes ``codes`` (``(-1, -1)`` where a code does not keep two)."""
+    return _slots_of_code(codes.device).index_select(0, codes.reshape(-1)).view(*codes.shape, 2)
 
 
 def _int32(words: torch.Tensor) -> torch.Tensor:

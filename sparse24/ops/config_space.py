@@ -16,7 +16,8 @@ import torch
 
 __all__ = ["KernelConfig", "KERNEL_VARIANTS", "LAYOUTS", "LAYOUT_KERNEL", "M_BUCKETS", "DTYPE_KEYS", "DECODE_M",
            "DECODE_PAIRS", "LISTED_SHAPES",
-           "m_bucket", "dtype_key", "builtin_config", "decode_default", "candidate_configs", "decode_configs", "check_decode_config"]
+           "m_bucket", "dtype_key", "builtin_config", "decode_default", "candidate_configs", "decode_configs", "check_decode_config",
+           "sparse_kernel"]
 
 # Kernel variants a config may name (kernels/): "matmul" (sparse24_matmul.py)
 # expands each weight tile in registers and runs tl.dot, any M, layout v1;
@@ -182,7 +183,7 @@ _SPARSE_TILES = ((64, 2), (128, 4))
 _DECODE_BLOCK_K = (64, 128, 256)
 
 
-def _sparse(dtype: str) -> bool:
+def sparse_kernel(dtype: str) -> bool:
     """Whether a decode-layout weight of dtype key ``dtype`` runs the sparse tensor-core kernel
     (kernels/sparse24_sp.py): INT8 or INT4 weights with float16 / bfloat16 x."""
     return dtype.startswith(("int8-", "int4-")) and not dtype.endswith("float32")
@@ -210,7 +211,7 @@ def decode_configs(M: int, N: int, K: int, dtype: str = "float16", num_sms: int 
     if M < 1:
         raise ValueError(f"M must be >= 1, got {M}")
     int8 = dtype.startswith("int8-")
-    sparse = _sparse(dtype)
+    sparse = sparse_kernel(dtype)
     out = []
     for bn, warps in _SPARSE_TILES if sparse else _DECODE_TILES:
         for bk in _DECODE_BLOCK_K + ((512,) if sparse else ()):   # (registers: no tile in shared memory)
@@ -250,7 +251,7 @@ def decode_default(N: int, K: int, dtype: str = "float16", num_sms: int = 132) -
     # loads into registers, without Triton's pipeline, so a program has one K-tile in flight;
     # its tiles may be 512 columns deep (the instructions outside the loop amortize over twice
     # the bytes: INT4 4096 x 4096 0.307 -> 0.239 warp-instructions per byte on sm_90)
-    sparse = _sparse(dtype)
+    sparse = sparse_kernel(dtype)
     rows = -(-N // 64)
     if sparse:  # 512 where it divides K (a partial tile is a second, masked copy of the tile's code)
         bk = next(b for b in (512, 256, 128) if (rows * -(-K // b) >= num_sms and K % b == 0) or b == 128)
@@ -262,7 +263,7 @@ def decode_default(N: int, K: int, dtype: str = "float16", num_sms: int = 132) -
     split = tiles
     for per_split in range(tiles, 0, -1):               # the fewest splits (longest K ranges) that do
         split = -(-tiles // per_split)
-        ahead = 1 if sparse else min(stages - 1, per_split)   # K-tiles a program has requested ahead
+        ahead = min(max(stages - 1, 1), per_split)      # K-tiles a program has requested ahead (1 stage: its own)
         if rows * split >= max(num_sms * DECODE_IN_FLIGHT / (ahead * tile_bytes), num_sms):
             break
     if per_split == 1:  # one K-tile per program: nothing to overlap, and a pipeline's prologue costs ~40%

@@ -35,7 +35,8 @@ import torch
 
 from ...decode_format import DecodePacked, check_word_aligned, decode_dims, pack_decode
 from ...format import Sparse24Tensor
-from ..config_space import DECODE_M, LAYOUT_KERNEL, KernelConfig, check_decode_config, dtype_key, m_bucket
+from ..config_space import (DECODE_M, LAYOUT_KERNEL, KernelConfig, check_decode_config, dtype_key, m_bucket,
+                            sparse_kernel)
 from ..config_store import get_config, on_clear
 from .naive import check_linear_args
 from .prefill import check_prefill_config, prefill_config
@@ -567,7 +568,7 @@ class _DecodeSP(_Decode):
 def variant_of(config: KernelConfig, x_dtype: torch.dtype, has_scale: bool):
     """The kernel variant a launch of ``config`` runs: a decode config with INT8 / INT4
     weights and float16 / bfloat16 x runs the sparse tensor-core kernel."""
-    if config.kernel == "decode" and has_scale and x_dtype in (torch.float16, torch.bfloat16):
+    if config.kernel == "decode" and sparse_kernel(dtype_key(x_dtype, has_scale)):   # INT4 keys as INT8's
         return _DecodeSP
     return _VARIANTS[config.kernel]
 
