@@ -48,8 +48,8 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from .interpreter import ASM_EMULATIONS, InterpretedKernel
-from .sparse24_decode import (_BF16X2_MINUS_ONE, _BF16X2_MINUS_ZERO, _DEQUANT_BF16X2, _MAGIC_BF16, _MAGIC_F16,
-                              _MUL_F16X2, _SM_MASK, _SUB_F16X2, _TWO_POW_24, _f16x2, _half_word, int8_bf16_words)
+from .sparse24_decode import (_BF16X2_MINUS_ONE, _MAGIC_BF16, _MAGIC_F16, _SM_MASK, _SUB_F16X2, _TWO_POW_24, _f16x2,
+                              int8_bf16_words)
 
 __all__ = ["sparse24_sp", "sparse24_sp_interpreted", "mma_sp_reference", "SP_META_NIBBLE_PAD"]
 
@@ -154,18 +154,15 @@ def _int8_pair(p, SEL: tl.constexpr, sm_mask, BF16: tl.constexpr):
 
 
 @triton.jit
-def _int4_pair(w, SHIFT: tl.constexpr, Z, SH, SL, nib_mask, BF16: tl.constexpr):
-    # Two 4-bit codes (nibbles SHIFT/4 and SHIFT/4 + 4 of w) -> an A register of
-    # (u - z) * scale: 1024 + u (128 + u) by one AND-OR, minus 1024 + z exactly, times the
-    # scale word SH (bfloat16: its exact split SH + SL, rounded once, as the decode kernel).
+def _int4_pair(w, SHIFT: tl.constexpr, Z, nib_mask, BF16: tl.constexpr):
+    # Two 4-bit codes (nibbles SHIFT/4 and SHIFT/4 + 4 of w) -> an A register of u - z, exact:
+    # 1024 + u (bfloat16 128 + u) by one AND-OR, minus the zero word 1024 + z. The scale is
+    # applied to the quantization group's fp32 partial sums (_fold), not here.
+    q = ((w >> SHIFT) & nib_mask) | (_MAGIC_BF16 if BF16 else _MAGIC_F16)
     if BF16:
-        q = ((w >> SHIFT) & nib_mask) | _MAGIC_BF16
         m1 = tl.full(q.shape, _BF16X2_MINUS_ONE, tl.int32)
-        m0 = tl.full(q.shape, _BF16X2_MINUS_ZERO, tl.int32)
-        return tl.inline_asm_elementwise(_DEQUANT_BF16X2, "=r,r,r,r,r,r,r", [q, Z, SH, SL, m1, m0],
-                                         dtype=tl.int32, is_pure=True, pack=1)
-    q = ((w >> SHIFT) & nib_mask) | _MAGIC_F16
-    return _f16x2(_MUL_F16X2, _f16x2(_SUB_F16X2, q, Z), SH)
+        return tl.inline_asm_elementwise(_SUB_BF16X2, "=r,r,r,r", [q, Z, m1], dtype=tl.int32, is_pure=True, pack=1)
+    return _f16x2(_SUB_F16X2, q, Z)
 
 
 @triton.jit
@@ -177,11 +174,11 @@ def _int8_regs(pq0, pq1, sm_mask, BF16: tl.constexpr):
 
 
 @triton.jit
-def _int4_regs(w, Z0, SH0, SL0, Z8, SH8, SL8, nib_mask, BF16: tl.constexpr):
+def _int4_regs(w, Z0, Z8, nib_mask, BF16: tl.constexpr):
     # A registers of one 32-column chunk from its word w (nibbles 2qq + b + 4v): rows g
-    # (zero word Z0, scale SH0/SL0) and g + 8 (Z8, SH8/SL8), groups t and t + 4.
-    return (_int4_pair(w, 0, Z0, SH0, SL0, nib_mask, BF16), _int4_pair(w, 4, Z8, SH8, SL8, nib_mask, BF16),
-            _int4_pair(w, 8, Z0, SH0, SL0, nib_mask, BF16), _int4_pair(w, 12, Z8, SH8, SL8, nib_mask, BF16))
+    # (zero word Z0) and g + 8 (Z8), groups t and t + 4.
+    return (_int4_pair(w, 0, Z0, nib_mask, BF16), _int4_pair(w, 4, Z8, nib_mask, BF16),
+            _int4_pair(w, 8, Z0, nib_mask, BF16), _int4_pair(w, 12, Z8, nib_mask, BF16))
 
 
 @triton.jit
@@ -203,22 +200,10 @@ def _x_words(xw, kw: tl.constexpr, k, K, col, MASKED: tl.constexpr):
 
 
 @triton.jit
-def _scale_words(s, BF16: tl.constexpr):
-    # A float16 scale -> the packed words the dequantization multiplies by: float16 (s, s);
-    # bfloat16 (hi, hi) and (lo, lo) with hi = bf16(s), lo = s - hi exactly.
-    if BF16:
-        hi = s.to(tl.bfloat16)
-        lo = (s.to(tl.float32) - hi.to(tl.float32)).to(tl.bfloat16)
-        return _half_word(hi), _half_word(lo)
-    w = _half_word(s)
-    return w, w
-
-
-@triton.jit
 def _int4_group(s_rows0, s_rows1, z_rows0, z_rows1, kq, ok, like, MASKED: tl.constexpr, HAS_ZERO: tl.constexpr,
                 BF16: tl.constexpr):
-    # Scale words and zero words (magic | z, twice) of rows g and g + 8 at quantization group kq:
-    # (SH0, SL0, Z0, SH8, SL8, Z8); loaded once per group, not per atom.
+    # Scales (fp32) and zero words (magic | z, twice) of rows g and g + 8 at quantization
+    # group kq: (s0, Z0, s8, Z8); loaded once per group, not per atom.
     MAGIC: tl.constexpr = _MAGIC_BF16 if BF16 else _MAGIC_F16
     if MASKED:
         s0 = tl.load(s_rows0 + kq, mask=ok, other=0.0)
@@ -236,9 +221,24 @@ def _int4_group(s_rows0, s_rows1, z_rows0, z_rows1, kq, ok, like, MASKED: tl.con
     else:  # symmetric: z = 8
         Z0 = tl.full(like.shape, MAGIC | 0x80008, tl.int32)
         Z8 = Z0
-    SH0, SL0 = _scale_words(s0, BF16)
-    SH8, SL8 = _scale_words(s8, BF16)
-    return SH0, SL0, Z0, SH8, SL8, Z8
+    return s0.to(tl.float32), Z0, s8.to(tl.float32), Z8
+
+
+@triton.jit
+def _fold(acc, grp, s0, s8, t0, t8, N16: tl.constexpr, RT: tl.constexpr):
+    # acc += scale * grp per row: one quantization group's fp32 partial sums (of x (u - z)),
+    # rows g (s0) and g + 8 (s8) of row tile 0, t0 / t8 of tile 1. One FFMA each: the
+    # product rounded once with the sum, as the dot would round adding the group's terms.
+    c0, c1, c2, c3, d0, d1, d2, d3, u0, u1, u2, u3, v0, v1, v2, v3 = acc
+    g0, g1, g2, g3, h0, h1, h2, h3, p0, p1, p2, p3, q0, q1, q2, q3 = grp
+    c0, c1, c2, c3 = c0 + s0 * g0, c1 + s0 * g1, c2 + s8 * g2, c3 + s8 * g3
+    if N16:
+        d0, d1, d2, d3 = d0 + s0 * h0, d1 + s0 * h1, d2 + s8 * h2, d3 + s8 * h3
+    if RT == 2:
+        u0, u1, u2, u3 = u0 + t0 * p0, u1 + t0 * p1, u2 + t8 * p2, u3 + t8 * p3
+        if N16:
+            v0, v1, v2, v3 = v0 + t0 * q0, v1 + t0 * q1, v2 + t8 * q2, v3 + t8 * q3
+    return c0, c1, c2, c3, d0, d1, d2, d3, u0, u1, u2, u3, v0, v1, v2, v3
 
 
 @triton.jit
@@ -300,6 +300,8 @@ def _sp_tile(acc, vt, V_ATOM, V_ROWS, et, E_ROWS, xt0, xt1, col, kt, K, KA, sm_m
     s0, s1, s2, s3 = srow
     z0, z1, z2, z3 = zrow
     W2: tl.constexpr = 2 if INT4 else 4   # value words per lane and atom
+    SEG: tl.constexpr = GROUP if GROUP < 64 * A else 64 * A  # INT4: columns of a quantization group inside one K-tile
+    zero = tl.zeros(col.shape, tl.float32)
     for j in tl.static_range(A):
         a = kt * A + j
         ok = col * 0 + a < KA   # per lane (a scalar mask is not accepted by every Triton version)
@@ -309,31 +311,40 @@ def _sp_tile(acc, vt, V_ATOM, V_ROWS, et, E_ROWS, xt0, xt1, col, kt, K, KA, sm_m
         if RT == 2:
             q, f = _atom_load(vp + V_ROWS, et + E_ROWS + j, ok, MASKED, INT4)
         if INT4:
+            # Each quantization group's chunks sum into zeroed accumulators grp, then _fold adds
+            # scale * grp (a group inside this K-tile: SEG columns; BLOCK_K < GROUP: the tile's part).
             w0, w1 = tl.split(p)
             x0, x1 = tl.split(q)
-            # quantization groups: loaded at the first atom of each (GROUP >= 64), or per chunk (32)
-            if (GROUP == 32) or (j % (GROUP // 64) == 0):
+            if (2 * j) % (SEG // 32) == 0:   # a group starts with chunk 0
                 kq = (a * 64) // GROUP
                 gok = ok & (col * 0 + kq < G)
-                SH0, SL0, Z0, SH8, SL8, Z8 = _int4_group(s0, s1, z0, z1, kq, gok, e, MASKED, HAS_ZERO, BF16)
-                TH0, TL0, Y0, TH8, TL8, Y8 = SH0, SL0, Z0, SH8, SL8, Z8
+                S0, Z0, S8, Z8 = _int4_group(s0, s1, z0, z1, kq, gok, e, MASKED, HAS_ZERO, BF16)
+                T0, Y0, T8, Y8 = S0, Z0, S8, Z8
                 if RT == 2:
-                    TH0, TL0, Y0, TH8, TL8, Y8 = _int4_group(s2, s3, z2, z3, kq, gok, e, MASKED, HAS_ZERO, BF16)
-            a0, a1, a2, a3 = _int4_regs(w0, Z0, SH0, SL0, Z8, SH8, SL8, nib_mask, BF16)
+                    T0, Y0, T8, Y8 = _int4_group(s2, s3, z2, z3, kq, gok, e, MASKED, HAS_ZERO, BF16)
+                grp = (zero, zero, zero, zero, zero, zero, zero, zero, zero, zero, zero, zero, zero, zero, zero, zero)
+            a0, a1, a2, a3 = _int4_regs(w0, Z0, Z8, nib_mask, BF16)
             r0, r1, r2, r3 = a0, a1, a2, a3
             if RT == 2:
-                r0, r1, r2, r3 = _int4_regs(x0, Y0, TH0, TL0, Y8, TH8, TL8, nib_mask, BF16)
-            acc = _chunk(acc, a0, a1, a2, a3, e, r0, r1, r2, r3, f, xt0, xt1, j * 32, a * 64, K, col, 0, MASKED,
+                r0, r1, r2, r3 = _int4_regs(x0, Y0, Y8, nib_mask, BF16)
+            grp = _chunk(grp, a0, a1, a2, a3, e, r0, r1, r2, r3, f, xt0, xt1, j * 32, a * 64, K, col, 0, MASKED,
                          BF16, N16, RT)
-            if GROUP == 32:  # the second chunk is the next group
+            if SEG == 32:  # the second chunk is the next group
+                acc = _fold(acc, grp, S0, S8, T0, T8, N16, RT)
                 kq = (a * 64 + 32) // GROUP
                 gok = ok & (col * 0 + kq < G)
-                SH0, SL0, Z0, SH8, SL8, Z8 = _int4_group(s0, s1, z0, z1, kq, gok, e, MASKED, HAS_ZERO, BF16)
+                S0, Z0, S8, Z8 = _int4_group(s0, s1, z0, z1, kq, gok, e, MASKED, HAS_ZERO, BF16)
+                T0, Y0, T8, Y8 = S0, Z0, S8, Z8
                 if RT == 2:
-                    TH0, TL0, Y0, TH8, TL8, Y8 = _int4_group(s2, s3, z2, z3, kq, gok, e, MASKED, HAS_ZERO, BF16)
-            a0, a1, a2, a3 = _int4_regs(w1, Z0, SH0, SL0, Z8, SH8, SL8, nib_mask, BF16)
+                    T0, Y0, T8, Y8 = _int4_group(s2, s3, z2, z3, kq, gok, e, MASKED, HAS_ZERO, BF16)
+                grp = (zero, zero, zero, zero, zero, zero, zero, zero, zero, zero, zero, zero, zero, zero, zero, zero)
+            a0, a1, a2, a3 = _int4_regs(w1, Z0, Z8, nib_mask, BF16)
             if RT == 2:
-                r0, r1, r2, r3 = _int4_regs(x1, Y0, TH0, TL0, Y8, TH8, TL8, nib_mask, BF16)
+                r0, r1, r2, r3 = _int4_regs(x1, Y0, Y8, nib_mask, BF16)
+            grp = _chunk(grp, a0, a1, a2, a3, e, r0, r1, r2, r3, f, xt0, xt1, j * 32 + 16, a * 64 + 32, K, col, 1,
+                         MASKED, BF16, N16, RT)
+            if (2 * j + 2) % (SEG // 32) == 0:   # the group ends with chunk 1
+                acc = _fold(acc, grp, S0, S8, T0, T8, N16, RT)
         else:
             pa, pb = tl.split(tl.reshape(p, [p.shape[0], 2, 2]))
             p0, p2 = tl.split(pa)
@@ -350,8 +361,8 @@ def _sp_tile(acc, vt, V_ATOM, V_ROWS, et, E_ROWS, xt0, xt1, col, kt, K, KA, sm_m
             a0, a1, a2, a3 = _int8_regs(p2, p3, sm_mask, BF16)
             if RT == 2:
                 r0, r1, r2, r3 = _int8_regs(q2, q3, sm_mask, BF16)
-        acc = _chunk(acc, a0, a1, a2, a3, e, r0, r1, r2, r3, f, xt0, xt1, j * 32 + 16, a * 64 + 32, K, col, 1,
-                     MASKED, BF16, N16, RT)
+            acc = _chunk(acc, a0, a1, a2, a3, e, r0, r1, r2, r3, f, xt0, xt1, j * 32 + 16, a * 64 + 32, K, col, 1,
+                         MASKED, BF16, N16, RT)
     return acc
 
 

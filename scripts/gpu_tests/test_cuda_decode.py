@@ -125,11 +125,12 @@ def test_sparse_tensor_core_metadata_layout(gen):
 @pytest.mark.parametrize("gs,sym", [(32, False), (128, True)])
 @pytest.mark.parametrize("M", [1, 13])
 def test_int4_default_config_matches_reference(M, gs, sym, xtype, gen):
-    """INT4 weights on the sparse tensor cores against the dequantized weight rounded once to
-    x's dtype (the operand the kernel builds), K off the tiles and the groups."""
+    """INT4 weights on the sparse tensor cores against the exact dequantized weight (the mma
+    takes u - z exactly, the scale multiplies each group's fp32 partial sums), K off the tiles
+    and the groups."""
     p = sparse24.compress(torch.randn(72, 200, generator=gen, device=DEV), quantize="int4", group_size=gs,
                           symmetric=sym)
-    dense = p.to_dense().to(ACT[xtype]).double()
+    dense = p.to_dense().double()
     x = torch.randn(M, 200, generator=gen, device=DEV).to(ACT[xtype])
     b = torch.randn(72, generator=gen, device=DEV)
     assert_matches_reference(_run(x, pack_decode(p), b, None), x, dense, b)

@@ -393,19 +393,13 @@ def test_int8_bf16_words_build_every_value_exactly():
     assert not got[255 * 255:].any()
 
 
-# INT4 weights with bfloat16 x: 0.224 amortized at 4096 x 4096 on the sparse tensor cores (the exact
-# bfloat16 dequantization, three fma per register pair; docs/kernels.md, "INT4 weights").
-_INT4_OVER = pytest.mark.xfail(strict=True, raises=AssertionError,
-                               reason="INT4 x bf16 decode over the sm_90 budget: issue 25 item 3 open")
-
-
 @pytest.mark.parametrize("dtype,N,K", [("float16", 4096, 4096), ("bfloat16", 4096, 4096),
                                        ("int8-float16", 4096, 4096), ("int8-bfloat16", 4096, 4096),
-                                       ("int4-float16", 4096, 4096),
-                                       pytest.param("int4-bfloat16", 4096, 4096, marks=_INT4_OVER),
+                                       ("int4-float16", 4096, 4096), ("int4-bfloat16", 4096, 4096),
                                        # the listed layer closest to the budget: one K-tile per program
                                        ("float16", 3072, 768), ("bfloat16", 3072, 768),
-                                       ("int8-float16", 3072, 768), ("int8-bfloat16", 3072, 768)])
+                                       ("int8-float16", 3072, 768), ("int8-bfloat16", 3072, 768),
+                                       ("int4-float16", 3072, 768), ("int4-bfloat16", 3072, 768)])
 def test_default_config_within_budget_live_sm90(dtype, N, K, monkeypatch):
     """Compiled here and now for sm_90 (not a committed CSV): the config an N x K
     decode-layout layer of each (weight, activation) pair uses untuned, its SASS counted

@@ -50,9 +50,12 @@ def _int4(N, K, gs, symmetric, gen):
     return p, W.reshape(N, K)
 
 
-def _operand(W, xtype):
-    """The weight as the dot sees it: the exact dequantized value rounded once to x's dtype."""
-    return W.to(xtype).double()
+def _operand(W, xtype, kernel="decode"):
+    """The weight the product is exact to: the prefill kernel dequantizes into the dot's operand,
+    the exact value rounded once to x's dtype; at M <= 16 (fp16/bf16 x: the sparse tensor-core
+    kernel, u - z exact in the mma, the scale on each group's fp32 partial sums; fp32 x:
+    exact in fp32) the exact dequantized weight itself."""
+    return W.to(xtype).double() if kernel == "prefill" else W
 
 
 # --- byte-permute selectors ------------------------------------------------------
@@ -140,7 +143,7 @@ def test_prefill_kernel_matches_reference(xtype, gs, sym, gen):
     b = torch.randn(72, generator=gen)
     cfg = KernelConfig(32, 64, 64, 8, 1, 4, 2, kernel="prefill")
     y = linear_prefill(x, pack_decode(p), b, config=cfg)
-    assert_matches_reference(y, x, _operand(W, xtype), b)
+    assert_matches_reference(y, x, _operand(W, xtype, "prefill"), b)
 
 
 def test_default_configs_and_the_op(gen):
@@ -148,7 +151,7 @@ def test_default_configs_and_the_op(gen):
     M <= 16 and M > 16, and a layout-v1 INT4 weight with backend='triton' (re-ordered per call)."""
     p, W = _int4(72, 200, 64, False, gen)
     d = pack_decode(p)
-    for M in (3, 20):
+    for M in (3, 20):   # backend="triton": the decode kernel at any M (prefill: "auto" on CUDA only)
         x = torch.randn(M, 200, generator=gen).half()
         assert_matches_reference(sparse24.linear(x, d, backend="triton"), x, _operand(W, torch.float16))
     x = torch.randn(4, 200, generator=gen).half()

@@ -163,8 +163,9 @@ def test_two_tiles_per_warp_only_on_the_sparse_kernel(gen):
 def test_every_int4_config_in_the_space_matches_reference(gen):
     # N = 72, K = 200: a partial row block, a partial K-tile and atom, a short last quantization group
     p = sparse24.compress(torch.randn(72, 200, generator=gen), quantize="int4", group_size=64, symmetric=False)
-    # the operand the tensor cores see: the exact dequantized weight rounded once to float16
-    d, dense = pack_decode(p), p.to_dense().half().double()
+    # the exact dequantized weight: the tensor cores see u - z (exact), the scale multiplies
+    # each group's fp32 partial sums, so no rounding of the weight to float16
+    d, dense = pack_decode(p), p.to_dense().double()
     for cfg in decode_configs(16, 72, 200, "int4-float16"):
         x = torch.randn(5, 200, generator=gen).half()
         assert_matches_reference(linear_decode(x, d, config=cfg), x, dense)
@@ -233,7 +234,7 @@ def test_one_k_tile_per_split_compiles_without_the_loop(quantize, bk, split, gen
     w = torch.randn(72, K, generator=gen)
     p = sparse24.compress(w, quantize="int8") if quantize == "int8" else \
         sparse24.compress(w, quantize="int4", group_size=64, symmetric=False)
-    d, dense = pack_decode(p), p.to_dense().half().double() if quantize == "int4" else p.to_dense().double()
+    d, dense = pack_decode(p), p.to_dense().double()
     b = torch.randn(72, generator=gen)
     for M in (3, 13):
         x = torch.randn(M, K, generator=gen).half()
