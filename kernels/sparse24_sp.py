@@ -47,7 +47,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from .interpreter import ASM_EMULATIONS, InterpretedKernel
+from .interpreter import ASM_EMULATIONS, InterpretedKernel, prmt_raw_reference
 from .sparse24_decode import (_BF16X2_MINUS_ONE, _MAGIC_BF16, _MAGIC_F16, _SM_MASK, _SUB_F16X2, _TWO_POW_24, _f16x2,
                               int8_bf16_words)
 
@@ -63,6 +63,10 @@ _MMA_BF16_0 = tl.constexpr(_MMA_SP.format(t="bf16", s="0x0"))
 _MMA_BF16_1 = tl.constexpr(_MMA_SP.format(t="bf16", s="0x1"))
 # bfloat16 INT8: y - c exactly (c * -1 + y, one fma: sm_80 has no bf16x2 sub)
 _SUB_BF16X2 = tl.constexpr("fma.rn.bf16x2 $0, $2, $3, $1;")
+# INT4 zero word (magic | z, both halves) from the zero point byte z and the magic word (a register): one
+# prmt with an immediate selector (bytes z, magic's high byte, z, again; no selector nibble sets bit 3, so
+# raw prmt is libdevice's byte_perm here), where byte_perm would move its selector into a register each time.
+_ZERO_WORD = tl.constexpr("prmt.b32 $0, $1, $2, 0x5050;")
 SP_META_NIBBLE_PAD = 0b0100   # a valid (0, 1) index pair: padding groups (zero values) must not be 0b0000
 
 
@@ -132,6 +136,7 @@ for _asm, _sel, _bf in ((_MMA_F16_0, 0, False), (_MMA_F16_1, 1, False), (_MMA_BF
                         (_MMA_BF16_1, 1, True)):
     ASM_EMULATIONS[_asm.value] = mma_sp_reference(_sel, _bf)
 ASM_EMULATIONS[_SUB_BF16X2.value] = lambda y, c, m1: _bf16x2_sub_reference(y, c)
+ASM_EMULATIONS[_ZERO_WORD.value] = lambda z, magic: prmt_raw_reference(z, magic, 0x5050)
 
 
 @triton.jit
@@ -200,7 +205,7 @@ def _x_words(xw, kw: tl.constexpr, k, K, col, MASKED: tl.constexpr):
 
 
 @triton.jit
-def _int4_group(s_rows0, s_rows1, z_rows0, z_rows1, kq, ok, like, MASKED: tl.constexpr, HAS_ZERO: tl.constexpr,
+def _int4_group(s_rows0, s_rows1, z_rows0, z_rows1, kq, ok, magic, MASKED: tl.constexpr, HAS_ZERO: tl.constexpr,
                 BF16: tl.constexpr):
     # Scales (fp32) and zero words (magic | z, twice) of rows g and g + 8 at quantization
     # group kq: (s0, Z0, s8, Z8); loaded once per group, not per atom.
@@ -212,14 +217,17 @@ def _int4_group(s_rows0, s_rows1, z_rows0, z_rows1, kq, ok, like, MASKED: tl.con
         s0 = tl.load(s_rows0 + kq)
         s8 = tl.load(s_rows1 + kq)
     if HAS_ZERO:
+        # (magic | z) in both halves by one byte permute: bytes z, magic's high byte, z, again
         if MASKED:
-            Z0 = tl.load(z_rows0 + kq, mask=ok, other=0).to(tl.int32) * 0x10001 | MAGIC
-            Z8 = tl.load(z_rows1 + kq, mask=ok, other=0).to(tl.int32) * 0x10001 | MAGIC
+            z0 = tl.load(z_rows0 + kq, mask=ok, other=0).to(tl.int32)
+            z8 = tl.load(z_rows1 + kq, mask=ok, other=0).to(tl.int32)
         else:
-            Z0 = tl.load(z_rows0 + kq).to(tl.int32) * 0x10001 | MAGIC
-            Z8 = tl.load(z_rows1 + kq).to(tl.int32) * 0x10001 | MAGIC
+            z0 = tl.load(z_rows0 + kq).to(tl.int32)
+            z8 = tl.load(z_rows1 + kq).to(tl.int32)
+        Z0 = tl.inline_asm_elementwise(_ZERO_WORD, "=r,r,r", [z0, magic], dtype=tl.int32, is_pure=True, pack=1)
+        Z8 = tl.inline_asm_elementwise(_ZERO_WORD, "=r,r,r", [z8, magic], dtype=tl.int32, is_pure=True, pack=1)
     else:  # symmetric: z = 8
-        Z0 = tl.full(like.shape, MAGIC | 0x80008, tl.int32)
+        Z0 = tl.full(magic.shape, MAGIC | 0x80008, tl.int32)
         Z8 = Z0
     return s0.to(tl.float32), Z0, s8.to(tl.float32), Z8
 
@@ -275,19 +283,49 @@ def _chunk(acc, a0, a1, a2, a3, e, r0, r1, r2, r3, f, xw0, xw1, kw: tl.constexpr
 
 
 @triton.jit
-def _atom_load(vp, ep, ok, MASKED: tl.constexpr, INT4: tl.constexpr):
-    # One row tile's values (INT4 [L, 2] words, INT8 [L, 4]) and metadata word of one atom.
-    if MASKED:  # atoms past the padded K: zero values, valid (0, 1) index pairs
-        e = tl.load(ep, mask=ok, other=0x44444444)
-        p = tl.load(vp, mask=ok[:, None], other=0)
-    else:
-        e = tl.load(ep)
-        p = tl.load(vp)
-    return p, e
+def _atom_values(vp, ok, MASKED: tl.constexpr):
+    # One row tile's values of one atom: INT4 [L, 2] words, INT8 [L, 4].
+    if MASKED:  # atoms past the padded K: zero values
+        return tl.load(vp, mask=ok[:, None], other=0)
+    return tl.load(vp)
 
 
 @triton.jit
-def _sp_tile(acc, vt, V_ATOM, V_ROWS, et, E_ROWS, xt0, xt1, col, kt, K, KA, sm_mask, nib_mask,
+def _words(ep, a0, KA, A: tl.constexpr, MASKED: tl.constexpr):
+    # A <= 4 consecutive mma.sp words per lane (atoms a0 ..) in one vector load: a tuple of A [L].
+    # (Wider than 4 words, the coalescer splits a lane's row over two threads, and the split
+    # words would go through shared memory to reach their lane.)
+    ptrs = ep[:, None] + tl.arange(0, A)[None, :]
+    if MASKED:  # atoms past the padded K: valid (0, 1) index pairs (their values are zero)
+        w = tl.load(ptrs, mask=(a0 + tl.arange(0, A) < KA)[None, :], other=0x44444444)
+    else:
+        w = tl.load(ptrs)
+    L: tl.constexpr = w.shape[0]
+    if A == 1:
+        return (tl.reshape(w, [L]),)
+    elif A == 2:
+        e0, e1 = tl.split(w)
+        return (e0, e1)
+    else:   # [L, 2, 2]: atom 2i + k
+        lo, hi = tl.split(tl.reshape(w, [L, 2, 2]))
+        e0, e2 = tl.split(lo)
+        e1, e3 = tl.split(hi)
+        return (e0, e1, e2, e3)
+
+
+@triton.jit
+def _tile_words(ep, a0, KA, A: tl.constexpr, MASKED: tl.constexpr):
+    # One row tile's mma.sp words of a K-tile's A atoms, a lane's consecutive words in vector
+    # loads of up to 16 bytes: one 4-byte load per atom would touch 32 cache lines (a lane's
+    # words lie one meta row apart) for 128 bytes each time, 8 L1 wavefronts (docs/kernels.md,
+    # "L1 wavefronts"). Returns the A words as a tuple of [L] tensors, in atom order.
+    if A <= 4:
+        return _words(ep, a0, KA, A, MASKED)
+    return _words(ep, a0, KA, 4, MASKED) + _words(ep + 4, a0 + 4, KA, 4, MASKED)
+
+
+@triton.jit
+def _sp_tile(acc, vt, V_ATOM, V_ROWS, et, E_ROWS, xt0, xt1, col, kt, K, KA, sm_mask, nib_mask, magic,
              srow, zrow, G, A: tl.constexpr,
              MASKED: tl.constexpr, INT4: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr,
              BF16: tl.constexpr, N16: tl.constexpr, RT: tl.constexpr):
@@ -302,14 +340,20 @@ def _sp_tile(acc, vt, V_ATOM, V_ROWS, et, E_ROWS, xt0, xt1, col, kt, K, KA, sm_m
     W2: tl.constexpr = 2 if INT4 else 4   # value words per lane and atom
     SEG: tl.constexpr = GROUP if GROUP < 64 * A else 64 * A  # INT4: columns of a quantization group inside one K-tile
     zero = tl.zeros(col.shape, tl.float32)
+    ew = _tile_words(et, kt * A, KA, A, MASKED)
+    fw = ew
+    if RT == 2:
+        fw = _tile_words(et + E_ROWS, kt * A, KA, A, MASKED)
     for j in tl.static_range(A):
         a = kt * A + j
         ok = col * 0 + a < KA   # per lane (a scalar mask is not accepted by every Triton version)
         vp = (vt + j * V_ATOM)[:, None] + tl.arange(0, W2)[None, :]
-        p, e = _atom_load(vp, et + j, ok, MASKED, INT4)
+        p = _atom_values(vp, ok, MASKED)
+        e = ew[j]
         q, f = p, e
         if RT == 2:
-            q, f = _atom_load(vp + V_ROWS, et + E_ROWS + j, ok, MASKED, INT4)
+            q = _atom_values(vp + V_ROWS, ok, MASKED)
+            f = fw[j]
         if INT4:
             # Each quantization group's chunks sum into zeroed accumulators grp, then _fold adds
             # scale * grp (a group inside this K-tile: SEG columns; BLOCK_K < GROUP: the tile's part).
@@ -318,10 +362,10 @@ def _sp_tile(acc, vt, V_ATOM, V_ROWS, et, E_ROWS, xt0, xt1, col, kt, K, KA, sm_m
             if (2 * j) % (SEG // 32) == 0:   # a group starts with chunk 0
                 kq = (a * 64) // GROUP
                 gok = ok & (col * 0 + kq < G)
-                S0, Z0, S8, Z8 = _int4_group(s0, s1, z0, z1, kq, gok, e, MASKED, HAS_ZERO, BF16)
+                S0, Z0, S8, Z8 = _int4_group(s0, s1, z0, z1, kq, gok, magic, MASKED, HAS_ZERO, BF16)
                 T0, Y0, T8, Y8 = S0, Z0, S8, Z8
                 if RT == 2:
-                    T0, Y0, T8, Y8 = _int4_group(s2, s3, z2, z3, kq, gok, e, MASKED, HAS_ZERO, BF16)
+                    T0, Y0, T8, Y8 = _int4_group(s2, s3, z2, z3, kq, gok, magic, MASKED, HAS_ZERO, BF16)
                 grp = (zero, zero, zero, zero, zero, zero, zero, zero, zero, zero, zero, zero, zero, zero, zero, zero)
             a0, a1, a2, a3 = _int4_regs(w0, Z0, Z8, nib_mask, BF16)
             r0, r1, r2, r3 = a0, a1, a2, a3
@@ -333,10 +377,10 @@ def _sp_tile(acc, vt, V_ATOM, V_ROWS, et, E_ROWS, xt0, xt1, col, kt, K, KA, sm_m
                 acc = _fold(acc, grp, S0, S8, T0, T8, N16, RT)
                 kq = (a * 64 + 32) // GROUP
                 gok = ok & (col * 0 + kq < G)
-                S0, Z0, S8, Z8 = _int4_group(s0, s1, z0, z1, kq, gok, e, MASKED, HAS_ZERO, BF16)
+                S0, Z0, S8, Z8 = _int4_group(s0, s1, z0, z1, kq, gok, magic, MASKED, HAS_ZERO, BF16)
                 T0, Y0, T8, Y8 = S0, Z0, S8, Z8
                 if RT == 2:
-                    T0, Y0, T8, Y8 = _int4_group(s2, s3, z2, z3, kq, gok, e, MASKED, HAS_ZERO, BF16)
+                    T0, Y0, T8, Y8 = _int4_group(s2, s3, z2, z3, kq, gok, magic, MASKED, HAS_ZERO, BF16)
                 grp = (zero, zero, zero, zero, zero, zero, zero, zero, zero, zero, zero, zero, zero, zero, zero, zero)
             a0, a1, a2, a3 = _int4_regs(w1, Z0, Z8, nib_mask, BF16)
             if RT == 2:
@@ -415,7 +459,7 @@ def _sparse24_sp(
         v_lane = v_ptr + t.to(tl.int64) * 128 + li * 4       # + atom * NT * 128
         V_ATOM = NT.to(tl.int64) * 128
         V_ROWS: tl.constexpr = 128
-    e_ptrs = meta_ptr + (t * 32 + li).to(tl.int64) * KM + KM // 2
+    e_ptrs = meta_ptr + ((t * 32 + li).to(tl.int64) * KM + (KM >> 1))   # KM >= 0: a shift, not a signed division
     E_ROWS = 32 * KM
     # x rows g and g + 8 as 32-bit words (rows past M clamped: never stored)
     xi = x_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
@@ -436,6 +480,8 @@ def _sparse24_sp(
     # the constant in a register for every use (the decode kernel's trick).
     sm_mask = _SM_MASK | (KA >> 31)
     nib_mask = 0x000F000F | (KA >> 31)   # INT4: the codes' AND-OR is one LOP3 the same way
+    # INT4 zero points: the magic word in a register, the zero word's prmt takes its selector as an immediate
+    magic = tl.full([L], _MAGIC_BF16 if BF16 else _MAGIC_F16, tl.int32) | (K >> 31)   # not KA: LLVM would merge it with nib_mask
     z = tl.zeros([L], tl.float32)
     acc = (z, z, z, z, z, z, z, z, z, z, z, z, z, z, z, z)   # per row tile: x rows 0-7, 8-15
     # pointers at this split's first K-tile, advanced by one tile per iteration
@@ -445,11 +491,11 @@ def _sparse24_sp(
     xt1 = xw1 + k_lo * (BLOCK_K // 2)
     V_TILE = A * V_ATOM
     if ONE_TILE and EVEN_K:  # split pid_k owns exactly K-tile pid_k (the small layers' default): no loop
-        acc = _sp_tile(acc, vt, V_ATOM, V_ROWS, et, E_ROWS, xt0, xt1, col, k_lo, K, KA, sm_mask, nib_mask, srow, zrow,
+        acc = _sp_tile(acc, vt, V_ATOM, V_ROWS, et, E_ROWS, xt0, xt1, col, k_lo, K, KA, sm_mask, nib_mask, magic, srow, zrow,
                        G, A, False, INT4, GROUP, HAS_ZERO, BF16, N16, RT)
     else:
         for kt in range(k_lo, min(k_hi, n_full)):
-            acc = _sp_tile(acc, vt, V_ATOM, V_ROWS, et, E_ROWS, xt0, xt1, col, kt, K, KA, sm_mask, nib_mask, srow,
+            acc = _sp_tile(acc, vt, V_ATOM, V_ROWS, et, E_ROWS, xt0, xt1, col, kt, K, KA, sm_mask, nib_mask, magic, srow,
                            zrow, G, A, False, INT4, GROUP, HAS_ZERO, BF16, N16, RT)
             vt += V_TILE
             et += A
@@ -457,7 +503,7 @@ def _sparse24_sp(
             xt1 += BLOCK_K // 2
     if not EVEN_K:
         if (n_full >= k_lo) & (n_full < k_hi):  # this split owns the partial tile (pointers are there)
-            acc = _sp_tile(acc, vt, V_ATOM, V_ROWS, et, E_ROWS, xt0, xt1, col, n_full, K, KA, sm_mask, nib_mask,
+            acc = _sp_tile(acc, vt, V_ATOM, V_ROWS, et, E_ROWS, xt0, xt1, col, n_full, K, KA, sm_mask, nib_mask, magic,
                            srow, zrow, G, A, True, INT4, GROUP, HAS_ZERO, BF16, N16, RT)
 
     # out^T fragment -> (n, m): n = row of W, m = row of x

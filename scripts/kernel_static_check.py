@@ -100,6 +100,7 @@ BUDGET = {"float16": 0.15, "bfloat16": 0.15, "int8-float16": 0.20, "int8-bfloat1
           "int4-float16": 0.20, "int4-bfloat16": 0.20}
 INT_BUDGET = 0.10
 ISSUE_PER_BYTE = 132 * 4 * 1.98e9 / 4.8e12   # H200: warp-instructions issued per byte of HBM bandwidth
+L1_PER_BYTE = 132 * 1.98e9 / 4.8e12   # H200: L1 wavefronts (one per SM and clock) per byte of HBM bandwidth
 SUMMARY_NAMES = (("fp16", "float16"), ("bf16", "bfloat16"), ("int8", "int8-float16"), ("int8-bf16", "int8-bfloat16"),
                  ("int4", "int4-float16"), ("int4-bf16", "int4-bfloat16"))
 # INT4 weights in these reports: group size 128, asymmetric (zero points loaded: the dearer variant)
@@ -354,7 +355,7 @@ def compile_listed(dtype: str, cfg, cap: int, N: int, K: int, rows: int = 16) ->
         (i for i in range(atom, len(texts)) if texts[i].startswith("@") and _opcode(texts[i]) == "EXIT"), None)
     last = texts[exit_ + 1:] if exit_ is not None else []
     spills = int(re.search(r"LOCAL:(\d+)", res).group(1)) + int(re.search(r"STACK:(\d+)", res).group(1))
-    return dict(dtype=dtype, cfg=cfg, N=N, K=K, regs=int(re.search(r"REG:(\d+)", res).group(1)), spills=spills,
+    return dict(dtype=dtype, cfg=cfg, N=N, K=K, rows=rows, regs=int(re.search(r"REG:(\d+)", res).group(1)), spills=spills,
                 shared=ck.metadata.shared, loop=len(loop), total=len(instrs), unroll=max(unroll, 1),
                 sparse=any(_opcode(t).startswith("HMMA.SP") for t in texts),
                 loop_hmma_sp=sum(_opcode(t).startswith("HMMA.SP") for t in loop),
@@ -375,6 +376,28 @@ def amortized(r: dict) -> tuple[float, float]:
     rest = r["total"] - r["loop"] - r["last"] + r["last"] / c.split_k
     rest_int = r["total_int"] - r["loop_int"] - r["last_int"] + r["last_int"] / c.split_k
     return ((r["loop"] * iters + rest) * c.num_warps / nbytes, (r["loop_int"] * iters + rest_int) * c.num_warps / nbytes)
+
+
+def sp_l1_per_byte(r: dict) -> float | None:
+    """L1 wavefronts per compressed weight byte of the sparse tensor-core kernel's K-loop
+    (None for the other kernels, whose loads are whole coalesced tiles). A warp-wide load
+    costs max(distinct 128-byte lines / 4, bytes / 128) wavefronts: Volta and later look up
+    4 tags and return 128 bytes per cycle (NVIDIA's description of L1TEX on its developer
+    forum; a model, not measured here). Per warp and K-tile (A atoms, RT row tiles): x, 4-byte
+    words of 8 rows (8 lines: 2) per register, 4 per chunk and 8-row block; the mma.sp words,
+    up to 16 bytes per lane of 32 meta rows (8); values, lane-contiguous (INT8 16 B, INT4 8 B
+    per lane and atom); INT4 scales and zero points, 8 rows each (2) per row half and group."""
+    if not r["sparse"]:
+        return None
+    c = r["cfg"]
+    A, RT = c.block_k // 64, c.block_n // (16 * c.num_warps)
+    int4 = r["dtype"].startswith("int4-")
+    x = 2 * A * 4 * (2 if r["rows"] > 8 else 1) * 2
+    meta = RT * -(-A // 4) * 8
+    values = RT * A * max(1, 32 * (8 if int4 else 16) // 128)
+    groups = max(1, c.block_k // INT4_GROUP) if int4 else 0
+    side = RT * 2 * groups * 2 * 2          # rows g, g + 8; scale and zero point
+    return (x + meta + values + side) / (weight_tile_bytes(r["dtype"], c.block_n, c.block_k) / c.num_warps)
 
 
 def dense_bytes_per_weight(dtype: str) -> float:
@@ -438,15 +461,25 @@ def listed_main(a, dtypes) -> dict:
     # Predicted decode speed against dense fp16/bf16 weights read at the same bandwidth:
     # the byte ratio, unless issue (all instructions, 1.05e12/s) or the integer pipe
     # (half rate) takes longer than the bytes take to arrive (4.8 TB/s).
+    # The sparse tensor-core kernel also waits on L1 (sp_l1_per_byte: its x words come 4 bytes a
+    # lane from 8 rows) when its wavefronts per byte pass 0.0545, one per clock at HBM rate.
     per_byte = ISSUE_PER_BYTE
-    ratios = {}
+    ratios, l1 = {}, {}
     for r in results:
         tot, ints = amortized(r)
         dense = 2.0 / dense_bytes_per_weight(r["dtype"])
-        ratios.setdefault(r["dtype"], []).append(dense * min(1.0, per_byte / tot, per_byte / (2 * ints)))
+        w = sp_l1_per_byte(r)
+        if w is not None:
+            l1[r["dtype"]] = max(l1.get(r["dtype"], 0.0), w)
+        ratios.setdefault(r["dtype"], []).append(dense * min(1.0, per_byte / tot, per_byte / (2 * ints),
+                                                             1.0 if w is None else L1_PER_BYTE / w))
+    if l1:
+        print(f"max L1 wavefronts per byte in the loop (sparse tensor-core kernel, {results[0]['rows']} rows of x; "
+              f"HBM rate {L1_PER_BYTE:.4f}): " + ", ".join(f"{short} {l1[dt]:.4f}" for short, dt in SUMMARY_NAMES
+                                                            if dt in l1))
     print("predicted decode speed vs dense 16-bit at equal bandwidth (byte ratio x min(1, 0.219 / all, "
-          "0.219 / (2 x integer))): " + ", ".join(f"{short} {min(ratios[dt]):.2f}-{max(ratios[dt]):.2f}x"
-                                                   for short, dt in SUMMARY_NAMES if dt in ratios))
+          "0.219 / (2 x integer), 0.0545 / L1 wavefronts)): " + ", ".join(
+              f"{short} {min(ratios[dt]):.2f}-{max(ratios[dt]):.2f}x" for short, dt in SUMMARY_NAMES if dt in ratios))
     print("max amortized warp_instr_per_byte at listed shapes: " + ", ".join(
         f"{short} {worst[dt]:.3f}" for short, dt in SUMMARY_NAMES if dt in worst))
     print("max amortized integer-pipe warp_instr_per_byte at listed shapes: " + ", ".join(

@@ -241,3 +241,26 @@ def test_one_k_tile_per_split_compiles_without_the_loop(quantize, bk, split, gen
         cfg = _cfg(64, bk, split=split, tiles_per_warp=2)
         assert launch._DecodeSP.constexprs(cfg, split, True, torch.uint8, True, False, K, 0, False, 16)["ONE_TILE"]
         assert_matches_reference(linear_decode(x, d, b, config=cfg), x, dense, b)
+
+
+def test_loop_loads_mma_words_as_vectors_and_converts_no_layout(monkeypatch):
+    """Compiled for sm_90: a K-tile's mma.sp words arrive as 16-byte loads per lane (one per 4 atoms
+    and row tile: one 4-byte load per atom touches 32 cache lines each time), and the loop moves
+    nothing through shared memory or shuffles (a lane's words split across threads would)."""
+    pytest.importorskip("triton.backends.nvidia")
+    import importlib.util
+    from pathlib import Path
+    from sparse24.ops.linear24 import aot_compile
+    monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")
+    path = Path(__file__).resolve().parents[2] / "scripts" / "kernel_static_check.py"
+    spec = importlib.util.spec_from_file_location("kernel_static_check", path)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    cfg, _ = tool.default_config("int4-float16", 8192, 8192)
+    w = DecodePacked.empty(8192, 8192, torch.float16, False, group_size=128, symmetric=False)
+    x, target = torch.empty(16, 8192, dtype=torch.float16), torch.empty(16, 8192, dtype=torch.float16)
+    ck = aot_compile(x, w, None, target, cfg, cfg.split_k, (9, 0))
+    ops = [tool._opcode(t) for t in tool.main_loop(tool.without_padding(tool.sass_instructions(ck.asm["cubin"])))]
+    tiles, atoms = cfg.block_n // (16 * cfg.num_warps), cfg.block_k // 64
+    assert ops.count("LDG.E.128") == tiles * atoms // 4, ops.count("LDG.E.128")   # INT4 values: LDG.E.64
+    assert not [op for op in ops if op.startswith(("LDS", "STS", "SHFL"))]
