@@ -27,10 +27,12 @@ and ``g + 8`` of each); with two, both tiles' mma take the same x words:
   INT8: sign-magnitude bytes; one constant byte permute and one AND make a
   float16 register pair of value * 2**-24 (subnormals, exact; the epilogue
   scale carries 2**24), bfloat16 ``(128 + |v|) - 128`` by two LOP3 and one
-  fma. INT4: as the decode kernel (1024 + u, minus 1024 + z, times the scale).
+  fma. INT4: 1024 + u (bfloat16 128 + u) minus 1024 + z, exact; the scale multiplies each
+  quantization group's fp32 partial sums (``_fold``), so the weight is the exact grid.
 * E (metadata): the layout's ``mma.sp`` words (``decode_format``: lane 4g + t
   of atom a holds 16-column chunk t, rows g and g + 8); chunk 0 of an atom runs
   with sparsity selector 0 (lanes t = 0, 1 hold its words), chunk 1 with 1.
+  A lane's words of a K-tile lie along its meta row: loaded 4 atoms at a time.
 * B (x^T): lane (g, t) loads x[row g, k + 2t .. 2t + 1] and the same at
   k + 8, 16, 24 as 32-bit words (x rows with unit column stride, even row
   stride: the launcher guarantees it); M > 8 runs a second mma on rows 8-15.
@@ -301,16 +303,18 @@ def _words(ep, a0, KA, A: tl.constexpr, MASKED: tl.constexpr):
     else:
         w = tl.load(ptrs)
     L: tl.constexpr = w.shape[0]
+    # one return: Triton 3.6 refuses returns of different tuple lengths even in constexpr branches
     if A == 1:
-        return (tl.reshape(w, [L]),)
+        words = (tl.reshape(w, [L]),)
     elif A == 2:
         e0, e1 = tl.split(w)
-        return (e0, e1)
+        words = (e0, e1)
     else:   # [L, 2, 2]: atom 2i + k
         lo, hi = tl.split(tl.reshape(w, [L, 2, 2]))
         e0, e2 = tl.split(lo)
         e1, e3 = tl.split(hi)
-        return (e0, e1, e2, e3)
+        words = (e0, e1, e2, e3)
+    return words
 
 
 @triton.jit
@@ -320,8 +324,10 @@ def _tile_words(ep, a0, KA, A: tl.constexpr, MASKED: tl.constexpr):
     # words lie one meta row apart) for 128 bytes each time, 8 L1 wavefronts (docs/kernels.md,
     # "L1 wavefronts"). Returns the A words as a tuple of [L] tensors, in atom order.
     if A <= 4:
-        return _words(ep, a0, KA, A, MASKED)
-    return _words(ep, a0, KA, 4, MASKED) + _words(ep + 4, a0 + 4, KA, 4, MASKED)
+        words = _words(ep, a0, KA, A, MASKED)
+    else:
+        words = _words(ep, a0, KA, 4, MASKED) + _words(ep + 4, a0 + 4, KA, 4, MASKED)
+    return words
 
 
 @triton.jit
