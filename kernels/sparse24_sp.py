@@ -16,9 +16,10 @@ as inline PTX on tensors that hold ONE element per thread: a tensor of
 ``32 * num_warps`` elements is laid out one per thread in lane order, so
 element ``32 w + l`` is lane ``l`` of warp ``w``, and the asm's operands are
 exactly that lane's fragment registers (no layout conversion: the compiled
-loop has no shuffle and no shared memory). Each warp owns one or two 16-row
-tiles of W (``RT``; the decode layout's row tiles, lane ``4 g + t`` rows ``g``
-and ``g + 8`` of each); with two, both tiles' mma take the same x words:
+loop has no shuffle and no shared memory). Each warp owns one, two or four
+16-row tiles of W (``RT``; the decode layout's row tiles, lane ``4 g + t`` rows
+``g`` and ``g + 8`` of each), whose mma all take the same x words (per-tile
+values are tuples indexed by tile):
 
 * A (the weight, sparse): the decode layout already stores a lane's kept values
   in the A-fragment order of ``m16n8k32`` (the dense ``m16n8k16`` A layout over
@@ -235,53 +236,54 @@ def _int4_group(s_rows0, s_rows1, z_rows0, z_rows1, kq, ok, magic, MASKED: tl.co
 
 
 @triton.jit
-def _fold(acc, grp, s0, s8, t0, t8, N16: tl.constexpr, RT: tl.constexpr):
-    # acc += scale * grp per row: one quantization group's fp32 partial sums (of x (u - z)),
-    # rows g (s0) and g + 8 (s8) of row tile 0, t0 / t8 of tile 1. One FFMA each: the
-    # product rounded once with the sum, as the dot would round adding the group's terms.
-    c0, c1, c2, c3, d0, d1, d2, d3, u0, u1, u2, u3, v0, v1, v2, v3 = acc
-    g0, g1, g2, g3, h0, h1, h2, h3, p0, p1, p2, p3, q0, q1, q2, q3 = grp
-    c0, c1, c2, c3 = c0 + s0 * g0, c1 + s0 * g1, c2 + s8 * g2, c3 + s8 * g3
-    if N16:
-        d0, d1, d2, d3 = d0 + s0 * h0, d1 + s0 * h1, d2 + s8 * h2, d3 + s8 * h3
-    if RT == 2:
-        u0, u1, u2, u3 = u0 + t0 * p0, u1 + t0 * p1, u2 + t8 * p2, u3 + t8 * p3
+def _fold(acc, grp, Q, N16: tl.constexpr, RT: tl.constexpr):
+    # acc += scale * grp per row tile r and row: one quantization group's fp32 partial sums (of
+    # x (u - z)); Q[r] = (scale row g, zero word, scale row g + 8, zero word). One FFMA each:
+    # the product rounded once with the sum, as the dot would round adding the group's terms.
+    out = ()
+    for r in tl.static_range(RT):
+        c0, c1, c2, c3, d0, d1, d2, d3 = acc[r]
+        g0, g1, g2, g3, h0, h1, h2, h3 = grp[r]
+        s0 = Q[r][0]
+        s8 = Q[r][2]
+        c0, c1, c2, c3 = c0 + s0 * g0, c1 + s0 * g1, c2 + s8 * g2, c3 + s8 * g3
         if N16:
-            v0, v1, v2, v3 = v0 + t0 * q0, v1 + t0 * q1, v2 + t8 * q2, v3 + t8 * q3
-    return c0, c1, c2, c3, d0, d1, d2, d3, u0, u1, u2, u3, v0, v1, v2, v3
+            d0, d1, d2, d3 = d0 + s0 * h0, d1 + s0 * h1, d2 + s8 * h2, d3 + s8 * h3
+        out = out + ((c0, c1, c2, c3, d0, d1, d2, d3),)
+    return out
 
 
 @triton.jit
-def _mmas(c0, c1, c2, c3, d0, d1, d2, d3, a0, a1, a2, a3, e, b0, b1, b2, b3, h0, h1, h2, h3,
-          ASM: tl.constexpr, N16: tl.constexpr):
+def _mmas(acc, a, e, b, h, ASM: tl.constexpr, N16: tl.constexpr):
     # One row tile's mma.sp of a chunk: x rows 0-7 (B words b) into c, rows 8-15 (h) into d.
+    c0, c1, c2, c3, d0, d1, d2, d3 = acc
+    a0, a1, a2, a3 = a
+    b0, b1, b2, b3 = b
     c0, c1, c2, c3 = _mma(a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3, e, ASM)
     if N16:
+        h0, h1, h2, h3 = h
         d0, d1, d2, d3 = _mma(a0, a1, a2, a3, h0, h1, h2, h3, d0, d1, d2, d3, e, ASM)
     return c0, c1, c2, c3, d0, d1, d2, d3
 
 
 @triton.jit
-def _chunk(acc, a0, a1, a2, a3, e, r0, r1, r2, r3, f, xw0, xw1, kw: tl.constexpr, k, K, col,
-           SEL: tl.constexpr, MASKED: tl.constexpr, BF16: tl.constexpr, N16: tl.constexpr, RT: tl.constexpr):
+def _chunk(acc, A, E, xw0, xw1, kw: tl.constexpr, k, K, col, SEL: tl.constexpr, MASKED: tl.constexpr,
+           BF16: tl.constexpr, N16: tl.constexpr, RT: tl.constexpr):
     # One 32-column chunk (first column k): its x words (rows 0-7 at xw0, 8-15 at xw1, word kw
-    # on) loaded once, then mma.sp for row tile 0 (A registers a, metadata e) and, RT = 2,
-    # row tile 1 (r, f). acc: the 16 accumulator registers (tile 0's 8, tile 1's 8).
-    c0, c1, c2, c3, d0, d1, d2, d3, u0, u1, u2, u3, v0, v1, v2, v3 = acc
-    b0, b1, b2, b3 = _x_words(xw0, kw, k, K, col, MASKED)
-    h0, h1, h2, h3 = b0, b1, b2, b3
+    # on) loaded once, then mma.sp for each of the RT row tiles (A registers A[r], metadata
+    # word E[r]). acc: per row tile its 8 accumulator registers (x rows 0-7, 8-15).
+    b = _x_words(xw0, kw, k, K, col, MASKED)
+    h = b
     if N16:
-        h0, h1, h2, h3 = _x_words(xw1, kw, k, K, col, MASKED)
+        h = _x_words(xw1, kw, k, K, col, MASKED)
     if BF16:
         ASM: tl.constexpr = _MMA_BF16_1 if SEL else _MMA_BF16_0
     else:
         ASM: tl.constexpr = _MMA_F16_1 if SEL else _MMA_F16_0
-    c0, c1, c2, c3, d0, d1, d2, d3 = _mmas(c0, c1, c2, c3, d0, d1, d2, d3, a0, a1, a2, a3, e, b0, b1, b2, b3,
-                                           h0, h1, h2, h3, ASM, N16)
-    if RT == 2:
-        u0, u1, u2, u3, v0, v1, v2, v3 = _mmas(u0, u1, u2, u3, v0, v1, v2, v3, r0, r1, r2, r3, f, b0, b1, b2, b3,
-                                               h0, h1, h2, h3, ASM, N16)
-    return c0, c1, c2, c3, d0, d1, d2, d3, u0, u1, u2, u3, v0, v1, v2, v3
+    out = ()
+    for r in tl.static_range(RT):
+        out = out + (_mmas(acc[r], A[r], E[r], b, h, ASM, N16),)
+    return out
 
 
 @triton.jit
@@ -331,88 +333,95 @@ def _tile_words(ep, a0, KA, A: tl.constexpr, MASKED: tl.constexpr):
 
 
 @triton.jit
+def _zeros(zero, RT: tl.constexpr):
+    # RT row tiles' 8 accumulator registers, all zero.
+    out = ()
+    for r in tl.static_range(RT):
+        out = out + ((zero, zero, zero, zero, zero, zero, zero, zero),)
+    return out
+
+
+@triton.jit
+def _groups(srow, zrow, kq, ok, magic, MASKED: tl.constexpr, HAS_ZERO: tl.constexpr, BF16: tl.constexpr,
+            RT: tl.constexpr):
+    # Per row tile r: _int4_group of its rows g (srow[2r], zrow[2r]) and g + 8 at group kq.
+    out = ()
+    for r in tl.static_range(RT):
+        out = out + (_int4_group(srow[2 * r], srow[2 * r + 1], zrow[2 * r], zrow[2 * r + 1], kq, ok, magic, MASKED,
+                                 HAS_ZERO, BF16),)
+    return out
+
+
+@triton.jit
+def _int4_tiles(W, Q, nib_mask, BF16: tl.constexpr, RT: tl.constexpr):
+    # Per row tile r: the A registers of one chunk from its code word W[r] and zero words Q[r].
+    out = ()
+    for r in tl.static_range(RT):
+        out = out + (_int4_regs(W[r], Q[r][1], Q[r][3], nib_mask, BF16),)
+    return out
+
+
+@triton.jit
 def _sp_tile(acc, vt, V_ATOM, V_ROWS, et, E_ROWS, xt0, xt1, col, kt, K, KA, sm_mask, nib_mask, magic,
              srow, zrow, G, A: tl.constexpr,
              MASKED: tl.constexpr, INT4: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr,
              BF16: tl.constexpr, N16: tl.constexpr, RT: tl.constexpr):
     # One K-tile (A atoms of 64 columns, two mma.sp chunks each) of this warp's RT row tiles:
-    # acc the 16 accumulator registers (per tile: x rows 0-7, x rows 8-15; unused unless N16 /
-    # RT = 2); vt, et, xt0, xt1 this lane's value, metadata and x-word pointers at the tile's
-    # start (row tile 1: + V_ROWS, + E_ROWS); srow, zrow: INT4 scale and zero-point row
-    # pointers (rows g, g + 8 of tile 0, then of tile 1). Per atom both tiles' mma take the
-    # same x words, which live only within their chunk.
-    s0, s1, s2, s3 = srow
-    z0, z1, z2, z3 = zrow
+    # acc per row tile its 8 accumulator registers (x rows 0-7, 8-15; the second four unused
+    # unless N16); vt, et, xt0, xt1 this lane's value, metadata and x-word pointers at the
+    # tile's start (row tile r: + r V_ROWS, + r E_ROWS); srow, zrow: INT4 scale and zero-point
+    # row pointers (rows g, g + 8 of each row tile). Per chunk all row tiles' mma take the same
+    # x words, which live only within their chunk.
     W2: tl.constexpr = 2 if INT4 else 4   # value words per lane and atom
     SEG: tl.constexpr = GROUP if GROUP < 64 * A else 64 * A  # INT4: columns of a quantization group inside one K-tile
     zero = tl.zeros(col.shape, tl.float32)
-    ew = _tile_words(et, kt * A, KA, A, MASKED)
-    fw = ew
-    if RT == 2:
-        fw = _tile_words(et + E_ROWS, kt * A, KA, A, MASKED)
+    EW = ()
+    for r in tl.static_range(RT):
+        EW = EW + (_tile_words(et + r * E_ROWS, kt * A, KA, A, MASKED),)
     for j in tl.static_range(A):
         a = kt * A + j
         ok = col * 0 + a < KA   # per lane (a scalar mask is not accepted by every Triton version)
         vp = (vt + j * V_ATOM)[:, None] + tl.arange(0, W2)[None, :]
-        p = _atom_values(vp, ok, MASKED)
-        e = ew[j]
-        q, f = p, e
-        if RT == 2:
-            q = _atom_values(vp + V_ROWS, ok, MASKED)
-            f = fw[j]
+        P = ()
+        E = ()
+        for r in tl.static_range(RT):
+            P = P + (_atom_values(vp + r * V_ROWS, ok, MASKED),)
+            E = E + (EW[r][j],)
         if INT4:
             # Each quantization group's chunks sum into zeroed accumulators grp, then _fold adds
             # scale * grp (a group inside this K-tile: SEG columns; BLOCK_K < GROUP: the tile's part).
-            w0, w1 = tl.split(p)
-            x0, x1 = tl.split(q)
+            W0 = ()
+            W1 = ()
+            for r in tl.static_range(RT):
+                w0, w1 = tl.split(P[r])
+                W0 = W0 + (w0,)
+                W1 = W1 + (w1,)
             if (2 * j) % (SEG // 32) == 0:   # a group starts with chunk 0
                 kq = (a * 64) // GROUP
-                gok = ok & (col * 0 + kq < G)
-                S0, Z0, S8, Z8 = _int4_group(s0, s1, z0, z1, kq, gok, magic, MASKED, HAS_ZERO, BF16)
-                T0, Y0, T8, Y8 = S0, Z0, S8, Z8
-                if RT == 2:
-                    T0, Y0, T8, Y8 = _int4_group(s2, s3, z2, z3, kq, gok, magic, MASKED, HAS_ZERO, BF16)
-                grp = (zero, zero, zero, zero, zero, zero, zero, zero, zero, zero, zero, zero, zero, zero, zero, zero)
-            a0, a1, a2, a3 = _int4_regs(w0, Z0, Z8, nib_mask, BF16)
-            r0, r1, r2, r3 = a0, a1, a2, a3
-            if RT == 2:
-                r0, r1, r2, r3 = _int4_regs(x0, Y0, Y8, nib_mask, BF16)
-            grp = _chunk(grp, a0, a1, a2, a3, e, r0, r1, r2, r3, f, xt0, xt1, j * 32, a * 64, K, col, 0, MASKED,
-                         BF16, N16, RT)
+                Q = _groups(srow, zrow, kq, ok & (col * 0 + kq < G), magic, MASKED, HAS_ZERO, BF16, RT)
+                grp = _zeros(zero, RT)
+            grp = _chunk(grp, _int4_tiles(W0, Q, nib_mask, BF16, RT), E, xt0, xt1, j * 32, a * 64, K, col, 0,
+                         MASKED, BF16, N16, RT)
             if SEG == 32:  # the second chunk is the next group
-                acc = _fold(acc, grp, S0, S8, T0, T8, N16, RT)
+                acc = _fold(acc, grp, Q, N16, RT)
                 kq = (a * 64 + 32) // GROUP
-                gok = ok & (col * 0 + kq < G)
-                S0, Z0, S8, Z8 = _int4_group(s0, s1, z0, z1, kq, gok, magic, MASKED, HAS_ZERO, BF16)
-                T0, Y0, T8, Y8 = S0, Z0, S8, Z8
-                if RT == 2:
-                    T0, Y0, T8, Y8 = _int4_group(s2, s3, z2, z3, kq, gok, magic, MASKED, HAS_ZERO, BF16)
-                grp = (zero, zero, zero, zero, zero, zero, zero, zero, zero, zero, zero, zero, zero, zero, zero, zero)
-            a0, a1, a2, a3 = _int4_regs(w1, Z0, Z8, nib_mask, BF16)
-            if RT == 2:
-                r0, r1, r2, r3 = _int4_regs(x1, Y0, Y8, nib_mask, BF16)
-            grp = _chunk(grp, a0, a1, a2, a3, e, r0, r1, r2, r3, f, xt0, xt1, j * 32 + 16, a * 64 + 32, K, col, 1,
-                         MASKED, BF16, N16, RT)
+                Q = _groups(srow, zrow, kq, ok & (col * 0 + kq < G), magic, MASKED, HAS_ZERO, BF16, RT)
+                grp = _zeros(zero, RT)
+            grp = _chunk(grp, _int4_tiles(W1, Q, nib_mask, BF16, RT), E, xt0, xt1, j * 32 + 16, a * 64 + 32, K,
+                         col, 1, MASKED, BF16, N16, RT)
             if (2 * j + 2) % (SEG // 32) == 0:   # the group ends with chunk 1
-                acc = _fold(acc, grp, S0, S8, T0, T8, N16, RT)
+                acc = _fold(acc, grp, Q, N16, RT)
         else:
-            pa, pb = tl.split(tl.reshape(p, [p.shape[0], 2, 2]))
-            p0, p2 = tl.split(pa)
-            p1, p3 = tl.split(pb)
-            a0, a1, a2, a3 = _int8_regs(p0, p1, sm_mask, BF16)
-            r0, r1, r2, r3 = a0, a1, a2, a3
-            if RT == 2:
-                qa, qb = tl.split(tl.reshape(q, [q.shape[0], 2, 2]))
-                q0, q2 = tl.split(qa)
-                q1, q3 = tl.split(qb)
-                r0, r1, r2, r3 = _int8_regs(q0, q1, sm_mask, BF16)
-            acc = _chunk(acc, a0, a1, a2, a3, e, r0, r1, r2, r3, f, xt0, xt1, j * 32, a * 64, K, col, 0, MASKED,
-                         BF16, N16, RT)
-            a0, a1, a2, a3 = _int8_regs(p2, p3, sm_mask, BF16)
-            if RT == 2:
-                r0, r1, r2, r3 = _int8_regs(q2, q3, sm_mask, BF16)
-            acc = _chunk(acc, a0, a1, a2, a3, e, r0, r1, r2, r3, f, xt0, xt1, j * 32 + 16, a * 64 + 32, K, col, 1,
-                         MASKED, BF16, N16, RT)
+            A0 = ()
+            A1 = ()
+            for r in tl.static_range(RT):
+                pa, pb = tl.split(tl.reshape(P[r], [P[r].shape[0], 2, 2]))
+                p0, p2 = tl.split(pa)
+                p1, p3 = tl.split(pb)
+                A0 = A0 + (_int8_regs(p0, p1, sm_mask, BF16),)
+                A1 = A1 + (_int8_regs(p2, p3, sm_mask, BF16),)
+            acc = _chunk(acc, A0, E, xt0, xt1, j * 32, a * 64, K, col, 0, MASKED, BF16, N16, RT)
+            acc = _chunk(acc, A1, E, xt0, xt1, j * 32 + 16, a * 64 + 32, K, col, 1, MASKED, BF16, N16, RT)
     return acc
 
 
@@ -475,10 +484,12 @@ def _sparse24_sp(
     xw1 = xi + r1 * (stride_xm // 2) + tq
     # INT4 scale and zero-point rows g, g + 8 of each row tile (padding rows clamped)
     G = (K + GROUP - 1) // GROUP
-    rows = (tl.minimum(t * 16 + g, N - 1).to(tl.int64) * G, tl.minimum(t * 16 + g + 8, N - 1).to(tl.int64) * G,
-            tl.minimum(t * 16 + g + 16, N - 1).to(tl.int64) * G, tl.minimum(t * 16 + g + 24, N - 1).to(tl.int64) * G)
-    srow = (scale_ptr + rows[0], scale_ptr + rows[1], scale_ptr + rows[2], scale_ptr + rows[3])
-    zrow = (zero_ptr + rows[0], zero_ptr + rows[1], zero_ptr + rows[2], zero_ptr + rows[3])
+    srow = ()
+    zrow = ()
+    for h in tl.static_range(2 * RT):   # rows g and g + 8 of each row tile (padding rows clamped)
+        row = tl.minimum(t * 16 + g + 8 * h, N - 1).to(tl.int64) * G
+        srow = srow + (scale_ptr + row,)
+        zrow = zrow + (zero_ptr + row,)
 
     col = 2 * tq
     # INT8 x bfloat16: the sign-magnitude mask as a runtime register (KA >> 31 is 0, which no
@@ -488,8 +499,7 @@ def _sparse24_sp(
     nib_mask = 0x000F000F | (KA >> 31)   # INT4: the codes' AND-OR is one LOP3 the same way
     # INT4 zero points: the magic word in a register, the zero word's prmt takes its selector as an immediate
     magic = tl.full([L], _MAGIC_BF16 if BF16 else _MAGIC_F16, tl.int32) | (K >> 31)   # not KA: LLVM would merge it with nib_mask
-    z = tl.zeros([L], tl.float32)
-    acc = (z, z, z, z, z, z, z, z, z, z, z, z, z, z, z, z)   # per row tile: x rows 0-7, 8-15
+    acc = _zeros(tl.zeros([L], tl.float32), RT)   # per row tile: x rows 0-7, 8-15
     # pointers at this split's first K-tile, advanced by one tile per iteration
     vt = v_lane + (k_lo * A).to(tl.int64) * V_ATOM
     et = e_ptrs + k_lo * A
@@ -515,7 +525,6 @@ def _sparse24_sp(
     # out^T fragment -> (n, m): n = row of W, m = row of x
     n_lo = t * 16 + g
     m_lo = 2 * tq
-    c0, c1, c2, c3, d0, d1, d2, d3, u0, u1, u2, u3, v0, v1, v2, v3 = acc
     write = True
     if SPLIT_K > 1:
         # Serial split-K (as the decode kernel): partials in the plan's workspace
@@ -523,28 +532,28 @@ def _sparse24_sp(
         tile = tl.program_id(2) * tl.num_programs(0) + pid_n
         base = ws_ptr + tile.to(tl.int64) * (SPLIT_K * BLOCK_N * 16) + (n_lo - pid_n * BLOCK_N) * 16 + m_lo
         mine = base + pid_k * (BLOCK_N * 16)
-        _sp_store(mine, c0, c1, c2, c3, d0, d1, d2, d3, N16)
-        if RT == 2:  # the second tile's rows: 16 further
-            _sp_store(mine + 256, u0, u1, u2, u3, v0, v1, v2, v3, N16)
+        for r in tl.static_range(RT):   # row tile r: 16 rows (256 partials) further
+            _sp_store(mine + 256 * r, acc[r], N16)
         tl.debug_barrier()  # all threads' partials are stored before the counter releases them
         arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
         write = arrived == SPLIT_K - 1
         if write:
-            c0, c1, c2, c3, d0, d1, d2, d3 = _sp_sum(base, SPLIT_K, BLOCK_N * 16, N16)
-            if RT == 2:
-                u0, u1, u2, u3, v0, v1, v2, v3 = _sp_sum(base + 256, SPLIT_K, BLOCK_N * 16, N16)
+            summed = ()
+            for r in tl.static_range(RT):
+                summed = summed + (_sp_sum(base + 256 * r, SPLIT_K, BLOCK_N * 16, N16),)
+            acc = summed
             tl.store(count_ptr + tile, 0)  # ready for the next launch
     if write:
-        _sp_epilogue(c0, c1, c2, c3, d0, d1, d2, d3, out_ptr, scale_ptr, bias_ptr, n_lo, m_lo, N, m_left, stride_om,
-                     stride_on, INT8, not BF16, HAS_BIAS, N16)
-        if RT == 2:
-            _sp_epilogue(u0, u1, u2, u3, v0, v1, v2, v3, out_ptr, scale_ptr, bias_ptr, n_lo + 16, m_lo, N, m_left,
-                         stride_om, stride_on, INT8, not BF16, HAS_BIAS, N16)
+        for r in tl.static_range(RT):
+            _sp_epilogue(acc[r], out_ptr, scale_ptr, bias_ptr, n_lo + 16 * r, m_lo, N, m_left, stride_om, stride_on,
+                         INT8, not BF16, HAS_BIAS, N16)
 
 
 @triton.jit
-def _sp_store(p, c0, c1, c2, c3, d0, d1, d2, d3, N16: tl.constexpr):
-    # One lane's split-K partials at its places of a [BLOCK_N, 16] fp32 tile (p: row n_lo, column m_lo).
+def _sp_store(p, acc, N16: tl.constexpr):
+    # One lane's split-K partials (one row tile's 8 registers) at its places of a [BLOCK_N, 16]
+    # fp32 tile (p: row n_lo, column m_lo).
+    c0, c1, c2, c3, d0, d1, d2, d3 = acc
     tl.store(p, c0, cache_modifier=".cg")
     tl.store(p + 1, c1, cache_modifier=".cg")
     tl.store(p + 128, c2, cache_modifier=".cg")
@@ -585,10 +594,11 @@ def _sp_sum(base, SPLIT_K: tl.constexpr, STRIDE: tl.constexpr, N16: tl.constexpr
 
 
 @triton.jit
-def _sp_epilogue(c0, c1, c2, c3, d0, d1, d2, d3, out_ptr, scale_ptr, bias_ptr, n_lo, m_lo, N, M, stride_om, stride_on,
+def _sp_epilogue(acc, out_ptr, scale_ptr, bias_ptr, n_lo, m_lo, N, M, stride_om, stride_on,
                  INT8: tl.constexpr, X_FP16: tl.constexpr, HAS_BIAS: tl.constexpr, N16: tl.constexpr):
     # out[m, n] for this lane's fragment: (n_lo, m_lo), (n_lo, m_lo + 1), (n_lo + 8, ...), and
     # m + 8 for the second n-tile; INT8 scale (times 2**24 for the float16 subnormals), bias.
+    c0, c1, c2, c3, d0, d1, d2, d3 = acc
     n_hi = n_lo + 8
     ok_lo = n_lo < N
     ok_hi = n_hi < N

@@ -177,9 +177,11 @@ def candidate_configs(M: int, N: int, K: int, num_sms: int = 132, layout: str = 
 # INT8 with 2 stages on tiles under 16384 elements (the shared-memory
 # pipeline's extra LDS: 0.20-0.24; 64 x 128 reached 0.221).
 _DECODE_TILES = ((64, 4), (128, 8))
-# The sparse tensor-core kernel: two 16-row tiles per warp (both tiles' mma take the same x words):
-# INT4 x fp16 at 4096 x 4096 0.240 -> 0.186 warp-instructions per byte, 90-104 registers.
-_SPARSE_TILES = ((64, 2), (128, 4))
+# The sparse tensor-core kernel: two or four 16-row tiles per warp (all its tiles' mma take the same
+# x words): two took INT4 x fp16 at 4096 x 4096 from 0.240 to 0.186 warp-instructions per byte
+# (90-104 registers); four halve the x loads' L1 wavefronts per byte (INT4 0.0625 -> 0.0417, under
+# the 0.0545 HBM delivers; 251 registers at BLOCK_K 256, spills at 512).
+_SPARSE_TILES = ((64, 2), (128, 4), (128, 2))
 _DECODE_BLOCK_K = (64, 128, 256)
 
 
@@ -201,7 +203,9 @@ def decode_configs(M: int, N: int, K: int, dtype: str = "float16", num_sms: int 
     rows the programs multiply by ceil(M / 16), K is not split (the launch's
     split-K is serial, M <= 16 only) and only the deepest pipeline of each tile
     is kept (the tuner times the kernel there to compare it with the reference
-    backend, not to win).
+    backend, not to win). INT8 / INT4 weights with float16 / bfloat16 x (the sparse
+    tensor-core kernel): BLOCK_N x warps in (64 x 2, 128 x 4, 128 x 2), two or four
+    16-row tiles per warp, BLOCK_K up to 512 (not 512 with four INT4 tiles: spills), one stage.
 
     Args:
         M, N, K: problem size (x is M x K, W is N x K); dtype: a :func:`dtype_key`.
@@ -215,6 +219,8 @@ def decode_configs(M: int, N: int, K: int, dtype: str = "float16", num_sms: int 
     out = []
     for bn, warps in _SPARSE_TILES if sparse else _DECODE_TILES:
         for bk in _DECODE_BLOCK_K + ((512,) if sparse else ()):   # (registers: no tile in shared memory)
+            if dtype.startswith("int4-") and bn // warps == 64 and bk == 512:
+                continue   # four INT4 row tiles per warp, 512 deep: 255 registers and spills (sm_90)
             programs = -(-N // bn) * -(-M // 16)
             splits = [1] + [s for s in (2, 4, 8) if programs * s <= 4 * num_sms and K >= 2 * s * bk
                             and M <= DECODE_M]   # serial split-K's workspace holds one 16-row block
@@ -238,7 +244,9 @@ def decode_default(N: int, K: int, dtype: str = "float16", num_sms: int = 132) -
     256 (128 where 256 leaves SMs without a program), pipelined: 16-bit weights 2
     stages (one K-tile's loads in flight while another decodes), INT8 and INT4 3 stages
     (two: their tiles hold 5/9 and 3/9 of the bytes) with fp32 x; INT8 and INT4 with
-    16-bit x (the sparse tensor-core kernel) 1: one tile in flight per program. Then split-K (serial, inside the one launch) just
+    16-bit x (the sparse tensor-core kernel) 1: one tile in flight per program, and its
+    warps own four 16-row tiles (BLOCK_N 128, 2 warps) where that keeps tiles 256 deep
+    or more, else two (64, 2). Then split-K (serial, inside the one launch) just
     large enough that the programs running at once keep ``DECODE_IN_FLIGHT`` weight
     bytes requested per SM, or, for small layers, one K-tile per program (the whole
     weight at once, in one stage: there is no later tile to prefetch; SPLIT_K equals the
@@ -252,14 +260,24 @@ def decode_default(N: int, K: int, dtype: str = "float16", num_sms: int = 132) -
     # its tiles may be 512 columns deep (the instructions outside the loop amortize over twice
     # the bytes: INT4 4096 x 4096 0.307 -> 0.239 warp-instructions per byte on sm_90)
     sparse = sparse_kernel(dtype)
-    rows = -(-N // 64)
-    if sparse:  # 512 where it divides K (a partial tile is a second, masked copy of the tile's code)
-        bk = next(b for b in (512, 256, 128) if (rows * -(-K // b) >= num_sms and K % b == 0) or b == 128)
-    else:
+    bn, warps = 64, 4
+    if sparse:
+        # 512 where it divides K (a partial tile is a second, masked copy of the tile's code); four
+        # 16-row tiles per warp (BLOCK_N 128, 2 warps: half the L1 wavefronts of the x loads per
+        # byte) where the layer still fills the SMs with tiles at least 256 deep, else two (64, 2).
+        # INT4 with four tiles: at most 256 deep (251 registers; 512 spills).
+        def depth(rows, depths):
+            return next((b for b in depths if rows * -(-K // b) >= num_sms and K % b == 0), None)
+        deep = (256,) if dtype.startswith("int4-") else (512, 256)
+        bk = depth(-(-N // 128), deep)
+        bn, warps = (128, 2) if bk else (64, 2)
+        bk = bk or depth(-(-N // 64), (512, 256, 128)) or 128
+    rows = -(-N // bn)
+    if not sparse:
         bk = 256 if rows * -(-K // 256) >= num_sms else 128
     stages = 1 if sparse else 3 if quantized else 2
     tiles = -(-K // bk)
-    tile_bytes = 64 * bk * (3 if dtype.startswith("int4-") else 5 if quantized else 9) // 8  # eighths of a byte
+    tile_bytes = bn * bk * (3 if dtype.startswith("int4-") else 5 if quantized else 9) // 8  # eighths of a byte
     split = tiles
     for per_split in range(tiles, 0, -1):               # the fewest splits (longest K ranges) that do
         split = -(-tiles // per_split)
@@ -268,16 +286,15 @@ def decode_default(N: int, K: int, dtype: str = "float16", num_sms: int = 132) -
             break
     if per_split == 1:  # one K-tile per program: nothing to overlap, and a pipeline's prologue costs ~40%
         stages = 1
-    return check_decode_config(KernelConfig(16, 64, bk, 1, min(split, 32), 2 if sparse else 4, stages,
-                                            kernel="decode"))
+    return check_decode_config(KernelConfig(16, bn, bk, 1, min(split, 32), warps, stages, kernel="decode"))
 
 
 def check_decode_config(config: KernelConfig) -> KernelConfig:
     """Raise ValueError unless the decode kernel can run ``config``; returns it."""
     c = config.validate()
     if c.kernel != "decode" or c.block_m != 16 or c.block_k < 64 or c.block_n not in (32, 64, 128) \
-            or c.num_warps not in (c.block_n // 16, c.block_n // 32):
+            or c.num_warps not in (c.block_n // 16, c.block_n // 32, c.block_n // 64):
         raise ValueError(f"bad decode config {c}: need kernel 'decode', block_m == 16, block_k >= 64, block_n in "
                          f"(32, 64, 128) and num_warps == block_n // 16 (one 16-row tile per warp; the sparse "
-                         f"tensor-core kernel also block_n // 32: two)")
+                         f"tensor-core kernel also block_n // 32 or // 64: two or four)")
     return c

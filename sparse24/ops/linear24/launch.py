@@ -539,7 +539,7 @@ class _DecodeSP(_Decode):
     """``kernels/sparse24_sp.py``: INT8 / INT4 decode-layout weights with float16 / bfloat16 x
     on the sparse tensor cores (``mma.sp``); the decode kernel's config, grid, split-K and
     arguments, plus ``N16`` (a second mma per chunk for x rows 8-15: M buckets above 8) and
-    ``RT``, the 16-row tiles per warp (``block_n // (16 num_warps)``: 1 or 2)."""
+    ``RT``, the 16-row tiles per warp (``block_n // (16 num_warps)``: 1, 2 or 4)."""
 
     @staticmethod
     def kernel(cuda: bool):
@@ -554,7 +554,7 @@ class _DecodeSP(_Decode):
 
     @staticmethod
     def check_config(config) -> None:
-        """One or two 16-row tiles per warp: ``check_decode_config`` allows both."""
+        """One, two or four 16-row tiles per warp: ``check_decode_config`` allows them all."""
 
     @staticmethod
     def prepare_x(x2):
