@@ -474,9 +474,9 @@ class _Decode:
         """The byte-permute decode (and prefill) kernels give each warp one 16-row tile."""
         if config.kernel == "decode" and config.num_warps != config.block_n // 16:
             raise ValueError(f"bad decode config {config} for this weight and x: the byte-permute decode kernel "
-                             f"(16-bit weights, or float32 x) needs num_warps == block_n // 16 (two tiles per warp, "
-                             f"num_warps == block_n // 32, is the sparse tensor-core kernel's: INT8 / INT4 weights "
-                             f"with float16 / bfloat16 x)")
+                             f"(16-bit weights, or float32 x) needs num_warps == block_n // 16 (two or four tiles per "
+                             f"warp, num_warps == block_n // 32 or // 64, is the sparse tensor-core kernel's: INT8 / "
+                             f"INT4 weights with float16 / bfloat16 x)")
 
     @staticmethod
     def contiguous_ints(N, K, quantized=False) -> tuple:
