@@ -459,7 +459,10 @@ def _sparse24_sp(
     t = pid_n * (BLOCK_N // 16) + (lane // 32) * RT    # this lane's (first) row tile
 
     k_tiles = (K + BLOCK_K - 1) // BLOCK_K
-    per_split = (k_tiles + SPLIT_K - 1) // SPLIT_K
+    if ONE_TILE:   # SPLIT_K == k_tiles: one K-tile per split, no division
+        per_split = 1
+    else:
+        per_split = (k_tiles + SPLIT_K - 1) // SPLIT_K
     k_lo = pid_k * per_split
     k_hi = min(k_tiles, k_lo + per_split)
     n_full = K // BLOCK_K
