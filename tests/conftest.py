@@ -20,6 +20,17 @@ EXTRA_ROUNDINGS = 35
 TILE = 512
 
 
+def load_script(name: str):
+    """``scripts/<name>.py`` as a module (the scripts are not a package)."""
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def accumulator(dtype: torch.dtype) -> torch.dtype:
     """The dtype every path accumulates a ``dtype`` output in: fp64 for fp64, else fp32."""
     return torch.float64 if dtype == torch.float64 else torch.float32

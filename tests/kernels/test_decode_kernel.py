@@ -2,7 +2,6 @@
 (the same source the GPU compiles; libdevice's byte_perm bound to its exact
 emulation), against F.linear in fp64 on the masked dense weight. Plus the
 byte-permute selectors, the config space, and an ahead-of-time sm_90 compile."""
-import importlib.util
 import itertools
 import re
 from pathlib import Path
@@ -20,7 +19,7 @@ from sparse24.ops.config_space import KernelConfig, check_decode_config, decode_
 from sparse24.ops.linear24 import launch
 from sparse24.ops.linear24 import linear_triton as linear_decode
 
-from conftest import assert_matches_reference, matches_reference
+from conftest import assert_matches_reference, load_script, matches_reference
 
 ROOT = Path(__file__).resolve().parents[2]
 CASES = [(0, 1), (0, 2), (0, 3), (1, 2), (1, 3), (2, 3)]
@@ -323,10 +322,7 @@ def test_sass_counts_are_committed_for_both_tritons():
 # --- ahead-of-time compile for sm_90 -----------------------------------------------
 
 def _static_check():
-    spec = importlib.util.spec_from_file_location("kernel_static_check", ROOT / "scripts" / "kernel_static_check.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("kernel_static_check")
 
 
 @pytest.mark.parametrize("x_dtype,wtype,bias,cfg,cap", [

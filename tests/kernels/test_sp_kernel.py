@@ -19,7 +19,7 @@ from sparse24.ops.config_space import KernelConfig, decode_configs
 from sparse24.ops.linear24 import launch
 from sparse24.ops.linear24 import linear_triton as linear_decode
 
-from conftest import assert_matches_reference, matches_reference
+from conftest import assert_matches_reference, load_script, matches_reference
 
 
 def _cfg(bn, bk, split=1, stages=1, tiles_per_warp=1):
@@ -206,16 +206,10 @@ def test_a_wrong_sp_word_fails_the_check(gen):
 
 
 def _static_check(monkeypatch):
-    """scripts/kernel_static_check.py as a module (its sm_90 compile and SASS counts)."""
-    import importlib.util
-    from pathlib import Path
+    """scripts/kernel_static_check.py (its sm_90 compile and SASS counts), fp fusion on as it runs."""
     pytest.importorskip("triton.backends.nvidia")
     monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")
-    path = Path(__file__).resolve().parents[2] / "scripts" / "kernel_static_check.py"
-    spec = importlib.util.spec_from_file_location("kernel_static_check", path)
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
-    return tool
+    return load_script("kernel_static_check")
 
 
 def test_batch_of_eight_compiles_one_mma_per_chunk(monkeypatch):
