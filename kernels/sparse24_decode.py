@@ -24,9 +24,11 @@ same 4096x4096 layer, every config of its space, Triton 3.9 and 3.6
   keeps the decoded tile in registers (no shared-memory round trip: the
   reshape result already has the dot-operand layout);
 * each dense register pair is ONE byte permute (PRMT) of the group's packed
-  values, its selector ONE multiply-add of a 2-bit field of the keep mask
-  (constants found by exhaustive search, checked in tests/test_decode_kernel.py);
-  per group: 4 field extractions, 2 IMAD, 2 PRMT (+2 LOP3 that libdevice adds);
+  values, its selector a multiply-add of a 2-bit field of the keep mask
+  (constants found by exhaustive search, checked in tests/kernels/test_decode_kernel.py),
+  two groups' selectors in one 32-bit multiply-add (their fields lie 16 bits
+  apart in the lane's word); per two groups: 2 field extractions (SHF + LOP3),
+  2 IMAD, 2 SHF for the upper halves, 4 PRMT (+4 LOP3 that libdevice adds);
   the general kernel spends ~30 SEL/ISETP/SHF/LOP3/PRMT per group plus
   64 STS + LDSM + 2 barriers per tile;
 * INT8 values are sign-magnitude bytes: one AND turns a permuted byte pair into
@@ -67,31 +69,36 @@ __all__ = ["sparse24_decode", "sparse24_decode_interpreted", "int8_bf16_words", 
 
 # Byte-permute selectors, per dense register pair: S = x * MUL + ADD, with x
 # the 2-bit field of the group's keep mask (slots 0,1: bits 0-1; slots 3,2:
-# bits 2-3); found by exhaustive search over 16-bit MUL, ADD, checked for all
-# six slot pairs in tests/test_decode_kernel.py.
+# bits 2-3); found by exhaustive search over 16-bit MUL, ADD (then, for the
+# slots 3,2 ones, the equivalent pair under byte_perm's 0x7777 mask whose S stays
+# in 0..0xFFFF: a negative MUL), checked for all six slot pairs in
+# tests/kernels/test_decode_kernel.py. S never leaves 16 bits, so ONE multiply-add
+# computes the selectors of two groups at once: the fields of groups g and g + 4 of
+# a lane's word lie 16 bits apart, (field_g | field_g+4 << 16) * MUL + ADD * 0x10001
+# holds both selectors, one per half (``_selector_pair``).
 # 16-bit values: the group's word is (lo, hi); zero lanes select bytes 4-7 of 0.
 # INT8: a word holds two groups' sign-magnitude bytes (lo_0, lo_1, hi_0, hi_1);
 # both bytes of a lane select the same byte, the AND with 0x807F807F then
 # leaves sign and magnitude. Group 0 of the word (b = 0) and group 1 differ.
 _MUL01 = tl.constexpr(0x2144)
 _ADD01 = tl.constexpr(0x564C)
-_MUL23 = tl.constexpr(0x43E6)
-_ADD23 = tl.constexpr(0x6E66)
+_MUL23 = tl.constexpr(-0x3C1A)
+_ADD23 = tl.constexpr(0xEE66)
 _MUL01_B0 = tl.constexpr(0x213C)
 _ADD01_B0 = tl.constexpr(0x464C)
-_MUL23_B0 = tl.constexpr(0x43D6)
-_ADD23_B0 = tl.constexpr(0x5E7E)
+_MUL23_B0 = tl.constexpr(-0x3C2A)
+_ADD23_B0 = tl.constexpr(0xDE7E)
 _MUL01_B1 = tl.constexpr(0x2244)
 _ADD01_B1 = tl.constexpr(0x54CD)
-_MUL23_B1 = tl.constexpr(0x43E6)
-_ADD23_B1 = tl.constexpr(0x6F67)
+_MUL23_B1 = tl.constexpr(-0x3C1A)
+_ADD23_B1 = tl.constexpr(0xEF67)
 # INT4: the group's word is (0x6400 | lo, 0x6400 | hi) (bfloat16: 0x4300), the
 # second word Z the zero point's (0x6400 | z) twice: an unkept slot selects Z's
 # bytes in order, so after subtracting 1024 + z it is exactly 0, a kept one u - z.
 _MUL01_I4 = tl.constexpr(0x21BC)
 _ADD01_I4 = tl.constexpr(0x54DC)
-_MUL23_I4 = tl.constexpr(0xBBDE)
-_ADD23_I4 = tl.constexpr(0x7E76)
+_MUL23_I4 = tl.constexpr(-0x4422)
+_ADD23_I4 = tl.constexpr(0xFE76)
 # (int8, group b of the word) -> (MUL01, ADD01, MUL23, ADD23), for tests and docs; "int4": INT4's
 SELECTORS = {
     "int4": (_MUL01_I4.value, _ADD01_I4.value, _MUL23_I4.value, _ADD23_I4.value),
@@ -201,6 +208,17 @@ def _int4_rows(scale_ptr, zero_ptr, t0, N, G, T: tl.constexpr):
 
 
 @triton.jit
+def _selector_pair(f, MUL: tl.constexpr, ADD: tl.constexpr):
+    """Fields of groups g (bits 0-1 of ``f``) and g + 4 (bits 16-17) -> both byte-permute
+    selectors in one multiply-add, indexed by the half-atom h along axis 1 ([A, 1, ...]
+    -> [A, 2, ...]): group g's in the low half, g + 4's shifted down (byte_perm reads the
+    low 16 bits, masked with 0x7777). Exact because S = x * MUL + ADD stays in 16 bits."""
+    ih = tl.arange(0, 2)[None, :, None, None, None, None]
+    ADD2: tl.constexpr = ADD * 0x10001 - ((ADD >> 15) << 32)   # as int32 (ADD < 0x10000)
+    return ((f & 0x30003) * MUL + ADD2) >> (16 * ih)
+
+
+@triton.jit
 def _decode_tile(acc, x_ptrs, v_ptrs, m_ptrs, k0, K, a0, KA, s_rows, z_rows, G,
                  MASKED: tl.constexpr, INT8: tl.constexpr, W_BF16: tl.constexpr, DOT_PRECISION: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INT4: tl.constexpr = False,
@@ -220,11 +238,11 @@ def _decode_tile(acc, x_ptrs, v_ptrs, m_ptrs, k0, K, a0, KA, s_rows, z_rows, G,
     else:
         mw = tl.load(m_ptrs)
     mw = tl.reshape(tl.permute(mw, [1, 0]), [A, 1, T, 32, 1, 1])
-    # Group g = 4h + 2qq + b of the lane's word: bits 4g..4g+3 (slot 0, 1, 3, 2).
-    ih = tl.arange(0, 2)[None, :, None, None, None, None]
+    # Group g = 4h + 2qq + b of the lane's word: bits 4g..4g+3 (slot 0, 1, 3, 2); f holds
+    # the nibbles of groups (h = 0, qq, b) and (h = 1, qq, b) 16 bits apart.
     iq = tl.arange(0, 2)[None, None, None, None, :, None]
     ib = tl.arange(0, 2)[None, None, None, None, None, :]
-    nib = mw >> ((4 * ih + 2 * iq + ib) * 4)                                  # [A, h, T, 32, qq, b]
+    f = mw >> ((2 * iq + ib) * 4)                                             # [A, 1, T, 32, qq, b]
     # byte_perm must stay libdevice's: it masks the selector with 0x7777 before prmt.b32.
     # The multiply-add selectors set bit 3 of some nibbles, which raw PRMT reads as
     # "fill with the byte's sign": 15 of the 24 selectors would decode wrong
@@ -240,8 +258,8 @@ def _decode_tile(acc, x_ptrs, v_ptrs, m_ptrs, k0, K, a0, KA, s_rows, z_rows, G,
         else:
             wv = tl.load(v_ptrs)
         P, Z, sc = _int4_words(wv, s_rows, z_rows, ok_a, a0, G, MASKED, HAS_ZERO, GROUP, MAGIC, A, T)
-        d01 = libdevice.byte_perm(P, Z, (nib & 3) * _MUL01_I4 + _ADD01_I4)      # dense slots 0, 1
-        d23 = libdevice.byte_perm(P, Z, ((nib >> 2) & 3) * _MUL23_I4 + _ADD23_I4)  # dense slots 2, 3
+        d01 = libdevice.byte_perm(P, Z, _selector_pair(f, _MUL01_I4, _ADD01_I4))       # dense slots 0, 1
+        d23 = libdevice.byte_perm(P, Z, _selector_pair(f >> 2, _MUL23_I4, _ADD23_I4))  # dense slots 2, 3
         # u - z exactly (integers below 2**11 / 2**8), then times the float16 scale, on whole
         # words: x float16, in float16 (one rounding of the exact product); x bfloat16, the
         # exact product rounded once (_DEQUANT_BF16X2); x float32, u - z here, the scale
@@ -271,15 +289,18 @@ def _decode_tile(acc, x_ptrs, v_ptrs, m_ptrs, k0, K, a0, KA, s_rows, z_rows, G,
         else:
             wv = tl.load(v_ptrs)
         P = tl.permute(tl.reshape(wv, [A, T, 32, 2, 2]), [0, 3, 1, 2, 4])     # [A, h, T, 32, qq]
-        n0, n1 = tl.split(nib)
+        f0, f1 = tl.split(f)                                                 # [A, 1, T, 32, qq]
+        f0, f1 = f0[:, :, :, :, :, None], f1[:, :, :, :, :, None]
         # The mask must reach ptxas as a register, not a constant: a constant AND is split per
         # half (+4/group), and only a register mask fuses with bf16's OR into one LOP3. KA >> 31
         # is 0 (KA >= 0), which no compiler can know: the mask stays a runtime value.
         sm_mask = _SM_MASK | (KA >> 31)
-        d01_0 = libdevice.byte_perm(P, 0, (n0 & 3) * _MUL01_B0 + _ADD01_B0) & sm_mask
-        d23_0 = libdevice.byte_perm(P, 0, ((n0 >> 2) & 3) * _MUL23_B0 + _ADD23_B0) & sm_mask
-        d01_1 = libdevice.byte_perm(P, 0, (n1 & 3) * _MUL01_B1 + _ADD01_B1) & sm_mask
-        d23_1 = libdevice.byte_perm(P, 0, ((n1 >> 2) & 3) * _MUL23_B1 + _ADD23_B1) & sm_mask
+        d01_0 = libdevice.byte_perm(P, 0, tl.reshape(_selector_pair(f0, _MUL01_B0, _ADD01_B0), P.shape)) & sm_mask
+        d23_0 = libdevice.byte_perm(P, 0, tl.reshape(_selector_pair(f0 >> 2, _MUL23_B0, _ADD23_B0), P.shape)) \
+            & sm_mask
+        d01_1 = libdevice.byte_perm(P, 0, tl.reshape(_selector_pair(f1, _MUL01_B1, _ADD01_B1), P.shape)) & sm_mask
+        d23_1 = libdevice.byte_perm(P, 0, tl.reshape(_selector_pair(f1 >> 2, _MUL23_B1, _ADD23_B1), P.shape)) \
+            & sm_mask
         d01 = tl.join(d01_0, d01_1)                                          # [A, h, T, 32, qq, b]
         d23 = tl.join(d23_0, d23_1)
     else:
@@ -289,8 +310,8 @@ def _decode_tile(acc, x_ptrs, v_ptrs, m_ptrs, k0, K, a0, KA, s_rows, z_rows, G,
         else:
             wv = tl.load(v_ptrs)
         P = tl.reshape(wv, [A, 2, T, 32, 2, 2])                               # [A, h, T, 32, qq, b]
-        d01 = libdevice.byte_perm(P, 0, (nib & 3) * _MUL01 + _ADD01)          # dense slots 0, 1
-        d23 = libdevice.byte_perm(P, 0, ((nib >> 2) & 3) * _MUL23 + _ADD23)   # dense slots 2, 3
+        d01 = libdevice.byte_perm(P, 0, _selector_pair(f, _MUL01, _ADD01))         # dense slots 0, 1
+        d23 = libdevice.byte_perm(P, 0, _selector_pair(f >> 2, _MUL23, _ADD23))    # dense slots 2, 3
     if W_BF16 or ((INT8 or INT4) and XT == tl.bfloat16):
         WT: tl.constexpr = tl.bfloat16
     else:

@@ -652,7 +652,7 @@ def prefill_main(a) -> int:
             cells = []
             for M in PREFILL_M:
                 ratios = {c: (lambda t: t[1] / t[0])(predicted_time(r, M, N, K, w_bytes)) for c, r in by_cfg.items()}
-                d = ratios.get(prefill_config(M, N, K, dt.startswith("int8-"), int4=dt.startswith("int4-")))
+                d = ratios.get(prefill_config(M, N, K, int4=dt.startswith("int4-")))
                 best = max((c for c in ratios if not by_cfg[c]["spills"]), key=ratios.get)
                 if d is not None:
                     worst[(dt, M)] = min(worst.get((dt, M), 9.0), d)

@@ -65,6 +65,26 @@ def test_selectors_decode_every_slot_pair(int8, b):
         assert [d01 & 0xFFFF, d01 >> 16, d23 & 0xFFFF, d23 >> 16] == want, (lo_slot, hi_slot)
 
 
+@pytest.mark.parametrize("kind", list(SELECTORS), ids=str)
+def test_one_multiply_add_gives_two_groups_selectors(kind):
+    """The kernel computes the selectors of groups g and g + 4 (fields 16 bits apart in
+    the lane's word) with ONE multiply-add: (f_lo | f_hi << 16) * MUL + ADD * 0x10001 in
+    32 bits must hold S(f_lo) in its low half and S(f_hi) in its high half, which needs
+    S = f * MUL + ADD within 0..0xFFFF for every field (a carry out of the low half
+    would change the high selector's byte choice: the old slots 3,2 constant 0x43E6
+    + 0x6E66 carried at f = 3)."""
+    mul01, add01, mul23, add23 = SELECTORS[kind]
+    for mul, add in ((mul01, add01), (mul23, add23)):
+        assert all(0 <= f * mul + add <= 0xFFFF for f in range(4))
+        for lo in range(4):
+            for hi in range(4):
+                packed = ((lo | hi << 16) * mul + add * 0x10001) & 0xFFFFFFFF
+                assert (packed & 0x7777, (packed >> 16) & 0x7777) == ((lo * mul + add) & 0x7777,
+                                                                      (hi * mul + add) & 0x7777)
+    # the premise fails for the constants before the change: the test can fail
+    assert not all(0 <= f * 0x43E6 + 0x6E66 <= 0xFFFF for f in range(4))
+
+
 # --- the kernel against fp64 ---------------------------------------------------
 
 def _cfg(bn, bk, split=1, stages=1):

@@ -108,15 +108,13 @@ def test_default_configs():
     assert prefill_config(64, 8192, 8192).block_m == 64   # 128 programs of 64 x 64 fill the SMs
     assert prefill_config(40, 28672, 8192).block_m == 64  # never 128 rows for 40
     # 128 x 128 tiles from 1.5 programs per SM, else 128 x 64
-    for int8 in (False, True):
-        assert prefill_config(768, 4096, 4096, int8).block_n == 64 and prefill_config(896, 4096, 4096, int8).block_n == 128
+    assert prefill_config(768, 4096, 4096).block_n == 64 and prefill_config(896, 4096, 4096).block_n == 128
     assert prefill_config(128, 3072, 768).block_m == 64    # 96 programs of 64 x 64 beat 192 of 32 x 64
-    # INT8 with 3 stages (127 registers: 2 programs per SM; 2 stages take 137)
-    assert prefill_config(4096, 4096, 4096).num_stages == 2 and prefill_config(4096, 4096, 4096, True).num_stages == 3
+    assert prefill_config(4096, 4096, 4096).num_stages == 2
     for M in (17, 64, 100, 512, 4096):
         for N in (768, 4096, 28672):
-            for int8 in (False, True):
-                c = check_prefill_config(prefill_config(M, N, 4096, int8))
+            for int4 in (False, True):
+                c = check_prefill_config(prefill_config(M, N, 4096, int4=int4))
                 assert c.num_warps == c.block_n // 16 and c.block_n >= 64  # wgmma with W from registers on sm_90
                 assert c in prefill_configs(M) and c.block_m < 2 * M
 
@@ -129,7 +127,7 @@ def test_large_m_default_compiles_to_hgmma_for_sm90(dtype, monkeypatch):
     while the other's wgmma runs: the premise of the prediction in docs/kernels.md."""
     monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")
     tool = _static_check()
-    cfg = prefill_config(4096, 4096, 4096, int8=dtype.startswith("int8-"))
+    cfg = prefill_config(4096, 4096, 4096)
     assert (cfg.block_m, cfg.block_n) == (128, 128)
     r = tool.prefill_one(dtype, cfg, 90)
     assert r["hgmma"] and r["mma"] == cfg.block_k // 16

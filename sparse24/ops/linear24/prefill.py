@@ -25,27 +25,23 @@ __all__ = ["prefill_config", "prefill_configs", "check_prefill_config"]
 # order of their predicted efficiency over full waves, each with the programs (in units
 # of the SMs) it needs before it beats the next, smaller one at filling the GPU, fitted
 # to the report's model over the 11 shapes of issue 22 at M = 64-4096:
-# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, SMs). 128 x 128 x 64 needs 128 registers
-# (2 programs per SM; INT8 needs 3 stages to stay at 127, 2 stages take 137); the last
-# tile takes whatever is left.
+# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, SMs). 128 x 128 x 64 needs 122-128 registers
+# (2 programs per SM, every 16-bit and INT8 pair); the last tile takes whatever is left.
 _TILES = ((128, 128, 64, 8, 2, 1.5), (128, 64, 64, 4, 2, 1.0), (64, 64, 128, 4, 2, 0.7), (32, 64, 128, 4, 2, 0.0))
 
 
-def prefill_config(M: int, N: int, K: int, int8: bool = False, num_sms: int = 132, *,
-                   int4: bool = False) -> KernelConfig:
+def prefill_config(M: int, N: int, K: int, num_sms: int = 132, *, int4: bool = False) -> KernelConfig:
     """The untuned prefill config for ``M`` rows (``M > 16``) of an ``N x K`` weight:
     the first tile of ``_TILES`` that wastes at most half its BLOCK_M rows and gives
     enough programs, ``ceil(M / BLOCK_M) * ceil(N / BLOCK_N)``, for the ``num_sms``
-    multiprocessors (default: an H200's 132); else 32 x 64. INT4 weights (``int4``)
-    skip 128 x 128: its dequantization takes 156 registers there, one program per SM
-    (predicted 0.38 of dense at large M against 0.51 for 128 x 64, sm_90 SASS)."""
+    multiprocessors (default: an H200's 132); else 32 x 64. The same for 16-bit and
+    INT8 weights; INT4 weights (``int4``) skip 128 x 128: its dequantization takes 154
+    registers there, one program per SM (sm_90 SASS, docs/kernels.md)."""
     if M <= DECODE_M:
         raise ValueError(f"the prefill kernel serves M > {DECODE_M}, got M = {M}")
     for bm, bn, bk, warps, stages, fill in (_TILES[1:] if int4 else _TILES):
         if bm < 2 * M and -(-M // bm) * -(-N // bn) >= fill * num_sms:
             break
-    if int8 and (bm, bn) == (128, 128):
-        stages = 3
     return _config(bm, bn, bk, warps, stages)
 
 
