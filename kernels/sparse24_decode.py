@@ -28,7 +28,9 @@ same 4096x4096 layer, every config of its space, Triton 3.9 and 3.6
   (constants found by exhaustive search, checked in tests/kernels/test_decode_kernel.py),
   two groups' selectors in one 32-bit multiply-add (their fields lie 16 bits
   apart in the lane's word); per two groups: 2 field extractions (SHF + LOP3),
-  2 IMAD, 2 SHF for the upper halves, 4 PRMT (+4 LOP3 that libdevice adds);
+  2 IMAD, 2 LOP3 clearing bit 3 of every selector nibble, 2 SHF for the upper
+  halves, 4 PRMT (raw ``prmt.b32``: libdevice's byte_perm masks each selector
+  on its own, 4 LOP3);
   the general kernel spends ~30 SEL/ISETP/SHF/LOP3/PRMT per group plus
   64 STS + LDSM + 2 barriers per tile;
 * INT8 values are sign-magnitude bytes: one AND turns a permuted byte pair into
@@ -49,10 +51,10 @@ same 4096x4096 layer, every config of its space, Triton 3.9 and 3.6
   small layers' default) the kernel compiles without the loop: the ~250
   instructions outside the tile are all a program runs besides it.
 
-``byte_perm`` is libdevice's ``__nv_byte_perm`` (PTX ``prmt.b32``, selector
-nibbles masked to 3 bits). Triton's interpreter has no libdevice, so
-``kernels/interpreter.py`` binds it to an exact integer emulation of the
-documented semantics during interpreted launches: the CPU tests run this very
+The permutes are inline PTX ``prmt.b32``; Triton's interpreter runs inline
+PTX through ``kernels/interpreter.py``'s exact integer emulations of the
+documented semantics (``prmt_raw_reference`` here, libdevice's ``byte_perm``
+where the sparse tensor-core kernel calls it): the CPU tests run this very
 source.
 
 Two callables share ONE source function, ``_sparse24_decode``:
@@ -61,9 +63,8 @@ Two callables share ONE source function, ``_sparse24_decode``:
 """
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
-from .interpreter import ASM_EMULATIONS, InterpretedKernel, f16x2_reference
+from .interpreter import ASM_EMULATIONS, InterpretedKernel, f16x2_reference, prmt_raw_reference
 
 __all__ = ["sparse24_decode", "sparse24_decode_interpreted", "int8_bf16_words", "SELECTORS", "SM_MASK"]
 
@@ -207,15 +208,30 @@ def _int4_rows(scale_ptr, zero_ptr, t0, N, G, T: tl.constexpr):
     return scale_ptr + r, zero_ptr + r
 
 
+# Raw prmt (the interpreter: kernels/interpreter.py's prmt_raw_reference): bit 3 of a
+# selector nibble would fill the byte with its sign, so every selector passes _SEL_MASK
+# first (libdevice's byte_perm masks each selector on its own: one AND per permute).
+_PRMT = tl.constexpr("prmt.b32 $0, $1, $2, $3;")
+ASM_EMULATIONS[_PRMT.value] = prmt_raw_reference
+_SEL_MASK = tl.constexpr(0x77777777)
+
+
 @triton.jit
 def _selector_pair(f, MUL: tl.constexpr, ADD: tl.constexpr):
     """Fields of groups g (bits 0-1 of ``f``) and g + 4 (bits 16-17) -> both byte-permute
-    selectors in one multiply-add, indexed by the half-atom h along axis 1 ([A, 1, ...]
-    -> [A, 2, ...]): group g's in the low half, g + 4's shifted down (byte_perm reads the
-    low 16 bits, masked with 0x7777). Exact because S = x * MUL + ADD stays in 16 bits."""
+    selectors in one multiply-add and one mask, indexed by the half-atom h along axis 1
+    ([A, 1, ...] -> [A, 2, ...]): group g's in the low half, g + 4's shifted down (prmt
+    reads the low 16 bits). Exact because S = x * MUL + ADD stays in 16 bits; the mask
+    clears bit 3 of every nibble (and bit 31, so the shift brings in zeros)."""
     ih = tl.arange(0, 2)[None, :, None, None, None, None]
     ADD2: tl.constexpr = ADD * 0x10001 - ((ADD >> 15) << 32)   # as int32 (ADD < 0x10000)
-    return ((f & 0x30003) * MUL + ADD2) >> (16 * ih)
+    return (((f & 0x30003) * MUL + ADD2) & _SEL_MASK) >> (16 * ih)
+
+
+@triton.jit
+def _prmt(a, b, sel):
+    """PTX ``prmt.b32`` (default mode) of words a, b by a selector without bit-3 nibbles."""
+    return tl.inline_asm_elementwise(_PRMT, "=r,r,r,r", [a, b, sel], dtype=tl.int32, is_pure=True, pack=1)
 
 
 @triton.jit
@@ -243,10 +259,10 @@ def _decode_tile(acc, x_ptrs, v_ptrs, m_ptrs, k0, K, a0, KA, s_rows, z_rows, G,
     iq = tl.arange(0, 2)[None, None, None, None, :, None]
     ib = tl.arange(0, 2)[None, None, None, None, None, :]
     f = mw >> ((2 * iq + ib) * 4)                                             # [A, 1, T, 32, qq, b]
-    # byte_perm must stay libdevice's: it masks the selector with 0x7777 before prmt.b32.
-    # The multiply-add selectors set bit 3 of some nibbles, which raw PRMT reads as
-    # "fill with the byte's sign": 15 of the 24 selectors would decode wrong
-    # (tests/kernels/test_first_run_hazards.py).
+    # The multiply-add selectors set bit 3 of some nibbles, which raw PRMT reads as "fill
+    # with the byte's sign": 15 of the 24 16-bit / INT8 ones would decode wrong without
+    # _selector_pair's mask (tests/kernels/test_first_run_hazards.py).
+    zero = tl.zeros([1, 1, 1, 1, 1, 1], tl.int32)
     XT: tl.constexpr = x_ptrs.dtype.element_ty
     if INT4:
         # 8 bytes per lane and atom. Each dense register pair is one byte permute of
@@ -258,8 +274,8 @@ def _decode_tile(acc, x_ptrs, v_ptrs, m_ptrs, k0, K, a0, KA, s_rows, z_rows, G,
         else:
             wv = tl.load(v_ptrs)
         P, Z, sc = _int4_words(wv, s_rows, z_rows, ok_a, a0, G, MASKED, HAS_ZERO, GROUP, MAGIC, A, T)
-        d01 = libdevice.byte_perm(P, Z, _selector_pair(f, _MUL01_I4, _ADD01_I4))       # dense slots 0, 1
-        d23 = libdevice.byte_perm(P, Z, _selector_pair(f >> 2, _MUL23_I4, _ADD23_I4))  # dense slots 2, 3
+        d01 = _prmt(P, Z, _selector_pair(f, _MUL01_I4, _ADD01_I4))       # dense slots 0, 1
+        d23 = _prmt(P, Z, _selector_pair(f >> 2, _MUL23_I4, _ADD23_I4))  # dense slots 2, 3
         # u - z exactly (integers below 2**11 / 2**8), then times the float16 scale, on whole
         # words: x float16, in float16 (one rounding of the exact product); x bfloat16, the
         # exact product rounded once (_DEQUANT_BF16X2); x float32, u - z here, the scale
@@ -295,11 +311,11 @@ def _decode_tile(acc, x_ptrs, v_ptrs, m_ptrs, k0, K, a0, KA, s_rows, z_rows, G,
         # half (+4/group), and only a register mask fuses with bf16's OR into one LOP3. KA >> 31
         # is 0 (KA >= 0), which no compiler can know: the mask stays a runtime value.
         sm_mask = _SM_MASK | (KA >> 31)
-        d01_0 = libdevice.byte_perm(P, 0, tl.reshape(_selector_pair(f0, _MUL01_B0, _ADD01_B0), P.shape)) & sm_mask
-        d23_0 = libdevice.byte_perm(P, 0, tl.reshape(_selector_pair(f0 >> 2, _MUL23_B0, _ADD23_B0), P.shape)) \
+        d01_0 = _prmt(P, zero, tl.reshape(_selector_pair(f0, _MUL01_B0, _ADD01_B0), P.shape)) & sm_mask
+        d23_0 = _prmt(P, zero, tl.reshape(_selector_pair(f0 >> 2, _MUL23_B0, _ADD23_B0), P.shape)) \
             & sm_mask
-        d01_1 = libdevice.byte_perm(P, 0, tl.reshape(_selector_pair(f1, _MUL01_B1, _ADD01_B1), P.shape)) & sm_mask
-        d23_1 = libdevice.byte_perm(P, 0, tl.reshape(_selector_pair(f1 >> 2, _MUL23_B1, _ADD23_B1), P.shape)) \
+        d01_1 = _prmt(P, zero, tl.reshape(_selector_pair(f1, _MUL01_B1, _ADD01_B1), P.shape)) & sm_mask
+        d23_1 = _prmt(P, zero, tl.reshape(_selector_pair(f1 >> 2, _MUL23_B1, _ADD23_B1), P.shape)) \
             & sm_mask
         d01 = tl.join(d01_0, d01_1)                                          # [A, h, T, 32, qq, b]
         d23 = tl.join(d23_0, d23_1)
@@ -310,8 +326,8 @@ def _decode_tile(acc, x_ptrs, v_ptrs, m_ptrs, k0, K, a0, KA, s_rows, z_rows, G,
         else:
             wv = tl.load(v_ptrs)
         P = tl.reshape(wv, [A, 2, T, 32, 2, 2])                               # [A, h, T, 32, qq, b]
-        d01 = libdevice.byte_perm(P, 0, _selector_pair(f, _MUL01, _ADD01))         # dense slots 0, 1
-        d23 = libdevice.byte_perm(P, 0, _selector_pair(f >> 2, _MUL23, _ADD23))    # dense slots 2, 3
+        d01 = _prmt(P, zero, _selector_pair(f, _MUL01, _ADD01))         # dense slots 0, 1
+        d23 = _prmt(P, zero, _selector_pair(f >> 2, _MUL23, _ADD23))    # dense slots 2, 3
     if W_BF16 or ((INT8 or INT4) and XT == tl.bfloat16):
         WT: tl.constexpr = tl.bfloat16
     else:

@@ -8,10 +8,11 @@ import time
 import numpy as np
 import pytest
 import torch
+import triton.language as tl
 
 import sparse24
 from sparse24.decode_format import DecodePacked, pack_decode
-from sparse24.kernels import interpreter
+from sparse24.kernels import sparse24_decode
 from sparse24.kernels.interpreter import byte_perm_reference, prmt_raw_reference
 from sparse24.kernels.sparse24_decode import SELECTORS
 from sparse24.ops.config_space import KernelConfig
@@ -164,30 +165,42 @@ def test_raw_prmt_differs_for_15_of_the_kernel_s_selectors():
 
 
 def test_kernel_without_the_selector_mask_decodes_wrong(monkeypatch, gen):
-    """Run the kernel with byte_perm replaced by raw PRMT (no 0x7777 mask): the result
-    leaves the error bound, so a test fails if the call ever loses the mask."""
+    """The byte-permute decode runs raw PRMT (inline PTX, emulated here exactly: a set
+    bit 3 of a selector nibble fills the byte with its sign) on selectors that
+    ``_selector_pair`` masks with 0x77777777 (two at once; libdevice's byte_perm would
+    mask each one). Without the mask the result leaves the error bound, so a test fails
+    if the mask is ever dropped."""
     _, d, dense = _weights(40, 64, gen)
     x = torch.randn(5, 64, generator=gen).half()
     assert_matches_reference(linear_triton(x, d, config=DECODE), x, dense)
-    monkeypatch.setattr(interpreter, "BYTE_PERM", prmt_raw_reference)
+    monkeypatch.setattr(sparse24_decode, "_SEL_MASK", tl.constexpr(-1))
     assert not matches_reference(linear_triton(x, d, config=DECODE), x, dense)
 
 
 def _prmt_selector_defs(ptx: str) -> list[str]:
     """For each ``prmt.b32`` of a PTX listing, the line that defines its selector
-    register (or the immediate selector itself)."""
+    register (or the immediate selector itself); a selector shifted right by a whole
+    number of nibbles (the upper half of a pair of selectors) is followed to the
+    register it shifts."""
     defs = {m.group(1): m.group(0).strip() for m in re.finditer(r"^\s*\S+\s+(%r\d+),[^;]*;", ptx, re.M)}
     sels = [m.group(1).strip() for m in re.finditer(r"prmt\.b32\s+%r\d+,[^,]+,[^,]+,([^;]+);", ptx)]
-    return [defs.get(s, f"undefined {s}") if s.startswith("%") else s for s in sels]
+    out = []
+    for s in sels:
+        line = defs.get(s, f"undefined {s}") if s.startswith("%") else s
+        shift = re.fullmatch(r"shr\.[su]32\s+%r\d+,\s*(%r\d+),\s*(\d+);", line)
+        if shift is not None and int(shift.group(2)) % 4 == 0:
+            line = defs.get(shift.group(1), f"undefined {shift.group(1)}")
+        out.append(line)
+    return out
 
 
 @pytest.mark.parametrize("int8", [False, True], ids=["fp16", "int8"])
 def test_compiled_prmt_selectors_are_masked(int8, monkeypatch):
     """In the sm_90 PTX, every prmt.b32 takes a selector ANDed with a constant that clears
-    bit 3 of every nibble (libdevice's 0x7777, which LLVM may narrow to 0x7774 when the
-    low bits are known), or an immediate without such bits (INT8 x fp16 runs the sparse
-    tensor-core kernel: constant selectors, two per value word): a raw PRMT (inline asm)
-    of a multiply-add selector without the mask would fail here."""
+    bit 3 of every nibble (the decode's 0x77777777, then its upper half shifted down), or an
+    immediate without such bits (INT8 x fp16 runs the sparse tensor-core kernel: libdevice's
+    byte_perm with constant selectors, two per value word): a raw PRMT of a multiply-add
+    selector without the mask would fail here."""
     monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")
     w = torch.randn(256, 512)
     d = pack_decode(sparse24.compress(w, quantize="int8") if int8 else sparse24.compress(w.half()))
