@@ -21,11 +21,12 @@ TILE = 512
 
 
 def load_script(name: str):
-    """``scripts/<name>.py`` as a module (the scripts are not a package)."""
+    """``scripts/<name>.py`` as a module (the scripts are not a package); ``name`` may
+    name a subfolder (``"gpu_tests/test_cuda"``)."""
     import importlib.util
     from pathlib import Path
     path = Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(name, path)
+    spec = importlib.util.spec_from_file_location(path.stem, path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod

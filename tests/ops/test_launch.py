@@ -13,7 +13,7 @@ from sparse24.ops import config_store
 from sparse24.ops.linear24 import launch
 from sparse24.ops.config_space import KernelConfig
 
-from conftest import assert_matches_reference
+from conftest import assert_matches_reference, load_script
 
 
 class _Recorder:
@@ -143,16 +143,6 @@ def test_one_plan_per_key_and_lookups_only_once(monkeypatch, gen):
     assert [a[0] for a in lookups] == [1, 4, 8, 1]
 
 
-def _bench_host():
-    import importlib.util
-    from pathlib import Path
-    path = Path(__file__).resolve().parents[2] / "scripts" / "bench_host.py"
-    spec = importlib.util.spec_from_file_location("bench_host", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 @pytest.mark.parametrize("pair,act", [("fp16", torch.float16), ("bf16", torch.bfloat16), ("int8", torch.float16),
                                       ("int8-bf16", torch.bfloat16), ("fp16", torch.float32)])
 def test_one_kernel_per_decode_call(pair, act):
@@ -163,7 +153,7 @@ def test_one_kernel_per_decode_call(pair, act):
     from sparse24.decode_format import DecodePacked
     from sparse24.ops.linear24 import forward
 
-    bench = _bench_host()
+    bench = load_script("bench_host")
     with bench.stubbed_launch() as launches, torch.no_grad():
         for N, K in ((4096, 4096), (768, 3072), (72, 200)):
             w = DecodePacked.empty(N, K, act if pair == "bf16" else torch.float16, pair.startswith("int8"))

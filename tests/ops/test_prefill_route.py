@@ -3,8 +3,6 @@ backend decision sees a CUDA-looking x and the kernel launch is a no-op, so a
 call's aten ops and allocated bytes are counted at torch's dispatcher (as
 ``scripts/bench_host.py --prefill`` does). No call may convert or decompress
 the weight; the layer holds one copy of the kept values."""
-import importlib.util
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,17 +15,11 @@ from sparse24.ops.linear24 import launch, op
 from sparse24.ops.linear24.prefill import prefill_config
 from sparse24.tools.dispatch_count import count_dispatch
 
-ROOT = Path(__file__).resolve().parents[2]
+from conftest import load_script
 
 
-def _bench_host():
-    spec = importlib.util.spec_from_file_location("bench_host", ROOT / "scripts" / "bench_host.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
-
-_AsCuda = _bench_host()._AsCuda  # what the backend decision reads of x, as a CUDA tensor shows it
+_AsCuda = load_script("bench_host")._AsCuda  # what the backend decision reads of x, as a CUDA tensor shows it
 
 
 @pytest.fixture
@@ -103,7 +95,7 @@ def test_layer_holds_one_copy(quantize, limit):
 def test_bench_host_prefill_figures(quantize):
     """``scripts/bench_host.py --prefill`` on a small layer: the figures it prints are within
     issue 22's limits (<= 3 aten ops, allocation <= the output, no conversion, one copy)."""
-    rows = _bench_host().prefill_figures(256, 1024, (17, 64, 300), quantize)  # K = 1024: whole meta atoms
+    rows = load_script("bench_host").prefill_figures(256, 1024, (17, 64, 300), quantize)  # K = 1024: whole meta atoms
     assert [r["M"] for r in rows] == [17, 64, 300] and {r["backend"] for r in rows} == {"prefill"}
     for r in rows:
         assert r["aten_ops"] <= 3 and r["bytes_allocated"] <= r["output_bytes"] and r["conversions"] == 0, r

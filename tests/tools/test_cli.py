@@ -13,6 +13,8 @@ from torch import nn
 import sparse24
 from sparse24.tools.cli import main
 
+from conftest import load_script
+
 
 @pytest.fixture(autouse=True)
 def keep_threads():
@@ -471,11 +473,8 @@ def _gpu_check_commands() -> dict[str, list[str]]:
 
 
 def _script_main(path: str):
-    import importlib.util
-    spec = importlib.util.spec_from_file_location(Path(path).stem, GPU_CHECK.parents[1] / path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.main
+    """``main`` of ``scripts/...py`` (a path as gpu_check.sh writes it)."""
+    return load_script(Path(path).relative_to("scripts").with_suffix("").as_posix()).main
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks argument parsing by the no-GPU exit")

@@ -1,22 +1,14 @@
 """scripts/compare_asp_permutation.py: ASP's matrix is rebuilt exactly, and the
 script refuses to compare on any other matrix."""
-import importlib.util
-from pathlib import Path
 
 import torch
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "compare_asp_permutation.py"
+from conftest import load_script
 
-
-def load_script():
-    spec = importlib.util.spec_from_file_location("compare_asp_permutation", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def test_reproduces_asp_reference_rows_and_runs_a_short_search(capsys, tmp_path):
-    mod = load_script()
+    mod = load_script("compare_asp_permutation")
     threads = torch.get_num_threads()
     try:
         assert mod.main(["--time-limits", "0.2", "--steps", "20", "--threads", "1",
@@ -31,7 +23,7 @@ def test_reproduces_asp_reference_rows_and_runs_a_short_search(capsys, tmp_path)
 
 
 def test_refuses_another_matrix(capsys, monkeypatch):
-    mod = load_script()
+    mod = load_script("compare_asp_permutation")
     monkeypatch.setattr(mod, "ASP_SEED", 2)  # a different matrix: the baseline no longer matches
     threads = torch.get_num_threads()
     try:

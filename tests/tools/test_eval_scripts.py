@@ -2,21 +2,13 @@
 random copies of the scripts' own models (BERT-style MiniLM, pre-LN char LM),
 each group proves exact in float64 and the whole permuted model equals the
 original. The scripts need their real weights and text only in main()."""
-import importlib.util
-from pathlib import Path
 
 import torch
 
 from sparse24.masks import calibrate, check_group, permute_model_
 
-SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
+from conftest import load_script
 
-
-def load_script(name):
-    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def randomize_norms(model):

@@ -1,25 +1,21 @@
 """Fuzzing (scripts/fuzz.py): a short deterministic run of every target, the oracle
 shown to fail where it must, and each finding's reproducing input as a regular test."""
-import importlib.util
 import io
 import json
 import random
-from pathlib import Path
 
 import pytest
 import torch
 
 import sparse24
 
-SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
+from conftest import load_script
+
 
 
 @pytest.fixture(scope="module")
 def fuzz():
-    spec = importlib.util.spec_from_file_location("fuzz", SCRIPTS / "fuzz.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("fuzz")
 
 
 # Inputs per target in CI: a fixed count (not a time budget), so every run tries the same inputs;

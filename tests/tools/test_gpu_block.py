@@ -2,16 +2,13 @@
 every variant, mode and phase runs and lands in block.csv / block.md, so the GPU
 script cannot rot between GPU sessions."""
 import csv
-import importlib.util
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from conftest import load_script
+
 
 
 def test_gpu_block_smoke(tmp_path):
-    spec = importlib.util.spec_from_file_location("gpu_block", ROOT / "scripts" / "gpu_block.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_script("gpu_block")
     assert mod.main(["--smoke", "--out", str(tmp_path)]) == 0
     rows = list(csv.DictReader(open(tmp_path / "block.csv")))
     got = {(r["mode"], r["variant"], r["phase"]) for r in rows}
