@@ -480,6 +480,16 @@ def listed_main(a, dtypes) -> dict:
     print("predicted decode speed vs dense 16-bit at equal bandwidth (byte ratio x min(1, 0.219 / all, "
           "0.219 / (2 x integer), 0.0545 / L1 wavefronts)): " + ", ".join(
               f"{short} {min(ratios[dt]):.2f}-{max(ratios[dt]):.2f}x" for short, dt in SUMMARY_NAMES if dt in ratios))
+    # INT4 with 16-bit x keeps this kernel up to SP_INT4_MAX_M rows: ceil(M / 16) programs along z,
+    # each pass over the weight as above, counted as read from HBM again (no L2 reuse assumed).
+    from sparse24.ops.config_space import SP_INT4_MAX_M
+    int4 = [(short, dt) for short, dt in SUMMARY_NAMES if dt in ratios and dt.startswith("int4-")]
+    if int4:
+        passes = range(2, -(-SP_INT4_MAX_M // 16) + 1)
+        print(f"predicted INT4 speed past 16 rows (the sparse tensor-core route to {SP_INT4_MAX_M} rows, ceil(M / 16) "
+              "passes, each from HBM): " + ", ".join(
+                  f"{short} M <= {16 * n} {min(ratios[dt]) / n:.2f}-{max(ratios[dt]) / n:.2f}x"
+                  for short, dt in int4 for n in passes))
     print("max amortized warp_instr_per_byte at listed shapes: " + ", ".join(
         f"{short} {worst[dt]:.3f}" for short, dt in SUMMARY_NAMES if dt in worst))
     print("max amortized integer-pipe warp_instr_per_byte at listed shapes: " + ", ".join(
@@ -523,7 +533,7 @@ def occupancy_main(a) -> int:
 # The shapes (out, in) of issue 22, and the M of the prediction.
 PREFILL_SHAPES = ((4096, 4096), (11008, 4096), (4096, 11008), (14336, 4096), (4096, 14336), (8192, 8192),
                   (28672, 8192), (8192, 28672), (3072, 768), (768, 3072), (1024, 4096))
-PREFILL_M = (64, 128, 256, 512, 2048, 4096)
+PREFILL_M = (32, 48, 64, 128, 256, 512, 2048, 4096)
 # H200 (sm_90): 132 SMs; per SM 65536 registers, 228 KiB shared memory (1 KiB
 # reserved per program), 64 warps; dense fp16/bf16 tensor cores 1024 x 2 = 2048
 # multiply-adds per clock per SM (989 TFLOP/s at 1.83 GHz over 132 SMs). LOP3,

@@ -15,7 +15,7 @@ import dataclasses
 import torch
 
 __all__ = ["KernelConfig", "KERNEL_VARIANTS", "LAYOUTS", "LAYOUT_KERNEL", "M_BUCKETS", "DTYPE_KEYS", "DECODE_M",
-           "DECODE_PAIRS", "LISTED_SHAPES",
+           "SPLIT_K_MAX_M", "SP_INT4_MAX_M", "DECODE_PAIRS", "LISTED_SHAPES",
            "m_bucket", "dtype_key", "builtin_config", "decode_default", "candidate_configs", "decode_configs", "check_decode_config",
            "sparse_kernel"]
 
@@ -30,6 +30,14 @@ LAYOUT_KERNEL = {"v1": "matmul", "decode": "decode"}
 # Decode sizes: at M <= 16 the weight is streamed once per call, and the decode
 # kernel's main loop is held to the sm_90 instruction budget (docs/kernels.md).
 DECODE_M = 16
+# The decode kernels run 16 rows of x per program, more rows in more programs along the
+# grid's z; their serial split-K keeps a workspace block per 16 rows, up to this many rows.
+SPLIT_K_MAX_M = 64
+# INT4 weights with float16 / bfloat16 x stay on the sparse tensor-core kernel up to this
+# many rows: ceil(M / 16) passes over the weight, each as fast as one at M <= 16 (predicted
+# 4.37-5.02x of dense at the listed shapes), so >= 1.46x at 48 rows even if every pass comes
+# from HBM, where the prefill kernel is predicted 0.66-1.50x (docs/kernels.md, "INT4 weights").
+SP_INT4_MAX_M = 48
 M_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 # The (weight, activation) pairs a compressed layer holds in the decode layout on CUDA:
 # short name -> dtype key (fp32 activations run too, off the tensor-core path).
@@ -113,7 +121,9 @@ def builtin_config(M: int, N: int = 4096, K: int = 4096, num_sms: int = 132, lay
     buffer and a copy per call. The decode layout: :func:`decode_default`.
     Not measured: a tuned file should replace it."""
     if layout == "decode":
-        if M <= DECODE_M:
+        # (INT4 with 16-bit x: the same config for every bucket its sparse tensor-core route
+        # covers, SP_INT4_MAX_M rows, which ends in the 64-row bucket)
+        if M <= DECODE_M or (M <= SPLIT_K_MAX_M and dtype in ("int4-float16", "int4-bfloat16")):
             return decode_default(N, K, dtype, num_sms)
         return KernelConfig(16, 64, 128, 1, 1, 4, 1, kernel="decode")  # split-K only at decode sizes
     if M <= 16:

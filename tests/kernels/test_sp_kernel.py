@@ -15,7 +15,7 @@ import torch
 import sparse24
 from sparse24.decode_format import DecodePacked, decode_dims, pack_decode
 from sparse24.kernels.sparse24_sp import SP_META_NIBBLE_PAD, mma_sp_reference
-from sparse24.ops.config_space import KernelConfig, decode_configs
+from sparse24.ops.config_space import KernelConfig, builtin_config, decode_configs, decode_default, m_bucket
 from sparse24.ops.linear24 import launch
 from sparse24.ops.linear24 import linear_triton as linear_decode
 
@@ -169,6 +169,27 @@ def test_every_int4_config_in_the_space_matches_reference(gen):
     for cfg in decode_configs(16, 72, 200, "int4-float16"):
         x = torch.randn(5, 200, generator=gen).half()
         assert_matches_reference(linear_decode(x, d, config=cfg), x, dense)
+
+
+@pytest.mark.parametrize("M", [17, 40, 64])
+def test_int4_past_16_rows_splits_k_inside_the_launch(M, gen):
+    """INT4 with 16-bit x stays on this kernel up to SP_INT4_MAX_M rows (the route) and its
+    default config keeps split-K there: one program per 16 rows along z, each z block with its
+    own workspace block and counters (a workspace of one block would let z > 0 overwrite
+    other tiles' partials). Against the exact dequantized weight, bias included."""
+    p = sparse24.compress(torch.randn(72, 200, generator=gen), quantize="int4", group_size=64, symmetric=False)
+    d, dense = pack_decode(p), p.to_dense().double()
+    b = torch.randn(72, generator=gen)
+    cfg = _cfg(64, 128, split=2, tiles_per_warp=2)
+    x = torch.randn(M, 200, generator=gen).half()
+    ws, counts = launch.decode_workspace(x.device, 72, cfg, 2, m_bucket(M))   # the plan's (cached)
+    assert counts.numel() == 2 * m_bucket(M) // 16    # per W tile and 16 rows of the bucket (checked first:
+    assert ws.numel() == counts.numel() * 2 * 64 * 16  # a short one makes the interpreter write past it)
+    assert_matches_reference(linear_decode(x, d, b, config=cfg), x, dense, b)
+    assert not counts.any()                            # reset for the next launch
+    assert builtin_config(M, 4096, 4096, layout="decode", dtype="int4-float16") == decode_default(4096, 4096,
+                                                                                                  "int4-float16")
+    assert launch._Decode.split_k(cfg, m_bucket(M), False) == 2
 
 
 def test_unaligned_and_strided_x(gen):

@@ -12,12 +12,11 @@ import sparse24
 from sparse24.decode_format import DecodePacked
 from sparse24.format import Sparse24Tensor
 from sparse24.ops.linear24 import launch, op
+from sparse24.ops.config_space import decode_default, dtype_key
 from sparse24.ops.linear24.prefill import prefill_config
 from sparse24.tools.dispatch_count import count_dispatch
 
 from conftest import load_script
-
-
 
 _AsCuda = load_script("bench_host")._AsCuda  # what the backend decision reads of x, as a CUDA tensor shows it
 
@@ -60,6 +59,32 @@ def test_prefill_route_converts_nothing(quantize, cuda_route, monkeypatch):
             assert cuda_route[0][0] == prefill_config(M, 256, 512, int4=quantize == "int4")   # the untuned default
             assert len(count.ops) <= 3, count.ops                                   # empty (+ views for 3-D x)
             assert count.bytes_allocated <= y.numel() * y.element_size(), count
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_int4_stays_on_the_sparse_tensor_core_kernel_to_48_rows(dtype, cuda_route):
+    """INT4 with 16-bit x: up to SP_INT4_MAX_M rows one launch of the decode-layout kernel
+    (the sparse tensor cores, ceil(M / 16) programs along z) with the M <= 16 default config,
+    split-K included; from 49 rows the prefill kernel. Nothing converted, only the output
+    allocated once the plan exists."""
+    layer = _layer("int4").to(dtype)
+    with torch.no_grad():
+        for M, backend in ((17, "triton"), (33, "triton"), (48, "triton"), (49, "prefill"), (64, "prefill")):
+            x = torch.randn(M, 512, dtype=dtype)
+            assert op._auto_backend(x, layer.values, layer.scale, 256, layer.group_size) == backend, M
+            layer(x)
+            cuda_route.clear()
+            y, count = count_dispatch(layer, x)
+            assert len(cuda_route) == 1
+            config, grid = cuda_route[0]
+            if backend == "triton":
+                assert config == decode_default(256, 512, dtype_key(dtype, int4_weights=True)) and config.split_k > 1
+                assert grid[2] == -(-M // 16)                                   # 16 rows per program along z
+            else:
+                assert config.kernel == "prefill"
+            assert len(count.ops) <= 3 and count.bytes_allocated <= y.numel() * y.element_size(), count
+        x = torch.randn(20, 512, dtype=torch.float32)     # fp32 x: the byte-permute kernels, the prefill one here
+        assert op._auto_backend(x, layer.values, layer.scale, 256, layer.group_size) == "prefill"
 
 
 def test_the_count_sees_a_whole_weight_conversion(cuda_route, monkeypatch):

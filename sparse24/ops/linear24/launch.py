@@ -35,8 +35,8 @@ import torch
 
 from ...decode_format import DecodePacked, check_word_aligned, decode_dims, pack_decode
 from ...format import Sparse24Tensor
-from ..config_space import (DECODE_M, LAYOUT_KERNEL, KernelConfig, check_decode_config, dtype_key, m_bucket,
-                            sparse_kernel)
+from ..config_space import (DECODE_M, LAYOUT_KERNEL, SPLIT_K_MAX_M, KernelConfig, check_decode_config, dtype_key,
+                            m_bucket, sparse_kernel)
 from ..config_store import get_config, on_clear
 from .naive import check_linear_args
 from .prefill import check_prefill_config, prefill_config
@@ -228,7 +228,7 @@ class _Plan:
         self.contiguous_ints = self.variant.contiguous_ints(N, K, has_scale)
         self.max_rows = self.variant.max_rows(N, config)
         # the variant's extra tensors (decode: split-K workspace and counters, kept for the process)
-        self.extra = self.variant.extra(device, N, config, self.split_k)
+        self.extra = self.variant.extra(device, N, config, self.split_k, bucket)
         self.atomic_split = _atomic_split(config, self.split_k)
         self.compiled = None
         if device.type == "cuda" and x_dtype == torch.float32 and layout == "decode":
@@ -338,13 +338,15 @@ def target_dtype(config: KernelConfig, split_k: int, x_dtype: torch.dtype) -> to
 _WORKSPACES: dict = {}
 
 
-def decode_workspace(device, N: int, config: KernelConfig, split_k: int) -> tuple:
-    """``(workspace, counters)`` of the decode kernel's serial split-K at M <= 16: fp32
-    ``(tiles, split_k, BLOCK_N, 16)`` partials and int32 ``(tiles,)`` arrival counters,
-    zero between launches (tiles = ceil(N / BLOCK_N)); ``(None, None)`` without split-K."""
+def decode_workspace(device, N: int, config: KernelConfig, split_k: int, bucket: int = DECODE_M) -> tuple:
+    """``(workspace, counters)`` of the decode kernels' serial split-K for up to ``bucket``
+    rows of x (<= SPLIT_K_MAX_M): fp32 ``(tiles, split_k, BLOCK_N, 16)`` partials and int32
+    ``(tiles,)`` arrival counters, zero between launches, one tile per BLOCK_N rows of W and
+    16 rows of x (tiles = ceil(N / BLOCK_N) * ceil(bucket / 16), the kernels' grid x by z);
+    ``(None, None)`` without split-K."""
     if split_k == 1:
         return None, None
-    tiles = _cdiv(N, config.block_n)
+    tiles = _cdiv(N, config.block_n) * _cdiv(bucket, 16)
     key = (torch.device(device), tiles * split_k * config.block_n * 16, tiles)
     if key not in _WORKSPACES:
         _WORKSPACES[key] = (torch.empty(key[1], dtype=torch.float32, device=device),
@@ -379,7 +381,7 @@ class _Matmul:
         return 1 if deterministic else config.split_k
 
     @staticmethod
-    def extra(device, N, config, split_k) -> tuple:
+    def extra(device, N, config, split_k, bucket) -> tuple:
         return ()
 
     @staticmethod
@@ -443,13 +445,13 @@ class _Decode:
 
     @staticmethod
     def split_k(config, bucket, deterministic) -> int:
-        # Serial split-K sums the partials in split order: deterministic. Only at
-        # decode sizes (the workspace holds one 16-row block of partials).
-        return config.split_k if bucket <= DECODE_M else 1
+        # Serial split-K sums the partials in split order: deterministic. Up to
+        # SPLIT_K_MAX_M rows (the workspace holds a block of partials per 16 rows).
+        return config.split_k if bucket <= SPLIT_K_MAX_M else 1
 
     @staticmethod
-    def extra(device, N, config, split_k) -> tuple:
-        ws, counts = decode_workspace(device, N, config, split_k)
+    def extra(device, N, config, split_k, bucket) -> tuple:
+        ws, counts = decode_workspace(device, N, config, split_k, bucket)
         # without split-K the two pointers are never read: any tensor will do
         return (ws, counts) if ws is not None else (_PLACEHOLDER.setdefault(device, torch.empty(
             1, dtype=torch.int32, device=device)),) * 2
@@ -520,7 +522,7 @@ class _Prefill(_Decode):
         return 1
 
     @staticmethod
-    def extra(device, N, config, split_k) -> tuple:
+    def extra(device, N, config, split_k, bucket) -> tuple:
         return ()
 
     @staticmethod
@@ -594,7 +596,7 @@ def kernel_call(x2, p: Sparse24Tensor | DecodePacked, bias, target, config: Kern
                                      x2.shape[1], group_size, zero is not None, m_bucket(M)),
                   num_warps=config.num_warps, num_stages=config.num_stages)
     grid = variant.grid(M, p.shape[0], config, split_k)
-    extra = variant.extra(x2.device, p.shape[0], config, split_k)
+    extra = variant.extra(x2.device, p.shape[0], config, split_k, m_bucket(M))
     z = variant.zero_arg(p.meta if zero is None else zero)
     return variant.kernel(x2.is_cuda), grid, variant.args(x2, p.values, p.meta, s, b, target, M, extra, z), kwargs
 
