@@ -123,11 +123,12 @@ def test_sparse_tensor_core_metadata_layout(gen):
 
 @pytest.mark.parametrize("xtype", ["fp16", "bf16"])
 @pytest.mark.parametrize("gs,sym", [(32, False), (128, True)])
-@pytest.mark.parametrize("M", [1, 13])
+@pytest.mark.parametrize("M", [1, 13, 40])
 def test_int4_default_config_matches_reference(M, gs, sym, xtype, gen):
     """INT4 weights on the sparse tensor cores against the exact dequantized weight (the mma
     takes u - z exactly, the scale multiplies each group's fp32 partial sums), K off the tiles
-    and the groups."""
+    and the groups; 40 rows: three programs along z with the default's serial split-K (the
+    route to SP_INT4_MAX_M rows), their atomics and workspace blocks on real hardware."""
     p = sparse24.compress(torch.randn(72, 200, generator=gen, device=DEV), quantize="int4", group_size=gs,
                           symmetric=sym)
     dense = p.to_dense().double()
