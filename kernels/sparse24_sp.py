@@ -362,16 +362,17 @@ def _int4_tiles(W, Q, nib_mask, BF16: tl.constexpr, RT: tl.constexpr):
 
 
 @triton.jit
-def _sp_tile(acc, vt, V_ATOM, V_ROWS, et, E_ROWS, xt0, xt1, col, kt, K, KA, sm_mask, nib_mask, magic,
-             srow, zrow, G, A: tl.constexpr,
+def _sp_tile(acc, acc2, vt, V_ATOM, V_ROWS, et, E_ROWS, xt0, xt1, xt2, xt3, col, kt, K, KA, sm_mask, nib_mask,
+             magic, srow, zrow, G, A: tl.constexpr,
              MASKED: tl.constexpr, INT4: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr,
-             BF16: tl.constexpr, N16: tl.constexpr, RT: tl.constexpr):
+             BF16: tl.constexpr, N16: tl.constexpr, RT: tl.constexpr, R32: tl.constexpr):
     # One K-tile (A atoms of 64 columns, two mma.sp chunks each) of this warp's RT row tiles:
     # acc per row tile its 8 accumulator registers (x rows 0-7, 8-15; the second four unused
     # unless N16); vt, et, xt0, xt1 this lane's value, metadata and x-word pointers at the
     # tile's start (row tile r: + r V_ROWS, + r E_ROWS); srow, zrow: INT4 scale and zero-point
     # row pointers (rows g, g + 8 of each row tile). Per chunk all row tiles' mma take the same
-    # x words, which live only within their chunk.
+    # x words, which live only within their chunk. R32: a second 16-row block of x (rows 16-23
+    # at xt2, 24-31 at xt3) into acc2 with the same A registers and metadata words.
     W2: tl.constexpr = 2 if INT4 else 4   # value words per lane and atom
     SEG: tl.constexpr = GROUP if GROUP < 64 * A else 64 * A  # INT4: columns of a quantization group inside one K-tile
     zero = tl.zeros(col.shape, tl.float32)
@@ -400,17 +401,27 @@ def _sp_tile(acc, vt, V_ATOM, V_ROWS, et, E_ROWS, xt0, xt1, col, kt, K, KA, sm_m
                 kq = (a * 64) // GROUP
                 Q = _groups(srow, zrow, kq, ok & (col * 0 + kq < G), magic, MASKED, HAS_ZERO, BF16, RT)
                 grp = _zeros(zero, RT)
-            grp = _chunk(grp, _int4_tiles(W0, Q, nib_mask, BF16, RT), E, xt0, xt1, j * 32, a * 64, K, col, 0,
-                         MASKED, BF16, N16, RT)
+                grp2 = grp
+            A0 = _int4_tiles(W0, Q, nib_mask, BF16, RT)
+            grp = _chunk(grp, A0, E, xt0, xt1, j * 32, a * 64, K, col, 0, MASKED, BF16, N16, RT)
+            if R32:
+                grp2 = _chunk(grp2, A0, E, xt2, xt3, j * 32, a * 64, K, col, 0, MASKED, BF16, N16, RT)
             if SEG == 32:  # the second chunk is the next group
                 acc = _fold(acc, grp, Q, N16, RT)
+                if R32:
+                    acc2 = _fold(acc2, grp2, Q, N16, RT)
                 kq = (a * 64 + 32) // GROUP
                 Q = _groups(srow, zrow, kq, ok & (col * 0 + kq < G), magic, MASKED, HAS_ZERO, BF16, RT)
                 grp = _zeros(zero, RT)
-            grp = _chunk(grp, _int4_tiles(W1, Q, nib_mask, BF16, RT), E, xt0, xt1, j * 32 + 16, a * 64 + 32, K,
-                         col, 1, MASKED, BF16, N16, RT)
+                grp2 = grp
+            A1 = _int4_tiles(W1, Q, nib_mask, BF16, RT)
+            grp = _chunk(grp, A1, E, xt0, xt1, j * 32 + 16, a * 64 + 32, K, col, 1, MASKED, BF16, N16, RT)
+            if R32:
+                grp2 = _chunk(grp2, A1, E, xt2, xt3, j * 32 + 16, a * 64 + 32, K, col, 1, MASKED, BF16, N16, RT)
             if (2 * j + 2) % (SEG // 32) == 0:   # the group ends with chunk 1
                 acc = _fold(acc, grp, Q, N16, RT)
+                if R32:
+                    acc2 = _fold(acc2, grp2, Q, N16, RT)
         else:
             A0 = ()
             A1 = ()
@@ -422,7 +433,10 @@ def _sp_tile(acc, vt, V_ATOM, V_ROWS, et, E_ROWS, xt0, xt1, col, kt, K, KA, sm_m
                 A1 = A1 + (_int8_regs(p2, p3, sm_mask, BF16),)
             acc = _chunk(acc, A0, E, xt0, xt1, j * 32, a * 64, K, col, 0, MASKED, BF16, N16, RT)
             acc = _chunk(acc, A1, E, xt0, xt1, j * 32 + 16, a * 64 + 32, K, col, 1, MASKED, BF16, N16, RT)
-    return acc
+            if R32:
+                acc2 = _chunk(acc2, A0, E, xt2, xt3, j * 32, a * 64, K, col, 0, MASKED, BF16, N16, RT)
+                acc2 = _chunk(acc2, A1, E, xt2, xt3, j * 32 + 16, a * 64 + 32, K, col, 1, MASKED, BF16, N16, RT)
+    return acc, acc2
 
 
 def _sparse24_sp(
@@ -433,9 +447,10 @@ def _sparse24_sp(
     INT8: tl.constexpr, W_BF16: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
     ONE_TILE: tl.constexpr, INT4: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, N16: tl.constexpr,
-    RT: tl.constexpr,
+    RT: tl.constexpr, R32: tl.constexpr,
 ):
-    # Grid: (cdiv(N, BLOCK_N), SPLIT_K, cdiv(M, 16)), num_warps = BLOCK_N // (16 RT): warp w
+    # Grid: (cdiv(N, BLOCK_N), SPLIT_K, cdiv(M, ROWS)) with ROWS = 32 x rows per program when R32
+    # (M > 16: each weight tile's registers serve two 16-row blocks of x), else 16; num_warps = BLOCK_N // (16 RT): warp w
     # owns the RT row tiles pid_n * BLOCK_N / 16 + RT w + r (RT = 2: both tiles' mma take the
     # same x words, loaded once). meta_ptr: the layout's meta, (NT, 32, KM) words whose
     # second half (atoms KM / 2 ..) holds the mma.sp words. x: unit column stride, even
@@ -451,10 +466,11 @@ def _sparse24_sp(
     tq = li % 4
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    m0 = tl.program_id(2).to(tl.int64) * 16
+    ROWS: tl.constexpr = 32 if R32 else 16
+    m0 = tl.program_id(2).to(tl.int64) * ROWS
     x_ptr += m0 * stride_xm
     out_ptr += m0 * stride_om
-    m_left = tl.minimum(M - tl.program_id(2) * 16, 16)
+    m_left = tl.minimum(M - tl.program_id(2) * ROWS, ROWS)
     NT = (N + 127) // 128 * 8
     t = pid_n * (BLOCK_N // 16) + (lane // 32) * RT    # this lane's (first) row tile
 
@@ -485,6 +501,11 @@ def _sparse24_sp(
     r1 = tl.minimum(g + 8, m_left - 1).to(tl.int64)
     xw0 = xi + r0 * (stride_xm // 2) + tq
     xw1 = xi + r1 * (stride_xm // 2) + tq
+    xw2 = xw0   # R32: rows g + 16 and g + 24 (clamped the same way)
+    xw3 = xw1
+    if R32:
+        xw2 = xi + tl.minimum(g + 16, m_left - 1).to(tl.int64) * (stride_xm // 2) + tq
+        xw3 = xi + tl.minimum(g + 24, m_left - 1).to(tl.int64) * (stride_xm // 2) + tq
     # INT4 scale and zero-point rows g, g + 8 of each row tile (padding rows clamped)
     G = (K + GROUP - 1) // GROUP
     srow = ()
@@ -503,27 +524,34 @@ def _sparse24_sp(
     # INT4 zero points: the magic word in a register, the zero word's prmt takes its selector as an immediate
     magic = tl.full([L], _MAGIC_BF16 if BF16 else _MAGIC_F16, tl.int32) | (K >> 31)   # not KA: LLVM would merge it with nib_mask
     acc = _zeros(tl.zeros([L], tl.float32), RT)   # per row tile: x rows 0-7, 8-15
+    acc2 = acc                                     # R32: x rows 16-23, 24-31
     # pointers at this split's first K-tile, advanced by one tile per iteration
     vt = v_lane + (k_lo * A).to(tl.int64) * V_ATOM
     et = e_ptrs + k_lo * A
     xt0 = xw0 + k_lo * (BLOCK_K // 2)
     xt1 = xw1 + k_lo * (BLOCK_K // 2)
+    xt2 = xw2 + k_lo * (BLOCK_K // 2)
+    xt3 = xw3 + k_lo * (BLOCK_K // 2)
     V_TILE = A * V_ATOM
     if ONE_TILE and EVEN_K:  # split pid_k owns exactly K-tile pid_k (the small layers' default): no loop
-        acc = _sp_tile(acc, vt, V_ATOM, V_ROWS, et, E_ROWS, xt0, xt1, col, k_lo, K, KA, sm_mask, nib_mask, magic, srow, zrow,
-                       G, A, False, INT4, GROUP, HAS_ZERO, BF16, N16, RT)
+        acc, acc2 = _sp_tile(acc, acc2, vt, V_ATOM, V_ROWS, et, E_ROWS, xt0, xt1, xt2, xt3, col, k_lo, K, KA, sm_mask,
+                             nib_mask, magic, srow, zrow, G, A, False, INT4, GROUP, HAS_ZERO, BF16, N16, RT, R32)
     else:
         for kt in range(k_lo, min(k_hi, n_full)):
-            acc = _sp_tile(acc, vt, V_ATOM, V_ROWS, et, E_ROWS, xt0, xt1, col, kt, K, KA, sm_mask, nib_mask, magic, srow,
-                           zrow, G, A, False, INT4, GROUP, HAS_ZERO, BF16, N16, RT)
+            acc, acc2 = _sp_tile(acc, acc2, vt, V_ATOM, V_ROWS, et, E_ROWS, xt0, xt1, xt2, xt3, col, kt, K, KA, sm_mask,
+                                 nib_mask, magic, srow, zrow, G, A, False, INT4, GROUP, HAS_ZERO, BF16, N16, RT, R32)
             vt += V_TILE
             et += A
             xt0 += BLOCK_K // 2
             xt1 += BLOCK_K // 2
+            if R32:
+                xt2 += BLOCK_K // 2
+                xt3 += BLOCK_K // 2
     if not EVEN_K:
         if (n_full >= k_lo) & (n_full < k_hi):  # this split owns the partial tile (pointers are there)
-            acc = _sp_tile(acc, vt, V_ATOM, V_ROWS, et, E_ROWS, xt0, xt1, col, n_full, K, KA, sm_mask, nib_mask, magic,
-                           srow, zrow, G, A, True, INT4, GROUP, HAS_ZERO, BF16, N16, RT)
+            acc, acc2 = _sp_tile(acc, acc2, vt, V_ATOM, V_ROWS, et, E_ROWS, xt0, xt1, xt2, xt3, col, n_full, K, KA,
+                                 sm_mask, nib_mask, magic, srow, zrow, G, A, True, INT4, GROUP, HAS_ZERO, BF16, N16,
+                                 RT, R32)
 
     # out^T fragment -> (n, m): n = row of W, m = row of x
     n_lo = t * 16 + g
@@ -531,25 +559,40 @@ def _sparse24_sp(
     write = True
     if SPLIT_K > 1:
         # Serial split-K (as the decode kernel): partials in the plan's workspace
-        # [tiles, SPLIT_K, BLOCK_N, 16], the last-arriving program sums them in split order.
-        tile = tl.program_id(2) * tl.num_programs(0) + pid_n
-        base = ws_ptr + tile.to(tl.int64) * (SPLIT_K * BLOCK_N * 16) + (n_lo - pid_n * BLOCK_N) * 16 + m_lo
+        # [tiles, SPLIT_K, BLOCK_N, 16], a tile per BLOCK_N rows of W and 16 rows of x (R32: this
+        # program's second 16 rows in the next tile along z), the last-arriving program (its
+        # first tile's counter) sums them in split order.
+        tile = tl.program_id(2) * (ROWS // 16) * tl.num_programs(0) + pid_n
+        TILE: tl.constexpr = SPLIT_K * BLOCK_N * 16
+        base = ws_ptr + tile.to(tl.int64) * TILE + (n_lo - pid_n * BLOCK_N) * 16 + m_lo
+        base2 = base + tl.num_programs(0).to(tl.int64) * TILE
         mine = base + pid_k * (BLOCK_N * 16)
+        mine2 = base2 + pid_k * (BLOCK_N * 16)
         for r in tl.static_range(RT):   # row tile r: 16 rows (256 partials) further
             _sp_store(mine + 256 * r, acc[r], N16)
+            if R32:
+                _sp_store(mine2 + 256 * r, acc2[r], N16)
         tl.debug_barrier()  # all threads' partials are stored before the counter releases them
         arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
         write = arrived == SPLIT_K - 1
         if write:
             summed = ()
+            summed2 = ()
             for r in tl.static_range(RT):
                 summed = summed + (_sp_sum(base + 256 * r, SPLIT_K, BLOCK_N * 16, N16),)
+                if R32:
+                    summed2 = summed2 + (_sp_sum(base2 + 256 * r, SPLIT_K, BLOCK_N * 16, N16),)
             acc = summed
+            if R32:
+                acc2 = summed2
             tl.store(count_ptr + tile, 0)  # ready for the next launch
     if write:
         for r in tl.static_range(RT):
             _sp_epilogue(acc[r], out_ptr, scale_ptr, bias_ptr, n_lo + 16 * r, m_lo, N, m_left, stride_om, stride_on,
                          INT8, not BF16, HAS_BIAS, N16)
+            if R32:   # rows 16-31 (none stored where m_left <= 16)
+                _sp_epilogue(acc2[r], out_ptr + 16 * stride_om, scale_ptr, bias_ptr, n_lo + 16 * r, m_lo, N,
+                             m_left - 16, stride_om, stride_on, INT8, not BF16, HAS_BIAS, N16)
 
 
 @triton.jit

@@ -175,6 +175,12 @@ def global_load_bytes(loop: list[str]) -> int:
     return total
 
 
+def x_blocks(rows: int) -> int:
+    """8-row blocks of x a sparse tensor-core program multiplies (kernels/sparse24_sp.py): one
+    at M <= 8, two at 9-16, four (two 16-row blocks, ``R32``) above 16 rows."""
+    return 1 if rows <= 8 else 2 if rows <= 16 else 4
+
+
 def sparse_mma_tiles(loop: list[str], cfg, rows: int) -> float:
     """K-tiles per iteration of a sparse tensor-core loop (kernels/sparse24_sp.py), from its
     ``HMMA.SP`` count (each warp: 2 per 64-column atom, x row block of 8 and row tile it owns,
@@ -182,7 +188,7 @@ def sparse_mma_tiles(loop: list[str], cfg, rows: int) -> float:
     so the load-width count does not apply.)"""
     n = sum(_opcode(t).startswith("HMMA.SP") for t in loop)
     tiles_per_warp = cfg.block_n // (16 * cfg.num_warps)
-    return n / (2 * (cfg.block_k // 64) * (2 if rows > 8 else 1) * tiles_per_warp) if n else 0
+    return n / (2 * (cfg.block_k // 64) * x_blocks(rows) * tiles_per_warp) if n else 0
 
 
 def _weights(kernel: str, dtype: str, N: int, K: int):
@@ -314,11 +320,12 @@ def sass_main(a) -> int:
 
 # --- the listed shapes: the config a layer would use, amortized and occupancy -----
 
-def default_config(dtype: str, N: int, K: int, gpu: str = "NVIDIA H200"):
-    """``(config, source)`` a decode-layout layer of ``dtype`` (a dtype key) at M <= 16 uses on
-    ``gpu`` (sm_90, 132 SMs): a tuned file's entry where one applies, else the built-in default."""
+def default_config(dtype: str, N: int, K: int, gpu: str = "NVIDIA H200", rows: int = 16):
+    """``(config, source)`` a decode-layout layer of ``dtype`` (a dtype key) at M <= 16 (or
+    ``rows``) uses on ``gpu`` (sm_90, 132 SMs): a tuned file's entry where one applies, else
+    the built-in default."""
     from sparse24.ops.config_store import lookup
-    choice = lookup(16, N, K, dtype, gpu, (9, 0), SMS, "decode")
+    choice = lookup(max(rows, 16), N, K, dtype, gpu, (9, 0), SMS, "decode")
     return choice.config, choice.kind
 
 
@@ -392,7 +399,7 @@ def sp_l1_per_byte(r: dict) -> float | None:
     c = r["cfg"]
     A, RT = c.block_k // 64, c.block_n // (16 * c.num_warps)
     int4 = r["dtype"].startswith("int4-")
-    x = 2 * A * 4 * (2 if r["rows"] > 8 else 1) * 2
+    x = 2 * A * 4 * x_blocks(r["rows"]) * 2
     meta = RT * -(-A // 4) * 8
     values = RT * A * max(1, 32 * (8 if int4 else 16) // 128)
     groups = max(1, c.block_k // INT4_GROUP) if int4 else 0
@@ -429,7 +436,7 @@ def occupancy(r: dict) -> dict:
 
 def _listed_results(a, dtypes) -> list[dict]:
     from sparse24.ops.config_space import LISTED_SHAPES
-    jobs = [(dt, *default_config(dt, N, K, a.gpu), N, K) for dt in dtypes for N, K in LISTED_SHAPES]
+    jobs = [(dt, *default_config(dt, N, K, a.gpu, a.listed_rows), N, K) for dt in dtypes for N, K in LISTED_SHAPES]
     with ProcessPoolExecutor(a.jobs) as ex:
         results = list(ex.map(compile_listed, [j[0] for j in jobs], [j[1] for j in jobs], [a.cap] * len(jobs),
                               [j[3] for j in jobs], [j[4] for j in jobs], [a.listed_rows] * len(jobs)))
@@ -477,19 +484,20 @@ def listed_main(a, dtypes) -> dict:
         print(f"max L1 wavefronts per byte in the loop (sparse tensor-core kernel, {results[0]['rows']} rows of x; "
               f"HBM rate {L1_PER_BYTE:.4f}): " + ", ".join(f"{short} {l1[dt]:.4f}" for short, dt in SUMMARY_NAMES
                                                             if dt in l1))
-    print("predicted decode speed vs dense 16-bit at equal bandwidth (byte ratio x min(1, 0.219 / all, "
+    rows = results[0]["rows"]
+    print(f"predicted decode speed{' at 17-32 rows (32 rows of x per program, one pass)' if rows > 16 else ''} vs "
+          "dense 16-bit at equal bandwidth (byte ratio x min(1, 0.219 / all, "
           "0.219 / (2 x integer), 0.0545 / L1 wavefronts)): " + ", ".join(
               f"{short} {min(ratios[dt]):.2f}-{max(ratios[dt]):.2f}x" for short, dt in SUMMARY_NAMES if dt in ratios))
     # INT4 with 16-bit x keeps this kernel up to SP_INT4_MAX_M rows: ceil(M / 16) programs along z,
     # each pass over the weight as above, counted as read from HBM again (no L2 reuse assumed).
-    from sparse24.ops.config_space import SP_INT4_MAX_M
+    from sparse24.ops.config_space import SP_INT4_MAX_M, SP_MAX_M
     int4 = [(short, dt) for short, dt in SUMMARY_NAMES if dt in ratios and dt.startswith("int4-")]
-    if int4:
-        passes = range(2, -(-SP_INT4_MAX_M // 16) + 1)
-        print(f"predicted INT4 speed past 16 rows (the sparse tensor-core route to {SP_INT4_MAX_M} rows, ceil(M / 16) "
-              "passes, each from HBM): " + ", ".join(
-                  f"{short} M <= {16 * n} {min(ratios[dt]) / n:.2f}-{max(ratios[dt]) / n:.2f}x"
-                  for short, dt in int4 for n in passes))
+    if int4 and rows == 16:
+        passes = -(-SP_INT4_MAX_M // 16)
+        print(f"predicted INT4 speed at {SP_MAX_M + 1}-{SP_INT4_MAX_M} rows (the sparse tensor-core route, 16 rows per "
+              f"program: {passes} passes, each from HBM): " + ", ".join(
+                  f"{short} {min(ratios[dt]) / passes:.2f}-{max(ratios[dt]) / passes:.2f}x" for short, dt in int4))
     print("max amortized warp_instr_per_byte at listed shapes: " + ", ".join(
         f"{short} {worst[dt]:.3f}" for short, dt in SUMMARY_NAMES if dt in worst))
     print("max amortized integer-pipe warp_instr_per_byte at listed shapes: " + ", ".join(
@@ -692,9 +700,10 @@ def main(argv=None):
     ap.add_argument("--dtypes", default="float16,bfloat16,int8-float16,int8-bfloat16,int4-float16,int4-bfloat16",
                     help="with --sass, --occupancy, --prefill")
     ap.add_argument("--listed-only", action="store_true", help="with --sass: only the listed shapes")
-    ap.add_argument("--listed-rows", type=int, default=16, choices=(8, 16),
+    ap.add_argument("--listed-rows", type=int, default=16, choices=(8, 16, 32),
                     help="with --sass/--occupancy: rows of x at the listed shapes (8: batch <= 8, one mma per "
-                         "chunk in the sparse tensor-core kernel)")
+                         "chunk in the sparse tensor-core kernel; 32: its 32 rows per program, the 17-32 row route "
+                         "of INT8 / INT4 weights with 16-bit x)")
     ap.add_argument("--no-listed", action="store_true",
                     help="with --sass: skip the amortized count at the listed shapes")
     ap.add_argument("--occupancy", action="store_true",

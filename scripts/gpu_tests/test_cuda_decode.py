@@ -135,3 +135,30 @@ def test_int4_default_config_matches_reference(M, gs, sym, xtype, gen):
     x = torch.randn(M, 200, generator=gen, device=DEV).to(ACT[xtype])
     b = torch.randn(72, generator=gen, device=DEV)
     assert_matches_reference(_run(x, pack_decode(p), b, None), x, dense, b)
+
+
+@pytest.mark.parametrize("wtype,xtype", [("int8", "fp16"), ("int8", "bf16"), ("int4", "fp16"), ("int4", "bf16")])
+@pytest.mark.parametrize("M", [20, 32])
+def test_sparse_tensor_cores_at_17_to_32_rows(M, wtype, xtype, gen):
+    """17-32 rows with INT8 / INT4 weights: 32 rows of x per program (block_m 32, two 16-row
+    blocks on the same weight registers), the 4096 x 4096 default with its serial split-K,
+    one kernel per call, against fp64 on the exact (dequantized) weight."""
+    from sparse24.ops.config_space import builtin_config
+    act = ACT[xtype]
+    if wtype == "int8":
+        d, dense = _weight(4096, 4096, "int8", act, gen)
+    else:
+        p = sparse24.compress(torch.randn(4096, 4096, generator=gen, device=DEV), quantize="int4")
+        d, dense = pack_decode(p), p.to_dense().double()
+    cfg = builtin_config(M, 4096, 4096, layout="decode", dtype=f"{wtype}-{'float16' if xtype == 'fp16' else 'bfloat16'}")
+    assert cfg.block_m == 32 and cfg.split_k > 1, cfg
+    x = torch.randn(M, 4096, generator=gen, device=DEV).to(act)
+    b = torch.randn(4096, generator=gen, device=DEV)
+    y = _run(x, d, b, None)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        y2 = sparse24.linear(x, d, b)   # backend="auto": the sparse tensor-core route
+        torch.cuda.synchronize()
+    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert len(kernels) == 1 and "sp" in kernels[0], kernels
+    assert torch.equal(y, y2)
+    assert_matches_reference(y, x, dense, b)

@@ -527,14 +527,16 @@ class Sparse24Linear(LayoutMixin, StateDictMixin, nn.Module):
     def _apply(self, fn, recurse=True):
         # ints (meta, INT4 zero points and group size), bools (mask), int8/uint8 values and the
         # scales (fp32 INT8, fp16 INT4) keep their dtype (e.g. under module.half() or
-        # module.type(...)); they only change device.
+        # module.type(...)); they only change device. Moves and casts act on layout v1 (the
+        # layout settles after), so what is kept is taken after that conversion: the decode
+        # layout's INT8 values and meta have other dtypes and shapes than layout v1's.
+        if self._mode == "compressed" and self._layout == "decode":
+            self._convert_layout("v1")
         keep = {n: b for n, b in self._buffers.items()
                 if b is not None and (n == "scale" or not b.is_floating_point())}
         keep_params = {n: p.detach() for n, p in self._parameters.items()
                        if p is not None and not p.is_floating_point()}
         if self._mode == "compressed":
-            if self._layout == "decode":  # moves and casts act on layout v1; the layout settles after
-                self._convert_layout("v1")
             probe = fn(torch.empty(0, dtype=self._dtype, device=self.values.device))
             if probe.dtype in FLOAT_DTYPES:
                 self._dtype = probe.dtype

@@ -15,7 +15,7 @@ import dataclasses
 import torch
 
 __all__ = ["KernelConfig", "KERNEL_VARIANTS", "LAYOUTS", "LAYOUT_KERNEL", "M_BUCKETS", "DTYPE_KEYS", "DECODE_M",
-           "SPLIT_K_MAX_M", "SP_INT4_MAX_M", "DECODE_PAIRS", "LISTED_SHAPES",
+           "SPLIT_K_MAX_M", "SP_MAX_M", "SP_INT4_MAX_M", "DECODE_PAIRS", "LISTED_SHAPES",
            "m_bucket", "dtype_key", "builtin_config", "decode_default", "candidate_configs", "decode_configs", "check_decode_config",
            "sparse_kernel"]
 
@@ -33,10 +33,12 @@ DECODE_M = 16
 # The decode kernels run 16 rows of x per program, more rows in more programs along the
 # grid's z; their serial split-K keeps a workspace block per 16 rows, up to this many rows.
 SPLIT_K_MAX_M = 64
-# INT4 weights with float16 / bfloat16 x stay on the sparse tensor-core kernel up to this
-# many rows: ceil(M / 16) passes over the weight, each as fast as one at M <= 16 (predicted
-# 4.37-5.02x of dense at the listed shapes), so >= 1.46x at 48 rows even if every pass comes
-# from HBM, where the prefill kernel is predicted 0.66-1.50x (docs/kernels.md, "INT4 weights").
+# INT8 / INT4 weights with float16 / bfloat16 x stay on the sparse tensor-core kernel up to
+# SP_MAX_M rows, one program per 32 rows (block_m 32: every weight register serves 32 rows),
+# and INT4 up to SP_INT4_MAX_M, one program per 16 rows (ceil(M / 16) passes over the weight,
+# each as at M <= 16): predicted above the prefill kernel at every listed shape there
+# (scripts/kernel_static_check.py --sass --listed-only; docs/kernels.md, "INT4 weights").
+SP_MAX_M = 32
 SP_INT4_MAX_M = 48
 M_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 # The (weight, activation) pairs a compressed layer holds in the decode layout on CUDA:
@@ -121,10 +123,11 @@ def builtin_config(M: int, N: int = 4096, K: int = 4096, num_sms: int = 132, lay
     buffer and a copy per call. The decode layout: :func:`decode_default`.
     Not measured: a tuned file should replace it."""
     if layout == "decode":
-        # (INT4 with 16-bit x: the same config for every bucket its sparse tensor-core route
-        # covers, SP_INT4_MAX_M rows, which ends in the 64-row bucket)
-        if M <= DECODE_M or (M <= SPLIT_K_MAX_M and dtype in ("int4-float16", "int4-bfloat16")):
-            return decode_default(N, K, dtype, num_sms)
+        # (INT8 / INT4 with 16-bit x past 16 rows, the sparse tensor-core route: 32 rows per
+        # program to 32 rows; INT4 on to SP_INT4_MAX_M, which ends in the 64-row bucket, 16 per program)
+        if M <= DECODE_M or (M <= SPLIT_K_MAX_M and dtype in ("int4-float16", "int4-bfloat16")) \
+                or (M <= SP_MAX_M and sparse_kernel(dtype)):
+            return decode_default(N, K, dtype, num_sms, M if M <= SP_MAX_M else DECODE_M)
         return KernelConfig(16, 64, 128, 1, 1, 4, 1, kernel="decode")  # split-K only at decode sizes
     if M <= 16:
         bn = next((b for b in (64, 32, 16) if -(-N // b) >= num_sms), 16)
@@ -247,8 +250,11 @@ def decode_configs(M: int, N: int, K: int, dtype: str = "float16", num_sms: int 
 DECODE_IN_FLIGHT = 32 * 1024
 
 
-def decode_default(N: int, K: int, dtype: str = "float16", num_sms: int = 132) -> KernelConfig:
-    """The decode kernel's untuned config at M <= 16 for an (N, K) layer.
+def decode_default(N: int, K: int, dtype: str = "float16", num_sms: int = 132, rows: int = DECODE_M) -> KernelConfig:
+    """The decode kernel's untuned config at M <= 16 for an (N, K) layer (``rows`` 17-32 with
+    INT8 / INT4 weights and 16-bit x: the sparse tensor-core kernel's 32 rows per program,
+    ``block_m`` 32; then its row tiles per warp are at most 2 for INT4 and its tiles at most
+    256 deep, where the doubled accumulators would spill otherwise).
 
     64-row tiles (4 warps, ~70-160 registers: several programs fit an SM), BLOCK_K
     256 (128 where 256 leaves SMs without a program), pipelined: 16-bit weights 2
@@ -270,6 +276,7 @@ def decode_default(N: int, K: int, dtype: str = "float16", num_sms: int = 132) -
     # its tiles may be 512 columns deep (the instructions outside the loop amortize over twice
     # the bytes: INT4 4096 x 4096 0.307 -> 0.239 warp-instructions per byte on sm_90)
     sparse = sparse_kernel(dtype)
+    r32 = sparse and rows > DECODE_M
     bn, warps = 64, 4
     if sparse:
         # 512 where it divides K (a partial tile is a second, masked copy of the tile's code); four
@@ -278,10 +285,10 @@ def decode_default(N: int, K: int, dtype: str = "float16", num_sms: int = 132) -
         # INT4 with four tiles: at most 256 deep (251 registers; 512 spills).
         def depth(rows, depths):
             return next((b for b in depths if rows * -(-K // b) >= num_sms and K % b == 0), None)
-        deep = (256,) if dtype.startswith("int4-") else (512, 256)
+        deep = () if r32 and dtype.startswith("int4-") else (256,) if r32 or dtype.startswith("int4-") else (512, 256)
         bk = depth(-(-N // 128), deep)
         bn, warps = (128, 2) if bk else (64, 2)
-        bk = bk or depth(-(-N // 64), (512, 256, 128)) or 128
+        bk = bk or depth(-(-N // 64), (256, 128) if r32 else (512, 256, 128)) or 128
     rows = -(-N // bn)
     if not sparse:
         bk = 256 if rows * -(-K // 256) >= num_sms else 128
@@ -296,15 +303,16 @@ def decode_default(N: int, K: int, dtype: str = "float16", num_sms: int = 132) -
             break
     if per_split == 1:  # one K-tile per program: nothing to overlap, and a pipeline's prologue costs ~40%
         stages = 1
-    return check_decode_config(KernelConfig(16, bn, bk, 1, min(split, 32), warps, stages, kernel="decode"))
+    return check_decode_config(KernelConfig(32 if r32 else 16, bn, bk, 1, min(split, 32), warps, stages, kernel="decode"))
 
 
 def check_decode_config(config: KernelConfig) -> KernelConfig:
     """Raise ValueError unless the decode kernel can run ``config``; returns it."""
     c = config.validate()
-    if c.kernel != "decode" or c.block_m != 16 or c.block_k < 64 or c.block_n not in (32, 64, 128) \
+    if c.kernel != "decode" or c.block_m not in (16, 32) or c.block_k < 64 or c.block_n not in (32, 64, 128) \
             or c.num_warps not in (c.block_n // 16, c.block_n // 32, c.block_n // 64):
-        raise ValueError(f"bad decode config {c}: need kernel 'decode', block_m == 16, block_k >= 64, block_n in "
-                         f"(32, 64, 128) and num_warps == block_n // 16 (one 16-row tile per warp; the sparse "
-                         f"tensor-core kernel also block_n // 32 or // 64: two or four)")
+        raise ValueError(f"bad decode config {c}: need kernel 'decode', block_m 16 (32: the sparse tensor-core "
+                         f"kernel's 32 rows of x per program), block_k >= 64, block_n in (32, 64, 128) and num_warps == "
+                         f"block_n // 16 (one 16-row tile per warp; the sparse tensor-core kernel also block_n // 32 "
+                         f"or // 64: two or four)")
     return c

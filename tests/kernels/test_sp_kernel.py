@@ -22,8 +22,8 @@ from sparse24.ops.linear24 import linear_triton as linear_decode
 from conftest import assert_matches_reference, load_script, matches_reference
 
 
-def _cfg(bn, bk, split=1, stages=1, tiles_per_warp=1):
-    return KernelConfig(16, bn, bk, 1, split, bn // (16 * tiles_per_warp), stages, kernel="decode")
+def _cfg(bn, bk, split=1, stages=1, tiles_per_warp=1, rows=16):
+    return KernelConfig(rows, bn, bk, 1, split, bn // (16 * tiles_per_warp), stages, kernel="decode")
 
 
 def _words(h):
@@ -171,25 +171,46 @@ def test_every_int4_config_in_the_space_matches_reference(gen):
         assert_matches_reference(linear_decode(x, d, config=cfg), x, dense)
 
 
-@pytest.mark.parametrize("M", [17, 40, 64])
-def test_int4_past_16_rows_splits_k_inside_the_launch(M, gen):
-    """INT4 with 16-bit x stays on this kernel up to SP_INT4_MAX_M rows (the route) and its
-    default config keeps split-K there: one program per 16 rows along z, each z block with its
-    own workspace block and counters (a workspace of one block would let z > 0 overwrite
-    other tiles' partials). Against the exact dequantized weight, bias included."""
-    p = sparse24.compress(torch.randn(72, 200, generator=gen), quantize="int4", group_size=64, symmetric=False)
+@pytest.mark.parametrize("quantize", ["int8", "int4"])
+@pytest.mark.parametrize("rows", [16, 32])
+@pytest.mark.parametrize("M", [17, 25, 40, 64])
+def test_past_16_rows_split_k_inside_the_launch(M, rows, quantize, gen):
+    """Past 16 rows (the route to SP_MAX_M / SP_INT4_MAX_M rows) the kernel takes 16 or, with
+    block_m 32, 32 rows of x per program (the second 16 on the same weight registers) and keeps
+    its serial split-K: a workspace block per 16 rows of the bucket (a workspace of one block
+    would let the programs past the first 16 rows overwrite other tiles' partials). Against the
+    exact (dequantized) weight, bias included; one, two or four row tiles per warp."""
+    kw = dict(group_size=64, symmetric=False) if quantize == "int4" else {}
+    p = sparse24.compress(torch.randn(72, 200, generator=gen), quantize=quantize, **kw)
     d, dense = pack_decode(p), p.to_dense().double()
     b = torch.randn(72, generator=gen)
-    cfg = _cfg(64, 128, split=2, tiles_per_warp=2)
     x = torch.randn(M, 200, generator=gen).half()
-    ws, counts = launch.decode_workspace(x.device, 72, cfg, 2, m_bucket(M))   # the plan's (cached)
-    assert counts.numel() == 2 * m_bucket(M) // 16    # per W tile and 16 rows of the bucket (checked first:
-    assert ws.numel() == counts.numel() * 2 * 64 * 16  # a short one makes the interpreter write past it)
-    assert_matches_reference(linear_decode(x, d, b, config=cfg), x, dense, b)
-    assert not counts.any()                            # reset for the next launch
-    assert builtin_config(M, 4096, 4096, layout="decode", dtype="int4-float16") == decode_default(4096, 4096,
+    for tiles_per_warp in (1, 2, 4):
+        cfg = _cfg(64, 128, split=2, tiles_per_warp=tiles_per_warp, rows=rows)
+        ws, counts = launch.decode_workspace(x.device, 72, cfg, 2, m_bucket(M))   # the plan's (cached)
+        assert counts.numel() == 2 * m_bucket(M) // 16    # per W tile and 16 rows of the bucket (checked first:
+        assert ws.numel() == counts.numel() * 2 * 64 * 16  # a short one makes the interpreter write past it)
+        assert_matches_reference(linear_decode(x, d, b, config=cfg), x, dense, b)
+        assert not counts.any()                            # reset for the next launch
+    assert launch._DecodeSP.split_k(cfg, m_bucket(M), False) == 2
+    assert launch._DecodeSP.grid(M, 72, cfg, 2) == (2, 2, -(-M // rows))
+
+
+def test_route_defaults_past_16_rows():
+    """The untuned configs of the route: 32 rows per program (INT8 four row tiles per warp
+    where tiles fill the SMs, INT4 two: its doubled accumulators spill at four) to 32 rows;
+    INT4 on to the 64-row bucket with the M <= 16 default; the byte-permute kernel refuses 32."""
+    for dt in ("int8-float16", "int8-bfloat16", "int4-float16", "int4-bfloat16"):
+        c32 = builtin_config(32, 4096, 4096, layout="decode", dtype=dt)
+        assert c32 == decode_default(4096, 4096, dt, rows=32) and c32.block_m == 32 and c32.split_k > 1
+        assert c32.block_n // (16 * c32.num_warps) == (2 if dt.startswith("int4-") else 4) and c32.block_k == 256
+    assert builtin_config(64, 4096, 4096, layout="decode", dtype="int4-float16") == decode_default(4096, 4096,
                                                                                                   "int4-float16")
-    assert launch._Decode.split_k(cfg, m_bucket(M), False) == 2
+    assert builtin_config(64, 4096, 4096, layout="decode", dtype="int8-float16").block_m == 16
+    assert builtin_config(32, 4096, 4096, layout="decode", dtype="float16").block_m == 16
+    d16 = pack_decode(sparse24.compress(torch.randn(64, 128).half()))
+    with pytest.raises(ValueError, match="block_m == 16"):
+        linear_decode(torch.randn(20, 128).half(), d16, config=_cfg(64, 64, rows=32))
 
 
 def test_unaligned_and_strided_x(gen):

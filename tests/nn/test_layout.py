@@ -81,6 +81,23 @@ def test_casts_and_moves_keep_the_layout_right(gen):
     assert layer.layout == "v1"
 
 
+@pytest.mark.parametrize("quantize", ["int8", "int4"])
+def test_quantized_decode_layout_survives_dtype_casts(quantize, gen):
+    """Casting a quantized decode-layout layer (model.to(torch.bfloat16), .half()) converts it to
+    layout v1, casts, and settles back; the integer tensors it keeps across the cast are taken
+    in layout v1 (the decode layout's INT8 values are uint8 where layout v1's are int8: before,
+    the decode-layout tensor came back into the v1 slot and the cast raised)."""
+    layer = _layer(gen, quantize)
+    stored = {k: v.clone() for k, v in layer.state_dict().items() if k != "bias"}   # codes, meta, scales
+    layer.to_layout("decode")
+    for cast, dtype in ((lambda m: m.to(torch.bfloat16), torch.bfloat16), (lambda m: m.half(), torch.float16),
+                        (lambda m: m.to("cpu", torch.float32), torch.float32)):
+        cast(layer)
+        assert layer.layout == "decode" and layer.values.dim() > 2 and layer.bias.dtype == dtype
+        assert _same_state({k: v for k, v in layer.state_dict().items() if k != "bias"}, stored)   # nothing rounded
+        layer.to_layout("decode")
+
+
 def test_trainable_values_stay_in_layout_v1(gen):
     layer = _layer(gen).to_layout("decode")
     layer.to_compressed(trainable_values=True)

@@ -12,7 +12,7 @@ import sparse24
 from sparse24.decode_format import DecodePacked
 from sparse24.format import Sparse24Tensor
 from sparse24.ops.linear24 import launch, op
-from sparse24.ops.config_space import decode_default, dtype_key
+from sparse24.ops.config_space import SP_MAX_M, decode_default, dtype_key
 from sparse24.ops.linear24.prefill import prefill_config
 from sparse24.tools.dispatch_count import count_dispatch
 
@@ -47,7 +47,8 @@ def test_prefill_route_converts_nothing(quantize, cuda_route, monkeypatch):
     for cls, name in ((DecodePacked, "to_sparse24"), (DecodePacked, "to_dense"), (Sparse24Tensor, "to_dense")):
         monkeypatch.setattr(cls, name, lambda *a, _n=name, **k: pytest.fail(f"the M > 16 route called {_n}"))
     with torch.no_grad():
-        for shape in ((17, 512), (64, 512), (300, 512), (5, 60, 512)):
+        # (INT8 to 32 rows runs the sparse tensor-core kernel: the next test)
+        for shape in ((17 if quantize is None else 33, 512), (64, 512), (300, 512), (5, 60, 512)):
             x = torch.randn(*shape, dtype=torch.float16)
             M = x[..., 0].numel()
             assert op._auto_backend(x, layer.values, layer.scale, 256) == "prefill"
@@ -61,30 +62,37 @@ def test_prefill_route_converts_nothing(quantize, cuda_route, monkeypatch):
             assert count.bytes_allocated <= y.numel() * y.element_size(), count
 
 
+@pytest.mark.parametrize("quantize", ["int8", "int4"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_int4_stays_on_the_sparse_tensor_core_kernel_to_48_rows(dtype, cuda_route):
-    """INT4 with 16-bit x: up to SP_INT4_MAX_M rows one launch of the decode-layout kernel
-    (the sparse tensor cores, ceil(M / 16) programs along z) with the M <= 16 default config,
-    split-K included; from 49 rows the prefill kernel. Nothing converted, only the output
-    allocated once the plan exists."""
-    layer = _layer("int4").to(dtype)
+def test_quantized_stays_on_the_sparse_tensor_core_kernel_past_16_rows(dtype, quantize, cuda_route):
+    """INT8 / INT4 with 16-bit x: to SP_MAX_M rows one launch of the sparse tensor-core kernel
+    with 32 rows per program (block_m 32, the untuned default at 32 rows, split-K included);
+    INT4 on to SP_INT4_MAX_M rows with 16 rows per program (its M <= 16 default); then the
+    prefill kernel. Nothing converted, only the output allocated once the plan exists."""
+    layer = _layer(quantize).to(dtype)
+    key = dtype_key(dtype, int8_weights=quantize == "int8", int4_weights=quantize == "int4")
+    gs = layer.group_size or 0
+    rows = [(17, 32), (32, 32), (33, 16 if quantize == "int4" else None), (48, 16 if quantize == "int4" else None),
+            (49, None), (64, None)]
     with torch.no_grad():
-        for M, backend in ((17, "triton"), (33, "triton"), (48, "triton"), (49, "prefill"), (64, "prefill")):
+        for M, block_m in rows:
             x = torch.randn(M, 512, dtype=dtype)
-            assert op._auto_backend(x, layer.values, layer.scale, 256, layer.group_size) == backend, M
+            want = "prefill" if block_m is None else "triton"
+            assert op._auto_backend(x, layer.values, layer.scale, 256, gs) == want, M
             layer(x)
             cuda_route.clear()
             y, count = count_dispatch(layer, x)
             assert len(cuda_route) == 1
             config, grid = cuda_route[0]
-            if backend == "triton":
-                assert config == decode_default(256, 512, dtype_key(dtype, int4_weights=True)) and config.split_k > 1
-                assert grid[2] == -(-M // 16)                                   # 16 rows per program along z
-            else:
+            if block_m is None:
                 assert config.kernel == "prefill"
+            else:
+                rows_cfg = 32 if block_m == 32 else 16
+                assert config == decode_default(256, 512, key, rows=rows_cfg) and config.block_m == block_m
+                assert grid[2] == -(-M // block_m)                             # block_m rows per program along z
             assert len(count.ops) <= 3 and count.bytes_allocated <= y.numel() * y.element_size(), count
         x = torch.randn(20, 512, dtype=torch.float32)     # fp32 x: the byte-permute kernels, the prefill one here
-        assert op._auto_backend(x, layer.values, layer.scale, 256, layer.group_size) == "prefill"
+        assert op._auto_backend(x, layer.values, layer.scale, 256, gs) == "prefill"
 
 
 def test_the_count_sees_a_whole_weight_conversion(cuda_route, monkeypatch):
@@ -119,9 +127,11 @@ def test_layer_holds_one_copy(quantize, limit):
 @pytest.mark.parametrize("quantize", [None, "int8"])
 def test_bench_host_prefill_figures(quantize):
     """``scripts/bench_host.py --prefill`` on a small layer: the figures it prints are within
-    issue 22's limits (<= 3 aten ops, allocation <= the output, no conversion, one copy)."""
-    rows = load_script("bench_host").prefill_figures(256, 1024, (17, 64, 300), quantize)  # K = 1024: whole meta atoms
-    assert [r["M"] for r in rows] == [17, 64, 300] and {r["backend"] for r in rows} == {"prefill"}
+    issue 22's limits (<= 3 aten ops, allocation <= the output, no conversion, one copy). The
+    first M is the first the prefill kernel runs (INT8 with 16-bit x: past SP_MAX_M rows)."""
+    first = 17 if quantize is None else SP_MAX_M + 1
+    rows = load_script("bench_host").prefill_figures(256, 1024, (first, 64, 300), quantize)  # K = 1024: whole meta atoms
+    assert [r["M"] for r in rows] == [first, 64, 300] and {r["backend"] for r in rows} == {"prefill"}
     for r in rows:
         assert r["aten_ops"] <= 3 and r["bytes_allocated"] <= r["output_bytes"] and r["conversions"] == 0, r
         assert r["layer_bytes_over_dense_fp16"] <= 0.60

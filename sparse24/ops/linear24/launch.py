@@ -472,7 +472,12 @@ class _Decode:
 
     @staticmethod
     def check_config(config) -> None:
-        """The byte-permute decode (and prefill) kernels give each warp one 16-row tile."""
+        """The byte-permute decode (and prefill) kernels give each warp one 16-row tile and
+        a program 16 rows of x."""
+        if config.kernel == "decode" and config.block_m != 16:
+            raise ValueError(f"bad decode config {config} for this weight and x: the byte-permute decode kernel "
+                             f"(16-bit weights, or float32 x) takes block_m == 16 (32 is the sparse tensor-core "
+                             f"kernel's: INT8 / INT4 weights with float16 / bfloat16 x)")
         if config.kernel == "decode" and config.num_warps != config.block_n // 16:
             raise ValueError(f"bad decode config {config} for this weight and x: the byte-permute decode kernel "
                              f"(16-bit weights, or float32 x) needs num_warps == block_n // 16 (two or four tiles per "
@@ -488,7 +493,7 @@ class _Decode:
 
     @staticmethod
     def grid(M, N, config, split_k) -> tuple:
-        return (_cdiv(N, config.block_n), split_k, _cdiv(M, 16))
+        return (_cdiv(N, config.block_n), split_k, _cdiv(M, config.block_m))   # block_m 16 (SP: or 32) rows
 
     @staticmethod
     def max_rows(N, config) -> int:
@@ -539,8 +544,10 @@ class _Prefill(_Decode):
 class _DecodeSP(_Decode):
     """``kernels/sparse24_sp.py``: INT8 / INT4 decode-layout weights with float16 / bfloat16 x
     on the sparse tensor cores (``mma.sp``); the decode kernel's config, grid, split-K and
-    arguments, plus ``N16`` (a second mma per chunk for x rows 8-15: M buckets above 8) and
-    ``RT``, the 16-row tiles per warp (``block_n // (16 num_warps)``: 1, 2 or 4)."""
+    arguments, plus ``N16`` (a second mma per chunk for x rows 8-15: M buckets above 8),
+    ``RT``, the 16-row tiles per warp (``block_n // (16 num_warps)``: 1, 2 or 4), and ``R32``
+    (``block_m`` 32: 32 rows of x per program, two 16-row blocks on the same weight registers,
+    so the grid's z is ``cdiv(M, 32)``)."""
 
     @staticmethod
     def kernel(cuda: bool):
@@ -551,7 +558,8 @@ class _DecodeSP(_Decode):
     def constexprs(config, split_k, has_scale, values_dtype, has_bias, tf32, K, group_size=0, has_zero=False,
                    bucket=16) -> dict:
         return dict(_Decode.constexprs(config, split_k, has_scale, values_dtype, has_bias, tf32, K, group_size,
-                                       has_zero), N16=bucket > 8, RT=config.block_n // (16 * config.num_warps))
+                                       has_zero), N16=bucket > 8, RT=config.block_n // (16 * config.num_warps),
+                    R32=config.block_m == 32)
 
     @staticmethod
     def check_config(config) -> None:
