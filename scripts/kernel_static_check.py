@@ -464,7 +464,7 @@ def listed_main(a, dtypes) -> dict:
         tiles = -(-(-(-r["K"] // c.block_k)) // c.split_k)
         print(f"  {r['dtype']:14} {r['N']:>5}x{r['K']:<5} {config_name(c):28} {r['source']:8} {r['loop']:>5} "
               f"{r['total'] - r['loop']:>5} {r['last']:>5} {tiles / r['unroll']:>5.1f} {tot:>6.3f} {ints:>6.3f}")
-    print(f"{len(results)} compiles in {time.time() - t0:.0f} s")
+    print(f"{len(results)} compiles in {time.time() - t0:.0f} s; spill bytes at most {max(r['spills'] for r in results)}")
     # Predicted decode speed against dense fp16/bf16 weights read at the same bandwidth:
     # the byte ratio, unless issue (all instructions, 1.05e12/s) or the integer pipe
     # (half rate) takes longer than the bytes take to arrive (4.8 TB/s).
@@ -489,15 +489,14 @@ def listed_main(a, dtypes) -> dict:
           "dense 16-bit at equal bandwidth (byte ratio x min(1, 0.219 / all, "
           "0.219 / (2 x integer), 0.0545 / L1 wavefronts)): " + ", ".join(
               f"{short} {min(ratios[dt]):.2f}-{max(ratios[dt]):.2f}x" for short, dt in SUMMARY_NAMES if dt in ratios))
-    # INT4 with 16-bit x keeps this kernel up to SP_INT4_MAX_M rows: ceil(M / 16) programs along z,
-    # each pass over the weight as above, counted as read from HBM again (no L2 reuse assumed).
-    from sparse24.ops.config_space import SP_INT4_MAX_M, SP_MAX_M
-    int4 = [(short, dt) for short, dt in SUMMARY_NAMES if dt in ratios and dt.startswith("int4-")]
-    if int4 and rows == 16:
-        passes = -(-SP_INT4_MAX_M // 16)
-        print(f"predicted INT4 speed at {SP_MAX_M + 1}-{SP_INT4_MAX_M} rows (the sparse tensor-core route, 16 rows per "
-              f"program: {passes} passes, each from HBM): " + ", ".join(
-                  f"{short} {min(ratios[dt]) / passes:.2f}-{max(ratios[dt]) / passes:.2f}x" for short, dt in int4))
+    # INT8 / INT4 with 16-bit x keep this kernel up to SP_MAX_M rows: ceil(M / 32) programs along
+    # z, each pass over the weight as above, counted as read from HBM again (no L2 reuse assumed).
+    from sparse24.ops.config_space import SP_MAX_M
+    if rows > 16:
+        passes = -(-SP_MAX_M // 32)
+        print(f"predicted speed at 33-{SP_MAX_M} rows (the same programs, {passes} passes along z, each from HBM): "
+              + ", ".join(f"{short} {min(ratios[dt]) / passes:.2f}-{max(ratios[dt]) / passes:.2f}x"
+                          for short, dt in SUMMARY_NAMES if dt in ratios))
     print("max amortized warp_instr_per_byte at listed shapes: " + ", ".join(
         f"{short} {worst[dt]:.3f}" for short, dt in SUMMARY_NAMES if dt in worst))
     print("max amortized integer-pipe warp_instr_per_byte at listed shapes: " + ", ".join(

@@ -127,8 +127,8 @@ def test_sparse_tensor_core_metadata_layout(gen):
 def test_int4_default_config_matches_reference(M, gs, sym, xtype, gen):
     """INT4 weights on the sparse tensor cores against the exact dequantized weight (the mma
     takes u - z exactly, the scale multiplies each group's fp32 partial sums), K off the tiles
-    and the groups; 40 rows: three programs along z with the default's serial split-K (the
-    route to SP_INT4_MAX_M rows), their atomics and workspace blocks on real hardware."""
+    and the groups; 40 rows: two programs of 32 rows along z with the default's serial
+    split-K (the route to SP_MAX_M rows), their atomics and workspace blocks on real hardware."""
     p = sparse24.compress(torch.randn(72, 200, generator=gen, device=DEV), quantize="int4", group_size=gs,
                           symmetric=sym)
     dense = p.to_dense().double()
@@ -138,11 +138,12 @@ def test_int4_default_config_matches_reference(M, gs, sym, xtype, gen):
 
 
 @pytest.mark.parametrize("wtype,xtype", [("int8", "fp16"), ("int8", "bf16"), ("int4", "fp16"), ("int4", "bf16")])
-@pytest.mark.parametrize("M", [20, 32])
-def test_sparse_tensor_cores_at_17_to_32_rows(M, wtype, xtype, gen):
-    """17-32 rows with INT8 / INT4 weights: 32 rows of x per program (block_m 32, two 16-row
-    blocks on the same weight registers), the 4096 x 4096 default with its serial split-K,
-    one kernel per call, against fp64 on the exact (dequantized) weight."""
+@pytest.mark.parametrize("M", [20, 32, 64])
+def test_sparse_tensor_cores_at_17_to_64_rows(M, wtype, xtype, gen):
+    """17-64 rows with INT8 / INT4 weights: 32 rows of x per program (block_m 32, two 16-row
+    blocks on the same weight registers; 64 rows: two programs along z), the 4096 x 4096
+    default with its serial split-K, one kernel per call, against fp64 on the exact
+    (dequantized) weight."""
     from sparse24.ops.config_space import builtin_config
     act = ACT[xtype]
     if wtype == "int8":

@@ -15,7 +15,7 @@ import dataclasses
 import torch
 
 __all__ = ["KernelConfig", "KERNEL_VARIANTS", "LAYOUTS", "LAYOUT_KERNEL", "M_BUCKETS", "DTYPE_KEYS", "DECODE_M",
-           "SPLIT_K_MAX_M", "SP_MAX_M", "SP_INT4_MAX_M", "DECODE_PAIRS", "LISTED_SHAPES",
+           "SPLIT_K_MAX_M", "SP_MAX_M", "DECODE_PAIRS", "LISTED_SHAPES",
            "m_bucket", "dtype_key", "builtin_config", "decode_default", "candidate_configs", "decode_configs", "check_decode_config",
            "sparse_kernel"]
 
@@ -34,12 +34,12 @@ DECODE_M = 16
 # grid's z; their serial split-K keeps a workspace block per 16 rows, up to this many rows.
 SPLIT_K_MAX_M = 64
 # INT8 / INT4 weights with float16 / bfloat16 x stay on the sparse tensor-core kernel up to
-# SP_MAX_M rows, one program per 32 rows (block_m 32: every weight register serves 32 rows),
-# and INT4 up to SP_INT4_MAX_M, one program per 16 rows (ceil(M / 16) passes over the weight,
-# each as at M <= 16): predicted above the prefill kernel at every listed shape there
-# (scripts/kernel_static_check.py --sass --listed-only; docs/kernels.md, "INT4 weights").
-SP_MAX_M = 32
-SP_INT4_MAX_M = 48
+# SP_MAX_M rows, past 16 rows one program per 32 rows (block_m 32: every weight register
+# serves 32 rows): one pass over the weight to 32 rows, two to 64, predicted 2.62-3.20x and
+# 1.31-1.60x of dense (each pass counted from HBM), where the prefill kernel is predicted
+# 0.66-2.12x (scripts/kernel_static_check.py --sass --listed-only --listed-rows 32;
+# docs/kernels.md, "17-64 rows").
+SP_MAX_M = SPLIT_K_MAX_M
 M_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 # The (weight, activation) pairs a compressed layer holds in the decode layout on CUDA:
 # short name -> dtype key (fp32 activations run too, off the tensor-core path).
@@ -123,11 +123,10 @@ def builtin_config(M: int, N: int = 4096, K: int = 4096, num_sms: int = 132, lay
     buffer and a copy per call. The decode layout: :func:`decode_default`.
     Not measured: a tuned file should replace it."""
     if layout == "decode":
-        # (INT8 / INT4 with 16-bit x past 16 rows, the sparse tensor-core route: 32 rows per
-        # program to 32 rows; INT4 on to SP_INT4_MAX_M, which ends in the 64-row bucket, 16 per program)
-        if M <= DECODE_M or (M <= SPLIT_K_MAX_M and dtype in ("int4-float16", "int4-bfloat16")) \
-                or (M <= SP_MAX_M and sparse_kernel(dtype)):
-            return decode_default(N, K, dtype, num_sms, M if M <= SP_MAX_M else DECODE_M)
+        # (INT8 / INT4 with 16-bit x to SP_MAX_M rows, the sparse tensor-core route: 32 rows
+        # per program past 16)
+        if M <= DECODE_M or (M <= SP_MAX_M and sparse_kernel(dtype)):
+            return decode_default(N, K, dtype, num_sms, M)
         return KernelConfig(16, 64, 128, 1, 1, 4, 1, kernel="decode")  # split-K only at decode sizes
     if M <= 16:
         bn = next((b for b in (64, 32, 16) if -(-N // b) >= num_sms), 16)
@@ -251,7 +250,7 @@ DECODE_IN_FLIGHT = 32 * 1024
 
 
 def decode_default(N: int, K: int, dtype: str = "float16", num_sms: int = 132, rows: int = DECODE_M) -> KernelConfig:
-    """The decode kernel's untuned config at M <= 16 for an (N, K) layer (``rows`` 17-32 with
+    """The decode kernel's untuned config at M <= 16 for an (N, K) layer (``rows`` 17-64 with
     INT8 / INT4 weights and 16-bit x: the sparse tensor-core kernel's 32 rows per program,
     ``block_m`` 32; then its row tiles per warp are at most 2 for INT4 and its tiles at most
     256 deep, where the doubled accumulators would spill otherwise).

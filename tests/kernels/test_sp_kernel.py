@@ -6,6 +6,7 @@ metadata words against the layout-v1 slots; and the route that picks the kernel.
 
 What no CPU can check (the hardware's reading of the metadata operand and the
 fragments) is tested on a GPU by scripts/gpu_check.sh (scripts/gpu_tests)."""
+import dataclasses
 import itertools
 
 import numpy as np
@@ -15,7 +16,7 @@ import torch
 import sparse24
 from sparse24.decode_format import DecodePacked, decode_dims, pack_decode
 from sparse24.kernels.sparse24_sp import SP_META_NIBBLE_PAD, mma_sp_reference
-from sparse24.ops.config_space import KernelConfig, builtin_config, decode_configs, decode_default, m_bucket
+from sparse24.ops.config_space import SP_MAX_M, KernelConfig, builtin_config, decode_configs, decode_default, m_bucket
 from sparse24.ops.linear24 import launch
 from sparse24.ops.linear24 import linear_triton as linear_decode
 
@@ -175,7 +176,7 @@ def test_every_int4_config_in_the_space_matches_reference(gen):
 @pytest.mark.parametrize("rows", [16, 32])
 @pytest.mark.parametrize("M", [17, 25, 40, 64])
 def test_past_16_rows_split_k_inside_the_launch(M, rows, quantize, gen):
-    """Past 16 rows (the route to SP_MAX_M / SP_INT4_MAX_M rows) the kernel takes 16 or, with
+    """Past 16 rows (the route to SP_MAX_M rows) the kernel takes 16 or, with
     block_m 32, 32 rows of x per program (the second 16 on the same weight registers) and keeps
     its serial split-K: a workspace block per 16 rows of the bucket (a workspace of one block
     would let the programs past the first 16 rows overwrite other tiles' partials). Against the
@@ -198,15 +199,14 @@ def test_past_16_rows_split_k_inside_the_launch(M, rows, quantize, gen):
 
 def test_route_defaults_past_16_rows():
     """The untuned configs of the route: 32 rows per program (INT8 four row tiles per warp
-    where tiles fill the SMs, INT4 two: its doubled accumulators spill at four) to 32 rows;
-    INT4 on to the 64-row bucket with the M <= 16 default; the byte-permute kernel refuses 32."""
+    where tiles fill the SMs, INT4 two: its doubled accumulators spill at four) in the 32- and
+    64-row buckets; past SP_MAX_M and for the byte-permute kernel (which refuses 32) 16 rows."""
     for dt in ("int8-float16", "int8-bfloat16", "int4-float16", "int4-bfloat16"):
-        c32 = builtin_config(32, 4096, 4096, layout="decode", dtype=dt)
-        assert c32 == decode_default(4096, 4096, dt, rows=32) and c32.block_m == 32 and c32.split_k > 1
-        assert c32.block_n // (16 * c32.num_warps) == (2 if dt.startswith("int4-") else 4) and c32.block_k == 256
-    assert builtin_config(64, 4096, 4096, layout="decode", dtype="int4-float16") == decode_default(4096, 4096,
-                                                                                                  "int4-float16")
-    assert builtin_config(64, 4096, 4096, layout="decode", dtype="int8-float16").block_m == 16
+        for M in (32, SP_MAX_M):
+            c32 = builtin_config(M, 4096, 4096, layout="decode", dtype=dt)
+            assert c32 == decode_default(4096, 4096, dt, rows=32) and c32.block_m == 32 and c32.split_k > 1
+            assert c32.block_n // (16 * c32.num_warps) == (2 if dt.startswith("int4-") else 4) and c32.block_k == 256
+        assert builtin_config(SP_MAX_M + 1, 4096, 4096, layout="decode", dtype=dt).block_m == 16
     assert builtin_config(32, 4096, 4096, layout="decode", dtype="float16").block_m == 16
     d16 = pack_decode(sparse24.compress(torch.randn(64, 128).half()))
     with pytest.raises(ValueError, match="block_m == 16"):
@@ -266,6 +266,23 @@ def test_batch_of_eight_compiles_one_mma_per_chunk(monkeypatch):
     assert r8["sparse"] and r16["sparse"] and r8["loop"] < r16["loop"]
     a8, a16 = tool.amortized(r8)[0], tool.amortized(r16)[0]
     assert a8 < a16 <= tool.BUDGET["int8-float16"], (a8, a16)
+
+
+@pytest.mark.parametrize("dtype", ["int8-float16", "int4-bfloat16"])
+def test_32_rows_per_program_compile_two_blocks_without_spills(dtype, monkeypatch):
+    """Compiled for sm_90 (no GPU), the 17-64-row default (block_m 32) at 8192 x 8192: each K-tile
+    issues twice the HMMA.SP of 16 rows (a second x block on the same weight registers), nothing
+    spills (the doubled accumulators are why INT4 keeps two row tiles per warp and 256 columns),
+    and its loop costs less per byte than two 16-row passes would."""
+    tool = _static_check(monkeypatch)
+    cfg, _ = tool.default_config(dtype, 8192, 8192, rows=32)
+    assert cfg.block_m == 32
+    r32 = tool.compile_listed(dtype, cfg, 90, 8192, 8192, 32)
+    r16 = tool.compile_listed(dtype, dataclasses.replace(cfg, block_m=16), 90, 8192, 8192, 16)
+    tiles = cfg.block_n // (16 * cfg.num_warps) * (cfg.block_k // 64)
+    assert (r16["loop_hmma_sp"], r32["loop_hmma_sp"]) == (4 * tiles, 8 * tiles)
+    assert r32["spills"] == 0 and r16["spills"] == 0, (r32["spills"], r16["spills"])
+    assert tool.amortized(r32)[0] < 2 * tool.amortized(r16)[0]
 
 
 @pytest.mark.parametrize("quantize,bk,split", [("int8", 128, 2), ("int8", 256, 1), ("int4", 64, 4)])

@@ -47,8 +47,8 @@ def test_prefill_route_converts_nothing(quantize, cuda_route, monkeypatch):
     for cls, name in ((DecodePacked, "to_sparse24"), (DecodePacked, "to_dense"), (Sparse24Tensor, "to_dense")):
         monkeypatch.setattr(cls, name, lambda *a, _n=name, **k: pytest.fail(f"the M > 16 route called {_n}"))
     with torch.no_grad():
-        # (INT8 to 32 rows runs the sparse tensor-core kernel: the next test)
-        for shape in ((17 if quantize is None else 33, 512), (64, 512), (300, 512), (5, 60, 512)):
+        # (INT8 to SP_MAX_M rows runs the sparse tensor-core kernel: the next test)
+        for shape in ((17 if quantize is None else SP_MAX_M + 1, 512), (128, 512), (300, 512), (5, 60, 512)):
             x = torch.randn(*shape, dtype=torch.float16)
             M = x[..., 0].numel()
             assert op._auto_backend(x, layer.values, layer.scale, 256) == "prefill"
@@ -66,14 +66,13 @@ def test_prefill_route_converts_nothing(quantize, cuda_route, monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_quantized_stays_on_the_sparse_tensor_core_kernel_past_16_rows(dtype, quantize, cuda_route):
     """INT8 / INT4 with 16-bit x: to SP_MAX_M rows one launch of the sparse tensor-core kernel
-    with 32 rows per program (block_m 32, the untuned default at 32 rows, split-K included);
-    INT4 on to SP_INT4_MAX_M rows with 16 rows per program (its M <= 16 default); then the
-    prefill kernel. Nothing converted, only the output allocated once the plan exists."""
+    with 32 rows per program (block_m 32, the untuned default past 16 rows, split-K included;
+    ceil(M / 32) programs along z); then the prefill kernel. Nothing converted, only the
+    output allocated once the plan exists."""
     layer = _layer(quantize).to(dtype)
     key = dtype_key(dtype, int8_weights=quantize == "int8", int4_weights=quantize == "int4")
     gs = layer.group_size or 0
-    rows = [(17, 32), (32, 32), (33, 16 if quantize == "int4" else None), (48, 16 if quantize == "int4" else None),
-            (49, None), (64, None)]
+    rows = [(17, 32), (32, 32), (33, 32), (48, 32), (64, 32), (65, None), (128, None)]
     with torch.no_grad():
         for M, block_m in rows:
             x = torch.randn(M, 512, dtype=dtype)
@@ -87,8 +86,7 @@ def test_quantized_stays_on_the_sparse_tensor_core_kernel_past_16_rows(dtype, qu
             if block_m is None:
                 assert config.kernel == "prefill"
             else:
-                rows_cfg = 32 if block_m == 32 else 16
-                assert config == decode_default(256, 512, key, rows=rows_cfg) and config.block_m == block_m
+                assert config == decode_default(256, 512, key, rows=M) and config.block_m == block_m
                 assert grid[2] == -(-M // block_m)                             # block_m rows per program along z
             assert len(count.ops) <= 3 and count.bytes_allocated <= y.numel() * y.element_size(), count
         x = torch.randn(20, 512, dtype=torch.float32)     # fp32 x: the byte-permute kernels, the prefill one here
@@ -130,8 +128,8 @@ def test_bench_host_prefill_figures(quantize):
     issue 22's limits (<= 3 aten ops, allocation <= the output, no conversion, one copy). The
     first M is the first the prefill kernel runs (INT8 with 16-bit x: past SP_MAX_M rows)."""
     first = 17 if quantize is None else SP_MAX_M + 1
-    rows = load_script("bench_host").prefill_figures(256, 1024, (first, 64, 300), quantize)  # K = 1024: whole meta atoms
-    assert [r["M"] for r in rows] == [first, 64, 300] and {r["backend"] for r in rows} == {"prefill"}
+    rows = load_script("bench_host").prefill_figures(256, 1024, (first, 128, 300), quantize)  # K = 1024: whole meta atoms
+    assert [r["M"] for r in rows] == [first, 128, 300] and {r["backend"] for r in rows} == {"prefill"}
     for r in rows:
         assert r["aten_ops"] <= 3 and r["bytes_allocated"] <= r["output_bytes"] and r["conversions"] == 0, r
         assert r["layer_bytes_over_dense_fp16"] <= 0.60
