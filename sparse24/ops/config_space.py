@@ -212,35 +212,40 @@ def decode_configs(M: int, N: int, K: int, dtype: str = "float16", num_sms: int 
     only 64 programs of 64 rows for 132 SMs). INT8 weights (``dtype``
     ``"int8-..."``): one stage, or two on tiles of >= 16384 elements (see the
     comment above). The space does not depend on M at decode sizes; above 16
-    rows the programs multiply by ceil(M / 16), K is not split (the launch's
-    split-K is serial, M <= 16 only) and only the deepest pipeline of each tile
-    is kept (the tuner times the kernel there to compare it with the reference
-    backend, not to win). INT8 / INT4 weights with float16 / bfloat16 x (the sparse
-    tensor-core kernel): BLOCK_N x warps in (64 x 2, 128 x 4, 128 x 2), two or four
-    16-row tiles per warp, BLOCK_K up to 512 (not 512 with four INT4 tiles: spills), one stage.
+    rows the programs multiply by ceil(M / 16), K is not split and only the
+    deepest pipeline of each tile is kept (the tuner times the kernel there to
+    compare it with the reference backend, not to win). INT8 / INT4 weights with
+    float16 / bfloat16 x (the sparse tensor-core kernel): BLOCK_N x warps in
+    (64 x 2, 128 x 4, 128 x 2), two or four 16-row tiles per warp, BLOCK_K up to
+    512 (not 512 with four INT4 tiles: spills), one stage; at 17 to SP_MAX_M rows
+    (its route past decode sizes) 32 rows per program (``block_m`` 32) with
+    split-K, BLOCK_K up to 256 and INT4 at most two tiles per warp (the doubled
+    accumulators spill beyond).
 
     Args:
         M, N, K: problem size (x is M x K, W is N x K); dtype: a :func:`dtype_key`.
     Returns:
-        list of :class:`KernelConfig` with ``kernel == "decode"``, ``block_m == 16``.
+        list of :class:`KernelConfig` with ``kernel == "decode"``, ``block_m`` 16 (32: above).
     """
     if M < 1:
         raise ValueError(f"M must be >= 1, got {M}")
     int8 = dtype.startswith("int8-")
     sparse = sparse_kernel(dtype)
+    r32 = sparse and DECODE_M < M <= SP_MAX_M   # the sparse tensor-core route: 32 rows per program
     out = []
     for bn, warps in _SPARSE_TILES if sparse else _DECODE_TILES:
         for bk in _DECODE_BLOCK_K + ((512,) if sparse else ()):   # (registers: no tile in shared memory)
-            if dtype.startswith("int4-") and bn // warps == 64 and bk == 512:
-                continue   # four INT4 row tiles per warp, 512 deep: 255 registers and spills (sm_90)
-            programs = -(-N // bn) * -(-M // 16)
+            if dtype.startswith("int4-") and bn // warps == 64 and (bk == 512 or r32) or (r32 and bk == 512):
+                continue   # four INT4 row tiles per warp, 512 deep: 255 registers and spills (sm_90); 32 rows more
+            programs = -(-N // bn) * -(-M // (32 if r32 else 16))
             splits = [1] + [s for s in (2, 4, 8) if programs * s <= 4 * num_sms and K >= 2 * s * bk
-                            and M <= DECODE_M]   # serial split-K's workspace holds one 16-row block
+                            and (M <= DECODE_M or r32)]
             # the sparse tensor-core kernel loads into registers: no pipeline stages to choose
             stages = (1,) if sparse else ((1, 2) if bn * bk >= 16384 else (1,)) if int8 else (1, 2, 3)
             if M > DECODE_M:  # past decode sizes the kernel re-decodes W per 16 rows and the reference
                 stages = stages[-1:]  # backend wins: one stage per tile, to time it against the reference
-            out += [KernelConfig(16, bn, bk, 1, s, warps, st, kernel="decode") for s in splits for st in stages]
+            out += [KernelConfig(32 if r32 else 16, bn, bk, 1, s, warps, st, kernel="decode")
+                    for s in splits for st in stages]
     return [check_decode_config(c) for c in out]
 
 

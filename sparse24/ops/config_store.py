@@ -45,7 +45,8 @@ from pathlib import Path
 
 import torch
 
-from .config_space import DTYPE_KEYS, LAYOUT_KERNEL, M_BUCKETS, KernelConfig, builtin_config, m_bucket
+from .config_space import (DECODE_M, DTYPE_KEYS, LAYOUT_KERNEL, M_BUCKETS, SP_MAX_M, KernelConfig, builtin_config,
+                           check_decode_config, m_bucket, sparse_kernel)
 
 __all__ = ["KERNEL", "SCHEMA_VERSION", "TIMINGS", "Choice", "DeviceInfo", "device_info", "config_dirs",
            "shipped_config_dir", "gpu_file_name", "validate_file", "validate_dir", "lookup", "get_choice",
@@ -109,9 +110,32 @@ def validate_file(data) -> dict:
         for t in TIMINGS:
             if t in entry and not (isinstance(entry[t], (int, float)) and entry[t] > 0):
                 raise ValueError(f"{where}: {t} must be a positive number, got {entry[t]!r}")
-        parsed["entries"][(int(parts[0]), int(parts[1]), int(parts[2]), parts[3])] = \
-            dict(entry, config=_parse_config(entry["config"], where))
+        config = _parse_config(entry["config"], where)
+        if config.kernel == "decode":
+            _check_decode_entry(config, int(parts[0]), parts[3], where)
+        parsed["entries"][(int(parts[0]), int(parts[1]), int(parts[2]), parts[3])] = dict(entry, config=config)
     return parsed
+
+
+def _serves(config: KernelConfig, M: int, dtype: str) -> bool:
+    """Whether a config tuned for another M (a nearest entry, a file's default) is the kind
+    its kernel takes at M: a decode-kernel config 32 rows per program exactly on the sparse
+    tensor-core route (INT8 / INT4 with 16-bit x, 17 to SP_MAX_M rows), else 16."""
+    if config.kernel != "decode":
+        return True
+    return config.block_m == (32 if sparse_kernel(dtype) and DECODE_M < m_bucket(M) <= SP_MAX_M else 16)
+
+
+def _check_decode_entry(config: KernelConfig, bucket: int, dtype: str, where: str) -> None:
+    """A decode-kernel entry must be one its kernel runs at that bucket: 32 rows per program
+    only on the sparse tensor-core route (INT8 / INT4 with 16-bit x, 17 to SP_MAX_M rows)."""
+    try:
+        check_decode_config(config)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+    if config.block_m != 16 and not _serves(config, bucket, dtype):
+        raise ValueError(f"{where}: BLOCK_M {config.block_m} in a decode entry: 32 rows per program only for "
+                         f"INT8 / INT4 weights with float16 / bfloat16 x at M buckets {DECODE_M * 2}-{SP_MAX_M}")
 
 
 def validate_dir(d) -> list[tuple[Path, str]]:
@@ -200,11 +224,12 @@ class Choice:
 
 def _nearest_entry(files: list[dict], M: int, N: int, K: int, dtype: str, kernel: str):
     """(file, entry, bucket) of the nearest M bucket (in log2) for (N, K, dtype) among entries
-    of ``kernel``; ties go to the smaller M; earlier files (the user folder) win among equals."""
+    of ``kernel`` that :func:`_serves` M; ties go to the smaller M; earlier files (the user
+    folder) win among equals."""
     best = None
     for f in files:
         for (bm, n, k, dt), entry in f["entries"].items():
-            if (n, k, dt) == (N, K, dtype) and entry["config"].kernel == kernel:
+            if (n, k, dt) == (N, K, dtype) and entry["config"].kernel == kernel and _serves(entry["config"], M, dtype):
                 dist = (abs(math.log2(bm) - math.log2(m_bucket(M))), bm)
                 if best is None or dist < best[0]:
                     best = (dist, f, entry, bm)
@@ -243,7 +268,7 @@ def lookup(M: int, N: int, K: int, dtype: str, gpu_name: str, capability: tuple[
             return Choice(entry["config"], kind, f"{kind} entry M={bm} for N={N}, K={K}, {dtype} in {f['path']}",
                           entry)
     for f in own:
-        if f["default"].kernel == kernel:
+        if f["default"].kernel == kernel and _serves(f["default"], M, dtype):
             return Choice(f["default"], "file-default", f"default of {f['path']}")
     return Choice(builtin_config(M, N, K, num_sms, layout, dtype), "builtin",
                   "built-in untuned config (no tuned config of this layout for this GPU)")

@@ -207,6 +207,13 @@ def test_route_defaults_past_16_rows():
             assert c32 == decode_default(4096, 4096, dt, rows=32) and c32.block_m == 32 and c32.split_k > 1
             assert c32.block_n // (16 * c32.num_warps) == (2 if dt.startswith("int4-") else 4) and c32.block_k == 256
         assert builtin_config(SP_MAX_M + 1, 4096, 4096, layout="decode", dtype=dt).block_m == 16
+        # the tuning space there is the route's too (a tuned entry replaces the default)
+        for M in (17, 32, SP_MAX_M):
+            space = decode_configs(M, 4096, 4096, dt)
+            assert {c.block_m for c in space} == {32} and max(c.block_k for c in space) == 256 and max(
+                c.split_k for c in space) > 1
+            assert max(c.block_n // (16 * c.num_warps) for c in space) == (2 if dt.startswith("int4-") else 4)
+        assert {c.block_m for c in decode_configs(SP_MAX_M + 1, 4096, 4096, dt)} == {16}
     assert builtin_config(32, 4096, 4096, layout="decode", dtype="float16").block_m == 16
     d16 = pack_decode(sparse24.compress(torch.randn(64, 128).half()))
     with pytest.raises(ValueError, match="block_m == 16"):

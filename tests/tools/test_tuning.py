@@ -137,6 +137,36 @@ def test_lookup_order(isolated, tmp_path, monkeypatch):
     assert tuning.measured_timings(1, 11008, 4096, "float16") == {}  # only a family entry: not measured here
 
 
+def test_decode_entries_serve_their_side_of_16_rows(isolated, tmp_path):
+    """A decode-kernel entry tuned at M <= 16 is not taken as the nearest for 17-64 rows (there
+    the sparse tensor-core route runs 32 rows per program, the built-in default) nor the reverse;
+    a file whose decode entry the kernel cannot run at its bucket is refused when read."""
+    d16 = KernelConfig(16, 128, 256, 1, 8, 2, 1, kernel="decode")
+    d32 = KernelConfig(32, 128, 256, 1, 8, 2, 1, kernel="decode")
+    _write(isolated, GPU, (9, 0), {(16, 4096, 4096, "int8-float16"): _entry(d16)})
+
+    def look(M):
+        return tuning.lookup(M, 4096, 4096, "int8-float16", GPU, (9, 0), layout="decode")
+
+    assert (look(4).kind, look(4).config) == ("nearest", d16)
+    assert (look(32).kind, look(32).config) == ("builtin", tuning.builtin_config(32, 4096, 4096, layout="decode",
+                                                                                 dtype="int8-float16"))
+    assert look(32).config.block_m == 32
+    assert tuning.validate_dir(isolated) == []
+    good = _write(tmp_path, GPU, (9, 0), {(64, 4096, 4096, "int4-bfloat16"): _entry(d32)})
+    assert tuning.validate_dir(tmp_path) == []
+    data = json.loads(good.read_text())
+    (entry,) = data["entries"].values()
+    for key in ("16,4096,4096,int8-float16",     # 32 rows at decode sizes
+                "32,4096,4096,float16",          # the byte-permute kernel takes 16
+                "128,4096,4096,int8-float16"):   # past the route (and the split-K workspace)
+        good.write_text(json.dumps(dict(data, entries={key: entry})))
+        (problem,) = tuning.validate_dir(tmp_path)
+        assert "BLOCK_M 32 in a decode entry" in problem[1] and key in problem[1], problem
+        with pytest.raises(ValueError, match="32 rows per program only"):
+            _write(tmp_path / "w", GPU, (9, 0), {tuple(int(v) if v.isdigit() else v for v in key.split(",")): _entry(d32)})
+
+
 @pytest.mark.parametrize("content", ["{broken", json.dumps({"schema": 1, "kernel": "sparse24_matmul"}),
                                      json.dumps([1, 2]), "[" * 100000 + "]" * 100000],
                          ids=["corrupt", "schema-invalid", "not-an-object", "too-deep"])  # too-deep: RecursionError
