@@ -219,8 +219,8 @@ def decode_configs(M: int, N: int, K: int, dtype: str = "float16", num_sms: int 
     (64 x 2, 128 x 4, 128 x 2), two or four 16-row tiles per warp, BLOCK_K up to
     512 (not 512 with four INT4 tiles: spills), one stage; at 17 to SP_MAX_M rows
     (its route past decode sizes) 32 rows per program (``block_m`` 32) with
-    split-K, BLOCK_K up to 256 and INT4 at most two tiles per warp (the doubled
-    accumulators spill beyond).
+    split-K, BLOCK_K up to 256 and INT4 at most two tiles per warp (INT4's doubled
+    accumulators spill beyond; all 30 compiled variants at 4096 x 4096: 0 spills).
 
     Args:
         M, N, K: problem size (x is M x K, W is N x K); dtype: a :func:`dtype_key`.
@@ -235,8 +235,10 @@ def decode_configs(M: int, N: int, K: int, dtype: str = "float16", num_sms: int 
     out = []
     for bn, warps in _SPARSE_TILES if sparse else _DECODE_TILES:
         for bk in _DECODE_BLOCK_K + ((512,) if sparse else ()):   # (registers: no tile in shared memory)
+            # Four INT4 row tiles per warp 512 deep spill (255 registers, sm_90); at 32 rows four INT4 tiles
+            # or 512 deep spill too, and INT8 512 deep compiles (178 registers) but is not predicted faster.
             if dtype.startswith("int4-") and bn // warps == 64 and (bk == 512 or r32) or (r32 and bk == 512):
-                continue   # four INT4 row tiles per warp, 512 deep: 255 registers and spills (sm_90); 32 rows more
+                continue
             programs = -(-N // bn) * -(-M // (32 if r32 else 16))
             splits = [1] + [s for s in (2, 4, 8) if programs * s <= 4 * num_sms and K >= 2 * s * bk
                             and (M <= DECODE_M or r32)]
@@ -257,8 +259,10 @@ DECODE_IN_FLIGHT = 32 * 1024
 def decode_default(N: int, K: int, dtype: str = "float16", num_sms: int = 132, rows: int = DECODE_M) -> KernelConfig:
     """The decode kernel's untuned config at M <= 16 for an (N, K) layer (``rows`` 17-64 with
     INT8 / INT4 weights and 16-bit x: the sparse tensor-core kernel's 32 rows per program,
-    ``block_m`` 32; then its row tiles per warp are at most 2 for INT4 and its tiles at most
-    256 deep, where the doubled accumulators would spill otherwise).
+    ``block_m`` 32; then INT4 takes at most 2 row tiles per warp and tiles at most 256 deep,
+    where the doubled accumulators spill (sm_90: 216 B with four tiles, 48 B at 512 deep), and
+    INT8 tiles at most 256 deep too: 512 compiles without spills but is not predicted faster,
+    the large shapes being at the byte ratio already).
 
     64-row tiles (4 warps, ~70-160 registers: several programs fit an SM), BLOCK_K
     256 (128 where 256 leaves SMs without a program), pipelined: 16-bit weights 2
