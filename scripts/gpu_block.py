@@ -1,6 +1,8 @@
 """Both phases of one Llama-7B-shaped block, dense vs 2:4 vs 2:4 INT8, eager and
 compiled: decode tokens/s at batch 1 and 8, prefill tokens/s of 2048 tokens, and
-CUDA kernels per call (torch.profiler). Writes ``block.csv`` and ``block.md``;
+CUDA kernels per call (torch.profiler); eager only, after those, decode at batch 32 (INT8
+on the sparse tensor cores with 32 rows per program; compiling a fourth shape would not fit
+gpu_check.sh's time for this step). Writes ``block.csv`` and ``block.md``;
 run by scripts/gpu_check.sh.
 
 Block (fp16): ``h = h + o(attn(q(h), k(h), v(h)))``, ``h = h + down(silu(gate(h)) * up(h))``
@@ -9,7 +11,7 @@ d = 4096, ff = 11008, 32 heads). Attention runs over the tokens of the call
 only (causal; no KV cache): the weights, which 2:4 changes, are the same as
 in a real block, the attention product is not. In the 2:4 variants every
 Linear is a compressed ``Sparse24Linear`` (``sparsify_``): on CUDA the decode
-kernel at M <= 16, the prefill kernel above.
+kernel at M <= 16 (INT8 with fp16 x: to 64 rows), the prefill kernel above.
 
     python scripts/gpu_block.py --out results/GPU/     # on a GPU (defaults)
     python scripts/gpu_block.py --smoke --out /tmp/b   # CPU, tiny shapes: every step, no figures worth keeping
@@ -74,6 +76,7 @@ def run(a) -> list[dict]:
     device = torch.device(a.device)
     models = build(a.d, a.ff, a.heads, device)
     phases = [(f"decode B={b}", b, 1) for b in a.batches] + [(f"prefill T={a.prefill}", 1, a.prefill)]
+    eager_only = [(f"decode B={b}", b, 1) for b in a.eager_batches]
     rows = []
     with torch.no_grad():
         for mode in ("eager", "compiled"):
@@ -84,7 +87,7 @@ def run(a) -> list[dict]:
                                        dynamic=False)
                 else:
                     fn = model
-                for phase, B, T in phases:
+                for phase, B, T in phases + (eager_only if mode == "eager" else []):
                     x = torch.randn(B, T, a.d, dtype=torch.float16, device=device)
                     t0 = time.perf_counter()
                     for _ in range(3):  # compile / capture / warm up
@@ -144,6 +147,7 @@ def main(argv=None) -> int:
     ap.add_argument("--ff", type=int, default=11008)
     ap.add_argument("--heads", type=int, default=32)
     ap.add_argument("--batches", default="1,8", help="decode batch sizes")
+    ap.add_argument("--eager-batches", default="32", help="decode batch sizes measured eager only, after prefill")
     ap.add_argument("--prefill", type=int, default=2048, help="prefill tokens")
     ap.add_argument("--calls", type=int, default=50, help="decode calls per sample (prefill: fewer)")
     ap.add_argument("--repeats", type=int, default=5)
@@ -154,6 +158,7 @@ def main(argv=None) -> int:
         a.device, a.d, a.ff, a.heads, a.batches, a.prefill, a.calls, a.repeats = "cpu", 64, 128, 2, "1,3", 20, 1, 1
         a.backend, a.mode = "aot_eager", "default"
     a.batches = [int(b) for b in str(a.batches).split(",")]
+    a.eager_batches = [int(b) for b in str(a.eager_batches).split(",") if b]
     if a.device == "cuda" and not torch.cuda.is_available():
         print("gpu_block: no CUDA GPU (torch.cuda.is_available() is False)", file=sys.stderr)
         return 1
