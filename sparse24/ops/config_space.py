@@ -16,7 +16,7 @@ import torch
 
 __all__ = ["KernelConfig", "KERNEL_VARIANTS", "LAYOUTS", "LAYOUT_KERNEL", "M_BUCKETS", "DTYPE_KEYS", "DECODE_M",
            "SPLIT_K_MAX_M", "SP_MAX_M", "DECODE_PAIRS", "LISTED_SHAPES",
-           "m_bucket", "dtype_key", "builtin_config", "decode_default", "candidate_configs", "decode_configs", "check_decode_config",
+           "m_bucket", "dtype_key", "builtin_config", "decode_default", "decode_rows", "candidate_configs", "decode_configs", "check_decode_config",
            "sparse_kernel"]
 
 # Kernel variants a config may name (kernels/): "matmul" (sparse24_matmul.py)
@@ -123,11 +123,9 @@ def builtin_config(M: int, N: int = 4096, K: int = 4096, num_sms: int = 132, lay
     buffer and a copy per call. The decode layout: :func:`decode_default`.
     Not measured: a tuned file should replace it."""
     if layout == "decode":
-        # (INT8 / INT4 with 16-bit x to SP_MAX_M rows, the sparse tensor-core route: 32 rows
-        # per program past 16)
-        if M <= DECODE_M or (M <= SP_MAX_M and sparse_kernel(dtype)):
+        if M <= DECODE_M or decode_rows(M, dtype) == 32:   # (the sparse tensor-core route past 16 rows)
             return decode_default(N, K, dtype, num_sms, M)
-        return KernelConfig(16, 64, 128, 1, 1, 4, 1, kernel="decode")  # split-K only at decode sizes
+        return KernelConfig(16, 64, 128, 1, 1, 4, 1, kernel="decode")  # split-K only at decode sizes and on that route
     if M <= 16:
         bn = next((b for b in (64, 32, 16) if -(-N // b) >= num_sms), 16)
         programs, split = -(-N // bn), 1
@@ -203,6 +201,13 @@ def sparse_kernel(dtype: str) -> bool:
     return dtype.startswith(("int8-", "int4-")) and not dtype.endswith("float32")
 
 
+def decode_rows(M: int, dtype: str) -> int:
+    """Rows of x per program the decode kernels take at ``M`` rows (or its bucket) of dtype key
+    ``dtype``: 32 on the sparse tensor-core route (INT8 / INT4 weights with float16 / bfloat16
+    x, 17 to SP_MAX_M rows: one weight register serves 32 rows), else 16."""
+    return 32 if sparse_kernel(dtype) and DECODE_M < M <= SP_MAX_M else 16
+
+
 def decode_configs(M: int, N: int, K: int, dtype: str = "float16", num_sms: int = 132) -> list[KernelConfig]:
     """The decode kernel's config space for one (M, N, K, dtype key).
 
@@ -231,7 +236,8 @@ def decode_configs(M: int, N: int, K: int, dtype: str = "float16", num_sms: int 
         raise ValueError(f"M must be >= 1, got {M}")
     int8 = dtype.startswith("int8-")
     sparse = sparse_kernel(dtype)
-    r32 = sparse and DECODE_M < M <= SP_MAX_M   # the sparse tensor-core route: 32 rows per program
+    rows = decode_rows(M, dtype)
+    r32 = rows == 32
     out = []
     for bn, warps in _SPARSE_TILES if sparse else _DECODE_TILES:
         for bk in _DECODE_BLOCK_K + ((512,) if sparse else ()):   # (registers: no tile in shared memory)
@@ -239,14 +245,14 @@ def decode_configs(M: int, N: int, K: int, dtype: str = "float16", num_sms: int 
             # or 512 deep spill too, and INT8 512 deep compiles (178 registers) but is not predicted faster.
             if dtype.startswith("int4-") and bn // warps == 64 and (bk == 512 or r32) or (r32 and bk == 512):
                 continue
-            programs = -(-N // bn) * -(-M // (32 if r32 else 16))
+            programs = -(-N // bn) * -(-M // rows)
             splits = [1] + [s for s in (2, 4, 8) if programs * s <= 4 * num_sms and K >= 2 * s * bk
                             and (M <= DECODE_M or r32)]
             # the sparse tensor-core kernel loads into registers: no pipeline stages to choose
             stages = (1,) if sparse else ((1, 2) if bn * bk >= 16384 else (1,)) if int8 else (1, 2, 3)
             if M > DECODE_M:  # past decode sizes the kernel re-decodes W per 16 rows and the reference
                 stages = stages[-1:]  # backend wins: one stage per tile, to time it against the reference
-            out += [KernelConfig(32 if r32 else 16, bn, bk, 1, s, warps, st, kernel="decode")
+            out += [KernelConfig(rows, bn, bk, 1, s, warps, st, kernel="decode")
                     for s in splits for st in stages]
     return [check_decode_config(c) for c in out]
 
@@ -284,7 +290,7 @@ def decode_default(N: int, K: int, dtype: str = "float16", num_sms: int = 132, r
     # its tiles may be 512 columns deep (the instructions outside the loop amortize over twice
     # the bytes: INT4 4096 x 4096 0.307 -> 0.239 warp-instructions per byte on sm_90)
     sparse = sparse_kernel(dtype)
-    r32 = sparse and rows > DECODE_M
+    r32 = decode_rows(rows, dtype) == 32
     bn, warps = 64, 4
     if sparse:
         # 512 where it divides K (a partial tile is a second, masked copy of the tile's code); four

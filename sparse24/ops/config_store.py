@@ -46,7 +46,7 @@ from pathlib import Path
 import torch
 
 from .config_space import (DECODE_M, DTYPE_KEYS, LAYOUT_KERNEL, M_BUCKETS, SP_MAX_M, KernelConfig, builtin_config,
-                           check_decode_config, m_bucket, sparse_kernel)
+                           check_decode_config, decode_rows, m_bucket)
 
 __all__ = ["KERNEL", "SCHEMA_VERSION", "TIMINGS", "Choice", "DeviceInfo", "device_info", "config_dirs",
            "shipped_config_dir", "gpu_file_name", "validate_file", "validate_dir", "lookup", "get_choice",
@@ -119,11 +119,8 @@ def validate_file(data) -> dict:
 
 def _serves(config: KernelConfig, M: int, dtype: str) -> bool:
     """Whether a config tuned for another M (a nearest entry, a file's default) is the kind
-    its kernel takes at M: a decode-kernel config 32 rows per program exactly on the sparse
-    tensor-core route (INT8 / INT4 with 16-bit x, 17 to SP_MAX_M rows), else 16."""
-    if config.kernel != "decode":
-        return True
-    return config.block_m == (32 if sparse_kernel(dtype) and DECODE_M < m_bucket(M) <= SP_MAX_M else 16)
+    its kernel takes at M: a decode-kernel config with :func:`decode_rows` rows per program."""
+    return config.kernel != "decode" or config.block_m == decode_rows(m_bucket(M), dtype)
 
 
 def _check_decode_entry(config: KernelConfig, bucket: int, dtype: str, where: str) -> None:

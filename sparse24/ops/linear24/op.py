@@ -17,7 +17,7 @@ import torch
 
 from ...decode_format import DecodePacked
 from ...format import Sparse24Tensor
-from ..config_space import DECODE_M, SP_MAX_M, dtype_key, m_bucket
+from ..config_space import DECODE_M, decode_rows, dtype_key, m_bucket
 from ..config_store import measured_timings, on_clear
 from . import launch
 from .naive import check_linear_args, linear_backward_reference, linear_reference
@@ -171,7 +171,7 @@ def _auto_backend(x: torch.Tensor, values: torch.Tensor, scale, out_features: in
     if M <= DECODE_M:
         return "triton"
     if values.dim() != 2:
-        if scale is not None and x.dtype != torch.float32 and M <= SP_MAX_M:
+        if decode_rows(M, dtype_key(x.dtype, scale is not None)) == 32:   # (INT4 keys as INT8's)
             # INT8 / INT4 with 16-bit x: the sparse tensor-core kernel, 32 rows per program
             # (config_space.SP_MAX_M says why).
             return "triton"
