@@ -19,7 +19,9 @@ statistic): magnitude; SparseGPT; the recommended one shot, SparseGPT +
 channel permutation + layer by layer, each layer fit to the dense model's
 outputs (``prune_layerwise_(..., refit=True, teacher=dense)``); and that
 recipe with the options given by ``--robust`` (default: the Hessian shrunk
-halfway to its diagonal, ``shrink=0.5``).
+halfway to its diagonal, ``shrink=0.5``); and the recommended recipe calibrated on
+the lines plus ``--noise COPIES,P`` noisy copies of them (``sparse24.token_noise``:
+each token replaced by a random vocabulary token with probability P; default 2,0.3).
 
 Usage:
     python scripts/eval_minilm_calibration.py           # results/minilm-calibration/table.md
@@ -50,10 +52,10 @@ from minilm_common import Encoder, code_lines, texts
 ROOT = Path(__file__).resolve().parent.parent
 
 
-RECIPES = ("magnitude", "sparsegpt", "recommended", "robust")
+RECIPES = ("magnitude", "sparsegpt", "recommended", "robust", "noise")
 
 
-def recipes(enc: Encoder, texts: list[str], robust: dict, perm_iters: int, which=RECIPES):
+def recipes(enc: Encoder, texts: list[str], robust: dict, perm_iters: int, which=RECIPES, noise=(2, 0.3)):
     """Yield ``(name, pruned model, seconds)`` for each recipe in ``which`` calibrated on ``texts``."""
     dense, batches = enc.model, enc.batches(texts, 32)
     if "magnitude" in which:
@@ -71,19 +73,21 @@ def recipes(enc: Encoder, texts: list[str], robust: dict, perm_iters: int, which
         m = copy.deepcopy(dense)
         sparsify_(m, method="sparsegpt", calibration=stats, filter_fn=enc.filter_fn)
         yield "sparsegpt", m, time.perf_counter() - t0 + t_calib
-    if not {"recommended", "robust"} & set(which):
+    if not {"recommended", "robust", "noise"} & set(which):
         return
     t0 = time.perf_counter()
     permuted = copy.deepcopy(dense)  # permute_model_ permutes stats with the model: last use of them
     permute_model_(permuted, enc.groups, score="sparsegpt", calibration=stats, example=enc.batch(texts[:8]),
                    max_iters=perm_iters, time_limit=600)
     t_perm = time.perf_counter() - t0 + t_calib
-    for name, opts in (("recommended", {"percdamp": LAYERWISE_PERCDAMP}), ("robust", robust)):
+    recommended = {"percdamp": LAYERWISE_PERCDAMP}
+    for name, opts, calib in (("recommended", recommended, batches), ("robust", robust, batches),
+                              ("noise", recommended, enc.token_noise(batches, *noise) if "noise" in which else None)):
         if name not in which:
             continue
         t0 = time.perf_counter()
         m = copy.deepcopy(permuted)
-        prune_layerwise_(m, batches, method="sparsegpt", refit=True, token_mask=enc.token_mask, teacher=permuted,
+        prune_layerwise_(m, calib, method="sparsegpt", refit=True, token_mask=enc.token_mask, teacher=permuted,
                          filter_fn=enc.filter_fn, **opts)
         sparsify_(m, filter_fn=enc.filter_fn)  # masked layers keeping exactly the non-zeros
         yield name, m, time.perf_counter() - t0 + t_perm
@@ -103,10 +107,10 @@ def _start_worker(kind: str, max_len: int, threads: int, evals: dict) -> None:
         _WORKER["evals"][name] = (batches, sentence_embeddings(enc.model, batches, token_mask=enc.token_mask))
 
 
-def job(domain: str, texts: list[str], robust: dict, perm_iters: int, which) -> list[tuple]:
+def job(domain: str, texts: list[str], robust: dict, perm_iters: int, which, noise) -> list[tuple]:
     """The rows of one calibration set: ``(domain, lines, recipe, cosine per evaluation text..., seconds)``."""
     enc, rows = _WORKER["enc"], []
-    for name, model, secs in recipes(enc, texts, robust, perm_iters, which):
+    for name, model, secs in recipes(enc, texts, robust, perm_iters, which, noise):
         ws = [mod.dense_weight() for mod in model.modules() if isinstance(mod, sparse24.Sparse24Linear)]
         assert len(ws) == 36 and all(is_nm(w) for w in ws), "every encoder Linear must be 2:4"
         cos = [embedding_fidelity(model, b, ref, token_mask=enc.token_mask) for b, ref in _WORKER["evals"].values()]
@@ -123,6 +127,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--sizes", type=int, nargs="+", default=(512, 256, 128, 1024), help="calibration lines")
     ap.add_argument("--recipes", nargs="+", choices=RECIPES, default=RECIPES)
     ap.add_argument("--robust", default="shrink=0.5", help="prune_layerwise_ options of the robust row, k=v,...")
+    ap.add_argument("--noise", default="2,0.3", help="COPIES,P of the noise row (sparse24.token_noise)")
     ap.add_argument("--eval-sentences", type=int, default=512, help="per evaluation text")
     ap.add_argument("--perm-iters", type=int, default=300, help="permutation search steps per group")
     ap.add_argument("--max-len", type=int, default=128)
@@ -131,6 +136,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", type=Path, default=ROOT / "results" / "minilm-calibration" / "table.md")
     args = ap.parse_args(argv)
     robust = {k: float(v) for k, v in (kv.split("=") for kv in args.robust.split(",") if kv)}
+    copies, p = args.noise.split(",")
+    noise = (int(copies), float(p))
     t_start = time.perf_counter()
 
     # the texts of eval_minilm.py: the same held-out and manual sentences, the same seeded draws
@@ -145,7 +152,7 @@ def main(argv: list[str] | None = None) -> None:
     evals = {"held-out docstrings": held, "reference manual": manual}
     with ProcessPoolExecutor(args.workers, mp_context=get_context("spawn"), initializer=_start_worker,
                              initargs=(args.encoder, args.max_len, args.threads, evals)) as pool:
-        jobs = [pool.submit(job, d, calib[d][:n], robust, args.perm_iters, args.recipes)
+        jobs = [pool.submit(job, d, calib[d][:n], robust, args.perm_iters, args.recipes, noise)
                 for n in args.sizes for d in args.domains]
         for j in as_completed(jobs):  # the table so far, after every calibration set
             rows += j.result()
@@ -176,7 +183,9 @@ def write_table(args, argv: list[str], rows: list[tuple], wall: float, done: boo
         f"- Recipes: recommended = SparseGPT + permutation ({args.perm_iters} search steps a group) + layer by "
         f"layer fit to the dense outputs (`prune_layerwise_(..., refit=True, teacher=, percdamp={LAYERWISE_PERCDAMP})`); "
         f"robust = the same with "
-        f"`{args.robust}`. Seconds: the recipe's own time, calibration included", "",
+        f"`{args.robust}`; noise = recommended calibrated on the lines plus `sparse24.token_noise` copies "
+        f"(copies, p = {args.noise}: each token replaced by a random vocabulary token with probability p, special "
+        f"tokens kept). Seconds: the recipe's own time, calibration included", "",
         "| calibrated on | lines | recipe | held-out docstrings | reference manual | seconds |",
         "|---|---:|---|---:|---:|---:|"]
     lines += [f"| {d} | {n} | {r} | {a:.4f} | {b:.4f} | {s:.0f} |" for d, n, r, a, b, s in rows]

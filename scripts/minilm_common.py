@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from sparse24 import PermutationGroup, mean_pool
+from sparse24 import PermutationGroup, mean_pool, token_noise
 
 import minilm_plain
 
@@ -185,6 +185,17 @@ class Encoder:
 
     def batches(self, texts: list[str], size: int) -> list:
         return [self.batch(texts[i:i + size]) for i in range(0, len(texts), size)]
+
+    def token_noise(self, batches: list, copies: int, p: float) -> list:
+        """``batches`` and ``copies`` noisy copies of each (``sparse24.token_noise``): each real token
+        replaced with probability ``p`` by one drawn from the whole vocabulary, [CLS], [SEP], [PAD],
+        [UNK] and [MASK] kept. Both kinds draw the same ids for the same batches."""
+        if self.kind == "hf":
+            return token_noise(batches, copies, p, vocab=len(self._tok), keep=self._tok.all_special_ids)
+        keep = [self._tok.vocab[t] for t in ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")]
+        out = token_noise([{"input_ids": ids, "attention_mask": mask} for ids, mask in batches], copies, p,
+                          vocab=len(self._tok.vocab), keep=keep)
+        return [(b["input_ids"], b["attention_mask"]) for b in out]
 
     def trainable(self, model: nn.Module) -> list:
         """What distillation trains: every parameter but the embeddings (and BertModel's unused pooler)."""

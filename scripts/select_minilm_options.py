@@ -12,7 +12,11 @@ Besides ``prune_layerwise_``'s own options, a variant may set: ``"perm": false``
 ``"distill_lr"`` (then S steps of frozen-mask distillation on the calibration lines themselves, cycled),
 ``"learn_steps": S`` (masks learned on the calibration lines, cycled, weights frozen),
 ``"augment": k`` (the lines again, joined in k random pairings: new contexts, no new text) and
-``"random": R`` (R strings of random vocabulary tokens added: a data-free prior).
+``"random": R`` (R strings of random vocabulary tokens added: a data-free prior) and ``"noise": [k, p]``
+(k copies of the lines with each token replaced, with probability p, by a random vocabulary token, on the
+text: decoded and tokenized again) and ``"token_noise": [k, p, low]`` (the library's ``sparse24.token_noise`` on the
+token batches: k copies, ids drawn from ``low`` to the vocabulary's end, special tokens kept; an optional fourth
+entry is the seed).
 
 Usage: OMP_NUM_THREADS=1 python scripts/select_minilm_options.py '{}' '{"percdamp": 0.1}'
 """
@@ -26,7 +30,7 @@ import time
 import torch
 
 from sparse24 import (calibrate, distill_, embedding_fidelity, learn_masks, permute_model_, prune_layerwise_,
-                      sentence_embeddings, sparsify_)
+                      sentence_embeddings, sparsify_, token_noise)
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from minilm_common import Encoder, code_lines, docstring_sentences, manual_sentences  # noqa: E402
@@ -73,15 +77,36 @@ def random_texts(n: int, seed: int = 7) -> list[str]:
             for i in range(n)]
 
 
-def run(label, perm=True, distill_steps=0, distill_lr=2e-4, augment=0, random=0, learn_steps=0, **opts):
+def noisy_texts(k: int, p: float, seed: int = 11) -> list[str]:
+    """``k`` copies of the calibration lines, each token replaced by a random vocabulary token with
+    probability ``p``: the lines' contexts with other words in them."""
+    g = torch.Generator().manual_seed(seed)
+    vocab = enc._tok.vocab_size
+    out = []
+    for _ in range(k):
+        for t in calib:
+            ids = torch.tensor(enc.tokens(t)[1:-1])
+            swap = torch.rand(len(ids), generator=g) < p
+            ids[swap] = torch.randint(1999, vocab, (int(swap.sum()),), generator=g)
+            out.append(enc._tok.decode(ids.tolist()))
+    return out
+
+
+def run(label, perm=True, distill_steps=0, distill_lr=2e-4, augment=0, random=0, learn_steps=0, noise=None,
+        token_noise_=None, **opts):
     t0 = time.perf_counter()
     base = permuted if perm else dense
     m = copy.deepcopy(base)
-    texts = list(calib) + (random_texts(random) if random else [])
+    texts = list(calib) + (random_texts(random) if random else []) + (noisy_texts(*noise) if noise else [])
     for k in range(augment):  # the same lines again, joined in random pairs: new contexts, no new text
         order = torch.randperm(len(calib), generator=torch.Generator().manual_seed(100 + k)).tolist()
         texts += [calib[order[i]] + " " + calib[order[i + 1]] for i in range(0, len(order) - 1, 2)]
-    prune_layerwise_(m, enc.batches(texts, 32) if augment or random else batches, method="sparsegpt",
+    calib_batches = enc.batches(texts, 32) if augment or random or noise else batches
+    if token_noise_:
+        k, p, low, seed = (*token_noise_, 0)[:4]
+        calib_batches = token_noise(calib_batches, k, p, vocab=(low, enc._tok.vocab_size),
+                                    keep=enc._tok.all_special_ids, seed=seed)
+    prune_layerwise_(m, calib_batches, method="sparsegpt",
                      refit=opts.pop("refit", True), token_mask=enc.token_mask,
                      teacher=base if opts.pop("teacher", True) else None, filter_fn=enc.filter_fn, progress=False,
                      **opts)
@@ -102,4 +127,6 @@ def run(label, perm=True, distill_steps=0, distill_lr=2e-4, augment=0, random=0,
 for spec in sys.argv[1:]:
     label = spec
     opts = json.loads(spec) if spec.startswith("{") else {}
+    if "token_noise" in opts:  # the name of the library function the run calls
+        opts["token_noise_"] = opts.pop("token_noise")
     run(label, **opts)

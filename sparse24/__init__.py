@@ -32,7 +32,7 @@ _LAZY = {
     "mean_pool": "evaluate", "sentence_embeddings": "evaluate", "embedding_fidelity": "evaluate",
     "bits_per_char": "evaluate",
     "PermutationGroup": "masks", "find_permutation_groups": "masks", "check_group": "masks",
-    "permute_model_": "masks",
+    "permute_model_": "masks", "token_noise": "masks",
     "quantize_values": "format", "sqnr_db": "quant",
     "to_semi_structured": "interop", "from_semi_structured": "interop",
     "to_cutlass_layout": "interop", "from_cutlass_layout": "interop",

@@ -2,10 +2,12 @@
 (:mod:`~sparse24.masks.nm`: magnitude, Wanda, SparseGPT, 2-D transposable),
 learnable masks (:mod:`~sparse24.masks.learned`, MaskLLM's
 per-group pattern logits), model-wide calibration and layer-by-layer pruning
-(:mod:`~sparse24.masks.calibrate`), input-channel permutations
+(:mod:`~sparse24.masks.calibrate`; token noise for small or off-domain calibration text,
+:mod:`~sparse24.masks.augment`), input-channel permutations
 (:mod:`~sparse24.masks.permutation`) and their model-wide use with calibrated
 importance (:mod:`~sparse24.masks.permute_model`). Pure torch, any device.
 """
+from .augment import token_noise
 from .calibrate import calibrate, prune_layerwise_
 from .learned import LearnableMask, nm_patterns
 from .nm import METHODS, LayerStats, PruneResult, kept_magnitude_fraction, mask_nm, prune_nm
@@ -19,4 +21,4 @@ __all__ = ["METHODS", "mask_nm", "prune_nm", "PruneResult", "kept_magnitude_frac
            "reconstruct_weight", "LayerStats", "calibrate", "prune_layerwise_", "block_patterns",
            "search_permutation", "apply_permutation",
            "LearnableMask", "nm_patterns", "PermutationGroup", "check_group", "find_permutation_groups",
-           "group_importance", "permute_model_"]
+           "group_importance", "permute_model_", "token_noise"]

@@ -324,9 +324,9 @@ def _prune_blockwise(args, src: Path, out: Path, settings: str) -> int:
     (see :mod:`sparse24.tools.blockwise`)."""
     if args.method not in ("wanda", "sparsegpt"):
         raise CLIError(f"--calibration-ids (block by block) takes --method wanda or sparsegpt, not {args.method}")
-    if args.calibration is not None or args.permute:
-        raise CLIError("--calibration-ids prunes block by block on token ids: give it without --calibration and "
-                       "--permute (those are the in-memory calibrated path)")
+    if args.calibration is not None or args.permute or args.noise is not None or args.noise_p is not None:
+        raise CLIError("--calibration-ids prunes block by block on token ids: give it without --calibration, "
+                       "--permute and --noise (those are the in-memory calibrated path)")
     if not is_model_folder(src):
         raise CLIError(f"{src}: calibrated pruning takes a Hugging Face model folder (config.json + safetensors)")
     if args.batch_size < 1:

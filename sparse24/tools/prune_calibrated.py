@@ -1,6 +1,6 @@
 """Calibrated pruning of a Hugging Face model folder from the command line:
 ``python -m sparse24 prune FOLDER --out DIR --method wanda|sparsegpt|layerwise
-[--permute] --calibration TEXT [--samples N] [--seq-len L]``.
+[--permute] --calibration TEXT [--samples N] [--seq-len L] [--noise COPIES [--noise-p P]]``.
 
 The calibration text (a file with one sample per line, or a folder with one
 sample per file) is tokenized with the folder's own tokenizer, one sample per
@@ -15,6 +15,12 @@ library runs exactly what a user would write in Python (:func:`prune_calibrated`
   order, fit by SparseGPT + least squares to the dense model's outputs from the
   inputs the pruned layers before it give (``prune_layerwise_(..., teacher=dense,
   refit=True, percdamp=LAYERWISE_PERCDAMP)``, damping 0.1), then ``sparsify_``;
+* ``--noise COPIES`` (``layerwise``: 2 unless given; the others: 0): the samples
+  are followed by COPIES noisy copies of each (:func:`sparse24.token_noise`: each
+  token replaced with probability ``--noise-p``, 0.3, by a random one of the
+  tokenizer's vocabulary, special tokens kept), which keeps the recipe from
+  leaning on what a few hundred samples of one kind of text happened to show
+  (docs/recipes.md, "How much calibration data is enough");
 * ``--permute`` first: channel permutations found by ``find_permutation_groups``
   (proved exact on the first sample) and searched on the method's importance
   (``permute_model_``).
@@ -37,18 +43,22 @@ from pathlib import Path
 import torch
 
 from ..api import MIN_FEATURES, sparsify_
-from ..masks import calibrate, find_permutation_groups, kept_magnitude_fraction, permute_model_, prune_layerwise_
+from ..masks import (calibrate, find_permutation_groups, kept_magnitude_fraction, permute_model_, prune_layerwise_,
+                     token_noise)
 from ..masks.reconstruct import LAYERWISE_PERCDAMP
 from ..nn import Sparse24Linear, is_conv1d_class
 from .._progress import progress_enabled
 from .checkpoint import LAYER_ENTRIES, check_shards, dense_row, is_model_folder, is_weight_matrix, quant_label
 from .cli_common import CLIError, _one_line, int4_args, prune_quant
 
-__all__ = ["CALIBRATED", "read_samples", "tokenize_samples", "prune_calibrated", "prune_folder_calibrated",
+__all__ = ["CALIBRATED", "LAYERWISE_NOISE", "NOISE_P", "noise_copies", "read_samples", "tokenize_samples", "prune_calibrated", "prune_folder_calibrated",
            "add_calibration_arguments", "check_calibration_arguments"]
 
 CALIBRATED = ("wanda", "sparsegpt", "layerwise")
 PERMUTE_ITERS = 200  # search steps per permutation group: deterministic (the time limit is far away)
+# Noisy copies per sample for --method layerwise unless --noise is given (docs/recipes.md: 256 code lines judged
+# on prose 0.897 / 0.890 -> 0.905 / 0.901; chosen on selection texts, results/minilm-calibration/select-256.md).
+LAYERWISE_NOISE, NOISE_P = 2, 0.3
 
 
 def read_samples(path: str | os.PathLike, samples: int) -> list[str]:
@@ -152,16 +162,29 @@ def add_calibration_arguments(p) -> None:
                    "folder's own tokenizer")
     p.add_argument("--samples", type=int, default=128, help="calibration samples used (the first N; default 128)")
     p.add_argument("--seq-len", type=int, default=512, help="tokens per sample at most (default 512)")
+    p.add_argument("--noise", type=int, metavar="COPIES", help="noisy copies of each sample added to the calibration "
+                   "(sparse24.token_noise: tokens replaced by random vocabulary tokens; default "
+                   f"{LAYERWISE_NOISE} for layerwise, 0 for wanda and sparsegpt)")
+    p.add_argument("--noise-p", type=float, metavar="P",
+                   help=f"probability that a token of a noisy copy is replaced (default {NOISE_P})")
     p.add_argument("--permute", action="store_true", help="search channel permutations first (proved exact on the "
                    "first sample; calibrated methods only)")
     p.add_argument("--permute-iters", type=int, default=PERMUTE_ITERS,
                    help=f"search steps per permutation group (default {PERMUTE_ITERS})")
 
 
+def noise_copies(args) -> int:
+    """Noisy copies per calibration sample: ``--noise``, else LAYERWISE_NOISE for layerwise, 0 for the others."""
+    if args.noise is not None:
+        return args.noise
+    return LAYERWISE_NOISE if args.method == "layerwise" else 0
+
+
 def check_calibration_arguments(args, src: Path) -> None:
     """Refuse what cannot work before anything is read (exit 2)."""
     if args.method not in CALIBRATED:
-        for flag, given in (("--calibration", args.calibration is not None), ("--permute", args.permute)):
+        for flag, given in (("--calibration", args.calibration is not None), ("--permute", args.permute),
+                            ("--noise", args.noise is not None), ("--noise-p", args.noise_p is not None)):
             if given:
                 raise CLIError(f"{flag} is for the calibrated methods ({', '.join(CALIBRATED)}), not --method "
                                f"{args.method}")
@@ -177,6 +200,10 @@ def check_calibration_arguments(args, src: Path) -> None:
     for flag, v in (("--samples", args.samples), ("--seq-len", args.seq_len), ("--permute-iters", args.permute_iters)):
         if v < 1:
             raise CLIError(f"{flag} must be >= 1, got {v}")
+    if args.noise is not None and args.noise < 0:
+        raise CLIError(f"--noise must be >= 0, got {args.noise}")
+    if args.noise_p is not None and not 0 <= args.noise_p <= 1:
+        raise CLIError(f"--noise-p must be in [0, 1], got {args.noise_p}")
 
 
 def prune_folder_calibrated(src: Path, dst: Path, args) -> tuple[list[dict], str]:
@@ -220,7 +247,9 @@ def prune_folder_calibrated(src: Path, dst: Path, args) -> tuple[list[dict], str
     # no longer than the model's positions (a longer sample would fail inside its embedding lookup)
     seq_len = min(args.seq_len, getattr(config, "max_position_embeddings", None) or args.seq_len)
     batches = tokenize_samples(tokenizer, model, texts, seq_len)
-    kept, groups = prune_calibrated(model, batches, args.method, set(planned), args.permute,
+    copies, p = noise_copies(args), NOISE_P if args.noise_p is None else args.noise_p
+    calib = token_noise(batches, copies, p, vocab=len(tokenizer), keep=tokenizer.all_special_ids)
+    kept, groups = prune_calibrated(model, calib, args.method, set(planned), args.permute,
                             getattr(config, "num_attention_heads", None), args.quantize, args.prune_head,
                             min_features, args.permute_iters, args.progress, **int4_args(quant))
     tmp = dst.with_name(f".{dst.name}.{os.getpid()}.partial")
@@ -256,7 +285,9 @@ def prune_folder_calibrated(src: Path, dst: Path, args) -> tuple[list[dict], str
                      "kept": kept[fqn], "bytes_after": sum(v.numel() * v.element_size() for v in stored)})
     tokens = sum(b["input_ids"].numel() for b in batches)
     note = (f"{len(batches)} calibration samples from {args.calibration} ({tokens} tokens, at most {seq_len} "
-            "each)" + (f"; channel permutations in {groups} group(s) proved exact" if args.permute else ""))
+            "each)" + (f", each with {copies} noisy cop{'y' if copies == 1 else 'ies'} (p = {p:g})"
+                       if copies else "")
+            + (f"; channel permutations in {groups} group(s) proved exact" if args.permute else ""))
     return rows, note
 
 

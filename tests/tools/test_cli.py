@@ -104,6 +104,8 @@ def test_bench_writes_csv_png_and_env(capsys, tmp_path):
      ["takes a Hugging Face model folder"]),
     (["prune", "a.pt", "--out", "b.pt", "--method", "layerwise", "--calibration-ids", "c.pt"], 2,
      ["takes --method wanda or sparsegpt, not layerwise"]),
+    (["prune", "a.pt", "--out", "b.pt", "--method", "wanda", "--calibration-ids", "c.pt", "--noise", "2"], 2,
+     ["give it without --calibration, --permute and --noise"]),
     (["prune", "a.pt", "--out", "b.pt", "--min-features", "x"], 2, ["invalid int value: 'x'"]),
     (["prune", "a.pt", "--out", "."], 2, ["--out .: is a folder"]),  # was a torch.save traceback
     (["frobnicate"], 2, ["invalid choice: 'frobnicate'"]),

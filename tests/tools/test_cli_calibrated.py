@@ -45,15 +45,18 @@ def _folder(tmp_path, arch: str, tokenizer: bool = True):
     return folder, type(dense)
 
 
-def _library(cls, folder, method: str, permute: bool, samples: int):
-    """What a user writes in Python: the same model, tokens and steps, no CLI code."""
+def _library(cls, folder, method: str, permute: bool, samples: int, noise: int | None = None):
+    """What a user writes in Python: the same model, tokens and steps, no CLI code. ``noise``:
+    noisy copies of each sample (default: 2 for layerwise, the recommended recipe; else 0)."""
     model = cls.from_pretrained(folder).eval()
     tok = AutoTokenizer.from_pretrained(folder)
     extra = {"use_cache": False} if cls is not BertModel else {}
     batches = [{**tok(t, return_tensors="pt"), **extra} for t in TEXTS[:samples]]
+    noise = (2 if method == "layerwise" else 0) if noise is None else noise
+    calib = sparse24.token_noise(batches, noise, 0.3, vocab=len(tok), keep=tok.all_special_ids)
     def chosen(mod, fqn):  # sparsify_'s default choice: every Linear but the output head
         return fqn != "lm_head"
-    stats = sparse24.calibrate(model, batches, hessian=method != "wanda")
+    stats = sparse24.calibrate(model, calib, hessian=method != "wanda")
     if permute:
         groups = sparse24.find_permutation_groups(model, batches[0], heads=4)
         assert groups  # the test must exercise a permutation
@@ -61,7 +64,7 @@ def _library(cls, folder, method: str, permute: bool, samples: int):
                                 example=batches[0], max_iters=200, time_limit=3600)
     if method == "layerwise":
         dense = copy.deepcopy(model)
-        prune_layerwise_(model, batches, method="sparsegpt", refit=True, teacher=dense, filter_fn=chosen,
+        prune_layerwise_(model, calib, method="sparsegpt", refit=True, teacher=dense, filter_fn=chosen,
                          percdamp=0.1)  # the recommended damping (docs/recipes.md)
         sparse24.sparsify_(model, mode="compressed")
     else:
@@ -70,19 +73,23 @@ def _library(cls, folder, method: str, permute: bool, samples: int):
     return model, batches
 
 
-@pytest.mark.parametrize("arch, method, permute", [("llama", "layerwise", True), ("bert", "layerwise", True),
-                                                   ("llama", "sparsegpt", False), ("bert", "wanda", True)])
-def test_calibrated_prune_equals_the_library(capsys, tmp_path, arch, method, permute):
+@pytest.mark.parametrize("arch, method, permute, noise", [
+    ("llama", "layerwise", True, None), ("bert", "layerwise", True, None), ("bert", "layerwise", False, 0),
+    ("llama", "sparsegpt", False, None), ("bert", "wanda", True, 1)])
+def test_calibrated_prune_equals_the_library(capsys, tmp_path, arch, method, permute, noise):
     folder, cls = _folder(tmp_path, arch)
     capsys.readouterr()
     rc, out, err = run(capsys, "prune", str(folder), "--out", str(tmp_path / "sparse"), "--method", method,
-                       "--calibration", str(tmp_path / "calib.txt"), "--samples", "12", *(["--permute"] * permute))
+                       "--calibration", str(tmp_path / "calib.txt"), "--samples", "12", *(["--permute"] * permute),
+                       *([] if noise is None else ["--noise", str(noise)]))
     assert rc == 0, err
     assert err == ""  # no bars (stderr is no terminal), transformers' own ones included
     assert f"12 calibration samples from {tmp_path / 'calib.txt'}" in out
+    copies = (2 if method == "layerwise" else 0) if noise is None else noise
+    assert (f"each with {copies} noisy cop" in out) == (copies > 0)
     assert f"at most {64 if arch == 'bert' else 512} each" in out  # --seq-len capped at the model's positions
     got = sparse24.from_pretrained(cls, tmp_path / "sparse")
-    want, batches = _library(cls, folder, method, permute, 12)
+    want, batches = _library(cls, folder, method, permute, 12, noise)
     sd, ref = got.state_dict(), want.state_dict()
     assert sd.keys() == ref.keys()
     assert all(torch.equal(v, ref[k]) for k, v in sd.items())
@@ -128,6 +135,11 @@ def test_calibrated_prune_errors(capsys, tmp_path):
         (["prune", str(folder), "--out", o, "--method", "layerwise"], ["needs --calibration TEXT"]),
         (["prune", str(folder), "--out", o, "--calibration", calib], ["--calibration is for the calibrated methods"]),
         (["prune", str(folder), "--out", o, "--permute"], ["--permute is for the calibrated methods"]),
+        (["prune", str(folder), "--out", o, "--noise", "2"], ["--noise is for the calibrated methods"]),
+        (["prune", str(folder), "--out", o, "--method", "layerwise", "--calibration", calib, "--noise", "-1"],
+         ["--noise must be >= 0"]),
+        (["prune", str(folder), "--out", o, "--method", "layerwise", "--calibration", calib, "--noise-p", "1.5"],
+         ["--noise-p must be in [0, 1]"]),
         (["prune", str(folder), "--out", o, "--method", "wanda", "--calibration", calib, "--samples", "0"],
          ["--samples must be >= 1"]),
         (["prune", str(folder), "--out", o, "--method", "wanda", "--calibration", str(tmp_path / "none.txt")],
