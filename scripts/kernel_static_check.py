@@ -548,6 +548,9 @@ PREFILL_M = (32, 48, 64, 128, 256, 512, 2048, 4096)
 # each counts two issue cycles. HBM 4.0 TB/s at 1.98 GHz for the memory floor.
 SMS, REGS_PER_SM, SMEM_PER_SM, WARPS_PER_SM, MACS_PER_CLK = 132, 65536, 228 * 1024, 64, 2048
 HBM_BYTES_PER_SM_CLK = 4.0e12 / 1.98e9 / SMS
+# L2 for split-K's fp32 partials: ~5.5 TB/s of reads (H100, measured by others; not by us).
+L2_BYTES_PER_SM_CLK = 5.5e12 / 1.98e9 / SMS
+PREFILL_SPLITS = (2, 4, 8)
 HALF_RATE = ("LOP3", "SHF", "SGXT", "PRMT", "IADD3", "SEL", "IMAD", "ISETP", "LEA")
 
 
@@ -607,22 +610,27 @@ def dense_time(M: int, N: int, K: int) -> float:
     return max(tiles * K / MACS_PER_CLK, N * K * 2 / SMS / HBM_BYTES_PER_SM_CLK + io)
 
 
-def predicted_time(r: dict, M: int, N: int, K: int, w_bytes: float) -> tuple[float, float]:
+def predicted_time(r: dict, M: int, N: int, K: int, w_bytes: float, split_k: int = 1) -> tuple[float, float]:
     """``(ours, dense)`` in SM clocks for (M, N, K): programs spread over the SMs,
     ``per_sm`` resident at once; a program's K-tiles run its decode and its
     wgmma one after the other (the loop waits for them), other programs on the
     SM fill the gaps: a round of p programs takes max(p t_tensor, p t_issue,
     t_tensor + t_issue), floored by HBM traffic (weight bytes w_bytes per element,
-    x and out fp16). Dense: :func:`dense_time`."""
+    x and out fp16). ``split_k`` > 1 estimates a serial split-K the kernel does not
+    have: split_k times the programs over K / split_k each, and every program's fp32
+    partial tile through L2 (its store, then the last program's reads of the others').
+    Dense: :func:`dense_time`."""
     c = r["cfg"]
-    progs = -(-M // c.block_m) * -(-N // c.block_n)
+    progs = -(-M // c.block_m) * -(-N // c.block_n) * split_k
     per_sm_progs = -(-progs // SMS)
-    iters = -(-K // c.block_k)
+    iters = -(-(-(-K // split_k)) // c.block_k)
     tt, ti, p = r["t_tensor"], r["t_issue"], max(r["per_sm"], 1)
     full, rest = divmod(per_sm_progs, p)
     def rnd(n):
         return max(n * tt, n * ti, tt + ti) if n else 0.0
     ours = iters * (full * rnd(p) + rnd(rest))
+    if split_k > 1:
+        ours += (per_sm_progs + split_k - 1) * c.block_m * c.block_n * 4 / L2_BYTES_PER_SM_CLK
     io = (M * K + M * N) * 2 / SMS / HBM_BYTES_PER_SM_CLK
     return max(ours, (N * K * w_bytes) / SMS / HBM_BYTES_PER_SM_CLK + io), dense_time(M, N, K)
 
@@ -680,6 +688,23 @@ def prefill_main(a) -> int:
             print(f"  {N}x{K:<8}  " + " ".join(f"{c:>19}" for c in cells))
     print("min predicted prefill ratio to dense (default configs): " + ", ".join(
         f"{dt} M={m} {v:.2f}" for (dt, m), v in sorted(worst.items())))
+    # Would a serial split-K lift the minimum? The default large tile, split 2 / 4 / 8, as one more choice.
+    split_worst = {}
+    for dt in dtypes:
+        w_bytes, int4 = dense_bytes_per_weight(dt), dt.startswith("int4-")
+        by_cfg = {r["cfg"]: r for r in rows if r["dtype"] == dt}
+        big = by_cfg.get(prefill_config(4096, 4096, 4096, int4=int4))
+        for N, K in PREFILL_SHAPES:
+            for M in PREFILL_M:
+                default = by_cfg.get(prefill_config(M, N, K, int4=int4))
+                if default is None or big is None:
+                    continue
+                best = max((lambda t: t[1] / t[0])(predicted_time(r, M, N, K, w_bytes, s))
+                           for r, s in [(default, 1)] + [(big, s) for s in PREFILL_SPLITS])
+                split_worst[(dt, M)] = min(split_worst.get((dt, M), 9.0), best)
+    print(f"min predicted with a serial split-K (the default large tile, split {'/'.join(map(str, PREFILL_SPLITS))}, "
+          "fp32 partials through L2 at 5.5 TB/s) as a further choice: " + ", ".join(
+              f"{dt} M={m} {v:.2f}" for (dt, m), v in sorted(split_worst.items())))
     print("predicted >= 1.0 of dense (default configs): " + (", ".join(wins) or "nowhere"))
     return 0
 

@@ -133,3 +133,19 @@ def test_large_m_default_compiles_to_hgmma_for_sm90(dtype, monkeypatch):
     assert r["hgmma"] and r["mma"] == cfg.block_k // 16
     assert r["spills"] == 0 and r["local"] == 0
     assert tool.programs_per_sm(r["regs"], r["shared"], cfg.num_warps) >= 2
+
+
+def test_split_k_estimate_counts_more_programs_and_the_partials():
+    """The report's serial split-K estimate (``predicted_time(..., split_k)``), checked by hand on a
+    tile whose numbers are round: 128 x 128 x 64, t_issue = t_tensor = 512 clocks per K-tile, two
+    programs per SM. 4096 x 4096 at M = 256: 64 tiles; split 4 makes 256 programs (2 per SM, 16
+    K-tiles each: 16 x 1024 clocks) plus, per SM, its programs' fp32 partials stored and the last
+    program's reads of 3 others (2 + 3 tiles of 64 KiB through L2)."""
+    tool = _static_check()
+    cfg = prefill_config(4096, 4096, 4096)
+    r = dict(cfg=cfg, t_tensor=512.0, t_issue=512.0, per_sm=2)
+    one, dense = tool.predicted_time(r, 256, 4096, 4096, 1.125)
+    assert one == 64 * 512 * 2     # 64 programs, one per SM: decode then wgmma, 64 K-tiles
+    four, dense4 = tool.predicted_time(r, 256, 4096, 4096, 1.125, split_k=4)
+    assert dense4 == dense
+    assert four == pytest.approx(16 * 1024 + (2 + 3) * 128 * 128 * 4 / tool.L2_BYTES_PER_SM_CLK)
