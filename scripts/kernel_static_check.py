@@ -668,40 +668,32 @@ def prefill_main(a) -> int:
     print("# predicted ratio dense / prefill kernel (> 1: faster than dense), per shape (out x in) and M:"
           " the default config, and in brackets the best config of the space that spills nothing (its"
           " BLOCK_M x BLOCK_N); dense: the idealized dense GEMM of dense_time(), the same for every config")
-    worst, wins = {}, []
+    worst, wins, split_worst = {}, [], {}
     for dt in dtypes:
-        w_bytes = dense_bytes_per_weight(dt)
+        w_bytes, int4 = dense_bytes_per_weight(dt), dt.startswith("int4-")
         by_cfg = {r["cfg"]: r for r in rows if r["dtype"] == dt}
+        # Would a serial split-K lift the minimum? The default large tile, split 2 / 4 / 8, as a further choice.
+        big = by_cfg.get(prefill_config(4096, 4096, 4096, int4=int4))
         print(f"{dt:13} " + " ".join(f"{'M=' + str(m):>19}" for m in PREFILL_M))
         for N, K in PREFILL_SHAPES:
             cells = []
             for M in PREFILL_M:
                 ratios = {c: (lambda t: t[1] / t[0])(predicted_time(r, M, N, K, w_bytes)) for c, r in by_cfg.items()}
-                d = ratios.get(prefill_config(M, N, K, int4=dt.startswith("int4-")))
+                d = ratios.get(prefill_config(M, N, K, int4=int4))
                 best = max((c for c in ratios if not by_cfg[c]["spills"]), key=ratios.get)
                 if d is not None:
                     worst[(dt, M)] = min(worst.get((dt, M), 9.0), d)
                     if d >= 1.0:
                         wins.append(f"{dt} {N}x{K} M={M} {d:.2f}")
+                    if big is not None:
+                        split = max((lambda t: t[1] / t[0])(predicted_time(big, M, N, K, w_bytes, s))
+                                    for s in PREFILL_SPLITS)
+                        split_worst[(dt, M)] = min(split_worst.get((dt, M), 9.0), max(d, split))
                 cells.append(f"{d if d is not None else float('nan'):.2f} ({ratios[best]:.2f} "
                              f"{best.block_m}x{best.block_n})")
             print(f"  {N}x{K:<8}  " + " ".join(f"{c:>19}" for c in cells))
     print("min predicted prefill ratio to dense (default configs): " + ", ".join(
         f"{dt} M={m} {v:.2f}" for (dt, m), v in sorted(worst.items())))
-    # Would a serial split-K lift the minimum? The default large tile, split 2 / 4 / 8, as one more choice.
-    split_worst = {}
-    for dt in dtypes:
-        w_bytes, int4 = dense_bytes_per_weight(dt), dt.startswith("int4-")
-        by_cfg = {r["cfg"]: r for r in rows if r["dtype"] == dt}
-        big = by_cfg.get(prefill_config(4096, 4096, 4096, int4=int4))
-        for N, K in PREFILL_SHAPES:
-            for M in PREFILL_M:
-                default = by_cfg.get(prefill_config(M, N, K, int4=int4))
-                if default is None or big is None:
-                    continue
-                best = max((lambda t: t[1] / t[0])(predicted_time(r, M, N, K, w_bytes, s))
-                           for r, s in [(default, 1)] + [(big, s) for s in PREFILL_SPLITS])
-                split_worst[(dt, M)] = min(split_worst.get((dt, M), 9.0), best)
     print(f"min predicted with a serial split-K (the default large tile, split {'/'.join(map(str, PREFILL_SPLITS))}, "
           "fp32 partials through L2 at 5.5 TB/s) as a further choice: " + ", ".join(
               f"{dt} M={m} {v:.2f}" for (dt, m), v in sorted(split_worst.items())))

@@ -54,14 +54,12 @@ def token_noise(batches: Iterable, copies: int = 2, p: float = 0.3, *, vocab, ke
     pool = _vocab_ids(vocab)
     keep_ids = torch.as_tensor(list(keep), dtype=torch.long)
     batches = list(batches)
-    for i, b in enumerate(batches):
-        _ids_of(b, i)
+    ids = [_ids_of(b, i) for i, b in enumerate(batches)]
     g = torch.Generator().manual_seed(seed)
     out = list(batches)
     for _ in range(copies):
-        for b in batches:
-            ids = _ids_of(b, None)
-            noisy = _noisy(ids, b.get("attention_mask") if isinstance(b, Mapping) else None, pool, keep_ids, p, g)
+        for b, t in zip(batches, ids):
+            noisy = _noisy(t, b.get("attention_mask") if isinstance(b, Mapping) else None, pool, keep_ids, p, g)
             out.append({**b, "input_ids": noisy} if isinstance(b, Mapping) else noisy)
     return out
 
@@ -83,7 +81,8 @@ def _vocab_ids(vocab) -> torch.Tensor:
     return ids.long()
 
 
-def _ids_of(b, index: int | None) -> torch.Tensor:
+def _ids_of(b, index: int) -> torch.Tensor:
+    """Batch ``index``'s token ids, checked (integer tensor; an attention mask of the same shape)."""
     ids = b.get("input_ids") if isinstance(b, Mapping) else b
     if not isinstance(ids, torch.Tensor) or ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
         raise TypeError(f"batch {index}: token_noise needs integer token ids (a tensor, or a dict with "

@@ -51,7 +51,7 @@ from .._progress import progress_enabled
 from .checkpoint import LAYER_ENTRIES, check_shards, dense_row, is_model_folder, is_weight_matrix, quant_label
 from .cli_common import CLIError, _one_line, int4_args, prune_quant
 
-__all__ = ["CALIBRATED", "LAYERWISE_NOISE", "NOISE_P", "noise_copies", "read_samples", "tokenize_samples", "prune_calibrated", "prune_folder_calibrated",
+__all__ = ["CALIBRATED", "read_samples", "tokenize_samples", "prune_calibrated", "prune_folder_calibrated",
            "add_calibration_arguments", "check_calibration_arguments"]
 
 CALIBRATED = ("wanda", "sparsegpt", "layerwise")
