@@ -564,7 +564,9 @@ def _sparse24_sp(
         # first tile's counter) sums them in split order.
         tile = tl.program_id(2) * (ROWS // 16) * tl.num_programs(0) + pid_n
         TILE: tl.constexpr = SPLIT_K * BLOCK_N * 16
-        base = ws_ptr + tile.to(tl.int64) * TILE + (n_lo - pid_n * BLOCK_N) * 16 + m_lo
+        # a lane's 8 partials of a row tile lie together (two 16-byte vectors): the program's row tile i
+        # at 256 i floats, lane li at 8 li
+        base = ws_ptr + tile.to(tl.int64) * TILE + (t - pid_n * (BLOCK_N // 16)) * 256 + li * 8
         base2 = base + tl.num_programs(0).to(tl.int64) * TILE
         mine = base + pid_k * (BLOCK_N * 16)
         mine2 = base2 + pid_k * (BLOCK_N * 16)
@@ -596,46 +598,48 @@ def _sparse24_sp(
 
 
 @triton.jit
+def _four(a, b, c, d):
+    # Four [L] registers as one [L, 4] tensor (a lane's 16-byte vector), in the order _split4 undoes.
+    return tl.reshape(tl.join(tl.join(a, b), tl.join(c, d)), [a.shape[0], 4])
+
+
+@triton.jit
+def _split4(v):
+    # [L, 4] from _four -> its four [L] registers.
+    lo, hi = tl.split(tl.reshape(v, [v.shape[0], 2, 2]))
+    a, b = tl.split(lo)
+    c, d = tl.split(hi)
+    return a, b, c, d
+
+
+@triton.jit
 def _sp_store(p, acc, N16: tl.constexpr):
-    # One lane's split-K partials (one row tile's 8 registers) at its places of a [BLOCK_N, 16]
-    # fp32 tile (p: row n_lo, column m_lo).
+    # One lane's split-K partials (one row tile's 8 registers) at p: 32 contiguous bytes, stored
+    # as two 16-byte vectors (eight 4-byte stores and, in _sp_sum, eight loads per split made the
+    # compile 5x slower: Triton's coalescing pass grows with every memory access, ~16 s at SPLIT_K 16).
     c0, c1, c2, c3, d0, d1, d2, d3 = acc
-    tl.store(p, c0, cache_modifier=".cg")
-    tl.store(p + 1, c1, cache_modifier=".cg")
-    tl.store(p + 128, c2, cache_modifier=".cg")
-    tl.store(p + 129, c3, cache_modifier=".cg")
+    four = tl.arange(0, 4)[None, :]
+    tl.store(p[:, None] + four, _four(c0, c1, c2, c3), cache_modifier=".cg")
     if N16:
-        tl.store(p + 8, d0, cache_modifier=".cg")
-        tl.store(p + 9, d1, cache_modifier=".cg")
-        tl.store(p + 136, d2, cache_modifier=".cg")
-        tl.store(p + 137, d3, cache_modifier=".cg")
+        tl.store(p[:, None] + 4 + four, _four(d0, d1, d2, d3), cache_modifier=".cg")
 
 
 @triton.jit
 def _sp_sum(base, SPLIT_K: tl.constexpr, STRIDE: tl.constexpr, N16: tl.constexpr):
-    # The SPLIT_K partials at a lane's places, added in split order (the same bits whatever
-    # order the programs arrived in).
-    c0 = tl.load(base, cache_modifier=".cg")
-    c1 = tl.load(base + 1, cache_modifier=".cg")
-    c2 = tl.load(base + 128, cache_modifier=".cg")
-    c3 = tl.load(base + 129, cache_modifier=".cg")
-    d0, d1, d2, d3 = c0, c1, c2, c3   # not read unless N16
+    # The SPLIT_K partials at a lane's places (_sp_store's), added in split order (the same bits
+    # whatever order the programs arrived in).
+    four = tl.arange(0, 4)[None, :]
+    c = tl.load(base[:, None] + four, cache_modifier=".cg")
+    d = c   # not read unless N16
     if N16:
-        d0 = tl.load(base + 8, cache_modifier=".cg")
-        d1 = tl.load(base + 9, cache_modifier=".cg")
-        d2 = tl.load(base + 136, cache_modifier=".cg")
-        d3 = tl.load(base + 137, cache_modifier=".cg")
+        d = tl.load(base[:, None] + 4 + four, cache_modifier=".cg")
     for s in tl.static_range(1, SPLIT_K):
-        part = base + s * STRIDE
-        c0 += tl.load(part, cache_modifier=".cg")
-        c1 += tl.load(part + 1, cache_modifier=".cg")
-        c2 += tl.load(part + 128, cache_modifier=".cg")
-        c3 += tl.load(part + 129, cache_modifier=".cg")
+        part = base[:, None] + s * STRIDE + four
+        c += tl.load(part, cache_modifier=".cg")
         if N16:
-            d0 += tl.load(part + 8, cache_modifier=".cg")
-            d1 += tl.load(part + 9, cache_modifier=".cg")
-            d2 += tl.load(part + 136, cache_modifier=".cg")
-            d3 += tl.load(part + 137, cache_modifier=".cg")
+            d += tl.load(part + 4, cache_modifier=".cg")
+    c0, c1, c2, c3 = _split4(c)
+    d0, d1, d2, d3 = _split4(d)
     return c0, c1, c2, c3, d0, d1, d2, d3
 
 

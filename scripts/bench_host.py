@@ -29,6 +29,16 @@ allocate against the output's, and whether the weight was converted or
 decompressed; and the layer's memory against its dense fp16 weight.
 
     python scripts/bench_host.py --prefill
+
+``--compile``: what the first call of a decode-layout layer costs once per
+machine (Triton's cache keeps it after): for each pair, the config the layer
+uses untuned on an H200 at ``--n`` x ``--k``, 16 rows of x (and 32, the
+17-64-row route of INT8 / INT4 weights with 16-bit x), compiled for sm_90 into
+an empty Triton cache, as the JIT would on the GPU: seconds, and the memory
+operations of its Triton IR (Triton's coalescing pass grows with them), ending
+with ``max first-call compile (sm_90, empty Triton cache): N s``.
+
+    python scripts/bench_host.py --compile
 """
 import argparse
 import contextlib
@@ -189,6 +199,60 @@ def count_device_work(shapes=None, ms=(1, 4, 16)) -> int:
     return worst
 
 
+def compile_figures(N: int, K: int) -> list[dict]:
+    """Per pair and rows of x (16; 32 where the sparse tensor-core route takes 17-64 rows): the
+    untuned H200 config of an (N, K) decode-layout layer compiled for sm_90 into an empty Triton
+    cache: ``dict(dtype, rows, config, memory_ops, seconds)``."""
+    import os
+    import re
+    import tempfile
+
+    from sparse24.ops.config_space import DTYPE_KEYS
+    from sparse24.ops.config_store import lookup
+    from sparse24.ops.linear24 import aot_compile
+
+    out = []
+    for dt in (k for k in DTYPE_KEYS if not k.endswith("float32")):
+        act = torch.bfloat16 if dt.endswith("bfloat16") else torch.float16
+        w = DecodePacked.empty(N, K, act, dt.startswith("int8-"), symmetric=False,
+                               group_size=128 if dt.startswith("int4-") else None)
+        for rows in (16, 32) if dt.startswith("int") else (16,):
+            cfg = lookup(rows, N, K, dt, "NVIDIA H200", (9, 0), 132, "decode").config
+            x, target = torch.empty(rows, K, dtype=act), torch.empty(rows, N, dtype=act)
+            saved = os.environ.get("TRITON_CACHE_DIR")
+            with tempfile.TemporaryDirectory() as cache:
+                os.environ["TRITON_CACHE_DIR"] = cache   # empty: the compile is not served from a cache
+                try:
+                    t0 = time.perf_counter()
+                    ck = aot_compile(x, w, None, target, cfg, cfg.split_k, (9, 0))
+                    secs = time.perf_counter() - t0
+                finally:
+                    if saved is None:
+                        del os.environ["TRITON_CACHE_DIR"]
+                    else:
+                        os.environ["TRITON_CACHE_DIR"] = saved
+            ops = len(re.findall(r"\btt\.(?:load|store|atomic_\w+)\b", ck.asm["ttir"]))
+            out.append(dict(dtype=dt, rows=rows, config=cfg, memory_ops=ops, seconds=secs))
+    return out
+
+
+def compile_main(a) -> int:
+    import triton
+    rows = compile_figures(a.n, a.k)
+    print(f"# first call of a decode-layout {a.n}x{a.k} layer: its untuned H200 config compiled for sm_90 into an "
+          f"empty Triton cache (triton {triton.__version__}, {cpu_name()}, load "
+          f"{open('/proc/loadavg').read().split()[0]}); once per machine, Triton's cache serves later processes")
+    print(f"{'pair':14s} {'rows':>4s} {'config':30s} {'memory ops':>10s} {'compile s':>9s}")
+    for r in rows:
+        name = f"BM{r['config'].block_m}_" + _cfg_name(r["config"])
+        print(f"{r['dtype']:14s} {r['rows']:>4d} {name:30s} {r['memory_ops']:>10d} "
+              f"{r['seconds']:>9.1f}")
+    worst = max(rows, key=lambda r: r["seconds"])
+    print(f"max first-call compile (sm_90, empty Triton cache): {worst['seconds']:.1f} s "
+          f"({worst['dtype']}, {worst['rows']} rows)")
+    return 0
+
+
 def _cfg_name(c) -> str:
     return f"BN{c.block_n}_BK{c.block_k}_W{c.num_warps}_S{c.num_stages}_SK{c.split_k}"
 
@@ -201,9 +265,12 @@ def main(argv=None) -> int:
     ap.add_argument("--k", type=int, default=4096)
     ap.add_argument("--prefill", action="store_true", help="aten ops and bytes per call of the M > 16 route")
     ap.add_argument("--counts-only", action="store_true", help="only the kernels / aten ops per call")
+    ap.add_argument("--compile", action="store_true", help="first-call compile time of each pair's default")
     a = ap.parse_args(argv)
     if a.prefill:
         return prefill_main(a)
+    if a.compile:
+        return compile_main(a)
     torch.set_num_threads(1)
     if a.counts_only:
         count_device_work()

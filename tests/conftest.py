@@ -1,9 +1,19 @@
 """Shared test helpers: the one per-dtype error-bound table, the independent reference, and the snapshot a
 failed whole-model call is compared with."""
 import math
+import os
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # pytest -n N runs N workers side by side: torch's default of a thread per core in each
+    # oversubscribes the cores and OpenMP's spin-waits stall (a CLI test: 5 s alone, 52 s at -n 2 on
+    # 2 cores). One thread per worker, and for the subprocesses the tests start (CLI, torchrun).
+    os.environ["OMP_NUM_THREADS"] = "1"
 
 import pytest
 import torch
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
 import torch.nn.functional as F
 
 # Unit round-off u per dtype (round to nearest: |fl(a) - a| <= u |a| in the normal range).
@@ -283,4 +293,4 @@ def pytest_terminal_summary(terminalreporter, config):
     seed = getattr(config.option, "randomly_seed", None)
     if isinstance(seed, int):
         terminalreporter.write_line(f"test order: pytest-randomly seed {seed} "
-                                    f"(replay it: python -m pytest -q --randomly-seed={seed})")
+                                    f"(replay it: python -m pytest -q -n auto --randomly-seed={seed})")

@@ -19,7 +19,7 @@ def test_python_examples_run(page):
 
 def test_ci_runs_the_readme_test_command():
     command = ("python3 -m venv .venv && . .venv/bin/activate && bash scripts/setup.sh "
-               "&& python -m pytest -q")
+               "&& python -m pytest -q -n auto")
     readme = (ROOT / "README.md").read_text()
     assert f"\n{command}\n" in readme
     ci = (ROOT / ".ci" / "run").read_text()

@@ -6,6 +6,7 @@ metadata words against the layout-v1 slots; and the route that picks the kernel.
 
 What no CPU can check (the hardware's reading of the metadata operand and the
 fragments) is tested on a GPU by scripts/gpu_check.sh (scripts/gpu_tests)."""
+import collections
 import dataclasses
 import itertools
 
@@ -312,7 +313,10 @@ def test_one_k_tile_per_split_compiles_without_the_loop(quantize, bk, split, gen
 def test_loop_loads_mma_words_as_vectors_and_converts_no_layout(monkeypatch):
     """Compiled for sm_90: a K-tile's mma.sp words arrive as 16-byte loads per lane (one per 4 atoms
     and row tile: one 4-byte load per atom touches 32 cache lines each time), and the loop moves
-    nothing through shared memory or shuffles (a lane's words split across threads would)."""
+    nothing through shared memory or shuffles (a lane's words split across threads would). The
+    serial split-K's partials (a lane's 8 per row tile) go out and come back as two 16-byte vectors
+    per row tile and split, nothing else through L2 (4-byte accesses made 4x the memory operations,
+    and the compile 2-5x slower: Triton's coalescing pass grows with them)."""
     from sparse24.ops.linear24 import aot_compile
     tool = _static_check(monkeypatch)
     cfg, _ = tool.default_config("int4-float16", 8192, 8192)
@@ -323,3 +327,8 @@ def test_loop_loads_mma_words_as_vectors_and_converts_no_layout(monkeypatch):
     tiles, atoms = cfg.block_n // (16 * cfg.num_warps), cfg.block_k // 64
     assert ops.count("LDG.E.128") == tiles * atoms // 4, ops.count("LDG.E.128")   # INT4 values: LDG.E.64
     assert not [op for op in ops if op.startswith(("LDS", "STS", "SHFL"))]
+    every = [tool._opcode(t) for _, t in tool.without_padding(tool.sass_instructions(ck.asm["cubin"]))]
+    partials = collections.Counter(op for op in every if "STRONG" in op)   # the .cg accesses and the counter
+    assert cfg.split_k > 1 and partials == {"STG.E.128.STRONG.GPU": 2 * tiles, "ATOMG.E.ADD.STRONG.GPU": 1,
+                                            "LDG.E.128.STRONG.GPU": 2 * tiles * cfg.split_k}, partials
+    assert "SHFL" not in " ".join(every)

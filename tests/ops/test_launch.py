@@ -170,3 +170,34 @@ def test_one_kernel_per_decode_call(pair, act):
         kernels, ops = bench.device_work(lambda: launch.run(x, p.values, p.meta, None, None, 64,
                                                             KernelConfig(16, 32, 32, split_k=2)), launches)
         assert (kernels, ops) == (3, ["zeros", "_to_copy"])   # zeroed fp32 buffer, the kernel, the cast
+
+
+def test_compile_figures_compile_each_default_into_an_empty_cache(monkeypatch):
+    """bench_host.py --compile: each pair's untuned config (16 rows; 32 too where the sparse
+    tensor-core route takes 17-64 rows) is compiled once, into its own empty Triton cache (a warm
+    one would time a cache hit), the caller's cache setting restored; memory ops counted from the IR."""
+    import os
+
+    import sparse24.ops.linear24 as linear24
+
+    bench = load_script("bench_host")
+    seen = []
+
+    class Compiled:
+        asm = {"ttir": "%a = tt.load %p\ntt.store %q, %a\n%c = tt.atomic_rmw add, %r\n%d = tt.load_x"}
+
+    def fake(x, w, bias, target, cfg, split_k, cap):
+        d = os.environ["TRITON_CACHE_DIR"]
+        assert os.path.isdir(d) and not os.listdir(d) and d not in seen and cap == (9, 0)
+        seen.append(d)
+        return Compiled()
+
+    monkeypatch.setattr(linear24, "aot_compile", fake)
+    monkeypatch.setenv("TRITON_CACHE_DIR", "/somewhere/else")
+    rows = bench.compile_figures(4096, 4096)
+    assert os.environ["TRITON_CACHE_DIR"] == "/somewhere/else" and len(seen) == len(rows)
+    assert [(r["dtype"], r["rows"]) for r in rows] == [
+        ("float16", 16), ("bfloat16", 16), ("int8-float16", 16), ("int8-float16", 32), ("int8-bfloat16", 16),
+        ("int8-bfloat16", 32), ("int4-float16", 16), ("int4-float16", 32), ("int4-bfloat16", 16),
+        ("int4-bfloat16", 32)]
+    assert all(r["memory_ops"] == 3 and r["config"].block_m == (32 if r["rows"] == 32 else 16) for r in rows)
