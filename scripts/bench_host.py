@@ -44,7 +44,9 @@ import argparse
 import contextlib
 import dataclasses
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -54,6 +56,8 @@ from sparse24.decode_format import DecodePacked
 from sparse24.tools.bench import cpu_name
 from sparse24.ops.linear24 import launch, op
 from sparse24.tools.dispatch_count import count_dispatch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))   # --compile uses kernel_static_check's compile
 
 
 def _per_call_us(fn, calls: int) -> float:
@@ -206,31 +210,20 @@ def compile_figures(N: int, K: int) -> list[dict]:
     import os
     import re
     import tempfile
+    from unittest import mock
 
     from sparse24.ops.config_space import DTYPE_KEYS
-    from sparse24.ops.config_store import lookup
-    from sparse24.ops.linear24 import aot_compile
+    from kernel_static_check import compile_decode, default_config
 
     out = []
     for dt in (k for k in DTYPE_KEYS if not k.endswith("float32")):
-        act = torch.bfloat16 if dt.endswith("bfloat16") else torch.float16
-        w = DecodePacked.empty(N, K, act, dt.startswith("int8-"), symmetric=False,
-                               group_size=128 if dt.startswith("int4-") else None)
         for rows in (16, 32) if dt.startswith("int") else (16,):
-            cfg = lookup(rows, N, K, dt, "NVIDIA H200", (9, 0), 132, "decode").config
-            x, target = torch.empty(rows, K, dtype=act), torch.empty(rows, N, dtype=act)
-            saved = os.environ.get("TRITON_CACHE_DIR")
-            with tempfile.TemporaryDirectory() as cache:
-                os.environ["TRITON_CACHE_DIR"] = cache   # empty: the compile is not served from a cache
-                try:
-                    t0 = time.perf_counter()
-                    ck = aot_compile(x, w, None, target, cfg, cfg.split_k, (9, 0))
-                    secs = time.perf_counter() - t0
-                finally:
-                    if saved is None:
-                        del os.environ["TRITON_CACHE_DIR"]
-                    else:
-                        os.environ["TRITON_CACHE_DIR"] = saved
+            cfg, _ = default_config(dt, N, K, rows=rows)
+            # an empty cache: the compile is not served from one (the caller's setting comes back after)
+            with tempfile.TemporaryDirectory() as cache, mock.patch.dict(os.environ, TRITON_CACHE_DIR=cache):
+                t0 = time.perf_counter()
+                ck = compile_decode(dt, cfg, 90, N, K, rows)
+                secs = time.perf_counter() - t0
             ops = len(re.findall(r"\btt\.(?:load|store|atomic_\w+)\b", ck.asm["ttir"]))
             out.append(dict(dtype=dt, rows=rows, config=cfg, memory_ops=ops, seconds=secs))
     return out

@@ -329,20 +329,32 @@ def default_config(dtype: str, N: int, K: int, gpu: str = "NVIDIA H200", rows: i
     return choice.config, choice.kind
 
 
-def compile_listed(dtype: str, cfg, cap: int, N: int, K: int, rows: int = 16) -> dict:
-    """Compile ``cfg`` for an (N, K) decode-layout layer (uninitialized storage: only shapes,
-    dtypes and alignment matter); registers, shared memory, loop and whole-kernel SASS counts."""
+def _act_dtype(dtype: str) -> torch.dtype:
+    """The activations' dtype of a dtype key (``"int8-bfloat16"`` -> bfloat16)."""
+    return {"bfloat16": torch.bfloat16, "float32": torch.float32}.get(dtype.split("-")[-1], torch.float16)
+
+
+def compile_decode(dtype: str, cfg, cap: int, N: int, K: int, rows: int = 16):
+    """Triton's ``CompiledKernel`` of ``cfg`` for an (N, K) decode-layout layer of ``dtype`` (a dtype
+    key) and ``rows`` rows of x, compiled for sm_``cap`` (uninitialized storage: only shapes, dtypes
+    and alignment matter)."""
     from sparse24.decode_format import DecodePacked
     from sparse24.ops.linear24 import aot_compile
 
-    act = {"bfloat16": torch.bfloat16, "float32": torch.float32}.get(dtype.split("-")[-1], torch.float16)
-    int8 = dtype.startswith("int8-")
-    w = DecodePacked.empty(N, K, torch.float16 if act == torch.float32 else act, int8,  # fp32 x: fp16 weights
-                           group_size=INT4_GROUP if dtype.startswith("int4-") else None, symmetric=False)
+    act = _act_dtype(dtype)
+    w = DecodePacked.empty(N, K, torch.float16 if act == torch.float32 else act, dtype.startswith("int8-"),
+                           group_size=INT4_GROUP if dtype.startswith("int4-") else None,  # fp32 x: fp16 weights
+                           symmetric=False)
     # rows of x: 16 (the default, the worst case of M <= 16); the sparse tensor-core kernel compiles one mma
     # per chunk instead of two at M <= 8 (--listed-rows 8), the other kernels the same code for any M
     x, target = torch.empty(rows, K, dtype=act), torch.empty(rows, N, dtype=act)
-    ck = aot_compile(x, w, None, target, cfg, cfg.split_k, (cap // 10, cap % 10))
+    return aot_compile(x, w, None, target, cfg, cfg.split_k, (cap // 10, cap % 10))
+
+
+def compile_listed(dtype: str, cfg, cap: int, N: int, K: int, rows: int = 16) -> dict:
+    """:func:`compile_decode`, then registers, shared memory, loop and whole-kernel SASS counts."""
+    ck = compile_decode(dtype, cfg, cap, N, K, rows)
+    act = _act_dtype(dtype)
     instrs = without_padding(sass_instructions(ck.asm["cubin"]))
     loop = main_loop(instrs, required=cfg.split_k != -(-K // cfg.block_k))   # ONE_TILE kernels have no loop
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:

@@ -3,18 +3,16 @@ failed whole-model call is compared with."""
 import math
 import os
 
+import pytest
+import torch
+import torch.nn.functional as F
+
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # pytest -n N runs N workers side by side: torch's default of a thread per core in each
     # oversubscribes the cores and OpenMP's spin-waits stall (a CLI test: 5 s alone, 52 s at -n 2 on
     # 2 cores). One thread per worker, and for the subprocesses the tests start (CLI, torchrun).
-    os.environ["OMP_NUM_THREADS"] = "1"
-
-import pytest
-import torch
-
-if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
-import torch.nn.functional as F
+    os.environ["OMP_NUM_THREADS"] = "1"
 
 # Unit round-off u per dtype (round to nearest: |fl(a) - a| <= u |a| in the normal range).
 EPS = {torch.float64: 2.0 ** -53, torch.float32: 2.0 ** -24, torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8}

@@ -317,12 +317,9 @@ def test_loop_loads_mma_words_as_vectors_and_converts_no_layout(monkeypatch):
     serial split-K's partials (a lane's 8 per row tile) go out and come back as two 16-byte vectors
     per row tile and split, nothing else through L2 (4-byte accesses made 4x the memory operations,
     and the compile 2-5x slower: Triton's coalescing pass grows with them)."""
-    from sparse24.ops.linear24 import aot_compile
     tool = _static_check(monkeypatch)
     cfg, _ = tool.default_config("int4-float16", 8192, 8192)
-    w = DecodePacked.empty(8192, 8192, torch.float16, False, group_size=128, symmetric=False)
-    x, target = torch.empty(16, 8192, dtype=torch.float16), torch.empty(16, 8192, dtype=torch.float16)
-    ck = aot_compile(x, w, None, target, cfg, cfg.split_k, (9, 0))
+    ck = tool.compile_decode("int4-float16", cfg, 90, 8192, 8192)   # group 128 with zero points, 16 rows
     ops = [tool._opcode(t) for t in tool.main_loop(tool.without_padding(tool.sass_instructions(ck.asm["cubin"])))]
     tiles, atoms = cfg.block_n // (16 * cfg.num_warps), cfg.block_k // 64
     assert ops.count("LDG.E.128") == tiles * atoms // 4, ops.count("LDG.E.128")   # INT4 values: LDG.E.64
