@@ -15,6 +15,11 @@ first dot operand, decoded in registers, x^T the second. On sm_90 with
 BLOCK_N >= 64 (one 16-row tile per warp, 4 or 8 warps) Triton emits wgmma
 with W from registers and x^T from shared memory (HGMMA in the SASS; counts
 in docs/kernels.md, "Prefill path"), and num_stages > 1 pipelines the x loads.
+From BLOCK_M = 128 (``NATURAL``) the weight lanes decode what the wgmma's A
+fragment holds with x in its own column order (``_decode_tile_natural``), so
+x^T goes to the wgmma straight from the pipelined shared buffer and the wgmma
+runs asynchronously; below, ``_decode_tile`` with x permuted as the decode
+kernel does (less to load per weight lane where few rows share it).
 
 Grid: one program per (BLOCK_N rows of W, BLOCK_M rows of x), in groups of
 GROUP_M x-blocks that share W tiles while they sit in L2. No split-K: at
@@ -29,9 +34,102 @@ import triton
 import triton.language as tl
 
 from .interpreter import InterpretedKernel
-from .sparse24_decode import _decode_tile, _epilogue, _int4_rows
+from .sparse24_decode import (_ADD01, _ADD01_B0, _ADD01_B1, _ADD23, _ADD23_B0, _ADD23_B1, _MUL01, _MUL01_B0,
+                              _MUL01_B1, _MUL23, _MUL23_B0, _MUL23_B1, _SEL_MASK, _SM_MASK, _TWO_POW_24, _decode_tile,
+                              _epilogue, _int4_rows, _prmt, int8_bf16_words)
 
-__all__ = ["sparse24_prefill", "sparse24_prefill_interpreted"]
+__all__ = ["sparse24_prefill", "sparse24_prefill_interpreted", "NATURAL_TRITON"]
+
+# The natural-order tiles (``_decode_tile_natural``) where Triton compiles them well: 3.9
+# keeps the 128 x 128 tile at 128 registers (two programs per SM); 3.6 (the GPU image's)
+# takes it to 132 (one per SM: slower than the permuted tile at M >= 512, sm_90 SASS,
+# docs/kernels.md), so there every tile stays permuted.
+NATURAL_TRITON = tuple(int(v) for v in triton.__version__.split(".")[:2]) >= (3, 9)
+_NATURAL_TRITON = tl.constexpr(NATURAL_TRITON)
+
+
+
+def _pair_add(add: tl.constexpr) -> tl.constexpr:
+    """A selector's ADD for both groups of a pair at once, as int32 (sparse24_decode._selector_pair)."""
+    return tl.constexpr(add.value * 0x10001 - ((add.value >> 15) << 32))
+
+
+_PA01, _PA23 = _pair_add(_ADD01), _pair_add(_ADD23)
+_PA01_B0, _PA23_B0, _PA01_B1, _PA23_B1 = map(_pair_add, (_ADD01_B0, _ADD23_B0, _ADD01_B1, _ADD23_B1))
+
+
+@triton.jit
+def _pair_constant(hh, b, C01_0: tl.constexpr, C23_0: tl.constexpr, C01_1: tl.constexpr, C23_1: tl.constexpr):
+    # A selector constant of this lane's dense half hh (0: slots 0, 1; 1: slots 3, 2) of row half b's group
+    return tl.where(hh == 1, tl.where(b == 1, C23_1, C23_0), tl.where(b == 1, C01_1, C01_0))
+
+
+@triton.jit
+def _decode_tile_natural(acc, x_ptrs, v_ptrs, m_ptrs, k0, K, a0, KA, MASKED: tl.constexpr,
+                         INT8: tl.constexpr, W_BF16: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # One K-tile with x in its own column order (no permutation, so Triton's wgmma reads
+    # x^T straight from the pipelined shared buffer and runs asynchronously): lane
+    # 4i + 2jlo + hh of the dot's A fragment holds dense columns 2(2jlo + hh) + c and
+    # 8 + 2(2jlo + hh) + c of every 16-column chunk, i.e. half hh of groups jlo and
+    # jlo + 2, which the layout gives lanes 4i + jlo and 4i + jlo + 2 (s = 0, 1): each
+    # lane reads those two lanes' words and byte-permutes one dense half of each group
+    # (the same selectors as _decode_tile, the half's pair chosen per lane).
+    # Tensors are [A, h, s, T, i, jlo, hh, qq, b] (chunk q = 2h + qq; row i + 8b of tile T):
+    # the thread dimensions (i, jlo, hh) last but the per-thread words, so that the loads'
+    # layout puts lane 4i + 2jlo + hh's words in that lane.
+    A: tl.constexpr = BLOCK_K // 64
+    T: tl.constexpr = BLOCK_N // 16
+    ok_a = (a0 + tl.arange(0, A)) < KA
+    if MASKED:
+        mw = tl.load(m_ptrs, mask=ok_a[:, None, None, None, None, None, None], other=0)   # [A, 1, s, T, i, jlo, hh]
+        wv = tl.load(v_ptrs, mask=ok_a[:, None, None, None, None, None, None, None], other=0)
+    else:
+        mw = tl.load(m_ptrs)
+        wv = tl.load(v_ptrs)
+    mw = mw[:, :, :, :, :, :, :, None, None]
+    iq = tl.arange(0, 2)[None, None, None, None, None, None, None, :, None]
+    ib = tl.arange(0, 2)[None, None, None, None, None, None, None, None, :]
+    hh = tl.arange(0, 2)[None, None, None, None, None, None, :, None, None]
+    ih = tl.arange(0, 2)[None, :, None, None, None, None, None, None, None]
+    f = ((mw >> ((2 * iq + ib) * 4 + 2 * hh)) & 0x30003)              # this lane's half: slots 0,1 or 3,2
+    XT: tl.constexpr = x_ptrs.dtype.element_ty
+    if INT8:
+        # [A, 1, s, T, i, jlo, hh, q] -> [A, h, s, T, i, jlo, hh, qq, 1]: word q holds groups (q, b = 0, 1)
+        P = tl.permute(tl.reshape(wv, [A, 2, T, 8, 2, 2, 2, 2]), [0, 6, 1, 2, 3, 4, 5, 7])[:, :, :, :, :, :, :, :, None]
+        mul = _pair_constant(hh, ib, _MUL01_B0, _MUL23_B0, _MUL01_B1, _MUL23_B1)
+        add = _pair_constant(hh, ib, _PA01_B0, _PA23_B0, _PA01_B1, _PA23_B1)
+        WT: tl.constexpr = tl.bfloat16 if XT == tl.bfloat16 else tl.float16
+    else:
+        # the half-atoms joined as a trailing dimension, as INT8's words: a plain reshape of the
+        # [A, h, s, T, 8, 2, 2, 4] load made Triton 3.6 copy W through shared memory (ldmatrix)
+        h0, h1 = tl.split(tl.permute(wv, [0, 2, 3, 4, 5, 6, 7, 1]))      # [A, s, T, 8, 2, 2, 4] each
+        P = tl.permute(tl.reshape(tl.join(h0, h1), [A, 2, T, 8, 2, 2, 2, 2, 2]), [0, 8, 1, 2, 3, 4, 5, 6, 7])
+        mul = tl.where(hh == 1, _MUL23, _MUL01)
+        add = tl.where(hh == 1, _PA23, _PA01)
+        WT: tl.constexpr = tl.bfloat16 if W_BF16 else tl.float16
+    sel = ((f * mul + add) & _SEL_MASK) >> (16 * ih)                     # [A, h, s, T, i, jlo, hh, qq, b]
+    d = _prmt(P, tl.zeros([1, 1, 1, 1, 1, 1, 1, 1, 1], tl.int32), sel)
+    if INT8:
+        d = d & (_SM_MASK | (KA >> 31))   # a runtime mask: see _decode_tile
+    if INT8 and XT == tl.bfloat16:
+        d, c = int8_bf16_words(d)
+        w = tl.join((d & 0xFFFF).to(tl.int16).to(WT, bitcast=True) - (c & 0xFFFF).to(tl.int16).to(WT, bitcast=True),
+                    (d >> 16).to(tl.int16).to(WT, bitcast=True) - (c >> 16).to(tl.int16).to(WT, bitcast=True))
+    else:
+        w = tl.join((d & 0xFFFF).to(tl.int16).to(WT, bitcast=True), (d >> 16).to(tl.int16).to(WT, bitcast=True))
+    # [A, h, s, T, i, jlo, hh, qq, b, c] -> rows (T, b, i), columns (A, h, qq, s, jlo, hh, c)
+    w = tl.reshape(tl.permute(w, [3, 8, 4, 0, 1, 7, 2, 5, 6, 9]), [BLOCK_N, BLOCK_K])
+    if MASKED:
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        xm = tl.load(x_ptrs, mask=(offs_k < K)[None, :], other=0.0)
+    else:
+        xm = tl.load(x_ptrs)
+    if INT8 and XT == tl.float32:  # fp32 dots: scale the fp16 subnormals back to the integers, exactly
+        w = w.to(tl.float32) * _TWO_POW_24
+    elif WT != XT:
+        w = w.to(XT)
+    return tl.dot(w, tl.trans(xm), acc, input_precision=DOT_PRECISION)
 
 
 def _sparse24_prefill(
@@ -45,6 +143,9 @@ def _sparse24_prefill(
 ):
     A: tl.constexpr = BLOCK_K // 64
     T: tl.constexpr = BLOCK_N // 16
+    # x in its own column order (_decode_tile_natural) from 128 rows of x: there the
+    # permuted copy of x it saves outweighs reading two lanes' words per weight lane.
+    NATURAL: tl.constexpr = _NATURAL_TRITON and BLOCK_M >= 128 and not INT4
     v_ptr = v_ptr.to(tl.pointer_type(tl.int32), bitcast=True)  # values read as 32-bit words
     # Grouped order (Triton tutorial 03): GROUP_M consecutive x-blocks walk the
     # same W columns, so a decoded program's weight tiles are re-read from L2.
@@ -73,6 +174,26 @@ def _sparse24_prefill(
     if INT4:  # 8 bytes per lane and atom
         v_ptrs = v_ptr + (atoms[:, None] * NT + t0) * 64 + tl.arange(0, T * 64)[None, :]   # [A, T*64]
         V_STEP: tl.constexpr = A * 64
+    elif NATURAL:
+        # Lane 4i + 2jlo + hh reads the words of lanes 4i + jlo + 2s (_decode_tile_natural), one
+        # 16-byte load per source lane (and half-atom h for 16-bit weights):
+        # [A, h, s, T, i, jlo, hh, 4 words] (16-bit: words 2qq + b; INT8: [A, 1, ...], words q).
+        src = (2 * tl.arange(0, 2)[None, :, None, None, None, None]
+               + tl.arange(0, T)[None, None, :, None, None, None] * 32
+               + tl.arange(0, 8)[None, None, None, :, None, None] * 4
+               + tl.arange(0, 2)[None, None, None, None, :, None]
+               + 0 * tl.arange(0, 2)[None, None, None, None, None, :])           # [1, s, T, i, jlo, hh]
+        a8 = atoms[:, None, None, None, None, None, None, None]
+        w4 = tl.arange(0, 4)[None, None, None, None, None, None, None, :]
+        if INT8:
+            v_ptrs = v_ptr + (a8 * NT + t0) * 128 + src[:, None, :, :, :, :, :, None] * 4 + w4
+            V_STEP: tl.constexpr = A * 128
+        else:
+            v_ptrs = (v_ptr + ((a8 * 2 + tl.arange(0, 2)[None, :, None, None, None, None, None, None]) * NT + t0) * 128
+                      + src[:, None, :, :, :, :, :, None] * 4 + w4)
+            V_STEP: tl.constexpr = A * 256
+        m9 = meta_ptr + (t0 * 32 + src[:, None, :, :, :, :, :]).to(tl.int64) * KM \
+            + atoms[:, None, None, None, None, None, None]                          # [A, 1, s, T, i, jlo, hh]
     elif INT8:
         v_ptrs = v_ptr + (atoms[:, None] * NT + t0) * 128 + lanes[None, :]                  # [A, T*128]
         V_STEP: tl.constexpr = A * 128
@@ -89,15 +210,26 @@ def _sparse24_prefill(
 
     # One decode per weight tile for all BLOCK_M rows of x (the decode kernel: 16).
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    for kt in range(0, n_full):
-        acc = _decode_tile(acc, x_ptrs, v_ptrs, m_ptrs, kt * BLOCK_K, K, kt * A, KA, s_rows, z_rows, G,
-                           False, INT8, W_BF16, DOT_PRECISION, BLOCK_N, BLOCK_K, INT4, GROUP, HAS_ZERO)
-        v_ptrs += V_STEP * NT
-        m_ptrs += A
-        x_ptrs += x_step
-    if n_full * BLOCK_K < K:
-        acc = _decode_tile(acc, x_ptrs, v_ptrs, m_ptrs, n_full * BLOCK_K, K, n_full * A, KA, s_rows, z_rows,
-                           G, True, INT8, W_BF16, DOT_PRECISION, BLOCK_N, BLOCK_K, INT4, GROUP, HAS_ZERO)
+    if NATURAL:
+        for kt in range(0, n_full):
+            acc = _decode_tile_natural(acc, x_ptrs, v_ptrs, m9, kt * BLOCK_K, K, kt * A, KA, False, INT8, W_BF16,
+                                       DOT_PRECISION, BLOCK_N, BLOCK_K)
+            v_ptrs += V_STEP * NT
+            m9 += A
+            x_ptrs += x_step
+        if n_full * BLOCK_K < K:
+            acc = _decode_tile_natural(acc, x_ptrs, v_ptrs, m9, n_full * BLOCK_K, K, n_full * A, KA, True, INT8,
+                                       W_BF16, DOT_PRECISION, BLOCK_N, BLOCK_K)
+    else:
+        for kt in range(0, n_full):
+            acc = _decode_tile(acc, x_ptrs, v_ptrs, m_ptrs, kt * BLOCK_K, K, kt * A, KA, s_rows, z_rows, G,
+                               False, INT8, W_BF16, DOT_PRECISION, BLOCK_N, BLOCK_K, INT4, GROUP, HAS_ZERO)
+            v_ptrs += V_STEP * NT
+            m_ptrs += A
+            x_ptrs += x_step
+        if n_full * BLOCK_K < K:
+            acc = _decode_tile(acc, x_ptrs, v_ptrs, m_ptrs, n_full * BLOCK_K, K, n_full * A, KA, s_rows, z_rows,
+                               G, True, INT8, W_BF16, DOT_PRECISION, BLOCK_N, BLOCK_K, INT4, GROUP, HAS_ZERO)
 
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)

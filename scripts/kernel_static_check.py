@@ -594,8 +594,10 @@ def prefill_one(dtype: str, cfg, cap: int) -> dict:
     spills = int(re.search(r"LOCAL:(\d+)", res).group(1)) + int(re.search(r"STACK:(\d+)", res).group(1))
     mma = ops["HGMMA"] + ops["HMMA"]
     return dict(dtype=dtype, cfg=cfg, loop=len(loop), mma=mma, hgmma=ops["HGMMA"] > 0, local=ops["LDL"] + ops["STL"],
+                sts=ops["STS"],
                 half=sum(ops[o] for o in HALF_RATE), regs=regs, spills=spills, shared=ck.metadata.shared,
                 waits=any(re.search(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x0", t) for t in loop),
+                groups=max(1, sum("gsb0" in t for t in loop if t.startswith("HGMMA"))),
                 triton=triton.__version__)
 
 
@@ -627,7 +629,10 @@ def predicted_time(r: dict, M: int, N: int, K: int, w_bytes: float, split_k: int
     ``per_sm`` resident at once; a program's K-tiles run its decode and its
     wgmma one after the other (the loop waits for them), other programs on the
     SM fill the gaps: a round of p programs takes max(p t_tensor, p t_issue,
-    t_tensor + t_issue), floored by HBM traffic (weight bytes w_bytes per element,
+    t_tensor + t_issue) when the loop waits for its wgmma, else (asynchronous wgmma in G
+    groups per K-tile, the loop waiting for all but the last) max(p t_tensor, p t_issue,
+    max(t_issue, t_tensor / G) + t_tensor (G - 1) / G): the last group runs under the
+    next K-tile's decode, the others are exposed; floored by HBM traffic (weight bytes w_bytes per element,
     x and out fp16). ``split_k`` > 1 estimates a serial split-K the kernel does not
     have: split_k times the programs over K / split_k each, and every program's fp32
     partial tile through L2 (its store, then the last program's reads of the others').
@@ -638,8 +643,11 @@ def predicted_time(r: dict, M: int, N: int, K: int, w_bytes: float, split_k: int
     iters = -(-(-(-K // split_k)) // c.block_k)
     tt, ti, p = r["t_tensor"], r["t_issue"], max(r["per_sm"], 1)
     full, rest = divmod(per_sm_progs, p)
+    g = r.get("groups", 1)
+    alone = tt + ti if r.get("waits", True) else max(ti, tt / g) + tt * (g - 1) / g   # one program's K-tile
+
     def rnd(n):
-        return max(n * tt, n * ti, tt + ti) if n else 0.0
+        return max(n * tt, n * ti, alone) if n else 0.0
     ours = iters * (full * rnd(p) + rnd(rest))
     if split_k > 1:
         ours += (per_sm_progs + split_k - 1) * c.block_m * c.block_n * 4 / L2_BYTES_PER_SM_CLK
@@ -682,16 +690,16 @@ def prefill_main(a) -> int:
           " BLOCK_M x BLOCK_N); dense: the idealized dense GEMM of dense_time(), the same for every config")
     worst, wins, split_worst = {}, [], {}
     for dt in dtypes:
-        w_bytes, int4 = dense_bytes_per_weight(dt), dt.startswith("int4-")
+        w_bytes, int4, int8 = dense_bytes_per_weight(dt), dt.startswith("int4-"), dt.startswith("int8-")
         by_cfg = {r["cfg"]: r for r in rows if r["dtype"] == dt}
         # Would a serial split-K lift the minimum? The default large tile, split 2 / 4 / 8, as a further choice.
-        big = by_cfg.get(prefill_config(4096, 4096, 4096, int4=int4))
+        big = by_cfg.get(prefill_config(4096, 4096, 4096, int4=int4, int8=int8))
         print(f"{dt:13} " + " ".join(f"{'M=' + str(m):>19}" for m in PREFILL_M))
         for N, K in PREFILL_SHAPES:
             cells = []
             for M in PREFILL_M:
                 ratios = {c: (lambda t: t[1] / t[0])(predicted_time(r, M, N, K, w_bytes)) for c, r in by_cfg.items()}
-                d = ratios.get(prefill_config(M, N, K, int4=int4))
+                d = ratios.get(prefill_config(M, N, K, int4=int4, int8=int8))
                 best = max((c for c in ratios if not by_cfg[c]["spills"]), key=ratios.get)
                 if d is not None:
                     worst[(dt, M)] = min(worst.get((dt, M), 9.0), d)

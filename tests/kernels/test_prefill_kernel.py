@@ -5,10 +5,11 @@ checks; and an ahead-of-time sm_90 compile (wgmma with W from registers)."""
 import pytest
 import torch
 
+import sparse24
 from sparse24.decode_format import DecodePacked, pack_decode
 from sparse24.ops.config_space import KernelConfig
 from sparse24.ops.linear24.launch import linear_prefill
-from sparse24.ops.linear24.prefill import check_prefill_config, prefill_config, prefill_configs
+from sparse24.ops.linear24.prefill import check_prefill_config, natural_order, prefill_config, prefill_configs
 
 from conftest import assert_matches_reference, reference_linear, tolerance
 from test_decode_kernel import _static_check, _weight  # the decode kernel's weights and static-check loader
@@ -58,11 +59,38 @@ def test_every_config_in_the_space_matches_reference(wtype, gen):
         assert_matches_reference(linear_prefill(x, d, b, config=cfg), x, dense, b)
 
 
+@pytest.mark.parametrize("M,N,K,xtype,wtype", [
+    (130, 72, 200, torch.float16, "fp16"),
+    (130, 72, 200, torch.float32, "fp16"),
+    (129, 40, 136, torch.float32, "bf16"),
+    (130, 72, 200, torch.float16, "int8"),
+    (129, 40, 136, torch.float32, "int8"),
+])
+@pytest.mark.parametrize("bm,bn", [(128, 64), (256, 128)])
+def test_natural_order_tiles_match_reference(M, N, K, xtype, wtype, bm, bn, gen):
+    """From 128 rows of x a program reads x in its own column order and each weight lane
+    decodes one dense half of two lanes' groups (``_decode_tile_natural``): every weight
+    kind with the activation dtypes the interpreter has (bfloat16 x: the sm_90 compile
+    below and scripts/gpu_tests), two x-blocks (rows past M clamped), a partial row block,
+    a partial K-tile and atom."""
+    if wtype == "bf16":
+        w = torch.randn(N, K, generator=gen).bfloat16()
+        d, dense = pack_decode(sparse24.compress(w)), (w * sparse24.mask_nm(w)).double()
+    else:
+        d, dense = _weight(N, K, wtype, gen)
+    x = torch.randn(M, K, generator=gen).to(xtype)
+    b = torch.randn(N, generator=gen)
+    tri = linear_prefill(x, d, b, config=_cfg(bm, bn, 64))
+    assert tri.dtype == xtype and tri.shape == (M, N)
+    assert_matches_reference(tri, x, dense, b)
+
+
 @pytest.mark.parametrize("wtype", ["fp16", "int8"])
-def test_a_wrong_keep_bit_fails_the_check(wtype, gen):
+@pytest.mark.parametrize("cfg", [None, _cfg(128, 64, 64)], ids=["default", "natural"])
+def test_a_wrong_keep_bit_fails_the_check(wtype, cfg, gen):
     """The kernel really decodes the keep masks: one group's pair moved to the other two
     slots gives the dense weight those bits describe, and misses the original by more
-    than the tolerance."""
+    than the tolerance (the permuted-x tiles and the natural-order ones)."""
     N, K = 40, 128
     d, dense = _weight(N, K, wtype, gen)
     meta = d.meta.clone()
@@ -70,7 +98,7 @@ def test_a_wrong_keep_bit_fails_the_check(wtype, gen):
     bad = DecodePacked(d.values, meta, d.shape, d.dtype, d.scale, check=False)
     bad = pack_decode(bad.to_sparse24())               # INT8: its mma.sp words follow the keep masks
     x = torch.randn(33, K, generator=gen)
-    tri = linear_prefill(x, bad)
+    tri = linear_prefill(x, bad, config=cfg)
     assert not torch.allclose(tri.double(), reference_linear(x, dense), **tolerance(torch.float32, K))
     assert_matches_reference(tri, x, bad.to_dense().double())
 
@@ -111,10 +139,14 @@ def test_default_configs():
     assert prefill_config(768, 4096, 4096).block_n == 64 and prefill_config(896, 4096, 4096).block_n == 128
     assert prefill_config(128, 3072, 768).block_m == 64    # 96 programs of 64 x 64 beat 192 of 32 x 64
     assert prefill_config(4096, 4096, 4096).num_stages == 2
+    # INT8: 256 x 64 on 3 stages from 2 programs per SM (264 of 256 x 64 at 4096 x 4096, M = 2048)
+    big = prefill_config(2048, 4096, 4096, int8=True)
+    assert (big.block_m, big.block_n, big.num_stages) == ((256, 64, 3) if natural_order() else (128, 128, 2))
+    assert prefill_config(1024, 4096, 4096, int8=True) == prefill_config(1024, 4096, 4096)   # 256 programs: 128 x 128
     for M in (17, 64, 100, 512, 4096):
         for N in (768, 4096, 28672):
-            for int4 in (False, True):
-                c = check_prefill_config(prefill_config(M, N, 4096, int4=int4))
+            for int4, int8 in ((False, False), (True, False), (False, True)):
+                c = check_prefill_config(prefill_config(M, N, 4096, int4=int4, int8=int8))
                 assert c.num_warps == c.block_n // 16 and c.block_n >= 64  # wgmma with W from registers on sm_90
                 assert c in prefill_configs(M) and c.block_m < 2 * M
 
@@ -123,14 +155,19 @@ def test_default_configs():
 def test_large_m_default_compiles_to_hgmma_for_sm90(dtype, monkeypatch):
     """No GPU here: the large-M default compiled for sm_90 with the launcher's arguments
     (scripts/kernel_static_check.py --prefill) runs wgmma with W from registers (HGMMA, one
-    per 16 columns of a K-tile), spills nothing and fits two programs per SM, so one decodes
-    while the other's wgmma runs: the premise of the prediction in docs/kernels.md."""
+    per 16 columns of a K-tile) and x^T straight from the pipelined shared buffer: no
+    shared-memory store in the loop (the permuted tiles copied x through registers back to
+    shared memory: 8 STS per K-tile) and the loop never waits for its last wgmma group, so
+    it runs under the next K-tile's decode; it spills nothing and fits two programs per SM:
+    the premises of the prediction in docs/kernels.md."""
     monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")
     tool = _static_check()
     cfg = prefill_config(4096, 4096, 4096)
     assert (cfg.block_m, cfg.block_n) == (128, 128)
     r = tool.prefill_one(dtype, cfg, 90)
     assert r["hgmma"] and r["mma"] == cfg.block_k // 16
+    if natural_order():   # Triton >= 3.9 (this project's); 3.6 keeps the permuted tiles
+        assert r["sts"] == 0 and not r["waits"] and r["groups"] == 2
     assert r["spills"] == 0 and r["local"] == 0
     assert tool.programs_per_sm(r["regs"], r["shared"], cfg.num_warps) >= 2
 
@@ -149,3 +186,18 @@ def test_split_k_estimate_counts_more_programs_and_the_partials():
     four, dense4 = tool.predicted_time(r, 256, 4096, 4096, 1.125, split_k=4)
     assert dense4 == dense
     assert four == pytest.approx(16 * 1024 + (2 + 3) * 128 * 128 * 4 / tool.L2_BYTES_PER_SM_CLK)
+
+
+def test_asynchronous_wgmma_hides_the_last_group_under_the_next_decode():
+    """The model of a loop that does not wait for its last wgmma group (``waits`` False, G
+    groups per K-tile): one program alone takes max(t_issue, t_tensor / G) + t_tensor (G - 1) / G
+    per K-tile instead of t_issue + t_tensor; by hand, 128 x 128 x 64 at 4096 x 4096, M = 256:
+    64 programs, one per SM, 64 K-tiles."""
+    tool = _static_check()
+    cfg = prefill_config(4096, 4096, 4096)
+    r = dict(cfg=cfg, t_tensor=512.0, t_issue=400.0, per_sm=2, waits=False, groups=2)
+    ours, _ = tool.predicted_time(r, 256, 4096, 4096, 1.125)
+    assert ours == 64 * (400 + 256)
+    assert tool.predicted_time(dict(r, waits=True), 256, 4096, 4096, 1.125)[0] == 64 * (400 + 512)
+    # M = 1024: 256 programs, two per SM: the tensor cores bind (2 x 512 per K-tile)
+    assert tool.predicted_time(r, 1024, 4096, 4096, 1.125)[0] == 64 * 1024
