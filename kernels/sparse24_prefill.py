@@ -48,7 +48,6 @@ NATURAL_TRITON = tuple(int(v) for v in triton.__version__.split(".")[:2]) >= (3,
 _NATURAL_TRITON = tl.constexpr(NATURAL_TRITON)
 
 
-
 def _pair_add(add: tl.constexpr) -> tl.constexpr:
     """A selector's ADD for both groups of a pair at once, as int32 (sparse24_decode._selector_pair)."""
     return tl.constexpr(add.value * 0x10001 - ((add.value >> 15) << 32))
@@ -132,6 +131,21 @@ def _decode_tile_natural(acc, x_ptrs, v_ptrs, m_ptrs, k0, K, a0, KA, MASKED: tl.
     return tl.dot(w, tl.trans(xm), acc, input_precision=DOT_PRECISION)
 
 
+@triton.jit
+def _k_tile(acc, x_ptrs, v_ptrs, m_ptrs, k0, K, a0, KA, s_rows, z_rows, G, MASKED: tl.constexpr,
+            NATURAL: tl.constexpr, INT8: tl.constexpr, W_BF16: tl.constexpr, DOT_PRECISION: tl.constexpr,
+            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INT4: tl.constexpr, GROUP: tl.constexpr,
+            HAS_ZERO: tl.constexpr):
+    # One K-tile of either decode (the pointers were laid out for it by the kernel)
+    if NATURAL:
+        acc = _decode_tile_natural(acc, x_ptrs, v_ptrs, m_ptrs, k0, K, a0, KA, MASKED, INT8, W_BF16,
+                                   DOT_PRECISION, BLOCK_N, BLOCK_K)
+    else:
+        acc = _decode_tile(acc, x_ptrs, v_ptrs, m_ptrs, k0, K, a0, KA, s_rows, z_rows, G, MASKED, INT8, W_BF16,
+                           DOT_PRECISION, BLOCK_N, BLOCK_K, INT4, GROUP, HAS_ZERO)
+    return acc
+
+
 def _sparse24_prefill(
     x_ptr, v_ptr, meta_ptr, scale_ptr, zero_ptr, bias_ptr, out_ptr,
     M, N, K, KA, KM,
@@ -192,7 +206,7 @@ def _sparse24_prefill(
             v_ptrs = (v_ptr + ((a8 * 2 + tl.arange(0, 2)[None, :, None, None, None, None, None, None]) * NT + t0) * 128
                       + src[:, None, :, :, :, :, :, None] * 4 + w4)
             V_STEP: tl.constexpr = A * 256
-        m9 = meta_ptr + (t0 * 32 + src[:, None, :, :, :, :, :]).to(tl.int64) * KM \
+        m_ptrs = meta_ptr + (t0 * 32 + src[:, None, :, :, :, :, :]).to(tl.int64) * KM \
             + atoms[:, None, None, None, None, None, None]                          # [A, 1, s, T, i, jlo, hh]
     elif INT8:
         v_ptrs = v_ptr + (atoms[:, None] * NT + t0) * 128 + lanes[None, :]                  # [A, T*128]
@@ -201,7 +215,8 @@ def _sparse24_prefill(
         v_ptrs = (v_ptr + ((atoms[:, None, None] * 2 + tl.arange(0, 2)[None, :, None]) * NT + t0) * 128
                   + lanes[None, None, :])                                                  # [A, 2, T*128]
         V_STEP: tl.constexpr = A * 256
-    m_ptrs = meta_ptr + (t0 * 32 + tl.arange(0, T * 32)).to(tl.int64)[:, None] * KM + atoms[None, :]  # [T*32, A]
+    if not NATURAL:
+        m_ptrs = meta_ptr + (t0 * 32 + tl.arange(0, T * 32)).to(tl.int64)[:, None] * KM + atoms[None, :]  # [T*32, A]
     G = (K + GROUP - 1) // GROUP   # INT4: quantization groups per row
     s_rows, z_rows = _int4_rows(scale_ptr, zero_ptr, t0, N, G, T) if INT4 else (scale_ptr, zero_ptr)
     rows = tl.minimum(tl.arange(0, BLOCK_M), M - 1).to(tl.int64)   # rows past M: clamped, never stored
@@ -210,26 +225,15 @@ def _sparse24_prefill(
 
     # One decode per weight tile for all BLOCK_M rows of x (the decode kernel: 16).
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    if NATURAL:
-        for kt in range(0, n_full):
-            acc = _decode_tile_natural(acc, x_ptrs, v_ptrs, m9, kt * BLOCK_K, K, kt * A, KA, False, INT8, W_BF16,
-                                       DOT_PRECISION, BLOCK_N, BLOCK_K)
-            v_ptrs += V_STEP * NT
-            m9 += A
-            x_ptrs += x_step
-        if n_full * BLOCK_K < K:
-            acc = _decode_tile_natural(acc, x_ptrs, v_ptrs, m9, n_full * BLOCK_K, K, n_full * A, KA, True, INT8,
-                                       W_BF16, DOT_PRECISION, BLOCK_N, BLOCK_K)
-    else:
-        for kt in range(0, n_full):
-            acc = _decode_tile(acc, x_ptrs, v_ptrs, m_ptrs, kt * BLOCK_K, K, kt * A, KA, s_rows, z_rows, G,
-                               False, INT8, W_BF16, DOT_PRECISION, BLOCK_N, BLOCK_K, INT4, GROUP, HAS_ZERO)
-            v_ptrs += V_STEP * NT
-            m_ptrs += A
-            x_ptrs += x_step
-        if n_full * BLOCK_K < K:
-            acc = _decode_tile(acc, x_ptrs, v_ptrs, m_ptrs, n_full * BLOCK_K, K, n_full * A, KA, s_rows, z_rows,
-                               G, True, INT8, W_BF16, DOT_PRECISION, BLOCK_N, BLOCK_K, INT4, GROUP, HAS_ZERO)
+    for kt in range(0, n_full):
+        acc = _k_tile(acc, x_ptrs, v_ptrs, m_ptrs, kt * BLOCK_K, K, kt * A, KA, s_rows, z_rows, G, False, NATURAL,
+                      INT8, W_BF16, DOT_PRECISION, BLOCK_N, BLOCK_K, INT4, GROUP, HAS_ZERO)
+        v_ptrs += V_STEP * NT
+        m_ptrs += A
+        x_ptrs += x_step
+    if n_full * BLOCK_K < K:
+        acc = _k_tile(acc, x_ptrs, v_ptrs, m_ptrs, n_full * BLOCK_K, K, n_full * A, KA, s_rows, z_rows, G, True,
+                      NATURAL, INT8, W_BF16, DOT_PRECISION, BLOCK_N, BLOCK_K, INT4, GROUP, HAS_ZERO)
 
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)

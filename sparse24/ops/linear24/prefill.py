@@ -20,17 +20,17 @@ __all__ = ["prefill_config", "prefill_configs", "check_prefill_config", "natural
 # (scripts/kernel_static_check.py --prefill, docs/kernels.md "Prefill path"; not timed
 # on a GPU yet). One 16-row W tile per warp (num_warps == BLOCK_N // 16, the decode
 # layout's fragment ownership) and BLOCK_N >= 64, so sm_90 runs wgmma with W from
-# registers (HGMMA). From 128 rows of x the kernel reads x in its own column order and
-# the wgmma runs asynchronously, half a K-tile's multiply under the next decode; below,
-# the loop waits for its own wgmma and decode and tensor cores overlap only across
-# programs sharing an SM. Tiles in
-# order of their predicted efficiency over full waves, each with the programs (in units
-# of the SMs) it needs before it beats the next, smaller one at filling the GPU, fitted
-# to the report's model over the 11 shapes of issue 22 at M = 64-4096:
+# registers (HGMMA). From 128 rows of x (Triton >= 3.9) the kernel reads x in its own
+# column order and the wgmma runs asynchronously, half a K-tile's multiply under the next
+# decode; below, the loop waits for its own wgmma and decode and tensor cores overlap only
+# across programs sharing an SM. Tiles in order of their predicted efficiency over full
+# waves, each with the programs (in units of the SMs) it needs before it beats the next,
+# smaller one at filling the GPU, fitted to the report's model over the 11 shapes of issue 22 at M = 64-4096:
 # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, SMs). 128 x 128 x 64 needs 122-128 registers
 # (2 programs per SM, every 16-bit and INT8 pair); the last tile takes whatever is left.
-# With the natural-order tiles (Triton >= 3.9), INT8 weights first try 256 x 64 x 64 on 3 stages (236-237 registers, 2 programs per SM:
-# tensor-bound where 128 x 128 is issue-bound, 1.00 against 0.80-0.95 of dense at large M).
+# With the natural-order tiles (Triton >= 3.9), INT8 weights first try 256 x 64 x 64 on
+# 3 stages (236-237 registers, 2 programs per SM: tensor-bound where 128 x 128 is
+# issue-bound, 1.00 against 0.80-0.95 of dense at large M).
 _TILES = ((128, 128, 64, 8, 2, 1.5), (128, 64, 64, 4, 2, 1.0), (64, 64, 128, 4, 2, 0.7), (32, 64, 128, 4, 2, 0.0))
 _INT8_TILES = ((256, 64, 64, 4, 3, 2.0),) + _TILES
 
@@ -41,8 +41,9 @@ def prefill_config(M: int, N: int, K: int, num_sms: int = 132, *, int4: bool = F
     the first tile of ``_TILES`` that wastes at most half its BLOCK_M rows and gives
     enough programs, ``ceil(M / BLOCK_M) * ceil(N / BLOCK_N)``, for the ``num_sms``
     multiprocessors (default: an H200's 132); else 32 x 64. INT8 weights (``int8``) try
-    256 x 64 first where the kernel's natural-order tiles run (:func:`natural_order`); INT4 weights (``int4``) skip 128 x 128: its dequantization takes 154
-    registers there, one program per SM (sm_90 SASS, docs/kernels.md)."""
+    256 x 64 first where the kernel's natural-order tiles run (:func:`natural_order`); INT4
+    weights (``int4``) skip 128 x 128: its dequantization takes 154 registers there, one
+    program per SM (sm_90 SASS, docs/kernels.md)."""
     if M <= DECODE_M:
         raise ValueError(f"the prefill kernel serves M > {DECODE_M}, got M = {M}")
     for bm, bn, bk, warps, stages, fill in (_TILES[1:] if int4 else _INT8_TILES if int8 and natural_order()
