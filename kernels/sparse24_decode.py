@@ -150,20 +150,26 @@ def _int4_words(wv, s_rows, z_rows, ok_a, a0, G, MASKED: tl.constexpr, HAS_ZERO:
         kq = (a0 + ia) * 2 + tl.arange(0, 2)[None, :, None, None, None, None]
     else:
         kq = (a0 + ia) // (GROUP // 64)
+    Z, s = _int4_group(s_rows, z_rows, kq, ok_a[:, None, None, None, None, None], G, MASKED, HAS_ZERO, MAGIC)
+    return P, Z, s
+
+
+@triton.jit
+def _int4_group(s_rows, z_rows, kq, ok_a, G, MASKED: tl.constexpr, HAS_ZERO: tl.constexpr, MAGIC: tl.constexpr):
+    # INT4: the zero words Z (magic | z, twice) and float16 scales of quantization groups kq
+    # at the lanes' rows (pointers s_rows, z_rows at group 0; any rank, broadcast together)
     if MASKED:  # the partial tile: groups past the last one (columns >= K) are not read
-        ok = ok_a[:, None, None, None, None, None] & (kq < G)
+        ok = ok_a & (kq < G)
         s = tl.load(s_rows + kq, mask=ok, other=0.0)
         if HAS_ZERO:
             Z = tl.load(z_rows + kq, mask=ok, other=0).to(tl.int32) * 0x10001 | MAGIC
-        else:
-            Z = tl.full([1, 1, 1, 1, 1, 1], MAGIC | 0x80008, tl.int32)
     else:
         s = tl.load(s_rows + kq)
         if HAS_ZERO:
             Z = tl.load(z_rows + kq).to(tl.int32) * 0x10001 | MAGIC
-        else:
-            Z = tl.full([1, 1, 1, 1, 1, 1], MAGIC | 0x80008, tl.int32)     # symmetric: z = 8
-    return P, Z, s
+    if not HAS_ZERO:
+        Z = tl.zeros_like(kq) + (MAGIC | 0x80008)   # symmetric: z = 8
+    return Z, s
 
 
 # INT4 dequantization on whole 32-bit words (two halves each): Triton's per-element
@@ -194,6 +200,26 @@ def _f16x2(asm: tl.constexpr, a, b):
 def _half_word(h):
     """A float16/bfloat16 tensor -> int32 words holding it in both halves."""
     return (h.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF) * 0x10001
+
+
+@triton.jit
+def _int4_dequant(d, Z, sc, XT: tl.constexpr):
+    # INT4 dense words d (byte permutes of P and Z) -> u - z exactly (integers below 2**11 / 2**8),
+    # then times the float16 scale sc, on whole words: x float16, in float16 (one rounding of
+    # the exact product); x bfloat16, the exact product rounded once (_DEQUANT_BF16X2); x float32,
+    # u - z here, the scale after, in float32 (exact).
+    if XT == tl.float16:
+        d = _f16x2(_MUL_F16X2, _f16x2(_SUB_F16X2, d, Z), _half_word(sc))
+    elif XT == tl.bfloat16:
+        hi = sc.to(tl.bfloat16)
+        lo = (sc.to(tl.float32) - hi.to(tl.float32)).to(tl.bfloat16)
+        m1 = tl.zeros_like(d) + _BF16X2_MINUS_ONE   # splat constants
+        m0 = tl.zeros_like(d) + _BF16X2_MINUS_ZERO
+        d = tl.inline_asm_elementwise(_DEQUANT_BF16X2, "=r,r,r,r,r,r,r", [d, Z, _half_word(hi), _half_word(lo), m1, m0],
+                                      dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        d = _f16x2(_SUB_F16X2, d, Z)
+    return d
 
 
 @triton.jit
@@ -276,27 +302,8 @@ def _decode_tile(acc, x_ptrs, v_ptrs, m_ptrs, k0, K, a0, KA, s_rows, z_rows, G,
         P, Z, sc = _int4_words(wv, s_rows, z_rows, ok_a, a0, G, MASKED, HAS_ZERO, GROUP, MAGIC, A, T)
         d01 = _prmt(P, Z, _selector_pair(f, _MUL01_I4, _ADD01_I4))       # dense slots 0, 1
         d23 = _prmt(P, Z, _selector_pair(f >> 2, _MUL23_I4, _ADD23_I4))  # dense slots 2, 3
-        # u - z exactly (integers below 2**11 / 2**8), then times the float16 scale, on whole
-        # words: x float16, in float16 (one rounding of the exact product); x bfloat16, the
-        # exact product rounded once (_DEQUANT_BF16X2); x float32, u - z here, the scale
-        # after, in float32 (exact).
-        if XT == tl.float16:
-            S = _half_word(sc)
-            d01 = _f16x2(_MUL_F16X2, _f16x2(_SUB_F16X2, d01, Z), S)
-            d23 = _f16x2(_MUL_F16X2, _f16x2(_SUB_F16X2, d23, Z), S)
-        elif XT == tl.bfloat16:
-            hi = sc.to(tl.bfloat16)
-            lo = (sc.to(tl.float32) - hi.to(tl.float32)).to(tl.bfloat16)
-            SH, SL = _half_word(hi), _half_word(lo)
-            m1 = tl.full([1, 1, 1, 1, 1, 1], _BF16X2_MINUS_ONE, tl.int32)
-            m0 = tl.full([1, 1, 1, 1, 1, 1], _BF16X2_MINUS_ZERO, tl.int32)
-            d01 = tl.inline_asm_elementwise(_DEQUANT_BF16X2, "=r,r,r,r,r,r,r", [d01, Z, SH, SL, m1, m0],
-                                            dtype=tl.int32, is_pure=True, pack=1)
-            d23 = tl.inline_asm_elementwise(_DEQUANT_BF16X2, "=r,r,r,r,r,r,r", [d23, Z, SH, SL, m1, m0],
-                                            dtype=tl.int32, is_pure=True, pack=1)
-        else:
-            d01 = _f16x2(_SUB_F16X2, d01, Z)
-            d23 = _f16x2(_SUB_F16X2, d23, Z)
+        d01 = _int4_dequant(d01, Z, sc, XT)
+        d23 = _int4_dequant(d23, Z, sc, XT)
     elif INT8:
         # 16 bytes per lane and atom; word q = 2h + qq holds groups (q, 0) and
         # (q, 1): each word gives 4 dense pairs, with per-group selectors.

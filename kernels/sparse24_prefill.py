@@ -18,8 +18,11 @@ in docs/kernels.md, "Prefill path"), and num_stages > 1 pipelines the x loads.
 From BLOCK_M = 128 (``NATURAL``) the weight lanes decode what the wgmma's A
 fragment holds with x in its own column order (``_decode_tile_natural``), so
 x^T goes to the wgmma straight from the pipelined shared buffer and the wgmma
-runs asynchronously; below, ``_decode_tile`` with x permuted as the decode
-kernel does (less to load per weight lane where few rows share it).
+runs asynchronously; a 128-row tile multiplies each half-atom into its own
+accumulator (``HALVES``), so Triton keeps three wgmma groups in flight and the
+multiply runs under the next half's decode. Below 128 rows, ``_decode_tile``
+with x permuted as the decode kernel does (less to load per weight lane where
+few rows share it).
 
 Grid: one program per (BLOCK_N rows of W, BLOCK_M rows of x), in groups of
 GROUP_M x-blocks that share W tiles while they sit in L2. No split-K: at
@@ -34,18 +37,22 @@ import triton
 import triton.language as tl
 
 from .interpreter import InterpretedKernel
-from .sparse24_decode import (_ADD01, _ADD01_B0, _ADD01_B1, _ADD23, _ADD23_B0, _ADD23_B1, _MUL01, _MUL01_B0,
-                              _MUL01_B1, _MUL23, _MUL23_B0, _MUL23_B1, _SEL_MASK, _SM_MASK, _TWO_POW_24, _decode_tile,
-                              _epilogue, _int4_rows, _prmt, int8_bf16_words)
+from .sparse24_decode import (_ADD01, _ADD01_B0, _ADD01_B1, _ADD01_I4, _ADD23, _ADD23_B0, _ADD23_B1, _ADD23_I4,
+                              _MAGIC_BF16, _MAGIC_F16, _MUL01, _MUL01_B0, _MUL01_B1, _MUL01_I4, _MUL23, _MUL23_B0,
+                              _MUL23_B1, _MUL23_I4, _SEL_MASK, _SM_MASK, _TWO_POW_24, _decode_tile, _epilogue,
+                              _int4_dequant, _int4_group, _int4_rows, _prmt, int8_bf16_words)
 
 __all__ = ["sparse24_prefill", "sparse24_prefill_interpreted", "NATURAL_TRITON"]
 
-# The natural-order tiles (``_decode_tile_natural``) where Triton compiles them well: 3.9
-# keeps the 128 x 128 tile at 128 registers (two programs per SM); 3.6 (the GPU image's)
-# takes it to 132 (one per SM: slower than the permuted tile at M >= 512, sm_90 SASS,
-# docs/kernels.md), so there every tile stays permuted.
-NATURAL_TRITON = tuple(int(v) for v in triton.__version__.split(".")[:2]) >= (3, 9)
+# The natural-order tiles (``_decode_tile_natural``) at every BLOCK_M >= 128 where Triton
+# compiles them well (3.9); 3.6 (the GPU image's) only at 128 rows, with two accumulators
+# (128 x 64: 255 registers, no spill, two programs per SM; sm_90 SASS, docs/kernels.md):
+# its one-accumulator natural tiles took 132 registers at 128 x 128 (one per SM), so its
+# 256-row tiles stay permuted. Before 3.6 (not compiled for sm_90 here) every tile stays permuted.
+_TRITON = tuple(int(v) for v in triton.__version__.split(".")[:2])
+NATURAL_TRITON = _TRITON >= (3, 9)
 _NATURAL_TRITON = tl.constexpr(NATURAL_TRITON)
+_NATURAL_128 = tl.constexpr(_TRITON >= (3, 6))
 
 
 def _pair_add(add: tl.constexpr) -> tl.constexpr:
@@ -55,6 +62,7 @@ def _pair_add(add: tl.constexpr) -> tl.constexpr:
 
 _PA01, _PA23 = _pair_add(_ADD01), _pair_add(_ADD23)
 _PA01_B0, _PA23_B0, _PA01_B1, _PA23_B1 = map(_pair_add, (_ADD01_B0, _ADD23_B0, _ADD01_B1, _ADD23_B1))
+_PA01_I4, _PA23_I4 = _pair_add(_ADD01_I4), _pair_add(_ADD23_I4)
 
 
 @triton.jit
@@ -64,9 +72,26 @@ def _pair_constant(hh, b, C01_0: tl.constexpr, C23_0: tl.constexpr, C01_1: tl.co
 
 
 @triton.jit
-def _decode_tile_natural(acc, x_ptrs, v_ptrs, m_ptrs, k0, K, a0, KA, MASKED: tl.constexpr,
-                         INT8: tl.constexpr, W_BF16: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _int4_rows_natural(scale_ptr, zero_ptr, t0, N, G, T: tl.constexpr):
+    # INT4, natural order: scale and zero-point pointers at quantization group 0 of rows
+    # 16 t + 8 b + i for lane 4i + 2jlo + hh, [1, 1, b, T, i, jlo, hh] (_int4_rows: the padding
+    # rows clamped). Every thread dimension in the pointers and last, so each lane loads its own
+    # rows' values into registers (with b last, Triton spread b over lanes and copied the
+    # decoded W through shared memory to the wgmma).
+    ib = tl.arange(0, 2)[None, None, :, None, None, None, None]
+    it = tl.arange(0, T)[None, None, None, :, None, None, None]
+    ii = tl.arange(0, 8)[None, None, None, None, :, None, None]
+    ij = tl.arange(0, 2)[None, None, None, None, None, :, None]
+    ihh = tl.arange(0, 2)[None, None, None, None, None, None, :]
+    r = tl.minimum((t0 + it) * 16 + ib * 8 + ii + 0 * (ij + ihh), N - 1).to(tl.int64) * G
+    return scale_ptr + r, zero_ptr + r
+
+
+@triton.jit
+def _decode_tile_natural(acc, acc2, x_ptrs, v_ptrs, m_ptrs, k0, K, a0, KA, s_rows, z_rows, G, x_half, v_half,
+                         MASKED: tl.constexpr, INT8: tl.constexpr, W_BF16: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HALVES: tl.constexpr, INT4: tl.constexpr,
+                         GROUP: tl.constexpr, HAS_ZERO: tl.constexpr):
     # One K-tile with x in its own column order (no permutation, so Triton's wgmma reads
     # x^T straight from the pipelined shared buffer and runs asynchronously): lane
     # 4i + 2jlo + hh of the dot's A fragment holds dense columns 2(2jlo + hh) + c and
@@ -77,73 +102,133 @@ def _decode_tile_natural(acc, x_ptrs, v_ptrs, m_ptrs, k0, K, a0, KA, MASKED: tl.
     # Tensors are [A, h, s, T, i, jlo, hh, qq, b] (chunk q = 2h + qq; row i + 8b of tile T):
     # the thread dimensions (i, jlo, hh) last but the per-thread words, so that the loads'
     # layout puts lane 4i + 2jlo + hh's words in that lane.
+    # HALVES == 2: each half-atom h is decoded and multiplied on its own, into acc (h = 0)
+    # and acc2 (h = 1): with two accumulators Triton keeps up to three wgmma groups in flight
+    # (not one), so the tensor cores run under the next half's decode even with one program
+    # per SM (docs/kernels.md, "Prefill path"). x_ptrs then covers the h = 0 columns
+    # (x_half: on to h = 1), v_ptrs (16-bit) the h = 0 words (v_half: on to h = 1).
     A: tl.constexpr = BLOCK_K // 64
     T: tl.constexpr = BLOCK_N // 16
     ok_a = (a0 + tl.arange(0, A)) < KA
+    ok_v = ok_a[:, None, None, None, None, None, None, None]
     if MASKED:
         mw = tl.load(m_ptrs, mask=ok_a[:, None, None, None, None, None, None], other=0)   # [A, 1, s, T, i, jlo, hh]
-        wv = tl.load(v_ptrs, mask=ok_a[:, None, None, None, None, None, None, None], other=0)
     else:
         mw = tl.load(m_ptrs)
-        wv = tl.load(v_ptrs)
+    if INT8 or INT4:   # INT8 [A, 1, s, T, i, jlo, hh, q]: word q = 2h + qq holds groups (q, b = 0, 1)
+        wv = tl.load(v_ptrs, mask=ok_v, other=0) if MASKED else tl.load(v_ptrs)
     mw = mw[:, :, :, :, :, :, :, None, None]
     iq = tl.arange(0, 2)[None, None, None, None, None, None, None, :, None]
     ib = tl.arange(0, 2)[None, None, None, None, None, None, None, None, :]
     hh = tl.arange(0, 2)[None, None, None, None, None, None, :, None, None]
-    ih = tl.arange(0, 2)[None, :, None, None, None, None, None, None, None]
     f = ((mw >> ((2 * iq + ib) * 4 + 2 * hh)) & 0x30003)              # this lane's half: slots 0,1 or 3,2
     XT: tl.constexpr = x_ptrs.dtype.element_ty
-    if INT8:
-        # [A, 1, s, T, i, jlo, hh, q] -> [A, h, s, T, i, jlo, hh, qq, 1]: word q holds groups (q, b = 0, 1)
-        P = tl.permute(tl.reshape(wv, [A, 2, T, 8, 2, 2, 2, 2]), [0, 6, 1, 2, 3, 4, 5, 7])[:, :, :, :, :, :, :, :, None]
+    if INT4:
+        # [A, 1, s, T, i, jlo, hh, word h]: group (h, qq, b)'s codes are nibbles 2qq + b and
+        # 2qq + b + 4 of word h (_decode_tile), the zero words Z (1024 + z or 128 + z) the
+        # permutes' second source, as there. Scales and zero points depend on the rows (T, i, b)
+        # and the quantization group (the atom; with groups of 32, also h).
+        MAGIC: tl.constexpr = _MAGIC_BF16 if XT == tl.bfloat16 else _MAGIC_F16
+        wv = tl.reshape(wv, [A, 2, T, 8, 2, 2, 2])                           # [A, s, T, i, jlo, hh, h]
+        ia = tl.arange(0, A)[:, None, None, None, None, None, None]
+        if GROUP == 32:
+            kq = (a0 + ia) * 2 + tl.arange(0, 3 - HALVES)[None, :, None, None, None, None, None]   # [A, h, ...]
+        else:
+            kq = (a0 + ia) // (GROUP // 64)
+        mul = tl.where(hh == 1, _MUL23_I4, _MUL01_I4)
+        add = tl.where(hh == 1, _PA23_I4, _PA01_I4)
+        WT: tl.constexpr = tl.bfloat16 if XT == tl.bfloat16 else tl.float16
+    elif INT8:
         mul = _pair_constant(hh, ib, _MUL01_B0, _MUL23_B0, _MUL01_B1, _MUL23_B1)
         add = _pair_constant(hh, ib, _PA01_B0, _PA23_B0, _PA01_B1, _PA23_B1)
         WT: tl.constexpr = tl.bfloat16 if XT == tl.bfloat16 else tl.float16
+        wv = tl.reshape(wv, [A, 2, T, 8, 2, 2, 2, 2])                        # [A, s, T, i, jlo, hh, h, qq]
     else:
-        # the half-atoms joined as a trailing dimension, as INT8's words: a plain reshape of the
-        # [A, h, s, T, 8, 2, 2, 4] load made Triton 3.6 copy W through shared memory (ldmatrix)
-        h0, h1 = tl.split(tl.permute(wv, [0, 2, 3, 4, 5, 6, 7, 1]))      # [A, s, T, 8, 2, 2, 4] each
-        P = tl.permute(tl.reshape(tl.join(h0, h1), [A, 2, T, 8, 2, 2, 2, 2, 2]), [0, 8, 1, 2, 3, 4, 5, 6, 7])
         mul = tl.where(hh == 1, _MUL23, _MUL01)
         add = tl.where(hh == 1, _PA23, _PA01)
         WT: tl.constexpr = tl.bfloat16 if W_BF16 else tl.float16
-    sel = ((f * mul + add) & _SEL_MASK) >> (16 * ih)                     # [A, h, s, T, i, jlo, hh, qq, b]
-    d = _prmt(P, tl.zeros([1, 1, 1, 1, 1, 1, 1, 1, 1], tl.int32), sel)
-    if INT8:
-        d = d & (_SM_MASK | (KA >> 31))   # a runtime mask: see _decode_tile
-    if INT8 and XT == tl.bfloat16:
-        d, c = int8_bf16_words(d)
-        w = tl.join((d & 0xFFFF).to(tl.int16).to(WT, bitcast=True) - (c & 0xFFFF).to(tl.int16).to(WT, bitcast=True),
-                    (d >> 16).to(tl.int16).to(WT, bitcast=True) - (c >> 16).to(tl.int16).to(WT, bitcast=True))
-    else:
-        w = tl.join((d & 0xFFFF).to(tl.int16).to(WT, bitcast=True), (d >> 16).to(tl.int16).to(WT, bitcast=True))
-    # [A, h, s, T, i, jlo, hh, qq, b, c] -> rows (T, b, i), columns (A, h, qq, s, jlo, hh, c)
-    w = tl.reshape(tl.permute(w, [3, 8, 4, 0, 1, 7, 2, 5, 6, 9]), [BLOCK_N, BLOCK_K])
-    if MASKED:
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        xm = tl.load(x_ptrs, mask=(offs_k < K)[None, :], other=0.0)
-    else:
-        xm = tl.load(x_ptrs)
-    if INT8 and XT == tl.float32:  # fp32 dots: scale the fp16 subnormals back to the integers, exactly
-        w = w.to(tl.float32) * _TWO_POW_24
-    elif WT != XT:
-        w = w.to(XT)
-    return tl.dot(w, tl.trans(xm), acc, input_precision=DOT_PRECISION)
+    sel = (f * mul + add) & _SEL_MASK          # both half-atoms' selectors, h = 1's in the high 16 bits
+    for H in tl.static_range(HALVES):
+        # P: the words of half-atom H (HALVES == 2) or of both, [A, h, s, T, i, jlo, hh, qq, b]
+        if HALVES == 2:
+            if INT4:
+                P = tl.split(wv)[H][:, None, :, :, :, :, :, None, None]
+            elif INT8:
+                P = tl.split(tl.permute(wv, [0, 1, 2, 3, 4, 5, 7, 6]))[H][:, None, :, :, :, :, :, :, None]
+            else:
+                wh = tl.load(v_ptrs + H * v_half, mask=ok_v, other=0) if MASKED else tl.load(v_ptrs + H * v_half)
+                P = tl.reshape(wh, [A, 1, 2, T, 8, 2, 2, 2, 2])                # words 2qq + b
+            sh = sel >> (16 * H)
+        else:
+            if INT4:
+                P = tl.permute(wv, [0, 6, 1, 2, 3, 4, 5])[:, :, :, :, :, :, :, None, None]
+            elif INT8:
+                P = tl.permute(wv, [0, 6, 1, 2, 3, 4, 5, 7])[:, :, :, :, :, :, :, :, None]
+            else:
+                # the half-atoms joined as a trailing dimension, as INT8's words: a plain reshape of the
+                # [A, h, s, T, 8, 2, 2, 4] load made Triton 3.6 copy W through shared memory (ldmatrix)
+                wv = tl.load(v_ptrs, mask=ok_v, other=0) if MASKED else tl.load(v_ptrs)
+                h0, h1 = tl.split(tl.permute(wv, [0, 2, 3, 4, 5, 6, 7, 1]))      # [A, s, T, 8, 2, 2, 4] each
+                P = tl.permute(tl.reshape(tl.join(h0, h1), [A, 2, T, 8, 2, 2, 2, 2, 2]), [0, 8, 1, 2, 3, 4, 5, 6, 7])
+            sh = sel >> (16 * tl.arange(0, 2)[None, :, None, None, None, None, None, None, None])
+        if INT4:
+            # the code mask as a runtime value (KA >> 31 is 0, see _decode_tile's INT8 mask): as a constant,
+            # ptxas put it in a register afresh (IMAD.MOV) before every AND-OR
+            P = ((P >> ((2 * iq + ib) * 4)) & (0x000F000F | (KA >> 31))) | MAGIC
+            if H == 0 or GROUP == 32:   # half H's quantization group (the same for both halves unless 32)
+                Z, sc = _int4_group(s_rows, z_rows, kq + H if GROUP == 32 else kq,
+                                    ok_a[:, None, None, None, None, None, None], G, MASKED, HAS_ZERO,
+                                    MAGIC)                                   # [A, h or 1, b, T, i, jlo, hh]
+                Z = tl.permute(Z, [0, 1, 3, 4, 5, 6, 2])[:, :, None, :, :, :, :, None, :]
+                sc = tl.permute(sc, [0, 1, 3, 4, 5, 6, 2])[:, :, None, :, :, :, :, None, :]
+            d = _int4_dequant(_prmt(P, Z, sh), Z, sc, XT)
+        else:
+            d = _prmt(P, tl.zeros([1, 1, 1, 1, 1, 1, 1, 1, 1], tl.int32), sh)
+        if INT8:
+            d = d & (_SM_MASK | (KA >> 31))   # a runtime mask: see _decode_tile
+        if INT8 and XT == tl.bfloat16:
+            d, c = int8_bf16_words(d)
+            w = tl.join((d & 0xFFFF).to(tl.int16).to(WT, bitcast=True) - (c & 0xFFFF).to(tl.int16).to(WT, bitcast=True),
+                        (d >> 16).to(tl.int16).to(WT, bitcast=True) - (c >> 16).to(tl.int16).to(WT, bitcast=True))
+        elif INT4 and XT == tl.float32:  # u - z in float16, the scale in float32 (exact), as _decode_tile
+            s32 = sc.to(tl.float32)
+            w = tl.join((d & 0xFFFF).to(tl.int16).to(WT, bitcast=True).to(XT) * s32,
+                        (d >> 16).to(tl.int16).to(WT, bitcast=True).to(XT) * s32)
+        else:
+            w = tl.join((d & 0xFFFF).to(tl.int16).to(WT, bitcast=True), (d >> 16).to(tl.int16).to(WT, bitcast=True))
+        # [A, h, s, T, i, jlo, hh, qq, b, c] -> rows (T, b, i), columns (A, h, qq, s, jlo, hh, c)
+        w = tl.reshape(tl.permute(w, [3, 8, 4, 0, 1, 7, 2, 5, 6, 9]), [BLOCK_N, BLOCK_K // HALVES])
+        if MASKED:
+            j = tl.arange(0, BLOCK_K // HALVES)
+            offs_k = k0 + (j + (j // 32 + H) * 32 if HALVES == 2 else j)   # half H: columns 64a + 32H + c
+            xm = tl.load(x_ptrs + H * x_half, mask=(offs_k < K)[None, :], other=0.0)
+        else:
+            xm = tl.load(x_ptrs + H * x_half)
+        if INT8 and XT == tl.float32:  # fp32 dots: scale the fp16 subnormals back to the integers, exactly
+            w = w.to(tl.float32) * _TWO_POW_24
+        elif WT != XT:
+            w = w.to(XT)
+        if H == 0:
+            acc = tl.dot(w, tl.trans(xm), acc, input_precision=DOT_PRECISION)
+        else:
+            acc2 = tl.dot(w, tl.trans(xm), acc2, input_precision=DOT_PRECISION)
+    return acc, acc2
 
 
 @triton.jit
-def _k_tile(acc, x_ptrs, v_ptrs, m_ptrs, k0, K, a0, KA, s_rows, z_rows, G, MASKED: tl.constexpr,
-            NATURAL: tl.constexpr, INT8: tl.constexpr, W_BF16: tl.constexpr, DOT_PRECISION: tl.constexpr,
-            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INT4: tl.constexpr, GROUP: tl.constexpr,
-            HAS_ZERO: tl.constexpr):
+def _k_tile(acc, acc2, x_ptrs, v_ptrs, m_ptrs, k0, K, a0, KA, s_rows, z_rows, G, x_half, v_half, MASKED: tl.constexpr,
+            NATURAL: tl.constexpr, HALVES: tl.constexpr, INT8: tl.constexpr, W_BF16: tl.constexpr,
+            DOT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INT4: tl.constexpr,
+            GROUP: tl.constexpr, HAS_ZERO: tl.constexpr):
     # One K-tile of either decode (the pointers were laid out for it by the kernel)
     if NATURAL:
-        acc = _decode_tile_natural(acc, x_ptrs, v_ptrs, m_ptrs, k0, K, a0, KA, MASKED, INT8, W_BF16,
-                                   DOT_PRECISION, BLOCK_N, BLOCK_K)
+        acc, acc2 = _decode_tile_natural(acc, acc2, x_ptrs, v_ptrs, m_ptrs, k0, K, a0, KA, s_rows, z_rows, G, x_half,
+                                         v_half, MASKED, INT8, W_BF16, DOT_PRECISION, BLOCK_N, BLOCK_K, HALVES, INT4,
+                                         GROUP, HAS_ZERO)
     else:
         acc = _decode_tile(acc, x_ptrs, v_ptrs, m_ptrs, k0, K, a0, KA, s_rows, z_rows, G, MASKED, INT8, W_BF16,
                            DOT_PRECISION, BLOCK_N, BLOCK_K, INT4, GROUP, HAS_ZERO)
-    return acc
+    return acc, acc2
 
 
 def _sparse24_prefill(
@@ -159,7 +244,10 @@ def _sparse24_prefill(
     T: tl.constexpr = BLOCK_N // 16
     # x in its own column order (_decode_tile_natural) from 128 rows of x: there the
     # permuted copy of x it saves outweighs reading two lanes' words per weight lane.
-    NATURAL: tl.constexpr = _NATURAL_TRITON and BLOCK_M >= 128 and not INT4
+    NATURAL: tl.constexpr = BLOCK_M >= 128 and (_NATURAL_TRITON or (BLOCK_M == 128 and _NATURAL_128))
+    # Two accumulators (_decode_tile_natural's HALVES) where both fit beside the decode:
+    # BLOCK_M x BLOCK_N / (32 num_warps) = BLOCK_M / 2 registers each (num_warps = BLOCK_N / 16).
+    HALVES: tl.constexpr = 2 if NATURAL and BLOCK_M <= 128 else 1
     v_ptr = v_ptr.to(tl.pointer_type(tl.int32), bitcast=True)  # values read as 32-bit words
     # Grouped order (Triton tutorial 03): GROUP_M consecutive x-blocks walk the
     # same W columns, so a decoded program's weight tiles are re-read from L2.
@@ -185,13 +273,11 @@ def _sparse24_prefill(
 
     atoms = tl.arange(0, A).to(tl.int64)
     lanes = tl.arange(0, T * 128)  # T row tiles x 32 lanes x 4 words, contiguous
-    if INT4:  # 8 bytes per lane and atom
-        v_ptrs = v_ptr + (atoms[:, None] * NT + t0) * 64 + tl.arange(0, T * 64)[None, :]   # [A, T*64]
-        V_STEP: tl.constexpr = A * 64
-    elif NATURAL:
+    if NATURAL:
         # Lane 4i + 2jlo + hh reads the words of lanes 4i + jlo + 2s (_decode_tile_natural), one
-        # 16-byte load per source lane (and half-atom h for 16-bit weights):
-        # [A, h, s, T, i, jlo, hh, 4 words] (16-bit: words 2qq + b; INT8: [A, 1, ...], words q).
+        # 16-byte load per source lane (and half-atom h for 16-bit weights; INT4: 8 bytes):
+        # [A, h, s, T, i, jlo, hh, 4 words] (16-bit: words 2qq + b; INT8: [A, 1, ...], words q;
+        # INT4: [A, 1, ..., 2 words], words h).
         src = (2 * tl.arange(0, 2)[None, :, None, None, None, None]
                + tl.arange(0, T)[None, None, :, None, None, None] * 32
                + tl.arange(0, 8)[None, None, None, :, None, None] * 4
@@ -199,15 +285,23 @@ def _sparse24_prefill(
                + 0 * tl.arange(0, 2)[None, None, None, None, None, :])           # [1, s, T, i, jlo, hh]
         a8 = atoms[:, None, None, None, None, None, None, None]
         w4 = tl.arange(0, 4)[None, None, None, None, None, None, None, :]
-        if INT8:
+        if INT4:
+            v_ptrs = (v_ptr + (a8 * NT + t0) * 64 + src[:, None, :, :, :, :, :, None] * 2
+                      + tl.arange(0, 2)[None, None, None, None, None, None, None, :])
+            V_STEP: tl.constexpr = A * 64
+        elif INT8:
             v_ptrs = v_ptr + (a8 * NT + t0) * 128 + src[:, None, :, :, :, :, :, None] * 4 + w4
             V_STEP: tl.constexpr = A * 128
         else:
-            v_ptrs = (v_ptr + ((a8 * 2 + tl.arange(0, 2)[None, :, None, None, None, None, None, None]) * NT + t0) * 128
+            h = tl.arange(0, 3 - HALVES)[None, :, None, None, None, None, None, None]   # HALVES == 2: h = 0 only
+            v_ptrs = (v_ptr + ((a8 * 2 + h) * NT + t0) * 128
                       + src[:, None, :, :, :, :, :, None] * 4 + w4)
             V_STEP: tl.constexpr = A * 256
         m_ptrs = meta_ptr + (t0 * 32 + src[:, None, :, :, :, :, :]).to(tl.int64) * KM \
             + atoms[:, None, None, None, None, None, None]                          # [A, 1, s, T, i, jlo, hh]
+    elif INT4:  # 8 bytes per lane and atom
+        v_ptrs = v_ptr + (atoms[:, None] * NT + t0) * 64 + tl.arange(0, T * 64)[None, :]   # [A, T*64]
+        V_STEP: tl.constexpr = A * 64
     elif INT8:
         v_ptrs = v_ptr + (atoms[:, None] * NT + t0) * 128 + lanes[None, :]                  # [A, T*128]
         V_STEP: tl.constexpr = A * 128
@@ -218,22 +312,37 @@ def _sparse24_prefill(
     if not NATURAL:
         m_ptrs = meta_ptr + (t0 * 32 + tl.arange(0, T * 32)).to(tl.int64)[:, None] * KM + atoms[None, :]  # [T*32, A]
     G = (K + GROUP - 1) // GROUP   # INT4: quantization groups per row
-    s_rows, z_rows = _int4_rows(scale_ptr, zero_ptr, t0, N, G, T) if INT4 else (scale_ptr, zero_ptr)
+    if INT4 and NATURAL:
+        s_rows, z_rows = _int4_rows_natural(scale_ptr, zero_ptr, t0, N, G, T)
+    elif INT4:
+        s_rows, z_rows = _int4_rows(scale_ptr, zero_ptr, t0, N, G, T)
+    else:
+        s_rows, z_rows = scale_ptr, zero_ptr
     rows = tl.minimum(tl.arange(0, BLOCK_M), M - 1).to(tl.int64)   # rows past M: clamped, never stored
-    x_ptrs = x_ptr + rows[:, None] * stride_xm + tl.arange(0, BLOCK_K).to(tl.int64)[None, :] * stride_xk
+    cols = tl.arange(0, BLOCK_K // HALVES)
+    if HALVES == 2:   # the h = 0 columns of each atom: 64a + c, c < 32
+        cols += cols // 32 * 32
+    x_ptrs = x_ptr + rows[:, None] * stride_xm + cols.to(tl.int64)[None, :] * stride_xk
+    x_half = tl.cast(stride_xk, tl.int64) * 32   # HALVES == 2: on to the h = 1 columns and words
+    v_half = NT * 128
     x_step = tl.cast(stride_xk, tl.int64) * BLOCK_K  # a transposed x has stride_xk = M: int64 steps
 
     # One decode per weight tile for all BLOCK_M rows of x (the decode kernel: 16).
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_N, BLOCK_M) if HALVES == 2 else (1, 1), dtype=tl.float32)
     for kt in range(0, n_full):
-        acc = _k_tile(acc, x_ptrs, v_ptrs, m_ptrs, kt * BLOCK_K, K, kt * A, KA, s_rows, z_rows, G, False, NATURAL,
-                      INT8, W_BF16, DOT_PRECISION, BLOCK_N, BLOCK_K, INT4, GROUP, HAS_ZERO)
+        acc, acc2 = _k_tile(acc, acc2, x_ptrs, v_ptrs, m_ptrs, kt * BLOCK_K, K, kt * A, KA, s_rows, z_rows, G, x_half,
+                            v_half, False, NATURAL, HALVES, INT8, W_BF16, DOT_PRECISION, BLOCK_N, BLOCK_K, INT4, GROUP,
+                            HAS_ZERO)
         v_ptrs += V_STEP * NT
         m_ptrs += A
         x_ptrs += x_step
     if n_full * BLOCK_K < K:
-        acc = _k_tile(acc, x_ptrs, v_ptrs, m_ptrs, n_full * BLOCK_K, K, n_full * A, KA, s_rows, z_rows, G, True,
-                      NATURAL, INT8, W_BF16, DOT_PRECISION, BLOCK_N, BLOCK_K, INT4, GROUP, HAS_ZERO)
+        acc, acc2 = _k_tile(acc, acc2, x_ptrs, v_ptrs, m_ptrs, n_full * BLOCK_K, K, n_full * A, KA, s_rows, z_rows, G,
+                            x_half, v_half, True, NATURAL, HALVES, INT8, W_BF16, DOT_PRECISION, BLOCK_N, BLOCK_K, INT4,
+                            GROUP, HAS_ZERO)
+    if HALVES == 2:
+        acc += acc2
 
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)

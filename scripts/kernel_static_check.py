@@ -598,7 +598,62 @@ def prefill_one(dtype: str, cfg, cap: int) -> dict:
                 half=sum(ops[o] for o in HALF_RATE), regs=regs, spills=spills, shared=ck.metadata.shared,
                 waits=any(re.search(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x0", t) for t in loop),
                 groups=max(1, sum("gsb0" in t for t in loop if t.startswith("HGMMA"))),
-                triton=triton.__version__)
+                events=wgmma_events(loop), triton=triton.__version__)
+
+
+def wgmma_events(loop: list[str]) -> list[tuple[str, int]]:
+    """The main loop as the events :func:`loop_tile_time` replays, in program order and
+    rotated to start after the last wgmma wait: ("issue", n) for n issue slots of one warp
+    (half-rate integer instructions twice, tensor-core instructions not counted: as
+    t_issue), ("group", 0) where a wgmma group is committed (an HGMMA with ``gsb0``) and
+    ("wait", P) for ``WARPGROUP.DEPBAR.LE gsb0, P`` (at most P groups left in flight)."""
+    waits = [i for i, t in enumerate(loop) if t.startswith("WARPGROUP.DEPBAR")]
+    if waits:
+        loop = loop[waits[-1] + 1:] + loop[:waits[-1] + 1]
+    events = []
+    for t in loop:
+        op = _opcode(t).split(".")[0]
+        if t.startswith("WARPGROUP.DEPBAR"):
+            events.append(("wait", int(re.search(r"gsb0, (0x[0-9a-f]+)", t).group(1), 16)))
+        elif op in ("HGMMA", "HMMA"):
+            if "gsb0" in t:
+                events.append(("group", 0))
+        elif events and events[-1][0] == "issue":
+            events[-1] = ("issue", events[-1][1] + 1 + (op in HALF_RATE))
+        else:
+            events.append(("issue", 1 + (op in HALF_RATE)))
+    return events
+
+
+def in_flight(r: dict) -> int | None:
+    """The fewest wgmma groups any wait of the loop leaves in flight (None: no wgmma waits)."""
+    return min((n for e, n in r["events"] if e == "wait"), default=None)
+
+
+def loop_tile_time(events, t_tensor: float, warps: int, tiles: int = 16) -> float:
+    """SM clocks per K-tile of ONE program alone on an SM, replaying its loop's events
+    (:func:`wgmma_events`): issue slots take warps / 4 clocks each (the warps share 4
+    schedulers), the tensor cores run the committed groups one after another (t_tensor
+    split evenly over a K-tile's groups, none starting before it is issued) and a wait
+    stops issue until at most P groups are in flight. Steady state over the last half of
+    ``tiles`` K-tiles. A loop without wgmma groups (synchronous mma) takes t_issue + t_tensor."""
+    per_tile = sum(1 for e in events if e[0] == "group")
+    issue = sum(n for e, n in events if e == "issue") * warps / 4
+    if not per_tile:
+        return issue + t_tensor
+    clock, free, done, marks = 0.0, 0.0, [], []
+    for _ in range(tiles):
+        for kind, n in events:
+            if kind == "issue":
+                clock += n * warps / 4
+            elif kind == "group":
+                free = max(free, clock) + t_tensor / per_tile
+                done.append(free)
+            elif len(done) > n:
+                clock = max(clock, done[-1 - n])
+        marks.append(max(clock, free))
+    half = tiles // 2
+    return (marks[-1] - marks[half - 1]) / (tiles - half)
 
 
 def prefill_model(r: dict) -> dict:
@@ -609,6 +664,7 @@ def prefill_model(r: dict) -> dict:
     r["t_tensor"] = c.block_m * c.block_n * c.block_k / MACS_PER_CLK
     r["t_issue"] = (r["loop"] - r["mma"] + r["half"]) * c.num_warps / 4
     r["per_sm"] = programs_per_sm(r["regs"], r["shared"], c.num_warps)
+    r["alone"] = loop_tile_time(r["events"], r["t_tensor"], c.num_warps)
     r["issue_per_mma"] = (r["loop"] - r["mma"] + r["half"]) / max(r["mma"], 1)
     return r
 
@@ -626,13 +682,11 @@ def dense_time(M: int, N: int, K: int) -> float:
 
 def predicted_time(r: dict, M: int, N: int, K: int, w_bytes: float, split_k: int = 1) -> tuple[float, float]:
     """``(ours, dense)`` in SM clocks for (M, N, K): programs spread over the SMs,
-    ``per_sm`` resident at once; a program's K-tiles run its decode and its
-    wgmma one after the other (the loop waits for them), other programs on the
-    SM fill the gaps: a round of p programs takes max(p t_tensor, p t_issue,
-    t_tensor + t_issue) when the loop waits for its wgmma, else (asynchronous wgmma in G
-    groups per K-tile, the loop waiting for all but the last) max(p t_tensor, p t_issue,
-    max(t_issue, t_tensor / G) + t_tensor (G - 1) / G): the last group runs under the
-    next K-tile's decode, the others are exposed; floored by HBM traffic (weight bytes w_bytes per element,
+    ``per_sm`` resident at once, in rounds: a round of p programs takes max(p t_tensor,
+    p t_issue, alone) per K-tile, where ``alone`` is one program's K-tile by itself on an
+    SM (:func:`loop_tile_time` over its loop's wgmma groups and waits; without it, decode
+    and wgmma one after the other: t_tensor + t_issue), other programs filling its gaps;
+    floored by HBM traffic (weight bytes w_bytes per element,
     x and out fp16). ``split_k`` > 1 estimates a serial split-K the kernel does not
     have: split_k times the programs over K / split_k each, and every program's fp32
     partial tile through L2 (its store, then the last program's reads of the others').
@@ -643,8 +697,7 @@ def predicted_time(r: dict, M: int, N: int, K: int, w_bytes: float, split_k: int
     iters = -(-(-(-K // split_k)) // c.block_k)
     tt, ti, p = r["t_tensor"], r["t_issue"], max(r["per_sm"], 1)
     full, rest = divmod(per_sm_progs, p)
-    g = r.get("groups", 1)
-    alone = tt + ti if r.get("waits", True) else max(ti, tt / g) + tt * (g - 1) / g   # one program's K-tile
+    alone = r.get("alone", tt + ti)   # one program's K-tile
 
     def rnd(n):
         return max(n * tt, n * ti, alone) if n else 0.0
@@ -676,14 +729,17 @@ def prefill_main(a) -> int:
     print("# per K-tile of one program: loop = SASS instructions per warp, mma = tensor-core instructions per warp "
           "(H: HGMMA, wgmma), half = half-rate integer ones among them; issue/mma = (loop - mma + half) / mma; "
           "t_issue = issue cycles per scheduler (half-rate counted twice), t_tensor = SM clocks of its "
-          "multiply-adds at 2048 per clock; /SM = resident programs (registers, shared memory)")
+          "multiply-adds at 2048 per clock; alone = SM clocks of one program's K-tile by itself (its loop's wgmma "
+          "groups and waits replayed: loop_tile_time); in flight = wgmma groups per K-tile / the fewest any wait "
+          "leaves in flight; /SM = resident programs (registers, shared memory)")
     print(f"{'dtype':13} {'config':26} {'regs':>4} {'smem':>6} {'/SM':>3} {'mma':>4} {'loop':>5} {'half':>4} "
-          f"{'issue/mma':>9} {'t_issue':>7} {'t_tensor':>8} wgmma-wait")
+          f"{'issue/mma':>9} {'t_issue':>7} {'t_tensor':>8} {'alone':>6} in flight")
     for r in rows:
         kind = "HGMMA" if r["hgmma"] else "HMMA"
         print(f"{r['dtype']:13} {config_name(r['cfg']):26} {r['regs']:>4} {r['shared']:>6} {r['per_sm']:>3} "
               f"{r['mma']:>3}{kind[0]} {r['loop']:>5} {r['half']:>4} {r['issue_per_mma']:>9.1f} "
-              f"{r['t_issue']:>7.0f} {r['t_tensor']:>8.0f} {'yes' if r['waits'] else 'no'}"
+              f"{r['t_issue']:>7.0f} {r['t_tensor']:>8.0f} {r['alone']:>6.0f} {r['groups']}/"
+              f"{'-' if in_flight(r) is None else in_flight(r)}"
               + (f"  spills {r['spills']} B, {r['local']} LDL/STL in the loop" if r["spills"] else ""))
     print("# predicted ratio dense / prefill kernel (> 1: faster than dense), per shape (out x in) and M:"
           " the default config, and in brackets the best config of the space that spills nothing (its"

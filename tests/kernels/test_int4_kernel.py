@@ -16,10 +16,11 @@ from sparse24.kernels.interpreter import byte_perm_reference
 from sparse24.kernels.sparse24_decode import SELECTORS
 from sparse24.ops.config_space import KernelConfig
 from sparse24.ops.linear24 import launch, linear_prefill
-from sparse24.ops.linear24.prefill import prefill_config
+from sparse24.ops.linear24.prefill import natural_order, prefill_config
 from sparse24.ops.linear24 import linear_triton as linear_decode
 
 from conftest import assert_matches_reference, matches_reference, top2_mask
+from test_decode_kernel import _static_check  # the static-check script's loader
 
 CODE_BIT = (0, 1, 3, 2)   # the decode layout's keep-mask bit of each slot
 
@@ -146,6 +147,58 @@ def test_prefill_kernel_matches_reference(xtype, gs, sym, gen):
     assert_matches_reference(y, x, _operand(W, xtype, "prefill"), b)
 
 
+def _prefill_cfg(bm, bn):
+    return KernelConfig(bm, bn, 64, 8, 1, bn // 16, 2, kernel="prefill")
+
+
+@pytest.mark.parametrize("M,N,K,xtype,gs,sym,bm,bn", [
+    # natural-order tiles (BLOCK_M >= 128): a partial row block (M = 130), rows past M in a second
+    # x-block, N off 16, K off 64 (a partial K-tile and atom); groups of 32 split each atom's
+    # half-atoms, 64 and 128 span one or two K-tiles (128: a short last group at K = 200)
+    (130, 72, 200, torch.float16, 32, False, 128, 64),
+    (130, 40, 196, torch.float32, 32, True, 128, 64),
+    (130, 72, 136, torch.float16, 64, True, 128, 64),
+    (129, 136, 200, torch.float32, 128, False, 128, 64),
+    (129, 136, 200, torch.float16, 128, False, 256, 128),
+    (67, 40, 260, torch.float32, 64, False, 256, 128),
+    (130, 72, 132, torch.float16, 32, True, 256, 128),
+])
+def test_natural_order_tiles_match_reference(M, N, K, xtype, gs, sym, bm, bn, gen):
+    """From 128 rows of x each weight lane dequantizes one dense half of two lanes' groups
+    straight into the wgmma's A fragment, x in its own column order (``_decode_tile_natural``)."""
+    p, W = _int4(N, K, gs, sym, gen)
+    x = torch.randn(M, K, generator=gen).to(xtype)
+    b = torch.randn(N, generator=gen)
+    y = linear_prefill(x, pack_decode(p), b, config=_prefill_cfg(bm, bn))
+    assert y.dtype == xtype and y.shape == (M, N)
+    assert_matches_reference(y, x, _operand(W, xtype, "prefill"), b)
+
+
+@pytest.mark.parametrize("what", ["keep bit", "nibble"])
+def test_natural_order_tiles_decode_what_is_stored(what, gen):
+    """A wrong keep bit (one group's pair moved to its other two slots) or a moved nibble (one
+    group's two codes swapped) in the natural-order tile misses the original weight by more than
+    the bound and matches the weight those bits describe."""
+    p, W = _int4(40, 128, 32, False, gen)
+    d = pack_decode(p)
+    meta, values = d.meta.clone(), d.values.clone()
+    if what == "keep bit":
+        meta[0, 20, 0] ^= 0b1111 << 8                 # lane 20 (rows 5, 13), atom 0, group 2
+        bad = pack_decode(DecodePacked(values, meta, d.shape, d.dtype, d.scale, zero=d.zero, group_size=32,
+                                       check=False).to_sparse24())   # and its mma.sp words
+    else:   # lane 22 (rows 5, 13), word 1: group k's codes at nibbles k and k + 4 (the first that differ)
+        word = int.from_bytes(bytes(values[0, 0, 22, 4:].tolist()), "little")
+        k = next(k for k in range(4) if (word >> 4 * k) & 15 != (word >> 4 * (k + 4)) & 15)
+        lo, hi = (word >> 4 * k) & 15, (word >> 4 * (k + 4)) & 15
+        word = (word & ~(0xF << 4 * k | 0xF << 4 * (k + 4))) | hi << 4 * k | lo << 4 * (k + 4)
+        values[0, 0, 22, 4:] = torch.tensor(list(word.to_bytes(4, "little")), dtype=torch.uint8)
+        bad = DecodePacked(values, meta, d.shape, d.dtype, d.scale, zero=d.zero, group_size=32)
+    x = torch.randn(130, 128, generator=gen)
+    y = linear_prefill(x, bad, config=_prefill_cfg(128, 64))
+    assert not matches_reference(y, x, W)
+    assert_matches_reference(y, x, bad.to_dense().double())
+
+
 def test_default_configs_and_the_op(gen):
     """Without a config (the built-in defaults), through sparse24.linear: the decode layout at
     M <= 16 and M > 16, and a layout-v1 INT4 weight with backend='triton' (re-ordered per call)."""
@@ -157,8 +210,33 @@ def test_default_configs_and_the_op(gen):
     x = torch.randn(4, 200, generator=gen).half()
     assert_matches_reference(sparse24.linear(x, p, backend="triton"), x, _operand(W, torch.float16))
     assert_matches_reference(linear_decode(x, p), x, _operand(W, torch.float16))
-    # the untuned prefill tile: never 128 x 128 for INT4 (one program per SM there, sm_90)
-    assert (prefill_config(4096, 4096, 4096).block_n, prefill_config(4096, 4096, 4096, int4=True).block_n) == (128, 64)
+    # the untuned prefill tile (tests/kernels/test_prefill_kernel.py::test_default_configs): never
+    # 128 x 128 for INT4 (one program per SM there, sm_90); 256 x 64 first where the natural-order
+    # tiles run
+    big = prefill_config(4096, 4096, 4096, int4=True)
+    assert (big.block_m, big.block_n) == ((256, 64) if natural_order() else (128, 64))
+
+
+@pytest.mark.parametrize("dtype,cfg", [("int4-bfloat16", None), ("int4-float16", _prefill_cfg(128, 64))],
+                         ids=["bfloat16-default", "float16-128x64"])
+def test_natural_order_tiles_compile_for_sm90(dtype, cfg, monkeypatch):
+    """No GPU here: the INT4 natural-order tiles compiled for sm_90 (scripts/kernel_static_check.py
+    --prefill) run wgmma with the dequantized W straight from registers and x^T from the pipelined
+    shared buffer: no shared-memory store in the loop (W copied through shared memory would show as
+    STS), no wait takes the loop's wgmma groups below one K-tile's worth less one (128 rows: two
+    accumulators, four groups, three left in flight; 256 rows: two groups, one), nothing spills,
+    two programs fit per SM."""
+    monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")
+    tool = _static_check()
+    cfg = cfg or prefill_config(4096, 4096, 4096, int4=True)
+    assert cfg.block_m >= 128
+    r = tool.prefill_one(dtype, cfg, 90)
+    assert r["hgmma"] and r["mma"] == cfg.block_k // 16
+    if natural_order():   # Triton >= 3.9 (this project's); 3.6: 256-row tiles permuted, 4 STS at 128 rows
+        assert r["sts"] == 0 and r["groups"] == (4 if cfg.block_m == 128 else 2)
+        assert tool.in_flight(r) == r["groups"] - 1
+    assert r["spills"] == 0 and r["local"] == 0
+    assert tool.programs_per_sm(r["regs"], r["shared"], cfg.num_warps) >= 2
 
 
 # --- corruption is caught ------------------------------------------------------------

@@ -131,18 +131,23 @@ def test_default_configs():
     """The largest tile that still gives enough programs for an H200's 132 SMs, wasting
     at most half its rows; every default passes the config check and sits in the space
     the static report covers."""
+    # 128 x 64 (two accumulators) from 65 rows; 16-bit 128 x 128 from 4 programs per SM
     assert [prefill_config(M, 4096, 4096).block_m for M in (17, 32, 33, 64, 65, 512, 100000)] == \
-        [32, 32, 32, 32, 64, 128, 128]
-    assert prefill_config(64, 8192, 8192).block_m == 64   # 128 programs of 64 x 64 fill the SMs
+        [32, 32, 32, 32, 128, 128, 128]
+    assert prefill_config(64, 8192, 8192).block_m == 64   # 128 programs of 64 x 64: from 0.5 per SM
+    assert prefill_config(64, 3072, 768).block_m == 32    # 48 programs of 64 x 64: too few
     assert prefill_config(40, 28672, 8192).block_m == 64  # never 128 rows for 40
-    # 128 x 128 tiles from 1.5 programs per SM, else 128 x 64
-    assert prefill_config(768, 4096, 4096).block_n == 64 and prefill_config(896, 4096, 4096).block_n == 128
-    assert prefill_config(128, 3072, 768).block_m == 64    # 96 programs of 64 x 64 beat 192 of 32 x 64
-    assert prefill_config(4096, 4096, 4096).num_stages == 2
-    # INT8: 256 x 64 on 3 stages from 2 programs per SM (264 of 256 x 64 at 4096 x 4096, M = 2048)
-    big = prefill_config(2048, 4096, 4096, int8=True)
-    assert (big.block_m, big.block_n, big.num_stages) == ((256, 64, 3) if natural_order() else (128, 128, 2))
-    assert prefill_config(1024, 4096, 4096, int8=True) == prefill_config(1024, 4096, 4096)   # 256 programs: 128 x 128
+    assert prefill_config(512, 4096, 4096).block_n == 64                 # 128 programs of 128 x 128: few
+    big = prefill_config(4096, 4096, 4096)
+    assert (big.block_n, big.num_stages) == (128, 2)                     # 1024: from 4 per SM
+    assert {prefill_config(M, 28672, 8192, int8=True).block_n for M in (100, 512, 4096)} == {64}
+    if natural_order():   # Triton >= 3.9 (256-row natural tiles): INT4 256 x 64 first
+        big = prefill_config(2048, 4096, 4096, int4=True)
+        assert (big.block_m, big.num_stages) == (256, 2)     # 512 programs of 256 x 64: from 1 per SM
+        assert prefill_config(512, 4096, 4096, int4=True).num_stages == 3    # 128: 3 stages from 0.5
+        assert prefill_config(256, 4096, 4096, int4=True).block_m == 128     # 64 programs of 256 x 64: too few
+    else:   # Triton 3.6: INT4 as INT8
+        assert prefill_config(4096, 4096, 4096, int4=True) == prefill_config(4096, 4096, 4096, int8=True)
     for M in (17, 64, 100, 512, 4096):
         for N in (768, 4096, 28672):
             for int4, int8 in ((False, False), (True, False), (False, True)):
@@ -157,19 +162,24 @@ def test_large_m_default_compiles_to_hgmma_for_sm90(dtype, monkeypatch):
     (scripts/kernel_static_check.py --prefill) runs wgmma with W from registers (HGMMA, one
     per 16 columns of a K-tile) and x^T straight from the pipelined shared buffer: no
     shared-memory store in the loop (the permuted tiles copied x through registers back to
-    shared memory: 8 STS per K-tile) and the loop never waits for its last wgmma group, so
-    it runs under the next K-tile's decode; it spills nothing and fits two programs per SM:
-    the premises of the prediction in docs/kernels.md."""
+    shared memory: 8 STS per K-tile), and with its two accumulators (one per half-atom) the
+    loop commits four wgmma groups per K-tile and every wait leaves three in flight, so one
+    program alone keeps the tensor cores busy under its own decode (K-tile time within 5% of
+    max(t_issue, t_tensor)); it spills nothing and fits two programs per SM at 128 x 64 (one at
+    16-bit weights' 128 x 128): the premises of the prediction in docs/kernels.md."""
     monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")
     tool = _static_check()
-    cfg = prefill_config(4096, 4096, 4096)
-    assert (cfg.block_m, cfg.block_n) == (128, 128)
-    r = tool.prefill_one(dtype, cfg, 90)
+    cfg = prefill_config(4096, 4096, 4096, int8=dtype.startswith("int8"))
+    r = tool.prefill_model(tool.prefill_one(dtype, cfg, 90))
     assert r["hgmma"] and r["mma"] == cfg.block_k // 16
-    if natural_order():   # Triton >= 3.9 (this project's); 3.6 keeps the permuted tiles
-        assert r["sts"] == 0 and not r["waits"] and r["groups"] == 2
     assert r["spills"] == 0 and r["local"] == 0
-    assert tool.programs_per_sm(r["regs"], r["shared"], cfg.num_warps) >= 2
+    # 16-bit: 128 x 128 (one program per SM, busy alone); INT8: 128 x 64, two per SM
+    assert (cfg.block_m, cfg.block_n) == ((128, 64) if dtype.startswith("int8") else (128, 128))
+    assert r["groups"] == 4 and tool.in_flight(r) == 3
+    assert r["alone"] <= 1.05 * max(r["t_issue"], r["t_tensor"])
+    assert tool.programs_per_sm(r["regs"], r["shared"], cfg.num_warps) >= 128 // cfg.block_n
+    if natural_order():   # Triton >= 3.9 (this project's); 3.6 leaves 4 STS per K-tile in the fp16 loop
+        assert r["sts"] == 0
 
 
 def test_split_k_estimate_counts_more_programs_and_the_partials():
@@ -179,7 +189,7 @@ def test_split_k_estimate_counts_more_programs_and_the_partials():
     K-tiles each: 16 x 1024 clocks) plus, per SM, its programs' fp32 partials stored and the last
     program's reads of 3 others (2 + 3 tiles of 64 KiB through L2)."""
     tool = _static_check()
-    cfg = prefill_config(4096, 4096, 4096)
+    cfg = KernelConfig(128, 128, 64, 8, 1, 8, 2, kernel="prefill")
     r = dict(cfg=cfg, t_tensor=512.0, t_issue=512.0, per_sm=2)
     one, dense = tool.predicted_time(r, 256, 4096, 4096, 1.125)
     assert one == 64 * 512 * 2     # 64 programs, one per SM: decode then wgmma, 64 K-tiles
@@ -188,16 +198,37 @@ def test_split_k_estimate_counts_more_programs_and_the_partials():
     assert four == pytest.approx(16 * 1024 + (2 + 3) * 128 * 128 * 4 / tool.L2_BYTES_PER_SM_CLK)
 
 
-def test_asynchronous_wgmma_hides_the_last_group_under_the_next_decode():
-    """The model of a loop that does not wait for its last wgmma group (``waits`` False, G
-    groups per K-tile): one program alone takes max(t_issue, t_tensor / G) + t_tensor (G - 1) / G
-    per K-tile instead of t_issue + t_tensor; by hand, 128 x 128 x 64 at 4096 x 4096, M = 256:
-    64 programs, one per SM, 64 K-tiles."""
+def test_loop_replay_overlaps_what_the_waits_allow():
+    """The model of one program alone (``loop_tile_time``), by hand on round numbers (4 warps:
+    one clock per issue slot; t_tensor 256 per K-tile, split over its groups): a loop that waits
+    for its only group takes decode + multiply; one that decodes everything and then commits two
+    groups, each wait leaving one in flight, hides half the multiply (300 + 128); four groups with
+    a quarter of the decode before each, three left in flight, take max(decode, multiply)."""
     tool = _static_check()
-    cfg = prefill_config(4096, 4096, 4096)
-    r = dict(cfg=cfg, t_tensor=512.0, t_issue=400.0, per_sm=2, waits=False, groups=2)
-    ours, _ = tool.predicted_time(r, 256, 4096, 4096, 1.125)
-    assert ours == 64 * (400 + 256)
-    assert tool.predicted_time(dict(r, waits=True), 256, 4096, 4096, 1.125)[0] == 64 * (400 + 512)
-    # M = 1024: 256 programs, two per SM: the tensor cores bind (2 x 512 per K-tile)
+    serial = [("issue", 300), ("group", 0), ("wait", 0)]
+    assert tool.loop_tile_time(serial, 256.0, 4) == 300 + 256
+    assert tool.loop_tile_time(serial, 256.0, 8) == 600 + 256          # 8 warps: 2 per scheduler
+    two = [("issue", 300), ("group", 0), ("wait", 1), ("group", 0), ("wait", 1)]
+    assert tool.loop_tile_time(two, 256.0, 4) == 300 + 128
+    for decode in (50, 100):
+        four = [("issue", decode), ("group", 0), ("wait", 3)] * 4
+        assert tool.loop_tile_time(four, 256.0, 4) == max(4 * decode, 256)
+    assert tool.loop_tile_time([("issue", 300)], 256.0, 4) == 300 + 256   # no wgmma groups: serial
+    # the replay reads a compiled loop: rotated to start after its last wait, HGMMA not issue slots
+    loop = ["LDS R1, [R2]", "WARPGROUP.ARRIVE", "HGMMA.64x128x16.F32 R24, R96, gdesc[UR4], R24",
+            "HGMMA.64x128x16.F32 R24, R100, gdesc[UR4], R24, gsb0", "PRMT R3, R4, R5, RZ",
+            "WARPGROUP.DEPBAR.LE gsb0, 0x1", "BAR.SYNC.DEFER_BLOCKING 0x0", "BRA 0x100"]
+    assert tool.wgmma_events(loop) == [("issue", 4), ("group", 0), ("issue", 2), ("wait", 1)]
+
+
+def test_one_program_alone_is_the_replayed_loop():
+    """``predicted_time`` takes one program's K-tile from the replay (``alone``): 128 x 128 x 64
+    at 4096 x 4096, M = 256: 64 programs, one per SM, 64 K-tiles; M = 1024: 256 programs, two per
+    SM, the tensor cores bind (2 x 512 per K-tile)."""
+    tool = _static_check()
+    cfg = KernelConfig(128, 128, 64, 8, 1, 8, 2, kernel="prefill")
+    r = dict(cfg=cfg, t_tensor=512.0, t_issue=400.0, per_sm=2, alone=656.0)
+    assert tool.predicted_time(r, 256, 4096, 4096, 1.125)[0] == 64 * 656
     assert tool.predicted_time(r, 1024, 4096, 4096, 1.125)[0] == 64 * 1024
+    r.pop("alone")   # without a replay: decode, then multiply
+    assert tool.predicted_time(r, 256, 4096, 4096, 1.125)[0] == 64 * (400 + 512)

@@ -20,34 +20,40 @@ __all__ = ["prefill_config", "prefill_configs", "check_prefill_config", "natural
 # (scripts/kernel_static_check.py --prefill, docs/kernels.md "Prefill path"; not timed
 # on a GPU yet). One 16-row W tile per warp (num_warps == BLOCK_N // 16, the decode
 # layout's fragment ownership) and BLOCK_N >= 64, so sm_90 runs wgmma with W from
-# registers (HGMMA). From 128 rows of x (Triton >= 3.9) the kernel reads x in its own
-# column order and the wgmma runs asynchronously, half a K-tile's multiply under the next
-# decode; below, the loop waits for its own wgmma and decode and tensor cores overlap only
-# across programs sharing an SM. Tiles in order of their predicted efficiency over full
-# waves, each with the programs (in units of the SMs) it needs before it beats the next,
-# smaller one at filling the GPU, fitted to the report's model over the 11 shapes of issue 22 at M = 64-4096:
-# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, SMs). 128 x 128 x 64 needs 122-128 registers
-# (2 programs per SM, every 16-bit and INT8 pair); the last tile takes whatever is left.
-# With the natural-order tiles (Triton >= 3.9), INT8 weights first try 256 x 64 x 64 on
-# 3 stages (236-237 registers, 2 programs per SM: tensor-bound where 128 x 128 is
-# issue-bound, 1.00 against 0.80-0.95 of dense at large M).
-_TILES = ((128, 128, 64, 8, 2, 1.5), (128, 64, 64, 4, 2, 1.0), (64, 64, 128, 4, 2, 0.7), (32, 64, 128, 4, 2, 0.0))
-_INT8_TILES = ((256, 64, 64, 4, 3, 2.0),) + _TILES
+# registers (HGMMA). Tiles in order, each with the programs (in units of the SMs) it needs
+# before the next, smaller one is taken, (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, SMs),
+# fitted to the report's model over the 11 shapes of issue 22 at M = 32-4096 (the best
+# minimum per M over 1-3-tile lists of the space, then the best sum); the last tile takes
+# whatever is left.
+# From 128 rows x is read in its own column order, and a 128-row tile multiplies each
+# half-atom into its own accumulator, so the loop keeps three wgmma groups in flight and one
+# program alone runs its multiply under its decode: 128 x 64 x 64 (Triton 3.9: 215-234
+# registers, 3.6: 255, no spill; two programs per SM) takes every M > 64 (predicted 0.94 /
+# 0.92 / 0.75 of dense fp16 at worst for fp16, INT8 x fp16, INT8 x bf16, Triton 3.9).
+# 16-bit weights first try 128 x 128 x 64 from 4 programs per SM (212 registers, one per SM,
+# but alone tensor-bound: 512 clocks per K-tile against 508 of issue; 1.00 where its programs
+# fill whole waves); INT8's is issue-bound there (546 / 672). INT4's 128 x 64 is issue-bound
+# (375-409 issue cycles per K-tile against 256), so where the 256-row tiles are natural too
+# (Triton >= 3.9, natural_order()) it first tries 256 x 64 x 64 (one accumulator, 250
+# registers, two programs per SM, tensor-bound at large M) on 2, then 3 stages.
+_NATURAL_TILES = ((128, 64, 64, 4, 2, 0.0), (64, 64, 128, 4, 2, 0.5), (32, 64, 128, 4, 2, 0.0))
+_NATURAL_16BIT_TILES = ((128, 128, 64, 8, 2, 4.0),) + _NATURAL_TILES
+_NATURAL_INT4_TILES = ((256, 64, 64, 4, 2, 1.0), (256, 64, 64, 4, 3, 0.5)) + _NATURAL_TILES
 
 
 def prefill_config(M: int, N: int, K: int, num_sms: int = 132, *, int4: bool = False,
                    int8: bool = False) -> KernelConfig:
     """The untuned prefill config for ``M`` rows (``M > 16``) of an ``N x K`` weight:
-    the first tile of ``_TILES`` that wastes at most half its BLOCK_M rows and gives
-    enough programs, ``ceil(M / BLOCK_M) * ceil(N / BLOCK_N)``, for the ``num_sms``
-    multiprocessors (default: an H200's 132); else 32 x 64. INT8 weights (``int8``) try
-    256 x 64 first where the kernel's natural-order tiles run (:func:`natural_order`); INT4
-    weights (``int4``) skip 128 x 128: its dequantization takes 154 registers there, one
-    program per SM (sm_90 SASS, docs/kernels.md)."""
+    the first tile of the list for the weight (``int4``: INT4 values, ``int8``: INT8, else
+    16-bit) that wastes at most half its BLOCK_M rows and gives enough programs, ``ceil(M / BLOCK_M) * ceil(N / BLOCK_N)``, for the ``num_sms``
+    multiprocessors (default: an H200's 132); else 32 x 64 (sm_90 SASS, docs/kernels.md)."""
     if M <= DECODE_M:
         raise ValueError(f"the prefill kernel serves M > {DECODE_M}, got M = {M}")
-    for bm, bn, bk, warps, stages, fill in (_TILES[1:] if int4 else _INT8_TILES if int8 and natural_order()
-                                            else _TILES):
+    if int4:
+        tiles = _NATURAL_INT4_TILES if natural_order() else _NATURAL_TILES
+    else:
+        tiles = _NATURAL_TILES if int8 else _NATURAL_16BIT_TILES
+    for bm, bn, bk, warps, stages, fill in tiles:
         if bm < 2 * M and -(-M // bm) * -(-N // bn) >= fill * num_sms:
             break
     return _config(bm, bn, bk, warps, stages)
@@ -55,8 +61,9 @@ def prefill_config(M: int, N: int, K: int, num_sms: int = 132, *, int4: bool = F
 
 @functools.lru_cache(maxsize=None)
 def natural_order() -> bool:
-    """Whether the installed Triton runs the prefill kernel's natural-order tiles (from
-    128 rows; Triton 3.9 and later: ``kernels/sparse24_prefill.py``, ``NATURAL_TRITON``)."""
+    """Whether the installed Triton runs the prefill kernel's natural-order tiles at 256 rows
+    too (Triton 3.9 and later; 3.6 at 128 rows only: ``kernels/sparse24_prefill.py``,
+    ``NATURAL_TRITON``)."""
     from sparse24.kernels.sparse24_prefill import NATURAL_TRITON
     return NATURAL_TRITON
 
