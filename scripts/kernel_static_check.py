@@ -575,7 +575,8 @@ def programs_per_sm(regs: int, shared: int, warps: int) -> int:
 
 def prefill_one(dtype: str, cfg, cap: int) -> dict:
     """Compile one prefill config; count its main loop: instructions per warp, HGMMA/HMMA per
-    warp, half-rate integer instructions, whether the loop waits for its wgmma (serial decode)."""
+    warp, half-rate integer instructions, its wgmma groups and waits (``events``, :func:`wgmma_events`;
+    ``groups`` per K-tile, at least 1)."""
     import triton
 
     from sparse24.ops.linear24 import aot_compile
@@ -593,12 +594,11 @@ def prefill_one(dtype: str, cfg, cap: int) -> dict:
     regs = int(re.search(r"REG:(\d+)", res).group(1))
     spills = int(re.search(r"LOCAL:(\d+)", res).group(1)) + int(re.search(r"STACK:(\d+)", res).group(1))
     mma = ops["HGMMA"] + ops["HMMA"]
+    events = wgmma_events(loop)
     return dict(dtype=dtype, cfg=cfg, loop=len(loop), mma=mma, hgmma=ops["HGMMA"] > 0, local=ops["LDL"] + ops["STL"],
                 sts=ops["STS"],
                 half=sum(ops[o] for o in HALF_RATE), regs=regs, spills=spills, shared=ck.metadata.shared,
-                waits=any(re.search(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x0", t) for t in loop),
-                groups=max(1, sum("gsb0" in t for t in loop if t.startswith("HGMMA"))),
-                events=wgmma_events(loop), triton=triton.__version__)
+                groups=max(1, sum(e == "group" for e, _ in events)), events=events, triton=triton.__version__)
 
 
 def wgmma_events(loop: list[str]) -> list[tuple[str, int]]:
