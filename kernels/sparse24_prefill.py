@@ -42,17 +42,24 @@ from .sparse24_decode import (_ADD01, _ADD01_B0, _ADD01_B1, _ADD01_I4, _ADD23, _
                               _MUL23_B1, _MUL23_I4, _SEL_MASK, _SM_MASK, _TWO_POW_24, _decode_tile, _epilogue,
                               _int4_dequant, _int4_group, _int4_rows, _prmt, int8_bf16_words)
 
-__all__ = ["sparse24_prefill", "sparse24_prefill_interpreted", "NATURAL_TRITON"]
+__all__ = ["sparse24_prefill", "sparse24_prefill_interpreted", "NATURAL_TRITON", "natural_tile"]
 
-# The natural-order tiles (``_decode_tile_natural``) at every BLOCK_M >= 128 where Triton
-# compiles them well (3.9); 3.6 (the GPU image's) only at 128 rows, with two accumulators
-# (128 x 64: 255 registers, no spill, two programs per SM; sm_90 SASS, docs/kernels.md):
-# its one-accumulator natural tiles took 132 registers at 128 x 128 (one per SM), so its
-# 256-row tiles stay permuted. Before 3.6 (not compiled for sm_90 here) every tile stays permuted.
+# The natural-order tiles (``_decode_tile_natural``) where Triton compiles them well: from
+# 3.9 at every BLOCK_M >= 128; 3.6 (the GPU image's) at 128 rows (two accumulators; 128 x 64:
+# 255 registers, no spill, two programs per SM) and at 256 x 128 (8 warps: 205-246 registers,
+# no spill, one program alone tensor-bound; sm_90 SASS, docs/kernels.md). 3.6's one-accumulator
+# 128 x 128 took 132 registers (one per SM) and its 256 x 64 spills: both stay permuted there,
+# as every tile before 3.6 (not compiled for sm_90 here).
 _TRITON = tuple(int(v) for v in triton.__version__.split(".")[:2])
 NATURAL_TRITON = _TRITON >= (3, 9)
 _NATURAL_TRITON = tl.constexpr(NATURAL_TRITON)
-_NATURAL_128 = tl.constexpr(_TRITON >= (3, 6))
+_NATURAL_36 = tl.constexpr(_TRITON >= (3, 6))
+
+
+def natural_tile(block_m: int, block_n: int) -> bool:
+    """Whether the kernel decodes a BLOCK_M x BLOCK_N tile in x's own column order with the
+    installed Triton (its constexpr ``NATURAL``)."""
+    return block_m >= 128 and (NATURAL_TRITON or (_NATURAL_36.value and (block_m == 128 or block_n == 128)))
 
 
 def _pair_add(add: tl.constexpr) -> tl.constexpr:
@@ -243,8 +250,10 @@ def _sparse24_prefill(
     A: tl.constexpr = BLOCK_K // 64
     T: tl.constexpr = BLOCK_N // 16
     # x in its own column order (_decode_tile_natural) from 128 rows of x: there the
-    # permuted copy of x it saves outweighs reading two lanes' words per weight lane.
-    NATURAL: tl.constexpr = BLOCK_M >= 128 and (_NATURAL_TRITON or (BLOCK_M == 128 and _NATURAL_128))
+    # permuted copy of x it saves outweighs reading two lanes' words per weight lane
+    # (natural_tile: which tiles, by Triton version).
+    NATURAL: tl.constexpr = BLOCK_M >= 128 and (_NATURAL_TRITON
+                                                or (_NATURAL_36 and (BLOCK_M == 128 or BLOCK_N == 128)))
     # Two accumulators (_decode_tile_natural's HALVES) where both fit beside the decode:
     # BLOCK_M x BLOCK_N / (32 num_warps) = BLOCK_M / 2 registers each (num_warps = BLOCK_N / 16).
     HALVES: tl.constexpr = 2 if NATURAL and BLOCK_M <= 128 else 1

@@ -39,8 +39,9 @@ registers and shared memory, waves on 132 SMs, and weight bytes in flight per
 SM; prints ``min weight bytes in flight per SM: N KiB``.
 
 ``--prefill``: the prefill kernel (M > 16) compiled for sm_90: issue cycles of
-its main loop per tensor-core instruction and the predicted ratio to dense at
-the listed shapes (docs/kernels.md, "Prefill path").
+its main loop per tensor-core instruction, its tiles' L2 traffic, and the
+predicted ratio to dense at the listed shapes, with L2 at an assumed 32 B per
+SM clock and unbounded (docs/kernels.md, "Prefill path").
 """
 import argparse
 import collections
@@ -560,8 +561,13 @@ PREFILL_M = (32, 48, 64, 128, 256, 512, 2048, 4096)
 # each counts two issue cycles. HBM 4.0 TB/s at 1.98 GHz for the memory floor.
 SMS, REGS_PER_SM, SMEM_PER_SM, WARPS_PER_SM, MACS_PER_CLK = 132, 65536, 228 * 1024, 64, 2048
 HBM_BYTES_PER_SM_CLK = 4.0e12 / 1.98e9 / SMS
-# L2 for split-K's fp32 partials: ~5.5 TB/s of reads (H100, measured by others; not by us).
-L2_BYTES_PER_SM_CLK = 5.5e12 / 1.98e9 / SMS
+# L2 to the SMs: 32 B per SM clock (8.4 TB/s at 1.98 GHz on 132 SMs), assumed, not measured by us:
+# others measured ~5.5 TB/s of L2 reads on an H100 PCIe (114 SMs, clocks ~1.4-1.6 GHz under that
+# load: 30-34 B per SM clock). The 788 TFLOP/s of bf16 cuBLAS measured on an H200 of these machines
+# (device/KINDS.md) needs at least 24 B per SM clock (128 x 256 tiles, two SMs sharing one operand's
+# loads), so it does not contradict it. Every program reads its x and weight tiles through L2 on
+# each K-tile (the pipelined copies bypass L1); split-K's fp32 partials go through it too.
+L2_BYTES_PER_SM_CLK = 32.0
 PREFILL_SPLITS = (2, 4, 8)
 HALF_RATE = ("LOP3", "SHF", "SGXT", "PRMT", "IADD3", "SEL", "IMAD", "ISETP", "LEA")
 
@@ -665,47 +671,67 @@ def prefill_model(r: dict) -> dict:
     r["t_issue"] = (r["loop"] - r["mma"] + r["half"]) * c.num_warps / 4
     r["per_sm"] = programs_per_sm(r["regs"], r["shared"], c.num_warps)
     r["alone"] = loop_tile_time(r["events"], r["t_tensor"], c.num_warps)
+    r["l2_bytes"] = tile_l2_bytes(r["dtype"], c)
+    r["t_l2"] = r["l2_bytes"] / L2_BYTES_PER_SM_CLK
     r["issue_per_mma"] = (r["loop"] - r["mma"] + r["half"]) / max(r["mma"], 1)
     return r
 
 
-def dense_time(M: int, N: int, K: int) -> float:
+def tile_l2_bytes(dtype: str, c) -> int:
+    """Bytes one program reads through L2 per K-tile: its BLOCK_M x BLOCK_K tile of x (16-bit)
+    and its compressed weight tile (values, metadata, INT4's scales and zero points)."""
+    return c.block_m * c.block_k * 2 + weight_tile_bytes(dtype, c.block_n, c.block_k) \
+        + side_bytes(dtype, c.block_n, c.block_k)
+
+
+def dense_time(M: int, N: int, K: int, l2: float = L2_BYTES_PER_SM_CLK) -> float:
     """SM clocks of the idealized dense GEMM (fp16 weight) the prediction compares with:
-    tensor cores always busy, the best of 64x128, 128x128, 128x256 and 256x128 tiles
-    (whole waves of programs over the SMs), floored by HBM traffic. The same for every
-    config of ours, so configs compare fairly; cuBLAS reaches ~70-80% of this."""
+    the best of 64x128, 128x128, 128x256 and 256x128 tiles (whole waves of programs over the
+    SMs), each tile's K-steps at the tensor cores' full rate or at the rate L2 delivers its
+    two operand tiles (2 B per element per column of K at ``l2`` B per SM clock; a 256-wide
+    operand's loads shared by two SMs, as Hopper GEMMs do with a cluster of two and TMA
+    multicast, so 128x256 is tensor-bound at 32 B per SM clock), whichever is slower, floored
+    by HBM traffic. The same for every config of ours, so configs compare fairly; cuBLAS
+    reaches ~74% of the tensor cores' rate on an H200 (788 TFLOP/s bf16 at 8192^3, measured by
+    others on these machines: device/KINDS.md)."""
     io = (M * K + M * N) * 2 / SMS / HBM_BYTES_PER_SM_CLK
-    tiles = min(-(-(-(-M // bm) * -(-N // bn)) // SMS) * bm * bn
+
+    def per_k(bm, bn):   # SM clocks per column of K of one tile
+        shared = (bm // (2 if bm == 256 else 1) + bn // (2 if bn == 256 else 1)) * 2   # operand bytes
+        return max(bm * bn / MACS_PER_CLK, shared / l2)
+    tiles = min(-(-(-(-M // bm) * -(-N // bn)) // SMS) * per_k(bm, bn)
                 for bm, bn in ((64, 128), (128, 128), (128, 256), (256, 128)))
-    return max(tiles * K / MACS_PER_CLK, N * K * 2 / SMS / HBM_BYTES_PER_SM_CLK + io)
+    return max(tiles * K, N * K * 2 / SMS / HBM_BYTES_PER_SM_CLK + io)
 
 
-def predicted_time(r: dict, M: int, N: int, K: int, w_bytes: float, split_k: int = 1) -> tuple[float, float]:
+def predicted_time(r: dict, M: int, N: int, K: int, w_bytes: float, split_k: int = 1,
+                   l2: float = L2_BYTES_PER_SM_CLK) -> tuple[float, float]:
     """``(ours, dense)`` in SM clocks for (M, N, K): programs spread over the SMs,
     ``per_sm`` resident at once, in rounds: a round of p programs takes max(p t_tensor,
-    p t_issue, alone) per K-tile, where ``alone`` is one program's K-tile by itself on an
-    SM (:func:`loop_tile_time` over its loop's wgmma groups and waits; without it, decode
-    and wgmma one after the other: t_tensor + t_issue), other programs filling its gaps;
-    floored by HBM traffic (weight bytes w_bytes per element,
-    x and out fp16). ``split_k`` > 1 estimates a serial split-K the kernel does not
-    have: split_k times the programs over K / split_k each, and every program's fp32
-    partial tile through L2 (its store, then the last program's reads of the others').
-    Dense: :func:`dense_time`."""
+    p t_issue, p t_l2, alone) per K-tile, where t_l2 is a program's x and weight tiles
+    (``l2_bytes``) through L2 at ``l2`` B per SM clock (``inf``: no L2 limit, on either
+    side) and ``alone`` is one program's K-tile by itself on an SM (:func:`loop_tile_time`
+    over its loop's wgmma groups and waits; without it, decode and wgmma one after the
+    other: t_tensor + t_issue), other programs filling its gaps; floored by HBM traffic
+    (weight bytes w_bytes per element, x and out fp16). ``split_k`` > 1 estimates a serial
+    split-K the kernel does not have: split_k times the programs over K / split_k each, and
+    every program's fp32 partial tile through L2 (its store, then the last program's reads
+    of the others'). Dense: :func:`dense_time`."""
     c = r["cfg"]
     progs = -(-M // c.block_m) * -(-N // c.block_n) * split_k
     per_sm_progs = -(-progs // SMS)
     iters = -(-(-(-K // split_k)) // c.block_k)
-    tt, ti, p = r["t_tensor"], r["t_issue"], max(r["per_sm"], 1)
+    tt, ti, tl2, p = r["t_tensor"], r["t_issue"], r.get("l2_bytes", 0) / l2, max(r["per_sm"], 1)
     full, rest = divmod(per_sm_progs, p)
     alone = r.get("alone", tt + ti)   # one program's K-tile
 
     def rnd(n):
-        return max(n * tt, n * ti, alone) if n else 0.0
+        return max(n * tt, n * ti, n * tl2, alone) if n else 0.0
     ours = iters * (full * rnd(p) + rnd(rest))
     if split_k > 1:
-        ours += (per_sm_progs + split_k - 1) * c.block_m * c.block_n * 4 / L2_BYTES_PER_SM_CLK
+        ours += (per_sm_progs + split_k - 1) * c.block_m * c.block_n * 4 / l2
     io = (M * K + M * N) * 2 / SMS / HBM_BYTES_PER_SM_CLK
-    return max(ours, (N * K * w_bytes) / SMS / HBM_BYTES_PER_SM_CLK + io), dense_time(M, N, K)
+    return max(ours, (N * K * w_bytes) / SMS / HBM_BYTES_PER_SM_CLK + io), dense_time(M, N, K, l2)
 
 
 def prefill_main(a) -> int:
@@ -730,35 +756,39 @@ def prefill_main(a) -> int:
           "(H: HGMMA, wgmma), half = half-rate integer ones among them; issue/mma = (loop - mma + half) / mma; "
           "t_issue = issue cycles per scheduler (half-rate counted twice), t_tensor = SM clocks of its "
           "multiply-adds at 2048 per clock; alone = SM clocks of one program's K-tile by itself (its loop's wgmma "
-          "groups and waits replayed: loop_tile_time); in flight = wgmma groups per K-tile / the fewest any wait "
-          "leaves in flight; /SM = resident programs (registers, shared memory)")
+          "groups and waits replayed: loop_tile_time); t_L2 = SM clocks of its x and weight tiles through L2 at "
+          f"{L2_BYTES_PER_SM_CLK:.0f} B per SM clock (assumed); in flight = wgmma groups per K-tile / the fewest "
+          "any wait leaves in flight; /SM = resident programs (registers, shared memory)")
     print(f"{'dtype':13} {'config':26} {'regs':>4} {'smem':>6} {'/SM':>3} {'mma':>4} {'loop':>5} {'half':>4} "
-          f"{'issue/mma':>9} {'t_issue':>7} {'t_tensor':>8} {'alone':>6} in flight")
+          f"{'issue/mma':>9} {'t_issue':>7} {'t_tensor':>8} {'alone':>6} {'t_L2':>5} in flight")
     for r in rows:
         kind = "HGMMA" if r["hgmma"] else "HMMA"
         print(f"{r['dtype']:13} {config_name(r['cfg']):26} {r['regs']:>4} {r['shared']:>6} {r['per_sm']:>3} "
               f"{r['mma']:>3}{kind[0]} {r['loop']:>5} {r['half']:>4} {r['issue_per_mma']:>9.1f} "
-              f"{r['t_issue']:>7.0f} {r['t_tensor']:>8.0f} {r['alone']:>6.0f} {r['groups']}/"
+              f"{r['t_issue']:>7.0f} {r['t_tensor']:>8.0f} {r['alone']:>6.0f} {r['t_l2']:>5.0f} {r['groups']}/"
               f"{'-' if in_flight(r) is None else in_flight(r)}"
               + (f"  spills {r['spills']} B, {r['local']} LDL/STL in the loop" if r["spills"] else ""))
     print("# predicted ratio dense / prefill kernel (> 1: faster than dense), per shape (out x in) and M:"
           " the default config, and in brackets the best config of the space that spills nothing (its"
           " BLOCK_M x BLOCK_N); dense: the idealized dense GEMM of dense_time(), the same for every config")
-    worst, wins, split_worst = {}, [], {}
+    worst, wins, split_worst, unbounded = {}, [], {}, {}
     for dt in dtypes:
-        w_bytes, int4, int8 = dense_bytes_per_weight(dt), dt.startswith("int4-"), dt.startswith("int8-")
+        w_bytes = dense_bytes_per_weight(dt)
         by_cfg = {r["cfg"]: r for r in rows if r["dtype"] == dt}
         # Would a serial split-K lift the minimum? The default large tile, split 2 / 4 / 8, as a further choice.
-        big = by_cfg.get(prefill_config(4096, 4096, 4096, int4=int4, int8=int8))
+        big = by_cfg.get(prefill_config(4096, 4096, 4096))
         print(f"{dt:13} " + " ".join(f"{'M=' + str(m):>19}" for m in PREFILL_M))
         for N, K in PREFILL_SHAPES:
             cells = []
             for M in PREFILL_M:
                 ratios = {c: (lambda t: t[1] / t[0])(predicted_time(r, M, N, K, w_bytes)) for c, r in by_cfg.items()}
-                d = ratios.get(prefill_config(M, N, K, int4=int4, int8=int8))
+                default = prefill_config(M, N, K)
+                d = ratios.get(default)
                 best = max((c for c in ratios if not by_cfg[c]["spills"]), key=ratios.get)
                 if d is not None:
                     worst[(dt, M)] = min(worst.get((dt, M), 9.0), d)
+                    ours, dense = predicted_time(by_cfg[default], M, N, K, w_bytes, l2=float("inf"))
+                    unbounded[(dt, M)] = min(unbounded.get((dt, M), 9.0), dense / ours)
                     if d >= 1.0:
                         wins.append(f"{dt} {N}x{K} M={M} {d:.2f}")
                     if big is not None:
@@ -770,8 +800,10 @@ def prefill_main(a) -> int:
             print(f"  {N}x{K:<8}  " + " ".join(f"{c:>19}" for c in cells))
     print("min predicted prefill ratio to dense (default configs): " + ", ".join(
         f"{dt} M={m} {v:.2f}" for (dt, m), v in sorted(worst.items())))
+    print("min predicted with L2 unbounded (both sides; the model without its L2 term): " + ", ".join(
+        f"{dt} M={m} {v:.2f}" for (dt, m), v in sorted(unbounded.items())))
     print(f"min predicted with a serial split-K (the default large tile, split {'/'.join(map(str, PREFILL_SPLITS))}, "
-          "fp32 partials through L2 at 5.5 TB/s) as a further choice: " + ", ".join(
+          f"fp32 partials through L2 at {L2_BYTES_PER_SM_CLK:.0f} B per SM clock) as a further choice: " + ", ".join(
               f"{dt} M={m} {v:.2f}" for (dt, m), v in sorted(split_worst.items())))
     print("predicted >= 1.0 of dense (default configs): " + (", ".join(wins) or "nowhere"))
     return 0

@@ -9,7 +9,7 @@ import sparse24
 from sparse24.decode_format import DecodePacked, pack_decode
 from sparse24.ops.config_space import KernelConfig
 from sparse24.ops.linear24.launch import linear_prefill
-from sparse24.ops.linear24.prefill import check_prefill_config, natural_order, prefill_config, prefill_configs
+from sparse24.ops.linear24.prefill import check_prefill_config, natural_tile, prefill_config, prefill_configs
 
 from conftest import assert_matches_reference, reference_linear, tolerance
 from test_decode_kernel import _static_check, _weight  # the decode kernel's weights and static-check loader
@@ -129,57 +129,69 @@ def test_rejects_bad_input(gen):
 
 def test_default_configs():
     """The largest tile that still gives enough programs for an H200's 132 SMs, wasting
-    at most half its rows; every default passes the config check and sits in the space
-    the static report covers."""
-    # 128 x 64 (two accumulators) from 65 rows; 16-bit 128 x 128 from 4 programs per SM
-    assert [prefill_config(M, 4096, 4096).block_m for M in (17, 32, 33, 64, 65, 512, 100000)] == \
-        [32, 32, 32, 32, 128, 128, 128]
+    at most half its rows, the same for every weight kind; every default passes the config
+    check and sits in the space the static report covers."""
+    wide = natural_tile(256, 128)   # Triton >= 3.6: 256 x 128 first, from 0.5 programs per SM
+    # 4096 x 4096: 32 row tiles of 128 (16-row tiles of 64: 64); 128 x 128 from 0.5 per SM
+    assert [(prefill_config(M, 4096, 4096).block_m, prefill_config(M, 4096, 4096).block_n)
+            for M in (17, 64, 65, 256, 512, 1024, 100000)] == \
+        [(32, 64), (32, 64), (128, 64), (128, 64), (128, 128)] + [(256 if wide else 128, 128)] * 2
+    assert [prefill_config(M, 28672, 8192).block_m for M in (65, 129)] == [128, 256 if wide else 128]
     assert prefill_config(64, 8192, 8192).block_m == 64   # 128 programs of 64 x 64: from 0.5 per SM
     assert prefill_config(64, 3072, 768).block_m == 32    # 48 programs of 64 x 64: too few
     assert prefill_config(40, 28672, 8192).block_m == 64  # never 128 rows for 40
-    assert prefill_config(512, 4096, 4096).block_n == 64                 # 128 programs of 128 x 128: few
     big = prefill_config(4096, 4096, 4096)
-    assert (big.block_n, big.num_stages) == (128, 2)                     # 1024: from 4 per SM
-    assert {prefill_config(M, 28672, 8192, int8=True).block_n for M in (100, 512, 4096)} == {64}
-    if natural_order():   # Triton >= 3.9 (256-row natural tiles): INT4 256 x 64 first
-        big = prefill_config(2048, 4096, 4096, int4=True)
-        assert (big.block_m, big.num_stages) == (256, 2)     # 512 programs of 256 x 64: from 1 per SM
-        assert prefill_config(512, 4096, 4096, int4=True).num_stages == 3    # 128: 3 stages from 0.5
-        assert prefill_config(256, 4096, 4096, int4=True).block_m == 128     # 64 programs of 256 x 64: too few
-    else:   # Triton 3.6: INT4 as INT8
-        assert prefill_config(4096, 4096, 4096, int4=True) == prefill_config(4096, 4096, 4096, int8=True)
-    for M in (17, 64, 100, 512, 4096):
+    assert (big.block_m, big.block_n, big.num_warps, big.num_stages) == (256 if wide else 128, 128, 8, 2)
+    for M in (17, 40, 64, 65, 100, 129, 512, 4096, 100000):
         for N in (768, 4096, 28672):
-            for int4, int8 in ((False, False), (True, False), (False, True)):
-                c = check_prefill_config(prefill_config(M, N, 4096, int4=int4, int8=int8))
-                assert c.num_warps == c.block_n // 16 and c.block_n >= 64  # wgmma with W from registers on sm_90
-                assert c in prefill_configs(M) and c.block_m < 2 * M
+            c = check_prefill_config(prefill_config(M, N, 4096))
+            assert c.num_warps == c.block_n // 16 and c.block_n >= 64  # wgmma with W from registers on sm_90
+            assert c in prefill_configs(M) and c.block_m < 2 * M
 
 
 @pytest.mark.parametrize("dtype", ["float16", "int8-bfloat16"])
 def test_large_m_default_compiles_to_hgmma_for_sm90(dtype, monkeypatch):
-    """No GPU here: the large-M default compiled for sm_90 with the launcher's arguments
-    (scripts/kernel_static_check.py --prefill) runs wgmma with W from registers (HGMMA, one
-    per 16 columns of a K-tile) and x^T straight from the pipelined shared buffer: no
-    shared-memory store in the loop (the permuted tiles copied x through registers back to
-    shared memory: 8 STS per K-tile), and with its two accumulators (one per half-atom) the
-    loop commits four wgmma groups per K-tile and every wait leaves three in flight, so one
-    program alone keeps the tensor cores busy under its own decode (K-tile time within 5% of
-    max(t_issue, t_tensor)); it spills nothing and fits two programs per SM at 128 x 64 (one at
-    16-bit weights' 128 x 128): the premises of the prediction in docs/kernels.md."""
+    """No GPU here: the large-M default (256 x 128 x 64, 8 warps) compiled for sm_90 with the
+    launcher's arguments (scripts/kernel_static_check.py --prefill) runs wgmma with W from
+    registers (HGMMA, one per 16 columns of a K-tile) and x^T straight from the pipelined
+    shared buffer: no shared-memory store in the loop (the permuted tiles copied x through
+    registers back to shared memory: 8 STS per K-tile); no wait takes its wgmma groups below a
+    K-tile's worth less one, its decode issues in less than the multiply's time, and one program
+    alone is bound by the tensor cores or by its tiles' L2 traffic, not by the decode (within
+    5%); it spills nothing: the premises of the prediction in docs/kernels.md."""
     monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")
     tool = _static_check()
-    cfg = prefill_config(4096, 4096, 4096, int8=dtype.startswith("int8"))
+    cfg = prefill_config(4096, 4096, 4096)
+    assert (cfg.block_m, cfg.block_n) == ((256, 128) if natural_tile(256, 128) else (128, 128))
     r = tool.prefill_model(tool.prefill_one(dtype, cfg, 90))
     assert r["hgmma"] and r["mma"] == cfg.block_k // 16
-    assert r["spills"] == 0 and r["local"] == 0
-    # 16-bit: 128 x 128 (one program per SM, busy alone); INT8: 128 x 64, two per SM
-    assert (cfg.block_m, cfg.block_n) == ((128, 64) if dtype.startswith("int8") else (128, 128))
-    assert r["groups"] == 4 and tool.in_flight(r) == 3
-    assert r["alone"] <= 1.05 * max(r["t_issue"], r["t_tensor"])
-    assert tool.programs_per_sm(r["regs"], r["shared"], cfg.num_warps) >= 128 // cfg.block_n
-    if natural_order():   # Triton >= 3.9 (this project's); 3.6 leaves 4 STS per K-tile in the fp16 loop
-        assert r["sts"] == 0
+    assert r["spills"] == 0 and r["local"] == 0 and r["sts"] == 0
+    assert r["groups"] >= 2 and tool.in_flight(r) == r["groups"] - 1
+    assert r["t_issue"] < r["t_tensor"]
+    assert r["alone"] <= 1.05 * max(r["t_tensor"], r["t_l2"])
+    assert tool.programs_per_sm(r["regs"], r["shared"], cfg.num_warps) >= 1
+
+
+def test_l2_traffic_of_a_tile():
+    """The model's L2 term by hand: a 256 x 128 x 64 fp16 tile reads 256 x 64 x 2 B of x and
+    128 x 64 x 1 B of kept values + 128 x 64 / 8 B of metadata per K-tile; 128 x 64 x 64 reads
+    2.0x the bytes per multiply-add. A round of p programs takes at least p t_l2; the idealized
+    dense GEMM's 128 x 256 tile (its 256-wide operand's loads shared by two SMs) is tensor-bound
+    at 32 B per SM clock, its 128 x 128 tile L2-bound."""
+    tool = _static_check()
+    wide, narrow = (KernelConfig(bm, bn, 64, 8, 1, bn // 16, 2, kernel="prefill") for bm, bn in ((256, 128), (128, 64)))
+    assert tool.tile_l2_bytes("float16", wide) == 256 * 64 * 2 + 128 * 64 + 128 * 64 // 8 == 41984
+    assert tool.tile_l2_bytes("float16", narrow) == 20992 and 20992 / (128 * 64) == 2 * 41984 / (256 * 128)
+    assert tool.L2_BYTES_PER_SM_CLK == 32.0
+    r = dict(cfg=narrow, t_tensor=256.0, t_issue=200.0, per_sm=2, alone=256.0, l2_bytes=20992)
+    ours, dense = tool.predicted_time(r, 4096, 4096, 4096, 1.125)
+    assert ours == 64 * 8 * 2 * 656            # 2048 programs: 16 per SM, 8 rounds of 2; 64 K-tiles
+    assert dense == 64 * 4096                  # 128 x 256: 512 tiles, 4 waves of 16 clocks per column of K
+    # without an L2 limit the tensor cores bind: 2 x 256 per round; dense the same here
+    assert tool.predicted_time(r, 4096, 4096, 4096, 1.125, l2=float("inf")) == (64 * 8 * 2 * 256, 64 * 4096)
+    # M = 512: 64 tiles of 128 x 256 in one wave (16 clocks per column of K); without an L2 limit
+    # 128 x 128 (8 clocks, L2-bound at 16 with 32 B per SM clock) and 64 x 128 (two waves of 4) beat it
+    assert (tool.dense_time(512, 4096, 4096), tool.dense_time(512, 4096, 4096, float("inf"))) == (16 * 4096, 8 * 4096)
 
 
 def test_split_k_estimate_counts_more_programs_and_the_partials():

@@ -162,8 +162,7 @@ def run_prefill(x: torch.Tensor, values: torch.Tensor, meta: torch.Tensor, scale
     x's M bucket unless ``config`` is given."""
     if config is None:
         M = x.shape[0] if x.dim() == 2 else x.shape[:-1].numel()
-        config = prefill_config(max(M, DECODE_M + 1), N, x.shape[-1], int4=group_size > 0,
-                                int8=scale is not None and group_size == 0)
+        config = prefill_config(max(M, DECODE_M + 1), N, x.shape[-1])
     return run(x, values, meta, scale, bias, N, config, zero, group_size)
 
 

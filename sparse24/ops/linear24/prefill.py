@@ -14,45 +14,39 @@ import functools
 
 from ..config_space import DECODE_M, KernelConfig
 
-__all__ = ["prefill_config", "prefill_configs", "check_prefill_config", "natural_order"]
+__all__ = ["prefill_config", "prefill_configs", "check_prefill_config", "natural_tile"]
 
 # The untuned defaults, chosen from the sm_90 SASS counts and the model built on them
 # (scripts/kernel_static_check.py --prefill, docs/kernels.md "Prefill path"; not timed
 # on a GPU yet). One 16-row W tile per warp (num_warps == BLOCK_N // 16, the decode
 # layout's fragment ownership) and BLOCK_N >= 64, so sm_90 runs wgmma with W from
 # registers (HGMMA). Tiles in order, each with the programs (in units of the SMs) it needs
-# before the next, smaller one is taken, (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, SMs),
-# fitted to the report's model over the 11 shapes of issue 22 at M = 32-4096 (the best
-# minimum per M over 1-3-tile lists of the space, then the best sum); the last tile takes
-# whatever is left.
-# From 128 rows x is read in its own column order, and a 128-row tile multiplies each
-# half-atom into its own accumulator, so the loop keeps three wgmma groups in flight and one
-# program alone runs its multiply under its decode: 128 x 64 x 64 (Triton 3.9: 215-234
-# registers, 3.6: 255, no spill; two programs per SM) takes every M > 64 (predicted 0.94 /
-# 0.92 / 0.75 of dense fp16 at worst for fp16, INT8 x fp16, INT8 x bf16, Triton 3.9).
-# 16-bit weights first try 128 x 128 x 64 from 4 programs per SM (212 registers, one per SM,
-# but alone tensor-bound: 512 clocks per K-tile against 508 of issue; 1.00 where its programs
-# fill whole waves); INT8's is issue-bound there (546 / 672). INT4's 128 x 64 is issue-bound
-# (375-409 issue cycles per K-tile against 256), so where the 256-row tiles are natural too
-# (Triton >= 3.9, natural_order()) it first tries 256 x 64 x 64 (one accumulator, 250
-# registers, two programs per SM, tensor-bound at large M) on 2, then 3 stages.
-_NATURAL_TILES = ((128, 64, 64, 4, 2, 0.0), (64, 64, 128, 4, 2, 0.5), (32, 64, 128, 4, 2, 0.0))
-_NATURAL_16BIT_TILES = ((128, 128, 64, 8, 2, 4.0),) + _NATURAL_TILES
-_NATURAL_INT4_TILES = ((256, 64, 64, 4, 2, 1.0), (256, 64, 64, 4, 3, 0.5)) + _NATURAL_TILES
+# before the next, smaller one is taken, (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, SMs);
+# the last tile takes whatever is left. Fitted to the report's model over the 11 shapes of
+# issue 22 at M = 32-4096, for every weight kind at once (16-bit, INT8, INT4) and both
+# Triton 3.9 and 3.6: the best sum over M of the minimum over shapes, weight kinds and two
+# L2 bandwidths (the model's 32 B per SM clock, and none), then the best sum.
+# Every program reads its x tile and its weight tile through L2 on every K-tile, so the
+# wide tile comes first: 256 x 128 x 64 (8 warps, x in its own order, one accumulator)
+# reads 656 B (fp16) per column of K for 256 x 128 multiply-adds, 128 x 64 x 64 328 B for a
+# quarter of them; at 32 B per SM clock 128 x 64 runs at 0.39 of the tensor cores' rate,
+# 256 x 128 at 0.78. 256 x 128 runs one program per SM (205-246 registers, no spill, Triton
+# 3.9 and 3.6) and one program alone keeps the tensor cores busy (1024-1036 clocks per
+# K-tile against 1024 for 16-bit weights). Below Triton 3.6 no tile is natural
+# (natural_tile): there 256 x 128 would run permuted and serial, so it is left out.
+_WIDE = (256, 128, 64, 8, 2, 0.5)
+_TILES = ((128, 128, 64, 8, 2, 0.5), (128, 64, 64, 4, 2, 0.0), (64, 64, 128, 4, 2, 0.5), (32, 64, 128, 4, 2, 0.0))
 
 
-def prefill_config(M: int, N: int, K: int, num_sms: int = 132, *, int4: bool = False,
-                   int8: bool = False) -> KernelConfig:
-    """The untuned prefill config for ``M`` rows (``M > 16``) of an ``N x K`` weight:
-    the first tile of the list for the weight (``int4``: INT4 values, ``int8``: INT8, else
-    16-bit) that wastes at most half its BLOCK_M rows and gives enough programs, ``ceil(M / BLOCK_M) * ceil(N / BLOCK_N)``, for the ``num_sms``
-    multiprocessors (default: an H200's 132); else 32 x 64 (sm_90 SASS, docs/kernels.md)."""
+def prefill_config(M: int, N: int, K: int, num_sms: int = 132) -> KernelConfig:
+    """The untuned prefill config for ``M`` rows (``M > 16``) of an ``N x K`` weight of any
+    kind (16-bit, INT8, INT4): the first tile of the list that wastes at most half its
+    BLOCK_M rows and gives enough programs, ``ceil(M / BLOCK_M) * ceil(N / BLOCK_N)``, for the
+    ``num_sms`` multiprocessors (default: an H200's 132); else 32 x 64 (sm_90 SASS,
+    docs/kernels.md)."""
     if M <= DECODE_M:
         raise ValueError(f"the prefill kernel serves M > {DECODE_M}, got M = {M}")
-    if int4:
-        tiles = _NATURAL_INT4_TILES if natural_order() else _NATURAL_TILES
-    else:
-        tiles = _NATURAL_TILES if int8 else _NATURAL_16BIT_TILES
+    tiles = ((_WIDE,) if natural_tile(256, 128) else ()) + _TILES
     for bm, bn, bk, warps, stages, fill in tiles:
         if bm < 2 * M and -(-M // bm) * -(-N // bn) >= fill * num_sms:
             break
@@ -60,12 +54,12 @@ def prefill_config(M: int, N: int, K: int, num_sms: int = 132, *, int4: bool = F
 
 
 @functools.lru_cache(maxsize=None)
-def natural_order() -> bool:
-    """Whether the installed Triton runs the prefill kernel's natural-order tiles at 256 rows
-    too (Triton 3.9 and later; 3.6 at 128 rows only: ``kernels/sparse24_prefill.py``,
-    ``NATURAL_TRITON``)."""
-    from sparse24.kernels.sparse24_prefill import NATURAL_TRITON
-    return NATURAL_TRITON
+def natural_tile(block_m: int, block_n: int) -> bool:
+    """Whether the installed Triton runs a BLOCK_M x BLOCK_N prefill tile in x's own column
+    order (``kernels/sparse24_prefill.py``, ``natural_tile``: from 128 rows with Triton 3.9;
+    with 3.6 at 128 rows and at 256 x 128; before 3.6 none)."""
+    from sparse24.kernels.sparse24_prefill import natural_tile as natural
+    return natural(block_m, block_n)
 
 
 @functools.lru_cache(maxsize=None)
