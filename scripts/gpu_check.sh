@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The one prepared GPU check, for the GPU image as it is (Python 3.12, torch 2.11,
-# Triton 3.6, numpy 2.5, pytest-xdist; no network, nothing installed). At most about 7.5
+# Triton 3.6, numpy 2.5, pytest-xdist; no network, nothing installed). At most about 8.25
 # minutes on one H100/H200 class GPU:
+#   0. L2 and HBM read bandwidth (scripts/gpu_l2_bandwidth.py): the figure the prefill model
+#      assumes (32 B per SM clock), for `kernel_static_check.py --prefill --l2 X` back here;
 #   1. tests: the kernels and modules on CUDA against the fp64 reference (scripts/gpu_tests), first of
 #      all that the sparse tensor cores read the INT8 / INT4 operands as the CPU emulation does;
 #   2. autotune: the decode ends (M = 1 and 16; M = 2..8 take the nearest entry) and one large M
@@ -33,6 +35,7 @@ T_TUNE=${T_TUNE:-100}           # compile the sparse tensor-core kernel's INT8 a
 T_BENCH=${T_BENCH:-60}
 T_USER=${T_USER:-80}
 T_BLOCK=${T_BLOCK:-135}         # + 135 = 7.75 minutes at most
+T_L2=${T_L2:-30}                # + 30 = 8.25
 
 # Import this tree without installing it: kernels/ and autotune_configs/ are
 # sub-packages of sparse24 only once installed (pyproject's package-dir), so
@@ -80,6 +83,9 @@ step() {  # step NAME LIMIT_S CMD...: run with a time limit, log to $RES/NAME.lo
     if [ "$rc" -ne 0 ]; then FAILED+=("$name(exit $rc)"); fi
     keep
 }
+
+# 0. what the prefill model assumes of L2 (seconds)
+step l2 "$T_L2" "$PY" scripts/gpu_l2_bandwidth.py --out "$RES/"
 
 # 1. kernel and module tests on CUDA (parallel across processes when pytest-xdist is there:
 #    the time goes into compiling kernel variants, one per process at a time)

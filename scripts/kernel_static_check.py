@@ -662,7 +662,7 @@ def loop_tile_time(events, t_tensor: float, warps: int, tiles: int = 16) -> floa
     return (marks[-1] - marks[half - 1]) / (tiles - half)
 
 
-def prefill_model(r: dict) -> dict:
+def prefill_model(r: dict, l2: float = L2_BYTES_PER_SM_CLK) -> dict:
     """Per K-tile of one program: tensor-core cycles (SM-wide), issue cycles of the
     rest (per scheduler, half-rate integer instructions twice), programs per SM."""
     c = r["cfg"]
@@ -672,7 +672,7 @@ def prefill_model(r: dict) -> dict:
     r["per_sm"] = programs_per_sm(r["regs"], r["shared"], c.num_warps)
     r["alone"] = loop_tile_time(r["events"], r["t_tensor"], c.num_warps)
     r["l2_bytes"] = tile_l2_bytes(r["dtype"], c)
-    r["t_l2"] = r["l2_bytes"] / L2_BYTES_PER_SM_CLK
+    r["t_l2"] = r["l2_bytes"] / l2
     r["issue_per_mma"] = (r["loop"] - r["mma"] + r["half"]) / max(r["mma"], 1)
     return r
 
@@ -745,7 +745,7 @@ def prefill_main(a) -> int:
         cfgs = cfgs[:a.limit]
     jobs = [(dt, c) for dt in dtypes for c in cfgs]
     with ProcessPoolExecutor(a.jobs) as ex:
-        rows = [prefill_model(r) for r in ex.map(prefill_one, [dt for dt, _ in jobs], [c for _, c in jobs],
+        rows = [prefill_model(r, a.l2) for r in ex.map(prefill_one, [dt for dt, _ in jobs], [c for _, c in jobs],
                                                  [a.cap] * len(jobs))]
     from sparse24.tools.bench import cpu_name
     print(f"# sparse24 prefill kernel, sm_{a.cap}, triton {rows[0]['triton']}, torch {torch.__version__}, python "
@@ -757,7 +757,7 @@ def prefill_main(a) -> int:
           "t_issue = issue cycles per scheduler (half-rate counted twice), t_tensor = SM clocks of its "
           "multiply-adds at 2048 per clock; alone = SM clocks of one program's K-tile by itself (its loop's wgmma "
           "groups and waits replayed: loop_tile_time); t_L2 = SM clocks of its x and weight tiles through L2 at "
-          f"{L2_BYTES_PER_SM_CLK:.0f} B per SM clock (assumed); in flight = wgmma groups per K-tile / the fewest "
+          f"{a.l2:g} B per SM clock ({'assumed' if a.l2 == L2_BYTES_PER_SM_CLK else '--l2'}); in flight = wgmma groups per K-tile / the fewest "
           "any wait leaves in flight; /SM = resident programs (registers, shared memory)")
     print(f"{'dtype':13} {'config':26} {'regs':>4} {'smem':>6} {'/SM':>3} {'mma':>4} {'loop':>5} {'half':>4} "
           f"{'issue/mma':>9} {'t_issue':>7} {'t_tensor':>8} {'alone':>6} {'t_L2':>5} in flight")
@@ -781,7 +781,8 @@ def prefill_main(a) -> int:
         for N, K in PREFILL_SHAPES:
             cells = []
             for M in PREFILL_M:
-                ratios = {c: (lambda t: t[1] / t[0])(predicted_time(r, M, N, K, w_bytes)) for c, r in by_cfg.items()}
+                ratios = {c: (lambda t: t[1] / t[0])(predicted_time(r, M, N, K, w_bytes, l2=a.l2))
+                          for c, r in by_cfg.items()}
                 default = prefill_config(M, N, K)
                 d = ratios.get(default)
                 best = max((c for c in ratios if not by_cfg[c]["spills"]), key=ratios.get)
@@ -792,7 +793,7 @@ def prefill_main(a) -> int:
                     if d >= 1.0:
                         wins.append(f"{dt} {N}x{K} M={M} {d:.2f}")
                     if big is not None:
-                        split = max((lambda t: t[1] / t[0])(predicted_time(big, M, N, K, w_bytes, s))
+                        split = max((lambda t: t[1] / t[0])(predicted_time(big, M, N, K, w_bytes, s, a.l2))
                                     for s in PREFILL_SPLITS)
                         split_worst[(dt, M)] = min(split_worst.get((dt, M), 9.0), max(d, split))
                 cells.append(f"{d if d is not None else float('nan'):.2f} ({ratios[best]:.2f} "
@@ -803,7 +804,7 @@ def prefill_main(a) -> int:
     print("min predicted with L2 unbounded (both sides; the model without its L2 term): " + ", ".join(
         f"{dt} M={m} {v:.2f}" for (dt, m), v in sorted(unbounded.items())))
     print(f"min predicted with a serial split-K (the default large tile, split {'/'.join(map(str, PREFILL_SPLITS))}, "
-          f"fp32 partials through L2 at {L2_BYTES_PER_SM_CLK:.0f} B per SM clock) as a further choice: " + ", ".join(
+          f"fp32 partials through L2 at {a.l2:g} B per SM clock) as a further choice: " + ", ".join(
               f"{dt} M={m} {v:.2f}" for (dt, m), v in sorted(split_worst.items())))
     print("predicted >= 1.0 of dense (default configs): " + (", ".join(wins) or "nowhere"))
     return 0
@@ -838,7 +839,12 @@ def main(argv=None):
     ap.add_argument("--verbose", action="store_true", help="with --sass: opcode mix per config")
     ap.add_argument("--prefill", action="store_true",
                     help="the prefill kernel: decode issue cost per tensor-core instruction, predicted ratio to dense")
+    ap.add_argument("--l2", type=float, default=L2_BYTES_PER_SM_CLK,
+                    help="with --prefill: L2 bytes per SM clock (default: the assumed figure; "
+                         "scripts/gpu_l2_bandwidth.py measures it)")
     a = ap.parse_args(argv)
+    if not a.l2 > 0:
+        ap.error(f"--l2 must be a positive number of bytes per SM clock, got {a.l2}")
     a.argv = list(sys.argv[1:] if argv is None else argv)
     if a.prefill:
         return prefill_main(a)

@@ -485,17 +485,25 @@ def test_gpu_check_script_commands_are_valid(capsys, tmp_path):
     # arguments exit 2 before the GPU check; valid ones reach it and exit 1 on this machine.
     assert subprocess.run(["bash", "-n", str(GPU_CHECK)]).returncode == 0
     cmds = _gpu_check_commands()
-    assert set(cmds) == {"autotune", "bench", "user_view", "block"}
-    for name in ("bench", "user_view", "block"):
+    assert set(cmds) == {"l2", "autotune", "bench", "user_view", "block"}
+    for name in ("l2", "bench", "user_view", "block"):
         cmds[name] = [str(tmp_path) if a == "RES" else a for a in cmds[name]]
     for name in ("autotune", "bench"):
         assert main(cmds[name]) == 1, (name, cmds[name])
         assert "no CUDA GPU" in capsys.readouterr().err
     assert main(cmds["bench"] + ["--m", "0"]) == 2  # the same command with a bad argument is caught
-    for name in ("user_view", "block"):
+    for name in ("l2", "user_view", "block"):
         script, *argv = cmds[name]
         assert _script_main(script)(argv) == 1 and "no CUDA GPU" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_gpu_l2_bandwidth_kernel_sums_on_cpu():
+    """The L2 probe's kernel (scripts/gpu_l2_bandwidth.py --smoke, Triton's interpreter): each
+    program's sum of the blocks it reads equals torch's, so the GPU figure counts bytes it read."""
+    r = subprocess.run([sys.executable, "scripts/gpu_l2_bandwidth.py", "--smoke"], capture_output=True, text=True,
+                       cwd=GPU_CHECK.parents[1])
+    assert r.returncode == 0 and "sums match" in r.stdout, r.stderr
 
 
 def test_gpu_user_view_runs_every_step_on_cpu(tmp_path, capsys):
