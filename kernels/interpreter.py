@@ -190,9 +190,23 @@ def _inline_asm_interpreted(builder, asm, constraints, values, types, is_pure, p
 
 
 def _call_interpreted(jit_fn, *args, **kwargs):
-    if jit_fn not in _INTERPRETED_HELPERS:
-        _INTERPRETED_HELPERS[jit_fn] = InterpretedFunction(jit_fn.fn)
-    return _INTERPRETED_HELPERS[jit_fn](*args, **kwargs)
+    # Keyed by identity: hashing a JITFunction computes its cache key, which walks its globals
+    # and fails on the interpreter's patched reductions (a kernel calling tl.sum).
+    entry = _INTERPRETED_HELPERS.get(id(jit_fn))
+    if entry is None or entry[0] is not jit_fn:
+        entry = _INTERPRETED_HELPERS[id(jit_fn)] = (jit_fn, InterpretedFunction(jit_fn.fn))
+    # The interpreter's rewrite of a helper (cached by Triton, once per process) reads names
+    # that Triton adds to the helper's module globals only when it first rewrites it (3.9:
+    # interpreter_semantic); a launch's restore removes them from triton.language again. So
+    # they are added here for the call, and taken away after it.
+    helper_globals = jit_fn.fn.__globals__
+    added = [name for name in vars(_interpreter) if name not in helper_globals]
+    helper_globals.update((name, vars(_interpreter)[name]) for name in added)
+    try:
+        return entry[1](*args, **kwargs)
+    finally:
+        for name in added:
+            helper_globals.pop(name, None)
 
 
 class InterpretedKernel:

@@ -10,21 +10,19 @@ One warm-up launch puts the small buffer in L2; the median of ``--reps`` timed l
 (CUDA events) counts.
 
     python scripts/gpu_l2_bandwidth.py --out results/GPU/     # on a GPU
-    python scripts/gpu_l2_bandwidth.py --smoke                # CPU (TRITON_INTERPRET=1), tiny: the sums only
+    python scripts/gpu_l2_bandwidth.py --smoke                # CPU (Triton's interpreter), tiny: the sums only
 """
 import argparse
-import os
 import statistics
 import subprocess
 import sys
 from pathlib import Path
 
-if "--smoke" in sys.argv:   # Triton's own interpreter (read when @triton.jit runs): tl.sum included
-    os.environ["TRITON_INTERPRET"] = "1"
+import torch
+import triton
+import triton.language as tl
 
-import torch  # noqa: E402
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
+from sparse24.kernels.interpreter import InterpretedKernel
 
 BLOCK = 2048   # int32 per program and step: 8 KiB, four 16-byte loads per thread of 4 warps
 
@@ -41,6 +39,7 @@ def _read(src_ptr, out_ptr, n_blocks, steps, grid, BLOCK: tl.constexpr):
 
 
 read_kernel = triton.jit(_read)
+read_interpreted = InterpretedKernel(_read)
 
 
 def read_pass(src: torch.Tensor, grid: int, steps: int) -> torch.Tensor:
@@ -49,7 +48,8 @@ def read_pass(src: torch.Tensor, grid: int, steps: int) -> torch.Tensor:
     if src.dtype != torch.int32 or src.dim() != 1 or src.numel() % BLOCK:
         raise ValueError(f"src must be 1-D int32 with a multiple of {BLOCK} elements")
     out = torch.empty(grid, dtype=torch.int32, device=src.device)
-    read_kernel[(grid,)](src, out, src.numel() // BLOCK, steps, grid, BLOCK=BLOCK, num_warps=4)
+    kernel = read_kernel if src.is_cuda else read_interpreted
+    kernel[(grid,)](src, out, src.numel() // BLOCK, steps, grid, BLOCK=BLOCK, num_warps=4)
     return out
 
 

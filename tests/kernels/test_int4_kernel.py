@@ -232,7 +232,8 @@ def test_natural_order_tiles_compile_for_sm90(dtype, cfg, monkeypatch):
     assert cfg.block_m >= 128
     r = tool.prefill_one(dtype, cfg, 90)
     assert r["hgmma"] and r["mma"] == cfg.block_k // 16
-    assert r["groups"] >= 2 and tool.in_flight(r) == r["groups"] - 1
+    if natural_tile(cfg.block_m, cfg.block_n):   # x in its own order (Triton >= 3.6)
+        assert r["groups"] >= 2 and tool.in_flight(r) == r["groups"] - 1
     if NATURAL_TRITON:   # Triton >= 3.9 (this project's); 3.6 keeps 4 STS per K-tile in the INT4 loop
         assert r["sts"] == 0 and r["groups"] == (4 if cfg.block_m == 128 else 2)
     assert r["spills"] == 0 and r["local"] == 0
