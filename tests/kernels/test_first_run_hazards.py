@@ -181,7 +181,8 @@ def _prmt_selector_defs(ptx: str) -> list[str]:
     """For each ``prmt.b32`` of a PTX listing, the line that defines its selector
     register (or the immediate selector itself); a selector shifted right by a whole
     number of nibbles (the upper half of a pair of selectors) is followed to the
-    register it shifts."""
+    register it shifts, and a constant moved into a register (Triton 3.4's PTX) to
+    that constant."""
     defs = {m.group(1): m.group(0).strip() for m in re.finditer(r"^\s*\S+\s+(%r\d+),[^;]*;", ptx, re.M)}
     sels = [m.group(1).strip() for m in re.finditer(r"prmt\.b32\s+%r\d+,[^,]+,[^,]+,([^;]+);", ptx)]
     out = []
@@ -190,6 +191,9 @@ def _prmt_selector_defs(ptx: str) -> list[str]:
         shift = re.fullmatch(r"shr\.[su]32\s+%r\d+,\s*(%r\d+),\s*(\d+);", line)
         if shift is not None and int(shift.group(2)) % 4 == 0:
             line = defs.get(shift.group(1), f"undefined {shift.group(1)}")
+        constant = re.fullmatch(r"mov\.[bsu]32\s+%r\d+,\s*((0x)?[0-9a-fA-F]+U?);", line)
+        if constant is not None:
+            line = constant.group(1)
         out.append(line)
     return out
 
@@ -212,6 +216,8 @@ def test_compiled_prmt_selectors_are_masked(int8, monkeypatch):
     # the check itself: a raw PRMT of the multiply-add selector fails it
     raw = "mad.lo.s32 \t%r5, %r4, 8516, 22092;\n\tprmt.b32 \t%r6, %r1, 0, %r5;"
     assert not _masked(_prmt_selector_defs(raw)[0])
+    moved = "mov.b32 \t%r5, 34952;\n\tprmt.b32 \t%r6, %r1, 0, %r5;"   # 0x8888: sign-replicating nibbles
+    assert _prmt_selector_defs(moved) == ["34952"] and not _masked("34952")
 
 
 def _masked(line: str) -> bool:

@@ -201,3 +201,26 @@ def test_compile_figures_compile_each_default_into_an_empty_cache(monkeypatch):
         ("int8-bfloat16", 32), ("int4-float16", 16), ("int4-float16", 32), ("int4-bfloat16", 16),
         ("int4-bfloat16", 32)]
     assert all(r["memory_ops"] == 3 and r["config"].block_m == (32 if r["rows"] == 32 else 16) for r in rows)
+
+
+def test_a_gpu_launch_needs_a_triton_that_compiles_the_kernels(monkeypatch, gen):
+    """Triton 3.3 fails to compile several kernels for a GPU (the sparse tensor-core kernel, INT8
+    weights' decode and prefill kernels, the 16-bit prefill kernel at some shapes: a
+    CompilationError or "PassManager::run failed" deep in Triton). With it a CUDA plan refuses
+    at once, with the version needed and the way out; CPU runs (the interpreter) and Triton 3.4
+    are untouched."""
+    import triton
+    w = torch.randn(64, 128, generator=gen)
+    q8 = sparse24.pack_decode(sparse24.compress(w, quantize="int8"))
+    cfg = KernelConfig(16, 64, 128, 8, 1, 4, 1, kernel="decode")
+    key = (torch.device("cuda", 0), torch.float16, torch.int8, 3, True, None, 64, 128, 32, False, False, cfg, 0,
+           False)
+    monkeypatch.setattr(triton, "__version__", "3.3.0")
+    with pytest.raises(RuntimeError, match=r"GPU kernels need Triton >= 3\.4: Triton 3\.3\.0.*backend='reference'"):
+        launch._Plan(key, cfg)
+    x = torch.randn(20, 128)                                   # CPU: the interpreter, as before
+    assert_matches_reference(launch.linear_prefill(x, q8, None, config=KernelConfig(128, 64, 64, 8, 1, 4, 2,
+                                                                                    kernel="prefill")),
+                             x, q8.to_dense().double())
+    monkeypatch.setattr(triton, "__version__", "3.4.0")
+    launch.check_triton_for_gpu()

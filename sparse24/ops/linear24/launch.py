@@ -213,6 +213,8 @@ class _Plan:
         if config is None:
             config = get_config(bucket, N, K, dtype_key(x_dtype, has_scale, group_size > 0), device, layout)
         self.config, self.variant = config, variant_of(config, x_dtype, has_scale)
+        if device.type == "cuda":
+            check_triton_for_gpu()
         self.variant.check_config(config)
         self.split_k = self.variant.split_k(config, bucket, deterministic)
         self.kernel = self.variant.kernel(device.type == "cuda")
@@ -586,11 +588,31 @@ _VARIANTS = {"matmul": _Matmul, "decode": _Decode, "prefill": _Prefill}
 _PLACEHOLDER: dict = {}
 
 
+# Triton 3.3 (the oldest pyproject.toml allows, for the interpreter) fails to compile several of
+# these kernels for GPUs: the sparse tensor-core kernel (CompilationError), the decode and prefill
+# kernels with INT8 weights and the 16-bit prefill kernel at some shapes ('tt.join' type
+# inference, "PassManager::run failed"); sm_80 / sm_90, compiled here with Triton 3.3, 3.4, 3.5,
+# 3.6 and 3.9: from 3.4 every kernel compiles. So a GPU launch needs 3.4; CPU runs do not.
+GPU_TRITON = (3, 4)
+
+
+def check_triton_for_gpu() -> None:
+    """Raise RuntimeError, before any compile, where the installed Triton is older than
+    :data:`GPU_TRITON` (a GPU launch, or a tuner's compile for one)."""
+    import triton
+    if tuple(int(v) for v in triton.__version__.split(".")[:2]) < GPU_TRITON:
+        raise RuntimeError(f"the GPU kernels need Triton >= {'.'.join(map(str, GPU_TRITON))}: Triton "
+                           f"{triton.__version__} fails to compile several of them (CPU tensors run in its "
+                           f"interpreter). Install a newer triton, or use backend='reference' on the GPU")
+
+
 def kernel_call(x2, p: Sparse24Tensor | DecodePacked, bias, target, config: KernelConfig, split_k: int):
     """``(kernel, grid, args, kwargs)`` of one launch writing ``target`` (M, N)
     (dtype :func:`target_dtype`; zeroed when that is the general kernel's fp32
     split-K buffer); shared by the tuner's parallel pre-compilation and the
     ahead-of-time compile, so both build the same kernel variant as the launch path."""
+    if x2.is_cuda:
+        check_triton_for_gpu()
     variant = variant_of(config, x2.dtype, p.scale is not None)
     x2 = variant.prepare_x(x2)
     M = x2.shape[0]
