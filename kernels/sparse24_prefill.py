@@ -46,10 +46,10 @@ __all__ = ["sparse24_prefill", "sparse24_prefill_interpreted", "NATURAL_TRITON",
 
 # The natural-order tiles (``_decode_tile_natural``) where Triton compiles them well: from
 # 3.9 at every BLOCK_M >= 128; 3.6 (the GPU image's) at 128 rows (two accumulators; 128 x 64:
-# 255 registers, no spill, two programs per SM) and at 256 x 128 (8 warps: 205-246 registers,
-# no spill, one program alone tensor-bound; sm_90 SASS, docs/kernels.md). 3.6's one-accumulator
-# 128 x 128 took 132 registers (one per SM) and its 256 x 64 spills: both stay permuted there,
-# as every tile before 3.6 (not compiled for sm_90 here).
+# 255 registers, no spill, two programs per SM) and at 256 x 128 (8 warps, 2 stages: 222-246
+# registers, no spill, one program alone tensor-bound; sm_90 SASS, docs/kernels.md). 3.6's
+# 256 x 64 natural tiles spill, so they stay permuted there, as every tile before 3.6 (not
+# compiled for sm_90 here).
 _TRITON = tuple(int(v) for v in triton.__version__.split(".")[:2])
 NATURAL_TRITON = _TRITON >= (3, 9)
 _NATURAL_TRITON = tl.constexpr(NATURAL_TRITON)

@@ -30,7 +30,7 @@ __all__ = ["prefill_config", "prefill_configs", "check_prefill_config", "natural
 # wide tile comes first: 256 x 128 x 64 (8 warps, x in its own order, one accumulator)
 # reads 656 B (fp16) per column of K for 256 x 128 multiply-adds, 128 x 64 x 64 328 B for a
 # quarter of them; at 32 B per SM clock 128 x 64 runs at 0.39 of the tensor cores' rate,
-# 256 x 128 at 0.78. 256 x 128 runs one program per SM (205-246 registers, no spill, Triton
+# 256 x 128 at 0.78. 256 x 128 runs one program per SM (222-246 registers, no spill, Triton
 # 3.9 and 3.6) and one program alone keeps the tensor cores busy (1024-1036 clocks per
 # K-tile against 1024 for 16-bit weights). Below Triton 3.6 no tile is natural
 # (natural_tile): there 256 x 128 would run permuted and serial, so it is left out.
