@@ -50,7 +50,8 @@ for _name in ("triton.compiler.code_generator", "triton.language.extra.libdevice
         pass
 libdevice = sys.modules.get("triton.language.extra.libdevice")
 
-__all__ = ["InterpretedKernel", "byte_perm_reference", "prmt_raw_reference", "ASM_EMULATIONS", "f16x2_reference"]
+__all__ = ["InterpretedKernel", "byte_perm_reference", "prmt_raw_reference", "ASM_EMULATIONS", "f16x2_reference",
+           "triton_version"]
 
 
 def _patchable() -> list:
@@ -85,7 +86,12 @@ _MISSING = object()
 _INTERPRETED_HELPERS: dict = {}
 
 # Triton 3.2-3.6 (checked in each wheel) patch __index__ to int(self.handle.data).
-_NEEDS_INDEX_FIX = tuple(int(p) for p in triton.__version__.split(".")[:2]) < (3, 7)
+def triton_version() -> tuple[int, int]:
+    """The installed Triton's (major, minor), read when called."""
+    return tuple(int(v) for v in triton.__version__.split(".")[:2])
+
+
+_NEEDS_INDEX_FIX = triton_version() < (3, 7)
 
 
 def _scalar_index(self) -> int:
@@ -200,7 +206,7 @@ def _call_interpreted(jit_fn, *args, **kwargs):
     # interpreter_semantic); a launch's restore removes them from triton.language again. So
     # they are added here for the call, and taken away after it.
     helper_globals = jit_fn.fn.__globals__
-    added = [name for name in vars(_interpreter) if name not in helper_globals]
+    added = vars(_interpreter).keys() - helper_globals.keys()
     helper_globals.update((name, vars(_interpreter)[name]) for name in added)
     try:
         return entry[1](*args, **kwargs)

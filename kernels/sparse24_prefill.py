@@ -36,7 +36,7 @@ Two callables share ONE source function, ``_sparse24_prefill``:
 import triton
 import triton.language as tl
 
-from .interpreter import InterpretedKernel
+from .interpreter import InterpretedKernel, triton_version
 from .sparse24_decode import (_ADD01, _ADD01_B0, _ADD01_B1, _ADD01_I4, _ADD23, _ADD23_B0, _ADD23_B1, _ADD23_I4,
                               _MAGIC_BF16, _MAGIC_F16, _MUL01, _MUL01_B0, _MUL01_B1, _MUL01_I4, _MUL23, _MUL23_B0,
                               _MUL23_B1, _MUL23_I4, _SEL_MASK, _SM_MASK, _TWO_POW_24, _decode_tile, _epilogue,
@@ -50,16 +50,14 @@ __all__ = ["sparse24_prefill", "sparse24_prefill_interpreted", "NATURAL_TRITON",
 # registers, no spill, one program alone tensor-bound; sm_90 SASS, docs/kernels.md). 3.6's
 # 256 x 64 natural tiles spill, so they stay permuted there, as every tile before 3.6 (not
 # compiled for sm_90 here).
-_TRITON = tuple(int(v) for v in triton.__version__.split(".")[:2])
+_TRITON = triton_version()
 NATURAL_TRITON = _TRITON >= (3, 9)
-_NATURAL_TRITON = tl.constexpr(NATURAL_TRITON)
-_NATURAL_36 = tl.constexpr(_TRITON >= (3, 6))
 
 
 def natural_tile(block_m: int, block_n: int) -> bool:
     """Whether the kernel decodes a BLOCK_M x BLOCK_N tile in x's own column order with the
-    installed Triton (its constexpr ``NATURAL``)."""
-    return block_m >= 128 and (NATURAL_TRITON or (_NATURAL_36.value and (block_m == 128 or block_n == 128)))
+    installed Triton: its constexpr ``NATURAL``, which the launcher sets from this."""
+    return block_m >= 128 and (NATURAL_TRITON or (_TRITON >= (3, 6) and (block_m == 128 or block_n == 128)))
 
 
 def _pair_add(add: tl.constexpr) -> tl.constexpr:
@@ -245,15 +243,13 @@ def _sparse24_prefill(
     stride_om, stride_on,
     INT8: tl.constexpr, W_BF16: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    INT4: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr,
+    INT4: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, NATURAL: tl.constexpr,
 ):
-    A: tl.constexpr = BLOCK_K // 64
-    T: tl.constexpr = BLOCK_N // 16
-    # x in its own column order (_decode_tile_natural) from 128 rows of x: there the
+    # NATURAL: x in its own column order (_decode_tile_natural), from 128 rows of x: there the
     # permuted copy of x it saves outweighs reading two lanes' words per weight lane
     # (natural_tile: which tiles, by Triton version).
-    NATURAL: tl.constexpr = BLOCK_M >= 128 and (_NATURAL_TRITON
-                                                or (_NATURAL_36 and (BLOCK_M == 128 or BLOCK_N == 128)))
+    A: tl.constexpr = BLOCK_K // 64
+    T: tl.constexpr = BLOCK_N // 16
     # Two accumulators (_decode_tile_natural's HALVES) where both fit beside the decode:
     # BLOCK_M x BLOCK_N / (32 num_warps) = BLOCK_M / 2 registers each (num_warps = BLOCK_N / 16).
     HALVES: tl.constexpr = 2 if NATURAL and BLOCK_M <= 128 else 1

@@ -114,13 +114,14 @@ def main(argv=None) -> int:
         return 1
     dev = torch.device("cuda")
     lines = [f"# {torch.cuda.get_device_name(dev)}, torch {torch.__version__}, triton {triton.__version__}"]
-    for kind, mib, passes in (("L2", a.l2_mib, 32), ("HBM", a.hbm_mib, 1)):
-        r = measure(mib, passes, a.reps, dev)
-        lines.append(f"{kind} read bandwidth ({mib} MiB buffer, .cg 16-byte loads, {r['sms']} SMs): "
+    results = {kind: measure(mib, passes, a.reps, dev) for kind, mib, passes in (("L2", a.l2_mib, 32),
+                                                                                    ("HBM", a.hbm_mib, 1))}
+    for kind, r in results.items():
+        lines.append(f"{kind} read bandwidth ({r['mib']} MiB buffer, .cg 16-byte loads, {r['sms']} SMs): "
                      f"{r['tb_s']:.2f} TB/s = {r['b_per_sm_clk']:.1f} B per SM clock at {r['mhz']:.0f} MHz "
                      f"({r['clock_from']}); median of {a.reps}, {r['bytes'] / 2 ** 20:.0f} MiB per launch")
     lines.append(f"then, on the CPU machine: python scripts/kernel_static_check.py --prefill --l2 "
-                 f"{float(lines[1].split(' = ')[1].split()[0]):.1f}")
+                 f"{results['L2']['b_per_sm_clk']:.1f}")
     print("\n".join(lines))
     if a.out:
         Path(a.out).mkdir(parents=True, exist_ok=True)

@@ -39,7 +39,7 @@ from ..config_space import (DECODE_M, LAYOUT_KERNEL, SPLIT_K_MAX_M, KernelConfig
                             m_bucket, sparse_kernel)
 from ..config_store import get_config, on_clear
 from .naive import check_linear_args
-from .prefill import check_prefill_config, prefill_config
+from .prefill import check_prefill_config, natural_tile, prefill_config
 
 __all__ = ["linear_triton", "linear_prefill", "check_triton_args", "kernel_call", "aot_compile", "layout_of",
            "target_dtype",
@@ -522,7 +522,8 @@ class _Prefill(_Decode):
     def constexprs(config, split_k, has_scale, values_dtype, has_bias, tf32, K, group_size=0, has_zero=False,
                    bucket=16) -> dict:
         return dict(_decode_weight_constexprs(has_scale, values_dtype, has_bias, tf32, group_size, has_zero),
-                    BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m)
+                    BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
+                    NATURAL=natural_tile(config.block_m, config.block_n))
 
     @staticmethod
     def split_k(config, bucket, deterministic) -> int:
@@ -600,7 +601,9 @@ def check_triton_for_gpu() -> None:
     """Raise RuntimeError, before any compile, where the installed Triton is older than
     :data:`GPU_TRITON` (a GPU launch, or a tuner's compile for one)."""
     import triton
-    if tuple(int(v) for v in triton.__version__.split(".")[:2]) < GPU_TRITON:
+
+    from sparse24.kernels.interpreter import triton_version
+    if triton_version() < GPU_TRITON:
         raise RuntimeError(f"the GPU kernels need Triton >= {'.'.join(map(str, GPU_TRITON))}: Triton "
                            f"{triton.__version__} fails to compile several of them (CPU tensors run in its "
                            f"interpreter). Install a newer triton, or use backend='reference' on the GPU")
