@@ -56,6 +56,8 @@ from concurrent.futures import ProcessPoolExecutor
 
 import torch
 
+from sparse24.ops.linear24.prefill_model import L2_BYTES_PER_SM_CLK, MACS_PER_CLK, dense_time, predicted_time
+
 
 def compile_one(cfg, dtype, cap, N, K):
     import triton
@@ -554,20 +556,12 @@ def occupancy_main(a) -> int:
 PREFILL_SHAPES = ((4096, 4096), (11008, 4096), (4096, 11008), (14336, 4096), (4096, 14336), (8192, 8192),
                   (28672, 8192), (8192, 28672), (3072, 768), (768, 3072), (1024, 4096))
 PREFILL_M = (32, 48, 64, 128, 256, 512, 2048, 4096)
-# H200 (sm_90): 132 SMs; per SM 65536 registers, 228 KiB shared memory (1 KiB
-# reserved per program), 64 warps; dense fp16/bf16 tensor cores 1024 x 2 = 2048
-# multiply-adds per clock per SM (989 TFLOP/s at 1.83 GHz over 132 SMs). LOP3,
-# SHF, SGXT, PRMT, IADD3, SEL and integer IMAD issue at half rate (REFERENCE.md 5):
-# each counts two issue cycles. HBM 4.0 TB/s at 1.98 GHz for the memory floor.
-SMS, REGS_PER_SM, SMEM_PER_SM, WARPS_PER_SM, MACS_PER_CLK = 132, 65536, 228 * 1024, 64, 2048
-HBM_BYTES_PER_SM_CLK = 4.0e12 / 1.98e9 / SMS
-# L2 to the SMs: 32 B per SM clock (8.4 TB/s at 1.98 GHz on 132 SMs), assumed, not measured by us:
-# others measured ~5.5 TB/s of L2 reads on an H100 PCIe (114 SMs, clocks ~1.4-1.6 GHz under that
-# load: 30-34 B per SM clock). The 788 TFLOP/s of bf16 cuBLAS measured on an H200 of these machines
-# (device/KINDS.md) needs at least 24 B per SM clock (128 x 256 tiles, two SMs sharing one operand's
-# loads), so it does not contradict it. Every program reads its x and weight tiles through L2 on
-# each K-tile (the pipelined copies bypass L1); split-K's fp32 partials go through it too.
-L2_BYTES_PER_SM_CLK = 32.0
+# H200 (sm_90): per SM 65536 registers, 228 KiB shared memory (1 KiB reserved per program),
+# 64 warps. LOP3, SHF, SGXT, PRMT, IADD3, SEL and integer IMAD issue at half rate
+# (REFERENCE.md 5): each counts two issue cycles. The model's SMs, tensor-core rate, HBM and
+# L2 figures (the L2 one assumed) and its arithmetic live in the package, which the untuned
+# defaults share: sparse24/ops/linear24/prefill_model.py.
+REGS_PER_SM, SMEM_PER_SM, WARPS_PER_SM = 65536, 228 * 1024, 64
 PREFILL_SPLITS = (2, 4, 8)
 HALF_RATE = ("LOP3", "SHF", "SGXT", "PRMT", "IADD3", "SEL", "IMAD", "ISETP", "LEA")
 
@@ -684,62 +678,64 @@ def tile_l2_bytes(dtype: str, c) -> int:
         + side_bytes(dtype, c.block_n, c.block_k)
 
 
-def dense_time(M: int, N: int, K: int, l2: float = L2_BYTES_PER_SM_CLK) -> float:
-    """SM clocks of the idealized dense GEMM (fp16 weight) the prediction compares with:
-    the best of 64x128, 128x128, 128x256 and 256x128 tiles (whole waves of programs over the
-    SMs), each tile's K-steps at the tensor cores' full rate or at the rate L2 delivers its
-    two operand tiles (2 B per element per column of K at ``l2`` B per SM clock; a 256-wide
-    operand's loads shared by two SMs, as Hopper GEMMs do with a cluster of two and TMA
-    multicast, so 128x256 is tensor-bound at 32 B per SM clock), whichever is slower, floored
-    by HBM traffic. The same for every config of ours, so configs compare fairly; cuBLAS
-    reaches ~74% of the tensor cores' rate on an H200 (788 TFLOP/s bf16 at 8192^3, measured by
-    others on these machines: device/KINDS.md)."""
-    io = (M * K + M * N) * 2 / SMS / HBM_BYTES_PER_SM_CLK
+def costs_json(doc: dict) -> str:
+    """The cost table as JSON text, one line per config row (diffs show which config changed)."""
+    import json
 
-    def per_k(bm, bn):   # SM clocks per column of K of one tile
-        shared = (bm // (2 if bm == 256 else 1) + bn // (2 if bn == 256 else 1)) * 2   # operand bytes
-        return max(bm * bn / MACS_PER_CLK, shared / l2)
-    tiles = min(-(-(-(-M // bm) * -(-N // bn)) // SMS) * per_k(bm, bn)
-                for bm, bn in ((64, 128), (128, 128), (128, 256), (256, 128)))
-    return max(tiles * K, N * K * 2 / SMS / HBM_BYTES_PER_SM_CLK + io)
+    rows = []
+
+    def mark(t):
+        for p in t["pairs"].values():
+            for i, row in enumerate(p["configs"]):
+                rows.append(json.dumps(row))
+                p["configs"][i] = f"@row{len(rows) - 1}@"
+    doc = json.loads(json.dumps(doc))
+    for t in doc["tables"].values():
+        mark(t)
+    text = json.dumps(doc, indent=1)
+    return re.sub(r'"@row(\d+)@"', lambda m: rows[int(m.group(1))], text) + "\n"
 
 
-def predicted_time(r: dict, M: int, N: int, K: int, w_bytes: float, split_k: int = 1,
-                   l2: float = L2_BYTES_PER_SM_CLK) -> tuple[float, float]:
-    """``(ours, dense)`` in SM clocks for (M, N, K): programs spread over the SMs,
-    ``per_sm`` resident at once, in rounds: a round of p programs takes max(p t_tensor,
-    p t_issue, p t_l2, alone) per K-tile, where t_l2 is a program's x and weight tiles
-    (``l2_bytes``) through L2 at ``l2`` B per SM clock (``inf``: no L2 limit, on either
-    side) and ``alone`` is one program's K-tile by itself on an SM (:func:`loop_tile_time`
-    over its loop's wgmma groups and waits; without it, decode and wgmma one after the
-    other: t_tensor + t_issue), other programs filling its gaps; floored by HBM traffic
-    (weight bytes w_bytes per element, x and out fp16). ``split_k`` > 1 estimates a serial
-    split-K the kernel does not have: split_k times the programs over K / split_k each, and
-    every program's fp32 partial tile through L2 (its store, then the last program's reads
-    of the others'). Dense: :func:`dense_time`."""
-    c = r["cfg"]
-    progs = -(-M // c.block_m) * -(-N // c.block_n) * split_k
-    per_sm_progs = -(-progs // SMS)
-    iters = -(-(-(-K // split_k)) // c.block_k)
-    tt, ti, tl2, p = r["t_tensor"], r["t_issue"], r.get("l2_bytes", 0) / l2, max(r["per_sm"], 1)
-    full, rest = divmod(per_sm_progs, p)
-    alone = r.get("alone", tt + ti)   # one program's K-tile
+def write_costs(rows: list[dict], a) -> None:
+    """``--write-costs``: the model's inputs of every config and pair, measured on this
+    Triton's sm_90 SASS, into the package's cost table (its section for this Triton's
+    major.minor; the other versions' sections kept), which the untuned defaults read
+    (sparse24/ops/linear24/prefill.py)."""
+    import json
 
-    def rnd(n):
-        return max(n * tt, n * ti, n * tl2, alone) if n else 0.0
-    ours = iters * (full * rnd(p) + rnd(rest))
-    if split_k > 1:
-        ours += (per_sm_progs + split_k - 1) * c.block_m * c.block_n * 4 / l2
-    io = (M * K + M * N) * 2 / SMS / HBM_BYTES_PER_SM_CLK
-    return max(ours, (N * K * w_bytes) / SMS / HBM_BYTES_PER_SM_CLK + io), dense_time(M, N, K, l2)
+    import triton
+
+    from sparse24.ops.linear24 import prefill
+
+    keys = ("regs", "spills", "shared", "per_sm", "loop", "mma", "half", "t_tensor", "t_issue", "alone", "l2_bytes")
+    path = prefill.COSTS_FILE
+    doc = json.loads(path.read_text()) if path.exists() else {
+        "format": 1, "about": "Per-config inputs of the prefill time model (sparse24/ops/linear24/prefill_model.py), "
+        "counted on sm_90 SASS; the untuned prefill defaults read them. Written by scripts/kernel_static_check.py "
+        "--prefill --write-costs, one table per Triton major.minor.", "tables": {}}
+    version = triton.__version__
+    doc["tables"][".".join(version.split(".")[:2])] = {
+        "triton": version, "target": f"sm_{a.cap}",
+        "command": "TRITON_DEFAULT_FP_FUSION=1 python scripts/kernel_static_check.py " + " ".join(a.argv),
+        "pairs": {pair: {"w_bytes": dense_bytes_per_weight(pair), "configs": [
+            {"config": [r["cfg"].block_m, r["cfg"].block_n, r["cfg"].block_k, r["cfg"].num_warps, r["cfg"].num_stages],
+             **{k: round(float(r[k]), 2) if isinstance(r[k], float) else r[k] for k in keys}}
+            for r in rows if r["dtype"] == pair]} for pair in prefill.PAIRS}}
+    doc["tables"] = dict(sorted(doc["tables"].items()))
+    path.write_text(costs_json(doc))
+    prefill._load_costs.cache_clear()
+    prefill.prefill_config.cache_clear()
+    print(f"# wrote the cost table of Triton {version} to {path}", file=sys.stderr)
 
 
 def prefill_main(a) -> int:
     """``--prefill``: compile the prefill kernel's configs for sm_90, count the
     decode's issue cost per tensor-core instruction, predict the ratio to dense."""
-    from sparse24.ops.linear24.prefill import prefill_config, prefill_configs
+    from sparse24.ops.linear24.prefill import PAIRS, prefill_config, prefill_configs
 
     dtypes = a.dtypes.split(",")
+    if a.write_costs and sorted(dtypes) != sorted(PAIRS):
+        raise SystemExit("--write-costs writes every pair's table: run it with --dtypes " + ",".join(PAIRS))
     cfgs = list(dict.fromkeys(prefill_configs(4096) + prefill_configs(64) + prefill_configs(32)))
     if a.limit:
         cfgs = cfgs[:a.limit]
@@ -747,6 +743,8 @@ def prefill_main(a) -> int:
     with ProcessPoolExecutor(a.jobs) as ex:
         rows = [prefill_model(r, a.l2) for r in ex.map(prefill_one, [dt for dt, _ in jobs], [c for _, c in jobs],
                                                  [a.cap] * len(jobs))]
+    if a.write_costs:
+        write_costs(rows, a)
     from sparse24.tools.bench import cpu_name
     print(f"# sparse24 prefill kernel, sm_{a.cap}, triton {rows[0]['triton']}, torch {torch.__version__}, python "
           f"{platform.python_version()}; machine: {cpu_name()}\n# command: "
@@ -776,14 +774,14 @@ def prefill_main(a) -> int:
         w_bytes = dense_bytes_per_weight(dt)
         by_cfg = {r["cfg"]: r for r in rows if r["dtype"] == dt}
         # Would a serial split-K lift the minimum? The default large tile, split 2 / 4 / 8, as a further choice.
-        big = by_cfg.get(prefill_config(4096, 4096, 4096))
+        big = by_cfg.get(prefill_config(4096, 4096, 4096, pair=dt))
         print(f"{dt:13} " + " ".join(f"{'M=' + str(m):>19}" for m in PREFILL_M))
         for N, K in PREFILL_SHAPES:
             cells = []
             for M in PREFILL_M:
                 ratios = {c: (lambda t: t[1] / t[0])(predicted_time(r, M, N, K, w_bytes, l2=a.l2))
                           for c, r in by_cfg.items()}
-                default = prefill_config(M, N, K)
+                default = prefill_config(M, N, K, pair=dt)
                 d = ratios.get(default)
                 best = max((c for c in ratios if not by_cfg[c]["spills"]), key=ratios.get)
                 if d is not None:
@@ -839,6 +837,8 @@ def main(argv=None):
     ap.add_argument("--verbose", action="store_true", help="with --sass: opcode mix per config")
     ap.add_argument("--prefill", action="store_true",
                     help="the prefill kernel: decode issue cost per tensor-core instruction, predicted ratio to dense")
+    ap.add_argument("--write-costs", action="store_true",
+                    help="with --prefill (every pair): write this Triton's cost table for the untuned defaults")
     ap.add_argument("--l2", type=float, default=L2_BYTES_PER_SM_CLK,
                     help="with --prefill: L2 bytes per SM clock (default: the assumed figure; "
                          "scripts/gpu_l2_bandwidth.py measures it)")

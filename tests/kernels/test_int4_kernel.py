@@ -228,7 +228,7 @@ def test_natural_order_tiles_compile_for_sm90(dtype, cfg, monkeypatch):
     two programs fit per SM at 128 x 64 (4 warps), one at the 8-warp default."""
     monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")
     tool = _static_check()
-    cfg = cfg or prefill_config(4096, 4096, 4096)
+    cfg = cfg or prefill_config(4096, 4096, 4096, pair=dtype)
     assert cfg.block_m >= 128
     r = tool.prefill_one(dtype, cfg, 90)
     assert r["hgmma"] and r["mma"] == cfg.block_k // 16

@@ -9,6 +9,7 @@ import sparse24
 from sparse24.decode_format import DecodePacked, pack_decode
 from sparse24.ops.config_space import KernelConfig
 from sparse24.ops.linear24.launch import linear_prefill
+from sparse24.ops.linear24 import prefill
 from sparse24.ops.linear24.prefill import check_prefill_config, natural_tile, prefill_config, prefill_configs
 
 from conftest import assert_matches_reference, reference_linear, tolerance
@@ -127,26 +128,118 @@ def test_rejects_bad_input(gen):
         prefill_config(16, 64, 64)
 
 
-def test_default_configs():
-    """The largest tile that still gives enough programs for an H200's 132 SMs, wasting
-    at most half its rows, the same for every weight kind; every default passes the config
-    check and sits in the space the static report covers."""
+def _rule_config(M, N, monkeypatch):
+    """The fixed list's choice (the defaults without a cost table)."""
+    with monkeypatch.context() as m:
+        m.setattr(prefill, "prefill_costs", lambda *a, **k: None)
+        prefill_config.cache_clear()
+        try:
+            return prefill_config(M, N, 4096)
+        finally:
+            prefill_config.cache_clear()
+
+
+def test_default_configs_without_a_cost_table(monkeypatch):
+    """A Triton with no cost table (below 3.6, or one not yet measured) gets the fixed list:
+    the largest tile that still gives enough programs for an H200's 132 SMs, wasting at most
+    half its rows, the same for every weight kind."""
     wide = natural_tile(256, 128)   # Triton >= 3.6: 256 x 128 first, from 0.5 programs per SM
-    # 4096 x 4096: 32 row tiles of 128 (16-row tiles of 64: 64); 128 x 128 from 0.5 per SM
-    assert [(prefill_config(M, 4096, 4096).block_m, prefill_config(M, 4096, 4096).block_n)
-            for M in (17, 64, 65, 256, 512, 1024, 100000)] == \
+    assert [(lambda c: (c.block_m, c.block_n))(_rule_config(M, 4096, monkeypatch)) for M in (17, 64, 65, 256, 512, 1024, 100000)] == \
         [(32, 64), (32, 64), (128, 64), (128, 64), (128, 128)] + [(256 if wide else 128, 128)] * 2
-    assert [prefill_config(M, 28672, 8192).block_m for M in (65, 129)] == [128, 256 if wide else 128]
-    assert prefill_config(64, 8192, 8192).block_m == 64   # 128 programs of 64 x 64: from 0.5 per SM
-    assert prefill_config(64, 3072, 768).block_m == 32    # 48 programs of 64 x 64: too few
-    assert prefill_config(40, 28672, 8192).block_m == 64  # never 128 rows for 40
-    big = prefill_config(4096, 4096, 4096)
-    assert (big.block_m, big.block_n, big.num_warps, big.num_stages) == (256 if wide else 128, 128, 8, 2)
-    for M in (17, 40, 64, 65, 100, 129, 512, 4096, 100000):
-        for N in (768, 4096, 28672):
-            c = check_prefill_config(prefill_config(M, N, 4096))
-            assert c.num_warps == c.block_n // 16 and c.block_n >= 64  # wgmma with W from registers on sm_90
-            assert c in prefill_configs(M) and c.block_m < 2 * M
+    assert [_rule_config(M, 28672, monkeypatch).block_m for M in (65, 129)] == [128, 256 if wide else 128]
+    assert _rule_config(64, 8192, monkeypatch).block_m == 64   # 128 programs of 64 x 64: from 0.5 per SM
+    assert _rule_config(64, 3072, monkeypatch).block_m == 32   # 48 programs of 64 x 64: too few
+    assert _rule_config(40, 28672, monkeypatch).block_m == 64  # never 128 rows for 40
+
+
+def test_default_configs_follow_the_model(monkeypatch):
+    """With the installed Triton's cost table (this project's 3.9, the GPU image's 3.6), the
+    default of each shape and weight kind is a config of the space that spills nothing, runs
+    wgmma with W from registers, and is predicted no worse than the fixed list's choice at
+    either L2 bandwidth in its worst case, over the 11 shapes of issue 22 and M = 17-4096;
+    at 16-64 rows it never takes 128-row tiles. Without a table: the fixed list (above)."""
+    tool = _static_check()
+    table = prefill.prefill_costs()
+    if table is None:   # a Triton this project has no table for: the defaults are the fixed list
+        assert prefill_config(4096, 4096, 4096) == _rule_config(4096, 4096, monkeypatch)
+        return
+    assert set(table) == set(prefill.PAIRS)
+    better = 0
+    for pair in prefill.PAIRS:
+        rows = {r["cfg"]: r for r in table[pair]["configs"]}
+        w_bytes = tool.dense_bytes_per_weight(pair)
+        assert table[pair]["w_bytes"] == w_bytes
+        for N, K in tool.PREFILL_SHAPES:
+            for M in (17, 40, 64, 65, 100, 129, 256, 512, 2048, 4096):
+                c = check_prefill_config(prefill_config(M, N, K, pair=pair))
+                assert c in prefill_configs(M) and c.num_warps == c.block_n // 16 and c.block_n >= 64
+                assert rows[c]["spills"] == 0 and (M > 64 or c.block_m <= 64)
+                fixed = _rule_config(M, N, monkeypatch)
+
+                def worst(cfg):
+                    return min(d / o for o, d in (tool.predicted_time(rows[cfg], M, N, K, w_bytes, l2=l2)
+                                                  for l2 in (tool.L2_BYTES_PER_SM_CLK, float("inf"))))
+                assert worst(c) >= worst(fixed) - 1e-12, (pair, N, K, M, c, fixed)
+                better += worst(c) > worst(fixed) * 1.01
+    assert better > 0   # the model's choice differs somewhere, or the table would not be needed
+
+
+def test_default_config_takes_the_best_worst_case(monkeypatch):
+    """The choice between two configs by hand (a synthetic table; 4096 x 4096 at M = 512: 128
+    programs of 128 x 128, one per SM, 64 K-tiles; dense 16 clocks per column of K at 32 B per
+    SM clock, 8 without an L2 limit, test_l2_traffic_of_a_tile). A: 600 clocks per K-tile at
+    either bandwidth (its own loop), ratios 65536 / 38400 = 1.71 and 32768 / 38400 = 0.85;
+    B: 700 at 32 B (L2), 512 unbounded: 1.46 and 1.00. The model at 32 B alone would take A;
+    the default takes B, the better worst case. A row that spills is never taken."""
+    def row(stages, alone, l2_clocks, spills=0):
+        return dict(cfg=_cfg(128, 128, 64, stages), t_tensor=512.0, t_issue=300.0, alone=alone,
+                    l2_bytes=32 * l2_clocks, per_sm=1, spills=spills)
+    a, b = row(2, 600.0, 600), row(3, 512.0, 700)
+    fake = {pair: {"w_bytes": 1.125, "configs": [a, b]} for pair in prefill.PAIRS}
+    with monkeypatch.context() as m:
+        m.setattr(prefill, "prefill_costs", lambda *args, **kw: fake)
+        prefill_config.cache_clear()
+        try:
+            assert prefill_config(512, 4096, 4096) == b["cfg"]
+            b["spills"] = 8
+            prefill_config.cache_clear()
+            assert prefill_config(512, 4096, 4096) == a["cfg"]
+        finally:
+            prefill_config.cache_clear()
+
+
+def test_a_corrupt_cost_table_is_refused(tmp_path):
+    """A cost table that is not JSON, lacks a pair or a key, holds a negative or non-numeric
+    cost or a config the kernel cannot run: a ValueError naming the file; a version without a
+    table gives None (the fixed list)."""
+    import json
+    good = json.loads(prefill.COSTS_FILE.read_text())
+    version = next(iter(good["tables"]))
+    key = tuple(int(v) for v in version.split("."))
+    path = tmp_path / "costs.json"
+    path.write_text(json.dumps(good))
+    assert set(prefill.prefill_costs(key, path)) == set(prefill.PAIRS)
+    assert prefill.prefill_costs((9, 99), path) is None
+
+    def bad(edit, match):
+        doc = json.loads(json.dumps(good))
+        edit(doc)
+        path.write_text(json.dumps(doc) if not isinstance(doc, str) else doc)
+        prefill._load_costs.cache_clear()
+        with pytest.raises(ValueError, match=match):
+            prefill.prefill_costs(key, path)
+    first = lambda d: d["tables"][version]["pairs"]["float16"]["configs"][0]  # noqa: E731
+    bad(lambda d: d["tables"][version]["pairs"].pop("int8-bfloat16"), "need the pairs")
+    bad(lambda d: first(d).pop("alone"), "exactly the keys")
+    bad(lambda d: first(d).update(alone=-1.0), "number >= 0")
+    bad(lambda d: first(d).update(regs="many"), "number >= 0")
+    bad(lambda d: first(d).update(config=[128, 64, 64, 8, 2]), "bad prefill config")   # warps != BN / 16
+    bad(lambda d: d.update(format=2), "format 1")
+    path.write_text("{not json")
+    prefill._load_costs.cache_clear()
+    with pytest.raises(ValueError, match="bad prefill cost table"):
+        prefill.prefill_costs(key, path)
+    prefill._load_costs.cache_clear()
 
 
 @pytest.mark.parametrize("dtype", ["float16", "int8-bfloat16"])
@@ -158,12 +251,20 @@ def test_large_m_default_compiles_to_hgmma_for_sm90(dtype, monkeypatch):
     registers back to shared memory: 8 STS per K-tile); no wait takes its wgmma groups below a
     K-tile's worth less one, its decode issues in less than the multiply's time, and one program
     alone is bound by the tensor cores or by its tiles' L2 traffic, not by the decode (within
-    5%); it spills nothing: the premises of the prediction in docs/kernels.md."""
+    5%); it spills nothing: the premises of the prediction in docs/kernels.md. The committed cost
+    table of the installed Triton (the defaults' input) holds what this compile counts: a kernel
+    changed without rerunning ``kernel_static_check.py --prefill --write-costs`` fails here."""
     monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")
     tool = _static_check()
-    cfg = prefill_config(4096, 4096, 4096)
+    cfg = prefill_config(4096, 4096, 4096, pair=dtype)
     assert (cfg.block_m, cfg.block_n) == ((256, 128) if natural_tile(256, 128) else (128, 128))
     r = tool.prefill_model(tool.prefill_one(dtype, cfg, 90))
+    table = prefill.prefill_costs()
+    if table is not None:
+        row = next(row for row in table[dtype]["configs"] if row["cfg"] == cfg)
+        assert {k: row[k] for k in ("regs", "spills", "shared", "per_sm", "loop", "mma", "half", "l2_bytes")} == \
+            {k: r[k] for k in ("regs", "spills", "shared", "per_sm", "loop", "mma", "half", "l2_bytes")}
+        assert (row["t_issue"], row["alone"]) == (pytest.approx(r["t_issue"], abs=0.01), pytest.approx(r["alone"], abs=0.01))
     assert r["hgmma"] and r["mma"] == cfg.block_k // 16
     assert r["spills"] == 0 and r["local"] == 0
     assert tool.programs_per_sm(r["regs"], r["shared"], cfg.num_warps) >= 1
@@ -245,3 +346,32 @@ def test_one_program_alone_is_the_replayed_loop():
     assert tool.predicted_time(r, 1024, 4096, 4096, 1.125)[0] == 64 * 1024
     r.pop("alone")   # without a replay: decode, then multiply
     assert tool.predicted_time(r, 256, 4096, 4096, 1.125)[0] == 64 * (400 + 512)
+
+
+def test_the_report_writes_the_cost_table_it_reads(tmp_path, monkeypatch):
+    """``kernel_static_check.py --prefill --write-costs`` writes this Triton's section (other
+    versions' sections kept) and the defaults read back exactly its rows; it refuses to write
+    a table that lacks a pair."""
+    import json
+    import types
+
+    import triton
+    tool = _static_check()
+    path = tmp_path / "prefill_costs.json"
+    other = {"format": 1, "tables": {"0.1": json.loads(prefill.COSTS_FILE.read_text())["tables"]["3.9"]}}
+    path.write_text(json.dumps(other))
+    monkeypatch.setattr(prefill, "COSTS_FILE", path)
+    source = prefill.prefill_costs((0, 1), path)
+    rows = [dict(r, dtype=pair) for pair in prefill.PAIRS for r in source[pair]["configs"]]
+    rows[0] = dict(rows[0], alone=rows[0]["alone"] + 1.0)   # a changed cost must come back as written
+    tool.write_costs(rows, types.SimpleNamespace(cap=90, argv=["--prefill", "--write-costs"]))
+    version = tuple(int(v) for v in triton.__version__.split(".")[:2])
+    written = prefill.prefill_costs(version, path)
+    assert set(json.loads(path.read_text())["tables"]) == {"0.1", f"{version[0]}.{version[1]}"}
+    for pair in prefill.PAIRS:
+        assert written[pair]["w_bytes"] == tool.dense_bytes_per_weight(pair)
+        assert written[pair]["configs"] == [{k: v for k, v in r.items() if k != "dtype"} for r in rows
+                                            if r["dtype"] == pair]
+    prefill._load_costs.cache_clear()
+    with pytest.raises(SystemExit, match="every pair"):
+        tool.main(["--prefill", "--write-costs", "--dtypes", "float16"])

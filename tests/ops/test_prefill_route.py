@@ -13,7 +13,7 @@ from sparse24.decode_format import DecodePacked
 from sparse24.format import Sparse24Tensor
 from sparse24.ops.linear24 import launch, op
 from sparse24.ops.config_space import SP_MAX_M, decode_default, dtype_key
-from sparse24.ops.linear24.prefill import prefill_config
+from sparse24.ops.linear24.prefill import prefill_config, prefill_pair
 from sparse24.tools.dispatch_count import count_dispatch
 
 from conftest import load_script
@@ -57,7 +57,8 @@ def test_prefill_route_converts_nothing(quantize, cuda_route, monkeypatch):
             y, count = count_dispatch(layer, x)
             assert y.shape == (*shape[:-1], 256)
             assert len(cuda_route) == 1 and cuda_route[0][0].kernel == "prefill"   # one launch
-            assert cuda_route[0][0] == prefill_config(M, 256, 512)   # the untuned default
+            pair = prefill_pair("float16", quantize or "float16")
+            assert cuda_route[0][0] == prefill_config(M, 256, 512, pair=pair)   # the untuned default
             assert len(count.ops) <= 3, count.ops                                   # empty (+ views for 3-D x)
             assert count.bytes_allocated <= y.numel() * y.element_size(), count
 

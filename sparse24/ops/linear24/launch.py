@@ -39,7 +39,7 @@ from ..config_space import (DECODE_M, LAYOUT_KERNEL, SPLIT_K_MAX_M, KernelConfig
                             m_bucket, sparse_kernel)
 from ..config_store import get_config, on_clear
 from .naive import check_linear_args
-from .prefill import check_prefill_config, natural_tile, prefill_config
+from .prefill import check_prefill_config, natural_tile, prefill_config, prefill_pair
 
 __all__ = ["linear_triton", "linear_prefill", "check_triton_args", "kernel_call", "aot_compile", "layout_of",
            "target_dtype",
@@ -162,8 +162,12 @@ def run_prefill(x: torch.Tensor, values: torch.Tensor, meta: torch.Tensor, scale
     x's M bucket unless ``config`` is given."""
     if config is None:
         M = x.shape[0] if x.dim() == 2 else x.shape[:-1].numel()
-        config = prefill_config(max(M, DECODE_M + 1), N, x.shape[-1])
+        weight = "int4" if group_size else "int8" if scale is not None else _DTYPE_NAME[values.dtype]
+        config = prefill_config(max(M, DECODE_M + 1), N, x.shape[-1], pair=prefill_pair(_DTYPE_NAME[x.dtype], weight))
     return run(x, values, meta, scale, bias, N, config, zero, group_size)
+
+
+_DTYPE_NAME = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 
 
 def run(x: torch.Tensor, values: torch.Tensor, meta: torch.Tensor, scale: torch.Tensor | None,

@@ -4,53 +4,135 @@ of the plan-cached path in :mod:`.launch` (``linear_prefill``, ``run_prefill``).
 
 At M > 16 on CUDA a decode-layout weight runs this kernel (``sparse24::linear``
 routes it, :mod:`.op`): each weight tile is decoded once per BLOCK_M rows of x
-(128 by default at prefill sizes), straight from the one copy the module holds;
+(32-256, the untuned default chosen per shape by :mod:`.prefill_model`), straight
+from the one copy the module holds;
 no call converts or decompresses the whole weight (``scripts/bench_host.py
 --prefill`` counts the aten ops and bytes a call allocates).
 """
 from __future__ import annotations
 
 import functools
+import json
+import math
+from pathlib import Path
 
 from ..config_space import DECODE_M, KernelConfig
+from .prefill_model import L2_BYTES_PER_SM_CLK, predicted_time
 
-__all__ = ["prefill_config", "prefill_configs", "check_prefill_config", "natural_tile"]
+__all__ = ["prefill_config", "prefill_configs", "check_prefill_config", "natural_tile", "prefill_pair", "prefill_costs",
+           "COSTS_FILE", "PAIRS"]
 
-# The untuned defaults, chosen from the sm_90 SASS counts and the model built on them
-# (scripts/kernel_static_check.py --prefill, docs/kernels.md "Prefill path"; not timed
-# on a GPU yet). One 16-row W tile per warp (num_warps == BLOCK_N // 16, the decode
-# layout's fragment ownership) and BLOCK_N >= 64, so sm_90 runs wgmma with W from
-# registers (HGMMA). Tiles in order, each with the programs (in units of the SMs) it needs
-# before the next, smaller one is taken, (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, SMs);
-# the last tile takes whatever is left. Fitted to the report's model over the 11 shapes of
-# issue 22 at M = 32-4096, for every weight kind at once (16-bit, INT8, INT4) and both
-# Triton 3.9 and 3.6: the best sum over M of the minimum over shapes, weight kinds and two
-# L2 bandwidths (the model's 32 B per SM clock, and none), then the best sum.
-# Every program reads its x tile and its weight tile through L2 on every K-tile, so the
-# wide tile comes first: 256 x 128 x 64 (8 warps, x in its own order, one accumulator)
-# reads 656 B (fp16) per column of K for 256 x 128 multiply-adds, 128 x 64 x 64 328 B for a
-# quarter of them; at 32 B per SM clock 128 x 64 runs at 0.39 of the tensor cores' rate,
-# 256 x 128 at 0.78. 256 x 128 runs one program per SM (222-246 registers, no spill, Triton
-# 3.9 and 3.6) and one program alone keeps the tensor cores busy (1024-1036 clocks per
-# K-tile against 1024 for 16-bit weights). Below Triton 3.6 no tile is natural
-# (natural_tile): there 256 x 128 would run permuted and serial, so it is left out.
+# The untuned default is the config the time model (:mod:`.prefill_model`) predicts fastest
+# for the shape, from each config's costs measured on its sm_90 SASS with the installed
+# Triton (scripts/kernel_static_check.py --prefill --write-costs, one table per Triton
+# minor version, committed in COSTS_FILE; docs/kernels.md "Prefill path"): the best worst
+# case over two L2 bandwidths, the model's assumed 32 B per SM clock and none (the L2 figure is
+# not measured yet), then the best at 32. Not timed on a GPU yet.
+COSTS_FILE = Path(__file__).with_name("prefill_costs.json")
+PAIRS = ("float16", "bfloat16", "int8-float16", "int8-bfloat16", "int4-float16", "int4-bfloat16")
+_COST_KEYS = ("regs", "spills", "shared", "per_sm", "loop", "mma", "half", "t_tensor", "t_issue", "alone", "l2_bytes")
+
+# Without a table for the installed Triton (below 3.6, or a release not yet measured): a
+# fixed list, fitted to the same model over the 11 shapes of issue 22 at M = 32-4096 for
+# every weight kind and Triton 3.9 and 3.6 (the best sum over M of the minimum over shapes,
+# weight kinds and the two L2 bandwidths). Tiles in order, each with the programs (in units
+# of the SMs) it needs before the next, smaller one is taken, (BLOCK_M, BLOCK_N, BLOCK_K,
+# warps, stages, SMs); the last tile takes whatever is left. One 16-row W tile per warp
+# (num_warps == BLOCK_N // 16, the decode layout's fragment ownership) and BLOCK_N >= 64,
+# so sm_90 runs wgmma with W from registers (HGMMA). Every program reads its x tile and its
+# weight tile through L2 on every K-tile, so the wide tile comes first: 256 x 128 x 64 (8
+# warps, x in its own order, one accumulator) reads 656 B (fp16) per column of K for
+# 256 x 128 multiply-adds, 128 x 64 x 64 328 B for a quarter of them. Below Triton 3.6 no
+# tile is natural (natural_tile): there 256 x 128 would run permuted and serial, so it is
+# left out.
 _WIDE = (256, 128, 64, 8, 2, 0.5)
 _TILES = ((128, 128, 64, 8, 2, 0.5), (128, 64, 64, 4, 2, 0.0), (64, 64, 128, 4, 2, 0.5), (32, 64, 128, 4, 2, 0.0))
 
 
-def prefill_config(M: int, N: int, K: int, num_sms: int = 132) -> KernelConfig:
-    """The untuned prefill config for ``M`` rows (``M > 16``) of an ``N x K`` weight of any
-    kind (16-bit, INT8, INT4): the first tile of the list that wastes at most half its
-    BLOCK_M rows and gives enough programs, ``ceil(M / BLOCK_M) * ceil(N / BLOCK_N)``, for the
-    ``num_sms`` multiprocessors (default: an H200's 132); else 32 x 64 (sm_90 SASS,
-    docs/kernels.md)."""
+@functools.lru_cache(maxsize=4096)
+def prefill_config(M: int, N: int, K: int, num_sms: int = 132, pair: str = "float16") -> KernelConfig:
+    """The untuned prefill config for ``M`` rows (``M > 16``) of an ``N x K`` weight:
+    of :func:`prefill_configs` (M), the one :func:`~.prefill_model.predicted_time` puts
+    fastest on ``num_sms`` SMs (default: an H200's 132) from the installed Triton's cost
+    table for ``pair`` (:data:`PAIRS`, :func:`prefill_pair`): the largest worst-case ratio to
+    dense over L2 at 32 B per SM clock and unbounded, then the largest at 32. Without a
+    table for this Triton: the first tile of a fixed list that wastes at most half its
+    BLOCK_M rows and gives enough programs (docs/kernels.md "Prefill path")."""
     if M <= DECODE_M:
         raise ValueError(f"the prefill kernel serves M > {DECODE_M}, got M = {M}")
+    if pair not in PAIRS:
+        raise ValueError(f"pair must be one of {PAIRS}, got {pair!r}")
+    table = prefill_costs()
+    if table is not None:
+        space = set(prefill_configs(M))
+        rows = [r for r in table[pair]["configs"] if r["cfg"] in space and not r["spills"] and r["per_sm"] >= 1]
+        if rows:
+            w_bytes = table[pair]["w_bytes"]
+
+            def score(r):
+                ratios = [dense / ours for ours, dense in
+                          (predicted_time(r, M, N, K, w_bytes, l2=l2, sms=num_sms)
+                           for l2 in (L2_BYTES_PER_SM_CLK, math.inf))]
+                return min(ratios), ratios[0]
+            return max(rows, key=score)["cfg"]
     tiles = ((_WIDE,) if natural_tile(256, 128) else ()) + _TILES
     for bm, bn, bk, warps, stages, fill in tiles:
         if bm < 2 * M and -(-M // bm) * -(-N // bn) >= fill * num_sms:
             break
     return _config(bm, bn, bk, warps, stages)
+
+
+def prefill_pair(x_dtype: str, weight: str) -> str:
+    """The cost table's key for x of dtype name ``x_dtype`` (``float16``, ``bfloat16``,
+    ``float32``) and a weight of kind ``weight`` (``float16``, ``bfloat16``, ``int8``, ``int4``):
+    16-bit weights by their own dtype, INT8 / INT4 by x's (float32 x as float16)."""
+    if weight in ("float16", "bfloat16"):
+        return weight
+    return f"{weight}-{'bfloat16' if x_dtype == 'bfloat16' else 'float16'}"
+
+
+def prefill_costs(version: tuple[int, ...] | None = None, path: Path | None = None) -> dict | None:
+    """The cost table of Triton ``version`` (default: the installed one; its major.minor) from
+    ``path`` (default :data:`COSTS_FILE`): ``{pair: {"w_bytes": float, "configs": [row, ...]}}``,
+    each row a dict of the model's inputs (``cfg`` a :class:`KernelConfig`; regs, spills,
+    shared, per_sm, loop, mma, half, t_tensor, t_issue, alone, l2_bytes), or None when the file
+    has no table for that version. Raises ValueError naming the file if it is corrupt."""
+    if version is None:
+        from sparse24.kernels.interpreter import triton_version
+        version = triton_version()
+    return _load_costs(str(path or COSTS_FILE)).get(f"{version[0]}.{version[1]}")
+
+
+@functools.lru_cache(maxsize=8)
+def _load_costs(path: str) -> dict:
+    try:
+        doc = json.loads(Path(path).read_text())
+        if doc.get("format") != 1 or not isinstance(doc.get("tables"), dict):
+            raise ValueError("need format 1 and a 'tables' object")
+        tables = {}
+        for version, t in doc["tables"].items():
+            if set(t["pairs"]) != set(PAIRS):
+                raise ValueError(f"table {version}: need the pairs {PAIRS}, got {sorted(t['pairs'])}")
+            tables[version] = {pair: {"w_bytes": _number(p["w_bytes"]),
+                                      "configs": [_cost_row(row) for row in p["configs"]]}
+                               for pair, p in t["pairs"].items()}
+        return tables
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"bad prefill cost table {path}: {e}") from None
+
+
+def _number(v) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0 or v == math.inf:
+        raise ValueError(f"need a finite number >= 0, got {v!r}")
+    return v
+
+
+def _cost_row(row: dict) -> dict:
+    if set(row) != {"config", *_COST_KEYS}:
+        raise ValueError(f"a row needs exactly the keys config, {', '.join(_COST_KEYS)}; got {sorted(row)}")
+    out = {k: _number(row[k]) for k in _COST_KEYS}
+    out["cfg"] = check_prefill_config(_config(*row["config"]))
+    return out
 
 
 @functools.lru_cache(maxsize=None)

@@ -1,0 +1,77 @@
+"""The prefill kernel's time model on an H200 (sm_90), shared by the untuned defaults
+(:func:`~.prefill.prefill_config` picks the config it predicts fastest) and the static
+report (``scripts/kernel_static_check.py --prefill``, which measures its inputs from the
+sm_90 SASS and prints its predictions). Pure arithmetic; docs/kernels.md "Prefill path"
+derives it.
+
+A config's costs per K-tile of one program (a dict, one row of the report or of the
+committed cost table ``prefill_costs.json``): ``cfg`` (its :class:`KernelConfig`),
+``t_tensor`` (SM clocks of its multiply-adds), ``t_issue`` (issue cycles per scheduler),
+``alone`` (one program's K-tile by itself on an SM, its loop replayed), ``l2_bytes`` (its x
+and weight tiles through L2) and ``per_sm`` (resident programs).
+"""
+from __future__ import annotations
+
+# H200: 132 SMs; dense fp16/bf16 tensor cores 1024 x 2 = 2048 multiply-adds per clock per SM
+# (989 TFLOP/s at 1.83 GHz); HBM 4.0 TB/s at 1.98 GHz for the memory floor.
+SMS, MACS_PER_CLK = 132, 2048
+HBM_BYTES_PER_SM_CLK = 4.0e12 / 1.98e9 / SMS
+# L2 to the SMs: 32 B per SM clock (8.4 TB/s at 1.98 GHz on 132 SMs), assumed, not measured by us:
+# others measured ~5.5 TB/s of L2 reads on an H100 PCIe (114 SMs, clocks ~1.4-1.6 GHz under that
+# load: 30-34 B per SM clock). The 788 TFLOP/s of bf16 cuBLAS measured on an H200 of these machines
+# (device/KINDS.md) needs at least 24 B per SM clock (128 x 256 tiles, two SMs sharing one operand's
+# loads), so it does not contradict it. Every program reads its x and weight tiles through L2 on
+# each K-tile (the pipelined copies bypass L1); split-K's fp32 partials go through it too.
+# scripts/gpu_l2_bandwidth.py measures it on a GPU.
+L2_BYTES_PER_SM_CLK = 32.0
+
+
+def dense_time(M: int, N: int, K: int, l2: float = L2_BYTES_PER_SM_CLK, sms: int = SMS) -> float:
+    """SM clocks of the idealized dense GEMM (fp16 weight) the prediction compares with:
+    the best of 64x128, 128x128, 128x256 and 256x128 tiles (whole waves of programs over the
+    SMs), each tile's K-steps at the tensor cores' full rate or at the rate L2 delivers its
+    two operand tiles (2 B per element per column of K at ``l2`` B per SM clock; a 256-wide
+    operand's loads shared by two SMs, as Hopper GEMMs do with a cluster of two and TMA
+    multicast, so 128x256 is tensor-bound at 32 B per SM clock), whichever is slower, floored
+    by HBM traffic. The same for every config of ours, so configs compare fairly; cuBLAS
+    reaches ~74% of the tensor cores' rate on an H200 (788 TFLOP/s bf16 at 8192^3, measured by
+    others on these machines: device/KINDS.md). ``sms``: the SMs the waves fill (HBM stays an
+    H200's 4.0 TB/s)."""
+    io = (M * K + M * N) * 2 / SMS / HBM_BYTES_PER_SM_CLK
+
+    def per_k(bm, bn):   # SM clocks per column of K of one tile
+        shared = (bm // (2 if bm == 256 else 1) + bn // (2 if bn == 256 else 1)) * 2   # operand bytes
+        return max(bm * bn / MACS_PER_CLK, shared / l2)
+    tiles = min(-(-(-(-M // bm) * -(-N // bn)) // sms) * per_k(bm, bn)
+                for bm, bn in ((64, 128), (128, 128), (128, 256), (256, 128)))
+    return max(tiles * K, N * K * 2 / SMS / HBM_BYTES_PER_SM_CLK + io)
+
+
+def predicted_time(r: dict, M: int, N: int, K: int, w_bytes: float, split_k: int = 1,
+                   l2: float = L2_BYTES_PER_SM_CLK, sms: int = SMS) -> tuple[float, float]:
+    """``(ours, dense)`` in SM clocks for (M, N, K): programs spread over the SMs,
+    ``per_sm`` resident at once, in rounds: a round of p programs takes max(p t_tensor,
+    p t_issue, p t_l2, alone) per K-tile, where t_l2 is a program's x and weight tiles
+    (``l2_bytes``) through L2 at ``l2`` B per SM clock (``inf``: no L2 limit, on either
+    side) and ``alone`` is one program's K-tile by itself on an SM (its loop's wgmma groups
+    and waits replayed; without it, decode and wgmma one after the other: t_tensor +
+    t_issue), other programs filling its gaps; floored by HBM traffic (weight bytes
+    ``w_bytes`` per element, x and out fp16). ``split_k`` > 1 estimates a serial split-K the
+    kernel does not have: split_k times the programs over K / split_k each, and every
+    program's fp32 partial tile through L2 (its store, then the last program's reads of the
+    others'). Dense: :func:`dense_time`. ``sms``: the SMs the programs spread over."""
+    c = r["cfg"]
+    progs = -(-M // c.block_m) * -(-N // c.block_n) * split_k
+    per_sm_progs = -(-progs // sms)
+    iters = -(-(-(-K // split_k)) // c.block_k)
+    tt, ti, tl2, p = r["t_tensor"], r["t_issue"], r.get("l2_bytes", 0) / l2, max(r["per_sm"], 1)
+    full, rest = divmod(per_sm_progs, p)
+    alone = r.get("alone", tt + ti)   # one program's K-tile
+
+    def rnd(n):
+        return max(n * tt, n * ti, n * tl2, alone) if n else 0.0
+    ours = iters * (full * rnd(p) + rnd(rest))
+    if split_k > 1:
+        ours += (per_sm_progs + split_k - 1) * c.block_m * c.block_n * 4 / l2
+    io = (M * K + M * N) * 2 / SMS / HBM_BYTES_PER_SM_CLK
+    return max(ours, (N * K * w_bytes) / SMS / HBM_BYTES_PER_SM_CLK + io), dense_time(M, N, K, l2, sms)
