@@ -37,7 +37,7 @@ from ...decode_format import DecodePacked, check_word_aligned, decode_dims, pack
 from ...format import Sparse24Tensor
 from ..config_space import (DECODE_M, LAYOUT_KERNEL, SPLIT_K_MAX_M, KernelConfig, check_decode_config, dtype_key,
                             m_bucket, sparse_kernel)
-from ..config_store import get_config, on_clear
+from ..config_store import device_info, get_config, on_clear
 from .naive import check_linear_args
 from .prefill import check_prefill_config, natural_tile, prefill_config, prefill_pair
 
@@ -158,12 +158,13 @@ def run_prefill(x: torch.Tensor, values: torch.Tensor, meta: torch.Tensor, scale
                 bias: torch.Tensor | None, N: int, config: KernelConfig | None = None,
                 zero: torch.Tensor | None = None, group_size: int = 0) -> torch.Tensor:
     """:func:`run` with the prefill kernel (arguments already checked, decode-layout
-    tensors): the untuned :func:`~sparse24.ops.linear24.prefill.prefill_config` of
-    x's M bucket unless ``config`` is given."""
+    tensors): the untuned :func:`~sparse24.ops.linear24.prefill.prefill_config` for x's
+    rows, the weight kind and x's dtype on x's device's SMs, unless ``config`` is given."""
     if config is None:
         M = x.shape[0] if x.dim() == 2 else x.shape[:-1].numel()
         weight = "int4" if group_size else "int8" if scale is not None else _DTYPE_NAME[values.dtype]
-        config = prefill_config(max(M, DECODE_M + 1), N, x.shape[-1], pair=prefill_pair(_DTYPE_NAME[x.dtype], weight))
+        config = prefill_config(max(M, DECODE_M + 1), N, x.shape[-1], device_info(x.device).num_sms,
+                                prefill_pair(_DTYPE_NAME[x.dtype], weight))
     return run(x, values, meta, scale, bias, N, config, zero, group_size)
 
 
