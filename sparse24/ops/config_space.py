@@ -17,7 +17,7 @@ import torch
 __all__ = ["KernelConfig", "KERNEL_VARIANTS", "LAYOUTS", "LAYOUT_KERNEL", "M_BUCKETS", "DTYPE_KEYS", "DECODE_M",
            "SPLIT_K_MAX_M", "SP_MAX_M", "DECODE_PAIRS", "LISTED_SHAPES",
            "m_bucket", "dtype_key", "builtin_config", "decode_default", "decode_rows", "candidate_configs", "decode_configs", "check_decode_config",
-           "sparse_kernel"]
+           "sparse_kernel", "prefill_configs", "check_prefill_config"]
 
 # Kernel variants a config may name (kernels/): "matmul" (sparse24_matmul.py)
 # expands each weight tile in registers and runs tl.dot, any M, layout v1;
@@ -148,8 +148,14 @@ def candidate_configs(M: int, N: int, K: int, num_sms: int = 132, layout: str = 
     stay within 4 per SM and each split keeps >= 2 K-tiles (more loads in
     flight when N alone gives few programs). Larger M is compute-bound:
     bigger square-ish tiles, more warps.
+
+    The decode layout past 16 rows runs the prefill kernel (``sparse24::linear``'s
+    route, but for INT8 / INT4 with 16-bit x to SP_MAX_M rows): its space is
+    :func:`prefill_configs`.
     """
     if layout == "decode":
+        if M > DECODE_M and decode_rows(M, dtype) != 32:
+            return prefill_configs(M)
         return decode_configs(M, N, K, dtype, num_sms)
     out: list[KernelConfig] = []
     if M <= 16:
@@ -218,8 +224,8 @@ def decode_configs(M: int, N: int, K: int, dtype: str = "float16", num_sms: int 
     ``"int8-..."``): one stage, or two on tiles of >= 16384 elements (see the
     comment above). The space does not depend on M at decode sizes; above 16
     rows the programs multiply by ceil(M / 16), K is not split and only the
-    deepest pipeline of each tile is kept (the tuner times the kernel there to
-    compare it with the reference backend, not to win). INT8 / INT4 weights with
+    deepest pipeline of each tile is kept (``backend="triton"`` there; the tuner
+    times the prefill kernel's space past 16 rows, :func:`candidate_configs`). INT8 / INT4 weights with
     float16 / bfloat16 x (the sparse tensor-core kernel): BLOCK_N x warps in
     (64 x 2, 128 x 4, 128 x 2), two or four 16-row tiles per warp, BLOCK_K up to
     512 (not 512 with four INT4 tiles: spills), one stage; at 17 to SP_MAX_M rows
@@ -318,6 +324,28 @@ def decode_default(N: int, K: int, dtype: str = "float16", num_sms: int = 132, r
     if per_split == 1:  # one K-tile per program: nothing to overlap, and a pipeline's prologue costs ~40%
         stages = 1
     return check_decode_config(KernelConfig(32 if r32 else 16, bn, bk, 1, min(split, 32), warps, stages, kernel="decode"))
+
+
+def prefill_configs(M: int) -> list[KernelConfig]:
+    """The prefill kernel's (``kernels/sparse24_prefill.py``) config space for the static report and a tuner: BLOCK_M in
+    (32, 64) at M <= 64, else (32, 64, 128, 256) (BLOCK_K 128 for
+    BLOCK_M < 128, else 64), BLOCK_N x warps in (64 x 4, 128 x 8), 2 or 3 stages
+    (pipelined x loads). Left out, measured by the static report (sm_90, Triton
+    3.9): BLOCK_K 128 at BLOCK_M >= 128 (200-255 registers, one program per SM
+    or spills), 4 stages (the issue count of 3)."""
+    bms = (32, 64) if M <= 64 else (32, 64, 128, 256)
+    return [check_prefill_config(KernelConfig(bm, bn, 64 if bm >= 128 else 128, 8, 1, w, st, kernel="prefill"))
+            for bm in bms for bn, w in ((64, 4), (128, 8)) for st in (2, 3)]
+
+
+def check_prefill_config(config: KernelConfig) -> KernelConfig:
+    """Raise ValueError unless the prefill kernel can run ``config``; returns it."""
+    c = config.validate()
+    if c.kernel != "prefill" or c.block_m < 16 or c.block_k < 64 or c.block_n not in (32, 64, 128) \
+            or c.num_warps != c.block_n // 16 or c.split_k != 1:
+        raise ValueError(f"bad prefill config {c}: need kernel 'prefill', block_m >= 16, block_k >= 64, block_n "
+                         f"in (32, 64, 128), num_warps == block_n // 16 and split_k == 1")
+    return c
 
 
 def check_decode_config(config: KernelConfig) -> KernelConfig:

@@ -46,7 +46,7 @@ from pathlib import Path
 import torch
 
 from .config_space import (DECODE_M, DTYPE_KEYS, LAYOUT_KERNEL, M_BUCKETS, SP_MAX_M, KernelConfig, builtin_config,
-                           check_decode_config, decode_rows, m_bucket)
+                           check_decode_config, check_prefill_config, decode_rows, m_bucket)
 
 __all__ = ["KERNEL", "SCHEMA_VERSION", "TIMINGS", "Choice", "DeviceInfo", "device_info", "config_dirs",
            "shipped_config_dir", "gpu_file_name", "validate_file", "validate_dir", "lookup", "get_choice",
@@ -113,14 +113,31 @@ def validate_file(data) -> dict:
         config = _parse_config(entry["config"], where)
         if config.kernel == "decode":
             _check_decode_entry(config, int(parts[0]), parts[3], where)
+        elif config.kernel == "prefill":
+            _check_prefill_entry(config, int(parts[0]), parts[3], where)
         parsed["entries"][(int(parts[0]), int(parts[1]), int(parts[2]), parts[3])] = dict(entry, config=config)
     return parsed
 
 
 def _serves(config: KernelConfig, M: int, dtype: str) -> bool:
     """Whether a config tuned for another M (a nearest entry, a file's default) is the kind
-    its kernel takes at M: a decode-kernel config with :func:`decode_rows` rows per program."""
+    its kernel takes at M: a decode-kernel config with :func:`decode_rows` rows per program; a
+    prefill config of at most 64 rows per program at 17-64 rows (the space there)."""
+    if config.kernel == "prefill":
+        return config.block_m <= 64 or m_bucket(M) > 64
     return config.kernel != "decode" or config.block_m == decode_rows(m_bucket(M), dtype)
+
+
+def _check_prefill_entry(config: KernelConfig, bucket: int, dtype: str, where: str) -> None:
+    """A prefill-kernel entry must be one the kernel runs, at a bucket its route takes:
+    past 16 rows, and for INT8 / INT4 with 16-bit x past SP_MAX_M rows."""
+    try:
+        check_prefill_config(config)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+    if bucket <= DECODE_M or decode_rows(bucket, dtype) == 32:
+        raise ValueError(f"{where}: a prefill entry at M bucket {bucket} for {dtype}: the prefill kernel runs past "
+                         f"{DECODE_M} rows (INT8 / INT4 with float16 / bfloat16 x: past {SP_MAX_M})")
 
 
 def _check_decode_entry(config: KernelConfig, bucket: int, dtype: str, where: str) -> None:
@@ -234,7 +251,7 @@ def _nearest_entry(files: list[dict], M: int, N: int, K: int, dtype: str, kernel
 
 
 def lookup(M: int, N: int, K: int, dtype: str, gpu_name: str, capability: tuple[int, int] | None,
-           num_sms: int = 132, layout: str = "v1") -> Choice:
+           num_sms: int = 132, layout: str = "v1", kernel: str | None = None) -> Choice:
     """The config for one call, following the lookup order in the module docstring.
 
     Args:
@@ -243,6 +260,8 @@ def lookup(M: int, N: int, K: int, dtype: str, gpu_name: str, capability: tuple[
         capability: ``(major, minor)`` or None (CPU); num_sms: multiprocessors (builtin config).
         layout: the weight's layout (``"v1"`` or ``"decode"``): only configs of the kernel
             variant that reads it are taken.
+        kernel: that variant, if not the layout's own: ``"prefill"`` (the decode layout past
+            16 rows, whose built-in is :func:`~sparse24.ops.linear24.prefill.prefill_config`).
     Returns:
         :class:`Choice`.
     Example:
@@ -253,7 +272,7 @@ def lookup(M: int, N: int, K: int, dtype: str, gpu_name: str, capability: tuple[
     own = [f for f in files if gpu_file_name(f["gpu"]) == gpu_file_name(gpu_name)]
     family = [f for f in files if f not in own and capability is not None
               and tuple(f["compute_capability"]) == tuple(capability)]
-    key, kernel = (m_bucket(M), N, K, dtype), LAYOUT_KERNEL[layout]
+    key, kernel = (m_bucket(M), N, K, dtype), kernel or LAYOUT_KERNEL[layout]
     for f in own:
         if key in f["entries"] and f["entries"][key]["config"].kernel == kernel:
             return Choice(f["entries"][key]["config"], "exact", f"exact entry {key} in {f['path']}",
@@ -267,6 +286,12 @@ def lookup(M: int, N: int, K: int, dtype: str, gpu_name: str, capability: tuple[
     for f in own:
         if f["default"].kernel == kernel and _serves(f["default"], M, dtype):
             return Choice(f["default"], "file-default", f"default of {f['path']}")
+    if kernel == "prefill":
+        from .linear24.prefill import prefill_config, prefill_pair
+        kind, _, act = dtype.rpartition("-")   # "int8-bfloat16"; "float32": x's dtype, a 16-bit weight
+        pair = prefill_pair(act, kind or ("float16" if act == "float32" else act))
+        return Choice(prefill_config(max(M, DECODE_M + 1), N, K, num_sms, pair), "builtin",
+                      "the prefill kernel's untuned config (no tuned prefill config for this GPU)")
     return Choice(builtin_config(M, N, K, num_sms, layout, dtype), "builtin",
                   "built-in untuned config (no tuned config of this layout for this GPU)")
 
@@ -314,15 +339,16 @@ def set_live_tuner(tuner) -> None:
     clear_cache()
 
 
-def get_choice(M: int, N: int, K: int, dtype: str, device, layout: str = "v1") -> Choice:
+def get_choice(M: int, N: int, K: int, dtype: str, device, layout: str = "v1", kernel: str | None = None) -> Choice:
     """:func:`lookup` for a launch on ``device``, or live tuning when ``SPARSE24_AUTOTUNE=1``
     on CUDA and no exact entry exists. Cached per process (:func:`clear_cache` forgets).
-    CPU tensors (interpreter) get the built-in config."""
+    CPU tensors (interpreter) get the built-in config. ``kernel``: as in :func:`lookup` (the
+    live tuner times the layout's space at M, which past 16 rows is the prefill kernel's)."""
     info = device_info(device)
-    cache_key = (tuple(config_dirs()), info, (m_bucket(M), N, K, dtype), layout)
+    cache_key = (tuple(config_dirs()), info, (m_bucket(M), N, K, dtype), layout, kernel)
     choice = _CHOICES.get(cache_key)
     if choice is None:
-        choice = lookup(M, N, K, dtype, info.name, info.capability, info.num_sms, layout)
+        choice = lookup(M, N, K, dtype, info.name, info.capability, info.num_sms, layout, kernel)
         if (os.environ.get("SPARSE24_AUTOTUNE") == "1" and info.capability is not None and choice.kind != "exact"
                 and _LIVE_TUNER is not None):
             choice = _LIVE_TUNER(m_bucket(M), N, K, dtype, torch.device(device), layout=layout)

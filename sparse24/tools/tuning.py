@@ -29,7 +29,7 @@ from ..ops.config_space import (DTYPE_KEYS, KERNEL_VARIANTS, M_BUCKETS, KernelCo
 from ..ops.config_store import (KERNEL, SCHEMA_VERSION, Choice, clear_cache, config_dirs,  # noqa: F401
                                describe_config_source, get_config, gpu_file_name, lookup, measured_timings,
                                shipped_config_dir, validate_dir, validate_file)
-from ..ops.linear24 import linear_reference, linear_triton
+from ..ops.linear24 import linear_prefill, linear_reference, linear_triton
 from ..ops.linear24.launch import kernel_call, target_dtype
 from ..ops.linear24.op import DECODE_M
 
@@ -96,11 +96,11 @@ def tune_key(M: int, N: int, K: int, dtype: str, device, configs=None, warmup_ms
     dense_weights = [w_dense] + [w_dense.clone() for _ in range(_copies(l2, w_dense.nbytes) - 1)]
 
     def kernel_time(cfg) -> float:
-        return time_launches_us([lambda q=q: linear_triton(x, q, config=cfg) for q in weights], warmup_ms, rep_ms)
+        return time_launches_us([lambda q=q: launch_config(x, q, cfg) for q in weights], warmup_ms, rep_ms)
 
     best_cfg, best_us, rejected = _select_fastest(
         configs if configs is not None else candidate_configs(M, N, K, props.multi_processor_count, layout, dtype),
-        launch=lambda cfg: linear_triton(x, p, config=cfg),
+        launch=lambda cfg: launch_config(x, p, cfg),
         error=lambda y: float((y.double() - ref).norm() / ref.norm().clamp_min(1e-30)),
         time=kernel_time, max_err=max_err, label=f"M={M}, N={N}, K={K}, {dtype}")
     dense_us = time_launches_us([lambda w=w: F.linear(x, w) for w in dense_weights], warmup_ms, rep_ms)
@@ -110,6 +110,13 @@ def tune_key(M: int, N: int, K: int, dtype: str, device, configs=None, warmup_ms
                                                        warmup_ms, rep_ms), 3)
     return Choice(best_cfg, "live", f"tuned live on {torch.cuda.get_device_name(device)} "
                                     f"({len(rejected)} candidates rejected)", entry)
+
+
+def launch_config(x: torch.Tensor, p, cfg: KernelConfig) -> torch.Tensor:
+    """``y = x @ W^T`` with one config of the space: its kernel's entry point (a prefill
+    config runs the prefill kernel, the decode layout's past 16 rows; the rest
+    :func:`linear_triton`)."""
+    return linear_prefill(x, p, config=cfg) if cfg.kernel == "prefill" else linear_triton(x, p, config=cfg)
 
 
 def _copies(l2_bytes: int, nbytes: int) -> int:
@@ -225,7 +232,8 @@ def _entry_key(key: tuple) -> str:
 def write_entries(out_dir: Path, gpu: str, capability: tuple[int, int], entries: dict) -> Path:
     """Merge ``entries`` ({(M bucket, N, K, dtype): entry}) into this GPU's file
     under ``out_dir`` (created if needed; a corrupt old file is kept beside it
-    as ``.corrupt``). The default becomes the config that wins most entries."""
+    as ``.corrupt``). The default becomes the config that wins most entries (prefill entries
+    aside: the prefill route falls back to its model's choice, not to a file default)."""
     import triton
 
     path = Path(out_dir) / gpu_file_name(gpu) / f"{KERNEL}.json"
@@ -238,8 +246,9 @@ def write_entries(out_dir: Path, gpu: str, capability: tuple[int, int], entries:
             print(f"sparse24: {path} was unreadable ({e}); moved to {path.name}.corrupt", file=sys.stderr)
     merged = {**old, **entries}
     wins: dict = {}
-    for e in merged.values():
-        wins[e["config"]] = wins.get(e["config"], 0) + 1
+    for e in merged.values():   # the default serves keys without an entry: the prefill route has its model's
+        if e["config"].kernel != "prefill":
+            wins[e["config"]] = wins.get(e["config"], 0) + 1
     default = max(wins, key=wins.get) if wins else builtin_config(16)
     order = sorted(merged, key=lambda k: (k[3], k[1], k[2], k[0]))  # dtype, N, K, M: readable diffs
     data = {

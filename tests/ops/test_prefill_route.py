@@ -134,3 +134,28 @@ def test_bench_host_prefill_figures(quantize):
     for r in rows:
         assert r["aten_ops"] <= 3 and r["bytes_allocated"] <= r["output_bytes"] and r["conversions"] == 0, r
         assert r["layer_bytes_over_dense_fp16"] <= 0.60
+
+
+def test_a_tuned_prefill_entry_serves_the_route(cuda_route, tmp_path, monkeypatch):
+    """With this GPU's tuned file holding a prefill entry for the layer's shape (``sparse24
+    autotune`` past 16 rows), the call runs that config, also as the nearest M; at 17-64 rows
+    not a 128-row tile (not the space there): the model's default for exactly those rows."""
+    from sparse24.ops import config_store
+    from sparse24.ops.config_space import KernelConfig
+    from sparse24.tools import tuning
+    layer = _layer(None)
+    tuned = KernelConfig(128, 128, 64, 8, 1, 8, 3, kernel="prefill")
+    assert tuned != prefill_config(300, 256, 512)
+    tuning.write_entries(tmp_path, "Fake GPU H1", (9, 0),
+                         {(512, 256, 512, "float16"): {"config": tuned, "kernel_us": 1.0, "dense_us": 2.0}})
+    monkeypatch.setenv("SPARSE24_CONFIG_DIR", str(tmp_path))
+    monkeypatch.setattr(config_store, "device_info", lambda device=None: config_store.DeviceInfo("Fake GPU H1", (9, 0)))
+    config_store.clear_cache()
+    try:
+        with torch.no_grad():
+            for M, want in ((300, tuned), (4096, tuned), (20, prefill_config(20, 256, 512))):
+                cuda_route.clear()
+                layer(torch.randn(M, 512, dtype=torch.float16))
+                assert cuda_route[-1][0] == want, M
+    finally:
+        config_store.clear_cache()

@@ -305,3 +305,56 @@ def test_select_fastest_rejects_failing_and_wrong_configs(capsys):
     assert "WRONG RESULT from" in capsys.readouterr().err
     with pytest.raises(RuntimeError, match="no candidate config ran correctly for test"):
         tuning._select_fastest([fastest_but_fails], launch, lambda y: 0.0, time, 1e-5, "test")
+
+
+def test_prefill_entries_serve_the_prefill_route(isolated, tmp_path):
+    """Past 16 rows a decode-layout weight runs the prefill kernel (INT8 / INT4 with 16-bit x: past
+    SP_MAX_M), so that is the space the tuner times there; a tuned prefill entry is found exactly or
+    as the nearest M (one of at most 64 rows per program at 17-64 rows), never by the decode kernel's
+    lookup, and never made the file's default; without one, the prefill kernel's model default. A
+    prefill entry where the route does not run the prefill kernel, or one it cannot run, is refused."""
+    from sparse24.ops.linear24.prefill import prefill_config, prefill_configs
+    assert tuning.candidate_configs(128, 4096, 4096, 132, "decode", "float16") == prefill_configs(128)
+    assert tuning.candidate_configs(128, 4096, 4096, 132, "decode", "int8-float16") == prefill_configs(128)
+    sp = tuning.candidate_configs(32, 4096, 4096, 132, "decode", "int8-float16")
+    assert sp and all(c.kernel == "decode" and c.block_m == 32 for c in sp)   # the sparse tensor-core route
+    wide = KernelConfig(256, 128, 64, 8, 1, 8, 2, kernel="prefill")
+    small = KernelConfig(64, 128, 128, 8, 1, 8, 2, kernel="prefill")
+    d16 = KernelConfig(16, 128, 256, 1, 8, 2, 1, kernel="decode")
+    path = _write(isolated, GPU, (9, 0), {(2048, 4096, 4096, "float16"): _entry(wide),
+                                          (512, 4096, 4096, "float16"): _entry(wide),
+                                          (16, 4096, 4096, "float16"): _entry(d16)})
+    assert KernelConfig.from_json(json.loads(path.read_text())["default"]) == d16
+
+    def look(M, kernel="prefill", dtype="float16", N=4096):
+        return tuning.lookup(M, N, 4096, dtype, GPU, (9, 0), layout="decode", kernel=kernel)
+    assert (look(2048).kind, look(2048).config) == ("exact", wide)
+    assert (look(4096).kind, look(4096).config) == ("nearest", wide)
+    assert look(40).kind == "builtin"                    # 256 rows per program is not the space at 40 rows
+    assert look(40).config == prefill_config(40, 4096, 4096, 132, "float16")
+    assert look(2048, kernel=None).config.kernel == "decode"
+    assert look(300, dtype="int8-bfloat16", N=8192).config == prefill_config(300, 8192, 4096, 132, "int8-bfloat16")
+    assert look(300, dtype="float32").config == prefill_config(300, 4096, 4096, 132, "float16")
+    _write(isolated, GPU, (9, 0), {(64, 4096, 4096, "float16"): _entry(small)})
+    assert (look(40).kind, look(40).config) == ("exact", small)      # 40 -> bucket 64
+    assert (look(100).kind, look(100).config) == ("nearest", small)
+    for key, cfg, match in (((16, 4096, 4096, "float16"), small, "prefill entry at M bucket 16"),
+                            ((64, 4096, 4096, "int8-float16"), small, "prefill entry at M bucket 64"),
+                            ((256, 4096, 4096, "float16"), KernelConfig(128, 64, 64, 8, 1, 8, 2, kernel="prefill"),
+                             "bad prefill config")):
+        with pytest.raises(ValueError, match=match):
+            _write(tmp_path / "w", GPU, (9, 0), {key: _entry(cfg)})
+
+
+def test_launch_config_runs_each_kernel_of_the_space(gen):
+    """What the tuner times for a config: the prefill kernel for a prefill config, the decode
+    kernel for a decode one (Triton's interpreter here), both against fp64."""
+    import sparse24
+    from sparse24.decode_format import pack_decode
+    from conftest import assert_matches_reference
+    w = torch.randn(72, 128, generator=gen).half()
+    p = sparse24.compress(w)
+    d = pack_decode(p)
+    x = torch.randn(20, 128, generator=gen).half()
+    for cfg in (KernelConfig(32, 64, 128, 8, 1, 4, 2, kernel="prefill"), KernelConfig(16, 64, 128, 1, 1, 4, 1, kernel="decode")):
+        assert_matches_reference(tuning.launch_config(x, d, cfg), x, p.to_dense().float())

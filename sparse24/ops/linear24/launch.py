@@ -37,7 +37,7 @@ from ...decode_format import DecodePacked, check_word_aligned, decode_dims, pack
 from ...format import Sparse24Tensor
 from ..config_space import (DECODE_M, LAYOUT_KERNEL, SPLIT_K_MAX_M, KernelConfig, check_decode_config, dtype_key,
                             m_bucket, sparse_kernel)
-from ..config_store import device_info, get_config, on_clear
+from ..config_store import device_info, get_choice, get_config, on_clear
 from .naive import check_linear_args
 from .prefill import check_prefill_config, natural_tile, prefill_config, prefill_pair
 
@@ -158,13 +158,22 @@ def run_prefill(x: torch.Tensor, values: torch.Tensor, meta: torch.Tensor, scale
                 bias: torch.Tensor | None, N: int, config: KernelConfig | None = None,
                 zero: torch.Tensor | None = None, group_size: int = 0) -> torch.Tensor:
     """:func:`run` with the prefill kernel (arguments already checked, decode-layout
-    tensors): the untuned :func:`~sparse24.ops.linear24.prefill.prefill_config` for x's
-    rows, the weight kind and x's dtype on x's device's SMs, unless ``config`` is given."""
+    tensors), unless ``config`` is given: this GPU's tuned prefill config for the shape
+    (``sparse24 autotune`` past 16 rows), else the untuned
+    :func:`~sparse24.ops.linear24.prefill.prefill_config` for x's rows, the weight kind and
+    x's dtype on x's device's SMs."""
     if config is None:
         M = x.shape[0] if x.dim() == 2 else x.shape[:-1].numel()
-        weight = "int4" if group_size else "int8" if scale is not None else _DTYPE_NAME[values.dtype]
-        config = prefill_config(max(M, DECODE_M + 1), N, x.shape[-1], device_info(x.device).num_sms,
-                                prefill_pair(_DTYPE_NAME[x.dtype], weight))
+        K = x.shape[-1]
+        # A tuned prefill entry of this GPU (exact, nearest M or its family's), else the model's
+        # choice for exactly these M rows (a tuned file is cached per M bucket).
+        choice = get_choice(M, N, K, dtype_key(x.dtype, scale is not None and not group_size, group_size > 0),
+                            x.device, "decode", "prefill")
+        config = choice.config
+        if choice.kind == "builtin":
+            weight = "int4" if group_size else "int8" if scale is not None else _DTYPE_NAME[values.dtype]
+            config = prefill_config(max(M, DECODE_M + 1), N, K, device_info(x.device).num_sms,
+                                    prefill_pair(_DTYPE_NAME[x.dtype], weight))
     return run(x, values, meta, scale, bias, N, config, zero, group_size)
 
 
@@ -594,11 +603,11 @@ _VARIANTS = {"matmul": _Matmul, "decode": _Decode, "prefill": _Prefill}
 _PLACEHOLDER: dict = {}
 
 
-# Triton 3.3 (the oldest pyproject.toml allows, for the interpreter) fails to compile several of
-# these kernels for GPUs: the sparse tensor-core kernel (CompilationError), the decode and prefill
-# kernels with INT8 weights and the 16-bit prefill kernel at some shapes ('tt.join' type
-# inference, "PassManager::run failed"); sm_80 / sm_90, compiled here with Triton 3.3, 3.4, 3.5,
-# 3.6 and 3.9: from 3.4 every kernel compiles. So a GPU launch needs 3.4; CPU runs do not.
+# Triton 3.3 fails to compile several of these kernels for GPUs: the sparse tensor-core kernel
+# (CompilationError), the decode and prefill kernels with INT8 weights and the 16-bit prefill kernel
+# at some shapes ('tt.join' type inference, "PassManager::run failed"); sm_80 / sm_90, compiled here
+# with Triton 3.3, 3.4, 3.5, 3.6 and 3.9: from 3.4 every kernel compiles. pyproject.toml asks for
+# 3.4; a Triton installed against it (its interpreter runs CPU tensors) gets a clear error here.
 GPU_TRITON = (3, 4)
 
 

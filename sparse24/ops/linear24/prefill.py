@@ -16,7 +16,7 @@ import json
 import math
 from pathlib import Path
 
-from ..config_space import DECODE_M, KernelConfig
+from ..config_space import DECODE_M, KernelConfig, check_prefill_config, prefill_configs
 from .prefill_model import L2_BYTES_PER_SM_CLK, predicted_time
 
 __all__ = ["prefill_config", "prefill_configs", "check_prefill_config", "natural_tile", "prefill_pair", "prefill_costs",
@@ -147,25 +147,3 @@ def natural_tile(block_m: int, block_n: int) -> bool:
 @functools.lru_cache(maxsize=None)
 def _config(bm, bn, bk, warps, stages) -> KernelConfig:
     return KernelConfig(bm, bn, bk, 8, 1, warps, stages, kernel="prefill")
-
-
-def prefill_configs(M: int) -> list[KernelConfig]:
-    """The prefill config space for the static report and a tuner: BLOCK_M in
-    (32, 64) at M <= 64, else (32, 64, 128, 256) (BLOCK_K 128 for
-    BLOCK_M < 128, else 64), BLOCK_N x warps in (64 x 4, 128 x 8), 2 or 3 stages
-    (pipelined x loads). Left out, measured by the static report (sm_90, Triton
-    3.9): BLOCK_K 128 at BLOCK_M >= 128 (200-255 registers, one program per SM
-    or spills), 4 stages (the issue count of 3)."""
-    bms = (32, 64) if M <= 64 else (32, 64, 128, 256)
-    return [check_prefill_config(KernelConfig(bm, bn, 64 if bm >= 128 else 128, 8, 1, w, st, kernel="prefill"))
-            for bm in bms for bn, w in ((64, 4), (128, 8)) for st in (2, 3)]
-
-
-def check_prefill_config(config: KernelConfig) -> KernelConfig:
-    """Raise ValueError unless the prefill kernel can run ``config``; returns it."""
-    c = config.validate()
-    if c.kernel != "prefill" or c.block_m < 16 or c.block_k < 64 or c.block_n not in (32, 64, 128) \
-            or c.num_warps != c.block_n // 16 or c.split_k != 1:
-        raise ValueError(f"bad prefill config {c}: need kernel 'prefill', block_m >= 16, block_k >= 64, block_n "
-                         f"in (32, 64, 128), num_warps == block_n // 16 and split_k == 1")
-    return c
