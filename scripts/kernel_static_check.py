@@ -707,7 +707,6 @@ def write_costs(rows: list[dict], a) -> None:
 
     from sparse24.ops.linear24 import prefill
 
-    keys = ("regs", "spills", "shared", "per_sm", "loop", "mma", "half", "t_tensor", "t_issue", "alone", "l2_bytes")
     path = prefill.COSTS_FILE
     doc = json.loads(path.read_text()) if path.exists() else {
         "format": 1, "about": "Per-config inputs of the prefill time model (sparse24/ops/linear24/prefill_model.py), "
@@ -719,7 +718,7 @@ def write_costs(rows: list[dict], a) -> None:
         "command": "TRITON_DEFAULT_FP_FUSION=1 python scripts/kernel_static_check.py " + " ".join(a.argv),
         "pairs": {pair: {"w_bytes": dense_bytes_per_weight(pair), "configs": [
             {"config": [r["cfg"].block_m, r["cfg"].block_n, r["cfg"].block_k, r["cfg"].num_warps, r["cfg"].num_stages],
-             **{k: round(float(r[k]), 2) if isinstance(r[k], float) else r[k] for k in keys}}
+             **{k: round(float(r[k]), 2) if isinstance(r[k], float) else r[k] for k in prefill.COST_KEYS}}
             for r in rows if r["dtype"] == pair]} for pair in prefill.PAIRS}}
     doc["tables"] = dict(sorted(doc["tables"].items()))
     path.write_text(costs_json(doc))

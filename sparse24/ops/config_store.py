@@ -288,9 +288,7 @@ def lookup(M: int, N: int, K: int, dtype: str, gpu_name: str, capability: tuple[
             return Choice(f["default"], "file-default", f"default of {f['path']}")
     if kernel == "prefill":
         from .linear24.prefill import prefill_config, prefill_pair
-        kind, _, act = dtype.rpartition("-")   # "int8-bfloat16"; "float32": x's dtype, a 16-bit weight
-        pair = prefill_pair(act, kind or ("float16" if act == "float32" else act))
-        return Choice(prefill_config(max(M, DECODE_M + 1), N, K, num_sms, pair), "builtin",
+        return Choice(prefill_config(max(M, DECODE_M + 1), N, K, num_sms, prefill_pair(dtype)), "builtin",
                       "the prefill kernel's untuned config (no tuned prefill config for this GPU)")
     return Choice(builtin_config(M, N, K, num_sms, layout, dtype), "builtin",
                   "built-in untuned config (no tuned config of this layout for this GPU)")

@@ -57,7 +57,7 @@ def test_prefill_route_converts_nothing(quantize, cuda_route, monkeypatch):
             y, count = count_dispatch(layer, x)
             assert y.shape == (*shape[:-1], 256)
             assert len(cuda_route) == 1 and cuda_route[0][0].kernel == "prefill"   # one launch
-            pair = prefill_pair("float16", quantize or "float16")
+            pair = prefill_pair(dtype_key(torch.float16, int8_weights=quantize == "int8"))
             assert cuda_route[0][0] == prefill_config(M, 256, 512, pair=pair)   # the untuned default
             assert len(count.ops) <= 3, count.ops                                   # empty (+ views for 3-D x)
             assert count.bytes_allocated <= y.numel() * y.element_size(), count

@@ -29,6 +29,7 @@ takes Triton's own path.
 from __future__ import annotations
 
 import contextlib
+import functools
 import warnings
 
 import torch
@@ -164,20 +165,23 @@ def run_prefill(x: torch.Tensor, values: torch.Tensor, meta: torch.Tensor, scale
     x's dtype on x's device's SMs."""
     if config is None:
         M = x.shape[0] if x.dim() == 2 else x.shape[:-1].numel()
-        K = x.shape[-1]
-        # A tuned prefill entry of this GPU (exact, nearest M or its family's), else the model's
-        # choice for exactly these M rows (a tuned file is cached per M bucket).
-        choice = get_choice(M, N, K, dtype_key(x.dtype, scale is not None and not group_size, group_size > 0),
-                            x.device, "decode", "prefill")
-        config = choice.config
-        if choice.kind == "builtin":
-            weight = "int4" if group_size else "int8" if scale is not None else _DTYPE_NAME[values.dtype]
-            config = prefill_config(max(M, DECODE_M + 1), N, K, device_info(x.device).num_sms,
-                                    prefill_pair(_DTYPE_NAME[x.dtype], weight))
+        config = _prefill_default(x.device, dtype_key(x.dtype, scale is not None, group_size > 0), M, N, x.shape[-1])
     return run(x, values, meta, scale, bias, N, config, zero, group_size)
 
 
-_DTYPE_NAME = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
+@functools.lru_cache(maxsize=4096)
+def _prefill_default(device: torch.device, dtype: str, M: int, N: int, K: int) -> KernelConfig:
+    """This GPU's tuned prefill config for the shape (exact, nearest M or its family's entry),
+    else the model's choice for exactly these M rows (a tuned file is cached per M bucket).
+    Cached here, off the per-call path (the store's lookup takes ~17 us a call); forgotten
+    with the store's cache."""
+    choice = get_choice(M, N, K, dtype, device, "decode", "prefill")
+    if choice.kind != "builtin":
+        return choice.config
+    return prefill_config(max(M, DECODE_M + 1), N, K, device_info(device).num_sms, prefill_pair(dtype))
+
+
+on_clear(_prefill_default.cache_clear)
 
 
 def run(x: torch.Tensor, values: torch.Tensor, meta: torch.Tensor, scale: torch.Tensor | None,

@@ -20,7 +20,7 @@ from ..config_space import DECODE_M, KernelConfig, check_prefill_config, prefill
 from .prefill_model import L2_BYTES_PER_SM_CLK, predicted_time
 
 __all__ = ["prefill_config", "prefill_configs", "check_prefill_config", "natural_tile", "prefill_pair", "prefill_costs",
-           "COSTS_FILE", "PAIRS"]
+           "COSTS_FILE", "PAIRS", "COST_KEYS"]
 
 # The untuned default is the config the time model (:mod:`.prefill_model`) predicts fastest
 # for the shape, from each config's costs measured on its sm_90 SASS with the installed
@@ -30,7 +30,7 @@ __all__ = ["prefill_config", "prefill_configs", "check_prefill_config", "natural
 # not measured yet), then the best at 32. Not timed on a GPU yet.
 COSTS_FILE = Path(__file__).with_name("prefill_costs.json")
 PAIRS = ("float16", "bfloat16", "int8-float16", "int8-bfloat16", "int4-float16", "int4-bfloat16")
-_COST_KEYS = ("regs", "spills", "shared", "per_sm", "loop", "mma", "half", "t_tensor", "t_issue", "alone", "l2_bytes")
+COST_KEYS = ("regs", "spills", "shared", "per_sm", "loop", "mma", "half", "t_tensor", "t_issue", "alone", "l2_bytes")
 
 # Without a table for the installed Triton (below 3.6, or a release not yet measured): a
 # fixed list, fitted to the same model over the 11 shapes of issue 22 at M = 32-4096 for
@@ -82,13 +82,11 @@ def prefill_config(M: int, N: int, K: int, num_sms: int = 132, pair: str = "floa
     return _config(bm, bn, bk, warps, stages)
 
 
-def prefill_pair(x_dtype: str, weight: str) -> str:
-    """The cost table's key for x of dtype name ``x_dtype`` (``float16``, ``bfloat16``,
-    ``float32``) and a weight of kind ``weight`` (``float16``, ``bfloat16``, ``int8``, ``int4``):
-    16-bit weights by their own dtype, INT8 / INT4 by x's (float32 x as float16)."""
-    if weight in ("float16", "bfloat16"):
-        return weight
-    return f"{weight}-{'bfloat16' if x_dtype == 'bfloat16' else 'float16'}"
+def prefill_pair(dtype: str) -> str:
+    """The cost table's key (:data:`PAIRS`) for a launch's
+    :func:`~sparse24.ops.config_space.dtype_key` (x's dtype, prefixed ``int8-`` / ``int4-`` for
+    quantized weights): float32 x counts as float16 (the table measures the 16-bit pairs)."""
+    return dtype.replace("float32", "float16")
 
 
 def prefill_costs(version: tuple[int, ...] | None = None, path: Path | None = None) -> dict | None:
@@ -128,9 +126,9 @@ def _number(v) -> float:
 
 
 def _cost_row(row: dict) -> dict:
-    if set(row) != {"config", *_COST_KEYS}:
-        raise ValueError(f"a row needs exactly the keys config, {', '.join(_COST_KEYS)}; got {sorted(row)}")
-    out = {k: _number(row[k]) for k in _COST_KEYS}
+    if set(row) != {"config", *COST_KEYS}:
+        raise ValueError(f"a row needs exactly the keys config, {', '.join(COST_KEYS)}; got {sorted(row)}")
+    out = {k: _number(row[k]) for k in COST_KEYS}
     out["cfg"] = check_prefill_config(_config(*row["config"]))
     return out
 
