@@ -20,9 +20,11 @@ fragment holds with x in its own column order (``_decode_tile_natural``), so
 x^T goes to the wgmma straight from the pipelined shared buffer and the wgmma
 runs asynchronously; a 128-row tile multiplies each half-atom into its own
 accumulator (``HALVES``), so Triton keeps three wgmma groups in flight and the
-multiply runs under the next half's decode. Below 128 rows, ``_decode_tile``
-with x permuted as the decode kernel does (less to load per weight lane where
-few rows share it).
+multiply runs under the next half's decode. A 128 x 256 tile (``SPLIT_N``, 8
+warps) decodes and multiplies two 128-row halves of W into two accumulators
+against one x tile: x crosses L2 once per 256 rows of W. Below 128 rows,
+``_decode_tile`` with x permuted as the decode kernel does (less to load per
+weight lane where few rows share it).
 
 Grid: one program per (BLOCK_N rows of W, BLOCK_M rows of x), in groups of
 GROUP_M x-blocks that share W tiles while they sit in L2. No split-K: at
@@ -93,7 +95,7 @@ def _int4_rows_natural(scale_ptr, zero_ptr, t0, N, G, T: tl.constexpr):
 
 
 @triton.jit
-def _decode_tile_natural(acc, acc2, x_ptrs, v_ptrs, m_ptrs, k0, K, a0, KA, s_rows, z_rows, G, x_half, v_half,
+def _decode_tile_natural(acc, acc2, xm, x_ptrs, v_ptrs, m_ptrs, k0, K, a0, KA, s_rows, z_rows, G, x_half, v_half,
                          MASKED: tl.constexpr, INT8: tl.constexpr, W_BF16: tl.constexpr, DOT_PRECISION: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HALVES: tl.constexpr, INT4: tl.constexpr,
                          GROUP: tl.constexpr, HAS_ZERO: tl.constexpr):
@@ -203,12 +205,8 @@ def _decode_tile_natural(acc, acc2, x_ptrs, v_ptrs, m_ptrs, k0, K, a0, KA, s_row
             w = tl.join((d & 0xFFFF).to(tl.int16).to(WT, bitcast=True), (d >> 16).to(tl.int16).to(WT, bitcast=True))
         # [A, h, s, T, i, jlo, hh, qq, b, c] -> rows (T, b, i), columns (A, h, qq, s, jlo, hh, c)
         w = tl.reshape(tl.permute(w, [3, 8, 4, 0, 1, 7, 2, 5, 6, 9]), [BLOCK_N, BLOCK_K // HALVES])
-        if MASKED:
-            j = tl.arange(0, BLOCK_K // HALVES)
-            offs_k = k0 + (j + (j // 32 + H) * 32 if HALVES == 2 else j)   # half H: columns 64a + 32H + c
-            xm = tl.load(x_ptrs + H * x_half, mask=(offs_k < K)[None, :], other=0.0)
-        else:
-            xm = tl.load(x_ptrs + H * x_half)
+        if HALVES == 2:   # (HALVES == 1: the caller loaded x, which both halves of a 256-row tile share)
+            xm = _load_x(x_ptrs + H * x_half, k0, K, MASKED, H, HALVES, BLOCK_K)
         if INT8 and XT == tl.float32:  # fp32 dots: scale the fp16 subnormals back to the integers, exactly
             w = w.to(tl.float32) * _TWO_POW_24
         elif WT != XT:
@@ -221,15 +219,36 @@ def _decode_tile_natural(acc, acc2, x_ptrs, v_ptrs, m_ptrs, k0, K, a0, KA, s_row
 
 
 @triton.jit
-def _k_tile(acc, acc2, x_ptrs, v_ptrs, m_ptrs, k0, K, a0, KA, s_rows, z_rows, G, x_half, v_half, MASKED: tl.constexpr,
-            NATURAL: tl.constexpr, HALVES: tl.constexpr, INT8: tl.constexpr, W_BF16: tl.constexpr,
-            DOT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INT4: tl.constexpr,
-            GROUP: tl.constexpr, HAS_ZERO: tl.constexpr):
-    # One K-tile of either decode (the pointers were laid out for it by the kernel)
-    if NATURAL:
-        acc, acc2 = _decode_tile_natural(acc, acc2, x_ptrs, v_ptrs, m_ptrs, k0, K, a0, KA, s_rows, z_rows, G, x_half,
-                                         v_half, MASKED, INT8, W_BF16, DOT_PRECISION, BLOCK_N, BLOCK_K, HALVES, INT4,
-                                         GROUP, HAS_ZERO)
+def _load_x(x_ptrs, k0, K, MASKED: tl.constexpr, H: tl.constexpr, HALVES: tl.constexpr, BLOCK_K: tl.constexpr):
+    # x's [BLOCK_M, BLOCK_K // HALVES] columns of half-atom H (HALVES == 2) or of the whole K-tile
+    if MASKED:
+        j = tl.arange(0, BLOCK_K // HALVES)
+        offs_k = k0 + (j + (j // 32 + H) * 32 if HALVES == 2 else j)   # half H: columns 64a + 32H + c
+        return tl.load(x_ptrs, mask=(offs_k < K)[None, :], other=0.0)
+    return tl.load(x_ptrs)
+
+
+@triton.jit
+def _k_tile(acc, acc2, x_ptrs, v_ptrs, m_ptrs, k0, K, a0, KA, s_rows, z_rows, s_rows2, z_rows2, G, x_half, v_half,
+            v_sub, m_sub, MASKED: tl.constexpr, NATURAL: tl.constexpr, HALVES: tl.constexpr, SPLIT_N: tl.constexpr,
+            INT8: tl.constexpr, W_BF16: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr,
+            BLOCK_K: tl.constexpr, INT4: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr):
+    # One K-tile of either decode (the pointers were laid out for it by the kernel).
+    # BLOCK_N: the rows of W one decode covers (SPLIT_N == 2: half the program's; the second
+    # half's pointers are v_sub / m_sub on, its INT4 rows s_rows2 / z_rows2, into acc2).
+    if NATURAL and HALVES == 2:
+        acc, acc2 = _decode_tile_natural(acc, acc2, acc, x_ptrs, v_ptrs, m_ptrs, k0, K, a0, KA, s_rows, z_rows, G,
+                                         x_half, v_half, MASKED, INT8, W_BF16, DOT_PRECISION, BLOCK_N, BLOCK_K,
+                                         HALVES, INT4, GROUP, HAS_ZERO)
+    elif NATURAL:
+        xm = _load_x(x_ptrs, k0, K, MASKED, 0, 1, BLOCK_K)
+        acc, _ = _decode_tile_natural(acc, acc, xm, x_ptrs, v_ptrs, m_ptrs, k0, K, a0, KA, s_rows, z_rows, G,
+                                      x_half, v_half, MASKED, INT8, W_BF16, DOT_PRECISION, BLOCK_N, BLOCK_K, 1, INT4,
+                                      GROUP, HAS_ZERO)
+        if SPLIT_N == 2:
+            acc2, _ = _decode_tile_natural(acc2, acc2, xm, x_ptrs, v_ptrs + v_sub, m_ptrs + m_sub, k0, K, a0, KA,
+                                           s_rows2, z_rows2, G, x_half, v_half, MASKED, INT8, W_BF16, DOT_PRECISION,
+                                           BLOCK_N, BLOCK_K, 1, INT4, GROUP, HAS_ZERO)
     else:
         acc = _decode_tile(acc, x_ptrs, v_ptrs, m_ptrs, k0, K, a0, KA, s_rows, z_rows, G, MASKED, INT8, W_BF16,
                            DOT_PRECISION, BLOCK_N, BLOCK_K, INT4, GROUP, HAS_ZERO)
@@ -249,10 +268,18 @@ def _sparse24_prefill(
     # permuted copy of x it saves outweighs reading two lanes' words per weight lane
     # (natural_tile: which tiles, by Triton version).
     A: tl.constexpr = BLOCK_K // 64
-    T: tl.constexpr = BLOCK_N // 16
-    # Two accumulators (_decode_tile_natural's HALVES) where both fit beside the decode:
-    # BLOCK_M x BLOCK_N / (32 num_warps) = BLOCK_M / 2 registers each (num_warps = BLOCK_N / 16).
-    HALVES: tl.constexpr = 2 if NATURAL and BLOCK_M <= 128 else 1
+    # BLOCK_N = 256 (natural, 8 warps): two 128-row halves of W, each decoded and multiplied
+    # on its own into its own accumulator (acc, acc2) against the one x tile both share, so
+    # the first half's wgmma runs under the second half's decode and x crosses L2 once per
+    # 256 rows of W (docs/kernels.md, "Prefill path").
+    SPLIT_N: tl.constexpr = 2 if BLOCK_N == 256 else 1
+    tl.static_assert(SPLIT_N == 1 or (NATURAL and BLOCK_M == 128), "BLOCK_N 256: 128 rows of x in its own order")
+    SUB_N: tl.constexpr = BLOCK_N // SPLIT_N
+    T: tl.constexpr = SUB_N // 16
+    # Two accumulators for the two half-atoms (_decode_tile_natural's HALVES) where both fit
+    # beside the decode: BLOCK_M x BLOCK_N / (32 num_warps) = BLOCK_M / 2 registers each
+    # (num_warps = BLOCK_N / 16).
+    HALVES: tl.constexpr = 2 if NATURAL and BLOCK_M <= 128 and SPLIT_N == 1 else 1
     v_ptr = v_ptr.to(tl.pointer_type(tl.int32), bitcast=True)  # values read as 32-bit words
     # Grouped order (Triton tutorial 03): GROUP_M consecutive x-blocks walk the
     # same W columns, so a decoded program's weight tiles are re-read from L2.
@@ -273,7 +300,10 @@ def _sparse24_prefill(
 
     # Row tiles of W: rows padded to 128 in the layout, so no masks on weight loads.
     NT = (N + 127) // 128 * 8
-    t0 = pid_n * T
+    t0 = pid_n * (BLOCK_N // 16)
+    # The second half's first row tile: past the padded rows (N % 256 in 1..128) it re-reads
+    # the last 128 rows, whose results past N are never stored.
+    t_sub = tl.minimum(t0 + T, NT - T) - t0
     n_full = K // BLOCK_K  # full K-tiles; a partial tile (K % BLOCK_K) runs once after the loop
 
     atoms = tl.arange(0, A).to(tl.int64)
@@ -317,8 +347,11 @@ def _sparse24_prefill(
     if not NATURAL:
         m_ptrs = meta_ptr + (t0 * 32 + tl.arange(0, T * 32)).to(tl.int64)[:, None] * KM + atoms[None, :]  # [T*32, A]
     G = (K + GROUP - 1) // GROUP   # INT4: quantization groups per row
+    s_rows2, z_rows2 = scale_ptr, zero_ptr
     if INT4 and NATURAL:
         s_rows, z_rows = _int4_rows_natural(scale_ptr, zero_ptr, t0, N, G, T)
+        if SPLIT_N == 2:
+            s_rows2, z_rows2 = _int4_rows_natural(scale_ptr, zero_ptr, t0 + t_sub, N, G, T)
     elif INT4:
         s_rows, z_rows = _int4_rows(scale_ptr, zero_ptr, t0, N, G, T)
     else:
@@ -330,29 +363,34 @@ def _sparse24_prefill(
     x_ptrs = x_ptr + rows[:, None] * stride_xm + cols.to(tl.int64)[None, :] * stride_xk
     x_half = tl.cast(stride_xk, tl.int64) * 32   # HALVES == 2: on to the h = 1 columns and words
     v_half = NT * 128
+    v_sub = t_sub * (64 if INT4 else 128)   # SPLIT_N == 2: the second half's words and metadata
+    m_sub = (t_sub * 32).to(tl.int64) * KM
     x_step = tl.cast(stride_xk, tl.int64) * BLOCK_K  # a transposed x has stride_xk = M: int64 steps
 
     # One decode per weight tile for all BLOCK_M rows of x (the decode kernel: 16).
-    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    acc2 = tl.zeros((BLOCK_N, BLOCK_M) if HALVES == 2 else (1, 1), dtype=tl.float32)
+    acc = tl.zeros((SUB_N, BLOCK_M), dtype=tl.float32)
+    acc2 = tl.zeros((SUB_N, BLOCK_M) if HALVES == 2 or SPLIT_N == 2 else (1, 1), dtype=tl.float32)
     for kt in range(0, n_full):
-        acc, acc2 = _k_tile(acc, acc2, x_ptrs, v_ptrs, m_ptrs, kt * BLOCK_K, K, kt * A, KA, s_rows, z_rows, G, x_half,
-                            v_half, False, NATURAL, HALVES, INT8, W_BF16, DOT_PRECISION, BLOCK_N, BLOCK_K, INT4, GROUP,
-                            HAS_ZERO)
+        acc, acc2 = _k_tile(acc, acc2, x_ptrs, v_ptrs, m_ptrs, kt * BLOCK_K, K, kt * A, KA, s_rows, z_rows, s_rows2,
+                            z_rows2, G, x_half, v_half, v_sub, m_sub, False, NATURAL, HALVES, SPLIT_N, INT8, W_BF16,
+                            DOT_PRECISION, SUB_N, BLOCK_K, INT4, GROUP, HAS_ZERO)
         v_ptrs += V_STEP * NT
         m_ptrs += A
         x_ptrs += x_step
     if n_full * BLOCK_K < K:
-        acc, acc2 = _k_tile(acc, acc2, x_ptrs, v_ptrs, m_ptrs, n_full * BLOCK_K, K, n_full * A, KA, s_rows, z_rows, G,
-                            x_half, v_half, True, NATURAL, HALVES, INT8, W_BF16, DOT_PRECISION, BLOCK_N, BLOCK_K, INT4,
-                            GROUP, HAS_ZERO)
+        acc, acc2 = _k_tile(acc, acc2, x_ptrs, v_ptrs, m_ptrs, n_full * BLOCK_K, K, n_full * A, KA, s_rows, z_rows,
+                            s_rows2, z_rows2, G, x_half, v_half, v_sub, m_sub, True, NATURAL, HALVES, SPLIT_N, INT8,
+                            W_BF16, DOT_PRECISION, SUB_N, BLOCK_K, INT4, GROUP, HAS_ZERO)
     if HALVES == 2:
         acc += acc2
 
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, SUB_N)
     offs_m = tl.arange(0, BLOCK_M)
-    _epilogue(acc, out_ptr, scale_ptr, bias_ptr, offs_n, offs_m, N, M, stride_om, stride_on,
-              x_ptr.dtype.element_ty == tl.float16, INT8, HAS_BIAS)
+    X_FP16: tl.constexpr = x_ptr.dtype.element_ty == tl.float16
+    _epilogue(acc, out_ptr, scale_ptr, bias_ptr, offs_n, offs_m, N, M, stride_om, stride_on, X_FP16, INT8, HAS_BIAS)
+    if SPLIT_N == 2:
+        _epilogue(acc2, out_ptr, scale_ptr, bias_ptr, offs_n + SUB_N, offs_m, N, M, stride_om, stride_on, X_FP16, INT8,
+                  HAS_BIAS)
 
 
 # M is not specialized: one compiled variant per config serves every M.

@@ -38,3 +38,20 @@ def test_every_config_matches_reference(wtype, gen):
         y = launch.linear_prefill(x, d, None, config=cfg)
         torch.cuda.synchronize()
         assert_matches_reference(y, x, dense)
+
+
+@pytest.mark.parametrize("xtype", ["fp16", "bf16"])
+def test_int4_wide_tiles_match_reference(xtype, gen):
+    """INT4 weights in the two large-M tiles (256 x 128, INT4's default; 128 x 256, two halves of W
+    against one x tile, where this Triton has it): N = 264 puts the last block's second half past
+    N, K = 520 a partial K-tile, against the exact dequantized weight rounded once to x's dtype (the
+    dot's operand; tests/kernels/test_int4_kernel.py, _operand)."""
+    p = sparse24.compress(torch.randn(264, 520, generator=gen, device=DEV), quantize="int4", group_size=32,
+                          symmetric=False)
+    d, dense = sparse24.pack_decode(p), p.to_dense().to(ACT[xtype]).double()
+    x = torch.randn(300, 520, generator=gen, device=DEV).to(ACT[xtype])
+    for cfg in prefill_configs(4096):
+        if cfg.block_m * cfg.block_n == 256 * 128 and cfg.num_stages == 2:
+            y = launch.linear_prefill(x, d, None, config=cfg)
+            torch.cuda.synchronize()
+            assert_matches_reference(y, x, dense)

@@ -330,21 +330,51 @@ def prefill_configs(M: int) -> list[KernelConfig]:
     """The prefill kernel's (``kernels/sparse24_prefill.py``) config space for the static report and a tuner: BLOCK_M in
     (32, 64) at M <= 64, else (32, 64, 128, 256) (BLOCK_K 128 for
     BLOCK_M < 128, else 64), BLOCK_N x warps in (64 x 4, 128 x 8), 2 or 3 stages
-    (pipelined x loads). Left out, measured by the static report (sm_90, Triton
-    3.9): BLOCK_K 128 at BLOCK_M >= 128 (200-255 registers, one program per SM
+    (pipelined x loads); past 64 rows also 128 x 256 (8 warps, two 128-row halves of W
+    sharing one x tile) where the installed Triton runs 128-row tiles in x's own order
+    (``natural_tile``: 3.6 and later). Left out, measured by the static report (sm_90,
+    Triton 3.9): BLOCK_K 128 at BLOCK_M >= 128 (200-255 registers, one program per SM
     or spills), 4 stages (the issue count of 3)."""
+    from sparse24.kernels.sparse24_prefill import natural_tile
+
     bms = (32, 64) if M <= 64 else (32, 64, 128, 256)
-    return [check_prefill_config(KernelConfig(bm, bn, 64 if bm >= 128 else 128, 8, 1, w, st, kernel="prefill"))
-            for bm in bms for bn, w in ((64, 4), (128, 8)) for st in (2, 3)]
+    space = [(bm, bn, 64 if bm >= 128 else 128, w) for bm in bms for bn, w in ((64, 4), (128, 8))]
+    if M > 64 and natural_tile(128, WIDE_N):
+        space.append((128, WIDE_N, 64, 8))
+    return [check_prefill_config(KernelConfig(bm, bn, bk, 8, 1, w, st, kernel="prefill"))
+            for bm, bn, bk, w in space for st in (2, 3)]
+
+
+# The prefill kernel's widest weight tile: two 128-row halves, each decoded into its own
+# accumulator against one shared 128-row x tile (kernels/sparse24_prefill.py, SPLIT_N).
+WIDE_N = 256
 
 
 def check_prefill_config(config: KernelConfig) -> KernelConfig:
-    """Raise ValueError unless the prefill kernel can run ``config``; returns it."""
+    """Raise ValueError unless the prefill kernel can run ``config``; returns it. (BLOCK_N 256
+    also needs the installed Triton to run it: :func:`check_prefill_runs`.)"""
     c = config.validate()
-    if c.kernel != "prefill" or c.block_m < 16 or c.block_k < 64 or c.block_n not in (32, 64, 128) \
-            or c.num_warps != c.block_n // 16 or c.split_k != 1:
+    one_tile_per_warp = c.block_n in (32, 64, 128) and c.num_warps == c.block_n // 16
+    wide = (c.block_m, c.block_n, c.block_k, c.num_warps) == (128, WIDE_N, 64, 8)
+    if c.kernel != "prefill" or c.block_m < 16 or c.block_k < 64 or not (one_tile_per_warp or wide) \
+            or c.split_k != 1:
         raise ValueError(f"bad prefill config {c}: need kernel 'prefill', block_m >= 16, block_k >= 64, block_n "
-                         f"in (32, 64, 128), num_warps == block_n // 16 and split_k == 1")
+                         f"in (32, 64, 128) with num_warps == block_n // 16 (or block_m, block_n, block_k, "
+                         f"num_warps = 128, {WIDE_N}, 64, 8) and split_k == 1")
+    return c
+
+
+def check_prefill_runs(config: KernelConfig) -> KernelConfig:
+    """:func:`check_prefill_config`, and for BLOCK_N 256 a Triton that runs 128-row tiles in
+    x's own order (3.6 and later; the kernel has no permuted form of the wide tile). Checked
+    where a config is launched or read from a tuned file, not in the cost tables (which hold
+    every Triton's rows)."""
+    from sparse24.kernels.sparse24_prefill import natural_tile
+
+    c = check_prefill_config(config)
+    if c.block_n == WIDE_N and not natural_tile(c.block_m, c.block_n):
+        raise ValueError(f"prefill config {c}: BLOCK_N {WIDE_N} needs Triton >= 3.6 (x in its own order at "
+                         f"128 rows)")
     return c
 
 

@@ -46,7 +46,7 @@ from pathlib import Path
 import torch
 
 from .config_space import (DECODE_M, DTYPE_KEYS, LAYOUT_KERNEL, M_BUCKETS, SP_MAX_M, KernelConfig, builtin_config,
-                           check_decode_config, check_prefill_config, decode_rows, m_bucket)
+                           check_decode_config, check_prefill_runs, decode_rows, m_bucket)
 
 __all__ = ["KERNEL", "SCHEMA_VERSION", "TIMINGS", "Choice", "DeviceInfo", "device_info", "config_dirs",
            "shipped_config_dir", "gpu_file_name", "validate_file", "validate_dir", "lookup", "get_choice",
@@ -132,7 +132,7 @@ def _check_prefill_entry(config: KernelConfig, bucket: int, dtype: str, where: s
     """A prefill-kernel entry must be one the kernel runs, at a bucket its route takes:
     past 16 rows, and for INT8 / INT4 with 16-bit x past SP_MAX_M rows."""
     try:
-        check_prefill_config(config)
+        check_prefill_runs(config)
     except ValueError as e:
         raise ValueError(f"{where}: {e}") from None
     if bucket <= DECODE_M or decode_rows(bucket, dtype) == 32:

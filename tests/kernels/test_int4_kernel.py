@@ -17,6 +17,7 @@ from sparse24.kernels.sparse24_decode import SELECTORS
 from sparse24.kernels.sparse24_prefill import NATURAL_TRITON
 from sparse24.ops.config_space import KernelConfig
 from sparse24.ops.linear24 import launch, linear_prefill
+from sparse24.ops.linear24 import prefill
 from sparse24.ops.linear24.prefill import natural_tile, prefill_config
 from sparse24.ops.linear24 import linear_triton as linear_decode
 
@@ -149,7 +150,7 @@ def test_prefill_kernel_matches_reference(xtype, gs, sym, gen):
 
 
 def _prefill_cfg(bm, bn):
-    return KernelConfig(bm, bn, 64, 8, 1, bn // 16, 2, kernel="prefill")
+    return KernelConfig(bm, bn, 64, 8, 1, min(bn, 128) // 16, 2, kernel="prefill")
 
 
 @pytest.mark.parametrize("M,N,K,xtype,gs,sym,bm,bn", [
@@ -163,6 +164,9 @@ def _prefill_cfg(bm, bn):
     (129, 136, 200, torch.float16, 128, False, 256, 128),
     (67, 40, 260, torch.float32, 64, False, 256, 128),
     (130, 72, 132, torch.float16, 32, True, 256, 128),
+    # the wide tile: two 128-row halves, their scale rows apart (the second past N in the last block)
+    (130, 300, 200, torch.float16, 32, False, 128, 256),
+    (67, 200, 196, torch.float32, 128, True, 128, 256),
 ])
 def test_natural_order_tiles_match_reference(M, N, K, xtype, gs, sym, bm, bn, gen):
     """From 128 rows of x each weight lane dequantizes one dense half of two lanes' groups
@@ -170,6 +174,10 @@ def test_natural_order_tiles_match_reference(M, N, K, xtype, gs, sym, bm, bn, ge
     p, W = _int4(N, K, gs, sym, gen)
     x = torch.randn(M, K, generator=gen).to(xtype)
     b = torch.randn(N, generator=gen)
+    if not natural_tile(bm, bn) and bn == 256:   # the wide tile before Triton 3.6: refused
+        with pytest.raises(ValueError, match="needs Triton >= 3.6"):
+            linear_prefill(x, pack_decode(p), b, config=_prefill_cfg(bm, bn))
+        return
     y = linear_prefill(x, pack_decode(p), b, config=_prefill_cfg(bm, bn))
     assert y.dtype == xtype and y.shape == (M, N)
     assert_matches_reference(y, x, _operand(W, xtype, "prefill"), b)
@@ -211,10 +219,14 @@ def test_default_configs_and_the_op(gen):
     x = torch.randn(4, 200, generator=gen).half()
     assert_matches_reference(sparse24.linear(x, p, backend="triton"), x, _operand(W, torch.float16))
     assert_matches_reference(linear_decode(x, p), x, _operand(W, torch.float16))
-    # the untuned prefill tile (tests/kernels/test_prefill_kernel.py::test_default_configs): the
-    # 16-bit weights' wide tile, 256 x 128, where it runs in x's own order (Triton >= 3.6)
-    big = prefill_config(4096, 4096, 4096)
-    assert (big.block_m, big.block_n) == ((256, 128) if natural_tile(256, 128) else (128, 128))
+    # the untuned large-M prefill tile (tests/kernels/test_prefill_kernel.py): 16-bit weights take
+    # 128 x 256 (two 128-row halves of W), INT4 256 x 128 (its decode is too dear for 256 rows of W
+    # per 128 of x), from the cost tables of Triton 3.6 and 3.9; a Triton without a table: the fixed
+    # list's 256 x 128 where 128-row tiles run in x's own order, else 128 x 128
+    big, big4 = prefill_config(4096, 4096, 4096), prefill_config(4096, 4096, 4096, pair="int4-float16")
+    want = ((128, 256), (256, 128)) if prefill.prefill_costs() is not None else \
+        ((256, 128),) * 2 if natural_tile(256, 128) else ((128, 128),) * 2
+    assert ((big.block_m, big.block_n), (big4.block_m, big4.block_n)) == want
 
 
 @pytest.mark.parametrize("dtype,cfg", [("int4-bfloat16", None), ("int4-float16", _prefill_cfg(128, 64))],

@@ -346,6 +346,20 @@ def test_prefill_entries_serve_the_prefill_route(isolated, tmp_path):
             _write(tmp_path / "w", GPU, (9, 0), {key: _entry(cfg)})
 
 
+def test_a_wide_prefill_entry_needs_a_triton_that_runs_it(isolated, tmp_path, monkeypatch):
+    """128 x 256 (two 128-row halves of W) runs only where 128-row tiles are in x's own order
+    (Triton >= 3.6): a tuned file holding it is refused on an older Triton, not launched."""
+    import sparse24.kernels.sparse24_prefill as kernel
+    wide = KernelConfig(128, 256, 64, 8, 1, 8, 2, kernel="prefill")
+    key = (2048, 4096, 4096, "float16")
+    if kernel.natural_tile(128, 256):
+        _write(isolated, GPU, (9, 0), {key: _entry(wide)})
+        assert tuning.lookup(2048, 4096, 4096, "float16", GPU, (9, 0), layout="decode", kernel="prefill").config == wide
+    monkeypatch.setattr(kernel, "natural_tile", lambda bm, bn: False)
+    with pytest.raises(ValueError, match="needs Triton >= 3.6"):
+        _write(tmp_path / "w", GPU, (9, 0), {key: _entry(wide)})
+
+
 def test_launch_config_runs_each_kernel_of_the_space(gen):
     """What the tuner times for a config: the prefill kernel for a prefill config, the decode
     kernel for a decode one (Triton's interpreter here), both against fp64."""

@@ -37,10 +37,10 @@ import torch
 from ...decode_format import DecodePacked, check_word_aligned, decode_dims, pack_decode
 from ...format import Sparse24Tensor
 from ..config_space import (DECODE_M, LAYOUT_KERNEL, SPLIT_K_MAX_M, KernelConfig, check_decode_config, dtype_key,
-                            m_bucket, sparse_kernel)
+                            check_prefill_runs, m_bucket, sparse_kernel)
 from ..config_store import device_info, get_choice, get_config, on_clear
 from .naive import check_linear_args
-from .prefill import check_prefill_config, natural_tile, prefill_config, prefill_pair
+from .prefill import natural_tile, prefill_config, prefill_pair
 
 __all__ = ["linear_triton", "linear_prefill", "check_triton_args", "kernel_call", "aot_compile", "layout_of",
            "target_dtype",
@@ -151,7 +151,7 @@ def linear_prefill(x: torch.Tensor, p: DecodePacked, bias: torch.Tensor | None =
     check_linear_args(x, p, bias)
     check_triton_args(x, p)
     if config is not None:
-        check_prefill_config(_config_type(config))
+        check_prefill_runs(_config_type(config))
     return run_prefill(x, p.values, p.meta, p.scale, bias, p.shape[0], config, p.zero, p.group_size or 0)
 
 
