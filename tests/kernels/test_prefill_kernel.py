@@ -74,6 +74,12 @@ def test_natural_order_tiles_match_reference(M, N, K, xtype, wtype, bm, bn, gen)
     kind with the activation dtypes the interpreter has (bfloat16 x: the sm_90 compile
     below and scripts/gpu_tests), two x-blocks (rows past M clamped), a partial row block,
     a partial K-tile and atom."""
+    _check_tile(M, N, K, xtype, wtype, _cfg(bm, bn, 64), gen)
+
+
+def _check_tile(M, N, K, xtype, wtype, cfg, gen):
+    """One launch of ``cfg`` with bias against fp64 on the masked dense weight ("bf16": a
+    bfloat16 weight; else _weight's kinds)."""
     if wtype == "bf16":
         w = torch.randn(N, K, generator=gen).bfloat16()
         d, dense = pack_decode(sparse24.compress(w)), (w * sparse24.mask_nm(w)).double()
@@ -81,7 +87,11 @@ def test_natural_order_tiles_match_reference(M, N, K, xtype, wtype, bm, bn, gen)
         d, dense = _weight(N, K, wtype, gen)
     x = torch.randn(M, K, generator=gen).to(xtype)
     b = torch.randn(N, generator=gen)
-    tri = linear_prefill(x, d, b, config=_cfg(bm, bn, 64))
+    if not natural_tile(cfg.block_m, cfg.block_n) and cfg.block_n == 256:   # Triton < 3.6: refused, nothing runs
+        with pytest.raises(ValueError, match="needs Triton >= 3.6"):
+            linear_prefill(x, d, b, config=cfg)
+        return
+    tri = linear_prefill(x, d, b, config=cfg)
     assert tri.dtype == xtype and tri.shape == (M, N)
     assert_matches_reference(tri, x, dense, b)
 
@@ -96,20 +106,7 @@ def test_the_wide_tile_matches_reference(M, N, K, xtype, wtype, gen):
     """128 x 256 (8 warps): two 128-row halves of W decoded into two accumulators against the
     x tile both share; the second half's pointers, its epilogue rows and, past N, its clamped
     re-read of the last rows (never stored). Before Triton 3.6: a clear refusal."""
-    if wtype == "bf16":
-        w = torch.randn(N, K, generator=gen).bfloat16()
-        d, dense = pack_decode(sparse24.compress(w)), (w * sparse24.mask_nm(w)).double()
-    else:
-        d, dense = _weight(N, K, wtype, gen)
-    x = torch.randn(M, K, generator=gen).to(xtype)
-    b = torch.randn(N, generator=gen)
-    if not natural_tile(128, 256):   # Triton < 3.6: refused, nothing runs
-        with pytest.raises(ValueError, match="needs Triton >= 3.6"):
-            linear_prefill(x, d, b, config=_cfg(128, 256, 64))
-        return
-    tri = linear_prefill(x, d, b, config=_cfg(128, 256, 64))
-    assert tri.dtype == xtype and tri.shape == (M, N)
-    assert_matches_reference(tri, x, dense, b)
+    _check_tile(M, N, K, xtype, wtype, _cfg(128, 256, 64), gen)
 
 
 def test_the_wide_tile_needs_natural_tiles(monkeypatch, gen):
