@@ -197,8 +197,8 @@ def test_default_configs_without_a_cost_table(monkeypatch):
 def test_default_configs_follow_the_model(monkeypatch):
     """With the installed Triton's cost table (this project's 3.9, the GPU image's 3.6), the
     default of each shape and weight kind is a config of the space that spills nothing, runs
-    wgmma with W from registers, and is predicted no worse than the fixed list's choice at
-    either L2 bandwidth in its worst case, over the 11 shapes of issue 22 and M = 17-4096;
+    wgmma with W from registers, and is predicted no worse than the fixed list's choice (where
+    that spills nothing) at either L2 bandwidth in its worst case, over the 11 shapes of issue 22 and M = 17-4096;
     at 16-64 rows it never takes 128-row tiles. Without a table: the fixed list (above)."""
     tool = _static_check()
     table = prefill.prefill_costs()
@@ -221,6 +221,8 @@ def test_default_configs_follow_the_model(monkeypatch):
                 def worst(cfg):
                     return min(d / o for o, d in (tool.predicted_time(rows[cfg], M, N, K, w_bytes, l2=l2)
                                                   for l2 in (tool.L2_BYTES_PER_SM_CLK, float("inf"))))
+                if rows[fixed]["spills"]:   # the model never takes a config that spills (3.7: INT4 x bf16 128 x 64)
+                    continue
                 assert worst(c) >= worst(fixed) - 1e-12, (pair, N, K, M, c, fixed)
                 better += worst(c) > worst(fixed) * 1.01
     assert better > 0   # the model's choice differs somewhere, or the table would not be needed
