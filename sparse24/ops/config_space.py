@@ -326,6 +326,11 @@ def decode_default(N: int, K: int, dtype: str = "float16", num_sms: int = 132, r
     return check_decode_config(KernelConfig(32 if r32 else 16, bn, bk, 1, min(split, 32), warps, stages, kernel="decode"))
 
 
+# The prefill kernel's widest weight tile: two 128-row halves, each decoded into its own
+# accumulator against one shared 128-row x tile (kernels/sparse24_prefill.py, SPLIT_N).
+WIDE_N = 256
+
+
 def prefill_configs(M: int) -> list[KernelConfig]:
     """The prefill kernel's (``kernels/sparse24_prefill.py``) config space for the static report and a tuner: BLOCK_M in
     (32, 64) at M <= 64, else (32, 64, 128, 256) (BLOCK_K 128 for
@@ -343,11 +348,6 @@ def prefill_configs(M: int) -> list[KernelConfig]:
         space.append((128, WIDE_N, 64, 8))
     return [check_prefill_config(KernelConfig(bm, bn, bk, 8, 1, w, st, kernel="prefill"))
             for bm, bn, bk, w in space for st in (2, 3)]
-
-
-# The prefill kernel's widest weight tile: two 128-row halves, each decoded into its own
-# accumulator against one shared 128-row x tile (kernels/sparse24_prefill.py, SPLIT_N).
-WIDE_N = 256
 
 
 def check_prefill_config(config: KernelConfig) -> KernelConfig:
