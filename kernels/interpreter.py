@@ -162,11 +162,15 @@ _byte_perm_interpreted.__module__ = "triton.language.extra.libdevice"
 
 
 def f16x2_reference(op: str):
-    """A numpy emulation of PTX ``{op}.f16x2`` on int32 words (two float16 each, low half
-    first): numpy rounds each float16 result once to nearest even, as the GPU does."""
-    def run(a, b):
-        a, b = (np.ascontiguousarray(np.broadcast_to(np.asarray(v, dtype=np.int32), np.broadcast_shapes(
-            np.shape(a), np.shape(b)))).view(np.float16) for v in (a, b))
+    """A numpy emulation of PTX ``{op}.f16x2`` (sub, mul, fma.rn) on int32 words (two float16
+    each, low half first): each float16 result rounded once to nearest even, as the GPU does
+    (fma: a * b + c exact in float64, then one rounding)."""
+    def run(*words):
+        shape = np.broadcast_shapes(*(np.shape(v) for v in words))
+        a, b, *c = (np.ascontiguousarray(np.broadcast_to(np.asarray(v, dtype=np.int32), shape)).view(np.float16)
+                    for v in words)
+        if op == "fma":
+            return (a.astype(np.float64) * b + c[0]).astype(np.float16).view(np.int32)
         return (a - b if op == "sub" else a * b).view(np.int32)
     return run
 

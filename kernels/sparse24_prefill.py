@@ -38,11 +38,12 @@ Two callables share ONE source function, ``_sparse24_prefill``:
 import triton
 import triton.language as tl
 
-from .interpreter import InterpretedKernel, triton_version
+from .interpreter import ASM_EMULATIONS, InterpretedKernel, f16x2_reference, triton_version
 from .sparse24_decode import (_ADD01, _ADD01_B0, _ADD01_B1, _ADD01_I4, _ADD23, _ADD23_B0, _ADD23_B1, _ADD23_I4,
                               _MAGIC_BF16, _MAGIC_F16, _MUL01, _MUL01_B0, _MUL01_B1, _MUL01_I4, _MUL23, _MUL23_B0,
                               _MUL23_B1, _MUL23_I4, _SEL_MASK, _SM_MASK, _TWO_POW_24, _decode_tile, _epilogue,
-                              _int4_dequant, _int4_group, _int4_rows, _prmt, int8_bf16_words)
+                              _MUL_F16X2, _f16x2, _half_word, _int4_dequant, _int4_group, _int4_rows, _prmt,
+                              int8_bf16_words)
 
 __all__ = ["sparse24_prefill", "sparse24_prefill_interpreted", "NATURAL_TRITON", "natural_tile"]
 
@@ -69,7 +70,27 @@ def _pair_add(add: tl.constexpr) -> tl.constexpr:
 
 _PA01, _PA23 = _pair_add(_ADD01), _pair_add(_ADD23)
 _PA01_B0, _PA23_B0, _PA01_B1, _PA23_B1 = map(_pair_add, (_ADD01_B0, _ADD23_B0, _ADD01_B1, _ADD23_B1))
+# INT4 in x's own order (_decode_tile_natural): each byte permute reads the codes straight from
+# the value word (group (qq, b)'s two codes are nibble b of bytes qq and qq + 2), unkept slots
+# z from Zb (z in every nibble), and one AND-OR then keeps nibble b of each half and writes the
+# magic high byte. So only nibbles 0 and 2 of a selector matter, and one multiply-add of
+# f = x0 | x1 << 4 (the fields of groups b = 0 and 1) makes both groups' selectors: nibbles 0, 2
+# and 1, 3 ((x MUL + ADD) & 7 each, no carry between nibbles), with S in 0..0xFFFF for every
+# (x0, x1), so both half-atoms' fit in one word as before: four selectors per multiply-add
+# (16-bit and INT8 weights need all four nibbles: two). qq = 1 (bytes 1, 3): ADD + 0x1111.
+# Found by a search nibble by nibble; tests/kernels/test_int4_kernel.py checks every keep pattern.
+_MUL01_NI4, _ADD01_NI4 = tl.constexpr(0x01FC), tl.constexpr(0x44CC)
+_MUL23_NI4, _ADD23_NI4 = tl.constexpr(-0x0402), tl.constexpr(0xEE66)
+_PA01_NI4, _PA23_NI4 = _pair_add(_ADD01_NI4), _pair_add(_ADD23_NI4)
 _PA01_I4, _PA23_I4 = _pair_add(_ADD01_I4), _pair_add(_ADD23_I4)
+# INT4 with float16 / float32 x: b = 1's codes stay in the high nibble, 1024 + 16 u, so no shift;
+# u - z = fma(d, m, c) on whole words, exact: m = 1 or 1/16, c = -(1024 + z) or -(64 + z)
+# (float16 pairs, z <= 15 added to the mantissa). bfloat16's 7 mantissa bits cannot hold 16 u:
+# there b = 1's words are shifted down a nibble first (one shift per value word, not per group).
+_FMA_F16X2 = tl.constexpr("fma.rn.f16x2 $0, $1, $2, $3;")
+ASM_EMULATIONS[_FMA_F16X2.value] = f16x2_reference("fma")
+_ONE, _SIXTEENTH = tl.constexpr(0x3C003C00), tl.constexpr(0x2C002C00)
+_NEG_1024, _NEG_64 = tl.constexpr(0xE400E400 - 2 ** 32), tl.constexpr(0xD400D400 - 2 ** 32)
 
 
 @triton.jit
@@ -128,13 +149,21 @@ def _decode_tile_natural(acc, acc2, xm, x_ptrs, v_ptrs, m_ptrs, k0, K, a0, KA, s
     iq = tl.arange(0, 2)[None, None, None, None, None, None, None, :, None]
     ib = tl.arange(0, 2)[None, None, None, None, None, None, None, None, :]
     hh = tl.arange(0, 2)[None, None, None, None, None, None, :, None, None]
-    f = ((mw >> ((2 * iq + ib) * 4 + 2 * hh)) & 0x30003)              # this lane's half: slots 0,1 or 3,2
     XT: tl.constexpr = x_ptrs.dtype.element_ty
+    # INT4 with float16 / float32 x permutes the value word itself (_MUL01_NI4); with bfloat16 x it
+    # builds code words first (as _decode_tile): the former saved issue there too (Triton 3.6,
+    # 128 x 256: one program alone 1294 -> 1166 clocks per K-tile, still no default), but ptxas put
+    # its whole decode before the first wgmma group of the 256 x 128 default (3.8: 1038 -> 1300)
+    OWN: tl.constexpr = INT4 and XT != tl.bfloat16
+    if OWN:   # this lane's half (slots 0,1 or 3,2) of groups (qq, b = 0, 1), both half-atoms
+        f = (mw >> (8 * iq + 2 * hh)) & 0x00330033                       # [..., qq, 1]
+    else:     # this lane's half of group (qq, b), both half-atoms
+        f = (mw >> ((2 * iq + ib) * 4 + 2 * hh)) & 0x30003
     if INT4:
         # [A, 1, s, T, i, jlo, hh, word h]: group (h, qq, b)'s codes are nibbles 2qq + b and
-        # 2qq + b + 4 of word h (_decode_tile), the zero words Z (1024 + z or 128 + z) the
-        # permutes' second source, as there. Scales and zero points depend on the rows (T, i, b)
-        # and the quantization group (the atom; with groups of 32, also h).
+        # 2qq + b + 4 of word h (_decode_tile); the zero words Z are 1024 + z or 128 + z. Scales
+        # and zero points depend on the rows (T, i, b) and the quantization group (the atom; with
+        # groups of 32, also h).
         MAGIC: tl.constexpr = _MAGIC_BF16 if XT == tl.bfloat16 else _MAGIC_F16
         wv = tl.reshape(wv, [A, 2, T, 8, 2, 2, 2])                           # [A, s, T, i, jlo, hh, h]
         ia = tl.arange(0, A)[:, None, None, None, None, None, None]
@@ -142,8 +171,12 @@ def _decode_tile_natural(acc, acc2, xm, x_ptrs, v_ptrs, m_ptrs, k0, K, a0, KA, s
             kq = (a0 + ia) * 2 + tl.arange(0, 3 - HALVES)[None, :, None, None, None, None, None]   # [A, h, ...]
         else:
             kq = (a0 + ia) // (GROUP // 64)
-        mul = tl.where(hh == 1, _MUL23_I4, _MUL01_I4)
-        add = tl.where(hh == 1, _PA23_I4, _PA01_I4)
+        if OWN:   # four selectors per multiply-add: b = 1's in nibbles 1 and 3, h = 1's 16 bits up
+            mul = tl.where(hh == 1, _MUL23_NI4, _MUL01_NI4)
+            add = tl.where(hh == 1, _PA23_NI4, _PA01_NI4) + iq * 0x11111111
+        else:
+            mul = tl.where(hh == 1, _MUL23_I4, _MUL01_I4)
+            add = tl.where(hh == 1, _PA23_I4, _PA01_I4)
         WT: tl.constexpr = tl.bfloat16 if XT == tl.bfloat16 else tl.float16
     elif INT8:
         mul = _pair_constant(hh, ib, _MUL01_B0, _MUL23_B0, _MUL01_B1, _MUL23_B1)
@@ -165,7 +198,7 @@ def _decode_tile_natural(acc, acc2, xm, x_ptrs, v_ptrs, m_ptrs, k0, K, a0, KA, s
             else:
                 wh = tl.load(v_ptrs + H * v_half, mask=ok_v, other=0) if MASKED else tl.load(v_ptrs + H * v_half)
                 P = tl.reshape(wh, [A, 1, 2, T, 8, 2, 2, 2, 2])                # words 2qq + b
-            sh = sel >> (16 * H)
+            sh = sel >> (16 * H + (4 * ib if OWN else 0))
         else:
             if INT4:
                 P = tl.permute(wv, [0, 6, 1, 2, 3, 4, 5])[:, :, :, :, :, :, :, None, None]
@@ -177,18 +210,30 @@ def _decode_tile_natural(acc, acc2, xm, x_ptrs, v_ptrs, m_ptrs, k0, K, a0, KA, s
                 wv = tl.load(v_ptrs, mask=ok_v, other=0) if MASKED else tl.load(v_ptrs)
                 h0, h1 = tl.split(tl.permute(wv, [0, 2, 3, 4, 5, 6, 7, 1]))      # [A, s, T, 8, 2, 2, 4] each
                 P = tl.permute(tl.reshape(tl.join(h0, h1), [A, 2, T, 8, 2, 2, 2, 2, 2]), [0, 8, 1, 2, 3, 4, 5, 6, 7])
-            sh = sel >> (16 * tl.arange(0, 2)[None, :, None, None, None, None, None, None, None])
+            ih = tl.arange(0, 2)[None, :, None, None, None, None, None, None, None]
+            sh = sel >> (16 * ih + (4 * ib if OWN else 0))
         if INT4:
-            # the code mask as a runtime value (KA >> 31 is 0, see _decode_tile's INT8 mask): as a constant,
-            # ptxas put it in a register afresh (IMAD.MOV) before every AND-OR
-            P = ((P >> ((2 * iq + ib) * 4)) & (0x000F000F | (KA >> 31))) | MAGIC
+            if not OWN:   # the code words (magic | u) of groups (qq, b)
+                P = ((P >> ((2 * iq + ib) * 4)) & (0x000F000F | (KA >> 31))) | MAGIC
             if H == 0 or GROUP == 32:   # half H's quantization group (the same for both halves unless 32)
                 Z, sc = _int4_group(s_rows, z_rows, kq + H if GROUP == 32 else kq,
                                     ok_a[:, None, None, None, None, None, None], G, MASKED, HAS_ZERO,
                                     MAGIC)                                   # [A, h or 1, b, T, i, jlo, hh]
                 Z = tl.permute(Z, [0, 1, 3, 4, 5, 6, 2])[:, :, None, :, :, :, :, None, :]
                 sc = tl.permute(sc, [0, 1, 3, 4, 5, 6, 2])[:, :, None, :, :, :, :, None, :]
-            d = _int4_dequant(_prmt(P, Z, sh), Z, sc, XT)
+                if OWN:   # z in every nibble; -(1024 + z) (b = 0), -(64 + z) (b = 1) in both halves
+                    Zb = (Z & 0xF) * 0x11111111
+                    C = (Z & 0xF) * tl.where(ib == 1, 0x00100010, 0x00010001) + tl.where(ib == 1, _NEG_64, _NEG_1024)
+            # the code mask as a runtime value (KA >> 31 is 0, see _decode_tile's INT8 mask): as a constant,
+            # ptxas put it in a register afresh (IMAD.MOV) before every AND-OR
+            if OWN:   # u - z exactly: (1024 + u) - (1024 + z), (1024 + 16 u) / 16 - (64 + z); then the scale
+                d = (_prmt(P, Zb, sh) & (0x000F000F << (ib * 4 + (KA >> 31)))) | MAGIC
+                d = tl.inline_asm_elementwise(_FMA_F16X2, "=r,r,r,r", [d, tl.where(ib == 1, _SIXTEENTH, _ONE), C],
+                                              dtype=tl.int32, is_pure=True, pack=1)
+                if XT == tl.float16:
+                    d = _f16x2(_MUL_F16X2, d, _half_word(sc))
+            else:
+                d = _int4_dequant(_prmt(P, Z, sh), Z, sc, XT)
         else:
             d = _prmt(P, tl.zeros([1, 1, 1, 1, 1, 1, 1, 1, 1], tl.int32), sh)
         if INT8:

@@ -12,7 +12,8 @@ import torch
 
 import sparse24
 from sparse24.decode_format import DecodePacked, pack_decode
-from sparse24.kernels.interpreter import byte_perm_reference
+from sparse24.kernels import sparse24_prefill as prefill_kernel
+from sparse24.kernels.interpreter import byte_perm_reference, prmt_raw_reference
 from sparse24.kernels.sparse24_decode import SELECTORS
 from sparse24.kernels.sparse24_prefill import NATURAL_TRITON
 from sparse24.ops.config_space import KernelConfig
@@ -76,6 +77,49 @@ def test_int4_selectors_fill_unkept_slots_with_the_zero_word():
         want = [z] * 4
         want[lo_slot], want[hi_slot] = lo, hi
         assert [d01 & 0xFFFF, d01 >> 16, d23 & 0xFFFF, d23 >> 16] == want, (lo_slot, hi_slot)
+
+
+def _int32(v: int) -> int:
+    v &= 0xFFFFFFFF
+    return v - 2 ** 32 if v >= 2 ** 31 else v
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp16", "bf16"])
+def test_natural_int4_selectors_read_the_value_word(bf16):
+    """The natural-order INT4 decode (kernels/sparse24_prefill.py, _decode_tile_natural): one
+    multiply-add makes the selectors of four groups (b = 0, 1 and both half-atoms) and the
+    raw byte permute reads the codes straight from the value word, unkept slots z from Zb.
+    Checked for every keep pattern of every group of the word, against the layout's own
+    definition (group g = 4h + 2qq + b: codes in nibbles 2qq + b and 2qq + b + 4 of word h,
+    the lower kept slot's first; its keep mask in bits 4g..4g+3 of the metadata word, slots
+    0, 1, 3, 2): after the kernel's AND-OR each dense half holds its slot's code (float16:
+    b = 1's in place, 16 u; bfloat16: the word shifted down first) or z."""
+    k = prefill_kernel
+    pairs = list(itertools.combinations(range(4), 2))
+    rng = torch.Generator().manual_seed(0)
+    for trial in range(64):
+        codes = torch.randint(0, 16, (2, 8), generator=rng).tolist()   # nibbles of words h = 0, 1
+        keep = [pairs[int(i)] for i in torch.randint(0, 6, (8,), generator=rng)]
+        if trial < 6:   # every keep pattern in every group at least once
+            keep = [pairs[(trial + g) % 6] for g in range(8)]
+        z = trial % 16
+        words = [_int32(sum(c << 4 * n for n, c in enumerate(codes[h]))) for h in range(2)]
+        mw = _int32(sum(((1 << CODE_BIT[a]) | (1 << CODE_BIT[b])) << 4 * g for g, (a, b) in enumerate(keep)))
+        Zb = _int32(z * 0x11111111)
+        for hh, qq, b, h in itertools.product(range(2), repeat=4):
+            mul = (k._MUL23_NI4 if hh else k._MUL01_NI4).value
+            add = (k._PA23_NI4 if hh else k._PA01_NI4).value + qq * 0x11111111
+            f = (mw >> (8 * qq + 2 * hh)) & 0x00330033
+            sel = _int32((f * mul + add) & k._SEL_MASK.value)
+            word = words[h] >> (4 * b) if bf16 else words[h]
+            d = int(prmt_raw_reference(word, Zb, sel >> (16 * h + 4 * b))) & 0xFFFFFFFF
+            shift = 0 if bf16 else 4 * b
+            got = [(d >> shift) & 15, (d >> (16 + shift)) & 15]
+            g = 4 * h + 2 * qq + b
+            lo_slot, hi_slot = keep[g]
+            value = {lo_slot: codes[h][2 * qq + b], hi_slot: codes[h][2 * qq + b + 4]}
+            want = [value.get(2 * hh + c, z) for c in range(2)]
+            assert got == want, (trial, hh, qq, b, h)
 
 
 @pytest.mark.parametrize("xtype, magic", [(torch.float16, 0x6400), (torch.bfloat16, 0x4300)])
@@ -219,14 +263,15 @@ def test_default_configs_and_the_op(gen):
     x = torch.randn(4, 200, generator=gen).half()
     assert_matches_reference(sparse24.linear(x, p, backend="triton"), x, _operand(W, torch.float16))
     assert_matches_reference(linear_decode(x, p), x, _operand(W, torch.float16))
-    # the untuned large-M prefill tile (tests/kernels/test_prefill_kernel.py): 16-bit weights take
-    # 128 x 256 (two 128-row halves of W), INT4 256 x 128 (its decode is too dear for 256 rows of W
-    # per 128 of x), from the cost tables of Triton 3.6 and 3.9; a Triton without a table: the fixed
-    # list's 256 x 128 where 128-row tiles run in x's own order, else 128 x 128
-    big, big4 = prefill_config(4096, 4096, 4096), prefill_config(4096, 4096, 4096, pair="int4-float16")
-    want = ((128, 256), (256, 128)) if prefill.prefill_costs() is not None else \
-        ((256, 128),) * 2 if natural_tile(256, 128) else ((128, 128),) * 2
-    assert ((big.block_m, big.block_n), (big4.block_m, big4.block_n)) == want
+    # the untuned large-M prefill tile (tests/kernels/test_prefill_kernel.py), from the cost tables of
+    # Triton 3.6-3.9: 16-bit weights and INT4 with fp16 x take 128 x 256 (two 128-row halves of W),
+    # INT4 with bf16 x 256 x 128 (its dequantization is too dear for 256 rows of W per 128 of x); a
+    # Triton without a table: the fixed list's 256 x 128 where 128-row tiles run in x's own order,
+    # else 128 x 128
+    big = [prefill_config(4096, 4096, 4096, pair=pair) for pair in ("float16", "int4-float16", "int4-bfloat16")]
+    want = [(128, 256), (128, 256), (256, 128)] if prefill.prefill_costs() is not None else \
+        [(256, 128)] * 3 if natural_tile(256, 128) else [(128, 128)] * 3
+    assert [(c.block_m, c.block_n) for c in big] == want
 
 
 @pytest.mark.parametrize("dtype,cfg", [("int4-bfloat16", None), ("int4-float16", _prefill_cfg(128, 64))],
