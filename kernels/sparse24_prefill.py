@@ -83,10 +83,10 @@ _MUL01_NI4, _ADD01_NI4 = tl.constexpr(0x01FC), tl.constexpr(0x44CC)
 _MUL23_NI4, _ADD23_NI4 = tl.constexpr(-0x0402), tl.constexpr(0xEE66)
 _PA01_NI4, _PA23_NI4 = _pair_add(_ADD01_NI4), _pair_add(_ADD23_NI4)
 _PA01_I4, _PA23_I4 = _pair_add(_ADD01_I4), _pair_add(_ADD23_I4)
-# INT4 with float16 / float32 x: b = 1's codes stay in the high nibble, 1024 + 16 u, so no shift;
-# u - z = fma(d, m, c) on whole words, exact: m = 1 or 1/16, c = -(1024 + z) or -(64 + z)
-# (float16 pairs, z <= 15 added to the mantissa). bfloat16's 7 mantissa bits cannot hold 16 u:
-# there b = 1's words are shifted down a nibble first (one shift per value word, not per group).
+# The high nibbles' codes stay in place, 1024 + 16 u (float16: this path is float16 / float32 x
+# only, bfloat16's 7 mantissa bits could not hold 16 u), so no shift; u - z = fma(d, m, c) on whole
+# words, exact: m = 1 or 1/16, c = -(1024 + z) or -(64 + z) (float16 pairs, z <= 15 added to the
+# mantissa).
 _FMA_F16X2 = tl.constexpr("fma.rn.f16x2 $0, $1, $2, $3;")
 ASM_EMULATIONS[_FMA_F16X2.value] = f16x2_reference("fma")
 _ONE, _SIXTEENTH = tl.constexpr(0x3C003C00), tl.constexpr(0x2C002C00)
@@ -224,8 +224,8 @@ def _decode_tile_natural(acc, acc2, xm, x_ptrs, v_ptrs, m_ptrs, k0, K, a0, KA, s
                 if OWN:   # z in every nibble; -(1024 + z) (b = 0), -(64 + z) (b = 1) in both halves
                     Zb = (Z & 0xF) * 0x11111111
                     C = (Z & 0xF) * tl.where(ib == 1, 0x00100010, 0x00010001) + tl.where(ib == 1, _NEG_64, _NEG_1024)
-            # the code mask as a runtime value (KA >> 31 is 0, see _decode_tile's INT8 mask): as a constant,
-            # ptxas put it in a register afresh (IMAD.MOV) before every AND-OR
+            # the code masks are runtime values (KA >> 31 is 0, see _decode_tile's INT8 mask): as constants,
+            # ptxas put them in a register afresh (IMAD.MOV) before every AND-OR
             if OWN:   # u - z exactly: (1024 + u) - (1024 + z), (1024 + 16 u) / 16 - (64 + z); then the scale
                 d = (_prmt(P, Zb, sh) & (0x000F000F << (ib * 4 + (KA >> 31)))) | MAGIC
                 d = tl.inline_asm_elementwise(_FMA_F16X2, "=r,r,r,r", [d, tl.where(ib == 1, _SIXTEENTH, _ONE), C],
