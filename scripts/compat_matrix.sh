@@ -38,11 +38,15 @@ SEED=${COMPAT_SEED:-1}
 # gpu-machine: the lent GPU machine's stack (Python 3.12, torch 2.11 which pins Triton 3.6.0,
 #              numpy 2.5), here on CPU.
 # newest:      the newest Triton beside torch 2.13.0 (the CPU build where the index has it).
+# newest-torch: the newest torch this machine's index lets pip install (2.14.1, CUDA build run on
+#              the CPU) with the Triton its wheel pins (3.8.0): what `pip install torch` gives a
+#              GPU user today; the whole suite.
 ROWS=(
     "floor                3.11 2.9.1  3.5.1 1.26.4 all"
     "triton-3.4-numpy-2.4 3.11 2.13.0 3.4.0 2.4.6  triton"
     "gpu-machine          3.12 2.11.0 3.6.0 2.5.5  triton"
     "newest               3.11 2.13.0 3.9.0 2.4.6  triton"
+    "newest-torch         3.11 2.14.1 3.8.0 2.4.6  all"
 )
 
 REBUILD=0 FULL=0 ONLY=()
