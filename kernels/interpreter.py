@@ -175,6 +175,27 @@ def f16x2_reference(op: str):
     return run
 
 
+def bf16x2_fma_reference(a, b, c):
+    """A numpy emulation of PTX ``fma.rn.bf16x2`` on int32 words (two bfloat16 each, low half
+    first): a * b + c exact in float64 (subnormal operands included: the default without .ftz),
+    then one rounding to the nearest even bfloat16, subnormal results on the 2**-133 grid."""
+    shape = np.broadcast_shapes(*(np.shape(v) for v in (a, b, c)))
+    words = [np.broadcast_to(np.asarray(v, dtype=np.int32), shape).astype(np.int64) & 0xFFFFFFFF for v in (a, b, c)]
+
+    def half(w, k):   # bfloat16 bits -> float64, exactly (they are float32's high half)
+        return (((w >> (16 * k)) & 0xFFFF) << 16).astype(np.uint32).view(np.float32).astype(np.float64)
+
+    out = np.zeros(shape, dtype=np.int64)
+    for k in (0, 1):
+        r = half(words[0], k) * half(words[1], k) + half(words[2], k)
+        _, e = np.frexp(r)
+        step = np.ldexp(1.0, np.maximum(e, -125) - 8)   # the bfloat16 spacing at r (8-bit significand)
+        with np.errstate(over="ignore", invalid="ignore"):
+            q = (np.round(r / step) * step).astype(np.float32)   # exact, or inf past the range
+        out |= (q.view(np.uint32).astype(np.int64) >> 16) << (16 * k)
+    return out.astype(np.uint32).view(np.int32)
+
+
 # Inline PTX an interpreted launch can run: asm string -> numpy function of the operands'
 # int32 arrays (a kernel module registers its own strings; the interpreter has no PTX).
 ASM_EMULATIONS: dict = {}

@@ -38,14 +38,14 @@ Two callables share ONE source function, ``_sparse24_prefill``:
 import triton
 import triton.language as tl
 
-from .interpreter import ASM_EMULATIONS, InterpretedKernel, f16x2_reference, triton_version
+from .interpreter import ASM_EMULATIONS, InterpretedKernel, bf16x2_fma_reference, f16x2_reference, triton_version
 from .sparse24_decode import (_ADD01, _ADD01_B0, _ADD01_B1, _ADD01_I4, _ADD23, _ADD23_B0, _ADD23_B1, _ADD23_I4,
                               _MAGIC_BF16, _MAGIC_F16, _MUL01, _MUL01_B0, _MUL01_B1, _MUL01_I4, _MUL23, _MUL23_B0,
                               _MUL23_B1, _MUL23_I4, _SEL_MASK, _SM_MASK, _TWO_POW_24, _decode_tile, _epilogue,
-                              _MUL_F16X2, _f16x2, _half_word, _int4_dequant, _int4_group, _int4_rows, _prmt,
-                              int8_bf16_words)
+                              _BF16X2_MINUS_ZERO, _MUL_F16X2, _f16x2, _half_word, _int4_dequant, _int4_group,
+                              _int4_rows, _prmt)
 
-__all__ = ["sparse24_prefill", "sparse24_prefill_interpreted", "NATURAL_TRITON", "natural_tile"]
+__all__ = ["sparse24_prefill", "sparse24_prefill_interpreted", "NATURAL_TRITON", "natural_tile", "int8_bf16_scaled"]
 
 # The natural-order tiles (``_decode_tile_natural``) where Triton compiles them well: from
 # 3.9 at every BLOCK_M >= 128; 3.6 (the GPU image's) at 128 rows (two accumulators; 128 x 64:
@@ -91,6 +91,24 @@ _FMA_F16X2 = tl.constexpr("fma.rn.f16x2 $0, $1, $2, $3;")
 ASM_EMULATIONS[_FMA_F16X2.value] = f16x2_reference("fma")
 _ONE, _SIXTEENTH = tl.constexpr(0x3C003C00), tl.constexpr(0x2C002C00)
 _NEG_1024, _NEG_64 = tl.constexpr(0xE400E400 - 2 ** 32), tl.constexpr(0xD400D400 - 2 ** 32)
+# INT8 with bfloat16 x in x's own order: the sign-magnitude lanes (sign in bit 15, |v| in bits 0-6)
+# are bfloat16 subnormals, v * 2**-133; one fma by 2**126 (plus -0: sm_80 has no bf16x2 mul) makes
+# them v * 2**-7 exactly, and the program's sums are scaled back by 2**7 once, after the loop. Two
+# instructions per register pair (an AND, this fma), where y - c took three (int8_bf16_words: two
+# LOP3 and a subtraction). Exact wherever |x| >= 2**-119 (a product then stays a normal float32).
+_INT8_BF16X2 = tl.constexpr("fma.rn.bf16x2 $0, $1, $2, $3;")
+ASM_EMULATIONS[_INT8_BF16X2.value] = bf16x2_fma_reference
+_BF16X2_TWO_POW_126 = tl.constexpr(0x7E807E80)
+_TWO_POW_7 = tl.constexpr(128.0)
+
+
+@triton.jit
+def int8_bf16_scaled(d):
+    """Sign-magnitude INT8 lanes of int32 words (sign in bit 15, |v| in bits 0-6, two per word, as
+    the byte permute and the AND leave them) -> bfloat16 pairs holding v * 2**-7 exactly (_INT8_BF16X2)."""
+    return tl.inline_asm_elementwise(_INT8_BF16X2, "=r,r,r,r", [d, tl.zeros_like(d) + _BF16X2_TWO_POW_126,
+                                                                 tl.zeros_like(d) + _BF16X2_MINUS_ZERO],
+                                     dtype=tl.int32, is_pure=True, pack=1)
 
 
 @triton.jit
@@ -239,10 +257,8 @@ def _decode_tile_natural(acc, acc2, xm, x_ptrs, v_ptrs, m_ptrs, k0, K, a0, KA, s
         if INT8:
             d = d & (_SM_MASK | (KA >> 31))   # a runtime mask: see _decode_tile
         if INT8 and XT == tl.bfloat16:
-            d, c = int8_bf16_words(d)
-            w = tl.join((d & 0xFFFF).to(tl.int16).to(WT, bitcast=True) - (c & 0xFFFF).to(tl.int16).to(WT, bitcast=True),
-                        (d >> 16).to(tl.int16).to(WT, bitcast=True) - (c >> 16).to(tl.int16).to(WT, bitcast=True))
-        elif INT4 and XT == tl.float32:  # u - z in float16, the scale in float32 (exact), as _decode_tile
+            d = int8_bf16_scaled(d)
+        if INT4 and XT == tl.float32:  # u - z in float16, the scale in float32 (exact), as _decode_tile
             s32 = sc.to(tl.float32)
             w = tl.join((d & 0xFFFF).to(tl.int16).to(WT, bitcast=True).to(XT) * s32,
                         (d >> 16).to(tl.int16).to(WT, bitcast=True).to(XT) * s32)
@@ -428,6 +444,10 @@ def _sparse24_prefill(
                             W_BF16, DOT_PRECISION, SUB_N, BLOCK_K, INT4, GROUP, HAS_ZERO)
     if HALVES == 2:
         acc += acc2
+    if INT8 and NATURAL and x_ptr.dtype.element_ty == tl.bfloat16:   # the weights entered as v * 2**-7
+        acc = acc * _TWO_POW_7
+        if SPLIT_N == 2:
+            acc2 = acc2 * _TWO_POW_7
 
     offs_n = pid_n * BLOCK_N + tl.arange(0, SUB_N)
     offs_m = tl.arange(0, BLOCK_M)

@@ -40,6 +40,23 @@ def test_every_config_matches_reference(wtype, gen):
         assert_matches_reference(y, x, dense)
 
 
+def test_int8_bf16_natural_tiles_match_reference(gen):
+    """INT8 weights with bf16 x in the natural-order tiles (from 128 rows, 2 stages): the
+    sign-magnitude lanes enter the dot as bf16 subnormals scaled by 2**126 in one fma.rn.bf16x2
+    (v * 2**-7; the interpreter emulates it, the GPU's subnormal handling is what this checks)
+    and the sums are scaled back by 2**7 after the loop."""
+    from sparse24.ops.linear24.prefill import natural_tile
+    d, dense = _weight(264, 520, "int8", torch.bfloat16, gen)
+    x = torch.randn(300, 520, generator=gen, device=DEV).bfloat16()
+    b = torch.randn(264, generator=gen, device=DEV)
+    tiles = [c for c in prefill_configs(4096) if natural_tile(c.block_m, c.block_n) and c.num_stages == 2]
+    assert tiles
+    for cfg in tiles:
+        y = launch.linear_prefill(x, d, b, config=cfg)
+        torch.cuda.synchronize()
+        assert_matches_reference(y, x, dense, b)
+
+
 @pytest.mark.parametrize("xtype,gs,sym", [("fp16", 32, False), ("fp16", 128, True), ("bf16", 32, False),
                                           ("fp32", 64, False)])
 def test_int4_wide_tiles_match_reference(xtype, gs, sym, gen):
