@@ -9,11 +9,12 @@ if __name__ == "kernels":
     from importlib.machinery import PathFinder as _PathFinder
     from importlib.util import module_from_spec as _module_from_spec
     from os import getcwd as _getcwd
-    from os.path import abspath as _abspath, dirname as _dirname
+    from os.path import dirname as _dirname, realpath as _realpath
 
-    _root = _dirname(_dirname(_abspath(__file__)))
-    _spec = _PathFinder.find_spec("kernels", [p for p in _sys.path if _abspath(p or _getcwd()) != _root])
-    if _spec is not None and _spec.origin is not None and _spec.loader is not None:   # not a bare folder
+    _root = _dirname(_dirname(_realpath(__file__)))   # real paths: a symlinked alias of the root is the root
+    _spec = _PathFinder.find_spec("kernels", [p for p in _sys.path if _realpath(p or _getcwd()) != _root])
+    if _spec is not None and _spec.origin is not None and _spec.loader is not None \
+            and _realpath(_spec.origin) != _realpath(__file__):   # not a bare folder, not this one again
         _module = _module_from_spec(_spec)
         _sys.modules["kernels"] = _module
         try:

@@ -39,7 +39,8 @@ def test_the_checkout_does_not_shadow_another_kernels_package(tmp_path):
     ``kernels`` (Hugging Face's, which transformers >= 5.25 imports: ``from kernels import
     CUDAProperties`` failed in every test that imported transformers). Imported under that
     name it hands the name over to the installed package; sparse24.kernels is unaffected; with
-    no other package installed, the name stays on the folder."""
+    no other package installed, the name stays on the folder (also with a symlinked alias of the
+    root on the path, which must not find the folder again as "another" package)."""
     (tmp_path / "fake" / "kernels").mkdir(parents=True)
     (tmp_path / "fake" / "kernels" / "__init__.py").write_text("CUDAProperties = 'the other kernels'\n")
     path, attr, decode = _import_kernels(ROOT, tmp_path / "fake")[:3]
@@ -51,3 +52,6 @@ def test_the_checkout_does_not_shadow_another_kernels_package(tmp_path):
     installed = _import_kernels(tmp_path / "elsewhere")[0]
     path = _import_kernels(ROOT)[0]
     assert path == (installed if not installed.startswith("failed") else str(ROOT / "kernels" / "__init__.py"))
+    # the root on the path a second time, through a symlink: still this folder (or the installed one), once
+    (tmp_path / "alias").symlink_to(ROOT, target_is_directory=True)
+    assert _import_kernels(ROOT, tmp_path / "alias")[0] == path
