@@ -34,6 +34,7 @@ __all__ = ["prefill_config", "prefill_configs", "check_prefill_config", "natural
 COSTS_FILE = Path(__file__).with_name("prefill_costs.json")
 PAIRS = ("float16", "bfloat16", "int8-float16", "int8-bfloat16", "int4-float16", "int4-bfloat16")
 COST_KEYS = ("regs", "spills", "shared", "per_sm", "loop", "mma", "half", "t_tensor", "t_issue", "alone", "l2_bytes")
+ROBUST_TOLERANCE = 0.05   # how far below the best worst case a default's worst case may lie
 
 # Without a table for the installed Triton (below 3.6, or a release not yet measured): a
 # fixed list, fitted to the same model over the 11 shapes of issue 22 at M = 32-4096 for
@@ -50,7 +51,6 @@ COST_KEYS = ("regs", "spills", "shared", "per_sm", "loop", "mma", "half", "t_ten
 # left out. The wide weight tile, 128 x 256 (the tables' large-M choice for 16-bit and INT8
 # weights), is not in the list: how an unmeasured Triton compiles its two halves is unknown.
 _WIDE = (256, 128, 64, 8, 2, 0.5)
-ROBUST_TOLERANCE = 0.05
 _TILES = ((128, 128, 64, 8, 2, 0.5), (128, 64, 64, 4, 2, 0.0), (64, 64, 128, 4, 2, 0.5), (32, 64, 128, 4, 2, 0.0))
 
 
