@@ -382,15 +382,16 @@ def _decode_tile(acc, x_ptrs, v_ptrs, m_ptrs, k0, K, a0, KA, s_rows, z_rows, G,
 
 @triton.jit
 def _epilogue(acc, out_ptr, scale_ptr, bias_ptr, offs_n, offs_m, N, M, stride_om, stride_on,
-              X_FP16: tl.constexpr, INT8: tl.constexpr, HAS_BIAS: tl.constexpr):
+              UNIT: tl.constexpr, INT8: tl.constexpr, HAS_BIAS: tl.constexpr):
     # On out^T [BLOCK_N, BLOCK_M] in fp32 (the decode and prefill kernels'):
-    # INT8 scale (times 2**24 when the dot saw fp16 subnormals), then bias;
-    # rows offs_m < M and columns offs_n < N stored in out's dtype.
+    # INT8 scale times UNIT, the reciprocal of the value one INT8 step had in the dot
+    # (2**24 for float16 subnormals, 2**7 for the prefill's scaled bfloat16 ones, else 1),
+    # then bias; rows offs_m < M and columns offs_n < N stored in out's dtype.
     mask_n = offs_n < N
     if INT8:
         scale = tl.load(scale_ptr + offs_n, mask=mask_n, other=0.0)
-        if X_FP16:
-            scale = scale * _TWO_POW_24
+        if UNIT != 1.0:
+            scale = scale * UNIT
         acc = acc * scale[:, None]
     if HAS_BIAS:
         acc = acc + tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[:, None]
@@ -519,8 +520,9 @@ def _sparse24_decode(
                 acc += tl.load(part + j * (BLOCK_N * BLOCK_M), cache_modifier=".cg")
             tl.store(count_ptr + tile, 0)  # ready for the next launch
     if write:
-        _epilogue(acc, out_ptr, scale_ptr, bias_ptr, offs_n, offs_m, N, m_left, stride_om, stride_on,
-                  x_ptr.dtype.element_ty == tl.float16, INT8, HAS_BIAS)
+        UNIT: tl.constexpr = _TWO_POW_24 if x_ptr.dtype.element_ty == tl.float16 else 1.0
+        _epilogue(acc, out_ptr, scale_ptr, bias_ptr, offs_n, offs_m, N, m_left, stride_om, stride_on, UNIT, INT8,
+                  HAS_BIAS)
 
 
 # M is not specialized: one compiled variant per config serves every M.

@@ -93,7 +93,7 @@ _ONE, _SIXTEENTH = tl.constexpr(0x3C003C00), tl.constexpr(0x2C002C00)
 _NEG_1024, _NEG_64 = tl.constexpr(0xE400E400 - 2 ** 32), tl.constexpr(0xD400D400 - 2 ** 32)
 # INT8 with bfloat16 x in x's own order: the sign-magnitude lanes (sign in bit 15, |v| in bits 0-6)
 # are bfloat16 subnormals, v * 2**-133; one fma by 2**126 (plus -0: sm_80 has no bf16x2 mul) makes
-# them v * 2**-7 exactly, and the program's sums are scaled back by 2**7 once, after the loop. Two
+# them v * 2**-7 exactly, and the epilogue's scale carries the 2**7 (as it carries 2**24 for float16). Two
 # instructions per register pair (an AND, this fma), where y - c took three (int8_bf16_words: two
 # LOP3 and a subtraction). Exact wherever |x| >= 2**-119 (a product then stays a normal float32).
 _INT8_BF16X2 = tl.constexpr("fma.rn.bf16x2 $0, $1, $2, $3;")
@@ -444,17 +444,16 @@ def _sparse24_prefill(
                             W_BF16, DOT_PRECISION, SUB_N, BLOCK_K, INT4, GROUP, HAS_ZERO)
     if HALVES == 2:
         acc += acc2
-    if INT8 and NATURAL and x_ptr.dtype.element_ty == tl.bfloat16:   # the weights entered as v * 2**-7
-        acc = acc * _TWO_POW_7
-        if SPLIT_N == 2:
-            acc2 = acc2 * _TWO_POW_7
 
     offs_n = pid_n * BLOCK_N + tl.arange(0, SUB_N)
     offs_m = tl.arange(0, BLOCK_M)
-    X_FP16: tl.constexpr = x_ptr.dtype.element_ty == tl.float16
-    _epilogue(acc, out_ptr, scale_ptr, bias_ptr, offs_n, offs_m, N, M, stride_om, stride_on, X_FP16, INT8, HAS_BIAS)
+    # INT8: one step of the weight entered the dot as 2**-24 (float16 x) or, natural order with
+    # bfloat16 x, 2**-7 (int8_bf16_scaled); the epilogue's scale carries the reciprocal
+    XT: tl.constexpr = x_ptr.dtype.element_ty
+    UNIT: tl.constexpr = _TWO_POW_24 if XT == tl.float16 else (_TWO_POW_7 if NATURAL and XT == tl.bfloat16 else 1.0)
+    _epilogue(acc, out_ptr, scale_ptr, bias_ptr, offs_n, offs_m, N, M, stride_om, stride_on, UNIT, INT8, HAS_BIAS)
     if SPLIT_N == 2:
-        _epilogue(acc2, out_ptr, scale_ptr, bias_ptr, offs_n + SUB_N, offs_m, N, M, stride_om, stride_on, X_FP16, INT8,
+        _epilogue(acc2, out_ptr, scale_ptr, bias_ptr, offs_n + SUB_N, offs_m, N, M, stride_om, stride_on, UNIT, INT8,
                   HAS_BIAS)
 
 
