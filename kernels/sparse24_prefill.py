@@ -39,13 +39,13 @@ import triton
 import triton.language as tl
 
 from .interpreter import ASM_EMULATIONS, InterpretedKernel, bf16x2_fma_reference, f16x2_reference, triton_version
-from .sparse24_decode import (_ADD01, _ADD01_B0, _ADD01_B1, _ADD01_I4, _ADD23, _ADD23_B0, _ADD23_B1, _ADD23_I4,
-                              _MAGIC_BF16, _MAGIC_F16, _MUL01, _MUL01_B0, _MUL01_B1, _MUL01_I4, _MUL23, _MUL23_B0,
-                              _MUL23_B1, _MUL23_I4, _SEL_MASK, _SM_MASK, _TWO_POW_24, _decode_tile, _epilogue,
-                              _BF16X2_MINUS_ZERO, _MUL_F16X2, _f16x2, _half_word, _int4_dequant, _int4_group,
-                              _int4_rows, _prmt)
+from .sparse24_decode import (_ADD01, _ADD01_B0, _ADD01_B1, _ADD23, _ADD23_B0, _ADD23_B1, _MAGIC_BF16, _MAGIC_F16,
+                              _MUL01, _MUL01_B0, _MUL01_B1, _MUL23, _MUL23_B0, _MUL23_B1, _SEL_MASK, _SM_MASK,
+                              _TWO_POW_24, _decode_tile, _epilogue, _BF16X2_MINUS_ZERO, _DEQUANT_BF16X2, _MUL_F16X2,
+                              _f16x2, _half_word, _int4_group, _int4_rows, _prmt)
 
-__all__ = ["sparse24_prefill", "sparse24_prefill_interpreted", "NATURAL_TRITON", "natural_tile", "int8_bf16_scaled"]
+__all__ = ["sparse24_prefill", "sparse24_prefill_interpreted", "NATURAL_TRITON", "natural_tile", "int8_bf16_scaled",
+           "int4_bf16_zero", "int4_bf16_dequant"]
 
 # The natural-order tiles (``_decode_tile_natural``) where Triton compiles them well: from
 # 3.9 at every BLOCK_M >= 128; 3.6 (the GPU image's) at 128 rows (two accumulators; 128 x 64:
@@ -82,7 +82,6 @@ _PA01_B0, _PA23_B0, _PA01_B1, _PA23_B1 = map(_pair_add, (_ADD01_B0, _ADD23_B0, _
 _MUL01_NI4, _ADD01_NI4 = tl.constexpr(0x01FC), tl.constexpr(0x44CC)
 _MUL23_NI4, _ADD23_NI4 = tl.constexpr(-0x0402), tl.constexpr(0xEE66)
 _PA01_NI4, _PA23_NI4 = _pair_add(_ADD01_NI4), _pair_add(_ADD23_NI4)
-_PA01_I4, _PA23_I4 = _pair_add(_ADD01_I4), _pair_add(_ADD23_I4)
 # The high nibbles' codes stay in place, 1024 + 16 u (float16: this path is float16 / float32 x
 # only, bfloat16's 7 mantissa bits could not hold 16 u), so no shift; u - z = fma(d, m, c) on whole
 # words, exact: m = 1 or 1/16, c = -(1024 + z) or -(64 + z) (float16 pairs, z <= 15 added to the
@@ -108,6 +107,48 @@ def int8_bf16_scaled(d):
     the byte permute and the AND leave them) -> bfloat16 pairs holding v * 2**-7 exactly (_INT8_BF16X2)."""
     return tl.inline_asm_elementwise(_INT8_BF16X2, "=r,r,r,r", [d, tl.zeros_like(d) + _BF16X2_TWO_POW_126,
                                                                  tl.zeros_like(d) + _BF16X2_MINUS_ZERO],
+                                     dtype=tl.int32, is_pure=True, pack=1)
+
+
+# INT4 with bfloat16 x in x's own order: after the AND a code sits in its half as u (b = 0) or 16 u
+# (b = 1) with exponent field 0 or 1, where bfloat16 is linear: n * 2**-133 for n < 256. One fma by
+# 2**126 or 2**122 plus -z * 2**-7 gives t = (u - z) * 2**-7 exactly (no shift of the high nibbles:
+# bfloat16's 7 mantissa bits could not take 1024 + 16 u as float16's do); then the scale as
+# _int4_dequant does, exactly rounded once: s * 2**7 = hi + lo, t * lo exact, t * hi + that.
+# The three fma.rn.bf16x2 of _DEQUANT_BF16X2 with its first operands reordered (t = d * m + C).
+_BF16X2_TWO_POW_122 = tl.constexpr(0x7C807C80)
+_BF16X2_MINUS_TWO_POW_126 = tl.constexpr(0xFE80FE80 - 2 ** 32)
+ASM_EMULATIONS[_DEQUANT_BF16X2.value] = lambda d, z, hi, lo, m, m0: bf16x2_fma_reference(
+    bf16x2_fma_reference(z, m, d), hi, bf16x2_fma_reference(bf16x2_fma_reference(z, m, d), lo, m0))
+
+
+@triton.jit
+def int4_bf16_zero(Z):
+    """A zero-point word (magic | z in both halves, _int4_group) -> -z * 2**-7 in both bfloat16
+    halves: z read as a subnormal, times -2**126 (exact)."""
+    return tl.inline_asm_elementwise(_INT8_BF16X2, "=r,r,r,r", [Z & 0x000F000F,
+                                                               tl.zeros_like(Z) + _BF16X2_MINUS_TWO_POW_126,
+                                                               tl.zeros_like(Z) + _BF16X2_MINUS_ZERO],
+                                     dtype=tl.int32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _int4_bf16_scale(sc):
+    # float16 scales -> bfloat16 words (both halves) of s * 2**7 = hi + lo, hi = bf16(s * 2**7), lo exact
+    # (float16's 11 bits are 8 + 3)
+    s = sc.to(tl.float32) * 128.0
+    hi = s.to(tl.bfloat16)
+    return _half_word(hi), _half_word((s - hi.to(tl.float32)).to(tl.bfloat16))
+
+
+@triton.jit
+def int4_bf16_dequant(d, b, C, HI, LO):
+    """INT4 codes after the byte permute and AND (u in bits 0-3 of each half where b = 0, in bits
+    4-7 where b = 1; z for unkept slots), a group's int4_bf16_zero word C and its _int4_bf16_scale
+    words HI, LO -> bfloat16 pairs holding (u - z) * s exactly rounded once (int32 words)."""
+    m = tl.where(b == 1, _BF16X2_TWO_POW_122, _BF16X2_TWO_POW_126)
+    return tl.inline_asm_elementwise(_DEQUANT_BF16X2, "=r,r,r,r,r,r,r",
+                                     [C, d, HI, LO, tl.zeros_like(d) + m, tl.zeros_like(d) + _BF16X2_MINUS_ZERO],
                                      dtype=tl.int32, is_pure=True, pack=1)
 
 
@@ -168,12 +209,11 @@ def _decode_tile_natural(acc, acc2, xm, x_ptrs, v_ptrs, m_ptrs, k0, K, a0, KA, s
     ib = tl.arange(0, 2)[None, None, None, None, None, None, None, None, :]
     hh = tl.arange(0, 2)[None, None, None, None, None, None, :, None, None]
     XT: tl.constexpr = x_ptrs.dtype.element_ty
-    # INT4 with float16 / float32 x permutes the value word itself (_MUL01_NI4); with bfloat16 x it
-    # builds code words first (as _decode_tile): the former saved issue there too (Triton 3.6,
-    # 128 x 256: one program alone 1294 -> 1166 clocks per K-tile, still no default), but ptxas put
-    # its whole decode before the first wgmma group of the 256 x 128 default (3.8: 1038 -> 1300)
-    OWN: tl.constexpr = INT4 and XT != tl.bfloat16
-    if OWN:   # this lane's half (slots 0,1 or 3,2) of groups (qq, b = 0, 1), both half-atoms
+    # INT4 permutes the value word itself (_MUL01_NI4): with bfloat16 x too since the codes are read
+    # as bfloat16 subnormals (int4_bf16_dequant: no shift of the high nibbles; Triton 3.6, 128 x 256,
+    # one program alone 1294 -> 1150 clocks per K-tile; building code words first, as _decode_tile
+    # does, took one shift and AND-OR per register pair)
+    if INT4:   # this lane's half (slots 0,1 or 3,2) of groups (qq, b = 0, 1), both half-atoms
         f = (mw >> (8 * iq + 2 * hh)) & 0x00330033                       # [..., qq, 1]
     else:     # this lane's half of group (qq, b), both half-atoms
         f = (mw >> ((2 * iq + ib) * 4 + 2 * hh)) & 0x30003
@@ -189,12 +229,9 @@ def _decode_tile_natural(acc, acc2, xm, x_ptrs, v_ptrs, m_ptrs, k0, K, a0, KA, s
             kq = (a0 + ia) * 2 + tl.arange(0, 3 - HALVES)[None, :, None, None, None, None, None]   # [A, h, ...]
         else:
             kq = (a0 + ia) // (GROUP // 64)
-        if OWN:   # four selectors per multiply-add: b = 1's in nibbles 1 and 3, h = 1's 16 bits up
-            mul = tl.where(hh == 1, _MUL23_NI4, _MUL01_NI4)
-            add = tl.where(hh == 1, _PA23_NI4, _PA01_NI4) + iq * 0x11111111
-        else:
-            mul = tl.where(hh == 1, _MUL23_I4, _MUL01_I4)
-            add = tl.where(hh == 1, _PA23_I4, _PA01_I4)
+        # four selectors per multiply-add: b = 1's in nibbles 1 and 3, h = 1's 16 bits up
+        mul = tl.where(hh == 1, _MUL23_NI4, _MUL01_NI4)
+        add = tl.where(hh == 1, _PA23_NI4, _PA01_NI4) + iq * 0x11111111
         WT: tl.constexpr = tl.bfloat16 if XT == tl.bfloat16 else tl.float16
     elif INT8:
         mul = _pair_constant(hh, ib, _MUL01_B0, _MUL23_B0, _MUL01_B1, _MUL23_B1)
@@ -216,7 +253,7 @@ def _decode_tile_natural(acc, acc2, xm, x_ptrs, v_ptrs, m_ptrs, k0, K, a0, KA, s
             else:
                 wh = tl.load(v_ptrs + H * v_half, mask=ok_v, other=0) if MASKED else tl.load(v_ptrs + H * v_half)
                 P = tl.reshape(wh, [A, 1, 2, T, 8, 2, 2, 2, 2])                # words 2qq + b
-            sh = sel >> (16 * H + (4 * ib if OWN else 0))
+            sh = sel >> (16 * H + (4 * ib if INT4 else 0))
         else:
             if INT4:
                 P = tl.permute(wv, [0, 6, 1, 2, 3, 4, 5])[:, :, :, :, :, :, :, None, None]
@@ -229,29 +266,30 @@ def _decode_tile_natural(acc, acc2, xm, x_ptrs, v_ptrs, m_ptrs, k0, K, a0, KA, s
                 h0, h1 = tl.split(tl.permute(wv, [0, 2, 3, 4, 5, 6, 7, 1]))      # [A, s, T, 8, 2, 2, 4] each
                 P = tl.permute(tl.reshape(tl.join(h0, h1), [A, 2, T, 8, 2, 2, 2, 2, 2]), [0, 8, 1, 2, 3, 4, 5, 6, 7])
             ih = tl.arange(0, 2)[None, :, None, None, None, None, None, None, None]
-            sh = sel >> (16 * ih + (4 * ib if OWN else 0))
+            sh = sel >> (16 * ih + (4 * ib if INT4 else 0))
         if INT4:
-            if not OWN:   # the code words (magic | u) of groups (qq, b)
-                P = ((P >> ((2 * iq + ib) * 4)) & (0x000F000F | (KA >> 31))) | MAGIC
             if H == 0 or GROUP == 32:   # half H's quantization group (the same for both halves unless 32)
                 Z, sc = _int4_group(s_rows, z_rows, kq + H if GROUP == 32 else kq,
                                     ok_a[:, None, None, None, None, None, None], G, MASKED, HAS_ZERO,
                                     MAGIC)                                   # [A, h or 1, b, T, i, jlo, hh]
                 Z = tl.permute(Z, [0, 1, 3, 4, 5, 6, 2])[:, :, None, :, :, :, :, None, :]
                 sc = tl.permute(sc, [0, 1, 3, 4, 5, 6, 2])[:, :, None, :, :, :, :, None, :]
-                if OWN:   # z in every nibble; -(1024 + z) (b = 0), -(64 + z) (b = 1) in both halves
-                    Zb = (Z & 0xF) * 0x11111111
+                Zb = (Z & 0xF) * 0x11111111   # z in every nibble
+                if XT == tl.bfloat16:
+                    C = int4_bf16_zero(Z)
+                    HI, LO = _int4_bf16_scale(sc)
+                else:   # -(1024 + z) (b = 0), -(64 + z) (b = 1) in both halves
                     C = (Z & 0xF) * tl.where(ib == 1, 0x00100010, 0x00010001) + tl.where(ib == 1, _NEG_64, _NEG_1024)
             # the code masks are runtime values (KA >> 31 is 0, see _decode_tile's INT8 mask): as constants,
             # ptxas put them in a register afresh (IMAD.MOV) before every AND-OR
-            if OWN:   # u - z exactly: (1024 + u) - (1024 + z), (1024 + 16 u) / 16 - (64 + z); then the scale
+            if XT == tl.bfloat16:
+                d = int4_bf16_dequant(_prmt(P, Zb, sh) & (0x000F000F << (ib * 4 + (KA >> 31))), ib, C, HI, LO)
+            else:   # u - z exactly: (1024 + u) - (1024 + z), (1024 + 16 u) / 16 - (64 + z); then the scale
                 d = (_prmt(P, Zb, sh) & (0x000F000F << (ib * 4 + (KA >> 31)))) | MAGIC
                 d = tl.inline_asm_elementwise(_FMA_F16X2, "=r,r,r,r", [d, tl.where(ib == 1, _SIXTEENTH, _ONE), C],
                                               dtype=tl.int32, is_pure=True, pack=1)
                 if XT == tl.float16:
                     d = _f16x2(_MUL_F16X2, d, _half_word(sc))
-            else:
-                d = _int4_dequant(_prmt(P, Z, sh), Z, sc, XT)
         else:
             d = _prmt(P, tl.zeros([1, 1, 1, 1, 1, 1, 1, 1, 1], tl.int32), sh)
         if INT8:

@@ -8,7 +8,7 @@
 #      all that the sparse tensor cores read the INT8 / INT4 operands as the CPU emulation does;
 #   2. autotune: the decode ends (M = 1 and 16; M = 2..8 take the nearest entry) and one large M
 #      for the standard shapes, fp16 and INT8 weights, in the decode layout the modules hold
-#      there (72 / 36 decode configs a key; at M = 4096 the prefill kernel's 18, whose entry the
+#      there (72 / 36 decode configs a key; at M = 4096 the prefill kernel's 20, whose entry the
 #      prefill route then takes over the model's choice), into
 #      autotune_configs/<GPU>/sparse24_matmul.json (merged after every key);
 #   3. bench: the throughput sweep (CSV + PNG) into results/<GPU>/, with the tuned configs;

@@ -58,14 +58,16 @@ def test_int8_bf16_natural_tiles_match_reference(gen):
 
 
 @pytest.mark.parametrize("xtype,gs,sym", [("fp16", 32, False), ("fp16", 128, True), ("bf16", 32, False),
-                                          ("fp32", 64, False)])
+                                          ("bf16", 128, True), ("fp32", 64, False)])
 def test_int4_wide_tiles_match_reference(xtype, gs, sym, gen):
-    """INT4 weights in the two large-M tiles (256 x 128, INT4 x bf16's default; 128 x 256, two halves
-    of W against one x tile, INT4 x fp16's, where this Triton has it); with fp16 / fp32 x their decode
-    permutes the value word itself and takes u - z by one fma.rn.f16x2 (the interpreter's emulation
-    of it: kernels/interpreter.py). N = 264 puts the last block's second half past N, K = 520 a
-    partial K-tile, against the exact dequantized weight rounded once to x's dtype (the dot's
-    operand; tests/kernels/test_int4_kernel.py, _operand)."""
+    """INT4 weights in the two large-M tiles (256 x 128; 128 x 256, two halves of W against one x
+    tile, BLOCK_K 64 and 128, where this Triton has it); their decode permutes the value word
+    itself and takes u - z by one fma.rn.f16x2 (fp16 / fp32 x) or, bf16 x, reads the codes as
+    bfloat16 subnormals (three fma.rn.bf16x2 per pair: int4_bf16_dequant; the interpreter can
+    run only its emulation, so this is the check that the GPU takes bf16 subnormal operands).
+    N = 264 puts the last block's second half past N, K = 520 a partial K-tile, against the exact
+    dequantized weight rounded once to x's dtype (the dot's operand;
+    tests/kernels/test_int4_kernel.py, _operand)."""
     p = sparse24.compress(torch.randn(264, 520, generator=gen, device=DEV), quantize="int4", group_size=gs,
                           symmetric=sym)
     d, dense = sparse24.pack_decode(p), p.to_dense().to(ACT[xtype]).double()

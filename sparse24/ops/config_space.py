@@ -336,16 +336,19 @@ def prefill_configs(M: int) -> list[KernelConfig]:
     (32, 64) at M <= 64, else (32, 64, 128, 256) (BLOCK_K 128 for
     BLOCK_M < 128, else 64), BLOCK_N x warps in (64 x 4, 128 x 8), 2 or 3 stages
     (pipelined x loads); past 64 rows also 128 x 256 (8 warps, two 128-row halves of W
-    sharing one x tile) where the installed Triton runs 128-row tiles in x's own order
-    (``natural_tile``: 3.6 and later). Left out, measured by the static report (sm_90,
-    Triton 3.9): BLOCK_K 128 at BLOCK_M >= 128 (200-255 registers, one program per SM
-    or spills), 4 stages (the issue count of 3)."""
+    sharing one x tile; BLOCK_K 64 or 128) where the installed Triton runs 128-row tiles in
+    x's own order (``natural_tile``: 3.6 and later). BLOCK_K 128 there halves the per-K-tile
+    cost of a quantization group's constants (INT4 with bfloat16 x, Triton 3.6: 1150 -> 1055
+    SM clocks per 64 columns, no spill; others spill and the model leaves them). Left out,
+    measured by the static report (sm_90, Triton 3.9): BLOCK_K 128 at the other tiles of
+    BLOCK_M >= 128 (200-255 registers, one program per SM or spills), 4 stages (the issue
+    count of 3)."""
     from sparse24.kernels.sparse24_prefill import natural_tile
 
     bms = (32, 64) if M <= 64 else (32, 64, 128, 256)
     space = [(bm, bn, 64 if bm >= 128 else 128, w) for bm in bms for bn, w in ((64, 4), (128, 8))]
     if M > 64 and natural_tile(128, WIDE_N):
-        space.append((128, WIDE_N, 64, 8))
+        space += [(128, WIDE_N, 64, 8), (128, WIDE_N, 128, 8)]
     return [check_prefill_config(KernelConfig(bm, bn, bk, 8, 1, w, st, kernel="prefill"))
             for bm, bn, bk, w in space for st in (2, 3)]
 
@@ -355,12 +358,12 @@ def check_prefill_config(config: KernelConfig) -> KernelConfig:
     also needs the installed Triton to run it: :func:`check_prefill_runs`.)"""
     c = config.validate()
     one_tile_per_warp = c.block_n in (32, 64, 128) and c.num_warps == c.block_n // 16
-    wide = (c.block_m, c.block_n, c.block_k, c.num_warps) == (128, WIDE_N, 64, 8)
+    wide = (c.block_m, c.block_n, c.num_warps) == (128, WIDE_N, 8) and c.block_k in (64, 128)
     if c.kernel != "prefill" or c.block_m < 16 or c.block_k < 64 or not (one_tile_per_warp or wide) \
             or c.split_k != 1:
         raise ValueError(f"bad prefill config {c}: need kernel 'prefill', block_m >= 16, block_k >= 64, block_n "
-                         f"in (32, 64, 128) with num_warps == block_n // 16 (or block_m, block_n, block_k, "
-                         f"num_warps = 128, {WIDE_N}, 64, 8) and split_k == 1")
+                         f"in (32, 64, 128) with num_warps == block_n // 16 (or block_m, block_n, num_warps = 128, "
+                         f"{WIDE_N}, 8 with block_k 64 or 128) and split_k == 1")
     return c
 
 

@@ -9,13 +9,14 @@ import itertools
 
 import pytest
 import torch
+import triton.language as tl
 
 import sparse24
 from sparse24.decode_format import DecodePacked, pack_decode
 from sparse24.kernels import sparse24_prefill as prefill_kernel
-from sparse24.kernels.interpreter import byte_perm_reference, prmt_raw_reference
+from sparse24.kernels.interpreter import InterpretedKernel, byte_perm_reference, prmt_raw_reference, triton_version
 from sparse24.kernels.sparse24_decode import SELECTORS
-from sparse24.kernels.sparse24_prefill import NATURAL_TRITON
+from sparse24.kernels.sparse24_prefill import NATURAL_TRITON, int4_bf16_dequant, int4_bf16_zero
 from sparse24.ops.config_space import KernelConfig
 from sparse24.ops.linear24 import launch, linear_prefill
 from sparse24.ops.linear24 import prefill
@@ -151,6 +152,47 @@ def test_int4_magic_numbers_give_exact_integers(xtype, magic):
     assert torch.equal(got, exact.to(xtype))
 
 
+def _int4_bf16_kernel(d_ptr, b_ptr, z_ptr, hi_ptr, lo_ptr, w_ptr, n: tl.constexpr):
+    i = tl.arange(0, n)
+    C = int4_bf16_zero(tl.load(z_ptr + i))
+    tl.store(w_ptr + i, int4_bf16_dequant(tl.load(d_ptr + i), tl.load(b_ptr + i), C, tl.load(hi_ptr + i),
+                                          tl.load(lo_ptr + i)))
+
+
+def _words(lo, hi):
+    """int32 words holding 16-bit fields ``lo`` (bits 0-15) and ``hi`` (bits 16-31)."""
+    w = (lo.long() & 0xFFFF) | (hi.long() & 0xFFFF) << 16
+    return torch.where(w >= 2 ** 31, w - 2 ** 32, w).to(torch.int32)
+
+
+def test_int4_bf16_dequant_is_the_exact_product_rounded_once():
+    """INT4 with bfloat16 x in the natural-order tiles (kernels/sparse24_prefill.py,
+    int4_bf16_dequant, run here in Triton's interpreter through the emulation of fma.rn.bf16x2):
+    the codes as the byte permute and AND leave them (u in bits 0-3 of each half for b = 0, 16 u
+    for b = 1) read as bfloat16 subnormals, the zero point's word (magic | z) turned into
+    -z * 2**-7, and s * 2**7 split into bfloat16 hi + lo give (u - z) * s rounded once to
+    bfloat16, for every pair of codes, zero point and nibble, and float16 scales from subnormal
+    to 65504. A multiplier off by a power of two, a nibble read from the wrong place or a
+    dropped lo fails."""
+    u0, u1, z, b = (t.reshape(-1) for t in torch.meshgrid(torch.arange(16), torch.arange(16), torch.arange(16),
+                                                           torch.arange(2), indexing="ij"))
+    n = u0.numel()
+    s = (torch.randn(n, generator=torch.Generator().manual_seed(0)).abs()
+         * torch.logspace(-7, 4, n, dtype=torch.float64).float()).half()
+    s[:4] = torch.tensor([2 ** -24, 3 * 2 ** -20, 65504, 1 + 2 ** -10]).half()   # subnormal, largest, 11 bits
+    s32 = s.float() * 128
+    hi = s32.bfloat16()
+    lo = (s32 - hi.float()).bfloat16()
+    d = _words(u0 << 4 * b, u1 << 4 * b)
+    Z = _words(0x4300 | z, 0x4300 | z)                               # _int4_group's word: bfloat16 magic | z
+    hi_w, lo_w = (_words(t.view(torch.int16), t.view(torch.int16)) for t in (hi, lo))
+    w = torch.empty_like(d)
+    InterpretedKernel(_int4_bf16_kernel)[(1,)](d, b.to(torch.int32), Z, hi_w, lo_w, w, n=n)
+    got = w.view(torch.bfloat16).view(-1, 2).double()                # (low, high) halves
+    want = torch.stack([((u - z).double() * s.double()).bfloat16().double() for u in (u0, u1)], 1)
+    assert torch.equal(got, want)
+
+
 # --- the kernels against fp64 ------------------------------------------------------
 
 def _case(M, N, K, xtype, gs, sym, bias, cfg):
@@ -193,26 +235,29 @@ def test_prefill_kernel_matches_reference(xtype, gs, sym, gen):
     assert_matches_reference(y, x, _operand(W, xtype, "prefill"), b)
 
 
-def _prefill_cfg(bm, bn):
-    return KernelConfig(bm, bn, 64, 8, 1, min(bn, 128) // 16, 2, kernel="prefill")
+def _prefill_cfg(bm, bn, bk=64):
+    return KernelConfig(bm, bn, bk, 8, 1, min(bn, 128) // 16, 2, kernel="prefill")
 
 
-@pytest.mark.parametrize("M,N,K,xtype,gs,sym,bm,bn", [
+@pytest.mark.parametrize("M,N,K,xtype,gs,sym,bm,bn,bk", [
     # natural-order tiles (BLOCK_M >= 128): a partial row block (M = 130), rows past M in a second
     # x-block, N off 16, K off 64 (a partial K-tile and atom); groups of 32 split each atom's
     # half-atoms, 64 and 128 span one or two K-tiles (128: a short last group at K = 200)
-    (130, 72, 200, torch.float16, 32, False, 128, 64),
-    (130, 40, 196, torch.float32, 32, True, 128, 64),
-    (130, 72, 136, torch.float16, 64, True, 128, 64),
-    (129, 136, 200, torch.float32, 128, False, 128, 64),
-    (129, 136, 200, torch.float16, 128, False, 256, 128),
-    (67, 40, 260, torch.float32, 64, False, 256, 128),
-    (130, 72, 132, torch.float16, 32, True, 256, 128),
-    # the wide tile: two 128-row halves, their scale rows apart (the second past N in the last block)
-    (130, 300, 200, torch.float16, 32, False, 128, 256),
-    (67, 200, 196, torch.float32, 128, True, 128, 256),
+    (130, 72, 200, torch.float16, 32, False, 128, 64, 64),
+    (130, 40, 196, torch.float32, 32, True, 128, 64, 64),
+    (130, 72, 136, torch.float16, 64, True, 128, 64, 64),
+    (129, 136, 200, torch.float32, 128, False, 128, 64, 64),
+    (129, 136, 200, torch.float16, 128, False, 256, 128, 64),
+    (67, 40, 260, torch.float32, 64, False, 256, 128, 64),
+    (130, 72, 132, torch.float16, 32, True, 256, 128, 64),
+    # the wide tile: two 128-row halves, their scale rows apart (the second past N in the last block);
+    # BLOCK_K 128: two atoms per K-tile, groups of 32 and 64 changing within it, a partial last one
+    (130, 300, 200, torch.float16, 32, False, 128, 256, 64),
+    (67, 200, 196, torch.float32, 128, True, 128, 256, 64),
+    (130, 264, 200, torch.float16, 64, False, 128, 256, 128),
+    (67, 136, 328, torch.float32, 32, True, 128, 256, 128),
 ])
-def test_natural_order_tiles_match_reference(M, N, K, xtype, gs, sym, bm, bn, gen):
+def test_natural_order_tiles_match_reference(M, N, K, xtype, gs, sym, bm, bn, bk, gen):
     """From 128 rows of x each weight lane dequantizes one dense half of two lanes' groups
     straight into the wgmma's A fragment, x in its own column order (``_decode_tile_natural``)."""
     p, W = _int4(N, K, gs, sym, gen)
@@ -220,9 +265,9 @@ def test_natural_order_tiles_match_reference(M, N, K, xtype, gs, sym, bm, bn, ge
     b = torch.randn(N, generator=gen)
     if not natural_tile(bm, bn) and bn == 256:   # the wide tile before Triton 3.6: refused
         with pytest.raises(ValueError, match="needs Triton >= 3.6"):
-            linear_prefill(x, pack_decode(p), b, config=_prefill_cfg(bm, bn))
+            linear_prefill(x, pack_decode(p), b, config=_prefill_cfg(bm, bn, bk))
         return
-    y = linear_prefill(x, pack_decode(p), b, config=_prefill_cfg(bm, bn))
+    y = linear_prefill(x, pack_decode(p), b, config=_prefill_cfg(bm, bn, bk))
     assert y.dtype == xtype and y.shape == (M, N)
     assert_matches_reference(y, x, _operand(W, xtype, "prefill"), b)
 
@@ -265,13 +310,15 @@ def test_default_configs_and_the_op(gen):
     assert_matches_reference(linear_decode(x, p), x, _operand(W, torch.float16))
     # the untuned large-M prefill tile (tests/kernels/test_prefill_kernel.py), from the cost tables of
     # Triton 3.6-3.9: 16-bit weights and INT4 with fp16 x take 128 x 256 (two 128-row halves of W),
-    # INT4 with bf16 x 256 x 128 (its dequantization is too dear for 256 rows of W per 128 of x); a
-    # Triton without a table: the fixed list's 256 x 128 where 128-row tiles run in x's own order,
-    # else 128 x 128
+    # INT4 with bf16 x 256 x 128 (its dequantization is too dear for 256 rows of W per 128 of x at
+    # 64 columns per K-tile) but with Triton 3.6 128 x 256 x 128 (the only Triton that compiles it
+    # without a spill); a Triton without a table: the fixed list's 256 x 128 where 128-row tiles run
+    # in x's own order, else 128 x 128
     big = [prefill_config(4096, 4096, 4096, pair=pair) for pair in ("float16", "int4-float16", "int4-bfloat16")]
-    want = [(128, 256), (128, 256), (256, 128)] if prefill.prefill_costs() is not None else \
-        [(256, 128)] * 3 if natural_tile(256, 128) else [(128, 128)] * 3
-    assert [(c.block_m, c.block_n) for c in big] == want
+    want = [(128, 256, 64), (128, 256, 64), (128, 256, 128) if triton_version() == (3, 6) else (256, 128, 64)] \
+        if prefill.prefill_costs() is not None else \
+        [(256, 128, 64)] * 3 if natural_tile(256, 128) else [(128, 128, 64)] * 3
+    assert [(c.block_m, c.block_n, c.block_k) for c in big] == want
 
 
 @pytest.mark.parametrize("dtype,cfg", [("int4-bfloat16", None), ("int4-float16", _prefill_cfg(128, 64))],
@@ -288,9 +335,9 @@ def test_natural_order_tiles_compile_for_sm90(dtype, cfg, monkeypatch):
     cfg = cfg or prefill_config(4096, 4096, 4096, pair=dtype)
     assert cfg.block_m >= 128
     r = tool.prefill_one(dtype, cfg, 90)
-    assert r["hgmma"] and r["mma"] == cfg.block_k // 16
+    assert r["hgmma"] and r["mma"] == cfg.block_k // 16 * -(-cfg.block_n // 128)
     if natural_tile(cfg.block_m, cfg.block_n):   # x in its own order (Triton >= 3.6)
-        assert r["groups"] >= 2 and tool.in_flight(r) == r["groups"] - 1
+        assert r["groups"] >= 2 and tool.in_flight(r) == min(r["groups"], 8) - 1   # 7 at most (16 at x 128)
     if NATURAL_TRITON:   # Triton >= 3.9 (this project's); 3.6 keeps 4 STS per K-tile in the INT4 loop
         assert r["sts"] == 0 and r["groups"] == (4 if cfg.block_m == 128 else 2)
     assert r["spills"] == 0 and r["local"] == 0

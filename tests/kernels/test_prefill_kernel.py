@@ -8,7 +8,7 @@ import triton.language as tl
 
 import sparse24
 from sparse24.kernels.interpreter import InterpretedKernel
-from sparse24.kernels.sparse24_prefill import int8_bf16_scaled
+from sparse24.kernels.sparse24_prefill import NATURAL_TRITON, int8_bf16_scaled
 from sparse24.decode_format import DecodePacked, pack_decode
 from sparse24.ops.config_space import KernelConfig
 from sparse24.ops.linear24.launch import linear_prefill
@@ -187,7 +187,7 @@ def test_rejects_bad_input(gen):
         linear_prefill(x, d, config=KernelConfig(32, 64, 64, 8, 1, 2, 2, kernel="prefill"))  # warps != BN / 16
     for bad in (KernelConfig(128, 256, 64, 8, 1, 16, 2, kernel="prefill"),   # the wide tile: 8 warps,
                 KernelConfig(256, 256, 64, 8, 1, 8, 2, kernel="prefill"),    # 128 rows of x, BLOCK_K 64
-                KernelConfig(128, 256, 128, 8, 1, 8, 2, kernel="prefill")):
+                KernelConfig(128, 256, 256, 8, 1, 8, 2, kernel="prefill")):  # or 128
         with pytest.raises(ValueError, match="bad prefill config"):
             linear_prefill(x, d, config=bad)
     with pytest.raises(ValueError, match="bad prefill config"):
@@ -340,15 +340,15 @@ def test_a_corrupt_cost_table_is_refused(tmp_path):
     prefill._load_costs.cache_clear()
 
 
-@pytest.mark.parametrize("dtype", ["float16", "int8-bfloat16"])
+@pytest.mark.parametrize("dtype", ["float16", "int8-bfloat16", "int4-bfloat16"])
 def test_large_m_default_compiles_to_hgmma_for_sm90(dtype, monkeypatch):
-    """No GPU here: the large-M default (Triton >= 3.6: 128 x 256 x 64 or 256 x 128 x 64, 8
-    warps; before: 128 x 128) compiled for sm_90 with the launcher's arguments
+    """No GPU here: the large-M default (Triton >= 3.6: 128 x 256 x 64 (INT4 with bf16 x on
+    Triton 3.6: x 128) or 256 x 128 x 64, 8 warps; before: 128 x 128) compiled for sm_90 with the launcher's arguments
     (scripts/kernel_static_check.py --prefill) runs wgmma with W from registers (HGMMA, one per
     16 columns of a K-tile and 128 rows of W) and x^T straight from the pipelined shared
     buffer: no shared-memory store in the loop (the permuted tiles copied x through registers
     back to shared memory: 8 STS per K-tile); no wait takes its wgmma groups below a K-tile's
-    worth less one, and one program alone takes no longer than the slowest of its tensor
+    worth less one (or 7, where a K-tile commits more than 8), and one program alone takes no longer than the slowest of its tensor
     cores, its tiles' L2 traffic and its issue (within 5%: the decode runs under the multiply,
     not after it); for 16-bit weights the decode issues in less than the multiply's time; it
     spills nothing: the premises of the prediction in docs/kernels.md. The committed cost
@@ -371,7 +371,11 @@ def test_large_m_default_compiles_to_hgmma_for_sm90(dtype, monkeypatch):
     assert r["spills"] == 0 and r["local"] == 0
     assert tool.programs_per_sm(r["regs"], r["shared"], cfg.num_warps) >= 1
     if natural_tile(cfg.block_m, cfg.block_n):   # Triton >= 3.6 (this project's 3.9, the GPU image's 3.6)
-        assert r["sts"] == 0 and r["groups"] >= 2 and tool.in_flight(r) == r["groups"] - 1
+        # (INT4: Triton 3.6 passes its scales and zero points through shared memory, 8 narrow STS per
+        # K-tile; tests/kernels/test_int4_kernel.py)
+        assert r["sts"] == 0 or (dtype.startswith("int4-") and not NATURAL_TRITON)
+        # (a wait after each group leaves at most 7 in flight: 128 x 256 x 128 commits 16 per K-tile)
+        assert r["groups"] >= 2 and tool.in_flight(r) == min(r["groups"], 8) - 1
         assert r["alone"] <= 1.05 * max(r["t_tensor"], r["t_l2"], r["t_issue"])
         if dtype == "float16":
             assert r["t_issue"] < r["t_tensor"]
