@@ -196,6 +196,15 @@ def bf16x2_fma_reference(a, b, c):
     return out.astype(np.uint32).view(np.int32)
 
 
+def bf16x2_cvt_reference(a):
+    """A numpy emulation of PTX ``cvt.rn.bf16x2.f32 d, a, a`` on a float32 array: a rounded to the
+    nearest even bfloat16 in both halves of an int32 word (NaN stays NaN)."""
+    bits = np.asarray(a, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    r = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+    r = np.where(np.isnan(np.asarray(a, dtype=np.float32)), 0x7FC0, r)
+    return ((r << 16) | r).astype(np.uint32).view(np.int32)
+
+
 # Inline PTX an interpreted launch can run: asm string -> numpy function of the operands'
 # int32 arrays (a kernel module registers its own strings; the interpreter has no PTX).
 ASM_EMULATIONS: dict = {}

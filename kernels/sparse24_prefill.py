@@ -38,14 +38,15 @@ Two callables share ONE source function, ``_sparse24_prefill``:
 import triton
 import triton.language as tl
 
-from .interpreter import ASM_EMULATIONS, InterpretedKernel, bf16x2_fma_reference, f16x2_reference, triton_version
+from .interpreter import (ASM_EMULATIONS, InterpretedKernel, bf16x2_cvt_reference, bf16x2_fma_reference,
+                          f16x2_reference, triton_version)
 from .sparse24_decode import (_ADD01, _ADD01_B0, _ADD01_B1, _ADD23, _ADD23_B0, _ADD23_B1, _MAGIC_BF16, _MAGIC_F16,
                               _MUL01, _MUL01_B0, _MUL01_B1, _MUL23, _MUL23_B0, _MUL23_B1, _SEL_MASK, _SM_MASK,
                               _TWO_POW_24, _decode_tile, _epilogue, _BF16X2_MINUS_ZERO, _DEQUANT_BF16X2, _MUL_F16X2,
                               _f16x2, _half_word, _int4_group, _int4_rows, _prmt)
 
 __all__ = ["sparse24_prefill", "sparse24_prefill_interpreted", "NATURAL_TRITON", "natural_tile", "int8_bf16_scaled",
-           "int4_bf16_zero", "int4_bf16_dequant"]
+           "int4_bf16_zero", "int4_bf16_scale", "int4_bf16_dequant"]
 
 # The natural-order tiles (``_decode_tile_natural``) where Triton compiles them well: from
 # 3.9 at every BLOCK_M >= 128; 3.6 (the GPU image's) at 128 rows (two accumulators; 128 x 64:
@@ -120,31 +121,35 @@ _BF16X2_TWO_POW_122 = tl.constexpr(0x7C807C80)
 _BF16X2_MINUS_TWO_POW_126 = tl.constexpr(0xFE80FE80 - 2 ** 32)
 ASM_EMULATIONS[_DEQUANT_BF16X2.value] = lambda d, z, hi, lo, m, m0: bf16x2_fma_reference(
     bf16x2_fma_reference(z, m, d), hi, bf16x2_fma_reference(bf16x2_fma_reference(z, m, d), lo, m0))
+# float32 -> bfloat16 in both halves of a word in one instruction (F2FP): Triton's .to(tl.bfloat16)
+# and a pack of the halves took two more per scale (Triton 3.6, 128 x 256 x 128: alone 2078 -> 2048)
+_CVT_BF16X2 = tl.constexpr("cvt.rn.bf16x2.f32 $0, $1, $1;")
+ASM_EMULATIONS[_CVT_BF16X2.value] = bf16x2_cvt_reference
 
 
 @triton.jit
 def int4_bf16_zero(Z):
-    """A zero-point word (magic | z in both halves, _int4_group) -> -z * 2**-7 in both bfloat16
-    halves: z read as a subnormal, times -2**126 (exact)."""
-    return tl.inline_asm_elementwise(_INT8_BF16X2, "=r,r,r,r", [Z & 0x000F000F,
-                                                               tl.zeros_like(Z) + _BF16X2_MINUS_TWO_POW_126,
+    """Zero-point words (z in both 16-bit halves: _int4_group with magic 0) -> -z * 2**-7 in both
+    bfloat16 halves: z read as a subnormal, times -2**126 (exact)."""
+    return tl.inline_asm_elementwise(_INT8_BF16X2, "=r,r,r,r", [Z, tl.zeros_like(Z) + _BF16X2_MINUS_TWO_POW_126,
                                                                tl.zeros_like(Z) + _BF16X2_MINUS_ZERO],
                                      dtype=tl.int32, is_pure=True, pack=1)
 
 
 @triton.jit
-def _int4_bf16_scale(sc):
-    # float16 scales -> bfloat16 words (both halves) of s * 2**7 = hi + lo, hi = bf16(s * 2**7), lo exact
-    # (float16's 11 bits are 8 + 3)
+def int4_bf16_scale(sc):
+    """float16 scales -> the bfloat16 words (both halves) of s * 2**7 = hi + lo: hi = bf16(s * 2**7),
+    lo the rest, exact (float16's 11 significant bits are 8 + 3)."""
     s = sc.to(tl.float32) * 128.0
-    hi = s.to(tl.bfloat16)
-    return _half_word(hi), _half_word((s - hi.to(tl.float32)).to(tl.bfloat16))
+    hi = tl.inline_asm_elementwise(_CVT_BF16X2, "=r,f", [s], dtype=tl.int32, is_pure=True, pack=1)
+    lo = s - (hi & -65536).to(tl.float32, bitcast=True)
+    return hi, tl.inline_asm_elementwise(_CVT_BF16X2, "=r,f", [lo], dtype=tl.int32, is_pure=True, pack=1)
 
 
 @triton.jit
 def int4_bf16_dequant(d, b, C, HI, LO):
     """INT4 codes after the byte permute and AND (u in bits 0-3 of each half where b = 0, in bits
-    4-7 where b = 1; z for unkept slots), a group's int4_bf16_zero word C and its _int4_bf16_scale
+    4-7 where b = 1; z for unkept slots), a group's int4_bf16_zero word C and its int4_bf16_scale
     words HI, LO -> bfloat16 pairs holding (u - z) * s exactly rounded once (int32 words)."""
     m = tl.where(b == 1, _BF16X2_TWO_POW_122, _BF16X2_TWO_POW_126)
     return tl.inline_asm_elementwise(_DEQUANT_BF16X2, "=r,r,r,r,r,r,r",
@@ -211,7 +216,7 @@ def _decode_tile_natural(acc, acc2, xm, x_ptrs, v_ptrs, m_ptrs, k0, K, a0, KA, s
     XT: tl.constexpr = x_ptrs.dtype.element_ty
     # INT4 permutes the value word itself (_MUL01_NI4): with bfloat16 x too since the codes are read
     # as bfloat16 subnormals (int4_bf16_dequant: no shift of the high nibbles; Triton 3.6, 128 x 256,
-    # one program alone 1294 -> 1150 clocks per K-tile; building code words first, as _decode_tile
+    # one program alone 1294 -> 1126 clocks per K-tile; building code words first, as _decode_tile
     # does, took one shift and AND-OR per register pair)
     if INT4:   # this lane's half (slots 0,1 or 3,2) of groups (qq, b = 0, 1), both half-atoms
         f = (mw >> (8 * iq + 2 * hh)) & 0x00330033                       # [..., qq, 1]
@@ -271,15 +276,16 @@ def _decode_tile_natural(acc, acc2, xm, x_ptrs, v_ptrs, m_ptrs, k0, K, a0, KA, s
             if H == 0 or GROUP == 32:   # half H's quantization group (the same for both halves unless 32)
                 Z, sc = _int4_group(s_rows, z_rows, kq + H if GROUP == 32 else kq,
                                     ok_a[:, None, None, None, None, None, None], G, MASKED, HAS_ZERO,
-                                    MAGIC)                                   # [A, h or 1, b, T, i, jlo, hh]
+                                    0)                                       # [A, h or 1, b, T, i, jlo, hh]
+                # (magic 0: Z holds z in both halves, so Zb and C are one multiply-add each, no mask)
                 Z = tl.permute(Z, [0, 1, 3, 4, 5, 6, 2])[:, :, None, :, :, :, :, None, :]
                 sc = tl.permute(sc, [0, 1, 3, 4, 5, 6, 2])[:, :, None, :, :, :, :, None, :]
-                Zb = (Z & 0xF) * 0x11111111   # z in every nibble
+                Zb = Z * 0x1111   # z in every nibble (Z: z in both halves)
                 if XT == tl.bfloat16:
                     C = int4_bf16_zero(Z)
-                    HI, LO = _int4_bf16_scale(sc)
-                else:   # -(1024 + z) (b = 0), -(64 + z) (b = 1) in both halves
-                    C = (Z & 0xF) * tl.where(ib == 1, 0x00100010, 0x00010001) + tl.where(ib == 1, _NEG_64, _NEG_1024)
+                    HI, LO = int4_bf16_scale(sc)
+                else:   # -(1024 + z) (b = 0), -(64 + z) (b = 1) in both float16 halves
+                    C = Z * tl.where(ib == 1, 0x10, 0x1) + tl.where(ib == 1, _NEG_64, _NEG_1024)
             # the code masks are runtime values (KA >> 31 is 0, see _decode_tile's INT8 mask): as constants,
             # ptxas put them in a register afresh (IMAD.MOV) before every AND-OR
             if XT == tl.bfloat16:

@@ -338,8 +338,8 @@ def prefill_configs(M: int) -> list[KernelConfig]:
     (pipelined x loads); past 64 rows also 128 x 256 (8 warps, two 128-row halves of W
     sharing one x tile; BLOCK_K 64 or 128) where the installed Triton runs 128-row tiles in
     x's own order (``natural_tile``: 3.6 and later). BLOCK_K 128 there halves the per-K-tile
-    cost of a quantization group's constants (INT4 with bfloat16 x, Triton 3.6: 1150 -> 1055
-    SM clocks per 64 columns, no spill; others spill and the model leaves them). Left out,
+    cost of a quantization group's constants (INT4 with bfloat16 x, Triton 3.6: 1126 -> 1024
+    SM clocks per 64 columns, no spill; no other pair gains, and 3.7-3.9 spill there). Left out,
     measured by the static report (sm_90, Triton 3.9): BLOCK_K 128 at the other tiles of
     BLOCK_M >= 128 (200-255 registers, one program per SM or spills), 4 stages (the issue
     count of 3)."""

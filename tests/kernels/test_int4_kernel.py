@@ -16,7 +16,7 @@ from sparse24.decode_format import DecodePacked, pack_decode
 from sparse24.kernels import sparse24_prefill as prefill_kernel
 from sparse24.kernels.interpreter import InterpretedKernel, byte_perm_reference, prmt_raw_reference, triton_version
 from sparse24.kernels.sparse24_decode import SELECTORS
-from sparse24.kernels.sparse24_prefill import NATURAL_TRITON, int4_bf16_dequant, int4_bf16_zero
+from sparse24.kernels.sparse24_prefill import NATURAL_TRITON, int4_bf16_dequant, int4_bf16_scale, int4_bf16_zero
 from sparse24.ops.config_space import KernelConfig
 from sparse24.ops.linear24 import launch, linear_prefill
 from sparse24.ops.linear24 import prefill
@@ -152,11 +152,11 @@ def test_int4_magic_numbers_give_exact_integers(xtype, magic):
     assert torch.equal(got, exact.to(xtype))
 
 
-def _int4_bf16_kernel(d_ptr, b_ptr, z_ptr, hi_ptr, lo_ptr, w_ptr, n: tl.constexpr):
+def _int4_bf16_kernel(d_ptr, b_ptr, z_ptr, s_ptr, w_ptr, n: tl.constexpr):
     i = tl.arange(0, n)
-    C = int4_bf16_zero(tl.load(z_ptr + i))
-    tl.store(w_ptr + i, int4_bf16_dequant(tl.load(d_ptr + i), tl.load(b_ptr + i), C, tl.load(hi_ptr + i),
-                                          tl.load(lo_ptr + i)))
+    hi, lo = int4_bf16_scale(tl.load(s_ptr + i))
+    tl.store(w_ptr + i, int4_bf16_dequant(tl.load(d_ptr + i), tl.load(b_ptr + i), int4_bf16_zero(tl.load(z_ptr + i)),
+                                          hi, lo))
 
 
 def _words(lo, hi):
@@ -169,25 +169,20 @@ def test_int4_bf16_dequant_is_the_exact_product_rounded_once():
     """INT4 with bfloat16 x in the natural-order tiles (kernels/sparse24_prefill.py,
     int4_bf16_dequant, run here in Triton's interpreter through the emulation of fma.rn.bf16x2):
     the codes as the byte permute and AND leave them (u in bits 0-3 of each half for b = 0, 16 u
-    for b = 1) read as bfloat16 subnormals, the zero point's word (magic | z) turned into
-    -z * 2**-7, and s * 2**7 split into bfloat16 hi + lo give (u - z) * s rounded once to
-    bfloat16, for every pair of codes, zero point and nibble, and float16 scales from subnormal
-    to 65504. A multiplier off by a power of two, a nibble read from the wrong place or a
-    dropped lo fails."""
+    for b = 1) read as bfloat16 subnormals, the zero point's word (z in both halves) turned into
+    -z * 2**-7, and s * 2**7 split into bfloat16 hi + lo (int4_bf16_scale, through the emulation
+    of cvt.rn.bf16x2.f32) give (u - z) * s rounded once to bfloat16, for every pair of codes,
+    zero point and nibble, and float16 scales from subnormal to 65504. A multiplier off by a
+    power of two, a nibble read from the wrong place or a dropped lo fails."""
     u0, u1, z, b = (t.reshape(-1) for t in torch.meshgrid(torch.arange(16), torch.arange(16), torch.arange(16),
                                                            torch.arange(2), indexing="ij"))
     n = u0.numel()
     s = (torch.randn(n, generator=torch.Generator().manual_seed(0)).abs()
          * torch.logspace(-7, 4, n, dtype=torch.float64).float()).half()
     s[:4] = torch.tensor([2 ** -24, 3 * 2 ** -20, 65504, 1 + 2 ** -10]).half()   # subnormal, largest, 11 bits
-    s32 = s.float() * 128
-    hi = s32.bfloat16()
-    lo = (s32 - hi.float()).bfloat16()
     d = _words(u0 << 4 * b, u1 << 4 * b)
-    Z = _words(0x4300 | z, 0x4300 | z)                               # _int4_group's word: bfloat16 magic | z
-    hi_w, lo_w = (_words(t.view(torch.int16), t.view(torch.int16)) for t in (hi, lo))
     w = torch.empty_like(d)
-    InterpretedKernel(_int4_bf16_kernel)[(1,)](d, b.to(torch.int32), Z, hi_w, lo_w, w, n=n)
+    InterpretedKernel(_int4_bf16_kernel)[(1,)](d, b.to(torch.int32), _words(z, z), s, w, n=n)
     got = w.view(torch.bfloat16).view(-1, 2).double()                # (low, high) halves
     want = torch.stack([((u - z).double() * s.double()).bfloat16().double() for u in (u0, u1)], 1)
     assert torch.equal(got, want)
@@ -309,14 +304,15 @@ def test_default_configs_and_the_op(gen):
     assert_matches_reference(sparse24.linear(x, p, backend="triton"), x, _operand(W, torch.float16))
     assert_matches_reference(linear_decode(x, p), x, _operand(W, torch.float16))
     # the untuned large-M prefill tile (tests/kernels/test_prefill_kernel.py), from the cost tables of
-    # Triton 3.6-3.9: 16-bit weights and INT4 with fp16 x take 128 x 256 (two 128-row halves of W),
-    # INT4 with bf16 x 256 x 128 (its dequantization is too dear for 256 rows of W per 128 of x at
-    # 64 columns per K-tile) but with Triton 3.6 128 x 256 x 128 (the only Triton that compiles it
-    # without a spill); a Triton without a table: the fixed list's 256 x 128 where 128-row tiles run
-    # in x's own order, else 128 x 128
+    # Triton 3.6-3.9: 16-bit weights and INT4 with fp16 x take 128 x 256 (two 128-row halves of W);
+    # INT4 with bf16 x 128 x 256 x 128 with Triton 3.6 (the only one that compiles it without a
+    # spill), x 64 with 3.7-3.8 (0.90, over 256 x 128's 0.88 of L2), 256 x 128 with 3.9 (its wide
+    # tile's decode too dear); a Triton without a table: the fixed list's 256 x 128 where 128-row
+    # tiles run in x's own order, else 128 x 128
     big = [prefill_config(4096, 4096, 4096, pair=pair) for pair in ("float16", "int4-float16", "int4-bfloat16")]
-    want = [(128, 256, 64), (128, 256, 64), (128, 256, 128) if triton_version() == (3, 6) else (256, 128, 64)] \
-        if prefill.prefill_costs() is not None else \
+    bf16 = {(3, 6): (128, 256, 128), (3, 7): (128, 256, 64), (3, 8): (128, 256, 64)}.get(triton_version(),
+                                                                                          (256, 128, 64))
+    want = [(128, 256, 64), (128, 256, 64), bf16] if prefill.prefill_costs() is not None else \
         [(256, 128, 64)] * 3 if natural_tile(256, 128) else [(128, 128, 64)] * 3
     assert [(c.block_m, c.block_n, c.block_k) for c in big] == want
 
