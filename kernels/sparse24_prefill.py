@@ -40,7 +40,7 @@ import triton.language as tl
 
 from .interpreter import (ASM_EMULATIONS, InterpretedKernel, bf16x2_cvt_reference, bf16x2_fma_reference,
                           f16x2_reference, triton_version)
-from .sparse24_decode import (_ADD01, _ADD01_B0, _ADD01_B1, _ADD23, _ADD23_B0, _ADD23_B1, _MAGIC_BF16, _MAGIC_F16,
+from .sparse24_decode import (_ADD01, _ADD01_B0, _ADD01_B1, _ADD23, _ADD23_B0, _ADD23_B1, _MAGIC_F16,
                               _MUL01, _MUL01_B0, _MUL01_B1, _MUL23, _MUL23_B0, _MUL23_B1, _SEL_MASK, _SM_MASK,
                               _TWO_POW_24, _decode_tile, _epilogue, _BF16X2_MINUS_ZERO, _DEQUANT_BF16X2, _MUL_F16X2,
                               _f16x2, _half_word, _int4_group, _int4_rows, _prmt)
@@ -83,8 +83,8 @@ _PA01_B0, _PA23_B0, _PA01_B1, _PA23_B1 = map(_pair_add, (_ADD01_B0, _ADD23_B0, _
 _MUL01_NI4, _ADD01_NI4 = tl.constexpr(0x01FC), tl.constexpr(0x44CC)
 _MUL23_NI4, _ADD23_NI4 = tl.constexpr(-0x0402), tl.constexpr(0xEE66)
 _PA01_NI4, _PA23_NI4 = _pair_add(_ADD01_NI4), _pair_add(_ADD23_NI4)
-# The high nibbles' codes stay in place, 1024 + 16 u (float16: this path is float16 / float32 x
-# only, bfloat16's 7 mantissa bits could not hold 16 u), so no shift; u - z = fma(d, m, c) on whole
+# The high nibbles' codes stay in place, 1024 + 16 u (float16 / float32 x; bfloat16's 7 mantissa bits
+# could not hold 16 u: int4_bf16_dequant), so no shift; u - z = fma(d, m, c) on whole
 # words, exact: m = 1 or 1/16, c = -(1024 + z) or -(64 + z) (float16 pairs, z <= 15 added to the
 # mantissa).
 _FMA_F16X2 = tl.constexpr("fma.rn.f16x2 $0, $1, $2, $3;")
@@ -119,8 +119,15 @@ def int8_bf16_scaled(d):
 # The three fma.rn.bf16x2 of _DEQUANT_BF16X2 with its first operands reordered (t = d * m + C).
 _BF16X2_TWO_POW_122 = tl.constexpr(0x7C807C80)
 _BF16X2_MINUS_TWO_POW_126 = tl.constexpr(0xFE80FE80 - 2 ** 32)
-ASM_EMULATIONS[_DEQUANT_BF16X2.value] = lambda d, z, hi, lo, m, m0: bf16x2_fma_reference(
-    bf16x2_fma_reference(z, m, d), hi, bf16x2_fma_reference(bf16x2_fma_reference(z, m, d), lo, m0))
+
+
+def _dequant_bf16x2_reference(d, z, hi, lo, m, m0):
+    # _DEQUANT_BF16X2 for the interpreter: t = $2 * $5 + $1, p = t * $4 + $6, t * $3 + p
+    t = bf16x2_fma_reference(z, m, d)
+    return bf16x2_fma_reference(t, hi, bf16x2_fma_reference(t, lo, m0))
+
+
+ASM_EMULATIONS[_DEQUANT_BF16X2.value] = _dequant_bf16x2_reference
 # float32 -> bfloat16 in both halves of a word in one instruction (F2FP): Triton's .to(tl.bfloat16)
 # and a pack of the halves took two more per scale (Triton 3.6, 128 x 256 x 128: alone 2078 -> 2048)
 _CVT_BF16X2 = tl.constexpr("cvt.rn.bf16x2.f32 $0, $1, $1;")
@@ -224,10 +231,9 @@ def _decode_tile_natural(acc, acc2, xm, x_ptrs, v_ptrs, m_ptrs, k0, K, a0, KA, s
         f = (mw >> ((2 * iq + ib) * 4 + 2 * hh)) & 0x30003
     if INT4:
         # [A, 1, s, T, i, jlo, hh, word h]: group (h, qq, b)'s codes are nibbles 2qq + b and
-        # 2qq + b + 4 of word h (_decode_tile); the zero words Z are 1024 + z or 128 + z. Scales
+        # 2qq + b + 4 of word h (_decode_tile); the zero words Z hold z in both halves. Scales
         # and zero points depend on the rows (T, i, b) and the quantization group (the atom; with
         # groups of 32, also h).
-        MAGIC: tl.constexpr = _MAGIC_BF16 if XT == tl.bfloat16 else _MAGIC_F16
         wv = tl.reshape(wv, [A, 2, T, 8, 2, 2, 2])                           # [A, s, T, i, jlo, hh, h]
         ia = tl.arange(0, A)[:, None, None, None, None, None, None]
         if GROUP == 32:
@@ -291,7 +297,7 @@ def _decode_tile_natural(acc, acc2, xm, x_ptrs, v_ptrs, m_ptrs, k0, K, a0, KA, s
             if XT == tl.bfloat16:
                 d = int4_bf16_dequant(_prmt(P, Zb, sh) & (0x000F000F << (ib * 4 + (KA >> 31))), ib, C, HI, LO)
             else:   # u - z exactly: (1024 + u) - (1024 + z), (1024 + 16 u) / 16 - (64 + z); then the scale
-                d = (_prmt(P, Zb, sh) & (0x000F000F << (ib * 4 + (KA >> 31)))) | MAGIC
+                d = (_prmt(P, Zb, sh) & (0x000F000F << (ib * 4 + (KA >> 31)))) | _MAGIC_F16
                 d = tl.inline_asm_elementwise(_FMA_F16X2, "=r,r,r,r", [d, tl.where(ib == 1, _SIXTEENTH, _ONE), C],
                                               dtype=tl.int32, is_pure=True, pack=1)
                 if XT == tl.float16:
