@@ -199,9 +199,9 @@ def bf16x2_fma_reference(a, b, c):
 def bf16x2_cvt_reference(a):
     """A numpy emulation of PTX ``cvt.rn.bf16x2.f32 d, a, a`` on a float32 array: a rounded to the
     nearest even bfloat16 in both halves of an int32 word (NaN stays NaN)."""
-    bits = np.asarray(a, dtype=np.float32).view(np.uint32).astype(np.uint64)
-    r = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-    r = np.where(np.isnan(np.asarray(a, dtype=np.float32)), 0x7FC0, r)
+    a = np.asarray(a, dtype=np.float32)
+    bits = a.view(np.uint32).astype(np.uint64)
+    r = np.where(np.isnan(a), 0x7FC0, (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16)
     return ((r << 16) | r).astype(np.uint32).view(np.int32)
 
 

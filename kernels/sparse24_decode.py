@@ -64,7 +64,7 @@ Two callables share ONE source function, ``_sparse24_decode``:
 import triton
 import triton.language as tl
 
-from .interpreter import ASM_EMULATIONS, InterpretedKernel, f16x2_reference, prmt_raw_reference
+from .interpreter import ASM_EMULATIONS, InterpretedKernel, bf16x2_fma_reference, f16x2_reference, prmt_raw_reference
 
 __all__ = ["sparse24_decode", "sparse24_decode_interpreted", "int8_bf16_words", "SELECTORS", "SM_MASK"]
 
@@ -189,6 +189,15 @@ _BF16X2_MINUS_ONE = tl.constexpr(-0x407F4080)   # 0xBF80BF80 as int32
 _BF16X2_MINUS_ZERO = tl.constexpr(-0x7FFF8000)  # 0x80008000 as int32
 ASM_EMULATIONS[_SUB_F16X2.value] = f16x2_reference("sub")
 ASM_EMULATIONS[_MUL_F16X2.value] = f16x2_reference("mul")
+
+
+def _dequant_bf16x2_reference(d, z, hi, lo, m, m0):
+    # _DEQUANT_BF16X2 for the interpreter: t = $2 * $5 + $1, p = t * $4 + $6, t * $3 + p
+    t = bf16x2_fma_reference(z, m, d)
+    return bf16x2_fma_reference(t, hi, bf16x2_fma_reference(t, lo, m0))
+
+
+ASM_EMULATIONS[_DEQUANT_BF16X2.value] = _dequant_bf16x2_reference
 
 
 @triton.jit

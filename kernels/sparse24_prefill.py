@@ -96,19 +96,25 @@ _NEG_1024, _NEG_64 = tl.constexpr(0xE400E400 - 2 ** 32), tl.constexpr(0xD400D400
 # them v * 2**-7 exactly, and the epilogue's scale carries the 2**7 (as it carries 2**24 for float16). Two
 # instructions per register pair (an AND, this fma), where y - c took three (int8_bf16_words: two
 # LOP3 and a subtraction). Exact wherever |x| >= 2**-119 (a product then stays a normal float32).
-_INT8_BF16X2 = tl.constexpr("fma.rn.bf16x2 $0, $1, $2, $3;")
-ASM_EMULATIONS[_INT8_BF16X2.value] = bf16x2_fma_reference
+_FMA_BF16X2 = tl.constexpr("fma.rn.bf16x2 $0, $1, $2, $3;")
+ASM_EMULATIONS[_FMA_BF16X2.value] = bf16x2_fma_reference
 _BF16X2_TWO_POW_126 = tl.constexpr(0x7E807E80)
 _TWO_POW_7 = tl.constexpr(128.0)
 
 
 @triton.jit
+def _bf16x2_times(d, factor: tl.constexpr):
+    # bfloat16 pairs (int32 words) times the bfloat16 pair ``factor``, one fma.rn.bf16x2 (+ -0)
+    return tl.inline_asm_elementwise(_FMA_BF16X2, "=r,r,r,r", [d, tl.zeros_like(d) + factor,
+                                                                tl.zeros_like(d) + _BF16X2_MINUS_ZERO],
+                                     dtype=tl.int32, is_pure=True, pack=1)
+
+
+@triton.jit
 def int8_bf16_scaled(d):
     """Sign-magnitude INT8 lanes of int32 words (sign in bit 15, |v| in bits 0-6, two per word, as
-    the byte permute and the AND leave them) -> bfloat16 pairs holding v * 2**-7 exactly (_INT8_BF16X2)."""
-    return tl.inline_asm_elementwise(_INT8_BF16X2, "=r,r,r,r", [d, tl.zeros_like(d) + _BF16X2_TWO_POW_126,
-                                                                 tl.zeros_like(d) + _BF16X2_MINUS_ZERO],
-                                     dtype=tl.int32, is_pure=True, pack=1)
+    the byte permute and the AND leave them) -> bfloat16 pairs holding v * 2**-7 exactly."""
+    return _bf16x2_times(d, _BF16X2_TWO_POW_126)
 
 
 # INT4 with bfloat16 x in x's own order: after the AND a code sits in its half as u (b = 0) or 16 u
@@ -119,15 +125,6 @@ def int8_bf16_scaled(d):
 # The three fma.rn.bf16x2 of _DEQUANT_BF16X2 with its first operands reordered (t = d * m + C).
 _BF16X2_TWO_POW_122 = tl.constexpr(0x7C807C80)
 _BF16X2_MINUS_TWO_POW_126 = tl.constexpr(0xFE80FE80 - 2 ** 32)
-
-
-def _dequant_bf16x2_reference(d, z, hi, lo, m, m0):
-    # _DEQUANT_BF16X2 for the interpreter: t = $2 * $5 + $1, p = t * $4 + $6, t * $3 + p
-    t = bf16x2_fma_reference(z, m, d)
-    return bf16x2_fma_reference(t, hi, bf16x2_fma_reference(t, lo, m0))
-
-
-ASM_EMULATIONS[_DEQUANT_BF16X2.value] = _dequant_bf16x2_reference
 # float32 -> bfloat16 in both halves of a word in one instruction (F2FP): Triton's .to(tl.bfloat16)
 # and a pack of the halves took two more per scale (Triton 3.6, 128 x 256 x 128: alone 2078 -> 2048)
 _CVT_BF16X2 = tl.constexpr("cvt.rn.bf16x2.f32 $0, $1, $1;")
@@ -138,9 +135,7 @@ ASM_EMULATIONS[_CVT_BF16X2.value] = bf16x2_cvt_reference
 def int4_bf16_zero(Z):
     """Zero-point words (z in both 16-bit halves: _int4_group with magic 0) -> -z * 2**-7 in both
     bfloat16 halves: z read as a subnormal, times -2**126 (exact)."""
-    return tl.inline_asm_elementwise(_INT8_BF16X2, "=r,r,r,r", [Z, tl.zeros_like(Z) + _BF16X2_MINUS_TWO_POW_126,
-                                                               tl.zeros_like(Z) + _BF16X2_MINUS_ZERO],
-                                     dtype=tl.int32, is_pure=True, pack=1)
+    return _bf16x2_times(Z, _BF16X2_MINUS_TWO_POW_126)
 
 
 @triton.jit

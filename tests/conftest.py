@@ -174,6 +174,13 @@ def assert_matches_reference(out, x, w_dense, bias=None, dtype=None):
     assert_within_bound(out, ref, error_bound(x, w_dense, bias, dtype or out.dtype))
 
 
+def int32_words(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+    """int32 words holding 16-bit fields ``lo`` (bits 0-15) and ``hi`` (bits 16-31): the register
+    pairs the kernels' inline PTX takes, for their helpers run in the interpreter."""
+    w = (lo.long() & 0xFFFF) | (hi.long() & 0xFFFF) << 16
+    return torch.where(w >= 2 ** 31, w - 2 ** 32, w).to(torch.int32)
+
+
 def top2_mask(w):
     """Independent 2:4 magnitude mask: argsort each group of 4, keep the top 2."""
     g = w.detach().double().abs().reshape(-1, 4)

@@ -23,7 +23,7 @@ from sparse24.ops.linear24 import prefill
 from sparse24.ops.linear24.prefill import natural_tile, prefill_config
 from sparse24.ops.linear24 import linear_triton as linear_decode
 
-from conftest import assert_matches_reference, matches_reference, top2_mask
+from conftest import assert_matches_reference, int32_words, matches_reference, top2_mask
 from test_decode_kernel import _static_check  # the static-check script's loader
 
 CODE_BIT = (0, 1, 3, 2)   # the decode layout's keep-mask bit of each slot
@@ -159,12 +159,6 @@ def _int4_bf16_kernel(d_ptr, b_ptr, z_ptr, s_ptr, w_ptr, n: tl.constexpr):
                                           hi, lo))
 
 
-def _words(lo, hi):
-    """int32 words holding 16-bit fields ``lo`` (bits 0-15) and ``hi`` (bits 16-31)."""
-    w = (lo.long() & 0xFFFF) | (hi.long() & 0xFFFF) << 16
-    return torch.where(w >= 2 ** 31, w - 2 ** 32, w).to(torch.int32)
-
-
 def test_int4_bf16_dequant_is_the_exact_product_rounded_once():
     """INT4 with bfloat16 x in the natural-order tiles (kernels/sparse24_prefill.py,
     int4_bf16_dequant, run here in Triton's interpreter through the emulation of fma.rn.bf16x2):
@@ -180,9 +174,9 @@ def test_int4_bf16_dequant_is_the_exact_product_rounded_once():
     s = (torch.randn(n, generator=torch.Generator().manual_seed(0)).abs()
          * torch.logspace(-7, 4, n, dtype=torch.float64).float()).half()
     s[:4] = torch.tensor([2 ** -24, 3 * 2 ** -20, 65504, 1 + 2 ** -10]).half()   # subnormal, largest, 11 bits
-    d = _words(u0 << 4 * b, u1 << 4 * b)
+    d = int32_words(u0 << 4 * b, u1 << 4 * b)
     w = torch.empty_like(d)
-    InterpretedKernel(_int4_bf16_kernel)[(1,)](d, b.to(torch.int32), _words(z, z), s, w, n=n)
+    InterpretedKernel(_int4_bf16_kernel)[(1,)](d, b.to(torch.int32), int32_words(z, z), s, w, n=n)
     got = w.view(torch.bfloat16).view(-1, 2).double()                # (low, high) halves
     want = torch.stack([((u - z).double() * s.double()).bfloat16().double() for u in (u0, u1)], 1)
     assert torch.equal(got, want)

@@ -15,7 +15,7 @@ from sparse24.ops.linear24.launch import linear_prefill
 from sparse24.ops.linear24 import prefill
 from sparse24.ops.linear24.prefill import check_prefill_config, natural_tile, prefill_config, prefill_configs
 
-from conftest import assert_matches_reference, reference_linear, tolerance
+from conftest import assert_matches_reference, int32_words, reference_linear, tolerance
 from test_decode_kernel import _static_check, _weight  # the decode kernel's weights and static-check loader
 
 
@@ -126,8 +126,7 @@ def test_int8_bf16_scaled_gives_every_value_exactly():
     v = torch.arange(-127, 128)
     lane = torch.where(v < 0, 0x8000, 0) | v.abs()                    # sign bit 15, |v| in bits 0-6
     lo, hi = lane.repeat(255), lane.repeat_interleave(255)           # every pair of values in one word
-    d = torch.cat([lo | hi << 16, torch.zeros(65536 - 255 * 255, dtype=torch.int64)])  # + zero lanes
-    d = torch.where(d >= 2 ** 31, d - 2 ** 32, d).to(torch.int32)
+    d = torch.cat([int32_words(lo, hi), torch.zeros(65536 - 255 * 255, dtype=torch.int32)])  # + zero lanes
     w = torch.empty_like(d)
     InterpretedKernel(_int8_bf16_kernel)[(1,)](d, w, n=65536)
     got = w.view(torch.bfloat16).view(-1, 2).double() * 128                  # (low, high) lanes
