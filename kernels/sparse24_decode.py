@@ -198,6 +198,17 @@ def _dequant_bf16x2_reference(d, z, hi, lo, m, m0):
 
 
 ASM_EMULATIONS[_DEQUANT_BF16X2.value] = _dequant_bf16x2_reference
+# Scales bfloat16 holds exactly (a bfloat16 module's copy: format.bf16_exact_scales) need no split:
+# t = $2 * $4 + $1 as above, then t * $3 + $5 (-0), rounded once: two fma per register pair.
+_SCALE_BF16X2 = tl.constexpr("{ .reg .b32 t; fma.rn.bf16x2 t, $2, $4, $1; fma.rn.bf16x2 $0, t, $3, $5; }")
+
+
+def _scale_bf16x2_reference(d, z, s, m, m0):
+    # _SCALE_BF16X2 for the interpreter: t = $2 * $4 + $1, t * $3 + $5
+    return bf16x2_fma_reference(bf16x2_fma_reference(z, m, d), s, m0)
+
+
+ASM_EMULATIONS[_SCALE_BF16X2.value] = _scale_bf16x2_reference
 
 
 @triton.jit
@@ -215,10 +226,15 @@ def _half_word(h):
 def _int4_dequant(d, Z, sc, XT: tl.constexpr):
     # INT4 dense words d (byte permutes of P and Z) -> u - z exactly (integers below 2**11 / 2**8),
     # then times the float16 scale sc, on whole words: x float16, in float16 (one rounding of
-    # the exact product); x bfloat16, the exact product rounded once (_DEQUANT_BF16X2); x float32,
+    # the exact product); x bfloat16, the exact product rounded once (_DEQUANT_BF16X2, or
+    # _SCALE_BF16X2 for bfloat16 scales); x float32,
     # u - z here, the scale after, in float32 (exact).
     if XT == tl.float16:
         d = _f16x2(_MUL_F16X2, _f16x2(_SUB_F16X2, d, Z), _half_word(sc))
+    elif XT == tl.bfloat16 and sc.dtype == tl.bfloat16:   # exact bfloat16 scales: one fma fewer
+        d = tl.inline_asm_elementwise(_SCALE_BF16X2, "=r,r,r,r,r,r",
+                                      [d, Z, _half_word(sc), tl.zeros_like(d) + _BF16X2_MINUS_ONE,
+                                       tl.zeros_like(d) + _BF16X2_MINUS_ZERO], dtype=tl.int32, is_pure=True, pack=1)
     elif XT == tl.bfloat16:
         hi = sc.to(tl.bfloat16)
         lo = (sc.to(tl.float32) - hi.to(tl.float32)).to(tl.bfloat16)

@@ -194,17 +194,24 @@ def sparse_mma_tiles(loop: list[str], cfg, rows: int) -> float:
     return n / (2 * (cfg.block_k // 64) * x_blocks(rows) * tiles_per_warp) if n else 0
 
 
-def _weights(kernel: str, dtype: str, N: int, K: int):
+def _weights(kernel: str, dtype: str, N: int, K: int, bf16_scales: bool = False):
+    """``(x dtype, weight)`` of a pair; ``bf16_scales``: an INT4 weight with bfloat16 x gets its
+    scales as bfloat16, as a bfloat16 module passes them (sparse24/nn/layout.py)."""
     import sparse24
     from sparse24.decode_format import pack_decode
 
     act = {"float16": torch.float16, "bfloat16": torch.bfloat16}[dtype.split("-")[-1]]
     w = torch.randn(N, K, generator=torch.Generator().manual_seed(0))
-    if dtype.startswith("int4-"):
-        p = sparse24.compress(w, quantize="int4", group_size=INT4_GROUP, symmetric=False)
+    bf16_scales = bf16_scales and dtype == "int4-bfloat16"
+    if dtype.startswith("int4-"):   # (a bfloat16 weight's scales are exact in bfloat16: bf16_exact_scales)
+        p = sparse24.compress(w.bfloat16() if bf16_scales else w, quantize="int4", group_size=INT4_GROUP,
+                              symmetric=False)
     else:
         p = sparse24.compress(w, quantize="int8") if dtype.startswith("int8-") else sparse24.compress(w.to(act))
-    return act, (pack_decode(p) if kernel == "decode" else p)
+    d = pack_decode(p) if kernel == "decode" else p
+    if bf16_scales:
+        d.scale = d.scale.bfloat16()
+    return act, d
 
 
 def weight_tile_bytes(dtype: str, block_n: int, block_k: int) -> int:
@@ -576,12 +583,13 @@ def programs_per_sm(regs: int, shared: int, warps: int) -> int:
 def prefill_one(dtype: str, cfg, cap: int) -> dict:
     """Compile one prefill config; count its main loop: instructions per warp, HGMMA/HMMA per
     warp, half-rate integer instructions, its wgmma groups and waits (``events``, :func:`wgmma_events`;
-    ``groups`` per K-tile, at least 1)."""
+    ``groups`` per K-tile, at least 1). INT4 with bf16 x reads bf16 scales, as a bf16 model's layers
+    pass them (float16 scales of 11 bits take one fma per register pair more)."""
     import triton
 
     from sparse24.ops.linear24 import aot_compile
 
-    act, w = _weights("decode", dtype, 4096, 4096)
+    act, w = _weights("decode", dtype, 4096, 4096, bf16_scales=True)
     x = torch.randn(cfg.block_m, 4096).to(act)
     ck = aot_compile(x, w, None, torch.empty(cfg.block_m, 4096, dtype=act), cfg, 1, (cap // 10, cap % 10))
     loop = main_loop(sass_instructions(ck.asm["cubin"]))

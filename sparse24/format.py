@@ -42,6 +42,9 @@ INT4 (``quantize="int4"``, W4A16) keeps ``meta`` exactly as above and stores:
   group 128 symmetric, 19.53% of dense fp16 (0.3984375 B, 19.92%, asymmetric).
   The codes are offset-binary so that a kernel turns a nibble into a float16
   with one OR of 0x6400 (1024 + u) and folds the offset into the zero point.
+  A bfloat16 weight's scales are float16 values with at most 8 significant
+  bits (:func:`bf16_exact_scales`), which bfloat16 holds too: with bfloat16 x
+  the kernels then scale each code in one step, still exactly rounded once.
 
 A group whose mask keeps fewer than 2 columns is stored with zero values in
 the lowest unused slots, so every group always names two distinct slots;
@@ -61,7 +64,7 @@ import torch
 from ._checks import FLOAT_DTYPES, check_mask, check_nm, check_weight
 
 __all__ = ["mask_nm", "is_nm", "Sparse24Tensor", "compress", "quantize_values", "QUANT_MODES", "FLOAT_DTYPES",
-           "INT4_GROUP_SIZES"]
+           "INT4_GROUP_SIZES", "bf16_exact_scales"]
 
 # The integer view of each float dtype: for finite values, comparing
 # ``bits & max`` orders magnitudes exactly, and integer compares are much
@@ -533,7 +536,8 @@ def quantize_values(p: Sparse24Tensor, mode: str = "int8", *, group_size: int = 
 
     INT4: one float16 scale per row and quantization group of ``group_size``
     dense columns (see the module docstring). Symmetric: ``scale = amax / 7``
-    (rounded to float16, at least 2**-24; 1.0 for an all-zero group),
+    (rounded to float16, at least 2**-24; 1.0 for an all-zero group; a bfloat16
+    weight's rounded up to 8 significant bits, :func:`bf16_exact_scales`),
     ``u = round(v / scale) + 8`` clamped to 1..15. Asymmetric: ``lo, hi`` =
     the group's min and max with 0 included, ``scale = (hi - lo) / 15``,
     ``zero = round(-lo / scale)`` in 0..15, ``u = round(v / scale) + zero``
@@ -575,7 +579,7 @@ def quantize_values(p: Sparse24Tensor, mode: str = "int8", *, group_size: int = 
         raise ValueError("cannot quantize: the weight has non-finite (inf/NaN) kept values")
     if mode == "int4":
         check_group_size(group_size)
-        codes, scale, zero = int4_quantize(v, group_size, symmetric)
+        codes, scale, zero = int4_quantize(v, group_size, symmetric, bf16_scales=p.dtype == torch.bfloat16)
         return Sparse24Tensor(_pack_nibbles(codes), p.meta, p.shape, p.dtype, scale, zero=zero,
                               group_size=group_size, check=False)
     amax = v.abs().amax(dim=1) if v.shape[1] else v.new_zeros(v.shape[0])
@@ -592,7 +596,7 @@ def check_group_size(group_size) -> int:
 
 
 def int4_quantize(v: torch.Tensor, group_size: int, symmetric: bool = True,
-                  scale: torch.Tensor | None = None, zero: torch.Tensor | None = None):
+                  scale: torch.Tensor | None = None, zero: torch.Tensor | None = None, bf16_scales: bool = False):
     """Round kept values to INT4 codes on a group-wise grid (the rule of :func:`quantize_values`).
 
     Args:
@@ -602,6 +606,8 @@ def int4_quantize(v: torch.Tensor, group_size: int, symmetric: bool = True,
         scale, zero: an existing grid ``(R, ceil(2n / group_size))`` (float16,
             uint8 or None) to round onto instead of computing one from ``v``
             (what GPTQ-style quantizers do column by column).
+        bf16_scales: new scales rounded up to values bfloat16 holds exactly
+            (:func:`bf16_exact_scales`), as :func:`quantize_values` does for bfloat16 weights.
     Returns:
         ``(codes (R, n) uint8 0..15, scale float16, zero uint8 or None)``.
     """
@@ -620,7 +626,7 @@ def int4_quantize(v: torch.Tensor, group_size: int, symmetric: bool = True,
             s = torch.where(hi > lo, (hi - lo) / 15, torch.ones_like(hi))
         if bool((s > torch.finfo(torch.float16).max).any()):
             raise ValueError("cannot quantize to INT4: a group's scale exceeds float16's range (|w| > 458,528)")
-        scale = s.clamp(min=2.0 ** -24).half()
+        scale = bf16_exact_scales(s) if bf16_scales else s.clamp(min=2.0 ** -24).half()
         if not symmetric:
             zero = torch.round(-lo / scale.float()).clamp_(0, 15).to(torch.uint8)
     s = scale.float().repeat_interleave(half, dim=1)[:, :n]
@@ -630,6 +636,29 @@ def int4_quantize(v: torch.Tensor, group_size: int, symmetric: bool = True,
         z = zero.float().repeat_interleave(half, dim=1)[:, :n]
         codes = (torch.round(v / s) + z).clamp_(0, 15)
     return codes.to(torch.uint8), scale, zero
+
+
+# The largest float16 value with 8 significant bits (0xFF << 8): float16's max, 65504, has 11
+_BF16_EXACT_MAX = 65280.0
+
+
+def bf16_exact_scales(s: torch.Tensor) -> torch.Tensor:
+    """Positive float scales -> float16 scales that bfloat16 also holds exactly: each rounded
+    up to 8 significant bits on float16's grid (multiples of 2**-24), at least 2**-24, at
+    most 65280. With bfloat16 x the kernels then multiply a code by its scale in one step,
+    exactly rounded once (an 11-bit float16 scale takes one more fma per register pair:
+    docs/kernels.md, "INT4 weights"). Rounding up keeps every group's values inside its
+    grid; the step grows by less than 2**-7 (relative).
+
+    Args:
+        s: any shape, finite, positive (float32 or float64).
+    Returns:
+        float16 tensor of ``s``'s shape.
+    """
+    s = s.double().clamp(2.0 ** -24, _BF16_EXACT_MAX)
+    _, e = torch.frexp(s)   # s = m * 2**e, 0.5 <= m < 1: 8 significant bits are steps of 2**(e - 8)
+    step = torch.ldexp(torch.ones_like(s), (e - 8).clamp(min=-24))
+    return (torch.ceil(s / step) * step).clamp(max=_BF16_EXACT_MAX).half()
 
 
 def _pack_nibbles(codes: torch.Tensor) -> torch.Tensor:

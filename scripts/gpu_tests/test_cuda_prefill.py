@@ -77,3 +77,31 @@ def test_int4_wide_tiles_match_reference(xtype, gs, sym, gen):
             y = launch.linear_prefill(x, d, None, config=cfg)
             torch.cuda.synchronize()
             assert_matches_reference(y, x, dense)
+
+
+@pytest.mark.parametrize("gs,sym", [(32, False), (128, True)])
+def test_int4_bf16_exact_scales_match_reference(gs, sym, gen):
+    """A bfloat16 weight's INT4 scales (8 significant bits: format.bf16_exact_scales) read as
+    bfloat16, as a bfloat16 module passes them: two fma.rn.bf16x2 per pair (_SCALE_BF16X2) in
+    every prefill tile (x permuted below 128 rows, in its own order from 128), and a module's
+    route end to end (decode at 8 rows, the sparse tensor cores at 40, prefill at 300), against
+    the exact dequantized weight rounded once to bfloat16 (what to_dense gives a bfloat16 weight)."""
+    w = torch.randn(264, 520, generator=gen, device=DEV).bfloat16()
+    p = sparse24.compress(w, quantize="int4", group_size=gs, symmetric=sym)
+    d, dense = sparse24.pack_decode(p), p.to_dense().double()
+    sb = d.scale.bfloat16()
+    assert torch.equal(sb.half(), d.scale)
+    x = torch.randn(300, 520, generator=gen, device=DEV).bfloat16()
+    for cfg in dict.fromkeys(prefill_configs(4096) + prefill_configs(64)):
+        y = launch.run_prefill(x, d.values, d.meta, sb, None, 264, cfg, d.zero, gs)
+        torch.cuda.synchronize()
+        assert_matches_reference(y, x, dense)
+    lin = torch.nn.Linear(520, 264, device=DEV, dtype=torch.bfloat16)
+    layer = sparse24.Sparse24Linear.from_linear(lin, mode="compressed", quantize="int4", group_size=gs,
+                                                symmetric=sym)
+    assert layer.layout == "decode" and layer._scale_bf16 is not None
+    exact = layer.sparse_tensor().to(dtype=torch.float32).to_dense().double()   # (u - z) * s, exact in fp32
+    for M, ref in ((8, exact), (40, exact), (300, exact.bfloat16().double())):   # the sparse tensor cores take
+        y = layer(x[:M])                                                         # the exact grid; prefill rounds
+        torch.cuda.synchronize()                                                 # it once to bf16 (_operand)
+        assert_matches_reference(y, x[:M], ref, layer.bias.detach())

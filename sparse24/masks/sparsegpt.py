@@ -122,7 +122,7 @@ def sparsegpt_prune(w: torch.Tensor, hessian: torch.Tensor | None = None, n: int
     fixed = mask is not None
     prune = ~mask.to(dev) if fixed else torch.zeros(R, C, dtype=torch.bool, device=dev)
     if gs:
-        grid = _Grid(R, C, gs, symmetric, dev)
+        grid = _Grid(R, C, gs, symmetric, dev, w.dtype == torch.bfloat16)
     for i1 in range(0, C, blocksize):
         i2 = min(i1 + blocksize, C)
         W1, Hinv1 = W[:, i1:i2].clone(), Hinv[i1:i2, i1:i2]
@@ -167,9 +167,9 @@ def _drop(cur: torch.Tensor, d: torch.Tensor, n: int, m: int) -> torch.Tensor:
 class _Grid:
     """The INT4 grid the joint sweep builds group by group: codes of every column, scales, zero points."""
 
-    def __init__(self, R: int, C: int, group_size: int, symmetric: bool, device):
+    def __init__(self, R: int, C: int, group_size: int, symmetric: bool, device, bf16_scales: bool = False):
         groups = -(-C // group_size)
-        self.gs, self.shape = group_size, (R, C)
+        self.gs, self.shape, self.bf16_scales = group_size, (R, C), bf16_scales
         self.codes = torch.zeros(R, C, dtype=torch.uint8, device=device)
         self.scale = torch.empty(R, groups, dtype=torch.float16, device=device)
         self.zero = None if symmetric else torch.empty(R, groups, dtype=torch.uint8, device=device)
@@ -180,7 +180,7 @@ class _Grid:
         keeping fewer than 2 of 4, as the format stores them)."""
         R = cur.shape[0]
         v = torch.where(kept, cur, 0).view(R, -1, 4).gather(2, _slots(kept)).view(R, -1)
-        _, self.scale[:, k:k + 1], zero = int4_quantize(v, self.gs, self.zero is None)
+        _, self.scale[:, k:k + 1], zero = int4_quantize(v, self.gs, self.zero is None, bf16_scales=self.bf16_scales)
         if zero is not None:
             self.zero[:, k:k + 1] = zero
 

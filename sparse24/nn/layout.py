@@ -17,6 +17,19 @@ __all__ = ["LayoutMixin"]
 _DECODE_DTYPES = (torch.float16, torch.bfloat16)
 
 
+def _bf16_copy(scale: torch.Tensor) -> tuple | None:
+    """``(scale, its version counter, its bfloat16 copy)`` where bfloat16 holds every scale
+    exactly, else None (version None: an inference tensor, which counts no versions)."""
+    b = scale.to(torch.bfloat16)
+    if not torch.equal(b.to(scale.dtype), scale):
+        return None
+    try:
+        version = scale._version
+    except RuntimeError:
+        version = None
+    return scale, version, b
+
+
 class LayoutMixin:
     """:meth:`to_layout`, :attr:`layout` and the conversions behind them."""
 
@@ -44,6 +57,12 @@ class LayoutMixin:
         self._parameters["values"] = nn.Parameter(new.values, requires_grad=self.values.requires_grad)
         self._buffers["meta"] = new.meta
         self._layout = layout
+        # INT4 scales that bfloat16 holds exactly (quantized from a bfloat16 weight: bf16_exact_scales):
+        # the decode layout keeps them as bfloat16 too, for bfloat16 x, whose kernels then scale a
+        # register pair in two fma instead of three (docs/kernels.md, "INT4 weights"); small: 2 bytes
+        # per group of 32-128 weights. Tied to the float16 tensor it copies and that tensor's version:
+        # forward passes the copy only while both hold (a replaced or changed scale reads float16).
+        self._scale_bf16 = _bf16_copy(self.scale) if layout == "decode" and self._group_size else None
 
     def to_layout(self, layout: str) -> "LayoutMixin":
         """Hold the compressed weight in ``layout``: ``"decode"`` (what the decode

@@ -520,7 +520,13 @@ class Sparse24Linear(LayoutMixin, StateDictMixin, nn.Module):
             self._settle_layout()
             values = params["values"]
         linear24.check_input(x, self.in_features, values.device)
-        return linear24.forward(x, values, buffers["meta"], buffers["scale"], params.get("bias"), self._dtype,
+        scale = buffers["scale"]
+        if x.dtype == torch.bfloat16:   # INT4 in the decode layout: bfloat16 scales where exact (LayoutMixin)
+            copy = self.__dict__.get("_scale_bf16")
+            if copy is not None and copy[0] is scale and (copy[1] is None or torch.compiler.is_compiling()
+                                                          or copy[1] == scale._version):
+                scale = copy[2]
+        return linear24.forward(x, values, buffers["meta"], scale, params.get("bias"), self._dtype,
                                 self.out_features, zero=buffers["zero"], group_size=self._group_size or 0)
 
     # -- dtype/device moves: only floating tensors follow a dtype change --

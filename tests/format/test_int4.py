@@ -5,12 +5,28 @@ import numpy as np
 import pytest
 import torch
 
-from sparse24.format import Sparse24Tensor, compress, mask_nm, quantize_values
+from sparse24.format import Sparse24Tensor, bf16_exact_scales, compress, mask_nm, quantize_values
 
 
-def _reference(w: torch.Tensor, group_size: int, symmetric: bool) -> np.ndarray:
+def _both_exact() -> np.ndarray:
+    """Every positive finite float16 value that bfloat16 also holds exactly, ascending (by enumeration)."""
+    h = torch.arange(1, 0x7C00, dtype=torch.int32).to(torch.int16).view(torch.float16).float()
+    return h[h.bfloat16().float() == h].double().numpy()
+
+
+BOTH_EXACT = _both_exact()
+
+
+def _bf16_scale(s: float) -> float:
+    """The smallest value of BOTH_EXACT at or above s (at most the largest)."""
+    return float(BOTH_EXACT[min(np.searchsorted(BOTH_EXACT, s), len(BOTH_EXACT) - 1)])
+
+
+def _reference(w: torch.Tensor, group_size: int, symmetric: bool, bf16: bool = False) -> np.ndarray:
     """Dense dequantized 2:4 INT4 weight, computed from the dense masked weight column group
-    by column group in numpy (float16 scales as the format stores them)."""
+    by column group in numpy (float16 scales as the format stores them; ``bf16``: the smallest
+    float16 value at or above the scale that bfloat16 holds too, as for bfloat16 weights)."""
+    rnd = _bf16_scale if bf16 else (lambda v: np.float64(np.float16(max(v, 2.0 ** -24))))
     wm = (w * mask_nm(w)).double().numpy()
     keep = mask_nm(w).numpy()
     out = np.zeros_like(wm)
@@ -21,11 +37,11 @@ def _reference(w: torch.Tensor, group_size: int, symmetric: bool) -> np.ndarray:
             kept = wm[r, cols][keep[r, cols]]
             if symmetric:
                 amax = np.abs(kept).max(initial=0.0)
-                s = np.float64(np.float16(max(amax / 7, 2.0 ** -24))) if amax > 0 else 1.0
+                s = rnd(amax / 7) if amax > 0 else 1.0
                 q = np.clip(np.round(kept / s), -7, 7)
             else:
                 lo, hi = min(kept.min(initial=0.0), 0.0), max(kept.max(initial=0.0), 0.0)
-                s = np.float64(np.float16(max((hi - lo) / 15, 2.0 ** -24))) if hi > lo else 1.0
+                s = rnd((hi - lo) / 15) if hi > lo else 1.0
                 z = np.clip(np.round(-lo / s), 0, 15)
                 q = np.clip(np.round(kept / s) + z, 0, 15) - z
             dense = np.zeros(len(cols))
@@ -49,6 +65,43 @@ def test_int4_grid_matches_independent_reference(group_size, symmetric, shape):
     kept = mask_nm(w)
     err = (torch.from_numpy(got) - (w * kept).double()).abs()
     assert bool((err[kept] <= s[kept] * 0.5 * (1 + 2 ** -10)).all())
+
+
+def test_bf16_exact_scales_are_the_nearest_above_that_both_types_hold():
+    """bf16_exact_scales against an enumeration of every float16 value bfloat16 holds exactly:
+    the smallest at or above each scale, from below float16's subnormals (2**-24 at least) to
+    past 65280 (the largest such: 65504 has 11 significant bits), float16 and bfloat16 alike."""
+    gen = torch.Generator().manual_seed(3)
+    s = torch.cat([torch.rand(4000, generator=gen, dtype=torch.float64) * 2.0 ** torch.randint(-30, 17, (4000,),
+                                                                                                generator=gen),
+                   torch.tensor([2.0 ** -26, 2.0 ** -24, 2.0 ** -17 + 2.0 ** -24, 129 * 2.0 ** -17, 1.0,
+                                 1 + 2.0 ** -10, 1 + 2.0 ** -7, 65280.0, 65281.0, 65504.0], dtype=torch.float64)])
+    got = bf16_exact_scales(s)
+    assert got.dtype == torch.float16
+    assert torch.equal(got.float().bfloat16().float(), got.float())   # bfloat16 holds each
+    want = torch.tensor([_bf16_scale(v) for v in s.tolist()], dtype=torch.float64)
+    assert torch.equal(got.double(), want)
+    assert bool((got.double() >= s.clamp(max=65280)).all())
+
+
+@pytest.mark.parametrize("group_size", [32, 128])
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_bf16_weights_get_scales_bfloat16_holds(group_size, symmetric):
+    """A bfloat16 weight's INT4 grid: the scales rounded up to values bfloat16 holds exactly (so
+    bfloat16 x scales a code in one step: docs/kernels.md), the rest of the rule unchanged, every
+    kept value within half its scale; other dtypes keep float16's nearest scale."""
+    torch.manual_seed(group_size)
+    w = (torch.randn(6, 200) * torch.logspace(-2, 1, 200)).bfloat16()
+    q = compress(w, quantize="int4", group_size=group_size, symmetric=symmetric)
+    assert torch.equal(q.scale.float().bfloat16().float(), q.scale.float())
+    assert q.dtype == torch.bfloat16
+    got = q.to(dtype=torch.float32).to_dense().double().numpy()   # (u - z) * s, exact in float32
+    np.testing.assert_array_equal(got, _reference(w.float(), group_size, symmetric, bf16=True))
+    kept = mask_nm(w.float())
+    s = q.scale.double().repeat_interleave(group_size, 1)[:, :200]
+    assert bool(((torch.from_numpy(got) - (w * kept).double()).abs()[kept] <= s[kept] * 0.5).all())
+    f16 = compress(w.half(), quantize="int4", group_size=group_size, symmetric=symmetric)
+    assert not torch.equal(f16.scale.float().bfloat16().float(), f16.scale.float())   # 11 bits where needed
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])

@@ -14,9 +14,12 @@ import triton.language as tl
 import sparse24
 from sparse24.decode_format import DecodePacked, pack_decode
 from sparse24.kernels import sparse24_prefill as prefill_kernel
-from sparse24.kernels.interpreter import InterpretedKernel, byte_perm_reference, prmt_raw_reference, triton_version
+from sparse24.kernels.interpreter import InterpretedKernel, byte_perm_reference, prmt_raw_reference
 from sparse24.kernels.sparse24_decode import SELECTORS
-from sparse24.kernels.sparse24_prefill import NATURAL_TRITON, int4_bf16_dequant, int4_bf16_scale, int4_bf16_zero
+from sparse24.format import bf16_exact_scales
+from sparse24.kernels.sparse24_decode import _int4_dequant
+from sparse24.kernels.sparse24_prefill import (NATURAL_TRITON, int4_bf16_dequant, int4_bf16_dequant_exact,
+                                               int4_bf16_exact_scale, int4_bf16_scale, int4_bf16_zero)
 from sparse24.ops.config_space import KernelConfig
 from sparse24.ops.linear24 import launch, linear_prefill
 from sparse24.ops.linear24 import prefill
@@ -182,6 +185,62 @@ def test_int4_bf16_dequant_is_the_exact_product_rounded_once():
     assert torch.equal(got, want)
 
 
+def _int4_bf16_exact_kernel(d_ptr, b_ptr, z_ptr, s_ptr, w_ptr, n: tl.constexpr):
+    i = tl.arange(0, n)
+    tl.store(w_ptr + i, int4_bf16_dequant_exact(tl.load(d_ptr + i), tl.load(b_ptr + i),
+                                                int4_bf16_zero(tl.load(z_ptr + i)),
+                                                int4_bf16_exact_scale(tl.load(s_ptr + i))))
+
+
+def _int4_dequant_kernel(d_ptr, z_ptr, s_ptr, w_ptr, n: tl.constexpr):
+    i = tl.arange(0, n)
+    tl.store(w_ptr + i, _int4_dequant(tl.load(d_ptr + i), tl.load(z_ptr + i), tl.load(s_ptr + i), tl.bfloat16))
+
+
+def _codes_and_scales():
+    """Every pair of codes, zero point and nibble, and scales from bf16_exact_scales over
+    float16's range (2**-24 to 65280)."""
+    u0, u1, z, b = (t.reshape(-1) for t in torch.meshgrid(torch.arange(16), torch.arange(16), torch.arange(16),
+                                                           torch.arange(2), indexing="ij"))
+    n = u0.numel()
+    s = bf16_exact_scales(torch.randn(n, generator=torch.Generator().manual_seed(1)).abs()
+                          * torch.logspace(-7, 4, n, dtype=torch.float64))
+    s[:3] = torch.tensor([2 ** -24, 127 * 2 ** -24, 65280]).half()
+    want = torch.stack([((u - z).double() * s.double()).bfloat16().double() for u in (u0, u1)], 1)
+    return u0, u1, z, b, s, want
+
+
+def test_int4_bf16_exact_scales_take_two_fma_and_give_the_exact_product_rounded_once():
+    """Scales bfloat16 holds exactly (a bfloat16 module's copy, sparse24/nn/layout.py), in both
+    kernels' bfloat16 paths, run here through the emulation of fma.rn.bf16x2: the prefill tile's
+    (int4_bf16_dequant_exact: the codes as bfloat16 subnormals, the zero word, s * 2**7) and the
+    decode kernel's (_int4_dequant on code words 128 + u and 128 + z) give (u - z) * s rounded once
+    to bfloat16, for every pair of codes, zero point and nibble. A multiplier off by a power of
+    two or a dropped 2**7 fails."""
+    u0, u1, z, b, s, want = _codes_and_scales()
+    w = torch.empty(u0.numel(), dtype=torch.int32)
+    InterpretedKernel(_int4_bf16_exact_kernel)[(1,)](int32_words(u0 << 4 * b, u1 << 4 * b), b.to(torch.int32),
+                                                     int32_words(z, z), s.bfloat16(), w, n=u0.numel())
+    assert torch.equal(w.view(torch.bfloat16).view(-1, 2).double(), want)
+    one28 = 0x4300   # bfloat16 128: its 7 mantissa bits hold 128 + u exactly
+    InterpretedKernel(_int4_dequant_kernel)[(1,)](int32_words(one28 + u0, one28 + u1), int32_words(one28 + z, one28 + z),
+                                                  s.bfloat16(), w, n=u0.numel())
+    assert torch.equal(w.view(torch.bfloat16).view(-1, 2).double(), want)
+
+
+def test_bf16_scales_are_only_read_with_bf16_x(gen):
+    """The launch takes bfloat16 scales only for INT4 weights with bfloat16 x (what a module
+    passes): with float16 or float32 x the kernels would read them as float16 / need float16,
+    so the launch refuses before any work, and caches nothing."""
+    p, _ = _int4(64, 128, 32, True, gen)
+    d = pack_decode(p)
+    before = dict(launch._PLANS)
+    for xtype in (torch.float16, torch.float32):
+        with pytest.raises(ValueError, match="bfloat16 scales are read only for INT4 weights with bfloat16 x"):
+            launch.run(torch.randn(3, 128).to(xtype), d.values, d.meta, d.scale.bfloat16(), None, 64, None, None, 32)
+    assert launch._PLANS == before
+
+
 # --- the kernels against fp64 ------------------------------------------------------
 
 def _case(M, N, K, xtype, gs, sym, bias, cfg):
@@ -298,15 +357,11 @@ def test_default_configs_and_the_op(gen):
     assert_matches_reference(sparse24.linear(x, p, backend="triton"), x, _operand(W, torch.float16))
     assert_matches_reference(linear_decode(x, p), x, _operand(W, torch.float16))
     # the untuned large-M prefill tile (tests/kernels/test_prefill_kernel.py), from the cost tables of
-    # Triton 3.6-3.9: 16-bit weights and INT4 with fp16 x take 128 x 256 (two 128-row halves of W);
-    # INT4 with bf16 x 128 x 256 x 128 with Triton 3.6 (the only one that compiles it without a
-    # spill), x 64 with 3.7-3.8 (0.90, over 256 x 128's 0.88 of L2), 256 x 128 with 3.9 (its wide
-    # tile's decode too dear); a Triton without a table: the fixed list's 256 x 128 where 128-row
-    # tiles run in x's own order, else 128 x 128
+    # Triton 3.6-3.9: 128 x 256 x 64 (two 128-row halves of W) for 16-bit weights and INT4 with
+    # either x (bf16 x: the tables' scales are bfloat16's, two fma per pair); a Triton without a
+    # table: the fixed list's 256 x 128 where 128-row tiles run in x's own order, else 128 x 128
     big = [prefill_config(4096, 4096, 4096, pair=pair) for pair in ("float16", "int4-float16", "int4-bfloat16")]
-    bf16 = {(3, 6): (128, 256, 128), (3, 7): (128, 256, 64), (3, 8): (128, 256, 64)}.get(triton_version(),
-                                                                                          (256, 128, 64))
-    want = [(128, 256, 64), (128, 256, 64), bf16] if prefill.prefill_costs() is not None else \
+    want = [(128, 256, 64)] * 3 if prefill.prefill_costs() is not None else \
         [(256, 128, 64)] * 3 if natural_tile(256, 128) else [(128, 128, 64)] * 3
     assert [(c.block_m, c.block_n, c.block_k) for c in big] == want
 
@@ -396,3 +451,23 @@ def test_bf16_is_refused_on_cpu_and_compiles_for_sm90(gen):
         assert "mma.sp::ordered_metadata.sync.aligned.m16n8k32.row.col.f32.bf16.bf16.f32" in ptx
         assert "wgmma" not in ptx and "mma.sync" not in ptx
         assert "ld.local" not in ptx and "st.local" not in ptx
+
+
+@pytest.mark.parametrize("bm,bn", [(64, 64), (128, 64)], ids=["permuted-64x64", "natural-128x64"])
+def test_bf16_scales_compile_to_two_fma_per_pair_for_sm90(bm, bn):
+    """With bfloat16 x and the bfloat16 scales a bfloat16 module passes, both prefill tiles (x
+    permuted below 128 rows: _int4_dequant; x in its own order: int4_bf16_dequant_exact) scale
+    with the two-fma string, never the three-fma one of float16 scales (which they take with the
+    same weight's float16 scales), and nothing spills."""
+    pytest.importorskip("triton.backends.nvidia")
+    w = torch.randn(256, 256, generator=torch.Generator().manual_seed(5)).bfloat16()
+    d = pack_decode(sparse24.compress(w, quantize="int4", group_size=64))
+    cfg = KernelConfig(bm, bn, 64 if bm >= 128 else 128, 4, 1, bn // 16, 2, kernel="prefill")
+    x, out = torch.randn(bm, 256).bfloat16(), torch.empty(bm, 256).bfloat16()
+    two, three = ".reg .b32 t;", ".reg .b32 t, p;"   # _SCALE_BF16X2, _DEQUANT_BF16X2
+    ptx = launch.aot_compile(x, d, None, out, cfg, 1, (9, 0)).asm["ptx"]
+    assert three in ptx and two not in ptx
+    d.scale = d.scale.bfloat16()   # exact: the weight is bfloat16 (format.bf16_exact_scales)
+    ck = launch.aot_compile(x, d, None, out, cfg, 1, (9, 0))
+    assert two in ck.asm["ptx"] and three not in ck.asm["ptx"]
+    assert "ld.local" not in ck.asm["ptx"] and "st.local" not in ck.asm["ptx"]

@@ -228,3 +228,55 @@ def test_int4_export_keeps_codes_scales_and_zero_points(gen):
     state = assert_export_keeps_op_and_buffers(net, x, (0, 2, 4), ("values", "meta", "scale", "zero", "group_size"))
     assert all(state[f"{i}.values"].dtype == torch.uint8 and state[f"{i}.scale"].dtype == torch.float16
                for i in (0, 2, 4))
+
+
+def test_int4_bf16_layer_reads_its_scales_as_bf16_in_the_decode_layout(gen, monkeypatch):
+    """A bfloat16 layer's INT4 scales are exact in bfloat16 (format.bf16_exact_scales), so in the
+    decode layout it also keeps them as bfloat16 and passes those with bfloat16 x (the kernels
+    then scale a register pair in one fma fewer); float16 scales of 11 bits (a layer quantized in
+    another dtype, then cast) stay float16. Outputs, state dicts and the float16 scale buffer do
+    not change; a replaced scale buffer is never paired with the old copy."""
+    from sparse24.nn import linear as nn_linear
+    seen, forward = [], nn_linear.linear24.forward
+
+    def spy(x, values, meta, scale, *args, **kwargs):
+        seen.append(scale.dtype)
+        return forward(x, values, meta, scale, *args, **kwargs)
+
+    monkeypatch.setattr(nn_linear.linear24, "forward", spy)
+    lin = make_linear(96, 24, torch.bfloat16, gen)
+    mask = top2_mask(lin.weight.detach())
+    layer = Sparse24Linear.from_linear(lin, mode="compressed", quantize="int4", group_size=32, symmetric=False)
+    state = layer_state(layer)
+    ref_w = int4_dequantized_reference(layer, mask).to(torch.bfloat16)
+    x = torch.randn(5, 96, generator=gen).bfloat16()
+    y_v1 = layer(x)
+    layer.to_layout("decode")
+    scale, _, copy_ = layer._scale_bf16
+    assert scale is layer.scale and copy_.dtype == torch.bfloat16 and torch.equal(copy_.half(), layer.scale)
+    y = layer(x)
+    assert seen == [torch.float16, torch.bfloat16] and torch.equal(y, y_v1)
+    assert_matches_reference(y, x, ref_w, layer.bias.detach())
+    torch._dynamo.reset()   # torch.compile traces the same choice, without a graph break
+    explained = torch._dynamo.explain(layer)(x)
+    assert explained.graph_break_count == 0 and explained.graph_count == 1, explained.break_reasons
+    torch._dynamo.reset()
+    assert torch.equal(torch.compile(layer, backend="aot_eager", fullgraph=True)(x), y)
+    assert seen[-1] == torch.bfloat16
+    layer(x.half())   # other x dtypes read the float16 scales
+    assert seen[-1] == torch.float16 and same_state(layer_state(layer), state)
+    with torch.no_grad():
+        layer.scale.mul_(2)   # changed in place: the copy is stale, float16 is read (and is right)
+    assert_matches_reference(layer(x), x, (2 * ref_w.double()).to(torch.bfloat16), layer.bias.detach())
+    assert seen[-1] == torch.float16
+    layer.scale = layer.scale.clone()   # a new buffer: the copy no longer belongs to it
+    layer(x)
+    assert seen[-1] == torch.float16
+    layer.to_layout("v1")
+    assert layer._scale_bf16 is None
+    # quantized in float32 and then cast: 11-bit scales, no bfloat16 copy
+    f32 = Sparse24Linear.from_linear(make_linear(96, 24, torch.float32, gen), mode="compressed", quantize="int4",
+                                     group_size=32).bfloat16().to_layout("decode")
+    assert not torch.equal(f32.scale.bfloat16().half(), f32.scale) and f32._scale_bf16 is None
+    f32(x)
+    assert seen[-1] == torch.float16

@@ -207,7 +207,8 @@ def run(x: torch.Tensor, values: torch.Tensor, meta: torch.Tensor, scale: torch.
     # results match F.linear); half types ignore it.
     tf32 = x.dtype == torch.float32 and x.is_cuda and torch.backends.cuda.matmul.allow_tf32
     key = (x.device, x.dtype, values.dtype, values.dim(), scale is not None, None if bias is None else bias.dtype,
-           N, K, m_bucket(M), torch.are_deterministic_algorithms_enabled(), tf32, config, group_size, zero is not None)
+           N, K, m_bucket(M), torch.are_deterministic_algorithms_enabled(), tf32, config, group_size, zero is not None,
+           None if scale is None else scale.dtype)
     plan = _PLANS.get(key)
     if plan is None:
         plan = _PLANS[key] = _Plan(key, config)
@@ -226,7 +227,11 @@ class _Plan:
 
     def __init__(self, key, config: KernelConfig | None):
         device, x_dtype, values_dtype, values_dim, has_scale, bias_dtype, N, K, bucket, deterministic, tf32, _, \
-            group_size, has_zero = key
+            group_size, has_zero, scale_dtype = key
+        if scale_dtype == torch.bfloat16 and not (group_size and x_dtype == torch.bfloat16):
+            # (a module's exact copy of INT4 scales, passed only with bfloat16 x: nn/layout.py)
+            raise ValueError(f"bfloat16 scales are read only for INT4 weights with bfloat16 x; got "
+                             f"{'INT4' if group_size else 'INT8'} weights and {x_dtype} x")
         layout = "v1" if values_dim == 2 else "decode"
         if config is None:
             config = get_config(bucket, N, K, dtype_key(x_dtype, has_scale, group_size > 0), device, layout)

@@ -74,6 +74,8 @@ torch.library.register_autograd("sparse24::linear", _backward, setup_context=_se
 
 def _weight(values, meta, scale, zero, group_size, weight_dtype, shape) -> Sparse24Tensor:
     """The op's weight tensors as a layout-v1 :class:`Sparse24Tensor` (a decode-layout weight re-ordered)."""
+    if group_size and scale.dtype == torch.bfloat16:   # a module's exact bfloat16 copy (nn/layout.py)
+        scale = scale.half()
     if values.dim() == 2:
         return Sparse24Tensor(values, meta, shape, weight_dtype, scale, zero=zero, group_size=group_size or None,
                               check=False)
