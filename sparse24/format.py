@@ -645,10 +645,11 @@ _BF16_EXACT_MAX = 65280.0
 def bf16_exact_scales(s: torch.Tensor) -> torch.Tensor:
     """Positive float scales -> float16 scales that bfloat16 also holds exactly: each rounded
     up to 8 significant bits on float16's grid (multiples of 2**-24), at least 2**-24, at
-    most 65280. With bfloat16 x the kernels then multiply a code by its scale in one step,
-    exactly rounded once (an 11-bit float16 scale takes one more fma per register pair:
-    docs/kernels.md, "INT4 weights"). Rounding up keeps every group's values inside its
-    grid; the step grows by less than 2**-7 (relative).
+    most 65280 (the largest such; a scale above it, |w| > 456,960, goes down to it and its
+    group's largest values clip by < 0.4%). With bfloat16 x the kernels then multiply a code
+    by its scale in one step, exactly rounded once (an 11-bit float16 scale takes one more
+    fma per register pair: docs/kernels.md, "INT4 weights"). Rounding up keeps every group's
+    values inside its grid; the step grows by less than 2**-7 (relative).
 
     Args:
         s: any shape, finite, positive (float32 or float64).
