@@ -133,6 +133,12 @@ ASM_EMULATIONS[_CVT_BF16X2.value] = bf16x2_cvt_reference
 
 
 @triton.jit
+def _bf16x2_of(s):
+    # float32 -> int32 words holding bf16(s) in both halves (_CVT_BF16X2)
+    return tl.inline_asm_elementwise(_CVT_BF16X2, "=r,f", [s], dtype=tl.int32, is_pure=True, pack=1)
+
+
+@triton.jit
 def int4_bf16_zero(Z):
     """Zero-point words (z in both 16-bit halves: _int4_group with magic 0) -> -z * 2**-7 in both
     bfloat16 halves: z read as a subnormal, times -2**126 (exact)."""
@@ -144,9 +150,8 @@ def int4_bf16_scale(sc):
     """float16 scales -> the bfloat16 words (both halves) of s * 2**7 = hi + lo: hi = bf16(s * 2**7),
     lo the rest, exact (float16's 11 significant bits are 8 + 3)."""
     s = sc.to(tl.float32) * 128.0
-    hi = tl.inline_asm_elementwise(_CVT_BF16X2, "=r,f", [s], dtype=tl.int32, is_pure=True, pack=1)
-    lo = s - (hi & -65536).to(tl.float32, bitcast=True)
-    return hi, tl.inline_asm_elementwise(_CVT_BF16X2, "=r,f", [lo], dtype=tl.int32, is_pure=True, pack=1)
+    hi = _bf16x2_of(s)
+    return hi, _bf16x2_of(s - (hi & -65536).to(tl.float32, bitcast=True))
 
 
 @triton.jit
@@ -170,8 +175,7 @@ def int4_bf16_dequant(d, b, C, HI, LO):
 @triton.jit
 def int4_bf16_exact_scale(sc):
     """bfloat16 scales -> bfloat16 words (both halves) of s * 2**7, exact."""
-    return tl.inline_asm_elementwise(_CVT_BF16X2, "=r,f", [sc.to(tl.float32) * 128.0], dtype=tl.int32,
-                                     is_pure=True, pack=1)
+    return _bf16x2_of(sc.to(tl.float32) * 128.0)
 
 
 @triton.jit

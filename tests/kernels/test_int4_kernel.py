@@ -155,6 +155,17 @@ def test_int4_magic_numbers_give_exact_integers(xtype, magic):
     assert torch.equal(got, exact.to(xtype))
 
 
+def _every_code_pair():
+    """``(u0, u1, z, b)``: every pair of codes, zero point and nibble (b = 1: the high nibbles), flat."""
+    return tuple(t.reshape(-1) for t in torch.meshgrid(torch.arange(16), torch.arange(16), torch.arange(16),
+                                                        torch.arange(2), indexing="ij"))
+
+
+def _rounded_once(u0, u1, z, s):
+    """(u - z) * s of both codes rounded once to bfloat16, as float64 ``(n, 2)`` (low, high halves)."""
+    return torch.stack([((u - z).double() * s.double()).bfloat16().double() for u in (u0, u1)], 1)
+
+
 def _int4_bf16_kernel(d_ptr, b_ptr, z_ptr, s_ptr, w_ptr, n: tl.constexpr):
     i = tl.arange(0, n)
     hi, lo = int4_bf16_scale(tl.load(s_ptr + i))
@@ -171,8 +182,7 @@ def test_int4_bf16_dequant_is_the_exact_product_rounded_once():
     of cvt.rn.bf16x2.f32) give (u - z) * s rounded once to bfloat16, for every pair of codes,
     zero point and nibble, and float16 scales from subnormal to 65504. A multiplier off by a
     power of two, a nibble read from the wrong place or a dropped lo fails."""
-    u0, u1, z, b = (t.reshape(-1) for t in torch.meshgrid(torch.arange(16), torch.arange(16), torch.arange(16),
-                                                           torch.arange(2), indexing="ij"))
+    u0, u1, z, b = _every_code_pair()
     n = u0.numel()
     s = (torch.randn(n, generator=torch.Generator().manual_seed(0)).abs()
          * torch.logspace(-7, 4, n, dtype=torch.float64).float()).half()
@@ -181,8 +191,7 @@ def test_int4_bf16_dequant_is_the_exact_product_rounded_once():
     w = torch.empty_like(d)
     InterpretedKernel(_int4_bf16_kernel)[(1,)](d, b.to(torch.int32), int32_words(z, z), s, w, n=n)
     got = w.view(torch.bfloat16).view(-1, 2).double()                # (low, high) halves
-    want = torch.stack([((u - z).double() * s.double()).bfloat16().double() for u in (u0, u1)], 1)
-    assert torch.equal(got, want)
+    assert torch.equal(got, _rounded_once(u0, u1, z, s))
 
 
 def _int4_bf16_exact_kernel(d_ptr, b_ptr, z_ptr, s_ptr, w_ptr, n: tl.constexpr):
@@ -197,19 +206,6 @@ def _int4_dequant_kernel(d_ptr, z_ptr, s_ptr, w_ptr, n: tl.constexpr):
     tl.store(w_ptr + i, _int4_dequant(tl.load(d_ptr + i), tl.load(z_ptr + i), tl.load(s_ptr + i), tl.bfloat16))
 
 
-def _codes_and_scales():
-    """Every pair of codes, zero point and nibble, and scales from bf16_exact_scales over
-    float16's range (2**-24 to 65280)."""
-    u0, u1, z, b = (t.reshape(-1) for t in torch.meshgrid(torch.arange(16), torch.arange(16), torch.arange(16),
-                                                           torch.arange(2), indexing="ij"))
-    n = u0.numel()
-    s = bf16_exact_scales(torch.randn(n, generator=torch.Generator().manual_seed(1)).abs()
-                          * torch.logspace(-7, 4, n, dtype=torch.float64))
-    s[:3] = torch.tensor([2 ** -24, 127 * 2 ** -24, 65280]).half()
-    want = torch.stack([((u - z).double() * s.double()).bfloat16().double() for u in (u0, u1)], 1)
-    return u0, u1, z, b, s, want
-
-
 def test_int4_bf16_exact_scales_take_two_fma_and_give_the_exact_product_rounded_once():
     """Scales bfloat16 holds exactly (a bfloat16 module's copy, sparse24/nn/layout.py), in both
     kernels' bfloat16 paths, run here through the emulation of fma.rn.bf16x2: the prefill tile's
@@ -217,14 +213,18 @@ def test_int4_bf16_exact_scales_take_two_fma_and_give_the_exact_product_rounded_
     decode kernel's (_int4_dequant on code words 128 + u and 128 + z) give (u - z) * s rounded once
     to bfloat16, for every pair of codes, zero point and nibble. A multiplier off by a power of
     two or a dropped 2**7 fails."""
-    u0, u1, z, b, s, want = _codes_and_scales()
+    u0, u1, z, b = _every_code_pair()
+    s = bf16_exact_scales(torch.randn(u0.numel(), generator=torch.Generator().manual_seed(1)).abs()
+                          * torch.logspace(-7, 4, u0.numel(), dtype=torch.float64))   # 2**-24 to 65280
+    s[:3] = torch.tensor([2 ** -24, 127 * 2 ** -24, 65280]).half()
+    want = _rounded_once(u0, u1, z, s)
     w = torch.empty(u0.numel(), dtype=torch.int32)
     InterpretedKernel(_int4_bf16_exact_kernel)[(1,)](int32_words(u0 << 4 * b, u1 << 4 * b), b.to(torch.int32),
                                                      int32_words(z, z), s.bfloat16(), w, n=u0.numel())
     assert torch.equal(w.view(torch.bfloat16).view(-1, 2).double(), want)
     one28 = 0x4300   # bfloat16 128: its 7 mantissa bits hold 128 + u exactly
-    InterpretedKernel(_int4_dequant_kernel)[(1,)](int32_words(one28 + u0, one28 + u1), int32_words(one28 + z, one28 + z),
-                                                  s.bfloat16(), w, n=u0.numel())
+    InterpretedKernel(_int4_dequant_kernel)[(1,)](int32_words(one28 + u0, one28 + u1),
+                                                  int32_words(one28 + z, one28 + z), s.bfloat16(), w, n=u0.numel())
     assert torch.equal(w.view(torch.bfloat16).view(-1, 2).double(), want)
 
 

@@ -213,8 +213,8 @@ def test_a_gpu_launch_needs_a_triton_that_compiles_the_kernels(monkeypatch, gen)
     w = torch.randn(64, 128, generator=gen)
     q8 = sparse24.pack_decode(sparse24.compress(w, quantize="int8"))
     cfg = KernelConfig(16, 64, 128, 8, 1, 4, 1, kernel="decode")
-    key = (torch.device("cuda", 0), torch.float16, torch.int8, 3, True, None, 64, 128, 32, False, False, cfg, 0,
-           False, torch.float32)
+    key = (torch.device("cuda", 0), torch.float16, torch.int8, 3, torch.float32, None, 64, 128, 32, False, False, cfg,
+           0, False)
     monkeypatch.setattr(triton, "__version__", "3.3.0")
     with pytest.raises(RuntimeError, match=r"GPU kernels need Triton >= 3\.4: Triton 3\.3\.0.*backend='reference'"):
         launch._Plan(key, cfg)

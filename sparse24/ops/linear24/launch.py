@@ -206,9 +206,9 @@ def run(x: torch.Tensor, values: torch.Tensor, meta: torch.Tensor, scale: torch.
     # fp32 dots follow torch's own matmul TF32 switch (off by default, so fp32
     # results match F.linear); half types ignore it.
     tf32 = x.dtype == torch.float32 and x.is_cuda and torch.backends.cuda.matmul.allow_tf32
-    key = (x.device, x.dtype, values.dtype, values.dim(), scale is not None, None if bias is None else bias.dtype,
-           N, K, m_bucket(M), torch.are_deterministic_algorithms_enabled(), tf32, config, group_size, zero is not None,
-           None if scale is None else scale.dtype)
+    key = (x.device, x.dtype, values.dtype, values.dim(), None if scale is None else scale.dtype,
+           None if bias is None else bias.dtype, N, K, m_bucket(M), torch.are_deterministic_algorithms_enabled(), tf32,
+           config, group_size, zero is not None)
     plan = _PLANS.get(key)
     if plan is None:
         plan = _PLANS[key] = _Plan(key, config)
@@ -226,8 +226,9 @@ class _Plan:
     config, split-K, the constexprs, and (CUDA) the compiled kernel handle."""
 
     def __init__(self, key, config: KernelConfig | None):
-        device, x_dtype, values_dtype, values_dim, has_scale, bias_dtype, N, K, bucket, deterministic, tf32, _, \
-            group_size, has_zero, scale_dtype = key
+        device, x_dtype, values_dtype, values_dim, scale_dtype, bias_dtype, N, K, bucket, deterministic, tf32, _, \
+            group_size, has_zero = key
+        has_scale = scale_dtype is not None
         if scale_dtype == torch.bfloat16 and not (group_size and x_dtype == torch.bfloat16):
             # (a module's exact copy of INT4 scales, passed only with bfloat16 x: nn/layout.py)
             raise ValueError(f"bfloat16 scales are read only for INT4 weights with bfloat16 x; got "
