@@ -43,7 +43,7 @@ from .interpreter import (ASM_EMULATIONS, InterpretedKernel, bf16x2_cvt_referenc
 from .sparse24_decode import (_ADD01, _ADD01_B0, _ADD01_B1, _ADD23, _ADD23_B0, _ADD23_B1, _MAGIC_F16,
                               _MUL01, _MUL01_B0, _MUL01_B1, _MUL23, _MUL23_B0, _MUL23_B1, _SEL_MASK, _SM_MASK,
                               _TWO_POW_24, _decode_tile, _epilogue, _BF16X2_MINUS_ZERO, _DEQUANT_BF16X2, _MUL_F16X2,
-                              _SCALE_BF16X2, _f16x2, _half_word, _int4_group, _int4_rows, _prmt)
+                              _SCALE_BF16X2, _f16x2, _half_word, _int4_group, _int4_rows, _prmt, _serial_split_k)
 
 __all__ = ["sparse24_prefill", "sparse24_prefill_interpreted", "NATURAL_TRITON", "natural_tile", "int8_bf16_scaled",
            "int4_bf16_zero", "int4_bf16_scale", "int4_bf16_dequant",
@@ -395,13 +395,14 @@ def _k_tile(acc, acc2, x_ptrs, v_ptrs, m_ptrs, k0, K, a0, KA, s_rows, z_rows, s_
 
 
 def _sparse24_prefill(
-    x_ptr, v_ptr, meta_ptr, scale_ptr, zero_ptr, bias_ptr, out_ptr,
+    x_ptr, v_ptr, meta_ptr, scale_ptr, zero_ptr, bias_ptr, out_ptr, ws_ptr, count_ptr,
     M, N, K, KA, KM,
     stride_xm, stride_xk,
     stride_om, stride_on,
     INT8: tl.constexpr, W_BF16: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     INT4: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, NATURAL: tl.constexpr,
+    SPLIT_K: tl.constexpr,
 ):
     # NATURAL: x in its own column order (_decode_tile_natural), from 128 rows of x: there the
     # permuted copy of x it saves outweighs reading two lanes' words per weight lane
@@ -420,8 +421,8 @@ def _sparse24_prefill(
     # (num_warps = BLOCK_N / 16).
     HALVES: tl.constexpr = 2 if NATURAL and BLOCK_M <= 128 and SPLIT_N == 1 else 1
     v_ptr = v_ptr.to(tl.pointer_type(tl.int32), bitcast=True)  # values read as 32-bit words
-    # Grouped order (Triton tutorial 03): GROUP_M consecutive x-blocks walk the
-    # same W columns, so a decoded program's weight tiles are re-read from L2.
+    # Grid: (output tiles, SPLIT_K). Grouped order (Triton tutorial 03): GROUP_M consecutive
+    # x-blocks walk the same W columns, so a decoded program's weight tiles are re-read from L2.
     pid = tl.program_id(0)
     num_m = (M + BLOCK_M - 1) // BLOCK_M
     num_n = (N + BLOCK_N - 1) // BLOCK_N
@@ -444,6 +445,24 @@ def _sparse24_prefill(
     # the last 128 rows, whose results past N are never stored.
     t_sub = tl.minimum(t0 + T, NT - T) - t0
     n_full = K // BLOCK_K  # full K-tiles; a partial tile (K % BLOCK_K) runs once after the loop
+    if SPLIT_K > 1:
+        # Serial split-K (where the output tiles alone would leave SMs idle): split pid_k owns
+        # whole K-tiles [k_lo, k_hi), possibly none; the partial tile belongs to the last split.
+        pid_k = tl.program_id(1)
+        per_split = ((K + BLOCK_K - 1) // BLOCK_K + SPLIT_K - 1) // SPLIT_K
+        k_lo = pid_k * per_split
+        k_hi = tl.minimum(k_lo + per_split, n_full)
+        k_partial = (n_full * BLOCK_K < K) & (n_full >= k_lo) & (n_full < k_lo + per_split)
+        # On to this split's first K-tile: the scalar bases move (the loop then compiles as
+        # the unsplit one; moving the per-thread pointers instead cost 11-27 integer
+        # instructions per K-tile, the loop's pointer steps no longer folded).
+        x_ptr += (k_lo * BLOCK_K).to(tl.int64) * stride_xk
+        v_ptr += k_lo.to(tl.int64) * (A * (64 if INT4 else 128 if INT8 else 256)) * NT
+        meta_ptr += k_lo * A
+    else:
+        k_lo = 0
+        k_hi = n_full
+        k_partial = n_full * BLOCK_K < K
 
     atoms = tl.arange(0, A).to(tl.int64)
     lanes = tl.arange(0, T * 128)  # T row tiles x 32 lanes x 4 words, contiguous
@@ -509,19 +528,23 @@ def _sparse24_prefill(
     # One decode per weight tile for all BLOCK_M rows of x (the decode kernel: 16).
     acc = tl.zeros((SUB_N, BLOCK_M), dtype=tl.float32)
     acc2 = tl.zeros((SUB_N, BLOCK_M) if HALVES == 2 or SPLIT_N == 2 else (1, 1), dtype=tl.float32)
-    for kt in range(0, n_full):
+    for kt in range(k_lo, k_hi):
         acc, acc2 = _k_tile(acc, acc2, x_ptrs, v_ptrs, m_ptrs, kt * BLOCK_K, K, kt * A, KA, s_rows, z_rows, s_rows2,
                             z_rows2, G, x_half, v_half, v_sub, m_sub, False, NATURAL, HALVES, SPLIT_N, INT8, W_BF16,
                             DOT_PRECISION, SUB_N, BLOCK_K, INT4, GROUP, HAS_ZERO)
         v_ptrs += V_STEP * NT
         m_ptrs += A
         x_ptrs += x_step
-    if n_full * BLOCK_K < K:
+    if k_partial:
         acc, acc2 = _k_tile(acc, acc2, x_ptrs, v_ptrs, m_ptrs, n_full * BLOCK_K, K, n_full * A, KA, s_rows, z_rows,
                             s_rows2, z_rows2, G, x_half, v_half, v_sub, m_sub, True, NATURAL, HALVES, SPLIT_N, INT8,
                             W_BF16, DOT_PRECISION, SUB_N, BLOCK_K, INT4, GROUP, HAS_ZERO)
     if HALVES == 2:
         acc += acc2
+    write = True
+    if SPLIT_K > 1:
+        acc, acc2, write = _serial_split_k(acc, acc2, ws_ptr, count_ptr, pid, pid_k, SPLIT_K, SUB_N, BLOCK_M,
+                                           SPLIT_N == 2)
 
     offs_n = pid_n * BLOCK_N + tl.arange(0, SUB_N)
     offs_m = tl.arange(0, BLOCK_M)
@@ -529,10 +552,11 @@ def _sparse24_prefill(
     # bfloat16 x, 2**-7 (int8_bf16_scaled); the epilogue's scale carries the reciprocal
     XT: tl.constexpr = x_ptr.dtype.element_ty
     UNIT: tl.constexpr = _TWO_POW_24 if XT == tl.float16 else (_TWO_POW_7 if NATURAL and XT == tl.bfloat16 else 1.0)
-    _epilogue(acc, out_ptr, scale_ptr, bias_ptr, offs_n, offs_m, N, M, stride_om, stride_on, UNIT, INT8, HAS_BIAS)
-    if SPLIT_N == 2:
-        _epilogue(acc2, out_ptr, scale_ptr, bias_ptr, offs_n + SUB_N, offs_m, N, M, stride_om, stride_on, UNIT, INT8,
-                  HAS_BIAS)
+    if write:
+        _epilogue(acc, out_ptr, scale_ptr, bias_ptr, offs_n, offs_m, N, M, stride_om, stride_on, UNIT, INT8, HAS_BIAS)
+        if SPLIT_N == 2:
+            _epilogue(acc2, out_ptr, scale_ptr, bias_ptr, offs_n + SUB_N, offs_m, N, M, stride_om, stride_on, UNIT,
+                      INT8, HAS_BIAS)
 
 
 # M is not specialized: one compiled variant per config serves every M.

@@ -77,7 +77,8 @@ class _AsCuda:
 
 def prefill_figures(N: int, K: int, ms=(64, 512, 4096), quantize=None) -> list[dict]:
     """Per M: aten ops and allocated bytes of one call of a decode-layout ``Sparse24Linear``
-    (N x K, fp16 activations) on its M > 16 CUDA route, with the launch a no-op."""
+    (N x K, fp16 activations) on its M > 16 CUDA route, with the launch a no-op, and the bytes of
+    the split-K workspace its plan made once (kept for the process)."""
     from sparse24.decode_format import DecodePacked
     from sparse24.format import Sparse24Tensor
 
@@ -99,13 +100,16 @@ def prefill_figures(N: int, K: int, ms=(64, 512, 4096), quantize=None) -> list[d
         with torch.no_grad():
             for M in ms:
                 x = torch.randn(M, K, dtype=torch.float16)
-                layer(x)  # the plan is made on the first call
+                launch._PLANS.clear()
+                layer(x)  # the plan is made on the first call, with its split-K workspace (kept)
+                workspace = sum(t.numel() * t.element_size() for plan in launch._PLANS.values()
+                                for t in plan.extra if t.numel() > 1)
                 conversions.clear()
                 y, count = count_dispatch(layer, x)
                 rows.append(dict(M=M, backend=real_auto(_AsCuda(x), layer.values, layer.scale, N),
                                  aten_ops=len(count.ops), ops=",".join(count.ops),
                                  bytes_allocated=count.bytes_allocated, output_bytes=y.numel() * y.element_size(),
-                                 conversions=len(conversions)))
+                                 conversions=len(conversions), workspace_bytes=workspace))
     finally:
         op._auto_backend = real_auto
         launch._Plan.launch = real_launch
@@ -123,21 +127,22 @@ def prefill_main(a) -> int:
     print(f"# {cpu_name()}, torch {torch.__version__}; Sparse24Linear {a.n}x{a.k} in the decode layout, fp16 x, "
           f"the M > 16 route as on CUDA (backend decision on a CUDA-looking x), launch a no-op")
     print(f"{'weights':8} {'M':>5} {'route':>8} {'aten ops':>8} {'allocated B':>12} {'output B':>10} "
-          f"{'conversions':>11} {'layer/dense fp16':>16}  ops")
+          f"{'conversions':>11} {'layer/dense fp16':>16} {'workspace B':>11}  ops")
     worst = {}
     for quantize in (None, "int8"):
         for r in prefill_figures(a.n, a.k, quantize=quantize):
             name = quantize or "fp16"
             print(f"{name:8} {r['M']:>5} {r['backend']:>8} {r['aten_ops']:>8} {r['bytes_allocated']:>12} "
-                  f"{r['output_bytes']:>10} {r['conversions']:>11} {r['layer_bytes_over_dense_fp16']:>16.3f}  "
-                  f"{r['ops']}")
+                  f"{r['output_bytes']:>10} {r['conversions']:>11} {r['layer_bytes_over_dense_fp16']:>16.3f} "
+                  f"{r['workspace_bytes']:>11}  {r['ops']}")
             worst["ops"] = max(worst.get("ops", 0), r["aten_ops"])
             worst["extra"] = max(worst.get("extra", 0), r["bytes_allocated"] - r["output_bytes"])
             worst["conv"] = max(worst.get("conv", 0), r["conversions"])
             worst["mem"] = max(worst.get("mem", 0), r["layer_bytes_over_dense_fp16"])
+            worst["ws"] = max(worst.get("ws", 0), r["workspace_bytes"])
     print(f"prefill per call at M>16: max aten ops {worst['ops']}, max bytes allocated beyond the output "
           f"{worst['extra']}, whole-weight conversions {worst['conv']}; layer memory <= "
-          f"{worst['mem']:.3f}x dense fp16")
+          f"{worst['mem']:.3f}x dense fp16; split-K workspace made with a plan <= {worst['ws'] / 2**20:.1f} MiB")
     return 0
 
 

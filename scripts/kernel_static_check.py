@@ -45,6 +45,7 @@ SM clock and unbounded (docs/kernels.md, "Prefill path").
 """
 import argparse
 import collections
+import dataclasses
 import os
 import platform
 import re
@@ -569,7 +570,6 @@ PREFILL_M = (32, 48, 64, 128, 256, 512, 2048, 4096)
 # L2 figures (the L2 one assumed) and its arithmetic live in the package, which the untuned
 # defaults share: sparse24/ops/linear24/prefill_model.py.
 REGS_PER_SM, SMEM_PER_SM, WARPS_PER_SM = 65536, 228 * 1024, 64
-PREFILL_SPLITS = (2, 4, 8)
 HALF_RATE = ("LOP3", "SHF", "SGXT", "PRMT", "IADD3", "SEL", "IMAD", "ISETP", "LEA")
 
 
@@ -591,8 +591,9 @@ def prefill_one(dtype: str, cfg, cap: int) -> dict:
 
     act, w = _weights("decode", dtype, 4096, 4096, bf16_scales=True)
     x = torch.randn(cfg.block_m, 4096).to(act)
-    ck = aot_compile(x, w, None, torch.empty(cfg.block_m, 4096, dtype=act), cfg, 1, (cap // 10, cap % 10))
-    loop = main_loop(sass_instructions(ck.asm["cubin"]))
+    ck = aot_compile(x, w, None, torch.empty(cfg.block_m, 4096, dtype=act), cfg, cfg.split_k, (cap // 10, cap % 10))
+    sass = sass_instructions(ck.asm["cubin"])
+    loop = main_loop(sass)
     ops = collections.Counter(_opcode(t).split(".")[0] for t in loop)
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(ck.asm["cubin"])
@@ -606,7 +607,8 @@ def prefill_one(dtype: str, cfg, cap: int) -> dict:
     return dict(dtype=dtype, cfg=cfg, loop=len(loop), mma=mma, hgmma=ops["HGMMA"] > 0, local=ops["LDL"] + ops["STL"],
                 sts=ops["STS"],
                 half=sum(ops[o] for o in HALF_RATE), regs=regs, spills=spills, shared=ck.metadata.shared,
-                groups=max(1, sum(e == "group" for e, _ in events)), events=events, triton=triton.__version__)
+                groups=max(1, sum(e == "group" for e, _ in events)), events=events, triton=triton.__version__,
+                atomics=sum(_opcode(t).split(".")[0] in ("ATOMG", "RED") for _, t in sass))
 
 
 def wgmma_events(loop: list[str]) -> list[tuple[str, int]]:
@@ -725,7 +727,8 @@ def write_costs(rows: list[dict], a) -> None:
         "triton": version, "target": f"sm_{a.cap}",
         "command": "TRITON_DEFAULT_FP_FUSION=1 python scripts/kernel_static_check.py " + " ".join(a.argv),
         "pairs": {pair: {"w_bytes": dense_bytes_per_weight(pair), "configs": [
-            {"config": [r["cfg"].block_m, r["cfg"].block_n, r["cfg"].block_k, r["cfg"].num_warps, r["cfg"].num_stages],
+            {"config": [r["cfg"].block_m, r["cfg"].block_n, r["cfg"].block_k, r["cfg"].num_warps, r["cfg"].num_stages,
+                        r["cfg"].split_k],
              **{k: round(float(r[k]), 2) if isinstance(r[k], float) else r[k] for k in prefill.COST_KEYS}}
             for r in rows if r["dtype"] == pair]} for pair in prefill.PAIRS}}
     doc["tables"] = dict(sorted(doc["tables"].items()))
@@ -738,12 +741,16 @@ def write_costs(rows: list[dict], a) -> None:
 def prefill_main(a) -> int:
     """``--prefill``: compile the prefill kernel's configs for sm_90, count the
     decode's issue cost per tensor-core instruction, predict the ratio to dense."""
-    from sparse24.ops.linear24.prefill import PAIRS, prefill_config, prefill_configs
+    from sparse24.ops.config_space import split_factors
+    from sparse24.ops.linear24.prefill import PAIRS, cost_key, prefill_config, prefill_configs
 
     dtypes = a.dtypes.split(",")
     if a.write_costs and sorted(dtypes) != sorted(PAIRS):
         raise SystemExit("--write-costs writes every pair's table: run it with --dtypes " + ",".join(PAIRS))
     cfgs = list(dict.fromkeys(prefill_configs(4096) + prefill_configs(64) + prefill_configs(32)))
+    # each also split along K (its row stands for every split factor: SPLIT_K changes only the
+    # code after the loop, but the loop compiles a little differently once split)
+    cfgs += [dataclasses.replace(c, split_k=2) for c in cfgs]
     if a.limit:
         cfgs = cfgs[:a.limit]
     jobs = [(dt, c) for dt in dtypes for c in cfgs]
@@ -774,43 +781,45 @@ def prefill_main(a) -> int:
               f"{'-' if in_flight(r) is None else in_flight(r)}"
               + (f"  spills {r['spills']} B, {r['local']} LDL/STL in the loop" if r["spills"] else ""))
     print("# predicted ratio dense / prefill kernel (> 1: faster than dense), per shape (out x in) and M:"
-          " the default config, and in brackets the best config of the space that spills nothing (its"
-          " BLOCK_M x BLOCK_N); dense: the idealized dense GEMM of dense_time(), the same for every config")
-    worst, wins, split_worst, unbounded = {}, [], {}, {}
+          " the default config (/s: split along K into s), and in brackets the best config of the space that"
+          " spills nothing (its BLOCK_M x BLOCK_N/s); dense: the idealized dense GEMM of dense_time(), the same"
+          " for every config")
+    worst, wins, unbounded, one_split = {}, [], {}, {}
     for dt in dtypes:
         w_bytes = dense_bytes_per_weight(dt)
         by_cfg = {r["cfg"]: r for r in rows if r["dtype"] == dt}
-        # Would a serial split-K lift the minimum? The default large tile, split 2 / 4 / 8, as a further choice.
-        big = by_cfg.get(prefill_config(4096, 4096, 4096, pair=dt))
         print(f"{dt:13} " + " ".join(f"{'M=' + str(m):>19}" for m in PREFILL_M))
         for N, K in PREFILL_SHAPES:
             cells = []
             for M in PREFILL_M:
-                ratios = {c: (lambda t: t[1] / t[0])(predicted_time(r, M, N, K, w_bytes, l2=a.l2))
-                          for c, r in by_cfg.items()}
+                def ratio(c, l2=a.l2):   # c: a config of the space, split along K or not
+                    ours, dense = predicted_time(by_cfg[cost_key(c)], M, N, K, w_bytes, c.split_k, l2)
+                    return dense / ours
+                space = [dataclasses.replace(c, split_k=s) for c in by_cfg if c.split_k == 1
+                         for s in split_factors(M, N, K, c) if not by_cfg.get(cost_key(
+                             dataclasses.replace(c, split_k=s)), {"spills": 1})["spills"]]
+                best = max(space, key=ratio)
                 default = prefill_config(M, N, K, pair=dt)
-                d = ratios.get(default)
-                best = max((c for c in ratios if not by_cfg[c]["spills"]), key=ratios.get)
+                d = ratio(default) if cost_key(default) in by_cfg else None
                 if d is not None:
                     worst[(dt, M)] = min(worst.get((dt, M), 9.0), d)
-                    ours, dense = predicted_time(by_cfg[default], M, N, K, w_bytes, l2=float("inf"))
-                    unbounded[(dt, M)] = min(unbounded.get((dt, M), 9.0), dense / ours)
+                    unbounded[(dt, M)] = min(unbounded.get((dt, M), 9.0), ratio(default, float("inf")))
+                    one_split[(dt, M)] = min(one_split.get((dt, M), 9.0), max(
+                        ratio(c) for c in space if c.split_k == 1))
                     if d >= 1.0:
                         wins.append(f"{dt} {N}x{K} M={M} {d:.2f}")
-                    if big is not None:
-                        split = max((lambda t: t[1] / t[0])(predicted_time(big, M, N, K, w_bytes, s, a.l2))
-                                    for s in PREFILL_SPLITS)
-                        split_worst[(dt, M)] = min(split_worst.get((dt, M), 9.0), max(d, split))
-                cells.append(f"{d if d is not None else float('nan'):.2f} ({ratios[best]:.2f} "
-                             f"{best.block_m}x{best.block_n})")
-            print(f"  {N}x{K:<8}  " + " ".join(f"{c:>19}" for c in cells))
+
+                def tile(c):
+                    return f"{c.block_m}x{c.block_n}" + (f"/{c.split_k}" if c.split_k > 1 else "")
+                split = f"/{default.split_k}" if default.split_k > 1 else ""
+                cells.append(f"{d if d is not None else float('nan'):.2f}{split} ({ratio(best):.2f} {tile(best)})")
+            print(f"  {N}x{K:<8}  " + " ".join(f"{c:>22}" for c in cells))
     print("min predicted prefill ratio to dense (default configs): " + ", ".join(
         f"{dt} M={m} {v:.2f}" for (dt, m), v in sorted(worst.items())))
     print("min predicted with L2 unbounded (both sides; the model without its L2 term): " + ", ".join(
         f"{dt} M={m} {v:.2f}" for (dt, m), v in sorted(unbounded.items())))
-    print(f"min predicted with a serial split-K (the default large tile, split {'/'.join(map(str, PREFILL_SPLITS))}, "
-          f"fp32 partials through L2 at {a.l2:g} B per SM clock) as a further choice: " + ", ".join(
-              f"{dt} M={m} {v:.2f}" for (dt, m), v in sorted(split_worst.items())))
+    print("min predicted without the serial split-K (the best config of the space not split): " + ", ".join(
+        f"{dt} M={m} {v:.2f}" for (dt, m), v in sorted(one_split.items())))
     print("predicted >= 1.0 of dense (default configs): " + (", ".join(wins) or "nowhere"))
     return 0
 

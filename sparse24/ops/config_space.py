@@ -15,7 +15,8 @@ import dataclasses
 import torch
 
 __all__ = ["KernelConfig", "KERNEL_VARIANTS", "LAYOUTS", "LAYOUT_KERNEL", "M_BUCKETS", "DTYPE_KEYS", "DECODE_M",
-           "SPLIT_K_MAX_M", "SP_MAX_M", "DECODE_PAIRS", "LISTED_SHAPES",
+           "SPLIT_K_MAX_M", "SP_MAX_M", "PREFILL_SPLIT_MAX_M", "PREFILL_SPLITS", "split_factors", "DECODE_PAIRS",
+           "LISTED_SHAPES",
            "m_bucket", "dtype_key", "builtin_config", "decode_default", "decode_rows", "candidate_configs", "decode_configs", "check_decode_config",
            "sparse_kernel", "prefill_configs", "check_prefill_config"]
 
@@ -36,10 +37,16 @@ SPLIT_K_MAX_M = 64
 # INT8 / INT4 weights with float16 / bfloat16 x stay on the sparse tensor-core kernel up to
 # SP_MAX_M rows, past 16 rows one program per 32 rows (block_m 32: every weight register
 # serves 32 rows): one pass over the weight to 32 rows, two to 64, predicted 2.62-3.20x and
-# 1.31-1.60x of dense (each pass counted from HBM), where the prefill kernel is predicted
-# 0.66-2.12x (scripts/kernel_static_check.py --sass --listed-only --listed-rows 32;
+# 1.31-1.60x of dense at its worst listed shape (each pass counted from HBM), where the
+# prefill kernel, split-K included, is predicted 0.82-1.17x at its worst (1.60-2.54x at its
+# best; scripts/kernel_static_check.py --sass --listed-only --listed-rows 32 and --prefill;
 # docs/kernels.md, "17-64 rows").
 SP_MAX_M = SPLIT_K_MAX_M
+# The prefill kernel's serial split-K (for few output tiles: x's rows times N's blocks below
+# the SMs) serves M buckets up to this many rows; its workspace holds a partial tile per
+# BLOCK_M rows of the bucket, and the split factors the defaults and the tuner consider.
+PREFILL_SPLIT_MAX_M = 4096
+PREFILL_SPLITS = (1, 2, 4, 8, 16)
 M_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 # The (weight, activation) pairs a compressed layer holds in the decode layout on CUDA:
 # short name -> dtype key (fp32 activations run too, off the tensor-core path).
@@ -155,7 +162,10 @@ def candidate_configs(M: int, N: int, K: int, num_sms: int = 132, layout: str = 
     """
     if layout == "decode":
         if M > DECODE_M and decode_rows(M, dtype) != 32:
-            return prefill_configs(M)
+            # and each config split along K where that can fill idle SMs (the model's
+            # defaults, prefill_config, take split-K there; the loop is the same)
+            return [dataclasses.replace(c, split_k=s) for c in prefill_configs(M)
+                    for s in split_factors(M, N, K, c, num_sms)]
         return decode_configs(M, N, K, dtype, num_sms)
     out: list[KernelConfig] = []
     if M <= 16:
@@ -353,6 +363,16 @@ def prefill_configs(M: int) -> list[KernelConfig]:
             for bm, bn, bk, w in space for st in (2, 3)]
 
 
+def split_factors(M: int, N: int, K: int, config: KernelConfig, num_sms: int = 132) -> tuple[int, ...]:
+    """The prefill kernel's serial split-K factors (:data:`PREFILL_SPLITS`) for ``config`` at
+    (M, N, K), the defaults' and the tuner's: 1, and up to M = PREFILL_SPLIT_MAX_M those that
+    keep two K-tiles per split and at most two programs per SM (split-K is for output tiles
+    too few to fill the SMs; the workspace grows with the programs)."""
+    tiles = -(-M // config.block_m) * -(-N // config.block_n)
+    return (1,) + tuple(s for s in PREFILL_SPLITS[1:] if M <= PREFILL_SPLIT_MAX_M and K >= 2 * s * config.block_k
+                        and tiles * s <= 2 * num_sms)
+
+
 def check_prefill_config(config: KernelConfig) -> KernelConfig:
     """Raise ValueError unless the prefill kernel can run ``config``; returns it. (BLOCK_N 256
     also needs the installed Triton to run it: :func:`check_prefill_runs`.)"""
@@ -360,10 +380,10 @@ def check_prefill_config(config: KernelConfig) -> KernelConfig:
     one_tile_per_warp = c.block_n in (32, 64, 128) and c.num_warps == c.block_n // 16
     wide = (c.block_m, c.block_n, c.num_warps) == (128, WIDE_N, 8) and c.block_k in (64, 128)
     if c.kernel != "prefill" or c.block_m < 16 or c.block_k < 64 or not (one_tile_per_warp or wide) \
-            or c.split_k != 1:
+            or c.split_k not in PREFILL_SPLITS:
         raise ValueError(f"bad prefill config {c}: need kernel 'prefill', block_m >= 16, block_k >= 64, block_n "
                          f"in (32, 64, 128) with num_warps == block_n // 16 (or block_m, block_n, num_warps = 128, "
-                         f"{WIDE_N}, 8 with block_k 64 or 128) and split_k == 1")
+                         f"{WIDE_N}, 8 with block_k 64 or 128) and split_k in {PREFILL_SPLITS}")
     return c
 
 

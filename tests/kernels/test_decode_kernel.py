@@ -228,8 +228,8 @@ def test_split_k_is_one_launch_and_deterministic(monkeypatch, gen):
     assert seen == [(2, 4, 1), (2, 4, 1)]
     assert y1.dtype == torch.float16 and torch.equal(y1, y2)
     assert_matches_reference(y1, x, dense, b)
-    _, counts = launch.decode_workspace(x.device, 72, cfg, 4)
-    assert counts.shape == (2,) and not counts.any()
+    counts = next(plan.extra[1] for key, plan in launch._PLANS.items() if key[8] == 4 and plan.config == cfg)
+    assert counts.numel() >= 2 and not counts.any()
 
 
 def test_rejects_bad_input_and_changes_nothing(gen):

@@ -2,6 +2,8 @@
 weight tile), run on CPU tensors in Triton's interpreter (the same source the
 GPU compiles), against F.linear in fp64 on the masked dense weight; its config
 checks; and an ahead-of-time sm_90 compile (wgmma with W from registers)."""
+import dataclasses
+
 import pytest
 import torch
 import triton.language as tl
@@ -10,9 +12,10 @@ import sparse24
 from sparse24.kernels.interpreter import InterpretedKernel
 from sparse24.kernels.sparse24_prefill import NATURAL_TRITON, int8_bf16_scaled
 from sparse24.decode_format import DecodePacked, pack_decode
-from sparse24.ops.config_space import KernelConfig
+from sparse24.ops.config_space import KernelConfig, check_prefill_runs, m_bucket, split_factors
+from sparse24.ops.linear24 import launch
 from sparse24.ops.linear24.launch import linear_prefill
-from sparse24.ops.linear24 import prefill
+from sparse24.ops.linear24 import prefill, prefill_model
 from sparse24.ops.linear24.prefill import check_prefill_config, natural_tile, prefill_config, prefill_configs
 
 from conftest import assert_matches_reference, int32_words, reference_linear, tolerance
@@ -82,10 +85,14 @@ def test_natural_order_tiles_match_reference(M, N, K, xtype, wtype, bm, bn, gen)
 
 def _check_tile(M, N, K, xtype, wtype, cfg, gen):
     """One launch of ``cfg`` with bias against fp64 on the masked dense weight ("bf16": a
-    bfloat16 weight; else _weight's kinds)."""
+    bfloat16 weight; "int4": INT4, group 64, zero points; else _weight's kinds). Returns
+    ``(x, d, b, y)``, or None where this Triton refuses the tile (checked: nothing runs)."""
     if wtype == "bf16":
         w = torch.randn(N, K, generator=gen).bfloat16()
         d, dense = pack_decode(sparse24.compress(w)), (w * sparse24.mask_nm(w)).double()
+    elif wtype == "int4":
+        p = sparse24.compress(torch.randn(N, K, generator=gen), quantize="int4", group_size=64)
+        d, dense = pack_decode(p), p.to_dense().double()
     else:
         d, dense = _weight(N, K, wtype, gen)
     x = torch.randn(M, K, generator=gen).to(xtype)
@@ -93,10 +100,11 @@ def _check_tile(M, N, K, xtype, wtype, cfg, gen):
     if not natural_tile(cfg.block_m, cfg.block_n) and cfg.block_n == 256:   # Triton < 3.6: refused, nothing runs
         with pytest.raises(ValueError, match="needs Triton >= 3.6"):
             linear_prefill(x, d, b, config=cfg)
-        return
+        return None
     tri = linear_prefill(x, d, b, config=cfg)
     assert tri.dtype == xtype and tri.shape == (M, N)
     assert_matches_reference(tri, x, dense, b)
+    return x, d, b, tri
 
 
 @pytest.mark.parametrize("M,N,K,xtype,wtype", [
@@ -110,6 +118,59 @@ def test_the_wide_tile_matches_reference(M, N, K, xtype, wtype, gen):
     x tile both share; the second half's pointers, its epilogue rows and, past N, its clamped
     re-read of the last rows (never stored). Before Triton 3.6: a clear refusal."""
     _check_tile(M, N, K, xtype, wtype, _cfg(128, 256, 64), gen)
+
+
+def _split(bm, bn, bk, split):
+    return dataclasses.replace(_cfg(bm, bn, bk), split_k=split)
+
+
+@pytest.mark.parametrize("M,N,K,xtype,wtype,cfg", [
+    (40, 200, 1000, torch.float32, "fp16", _split(32, 64, 128, 2)),   # a partial K-tile in the last split
+    (40, 72, 1000, torch.float16, "int8", _split(32, 64, 128, 4)),
+    (17, 72, 300, torch.float32, "fp16", _split(32, 128, 128, 4)),    # 3 K-tiles, 4 splits: one owns none
+    (67, 40, 700, torch.float32, "int4", _split(64, 64, 128, 16)),    # 6 K-tiles, 16 splits
+    (130, 72, 520, torch.float16, "fp16", _split(128, 64, 64, 2)),    # natural order, two accumulators
+    (130, 300, 520, torch.float32, "int8", _split(128, 256, 64, 4)),  # the wide tile: both halves' partials
+])
+def test_serial_split_k_matches_reference(M, N, K, xtype, wtype, cfg, gen):
+    """The serial split-K (few output tiles: x's rows and N's blocks below the SMs): each split
+    sums its K-tiles, stores its fp32 partial tile(s) in the plan's workspace and the last to
+    arrive adds them in split order and writes out with bias; against fp64, twice (the counters
+    are back at zero after a call, as the next launch needs), bit-identical both times (the
+    order of the sums does not depend on which program arrives last)."""
+    case = _check_tile(M, N, K, xtype, wtype, cfg, gen)
+    if case is None:
+        return
+    x, d, b, first = case
+    ws, counts = next(plan.extra for key, plan in launch._PLANS.items()   # the plan's own (key[8]: M bucket)
+                      if key[8] == m_bucket(M) and plan.config == cfg)
+    tiles = -(-m_bucket(M) // cfg.block_m) * -(-N // cfg.block_n)
+    assert counts.numel() >= tiles and ws.numel() >= tiles * cfg.split_k * cfg.block_n * cfg.block_m
+    assert not counts.any()
+    assert torch.equal(linear_prefill(x, d, b, config=cfg), first)
+    # stale workspace contents never leak in: each split writes its slot before the last reads them
+    ws.fill_(1e6)
+    assert torch.equal(linear_prefill(x, d, b, config=cfg), first)
+
+
+def test_split_k_workspace_is_one_per_device_and_grows(monkeypatch):
+    """The serial split-K's workspace and counters (decode and prefill kernels): one pair per
+    device that every plan takes, the latest the largest; a larger need makes a new pair at
+    least twice the last (the old one stays with the plans that hold it: CUDA graphs keep valid
+    pointers), a smaller one takes the latest; no split, no workspace."""
+    monkeypatch.setattr(launch, "_WORKSPACES", {})
+    cfg = KernelConfig(16, 64, 128, 8, 2, 4, 1, kernel="decode")
+    ws, counts = launch.decode_workspace("cpu", 64, cfg, 2)      # 1 tile of 64 x 16, 2 splits
+    assert (ws.numel(), counts.numel()) == (2 * 64 * 16, 1)
+    assert launch.decode_workspace("cpu", 64, cfg, 2)[0] is ws
+    big, big_counts = launch.decode_workspace("cpu", 640, cfg, 2)   # 10 tiles: more than twice
+    assert (big.numel(), big_counts.numel()) == (10 * 2 * 64 * 16, 10) and not big_counts.any()
+    assert launch.decode_workspace("cpu", 64, cfg, 2)[0] is big
+    grown, grown_counts = launch.decode_workspace("cpu", 704, cfg, 2)   # 11 tiles: twice the last
+    assert (grown.numel(), grown_counts.numel()) == (2 * big.numel(), 20)
+    wide = dataclasses.replace(_cfg(128, 256, 64), split_k=2)           # the prefill's, per BLOCK_M rows
+    assert launch.decode_workspace("cpu", 300, wide, 2, 256, 128)[0].numel() >= 2 * 2 * 2 * 256 * 128
+    assert launch.decode_workspace("cpu", 64, cfg, 1) == (None, None)
 
 
 def _int8_bf16_kernel(d_ptr, w_ptr, n: tl.constexpr):
@@ -209,7 +270,8 @@ def _rule_config(M, N, monkeypatch):
 def test_default_configs_without_a_cost_table(monkeypatch):
     """A Triton with no cost table (below 3.6, or one not yet measured) gets the fixed list:
     the largest tile that still gives enough programs for an H200's 132 SMs, wasting at most
-    half its rows, the same for every weight kind."""
+    half its rows, the same for every weight kind, split along K while the programs still fit one
+    wave."""
     wide = natural_tile(256, 128)   # Triton >= 3.6: 256 x 128 first, from 0.5 programs per SM
     assert [(lambda c: (c.block_m, c.block_n))(_rule_config(M, 4096, monkeypatch)) for M in (17, 64, 65, 256, 512, 1024, 100000)] == \
         [(32, 64), (32, 64), (128, 64), (128, 64), (128, 128)] + [(256 if wide else 128, 128)] * 2
@@ -217,6 +279,9 @@ def test_default_configs_without_a_cost_table(monkeypatch):
     assert _rule_config(64, 8192, monkeypatch).block_m == 64   # 128 programs of 64 x 64: from 0.5 per SM
     assert _rule_config(64, 3072, monkeypatch).block_m == 32   # 48 programs of 64 x 64: too few
     assert _rule_config(40, 28672, monkeypatch).block_m == 64  # never 128 rows for 40
+    # 64 programs of 32 x 64 (17 rows, 4096 x 4096): split in two (128 programs); 28672 rows give
+    # 448 programs, more than a wave already; past PREFILL_SPLIT_MAX_M rows nothing is split
+    assert [_rule_config(M, N, monkeypatch).split_k for M, N in ((17, 4096), (17, 28672), (100000, 1024))] == [2, 1, 1]
 
 
 def test_default_configs_follow_the_model(monkeypatch):
@@ -241,17 +306,21 @@ def test_default_configs_follow_the_model(monkeypatch):
         for N, K in tool.PREFILL_SHAPES:
             for M in (17, 40, 64, 65, 100, 129, 256, 512, 2048, 4096):
                 c = check_prefill_config(prefill_config(M, N, K, pair=pair))
-                assert c in prefill_configs(M) and c.block_n >= 64
-                assert rows[c]["spills"] == 0 and (M > 64 or c.block_m <= 64)
+                one = dataclasses.replace(c, split_k=1)
+                assert one in prefill_configs(M) and c.block_n >= 64 and c.split_k in split_factors(M, N, K, one)
+                assert rows[prefill.cost_key(c)]["spills"] == 0 and (M > 64 or c.block_m <= 64)
                 fixed = _rule_config(M, N, monkeypatch)
 
-                def ratios(cfg):
-                    return [d / o for o, d in (tool.predicted_time(rows[cfg], M, N, K, w_bytes, l2=l2)
+                def ratios(cfg):   # a config of the space, split along K or not (its split row)
+                    return [d / o for o, d in (tool.predicted_time(rows[prefill.cost_key(cfg)], M, N, K, w_bytes,
+                                                                   cfg.split_k, l2)
                                                for l2 in (tool.L2_BYTES_PER_SM_CLK, float("inf")))]
-                if rows[fixed]["spills"]:   # the model never takes a config that spills (3.7: INT4 x bf16 128 x 64)
-                    continue
+                if rows[prefill.cost_key(fixed)]["spills"]:   # the model never takes a config that spills
+                    continue                                   # (3.7: INT4 x bf16 128 x 64)
+                split = [dataclasses.replace(cfg, split_k=sk) for cfg in prefill_configs(M)
+                         for sk in split_factors(M, N, K, cfg)]
                 floor = (1 - prefill.ROBUST_TOLERANCE) * max(
-                    min(ratios(cfg)) for cfg in prefill_configs(M) if rows[cfg]["spills"] == 0)
+                    min(ratios(cfg)) for cfg in split if rows[prefill.cost_key(cfg)]["spills"] == 0)
                 assert min(ratios(c)) >= floor - 1e-12, (pair, N, K, M, c)
                 assert min(ratios(c)) >= (1 - prefill.ROBUST_TOLERANCE) * min(ratios(fixed)) - 1e-12, (pair, N, K, M)
                 if min(ratios(fixed)) >= floor:
@@ -262,8 +331,8 @@ def test_default_configs_follow_the_model(monkeypatch):
 
 def _synthetic_row(stages, alone, l2_clocks, spills=0):
     """A cost row of 128 x 128 x 64 for the two tests below: 4096 x 4096 at M = 512 is 128
-    programs, one per SM, 64 K-tiles; dense takes 16 clocks per column of K at 32 B per SM clock
-    and 8 without an L2 limit (test_l2_traffic_of_a_tile)."""
+    programs, one per SM, 64 K-tiles (not split: _choice); dense takes 40960 clocks at 32 B per SM
+    clock and 32768 without an L2 limit (test_l2_traffic_of_a_tile)."""
     return dict(cfg=_cfg(128, 128, 64, stages), t_tensor=512.0, t_issue=300.0, alone=alone,
                 l2_bytes=32 * l2_clocks, per_sm=1, spills=spills)
 
@@ -273,6 +342,7 @@ def _choice(monkeypatch, rows, tolerance=None):
     fake = {pair: {"w_bytes": 1.125, "configs": rows} for pair in prefill.PAIRS}
     with monkeypatch.context() as m:
         m.setattr(prefill, "prefill_costs", lambda *args, **kw: fake)
+        m.setattr(prefill, "split_factors", lambda *args, **kw: (1,))
         if tolerance is not None:
             m.setattr(prefill, "ROBUST_TOLERANCE", tolerance)
         prefill_config.cache_clear()
@@ -284,8 +354,8 @@ def _choice(monkeypatch, rows, tolerance=None):
 
 def test_default_config_takes_the_best_worst_case(monkeypatch):
     """The choice between two configs by hand (_synthetic_row). A: 600 clocks per K-tile at
-    either bandwidth (its own loop), ratios 65536 / 38400 = 1.71 and 32768 / 38400 = 0.85;
-    B: 700 at 32 B (L2), 512 unbounded: 1.46 and 1.00. The model at 32 B alone would take A;
+    either bandwidth (its own loop), ratios 40960 / 38400 = 1.07 and 32768 / 38400 = 0.85;
+    B: 700 at 32 B (L2), 512 unbounded: 0.91 and 1.00. The model at 32 B alone would take A;
     the default takes B, whose worst case is more than ROBUST_TOLERANCE better. A row that
     spills is never taken."""
     a, b = _synthetic_row(2, 600.0, 600), _synthetic_row(3, 512.0, 700)
@@ -297,10 +367,10 @@ def test_default_config_takes_the_best_worst_case(monkeypatch):
 def test_default_config_takes_the_assumed_l2_within_the_tolerance(monkeypatch):
     """Where both configs' worst cases are the unbounded-L2 case and lie within
     ROBUST_TOLERANCE of each other, the default takes the better one at the assumed 32 B per
-    SM clock: A, 512 clocks per K-tile alone, 1000 through L2: 65536 / 64000 = 1.02 and
-    32768 / 32768 = 1.00; B, 520 either way: 1.97 and 0.985. The best worst case alone (a
+    SM clock: A, 512 clocks per K-tile alone, 600 through L2: 40960 / 38400 = 1.07 and
+    32768 / 32768 = 1.00; B, 520 either way: 1.23 and 0.985. The best worst case alone (a
     tolerance of 1%: 0.985 out of reach) takes A."""
-    a, b = _synthetic_row(2, 512.0, 1000), _synthetic_row(3, 520.0, 520)
+    a, b = _synthetic_row(2, 512.0, 600), _synthetic_row(3, 520.0, 520)
     assert _choice(monkeypatch, [a, b]) == b["cfg"]
     assert _choice(monkeypatch, [a, b], tolerance=0.01) == a["cfg"]
 
@@ -330,7 +400,9 @@ def test_a_corrupt_cost_table_is_refused(tmp_path):
     bad(lambda d: first(d).pop("alone"), "exactly the keys")
     bad(lambda d: first(d).update(alone=-1.0), "number >= 0")
     bad(lambda d: first(d).update(regs="many"), "number >= 0")
-    bad(lambda d: first(d).update(config=[128, 64, 64, 8, 2]), "bad prefill config")   # warps != BN / 16
+    bad(lambda d: first(d).update(config=[128, 64, 64, 8, 2, 1]), "bad prefill config")   # warps != BN / 16
+    bad(lambda d: first(d).update(config=[128, 64, 64, 4, 2]), "split_k")                # no split column
+    bad(lambda d: first(d).update(config=[128, 64, 64, 4, 2, 4]), "split_k 1 or 2")     # rows measure 1 and 2
     bad(lambda d: d.update(format=2), "format 1")
     path.write_text("{not json")
     prefill._load_costs.cache_clear()
@@ -380,6 +452,33 @@ def test_large_m_default_compiles_to_hgmma_for_sm90(dtype, monkeypatch):
             assert r["t_issue"] < r["t_tensor"]
 
 
+@pytest.mark.parametrize("dtype,cfg", [("float16", _split(32, 64, 128, 4)), ("int4-bfloat16", _split(128, 64, 64, 2)),
+                                       ("int8-bfloat16", _split(128, 256, 64, 2))],
+                         ids=["fp16-32x64-split4", "int4-bf16-128x64-split2", "int8-bf16-128x256-split2"])
+def test_split_k_compiles_its_cost_row_for_sm90(dtype, cfg, monkeypatch):
+    """No GPU here: a split config compiled for sm_90 (split 4 or 2) adds one atomic per
+    program (the arrival counter; the partials follow the loop) and runs the main loop, with
+    the registers and spills, of its split row in the committed cost table (split 2 stands for
+    every factor, which changes only the code after the loop; the model charges a split config
+    that row, and the defaults never take one that spills: Triton 3.6 spills 56 B at INT4 x
+    bf16 128 x 64): the small-M default (32 x 64), a natural tile with two accumulators, the
+    wide tile (both halves' partials)."""
+    monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")
+    if not natural_tile(cfg.block_m, cfg.block_n) and cfg.block_n == 256:   # Triton < 3.6: refused
+        with pytest.raises(ValueError, match="needs Triton >= 3.6"):
+            check_prefill_runs(cfg)
+        return
+    tool = _static_check()
+    r = tool.prefill_model(tool.prefill_one(dtype, cfg, 90))
+    assert r["per_sm"] >= 1 and r["atomics"] == 1
+    table = prefill.prefill_costs()
+    if table is not None:
+        row = next(row for row in table[dtype]["configs"] if row["cfg"] == prefill.cost_key(cfg))
+        assert {k: r[k] for k in ("loop", "mma", "half", "regs", "spills")} == \
+            {k: row[k] for k in ("loop", "mma", "half", "regs", "spills")}
+        assert r["alone"] == pytest.approx(row["alone"], abs=0.01)
+
+
 def test_l2_traffic_of_a_tile():
     """The model's L2 term by hand: a 256 x 128 x 64 fp16 tile reads 256 x 64 x 2 B of x and
     128 x 64 x 1 B of kept values + 128 x 64 / 8 B of metadata per K-tile; 128 x 64 x 64 reads
@@ -398,11 +497,18 @@ def test_l2_traffic_of_a_tile():
     ours, dense = tool.predicted_time(r, 4096, 4096, 4096, 1.125)
     assert ours == 64 * 8 * 2 * 656            # 2048 programs: 16 per SM, 8 rounds of 2; 64 K-tiles
     assert dense == 64 * 4096                  # 128 x 256: 512 tiles, 4 waves of 16 clocks per column of K
-    # without an L2 limit the tensor cores bind: 2 x 256 per round; dense the same here
-    assert tool.predicted_time(r, 4096, 4096, 4096, 1.125, l2=float("inf")) == (64 * 8 * 2 * 256, 64 * 4096)
-    # M = 512: 64 tiles of 128 x 256 in one wave (16 clocks per column of K); without an L2 limit
-    # 128 x 128 (8 clocks, L2-bound at 16 with 32 B per SM clock) and 64 x 128 (two waves of 4) beat it
-    assert (tool.dense_time(512, 4096, 4096), tool.dense_time(512, 4096, 4096, float("inf"))) == (16 * 4096, 8 * 4096)
+    # without an L2 limit the tensor cores bind: 2 x 256 per round; dense evens out its waves with
+    # 32 x 64 tiles (8192 of them: 63 waves of one clock per column of K; no split, they fill the SMs)
+    assert tool.predicted_time(r, 4096, 4096, 4096, 1.125, l2=float("inf")) == (64 * 8 * 2 * 256, 63 * 4096)
+    # M = 512: 64 tiles of 128 x 256 in one wave (16 clocks per column of K), so dense splits K in
+    # two: 128 programs over 2048 columns, plus 2 partial tiles of 128 KiB through L2 (8192 clocks);
+    # without an L2 limit 32 x 64 tiles: 1024 of them, 8 waves of one clock per column
+    assert tool.dense_time(512, 4096, 4096) == 16 * 2048 + 2 * 128 * 256 * 4 / 32 == 10 * 4096
+    assert tool.dense_time(512, 4096, 4096, float("inf")) == 8 * 4096
+    # the idealized dense GEMM streams a small-M weight at HBM's rate (small tiles, split-K), so no
+    # prediction can pass the byte ratio there: fp16 4096 x 4096 at M = 32
+    per_byte = 1 / prefill_model.SMS / prefill_model.HBM_BYTES_PER_SM_CLK
+    assert tool.dense_time(32, 4096, 4096) == pytest.approx((4096 * 4096 + 32 * 8192) * 2 * per_byte)
 
 
 def test_split_k_estimate_counts_more_programs_and_the_partials():

@@ -189,11 +189,12 @@ def test_past_16_rows_split_k_inside_the_launch(M, rows, quantize, gen):
     x = torch.randn(M, 200, generator=gen).half()
     for tiles_per_warp in (1, 2, 4):
         cfg = _cfg(64, 128, split=2, tiles_per_warp=tiles_per_warp, rows=rows)
-        ws, counts = launch.decode_workspace(x.device, 72, cfg, 2, m_bucket(M))   # the plan's (cached)
-        assert counts.numel() == 2 * m_bucket(M) // 16    # per W tile and 16 rows of the bucket (checked first:
-        assert ws.numel() == counts.numel() * 2 * 64 * 16  # a short one makes the interpreter write past it)
+        ws, counts = launch.decode_workspace(x.device, 72, cfg, 2, m_bucket(M))   # what the plan will take
+        tiles = 2 * m_bucket(M) // 16                     # per W tile and 16 rows of the bucket (checked first:
+        assert counts.numel() >= tiles and ws.numel() >= tiles * 2 * 64 * 16   # a short one is written past)
         assert_matches_reference(linear_decode(x, d, b, config=cfg), x, dense, b)
-        assert not counts.any()                            # reset for the next launch
+        plan = next(plan for key, plan in launch._PLANS.items() if key[8] == m_bucket(M) and plan.config == cfg)
+        assert not plan.extra[1].any()                     # reset for the next launch
     assert launch._DecodeSP.split_k(cfg, m_bucket(M), False) == 2
     assert launch._DecodeSP.grid(M, 72, cfg, 2) == (2, 2, -(-M // rows))
 

@@ -1,4 +1,5 @@
 """Tuned-config files: schema, lookup order, fallbacks, writing, the CLI without a GPU."""
+import dataclasses
 import json
 import warnings
 
@@ -313,9 +314,13 @@ def test_prefill_entries_serve_the_prefill_route(isolated, tmp_path):
     as the nearest M (one of at most 64 rows per program at 17-64 rows), never by the decode kernel's
     lookup, and never made the file's default; without one, the prefill kernel's model default. A
     prefill entry where the route does not run the prefill kernel, or one it cannot run, is refused."""
+    from sparse24.ops.config_space import split_factors
     from sparse24.ops.linear24.prefill import prefill_config, prefill_configs
-    assert tuning.candidate_configs(128, 4096, 4096, 132, "decode", "float16") == prefill_configs(128)
-    assert tuning.candidate_configs(128, 4096, 4096, 132, "decode", "int8-float16") == prefill_configs(128)
+    space = [dataclasses.replace(c, split_k=s) for c in prefill_configs(128) for s in split_factors(128, 4096, 4096, c)]
+    assert tuning.candidate_configs(128, 4096, 4096, 132, "decode", "float16") == space
+    assert tuning.candidate_configs(128, 4096, 4096, 132, "decode", "int8-float16") == space
+    assert {c.split_k for c in space} == {1, 2, 4, 8, 16}   # the wide tile's 16 programs split up to 16
+    assert {c.split_k for c in tuning.candidate_configs(2048, 4096, 4096, 132, "decode", "float16")} == {1}
     sp = tuning.candidate_configs(32, 4096, 4096, 132, "decode", "int8-float16")
     assert sp and all(c.kernel == "decode" and c.block_m == 32 for c in sp)   # the sparse tensor-core route
     wide = KernelConfig(256, 128, 64, 8, 1, 8, 2, kernel="prefill")

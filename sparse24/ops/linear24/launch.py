@@ -36,8 +36,8 @@ import torch
 
 from ...decode_format import DecodePacked, check_word_aligned, decode_dims, pack_decode
 from ...format import Sparse24Tensor
-from ..config_space import (DECODE_M, LAYOUT_KERNEL, SPLIT_K_MAX_M, KernelConfig, check_decode_config, dtype_key,
-                            check_prefill_runs, m_bucket, sparse_kernel)
+from ..config_space import (DECODE_M, LAYOUT_KERNEL, PREFILL_SPLIT_MAX_M, SPLIT_K_MAX_M, KernelConfig,
+                            check_decode_config, check_prefill_runs, dtype_key, m_bucket, sparse_kernel)
 from ..config_store import device_info, get_choice, get_config, on_clear
 from .naive import check_linear_args
 from .prefill import natural_tile, prefill_config, prefill_pair
@@ -356,28 +356,43 @@ def target_dtype(config: KernelConfig, split_k: int, x_dtype: torch.dtype) -> to
     return torch.float32 if _atomic_split(config, split_k) else x_dtype
 
 
-# Decode split-K workspaces: {(device, partial floats, counters): (workspace, counters)},
-# never freed, so a CUDA graph that captured a launch keeps valid pointers. Plans of
-# equal size share one: launches on one stream run one after another and each leaves
-# its counters at zero. (Two streams running plans of one size at the same time would
-# race on it: not supported.)
+# Serial split-K workspaces (decode and prefill kernels), per device: the latest is the largest,
+# and every plan made since takes it (fp32 partials and int32 arrival counters). Never freed, so
+# a CUDA graph that captured a launch keeps valid pointers; a plan holds the one it was made with.
+# Launches on one stream run one after another and each leaves its counters at zero, so plans
+# share it; two streams running split-K plans at the same time would race on it: not supported.
+# Growing by at least twice keeps all of them under twice the largest need.
 _WORKSPACES: dict = {}
 
 
-def decode_workspace(device, N: int, config: KernelConfig, split_k: int, bucket: int = DECODE_M) -> tuple:
-    """``(workspace, counters)`` of the decode kernels' serial split-K for up to ``bucket``
-    rows of x (<= SPLIT_K_MAX_M): fp32 ``(tiles, split_k, BLOCK_N, 16)`` partials and int32
-    ``(tiles,)`` arrival counters, zero between launches, one tile per BLOCK_N rows of W and
-    16 rows of x (tiles = ceil(N / BLOCK_N) * ceil(bucket / 16), the kernels' grid x by z);
-    ``(None, None)`` without split-K."""
+def decode_workspace(device, N: int, config: KernelConfig, split_k: int, bucket: int = DECODE_M,
+                     block_m: int = 16) -> tuple:
+    """``(workspace, counters)`` of the serial split-K for up to ``bucket`` rows of x, in
+    blocks of ``block_m`` rows (the decode kernels: 16, to SPLIT_K_MAX_M rows; the prefill
+    kernel: its BLOCK_M): fp32 partials, at least ``(tiles, split_k, BLOCK_N, block_m)``, and
+    int32 arrival counters, at least ``(tiles,)``, zero between launches, one tile per BLOCK_N
+    rows of W and block of x (tiles = ceil(N / BLOCK_N) * ceil(bucket / block_m), the kernels'
+    grid without its split-K axis): the device's shared pair, grown where this plan needs
+    more; ``(None, None)`` without split-K."""
     if split_k == 1:
         return None, None
-    tiles = _cdiv(N, config.block_n) * _cdiv(bucket, 16)
-    key = (torch.device(device), tiles * split_k * config.block_n * 16, tiles)
-    if key not in _WORKSPACES:
-        _WORKSPACES[key] = (torch.empty(key[1], dtype=torch.float32, device=device),
-                            torch.zeros(tiles, dtype=torch.int32, device=device))
-    return _WORKSPACES[key]
+    tiles = _cdiv(N, config.block_n) * _cdiv(bucket, block_m)
+    floats = tiles * split_k * config.block_n * block_m
+    device = torch.device(device)
+    ws, counts = _WORKSPACES.get(device, (None, None))
+    if ws is None or ws.numel() < floats or counts.numel() < tiles:
+        floats, tiles = (floats, tiles) if ws is None else (max(floats, 2 * ws.numel()), max(tiles, 2 * counts.numel()))
+        _WORKSPACES[device] = ws, counts = (torch.empty(floats, dtype=torch.float32, device=device),
+                                            torch.zeros(tiles, dtype=torch.int32, device=device))
+    return ws, counts
+
+
+def _split_extra(device, N, config, split_k, bucket, block_m) -> tuple:
+    """The decode and prefill kernels' workspace and counters arguments."""
+    ws, counts = decode_workspace(device, N, config, split_k, bucket, block_m)
+    # without split-K the two pointers are never read: any tensor will do
+    return (ws, counts) if ws is not None else (_PLACEHOLDER.setdefault(device, torch.empty(
+        1, dtype=torch.int32, device=device)),) * 2
 
 
 # --- the three kernels' arguments ---------------------------------------------------
@@ -477,10 +492,7 @@ class _Decode:
 
     @staticmethod
     def extra(device, N, config, split_k, bucket) -> tuple:
-        ws, counts = decode_workspace(device, N, config, split_k, bucket)
-        # without split-K the two pointers are never read: any tensor will do
-        return (ws, counts) if ws is not None else (_PLACEHOLDER.setdefault(device, torch.empty(
-            1, dtype=torch.int32, device=device)),) * 2
+        return _split_extra(device, N, config, split_k, bucket, 16)
 
     @staticmethod
     def zero_arg(zero) -> tuple:
@@ -535,7 +547,8 @@ class _Decode:
 
 class _Prefill(_Decode):
     """``kernels/sparse24_prefill.py``: the decode layout, BLOCK_M rows of x per program
-    (the decode kernel's arguments; one program per (BLOCK_N, BLOCK_M) tile, no split-K)."""
+    (the decode kernel's arguments; one program per (BLOCK_N, BLOCK_M) tile and split of K,
+    the serial split-K's workspace per BLOCK_M rows)."""
 
     @staticmethod
     def kernel(cuda: bool):
@@ -547,25 +560,21 @@ class _Prefill(_Decode):
                    bucket=16) -> dict:
         return dict(_decode_weight_constexprs(has_scale, values_dtype, has_bias, tf32, group_size, has_zero),
                     BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
-                    NATURAL=natural_tile(config.block_m, config.block_n))
+                    NATURAL=natural_tile(config.block_m, config.block_n), SPLIT_K=split_k)
 
     @staticmethod
     def split_k(config, bucket, deterministic) -> int:
-        return 1
+        # Serial split-K sums the partials in split order: deterministic. Up to
+        # PREFILL_SPLIT_MAX_M rows (the workspace holds a tile per BLOCK_M rows of the bucket).
+        return config.split_k if bucket <= PREFILL_SPLIT_MAX_M else 1
 
     @staticmethod
     def extra(device, N, config, split_k, bucket) -> tuple:
-        return ()
-
-    @staticmethod
-    def args(x2, values, meta, s, b, target, M, extra=(), z=()) -> tuple:
-        N, K = target.shape[1], x2.shape[1]
-        return (x2, values, meta, s, *z, b, target, M, N, K, _cdiv(K, 64), meta.shape[2],
-                x2.stride(0), x2.stride(1), target.stride(0), target.stride(1))
+        return _split_extra(device, N, config, split_k, bucket, config.block_m)
 
     @staticmethod
     def grid(M, N, config, split_k) -> tuple:
-        return (_cdiv(M, config.block_m) * _cdiv(N, config.block_n), 1, 1)
+        return (_cdiv(M, config.block_m) * _cdiv(N, config.block_n), split_k, 1)
 
 
 class _DecodeSP(_Decode):

@@ -11,16 +11,17 @@ no call converts or decompresses the whole weight (``scripts/bench_host.py
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
 from pathlib import Path
 
-from ..config_space import DECODE_M, KernelConfig, check_prefill_config, prefill_configs
+from ..config_space import DECODE_M, KernelConfig, check_prefill_config, prefill_configs, split_factors
 from .prefill_model import L2_BYTES_PER_SM_CLK, predicted_time
 
-__all__ = ["prefill_config", "prefill_configs", "check_prefill_config", "natural_tile", "prefill_pair", "prefill_costs",
-           "COSTS_FILE", "PAIRS", "COST_KEYS", "ROBUST_TOLERANCE"]
+__all__ = ["prefill_config", "prefill_configs", "check_prefill_config", "cost_key", "natural_tile", "prefill_pair",
+           "prefill_costs", "COSTS_FILE", "PAIRS", "COST_KEYS", "ROBUST_TOLERANCE"]
 
 # The untuned default is the config the time model (:mod:`.prefill_model`) predicts fastest
 # for the shape, from each config's costs measured on its sm_90 SASS with the installed
@@ -57,13 +58,16 @@ _TILES = ((128, 128, 64, 8, 2, 0.5), (128, 64, 64, 4, 2, 0.0), (64, 64, 128, 4, 
 @functools.lru_cache(maxsize=4096)
 def prefill_config(M: int, N: int, K: int, num_sms: int = 132, pair: str = "float16") -> KernelConfig:
     """The untuned prefill config for ``M`` rows (``M > 16``) of an ``N x K`` weight:
-    of :func:`prefill_configs` (M), the one :func:`~.prefill_model.predicted_time` puts
-    fastest on ``num_sms`` SMs (default: an H200's 132) from the installed Triton's cost
-    table for ``pair`` (:data:`PAIRS`, :func:`prefill_pair`): of the configs whose worst-case
-    ratio to dense over L2 at 32 B per SM clock and unbounded is within
-    :data:`ROBUST_TOLERANCE` of the largest, the largest ratio at 32. Without a
-    table for this Triton: the first tile of a fixed list that wastes at most half its
-    BLOCK_M rows and gives enough programs (docs/kernels.md "Prefill path")."""
+    of :func:`prefill_configs` (M), each also split along K by the factors of
+    :func:`~sparse24.ops.config_space.split_factors` (serial split-K, where the output tiles
+    leave SMs idle), the one :func:`~.prefill_model.predicted_time` puts fastest on
+    ``num_sms`` SMs (default: an H200's 132) from the installed Triton's cost table for
+    ``pair`` (:data:`PAIRS`, :func:`prefill_pair`; a split config costs its split row,
+    :func:`cost_key`): of the configs whose worst-case ratio to dense over L2 at 32 B per SM
+    clock and unbounded is within :data:`ROBUST_TOLERANCE` of the largest, the largest ratio
+    at 32. Without a table for this Triton: the first tile of a fixed list that wastes at most
+    half its BLOCK_M rows and gives enough programs, split along K while that still fits
+    one wave (docs/kernels.md "Prefill path")."""
     if M <= DECODE_M:
         raise ValueError(f"the prefill kernel serves M > {DECODE_M}, got M = {M}")
     if pair not in PAIRS:
@@ -71,19 +75,34 @@ def prefill_config(M: int, N: int, K: int, num_sms: int = 132, pair: str = "floa
     table = prefill_costs()
     if table is not None:
         space = set(prefill_configs(M))
-        rows = [r for r in table[pair]["configs"] if r["cfg"] in space and not r["spills"] and r["per_sm"] >= 1]
+        by_cfg = {r["cfg"]: r for r in table[pair]["configs"]}
+        # (the row that measures it, split factor) for each config of the space, in table order
+        rows = [(by_cfg.get(cost_key(dataclasses.replace(r["cfg"], split_k=s))), s) for r in table[pair]["configs"]
+                if r["cfg"] in space for s in split_factors(M, N, K, r["cfg"], num_sms)]
+        rows = [(r, s) for r, s in rows if r is not None and not r["spills"] and r["per_sm"] >= 1]
         if rows:
             w_bytes = table[pair]["w_bytes"]
-            ratios = [[dense / ours for ours, dense in (predicted_time(r, M, N, K, w_bytes, l2=l2, sms=num_sms)
-                                                        for l2 in (L2_BYTES_PER_SM_CLK, math.inf))] for r in rows]
+            ratios = [[dense / ours for ours, dense in (predicted_time(r, M, N, K, w_bytes, s, l2, num_sms)
+                                                        for l2 in (L2_BYTES_PER_SM_CLK, math.inf))] for r, s in rows]
             floor = max(map(min, ratios)) * (1 - ROBUST_TOLERANCE)
-            return max((rat[0], -i, r["cfg"]) for i, (r, rat) in enumerate(zip(rows, ratios))
-                       if min(rat) >= floor)[2]
+            first_best = -max((rat[0], -i) for i, rat in enumerate(ratios) if min(rat) >= floor)[1]
+            r, s = rows[first_best]
+            return dataclasses.replace(r["cfg"], split_k=s)
     tiles = ((_WIDE,) if natural_tile(256, 128) else ()) + _TILES
     for bm, bn, bk, warps, stages, fill in tiles:
         if bm < 2 * M and -(-M // bm) * -(-N // bn) >= fill * num_sms:
             break
-    return _config(bm, bn, bk, warps, stages)
+    c = _config(bm, bn, bk, warps, stages)
+    tiles = -(-M // bm) * -(-N // bn)
+    return dataclasses.replace(c, split_k=max((s for s in split_factors(M, N, K, c, num_sms) if tiles * s <= num_sms),
+                                              default=1))
+
+
+def cost_key(config: KernelConfig) -> KernelConfig:
+    """The cost-table row that measures ``config``: its own, split along K in two for any
+    split (SPLIT_K changes only the code after the main loop; the loop compiles a little
+    differently once split)."""
+    return dataclasses.replace(config, split_k=min(config.split_k, 2))
 
 
 def prefill_pair(dtype: str) -> str:
@@ -133,7 +152,12 @@ def _cost_row(row: dict) -> dict:
     if set(row) != {"config", *COST_KEYS}:
         raise ValueError(f"a row needs exactly the keys config, {', '.join(COST_KEYS)}; got {sorted(row)}")
     out = {k: _number(row[k]) for k in COST_KEYS}
-    out["cfg"] = check_prefill_config(_config(*row["config"]))
+    if not isinstance(row["config"], list) or len(row["config"]) != 6:
+        raise ValueError(f"a row's config is [block_m, block_n, block_k, warps, stages, split_k], got {row['config']!r}")
+    *tile, split = row["config"]
+    out["cfg"] = check_prefill_config(dataclasses.replace(_config(*tile), split_k=split))
+    if split not in (1, 2):
+        raise ValueError(f"a row measures split_k 1 or 2 (every split), got {split}")
     return out
 
 

@@ -24,27 +24,43 @@ HBM_BYTES_PER_SM_CLK = 4.0e12 / 1.98e9 / SMS
 # each K-tile (the pipelined copies bypass L1); split-K's fp32 partials go through it too.
 # scripts/gpu_l2_bandwidth.py measures it on a GPU.
 L2_BYTES_PER_SM_CLK = 32.0
+# The idealized dense GEMM's tiles (rows of x, rows of W: the small ones with the weight as
+# wgmma's 64-row side, as GEMMs swap the operands for few rows of x) and split-K factors.
+DENSE_TILES = ((32, 64), (32, 128), (64, 64), (64, 128), (128, 128), (128, 256), (256, 128))
+DENSE_SPLITS = (1, 2, 4, 8, 16)
 
 
 def dense_time(M: int, N: int, K: int, l2: float = L2_BYTES_PER_SM_CLK, sms: int = SMS) -> float:
     """SM clocks of the idealized dense GEMM (fp16 weight) the prediction compares with:
-    the best of 64x128, 128x128, 128x256 and 256x128 tiles (whole waves of programs over the
-    SMs), each tile's K-steps at the tensor cores' full rate or at the rate L2 delivers its
-    two operand tiles (2 B per element per column of K at ``l2`` B per SM clock; a 256-wide
-    operand's loads shared by two SMs, as Hopper GEMMs do with a cluster of two and TMA
-    multicast, so 128x256 is tensor-bound at 32 B per SM clock), whichever is slower, floored
-    by HBM traffic. The same for every config of ours, so configs compare fairly; cuBLAS
-    reaches ~74% of the tensor cores' rate on an H200 (788 TFLOP/s bf16 at 8192^3, measured by
-    others on these machines: device/KINDS.md). ``sms``: the SMs the waves fill (HBM stays an
-    H200's 4.0 TB/s)."""
+    the best of its tiles (DENSE_TILES: rows of x x rows of W, 32x64 to 256x128; ours has
+    the same small ones), each split along K into 1, 2, 4, 8 or 16 parts (whole waves of
+    programs over the SMs; a split's fp32 partial tile through L2, as :func:`predicted_time`
+    charges ours), each tile's K-steps at the tensor
+    cores' full rate or at the rate L2 delivers its two operand tiles (2 B per element per
+    column of K at ``l2`` B per SM clock; a 256-wide operand's loads shared by two SMs, as
+    Hopper GEMMs do with a cluster of two and TMA multicast, so 128x256 is tensor-bound at 32 B
+    per SM clock), whichever is slower, floored by HBM traffic. Small tiles and split-K are what
+    let a GEMM of few output tiles (M <= 128) fill the SMs and stream the weight at HBM's rate,
+    as cuBLAS does; without them this baseline ran 32 SMs at M = 64, N = 4096 and put the 16-bit
+    prefill above its byte ratio to dense. The same for every config of ours, so configs compare
+    fairly; cuBLAS reaches ~74% of the tensor cores' rate on an H200 (788 TFLOP/s bf16 at
+    8192^3, measured by others on these machines: device/KINDS.md). ``sms``: the SMs the waves
+    fill (HBM stays an H200's 4.0 TB/s)."""
     io = (M * K + M * N) * 2 / SMS / HBM_BYTES_PER_SM_CLK
 
     def per_k(bm, bn):   # SM clocks per column of K of one tile
         shared = (bm // (2 if bm == 256 else 1) + bn // (2 if bn == 256 else 1)) * 2   # operand bytes
         return max(bm * bn / MACS_PER_CLK, shared / l2)
-    tiles = min(-(-(-(-M // bm) * -(-N // bn)) // sms) * per_k(bm, bn)
-                for bm, bn in ((64, 128), (128, 128), (128, 256), (256, 128)))
-    return max(tiles * K, N * K * 2 / SMS / HBM_BYTES_PER_SM_CLK + io)
+
+    def tiled(bm, bn, s):
+        per_sm = -(-(-(-M // bm) * -(-N // bn) * s) // sms)
+        partials = (per_sm + s - 1) * bm * bn * 4 / l2 if s > 1 else 0.0
+        return per_sm * per_k(bm, bn) * -(-K // s) + partials
+    # split-K where the tiles leave SMs idle, as ours (config_space.split_factors): at most two
+    # programs per SM and 128 columns of K per split
+    tiles = min(tiled(bm, bn, s) for bm, bn in DENSE_TILES for s in DENSE_SPLITS
+                if s == 1 or (K >= 128 * s and -(-M // bm) * -(-N // bn) * s <= 2 * sms))
+    return max(tiles, N * K * 2 / SMS / HBM_BYTES_PER_SM_CLK + io)
 
 
 def predicted_time(r: dict, M: int, N: int, K: int, w_bytes: float, split_k: int = 1,
@@ -56,14 +72,15 @@ def predicted_time(r: dict, M: int, N: int, K: int, w_bytes: float, split_k: int
     side) and ``alone`` is one program's K-tile by itself on an SM (its loop's wgmma groups
     and waits replayed; without it, decode and wgmma one after the other: t_tensor +
     t_issue), other programs filling its gaps; floored by HBM traffic (weight bytes
-    ``w_bytes`` per element, x and out fp16). ``split_k`` > 1 estimates a serial split-K the
-    kernel does not have: split_k times the programs over K / split_k each, and every
-    program's fp32 partial tile through L2 (its store, then the last program's reads of the
-    others'). Dense: :func:`dense_time`. ``sms``: the SMs the programs spread over."""
+    ``w_bytes`` per element, x and out fp16). ``split_k`` > 1: the kernel's serial split-K
+    (``r`` then the split row of the cost table): split_k times the programs, each over its
+    split's whole K-tiles, and every program's fp32 partial tile through L2 (its store, then
+    the last program's reads of the others'). Dense: :func:`dense_time`. ``sms``: the SMs
+    the programs spread over."""
     c = r["cfg"]
     progs = -(-M // c.block_m) * -(-N // c.block_n) * split_k
     per_sm_progs = -(-progs // sms)
-    iters = -(-(-(-K // split_k)) // c.block_k)
+    iters = -(-(-(-K // c.block_k)) // split_k)   # K-tiles of a split (the kernel's per_split)
     tt, ti, tl2, p = r["t_tensor"], r["t_issue"], r.get("l2_bytes", 0) / l2, max(r["per_sm"], 1)
     full, rest = divmod(per_sm_progs, p)
     alone = r.get("alone", tt + ti)   # one program's K-tile
