@@ -163,7 +163,7 @@ def candidate_configs(M: int, N: int, K: int, num_sms: int = 132, layout: str = 
     if layout == "decode":
         if M > DECODE_M and decode_rows(M, dtype) != 32:
             # and each config split along K where that can fill idle SMs (the model's
-            # defaults, prefill_config, take split-K there; the loop is the same)
+            # defaults, prefill_config, take split-K there)
             return [dataclasses.replace(c, split_k=s) for c in prefill_configs(M)
                     for s in split_factors(M, N, K, c, num_sms)]
         return decode_configs(M, N, K, dtype, num_sms)

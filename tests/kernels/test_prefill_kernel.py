@@ -153,6 +153,21 @@ def test_serial_split_k_matches_reference(M, N, K, xtype, wtype, cfg, gen):
     assert torch.equal(linear_prefill(x, d, b, config=cfg), first)
 
 
+def test_split_k_past_the_last_bucket_runs_in_chunks(monkeypatch, gen):
+    """M past the last M bucket shares the bucket's plan, whose split-K workspace holds the
+    bucket's rows: such x runs in launches of at most that many rows, each with the workspace to
+    itself (here the last bucket made 32 rows: 70 rows run as 32 + 32 + 6), against fp64."""
+    monkeypatch.setattr(launch, "m_bucket", lambda M: min(m_bucket(M), 32))
+    seen = []
+    real = launch._Plan.launch
+    monkeypatch.setattr(launch._Plan, "launch", lambda plan, grid, *a: seen.append(grid) or real(plan, grid, *a))
+    cfg = _split(32, 64, 128, 2)
+    x, d, b, y = _check_tile(70, 72, 520, torch.float32, "fp16", cfg, gen)
+    assert seen == [(2, 2, 1)] * 3   # 1 row block x 2 column blocks, 2 splits, per chunk
+    plan = next(plan for key, plan in launch._PLANS.items() if key[8] == 32 and plan.config == cfg)
+    assert plan.max_rows == 32 and not plan.extra[1].any()
+
+
 def test_split_k_workspace_is_one_per_device_and_grows(monkeypatch):
     """The serial split-K's workspace and counters (decode and prefill kernels): one pair per
     device that every plan takes, the latest the largest; a larger need makes a new pair at

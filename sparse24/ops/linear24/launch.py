@@ -36,8 +36,8 @@ import torch
 
 from ...decode_format import DecodePacked, check_word_aligned, decode_dims, pack_decode
 from ...format import Sparse24Tensor
-from ..config_space import (DECODE_M, LAYOUT_KERNEL, PREFILL_SPLIT_MAX_M, SPLIT_K_MAX_M, KernelConfig,
-                            check_decode_config, check_prefill_runs, dtype_key, m_bucket, sparse_kernel)
+from ..config_space import (DECODE_M, LAYOUT_KERNEL, SPLIT_K_MAX_M, KernelConfig, check_decode_config,
+                            check_prefill_runs, dtype_key, m_bucket, sparse_kernel)
 from ..config_store import device_info, get_choice, get_config, on_clear
 from .naive import check_linear_args
 from .prefill import natural_tile, prefill_config, prefill_pair
@@ -253,6 +253,8 @@ class _Plan:
         # the integer arguments of contiguous tensors: fixed by N and K
         self.contiguous_ints = self.variant.contiguous_ints(N, K, has_scale)
         self.max_rows = self.variant.max_rows(N, config)
+        if self.split_k > 1:   # the split-K workspace holds the bucket's rows (M past the last bucket: chunks)
+            self.max_rows = min(self.max_rows, bucket)
         # the variant's extra tensors (decode: split-K workspace and counters, kept for the process)
         self.extra = self.variant.extra(device, N, config, self.split_k, bucket)
         self.atomic_split = _atomic_split(config, self.split_k)
@@ -564,9 +566,9 @@ class _Prefill(_Decode):
 
     @staticmethod
     def split_k(config, bucket, deterministic) -> int:
-        # Serial split-K sums the partials in split order: deterministic. Up to
-        # PREFILL_SPLIT_MAX_M rows (the workspace holds a tile per BLOCK_M rows of the bucket).
-        return config.split_k if bucket <= PREFILL_SPLIT_MAX_M else 1
+        # Serial split-K sums the partials in split order: deterministic (the workspace holds a
+        # tile per BLOCK_M rows of the bucket; longer x runs in chunks of the bucket's rows).
+        return config.split_k
 
     @staticmethod
     def extra(device, N, config, split_k, bucket) -> tuple:
