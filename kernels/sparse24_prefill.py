@@ -43,7 +43,7 @@ from .interpreter import (ASM_EMULATIONS, InterpretedKernel, bf16x2_cvt_referenc
 from .sparse24_decode import (_ADD01, _ADD01_B0, _ADD01_B1, _ADD23, _ADD23_B0, _ADD23_B1, _MAGIC_F16,
                               _MUL01, _MUL01_B0, _MUL01_B1, _MUL23, _MUL23_B0, _MUL23_B1, _SEL_MASK, _SM_MASK,
                               _TWO_POW_24, _decode_tile, _epilogue, _BF16X2_MINUS_ZERO, _DEQUANT_BF16X2, _MUL_F16X2,
-                              _SCALE_BF16X2, _f16x2, _half_word, _int4_group, _int4_rows, _prmt, _serial_split_k)
+                              _SCALE_BF16X2, _f16x2, _half_word, _int4_group, _int4_rows, _prmt)
 
 __all__ = ["sparse24_prefill", "sparse24_prefill_interpreted", "NATURAL_TRITON", "natural_tile", "int8_bf16_scaled",
            "int4_bf16_zero", "int4_bf16_scale", "int4_bf16_dequant",
@@ -358,6 +358,52 @@ def _decode_tile_natural(acc, acc2, xm, x_ptrs, v_ptrs, m_ptrs, k0, K, a0, KA, s
 
 
 @triton.jit
+def _tree_split_k(acc, acc2, ws_ptr, count_ptr, tile, pid_k, nsplit, ROWS: tl.constexpr, COLS: tl.constexpr,
+                  TWO: tl.constexpr):
+    # Split-K inside the one launch over nsplit splits (a power of two up to 16, a runtime value),
+    # summed as a pairwise tree. On level l the program holding group g's sum (splits g 2**l to
+    # (g + 1) 2**l - 1) stores it in slot g 2**l of the output tile's workspace (ws_ptr: [tiles,
+    # nsplit, 1 + TWO, ROWS, COLS] fp32; acc2 too where TWO), then takes the counter of the node
+    # joining groups g and g ^ 1 (count_ptr: [tiles, nsplit], node (nsplit >> (l + 1)) + (g >> 1),
+    # zero between launches): the second to arrive adds the other group's sum, resets the counter
+    # and goes on up; the first is done. The one that is second at the root writes the output.
+    # Each node adds its two halves and a + b == b + a exactly, so the sum has the same bits
+    # whatever the arrival order (deterministic), and no program waits for another. On the
+    # critical path a store and a load per level, 2 log2 nsplit partial tiles (TWO: half a tile
+    # more, acc2 read back), where the last program adding every split's moved nsplit + 1
+    # (prefill_model.reduction_tiles). Returns (acc, acc2, whether to write the output).
+    SIZE: tl.constexpr = ROWS * COLS
+    SLOT: tl.constexpr = (1 + TWO) * SIZE
+    ws_ptr += tile.to(tl.int64) * nsplit * SLOT
+    count_ptr += tile.to(tl.int64) * nsplit
+    offs = tl.arange(0, ROWS)[:, None] * COLS + tl.arange(0, COLS)[None, :]
+    levels = (nsplit > 1).to(tl.int32) + (nsplit > 2).to(tl.int32) + (nsplit > 4).to(tl.int32) \
+        + (nsplit > 8).to(tl.int32)
+    live = pid_k >= 0
+    # a loop of a runtime count, not unrolled: unrolled, each level held more registers (Triton
+    # 3.9, INT4 128 x 128 at split 8: 255 registers and 160 B spilled, against 227 and none)
+    for lvl in range(0, levels):
+        if live:
+            g = pid_k >> lvl
+            mine = ws_ptr + (g << lvl) * SLOT
+            tl.store(mine + offs, acc, cache_modifier=".cg")
+            if TWO:
+                tl.store(mine + SIZE + offs, acc2, cache_modifier=".cg")
+            tl.debug_barrier()  # all threads' sums are stored before the counter releases them
+            node = count_ptr + (nsplit >> (lvl + 1)) + (g >> 1)
+            live = tl.atomic_add(node, 1, sem="acq_rel", scope="gpu") == 1
+            if live:
+                other = ws_ptr + ((g ^ 1) << lvl) * SLOT
+                acc += tl.load(other + offs, cache_modifier=".cg")
+                if TWO:   # acc2 read back, not held across the atomic beside acc and a loaded tile (the
+                    # wide tile then spilled 56-96 B, outside the main loop but the defaults take no spill)
+                    acc2 = tl.load(mine + SIZE + offs, cache_modifier=".cg") + tl.load(other + SIZE + offs,
+                                                                                     cache_modifier=".cg")
+                tl.store(node, 0)  # ready for the next launch
+    return acc, acc2, live
+
+
+@triton.jit
 def _load_x(x_ptrs, k0, K, MASKED: tl.constexpr, H: tl.constexpr, HALVES: tl.constexpr, BLOCK_K: tl.constexpr):
     # x's [BLOCK_M, BLOCK_K // HALVES] columns of half-atom H (HALVES == 2) or of the whole K-tile
     if MASKED:
@@ -446,10 +492,14 @@ def _sparse24_prefill(
     t_sub = tl.minimum(t0 + T, NT - T) - t0
     n_full = K // BLOCK_K  # full K-tiles; a partial tile (K % BLOCK_K) runs once after the loop
     if SPLIT_K > 1:
-        # Serial split-K (where the output tiles alone would leave SMs idle): split pid_k owns
+        # Split-K (where the output tiles alone would leave SMs idle; _tree_split_k): split pid_k owns
         # whole K-tiles [k_lo, k_hi), possibly none; the partial tile belongs to the last split.
         pid_k = tl.program_id(1)
-        per_split = ((K + BLOCK_K - 1) // BLOCK_K + SPLIT_K - 1) // SPLIT_K
+        # the split count as a runtime value (the grid's y, SPLIT_K): every factor compiles to the
+        # same code, so the cost table's split-2 row measures them all
+        tl.static_assert(SPLIT_K <= 16 and (SPLIT_K & (SPLIT_K - 1)) == 0, "SPLIT_K: a power of two up to 16")
+        nsplit = tl.num_programs(1)
+        per_split = ((K + BLOCK_K - 1) // BLOCK_K + nsplit - 1) // nsplit
         k_lo = pid_k * per_split
         k_hi = tl.minimum(k_lo + per_split, n_full)
         k_partial = (n_full * BLOCK_K < K) & (n_full >= k_lo) & (n_full < k_lo + per_split)
@@ -543,8 +593,8 @@ def _sparse24_prefill(
         acc += acc2
     write = True
     if SPLIT_K > 1:
-        acc, acc2, write = _serial_split_k(acc, acc2, ws_ptr, count_ptr, pid, pid_k, SPLIT_K, SUB_N, BLOCK_M,
-                                           SPLIT_N == 2)
+        acc, acc2, write = _tree_split_k(acc, acc2, ws_ptr, count_ptr, pid, pid_k, nsplit, SUB_N, BLOCK_M,
+                                         SPLIT_N == 2)
 
     offs_n = pid_n * BLOCK_N + tl.arange(0, SUB_N)
     offs_m = tl.arange(0, BLOCK_M)

@@ -38,11 +38,11 @@ SPLIT_K_MAX_M = 64
 # SP_MAX_M rows, past 16 rows one program per 32 rows (block_m 32: every weight register
 # serves 32 rows): one pass over the weight to 32 rows, two to 64, predicted 2.62-3.20x and
 # 1.31-1.60x of dense at its worst listed shape (each pass counted from HBM), where the
-# prefill kernel, split-K included, is predicted 0.82-1.17x at its worst (1.60-2.54x at its
+# prefill kernel, split-K included, is predicted 1.04-1.25x at its worst (1.59-2.65x at its
 # best; scripts/kernel_static_check.py --sass --listed-only --listed-rows 32 and --prefill;
 # docs/kernels.md, "17-64 rows").
 SP_MAX_M = SPLIT_K_MAX_M
-# The prefill kernel's serial split-K (for few output tiles: x's rows times N's blocks below
+# The prefill kernel's split-K (for few output tiles: x's rows times N's blocks below
 # the SMs) serves M buckets up to this many rows; its workspace holds a partial tile per
 # BLOCK_M rows of the bucket, and the split factors the defaults and the tuner consider.
 PREFILL_SPLIT_MAX_M = 4096
@@ -364,7 +364,7 @@ def prefill_configs(M: int) -> list[KernelConfig]:
 
 
 def split_factors(M: int, N: int, K: int, config: KernelConfig, num_sms: int = 132) -> tuple[int, ...]:
-    """The prefill kernel's serial split-K factors (:data:`PREFILL_SPLITS`) for ``config`` at
+    """The prefill kernel's split-K factors (:data:`PREFILL_SPLITS`) for ``config`` at
     (M, N, K), the defaults' and the tuner's: 1, and up to M = PREFILL_SPLIT_MAX_M those that
     keep two K-tiles per split and at most two programs per SM (split-K is for output tiles
     too few to fill the SMs; the workspace grows with the programs)."""

@@ -10,7 +10,7 @@ import triton.language as tl
 
 import sparse24
 from sparse24.kernels.interpreter import InterpretedKernel
-from sparse24.kernels.sparse24_prefill import NATURAL_TRITON, int8_bf16_scaled
+from sparse24.kernels.sparse24_prefill import NATURAL_TRITON, _tree_split_k, int8_bf16_scaled
 from sparse24.decode_format import DecodePacked, pack_decode
 from sparse24.ops.config_space import KernelConfig, check_prefill_runs, m_bucket, split_factors
 from sparse24.ops.linear24 import launch
@@ -132,12 +132,12 @@ def _split(bm, bn, bk, split):
     (130, 72, 520, torch.float16, "fp16", _split(128, 64, 64, 2)),    # natural order, two accumulators
     (130, 300, 520, torch.float32, "int8", _split(128, 256, 64, 4)),  # the wide tile: both halves' partials
 ])
-def test_serial_split_k_matches_reference(M, N, K, xtype, wtype, cfg, gen):
-    """The serial split-K (few output tiles: x's rows and N's blocks below the SMs): each split
-    sums its K-tiles, stores its fp32 partial tile(s) in the plan's workspace and the last to
-    arrive adds them in split order and writes out with bias; against fp64, twice (the counters
-    are back at zero after a call, as the next launch needs), bit-identical both times (the
-    order of the sums does not depend on which program arrives last)."""
+def test_split_k_matches_reference(M, N, K, xtype, wtype, cfg, gen):
+    """Split-K inside the launch (few output tiles: x's rows and N's blocks below the SMs): each
+    split sums its K-tiles and the splits' fp32 partial tiles are added as a pairwise tree
+    through the plan's workspace, the program last at the root writing out with bias; against
+    fp64, twice (the counters are back at zero after a call, as the next launch needs),
+    bit-identical both times (other arrival orders: test_tree_split_k_*)."""
     case = _check_tile(M, N, K, xtype, wtype, cfg, gen)
     if case is None:
         return
@@ -145,7 +145,7 @@ def test_serial_split_k_matches_reference(M, N, K, xtype, wtype, cfg, gen):
     ws, counts = next(plan.extra for key, plan in launch._PLANS.items()   # the plan's own (key[8]: M bucket)
                       if key[8] == m_bucket(M) and plan.config == cfg)
     tiles = -(-m_bucket(M) // cfg.block_m) * -(-N // cfg.block_n)
-    assert counts.numel() >= tiles and ws.numel() >= tiles * cfg.split_k * cfg.block_n * cfg.block_m
+    assert counts.numel() >= tiles * cfg.split_k and ws.numel() >= tiles * cfg.split_k * cfg.block_n * cfg.block_m
     assert not counts.any()
     assert torch.equal(linear_prefill(x, d, b, config=cfg), first)
     # stale workspace contents never leak in: each split writes its slot before the last reads them
@@ -169,23 +169,78 @@ def test_split_k_past_the_last_bucket_runs_in_chunks(monkeypatch, gen):
 
 
 def test_split_k_workspace_is_one_per_device_and_grows(monkeypatch):
-    """The serial split-K's workspace and counters (decode and prefill kernels): one pair per
+    """The split-K workspace and counters (decode and prefill kernels; a counter per split of a
+    tile, for the prefill kernel's tree): one pair per
     device that every plan takes, the latest the largest; a larger need makes a new pair at
     least twice the last (the old one stays with the plans that hold it: CUDA graphs keep valid
-    pointers), a smaller one takes the latest; no split, no workspace."""
+    pointers), a smaller one takes the latest, each of the two grown on its own; no split, no
+    workspace."""
     monkeypatch.setattr(launch, "_WORKSPACES", {})
     cfg = KernelConfig(16, 64, 128, 8, 2, 4, 1, kernel="decode")
     ws, counts = launch.decode_workspace("cpu", 64, cfg, 2)      # 1 tile of 64 x 16, 2 splits
-    assert (ws.numel(), counts.numel()) == (2 * 64 * 16, 1)
+    assert (ws.numel(), counts.numel()) == (2 * 64 * 16, 2)
     assert launch.decode_workspace("cpu", 64, cfg, 2)[0] is ws
     big, big_counts = launch.decode_workspace("cpu", 640, cfg, 2)   # 10 tiles: more than twice
-    assert (big.numel(), big_counts.numel()) == (10 * 2 * 64 * 16, 10) and not big_counts.any()
+    assert (big.numel(), big_counts.numel()) == (10 * 2 * 64 * 16, 20) and not big_counts.any()
     assert launch.decode_workspace("cpu", 64, cfg, 2)[0] is big
     grown, grown_counts = launch.decode_workspace("cpu", 704, cfg, 2)   # 11 tiles: twice the last
-    assert (grown.numel(), grown_counts.numel()) == (2 * big.numel(), 20)
+    assert (grown.numel(), grown_counts.numel()) == (2 * big.numel(), 40)
     wide = dataclasses.replace(_cfg(128, 256, 64), split_k=2)           # the prefill's, per BLOCK_M rows
-    assert launch.decode_workspace("cpu", 300, wide, 2, 256, 128)[0].numel() >= 2 * 2 * 2 * 256 * 128
+    big_ws, few = launch.decode_workspace("cpu", 300, wide, 2, 256, 128)  # 4 tiles: more partials, 8 counters
+    assert big_ws.numel() == 4 * 2 * 256 * 128 and few is grown_counts
+    small_ws, many = launch.decode_workspace("cpu", 1920, cfg, 2)     # 30 tiles: 60 counters, fewer partials
+    assert small_ws is big_ws and many.numel() == 80 and not many.any()
     assert launch.decode_workspace("cpu", 64, cfg, 1) == (None, None)
+
+
+def _tree_kernel(parts_ptr, order_ptr, out_ptr, writers_ptr, ws_ptr, count_ptr, ROWS: tl.constexpr,
+                 COLS: tl.constexpr):
+    # program i of the grid's (splits,) runs as split order[i] of tile 1 (tile 0's counters and slots stay untouched),
+    # its partial tile (and a second one, as the wide tile's acc2) from parts
+    pid_k = tl.load(order_ptr + tl.program_id(0))
+    offs = tl.arange(0, ROWS)[:, None] * COLS + tl.arange(0, COLS)[None, :]
+    acc = tl.load(parts_ptr + pid_k * (2 * ROWS * COLS) + offs)
+    acc2 = tl.load(parts_ptr + pid_k * (2 * ROWS * COLS) + ROWS * COLS + offs)
+    acc, acc2, write = _tree_split_k(acc, acc2, ws_ptr, count_ptr, tl.full((), 1, tl.int32), pid_k,
+                                     tl.num_programs(0), ROWS, COLS, True)
+    if write:
+        tl.store(out_ptr + offs, acc)
+        tl.store(out_ptr + ROWS * COLS + offs, acc2)
+        tl.atomic_add(writers_ptr, 1)
+
+
+@pytest.mark.parametrize("split", [2, 4, 8, 16])
+def test_tree_split_k_sums_in_one_order_whatever_the_arrival(split, gen):
+    """The prefill kernel's split-K sum (_tree_split_k), its programs arriving in many orders
+    (Triton's interpreter runs them one after another in grid order; here program i takes the
+    role of split order[i]): exactly one program writes, and it writes the pairwise-tree sum of
+    the partials in fp32 ((p0 + p1) + (p2 + p3), ...: computed here in numpy) bit for bit, the
+    same for every order, within log2(split) fp32 roundings of the fp64 sum; every counter is back at zero
+    and the other tile's workspace and counters untouched. Partials of mixed magnitudes, so a
+    different order of the sums changes the bits."""
+    rows, cols = 16, 32
+    parts = (torch.randn(split, 2, rows, cols, generator=gen) * 10.0 ** torch.randint(-3, 4, (split, 2, rows, cols),
+                                                                                       generator=gen)).float()
+    tree = parts.numpy()
+    while len(tree) > 1:
+        tree = tree[0::2] + tree[1::2]
+    orders = [torch.arange(split), torch.arange(split).flip(0)] + [torch.randperm(split, generator=gen)
+                                                                   for _ in range(4)]
+    for order in orders:
+        out = torch.zeros(2, rows, cols)
+        writers = torch.zeros(1, dtype=torch.int32)
+        ws = torch.full((2 * split * 2 * rows * cols,), 7.0)
+        counts = torch.zeros(2 * split, dtype=torch.int32)
+        InterpretedKernel(_tree_kernel)[(split,)](parts, order.to(torch.int32), out, writers, ws, counts,
+                                                  ROWS=rows, COLS=cols)
+        assert writers.item() == 1 and not counts.any()
+        assert torch.equal(out, torch.from_numpy(tree[0])), order
+        assert torch.equal(ws[:split * 2 * rows * cols], torch.full((split * 2 * rows * cols,), 7.0))
+        # a tree of log2(split) levels of fp32 additions: each level's rounding within 2**-24 of what it adds
+        bound = (split.bit_length() - 1) * 2.0 ** -24 * parts.double().abs().sum(0)
+        assert ((out.double() - parts.double().sum(0)).abs() <= bound).all()
+    # the bits depend on the order of the sums (so the equality above can fail)
+    assert not torch.equal(torch.from_numpy(tree[0]), parts.sum(0)) or split == 2
 
 
 def _int8_bf16_kernel(d_ptr, w_ptr, n: tl.constexpr):
@@ -302,7 +357,8 @@ def test_default_configs_without_a_cost_table(monkeypatch):
 def test_default_configs_follow_the_model(monkeypatch):
     """With the installed Triton's cost table (this project's 3.9, the GPU image's 3.6), the
     default of each shape and weight kind is a config of the space that spills nothing, runs
-    wgmma with W from registers, its worst case over the two L2 bandwidths within the tolerance of the
+    wgmma with W from registers, its worst case over the L2 bandwidths (32, 48, 64 B per SM clock and
+    unbounded) within the tolerance of the
     fixed list's choice (where that spills nothing), and no worse than it at the assumed 32 B per SM
     clock where the fixed choice's worst case is itself within the tolerance of the best of the space,
     over the 11 shapes of issue 22 and M = 17-4096; at 16-64 rows it never takes 128-row tiles.
@@ -329,7 +385,7 @@ def test_default_configs_follow_the_model(monkeypatch):
                 def ratios(cfg):   # a config of the space, split along K or not (its split row)
                     return [d / o for o, d in (tool.predicted_time(rows[prefill.cost_key(cfg)], M, N, K, w_bytes,
                                                                    cfg.split_k, l2)
-                                               for l2 in (tool.L2_BYTES_PER_SM_CLK, float("inf")))]
+                                               for l2 in (32.0, 48.0, 64.0, float("inf")))]
                 if rows[prefill.cost_key(fixed)]["spills"]:   # the model never takes a config that spills
                     continue                                   # (3.7: INT4 x bf16 128 x 64)
                 split = [dataclasses.replace(cfg, split_k=sk) for cfg in prefill_configs(M)
@@ -467,17 +523,22 @@ def test_large_m_default_compiles_to_hgmma_for_sm90(dtype, monkeypatch):
             assert r["t_issue"] < r["t_tensor"]
 
 
-@pytest.mark.parametrize("dtype,cfg", [("float16", _split(32, 64, 128, 4)), ("int4-bfloat16", _split(128, 64, 64, 2)),
-                                       ("int8-bfloat16", _split(128, 256, 64, 2))],
-                         ids=["fp16-32x64-split4", "int4-bf16-128x64-split2", "int8-bf16-128x256-split2"])
+@pytest.mark.parametrize("dtype,cfg", [("float16", _split(32, 64, 128, 2)), ("int4-bfloat16", _split(128, 64, 64, 2)),
+                                       ("int8-bfloat16", _split(128, 256, 64, 2)),
+                                       ("float16", _split(32, 64, 128, 4)), ("int4-float16", _split(128, 128, 64, 8))],
+                         ids=["fp16-32x64-split2", "int4-bf16-128x64-split2", "int8-bf16-128x256-split2",
+                              "fp16-32x64-split4", "int4-fp16-128x128-split8"])
 def test_split_k_compiles_its_cost_row_for_sm90(dtype, cfg, monkeypatch):
-    """No GPU here: a split config compiled for sm_90 (split 4 or 2) adds one atomic per
-    program (the arrival counter; the partials follow the loop) and runs the main loop, with
-    the registers and spills, of its split row in the committed cost table (split 2 stands for
-    every factor, which changes only the code after the loop; the model charges a split config
-    that row, and the defaults never take one that spills: Triton 3.6 spills 56 B at INT4 x
-    bf16 128 x 64): the small-M default (32 x 64), a natural tile with two accumulators, the
-    wide tile (both halves' partials)."""
+    """No GPU here: a split config compiled for sm_90 adds one atomic, in the loop over its
+    split-K tree's levels (a node's arrival counter; the partials follow the main loop), and
+    runs the main loop, with the registers and spills, of its split row in the committed cost
+    table, which stands for every factor (the model charges a split config that row, and the
+    defaults never take one that spills: Triton 3.6 spills 56 B at INT4 x bf16 128 x 64): the
+    small-M default (32 x 64), a natural tile with two accumulators, the wide tile (both halves'
+    partials), and splits 4 and 8, whose code is the split-2 code (the kernel reads the split
+    count from the grid; with it as a constant, split 8 of 128 x 128 INT4 held 4 registers more
+    with Triton 3.8 and took 2.3% longer per K-tile with 3.6, and adding all eight partials in
+    the last program, as a first version did, spilled 104 B with 3.9 where split 2 spilled none)."""
     monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")
     if not natural_tile(cfg.block_m, cfg.block_n) and cfg.block_n == 256:   # Triton < 3.6: refused
         with pytest.raises(ValueError, match="needs Triton >= 3.6"):
@@ -530,8 +591,9 @@ def test_split_k_estimate_counts_more_programs_and_the_partials():
     """The report's serial split-K estimate (``predicted_time(..., split_k)``), checked by hand on a
     tile whose numbers are round: 128 x 128 x 64, t_issue = t_tensor = 512 clocks per K-tile, two
     programs per SM. 4096 x 4096 at M = 256: 64 tiles; split 4 makes 256 programs (2 per SM, 16
-    K-tiles each: 16 x 1024 clocks) plus, per SM, its programs' fp32 partials stored and the last
-    program's reads of 3 others (2 + 3 tiles of 64 KiB through L2)."""
+    K-tiles each: 16 x 1024 clocks) plus, per SM, the first program's fp32 partial stored and for
+    the last a store and a load on each of the tree's 2 levels (1 + 4 tiles of 64 KiB through
+    L2; adding all four partials in the last program moved 2 + 3)."""
     tool = _static_check()
     cfg = KernelConfig(128, 128, 64, 8, 1, 8, 2, kernel="prefill")
     r = dict(cfg=cfg, t_tensor=512.0, t_issue=512.0, per_sm=2)
@@ -539,7 +601,9 @@ def test_split_k_estimate_counts_more_programs_and_the_partials():
     assert one == 64 * 512 * 2     # 64 programs, one per SM: decode then wgmma, 64 K-tiles
     four, dense4 = tool.predicted_time(r, 256, 4096, 4096, 1.125, split_k=4)
     assert dense4 == dense
-    assert four == pytest.approx(16 * 1024 + (2 + 3) * 128 * 128 * 4 / tool.L2_BYTES_PER_SM_CLK)
+    assert four == pytest.approx(16 * 1024 + (1 + 4) * 128 * 128 * 4 / tool.L2_BYTES_PER_SM_CLK)
+    eight = tool.predicted_time(r, 256, 4096, 4096, 1.125, split_k=8)[0]   # 4 per SM, 8 K-tiles each
+    assert eight == pytest.approx(8 * 2048 + (3 + 6) * 128 * 128 * 4 / tool.L2_BYTES_PER_SM_CLK)
 
 
 def test_loop_replay_overlaps_what_the_waits_allow():

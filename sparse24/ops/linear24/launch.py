@@ -358,21 +358,23 @@ def target_dtype(config: KernelConfig, split_k: int, x_dtype: torch.dtype) -> to
     return torch.float32 if _atomic_split(config, split_k) else x_dtype
 
 
-# Serial split-K workspaces (decode and prefill kernels), per device: the latest is the largest,
+# Split-K workspaces (decode and prefill kernels), per device: the latest is the largest,
 # and every plan made since takes it (fp32 partials and int32 arrival counters). Never freed, so
 # a CUDA graph that captured a launch keeps valid pointers; a plan holds the one it was made with.
 # Launches on one stream run one after another and each leaves its counters at zero, so plans
 # share it; two streams running split-K plans at the same time would race on it: not supported.
-# Growing by at least twice keeps all of them under twice the largest need.
+# Growing by at least twice keeps all of them under twice the largest need (the partials and the
+# counters each).
 _WORKSPACES: dict = {}
 
 
 def decode_workspace(device, N: int, config: KernelConfig, split_k: int, bucket: int = DECODE_M,
                      block_m: int = 16) -> tuple:
-    """``(workspace, counters)`` of the serial split-K for up to ``bucket`` rows of x, in
+    """``(workspace, counters)`` of the split-K inside one launch for up to ``bucket`` rows of x, in
     blocks of ``block_m`` rows (the decode kernels: 16, to SPLIT_K_MAX_M rows; the prefill
     kernel: its BLOCK_M): fp32 partials, at least ``(tiles, split_k, BLOCK_N, block_m)``, and
-    int32 arrival counters, at least ``(tiles,)``, zero between launches, one tile per BLOCK_N
+    int32 arrival counters, at least ``(tiles, split_k)`` (the decode kernels use one per tile,
+    the prefill kernel's tree one per node), zero between launches, one tile per BLOCK_N
     rows of W and block of x (tiles = ceil(N / BLOCK_N) * ceil(bucket / block_m), the kernels'
     grid without its split-K axis): the device's shared pair, grown where this plan needs
     more; ``(None, None)`` without split-K."""
@@ -382,10 +384,14 @@ def decode_workspace(device, N: int, config: KernelConfig, split_k: int, bucket:
     floats = tiles * split_k * config.block_n * block_m
     device = torch.device(device)
     ws, counts = _WORKSPACES.get(device, (None, None))
-    if ws is None or ws.numel() < floats or counts.numel() < tiles:
-        floats, tiles = (floats, tiles) if ws is None else (max(floats, 2 * ws.numel()), max(tiles, 2 * counts.numel()))
-        _WORKSPACES[device] = ws, counts = (torch.empty(floats, dtype=torch.float32, device=device),
-                                            torch.zeros(tiles, dtype=torch.int32, device=device))
+    nodes = tiles * split_k
+    # each grows on its own (more counters need not double the partials' buffer)
+    if ws is None or ws.numel() < floats:
+        ws = torch.empty(floats if ws is None else max(floats, 2 * ws.numel()), dtype=torch.float32, device=device)
+    if counts is None or counts.numel() < nodes:
+        counts = torch.zeros(nodes if counts is None else max(nodes, 2 * counts.numel()), dtype=torch.int32,
+                             device=device)
+    _WORKSPACES[device] = ws, counts
     return ws, counts
 
 
@@ -550,7 +556,7 @@ class _Decode:
 class _Prefill(_Decode):
     """``kernels/sparse24_prefill.py``: the decode layout, BLOCK_M rows of x per program
     (the decode kernel's arguments; one program per (BLOCK_N, BLOCK_M) tile and split of K,
-    the serial split-K's workspace per BLOCK_M rows)."""
+    the split-K workspace per BLOCK_M rows)."""
 
     @staticmethod
     def kernel(cuda: bool):
@@ -566,8 +572,9 @@ class _Prefill(_Decode):
 
     @staticmethod
     def split_k(config, bucket, deterministic) -> int:
-        # Serial split-K sums the partials in split order: deterministic (the workspace holds a
-        # tile per BLOCK_M rows of the bucket; longer x runs in chunks of the bucket's rows).
+        # The split-K tree adds each node's two halves, the same bits in any arrival order:
+        # deterministic (the workspace holds a tile per BLOCK_M rows of the bucket; longer x runs
+        # in chunks of the bucket's rows).
         return config.split_k
 
     @staticmethod

@@ -21,21 +21,26 @@ from ..config_space import DECODE_M, KernelConfig, check_prefill_config, prefill
 from .prefill_model import L2_BYTES_PER_SM_CLK, predicted_time
 
 __all__ = ["prefill_config", "prefill_configs", "check_prefill_config", "cost_key", "natural_tile", "prefill_pair",
-           "prefill_costs", "COSTS_FILE", "PAIRS", "COST_KEYS", "ROBUST_TOLERANCE"]
+           "prefill_costs", "COSTS_FILE", "PAIRS", "COST_KEYS", "ROBUST_TOLERANCE", "ROBUST_L2"]
 
 # The untuned default is the config the time model (:mod:`.prefill_model`) predicts fastest
 # for the shape, from each config's costs measured on its sm_90 SASS with the installed
 # Triton (scripts/kernel_static_check.py --prefill --write-costs, one table per Triton
 # minor version, committed in COSTS_FILE; docs/kernels.md "Prefill path"): of the configs whose
-# worst case over two L2 bandwidths, the model's assumed 32 B per SM clock and none (the L2 figure
-# is not measured yet), is within ROBUST_TOLERANCE of the best worst case, the best at 32. (The
-# best worst case alone picked 256 x 128 over 128 x 256 where both are bound by the unbounded
-# case, 1.2% apart there, at the cost of 11% at 32 B: INT4 x fp16 with Triton 3.8, 0.99 -> 0.88.)
-# Not timed on a GPU yet.
+# worst case over the L2 bandwidths ROBUST_L2, the model's assumed 32 B per SM clock, 48, 64 and
+# none (the L2 figure is not measured yet), is within ROBUST_TOLERANCE of the best worst case, the
+# best at 32. (The best worst case alone picked 256 x 128 over 128 x 256 where both are bound by
+# the unbounded case, 1.2% apart there, at the cost of 11% at 32 B: INT4 x fp16 with Triton 3.8,
+# 0.99 -> 0.88.) The points between 32 and none, because the ratio is not monotonic in L2 (dense
+# gains from L2 where a decode-bound config does not, a split config's partials the other way):
+# with the two ends alone INT4 x fp16 with Triton 3.6, 3072 x 768 at M = 512, took 128 x 256
+# split 2, 0.75 at both ends and 0.55 at 64 B, over 128 x 128, 1.56 at 32, 0.89 at 64, 0.67
+# unbounded. Not timed on a GPU yet.
 COSTS_FILE = Path(__file__).with_name("prefill_costs.json")
 PAIRS = ("float16", "bfloat16", "int8-float16", "int8-bfloat16", "int4-float16", "int4-bfloat16")
 COST_KEYS = ("regs", "spills", "shared", "per_sm", "loop", "mma", "half", "t_tensor", "t_issue", "alone", "l2_bytes")
 ROBUST_TOLERANCE = 0.05   # how far below the best worst case a default's worst case may lie
+ROBUST_L2 = (L2_BYTES_PER_SM_CLK, 1.5 * L2_BYTES_PER_SM_CLK, 2 * L2_BYTES_PER_SM_CLK, math.inf)
 
 # Without a table for the installed Triton (below 3.6, or a release not yet measured): a
 # fixed list, fitted to the same model over the 11 shapes of issue 22 at M = 32-4096 for
@@ -59,13 +64,13 @@ _TILES = ((128, 128, 64, 8, 2, 0.5), (128, 64, 64, 4, 2, 0.0), (64, 64, 128, 4, 
 def prefill_config(M: int, N: int, K: int, num_sms: int = 132, pair: str = "float16") -> KernelConfig:
     """The untuned prefill config for ``M`` rows (``M > 16``) of an ``N x K`` weight:
     of :func:`prefill_configs` (M), each also split along K by the factors of
-    :func:`~sparse24.ops.config_space.split_factors` (serial split-K, where the output tiles
+    :func:`~sparse24.ops.config_space.split_factors` (split-K inside the launch, where the output tiles
     leave SMs idle), the one :func:`~.prefill_model.predicted_time` puts fastest on
     ``num_sms`` SMs (default: an H200's 132) from the installed Triton's cost table for
     ``pair`` (:data:`PAIRS`, :func:`prefill_pair`; a split config costs its split row,
-    :func:`cost_key`): of the configs whose worst-case ratio to dense over L2 at 32 B per SM
-    clock and unbounded is within :data:`ROBUST_TOLERANCE` of the largest, the largest ratio
-    at 32. Without a table for this Triton: the first tile of a fixed list that wastes at most
+    :func:`cost_key`): of the configs whose worst-case ratio to dense over L2 at 32, 48 and
+    64 B per SM clock and unbounded (:data:`ROBUST_L2`) is within :data:`ROBUST_TOLERANCE` of
+    the largest, the largest ratio at 32. Without a table for this Triton: the first tile of a fixed list that wastes at most
     half its BLOCK_M rows and gives enough programs, split along K while that still fits
     one wave (docs/kernels.md "Prefill path")."""
     if M <= DECODE_M:
@@ -83,7 +88,7 @@ def prefill_config(M: int, N: int, K: int, num_sms: int = 132, pair: str = "floa
         if rows:
             w_bytes = table[pair]["w_bytes"]
             ratios = [[dense / ours for ours, dense in (predicted_time(r, M, N, K, w_bytes, s, l2, num_sms)
-                                                        for l2 in (L2_BYTES_PER_SM_CLK, math.inf))] for r, s in rows]
+                                                        for l2 in ROBUST_L2)] for r, s in rows]
             floor = max(map(min, ratios)) * (1 - ROBUST_TOLERANCE)
             first_best = -max((rat[0], -i) for i, rat in enumerate(ratios) if min(rat) >= floor)[1]
             r, s = rows[first_best]

@@ -30,6 +30,15 @@ DENSE_TILES = ((32, 64), (32, 128), (64, 64), (64, 128), (128, 128), (128, 256),
 DENSE_SPLITS = (1, 2, 4, 8, 16)
 
 
+def reduction_tiles(per_sm: int, split_k: int, wide: bool = False) -> float:
+    """fp32 partial tiles an SM moves through L2 on the critical path of a split-K over
+    ``split_k`` (a power of two) splits with ``per_sm`` programs on it: one store for each
+    program, and for the last a store and a load on each further level of the pairwise tree
+    (kernels/sparse24_prefill.py, ``_tree_split_k``), with half a tile more per level for the
+    ``wide`` tile (128 x 256: its second half read back); 0 without split-K."""
+    return 0 if split_k == 1 else per_sm - 1 + (2.5 if wide else 2) * (split_k.bit_length() - 1)
+
+
 def dense_time(M: int, N: int, K: int, l2: float = L2_BYTES_PER_SM_CLK, sms: int = SMS) -> float:
     """SM clocks of the idealized dense GEMM (fp16 weight) the prediction compares with:
     the best of its tiles (DENSE_TILES: rows of x x rows of W, 32x64 to 256x128; ours has
@@ -54,7 +63,7 @@ def dense_time(M: int, N: int, K: int, l2: float = L2_BYTES_PER_SM_CLK, sms: int
 
     def tiled(bm, bn, s):
         per_sm = -(-(-(-M // bm) * -(-N // bn) * s) // sms)
-        partials = (per_sm + s - 1) * bm * bn * 4 / l2 if s > 1 else 0.0
+        partials = reduction_tiles(per_sm, s) * bm * bn * 4 / l2
         return per_sm * per_k(bm, bn) * -(-K // s) + partials
     # split-K where the tiles leave SMs idle, as ours (config_space.split_factors): at most two
     # programs per SM and 128 columns of K per split
@@ -72,10 +81,10 @@ def predicted_time(r: dict, M: int, N: int, K: int, w_bytes: float, split_k: int
     side) and ``alone`` is one program's K-tile by itself on an SM (its loop's wgmma groups
     and waits replayed; without it, decode and wgmma one after the other: t_tensor +
     t_issue), other programs filling its gaps; floored by HBM traffic (weight bytes
-    ``w_bytes`` per element, x and out fp16). ``split_k`` > 1: the kernel's serial split-K
+    ``w_bytes`` per element, x and out fp16). ``split_k`` > 1: the kernel's split-K
     (``r`` then the split row of the cost table): split_k times the programs, each over its
-    split's whole K-tiles, and every program's fp32 partial tile through L2 (its store, then
-    the last program's reads of the others'). Dense: :func:`dense_time`. ``sms``: the SMs
+    split's whole K-tiles, and fp32 partial tiles through L2 as the pairwise tree moves them
+    (:func:`reduction_tiles`). Dense: :func:`dense_time`. ``sms``: the SMs
     the programs spread over."""
     c = r["cfg"]
     progs = -(-M // c.block_m) * -(-N // c.block_n) * split_k
@@ -88,7 +97,6 @@ def predicted_time(r: dict, M: int, N: int, K: int, w_bytes: float, split_k: int
     def rnd(n):
         return max(n * tt, n * ti, n * tl2, alone) if n else 0.0
     ours = iters * (full * rnd(p) + rnd(rest))
-    if split_k > 1:
-        ours += (per_sm_progs + split_k - 1) * c.block_m * c.block_n * 4 / l2
+    ours += reduction_tiles(per_sm_progs, split_k, c.block_n == 256) * c.block_m * c.block_n * 4 / l2
     io = (M * K + M * N) * 2 / SMS / HBM_BYTES_PER_SM_CLK
     return max(ours, (N * K * w_bytes) / SMS / HBM_BYTES_PER_SM_CLK + io), dense_time(M, N, K, l2, sms)
