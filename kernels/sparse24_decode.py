@@ -425,33 +425,28 @@ def _epilogue(acc, out_ptr, scale_ptr, bias_ptr, offs_n, offs_m, N, M, stride_om
 
 
 @triton.jit
-def _serial_split_k(acc, acc2, ws_ptr, count_ptr, tile, pid_k, SPLIT_K: tl.constexpr, ROWS: tl.constexpr,
-                    COLS: tl.constexpr, TWO: tl.constexpr):
-    # Serial split-K, inside one launch (the decode and prefill kernels): every split stores
-    # its fp32 partial tile(s) (acc, and acc2 where TWO: [ROWS, COLS] each) in the plan's
-    # workspace (ws_ptr: [tiles, SPLIT_K, 1 + TWO, ROWS, COLS]); the output tile's counter
-    # (count_ptr, zero between launches) says which program arrives last; that one adds the
-    # SPLIT_K partials in split order (the same bits whatever the arrival order: split-K stays
-    # deterministic) and resets the counter. Returns (acc, acc2, whether to write the output).
+def _serial_split_k(acc, ws_ptr, count_ptr, tile, pid_k, SPLIT_K: tl.constexpr, ROWS: tl.constexpr,
+                    COLS: tl.constexpr):
+    # Serial split-K, inside one launch (the decode kernel; the prefill kernel sums its larger
+    # partials as a tree: sparse24_prefill._tree_split_k): every split stores its fp32 partial
+    # tile ([ROWS, COLS]) in the plan's workspace (ws_ptr: [tiles, SPLIT_K, ROWS, COLS]); the
+    # output tile's counter (count_ptr, zero between launches) says which program arrives last;
+    # that one adds the SPLIT_K partials in split order (the same bits whatever the arrival
+    # order: split-K stays deterministic) and resets the counter. Returns (acc, whether to write
+    # the output).
     SIZE: tl.constexpr = ROWS * COLS
-    part = (ws_ptr + tile.to(tl.int64) * (SPLIT_K * (1 + TWO) * SIZE)
+    part = (ws_ptr + tile.to(tl.int64) * (SPLIT_K * SIZE)
             + tl.arange(0, ROWS)[:, None] * COLS + tl.arange(0, COLS)[None, :])
-    tl.store(part + pid_k * ((1 + TWO) * SIZE), acc, cache_modifier=".cg")
-    if TWO:
-        tl.store(part + pid_k * ((1 + TWO) * SIZE) + SIZE, acc2, cache_modifier=".cg")
+    tl.store(part + pid_k * SIZE, acc, cache_modifier=".cg")
     tl.debug_barrier()  # all threads' partials are stored before the counter releases them
     arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
     write = arrived == SPLIT_K - 1
     if write:
         acc = tl.load(part, cache_modifier=".cg")
         for j in tl.static_range(1, SPLIT_K):
-            acc += tl.load(part + j * ((1 + TWO) * SIZE), cache_modifier=".cg")
-        if TWO:
-            acc2 = tl.load(part + SIZE, cache_modifier=".cg")
-            for j in tl.static_range(1, SPLIT_K):
-                acc2 += tl.load(part + j * ((1 + TWO) * SIZE) + SIZE, cache_modifier=".cg")
+            acc += tl.load(part + j * SIZE, cache_modifier=".cg")
         tl.store(count_ptr + tile, 0)  # ready for the next launch
-    return acc, acc2, write
+    return acc, write
 
 
 def _sparse24_decode(
@@ -556,8 +551,8 @@ def _sparse24_decode(
     offs_m = tl.arange(0, BLOCK_M)
     write = True
     if SPLIT_K > 1:
-        acc, _, write = _serial_split_k(acc, acc, ws_ptr, count_ptr, tl.program_id(2) * tl.num_programs(0) + pid_n,
-                                        pid_k, SPLIT_K, BLOCK_N, BLOCK_M, False)
+        acc, write = _serial_split_k(acc, ws_ptr, count_ptr, tl.program_id(2) * tl.num_programs(0) + pid_n, pid_k,
+                                     SPLIT_K, BLOCK_N, BLOCK_M)
     if write:
         UNIT: tl.constexpr = _TWO_POW_24 if x_ptr.dtype.element_ty == tl.float16 else 1.0
         _epilogue(acc, out_ptr, scale_ptr, bias_ptr, offs_n, offs_m, N, m_left, stride_om, stride_on, UNIT, INT8,

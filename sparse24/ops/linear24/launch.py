@@ -384,15 +384,16 @@ def decode_workspace(device, N: int, config: KernelConfig, split_k: int, bucket:
     floats = tiles * split_k * config.block_n * block_m
     device = torch.device(device)
     ws, counts = _WORKSPACES.get(device, (None, None))
-    nodes = tiles * split_k
     # each grows on its own (more counters need not double the partials' buffer)
-    if ws is None or ws.numel() < floats:
-        ws = torch.empty(floats if ws is None else max(floats, 2 * ws.numel()), dtype=torch.float32, device=device)
-    if counts is None or counts.numel() < nodes:
-        counts = torch.zeros(nodes if counts is None else max(nodes, 2 * counts.numel()), dtype=torch.int32,
-                             device=device)
+    ws = _grown(ws, floats, lambda n: torch.empty(n, dtype=torch.float32, device=device))
+    counts = _grown(counts, tiles * split_k, lambda n: torch.zeros(n, dtype=torch.int32, device=device))
     _WORKSPACES[device] = ws, counts
     return ws, counts
+
+
+def _grown(buf, need: int, make):
+    """``buf`` while it holds ``need`` elements, else ``make(n)`` with n at least twice its size."""
+    return buf if buf is not None and buf.numel() >= need else make(need if buf is None else max(need, 2 * buf.numel()))
 
 
 def _split_extra(device, N, config, split_k, bucket, block_m) -> tuple:

@@ -70,9 +70,9 @@ def prefill_config(M: int, N: int, K: int, num_sms: int = 132, pair: str = "floa
     ``pair`` (:data:`PAIRS`, :func:`prefill_pair`; a split config costs its split row,
     :func:`cost_key`): of the configs whose worst-case ratio to dense over L2 at 32, 48 and
     64 B per SM clock and unbounded (:data:`ROBUST_L2`) is within :data:`ROBUST_TOLERANCE` of
-    the largest, the largest ratio at 32. Without a table for this Triton: the first tile of a fixed list that wastes at most
-    half its BLOCK_M rows and gives enough programs, split along K while that still fits
-    one wave (docs/kernels.md "Prefill path")."""
+    the largest, the largest ratio at 32. Without a table for this Triton: the first tile of a
+    fixed list that wastes at most half its BLOCK_M rows and gives enough programs, split along
+    K while that still fits one wave (docs/kernels.md "Prefill path")."""
     if M <= DECODE_M:
         raise ValueError(f"the prefill kernel serves M > {DECODE_M}, got M = {M}")
     if pair not in PAIRS:
