@@ -19,8 +19,8 @@
 #      batch 1 and 8, prefill of 2048 tokens, dense vs 2:4 vs 2:4 INT8, eager and compiled, with
 #      CUDA kernels per call from torch.profiler (scripts/gpu_block.py: block.csv, block.md).
 # Each step has its own time limit; a failing step does not stop the next ones, and the
-# script exits non-zero if any failed. Every step's outputs are copied to $OUT (when set)
-# as soon as the step ends, so a run cut short keeps what it measured.
+# script exits non-zero if any failed. Every step's outputs are archived to $OUT/gpu_check.tgz
+# (when OUT is set) as soon as the step ends, so a run cut short keeps what it measured.
 #
 #   bash scripts/gpu_check.sh            # PYTHON=python3 by default
 set -uo pipefail
@@ -48,6 +48,14 @@ for f in "$ROOT"/sparse24/*; do ln -s "$f" "$SITE/sparse24/"; done
 ln -s "$ROOT/kernels" "$SITE/sparse24/kernels"
 ln -s "$ROOT/autotune_configs" "$SITE/sparse24/autotune_configs"
 export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+# `python -m` and `-c` put the working directory first on sys.path, where this tree's own
+# sparse24/ (without kernels/) would shadow the layout above: the first GPU run failed so.
+export PYTHONSAFEPATH=1
+if ! "$PY" -c "import os, sparse24.kernels, sparse24.autotune_configs as a
+assert os.path.dirname(a.__file__).startswith('$SITE'), a.__file__"; then
+    echo "gpu_check: this tree does not import as the installed layout (sparse24.kernels)" >&2
+    exit 1
+fi
 
 if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
     echo "gpu_check: no CUDA GPU visible to $PY (torch.cuda.is_available() is False); nothing to check" >&2
@@ -65,10 +73,10 @@ torch.cuda.get_device_properties(0).multi_processor_count)"
     git rev-parse --short HEAD 2>/dev/null || true
 } | tee "$RES/env.txt"
 
-keep() {  # copy what the run has so far to $OUT (files at most 2 folders down)
+keep() {  # what the run has so far, as one archive in $OUT (the device tool returns 8 files at most)
     if [ -n "${OUT:-}" ]; then
-        cp "$RES"/*.log "$RES"/*.txt "$RES"/*.csv "$RES"/*.md "$RES"/*.png "$OUT/" 2>/dev/null
-        cp autotune_configs/"$GPU"/*.json "$OUT/" 2>/dev/null
+        tar -czf "$OUT/gpu_check.tgz.tmp" "$RES" $(ls -d autotune_configs/"$GPU" 2>/dev/null) 2>/dev/null &&
+            mv "$OUT/gpu_check.tgz.tmp" "$OUT/gpu_check.tgz"
     fi
     return 0
 }

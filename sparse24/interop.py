@@ -222,7 +222,7 @@ def from_cutlass_layout(packed: torch.Tensor, meta: torch.Tensor) -> Sparse24Ten
     return Sparse24Tensor(vals, words.to(torch.int32).t().contiguous(), (R, C))
 
 
-def to_semi_structured(p: Sparse24Tensor, backend: str = "cutlass", dtype: torch.dtype | None = None):
+def to_semi_structured(p: Sparse24Tensor, backend: str | None = None, dtype: torch.dtype | None = None):
     """Export a 2:4 weight as a ``torch.sparse.SparseSemiStructuredTensor`` (CUDA).
 
     Use it where torch's sparse tensor-core matmuls are faster than our
@@ -231,16 +231,19 @@ def to_semi_structured(p: Sparse24Tensor, backend: str = "cutlass", dtype: torch
     Args:
         p: :class:`Sparse24Tensor` ``(N, K)`` on a CUDA device, ``N % 32 == 0``,
             ``K % 64 == 0`` (INT8 weights are exported dequantized).
-        backend: ``"cutlass"`` (repacked directly, no dense copy) or
+        backend: ``"cutlass"`` (repacked directly, no dense copy; torch's
+            CUTLASS 2:4 kernels run on compute capability 8.x only) or
             ``"cusparselt"`` (its layout is opaque: compressed by
-            ``torch._cslt_compress`` from a transient dense copy).
+            ``torch._cslt_compress`` from a transient dense copy); default:
+            CUTLASS on 8.x GPUs, cuSPARSELt on the others (Hopper).
         dtype: float16 or bfloat16 (default: ``p.dtype``).
     Returns:
         A ``SparseSemiStructuredTensorCUTLASS`` / ``...CUSPARSELT`` whose
         ``to_dense()`` equals ``p.to_dense()`` (in ``dtype``).
     Raises:
         ValueError: p on CPU (torch's 2:4 tensors are CUDA-only; the layout
-        functions above work anywhere), bad shape or backend.
+        functions above work anywhere), bad shape or backend, CUTLASS on a
+        GPU that is not 8.x.
         TypeError: not a Sparse24Tensor, or a dtype torch cannot store 2:4.
     Example:
         >>> t = to_semi_structured(sparse24.compress(torch.randn(64, 128, device="cuda").half()))
@@ -248,19 +251,33 @@ def to_semi_structured(p: Sparse24Tensor, backend: str = "cutlass", dtype: torch
     """
     from torch.sparse import SparseSemiStructuredTensorCUSPARSELT, SparseSemiStructuredTensorCUTLASS
 
-    if backend not in BACKENDS:
+    if backend not in BACKENDS + (None,):
         raise ValueError(f"unknown backend {backend!r}; choose one of {BACKENDS}")
     if not isinstance(p, Sparse24Tensor):
         raise TypeError(f"expected a Sparse24Tensor, got {type(p).__name__}")
     if p.device.type != "cuda":
         raise ValueError(f"torch's SparseSemiStructuredTensor is CUDA-only, but the weight is on {p.device}; move it "
                          f"with p.to('cuda') (to_cutlass_layout converts the layout on any device)")
+    backend = backend_for(torch.cuda.get_device_capability(p.device), backend)
     if backend == "cutlass":
         packed, meta = to_cutlass_layout(p, dtype)
         return SparseSemiStructuredTensorCUTLASS(p.shape, packed=packed, meta=meta, packed_t=None, meta_t=None,
                                                  compressed_swizzled_bitmask=None)
     dense = p.to_dense().to(_export_dtype(p, dtype))
     return SparseSemiStructuredTensorCUSPARSELT.from_dense(dense)
+
+
+def backend_for(capability: tuple[int, int], backend: str | None = None) -> str:
+    """The torch 2:4 backend for a GPU of compute ``capability``: ``backend`` checked, or
+    the default (CUTLASS on 8.x, cuSPARSELt elsewhere). torch's CUTLASS 2:4 matmul runs on
+    8.x alone: on an H200 (9.0, torch 2.11) it raised "Supported only on GPUs with compute
+    capability 8.x" at the first product, so it is refused here, at conversion."""
+    if backend is None:
+        return "cutlass" if capability[0] == 8 else "cusparselt"
+    if backend == "cutlass" and capability[0] != 8:
+        raise ValueError(f"torch's CUTLASS 2:4 kernels run on compute capability 8.x only, this GPU is "
+                         f"{capability[0]}.{capability[1]}: use backend='cusparselt' (the default there)")
+    return backend
 
 
 def from_semi_structured(t) -> Sparse24Tensor:

@@ -273,3 +273,14 @@ def test_import_rejects_metadata_naming_a_slot_twice(nibble, values, gen):
     bad_packed, bad_meta = cutlass_bits(nib, vals)
     with pytest.raises(ValueError, match="corrupt metadata at row 5, group 7"):
         from_cutlass_layout(bad_packed, bad_meta)
+
+
+def test_backend_follows_the_gpu_and_refuses_cutlass_off_ampere():
+    """torch's CUTLASS 2:4 matmul runs on compute capability 8.x alone (an H200 raised at the
+    first product): the default there is cuSPARSELt, and asking for CUTLASS is an error."""
+    from sparse24.interop import backend_for
+    assert backend_for((8, 0)) == backend_for((8, 9)) == "cutlass"
+    assert backend_for((9, 0)) == backend_for((10, 0)) == "cusparselt"
+    assert backend_for((8, 6), "cusparselt") == "cusparselt" and backend_for((9, 0), "cusparselt") == "cusparselt"
+    with pytest.raises(ValueError, match="8.x only, this GPU is 9.0"):
+        backend_for((9, 0), "cutlass")

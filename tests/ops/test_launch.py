@@ -224,3 +224,39 @@ def test_a_gpu_launch_needs_a_triton_that_compiles_the_kernels(monkeypatch, gen)
                              x, q8.to_dense().double())
     monkeypatch.setattr(triton, "__version__", "3.4.0")
     launch.check_triton_for_gpu()
+
+
+
+@pytest.mark.parametrize("weight,x_dtype,prefill", [
+    ("v1", torch.float32, False), ("float16", torch.float16, False), ("int8", torch.float32, False),
+    ("int4", torch.float32, False), ("int8", torch.float16, False), ("int4", torch.bfloat16, False),
+    ("float16", torch.float16, True), ("int4", torch.float16, True)])
+def test_kept_handle_binds_constexprs_in_signature_order(weight, x_dtype, prefill, gen):
+    """A kept CUDA handle takes the constexprs positionally after the runtime arguments:
+    each variant's (matmul, decode, sparse tensor-core, prefill; INT8 and INT4) must follow
+    its kernel's signature, whatever order the variant builds them in (the decode kernel's
+    INT4 parameters came last in its signature but in the middle of its dict: the first GPU
+    run refused every decode plan)."""
+    from sparse24.decode_format import pack_decode
+    N, K = 64, 256
+    w = torch.randn(N, K, generator=gen)
+    p = sparse24.compress(w.half() if weight == "float16" else w)
+    if weight in ("int8", "int4"):
+        p = sparse24.quantize_values(p, weight, group_size=64)
+    p = p if weight == "v1" else pack_decode(p)
+    x = torch.randn(64 if prefill else 3, K, generator=gen).to(x_dtype)
+    launch._PLANS.clear()
+    (launch.run_prefill if prefill else launch.run)(x, p.values, p.meta, p.scale, None, N, None,
+                                                   getattr(p, "zero", None), getattr(p, "group_size", 0) or 0)
+    (plan,) = launch._PLANS.values()
+    names = plan.variant.kernel(cuda=True).arg_names
+    tail = tuple(names[len(names) - len(plan.constexprs):])
+    assert tuple(plan.constexprs) == tail
+    assert plan.constexpr_values == tuple(plan.constexprs[n] for n in tail)
+    launch._PLANS.clear()
+
+
+def test_constexprs_that_are_not_the_last_parameters_are_refused():
+    assert launch._in_signature_order({"B": 2, "A": 1}, ["x", "A", "B"]) == {"A": 1, "B": 2}
+    with pytest.raises(AssertionError, match="last parameters"):
+        launch._in_signature_order({"A": 1, "x": 0}, ["x", "A", "B"])

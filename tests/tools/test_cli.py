@@ -498,6 +498,18 @@ def test_gpu_check_script_commands_are_valid(capsys, tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="runs the script up to its no-GPU exit")
+def test_gpu_check_imports_this_tree_as_installed():
+    """gpu_check.sh imports this tree through a symlinked installed layout (sparse24.kernels,
+    sparse24.autotune_configs); its `python -m` steps must not pick up the tree's own
+    sparse24/ from the working directory (the first GPU run lost every step so). The
+    script checks that before it looks for a GPU: here it gets that far and no further."""
+    r = subprocess.run(["bash", str(GPU_CHECK)], capture_output=True, text=True, cwd=GPU_CHECK.parents[1],
+                       env={**os.environ, "PYTHON": sys.executable})
+    assert r.returncode == 1 and "no CUDA GPU visible" in r.stderr, r.stderr
+    assert "does not import" not in r.stderr
+
+
 def test_gpu_l2_bandwidth_kernel_sums_on_cpu():
     """The L2 probe's kernel (scripts/gpu_l2_bandwidth.py --smoke, Triton's interpreter): each
     program's sum of the blocks it reads equals torch's, so the GPU figure counts bytes it read."""

@@ -242,11 +242,10 @@ class _Plan:
         self.variant.check_config(config)
         self.split_k = self.variant.split_k(config, bucket, deterministic)
         self.kernel = self.variant.kernel(device.type == "cuda")
-        self.constexprs = self.variant.constexprs(config, self.split_k, has_scale, values_dtype, bias_dtype is not None,
-                                                  tf32, K, group_size, has_zero, bucket)
-        names = tuple(self.constexprs)
-        if device.type == "cuda":  # the kept handle gets the constexprs appended in signature order
-            assert tuple(self.kernel.arg_names[-len(names):]) == names, self.kernel.arg_names
+        self.constexprs = _in_signature_order(
+            self.variant.constexprs(config, self.split_k, has_scale, values_dtype, bias_dtype is not None, tf32, K,
+                                    group_size, has_zero, bucket), self.variant.kernel(cuda=True).arg_names)
+        # the kept handle binds them positionally, after the runtime arguments
         self.constexpr_values = tuple(self.constexprs.values())
         self.options = {"num_warps": config.num_warps, "num_stages": config.num_stages}
         self.N, self.device, self.cuda, self.device_index = N, device, device.type == "cuda", device.index
@@ -308,6 +307,15 @@ class _Plan:
             compiled = self.kernel[grid](*args, **self.constexprs, **self.options)
         if fast:
             self.compiled = compiled
+
+
+def _in_signature_order(constexprs: dict, arg_names) -> dict:
+    """``constexprs`` reordered as the kernel's signature lists them; they must be its
+    trailing parameters, since a kept handle appends their values after the runtime ones."""
+    tail = tuple(arg_names[len(arg_names) - len(constexprs):])
+    if set(tail) != set(constexprs):
+        raise AssertionError(f"constexprs {sorted(constexprs)} are not the kernel's last parameters {tail}")
+    return {n: constexprs[n] for n in tail}
 
 
 def _fast_launch_ok(device_index) -> bool:
