@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # The one prepared GPU check, for the GPU image as it is (Python 3.12, torch 2.11,
-# Triton 3.6, numpy 2.5, pytest-xdist; no network, nothing installed). At most about 8.25
-# minutes on one H100/H200 class GPU:
+# Triton 3.6, numpy 2.5, pytest-xdist; no network, nothing installed). At most about 8.8
+# minutes on one H100/H200 class GPU (GPU_CHECK_ONLY="probe tests" runs the steps named):
 #   0. L2 and HBM read bandwidth (scripts/gpu_l2_bandwidth.py): the figure the prefill model
-#      assumes (32 B per SM clock), for `kernel_static_check.py --prefill --l2 X` back here;
+#      assumes, for `kernel_static_check.py --prefill --l2 X` back here;
+#   0b. probe: host time per eager call (nn.Linear, the module, the op, the launch) with a
+#      cProfile, and prefill paths side by side (prefill kernel, unpack + cuBLAS, cuSPARSELt);
 #   1. tests: the kernels and modules on CUDA against the fp64 reference (scripts/gpu_tests), first of
 #      all that the sparse tensor cores read the INT8 / INT4 operands as the CPU emulation does;
 #   2. autotune: the decode ends (M = 1 and 16; M = 2..8 take the nearest entry) and one large M
@@ -31,12 +33,13 @@ export PYTHONUNBUFFERED=1
 # tuned: the decode ends (2-8 take the nearest bucket's entry) and one large M
 M_TUNE=1,16,4096
 M_BENCH=1,2,4,8,16,64,256,1024,4096
-T_TESTS=${T_TESTS:-90}          # seconds per step: 90 + 100 + 60 + 80 = 5.5 minutes (the tests now
-T_TUNE=${T_TUNE:-100}           # compile the sparse tensor-core kernel's INT8 and INT4 variants, 16 and 32 rows)
+T_TESTS=${T_TESTS:-130}         # seconds per step (the first H200 runs took: tests 135 with 8 workers,
+T_TUNE=${T_TUNE:-90}            # autotune 6 of 24 keys in 100, user_view 25, block 69, l2 6)
 T_BENCH=${T_BENCH:-60}
-T_USER=${T_USER:-80}
-T_BLOCK=${T_BLOCK:-135}         # + 135 = 7.75 minutes at most
-T_L2=${T_L2:-30}                # + 30 = 8.25
+T_USER=${T_USER:-40}
+T_BLOCK=${T_BLOCK:-100}
+T_L2=${T_L2:-30}
+T_PROBE=${T_PROBE:-80}          # 30 + 80 + 130 + 90 + 60 + 40 + 100 = 530 s = 8.8 minutes at most
 
 # Import this tree without installing it: kernels/ and autotune_configs/ are
 # sub-packages of sparse24 only once installed (pyproject's package-dir), so
@@ -83,9 +86,11 @@ keep() {  # what the run has so far, as one archive in $OUT (the device tool ret
 keep
 
 FAILED=()
+ONLY=" ${GPU_CHECK_ONLY:-} "   # e.g. GPU_CHECK_ONLY="probe tests": those steps alone (a follow-up call)
 step() {  # step NAME LIMIT_S CMD...: run with a time limit, log to $RES/NAME.log, record failure
     local name=$1 limit=$2 rc=0 t0=$SECONDS
     shift 2
+    if [ "$ONLY" != "  " ] && [[ "$ONLY" != *" $name "* ]]; then return 0; fi
     echo "=== $name (limit ${limit}s): $*"
     timeout --kill-after=10 "$limit" "$@" 2>&1 | tee "$RES/$name.log" || rc=$?
     echo "=== $name: exit $rc after $((SECONDS - t0)) s" | tee -a "$RES/$name.log"
@@ -96,11 +101,15 @@ step() {  # step NAME LIMIT_S CMD...: run with a time limit, log to $RES/NAME.lo
 # 0. what the prefill model assumes of L2 (seconds)
 step l2 "$T_L2" "$PY" scripts/gpu_l2_bandwidth.py --out "$RES/"
 
+# 0b. where an eager call's host time goes; the prefill paths side by side (scripts/gpu_probe.py)
+step probe "$T_PROBE" "$PY" scripts/gpu_probe.py --out "$RES/"
+
 # 1. kernel and module tests on CUDA (parallel across processes when pytest-xdist is there:
 #    the time goes into compiling kernel variants, one per process at a time)
 XDIST=()
-if "$PY" -c "import xdist" 2>/dev/null; then XDIST=(-n 8); fi
-step tests "$T_TESTS" "$PY" -m pytest -q -p no:cacheprovider -p no:randomly "${XDIST[@]}" scripts/gpu_tests
+if "$PY" -c "import xdist" 2>/dev/null; then XDIST=(-n "${GPU_TEST_WORKERS:-8}"); fi
+step tests "$T_TESTS" env PYTHONPATH="$ROOT/scripts/gpu_tests:$PYTHONPATH" "$PY" -m pytest -q -p no:cacheprovider \
+    -p no:randomly -p report_now "${XDIST[@]}" scripts/gpu_tests
 
 # 2. tuning (entries are merged into the file one by one, so a run cut short keeps its measurements)
 step autotune "$T_TUNE" "$PY" -m sparse24 autotune --shapes standard --m "$M_TUNE" \

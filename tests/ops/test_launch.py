@@ -127,6 +127,31 @@ def test_triton_launches_compiled_kernels_as_the_fast_path_does():
         assert call.groups() == ("knobs.runtime.launch_enter_hook", "knobs.runtime.launch_exit_hook")
 
 
+def test_launch_hooks_are_idle_by_default_and_busy_when_one_is_set(monkeypatch):
+    """Triton >= 3.5 keeps an empty HookChain as its launch hooks: that is no hook, and the kept
+    handle must be used (the first H200 run found every eager call on Triton's own path);
+    a profiler's hook, added to the chain or set in its place, turns the fast path off."""
+    runtime = launch._triton_runtime_knobs()
+    if runtime is None:
+        assert not launch._launch_hooks_idle()
+        return
+    assert launch._launch_hooks_idle()
+    hook = lambda *args: None  # noqa: E731
+    for name in ("launch_enter_hook", "launch_exit_hook"):
+        chain = getattr(runtime, name)
+        if hasattr(chain, "add"):
+            chain.add(hook)
+            try:
+                assert not launch._launch_hooks_idle()
+            finally:
+                chain.remove(hook)
+            assert launch._launch_hooks_idle()
+        monkeypatch.setattr(runtime, name, hook)
+        assert not launch._launch_hooks_idle()
+        monkeypatch.undo()
+        assert launch._launch_hooks_idle()
+
+
 def test_one_plan_per_key_and_lookups_only_once(monkeypatch, gen):
     lookups = []
     real = launch.get_config

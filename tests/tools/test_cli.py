@@ -485,14 +485,14 @@ def test_gpu_check_script_commands_are_valid(capsys, tmp_path):
     # arguments exit 2 before the GPU check; valid ones reach it and exit 1 on this machine.
     assert subprocess.run(["bash", "-n", str(GPU_CHECK)]).returncode == 0
     cmds = _gpu_check_commands()
-    assert set(cmds) == {"l2", "autotune", "bench", "user_view", "block"}
-    for name in ("l2", "bench", "user_view", "block"):
+    assert set(cmds) == {"l2", "probe", "autotune", "bench", "user_view", "block"}
+    for name in ("l2", "probe", "bench", "user_view", "block"):
         cmds[name] = [str(tmp_path) if a == "RES" else a for a in cmds[name]]
     for name in ("autotune", "bench"):
         assert main(cmds[name]) == 1, (name, cmds[name])
         assert "no CUDA GPU" in capsys.readouterr().err
     assert main(cmds["bench"] + ["--m", "0"]) == 2  # the same command with a bad argument is caught
-    for name in ("l2", "user_view", "block"):
+    for name in ("l2", "probe", "user_view", "block"):
         script, *argv = cmds[name]
         assert _script_main(script)(argv) == 1 and "no CUDA GPU" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []

@@ -1,0 +1,71 @@
+"""Triton kernel: a decode-layout 2:4 weight (16-bit or INT8) written out dense, ``(R, C)``.
+
+For prefill on CUDA where dense cuBLAS on the decompressed weight beats the prefill
+kernel: one pass that reads the compressed weight and writes the dense one into a
+scratch buffer, then ``F.linear``. The layout read here is defined in
+``sparse24.decode_format`` (its comment block); the launcher lives in
+``sparse24.ops.linear24.unpack``.
+
+* ``sparse24_unpack``: ``triton.jit``, for GPU tensors;
+* ``sparse24_unpack_interpreted``: the same source in Triton's interpreter (CPU tensors).
+"""
+import triton
+import triton.language as tl
+
+from .interpreter import InterpretedKernel
+
+__all__ = ["sparse24_unpack", "sparse24_unpack_interpreted"]
+
+
+def _sparse24_unpack(
+    v_ptr, meta_ptr, scale_ptr, out_ptr,
+    R, C, NT, stride_ml, stride_or,
+    INT8: tl.constexpr, BLOCK_A: tl.constexpr,
+):
+    # Grid: (NT, cdiv(KA, BLOCK_A)); a program writes row tile t (16 rows) for BLOCK_A
+    # atoms of 64 columns. Each atom holds 32 lanes x 8 groups x 4 slots.
+    t = tl.program_id(0)
+    a = tl.program_id(1) * BLOCK_A + tl.arange(0, BLOCK_A)[:, None, None, None]   # (A, 1, 1, 1)
+    lane = tl.arange(0, 32)[None, :, None, None]                                 # (1, 32, 1, 1)
+    g = tl.arange(0, 8)[None, None, :, None]                                     # (1, 1, 8, 1)
+    s = tl.arange(0, 4)[None, None, None, :]                                     # (1, 1, 1, 4)
+    KA = tl.cdiv(C, 64)
+    in_a = a < KA
+    q, b = g // 2, g % 2
+    i, j = lane // 4, lane % 4
+    row = 16 * t + 8 * b + i
+    col = 64 * a + 16 * q + 4 * j + s
+
+    word = tl.load(meta_ptr + (t * 32 + lane) * stride_ml + a, mask=in_a, other=0)  # (A, 32, 1, 1) keep masks
+    nib = (word >> (4 * g)) & 15                                                 # bits: slots 0, 1, 3, 2
+    kept = ((nib >> (s ^ (s >> 1))) & 1) != 0
+    natural = (nib & 3) | (((nib >> 3) & 1) << 2)                                # kept slots 0..2, in order
+    below = natural & ((1 << s) - 1)                                             # kept slots under s
+    first = ((below & 1) + ((below >> 1) & 1) + ((below >> 2) & 1)) == 0         # s is the lower kept slot
+    if INT8:
+        # values[a, t, l, 4q + 2v + b]: sign-magnitude bytes; times the row's scale
+        base = ((a * NT + t) * 32 + lane) * 16 + 4 * q + b
+        b0 = tl.load(v_ptr + base, mask=in_a, other=0).to(tl.int32)
+        b1 = tl.load(v_ptr + base + 2, mask=in_a, other=0).to(tl.int32)
+        byte = tl.where(first, b0, b1)
+        mag = (byte & 127).to(tl.float32)
+        val = tl.where((byte & 128) != 0, -mag, mag)
+        val = val * tl.load(scale_ptr + row, mask=row < R, other=0.0)
+        if out_ptr.dtype.element_ty == tl.bfloat16:
+            # round to nearest even by hand: the interpreter's cast truncates (the GPU's cvt.rn
+            # does this); |val| is finite
+            bits = val.to(tl.uint32, bitcast=True)
+            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+            val = bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        # values[a, g // 4, t, l, 2 (g % 4) + v]
+        base = (((a * 2 + g // 4) * NT + t) * 32 + lane) * 8 + 2 * (g % 4)
+        v0 = tl.load(v_ptr + base, mask=in_a, other=0.0)
+        v1 = tl.load(v_ptr + base + 1, mask=in_a, other=0.0)
+        val = tl.where(first, v0, v1)
+    out = tl.where(kept, val, 0.0).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row.to(tl.int64) * stride_or + col, out, mask=(row < R) & (col < C) & in_a)
+
+
+sparse24_unpack = triton.jit(_sparse24_unpack)
+sparse24_unpack_interpreted = InterpretedKernel(_sparse24_unpack)

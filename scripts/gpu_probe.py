@@ -1,0 +1,160 @@
+"""Second look after the first H200 run (results/NVIDIA_H200): where an eager call's host time
+goes, and the prefill paths side by side.
+
+1. host: a Sparse24Linear's eager call at M = 1 cost ~80 us of wall time against nn.Linear's
+   ~26 us, with a ~22 us kernel: the time per call the host spends enqueueing (no sync inside
+   the loop) for nn.Linear, the module, ``sparse24.linear``, ``launch.run``; whether the kept
+   handle is in use; and a cProfile of the module's calls.
+2. prefill: the prefill kernel measured 0.40x of dense at M = 4096: per shape and M, dense
+   F.linear, the prefill kernel, the unpack kernel + cuBLAS (``launch.unpack_dense``), the unpack
+   kernel alone and torch's cuSPARSELt, medians of do_bench; unpack checked bit-exact first.
+
+Writes ``probe_host.txt`` and ``probe_prefill.csv`` to ``--out``; prints both.
+
+    python scripts/gpu_probe.py --out results/NVIDIA_H200/
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import csv
+import io
+import pstats
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import sparse24
+from sparse24.decode_format import pack_decode
+from sparse24.ops.linear24 import launch
+
+
+def _sync(dev):
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def _host_us(fn, dev, calls: int = 300) -> float:
+    """Host time per call: the loop's wall time without a sync inside (the GPU queue absorbs the
+    kernels while the host is slower than them), after a synchronized warm-up."""
+    for _ in range(5):
+        fn()
+    _sync(dev)
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host = (time.perf_counter() - t0) / calls
+    _sync(dev)
+    return 1e6 * host
+
+
+def host(out: Path, dev, d: int = 4096, ff: int = 11008, calls: int = 300) -> None:
+    torch.manual_seed(0)
+    dense = nn.Linear(d, ff, bias=False, dtype=torch.float16, device=dev)
+    mod = sparse24.Sparse24Linear.from_linear(nn.Linear(d, ff, bias=False, dtype=torch.float16, device=dev),
+                                              mode="compressed")
+    w = dense.weight.detach()
+    p = pack_decode(sparse24.compress(w))
+    x = torch.randn(1, d, dtype=torch.float16, device=dev)
+    name = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"
+    lines = [f"# {name}, torch {torch.__version__}, M = 1, {ff}x{d} fp16"]
+    with torch.no_grad():
+        for name, fn in (("nn.Linear", lambda: dense(x)), ("Sparse24Linear", lambda: mod(x)),
+                         ("sparse24.linear", lambda: sparse24.linear(x, p)),
+                         ("launch.run", lambda: launch.run(x, p.values, p.meta, None, None, ff)),
+                         ("torch.empty (floor)", lambda: torch.empty(1, ff, dtype=torch.float16, device=dev))):
+            lines.append(f"host us/call {name:22s} {_host_us(fn, dev, calls):8.2f}")
+        plans = list(launch._PLANS.values())
+        runtime = launch._triton_runtime_knobs()
+        lines.append(f"plans {len(plans)}; kept handles {[pl.compiled is not None for pl in plans]}; "
+                     f"fast launch ok {dev.type == 'cuda' and launch._fast_launch_ok(torch.cuda.current_device())}; hooks "
+                     f"{getattr(runtime, 'launch_enter_hook', '?')}, {getattr(runtime, 'launch_exit_hook', '?')}; "
+                     f"module backend {getattr(mod, 'backend', '?')}")
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(calls):
+            mod(x)
+        prof.disable()
+        _sync(dev)
+    s = io.StringIO()
+    pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(18)
+    lines.append(s.getvalue())
+    text = "\n".join(lines)
+    print(text, flush=True)
+    (out / "probe_host.txt").write_text(text)
+
+
+def prefill(out: Path, dev, shapes=((4096, 4096), (11008, 4096), (4096, 11008)), ms=(64, 256, 1024, 4096)) -> None:
+    from triton.testing import do_bench
+    torch.manual_seed(0)
+    rows = []
+    f = open(out / "probe_prefill.csv", "w", newline="")
+    wr = csv.writer(f)
+    wr.writerow(["weight", "N", "K", "M", "dense_us", "prefill_us", "unpack_mm_us", "unpack_us", "cusparselt_us"])
+
+    def bench(fn):
+        try:
+            if dev.type != "cuda":   # --smoke on CPU: the code paths, one call
+                t0 = time.perf_counter()
+                fn()
+                return round(1e6 * (time.perf_counter() - t0), 2)
+            return round(do_bench(fn, warmup=5, rep=25, return_mode="median") * 1e3, 2)
+        except Exception as e:  # noqa: BLE001 (a path that fails is reported, the sweep goes on)
+            print(f"  failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+            return float("nan")
+
+    for weight in ("fp16", "int8"):
+        for N, K in shapes:
+            w = torch.randn(N, K, device=dev, dtype=torch.float16)
+            c = sparse24.compress(w)
+            if weight == "int8":
+                c = sparse24.quantize_values(sparse24.compress(w.float()), "int8")
+            p = pack_decode(c)
+            wd = c.to_dense().to(torch.float16)     # the weight the kernels compute with
+            u = launch.unpack_dense(p.values, p.meta, p.scale, (N, K), torch.float16)
+            exact = torch.equal(u, wd)
+            print(f"{weight} {N}x{K}: unpack bit-exact {exact}", flush=True)
+            try:
+                ws = torch.sparse.to_sparse_semi_structured(wd)
+            except Exception as e:  # noqa: BLE001
+                print(f"  cuSPARSELt: {type(e).__name__}: {str(e)[:200]}", flush=True)
+                ws = None
+            for M in ms:
+                x = torch.randn(M, K, device=dev, dtype=torch.float16)
+                r = [weight, N, K, M, bench(lambda: F.linear(x, wd)),
+                     bench(lambda: launch.run_prefill(x, p.values, p.meta, p.scale, None, N)),
+                     bench(lambda: F.linear(x, launch.unpack_dense(p.values, p.meta, p.scale, (N, K), x.dtype))),
+                     bench(lambda: launch.unpack_dense(p.values, p.meta, p.scale, (N, K), x.dtype)),
+                     bench(lambda: F.linear(x, ws)) if ws is not None else float("nan")]
+                wr.writerow(r)
+                f.flush()
+                rows.append(r)
+                print("  M %5d  dense %8.2f  prefill %8.2f  unpack+mm %8.2f  unpack %7.2f  cusparselt %8.2f" % (
+                    M, *r[4:]), flush=True)
+    f.close()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, default=Path("."))
+    ap.add_argument("--only", choices=("host", "prefill"), default=None)
+    ap.add_argument("--smoke", action="store_true", help="CPU, small shapes: the code paths only")
+    a = ap.parse_args(argv)
+    if not a.smoke and not torch.cuda.is_available():
+        print("gpu_probe: no CUDA GPU visible; nothing to probe", file=sys.stderr)
+        return 1
+    a.out.mkdir(parents=True, exist_ok=True)
+    dev = torch.device("cpu" if a.smoke else "cuda")
+    if a.only in (None, "host"):
+        host(a.out, dev, *((128, 256, 3) if a.smoke else ()))
+    if a.only in (None, "prefill"):
+        prefill(a.out, dev, *((((256, 256),), (64,)) if a.smoke else ()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
