@@ -86,7 +86,7 @@ def prefill_figures(N: int, K: int, ms=(64, 512, 4096), quantize=None) -> list[d
                                                 quantize=quantize)
     layer.to_layout("decode")
     real_auto = op._auto_backend
-    real_launch = launch._Plan.launch
+    real_launch, real_unpack = launch._Plan.launch, launch._launch_unpack
     conversions = []
     watched = [(DecodePacked, "to_sparse24"), (DecodePacked, "to_dense"), (Sparse24Tensor, "to_dense")]
     originals = {(cls, name): getattr(cls, name) for cls, name in watched}
@@ -94,6 +94,7 @@ def prefill_figures(N: int, K: int, ms=(64, 512, 4096), quantize=None) -> list[d
     try:
         op._auto_backend = lambda x, *rest: real_auto(_AsCuda(x), *rest)
         launch._Plan.launch = lambda plan, grid, args, aligned: None
+        launch._launch_unpack = lambda *args: None
         for (cls, name), fn in originals.items():
             setattr(cls, name, lambda self, *a, _n=f"{cls.__name__}.{name}", _f=fn, **k:
                     conversions.append(_n) or _f(self, *a, **k))
@@ -103,7 +104,8 @@ def prefill_figures(N: int, K: int, ms=(64, 512, 4096), quantize=None) -> list[d
                 launch._PLANS.clear()
                 layer(x)  # the plan is made on the first call, with its split-K workspace (kept)
                 workspace = sum(t.numel() * t.element_size() for plan in launch._PLANS.values()
-                                for t in plan.extra if t.numel() > 1)
+                                for t in plan.extra if t.numel() > 1) + \
+                    sum(t.numel() for t in launch._DENSE_SCRATCH.values())   # the unpack route's dense scratch
                 conversions.clear()
                 y, count = count_dispatch(layer, x)
                 rows.append(dict(M=M, backend=real_auto(_AsCuda(x), layer.values, layer.scale, N),
@@ -112,7 +114,7 @@ def prefill_figures(N: int, K: int, ms=(64, 512, 4096), quantize=None) -> list[d
                                  conversions=len(conversions), workspace_bytes=workspace))
     finally:
         op._auto_backend = real_auto
-        launch._Plan.launch = real_launch
+        launch._Plan.launch, launch._launch_unpack = real_launch, real_unpack
         for (cls, name), fn in originals.items():
             setattr(cls, name, fn)
         op._AUTO.clear()
@@ -142,7 +144,8 @@ def prefill_main(a) -> int:
             worst["ws"] = max(worst.get("ws", 0), r["workspace_bytes"])
     print(f"prefill per call at M>16: max aten ops {worst['ops']}, max bytes allocated beyond the output "
           f"{worst['extra']}, whole-weight conversions {worst['conv']}; layer memory <= "
-          f"{worst['mem']:.3f}x dense fp16; split-K workspace made with a plan <= {worst['ws'] / 2**20:.1f} MiB")
+          f"{worst['mem']:.3f}x dense fp16; workspace (split-K, dense scratch) kept for the process "
+          f"<= {worst['ws'] / 2**20:.1f} MiB")
     return 0
 
 

@@ -32,14 +32,17 @@ PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
 # tuned: the decode ends (2-8 take the nearest bucket's entry) and one large M
 M_TUNE=1,16,4096
-M_BENCH=1,2,4,8,16,64,256,1024,4096
-T_TESTS=${T_TESTS:-130}         # seconds per step (the first H200 runs took: tests 135 with 8 workers,
-T_TUNE=${T_TUNE:-90}            # autotune 6 of 24 keys in 100, user_view 25, block 69, l2 6)
-T_BENCH=${T_BENCH:-60}
+M_BENCH=1,4,16,64,256,1024,4096
+# the sweep's providers: dense, what a layer runs by default, torch's cuSPARSELt (all ten timed 100
+# times each ran past 60 s on the H200 before writing a row)
+PROVIDERS=dense,sparse24-auto,torch-semi-structured
+T_TESTS=${T_TESTS:-120}         # seconds per step (the first H200 runs took: tests ~115 with 14 workers,
+T_TUNE=${T_TUNE:-90}            # autotune 6 of 24 keys in 100, user_view 25, block 69, l2 6, probe 46)
+T_BENCH=${T_BENCH:-90}
 T_USER=${T_USER:-40}
 T_BLOCK=${T_BLOCK:-100}
 T_L2=${T_L2:-30}
-T_PROBE=${T_PROBE:-80}          # 30 + 80 + 130 + 90 + 60 + 40 + 100 = 530 s = 8.8 minutes at most
+T_PROBE=${T_PROBE:-60}          # 30 + 60 + 120 + 90 + 90 + 40 + 100 = 530 s = 8.8 minutes at most
 
 # Import this tree without installing it: kernels/ and autotune_configs/ are
 # sub-packages of sparse24 only once installed (pyproject's package-dir), so
@@ -107,7 +110,7 @@ step probe "$T_PROBE" "$PY" scripts/gpu_probe.py --out "$RES/"
 # 1. kernel and module tests on CUDA (parallel across processes when pytest-xdist is there:
 #    the time goes into compiling kernel variants, one per process at a time)
 XDIST=()
-if "$PY" -c "import xdist" 2>/dev/null; then XDIST=(-n "${GPU_TEST_WORKERS:-8}"); fi
+if "$PY" -c "import xdist" 2>/dev/null; then XDIST=(-n "${GPU_TEST_WORKERS:-14}"); fi
 step tests "$T_TESTS" env PYTHONPATH="$ROOT/scripts/gpu_tests:$PYTHONPATH" "$PY" -m pytest -q -p no:cacheprovider \
     -p no:randomly -p report_now "${XDIST[@]}" scripts/gpu_tests
 
@@ -116,7 +119,8 @@ step autotune "$T_TUNE" "$PY" -m sparse24 autotune --shapes standard --m "$M_TUN
     --dtype float16,int8-float16 --out-dir autotune_configs --warmup-ms 3 --rep-ms 10 --jobs 12
 
 # 3. benchmark sweep with the tuned configs (CSV + PNG)
-step bench "$T_BENCH" "$PY" -m sparse24 bench --device cuda --shapes standard --m "$M_BENCH" --out "$RES/"
+step bench "$T_BENCH" "$PY" -m sparse24 bench --device cuda --shapes standard --m "$M_BENCH" \
+    --providers "$PROVIDERS" --repeats 20 --out "$RES/"
 
 # 4. what a user sees: eager calls and compiled decode, dense vs 2:4
 step user_view "$T_USER" "$PY" scripts/gpu_user_view.py --out "$RES/"

@@ -334,12 +334,13 @@ def sass_main(a) -> int:
 
 # --- the listed shapes: the config a layer would use, amortized and occupancy -----
 
-def default_config(dtype: str, N: int, K: int, gpu: str = "NVIDIA H200", rows: int = 16):
+def default_config(dtype: str, N: int, K: int, gpu: str = "NVIDIA H200", rows: int = 16, tuned: bool = True):
     """``(config, source)`` a decode-layout layer of ``dtype`` (a dtype key) at M <= 16 (or
     ``rows``) uses on ``gpu`` (sm_90, 132 SMs): a tuned file's entry where one applies, else
-    the built-in default."""
+    the built-in default (``tuned=False``: the built-in default, the files aside)."""
     from sparse24.ops.config_store import lookup
-    choice = lookup(max(rows, 16), N, K, dtype, gpu, (9, 0), SMS, "decode")
+    choice = lookup(max(rows, 16), N, K, dtype, gpu if tuned else "untuned", (9, 0) if tuned else None, SMS,
+                    "decode")
     return choice.config, choice.kind
 
 

@@ -25,7 +25,9 @@ files (before kernel variants existed) are rejected with a message to re-tune.
 Lookup order for (M, N, K, dtype) on a GPU: (1) exact key in this GPU's
 file(s), (2) the nearest M bucket with the same N, K, dtype, (3) the same in
 files of other GPUs with the same compute capability (the GPU family),
-(4) this GPU's file default, (5) :func:`~sparse24.ops.config_space.builtin_config`.
+(4) this GPU's file default, for a dtype key the file has entries of (an H200 tune cut short
+after six float16 keys would otherwise have set INT8, INT4 and bfloat16 configs untimed),
+(5) :func:`~sparse24.ops.config_space.builtin_config`.
 A missing folder is silent; a corrupt or schema-invalid file gives one warning
 and is skipped, so a bad file can never crash a forward pass or pick an invalid
 config. ``SPARSE24_AUTOTUNE=1`` replaces steps 2-5 by timing the config space
@@ -283,8 +285,9 @@ def lookup(M: int, N: int, K: int, dtype: str, gpu_name: str, capability: tuple[
             f, entry, bm = hit
             return Choice(entry["config"], kind, f"{kind} entry M={bm} for N={N}, K={K}, {dtype} in {f['path']}",
                           entry)
-    for f in own:
-        if f["default"].kernel == kernel and _serves(f["default"], M, dtype):
+    for f in own:   # a file's default serves the dtype keys it tuned (its winner is their evidence)
+        if f["default"].kernel == kernel and _serves(f["default"], M, dtype) \
+                and any(k[3] == dtype for k in f["entries"]):
             return Choice(f["default"], "file-default", f"default of {f['path']}")
     if kernel == "prefill":
         from .linear24.prefill import prefill_config, prefill_pair

@@ -424,7 +424,7 @@ def test_default_config_within_budget_live_sm90(dtype, N, K, monkeypatch):
     monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")
     monkeypatch.delenv("SPARSE24_CONFIG_DIR", raising=False)
     tool = _static_check()
-    cfg, source = tool.default_config(dtype, N, K)
+    cfg, source = tool.default_config(dtype, N, K, tuned=False)   # (an H200 file ships for float16 too)
     assert source == "builtin" and cfg.split_k > 1        # the serial split-K epilogue is counted too
     total, ints = tool.amortized(tool.compile_listed(dtype, cfg, 90, N, K))
     assert total <= tool.BUDGET[dtype], total

@@ -8,6 +8,8 @@ import sparse24
 from sparse24.decode_format import pack_decode
 from sparse24.ops.linear24 import launch
 
+from conftest import assert_matches_reference
+
 
 @pytest.mark.parametrize("R,C", [(16, 64), (37, 200), (130, 260)])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -41,3 +43,64 @@ def test_unpack_reuses_one_scratch_per_device(gen):
     small = pack_decode(sparse24.compress(torch.randn(16, 64, generator=gen).half()))
     b = launch.unpack_dense(small.values, small.meta, None, (16, 64), torch.float16)
     assert b.untyped_storage().data_ptr() == a.untyped_storage().data_ptr()
+
+
+@pytest.mark.parametrize("x_dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("bias", [None, "x"])
+def test_unpack_route_matches_reference(x_dtype, bias, gen):
+    """The unpack route (op's "unpack": the scratch, then one mm / addmm) against fp64 on the
+    masked weight, 2-D and 3-D x."""
+    from sparse24.ops.linear24 import op
+    N, K = 48, 192
+    w = torch.randn(N, K, generator=gen).to(x_dtype)
+    dense = (w * sparse24.mask_nm(w)).double()
+    d = pack_decode(sparse24.compress(w))
+    b = None if bias is None else torch.randn(N, generator=gen).to(x_dtype)
+    for shape in ((40, K), (2, 20, K)):
+        x = torch.randn(*shape, generator=gen).to(x_dtype)
+        y = op._compute(x, d.values, d.meta, None, None, b, x_dtype, "unpack", N, 0)
+        assert y.shape == (*shape[:-1], N) and y.dtype == x_dtype
+        assert_matches_reference(y.reshape(-1, N), x.reshape(-1, K), dense, None if b is None else b.double())
+
+
+def test_unpack_route_leaves_another_bias_dtype_to_the_prefill_kernel(gen, monkeypatch):
+    """A float32 bias with float16 x: the prefill kernel adds it before its one rounding (the
+    route's mm would round twice); the unpack kernel is not launched."""
+    from sparse24.ops.linear24 import op
+    monkeypatch.setattr(launch, "_launch_unpack", lambda *a: pytest.fail("unpacked for a float32 bias"))
+    N, K = 48, 192
+    w = torch.randn(N, K, generator=gen).half()
+    d = pack_decode(sparse24.compress(w))
+    b = torch.randn(N, generator=gen)
+    x = torch.randn(40, K, generator=gen).half()
+    y = op._compute(x, d.values, d.meta, None, None, b, torch.float16, "unpack", N, 0)
+    assert_matches_reference(y, x, (w * sparse24.mask_nm(w)).double(), b.double())
+
+
+@pytest.mark.parametrize("M,x_dtype,values_dtype,scale,group,want", [
+    (255, torch.float16, torch.float16, False, 0, "prefill"), (256, torch.float16, torch.float16, False, 0, "unpack"),
+    (4096, torch.bfloat16, torch.bfloat16, False, 0, "unpack"), (4096, torch.bfloat16, torch.float16, False, 0,
+                                                                  "prefill"),
+    (4096, torch.float32, torch.float16, False, 0, "prefill"), (4096, torch.float16, torch.uint8, True, 0, "prefill"),
+    (4096, torch.float16, torch.uint8, True, 64, "prefill")])
+def test_prefill_backend(M, x_dtype, values_dtype, scale, group, want):
+    """From UNPACK_MIN_M rows a 16-bit weight of x's dtype takes the unpack route; other weights
+    (another dtype, INT8, INT4) and float32 x stay on the prefill kernel."""
+    from sparse24.ops.linear24 import op
+    assert op.UNPACK_MIN_M == 256
+    assert op.prefill_backend(M, x_dtype, values_dtype, scale, group) == want
+
+
+@pytest.mark.parametrize("int8,out", [(False, "*fp16"), (False, "*bf16"), (True, "*fp16"), (True, "*bf16")])
+def test_unpack_compiles_for_sm90(int8, out):
+    """The same source compiles for sm_90 (it ran on an H200 bit-exact: results/NVIDIA_H200/probe.log),
+    without local memory."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from sparse24.kernels.sparse24_unpack import sparse24_unpack
+    sig = {"v_ptr": "*u8" if int8 else out, "meta_ptr": "*i32", "scale_ptr": "*fp32", "out_ptr": out, "R": "i32",
+           "C": "i32", "NT": "i32", "stride_ml": "i32", "stride_or": "i32", "INT8": "constexpr", "BLOCK_A": "constexpr"}
+    k = triton.compile(ASTSource(sparse24_unpack, sig, constexprs={"INT8": int8, "BLOCK_A": 4}),
+                       target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    assert ".local" not in k.asm["ptx"] and "st.global" in k.asm["ptx"]

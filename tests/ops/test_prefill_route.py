@@ -29,6 +29,7 @@ def cuda_route(monkeypatch):
     monkeypatch.setattr(op, "_triton_available", lambda: True)
     grids = []
     monkeypatch.setattr(launch._Plan, "launch", lambda plan, grid, args, aligned: grids.append((plan.config, grid)))
+    monkeypatch.setattr(launch, "_launch_unpack", lambda values, meta, scale, out: grids.append(("unpack", out.shape)))
     op._AUTO.clear()
     yield grids
     op._AUTO.clear()
@@ -48,17 +49,23 @@ def test_prefill_route_converts_nothing(quantize, cuda_route, monkeypatch):
         monkeypatch.setattr(cls, name, lambda *a, _n=name, **k: pytest.fail(f"the M > 16 route called {_n}"))
     with torch.no_grad():
         # (INT8 to SP_MAX_M rows runs the sparse tensor-core kernel: the next test)
-        for shape in ((17 if quantize is None else SP_MAX_M + 1, 512), (128, 512), (300, 512), (5, 60, 512)):
+        for shape in ((17 if quantize is None else SP_MAX_M + 1, 512), (128, 512), (255, 512), (256, 512),
+                      (300, 512), (5, 60, 512)):
             x = torch.randn(*shape, dtype=torch.float16)
             M = x[..., 0].numel()
-            assert op._auto_backend(x, layer.values, layer.scale, 256) == "prefill"
-            layer(x)                                     # the plan is made on the first call
+            route = "unpack" if M >= op.UNPACK_MIN_M and quantize is None else "prefill"   # (INT8: the kernel)
+            assert op._auto_backend(x, layer.values, layer.scale, 256) == route
+            layer(x)                                     # the plan (or the dense scratch) is made on the first call
             cuda_route.clear()
             y, count = count_dispatch(layer, x)
             assert y.shape == (*shape[:-1], 256)
-            assert len(cuda_route) == 1 and cuda_route[0][0].kernel == "prefill"   # one launch
-            pair = prefill_pair(dtype_key(torch.float16, int8_weights=quantize == "int8"))
-            assert cuda_route[0][0] == prefill_config(M, 256, 512, pair=pair)   # the untuned default
+            if route == "unpack":   # one unpack launch into the shared scratch, then cuBLAS (addmm: 1 kernel)
+                assert cuda_route == [("unpack", (256, 512))]
+                assert [o for o in count.ops if o != "view"] == ["addmm"], count.ops
+            else:
+                assert len(cuda_route) == 1 and cuda_route[0][0].kernel == "prefill"   # one launch
+                pair = prefill_pair(dtype_key(torch.float16, int8_weights=quantize == "int8"))
+                assert cuda_route[0][0] == prefill_config(M, 256, 512, pair=pair)   # the untuned default
             assert len(count.ops) <= 3, count.ops                                   # empty (+ views for 3-D x)
             assert count.bytes_allocated <= y.numel() * y.element_size(), count
 
@@ -130,7 +137,8 @@ def test_bench_host_prefill_figures(quantize):
     first M is the first the prefill kernel runs (INT8 with 16-bit x: past SP_MAX_M rows)."""
     first = 17 if quantize is None else SP_MAX_M + 1
     rows = load_script("bench_host").prefill_figures(256, 1024, (first, 128, 300), quantize)  # K = 1024: whole meta atoms
-    assert [r["M"] for r in rows] == [first, 128, 300] and {r["backend"] for r in rows} == {"prefill"}
+    assert [(r["M"], r["backend"]) for r in rows] == [(first, "prefill"), (128, "prefill"),
+                                                      (300, "unpack" if quantize is None else "prefill")]
     for r in rows:
         assert r["aten_ops"] <= 3 and r["bytes_allocated"] <= r["output_bytes"] and r["conversions"] == 0, r
         assert r["layer_bytes_over_dense_fp16"] <= 0.60
@@ -139,7 +147,8 @@ def test_bench_host_prefill_figures(quantize):
 def test_a_tuned_prefill_entry_serves_the_route(cuda_route, tmp_path, monkeypatch):
     """With this GPU's tuned file holding a prefill entry for the layer's shape (``sparse24
     autotune`` past 16 rows), the call runs that config, also as the nearest M; at 17-64 rows
-    not a 128-row tile (not the space there): the model's default for exactly those rows."""
+    not a 128-row tile (not the space there): the model's default for exactly those rows; from
+    UNPACK_MIN_M rows the unpack route (measured faster than the tuned prefill kernel on an H200)."""
     from sparse24.ops import config_store
     from sparse24.ops.config_space import KernelConfig
     from sparse24.tools import tuning
@@ -153,7 +162,8 @@ def test_a_tuned_prefill_entry_serves_the_route(cuda_route, tmp_path, monkeypatc
     config_store.clear_cache()
     try:
         with torch.no_grad():
-            for M, want in ((300, tuned), (4096, tuned), (20, prefill_config(20, 256, 512))):
+            for M, want in ((200, tuned), (100, tuned), (20, prefill_config(20, 256, 512)), (300, "unpack"),
+                            (4096, "unpack")):   # (from UNPACK_MIN_M rows: the unpack route)
                 cuda_route.clear()
                 layer(torch.randn(M, 512, dtype=torch.float16))
                 assert cuda_route[-1][0] == want, M

@@ -121,7 +121,9 @@ def test_lookup_order(isolated, tmp_path, monkeypatch):
     default = json.loads(own.read_text())["default"]
     assert look(1, 4096, 11008).kind == "file-default"
     assert look(1, 4096, 11008).config == KernelConfig.from_json(default) == CFG_C  # wins 2 of 3 entries
-    assert look(16, dtype="bfloat16").kind == "file-default"
+    # ... for the dtype keys it tuned: none of bfloat16 here, so the built-in serves them
+    assert (look(16, dtype="bfloat16").kind, look(16, dtype="bfloat16").config) == (
+        "builtin", tuning.builtin_config(16, 4096, 4096, dtype="bfloat16"))
     # a GPU without any file: built-in
     unknown = tuning.lookup(16, 4096, 4096, "float16", "Fake GPU Z", (7, 5))
     assert (unknown.kind, unknown.config) == ("builtin", tuning.builtin_config(16))

@@ -409,10 +409,11 @@ def decode_workspace(device, N: int, config: KernelConfig, split_k: int, bucket:
 
 
 _DENSE_SCRATCH: dict = {}
+_SCRATCH_VIEWS: dict = {}
 
 
 def unpack_dense(values: torch.Tensor, meta: torch.Tensor, scale: torch.Tensor | None, shape: tuple[int, int],
-                 dtype: torch.dtype) -> torch.Tensor:
+                 dtype: torch.dtype, transpose: bool = False) -> torch.Tensor:
     """A decode-layout 16-bit or INT8 weight written out dense (``kernels/sparse24_unpack.py``,
     one launch), into the device's shared scratch buffer (grown to the largest layer unpacked,
     kept for the process: a fixed workspace, not a copy per layer).
@@ -421,23 +422,37 @@ def unpack_dense(values: torch.Tensor, meta: torch.Tensor, scale: torch.Tensor |
         values, meta: the decode layout (``sparse24.decode_format``), 16-bit or INT8 values.
         scale: INT8's per-row float32 scales ``(R,)``, else None.
         shape: ``(R, C)`` of the dense weight; dtype: float16 or bfloat16 (INT8: dequantized into it).
+        transpose: return the ``(C, R)`` transposed view (what ``torch.mm(x, ·)`` takes).
     Returns:
-        ``(R, C)`` tensor of ``dtype``, a view of the scratch: valid until the next call on this
-        device (stream order: the matmul that reads it runs before the next unpack writes it).
+        ``(R, C)`` tensor of ``dtype`` (``(C, R)`` with ``transpose``), a view of the scratch: valid
+        until the next call on this device (stream order: the matmul that reads it runs before the
+        next unpack writes it).
     """
     R, C = shape
     dev = values.device
-    buf = _DENSE_SCRATCH[dev] = _grown(_DENSE_SCRATCH.get(dev), R * C * 2,
-                                       lambda n: torch.empty(n, dtype=torch.uint8, device=dev))
-    out = buf[:R * C * 2].view(dtype).view(R, C)
+    out = _SCRATCH_VIEWS.get((dev, R, C, dtype))
+    if out is None:  # views kept per shape: a call runs no aten op of its own
+        buf = _DENSE_SCRATCH.get(dev)
+        if buf is None or buf.numel() < R * C * 2:
+            _SCRATCH_VIEWS.clear()  # (views of a smaller scratch stay valid for their holders)
+            buf = _DENSE_SCRATCH[dev] = _grown(buf, R * C * 2, lambda n: torch.empty(n, dtype=torch.uint8,
+                                                                                    device=dev))
+        out = buf[:R * C * 2].view(dtype).view(R, C)
+        out = _SCRATCH_VIEWS[(dev, R, C, dtype)] = out, out.t()
+    _launch_unpack(values, meta, scale, out[0])
+    return out[transpose]
+
+
+def _launch_unpack(values, meta, scale, out) -> None:
+    """One launch of ``kernels/sparse24_unpack.py`` writing ``out`` (R, C)."""
     from sparse24.kernels.sparse24_unpack import sparse24_unpack, sparse24_unpack_interpreted
     kernel = sparse24_unpack if values.is_cuda else sparse24_unpack_interpreted
-    block_a = 4
+    R, C = out.shape
+    block_a = 4   # atoms of 64 columns per program: 4 x 16 rows x 64 columns
     grid = (meta.shape[0], _cdiv(_cdiv(C, 64), block_a))
-    with torch.cuda.device(dev) if values.is_cuda else contextlib.nullcontext():
+    with torch.cuda.device(values.device) if values.is_cuda else contextlib.nullcontext():
         kernel[grid](values, meta, scale if scale is not None else values, out, R, C, meta.shape[0], meta.shape[2],
                      out.stride(0), INT8=scale is not None, BLOCK_A=block_a)
-    return out
 
 
 def _grown(buf, need: int, make):

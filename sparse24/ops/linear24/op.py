@@ -88,7 +88,9 @@ def _compute(x, values, meta, scale, zero, bias, weight_dtype, backend, out_feat
         backend = _auto_backend(x, values, scale, out_features, group_size)
     if backend == "triton":
         return launch.run(x, values, meta, scale, bias, out_features, None, zero, group_size)
-    if backend == "prefill":  # chosen by "auto" only: the decode layout at M > 16 on CUDA
+    if backend == "unpack" and (bias is None or bias.dtype == x.dtype):  # "auto" only, as "prefill"
+        return _unpack_linear(x, values, meta, scale, bias, out_features)
+    if backend in ("prefill", "unpack"):  # chosen by "auto" only: the decode layout at M > 16 on CUDA
         return launch.run_prefill(x, values, meta, scale, bias, out_features, None, zero, group_size)
     return linear_reference(x, _weight(values, meta, scale, zero, group_size, weight_dtype,
                                        (out_features, x.shape[-1])), bias)
@@ -178,9 +180,10 @@ def _auto_backend(x: torch.Tensor, values: torch.Tensor, scale, out_features: in
             # (config_space.SP_MAX_M says why).
             return "triton"
         # The decode layout (the one copy a module holds on CUDA): the prefill kernel decodes
-        # each weight tile once per 128 rows; the reference would re-order and decompress the
-        # whole weight on every call (264 aten calls, 596 MiB at 4096 x 4096).
-        return "prefill"
+        # each weight tile once per 128 rows, or from UNPACK_MIN_M rows one launch unpacks the
+        # weight into a shared dense scratch for cuBLAS; the reference would re-order and
+        # decompress the whole weight on every call (264 aten calls, 596 MiB at 4096 x 4096).
+        return prefill_backend(M, x.dtype, values.dtype, scale is not None, group_size)
     key = (x.device, x.dtype, scale is not None, values.dim(), out_features, x.shape[-1], m_bucket(M))
     choice = _AUTO.get(key)
     if choice is None:
@@ -189,6 +192,37 @@ def _auto_backend(x: torch.Tensor, values: torch.Tensor, scale, out_features: in
                                                               dtype_key(x.dtype, scale is not None), x.device,
                                                               layout), layout, M)
     return choice
+
+
+# Measured on an H200 (results/NVIDIA_H200/probe_prefill.csv: 4096x4096, 11008x4096, 4096x11008,
+# fp16 and INT8 weights, fp16 x): from 256 rows the unpack kernel + cuBLAS beat the prefill kernel
+# in all 6 cases (fp16: 0.37-0.91x of dense against 0.16-0.41x; the unpack costs 20-60 us a layer
+# whatever M); at 64 rows the prefill kernel won in all 6 (0.52-0.95x against 0.15-0.42x).
+UNPACK_MIN_M = 256
+
+
+def prefill_backend(M: int, x_dtype: torch.dtype, values_dtype: torch.dtype, has_scale: bool,
+                    group_size: int = 0) -> str:
+    """The decode layout's route past decode sizes on CUDA: ``"unpack"`` (the weight unpacked
+    dense into a shared scratch, then cuBLAS: the same products as the kernels, exactly) from
+    :data:`UNPACK_MIN_M` rows for a 16-bit weight of x's dtype, else ``"prefill"`` (the prefill
+    kernel). INT8 / INT4 stay on it: unpacked into x's dtype their dequantized values would be
+    rounded (bfloat16: 2**-9 relative), where the kernels apply the fp32 scales exactly."""
+    if M >= UNPACK_MIN_M and not has_scale and not group_size and x_dtype in (torch.float16, torch.bfloat16) \
+            and values_dtype == x_dtype:
+        return "unpack"
+    return "prefill"
+
+
+def _unpack_linear(x, values, meta, scale, bias, out_features):
+    """``x @ W^T + bias`` on the weight unpacked dense (``launch.unpack_dense``): a 16-bit weight
+    of x's dtype, a bias of x's dtype or none (the caller runs the prefill kernel otherwise: it
+    adds a bias of another dtype before its one rounding)."""
+    K = x.shape[-1]
+    wt = launch.unpack_dense(values, meta, scale, (out_features, K), x.dtype, transpose=True)   # (K, N) view
+    x2 = x if x.dim() == 2 else x.reshape(-1, K)
+    y = torch.mm(x2, wt) if bias is None else torch.addmm(bias, x2, wt)   # one aten op (and cuBLAS kernel)
+    return y if x.dim() == 2 else y.view(*x.shape[:-1], out_features)
 
 
 # Unmeasured, the decode kernel (which re-decodes the weight for every 16 rows of x)
