@@ -94,13 +94,17 @@ def test_prefill_backend(M, x_dtype, values_dtype, scale, group, want):
 @pytest.mark.parametrize("int8,out", [(False, "*fp16"), (False, "*bf16"), (True, "*fp16"), (True, "*bf16")])
 def test_unpack_compiles_for_sm90(int8, out):
     """The same source compiles for sm_90 (it ran on an H200 bit-exact: results/NVIDIA_H200/probe.log),
-    without local memory."""
+    without local memory, specialized as a launch on a 4096 x 4096 weight is (pointers and sizes
+    divisible by 16): 16-bit values load as 16-byte vectors, the dense rows store 4 slots at once."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from sparse24.kernels.sparse24_unpack import sparse24_unpack
     sig = {"v_ptr": "*u8" if int8 else out, "meta_ptr": "*i32", "scale_ptr": "*fp32", "out_ptr": out, "R": "i32",
            "C": "i32", "NT": "i32", "stride_ml": "i32", "stride_or": "i32", "INT8": "constexpr", "BLOCK_A": "constexpr"}
-    k = triton.compile(ASTSource(sparse24_unpack, sig, constexprs={"INT8": int8, "BLOCK_A": 4}),
+    attrs = {(i,): [["tt.divisibility", 16]] for i in range(9)}
+    k = triton.compile(ASTSource(sparse24_unpack, sig, constexprs={"INT8": int8, "BLOCK_A": 4}, attrs=attrs),
                        target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-    assert ".local" not in k.asm["ptx"] and "st.global" in k.asm["ptx"]
+    ptx = k.asm["ptx"]
+    assert ".local" not in ptx and "st.global.v2.b32" in ptx   # 4 fp16 / bf16 slots per store
+    assert ("ld.global.v4.b32" in ptx) != int8                  # a lane's 8 16-bit values at once
