@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # The one prepared GPU check, for the GPU image as it is (Python 3.12, torch 2.11,
-# Triton 3.6, numpy 2.5, pytest-xdist; no network, nothing installed). At most about 8.8
+# Triton 3.6, numpy 2.5, pytest-xdist; no network, nothing installed). At most about 9
 # minutes on one H100/H200 class GPU (GPU_CHECK_ONLY="probe tests" runs the steps named):
 #   0. L2 and HBM read bandwidth (scripts/gpu_l2_bandwidth.py): the figure the prefill model
 #      assumes, for `kernel_static_check.py --prefill --l2 X` back here;
 #   0b. probe: host time per eager call (nn.Linear, the module, the op, the launch) with a
-#      cProfile, and prefill paths side by side (prefill kernel, unpack + cuBLAS, cuSPARSELt);
+#      cProfile, and prefill paths side by side (prefill kernel, unpack + cuBLAS, cuSPARSELt,
+#      Triton's own dense GEMM on the prefill kernel's tile);
 #   1. tests: the kernels and modules on CUDA against the fp64 reference (scripts/gpu_tests), first of
 #      all that the sparse tensor cores read the INT8 / INT4 operands as the CPU emulation does;
 #   2. autotune: the decode ends (M = 1 and 16; M = 2..8 take the nearest entry) and one large M
@@ -40,9 +41,9 @@ T_TESTS=${T_TESTS:-120}         # seconds per step (the first H200 runs took: te
 T_TUNE=${T_TUNE:-90}            # autotune 6 of 24 keys in 100, user_view 25, block 69, l2 6, probe 46)
 T_BENCH=${T_BENCH:-90}
 T_USER=${T_USER:-40}
-T_BLOCK=${T_BLOCK:-100}
+T_BLOCK=${T_BLOCK:-90}
 T_L2=${T_L2:-30}
-T_PROBE=${T_PROBE:-60}          # 30 + 60 + 120 + 90 + 90 + 40 + 100 = 530 s = 8.8 minutes at most
+T_PROBE=${T_PROBE:-80}          # 30 + 80 + 120 + 90 + 90 + 40 + 90 = 540 s = 9 minutes at most
 
 # Import this tree without installing it: kernels/ and autotune_configs/ are
 # sub-packages of sparse24 only once installed (pyproject's package-dir), so

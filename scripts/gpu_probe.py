@@ -7,7 +7,9 @@ goes, and the prefill paths side by side.
    handle is in use; and a cProfile of the module's calls.
 2. prefill: the prefill kernel measured 0.40x of dense at M = 4096: per shape and M, dense
    F.linear, the prefill kernel, the unpack kernel + cuBLAS (``launch.unpack_dense``), the unpack
-   kernel alone and torch's cuSPARSELt, medians of do_bench; unpack checked bit-exact first.
+   kernel alone, torch's cuSPARSELt and Triton's own dense GEMM with the prefill kernel's untuned
+   tile (added after run 3: a slow Triton GEMM or a slow decode?), medians of do_bench; unpack
+   checked bit-exact first.
 
 Writes ``probe_host.txt`` and ``probe_prefill.csv`` to ``--out``; prints both.
 
@@ -26,6 +28,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 from torch import nn
 
 import sparse24
@@ -88,13 +92,51 @@ def host(out: Path, dev, d: int = 4096, ff: int = 11008, calls: int = 300) -> No
     (out / "probe_host.txt").write_text(text)
 
 
+def _dense_mm(x_ptr, w_ptr, out_ptr, M, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_K: tl.constexpr):
+    """``out = x @ w^T`` (x (M, K), w (N, K), contiguous 16-bit): Triton's own dense GEMM with the
+    prefill kernel's tile, the baseline that tells a slow decode from a slow Triton GEMM."""
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        xt = tl.load(x_ptr + rm[:, None] * K + (k0 + rk)[None, :], mask=(rm[:, None] < M) & (k0 + rk < K)[None, :],
+                     other=0.0)
+        wt = tl.load(w_ptr + rn[None, :] * K + (k0 + rk)[:, None], mask=(rn[None, :] < N) & (k0 + rk < K)[:, None],
+                     other=0.0)
+        acc = tl.dot(xt, wt, acc)
+    tl.store(out_ptr + rm[:, None] * N + rn[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+def _triton_dense(x, w, cfg, kernels):
+    """Time-able call of :func:`_dense_mm` with ``cfg``'s tile, warps and stages."""
+    M, K = x.shape
+    N = w.shape[0]
+    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    grid = (triton.cdiv(M, cfg.block_m), triton.cdiv(N, cfg.block_n))
+    if x.is_cuda:
+        kernels["cuda"][grid](x, w, out, M, N, K, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                              num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    else:
+        kernels["cpu"][grid](x, w, out, M, N, K, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k)
+    return out
+
+
 def prefill(out: Path, dev, shapes=((4096, 4096), (11008, 4096), (4096, 11008)), ms=(64, 256, 1024, 4096)) -> None:
     from triton.testing import do_bench
     torch.manual_seed(0)
     rows = []
     f = open(out / "probe_prefill.csv", "w", newline="")
     wr = csv.writer(f)
-    wr.writerow(["weight", "N", "K", "M", "dense_us", "prefill_us", "unpack_mm_us", "unpack_us", "cusparselt_us"])
+    wr.writerow(["weight", "N", "K", "M", "dense_us", "prefill_us", "unpack_mm_us", "unpack_us", "cusparselt_us",
+                 "triton_dense_us", "prefill_config"])
+    from sparse24.kernels.interpreter import InterpretedKernel
+    from sparse24.ops.config_space import dtype_key
+    from sparse24.ops.linear24.prefill import prefill_config, prefill_pair
+    kernels = {"cuda": triton.jit(_dense_mm), "cpu": InterpretedKernel(_dense_mm)}
 
     def bench(fn):
         try:
@@ -125,16 +167,25 @@ def prefill(out: Path, dev, shapes=((4096, 4096), (11008, 4096), (4096, 11008)),
                 ws = None
             for M in ms:
                 x = torch.randn(M, K, device=dev, dtype=torch.float16)
+                # the prefill kernel's untuned config (what run_prefill takes without a tuned entry)
+                cfg = prefill_config(M, N, K, pair=prefill_pair(dtype_key(torch.float16, weight == "int8")))
+                if weight == "fp16":
+                    y_t = _triton_dense(x, wd, cfg, kernels)
+                    err = (y_t.float() - F.linear(x, wd).float()).abs().max().item()
+                    print(f"  M {M}: triton dense max |diff| vs F.linear {err:.3g}", flush=True)
                 r = [weight, N, K, M, bench(lambda: F.linear(x, wd)),
                      bench(lambda: launch.run_prefill(x, p.values, p.meta, p.scale, None, N)),
                      bench(lambda: F.linear(x, launch.unpack_dense(p.values, p.meta, p.scale, (N, K), x.dtype))),
                      bench(lambda: launch.unpack_dense(p.values, p.meta, p.scale, (N, K), x.dtype)),
-                     bench(lambda: F.linear(x, ws)) if ws is not None else float("nan")]
+                     bench(lambda: F.linear(x, ws)) if ws is not None else float("nan"),
+                     bench(lambda: _triton_dense(x, wd, cfg, kernels)) if weight == "fp16" else float("nan"),
+                     f"BM{cfg.block_m}_BN{cfg.block_n}_BK{cfg.block_k}_W{cfg.num_warps}_S{cfg.num_stages}"
+                     f"_SK{cfg.split_k}"]
                 wr.writerow(r)
                 f.flush()
                 rows.append(r)
-                print("  M %5d  dense %8.2f  prefill %8.2f  unpack+mm %8.2f  unpack %7.2f  cusparselt %8.2f" % (
-                    M, *r[4:]), flush=True)
+                print("  M %5d  dense %8.2f  prefill %8.2f  unpack+mm %8.2f  unpack %7.2f  cusparselt %8.2f  "
+                      "triton dense %8.2f  (%s)" % (M, *r[4:]), flush=True)
     f.close()
 
 

@@ -518,6 +518,16 @@ def test_gpu_l2_bandwidth_kernel_sums_on_cpu():
     assert r.returncode == 0 and "sums match" in r.stdout, r.stderr
 
 
+def test_gpu_probe_runs_every_step_on_cpu(tmp_path, capsys):
+    """The probe step's code, run small on CPU (Triton's interpreter; cuSPARSELt is CUDA-only
+    and reported, not fatal): the unpack bit-exact, a CSV row per weight kind."""
+    assert _script_main("scripts/gpu_probe.py")(["--smoke", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "host us/call Sparse24Linear" in out and out.count("unpack bit-exact True") == 2
+    rows = list(csv.DictReader(open(tmp_path / "probe_prefill.csv")))
+    assert [r["weight"] for r in rows] == ["fp16", "int8"] and float(rows[0]["triton_dense_us"]) > 0
+
+
 def test_gpu_user_view_runs_every_step_on_cpu(tmp_path, capsys):
     """The user-view step's code, run small on CPU (the GPU run must not fail on a bug)."""
     argv = ["--device", "cpu", "--d", "64", "--ff", "128", "--blocks", "2", "--tokens", "2", "--calls", "2",
