@@ -108,3 +108,12 @@ def test_unpack_compiles_for_sm90(int8, out):
     ptx = k.asm["ptx"]
     assert ".local" not in ptx and "st.global.v2.b32" in ptx   # 4 fp16 / bf16 slots per store
     assert ("ld.global.v4.b32" in ptx) != int8                  # a lane's 8 16-bit values at once
+
+
+def test_release_workspaces_frees_the_scratch_and_calls_still_work(gen):
+    d = pack_decode(sparse24.compress(torch.randn(32, 128, generator=gen).half()))
+    a = launch.unpack_dense(d.values, d.meta, None, (32, 128), torch.float16).clone()
+    assert launch._DENSE_SCRATCH
+    launch.release_workspaces()
+    assert not launch._DENSE_SCRATCH and not launch._SCRATCH_VIEWS and not launch._WORKSPACES and not launch._PLANS
+    assert torch.equal(launch.unpack_dense(d.values, d.meta, None, (32, 128), torch.float16), a)

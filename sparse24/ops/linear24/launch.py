@@ -443,6 +443,18 @@ def unpack_dense(values: torch.Tensor, meta: torch.Tensor, scale: torch.Tensor |
     return out[transpose]
 
 
+def release_workspaces() -> None:
+    """Drop what launches keep for the process: the dense scratch of the unpack route (as large
+    as the largest 16-bit layer unpacked: 470 MiB for a 28672 x 8192 one), the split-K
+    workspaces and the plans that hold them. The next call makes what it needs again. Not while a
+    captured CUDA graph (``torch.compile(mode="reduce-overhead")``) that ran these layers is still
+    replayed: its kernels address these buffers."""
+    _DENSE_SCRATCH.clear()
+    _SCRATCH_VIEWS.clear()
+    _WORKSPACES.clear()
+    _PLANS.clear()
+
+
 def _launch_unpack(values, meta, scale, out) -> None:
     """One launch of ``kernels/sparse24_unpack.py`` writing ``out`` (R, C)."""
     from sparse24.kernels.sparse24_unpack import sparse24_unpack, sparse24_unpack_interpreted
