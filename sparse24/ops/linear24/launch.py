@@ -258,6 +258,11 @@ class _Plan:
         self.extra = self.variant.extra(device, N, config, self.split_k, bucket)
         self.atomic_split = _atomic_split(config, self.split_k)
         self.compiled = None
+        # per call, only what varies: the grid per M (a few buckets' rows), whether the kernel takes
+        # INT4 zero points, whether x needs preparing (host time is what a decode-sized call costs)
+        self.grids: dict = {}
+        self.takes_zero = bool(self.variant.zero_arg(None))
+        self.prepares_x = self.variant.prepare_x is not _as_is
         if device.type == "cuda" and x_dtype == torch.float32 and layout == "decode":
             warnings.warn(f"sparse24: float32 activations on a "
                           f"{values_dtype if not has_scale else 'INT4' if group_size else 'INT8'} "
@@ -266,26 +271,31 @@ class _Plan:
                           f"activations once (e.g. model.half() or torch.autocast)", RuntimeWarning, stacklevel=5)
 
     def __call__(self, x2, values, meta, scale, bias, M, zero=None):
-        x2 = self.variant.prepare_x(x2)
+        if self.prepares_x:
+            x2 = self.variant.prepare_x(x2)
         if not self.atomic_split:  # one launch writes x's dtype (decode split-K reduces in the kernel)
             target = torch.empty((M, self.N), dtype=x2.dtype, device=self.device)
         else:  # the general kernel's split-K adds fp32 partial sums into a zeroed buffer
             target = torch.zeros((M, self.N), dtype=torch.float32, device=self.device)
         s = meta if scale is None else scale  # never read when there is no scale / bias / zero point
         b = meta if bias is None else bias
-        z = self.variant.zero_arg(meta if zero is None else zero)   # () for the general kernel
+        z = (meta if zero is None else zero,) if self.takes_zero else ()   # INT4 zero points: decode kernels
+        zt = meta if zero is None else zero
         if x2.is_contiguous() and values.is_contiguous() and meta.is_contiguous() and s.is_contiguous() \
-                and b.is_contiguous() and all(t.is_contiguous() for t in z):
+                and b.is_contiguous() and zt.is_contiguous():
             args = (x2, values, meta, s, *z, b, target, *self.extra, M, *self.contiguous_ints)
-            aligned = (x2.data_ptr() | values.data_ptr() | meta.data_ptr() | s.data_ptr() | b.data_ptr()) % 16 == 0 \
-                and all(t.data_ptr() % 16 == 0 for t in z)
+            aligned = (x2.data_ptr() | values.data_ptr() | meta.data_ptr() | s.data_ptr() | b.data_ptr()
+                       | zt.data_ptr()) % 16 == 0
         else:
             args = self.variant.args(x2, values, meta, s, b, target, M, self.extra, z)
             aligned = False
         if not aligned:  # off the fast path only: 16-byte aligned pointers are word-aligned
             self.variant.check_alignment(values, meta)
         if M <= self.max_rows:
-            self.launch(self.variant.grid(M, self.N, self.config, self.split_k), args, aligned)
+            grid = self.grids.get(M)
+            if grid is None:
+                grid = self.grids[M] = self.variant.grid(M, self.N, self.config, self.split_k)
+            self.launch(grid, args, aligned)
         else:  # the grid would pass CUDA's limits: one launch per row chunk (Triton's path)
             for r0, r1 in grid_chunks(M, self.max_rows):
                 self.launch(self.variant.grid(r1 - r0, self.N, self.config, self.split_k),
@@ -330,9 +340,11 @@ def _launch_hooks_idle() -> bool:
     which Triton keeps there by default. (Reading only None as unset kept every eager call on
     Triton's own launch path: ~80 us a call against nn.Linear's ~26 us on an H200.)"""
     runtime = _triton_runtime_knobs()
-    return runtime is not None and all(
-        hook is None or (isinstance(getattr(hook, "calls", None), list) and not hook.calls)
-        for hook in (runtime.launch_enter_hook, runtime.launch_exit_hook))
+    return runtime is not None and _idle(runtime.launch_enter_hook) and _idle(runtime.launch_exit_hook)
+
+
+def _idle(hook) -> bool:
+    return hook is None or (isinstance(getattr(hook, "calls", None), list) and not hook.calls)
 
 
 _RUNTIME_KNOBS = []
@@ -485,6 +497,11 @@ def _split_extra(device, N, config, split_k, bucket, block_m) -> tuple:
 # appends them to the runtime arguments), its runtime arguments (general and
 # for contiguous tensors) and its grid.
 
+def _as_is(x2):
+    """A variant's ``prepare_x`` that keeps x as it is (the plan skips the call)."""
+    return x2
+
+
 class _Matmul:
     """``kernels/sparse24_matmul.py``: layout v1, any M."""
 
@@ -520,9 +537,7 @@ class _Matmul:
         return (x2, values, meta, s, b, target, M, N, K, x2.stride(0), x2.stride(1), values.stride(0),
                 values.stride(1), meta.stride(0), meta.stride(1), target.stride(0), target.stride(1))
 
-    @staticmethod
-    def prepare_x(x2):
-        return x2
+    prepare_x = staticmethod(_as_is)
 
     @staticmethod
     def check_config(config) -> None:
@@ -589,9 +604,7 @@ class _Decode:
         return (x2, values, meta, s, *z, b, target, *extra, M, N, K, _cdiv(K, 64), meta.shape[2],
                 x2.stride(0), x2.stride(1), target.stride(0), target.stride(1))
 
-    @staticmethod
-    def prepare_x(x2):
-        return x2
+    prepare_x = staticmethod(_as_is)
 
     @staticmethod
     def check_config(config) -> None:
