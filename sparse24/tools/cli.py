@@ -197,6 +197,8 @@ def _cmd_autotune(argv: list[str]) -> int:
     ap.add_argument("--warmup-ms", type=float, default=10)
     ap.add_argument("--rep-ms", type=float, default=40)
     ap.add_argument("--jobs", type=int, default=min(8, os.cpu_count() or 1), help="parallel compile processes")
+    ap.add_argument("--skip-tuned", action="store_true",
+                    help="leave out the keys this GPU's file in --out-dir already holds")
     try:
         args = ap.parse_args(argv)
         shapes = parse_shapes(args.shapes)
@@ -216,7 +218,7 @@ def _cmd_autotune(argv: list[str]) -> int:
         from .tuning import autotune
     except ImportError as e:
         raise CLIError(f"the tuner is not importable ({e})", 1) from None
-    return autotune(shapes, ms, dtypes, out_dir, args.warmup_ms, args.rep_ms, args.jobs)
+    return autotune(shapes, ms, dtypes, out_dir, args.warmup_ms, args.rep_ms, args.jobs, args.skip_tuned)
 
 
 def _cmd_inspect(args) -> int:

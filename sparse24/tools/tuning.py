@@ -229,6 +229,16 @@ def _entry_key(key: tuple) -> str:
     return ",".join(map(str, key))
 
 
+def tuned_keys(out_dir: Path, gpu: str) -> set:
+    """The (M bucket, N, K, dtype) keys this GPU's file under ``out_dir`` holds (none for a
+    missing or unreadable file: those are re-tuned)."""
+    path = Path(out_dir) / gpu_file_name(gpu) / f"{KERNEL}.json"
+    try:
+        return set(validate_file(json.loads(path.read_text()))["entries"])
+    except (OSError, *config_store.BAD_FILE_ERRORS):
+        return set()
+
+
 def write_entries(out_dir: Path, gpu: str, capability: tuple[int, int], entries: dict) -> Path:
     """Merge ``entries`` ({(M bucket, N, K, dtype): entry}) into this GPU's file
     under ``out_dir`` (created if needed; a corrupt old file is kept beside it
@@ -278,7 +288,8 @@ def _progress(i: int, n: int, label: str) -> None:
         print(f"[{bar}] {i}/{n} {label}", file=sys.stderr, flush=True)
 
 
-def autotune(shapes, ms, dtypes, out_dir, warmup_ms: float = 10, rep_ms: float = 40, jobs: int = 1) -> int:
+def autotune(shapes, ms, dtypes, out_dir, warmup_ms: float = 10, rep_ms: float = 40, jobs: int = 1,
+             skip_tuned: bool = False) -> int:
     """Tune every (M bucket, N, K, dtype) on the current GPU and merge each result into
     ``<out_dir>/<GPU name>/sparse24_matmul.json`` as soon as it is measured
     (``python -m sparse24 autotune``, whose parser checks the arguments).
@@ -287,6 +298,8 @@ def autotune(shapes, ms, dtypes, out_dir, warmup_ms: float = 10, rep_ms: float =
         shapes: ``[(label, N, K), ...]`` (:func:`sparse24.tools.shapes.parse_shapes`).
         ms: M buckets; dtypes: dtype keys; out_dir: config folder.
         warmup_ms, rep_ms: timing budgets per candidate; jobs: parallel compile processes.
+        skip_tuned: leave out the keys this GPU's file already holds (a run cut short by a time
+            limit goes on where it stopped).
     Returns:
         0 on success, 1 when there is no CUDA GPU or a key found no working config.
     """
@@ -298,6 +311,14 @@ def autotune(shapes, ms, dtypes, out_dir, warmup_ms: float = 10, rep_ms: float =
     device = torch.device("cuda", torch.cuda.current_device())
     gpu, cc = torch.cuda.get_device_name(device), torch.cuda.get_device_capability(device)
     keys = [(m, n, k, dt) for dt in dtypes for _, n, k in shapes for m in ms]
+    if skip_tuned:
+        have = tuned_keys(out_dir, gpu)
+        kept = [key for key in keys if key not in have]
+        print(f"sparse24 autotune: {len(keys) - len(kept)} of {len(keys)} keys already tuned in {out_dir}; "
+              f"skipped", file=sys.stderr)
+        keys = kept
+        if not keys:
+            return 0
     num_sms = torch.cuda.get_device_properties(device).multi_processor_count
     tasks = [(m, n, k, dt, c) for m, n, k, dt in keys
              for c in candidate_configs(m, n, k, num_sms, runtime_layout(dt), dt)]

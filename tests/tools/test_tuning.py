@@ -379,3 +379,33 @@ def test_launch_config_runs_each_kernel_of_the_space(gen):
     x = torch.randn(20, 128, generator=gen).half()
     for cfg in (KernelConfig(32, 64, 128, 8, 1, 4, 2, kernel="prefill"), KernelConfig(16, 64, 128, 1, 1, 4, 1, kernel="decode")):
         assert_matches_reference(tuning.launch_config(x, d, cfg), x, p.to_dense().float())
+
+
+def test_autotune_skip_tuned_goes_on_where_a_run_stopped(tmp_path, monkeypatch, capsys):
+    """``--skip-tuned`` leaves out the keys this GPU's file holds (a GPU run's tuning step cut
+    short by its time limit goes on next time); without it every key is timed again. The GPU is
+    faked: only the key bookkeeping is under test."""
+    from types import SimpleNamespace
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: GPU)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (9, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d=None: SimpleNamespace(multi_processor_count=132))
+    monkeypatch.setattr(tuning, "_precompile", lambda tasks, jobs, device: 0)
+    timed = []
+    dec = KernelConfig(16, 64, 256, 1, 4, 4, 1, kernel="decode")
+    monkeypatch.setattr(tuning, "tune_key", lambda *key, **kw: timed.append(key[:4]) or SimpleNamespace(
+        entry={"config": dec, "kernel_us": 1.0, "dense_us": 2.0}))
+    out = tmp_path / "configs"
+    tuning.write_entries(out, GPU, (9, 0), {(1, 4096, 4096, "float16"): {"config": dec, "kernel_us": 1.0,
+                                                                          "dense_us": 2.0}})
+    assert tuning.tuned_keys(out, GPU) == {(1, 4096, 4096, "float16")}
+    shapes = [("x", 4096, 4096)]
+    assert tuning.autotune(shapes, [1, 16], ["float16"], out, skip_tuned=True) == 0
+    assert timed == [(16, 4096, 4096, "float16")] and "1 of 2 keys already tuned" in capsys.readouterr().err
+    assert tuning.tuned_keys(out, GPU) == {(1, 4096, 4096, "float16"), (16, 4096, 4096, "float16")}
+    timed.clear()
+    assert tuning.autotune(shapes, [1, 16], ["float16"], out, skip_tuned=True) == 0 and timed == []
+    assert tuning.autotune(shapes, [1, 16], ["float16"], out) == 0
+    assert timed == [(1, 4096, 4096, "float16"), (16, 4096, 4096, "float16")]
+    assert tuning.tuned_keys(tmp_path / "none", GPU) == set()
