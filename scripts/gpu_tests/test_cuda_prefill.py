@@ -25,12 +25,35 @@ def test_auto_route_matches_reference(M, wtype, xtype, gen):
     d, dense = _weight(200, 328, wtype, ACT[xtype], gen)
     x = torch.randn(M, 328, generator=gen, device=DEV).to(ACT[xtype])
     b = torch.randn(200, generator=gen, device=DEV)
-    # INT8 with 16-bit x runs the sparse tensor-core kernel up to SP_MAX_M rows (config_space)
-    expect = "triton" if wtype == "int8" and M <= SP_MAX_M else "prefill"
+    # INT8 with 16-bit x runs the sparse tensor-core kernel up to SP_MAX_M rows (config_space); 16-bit
+    # weights the unpack route from UNPACK_MIN_M rows, whose float32 bias here sends the call to the
+    # prefill kernel (one rounding)
+    expect = "triton" if wtype == "int8" and M <= SP_MAX_M else \
+        "unpack" if wtype != "int8" and M >= op.UNPACK_MIN_M else "prefill"
     assert op.choose_backend(x, d) == expect
     y = sparse24.linear(x, d, b)
     torch.cuda.synchronize()
     assert_matches_reference(y, x, dense, b)
+
+
+@pytest.mark.parametrize("wtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("bias", [False, True])
+def test_unpack_route_matches_reference(wtype, bias, gen):
+    """From UNPACK_MIN_M rows a 16-bit weight is unpacked into the dense scratch (bit-exact: the
+    masked weight itself) and multiplied by cuBLAS; 2-D and 3-D x, a bias of x's dtype or none."""
+    d, dense = _weight(200, 328, wtype, ACT[wtype], gen)
+    act = ACT[wtype]
+    u = launch.unpack_dense(d.values, d.meta, None, (200, 328), act)
+    torch.cuda.synchronize()
+    assert torch.equal(u.double(), dense)
+    b = torch.randn(200, generator=gen, device=DEV).to(act) if bias else None
+    for shape in ((op.UNPACK_MIN_M, 328), (3, 300, 328)):
+        x = torch.randn(*shape, generator=gen, device=DEV).to(act)
+        assert op.choose_backend(x, d) == "unpack"
+        y = sparse24.linear(x, d, b)
+        torch.cuda.synchronize()
+        assert y.shape == (*shape[:-1], 200)
+        assert_matches_reference(y.reshape(-1, 200), x.reshape(-1, 328), dense, b)
 
 
 @pytest.mark.parametrize("wtype", ["fp16", "int8"])
