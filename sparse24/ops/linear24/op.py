@@ -153,7 +153,8 @@ def choose_backend(x: torch.Tensor, p: Sparse24Tensor | DecodePacked) -> str:
     """The backend ``"auto"`` runs for ``x`` and ``p``: the Triton kernel for
     fp16/bf16/fp32 x on CUDA; at M > 16, ``"prefill"`` (the prefill kernel,
     :func:`~sparse24.ops.linear24.launch.linear_prefill`) for a decode-layout
-    weight, and for layout v1 the reference backend (row-block decompression +
+    weight, or from :data:`UNPACK_MIN_M` rows ``"unpack"`` (:func:`prefill_backend`;
+    a call with a bias of another dtype than x runs the prefill kernel), and for layout v1 the reference backend (row-block decompression +
     cuBLAS) instead where this GPU's tuned file measured it faster than the
     kernel; the reference everywhere else (CPU, fp64, no triton)."""
     return _auto_backend(x, p.values, p.scale, p.shape[0], getattr(p, "group_size", None) or 0)
