@@ -2,9 +2,9 @@
 
 For prefill on CUDA where dense cuBLAS on the decompressed weight beats the prefill
 kernel: one pass that reads the compressed weight and writes the dense one into a
-scratch buffer, then ``F.linear``. The layout read here is defined in
-``sparse24.decode_format`` (its comment block); the launcher lives in
-``sparse24.ops.linear24.unpack``.
+scratch buffer, then one ``mm`` / ``addmm``. The layout read here is defined in
+``sparse24.decode_format`` (its comment block); the launcher is
+``sparse24.ops.linear24.launch.unpack_dense``.
 
 * ``sparse24_unpack``: ``triton.jit``, for GPU tensors;
 * ``sparse24_unpack_interpreted``: the same source in Triton's interpreter (CPU tensors).
@@ -62,11 +62,10 @@ def _sparse24_unpack(
     else:
         # values[a, h, t, l, 2 gg + v]: a lane's 8 values of half-atom h, 16 contiguous bytes
         # (one 16-byte load where 16 two-byte gathers were: 30% fewer sm_90 instructions)
-        e = tl.arange(0, 8)[None, None, None, :]
-        a4 = tl.program_id(1) * BLOCK_A + tl.arange(0, BLOCK_A)[:, None, None, None]
-        base = (((a4 * 2 + tl.arange(0, 2)[None, None, :, None]) * NT + t) * 32
-                + tl.arange(0, 32)[None, :, None, None]) * 8
-        pair = tl.load(v_ptr + base + e, mask=a4 < tl.cdiv(C, 64), other=0.0)    # (A, 32, 2, 8)
+        a4, h4 = a.reshape(BLOCK_A, 1, 1, 1), h.reshape(1, 1, 2, 1)       # the slot and group axes dropped
+        base = (((a4 * 2 + h4) * NT + t) * 32 + lane.reshape(1, 32, 1, 1)) * 8
+        pair = tl.load(v_ptr + base + tl.arange(0, 8)[None, None, None, :],
+                       mask=in_a.reshape(BLOCK_A, 1, 1, 1), other=0.0)               # (A, 32, 2, 8)
         v0, v1 = tl.split(pair.reshape(BLOCK_A, 32, 2, 4, 2))                    # (A, 32, 2, 4) each
         val = tl.where(first, v0[:, :, :, :, None], v1[:, :, :, :, None])
     out = tl.where(kept, val, 0.0).to(out_ptr.dtype.element_ty)

@@ -32,7 +32,7 @@ cd "$(dirname "$0")/.."
 ROOT=$PWD
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
-# tuned: the decode ends (2-8 take the nearest bucket's entry) and one large M
+# tuned: the decode ends (2-8 take the nearest bucket's entry)
 M_TUNE=1,16
 M_BENCH=1,4,16,64,256,1024,4096
 # the sweep's providers: dense, what a layer runs by default, torch's cuSPARSELt (all ten timed 100

@@ -36,10 +36,8 @@ import sparse24
 from sparse24.decode_format import pack_decode
 from sparse24.ops.linear24 import launch
 
-
-def _sync(dev):
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_user_view import _sync  # noqa: E402  (the same device sync as the other GPU scripts)
 
 
 def _host_us(fn, dev, calls: int = 300) -> float:

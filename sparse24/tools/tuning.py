@@ -229,12 +229,16 @@ def _entry_key(key: tuple) -> str:
     return ",".join(map(str, key))
 
 
+def _tuned_file(out_dir: Path, gpu: str) -> Path:
+    """This GPU's tuned-config file under ``out_dir``."""
+    return Path(out_dir) / gpu_file_name(gpu) / f"{KERNEL}.json"
+
+
 def tuned_keys(out_dir: Path, gpu: str) -> set:
     """The (M bucket, N, K, dtype) keys this GPU's file under ``out_dir`` holds (none for a
     missing or unreadable file: those are re-tuned)."""
-    path = Path(out_dir) / gpu_file_name(gpu) / f"{KERNEL}.json"
     try:
-        return set(validate_file(json.loads(path.read_text()))["entries"])
+        return set(validate_file(json.loads(_tuned_file(out_dir, gpu).read_text()))["entries"])
     except (OSError, *config_store.BAD_FILE_ERRORS):
         return set()
 
@@ -246,7 +250,7 @@ def write_entries(out_dir: Path, gpu: str, capability: tuple[int, int], entries:
     aside: the prefill route falls back to its model's choice, not to a file default)."""
     import triton
 
-    path = Path(out_dir) / gpu_file_name(gpu) / f"{KERNEL}.json"
+    path = _tuned_file(out_dir, gpu)
     old: dict = {}
     if path.exists():
         try:

@@ -279,8 +279,8 @@ class _Plan:
             target = torch.zeros((M, self.N), dtype=torch.float32, device=self.device)
         s = meta if scale is None else scale  # never read when there is no scale / bias / zero point
         b = meta if bias is None else bias
-        z = (meta if zero is None else zero,) if self.takes_zero else ()   # INT4 zero points: decode kernels
-        zt = meta if zero is None else zero
+        zt = meta if zero is None else zero  # INT4 zero points (never read without them)
+        z = (zt,) if self.takes_zero else ()  # an argument of the decode kernels only
         if x2.is_contiguous() and values.is_contiguous() and meta.is_contiguous() and s.is_contiguous() \
                 and b.is_contiguous() and zt.is_contiguous():
             args = (x2, values, meta, s, *z, b, target, *self.extra, M, *self.contiguous_ints)
