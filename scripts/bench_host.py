@@ -108,7 +108,7 @@ def prefill_figures(N: int, K: int, ms=(64, 512, 4096), quantize=None) -> list[d
                     sum(t.numel() for t in launch._DENSE_SCRATCH.values())   # the unpack route's dense scratch
                 conversions.clear()
                 y, count = count_dispatch(layer, x)
-                rows.append(dict(M=M, backend=real_auto(_AsCuda(x), layer.values, layer.scale, N),
+                rows.append(dict(M=M, backend=real_auto(_AsCuda(x), layer.values, layer.scale, N, layer.group_size or 0),
                                  aten_ops=len(count.ops), ops=",".join(count.ops),
                                  bytes_allocated=count.bytes_allocated, output_bytes=y.numel() * y.element_size(),
                                  conversions=len(conversions), workspace_bytes=workspace))
@@ -131,7 +131,7 @@ def prefill_main(a) -> int:
     print(f"{'weights':8} {'M':>5} {'route':>8} {'aten ops':>8} {'allocated B':>12} {'output B':>10} "
           f"{'conversions':>11} {'layer/dense fp16':>16} {'workspace B':>11}  ops")
     worst = {}
-    for quantize in (None, "int8"):
+    for quantize in (None, "int8", "int4"):
         for r in prefill_figures(a.n, a.k, quantize=quantize):
             name = quantize or "fp16"
             print(f"{name:8} {r['M']:>5} {r['backend']:>8} {r['aten_ops']:>8} {r['bytes_allocated']:>12} "

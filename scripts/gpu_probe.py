@@ -147,15 +147,21 @@ def prefill(out: Path, dev, shapes=((4096, 4096), (11008, 4096), (4096, 11008)),
             print(f"  failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
             return float("nan")
 
-    for weight in ("fp16", "int8"):
+    for weight in ("fp16", "int8", "int4"):
         for N, K in shapes:
             w = torch.randn(N, K, device=dev, dtype=torch.float16)
             c = sparse24.compress(w)
             if weight == "int8":
                 c = sparse24.quantize_values(sparse24.compress(w.float()), "int8")
+            elif weight == "int4":
+                c = sparse24.compress(w.float(), quantize="int4", group_size=128)
             p = pack_decode(c)
-            wd = c.to_dense().to(torch.float16)     # the weight the kernels compute with
-            u = launch.unpack_dense(p.values, p.meta, p.scale, (N, K), torch.float16)
+            gs = p.group_size or 0
+            wd = c.to_dense().to(torch.float16)     # the weight the kernels compute with (INT4: rounded once)
+
+            def unpack(dtype=torch.float16, p=p, N=N, K=K, gs=gs):
+                return launch.unpack_dense(p.values, p.meta, p.scale, (N, K), dtype, zero=p.zero, group_size=gs)
+            u = unpack()
             exact = torch.equal(u, wd)
             print(f"{weight} {N}x{K}: unpack bit-exact {exact}", flush=True)
             try:
@@ -166,15 +172,16 @@ def prefill(out: Path, dev, shapes=((4096, 4096), (11008, 4096), (4096, 11008)),
             for M in ms:
                 x = torch.randn(M, K, device=dev, dtype=torch.float16)
                 # the prefill kernel's untuned config (what run_prefill takes without a tuned entry)
-                cfg = prefill_config(M, N, K, pair=prefill_pair(dtype_key(torch.float16, weight == "int8")))
+                cfg = prefill_config(M, N, K, pair=prefill_pair(dtype_key(torch.float16, weight == "int8",
+                                                                          weight == "int4")))
                 if weight == "fp16":
                     y_t = _triton_dense(x, wd, cfg, kernels)
                     err = (y_t.float() - F.linear(x, wd).float()).abs().max().item()
                     print(f"  M {M}: triton dense max |diff| vs F.linear {err:.3g}", flush=True)
                 r = [weight, N, K, M, bench(lambda: F.linear(x, wd)),
-                     bench(lambda: launch.run_prefill(x, p.values, p.meta, p.scale, None, N)),
-                     bench(lambda: F.linear(x, launch.unpack_dense(p.values, p.meta, p.scale, (N, K), x.dtype))),
-                     bench(lambda: launch.unpack_dense(p.values, p.meta, p.scale, (N, K), x.dtype)),
+                     bench(lambda: launch.run_prefill(x, p.values, p.meta, p.scale, None, N, None, p.zero, gs)),
+                     bench(lambda: F.linear(x, unpack())),
+                     bench(unpack),
                      bench(lambda: F.linear(x, ws)) if ws is not None else float("nan"),
                      bench(lambda: _triton_dense(x, wd, cfg, kernels)) if weight == "fp16" else float("nan"),
                      f"BM{cfg.block_m}_BN{cfg.block_n}_BK{cfg.block_k}_W{cfg.num_warps}_S{cfg.num_stages}"

@@ -38,6 +38,13 @@ INT8, <= 0.10 on the integer pipe; ``--check`` exits 1 when over.
 registers and shared memory, waves on 132 SMs, and weight bytes in flight per
 SM; prints ``min weight bytes in flight per SM: N KiB``.
 
+``--unpack``: the unpack kernel (the prefill route from 256 rows: the weight
+written dense into a scratch for cuBLAS) compiled for sm_90 per weight kind and
+output dtype: SASS instructions per thread (32 outputs each), and at ``--shape``
+its issue time (every warp-instruction at 4 per SM clock: a floor) against its
+HBM time (compressed bytes read + dense bytes written at the H200's measured 4.2
+TB/s); prints ``unpack at N x K: max predicted X us (issue Y us, HBM Z us)``.
+
 ``--prefill``: the prefill kernel (M > 16) compiled for sm_90: issue cycles of
 its main loop per tensor-core instruction, its tiles' L2 traffic, and the
 predicted ratio to dense at the listed shapes, with L2 at an assumed 32 B per
@@ -828,6 +835,53 @@ def prefill_main(a) -> int:
     return 0
 
 
+# --- --unpack: the unpack route's kernel ---------------------------------------------
+
+# (name, values, scale, output, INT8, GROUP, HAS_ZERO, compressed bytes read per dense weight)
+UNPACK_VARIANTS = (("fp16", "*fp16", "*fp32", "*fp16", False, 0, False, 1.125),
+                   ("bf16", "*bf16", "*fp32", "*bf16", False, 0, False, 1.125),
+                   ("int8", "*u8", "*fp32", "*fp16", True, 0, False, 0.625),
+                   ("int8-bf16", "*u8", "*fp32", "*bf16", True, 0, False, 0.625),
+                   ("int4", "*u8", "*fp16", "*fp16", False, 128, False, 0.375 + 2 / 128),
+                   ("int4-bf16", "*u8", "*bf16", "*bf16", False, 128, False, 0.375 + 2 / 128),
+                   ("int4-zero", "*u8", "*fp16", "*fp16", False, 128, True, 0.375 + 3 / 128))
+UNPACK_HBM = 4.2e12   # B/s: the H200's measured HBM read rate (results/NVIDIA_H200/l2_bandwidth.txt)
+
+
+def unpack_instructions(values, scale, out, int8, group, has_zero, cap=90) -> int:
+    """SASS instructions per thread of the unpack kernel (4 warps, 4 atoms: 32 outputs a thread),
+    specialized as a launch on a 4096-wide weight is (pointers and sizes divisible by 16)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from sparse24.kernels.sparse24_unpack import sparse24_unpack
+    sig = {"v_ptr": values, "meta_ptr": "*i32", "scale_ptr": scale, "zero_ptr": "*u8", "out_ptr": out, "R": "i32",
+           "C": "i32", "NT": "i32", "G": "i32", "stride_ml": "i32", "stride_or": "i32", "INT8": "constexpr",
+           "GROUP": "constexpr", "HAS_ZERO": "constexpr", "BLOCK_A": "constexpr"}
+    attrs = {(i,): [["tt.divisibility", 16]] for i in range(11)}
+    k = triton.compile(ASTSource(sparse24_unpack, sig, attrs=attrs,
+                                 constexprs={"INT8": int8, "GROUP": group, "HAS_ZERO": has_zero, "BLOCK_A": 4}),
+                       target=GPUTarget("cuda", cap, 32), options={"num_warps": 4})
+    return len(without_padding(sass_instructions(k.asm["cubin"])))
+
+
+def unpack_main(a) -> int:
+    import triton
+    N, K = map(int, a.shape.split(","))
+    print(f"# unpack kernel, sm_{a.cap}, Triton {triton.__version__}; {N} x {K}: issue at 4 warp-instructions per "
+          f"SM clock on 132 SMs at 1.98 GHz, HBM at {UNPACK_HBM / 1e12:.1f} TB/s")
+    print(f"{'weights':10} {'instr/thread':>12} {'warp-instr/output B':>19} {'issue us':>8} {'HBM us':>7}")
+    worst = (0.0, 0.0, 0.0)
+    for name, values, scale, out, int8, group, has_zero, read in UNPACK_VARIANTS:
+        n = unpack_instructions(values, scale, out, int8, group, has_zero, a.cap)
+        issue = N * K / 1024 * n / (132 * 4 * 1.98e9) * 1e6   # a warp writes 1024 outputs per n instructions
+        hbm = N * K * (read + 2) / UNPACK_HBM * 1e6
+        print(f"{name:10} {n:>12} {n / 2048:>19.3f} {issue:>8.1f} {hbm:>7.1f}", flush=True)
+        worst = max(worst, (max(issue, hbm), issue, hbm))
+    print(f"unpack at {N} x {K}: max predicted {worst[0]:.1f} us (issue {worst[1]:.1f} us, HBM {worst[2]:.1f} us)")
+    return 0
+
+
 def main(argv=None):
     from sparse24.ops.config_space import candidate_configs
 
@@ -857,6 +911,8 @@ def main(argv=None):
     ap.add_argument("--verbose", action="store_true", help="with --sass: opcode mix per config")
     ap.add_argument("--prefill", action="store_true",
                     help="the prefill kernel: decode issue cost per tensor-core instruction, predicted ratio to dense")
+    ap.add_argument("--unpack", action="store_true",
+                    help="the unpack kernel: instructions per thread, issue and HBM time at --shape")
     ap.add_argument("--write-costs", action="store_true",
                     help="with --prefill (every pair): write this Triton's cost table for the untuned defaults")
     ap.add_argument("--l2", type=float, default=L2_BYTES_PER_SM_CLK,
@@ -866,6 +922,8 @@ def main(argv=None):
     if not a.l2 > 0:
         ap.error(f"--l2 must be a positive number of bytes per SM clock, got {a.l2}")
     a.argv = list(sys.argv[1:] if argv is None else argv)
+    if a.unpack:
+        return unpack_main(a)
     if a.prefill:
         return prefill_main(a)
     if a.occupancy:

@@ -56,6 +56,27 @@ def test_unpack_route_matches_reference(wtype, bias, gen):
         assert_matches_reference(y.reshape(-1, 200), x.reshape(-1, 328), dense, b)
 
 
+@pytest.mark.parametrize("xtype,gs,sym", [("fp16", 32, False), ("fp16", 128, True), ("bf16", 64, False),
+                                          ("bf16", 128, True)])
+def test_int4_unpack_route_matches_reference(xtype, gs, sym, gen):
+    """INT4 with 16-bit x from UNPACK_MIN_M rows: unpacked into the scratch as (u - z) * s rounded
+    once to x's dtype (bit-exact: the operand the kernels multiply), then cuBLAS; a bias of x's
+    dtype; odd N and K (a partial quantization group)."""
+    act = ACT[xtype]
+    p = sparse24.compress(torch.randn(200, 328, generator=gen, device=DEV), quantize="int4", group_size=gs,
+                          symmetric=sym)
+    d, dense = sparse24.pack_decode(p), p.to_dense().to(act).double()   # exact in fp32, rounded once
+    u = launch.unpack_dense(d.values, d.meta, d.scale, (200, 328), act, zero=d.zero, group_size=gs)
+    torch.cuda.synchronize()
+    assert torch.equal(u.double(), dense)
+    b = torch.randn(200, generator=gen, device=DEV).to(act)
+    x = torch.randn(300, 328, generator=gen, device=DEV).to(act)
+    assert op.choose_backend(x, d) == "unpack"
+    y = sparse24.linear(x, d, b)
+    torch.cuda.synchronize()
+    assert_matches_reference(y, x, dense, b)
+
+
 @pytest.mark.parametrize("wtype", ["fp16", "int8"])
 def test_every_config_matches_reference(wtype, gen):
     d, dense = _weight(264, 520, wtype, torch.float16, gen)
@@ -135,7 +156,8 @@ def test_int4_bf16_exact_scales_match_reference(gs, sym, gen):
     the three kinds of prefill tile at 2 stages (64 x 64: x permuted; 128 x 64: x in its own
     order, two accumulators; 128 x 256: the large-M default; three compiles, for the step's
     time limit), and a module's route end to end (the sparse tensor cores at 8 rows, taking the
-    exact grid; prefill at 300, rounding it once to bfloat16, as to_dense of a bfloat16 weight)."""
+    exact grid; at 300 rows the unpack route, reading the bfloat16 scales, rounding once to
+    bfloat16, as to_dense of a bfloat16 weight)."""
     w = torch.randn(264, 520, generator=gen, device=DEV).bfloat16()
     p = sparse24.compress(w, quantize="int4", group_size=gs, symmetric=sym)
     d, dense = sparse24.pack_decode(p), p.to_dense().double()

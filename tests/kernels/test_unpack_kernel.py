@@ -1,6 +1,7 @@
 """The unpack kernel (kernels/sparse24_unpack.py, Triton's interpreter here): a decode-layout
 weight written out dense equals the masked dense weight it was packed from, bit for bit
-(INT8: each kept q times its row's float32 scale, rounded once to the output dtype)."""
+(INT8: each kept q times its row's float32 scale, rounded once to the output dtype; INT4:
+(u - z) * s of its group, rounded once: the operand the kernels multiply with 16-bit x)."""
 import pytest
 import torch
 
@@ -9,6 +10,7 @@ from sparse24.decode_format import pack_decode
 from sparse24.ops.linear24 import launch
 
 from conftest import assert_matches_reference
+from test_int4_kernel import _int4   # the INT4 weight's fp64 dequantization, built independently
 
 
 @pytest.mark.parametrize("R,C", [(16, 64), (37, 200), (130, 260)])
@@ -37,12 +39,55 @@ def test_unpack_int8_equals_the_dequantized_weight(R, C, dtype, gen):
     assert torch.equal(out, expect)
 
 
+@pytest.mark.parametrize("R,C,gs", [(16, 64, 32), (37, 200, 64), (130, 260, 128)])
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_unpack_int4_equals_the_dequantized_weight_rounded_once(R, C, gs, symmetric, dtype, gen):
+    """Odd shapes (row and column padding, a partial quantization group), both zero-point modes:
+    the fp64 dequantization (u - z) * s rounded once to the output dtype, bit for bit."""
+    p, W = _int4(R, C, gs, symmetric, gen)
+    d = pack_decode(p)
+    out = launch.unpack_dense(d.values, d.meta, d.scale, (R, C), dtype, zero=d.zero, group_size=gs)
+    assert out.shape == (R, C) and out.dtype == dtype
+    assert torch.equal(out, W.to(dtype))
+
+
+def test_unpack_int4_reads_exact_bfloat16_scales(gen):
+    """A module's bfloat16 copy of scales bfloat16 holds exactly (format.bf16_exact_scales) gives
+    the same weight as the float16 scales, and a wrong scale would not (the test can fail)."""
+    from sparse24.format import bf16_exact_scales
+    p, _ = _int4(32, 256, 64, True, gen)
+    exact = bf16_exact_scales(p.scale.float())
+    d = pack_decode(p)
+    want = launch.unpack_dense(d.values, d.meta, exact, (32, 256), torch.bfloat16, group_size=64).clone()
+    got = launch.unpack_dense(d.values, d.meta, exact.bfloat16(), (32, 256), torch.bfloat16, group_size=64)
+    assert torch.equal(got, want)
+    doubled = launch.unpack_dense(d.values, d.meta, exact.bfloat16() * 2, (32, 256), torch.bfloat16, group_size=64)
+    assert torch.equal(doubled.float(), 2 * want.float()) and not torch.equal(doubled, want)
+
+
 def test_unpack_reuses_one_scratch_per_device(gen):
     d = pack_decode(sparse24.compress(torch.randn(32, 128, generator=gen).half()))
     a = launch.unpack_dense(d.values, d.meta, None, (32, 128), torch.float16)
     small = pack_decode(sparse24.compress(torch.randn(16, 64, generator=gen).half()))
     b = launch.unpack_dense(small.values, small.meta, None, (16, 64), torch.float16)
     assert b.untyped_storage().data_ptr() == a.untyped_storage().data_ptr()
+
+
+@pytest.mark.parametrize("x_dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_unpack_route_int4_matches_reference(x_dtype, symmetric, gen):
+    """INT4 on the unpack route against fp64 on the weight its kernels multiply with 16-bit x
+    (the dequantized value rounded once to x's dtype), with a bias of x's dtype."""
+    from sparse24.ops.linear24 import op
+    N, K, gs = 48, 256, 64
+    p, W = _int4(N, K, gs, symmetric, gen)
+    d = pack_decode(p)
+    b = torch.randn(N, generator=gen).to(x_dtype)
+    x = torch.randn(2, 20, K, generator=gen).to(x_dtype)
+    y = op._compute(x, d.values, d.meta, d.scale, d.zero, b, torch.float32, "unpack", N, gs)
+    assert y.shape == (2, 20, N) and y.dtype == x_dtype
+    assert_matches_reference(y.reshape(-1, N), x.reshape(-1, K), W.to(x_dtype).double(), b.double())
 
 
 @pytest.mark.parametrize("x_dtype", [torch.float16, torch.bfloat16])
@@ -82,17 +127,19 @@ def test_unpack_route_leaves_another_bias_dtype_to_the_prefill_kernel(gen, monke
     (4096, torch.bfloat16, torch.bfloat16, False, 0, "unpack"), (4096, torch.bfloat16, torch.float16, False, 0,
                                                                   "prefill"),
     (4096, torch.float32, torch.float16, False, 0, "prefill"), (4096, torch.float16, torch.uint8, True, 0, "prefill"),
-    (4096, torch.float16, torch.uint8, True, 64, "prefill")])
+    (4096, torch.float16, torch.uint8, True, 64, "unpack"), (256, torch.bfloat16, torch.uint8, True, 128, "unpack"),
+    (255, torch.float16, torch.uint8, True, 64, "prefill"), (4096, torch.float32, torch.uint8, True, 64, "prefill")])
 def test_prefill_backend(M, x_dtype, values_dtype, scale, group, want):
-    """From UNPACK_MIN_M rows a 16-bit weight of x's dtype takes the unpack route; other weights
-    (another dtype, INT8, INT4) and float32 x stay on the prefill kernel."""
+    """From UNPACK_MIN_M rows a 16-bit weight of x's dtype and an INT4 weight take the unpack
+    route with 16-bit x; other weights (another dtype, INT8) and float32 x stay on the prefill kernel."""
     from sparse24.ops.linear24 import op
     assert op.UNPACK_MIN_M == 256
     assert op.prefill_backend(M, x_dtype, values_dtype, scale, group) == want
 
 
-@pytest.mark.parametrize("int8,out", [(False, "*fp16"), (False, "*bf16"), (True, "*fp16"), (True, "*bf16")])
-def test_unpack_compiles_for_sm90(int8, out):
+@pytest.mark.parametrize("quant,out", [(None, "*fp16"), (None, "*bf16"), ("int8", "*fp16"), ("int8", "*bf16"),
+                                       ("int4", "*fp16"), ("int4-bf16-scales", "*bf16")])
+def test_unpack_compiles_for_sm90(quant, out):
     """The same source compiles for sm_90 (it ran on an H200 bit-exact: results/NVIDIA_H200/probe.log),
     without local memory, specialized as a launch on a 4096 x 4096 weight is (pointers and sizes
     divisible by 16): 16-bit values load as 16-byte vectors, the dense rows store 4 slots at once."""
@@ -100,14 +147,18 @@ def test_unpack_compiles_for_sm90(int8, out):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from sparse24.kernels.sparse24_unpack import sparse24_unpack
-    sig = {"v_ptr": "*u8" if int8 else out, "meta_ptr": "*i32", "scale_ptr": "*fp32", "out_ptr": out, "R": "i32",
-           "C": "i32", "NT": "i32", "stride_ml": "i32", "stride_or": "i32", "INT8": "constexpr", "BLOCK_A": "constexpr"}
-    attrs = {(i,): [["tt.divisibility", 16]] for i in range(9)}
-    k = triton.compile(ASTSource(sparse24_unpack, sig, constexprs={"INT8": int8, "BLOCK_A": 4}, attrs=attrs),
+    int4 = quant is not None and quant.startswith("int4")
+    scale = "*bf16" if quant == "int4-bf16-scales" else "*fp16" if int4 else "*fp32"
+    sig = {"v_ptr": out if quant is None else "*u8", "meta_ptr": "*i32", "scale_ptr": scale, "zero_ptr": "*u8",
+           "out_ptr": out, "R": "i32", "C": "i32", "NT": "i32", "G": "i32", "stride_ml": "i32", "stride_or": "i32",
+           "INT8": "constexpr", "GROUP": "constexpr", "HAS_ZERO": "constexpr", "BLOCK_A": "constexpr"}
+    attrs = {(i,): [["tt.divisibility", 16]] for i in range(11)}
+    constexprs = {"INT8": quant == "int8", "GROUP": 128 if int4 else 0, "HAS_ZERO": int4, "BLOCK_A": 4}
+    k = triton.compile(ASTSource(sparse24_unpack, sig, constexprs=constexprs, attrs=attrs),
                        target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
     ptx = k.asm["ptx"]
     assert ".local" not in ptx and "st.global.v2.b32" in ptx   # 4 fp16 / bf16 slots per store
-    assert ("ld.global.v4.b32" in ptx) != int8                  # a lane's 8 16-bit values at once
+    assert ("ld.global.v4.b32" in ptx) == (quant is None)     # a lane's 8 16-bit values at once
 
 
 def test_release_workspaces_frees_the_scratch_and_calls_still_work(gen):
@@ -117,3 +168,19 @@ def test_release_workspaces_frees_the_scratch_and_calls_still_work(gen):
     launch.release_workspaces()
     assert not launch._DENSE_SCRATCH and not launch._SCRATCH_VIEWS and not launch._WORKSPACES and not launch._PLANS
     assert torch.equal(launch.unpack_dense(d.values, d.meta, None, (32, 128), torch.float16), a)
+
+
+def test_static_check_reports_the_unpack_kernel(monkeypatch, capsys):
+    """``kernel_static_check.py --unpack``: the sm_90 instruction count per thread and the
+    predicted issue and HBM times it prints (INT4 with zero points here: one variant, for time)."""
+    from conftest import load_script
+    ksc = load_script("kernel_static_check")
+    monkeypatch.setattr(ksc, "UNPACK_VARIANTS", [v for v in ksc.UNPACK_VARIANTS if v[0] == "int4-zero"])
+    assert ksc.main(["--unpack", "--shape", "4096,4096"]) == 0
+    out = capsys.readouterr().out
+    row = next(line.split() for line in out.splitlines() if line.startswith("int4-zero"))
+    n, issue, hbm = int(row[1]), float(row[3]), float(row[4])
+    assert 100 < n < 2000   # a real kernel, fully unrolled over its 32 outputs a thread
+    assert hbm == round(4096 * 4096 * (2 + 0.375 + 3 / 128) / 4.2e12 * 1e6, 1)
+    assert issue == round(4096 * 4096 / 1024 * n / (132 * 4 * 1.98e9) * 1e6, 1)
+    assert f"unpack at 4096 x 4096: max predicted {max(issue, hbm):.1f} us" in out

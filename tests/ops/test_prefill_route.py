@@ -29,7 +29,7 @@ def cuda_route(monkeypatch):
     monkeypatch.setattr(op, "_triton_available", lambda: True)
     grids = []
     monkeypatch.setattr(launch._Plan, "launch", lambda plan, grid, args, aligned: grids.append((plan.config, grid)))
-    monkeypatch.setattr(launch, "_launch_unpack", lambda values, meta, scale, out: grids.append(("unpack", out.shape)))
+    monkeypatch.setattr(launch, "_launch_unpack", lambda values, meta, scale, out, *rest: grids.append(("unpack", out.shape)))
     op._AUTO.clear()
     yield grids
     op._AUTO.clear()
@@ -42,19 +42,19 @@ def _layer(quantize, N=256, K=512):
                                                quantize=quantize).to_layout("decode")
 
 
-@pytest.mark.parametrize("quantize", [None, "int8"])
+@pytest.mark.parametrize("quantize", [None, "int8", "int4"])
 def test_prefill_route_converts_nothing(quantize, cuda_route, monkeypatch):
     layer = _layer(quantize)
     for cls, name in ((DecodePacked, "to_sparse24"), (DecodePacked, "to_dense"), (Sparse24Tensor, "to_dense")):
         monkeypatch.setattr(cls, name, lambda *a, _n=name, **k: pytest.fail(f"the M > 16 route called {_n}"))
     with torch.no_grad():
-        # (INT8 to SP_MAX_M rows runs the sparse tensor-core kernel: the next test)
+        # (INT8 / INT4 to SP_MAX_M rows run the sparse tensor-core kernel: the next test)
         for shape in ((17 if quantize is None else SP_MAX_M + 1, 512), (128, 512), (255, 512), (256, 512),
                       (300, 512), (5, 60, 512)):
             x = torch.randn(*shape, dtype=torch.float16)
             M = x[..., 0].numel()
-            route = "unpack" if M >= op.UNPACK_MIN_M and quantize is None else "prefill"   # (INT8: the kernel)
-            assert op._auto_backend(x, layer.values, layer.scale, 256) == route
+            route = "unpack" if M >= op.UNPACK_MIN_M and quantize != "int8" else "prefill"   # (INT8: the kernel)
+            assert op._auto_backend(x, layer.values, layer.scale, 256, layer.group_size or 0) == route
             layer(x)                                     # the plan (or the dense scratch) is made on the first call
             cuda_route.clear()
             y, count = count_dispatch(layer, x)
@@ -64,7 +64,8 @@ def test_prefill_route_converts_nothing(quantize, cuda_route, monkeypatch):
                 assert [o for o in count.ops if o != "view"] == ["addmm"], count.ops
             else:
                 assert len(cuda_route) == 1 and cuda_route[0][0].kernel == "prefill"   # one launch
-                pair = prefill_pair(dtype_key(torch.float16, int8_weights=quantize == "int8"))
+                pair = prefill_pair(dtype_key(torch.float16, int8_weights=quantize == "int8",
+                                              int4_weights=quantize == "int4"))
                 assert cuda_route[0][0] == prefill_config(M, 256, 512, pair=pair)   # the untuned default
             assert len(count.ops) <= 3, count.ops                                   # empty (+ views for 3-D x)
             assert count.bytes_allocated <= y.numel() * y.element_size(), count
@@ -130,7 +131,7 @@ def test_layer_holds_one_copy(quantize, limit):
     assert held <= limit * 1000 * 1000 * 2, held / (1000 * 1000 * 2)
 
 
-@pytest.mark.parametrize("quantize", [None, "int8"])
+@pytest.mark.parametrize("quantize", [None, "int8", "int4"])
 def test_bench_host_prefill_figures(quantize):
     """``scripts/bench_host.py --prefill`` on a small layer: the figures it prints are within
     issue 22's limits (<= 3 aten ops, allocation <= the output, no conversion, one copy). The
@@ -138,7 +139,7 @@ def test_bench_host_prefill_figures(quantize):
     first = 17 if quantize is None else SP_MAX_M + 1
     rows = load_script("bench_host").prefill_figures(256, 1024, (first, 128, 300), quantize)  # K = 1024: whole meta atoms
     assert [(r["M"], r["backend"]) for r in rows] == [(first, "prefill"), (128, "prefill"),
-                                                      (300, "unpack" if quantize is None else "prefill")]
+                                                      (300, "prefill" if quantize == "int8" else "unpack")]
     for r in rows:
         assert r["aten_ops"] <= 3 and r["bytes_allocated"] <= r["output_bytes"] and r["conversions"] == 0, r
         assert r["layer_bytes_over_dense_fp16"] <= 0.60

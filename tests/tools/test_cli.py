@@ -523,9 +523,9 @@ def test_gpu_probe_runs_every_step_on_cpu(tmp_path, capsys):
     and reported, not fatal): the unpack bit-exact, a CSV row per weight kind."""
     assert _script_main("scripts/gpu_probe.py")(["--smoke", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert "host us/call Sparse24Linear" in out and out.count("unpack bit-exact True") == 2
+    assert "host us/call Sparse24Linear" in out and out.count("unpack bit-exact True") == 3
     rows = list(csv.DictReader(open(tmp_path / "probe_prefill.csv")))
-    assert [r["weight"] for r in rows] == ["fp16", "int8"] and float(rows[0]["triton_dense_us"]) > 0
+    assert [r["weight"] for r in rows] == ["fp16", "int8", "int4"] and float(rows[0]["triton_dense_us"]) > 0
 
 
 def test_gpu_user_view_runs_every_step_on_cpu(tmp_path, capsys):

@@ -425,16 +425,21 @@ _SCRATCH_VIEWS: dict = {}
 
 
 def unpack_dense(values: torch.Tensor, meta: torch.Tensor, scale: torch.Tensor | None, shape: tuple[int, int],
-                 dtype: torch.dtype, transpose: bool = False) -> torch.Tensor:
-    """A decode-layout 16-bit or INT8 weight written out dense (``kernels/sparse24_unpack.py``,
+                 dtype: torch.dtype, transpose: bool = False, zero: torch.Tensor | None = None,
+                 group_size: int = 0) -> torch.Tensor:
+    """A decode-layout 16-bit, INT8 or INT4 weight written out dense (``kernels/sparse24_unpack.py``,
     one launch), into the device's shared scratch buffer (grown to the largest layer unpacked,
     kept for the process: a fixed workspace, not a copy per layer).
 
     Args:
-        values, meta: the decode layout (``sparse24.decode_format``), 16-bit or INT8 values.
-        scale: INT8's per-row float32 scales ``(R,)``, else None.
-        shape: ``(R, C)`` of the dense weight; dtype: float16 or bfloat16 (INT8: dequantized into it).
+        values, meta: the decode layout (``sparse24.decode_format``), 16-bit, INT8 or INT4 values.
+        scale: INT8's per-row float32 scales ``(R,)``; INT4's float16 (or exact bfloat16) group
+            scales ``(R, ceil(C / group_size))``; else None.
+        shape: ``(R, C)`` of the dense weight; dtype: float16 or bfloat16 (INT8 / INT4: the exact
+            dequantized value, ``q * s`` or ``(u - z) * s``, rounded once into it).
         transpose: return the ``(C, R)`` transposed view (what ``torch.mm(x, ·)`` takes).
+        zero: INT4's uint8 zero points (asymmetric), shaped as ``scale``; None: symmetric (z = 8).
+        group_size: INT4's quantization group along C; 0 for the others.
     Returns:
         ``(R, C)`` tensor of ``dtype`` (``(C, R)`` with ``transpose``), a view of the scratch: valid
         until the next call on this device (stream order: the matmul that reads it runs before the
@@ -451,13 +456,13 @@ def unpack_dense(values: torch.Tensor, meta: torch.Tensor, scale: torch.Tensor |
                                                                                     device=dev))
         out = buf[:R * C * 2].view(dtype).view(R, C)
         out = _SCRATCH_VIEWS[(dev, R, C, dtype)] = out, out.t()
-    _launch_unpack(values, meta, scale, out[0])
+    _launch_unpack(values, meta, scale, out[0], zero, group_size)
     return out[transpose]
 
 
 def release_workspaces() -> None:
     """Drop what launches keep for the process: the dense scratch of the unpack route (as large
-    as the largest 16-bit layer unpacked: 470 MiB for a 28672 x 8192 one), the split-K
+    as the largest 16-bit or INT4 layer unpacked: 470 MiB for a 28672 x 8192 one), the split-K
     workspaces and the plans that hold them. The next call makes what it needs again. Not while a
     captured CUDA graph (``torch.compile(mode="reduce-overhead")``) that ran these layers is still
     replayed: its kernels address these buffers."""
@@ -467,7 +472,7 @@ def release_workspaces() -> None:
     _PLANS.clear()
 
 
-def _launch_unpack(values, meta, scale, out) -> None:
+def _launch_unpack(values, meta, scale, out, zero=None, group_size=0) -> None:
     """One launch of ``kernels/sparse24_unpack.py`` writing ``out`` (R, C)."""
     from sparse24.kernels.sparse24_unpack import sparse24_unpack, sparse24_unpack_interpreted
     kernel = sparse24_unpack if values.is_cuda else sparse24_unpack_interpreted
@@ -475,8 +480,10 @@ def _launch_unpack(values, meta, scale, out) -> None:
     block_a = 4   # atoms of 64 columns per program: 4 x 16 rows x 64 columns
     grid = (meta.shape[0], _cdiv(_cdiv(C, 64), block_a))
     with torch.cuda.device(values.device) if values.is_cuda else contextlib.nullcontext():
-        kernel[grid](values, meta, scale if scale is not None else values, out, R, C, meta.shape[0], meta.shape[2],
-                     out.stride(0), INT8=scale is not None, BLOCK_A=block_a)
+        kernel[grid](values, meta, scale if scale is not None else values, zero if zero is not None else values, out,
+                     R, C, meta.shape[0], scale.shape[1] if group_size else 1, meta.shape[2], out.stride(0),
+                     INT8=scale is not None and not group_size, GROUP=group_size, HAS_ZERO=zero is not None,
+                     BLOCK_A=block_a)
 
 
 def _grown(buf, need: int, make):

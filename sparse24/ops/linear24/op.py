@@ -89,7 +89,7 @@ def _compute(x, values, meta, scale, zero, bias, weight_dtype, backend, out_feat
     if backend == "triton":
         return launch.run(x, values, meta, scale, bias, out_features, None, zero, group_size)
     if backend == "unpack" and (bias is None or bias.dtype == x.dtype):  # "auto" only, as "prefill"
-        return _unpack_linear(x, values, meta, scale, bias, out_features)
+        return _unpack_linear(x, values, meta, scale, zero, group_size, bias, out_features)
     if backend in ("prefill", "unpack"):  # chosen by "auto" only: the decode layout at M > 16 on CUDA
         return launch.run_prefill(x, values, meta, scale, bias, out_features, None, zero, group_size)
     return linear_reference(x, _weight(values, meta, scale, zero, group_size, weight_dtype,
@@ -206,21 +206,24 @@ def prefill_backend(M: int, x_dtype: torch.dtype, values_dtype: torch.dtype, has
                     group_size: int = 0) -> str:
     """The decode layout's route past decode sizes on CUDA: ``"unpack"`` (the weight unpacked
     dense into a shared scratch, then cuBLAS: the same products as the kernels, exactly) from
-    :data:`UNPACK_MIN_M` rows for a 16-bit weight of x's dtype, else ``"prefill"`` (the prefill
-    kernel). INT8 / INT4 stay on it: unpacked into x's dtype their dequantized values would be
-    rounded (bfloat16: 2**-9 relative), where the kernels apply the fp32 scales exactly."""
-    if M >= UNPACK_MIN_M and not has_scale and not group_size and x_dtype in (torch.float16, torch.bfloat16) \
-            and values_dtype == x_dtype:
+    :data:`UNPACK_MIN_M` rows for float16 / bfloat16 x and a 16-bit weight of x's dtype or an
+    INT4 weight (the kernels' dot operand is its dequantized value rounded once to x's dtype,
+    which the scratch then holds), else ``"prefill"`` (the prefill kernel). INT8 stays on it:
+    unpacked into x's dtype its dequantized values would be rounded (bfloat16: 2**-9 relative),
+    where the kernels apply its fp32 row scales exactly, after the dot."""
+    if M >= UNPACK_MIN_M and x_dtype in (torch.float16, torch.bfloat16) \
+            and (group_size or (not has_scale and values_dtype == x_dtype)):
         return "unpack"
     return "prefill"
 
 
-def _unpack_linear(x, values, meta, scale, bias, out_features):
+def _unpack_linear(x, values, meta, scale, zero, group_size, bias, out_features):
     """``x @ W^T + bias`` on the weight unpacked dense (``launch.unpack_dense``): a 16-bit weight
-    of x's dtype, a bias of x's dtype or none (the caller runs the prefill kernel otherwise: it
-    adds a bias of another dtype before its one rounding)."""
+    of x's dtype or an INT4 one, a bias of x's dtype or none (the caller runs the prefill kernel
+    otherwise: it adds a bias of another dtype before its one rounding)."""
     K = x.shape[-1]
-    wt = launch.unpack_dense(values, meta, scale, (out_features, K), x.dtype, transpose=True)   # (K, N) view
+    wt = launch.unpack_dense(values, meta, scale, (out_features, K), x.dtype, transpose=True, zero=zero,
+                             group_size=group_size)   # (K, N) view
     x2 = x if x.dim() == 2 else x.reshape(-1, K)
     y = torch.mm(x2, wt) if bias is None else torch.addmm(bias, x2, wt)   # one aten op (and cuBLAS kernel)
     return y if x.dim() == 2 else y.view(*x.shape[:-1], out_features)
