@@ -39,6 +39,19 @@ class _TritonPath:
         return launch_
 
 
+class _CudaLooking(torch.Tensor):
+    """A CPU tensor that answers ``is_cuda`` as a CUDA one does: what the kept handle's path
+    asks of the weight's tensors before it passes their addresses (x's device is the plan's)."""
+
+    @property
+    def is_cuda(self):
+        return True
+
+
+def _cuda_looking(*tensors):
+    return tuple(t.as_subclass(_CudaLooking) for t in tensors)
+
+
 @pytest.fixture
 def fake_cuda_plan(monkeypatch):
     """A plan for CPU tensors that takes the CUDA launch branch with stand-ins."""
@@ -61,25 +74,30 @@ def test_kept_handle_gets_triton_s_arguments_in_signature_order(fake_cuda_plan, 
     (plan,) = launch._PLANS.values()
     handle = _Recorder()
     plan.cuda, plan.kernel = True, _TritonPath(handle)
-    launch.run(x, p.values, p.meta, p.scale, b, N, cfg)  # first CUDA-branch call: Triton's path, handle kept
+    values, meta, scale, b = _cuda_looking(p.values, p.meta, p.scale, b)
+    launch.run(x, values, meta, scale, b, N, cfg)  # first CUDA-branch call: Triton's path, handle kept
     assert len(plan.kernel.calls) == 1 and plan.compiled is handle and not handle.calls
     (grid, args, kwargs), = plan.kernel.calls
-    out = launch.run(x, p.values, p.meta, p.scale, b, N, cfg)  # steady state: the kept handle
+    out = launch.run(x, values, meta, scale, b, N, cfg)  # steady state: the kept handle
     assert len(plan.kernel.calls) == 1 and len(handle.calls) == 1
-    gx, gy, gz, stream, function, packed, meta, enter, exit_, *bound = handle.calls[0]
+    gx, gy, gz, stream, function, packed, launch_meta, enter, exit_, *bound = handle.calls[0]
     assert (gx, gy, gz, stream) == (grid[0], grid[1], 1, 1234)
-    assert function is handle.function and packed is handle.packed_metadata and meta is enter is exit_ is None
-    # Triton binds every parameter in signature order, constexprs included
+    assert function is handle.function and packed is handle.packed_metadata and launch_meta is enter is exit_ is None
+    # Triton binds every parameter in signature order, constexprs included; the kept handle gets
+    # each tensor as its address (Triton's launcher reads an int as the pointer itself)
     names = sparse24_matmul.arg_names
     expected = list(args) + [kwargs[n] for n in names[len(args):]]
     assert len(bound) == len(expected) == len(names)
     for name, a, e in zip(names, bound, expected):
-        if name == "out_ptr":  # each call writes its own output
-            assert a.shape == e.shape and a.dtype == e.dtype and a is not e
+        if name == "out_ptr":  # each call writes its own output: this call's
+            assert a == out.data_ptr()
+        elif isinstance(e, torch.Tensor):
+            assert type(a) is int and a == e.data_ptr(), name
         else:
-            assert a is e if isinstance(e, torch.Tensor) else a == e, name
+            assert a == e, name
     by_name = dict(zip(names, bound))
-    assert by_name["x_ptr"] is x and by_name["scale_ptr"] is p.scale and by_name["bias_ptr"] is b
+    assert by_name["x_ptr"] == x.data_ptr() and by_name["scale_ptr"] == p.scale.data_ptr()
+    assert by_name["v_ptr"] == p.values.data_ptr() and by_name["bias_ptr"] == b.data_ptr()
     assert (by_name["M"], by_name["N"], by_name["K"]) == (M, N, K)
     assert (by_name["stride_xm"], by_name["stride_vn"], by_name["stride_mk"], by_name["stride_om"]) == \
         (K, K // 2, N, N)
@@ -96,15 +114,57 @@ def test_unaligned_or_strided_input_takes_triton_s_path(fake_cuda_plan, gen):
     (plan,) = launch._PLANS.values()
     handle = _Recorder()
     plan.cuda, plan.kernel = True, _TritonPath(handle)
-    launch.run(x, p.values, p.meta, None, None, N, cfg)
+    values, meta = _cuda_looking(p.values, p.meta)
+    launch.run(x, values, meta, None, None, N, cfg)
     assert plan.compiled is handle
+    launch.run(x, values, meta, None, None, N, cfg)
+    assert len(handle.calls) == 1                              # aligned and contiguous: the kept handle
     strided = torch.randn(K, 3, generator=gen).t()             # (3, K), strides (1, 3)
     shifted = torch.randn(3 * K + 1, generator=gen)[1:].view(3, K)  # 4-byte offset: not 16-byte aligned
     for bad in (strided, shifted):
-        launch.run(bad, p.values, p.meta, None, None, N, cfg)
-    assert len(handle.calls) == 0 and len(plan.kernel.calls) == 3
+        launch.run(bad, values, meta, None, None, N, cfg)
+    assert len(handle.calls) == 1 and len(plan.kernel.calls) == 3
     (_, args, _) = plan.kernel.calls[1]
     assert args[9:11] == (1, 3)  # the strided input's real strides reach Triton
+
+
+def test_a_weight_tensor_off_the_gpu_takes_triton_s_path(fake_cuda_plan, gen):
+    """Passing addresses skips the check Triton's launcher makes of a tensor's (a host pointer
+    is refused there: "cpu tensor?"), so a weight tensor that is not on CUDA, here the bias,
+    goes to Triton's own path, which asks."""
+    N, K = 40, 64
+    p = sparse24.compress(torch.randn(N, K, generator=gen))
+    cfg = KernelConfig(16, 32, 32)
+    x, b = torch.randn(3, K, generator=gen), torch.randn(N, generator=gen)
+    launch.run(x, p.values, p.meta, None, b, N, cfg)
+    (plan,) = launch._PLANS.values()
+    handle = _Recorder()
+    plan.cuda, plan.kernel = True, _TritonPath(handle)
+    values, meta, cuda_b = _cuda_looking(p.values, p.meta, b)
+    launch.run(x, values, meta, None, cuda_b, N, cfg)
+    launch.run(x, values, meta, None, cuda_b, N, cfg)
+    assert len(handle.calls) == 1 and len(plan.kernel.calls) == 1
+    launch.run(x, values, meta, None, b, N, cfg)               # the bias on the host
+    assert len(handle.calls) == 1 and len(plan.kernel.calls) == 2
+    assert plan.kernel.calls[1][1][4] is b                      # the tensor itself reaches Triton
+
+
+def test_triton_s_launcher_takes_an_int_as_the_pointer_itself():
+    """The kept handle passes addresses as ints: Triton's CUDA launcher (the C source it builds
+    or ships) must take a Python int as the device pointer before it calls ``data_ptr()`` and
+    ``cuPointerGetAttribute``. If a Triton changes that, fail here."""
+    import os
+    import re
+
+    import triton
+    nvidia = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia")
+    src = "".join(open(os.path.join(nvidia, f)).read() for f in ("driver.c", "driver.py")
+                  if os.path.exists(os.path.join(nvidia, f)))
+    found = re.search(r"PyLong_Check\(obj\)\)\s*\{\{?\s*(?:ptr_info\.dev_ptr|\*dev_ptr)\s*=\s*"
+                      r"PyLong_AsUnsignedLongLong\(obj\);\s*return[^;]*;", src)
+    assert found is not None
+    rest = src[found.end():]
+    assert rest.index("data_ptr_str") < rest.index("cuPointerGetAttribute")   # tensors: asked after the int case
 
 
 def test_triton_launches_compiled_kernels_as_the_fast_path_does():

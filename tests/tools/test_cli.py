@@ -528,6 +528,38 @@ def test_gpu_probe_runs_every_step_on_cpu(tmp_path, capsys):
     assert [r["weight"] for r in rows] == ["fp16", "int8", "int4"] and float(rows[0]["triton_dense_us"]) > 0
 
 
+def test_gpu_probe_times_the_kept_handle_with_both_pointer_forms(monkeypatch):
+    """The probe's before/after of passing pointers as ints: the launch the plan makes is
+    recorded, then replayed with the ints and with the tensors they came from (the call's own
+    output replaced by one buffer in both), scalars untouched. (On CPU: a stand-in plan.)"""
+    import types
+    probe = _script_main("scripts/gpu_probe.py").__globals__
+    x, values, meta = torch.randn(1, 64), torch.randn(8, 32), torch.zeros(8, 4, dtype=torch.int32)
+    ws = torch.zeros(16)
+    replayed = []
+
+    class Handle:
+        function, packed_metadata = object(), object()
+
+        def run(self, *args):
+            replayed.append(args)
+    plan = types.SimpleNamespace(compiled=Handle(), N=8, extra=(ws,))
+
+    def fake_run(x_, v_, m_, s_, b_, N):   # what the plan's __call__ passes to its kept handle
+        out = torch.empty(1, N)
+        plan.compiled.run(1, 2, 1, 7, None, None, None, None, None, x_.data_ptr(), v_.data_ptr(), m_.data_ptr(),
+                          out.data_ptr(), ws.data_ptr(), 1, 8, 64, 16, True)
+    monkeypatch.setattr(probe["launch"], "run", fake_run)
+    lines = probe["_pointer_args"]([plan], (x, values, meta), torch.device("cpu"), 3)
+    assert len(lines) == 2 and "as ints" in lines[0] and "as tensors" in lines[1]
+    ints, tensors = replayed[5], replayed[-1]          # (5 warm-up calls each, then the timed ones)
+    assert ints[:9] == tensors[:9] == (1, 2, 1, 7, None, None, None, None, None)
+    assert ints[9:12] == (x.data_ptr(), values.data_ptr(), meta.data_ptr()) and ints[13] == ws.data_ptr()
+    assert tensors[9] is x and tensors[10] is values and tensors[11] is meta and tensors[13] is ws
+    assert isinstance(tensors[12], torch.Tensor) and tensors[12].data_ptr() == ints[12]   # one output buffer
+    assert ints[14:] == tensors[14:] == (1, 8, 64, 16, True)
+
+
 def test_gpu_user_view_runs_every_step_on_cpu(tmp_path, capsys):
     """The user-view step's code, run small on CPU (the GPU run must not fail on a bug)."""
     argv = ["--device", "cpu", "--d", "64", "--ff", "128", "--blocks", "2", "--tokens", "2", "--calls", "2",

@@ -256,6 +256,7 @@ class _Plan:
             self.max_rows = min(self.max_rows, bucket)
         # the variant's extra tensors (decode: split-K workspace and counters, kept for the process)
         self.extra = self.variant.extra(device, N, config, self.split_k, bucket)
+        self.extra_ptrs = tuple(t.data_ptr() for t in self.extra)   # (the plan keeps the tensors alive)
         self.atomic_split = _atomic_split(config, self.split_k)
         self.compiled = None
         # per call, only what varies: the grid per M (a few buckets' rows), whether the kernel takes
@@ -274,18 +275,34 @@ class _Plan:
         if self.prepares_x:
             x2 = self.variant.prepare_x(x2)
         if not self.atomic_split:  # one launch writes x's dtype (decode split-K reduces in the kernel)
-            target = torch.empty((M, self.N), dtype=x2.dtype, device=self.device)
+            # (sizes as arguments, not a tuple: ~1 us less of torch's argument parsing here)
+            target = torch.empty(M, self.N, dtype=x2.dtype, device=self.device)
         else:  # the general kernel's split-K adds fp32 partial sums into a zeroed buffer
-            target = torch.zeros((M, self.N), dtype=torch.float32, device=self.device)
+            target = torch.zeros(M, self.N, dtype=torch.float32, device=self.device)
         s = meta if scale is None else scale  # never read when there is no scale / bias / zero point
         b = meta if bias is None else bias
         zt = meta if zero is None else zero  # INT4 zero points (never read without them)
         z = (zt,) if self.takes_zero else ()  # an argument of the decode kernels only
         if x2.is_contiguous() and values.is_contiguous() and meta.is_contiguous() and s.is_contiguous() \
                 and b.is_contiguous() and zt.is_contiguous():
+            px, pv, pm, ps, pb, pz = (x2.data_ptr(), values.data_ptr(), meta.data_ptr(), s.data_ptr(), b.data_ptr(),
+                                      zt.data_ptr())
+            aligned = (px | pv | pm | ps | pb | pz) % 16 == 0
+            if aligned and self.compiled is not None and M <= self.max_rows and values.is_cuda and meta.is_cuda \
+                    and s.is_cuda and b.is_cuda and zt.is_cuda and _fast_launch_ok(self.device_index):
+                # The kept handle, pointers passed as the integers just read: Triton's launcher takes
+                # an int as the address itself, where for a tensor it calls data_ptr() again and asks
+                # the driver (cuPointerGetAttribute) whether the address is a device one, per pointer
+                # (the is_cuda checks above stand for that question; x's device is the plan's).
+                grid = self.grids.get(M)
+                if grid is None:
+                    grid = self.grids[M] = self.variant.grid(M, self.N, self.config, self.split_k)
+                c = self.compiled
+                c.run(grid[0], grid[1], grid[2], torch._C._cuda_getCurrentRawStream(self.device_index), c.function,
+                      c.packed_metadata, None, None, None, px, pv, pm, ps, *((pz,) if self.takes_zero else ()), pb,
+                      target.data_ptr(), *self.extra_ptrs, M, *self.contiguous_ints, *self.constexpr_values)
+                return target if not self.atomic_split else target.to(x2.dtype)
             args = (x2, values, meta, s, *z, b, target, *self.extra, M, *self.contiguous_ints)
-            aligned = (x2.data_ptr() | values.data_ptr() | meta.data_ptr() | s.data_ptr() | b.data_ptr()
-                       | zt.data_ptr()) % 16 == 0
         else:
             args = self.variant.args(x2, values, meta, s, b, target, M, self.extra, z)
             aligned = False
@@ -304,18 +321,14 @@ class _Plan:
         return target if not self.atomic_split else target.to(x2.dtype)  # the same tensor when x is fp32
 
     def launch(self, grid, args, aligned: bool) -> None:
-        """Launch once: through the kept compiled handle when the arguments
-        specialize as at its compile (``aligned``: contiguous, 16-byte aligned
-        tensors), else through Triton's own path."""
+        """Launch once through Triton's own path (the kept compiled handle runs in ``__call__``);
+        keep the handle it returns when the arguments specialize as the handle's later calls
+        will (``aligned``: contiguous, 16-byte aligned tensors) and launching it directly is
+        right (:func:`_fast_launch_ok`)."""
         fast = aligned and self.cuda and _fast_launch_ok(self.device_index)
-        if fast and self.compiled is not None:
-            self.compiled.run(grid[0], grid[1], grid[2], torch._C._cuda_getCurrentRawStream(self.device_index),
-                              self.compiled.function, self.compiled.packed_metadata, None, None, None,
-                              *args, *self.constexpr_values)
-            return
         with torch.cuda.device(self.device_index) if self.cuda else contextlib.nullcontext():
             compiled = self.kernel[grid](*args, **self.constexprs, **self.options)
-        if fast:
+        if fast and self.compiled is None:
             self.compiled = compiled
 
 
