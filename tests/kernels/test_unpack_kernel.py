@@ -9,7 +9,7 @@ import sparse24
 from sparse24.decode_format import pack_decode
 from sparse24.ops.linear24 import launch
 
-from conftest import assert_matches_reference
+from conftest import assert_matches_reference, matches_reference
 from test_int4_kernel import _int4   # the INT4 weight's fp64 dequantization, built independently
 
 
@@ -91,6 +91,28 @@ def test_unpack_route_int4_matches_reference(x_dtype, symmetric, gen):
 
 
 @pytest.mark.parametrize("x_dtype", [torch.float16, torch.bfloat16])
+def test_unpack_route_int8_matches_reference(x_dtype, gen):
+    """INT8 on the unpack route: against fp64 on q * s rounded once to x's dtype (the scratch's
+    weight; the kernels apply the fp32 scale after the dot instead), bias of x's dtype, 3-D x;
+    and that rounding is what the route does: against the exact weight some output is off by
+    more than its bound (the test tells the two apart)."""
+    from sparse24.ops.linear24 import op
+    N, K = 48, 192
+    w = torch.randn(N, K, generator=gen)
+    q = sparse24.quantize_values(sparse24.compress(w), "int8")
+    exact = q.to_dense().double() if q.dtype == torch.float32 else None
+    assert exact is not None   # fp32 weight: to_dense is q * s in fp32, exact
+    d = pack_decode(q)
+    b = torch.randn(N, generator=gen).to(x_dtype)
+    x = torch.randn(2, 30, K, generator=gen).to(x_dtype)
+    y = op._compute(x, d.values, d.meta, d.scale, None, b, torch.float32, "unpack", N, 0)
+    assert y.shape == (2, 30, N) and y.dtype == x_dtype
+    rounded = exact.to(x_dtype).double()
+    assert_matches_reference(y.reshape(-1, N), x.reshape(-1, K), rounded, b.double())
+    assert not matches_reference(y.reshape(-1, N), x.reshape(-1, K), exact, b.double())
+
+
+@pytest.mark.parametrize("x_dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("bias", [None, "x"])
 def test_unpack_route_matches_reference(x_dtype, bias, gen):
     """The unpack route (op's "unpack": the scratch, then one mm / addmm) against fp64 on the
@@ -126,12 +148,15 @@ def test_unpack_route_leaves_another_bias_dtype_to_the_prefill_kernel(gen, monke
     (255, torch.float16, torch.float16, False, 0, "prefill"), (256, torch.float16, torch.float16, False, 0, "unpack"),
     (4096, torch.bfloat16, torch.bfloat16, False, 0, "unpack"), (4096, torch.bfloat16, torch.float16, False, 0,
                                                                   "prefill"),
-    (4096, torch.float32, torch.float16, False, 0, "prefill"), (4096, torch.float16, torch.uint8, True, 0, "prefill"),
+    (4096, torch.float32, torch.float16, False, 0, "prefill"), (4096, torch.float16, torch.uint8, True, 0, "unpack"),
+    (256, torch.bfloat16, torch.uint8, True, 0, "unpack"), (255, torch.float16, torch.uint8, True, 0, "prefill"),
+    (4096, torch.float32, torch.uint8, True, 0, "prefill"),
     (4096, torch.float16, torch.uint8, True, 64, "unpack"), (256, torch.bfloat16, torch.uint8, True, 128, "unpack"),
     (255, torch.float16, torch.uint8, True, 64, "prefill"), (4096, torch.float32, torch.uint8, True, 64, "prefill")])
 def test_prefill_backend(M, x_dtype, values_dtype, scale, group, want):
-    """From UNPACK_MIN_M rows a 16-bit weight of x's dtype and an INT4 weight take the unpack
-    route with 16-bit x; other weights (another dtype, INT8) and float32 x stay on the prefill kernel."""
+    """From UNPACK_MIN_M rows with 16-bit x a 16-bit weight of x's dtype, an INT8 and an INT4
+    weight take the unpack route; a 16-bit weight of another dtype and float32 x stay on the
+    prefill kernel."""
     from sparse24.ops.linear24 import op
     assert op.UNPACK_MIN_M == 256
     assert op.prefill_backend(M, x_dtype, values_dtype, scale, group) == want

@@ -53,7 +53,7 @@ def test_prefill_route_converts_nothing(quantize, cuda_route, monkeypatch):
                       (300, 512), (5, 60, 512)):
             x = torch.randn(*shape, dtype=torch.float16)
             M = x[..., 0].numel()
-            route = "unpack" if M >= op.UNPACK_MIN_M and quantize != "int8" else "prefill"   # (INT8: the kernel)
+            route = "unpack" if M >= op.UNPACK_MIN_M else "prefill"
             assert op._auto_backend(x, layer.values, layer.scale, 256, layer.group_size or 0) == route
             layer(x)                                     # the plan (or the dense scratch) is made on the first call
             cuda_route.clear()
@@ -139,7 +139,7 @@ def test_bench_host_prefill_figures(quantize):
     first = 17 if quantize is None else SP_MAX_M + 1
     rows = load_script("bench_host").prefill_figures(256, 1024, (first, 128, 300), quantize)  # K = 1024: whole meta atoms
     assert [(r["M"], r["backend"]) for r in rows] == [(first, "prefill"), (128, "prefill"),
-                                                      (300, "prefill" if quantize == "int8" else "unpack")]
+                                                      (300, "unpack")]
     for r in rows:
         assert r["aten_ops"] <= 3 and r["bytes_allocated"] <= r["output_bytes"] and r["conversions"] == 0, r
         assert r["layer_bytes_over_dense_fp16"] <= 0.60

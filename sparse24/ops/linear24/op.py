@@ -197,30 +197,33 @@ def _auto_backend(x: torch.Tensor, values: torch.Tensor, scale, out_features: in
 
 # Measured on an H200 (results/NVIDIA_H200/probe_prefill.csv: 4096x4096, 11008x4096, 4096x11008,
 # fp16 and INT8 weights, fp16 x): from 256 rows the unpack kernel + cuBLAS beat the prefill kernel
-# in all 6 cases (fp16: 0.37-0.91x of dense against 0.16-0.41x; the unpack costs 20-60 us a layer
-# whatever M); at 64 rows the prefill kernel won in all 6 (0.52-0.95x against 0.15-0.42x).
+# in 17 of the 18 cases (fp16: 0.37-0.91x of dense against 0.16-0.41x; INT8 0.33-0.90x against
+# 0.24-0.37x, the prefill kernel ahead only at 4096x4096 and 256 rows, 63 against 72 us; the unpack
+# costs 20-60 us a layer whatever M); at 64 rows the prefill kernel won in all 6 (0.52-0.95x
+# against 0.15-0.42x).
 UNPACK_MIN_M = 256
 
 
 def prefill_backend(M: int, x_dtype: torch.dtype, values_dtype: torch.dtype, has_scale: bool,
                     group_size: int = 0) -> str:
     """The decode layout's route past decode sizes on CUDA: ``"unpack"`` (the weight unpacked
-    dense into a shared scratch, then cuBLAS: the same products as the kernels, exactly) from
-    :data:`UNPACK_MIN_M` rows for float16 / bfloat16 x and a 16-bit weight of x's dtype or an
-    INT4 weight (the kernels' dot operand is its dequantized value rounded once to x's dtype,
-    which the scratch then holds), else ``"prefill"`` (the prefill kernel). INT8 stays on it:
-    unpacked into x's dtype its dequantized values would be rounded (bfloat16: 2**-9 relative),
-    where the kernels apply its fp32 row scales exactly, after the dot."""
-    if M >= UNPACK_MIN_M and x_dtype in (torch.float16, torch.bfloat16) \
-            and (group_size or (not has_scale and values_dtype == x_dtype)):
+    dense into a shared scratch in x's dtype, then cuBLAS) from :data:`UNPACK_MIN_M` rows for
+    float16 / bfloat16 x and a 16-bit weight of x's dtype, an INT8 or an INT4 weight; else
+    ``"prefill"`` (the prefill kernel). 16-bit and INT4 weights give the kernels' products
+    exactly (INT4's dot operand is already its dequantized value rounded once to x's dtype);
+    INT8's dequantized value q * s is rounded once to x's dtype there (relative 2**-12 float16,
+    2**-9 bfloat16, as a dense copy in that dtype holds it), where the kernels apply the fp32
+    row scale after the dot: measured on an H200, 0.69-0.90x of dense from 1024 rows against
+    the prefill kernel's 0.24-0.37x."""
+    if M >= UNPACK_MIN_M and x_dtype in (torch.float16, torch.bfloat16) and (has_scale or values_dtype == x_dtype):
         return "unpack"
     return "prefill"
 
 
 def _unpack_linear(x, values, meta, scale, zero, group_size, bias, out_features):
     """``x @ W^T + bias`` on the weight unpacked dense (``launch.unpack_dense``): a 16-bit weight
-    of x's dtype or an INT4 one, a bias of x's dtype or none (the caller runs the prefill kernel
-    otherwise: it adds a bias of another dtype before its one rounding)."""
+    of x's dtype, an INT8 or an INT4 one, a bias of x's dtype or none (the caller runs the
+    prefill kernel otherwise: it adds a bias of another dtype before its one rounding)."""
     K = x.shape[-1]
     wt = launch.unpack_dense(values, meta, scale, (out_features, K), x.dtype, transpose=True, zero=zero,
                              group_size=group_size)   # (K, N) view
