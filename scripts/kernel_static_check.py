@@ -43,7 +43,9 @@ written dense into a scratch for cuBLAS) compiled for sm_90 per weight kind and
 output dtype: SASS instructions per thread (32 outputs each), and at ``--shape``
 its issue time (every warp-instruction at 4 per SM clock: a floor) against its
 HBM time (compressed bytes read + dense bytes written at the H200's measured 4.2
-TB/s); prints ``unpack at N x K: max predicted X us (issue Y us, HBM Z us)``.
+TB/s), and its registers, resident programs per SM and the compressed bytes they
+have in flight (each loads its whole tile first); prints ``unpack at N x K: max
+predicted X us (issue Y us, HBM Z us)``.
 
 ``--prefill``: the prefill kernel (M > 16) compiled for sm_90: issue cycles of
 its main loop per tensor-core instruction, its tiles' L2 traffic, and the
@@ -848,9 +850,10 @@ UNPACK_VARIANTS = (("fp16", "*fp16", "*fp32", "*fp16", False, 0, False, 1.125),
 UNPACK_HBM = 4.2e12   # B/s: the H200's measured HBM read rate (results/NVIDIA_H200/l2_bandwidth.txt)
 
 
-def unpack_instructions(values, scale, out, int8, group, has_zero, cap=90) -> int:
-    """SASS instructions per thread of the unpack kernel (4 warps, 4 atoms: 32 outputs a thread),
-    specialized as a launch on a 4096-wide weight is (pointers and sizes divisible by 16)."""
+def unpack_instructions(values, scale, out, int8, group, has_zero, cap=90) -> tuple[int, int]:
+    """``(SASS instructions, registers)`` per thread of the unpack kernel (4 warps, 4 atoms: 32
+    outputs a thread), specialized as a launch on a 4096-wide weight is (pointers and sizes
+    divisible by 16)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -862,7 +865,12 @@ def unpack_instructions(values, scale, out, int8, group, has_zero, cap=90) -> in
     k = triton.compile(ASTSource(sparse24_unpack, sig, attrs=attrs,
                                  constexprs={"INT8": int8, "GROUP": group, "HAS_ZERO": has_zero, "BLOCK_A": 4}),
                        target=GPUTarget("cuda", cap, 32), options={"num_warps": 4})
-    return len(without_padding(sass_instructions(k.asm["cubin"])))
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(k.asm["cubin"])
+        f.flush()
+        res = subprocess.run([_tool("cuobjdump"), "--dump-resource-usage", f.name], capture_output=True,
+                             text=True, check=True).stdout
+    return len(without_padding(sass_instructions(k.asm["cubin"]))), int(re.search(r"REG:(\d+)", res).group(1))
 
 
 def unpack_main(a) -> int:
@@ -870,13 +878,17 @@ def unpack_main(a) -> int:
     N, K = map(int, a.shape.split(","))
     print(f"# unpack kernel, sm_{a.cap}, Triton {triton.__version__}; {N} x {K}: issue at 4 warp-instructions per "
           f"SM clock on 132 SMs at 1.98 GHz, HBM at {UNPACK_HBM / 1e12:.1f} TB/s")
-    print(f"{'weights':10} {'instr/thread':>12} {'warp-instr/output B':>19} {'issue us':>8} {'HBM us':>7}")
+    print(f"{'weights':10} {'instr/thread':>12} {'warp-instr/output B':>19} {'issue us':>8} {'HBM us':>7} "
+          f"{'regs':>4} {'programs/SM':>11} {'read KiB in flight/SM':>21}")
     worst = (0.0, 0.0, 0.0)
     for name, values, scale, out, int8, group, has_zero, read in UNPACK_VARIANTS:
-        n = unpack_instructions(values, scale, out, int8, group, has_zero, a.cap)
+        n, regs = unpack_instructions(values, scale, out, int8, group, has_zero, a.cap)
         issue = N * K / 1024 * n / (132 * 4 * 1.98e9) * 1e6   # a warp writes 1024 outputs per n instructions
         hbm = N * K * (read + 2) / UNPACK_HBM * 1e6
-        print(f"{name:10} {n:>12} {n / 2048:>19.3f} {issue:>8.1f} {hbm:>7.1f}", flush=True)
+        progs = programs_per_sm(regs, 0, 4)
+        # a program loads its whole tile (16 rows x 256 columns) before it computes or stores
+        print(f"{name:10} {n:>12} {n / 2048:>19.3f} {issue:>8.1f} {hbm:>7.1f} {regs:>4} {progs:>11} "
+              f"{progs * 16 * 256 * read / 1024:>21.1f}", flush=True)
         worst = max(worst, (max(issue, hbm), issue, hbm))
     print(f"unpack at {N} x {K}: max predicted {worst[0]:.1f} us (issue {worst[1]:.1f} us, HBM {worst[2]:.1f} us)")
     return 0
