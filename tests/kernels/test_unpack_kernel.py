@@ -52,6 +52,19 @@ def test_unpack_int4_equals_the_dequantized_weight_rounded_once(R, C, gs, symmet
     assert torch.equal(out, W.to(dtype))
 
 
+def test_unpack_int4_refuses_codes_at_an_unaligned_address(gen):
+    """INT4 codes are read as 32-bit words: a view at an odd byte offset would fault on a GPU
+    (the interpreter would not notice), so it is refused; a copy is aligned."""
+    p, W = _int4(16, 64, 32, True, gen)
+    d = pack_decode(p)
+    shifted = torch.empty(d.values.numel() + 1, dtype=torch.uint8)[1:].view(d.values.shape)
+    shifted.copy_(d.values)
+    with pytest.raises(ValueError, match="4-byte aligned"):
+        launch.unpack_dense(shifted, d.meta, d.scale, (16, 64), torch.float16, group_size=32)
+    assert torch.equal(launch.unpack_dense(shifted.clone(), d.meta, d.scale, (16, 64), torch.float16, group_size=32),
+                       W.half())
+
+
 def test_unpack_int4_reads_exact_bfloat16_scales(gen):
     """A module's bfloat16 copy of scales bfloat16 holds exactly (format.bf16_exact_scales) gives
     the same weight as the float16 scales, and a wrong scale would not (the test can fail)."""

@@ -459,6 +459,8 @@ def unpack_dense(values: torch.Tensor, meta: torch.Tensor, scale: torch.Tensor |
         next unpack writes it).
     """
     R, C = shape
+    if group_size:   # the kernel reads INT4 codes as 32-bit words (16-bit values: Triton specializes)
+        check_word_aligned(values, meta)
     dev = values.device
     out = _SCRATCH_VIEWS.get((dev, R, C, dtype))
     if out is None:  # views kept per shape: a call runs no aten op of its own
