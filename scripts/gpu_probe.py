@@ -9,7 +9,11 @@ goes, and the prefill paths side by side.
    F.linear, the prefill kernel, the unpack kernel + cuBLAS (``launch.unpack_dense``), the unpack
    kernel alone, torch's cuSPARSELt and Triton's own dense GEMM with the prefill kernel's untuned
    tile (added after run 3: a slow Triton GEMM or a slow decode?), medians of do_bench; unpack
-   checked bit-exact first.
+   checked bit-exact first. fp16, INT8 and INT4 (group 128) weights; cuSPARSELt for fp16 only,
+   with its kernels' own GPU time per call from torch.profiler beside do_bench's (run 3 timed
+   it at ~1 ms a call: if that is host time, a CUDA graph would remove it).
+3. host, since session 28: the kept handle's launch alone with pointers as ints (what the plan
+   passes) and as tensors (before).
 
 Writes ``probe_host.txt`` and ``probe_prefill.csv`` to ``--out``; prints both.
 
@@ -130,6 +134,27 @@ def _pointer_args(plans, tensors, dev, calls) -> list[str]:
             f"host us/call kept handle, pointers as tensors {_host_us(lambda: real.run(*as_tensors), dev, calls):8.2f}"]
 
 
+def _device_us(fn, dev, calls: int = 5) -> float:
+    """GPU time per call of ``fn``'s kernels (torch.profiler's CUDA events), host time left out;
+    nan off CUDA or where the profiler fails."""
+    if dev.type != "cuda":
+        return float("nan")
+    try:
+        fn()
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(calls):
+                fn()
+            torch.cuda.synchronize()
+        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        names = sorted({e.name[:60] for e in kernels})
+        print(f"    kernels: {names[:4]}", flush=True)
+        return round(sum(e.time_range.elapsed_us() for e in kernels) / calls, 2)
+    except Exception as e:  # noqa: BLE001 (a diagnostic)
+        print(f"  profiler failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+        return float("nan")
+
+
 def _dense_mm(x_ptr, w_ptr, out_ptr, M, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               BLOCK_K: tl.constexpr):
     """``out = x @ w^T`` (x (M, K), w (N, K), contiguous 16-bit): Triton's own dense GEMM with the
@@ -170,7 +195,7 @@ def prefill(out: Path, dev, shapes=((4096, 4096), (11008, 4096), (4096, 11008)),
     f = open(out / "probe_prefill.csv", "w", newline="")
     wr = csv.writer(f)
     wr.writerow(["weight", "N", "K", "M", "dense_us", "prefill_us", "unpack_mm_us", "unpack_us", "cusparselt_us",
-                 "triton_dense_us", "prefill_config"])
+                 "triton_dense_us", "prefill_config", "cusparselt_kernel_us"])
     from sparse24.kernels.interpreter import InterpretedKernel
     from sparse24.ops.config_space import dtype_key
     from sparse24.ops.linear24.prefill import prefill_config, prefill_pair
@@ -204,11 +229,12 @@ def prefill(out: Path, dev, shapes=((4096, 4096), (11008, 4096), (4096, 11008)),
             u = unpack()
             exact = torch.equal(u, wd)
             print(f"{weight} {N}x{K}: unpack bit-exact {exact}", flush=True)
-            try:
-                ws = torch.sparse.to_sparse_semi_structured(wd)
-            except Exception as e:  # noqa: BLE001
-                print(f"  cuSPARSELt: {type(e).__name__}: {str(e)[:200]}", flush=True)
-                ws = None
+            ws = None
+            if weight == "fp16":   # (the other kinds' dense weights would time the same product)
+                try:
+                    ws = torch.sparse.to_sparse_semi_structured(wd)
+                except Exception as e:  # noqa: BLE001
+                    print(f"  cuSPARSELt: {type(e).__name__}: {str(e)[:200]}", flush=True)
             for M in ms:
                 x = torch.randn(M, K, device=dev, dtype=torch.float16)
                 # the prefill kernel's untuned config (what run_prefill takes without a tuned entry)
@@ -225,12 +251,15 @@ def prefill(out: Path, dev, shapes=((4096, 4096), (11008, 4096), (4096, 11008)),
                      bench(lambda: F.linear(x, ws)) if ws is not None else float("nan"),
                      bench(lambda: _triton_dense(x, wd, cfg, kernels)) if weight == "fp16" else float("nan"),
                      f"BM{cfg.block_m}_BN{cfg.block_n}_BK{cfg.block_k}_W{cfg.num_warps}_S{cfg.num_stages}"
-                     f"_SK{cfg.split_k}"]
+                     f"_SK{cfg.split_k}",
+                     # cuSPARSELt's own kernels per call (profiler): is its ~1 ms a call host time
+                     # (then a CUDA graph would remove it) or the GPU's?
+                     _device_us(lambda: F.linear(x, ws), dev) if ws is not None else float("nan")]
                 wr.writerow(r)
                 f.flush()
                 rows.append(r)
                 print("  M %5d  dense %8.2f  prefill %8.2f  unpack+mm %8.2f  unpack %7.2f  cusparselt %8.2f  "
-                      "triton dense %8.2f  (%s)" % (M, *r[4:]), flush=True)
+                      "triton dense %8.2f  (%s)  cusparselt kernels %8.2f" % (M, *r[4:]), flush=True)
     f.close()
 
 
