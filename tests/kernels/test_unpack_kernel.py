@@ -199,12 +199,48 @@ def test_unpack_compiles_for_sm90(quant, out):
     assert ("ld.global.v4.b32" in ptx) == (quant is None)     # a lane's 8 16-bit values at once
 
 
+@pytest.mark.parametrize("captured", [False, True])
+def test_an_outgrown_scratch_a_cuda_graph_wrote_stays_alive(captured, gen, monkeypatch):
+    """A CUDA graph captured while the scratch was B1 writes B1 on every replay: when a larger
+    layer grows the scratch to B2, B1 is kept (until release_workspaces), not handed back to the
+    allocator for another tensor to take; outside capture it is let go. (Capture faked: CPU.)"""
+    launch.release_workspaces()
+    small = pack_decode(sparse24.compress(torch.randn(16, 64, generator=gen).half()))
+    monkeypatch.setattr(launch, "_capturing", lambda t: captured)
+    launch.unpack_dense(small.values, small.meta, None, (16, 64), torch.float16)
+    b1 = launch._DENSE_SCRATCH[torch.device("cpu")]
+    monkeypatch.setattr(launch, "_capturing", lambda t: False)
+    big = pack_decode(sparse24.compress(torch.randn(64, 256, generator=gen).half()))
+    launch.unpack_dense(big.values, big.meta, None, (64, 256), torch.float16)
+    assert launch._DENSE_SCRATCH[torch.device("cpu")] is not b1
+    assert any(t is b1 for t in launch._RETIRED) == captured
+    grown_again = pack_decode(sparse24.compress(torch.randn(128, 512, generator=gen).half()))
+    launch.unpack_dense(grown_again.values, grown_again.meta, None, (128, 512), torch.float16)
+    assert len(launch._RETIRED) == int(captured)          # B2 was never captured: let go
+    launch.release_workspaces()
+    assert not launch._RETIRED and not launch._GRAPHED
+
+
+def test_an_outgrown_split_k_workspace_stays_alive():
+    """The split-K workspace a plan (and a graph captured with it) used is kept when a larger
+    plan grows the device's pair, also once the plans are gone (config_store.clear_cache())."""
+    launch.release_workspaces()
+    cfg = sparse24.ops.config_space.KernelConfig(16, 64, 256, 1, 4, 4, 1, kernel="decode")
+    ws1, c1 = launch.decode_workspace("cpu", 256, cfg, 4)
+    ws2, c2 = launch.decode_workspace("cpu", 4096, cfg, 4)
+    assert ws2.numel() > ws1.numel() and any(t is ws1 for t in launch._RETIRED)
+    assert any(t is c1 for t in launch._RETIRED)
+    launch.release_workspaces()
+    assert not launch._RETIRED
+
+
 def test_release_workspaces_frees_the_scratch_and_calls_still_work(gen):
     d = pack_decode(sparse24.compress(torch.randn(32, 128, generator=gen).half()))
     a = launch.unpack_dense(d.values, d.meta, None, (32, 128), torch.float16).clone()
     assert launch._DENSE_SCRATCH
     launch.release_workspaces()
     assert not launch._DENSE_SCRATCH and not launch._SCRATCH_VIEWS and not launch._WORKSPACES and not launch._PLANS
+    assert not launch._RETIRED and not launch._GRAPHED
     assert torch.equal(launch.unpack_dense(d.values, d.meta, None, (32, 128), torch.float16), a)
 
 

@@ -425,16 +425,22 @@ def decode_workspace(device, N: int, config: KernelConfig, split_k: int, bucket:
     tiles = _cdiv(N, config.block_n) * _cdiv(bucket, block_m)
     floats = tiles * split_k * config.block_n * block_m
     device = torch.device(device)
-    ws, counts = _WORKSPACES.get(device, (None, None))
+    old = ws, counts = _WORKSPACES.get(device, (None, None))
     # each grows on its own (more counters need not double the partials' buffer)
     ws = _grown(ws, floats, lambda n: torch.empty(n, dtype=torch.float32, device=device))
     counts = _grown(counts, tiles * split_k, lambda n: torch.zeros(n, dtype=torch.int32, device=device))
+    # an outgrown pair stays alive: a CUDA graph captured with a plan that used it writes it on every
+    # replay, even once that plan is gone (config_store.clear_cache()); geometric growth bounds them
+    # below the current pair's size
+    _RETIRED.extend(t for t, new in zip(old, (ws, counts)) if t is not None and t is not new)
     _WORKSPACES[device] = ws, counts
     return ws, counts
 
 
 _DENSE_SCRATCH: dict = {}
 _SCRATCH_VIEWS: dict = {}
+_GRAPHED: set = set()   # devices whose current dense scratch a CUDA graph capture has written
+_RETIRED: list = []     # outgrown buffers a captured CUDA graph may still write: kept to release_workspaces()
 
 
 def unpack_dense(values: torch.Tensor, meta: torch.Tensor, scale: torch.Tensor | None, shape: tuple[int, int],
@@ -467,22 +473,35 @@ def unpack_dense(values: torch.Tensor, meta: torch.Tensor, scale: torch.Tensor |
         buf = _DENSE_SCRATCH.get(dev)
         if buf is None or buf.numel() < R * C * 2:
             _SCRATCH_VIEWS.clear()  # (views of a smaller scratch stay valid for their holders)
+            if dev in _GRAPHED:      # a captured graph writes the old one on every replay: keep it
+                _RETIRED.append(buf)
+                _GRAPHED.discard(dev)
             buf = _DENSE_SCRATCH[dev] = _grown(buf, R * C * 2, lambda n: torch.empty(n, dtype=torch.uint8,
                                                                                     device=dev))
         out = buf[:R * C * 2].view(dtype).view(R, C)
         out = _SCRATCH_VIEWS[(dev, R, C, dtype)] = out, out.t()
+    if _capturing(values):
+        _GRAPHED.add(dev)
     _launch_unpack(values, meta, scale, out[0], zero, group_size)
     return out[transpose]
+
+
+def _capturing(t: torch.Tensor) -> bool:
+    """Whether a launch for ``t`` now is being captured into a CUDA graph."""
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 def release_workspaces() -> None:
     """Drop what launches keep for the process: the dense scratch of the unpack route (as large
     as the largest 16-bit or INT4 layer unpacked: 470 MiB for a 28672 x 8192 one), the split-K
-    workspaces and the plans that hold them. The next call makes what it needs again. Not while a
-    captured CUDA graph (``torch.compile(mode="reduce-overhead")``) that ran these layers is still
-    replayed: its kernels address these buffers."""
+    workspaces and the plans that hold them, and the outgrown ones kept because a captured CUDA
+    graph may still write them. The next call makes what it needs again. Not while a captured CUDA
+    graph (``torch.compile(mode="reduce-overhead")``) that ran these layers is still replayed: its
+    kernels address these buffers."""
     _DENSE_SCRATCH.clear()
     _SCRATCH_VIEWS.clear()
+    _GRAPHED.clear()
+    _RETIRED.clear()
     _WORKSPACES.clear()
     _PLANS.clear()
 
