@@ -180,3 +180,37 @@ def test_int4_bf16_exact_scales_match_reference(gs, sym, gen):
         y = layer(x[:M])
         torch.cuda.synchronize()
         assert_matches_reference(y, x[:M], ref, layer.bias.detach())
+
+
+def test_a_captured_unpack_keeps_its_scratch_when_a_larger_layer_grows_it(gen):
+    """A CUDA graph captured on the unpack route writes the dense scratch it saw on every replay:
+    after a larger layer grows the scratch, that buffer must not go back to the allocator (a
+    tensor taking it would be overwritten by the replay). The replay still matches fp64 and a
+    buffer of the old scratch's size allocated after the growth is left untouched."""
+    launch.release_workspaces()
+    d, dense = _weight(200, 328, "fp16", torch.float16, gen)
+    x = torch.randn(op.UNPACK_MIN_M + 44, 328, generator=gen, device=DEV).half()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):   # warm-up off the capture stream: plans, compile, scratch
+        for _ in range(2):
+            sparse24.linear(x, d)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = sparse24.linear(x, d)
+    (scratch,) = launch._DENSE_SCRATCH.values()   # (one device since release_workspaces)
+    old_bytes = scratch.numel()
+    del scratch
+    big, big_dense = _weight(1024, 2048, "fp16", torch.float16, gen)
+    xb = torch.randn(op.UNPACK_MIN_M, 2048, generator=gen, device=DEV).half()
+    yb = sparse24.linear(xb, big)                       # grows the scratch
+    filler = torch.zeros(old_bytes, dtype=torch.uint8, device=DEV)
+    x.copy_(torch.randn(x.shape, generator=gen, device=DEV).half())
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_matches_reference(y, x, dense)
+    assert not filler.any()
+    assert_matches_reference(yb, xb, big_dense)
+    del graph
+    launch.release_workspaces()
