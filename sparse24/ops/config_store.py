@@ -19,7 +19,10 @@ activation dtype (``float16``, ``bfloat16``, ``float32``), prefixed ``int8-``
 for INT8 weights. ``kernel_us`` / ``dense_us`` / ``reference_us`` are medians
 measured side by side on that GPU: the kernel, dense ``F.linear`` on the dense
 fp weight, and the reference backend (row-block decompression + dense GEMM);
-``backend="auto"`` dispatches to the faster of kernel and reference. Schema 1
+``backend="auto"`` dispatches to the faster of kernel and reference. A decode-layout
+entry past 16 rows with 16-bit x may hold ``unpack_us`` too (the weight unpacked into
+a dense scratch, then cuBLAS): the route takes the faster of it and the prefill
+kernel (``sparse24.ops.linear24.op.prefill_backend``). Schema 1
 files (before kernel variants existed) are rejected with a message to re-tune.
 
 Lookup order for (M, N, K, dtype) on a GPU: (1) exact key in this GPU's
@@ -57,7 +60,7 @@ __all__ = ["KERNEL", "SCHEMA_VERSION", "TIMINGS", "Choice", "DeviceInfo", "devic
 KERNEL = "sparse24_matmul"
 SCHEMA_VERSION = 2
 # Optional per-entry timings (microseconds, medians measured side by side).
-TIMINGS = ("kernel_us", "dense_us", "reference_us")
+TIMINGS = ("kernel_us", "dense_us", "reference_us", "unpack_us")
 
 
 def shipped_config_dir() -> Path:
@@ -362,11 +365,13 @@ def get_config(M: int, N: int, K: int, dtype: str, device, layout: str = "v1") -
     return get_choice(M, N, K, dtype, device, layout).config
 
 
-def measured_timings(M: int, N: int, K: int, dtype: str, device=None, layout: str = "v1") -> dict[str, float]:
-    """``{"kernel_us", "dense_us", "reference_us"}`` (those present) measured side by side by
+def measured_timings(M: int, N: int, K: int, dtype: str, device=None, layout: str = "v1",
+                     kernel: str | None = None) -> dict[str, float]:
+    """``{"kernel_us", "dense_us", "reference_us", "unpack_us"}`` (those present) measured side by side by
     the tuner on this GPU for this shape (its exact or nearest-M entry, or a live-tuned one);
-    empty when this GPU has no measurement. ``backend="auto"`` picks the faster backend from it."""
-    choice = get_choice(M, N, K, dtype, device, layout)
+    empty when this GPU has no measurement. ``backend="auto"`` picks the faster backend from it.
+    ``kernel``: as in :func:`lookup` (``"prefill"``: the decode layout's entries past 16 rows)."""
+    choice = get_choice(M, N, K, dtype, device, layout, kernel)
     if choice.kind not in ("exact", "nearest", "live") or not choice.entry:
         return {}
     return {t: choice.entry[t] for t in TIMINGS if t in choice.entry}

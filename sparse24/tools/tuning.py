@@ -31,6 +31,7 @@ from ..ops.config_store import (KERNEL, SCHEMA_VERSION, Choice, clear_cache, con
                                shipped_config_dir, validate_dir, validate_file)
 from ..ops.linear24 import linear_prefill, linear_reference, linear_triton
 from ..ops.linear24.launch import kernel_call, target_dtype
+from ..ops.linear24 import op
 from ..ops.linear24.op import DECODE_M
 
 __all__ = ["tune_key", "time_launches_us", "write_entries", "autotune", "KernelConfig", "candidate_configs",
@@ -77,7 +78,8 @@ def tune_key(M: int, N: int, K: int, dtype: str, device, configs=None, warmup_ms
     Returns:
         :class:`Choice` with ``kind="live"`` and ``entry = {"config", "kernel_us",
         "dense_us", "m"}`` (dense = ``F.linear`` on the dense weight in the activation dtype),
-        plus ``"reference_us"`` (the reference backend) when M > 16.
+        plus ``"reference_us"`` (the reference backend) when M > 16, and ``"unpack_us"`` (the
+        unpack route: :func:`unpack_time_us`) for the decode layout there where it applies.
     """
     device = torch.device(device)
     if device.type != "cuda":
@@ -108,8 +110,32 @@ def tune_key(M: int, N: int, K: int, dtype: str, device, configs=None, warmup_ms
     if M > DECODE_M:  # backend="auto" never runs the reference at decode sizes: not worth the time there
         entry["reference_us"] = round(time_launches_us([lambda q=q: linear_reference(x, q) for q in weights],
                                                        warmup_ms, rep_ms), 3)
+        if layout == "decode":   # the prefill route's other path: the faster one serves (op.prefill_backend)
+            unpack = unpack_time_us(x, weights, ref, max_err,
+                                    lambda launches: time_launches_us(launches, warmup_ms, rep_ms))
+            if unpack is not None:
+                entry["unpack_us"] = unpack
     return Choice(best_cfg, "live", f"tuned live on {torch.cuda.get_device_name(device)} "
                                     f"({len(rejected)} candidates rejected)", entry)
+
+
+def unpack_time_us(x: torch.Tensor, weights: list, ref: torch.Tensor, max_err: float, time) -> float | None:
+    """The unpack route's time for decode-layout ``weights`` (copies of one ``(N, K)`` weight)
+    and ``x`` ``(M, K)``: the weight unpacked into the dense scratch, then cuBLAS, as
+    ``backend="auto"`` runs it; ``time(launches)`` measures (:func:`time_launches_us`). None
+    where the route does not apply (float32 x, a 16-bit weight of another dtype) or its result
+    is off by more than ``max_err`` (relative to ``ref``, fp64: reported, never chosen)."""
+    p = weights[0]
+    if not op.unpack_applies(x.dtype, p.values.dtype, p.scale is not None):
+        return None
+
+    def run(q):
+        return op._unpack_linear(x, q.values, q.meta, q.scale, q.zero, q.group_size or 0, None, q.shape[0])
+    err = float((run(p).double() - ref).norm() / ref.norm().clamp_min(1e-30))
+    if not err <= max_err:
+        print(f"  unpack route: relative error {err:.2e} above {max_err:.0e}: not timed", file=sys.stderr)
+        return None
+    return round(time([lambda q=q: run(q) for q in weights]), 3)
 
 
 def launch_config(x: torch.Tensor, p, cfg: KernelConfig) -> torch.Tensor:
@@ -340,8 +366,9 @@ def autotune(shapes, ms, dtypes, out_dir, warmup_ms: float = 10, rep_ms: float =
         # Merge after every key, so a run stopped early keeps what it measured.
         path = write_entries(out_dir, gpu, cc, {key: e})
         done += 1
+        unpack = f", unpack route {e['unpack_us']:.1f} us" if "unpack_us" in e else ""
         _progress(i, len(keys), f"M={key[0]} {key[1]}x{key[2]} {key[3]}: {e['kernel_us']:.1f} us "
-                                f"(dense {e['dense_us']:.1f} us, {e['dense_us'] / e['kernel_us']:.2f}x)")
+                                f"(dense {e['dense_us']:.1f} us, {e['dense_us'] / e['kernel_us']:.2f}x{unpack})")
     print(f"wrote {done} entries to {path}" if done else "sparse24 autotune: nothing was written")
     return 1 if failed or not done else 0
 

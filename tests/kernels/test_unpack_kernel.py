@@ -143,6 +143,36 @@ def test_unpack_route_matches_reference(x_dtype, bias, gen):
         assert_matches_reference(y.reshape(-1, N), x.reshape(-1, K), dense, None if b is None else b.double())
 
 
+@pytest.mark.parametrize("quantize,x_dtype", [(None, torch.float16), ("int8", torch.float16), ("int4", torch.float16),
+                                             (None, torch.float32)])
+def test_the_tuner_times_the_unpack_route_where_it_applies(quantize, x_dtype, gen):
+    """``tuning.unpack_time_us`` (what ``sparse24 autotune`` records as ``unpack_us`` past 16
+    rows): the route's launches handed to the timer, one per weight copy, each right; None for
+    float32 x (the route does not apply) and for a result off the reference."""
+    from sparse24.tools import tuning
+    w = torch.randn(48, 256, generator=gen)
+    p = sparse24.compress(w.half()) if quantize is None else sparse24.compress(w, quantize=quantize, group_size=64) \
+        if quantize == "int4" else sparse24.compress(w, quantize=quantize)
+    d = pack_decode(p)
+    x = torch.randn(20, 256, generator=gen).to(x_dtype)
+    dense = (p.to_dense().to(x_dtype) if quantize else p.to_dense()).double()
+    ref = torch.nn.functional.linear(x.double(), dense)
+    timed = []
+
+    def timer(launches):
+        timed.append([f() for f in launches])
+        return 12.3456
+    got = tuning.unpack_time_us(x, [d, d], ref, 1e-2, timer)
+    if x_dtype == torch.float32:
+        assert got is None and not timed
+        return
+    assert got == 12.346 and len(timed) == 1 and len(timed[0]) == 2
+    for y in timed[0]:
+        assert_matches_reference(y, x, dense)
+    assert tuning.unpack_time_us(x, [d], -ref, 1e-2, timer) is None   # a wrong result is never timed
+    assert len(timed) == 1
+
+
 def test_unpack_route_leaves_another_bias_dtype_to_the_prefill_kernel(gen, monkeypatch):
     """A float32 bias with float16 x: the prefill kernel adds it before its one rounding (the
     route's mm would round twice); the unpack kernel is not launched."""
@@ -157,22 +187,26 @@ def test_unpack_route_leaves_another_bias_dtype_to_the_prefill_kernel(gen, monke
     assert_matches_reference(y, x, (w * sparse24.mask_nm(w)).double(), b.double())
 
 
-@pytest.mark.parametrize("M,x_dtype,values_dtype,scale,group,want", [
-    (255, torch.float16, torch.float16, False, 0, "prefill"), (256, torch.float16, torch.float16, False, 0, "unpack"),
-    (4096, torch.bfloat16, torch.bfloat16, False, 0, "unpack"), (4096, torch.bfloat16, torch.float16, False, 0,
-                                                                  "prefill"),
-    (4096, torch.float32, torch.float16, False, 0, "prefill"), (4096, torch.float16, torch.uint8, True, 0, "unpack"),
-    (256, torch.bfloat16, torch.uint8, True, 0, "unpack"), (255, torch.float16, torch.uint8, True, 0, "prefill"),
-    (4096, torch.float32, torch.uint8, True, 0, "prefill"),
-    (4096, torch.float16, torch.uint8, True, 64, "unpack"), (256, torch.bfloat16, torch.uint8, True, 128, "unpack"),
-    (255, torch.float16, torch.uint8, True, 64, "prefill"), (4096, torch.float32, torch.uint8, True, 64, "prefill")])
-def test_prefill_backend(M, x_dtype, values_dtype, scale, group, want):
-    """From UNPACK_MIN_M rows with 16-bit x a 16-bit weight of x's dtype, an INT8 and an INT4
-    weight take the unpack route; a 16-bit weight of another dtype and float32 x stay on the
-    prefill kernel."""
+@pytest.mark.parametrize("M,x_dtype,values_dtype,scale,want", [
+    (255, torch.float16, torch.float16, False, "prefill"), (256, torch.float16, torch.float16, False, "unpack"),
+    (4096, torch.bfloat16, torch.bfloat16, False, "unpack"), (4096, torch.bfloat16, torch.float16, False, "prefill"),
+    (4096, torch.float32, torch.float16, False, "prefill"), (4096, torch.float16, torch.uint8, True, "unpack"),
+    (256, torch.bfloat16, torch.uint8, True, "unpack"), (255, torch.float16, torch.uint8, True, "prefill"),
+    (4096, torch.float32, torch.uint8, True, "prefill")])
+def test_prefill_backend(M, x_dtype, values_dtype, scale, want):
+    """Unmeasured, from UNPACK_MIN_M rows with 16-bit x a 16-bit weight of x's dtype and a
+    quantized one (INT8, INT4: a scale) take the unpack route; a 16-bit weight of another dtype
+    and float32 x stay on the prefill kernel. Measured (this GPU's tuned entry), the faster of
+    the two, where the route applies."""
     from sparse24.ops.linear24 import op
     assert op.UNPACK_MIN_M == 256
-    assert op.prefill_backend(M, x_dtype, values_dtype, scale, group) == want
+    assert op.prefill_backend(M, x_dtype, values_dtype, scale) == want
+    applies = want == "unpack" or M < op.UNPACK_MIN_M and x_dtype != torch.float32 and (scale or values_dtype == x_dtype)
+    for unpack_us, kernel_us in ((5.0, 9.0), (9.0, 5.0)):
+        timings = {"unpack_us": unpack_us, "kernel_us": kernel_us, "dense_us": 1.0}
+        faster = "unpack" if unpack_us < kernel_us else "prefill"
+        assert op.prefill_backend(M, x_dtype, values_dtype, scale, timings) == (faster if applies else "prefill")
+    assert op.prefill_backend(M, x_dtype, values_dtype, scale, {"kernel_us": 1.0}) == want   # one of the two: rule
 
 
 @pytest.mark.parametrize("quant,out", [(None, "*fp16"), (None, "*bf16"), ("int8", "*fp16"), ("int8", "*bf16"),

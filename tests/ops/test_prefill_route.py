@@ -11,6 +11,7 @@ from torch import nn
 import sparse24
 from sparse24.decode_format import DecodePacked
 from sparse24.format import Sparse24Tensor
+from sparse24.ops import config_store
 from sparse24.ops.linear24 import launch, op
 from sparse24.ops.config_space import SP_MAX_M, decode_default, dtype_key
 from sparse24.ops.linear24.prefill import prefill_config, prefill_pair
@@ -27,11 +28,15 @@ def cuda_route(monkeypatch):
     real = op._auto_backend
     monkeypatch.setattr(op, "_auto_backend", lambda x, *rest: real(_AsCuda(x), *rest))
     monkeypatch.setattr(op, "_triton_available", lambda: True)
+    # the tuned-file lookup's device query, as a GPU without a tuned file answers it
+    monkeypatch.setattr(config_store, "device_info", lambda device=None: config_store.DeviceInfo("No Tuned GPU", (0, 0)))
+    config_store.clear_cache()
     grids = []
     monkeypatch.setattr(launch._Plan, "launch", lambda plan, grid, args, aligned: grids.append((plan.config, grid)))
     monkeypatch.setattr(launch, "_launch_unpack", lambda values, meta, scale, out, *rest: grids.append(("unpack", out.shape)))
     op._AUTO.clear()
     yield grids
+    config_store.clear_cache()
     op._AUTO.clear()
     launch._PLANS.clear()
 
@@ -168,5 +173,38 @@ def test_a_tuned_prefill_entry_serves_the_route(cuda_route, tmp_path, monkeypatc
                 cuda_route.clear()
                 layer(torch.randn(M, 512, dtype=torch.float16))
                 assert cuda_route[-1][0] == want, M
+    finally:
+        config_store.clear_cache()
+
+
+@pytest.mark.parametrize("quantize", [None, "int8"])
+def test_the_faster_measured_route_serves(quantize, cuda_route, tmp_path, monkeypatch):
+    """Where this GPU's tuned entry measured both the prefill kernel (``kernel_us``) and the
+    unpack route (``unpack_us``), the faster one runs, on either side of UNPACK_MIN_M (also as
+    the nearest M bucket); unmeasured shapes keep the rule; config_store.clear_cache() forgets."""
+    from sparse24.ops import config_store
+    from sparse24.ops.config_space import KernelConfig
+    from sparse24.tools import tuning
+    layer = _layer(quantize)
+    key = "int8-float16" if quantize else "float16"
+    tuned = KernelConfig(128, 128, 64, 8, 1, 8, 3, kernel="prefill")
+    tuning.write_entries(tmp_path, "Fake GPU H1", (9, 0), {
+        (128, 256, 512, key): {"config": tuned, "kernel_us": 9.0, "dense_us": 2.0, "unpack_us": 4.0},
+        (4096, 256, 512, key): {"config": tuned, "kernel_us": 3.0, "dense_us": 2.0, "unpack_us": 4.0}})
+    monkeypatch.setenv("SPARSE24_CONFIG_DIR", str(tmp_path))
+    monkeypatch.setattr(config_store, "device_info", lambda device=None: config_store.DeviceInfo("Fake GPU H1", (9, 0)))
+    config_store.clear_cache()
+    try:
+        with torch.no_grad():
+            for M, want in ((100, "unpack"), (128, "unpack"), (4096, tuned), (3000, tuned)):
+                cuda_route.clear()
+                layer(torch.randn(M, 512, dtype=torch.float16))
+                assert cuda_route[-1][0] == want, M
+            tuning.write_entries(tmp_path, "Fake GPU H1", (9, 0), {
+                (4096, 256, 512, key): {"config": tuned, "kernel_us": 5.0, "dense_us": 2.0, "unpack_us": 4.0}})
+            config_store.clear_cache()
+            cuda_route.clear()
+            layer(torch.randn(4096, 512, dtype=torch.float16))
+            assert cuda_route[-1][0] == "unpack"
     finally:
         config_store.clear_cache()

@@ -184,7 +184,7 @@ def _auto_backend(x: torch.Tensor, values: torch.Tensor, scale, out_features: in
         # each weight tile once per 128 rows, or from UNPACK_MIN_M rows one launch unpacks the
         # weight into a shared dense scratch for cuBLAS; the reference would re-order and
         # decompress the whole weight on every call (264 aten calls, 596 MiB at 4096 x 4096).
-        return prefill_backend(M, x.dtype, values.dtype, scale is not None, group_size)
+        return _prefill_route(x, values, scale, out_features, group_size, M)
     key = (x.device, x.dtype, scale is not None, values.dim(), out_features, x.shape[-1], m_bucket(M))
     choice = _AUTO.get(key)
     if choice is None:
@@ -204,20 +204,45 @@ def _auto_backend(x: torch.Tensor, values: torch.Tensor, scale, out_features: in
 UNPACK_MIN_M = 256
 
 
+def _prefill_route(x, values, scale, out_features: int, group_size: int, M: int) -> str:
+    """:func:`prefill_backend` with this GPU's measurement for the shape, once per key."""
+    key = ("prefill", x.device, x.dtype, values.dtype, scale is not None, group_size, out_features, x.shape[-1],
+           m_bucket(M), M >= UNPACK_MIN_M)
+    choice = _AUTO.get(key)
+    if choice is None:
+        timings = {}
+        if unpack_applies(x.dtype, values.dtype, scale is not None):
+            timings = measured_timings(M, out_features, x.shape[-1],
+                                       dtype_key(x.dtype, scale is not None, group_size > 0), x.device, "decode",
+                                       "prefill")
+        choice = _AUTO[key] = prefill_backend(M, x.dtype, values.dtype, scale is not None, timings)
+    return choice
+
+
+def unpack_applies(x_dtype: torch.dtype, values_dtype: torch.dtype, has_scale: bool) -> bool:
+    """Whether the unpack route can serve a decode-layout weight: float16 / bfloat16 x and a
+    16-bit weight of x's dtype, an INT8 or an INT4 weight (``has_scale``)."""
+    return x_dtype in (torch.float16, torch.bfloat16) and (has_scale or values_dtype == x_dtype)
+
+
 def prefill_backend(M: int, x_dtype: torch.dtype, values_dtype: torch.dtype, has_scale: bool,
-                    group_size: int = 0) -> str:
+                    timings: dict | None = None) -> str:
     """The decode layout's route past decode sizes on CUDA: ``"unpack"`` (the weight unpacked
-    dense into a shared scratch in x's dtype, then cuBLAS) from :data:`UNPACK_MIN_M` rows for
-    float16 / bfloat16 x and a 16-bit weight of x's dtype, an INT8 or an INT4 weight; else
-    ``"prefill"`` (the prefill kernel). 16-bit and INT4 weights give the kernels' products
+    dense into a shared scratch in x's dtype, then cuBLAS) or ``"prefill"`` (the prefill
+    kernel). Where :func:`unpack_applies`: the faster of the two where this GPU's tuned entry
+    for the shape measured both (``timings``: ``kernel_us`` of the prefill kernel and
+    ``unpack_us``, from :func:`~sparse24.ops.config_store.measured_timings`), else the unpack
+    route from :data:`UNPACK_MIN_M` rows. 16-bit and INT4 weights give the kernels' products
     exactly (INT4's dot operand is already its dequantized value rounded once to x's dtype);
     INT8's dequantized value q * s is rounded once to x's dtype there (relative 2**-12 float16,
     2**-9 bfloat16, as a dense copy in that dtype holds it), where the kernels apply the fp32
     row scale after the dot: measured on an H200, 0.69-0.90x of dense from 1024 rows against
     the prefill kernel's 0.24-0.37x."""
-    if M >= UNPACK_MIN_M and x_dtype in (torch.float16, torch.bfloat16) and (has_scale or values_dtype == x_dtype):
-        return "unpack"
-    return "prefill"
+    if not unpack_applies(x_dtype, values_dtype, has_scale):
+        return "prefill"
+    if timings and "unpack_us" in timings and "kernel_us" in timings:
+        return "unpack" if timings["unpack_us"] < timings["kernel_us"] else "prefill"
+    return "unpack" if M >= UNPACK_MIN_M else "prefill"
 
 
 def _unpack_linear(x, values, meta, scale, zero, group_size, bias, out_features):
