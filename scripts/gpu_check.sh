@@ -5,15 +5,17 @@
 #   0. L2 and HBM read bandwidth (scripts/gpu_l2_bandwidth.py): the figure the prefill model
 #      assumes, for `kernel_static_check.py --prefill --l2 X` back here;
 #   0b. probe: host time per eager call (nn.Linear, the module, the op, the launch) with a
-#      cProfile, and prefill paths side by side (prefill kernel, unpack + cuBLAS, cuSPARSELt,
+#      cProfile and the kept handle's launch with pointers as ints or tensors, and prefill paths
+#      side by side (prefill kernel, unpack + cuBLAS, cuSPARSELt with its kernels' own time,
 #      Triton's own dense GEMM on the prefill kernel's tile);
 #   1. tests: the kernels and modules on CUDA against the fp64 reference (scripts/gpu_tests), first of
 #      all that the sparse tensor cores read the INT8 / INT4 operands as the CPU emulation does;
 #   2. autotune: the decode ends (M = 1 and 16; M = 2..8 take the nearest entry) for the standard
 #      shapes, fp16 and INT8 weights, in the decode layout the modules hold there (72 / 36 decode
 #      configs a key), the keys this GPU's file holds already skipped (the first H200 run tuned 6 of
-#      24 in its 100 s, the two M = 4096 prefill keys among them; 16-bit prefill now takes the
-#      unpack route from 256 rows), into
+#      24 in its 100 s, the two M = 4096 prefill keys among them; prefill with 16-bit x now takes
+#      the unpack route from 256 rows unless a tuned key past 16 rows, which records both, says
+#      the prefill kernel is faster), into
 #      autotune_configs/<GPU>/sparse24_matmul.json (merged after every key);
 #   3. bench: the throughput sweep (CSV + PNG) into results/<GPU>/, with the tuned configs;
 #   4. user view: eager wall time per call of a layer at M = 1 and tokens/s of an 8-block
