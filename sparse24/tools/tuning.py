@@ -130,7 +130,7 @@ def unpack_time_us(x: torch.Tensor, weights: list, ref: torch.Tensor, max_err: f
         return None
 
     def run(q):
-        return op._unpack_linear(x, q.values, q.meta, q.scale, q.zero, q.group_size or 0, None, q.shape[0])
+        return op.unpack_linear(x, q.values, q.meta, q.scale, q.zero, q.group_size or 0, None, q.shape[0])
     err = float((run(p).double() - ref).norm() / ref.norm().clamp_min(1e-30))
     if not err <= max_err:
         print(f"  unpack route: relative error {err:.2e} above {max_err:.0e}: not timed", file=sys.stderr)

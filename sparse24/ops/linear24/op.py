@@ -89,7 +89,7 @@ def _compute(x, values, meta, scale, zero, bias, weight_dtype, backend, out_feat
     if backend == "triton":
         return launch.run(x, values, meta, scale, bias, out_features, None, zero, group_size)
     if backend == "unpack" and (bias is None or bias.dtype == x.dtype):  # "auto" only, as "prefill"
-        return _unpack_linear(x, values, meta, scale, zero, group_size, bias, out_features)
+        return unpack_linear(x, values, meta, scale, zero, group_size, bias, out_features)
     if backend in ("prefill", "unpack"):  # chosen by "auto" only: the decode layout at M > 16 on CUDA
         return launch.run_prefill(x, values, meta, scale, bias, out_features, None, zero, group_size)
     return linear_reference(x, _weight(values, meta, scale, zero, group_size, weight_dtype,
@@ -245,10 +245,14 @@ def prefill_backend(M: int, x_dtype: torch.dtype, values_dtype: torch.dtype, has
     return "unpack" if M >= UNPACK_MIN_M else "prefill"
 
 
-def _unpack_linear(x, values, meta, scale, zero, group_size, bias, out_features):
-    """``x @ W^T + bias`` on the weight unpacked dense (``launch.unpack_dense``): a 16-bit weight
-    of x's dtype, an INT8 or an INT4 one, a bias of x's dtype or none (the caller runs the
-    prefill kernel otherwise: it adds a bias of another dtype before its one rounding)."""
+def unpack_linear(x, values, meta, scale, zero, group_size, bias, out_features):
+    """``x @ W^T + bias`` on the weight unpacked dense (``launch.unpack_dense``), the unpack route.
+
+    x: ``(..., K)`` float16 / bfloat16; values, meta, scale, zero: a decode-layout ``(N, K)``
+    weight (``sparse24.decode_format``) where :func:`unpack_applies`: 16-bit of x's dtype, INT8 or
+    INT4 (``group_size`` > 0); bias: ``(N,)`` of x's dtype or None (the caller runs the prefill
+    kernel otherwise: it adds a bias of another dtype before its one rounding); out_features: N.
+    Returns ``(..., N)`` of x's dtype: one unpack launch and one ``mm`` / ``addmm``."""
     K = x.shape[-1]
     wt = launch.unpack_dense(values, meta, scale, (out_features, K), x.dtype, transpose=True, zero=zero,
                              group_size=group_size)   # (K, N) view
