@@ -12,7 +12,7 @@ goes, and the prefill paths side by side.
    checked bit-exact first. fp16, INT8 and INT4 (group 128) weights; cuSPARSELt for fp16 only,
    with its kernels' own GPU time per call from torch.profiler beside do_bench's (run 3 timed
    it at ~1 ms a call: if that is host time, a CUDA graph would remove it).
-3. host, since session 28: the kept handle's launch alone with pointers as ints (what the plan
+3. host (added after run 3): the kept handle's launch alone with pointers as ints (what the plan
    passes) and as tensors (before).
 
 Writes ``probe_host.txt`` and ``probe_prefill.csv`` to ``--out``; prints both.
@@ -100,7 +100,7 @@ def host(out: Path, dev, d: int = 4096, ff: int = 11008, calls: int = 300) -> No
 
 def _pointer_args(plans, tensors, dev, calls) -> list[str]:
     """The kept handle's launch alone, host us per call, with pointers passed as ints (what the
-    plan passes since session 28) and as the tensors themselves (before: Triton's launcher then
+    plan passes) and as the tensors themselves (before: Triton's launcher then
     calls data_ptr() and cuPointerGetAttribute per pointer)."""
     plan = next((pl for pl in plans if pl.compiled is not None), None)
     if plan is None:
