@@ -210,7 +210,8 @@ class _Timer:
         return (time.perf_counter() - t0) / n
 
 
-def _rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
+def rel_error(y: torch.Tensor, ref: torch.Tensor) -> float:
+    """Relative Frobenius error of ``y`` against the fp64 ``ref`` (same shape)."""
     return float((y.double() - ref).norm() / ref.norm().clamp_min(1e-30))
 
 
@@ -356,7 +357,7 @@ def _measure_point(ops: dict, x: torch.Tensor, timer: _Timer, repeats: int, log,
             continue
         if id(wref) not in refs:
             refs[id(wref)] = F.linear(x.double(), wref.double())
-        errs[name] = _rel_err(y, refs[id(wref)])
+        errs[name] = rel_error(y, refs[id(wref)])
         if errs[name] > _MAX_REL_ERR[x.dtype]:
             print(f"  WARNING: {name} {where}: relative error {errs[name]:.2e} vs the fp64 product is above "
                   f"{_MAX_REL_ERR[x.dtype]:.0e}: its timing is of a wrong result", file=log)

@@ -29,10 +29,10 @@ from ..ops.config_space import (DTYPE_KEYS, KERNEL_VARIANTS, M_BUCKETS, KernelCo
 from ..ops.config_store import (KERNEL, SCHEMA_VERSION, Choice, clear_cache, config_dirs,  # noqa: F401
                                describe_config_source, get_config, gpu_file_name, lookup, measured_timings,
                                shipped_config_dir, validate_dir, validate_file)
-from ..ops.linear24 import linear_prefill, linear_reference, linear_triton
+from ..ops.linear24 import linear_prefill, linear_reference, linear_triton, op
 from ..ops.linear24.launch import kernel_call, target_dtype
-from ..ops.linear24 import op
 from ..ops.linear24.op import DECODE_M
+from .bench import rel_error
 
 __all__ = ["tune_key", "time_launches_us", "write_entries", "autotune", "KernelConfig", "candidate_configs",
            "get_config", "gpu_file_name", "clear_cache"]
@@ -103,7 +103,7 @@ def tune_key(M: int, N: int, K: int, dtype: str, device, configs=None, warmup_ms
     best_cfg, best_us, rejected = _select_fastest(
         configs if configs is not None else candidate_configs(M, N, K, props.multi_processor_count, layout, dtype),
         launch=lambda cfg: launch_config(x, p, cfg),
-        error=lambda y: float((y.double() - ref).norm() / ref.norm().clamp_min(1e-30)),
+        error=lambda y: rel_error(y, ref),
         time=kernel_time, max_err=max_err, label=f"M={M}, N={N}, K={K}, {dtype}")
     dense_us = time_launches_us([lambda w=w: F.linear(x, w) for w in dense_weights], warmup_ms, rep_ms)
     entry = {"config": best_cfg, "kernel_us": round(best_us, 3), "dense_us": round(dense_us, 3), "m": M}
@@ -131,7 +131,7 @@ def unpack_time_us(x: torch.Tensor, weights: list, ref: torch.Tensor, max_err: f
 
     def run(q):
         return op.unpack_linear(x, q.values, q.meta, q.scale, q.zero, q.group_size or 0, None, q.shape[0])
-    err = float((run(p).double() - ref).norm() / ref.norm().clamp_min(1e-30))
+    err = rel_error(run(p), ref)
     if not err <= max_err:
         print(f"  unpack route: relative error {err:.2e} above {max_err:.0e}: not timed", file=sys.stderr)
         return None

@@ -294,9 +294,7 @@ class _Plan:
                 # an int as the address itself, where for a tensor it calls data_ptr() again and asks
                 # the driver (cuPointerGetAttribute) whether the address is a device one, per pointer
                 # (the is_cuda checks above stand for that question; x's device is the plan's).
-                grid = self.grids.get(M)
-                if grid is None:
-                    grid = self.grids[M] = self.variant.grid(M, self.N, self.config, self.split_k)
+                grid = self._grid(M)
                 c = self.compiled
                 c.run(grid[0], grid[1], grid[2], torch._C._cuda_getCurrentRawStream(self.device_index), c.function,
                       c.packed_metadata, None, None, None, px, pv, pm, ps, *((pz,) if self.takes_zero else ()), pb,
@@ -309,16 +307,20 @@ class _Plan:
         if not aligned:  # off the fast path only: 16-byte aligned pointers are word-aligned
             self.variant.check_alignment(values, meta)
         if M <= self.max_rows:
-            grid = self.grids.get(M)
-            if grid is None:
-                grid = self.grids[M] = self.variant.grid(M, self.N, self.config, self.split_k)
-            self.launch(grid, args, aligned)
+            self.launch(self._grid(M), args, aligned)
         else:  # the grid would pass CUDA's limits: one launch per row chunk (Triton's path)
             for r0, r1 in grid_chunks(M, self.max_rows):
                 self.launch(self.variant.grid(r1 - r0, self.N, self.config, self.split_k),
                             self.variant.args(x2[r0:r1], values, meta, s, b, target[r0:r1], r1 - r0, self.extra, z),
                             False)
         return target if not self.atomic_split else target.to(x2.dtype)  # the same tensor when x is fp32
+
+    def _grid(self, M: int) -> tuple:
+        """The launch grid for ``M`` rows (at most ``max_rows``), made once per M."""
+        grid = self.grids.get(M)
+        if grid is None:
+            grid = self.grids[M] = self.variant.grid(M, self.N, self.config, self.split_k)
+        return grid
 
     def launch(self, grid, args, aligned: bool) -> None:
         """Launch once through Triton's own path (the kept compiled handle runs in ``__call__``);
