@@ -48,18 +48,24 @@ _MAX_REL_ERR = {"float16": 2e-3, "bfloat16": 1.6e-2, "float32": 1e-5}
 def runtime_layout(dtype: str) -> str:
     """The layout a compressed module holds on CUDA for weights of this dtype key (see
     :meth:`sparse24.Sparse24Linear.to_layout`): the decode layout for float16/bfloat16
-    and INT8 weights, layout v1 for float32 ones."""
+    and INT8 / INT4 weights, layout v1 for float32 ones."""
     return "v1" if dtype == "float32" else "decode"
 
 
+def _activation(dtype: str) -> str:
+    """The activation dtype of a dtype key: ``int8-bfloat16`` -> ``bfloat16``."""
+    return dtype.rsplit("-", 1)[-1]
+
+
 def _tuning_inputs(M: int, N: int, K: int, dtype: str, device, seed: int = 0, layout: str = "v1"):
-    """Random x (M, K), compressed weight p (N, K) in ``layout`` and its dense twin, as tuned."""
-    act = _ACT[dtype.removeprefix("int8-")]
+    """Random x (M, K), compressed weight p (N, K) in ``layout`` and its dense twin, as tuned
+    (``int8-``/``int4-`` keys: the weight quantized so, INT4 in groups of 128 columns, symmetric)."""
+    act = _ACT[_activation(dtype)]
     gen = torch.Generator(device=device).manual_seed(seed)
     w = torch.randn(N, K, generator=gen, device=device).to(act)
     p = compress(w)
-    if dtype.startswith("int8-"):
-        p = quantize_values(p, "int8")
+    if dtype != _activation(dtype):
+        p = quantize_values(p, dtype.split("-")[0])
     x = torch.randn(M, K, generator=gen, device=device).to(act)
     dense = p.to_dense().to(act)
     return x, pack_decode(p) if layout == "decode" else p, dense
@@ -88,7 +94,7 @@ def tune_key(M: int, N: int, K: int, dtype: str, device, configs=None, warmup_ms
     x, p, w_dense = _tuning_inputs(M, N, K, dtype, device, layout=layout)
     ref = F.linear(x.double(), w_dense.double())
     tf32 = dtype.endswith("float32") and torch.backends.cuda.matmul.allow_tf32
-    max_err = 2e-3 if tf32 else _MAX_REL_ERR[dtype.removeprefix("int8-")]
+    max_err = 2e-3 if tf32 else _MAX_REL_ERR[_activation(dtype)]
     props = torch.cuda.get_device_properties(device)
     # Enough weight copies to overflow L2 twice, so every launch streams its
     # weight from HBM as in a real model (one 4096 x 4096 fp16 2:4 weight,

@@ -381,6 +381,27 @@ def test_launch_config_runs_each_kernel_of_the_space(gen):
         assert_matches_reference(tuning.launch_config(x, d, cfg), x, p.to_dense().float())
 
 
+@pytest.mark.parametrize("dtype", ["int4-float16", "int8-bfloat16", "float16"])
+def test_tuning_inputs_hold_the_key_s_weight_kind(dtype):
+    """Every dtype key the CLI accepts builds its own inputs: INT4 keys an INT4 weight (a KeyError
+    before, for ``--dtype int4-*`` and for SPARSE24_AUTOTUNE=1 on an INT4 layer), INT8 keys an INT8
+    one, in the decode layout; x in the key's activation dtype; the dense twin is the weight the
+    tuner's fp64 reference multiplies, and a config of the key's space computes it (interpreter)."""
+    from conftest import assert_matches_reference
+    x, d, dense = tuning._tuning_inputs(20, 64, 256, dtype, "cpu", layout="decode")
+    act = {"float16": torch.float16, "bfloat16": torch.bfloat16}[dtype.rsplit("-", 1)[-1]]
+    assert x.dtype == act and dense.dtype == act and dense.shape == (64, 256)
+    assert d.quantized == (dtype.split("-")[0] if "-" in dtype else None)
+    if d.quantized == "int4":
+        assert d.group_size == 128 and d.zero is None
+    assert dtype.rsplit("-", 1)[-1] in tuning._MAX_REL_ERR
+    if act == torch.float16:   # (bfloat16 has no numpy type: the interpreter cannot run it)
+        cfg = tuning.candidate_configs(20, 64, 256, 132, "decode", dtype)[0]
+        y = tuning.launch_config(x, d, cfg)
+        exact = d.to_sparse24().to(dtype=torch.float32).to_dense().double() if d.quantized else dense.double()
+        assert_matches_reference(y, x, exact if cfg.kernel == "decode" else dense.double())
+
+
 def test_autotune_skip_tuned_goes_on_where_a_run_stopped(tmp_path, monkeypatch, capsys):
     """``--skip-tuned`` leaves out the keys this GPU's file holds (a GPU run's tuning step cut
     short by its time limit goes on next time); without it every key is timed again. The GPU is
