@@ -70,8 +70,6 @@ from sparse24.ops.linear24.prefill_model import L2_BYTES_PER_SM_CLK, MACS_PER_CL
 
 
 def compile_one(cfg, dtype, cap, N, K):
-    import triton
-
     import sparse24
     from sparse24.ops.linear24 import aot_compile
     from sparse24.ops.linear24.launch import target_dtype
@@ -85,19 +83,7 @@ def compile_one(cfg, dtype, cap, N, K):
     t0 = time.time()
     ck = aot_compile(x, p, None, target, cfg, cfg.split_k, (cap // 10, cap % 10))
     ptx = ck.asm["ptx"]
-    # Registers and local-memory (spill) bytes from the cubin, via the
-    # cuobjdump shipped in Triton's wheel (CompiledKernel.n_regs needs a GPU).
-    import os
-    import re
-    import subprocess
-    import tempfile
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(ck.asm["cubin"])
-        f.flush()
-        res = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
-    regs = int(re.search(r"REG:(\d+)", res).group(1))
-    spills = int(re.search(r"LOCAL:(\d+)", res).group(1)) + int(re.search(r"STACK:(\d+)", res).group(1))
+    regs, spills = resource_usage(ck.asm["cubin"])
     return dict(cfg=cfg, regs=regs, spills=spills, shared=ck.metadata.shared,
                 cp16=len(re.findall(r"cp\.async\.c[ag]\.shared\.global .*, 0x10", ptx)),
                 cp4=len(re.findall(r"cp\.async\.c[ag]\.shared\.global .*, 0x4", ptx)),
@@ -142,6 +128,18 @@ def sass_instructions(cubin: bytes) -> list[tuple[int, str]]:
         text = subprocess.run([_tool("cuobjdump"), "-sass", f.name], capture_output=True, text=True,
                               check=True).stdout
     return [(int(m.group(1), 16), m.group(2)) for m in _LINE.finditer(text)]
+
+
+def resource_usage(cubin: bytes) -> tuple[int, int]:
+    """``(registers per thread, spilled bytes: local + stack)`` of the cubin, from the
+    cuobjdump in Triton's wheel (CompiledKernel.n_regs needs a GPU)."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        res = subprocess.run([_tool("cuobjdump"), "--dump-resource-usage", f.name], capture_output=True, text=True,
+                             check=True).stdout
+    field = lambda name: int(re.search(rf"{name}:(\d+)", res).group(1))   # noqa: E731
+    return field("REG"), field("LOCAL") + field("STACK")
 
 
 def without_padding(instrs: list[tuple[int, str]]) -> list[tuple[int, str]]:
@@ -381,11 +379,7 @@ def compile_listed(dtype: str, cfg, cap: int, N: int, K: int, rows: int = 16) ->
     act = _act_dtype(dtype)
     instrs = without_padding(sass_instructions(ck.asm["cubin"]))
     loop = main_loop(instrs, required=cfg.split_k != -(-K // cfg.block_k))   # ONE_TILE kernels have no loop
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(ck.asm["cubin"])
-        f.flush()
-        res = subprocess.run([_tool("cuobjdump"), "--dump-resource-usage", f.name], capture_output=True,
-                             text=True, check=True).stdout
+    regs, spills = resource_usage(ck.asm["cubin"])
     tile_w = weight_tile_bytes(dtype, cfg.block_n, cfg.block_k)
     tile_x = 16 * cfg.block_k * act.itemsize + side_bytes(dtype, cfg.block_n, cfg.block_k)
     unroll = round(sparse_mma_tiles(loop, cfg, rows) or global_load_bytes(loop) * 32 * cfg.num_warps / (tile_w + tile_x))
@@ -397,8 +391,7 @@ def compile_listed(dtype: str, cfg, cap: int, N: int, K: int, rows: int = 16) ->
     exit_ = None if atom is None else next(
         (i for i in range(atom, len(texts)) if texts[i].startswith("@") and _opcode(texts[i]) == "EXIT"), None)
     last = texts[exit_ + 1:] if exit_ is not None else []
-    spills = int(re.search(r"LOCAL:(\d+)", res).group(1)) + int(re.search(r"STACK:(\d+)", res).group(1))
-    return dict(dtype=dtype, cfg=cfg, N=N, K=K, rows=rows, regs=int(re.search(r"REG:(\d+)", res).group(1)), spills=spills,
+    return dict(dtype=dtype, cfg=cfg, N=N, K=K, rows=rows, regs=regs, spills=spills,
                 shared=ck.metadata.shared, loop=len(loop), total=len(instrs), unroll=max(unroll, 1),
                 sparse=any(_opcode(t).startswith("HMMA.SP") for t in texts),
                 loop_hmma_sp=sum(_opcode(t).startswith("HMMA.SP") for t in loop),
@@ -608,13 +601,7 @@ def prefill_one(dtype: str, cfg, cap: int) -> dict:
     sass = sass_instructions(ck.asm["cubin"])
     loop = main_loop(sass)
     ops = collections.Counter(_opcode(t).split(".")[0] for t in loop)
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(ck.asm["cubin"])
-        f.flush()
-        res = subprocess.run([_tool("cuobjdump"), "--dump-resource-usage", f.name], capture_output=True,
-                             text=True).stdout
-    regs = int(re.search(r"REG:(\d+)", res).group(1))
-    spills = int(re.search(r"LOCAL:(\d+)", res).group(1)) + int(re.search(r"STACK:(\d+)", res).group(1))
+    regs, spills = resource_usage(ck.asm["cubin"])
     mma = ops["HGMMA"] + ops["HMMA"]
     events = wgmma_events(loop)
     return dict(dtype=dtype, cfg=cfg, loop=len(loop), mma=mma, hgmma=ops["HGMMA"] > 0, local=ops["LDL"] + ops["STL"],
@@ -850,10 +837,10 @@ UNPACK_VARIANTS = (("fp16", "*fp16", "*fp32", "*fp16", False, 0, False, 1.125),
 UNPACK_HBM = 4.2e12   # B/s: the H200's measured HBM read rate (results/NVIDIA_H200/l2_bandwidth.txt)
 
 
-def unpack_instructions(values, scale, out, int8, group, has_zero, cap=90) -> tuple[int, int]:
-    """``(SASS instructions, registers)`` per thread of the unpack kernel (4 warps, 4 atoms: 32
-    outputs a thread), specialized as a launch on a 4096-wide weight is (pointers and sizes
-    divisible by 16)."""
+def compile_unpack(values, scale, out, int8, group, has_zero, cap=90):
+    """The unpack kernel (4 warps, 4 atoms: 32 outputs a thread) compiled for ``sm_<cap>`` for one
+    of :data:`UNPACK_VARIANTS`, specialized as a launch on a 4096-wide weight is (pointers and
+    sizes divisible by 16)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -862,15 +849,15 @@ def unpack_instructions(values, scale, out, int8, group, has_zero, cap=90) -> tu
            "C": "i32", "NT": "i32", "G": "i32", "stride_ml": "i32", "stride_or": "i32", "INT8": "constexpr",
            "GROUP": "constexpr", "HAS_ZERO": "constexpr", "BLOCK_A": "constexpr"}
     attrs = {(i,): [["tt.divisibility", 16]] for i in range(11)}
-    k = triton.compile(ASTSource(sparse24_unpack, sig, attrs=attrs,
-                                 constexprs={"INT8": int8, "GROUP": group, "HAS_ZERO": has_zero, "BLOCK_A": 4}),
-                       target=GPUTarget("cuda", cap, 32), options={"num_warps": 4})
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(k.asm["cubin"])
-        f.flush()
-        res = subprocess.run([_tool("cuobjdump"), "--dump-resource-usage", f.name], capture_output=True,
-                             text=True, check=True).stdout
-    return len(without_padding(sass_instructions(k.asm["cubin"]))), int(re.search(r"REG:(\d+)", res).group(1))
+    return triton.compile(ASTSource(sparse24_unpack, sig, attrs=attrs,
+                                    constexprs={"INT8": int8, "GROUP": group, "HAS_ZERO": has_zero, "BLOCK_A": 4}),
+                          target=GPUTarget("cuda", cap, 32), options={"num_warps": 4})
+
+
+def unpack_instructions(values, scale, out, int8, group, has_zero, cap=90) -> tuple[int, int]:
+    """``(SASS instructions, registers)`` per thread of :func:`compile_unpack`'s kernel."""
+    cubin = compile_unpack(values, scale, out, int8, group, has_zero, cap).asm["cubin"]
+    return len(without_padding(sass_instructions(cubin))), resource_usage(cubin)[0]
 
 
 def unpack_main(a) -> int:

@@ -9,7 +9,7 @@ import sparse24
 from sparse24.decode_format import pack_decode
 from sparse24.ops.linear24 import launch
 
-from conftest import assert_matches_reference, matches_reference
+from conftest import assert_matches_reference, load_script, matches_reference
 from test_int4_kernel import _int4   # the INT4 weight's fp64 dequantization, built independently
 
 
@@ -209,28 +209,17 @@ def test_prefill_backend(M, x_dtype, values_dtype, scale, want):
     assert op.prefill_backend(M, x_dtype, values_dtype, scale, {"kernel_us": 1.0}) == want   # one of the two: rule
 
 
-@pytest.mark.parametrize("quant,out", [(None, "*fp16"), (None, "*bf16"), ("int8", "*fp16"), ("int8", "*bf16"),
-                                       ("int4", "*fp16"), ("int4-bf16-scales", "*bf16")])
-def test_unpack_compiles_for_sm90(quant, out):
+@pytest.mark.parametrize("variant", ["fp16", "bf16", "int8", "int8-bf16", "int4", "int4-bf16", "int4-zero"])
+def test_unpack_compiles_for_sm90(variant):
     """The same source compiles for sm_90 (it ran on an H200 bit-exact: results/NVIDIA_H200/probe.log),
     without local memory, specialized as a launch on a 4096 x 4096 weight is (pointers and sizes
-    divisible by 16): 16-bit values load as 16-byte vectors, the dense rows store 4 slots at once."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    from sparse24.kernels.sparse24_unpack import sparse24_unpack
-    int4 = quant is not None and quant.startswith("int4")
-    scale = "*bf16" if quant == "int4-bf16-scales" else "*fp16" if int4 else "*fp32"
-    sig = {"v_ptr": out if quant is None else "*u8", "meta_ptr": "*i32", "scale_ptr": scale, "zero_ptr": "*u8",
-           "out_ptr": out, "R": "i32", "C": "i32", "NT": "i32", "G": "i32", "stride_ml": "i32", "stride_or": "i32",
-           "INT8": "constexpr", "GROUP": "constexpr", "HAS_ZERO": "constexpr", "BLOCK_A": "constexpr"}
-    attrs = {(i,): [["tt.divisibility", 16]] for i in range(11)}
-    constexprs = {"INT8": quant == "int8", "GROUP": 128 if int4 else 0, "HAS_ZERO": int4, "BLOCK_A": 4}
-    k = triton.compile(ASTSource(sparse24_unpack, sig, constexprs=constexprs, attrs=attrs),
-                       target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-    ptx = k.asm["ptx"]
+    divisible by 16; kernel_static_check.py --unpack compiles it so): 16-bit values load as
+    16-byte vectors, the dense rows store 4 slots at once."""
+    ksc = load_script("kernel_static_check")
+    (_, *args, _), = [v for v in ksc.UNPACK_VARIANTS if v[0] == variant]
+    ptx = ksc.compile_unpack(*args).asm["ptx"]
     assert ".local" not in ptx and "st.global.v2.b32" in ptx   # 4 fp16 / bf16 slots per store
-    assert ("ld.global.v4.b32" in ptx) == (quant is None)     # a lane's 8 16-bit values at once
+    assert ("ld.global.v4.b32" in ptx) == (variant in ("fp16", "bf16"))   # a lane's 8 16-bit values at once
 
 
 @pytest.mark.parametrize("captured", [False, True])
@@ -281,7 +270,6 @@ def test_release_workspaces_frees_the_scratch_and_calls_still_work(gen):
 def test_static_check_reports_the_unpack_kernel(monkeypatch, capsys):
     """``kernel_static_check.py --unpack``: the sm_90 instruction count per thread and the
     predicted issue and HBM times it prints (INT4 with zero points here: one variant, for time)."""
-    from conftest import load_script
     ksc = load_script("kernel_static_check")
     monkeypatch.setattr(ksc, "UNPACK_VARIANTS", [v for v in ksc.UNPACK_VARIANTS if v[0] == "int4-zero"])
     assert ksc.main(["--unpack", "--shape", "4096,4096"]) == 0
