@@ -1,7 +1,10 @@
 """Triton kernel for decode-sized batches of quantized weights (INT8, INT4) on
 the sparse tensor cores: ``out = x @ W^T (* scale) + bias``, W in the decode
 layout (``sparse24.decode_format.DecodePacked``) with its ``mma.sp`` metadata
-words, x float16 or bfloat16, M <= 16 per program (larger M: more programs).
+words, x float16 or bfloat16, M <= 16 per program (32 with ``R32``; larger M:
+more programs); and for 16-bit weights of x's dtype at 17-64 rows, whose stored
+values are the A registers as they are and whose metadata words the kernel
+builds from the keep masks (``_mask_sp_word``: the layout carries no others).
 
 Why a third kernel: the byte-permute decode kernel (``sparse24_decode.py``)
 rebuilds the dense operand in registers, ~12 integer instructions per 2:4 group,
@@ -190,6 +193,39 @@ def _int4_regs(w, Z0, Z8, nib_mask, BF16: tl.constexpr):
 
 
 @triton.jit
+def _mask_sp_word(m0, m1, m2, m3, sel):
+    # 16-bit weights carry keep masks only (decode_format): lane (g, q)'s mma.sp word of an atom
+    # from byte q of the keep-mask words of lanes 4g .. 4g + 3 (m0 .. m3), whose byte q holds
+    # chunk q's group j = 0 .. 3 (the lane's index), row g in the low nibble and g + 8 in the high.
+    # Gathered by byte permutes (sel = q | (q + 4) << 4), then converted nibble-parallel, then
+    # rows g and g + 8 unzipped into bits 0-15 and 16-31.
+    w = libdevice.byte_perm(libdevice.byte_perm(m0, m1, sel), libdevice.byte_perm(m2, m3, sel), 0x5410)
+    # keep-mask nibble bits (slot 0, slot 1, slot 3, slot 2) -> (lower index, higher index), two bits each:
+    # lower = 0 if slot 0, 1 if slot 1 alone of 0-1, else 2; higher = 3 if slot 3, 2 if slot 2 alone of
+    # 2-3, else 1; an empty mask (padding, zero values) -> the valid pair (0, 1) = 0b0100.
+    p1 = w >> 1
+    p2 = w >> 2
+    p3 = w >> 3
+    ones = 0x11111111
+    hi2 = (p2 | p3) & ones                      # higher index bit 1: slot 2 or 3 kept
+    lo0 = ~w & p1 & ones                        # lower index bit 0: slot 1 kept, not slot 0
+    lo1 = ~w & ~p1 & hi2                        # lower index bit 1: neither slot 0 nor 1 (and not empty)
+    hi1 = (p2 | ~p3) & ones                     # higher index bit 0: slot 3 kept, or slot 2 not
+    e = lo0 | (lo1 << 1) | (hi1 << 2) | (hi2 << 3)
+    lo = e & 0x0F0F0F0F                         # row g's nibbles at 0, 8, 16, 24
+    hi = (e >> 4) & 0x0F0F0F0F                  # row g + 8's
+    # (lo | lo >> 4): groups 0, 1 in byte 0 and 2, 3 in byte 2; the permute takes bytes 0, 2 of each
+    return libdevice.byte_perm(lo | (lo >> 4), hi | (hi >> 4), 0x6420)
+
+
+@triton.jit
+def _lane_words(v):
+    # [L, 4] (a lane's 16-byte vector) -> its four [L] words in memory order (_split4: _four's order).
+    w0, w2, w1, w3 = _split4(v)
+    return w0, w1, w2, w3
+
+
+@triton.jit
 def _x_words(xw, kw: tl.constexpr, k, K, col, MASKED: tl.constexpr):
     # B registers of one 32-column chunk (first column k): this lane's x words (two columns
     # each) at kw, kw + 4, + 8, + 12 past xw (col = 2t: the lane's first column in the
@@ -363,9 +399,9 @@ def _int4_tiles(W, Q, nib_mask, BF16: tl.constexpr, RT: tl.constexpr):
 
 @triton.jit
 def _sp_tile(acc, acc2, vt, V_ATOM, V_ROWS, et, E_ROWS, xt0, xt1, xt2, xt3, col, kt, K, KA, sm_mask, nib_mask,
-             magic, srow, zrow, G, A: tl.constexpr,
+             magic, srow, zrow, G, KM, sel, A: tl.constexpr,
              MASKED: tl.constexpr, INT4: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr,
-             BF16: tl.constexpr, N16: tl.constexpr, RT: tl.constexpr, R32: tl.constexpr):
+             BF16: tl.constexpr, N16: tl.constexpr, RT: tl.constexpr, R32: tl.constexpr, W16: tl.constexpr):
     # One K-tile (A atoms of 64 columns, two mma.sp chunks each) of this warp's RT row tiles:
     # acc per row tile its 8 accumulator registers (x rows 0-7, 8-15; the second four unused
     # unless N16); vt, et, xt0, xt1 this lane's value, metadata and x-word pointers at the
@@ -373,12 +409,21 @@ def _sp_tile(acc, acc2, vt, V_ATOM, V_ROWS, et, E_ROWS, xt0, xt1, xt2, xt3, col,
     # row pointers (rows g, g + 8 of each row tile). Per chunk all row tiles' mma take the same
     # x words, which live only within their chunk. R32: a second 16-row block of x (rows 16-23
     # at xt2, 24-31 at xt3) into acc2 with the same A registers and metadata words.
-    W2: tl.constexpr = 2 if INT4 else 4   # value words per lane and atom
+    # W16: 16-bit weights, whose values are the A registers as stored (a lane's 4 words of each
+    # half-atom, V_ATOM // 2 apart) and whose mma.sp words come from the keep masks of the lane's
+    # quad (et: its first lane's mask row; the quad's rows KM apart; _mask_sp_word with sel).
+    W2: tl.constexpr = 2 if INT4 else 4   # value words per lane and atom (16-bit: per half-atom)
     SEG: tl.constexpr = GROUP if GROUP < 64 * A else 64 * A  # INT4: columns of a quantization group inside one K-tile
     zero = tl.zeros(col.shape, tl.float32)
     EW = ()
     for r in tl.static_range(RT):
-        EW = EW + (_tile_words(et + r * E_ROWS, kt * A, KA, A, MASKED),)
+        if W16:   # per quad lane i: its keep-mask words of the K-tile's atoms
+            EW = EW + ((_tile_words(et + r * E_ROWS, kt * A, KA, A, MASKED),
+                        _tile_words(et + r * E_ROWS + KM, kt * A, KA, A, MASKED),
+                        _tile_words(et + r * E_ROWS + 2 * KM, kt * A, KA, A, MASKED),
+                        _tile_words(et + r * E_ROWS + 3 * KM, kt * A, KA, A, MASKED)),)
+        else:
+            EW = EW + (_tile_words(et + r * E_ROWS, kt * A, KA, A, MASKED),)
     for j in tl.static_range(A):
         a = kt * A + j
         ok = col * 0 + a < KA   # per lane (a scalar mask is not accepted by every Triton version)
@@ -387,8 +432,23 @@ def _sp_tile(acc, acc2, vt, V_ATOM, V_ROWS, et, E_ROWS, xt0, xt1, xt2, xt3, col,
         E = ()
         for r in tl.static_range(RT):
             P = P + (_atom_values(vp + r * V_ROWS, ok, MASKED),)
-            E = E + (EW[r][j],)
-        if INT4:
+            if W16:
+                E = E + (_mask_sp_word(EW[r][0][j], EW[r][1][j], EW[r][2][j], EW[r][3][j], sel),)
+            else:
+                E = E + (EW[r][j],)
+        if W16:
+            # the stored words are the A registers: chunk 0 in the first half-atom, chunk 1 in the second
+            A0 = ()
+            A1 = ()
+            for r in tl.static_range(RT):
+                A0 = A0 + (_lane_words(P[r]),)
+                A1 = A1 + (_lane_words(_atom_values(vp + r * V_ROWS + V_ATOM // 2, ok, MASKED)),)
+            acc = _chunk(acc, A0, E, xt0, xt1, j * 32, a * 64, K, col, 0, MASKED, BF16, N16, RT)
+            acc = _chunk(acc, A1, E, xt0, xt1, j * 32 + 16, a * 64 + 32, K, col, 1, MASKED, BF16, N16, RT)
+            if R32:
+                acc2 = _chunk(acc2, A0, E, xt2, xt3, j * 32, a * 64, K, col, 0, MASKED, BF16, N16, RT)
+                acc2 = _chunk(acc2, A1, E, xt2, xt3, j * 32 + 16, a * 64 + 32, K, col, 1, MASKED, BF16, N16, RT)
+        elif INT4:
             # Each quantization group's chunks sum into zeroed accumulators grp, then _fold adds
             # scale * grp (a group inside this K-tile: SEG columns; BLOCK_K < GROUP: the tile's part).
             W0 = ()
@@ -426,9 +486,7 @@ def _sp_tile(acc, acc2, vt, V_ATOM, V_ROWS, et, E_ROWS, xt0, xt1, xt2, xt3, col,
             A0 = ()
             A1 = ()
             for r in tl.static_range(RT):
-                pa, pb = tl.split(tl.reshape(P[r], [P[r].shape[0], 2, 2]))
-                p0, p2 = tl.split(pa)
-                p1, p3 = tl.split(pb)
+                p0, p1, p2, p3 = _lane_words(P[r])
                 A0 = A0 + (_int8_regs(p0, p1, sm_mask, BF16),)
                 A1 = A1 + (_int8_regs(p2, p3, sm_mask, BF16),)
             acc = _chunk(acc, A0, E, xt0, xt1, j * 32, a * 64, K, col, 0, MASKED, BF16, N16, RT)
@@ -449,7 +507,7 @@ def _sparse24_sp(
     ONE_TILE: tl.constexpr, INT4: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, N16: tl.constexpr,
     RT: tl.constexpr, R32: tl.constexpr,
 ):
-    # Grid: (cdiv(N, BLOCK_N), SPLIT_K, cdiv(M, ROWS)) with ROWS = 32 x rows per program when R32
+    # Grid: (cdiv(M, ROWS), cdiv(N, BLOCK_N), SPLIT_K), ROWS = 32 x rows per program when R32
     # (M > 16: each weight tile's registers serve two 16-row blocks of x), else 16; num_warps = BLOCK_N // (16 RT): warp w
     # owns the RT row tiles pid_n * BLOCK_N / 16 + RT w + r (RT = 2: both tiles' mma take the
     # same x words, loaded once). meta_ptr: the layout's meta, (NT, 32, KM) words whose
@@ -464,13 +522,19 @@ def _sparse24_sp(
     li = lane % 32
     g = li // 4
     tq = li % 4
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
+    # Grid (row blocks, weight tiles, splits): the row blocks along x, which the GPU starts fastest,
+    # so the programs that read one weight tile for different rows of x start together and all but
+    # the first find it in L2 (with the row blocks along z, a layer whose programs do not all fit
+    # on the SMs at once would read the weight from HBM once per row block).
     ROWS: tl.constexpr = 32 if R32 else 16
-    m0 = tl.program_id(2).to(tl.int64) * ROWS
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    n_tiles = tl.num_programs(1)
+    m0 = pid_m.to(tl.int64) * ROWS
     x_ptr += m0 * stride_xm
     out_ptr += m0 * stride_om
-    m_left = tl.minimum(M - tl.program_id(2) * ROWS, ROWS)
+    m_left = tl.minimum(M - pid_m * ROWS, ROWS)
     NT = (N + 127) // 128 * 8
     t = pid_n * (BLOCK_N // 16) + (lane // 32) * RT    # this lane's (first) row tile
 
@@ -483,9 +547,15 @@ def _sparse24_sp(
     k_hi = min(k_tiles, k_lo + per_split)
     n_full = K // BLOCK_K
 
-    # values as 32-bit words, per lane and atom: INT8 4 words (16 B), INT4 2 words (8 B)
+    # values as 32-bit words, per lane and atom: INT8 4 words (16 B), INT4 2 words (8 B), 16-bit
+    # weights 4 words per half-atom (the A registers of one chunk)
+    W16: tl.constexpr = not INT8 and not INT4
     v_ptr = v_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
-    if INT4:
+    if W16:
+        v_lane = v_ptr + t.to(tl.int64) * 128 + li * 4       # + atom * 2 * NT * 128 (+ NT * 128: half 1)
+        V_ATOM = NT.to(tl.int64) * 256
+        V_ROWS: tl.constexpr = 128
+    elif INT4:
         v_lane = v_ptr + t.to(tl.int64) * 64 + li * 2        # + atom * NT * 64
         V_ATOM = NT.to(tl.int64) * 64
         V_ROWS: tl.constexpr = 64                             # the next row tile
@@ -493,8 +563,12 @@ def _sparse24_sp(
         v_lane = v_ptr + t.to(tl.int64) * 128 + li * 4       # + atom * NT * 128
         V_ATOM = NT.to(tl.int64) * 128
         V_ROWS: tl.constexpr = 128
-    e_ptrs = meta_ptr + ((t * 32 + li).to(tl.int64) * KM + (KM >> 1))   # KM >= 0: a shift, not a signed division
+    if W16:   # the keep masks of the lane's quad (lanes 4g .. 4g + 3; rows KM apart)
+        e_ptrs = meta_ptr + (t * 32 + 4 * g).to(tl.int64) * KM
+    else:     # the mma.sp words (KM >= 0: a shift, not a signed division)
+        e_ptrs = meta_ptr + ((t * 32 + li).to(tl.int64) * KM + (KM >> 1))
     E_ROWS = 32 * KM
+    sel = tq | ((tq + 4) << 4)   # W16: byte q of two keep-mask words
     # x rows g and g + 8 as 32-bit words (rows past M clamped: never stored)
     xi = x_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
     r0 = tl.minimum(g, m_left - 1).to(tl.int64)
@@ -535,11 +609,11 @@ def _sparse24_sp(
     V_TILE = A * V_ATOM
     if ONE_TILE and EVEN_K:  # split pid_k owns exactly K-tile pid_k (the small layers' default): no loop
         acc, acc2 = _sp_tile(acc, acc2, vt, V_ATOM, V_ROWS, et, E_ROWS, xt0, xt1, xt2, xt3, col, k_lo, K, KA, sm_mask,
-                             nib_mask, magic, srow, zrow, G, A, False, INT4, GROUP, HAS_ZERO, BF16, N16, RT, R32)
+                             nib_mask, magic, srow, zrow, G, KM, sel, A, False, INT4, GROUP, HAS_ZERO, BF16, N16, RT, R32, W16)
     else:
         for kt in range(k_lo, min(k_hi, n_full)):
             acc, acc2 = _sp_tile(acc, acc2, vt, V_ATOM, V_ROWS, et, E_ROWS, xt0, xt1, xt2, xt3, col, kt, K, KA, sm_mask,
-                                 nib_mask, magic, srow, zrow, G, A, False, INT4, GROUP, HAS_ZERO, BF16, N16, RT, R32)
+                                 nib_mask, magic, srow, zrow, G, KM, sel, A, False, INT4, GROUP, HAS_ZERO, BF16, N16, RT, R32, W16)
             vt += V_TILE
             et += A
             xt0 += BLOCK_K // 2
@@ -550,8 +624,8 @@ def _sparse24_sp(
     if not EVEN_K:
         if (n_full >= k_lo) & (n_full < k_hi):  # this split owns the partial tile (pointers are there)
             acc, acc2 = _sp_tile(acc, acc2, vt, V_ATOM, V_ROWS, et, E_ROWS, xt0, xt1, xt2, xt3, col, n_full, K, KA,
-                                 sm_mask, nib_mask, magic, srow, zrow, G, A, True, INT4, GROUP, HAS_ZERO, BF16, N16,
-                                 RT, R32)
+                                 sm_mask, nib_mask, magic, srow, zrow, G, KM, sel, A, True, INT4, GROUP, HAS_ZERO, BF16,
+                                 N16, RT, R32, W16)
 
     # out^T fragment -> (n, m): n = row of W, m = row of x
     n_lo = t * 16 + g
@@ -560,14 +634,14 @@ def _sparse24_sp(
     if SPLIT_K > 1:
         # Serial split-K (as the decode kernel): partials in the plan's workspace
         # [tiles, SPLIT_K, BLOCK_N, 16], a tile per BLOCK_N rows of W and 16 rows of x (R32: this
-        # program's second 16 rows in the next tile along z), the last-arriving program (its
+        # program's second 16 rows in the next block of n_tiles tiles), the last-arriving program (its
         # first tile's counter) sums them in split order.
-        tile = tl.program_id(2) * (ROWS // 16) * tl.num_programs(0) + pid_n
+        tile = pid_m * (ROWS // 16) * n_tiles + pid_n
         TILE: tl.constexpr = SPLIT_K * BLOCK_N * 16
         # a lane's 8 partials of a row tile lie together (two 16-byte vectors): the program's row tile i
         # at 256 i floats, lane li at 8 li
         base = ws_ptr + tile.to(tl.int64) * TILE + (t - pid_n * (BLOCK_N // 16)) * 256 + li * 8
-        base2 = base + tl.num_programs(0).to(tl.int64) * TILE
+        base2 = base + n_tiles.to(tl.int64) * TILE
         mine = base + pid_k * (BLOCK_N * 16)
         mine2 = base2 + pid_k * (BLOCK_N * 16)
         for r in tl.static_range(RT):   # row tile r: 16 rows (256 partials) further

@@ -188,16 +188,16 @@ def _triton_dense(x, w, cfg, kernels):
     return out
 
 
-def prefill(out: Path, dev, shapes=((4096, 4096), (11008, 4096), (4096, 11008)), ms=(64, 256, 1024, 4096)) -> None:
+def prefill(out: Path, dev, shapes=((4096, 4096), (11008, 4096), (4096, 11008)), ms=(32, 64, 256, 1024, 4096)) -> None:
     from triton.testing import do_bench
     torch.manual_seed(0)
     rows = []
     f = open(out / "probe_prefill.csv", "w", newline="")
     wr = csv.writer(f)
     wr.writerow(["weight", "N", "K", "M", "dense_us", "prefill_us", "unpack_mm_us", "unpack_us", "cusparselt_us",
-                 "triton_dense_us", "prefill_config", "cusparselt_kernel_us"])
+                 "triton_dense_us", "prefill_config", "cusparselt_kernel_us", "sp_us"])
     from sparse24.kernels.interpreter import InterpretedKernel
-    from sparse24.ops.config_space import dtype_key
+    from sparse24.ops.config_space import SP_MAX_M, dtype_key
     from sparse24.ops.linear24.prefill import prefill_config, prefill_pair
     kernels = {"cuda": triton.jit(_dense_mm), "cpu": InterpretedKernel(_dense_mm)}
 
@@ -254,12 +254,17 @@ def prefill(out: Path, dev, shapes=((4096, 4096), (11008, 4096), (4096, 11008)),
                      f"_SK{cfg.split_k}",
                      # cuSPARSELt's own kernels per call (profiler): is its ~1 ms a call host time
                      # (then a CUDA graph would remove it) or the GPU's?
-                     _device_us(lambda: F.linear(x, ws), dev) if ws is not None else float("nan")]
+                     _device_us(lambda: F.linear(x, ws), dev) if ws is not None else float("nan"),
+                     # to SP_MAX_M rows the route's sparse tensor-core kernel (16-bit weights too, since
+                     # 2026-12-04), its untuned config for the M bucket
+                     bench(lambda: launch.run(x, p.values, p.meta, p.scale, None, N, None, p.zero, gs))
+                     if M <= SP_MAX_M else float("nan")]
                 wr.writerow(r)
                 f.flush()
                 rows.append(r)
                 print("  M %5d  dense %8.2f  prefill %8.2f  unpack+mm %8.2f  unpack %7.2f  cusparselt %8.2f  "
-                      "triton dense %8.2f  (%s)  cusparselt kernels %8.2f" % (M, *r[4:]), flush=True)
+                      "triton dense %8.2f  (%s)  cusparselt kernels %8.2f  sparse tensor cores %8.2f" % (M, *r[4:]),
+                      flush=True)
     f.close()
 
 

@@ -421,7 +421,8 @@ def sp_l1_per_byte(r: dict) -> float | None:
     4 tags and return 128 bytes per cycle (NVIDIA's description of L1TEX on its developer
     forum; a model, not measured here). Per warp and K-tile (A atoms, RT row tiles): x, 4-byte
     words of 8 rows (8 lines: 2) per register, 4 per chunk and 8-row block; the mma.sp words,
-    up to 16 bytes per lane of 32 meta rows (8); values, lane-contiguous (INT8 16 B, INT4 8 B
+    up to 16 bytes per lane of 32 meta rows (8; 16-bit weights: the keep masks of a lane's quad,
+    four loads of 8 rows each, 2 each); values, lane-contiguous (16-bit 32 B, INT8 16 B, INT4 8 B
     per lane and atom); INT4 scales and zero points, 8 rows each (2) per row half and group."""
     if not r["sparse"]:
         return None
@@ -430,7 +431,8 @@ def sp_l1_per_byte(r: dict) -> float | None:
     int4 = r["dtype"].startswith("int4-")
     x = 2 * A * 4 * x_blocks(r["rows"]) * 2
     meta = RT * -(-A // 4) * 8
-    values = RT * A * max(1, 32 * (8 if int4 else 16) // 128)
+    lane_bytes = 8 if int4 else 16 if r["dtype"].startswith("int8-") else 32
+    values = RT * A * max(1, 32 * lane_bytes // 128)
     groups = max(1, c.block_k // INT4_GROUP) if int4 else 0
     side = RT * 2 * groups * 2 * 2          # rows g, g + 8; scale and zero point
     return (x + meta + values + side) / (weight_tile_bytes(r["dtype"], c.block_n, c.block_k) / c.num_warps)
@@ -518,14 +520,26 @@ def listed_main(a, dtypes) -> dict:
           "dense 16-bit at equal bandwidth (byte ratio x min(1, 0.219 / all, "
           "0.219 / (2 x integer), 0.0545 / L1 wavefronts)): " + ", ".join(
               f"{short} {min(ratios[dt]):.2f}-{max(ratios[dt]):.2f}x" for short, dt in SUMMARY_NAMES if dt in ratios))
-    # INT8 / INT4 with 16-bit x keep this kernel up to SP_MAX_M rows: ceil(M / 32) programs along
-    # z, each pass over the weight as above, counted as read from HBM again (no L2 reuse assumed).
+    # With 16-bit x this kernel serves up to SP_MAX_M rows: ceil(M / 32) programs per weight tile,
+    # each a pass over it. Counted from HBM every time, that divides the speed (the bound below);
+    # the kernel's grid starts a tile's row blocks one after another (row blocks fastest along
+    # x), so all but the first should find the tile in L2: one HBM pass, the 17-32-row figure (a
+    # prediction; L2 bandwidth not counted). Where every program of all the passes fits on the SMs
+    # at once, the passes run side by side whatever the order.
     from sparse24.ops.config_space import SP_MAX_M
     if rows > 16:
         passes = -(-SP_MAX_M // 32)
-        print(f"predicted speed at 33-{SP_MAX_M} rows (the same programs, {passes} passes along z, each from HBM): "
-              + ", ".join(f"{short} {min(ratios[dt]) / passes:.2f}-{max(ratios[dt]) / passes:.2f}x"
-                          for short, dt in SUMMARY_NAMES if dt in ratios))
+        print(f"predicted speed at 33-{SP_MAX_M} rows if each of the {passes} passes came from HBM (the bound; "
+              f"a tile's row blocks start together, so the later passes should read L2 and keep the 17-32-row "
+              f"speed): " + ", ".join(f"{short} {min(ratios[dt]) / passes:.2f}-{max(ratios[dt]) / passes:.2f}x"
+                                      for short, dt in SUMMARY_NAMES if dt in ratios))
+        together = {}
+        for r in results:
+            o = occupancy(r)
+            together.setdefault(r["dtype"], []).append(passes * o["programs"] <= SMS * o["fit"])
+        print(f"shapes whose {passes} passes also fit on the SMs at once: "
+              + ", ".join(f"{short} {sum(together[dt])}/{len(together[dt])}" for short, dt in SUMMARY_NAMES
+                          if dt in together))
     print("max amortized warp_instr_per_byte at listed shapes: " + ", ".join(
         f"{short} {worst[dt]:.3f}" for short, dt in SUMMARY_NAMES if dt in worst))
     print("max amortized integer-pipe warp_instr_per_byte at listed shapes: " + ", ".join(

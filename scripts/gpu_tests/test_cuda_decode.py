@@ -137,21 +137,25 @@ def test_int4_default_config_matches_reference(M, gs, sym, xtype, gen):
     assert_matches_reference(_run(x, pack_decode(p), b, None), x, dense, b)
 
 
-@pytest.mark.parametrize("wtype,xtype", [("int8", "fp16"), ("int8", "bf16"), ("int4", "fp16"), ("int4", "bf16")])
+@pytest.mark.parametrize("wtype,xtype", [("int8", "fp16"), ("int8", "bf16"), ("int4", "fp16"), ("int4", "bf16"),
+                                         ("fp16", "fp16"), ("bf16", "bf16")])
 @pytest.mark.parametrize("M", [20, 32, 64])
 def test_sparse_tensor_cores_at_17_to_64_rows(M, wtype, xtype, gen):
-    """17-64 rows with INT8 / INT4 weights: 32 rows of x per program (block_m 32, two 16-row
+    """17-64 rows with INT8 / INT4 weights or 16-bit weights of x's dtype (whose mma.sp words the
+    kernel builds from the keep masks): 32 rows of x per program (block_m 32, two 16-row
     blocks on the same weight registers; 64 rows: two programs along z), the 4096 x 4096
     default with its serial split-K, one kernel per call, against fp64 on the exact
     (dequantized) weight."""
     from sparse24.ops.config_space import builtin_config
     act = ACT[xtype]
-    if wtype == "int8":
-        d, dense = _weight(4096, 4096, "int8", act, gen)
+    key = ('float16' if xtype == 'fp16' else 'bfloat16') if wtype in ("fp16", "bf16") else \
+        f"{wtype}-{'float16' if xtype == 'fp16' else 'bfloat16'}"
+    if wtype != "int4":
+        d, dense = _weight(4096, 4096, wtype, act, gen)
     else:
         p = sparse24.compress(torch.randn(4096, 4096, generator=gen, device=DEV), quantize="int4")
         d, dense = pack_decode(p), p.to_dense().double()
-    cfg = builtin_config(M, 4096, 4096, layout="decode", dtype=f"{wtype}-{'float16' if xtype == 'fp16' else 'bfloat16'}")
+    cfg = builtin_config(M, 4096, 4096, layout="decode", dtype=key)
     assert cfg.block_m == 32 and cfg.split_k > 1, cfg
     x = torch.randn(M, 4096, generator=gen, device=DEV).to(act)
     b = torch.randn(4096, generator=gen, device=DEV)

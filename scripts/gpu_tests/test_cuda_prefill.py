@@ -25,10 +25,10 @@ def test_auto_route_matches_reference(M, wtype, xtype, gen):
     d, dense = _weight(200, 328, wtype, ACT[xtype], gen)
     x = torch.randn(M, 328, generator=gen, device=DEV).to(ACT[xtype])
     b = torch.randn(200, generator=gen, device=DEV)
-    # INT8 with 16-bit x runs the sparse tensor-core kernel up to SP_MAX_M rows (config_space); every
+    # Every pair here runs the sparse tensor-core kernel up to SP_MAX_M rows (config_space); every
     # weight the unpack route from UNPACK_MIN_M rows, whose float32 bias here sends the call to the
     # prefill kernel (one rounding, the exact INT8 scale)
-    expect = "triton" if wtype == "int8" and M <= SP_MAX_M else "unpack" if M >= op.UNPACK_MIN_M else "prefill"
+    expect = "triton" if M <= SP_MAX_M else "unpack" if M >= op.UNPACK_MIN_M else "prefill"
     assert op.choose_backend(x, d) == expect
     y = sparse24.linear(x, d, b)
     torch.cuda.synchronize()

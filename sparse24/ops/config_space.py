@@ -35,11 +35,13 @@ DECODE_M = 16
 # grid's z; their serial split-K keeps a workspace block per 16 rows, up to this many rows.
 SPLIT_K_MAX_M = 64
 # INT8 / INT4 weights with float16 / bfloat16 x stay on the sparse tensor-core kernel up to
-# SP_MAX_M rows, past 16 rows one program per 32 rows (block_m 32: every weight register
-# serves 32 rows): one pass over the weight to 32 rows, two to 64, predicted 2.62-3.20x and
-# 1.31-1.60x of dense at its worst listed shape (each pass counted from HBM), where the
-# prefill kernel, split-K included, is predicted 1.04-1.25x at its worst (1.59-2.65x at its
-# best; scripts/kernel_static_check.py --sass --listed-only --listed-rows 32 and --prefill;
+# SP_MAX_M rows, and 16-bit weights of x's dtype take it from 17 rows: one program per 32 rows
+# (block_m 32: every weight register serves 32 rows), one pass over the weight to 32 rows, two
+# to 64, predicted 2.62-3.20x (INT8 / INT4) and 1.78x (16-bit) of dense at its worst listed
+# shape, half that at 33-64 rows if each pass came from HBM (a tile's row blocks start together,
+# so the second should read L2), where the prefill kernel, split-K included, is predicted
+# 1.04-1.25x (INT8 / INT4) at its worst and measured 0.55-0.71x (16-bit, 64 rows, H200;
+# scripts/kernel_static_check.py --sass --listed-only --listed-rows 32 and --prefill;
 # docs/kernels.md, "17-64 rows").
 SP_MAX_M = SPLIT_K_MAX_M
 # The prefill kernel's split-K (for few output tiles: x's rows times N's blocks below
@@ -219,9 +221,10 @@ def sparse_kernel(dtype: str) -> bool:
 
 def decode_rows(M: int, dtype: str) -> int:
     """Rows of x per program the decode kernels take at ``M`` rows (or its bucket) of dtype key
-    ``dtype``: 32 on the sparse tensor-core route (INT8 / INT4 weights with float16 / bfloat16
-    x, 17 to SP_MAX_M rows: one weight register serves 32 rows), else 16."""
-    return 32 if sparse_kernel(dtype) and DECODE_M < M <= SP_MAX_M else 16
+    ``dtype``: 32 on the sparse tensor-core route (17 to SP_MAX_M rows with float16 / bfloat16 x:
+    INT8 / INT4 weights, and 16-bit weights of x's dtype, whose M <= 16 stays on the byte-permute
+    kernel; one weight register serves 32 rows), else 16."""
+    return 32 if DECODE_M < M <= SP_MAX_M and (sparse_kernel(dtype) or dtype in ("float16", "bfloat16")) else 16
 
 
 def decode_configs(M: int, N: int, K: int, dtype: str = "float16", num_sms: int = 132) -> list[KernelConfig]:
@@ -242,6 +245,8 @@ def decode_configs(M: int, N: int, K: int, dtype: str = "float16", num_sms: int 
     (its route past decode sizes) 32 rows per program (``block_m`` 32) with
     split-K, BLOCK_K up to 256 and INT4 at most two tiles per warp (INT4's doubled
     accumulators spill beyond; all 30 compiled variants at 4096 x 4096: 0 spills).
+    16-bit weights take the same kernel there (with x of their dtype; at M <= 16 the
+    byte-permute kernel's space), at most two tiles per warp (four spill with Triton 3.6).
 
     Args:
         M, N, K: problem size (x is M x K, W is N x K); dtype: a :func:`dtype_key`.
@@ -251,15 +256,17 @@ def decode_configs(M: int, N: int, K: int, dtype: str = "float16", num_sms: int 
     if M < 1:
         raise ValueError(f"M must be >= 1, got {M}")
     int8 = dtype.startswith("int8-")
-    sparse = sparse_kernel(dtype)
     rows = decode_rows(M, dtype)
     r32 = rows == 32
+    sparse = sparse_kernel(dtype) or r32
     out = []
     for bn, warps in _SPARSE_TILES if sparse else _DECODE_TILES:
         for bk in _DECODE_BLOCK_K + ((512,) if sparse else ()):   # (registers: no tile in shared memory)
             # Four INT4 row tiles per warp 512 deep spill (255 registers, sm_90); at 32 rows four INT4 tiles
             # or 512 deep spill too, and INT8 512 deep compiles (178 registers) but is not predicted faster.
-            if dtype.startswith("int4-") and bn // warps == 64 and (bk == 512 or r32) or (r32 and bk == 512):
+            # 16-bit weights at 32 rows: four tiles spill with Triton 3.6 (255 registers, 40-200 B; 3.9: 170-193)
+            if dtype.startswith("int4-") and bn // warps == 64 and (bk == 512 or r32) or (r32 and bk == 512) \
+                    or (r32 and not sparse_kernel(dtype) and bn // warps == 64):
                 continue
             programs = -(-N // bn) * -(-M // rows)
             splits = [1] + [s for s in (2, 4, 8) if programs * s <= 4 * num_sms and K >= 2 * s * bk
@@ -305,8 +312,8 @@ def decode_default(N: int, K: int, dtype: str = "float16", num_sms: int = 132, r
     # loads into registers, without Triton's pipeline, so a program has one K-tile in flight;
     # its tiles may be 512 columns deep (the instructions outside the loop amortize over twice
     # the bytes: INT4 4096 x 4096 0.307 -> 0.239 warp-instructions per byte on sm_90)
-    sparse = sparse_kernel(dtype)
     r32 = decode_rows(rows, dtype) == 32
+    sparse = sparse_kernel(dtype) or r32   # (16-bit weights: on the sparse tensor cores past 16 rows)
     bn, warps = 64, 4
     if sparse:
         # 512 where it divides K (a partial tile is a second, masked copy of the tile's code); four
@@ -315,7 +322,9 @@ def decode_default(N: int, K: int, dtype: str = "float16", num_sms: int = 132, r
         # INT4 with four tiles: at most 256 deep (251 registers; 512 spills).
         def depth(rows, depths):
             return next((b for b in depths if rows * -(-K // b) >= num_sms and K % b == 0), None)
-        deep = () if r32 and dtype.startswith("int4-") else (256,) if r32 or dtype.startswith("int4-") else (512, 256)
+        # (at 32 rows INT4 and 16-bit weights keep two tiles: four spill, 16-bit with Triton 3.6)
+        deep = () if r32 and not dtype.startswith("int8-") else (256,) if r32 or dtype.startswith("int4-") \
+            else (512, 256)
         bk = depth(-(-N // 128), deep)
         bn, warps = (128, 2) if bk else (64, 2)
         bk = bk or depth(-(-N // 64), (256, 128) if r32 else (512, 256, 128)) or 128

@@ -29,7 +29,9 @@ Lookup order for (M, N, K, dtype) on a GPU: (1) exact key in this GPU's
 file(s), (2) the nearest M bucket with the same N, K, dtype, (3) the same in
 files of other GPUs with the same compute capability (the GPU family),
 (4) this GPU's file default, for a dtype key the file has entries of (an H200 tune cut short
-after six float16 keys would otherwise have set INT8, INT4 and bfloat16 configs untimed),
+after six float16 keys would otherwise have set INT8, INT4 and bfloat16 configs untimed) where
+its grid keeps the SMs as busy as the built-in's (a winner at 4096 x 4096 would leave idle SMs
+at 1024 x 4096),
 (5) :func:`~sparse24.ops.config_space.builtin_config`.
 A missing folder is silent; a corrupt or schema-invalid file gives one warning
 and is skipped, so a bad file can never crash a forward pass or pick an invalid
@@ -135,26 +137,26 @@ def _serves(config: KernelConfig, M: int, dtype: str) -> bool:
 
 def _check_prefill_entry(config: KernelConfig, bucket: int, dtype: str, where: str) -> None:
     """A prefill-kernel entry must be one the kernel runs, at a bucket its route takes:
-    past 16 rows, and for INT8 / INT4 with 16-bit x past SP_MAX_M rows."""
+    past 16 rows, and with 16-bit x past SP_MAX_M rows."""
     try:
         check_prefill_runs(config)
     except ValueError as e:
         raise ValueError(f"{where}: {e}") from None
     if bucket <= DECODE_M or decode_rows(bucket, dtype) == 32:
         raise ValueError(f"{where}: a prefill entry at M bucket {bucket} for {dtype}: the prefill kernel runs past "
-                         f"{DECODE_M} rows (INT8 / INT4 with float16 / bfloat16 x: past {SP_MAX_M})")
+                         f"{DECODE_M} rows (with float16 / bfloat16 x: past {SP_MAX_M})")
 
 
 def _check_decode_entry(config: KernelConfig, bucket: int, dtype: str, where: str) -> None:
     """A decode-kernel entry must be one its kernel runs at that bucket: 32 rows per program
-    only on the sparse tensor-core route (INT8 / INT4 with 16-bit x, 17 to SP_MAX_M rows)."""
+    only on the sparse tensor-core route (16-bit x, 17 to SP_MAX_M rows)."""
     try:
         check_decode_config(config)
     except ValueError as e:
         raise ValueError(f"{where}: {e}") from None
     if config.block_m != 16 and not _serves(config, bucket, dtype):
         raise ValueError(f"{where}: BLOCK_M {config.block_m} in a decode entry: 32 rows per program only for "
-                         f"INT8 / INT4 weights with float16 / bfloat16 x at M buckets {DECODE_M * 2}-{SP_MAX_M}")
+                         f"float16 / bfloat16 x at M buckets {DECODE_M * 2}-{SP_MAX_M}")
 
 
 def validate_dir(d) -> list[tuple[Path, str]]:
@@ -288,16 +290,33 @@ def lookup(M: int, N: int, K: int, dtype: str, gpu_name: str, capability: tuple[
             f, entry, bm = hit
             return Choice(entry["config"], kind, f"{kind} entry M={bm} for N={N}, K={K}, {dtype} in {f['path']}",
                           entry)
+    builtin = None if kernel == "prefill" else builtin_config(M, N, K, num_sms, layout, dtype)
     for f in own:   # a file's default serves the dtype keys it tuned (its winner is their evidence)
         if f["default"].kernel == kernel and _serves(f["default"], M, dtype) \
-                and any(k[3] == dtype for k in f["entries"]):
+                and any(k[3] == dtype for k in f["entries"]) and _fills(f["default"], builtin, M, N, K, num_sms):
             return Choice(f["default"], "file-default", f"default of {f['path']}")
     if kernel == "prefill":
         from .linear24.prefill import prefill_config, prefill_pair
         return Choice(prefill_config(max(M, DECODE_M + 1), N, K, num_sms, prefill_pair(dtype)), "builtin",
                       "the prefill kernel's untuned config (no tuned prefill config for this GPU)")
-    return Choice(builtin_config(M, N, K, num_sms, layout, dtype), "builtin",
-                  "built-in untuned config (no tuned config of this layout for this GPU)")
+    return Choice(builtin, "builtin", "built-in untuned config (no tuned config of this layout for this GPU)")
+
+
+def _programs(config: KernelConfig, M: int, N: int) -> int:
+    """Programs of one launch of ``config`` at M rows and N outputs (row blocks x column blocks x splits)."""
+    return -(-M // config.block_m) * -(-N // config.block_n) * config.split_k
+
+
+def _fills(default: KernelConfig, builtin: KernelConfig, M: int, N: int, K: int, num_sms: int) -> bool:
+    """Whether a file's default, tuned at other shapes, keeps the SMs as busy at (M, N, K) as the
+    built-in default would: at least ``num_sms`` programs, or as many as the built-in's (a small
+    layer neither fills), and no more splits of K than K-tiles (a split without a tile only adds
+    its prologue and partial sums). A default that won at 4096 x 4096 (64 tiles of 64 rows, split 8)
+    gives a 1024 x 4096 layer 128 programs on 132 SMs, where the built-in splits to fill them, and a
+    3072 x 768 layer 8 splits of its 3 K-tiles (sm_90, Triton 3.6: 0.102 integer-pipe instructions per
+    byte, over the 0.10 budget; the built-in's 3 splits: 0.079)."""
+    return _programs(default, M, N) >= min(num_sms, _programs(builtin, M, N)) \
+        and default.split_k <= -(-K // default.block_k)
 
 
 @dataclasses.dataclass(frozen=True)

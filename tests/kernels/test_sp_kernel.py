@@ -130,6 +130,13 @@ def test_quantized_weights_with_half_x_take_the_sparse_kernel():
         assert launch.variant_of(cfg, x_dtype, has_scale) is want
     assert launch.variant_of(KernelConfig(16, 64, 64, 1, 1, 4, 1, kernel="prefill"), torch.float16, True) \
         is launch._Prefill
+    # 16-bit weights: the sparse kernel at 32 rows per program (17 to SP_MAX_M rows) with x of their dtype only
+    for rows, w_dtype, x_dtype, want in ((32, torch.float16, torch.float16, launch._DecodeSP),
+                                         (32, torch.bfloat16, torch.bfloat16, launch._DecodeSP),
+                                         (16, torch.float16, torch.float16, launch._Decode),
+                                         (32, torch.bfloat16, torch.float16, launch._Decode),
+                                         (32, torch.float16, torch.float32, launch._Decode)):
+        assert launch.variant_of(_cfg(64, 128, rows=rows, tiles_per_warp=2), x_dtype, False, w_dtype) is want
 
 
 # --- the kernel against fp64 ---------------------------------------------------------
@@ -196,30 +203,80 @@ def test_past_16_rows_split_k_inside_the_launch(M, rows, quantize, gen):
         plan = next(plan for key, plan in launch._PLANS.items() if key[8] == m_bucket(M) and plan.config == cfg)
         assert not plan.extra[1].any()                     # reset for the next launch
     assert launch._DecodeSP.split_k(cfg, m_bucket(M), False) == 2
-    assert launch._DecodeSP.grid(M, 72, cfg, 2) == (2, 2, -(-M // rows))
+    assert launch._DecodeSP.grid(M, 72, cfg, 2) == (-(-M // rows), 2, 2)   # (row blocks, tiles, splits)
+
+
+@pytest.mark.parametrize("M", [17, 25, 40, 64])
+def test_16bit_weights_past_16_rows_match_reference(M, gen):
+    """16-bit weights of x's dtype at 17 to SP_MAX_M rows: the stored values are the mma.sp A
+    registers and the kernel builds the metadata words from the keep masks of each lane's quad
+    (a wrong pair fails the emulation's check or the product). N = 72, K = 200: padding rows,
+    a partial atom and K-tile; serial split-K, bias; one, two or four row tiles per warp."""
+    p = sparse24.compress(torch.randn(72, 200, generator=gen).half())
+    d, dense = pack_decode(p), p.to_dense().double()
+    b = torch.randn(72, generator=gen).half()
+    x = torch.randn(M, 200, generator=gen).half()
+    for tiles_per_warp in (1, 2, 4):
+        cfg = _cfg(64, 128, split=2, tiles_per_warp=tiles_per_warp, rows=32)
+        assert_matches_reference(linear_decode(x, d, b, config=cfg), x, dense, b)
+        plan = next(plan for key, plan in launch._PLANS.items() if key[8] == m_bucket(M) and plan.config == cfg)
+        assert plan.variant is launch._DecodeSP and plan.constexprs["R32"]
+        assert not plan.extra[1].any()                     # split-K counters reset for the next launch
+    # the untuned default of the route (one K-tile per split at this size) and a 3-D x
+    x3 = torch.randn(2, -(-M // 2), 200, generator=gen).half()
+    assert_matches_reference(linear_decode(x3, d), x3, dense)
+
+
+def test_16bit_sparse_kernel_reads_the_keep_masks(gen):
+    """The 16-bit weight's mma.sp words come from its keep masks (it carries no others): one
+    group's two kept slots moved to the other two gives the dense weight the masks describe."""
+    N, K = 40, 128
+    p = sparse24.compress(torch.randn(N, K, generator=gen).half())
+    d, dense = pack_decode(p), p.to_dense().double()
+    code = (0, 1, 3, 2)                      # slot -> keep-mask bit (decode_format)
+    # row 5, atom 0, chunk 0, group j = 1 (columns 4..7): lane 4 * 5 + 1, nibble 2q + b = 0
+    word = int(d.meta[0, 21, 0])
+    mask = word & 15
+    kept = sorted(s for s in range(4) if mask >> code[s] & 1)
+    moved_to = sorted(set(range(4)) - set(kept))
+    meta = d.meta.clone()
+    meta[0, 21, 0] = word & ~15 | sum(1 << code[s] for s in moved_to)
+    bad = DecodePacked(d.values, meta, d.shape, d.dtype, check=False)
+    moved = dense.clone()
+    moved[5, 4:8] = 0
+    moved[5, 4 + moved_to[0]], moved[5, 4 + moved_to[1]] = dense[5, 4 + kept[0]], dense[5, 4 + kept[1]]
+    x = torch.randn(20, K, generator=gen).half()
+    y = linear_decode(x, bad, config=_cfg(64, 64, rows=32, tiles_per_warp=2))
+    assert not matches_reference(y, x, dense)
+    assert_matches_reference(y, x, moved)
 
 
 def test_route_defaults_past_16_rows():
     """The untuned configs of the route: 32 rows per program (INT8 four row tiles per warp
-    where tiles fill the SMs, INT4 two: its doubled accumulators spill at four) in the 32- and
-    64-row buckets; past SP_MAX_M and for the byte-permute kernel (which refuses 32) 16 rows."""
-    for dt in ("int8-float16", "int8-bfloat16", "int4-float16", "int4-bfloat16"):
+    where tiles fill the SMs, INT4 and 16-bit weights two: four spill, INT4's doubled accumulators,
+    16-bit with Triton 3.6) in the 32- and 64-row buckets; past SP_MAX_M and for the byte-permute
+    kernel (which refuses 32) 16 rows."""
+    for dt in ("int8-float16", "int8-bfloat16", "int4-float16", "int4-bfloat16", "float16", "bfloat16"):
         for M in (32, SP_MAX_M):
             c32 = builtin_config(M, 4096, 4096, layout="decode", dtype=dt)
             assert c32 == decode_default(4096, 4096, dt, rows=32) and c32.block_m == 32 and c32.split_k > 1
-            assert c32.block_n // (16 * c32.num_warps) == (2 if dt.startswith("int4-") else 4) and c32.block_k == 256
+            assert c32.block_n // (16 * c32.num_warps) == (4 if dt.startswith("int8-") else 2) and c32.block_k == 256
         assert builtin_config(SP_MAX_M + 1, 4096, 4096, layout="decode", dtype=dt).block_m == 16
         # the tuning space there is the route's too (a tuned entry replaces the default)
         for M in (17, 32, SP_MAX_M):
             space = decode_configs(M, 4096, 4096, dt)
             assert {c.block_m for c in space} == {32} and max(c.block_k for c in space) == 256 and max(
                 c.split_k for c in space) > 1
-            assert max(c.block_n // (16 * c.num_warps) for c in space) == (2 if dt.startswith("int4-") else 4)
+            assert max(c.block_n // (16 * c.num_warps) for c in space) == (4 if dt.startswith("int8-") else 2)
         assert {c.block_m for c in decode_configs(SP_MAX_M + 1, 4096, 4096, dt)} == {16}
-    assert builtin_config(32, 4096, 4096, layout="decode", dtype="float16").block_m == 16
-    d16 = pack_decode(sparse24.compress(torch.randn(64, 128).half()))
-    with pytest.raises(ValueError, match="block_m == 16"):
-        linear_decode(torch.randn(20, 128).half(), d16, config=_cfg(64, 64, rows=32))
+    # M <= 16 keeps the byte-permute kernel for 16-bit weights; fp32 x never takes the route
+    assert builtin_config(16, 4096, 4096, layout="decode", dtype="float16").block_m == 16
+    assert builtin_config(32, 4096, 4096, layout="decode", dtype="float32").block_m == 16
+    # mma.sp takes one type for both operands: a 16-bit weight of the other dtype (or fp32 x) is refused 32 rows
+    for w_dtype, x_dtype in ((torch.float16, torch.float32), (torch.bfloat16, torch.float16)):
+        d16 = pack_decode(sparse24.compress(torch.randn(64, 128).to(w_dtype)))
+        with pytest.raises(ValueError, match="block_m == 16"):
+            linear_decode(torch.randn(20, 128).to(x_dtype), d16, config=_cfg(64, 64, rows=32))
 
 
 def test_unaligned_and_strided_x(gen):
@@ -292,6 +349,25 @@ def test_32_rows_per_program_compile_two_blocks_without_spills(dtype, monkeypatc
     assert (r16["loop_hmma_sp"], r32["loop_hmma_sp"]) == (4 * tiles, 8 * tiles)
     assert r32["spills"] == 0 and r16["spills"] == 0, (r32["spills"], r16["spills"])
     assert tool.amortized(r32)[0] < 2 * tool.amortized(r16)[0]
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_16bit_route_compiles_within_the_budget(dtype, monkeypatch):
+    """Compiled for sm_90 (no GPU), the 17-64-row default of a 16-bit weight at 8192 x 8192: the
+    sparse tensor-core kernel (8 HMMA.SP per owned row tile and atom: two chunks, two 8-row blocks,
+    two 16-row blocks), no spills, no shared memory or shuffles in the loop (the quad's keep masks
+    arrive by loads and become mma.sp words in registers), within the 16-bit budget per byte."""
+    tool = _static_check(monkeypatch)
+    cfg, _ = tool.default_config(dtype, 8192, 8192, rows=32)
+    assert cfg.block_m == 32 and cfg.block_n // (16 * cfg.num_warps) == 2
+    r = tool.compile_listed(dtype, cfg, 90, 8192, 8192, 32)
+    ck = tool.compile_decode(dtype, cfg, 90, 8192, 8192, 32)
+    ops = [tool._opcode(t) for t in tool.main_loop(tool.without_padding(tool.sass_instructions(ck.asm["cubin"])))]
+    tiles = cfg.block_n // (16 * cfg.num_warps) * (cfg.block_k // 64)
+    assert r["sparse"] and r["loop_hmma_sp"] == 8 * tiles and r["spills"] == 0, r
+    assert not [op for op in ops if op.startswith(("LDS", "STS", "SHFL"))]
+    every, integer = tool.amortized(r)
+    assert every <= tool.BUDGET[dtype] and integer <= tool.INT_BUDGET, (every, integer)
 
 
 @pytest.mark.parametrize("quantize,bk,split", [("int8", 128, 2), ("int8", 256, 1), ("int4", 64, 4)])

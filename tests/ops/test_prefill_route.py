@@ -53,8 +53,8 @@ def test_prefill_route_converts_nothing(quantize, cuda_route, monkeypatch):
     for cls, name in ((DecodePacked, "to_sparse24"), (DecodePacked, "to_dense"), (Sparse24Tensor, "to_dense")):
         monkeypatch.setattr(cls, name, lambda *a, _n=name, **k: pytest.fail(f"the M > 16 route called {_n}"))
     with torch.no_grad():
-        # (INT8 / INT4 to SP_MAX_M rows run the sparse tensor-core kernel: the next test)
-        for shape in ((17 if quantize is None else SP_MAX_M + 1, 512), (128, 512), (255, 512), (256, 512),
+        # (to SP_MAX_M rows the sparse tensor-core kernel runs: the next test)
+        for shape in ((SP_MAX_M + 1, 512), (128, 512), (255, 512), (256, 512),
                       (300, 512), (5, 60, 512)):
             x = torch.randn(*shape, dtype=torch.float16)
             M = x[..., 0].numel()
@@ -76,13 +76,14 @@ def test_prefill_route_converts_nothing(quantize, cuda_route, monkeypatch):
             assert count.bytes_allocated <= y.numel() * y.element_size(), count
 
 
-@pytest.mark.parametrize("quantize", ["int8", "int4"])
+@pytest.mark.parametrize("quantize", [None, "int8", "int4"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_quantized_stays_on_the_sparse_tensor_core_kernel_past_16_rows(dtype, quantize, cuda_route):
-    """INT8 / INT4 with 16-bit x: to SP_MAX_M rows one launch of the sparse tensor-core kernel
-    with 32 rows per program (block_m 32, the untuned default past 16 rows, split-K included;
-    ceil(M / 32) programs along z); then the prefill kernel. Nothing converted, only the
-    output allocated once the plan exists."""
+def test_the_sparse_tensor_core_kernel_serves_17_to_64_rows(dtype, quantize, cuda_route):
+    """16-bit weights of x's dtype, INT8 and INT4 with 16-bit x: to SP_MAX_M rows one launch of
+    the sparse tensor-core kernel with 32 rows per program (block_m 32, the untuned default past
+    16 rows, split-K included; ceil(M / 32) row blocks per weight tile); then the prefill kernel. Nothing
+    converted, only the output allocated once the plan exists. A 16-bit weight of the other
+    dtype than x (mma.sp takes one type) keeps the prefill kernel."""
     layer = _layer(quantize).to(dtype)
     key = dtype_key(dtype, int8_weights=quantize == "int8", int4_weights=quantize == "int4")
     gs = layer.group_size or 0
@@ -101,10 +102,14 @@ def test_quantized_stays_on_the_sparse_tensor_core_kernel_past_16_rows(dtype, qu
                 assert config.kernel == "prefill"
             else:
                 assert config == decode_default(256, 512, key, rows=M) and config.block_m == block_m
-                assert grid[2] == -(-M // block_m)                             # block_m rows per program along z
+                # block_m rows per program, the row blocks along x (the fastest)
+                assert grid == (-(-M // block_m), -(-256 // config.block_n), config.split_k)
             assert len(count.ops) <= 3 and count.bytes_allocated <= y.numel() * y.element_size(), count
         x = torch.randn(20, 512, dtype=torch.float32)     # fp32 x: the byte-permute kernels, the prefill one here
         assert op._auto_backend(x, layer.values, layer.scale, 256, gs) == "prefill"
+        if quantize is None:
+            other = torch.bfloat16 if dtype == torch.float16 else torch.float16
+            assert op._auto_backend(x.to(other), layer.values, layer.scale, 256, gs) == "prefill"
 
 
 def test_the_count_sees_a_whole_weight_conversion(cuda_route, monkeypatch):
@@ -140,8 +145,9 @@ def test_layer_holds_one_copy(quantize, limit):
 def test_bench_host_prefill_figures(quantize):
     """``scripts/bench_host.py --prefill`` on a small layer: the figures it prints are within
     issue 22's limits (<= 3 aten ops, allocation <= the output, no conversion, one copy). The
-    first M is the first the prefill kernel runs (INT8 with 16-bit x: past SP_MAX_M rows)."""
-    first = 17 if quantize is None else SP_MAX_M + 1
+    first M is the first the prefill kernel runs (past SP_MAX_M rows: to there 16-bit weights of
+    x's dtype and INT8 with 16-bit x run the sparse tensor-core kernel)."""
+    first = SP_MAX_M + 1
     rows = load_script("bench_host").prefill_figures(256, 1024, (first, 128, 300), quantize)  # K = 1024: whole meta atoms
     assert [(r["M"], r["backend"]) for r in rows] == [(first, "prefill"), (128, "prefill"),
                                                       (300, "unpack")]
@@ -153,7 +159,7 @@ def test_bench_host_prefill_figures(quantize):
 def test_a_tuned_prefill_entry_serves_the_route(cuda_route, tmp_path, monkeypatch):
     """With this GPU's tuned file holding a prefill entry for the layer's shape (``sparse24
     autotune`` past 16 rows), the call runs that config, also as the nearest M; at 17-64 rows
-    not a 128-row tile (not the space there): the model's default for exactly those rows; from
+    not (the sparse tensor-core kernel's route there, whose untuned default serves); from
     UNPACK_MIN_M rows the unpack route (measured faster than the tuned prefill kernel on an H200)."""
     from sparse24.ops import config_store
     from sparse24.ops.config_space import KernelConfig
@@ -168,8 +174,9 @@ def test_a_tuned_prefill_entry_serves_the_route(cuda_route, tmp_path, monkeypatc
     config_store.clear_cache()
     try:
         with torch.no_grad():
-            for M, want in ((200, tuned), (100, tuned), (20, prefill_config(20, 256, 512)), (300, "unpack"),
-                            (4096, "unpack")):   # (from UNPACK_MIN_M rows: the unpack route)
+            # (at 17-64 rows the sparse tensor-core kernel's default; from UNPACK_MIN_M rows the unpack route)
+            for M, want in ((200, tuned), (100, tuned), (20, decode_default(256, 512, "float16", rows=20)),
+                            (300, "unpack"), (4096, "unpack")):
                 cuda_route.clear()
                 layer(torch.randn(M, 512, dtype=torch.float16))
                 assert cuda_route[-1][0] == want, M

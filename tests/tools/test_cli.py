@@ -520,12 +520,14 @@ def test_gpu_l2_bandwidth_kernel_sums_on_cpu():
 
 def test_gpu_probe_runs_every_step_on_cpu(tmp_path, capsys):
     """The probe step's code, run small on CPU (Triton's interpreter; cuSPARSELt is CUDA-only
-    and reported, not fatal): the unpack bit-exact, a CSV row per weight kind."""
+    and reported, not fatal): the unpack bit-exact, a CSV row per weight kind, each timed on the
+    sparse tensor-core route too (a failing path is reported as NaN, so the check can fail)."""
     assert _script_main("scripts/gpu_probe.py")(["--smoke", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "host us/call Sparse24Linear" in out and out.count("unpack bit-exact True") == 3
     rows = list(csv.DictReader(open(tmp_path / "probe_prefill.csv")))
     assert [r["weight"] for r in rows] == ["fp16", "int8", "int4"] and float(rows[0]["triton_dense_us"]) > 0
+    assert all(float(r["sp_us"]) > 0 for r in rows)   # 64 rows: the sparse tensor-core route, every weight kind
 
 
 def test_gpu_probe_times_the_kept_handle_with_both_pointer_forms(monkeypatch):

@@ -117,10 +117,13 @@ def test_lookup_order(isolated, tmp_path, monkeypatch):
     assert (look(32).kind, look(32).config) == ("nearest", CFG_A)   # tie 16 / 64: the smaller M
     assert look(4096).config == CFG_C and "M=256" in look(4096).source
     assert (look(1, 11008).kind, look(1, 11008).config) == ("family", CFG_B)
-    # another family's entry is never used; this GPU's file default is
+    # another family's entry is never used; this GPU's file default is, where its grid keeps the SMs
+    # as busy as the built-in's: 8 x 32 programs at 512 rows, not 32 at one row (the built-in: 256)
     default = json.loads(own.read_text())["default"]
-    assert look(1, 4096, 11008).kind == "file-default"
-    assert look(1, 4096, 11008).config == KernelConfig.from_json(default) == CFG_C  # wins 2 of 3 entries
+    assert look(512, 4096, 11008).kind == "file-default"
+    assert look(512, 4096, 11008).config == KernelConfig.from_json(default) == CFG_C  # wins 2 of 3 entries
+    assert (look(1, 4096, 11008).kind, look(1, 4096, 11008).config) == (
+        "builtin", tuning.builtin_config(1, 4096, 11008))
     # ... for the dtype keys it tuned: none of bfloat16 here, so the built-in serves them
     assert (look(16, dtype="bfloat16").kind, look(16, dtype="bfloat16").config) == (
         "builtin", tuning.builtin_config(16, 4096, 4096, dtype="bfloat16"))
@@ -140,6 +143,27 @@ def test_lookup_order(isolated, tmp_path, monkeypatch):
     assert tuning.measured_timings(1, 11008, 4096, "float16") == {}  # only a family entry: not measured here
 
 
+def test_a_file_default_serves_only_where_it_fills_the_sms(isolated):
+    """The H200 file's default (the 4096 x 4096 winner: 64-row tiles, split 8) would give a fp16
+    1024 x 4096 layer 128 programs and a 768 x 3072 one 96 on 132 SMs (kernel_static_check.py
+    --occupancy said "NOT met"), and a 3072 x 768 one 8 splits of 3 K-tiles; there the built-in
+    default serves."""
+    won = KernelConfig(16, 64, 256, 1, 8, 4, 1, kernel="decode")
+    _write(isolated, GPU, (9, 0), {(1, 4096, 4096, "float16"): _entry(won), (16, 4096, 4096, "float16"): _entry(won)})
+
+    def look(N, K):
+        return tuning.lookup(1, N, K, "float16", GPU, (9, 0), 132, layout="decode")
+    for N, K in ((1024, 4096), (768, 3072)):
+        assert (look(N, K).kind, look(N, K).config) == ("builtin", tuning.builtin_config(1, N, K, 132, "decode"))
+        c = look(N, K).config
+        assert -(-N // c.block_n) * c.split_k >= 132
+    # 3072 x 768: 384 programs, but 8 splits of 3 K-tiles (5 splits without work)
+    assert (look(3072, 768).kind, look(3072, 768).config) == ("builtin", tuning.builtin_config(1, 3072, 768, 132,
+                                                                                               "decode"))
+    assert (look(8192, 8192).kind, look(8192, 8192).config) == ("file-default", won)   # 128 x 8 programs
+    assert (look(11008, 4096).kind, look(11008, 4096).config) == ("file-default", won)
+
+
 def test_decode_entries_serve_their_side_of_16_rows(isolated, tmp_path):
     """A decode-kernel entry tuned at M <= 16 is not taken as the nearest for 17-64 rows (there
     the sparse tensor-core route runs 32 rows per program, the built-in default) nor the reverse;
@@ -156,12 +180,14 @@ def test_decode_entries_serve_their_side_of_16_rows(isolated, tmp_path):
                                                                                  dtype="int8-float16"))
     assert look(32).config.block_m == 32
     assert tuning.validate_dir(isolated) == []
-    good = _write(tmp_path, GPU, (9, 0), {(64, 4096, 4096, "int4-bfloat16"): _entry(d32)})
+    good = _write(tmp_path, GPU, (9, 0), {(64, 4096, 4096, "int4-bfloat16"): _entry(d32),
+                                          (32, 4096, 4096, "bfloat16"): _entry(d32)})   # 16-bit weights too
     assert tuning.validate_dir(tmp_path) == []
     data = json.loads(good.read_text())
-    (entry,) = data["entries"].values()
+    entry = data["entries"]["64,4096,4096,int4-bfloat16"]
     for key in ("16,4096,4096,int8-float16",     # 32 rows at decode sizes
-                "32,4096,4096,float16",          # the byte-permute kernel takes 16
+                "16,4096,4096,float16",          # (16-bit weights: the byte-permute kernel there)
+                "32,4096,4096,float32",          # fp32 x: the byte-permute kernel takes 16
                 "128,4096,4096,int8-float16"):   # past the route (and the split-K workspace)
         good.write_text(json.dumps(dict(data, entries={key: entry})))
         (problem,) = tuning.validate_dir(tmp_path)
@@ -311,8 +337,8 @@ def test_select_fastest_rejects_failing_and_wrong_configs(capsys):
 
 
 def test_prefill_entries_serve_the_prefill_route(isolated, tmp_path):
-    """Past 16 rows a decode-layout weight runs the prefill kernel (INT8 / INT4 with 16-bit x: past
-    SP_MAX_M), so that is the space the tuner times there; a tuned prefill entry is found exactly or
+    """Past 16 rows a decode-layout weight runs the prefill kernel (with 16-bit x: past SP_MAX_M),
+    so that is the space the tuner times there; a tuned prefill entry is found exactly or
     as the nearest M (one of at most 64 rows per program at 17-64 rows), never by the decode kernel's
     lookup, and never made the file's default; without one, the prefill kernel's model default. A
     prefill entry where the route does not run the prefill kernel, or one it cannot run, is refused."""
@@ -342,11 +368,13 @@ def test_prefill_entries_serve_the_prefill_route(isolated, tmp_path):
     assert look(2048, kernel=None).config.kernel == "decode"
     assert look(300, dtype="int8-bfloat16", N=8192).config == prefill_config(300, 8192, 4096, 132, "int8-bfloat16")
     assert look(300, dtype="float32").config == prefill_config(300, 4096, 4096, 132, "float16")
-    _write(isolated, GPU, (9, 0), {(64, 4096, 4096, "float16"): _entry(small)})
-    assert (look(40).kind, look(40).config) == ("exact", small)      # 40 -> bucket 64
-    assert (look(100).kind, look(100).config) == ("nearest", small)
+    # at 17-64 rows the prefill kernel serves fp32 x (16-bit x runs the sparse tensor-core kernel there)
+    _write(isolated, GPU, (9, 0), {(64, 4096, 4096, "float32"): _entry(small)})
+    assert (look(40, dtype="float32").kind, look(40, dtype="float32").config) == ("exact", small)  # 40 -> 64
+    assert (look(100, dtype="float32").kind, look(100, dtype="float32").config) == ("nearest", small)
     for key, cfg, match in (((16, 4096, 4096, "float16"), small, "prefill entry at M bucket 16"),
                             ((64, 4096, 4096, "int8-float16"), small, "prefill entry at M bucket 64"),
+                            ((64, 4096, 4096, "bfloat16"), small, "prefill entry at M bucket 64"),
                             ((256, 4096, 4096, "float16"), KernelConfig(128, 64, 64, 8, 1, 8, 2, kernel="prefill"),
                              "bad prefill config")):
         with pytest.raises(ValueError, match=match):

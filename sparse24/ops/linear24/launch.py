@@ -36,7 +36,7 @@ import torch
 
 from ...decode_format import DecodePacked, check_word_aligned, decode_dims, pack_decode
 from ...format import Sparse24Tensor
-from ..config_space import (DECODE_M, LAYOUT_KERNEL, SPLIT_K_MAX_M, KernelConfig, check_decode_config,
+from ..config_space import (DECODE_M, LAYOUT_KERNEL, SPLIT_K_MAX_M, KernelConfig, builtin_config, check_decode_config,
                             check_prefill_runs, dtype_key, m_bucket, sparse_kernel)
 from ..config_store import device_info, get_choice, get_config, on_clear
 from .naive import check_linear_args
@@ -236,7 +236,11 @@ class _Plan:
         layout = "v1" if values_dim == 2 else "decode"
         if config is None:
             config = get_config(bucket, N, K, dtype_key(x_dtype, has_scale, group_size > 0), device, layout)
-        self.config, self.variant = config, variant_of(config, x_dtype, has_scale)
+            if config.block_m == 32 and not sp_pair(x_dtype, values_dtype, has_scale):
+                # a 16-bit weight of the other 16-bit dtype than x: the byte-permute kernel's 16 rows
+                # (the builtin config of a key off the sparse route)
+                config = builtin_config(bucket, N, K, layout=layout, dtype="float32")
+        self.config, self.variant = config, variant_of(config, x_dtype, has_scale, values_dtype)
         if device.type == "cuda":
             check_triton_for_gpu()
         self.variant.check_config(config)
@@ -721,11 +725,11 @@ class _Prefill(_Decode):
 
 class _DecodeSP(_Decode):
     """``kernels/sparse24_sp.py``: INT8 / INT4 decode-layout weights with float16 / bfloat16 x
-    on the sparse tensor cores (``mma.sp``); the decode kernel's config, grid, split-K and
-    arguments, plus ``N16`` (a second mma per chunk for x rows 8-15: M buckets above 8),
+    on the sparse tensor cores (``mma.sp``), and 16-bit weights of x's dtype at 32 rows per
+    program (:func:`sp_pair`); the decode kernel's config, split-K and arguments, plus ``N16`` (a second mma per chunk for x rows 8-15: M buckets above 8),
     ``RT``, the 16-row tiles per warp (``block_n // (16 num_warps)``: 1, 2 or 4), and ``R32``
-    (``block_m`` 32: 32 rows of x per program, two 16-row blocks on the same weight registers,
-    so the grid's z is ``cdiv(M, 32)``)."""
+    (``block_m`` 32: 32 rows of x per program, two 16-row blocks on the same weight registers);
+    its grid is (row blocks, weight tiles, splits): the row blocks fastest."""
 
     @staticmethod
     def kernel(cuda: bool):
@@ -740,6 +744,20 @@ class _DecodeSP(_Decode):
                     R32=config.block_m == 32)
 
     @staticmethod
+    def grid(M, N, config, split_k) -> tuple:
+        # (row blocks, weight tiles, splits): the row blocks fastest (the kernel says why)
+        tiles = _cdiv(N, config.block_n)
+        if tiles > GRID_LIMITS[1]:
+            raise ValueError(f"{N} output features make {tiles} weight tiles of {config.block_n} rows, over CUDA's "
+                             f"{GRID_LIMITS[1]} programs along the grid's y: use a config with a larger block_n")
+        return (_cdiv(M, config.block_m), tiles, split_k)
+
+    @staticmethod
+    def max_rows(N, config) -> int:
+        """Most rows one launch takes: 2**31 - 1 row blocks along the grid's x."""
+        return GRID_LIMITS[0] * config.block_m
+
+    @staticmethod
     def check_config(config) -> None:
         """One, two or four 16-row tiles per warp: ``check_decode_config`` allows them all."""
 
@@ -752,12 +770,21 @@ class _DecodeSP(_Decode):
         return x2.clone(memory_format=torch.contiguous_format)
 
 
-def variant_of(config: KernelConfig, x_dtype: torch.dtype, has_scale: bool):
+def variant_of(config: KernelConfig, x_dtype: torch.dtype, has_scale: bool, values_dtype: torch.dtype | None = None):
     """The kernel variant a launch of ``config`` runs: a decode config with INT8 / INT4
-    weights and float16 / bfloat16 x runs the sparse tensor-core kernel."""
-    if config.kernel == "decode" and sparse_kernel(dtype_key(x_dtype, has_scale)):   # INT4 keys as INT8's
+    weights and float16 / bfloat16 x runs the sparse tensor-core kernel, and so does one of
+    32 rows per program (17 to SP_MAX_M rows) with a 16-bit weight of x's dtype (``values_dtype``)."""
+    if config.kernel == "decode" and (sparse_kernel(dtype_key(x_dtype, has_scale))   # INT4 keys as INT8's
+                                      or config.block_m == 32 and sp_pair(x_dtype, values_dtype, has_scale)):
         return _DecodeSP
     return _VARIANTS[config.kernel]
+
+
+def sp_pair(x_dtype: torch.dtype, values_dtype: torch.dtype | None, has_scale: bool) -> bool:
+    """Whether the sparse tensor-core kernel multiplies this (weight, x) pair: float16 /
+    bfloat16 x with INT8 / INT4 weights (``has_scale``) or a 16-bit weight of x's dtype
+    (``mma.sp`` takes one type for both operands)."""
+    return x_dtype in (torch.float16, torch.bfloat16) and (has_scale or values_dtype == x_dtype)
 
 
 _VARIANTS = {"matmul": _Matmul, "decode": _Decode, "prefill": _Prefill}
@@ -791,7 +818,7 @@ def kernel_call(x2, p: Sparse24Tensor | DecodePacked, bias, target, config: Kern
     ahead-of-time compile, so both build the same kernel variant as the launch path."""
     if x2.is_cuda:
         check_triton_for_gpu()
-    variant = variant_of(config, x2.dtype, p.scale is not None)
+    variant = variant_of(config, x2.dtype, p.scale is not None, p.values.dtype)
     x2 = variant.prepare_x(x2)
     M = x2.shape[0]
     if target.dtype != target_dtype(config, split_k, x2.dtype):
@@ -830,7 +857,7 @@ def aot_compile(x2, p: Sparse24Tensor | DecodePacked, bias, target, config: Kern
     from triton.runtime.jit import mangle_type
 
     _, _, args, kwargs = kernel_call(x2, p, bias, target, config, split_k)
-    jit_fn = variant_of(config, x2.dtype, p.scale is not None).kernel(cuda=True)
+    jit_fn = variant_of(config, x2.dtype, p.scale is not None, p.values.dtype).kernel(cuda=True)
     names = jit_fn.arg_names
     constexprs = {k: v for k, v in kwargs.items() if k in names}
     constexprs.update({n: 1 for n, a in zip(names, args)

@@ -176,9 +176,10 @@ def _auto_backend(x: torch.Tensor, values: torch.Tensor, scale, out_features: in
     if M <= DECODE_M:
         return "triton"
     if values.dim() != 2:
-        if decode_rows(M, dtype_key(x.dtype, scale is not None)) == 32:   # (INT4 keys as INT8's)
-            # INT8 / INT4 with 16-bit x: the sparse tensor-core kernel, 32 rows per program
-            # (config_space.SP_MAX_M says why).
+        if decode_rows(M, dtype_key(x.dtype, scale is not None)) == 32 \
+                and launch.sp_pair(x.dtype, values.dtype, scale is not None):   # (INT4 keys as INT8's)
+            # INT8 / INT4 or a 16-bit weight of x's dtype with 16-bit x: the sparse tensor-core
+            # kernel, 32 rows per program (config_space.SP_MAX_M says why).
             return "triton"
         # The decode layout (the one copy a module holds on CUDA): the prefill kernel decodes
         # each weight tile once per 128 rows, or from UNPACK_MIN_M rows one launch unpacks the
