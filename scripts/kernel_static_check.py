@@ -502,15 +502,23 @@ def listed_main(a, dtypes) -> dict:
     # The sparse tensor-core kernel also waits on L1 (sp_l1_per_byte: its x words come 4 bytes a
     # lane from 8 rows) when its wavefronts per byte pass 0.0545, one per clock at HBM rate.
     per_byte = ISSUE_PER_BYTE
-    ratios, l1 = {}, {}
+    from sparse24.ops.config_space import SP_MAX_M
+    passes = -(-SP_MAX_M // 32)
+    ratios, l1, l2_ratios = {}, {}, {}
+
+    def ratio(dense, tot, ints, w, n=1):
+        # n passes over the weight per HBM byte (n - 1 of them from L2): n times the instructions and
+        # L1 wavefronts per byte of HBM traffic
+        return dense * min(1.0, per_byte / (n * tot), per_byte / (2 * n * ints),
+                           1.0 if w is None else L1_PER_BYTE / (n * w))
     for r in results:
         tot, ints = amortized(r)
         dense = 2.0 / dense_bytes_per_weight(r["dtype"])
         w = sp_l1_per_byte(r)
         if w is not None:
             l1[r["dtype"]] = max(l1.get(r["dtype"], 0.0), w)
-        ratios.setdefault(r["dtype"], []).append(dense * min(1.0, per_byte / tot, per_byte / (2 * ints),
-                                                             1.0 if w is None else L1_PER_BYTE / w))
+        ratios.setdefault(r["dtype"], []).append(ratio(dense, tot, ints, w))
+        l2_ratios.setdefault(r["dtype"], []).append(ratio(dense, tot, ints, w, passes))
     if l1:
         print(f"max L1 wavefronts per byte in the loop (sparse tensor-core kernel, {results[0]['rows']} rows of x; "
               f"HBM rate {L1_PER_BYTE:.4f}): " + ", ".join(f"{short} {l1[dt]:.4f}" for short, dt in SUMMARY_NAMES
@@ -521,18 +529,20 @@ def listed_main(a, dtypes) -> dict:
           "0.219 / (2 x integer), 0.0545 / L1 wavefronts)): " + ", ".join(
               f"{short} {min(ratios[dt]):.2f}-{max(ratios[dt]):.2f}x" for short, dt in SUMMARY_NAMES if dt in ratios))
     # With 16-bit x this kernel serves up to SP_MAX_M rows: ceil(M / 32) programs per weight tile,
-    # each a pass over it. Counted from HBM every time, that divides the speed (the bound below);
-    # the kernel's grid starts a tile's row blocks one after another (row blocks fastest along
-    # x), so all but the first should find the tile in L2: one HBM pass, the 17-32-row figure (a
+    # each a pass over it. Counted from HBM every time, that divides the speed (the bound below).
+    # The kernel's grid starts a tile's row blocks one after another (row blocks fastest along x),
+    # so all but the first should find the tile in L2: one HBM pass, but each pass still issues
+    # its instructions and L1 wavefronts, so per HBM byte they multiply by the passes (a
     # prediction; L2 bandwidth not counted). Where every program of all the passes fits on the SMs
     # at once, the passes run side by side whatever the order.
-    from sparse24.ops.config_space import SP_MAX_M
     if rows > 16:
-        passes = -(-SP_MAX_M // 32)
-        print(f"predicted speed at 33-{SP_MAX_M} rows if each of the {passes} passes came from HBM (the bound; "
-              f"a tile's row blocks start together, so the later passes should read L2 and keep the 17-32-row "
-              f"speed): " + ", ".join(f"{short} {min(ratios[dt]) / passes:.2f}-{max(ratios[dt]) / passes:.2f}x"
-                                      for short, dt in SUMMARY_NAMES if dt in ratios))
+        print(f"predicted speed at 33-{SP_MAX_M} rows if each of the {passes} passes came from HBM (the bound): "
+              + ", ".join(f"{short} {min(ratios[dt]) / passes:.2f}-{max(ratios[dt]) / passes:.2f}x"
+                          for short, dt in SUMMARY_NAMES if dt in ratios))
+        print(f"predicted speed at 33-{SP_MAX_M} rows with one HBM pass (a tile's row blocks start together; the "
+              f"others read L2, each pass's instructions and L1 wavefronts counted): "
+              + ", ".join(f"{short} {min(l2_ratios[dt]):.2f}-{max(l2_ratios[dt]):.2f}x"
+                          for short, dt in SUMMARY_NAMES if dt in l2_ratios))
         together = {}
         for r in results:
             o = occupancy(r)
