@@ -609,11 +609,13 @@ def _sparse24_sp(
     V_TILE = A * V_ATOM
     if ONE_TILE and EVEN_K:  # split pid_k owns exactly K-tile pid_k (the small layers' default): no loop
         acc, acc2 = _sp_tile(acc, acc2, vt, V_ATOM, V_ROWS, et, E_ROWS, xt0, xt1, xt2, xt3, col, k_lo, K, KA, sm_mask,
-                             nib_mask, magic, srow, zrow, G, KM, sel, A, False, INT4, GROUP, HAS_ZERO, BF16, N16, RT, R32, W16)
+                             nib_mask, magic, srow, zrow, G, KM, sel, A, False, INT4, GROUP, HAS_ZERO, BF16, N16, RT,
+                             R32, W16)
     else:
         for kt in range(k_lo, min(k_hi, n_full)):
             acc, acc2 = _sp_tile(acc, acc2, vt, V_ATOM, V_ROWS, et, E_ROWS, xt0, xt1, xt2, xt3, col, kt, K, KA, sm_mask,
-                                 nib_mask, magic, srow, zrow, G, KM, sel, A, False, INT4, GROUP, HAS_ZERO, BF16, N16, RT, R32, W16)
+                                 nib_mask, magic, srow, zrow, G, KM, sel, A, False, INT4, GROUP, HAS_ZERO, BF16, N16,
+                                 RT, R32, W16)
             vt += V_TILE
             et += A
             xt0 += BLOCK_K // 2

@@ -39,10 +39,10 @@ SPLIT_K_MAX_M = 64
 # (block_m 32: every weight register serves 32 rows), one pass over the weight to 32 rows, two
 # to 64, predicted 2.62-3.20x (INT8 / INT4) and 1.78x (16-bit) of dense at its worst listed
 # shape, half that at 33-64 rows if each pass came from HBM (a tile's row blocks start together,
-# so the second should read L2: 16-bit 1.33x, INT8 1.47x, INT4 1.31x, L1-bound), where the prefill kernel, split-K included, is predicted
-# 1.04-1.25x (INT8 / INT4) at its worst and measured 0.55-0.71x (16-bit, 64 rows, H200;
-# scripts/kernel_static_check.py --sass --listed-only --listed-rows 32 and --prefill;
-# docs/kernels.md, "17-64 rows").
+# so the second should read L2: 16-bit 1.33x, INT8 1.47x, INT4 1.31x, L1-bound), where the
+# prefill kernel, split-K included, is predicted 1.04-1.25x (INT8 / INT4) at its worst and
+# measured 0.55-0.71x (16-bit, 64 rows, H200; scripts/kernel_static_check.py --sass
+# --listed-only --listed-rows 32 and --prefill; docs/kernels.md, "17-64 rows").
 SP_MAX_M = SPLIT_K_MAX_M
 # The prefill kernel's split-K (for few output tiles: x's rows times N's blocks below
 # the SMs) serves M buckets up to this many rows; its workspace holds a partial tile per

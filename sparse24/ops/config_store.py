@@ -30,8 +30,8 @@ file(s), (2) the nearest M bucket with the same N, K, dtype, (3) the same in
 files of other GPUs with the same compute capability (the GPU family),
 (4) this GPU's file default, for a dtype key the file has entries of (an H200 tune cut short
 after six float16 keys would otherwise have set INT8, INT4 and bfloat16 configs untimed) where
-its grid keeps the SMs as busy as the built-in's (a winner at 4096 x 4096 would leave idle SMs
-at 1024 x 4096),
+its grid keeps the SMs as busy as the built-in's and splits K no finer than its tiles (a winner
+at 4096 x 4096 would leave idle SMs at 1024 x 4096),
 (5) :func:`~sparse24.ops.config_space.builtin_config`.
 A missing folder is silent; a corrupt or schema-invalid file gives one warning
 and is skipped, so a bad file can never crash a forward pass or pick an invalid
@@ -315,8 +315,8 @@ def _fills(default: KernelConfig, builtin: KernelConfig, M: int, N: int, K: int,
     gives a 1024 x 4096 layer 128 programs on 132 SMs, where the built-in splits to fill them, and a
     3072 x 768 layer 8 splits of its 3 K-tiles (sm_90, Triton 3.6: 0.102 integer-pipe instructions per
     byte, over the 0.10 budget; the built-in's 3 splits: 0.079)."""
-    return _programs(default, M, N) >= min(num_sms, _programs(builtin, M, N)) \
-        and default.split_k <= -(-K // default.block_k)
+    need = num_sms if builtin is None else min(num_sms, _programs(builtin, M, N))
+    return _programs(default, M, N) >= need and default.split_k <= -(-K // default.block_k)
 
 
 @dataclasses.dataclass(frozen=True)

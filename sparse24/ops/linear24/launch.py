@@ -726,7 +726,8 @@ class _Prefill(_Decode):
 class _DecodeSP(_Decode):
     """``kernels/sparse24_sp.py``: INT8 / INT4 decode-layout weights with float16 / bfloat16 x
     on the sparse tensor cores (``mma.sp``), and 16-bit weights of x's dtype at 32 rows per
-    program (:func:`sp_pair`); the decode kernel's config, split-K and arguments, plus ``N16`` (a second mma per chunk for x rows 8-15: M buckets above 8),
+    program (:func:`sp_pair`); the decode kernel's config, split-K and arguments, plus ``N16``
+    (a second mma per chunk for x rows 8-15: M buckets above 8),
     ``RT``, the 16-row tiles per warp (``block_n // (16 num_warps)``: 1, 2 or 4), and ``R32``
     (``block_m`` 32: 32 rows of x per program, two 16-row blocks on the same weight registers);
     its grid is (row blocks, weight tiles, splits): the row blocks fastest."""
