@@ -107,6 +107,14 @@ def test_the_sparse_tensor_core_kernel_serves_17_to_64_rows(dtype, quantize, cud
             assert len(count.ops) <= 3 and count.bytes_allocated <= y.numel() * y.element_size(), count
         x = torch.randn(20, 512, dtype=torch.float32)     # fp32 x: the byte-permute kernels, the prefill one here
         assert op._auto_backend(x, layer.values, layer.scale, 256, gs) == "prefill"
+        # a GPU without sparse tensor cores (sm_75: mma.sp does not compile): 16-bit weights keep the prefill kernel
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(torch.cuda, "is_available", lambda: True)
+            mp.setattr(config_store, "device_info", lambda device=None: config_store.DeviceInfo("Old GPU", (7, 5)))
+            config_store.clear_cache()
+            want = "prefill" if quantize is None else "triton"
+            assert op._auto_backend(torch.randn(20, 512, dtype=dtype), layer.values, layer.scale, 256, gs) == want
+        config_store.clear_cache()
         if quantize is None:
             other = torch.bfloat16 if dtype == torch.float16 else torch.float16
             assert op._auto_backend(x.to(other), layer.values, layer.scale, 256, gs) == "prefill"

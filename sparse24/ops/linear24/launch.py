@@ -38,6 +38,7 @@ from ...decode_format import DecodePacked, check_word_aligned, decode_dims, pack
 from ...format import Sparse24Tensor
 from ..config_space import (DECODE_M, LAYOUT_KERNEL, SPLIT_K_MAX_M, KernelConfig, builtin_config, check_decode_config,
                             check_prefill_runs, dtype_key, m_bucket, sparse_kernel)
+from .. import config_store
 from ..config_store import device_info, get_choice, get_config, on_clear
 from .naive import check_linear_args
 from .prefill import natural_tile, prefill_config, prefill_pair
@@ -236,9 +237,10 @@ class _Plan:
         layout = "v1" if values_dim == 2 else "decode"
         if config is None:
             config = get_config(bucket, N, K, dtype_key(x_dtype, has_scale, group_size > 0), device, layout)
-            if config.block_m == 32 and not sp_pair(x_dtype, values_dtype, has_scale):
-                # a 16-bit weight of the other 16-bit dtype than x: the byte-permute kernel's 16 rows
-                # (the builtin config of a key off the sparse route)
+            if config.block_m == 32 and not (sp_pair(x_dtype, values_dtype, has_scale)
+                                             and (has_scale or sp_route_16bit(device))):
+                # a 16-bit weight of the other 16-bit dtype than x, or on a GPU without sparse tensor
+                # cores: the byte-permute kernel's 16 rows (the builtin config of a key off the route)
                 config = builtin_config(bucket, N, K, layout=layout, dtype="float32")
         self.config, self.variant = config, variant_of(config, x_dtype, has_scale, values_dtype)
         if device.type == "cuda":
@@ -786,6 +788,26 @@ def sp_pair(x_dtype: torch.dtype, values_dtype: torch.dtype | None, has_scale: b
     bfloat16 x with INT8 / INT4 weights (``has_scale``) or a 16-bit weight of x's dtype
     (``mma.sp`` takes one type for both operands)."""
     return x_dtype in (torch.float16, torch.bfloat16) and (has_scale or values_dtype == x_dtype)
+
+
+def sp_route_16bit(device: torch.device) -> bool:
+    """Whether 16-bit weights take the sparse tensor-core kernel past 16 rows on ``device``: a
+    GPU with sparse tensor cores (compute capability 8.0 or later: ``mma.sp`` does not compile
+    for older ones, where the prefill kernel keeps serving them), or Triton's interpreter (and a
+    CUDA decision simulated where torch has no CUDA: scripts/bench_host.py). Cached per device."""
+    ok = _SP_16BIT.get(device)
+    if ok is None:
+        if device.type != "cuda" or not torch.cuda.is_available():
+            ok = True
+        else:
+            capability = config_store.device_info(device).capability
+            ok = capability is not None and capability >= (8, 0)
+        _SP_16BIT[device] = ok
+    return ok
+
+
+_SP_16BIT: dict = {}
+on_clear(_SP_16BIT.clear)
 
 
 _VARIANTS = {"matmul": _Matmul, "decode": _Decode, "prefill": _Prefill}

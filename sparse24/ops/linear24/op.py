@@ -177,9 +177,11 @@ def _auto_backend(x: torch.Tensor, values: torch.Tensor, scale, out_features: in
         return "triton"
     if values.dim() != 2:
         if decode_rows(M, dtype_key(x.dtype, scale is not None)) == 32 \
-                and launch.sp_pair(x.dtype, values.dtype, scale is not None):   # (INT4 keys as INT8's)
+                and launch.sp_pair(x.dtype, values.dtype, scale is not None) \
+                and (scale is not None or launch.sp_route_16bit(x.device)):   # (INT4 keys as INT8's)
             # INT8 / INT4 or a 16-bit weight of x's dtype with 16-bit x: the sparse tensor-core
-            # kernel, 32 rows per program (config_space.SP_MAX_M says why).
+            # kernel, 32 rows per program (config_space.SP_MAX_M says why; 16-bit weights on GPUs
+            # with sparse tensor cores).
             return "triton"
         # The decode layout (the one copy a module holds on CUDA): the prefill kernel decodes
         # each weight tile once per 128 rows, or from UNPACK_MIN_M rows one launch unpacks the
