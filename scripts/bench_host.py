@@ -54,6 +54,7 @@ from torch import nn
 import sparse24
 from sparse24.decode_format import DecodePacked
 from sparse24.tools.bench import cpu_name
+from sparse24.ops import config_store
 from sparse24.ops.linear24 import launch, op
 from sparse24.tools.dispatch_count import count_dispatch
 
@@ -75,6 +76,13 @@ class _AsCuda:
         self.dtype, self.shape, self.device, self.dim = x.dtype, x.shape, torch.device("cuda"), x.dim
 
 
+def as_cuda_device_info(real):
+    """``config_store.device_info`` answering for CUDA devices (an :class:`_AsCuda` x's) as a GPU
+    without a tuned file would, sm_90 with 132 SMs, and for the others as ``real`` does."""
+    gpu = config_store.DeviceInfo("No Tuned GPU", (9, 0))
+    return lambda device=None: gpu if device is not None and torch.device(device).type == "cuda" else real(device)
+
+
 def prefill_figures(N: int, K: int, ms=(64, 512, 4096), quantize=None) -> list[dict]:
     """Per M: aten ops and allocated bytes of one call of a decode-layout ``Sparse24Linear``
     (N x K, fp16 activations) on its M > 16 CUDA route, with the launch a no-op, and the bytes of
@@ -87,6 +95,7 @@ def prefill_figures(N: int, K: int, ms=(64, 512, 4096), quantize=None) -> list[d
     layer.to_layout("decode")
     real_auto = op._auto_backend
     real_launch, real_unpack, real_timings = launch._Plan.launch, launch._launch_unpack, op.measured_timings
+    real_info = config_store.device_info
     conversions = []
     watched = [(DecodePacked, "to_sparse24"), (DecodePacked, "to_dense"), (Sparse24Tensor, "to_dense")]
     originals = {(cls, name): getattr(cls, name) for cls, name in watched}
@@ -94,6 +103,7 @@ def prefill_figures(N: int, K: int, ms=(64, 512, 4096), quantize=None) -> list[d
     try:
         op._auto_backend = lambda x, *rest: real_auto(_AsCuda(x), *rest)
         op.measured_timings = lambda *args: {}   # no GPU measured here: the route's unmeasured rule
+        config_store.device_info = as_cuda_device_info(real_info)
         launch._Plan.launch = lambda plan, grid, args, aligned: None
         launch._launch_unpack = lambda *args: None
         for (cls, name), fn in originals.items():
@@ -114,7 +124,7 @@ def prefill_figures(N: int, K: int, ms=(64, 512, 4096), quantize=None) -> list[d
                                  bytes_allocated=count.bytes_allocated, output_bytes=y.numel() * y.element_size(),
                                  conversions=len(conversions), workspace_bytes=workspace))
     finally:
-        op._auto_backend, op.measured_timings = real_auto, real_timings
+        op._auto_backend, op.measured_timings, config_store.device_info = real_auto, real_timings, real_info
         launch._Plan.launch, launch._launch_unpack = real_launch, real_unpack
         for (cls, name), fn in originals.items():
             setattr(cls, name, fn)

@@ -30,7 +30,7 @@ from ..ops.config_store import (KERNEL, SCHEMA_VERSION, Choice, clear_cache, con
                                describe_config_source, get_config, gpu_file_name, lookup, measured_timings,
                                shipped_config_dir, validate_dir, validate_file)
 from ..ops.linear24 import linear_prefill, linear_reference, linear_triton, op
-from ..ops.linear24.launch import kernel_call, target_dtype
+from ..ops.linear24.launch import half_pair, kernel_call, target_dtype
 from ..ops.linear24.op import DECODE_M
 from .bench import rel_error
 
@@ -132,7 +132,7 @@ def unpack_time_us(x: torch.Tensor, weights: list, ref: torch.Tensor, max_err: f
     where the route does not apply (float32 x, a 16-bit weight of another dtype) or its result
     is off by more than ``max_err`` (relative to ``ref``, fp64: reported, never chosen)."""
     p = weights[0]
-    if not op.unpack_applies(x.dtype, p.values.dtype, p.scale is not None):
+    if not half_pair(x.dtype, p.values.dtype, p.scale is not None):
         return None
 
     def run(q):

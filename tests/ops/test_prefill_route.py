@@ -19,7 +19,8 @@ from sparse24.tools.dispatch_count import count_dispatch
 
 from conftest import load_script
 
-_AsCuda = load_script("bench_host")._AsCuda  # what the backend decision reads of x, as a CUDA tensor shows it
+_bench = load_script("bench_host")
+_AsCuda = _bench._AsCuda  # what the backend decision reads of x, as a CUDA tensor shows it
 
 
 @pytest.fixture
@@ -28,8 +29,8 @@ def cuda_route(monkeypatch):
     real = op._auto_backend
     monkeypatch.setattr(op, "_auto_backend", lambda x, *rest: real(_AsCuda(x), *rest))
     monkeypatch.setattr(op, "_triton_available", lambda: True)
-    # the tuned-file lookup's device query, as a GPU without a tuned file answers it
-    monkeypatch.setattr(config_store, "device_info", lambda device=None: config_store.DeviceInfo("No Tuned GPU", (0, 0)))
+    # the device query (tuned-file lookup, sparse tensor cores), as a GPU without a tuned file answers it
+    monkeypatch.setattr(config_store, "device_info", _bench.as_cuda_device_info(config_store.device_info))
     config_store.clear_cache()
     grids = []
     monkeypatch.setattr(launch._Plan, "launch", lambda plan, grid, args, aligned: grids.append((plan.config, grid)))
@@ -109,7 +110,6 @@ def test_the_sparse_tensor_core_kernel_serves_17_to_64_rows(dtype, quantize, cud
         assert op._auto_backend(x, layer.values, layer.scale, 256, gs) == "prefill"
         # a GPU without sparse tensor cores (sm_75: mma.sp does not compile): 16-bit weights keep the prefill kernel
         with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(torch.cuda, "is_available", lambda: True)
             mp.setattr(config_store, "device_info", lambda device=None: config_store.DeviceInfo("Old GPU", (7, 5)))
             config_store.clear_cache()
             want = "prefill" if quantize is None else "triton"

@@ -237,8 +237,7 @@ class _Plan:
         layout = "v1" if values_dim == 2 else "decode"
         if config is None:
             config = get_config(bucket, N, K, dtype_key(x_dtype, has_scale, group_size > 0), device, layout)
-            if config.block_m == 32 and not (sp_pair(x_dtype, values_dtype, has_scale)
-                                             and (has_scale or sp_route_16bit(device))):
+            if config.block_m == 32 and not sp_serves(x_dtype, values_dtype, has_scale, device):
                 # a 16-bit weight of the other 16-bit dtype than x, or on a GPU without sparse tensor
                 # cores: the byte-permute kernel's 16 rows (the builtin config of a key off the route)
                 config = builtin_config(bucket, N, K, layout=layout, dtype="float32")
@@ -728,7 +727,7 @@ class _Prefill(_Decode):
 class _DecodeSP(_Decode):
     """``kernels/sparse24_sp.py``: INT8 / INT4 decode-layout weights with float16 / bfloat16 x
     on the sparse tensor cores (``mma.sp``), and 16-bit weights of x's dtype at 32 rows per
-    program (:func:`sp_pair`); the decode kernel's config, split-K and arguments, plus ``N16``
+    program (:func:`half_pair`); the decode kernel's config, split-K and arguments, plus ``N16``
     (a second mma per chunk for x rows 8-15: M buckets above 8),
     ``RT``, the 16-row tiles per warp (``block_n // (16 num_warps)``: 1, 2 or 4), and ``R32``
     (``block_m`` 32: 32 rows of x per program, two 16-row blocks on the same weight registers);
@@ -778,36 +777,35 @@ def variant_of(config: KernelConfig, x_dtype: torch.dtype, has_scale: bool, valu
     weights and float16 / bfloat16 x runs the sparse tensor-core kernel, and so does one of
     32 rows per program (17 to SP_MAX_M rows) with a 16-bit weight of x's dtype (``values_dtype``)."""
     if config.kernel == "decode" and (sparse_kernel(dtype_key(x_dtype, has_scale))   # INT4 keys as INT8's
-                                      or config.block_m == 32 and sp_pair(x_dtype, values_dtype, has_scale)):
+                                      or config.block_m == 32 and half_pair(x_dtype, values_dtype, has_scale)):
         return _DecodeSP
     return _VARIANTS[config.kernel]
 
 
-def sp_pair(x_dtype: torch.dtype, values_dtype: torch.dtype | None, has_scale: bool) -> bool:
-    """Whether the sparse tensor-core kernel multiplies this (weight, x) pair: float16 /
-    bfloat16 x with INT8 / INT4 weights (``has_scale``) or a 16-bit weight of x's dtype
-    (``mma.sp`` takes one type for both operands)."""
+def half_pair(x_dtype: torch.dtype, values_dtype: torch.dtype | None, has_scale: bool) -> bool:
+    """Whether a (weight, x) pair is one the 16-bit-x routes serve, the sparse tensor-core kernel
+    past 16 rows and the unpack route: float16 / bfloat16 x with INT8 / INT4 weights
+    (``has_scale``) or a 16-bit weight of x's dtype (``mma.sp`` takes one type for both operands;
+    the unpack scratch holds x's dtype)."""
     return x_dtype in (torch.float16, torch.bfloat16) and (has_scale or values_dtype == x_dtype)
+
+
+def sp_serves(x_dtype: torch.dtype, values_dtype: torch.dtype | None, has_scale: bool, device: torch.device) -> bool:
+    """Whether the sparse tensor-core kernel takes this pair past 16 rows on ``device``
+    (:func:`half_pair`; 16-bit weights only where :func:`sp_route_16bit`)."""
+    return half_pair(x_dtype, values_dtype, has_scale) and (has_scale or sp_route_16bit(device))
 
 
 def sp_route_16bit(device: torch.device) -> bool:
     """Whether 16-bit weights take the sparse tensor-core kernel past 16 rows on ``device``: a
     GPU with sparse tensor cores (compute capability 8.0 or later: ``mma.sp`` does not compile
-    for older ones, where the prefill kernel keeps serving them), or Triton's interpreter (and a
-    CUDA decision simulated where torch has no CUDA: scripts/bench_host.py). Cached per device."""
-    ok = _SP_16BIT.get(device)
-    if ok is None:
-        if device.type != "cuda" or not torch.cuda.is_available():
-            ok = True
-        else:
-            capability = config_store.device_info(device).capability
-            ok = capability is not None and capability >= (8, 0)
-        _SP_16BIT[device] = ok
-    return ok
-
-
-_SP_16BIT: dict = {}
-on_clear(_SP_16BIT.clear)
+    for older ones, where the prefill kernel keeps serving them), or Triton's interpreter.
+    (The store's device query, which is cached, read through the module: a decision simulated
+    on CPU answers it for its CUDA-looking device, scripts/bench_host.py.)"""
+    if device.type != "cuda":
+        return True
+    capability = config_store.device_info(device).capability
+    return capability is not None and capability >= (8, 0)
 
 
 _VARIANTS = {"matmul": _Matmul, "decode": _Decode, "prefill": _Prefill}

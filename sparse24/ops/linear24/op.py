@@ -177,8 +177,7 @@ def _auto_backend(x: torch.Tensor, values: torch.Tensor, scale, out_features: in
         return "triton"
     if values.dim() != 2:
         if decode_rows(M, dtype_key(x.dtype, scale is not None)) == 32 \
-                and launch.sp_pair(x.dtype, values.dtype, scale is not None) \
-                and (scale is not None or launch.sp_route_16bit(x.device)):   # (INT4 keys as INT8's)
+                and launch.sp_serves(x.dtype, values.dtype, scale is not None, x.device):   # (INT4 keys as INT8's)
             # INT8 / INT4 or a 16-bit weight of x's dtype with 16-bit x: the sparse tensor-core
             # kernel, 32 rows per program (config_space.SP_MAX_M says why; 16-bit weights on GPUs
             # with sparse tensor cores).
@@ -214,7 +213,7 @@ def _prefill_route(x, values, scale, out_features: int, group_size: int, M: int)
     choice = _AUTO.get(key)
     if choice is None:
         timings = {}
-        if unpack_applies(x.dtype, values.dtype, scale is not None):
+        if launch.half_pair(x.dtype, values.dtype, scale is not None):
             timings = measured_timings(M, out_features, x.shape[-1],
                                        dtype_key(x.dtype, scale is not None, group_size > 0), x.device, "decode",
                                        "prefill")
@@ -222,17 +221,11 @@ def _prefill_route(x, values, scale, out_features: int, group_size: int, M: int)
     return choice
 
 
-def unpack_applies(x_dtype: torch.dtype, values_dtype: torch.dtype, has_scale: bool) -> bool:
-    """Whether the unpack route can serve a decode-layout weight: float16 / bfloat16 x and a
-    16-bit weight of x's dtype, an INT8 or an INT4 weight (``has_scale``)."""
-    return x_dtype in (torch.float16, torch.bfloat16) and (has_scale or values_dtype == x_dtype)
-
-
 def prefill_backend(M: int, x_dtype: torch.dtype, values_dtype: torch.dtype, has_scale: bool,
                     timings: dict | None = None) -> str:
     """The decode layout's route past decode sizes on CUDA: ``"unpack"`` (the weight unpacked
     dense into a shared scratch in x's dtype, then cuBLAS) or ``"prefill"`` (the prefill
-    kernel). Where :func:`unpack_applies`: the faster of the two where this GPU's tuned entry
+    kernel). Where :func:`~sparse24.ops.linear24.launch.half_pair`: the faster of the two where this GPU's tuned entry
     for the shape measured both (``timings``: ``kernel_us`` of the prefill kernel and
     ``unpack_us``, from :func:`~sparse24.ops.config_store.measured_timings`), else the unpack
     route from :data:`UNPACK_MIN_M` rows. 16-bit and INT4 weights give the kernels' products
@@ -241,7 +234,7 @@ def prefill_backend(M: int, x_dtype: torch.dtype, values_dtype: torch.dtype, has
     2**-9 bfloat16, as a dense copy in that dtype holds it), where the kernels apply the fp32
     row scale after the dot: measured on an H200, 0.69-0.90x of dense from 1024 rows against
     the prefill kernel's 0.24-0.37x."""
-    if not unpack_applies(x_dtype, values_dtype, has_scale):
+    if not launch.half_pair(x_dtype, values_dtype, has_scale):
         return "prefill"
     if timings and "unpack_us" in timings and "kernel_us" in timings:
         return "unpack" if timings["unpack_us"] < timings["kernel_us"] else "prefill"
@@ -252,8 +245,8 @@ def unpack_linear(x, values, meta, scale, zero, group_size, bias, out_features):
     """``x @ W^T + bias`` on the weight unpacked dense (``launch.unpack_dense``), the unpack route.
 
     x: ``(..., K)`` float16 / bfloat16; values, meta, scale, zero: a decode-layout ``(N, K)``
-    weight (``sparse24.decode_format``) where :func:`unpack_applies`: 16-bit of x's dtype, INT8 or
-    INT4 (``group_size`` > 0); bias: ``(N,)`` of x's dtype or None (the caller runs the prefill
+    weight (``sparse24.decode_format``) where :func:`~sparse24.ops.linear24.launch.half_pair`: 16-bit
+    of x's dtype, INT8 or INT4 (``group_size`` > 0); bias: ``(N,)`` of x's dtype or None (the caller runs the prefill
     kernel otherwise: it adds a bias of another dtype before its one rounding); out_features: N.
     Returns ``(..., N)`` of x's dtype: one unpack launch and one ``mm`` / ``addmm``."""
     K = x.shape[-1]
