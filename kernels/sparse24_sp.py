@@ -436,19 +436,7 @@ def _sp_tile(acc, acc2, vt, V_ATOM, V_ROWS, et, E_ROWS, xt0, xt1, xt2, xt3, col,
                 E = E + (_mask_sp_word(EW[r][0][j], EW[r][1][j], EW[r][2][j], EW[r][3][j], sel),)
             else:
                 E = E + (EW[r][j],)
-        if W16:
-            # the stored words are the A registers: chunk 0 in the first half-atom, chunk 1 in the second
-            A0 = ()
-            A1 = ()
-            for r in tl.static_range(RT):
-                A0 = A0 + (_lane_words(P[r]),)
-                A1 = A1 + (_lane_words(_atom_values(vp + r * V_ROWS + V_ATOM // 2, ok, MASKED)),)
-            acc = _chunk(acc, A0, E, xt0, xt1, j * 32, a * 64, K, col, 0, MASKED, BF16, N16, RT)
-            acc = _chunk(acc, A1, E, xt0, xt1, j * 32 + 16, a * 64 + 32, K, col, 1, MASKED, BF16, N16, RT)
-            if R32:
-                acc2 = _chunk(acc2, A0, E, xt2, xt3, j * 32, a * 64, K, col, 0, MASKED, BF16, N16, RT)
-                acc2 = _chunk(acc2, A1, E, xt2, xt3, j * 32 + 16, a * 64 + 32, K, col, 1, MASKED, BF16, N16, RT)
-        elif INT4:
+        if INT4:
             # Each quantization group's chunks sum into zeroed accumulators grp, then _fold adds
             # scale * grp (a group inside this K-tile: SEG columns; BLOCK_K < GROUP: the tile's part).
             W0 = ()
@@ -486,9 +474,13 @@ def _sp_tile(acc, acc2, vt, V_ATOM, V_ROWS, et, E_ROWS, xt0, xt1, xt2, xt3, col,
             A0 = ()
             A1 = ()
             for r in tl.static_range(RT):
-                p0, p1, p2, p3 = _lane_words(P[r])
-                A0 = A0 + (_int8_regs(p0, p1, sm_mask, BF16),)
-                A1 = A1 + (_int8_regs(p2, p3, sm_mask, BF16),)
+                if W16:   # the stored words are the A registers: chunk 0 in the first half-atom, chunk 1 in the second
+                    A0 = A0 + (_lane_words(P[r]),)
+                    A1 = A1 + (_lane_words(_atom_values(vp + r * V_ROWS + V_ATOM // 2, ok, MASKED)),)
+                else:
+                    p0, p1, p2, p3 = _lane_words(P[r])
+                    A0 = A0 + (_int8_regs(p0, p1, sm_mask, BF16),)
+                    A1 = A1 + (_int8_regs(p2, p3, sm_mask, BF16),)
             acc = _chunk(acc, A0, E, xt0, xt1, j * 32, a * 64, K, col, 0, MASKED, BF16, N16, RT)
             acc = _chunk(acc, A1, E, xt0, xt1, j * 32 + 16, a * 64 + 32, K, col, 1, MASKED, BF16, N16, RT)
             if R32:
