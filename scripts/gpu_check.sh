@@ -35,8 +35,9 @@ ROOT=$PWD
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
 # tuned: the decode ends (2-8 take the nearest bucket's entry)
-M_TUNE=1,16
-M_BENCH=1,4,16,64,256,1024,4096
+M_TUNE=${M_TUNE:-1,16}
+DTYPE_TUNE=${DTYPE_TUNE:-float16,int8-float16}   # e.g. M_TUNE=32,64 DTYPE_TUNE=float16,bfloat16: the 17-64-row buckets
+M_BENCH=${M_BENCH:-1,4,16,64,256,1024,4096}
 # the sweep's providers: dense, what a layer runs by default, torch's cuSPARSELt (all ten timed 100
 # times each ran past 60 s on the H200 before writing a row)
 PROVIDERS=dense,sparse24-auto,torch-semi-structured
@@ -120,7 +121,7 @@ step tests "$T_TESTS" env PYTHONPATH="$ROOT/scripts/gpu_tests:$PYTHONPATH" "$PY"
 
 # 2. tuning (entries are merged into the file one by one, so a run cut short keeps its measurements)
 step autotune "$T_TUNE" "$PY" -m sparse24 autotune --shapes standard --m "$M_TUNE" \
-    --dtype float16,int8-float16 --out-dir autotune_configs --warmup-ms 3 --rep-ms 10 --jobs 12 --skip-tuned
+    --dtype "$DTYPE_TUNE" --out-dir autotune_configs --warmup-ms 3 --rep-ms 10 --jobs 12 --skip-tuned
 
 # 3. benchmark sweep with the tuned configs (CSV + PNG)
 step bench "$T_BENCH" "$PY" -m sparse24 bench --device cuda --shapes standard --m "$M_BENCH" \

@@ -11,7 +11,10 @@ goes, and the prefill paths side by side.
    tile (added after run 3: a slow Triton GEMM or a slow decode?), medians of do_bench; unpack
    checked bit-exact first. fp16, INT8 and INT4 (group 128) weights; cuSPARSELt for fp16 only,
    with its kernels' own GPU time per call from torch.profiler beside do_bench's (run 3 timed
-   it at ~1 ms a call: if that is host time, a CUDA graph would remove it).
+   it at ~1 ms a call: if that is host time, a CUDA graph would remove it). ``sp_us``: the sparse
+   tensor-core kernel, to 64 rows the route's own config, past 64 rows (where no route takes it)
+   its untuned 32-row config without split-K, 32 rows per program re-reading each weight tile
+   from L2: is there a sparse route past 64 rows that beats dense?
 3. host (added after run 3): the kept handle's launch alone with pointers as ints (what the plan
    passes) and as tensors (before).
 
@@ -197,7 +200,9 @@ def prefill(out: Path, dev, shapes=((4096, 4096), (11008, 4096), (4096, 11008)),
     wr.writerow(["weight", "N", "K", "M", "dense_us", "prefill_us", "unpack_mm_us", "unpack_us", "cusparselt_us",
                  "triton_dense_us", "prefill_config", "cusparselt_kernel_us", "sp_us"])
     from sparse24.kernels.interpreter import InterpretedKernel
-    from sparse24.ops.config_space import SP_MAX_M, dtype_key
+    from dataclasses import replace
+
+    from sparse24.ops.config_space import SP_MAX_M, decode_default, dtype_key
     from sparse24.ops.linear24.prefill import prefill_config, prefill_pair
     kernels = {"cuda": triton.jit(_dense_mm), "cpu": InterpretedKernel(_dense_mm)}
 
@@ -238,12 +243,21 @@ def prefill(out: Path, dev, shapes=((4096, 4096), (11008, 4096), (4096, 11008)),
             for M in ms:
                 x = torch.randn(M, K, device=dev, dtype=torch.float16)
                 # the prefill kernel's untuned config (what run_prefill takes without a tuned entry)
-                cfg = prefill_config(M, N, K, pair=prefill_pair(dtype_key(torch.float16, weight == "int8",
-                                                                          weight == "int4")))
+                key = dtype_key(torch.float16, weight == "int8", weight == "int4")
+                cfg = prefill_config(M, N, K, pair=prefill_pair(key))
+                # past the route's rows: its 32-row config, one program per (32 rows, weight tile)
+                sp_cfg = None if M <= SP_MAX_M else replace(decode_default(N, K, key, rows=32), split_k=1)
                 if weight == "fp16":
                     y_t = _triton_dense(x, wd, cfg, kernels)
                     err = (y_t.float() - F.linear(x, wd).float()).abs().max().item()
                     print(f"  M {M}: triton dense max |diff| vs F.linear {err:.3g}", flush=True)
+                try:   # the sparse tensor-core kernel's result, as timed below (F.linear: fp32 accumulation too)
+                    ref = F.linear(x.float(), wd.float())
+                    y_sp = launch.run(x, p.values, p.meta, p.scale, None, N, sp_cfg, p.zero, gs).float()
+                    print(f"  M {M}: sparse tensor cores max |diff| / max |ref| "
+                          f"{((y_sp - ref).abs().max() / ref.abs().max()).item():.3g}", flush=True)
+                except Exception as e:  # noqa: BLE001 (reported; the timing below reports NaN)
+                    print(f"  M {M}: sparse tensor cores failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
                 r = [weight, N, K, M, bench(lambda: F.linear(x, wd)),
                      bench(lambda: launch.run_prefill(x, p.values, p.meta, p.scale, None, N, None, p.zero, gs)),
                      bench(lambda: F.linear(x, unpack())),
@@ -256,9 +270,8 @@ def prefill(out: Path, dev, shapes=((4096, 4096), (11008, 4096), (4096, 11008)),
                      # (then a CUDA graph would remove it) or the GPU's?
                      _device_us(lambda: F.linear(x, ws), dev) if ws is not None else float("nan"),
                      # to SP_MAX_M rows the route's sparse tensor-core kernel (16-bit weights too, since
-                     # 2026-12-04), its untuned config for the M bucket
-                     bench(lambda: launch.run(x, p.values, p.meta, p.scale, None, N, None, p.zero, gs))
-                     if M <= SP_MAX_M else float("nan")]
+                     # 2026-12-04), its untuned config for the M bucket; past them sp_cfg (docstring)
+                     bench(lambda: launch.run(x, p.values, p.meta, p.scale, None, N, sp_cfg, p.zero, gs))]
                 wr.writerow(r)
                 f.flush()
                 rows.append(r)
@@ -282,7 +295,7 @@ def main(argv=None) -> int:
     if a.only in (None, "host"):
         host(a.out, dev, *((128, 256, 3) if a.smoke else ()))
     if a.only in (None, "prefill"):
-        prefill(a.out, dev, *((((256, 256),), (64,)) if a.smoke else ()))
+        prefill(a.out, dev, *((((256, 256),), (64, 80)) if a.smoke else ()))
     return 0
 
 

@@ -1,5 +1,6 @@
 """The command line: every subcommand, its outputs, and one-line errors with non-zero exits."""
 import csv
+import re
 import os
 import subprocess
 import sys
@@ -521,13 +522,18 @@ def test_gpu_l2_bandwidth_kernel_sums_on_cpu():
 def test_gpu_probe_runs_every_step_on_cpu(tmp_path, capsys):
     """The probe step's code, run small on CPU (Triton's interpreter; cuSPARSELt is CUDA-only
     and reported, not fatal): the unpack bit-exact, a CSV row per weight kind, each timed on the
-    sparse tensor-core route too (a failing path is reported as NaN, so the check can fail)."""
+    sparse tensor-core route too, past 64 rows with its 32-row config (a failing path is reported as
+    NaN, so the check can fail)."""
     assert _script_main("scripts/gpu_probe.py")(["--smoke", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "host us/call Sparse24Linear" in out and out.count("unpack bit-exact True") == 3
     rows = list(csv.DictReader(open(tmp_path / "probe_prefill.csv")))
-    assert [r["weight"] for r in rows] == ["fp16", "int8", "int4"] and float(rows[0]["triton_dense_us"]) > 0
-    assert all(float(r["sp_us"]) > 0 for r in rows)   # 64 rows: the sparse tensor-core route, every weight kind
+    assert [(r["weight"], r["M"]) for r in rows] == [(w, m) for w in ("fp16", "int8", "int4") for m in ("64", "80")]
+    assert float(rows[0]["triton_dense_us"]) > 0
+    # 64 rows: the sparse tensor-core route; 80: its 32-row config forced; every weight kind, checked
+    assert all(float(r["sp_us"]) > 0 for r in rows)
+    errs = [float(e) for e in re.findall(r"sparse tensor cores max \|diff\| / max \|ref\| (\S+)", out)]
+    assert len(errs) == 6 and max(errs) < 2e-3 and "sparse tensor cores failed" not in out   # fp16 output rounding
 
 
 def test_gpu_probe_times_the_kept_handle_with_both_pointer_forms(monkeypatch):
