@@ -47,7 +47,9 @@ T_BENCH=${T_BENCH:-90}
 T_USER=${T_USER:-40}
 T_BLOCK=${T_BLOCK:-90}
 T_L2=${T_L2:-30}
-T_PROBE=${T_PROBE:-80}          # 30 + 80 + 120 + 90 + 90 + 40 + 90 = 540 s = 9 minutes at most
+T_PROBE=${T_PROBE:-80}          # 30 + 80 + 120 + 90 + 90 + 40 + 90 = 540 s = 9 minutes at most, and:
+T_SPARSE_MM=${T_SPARSE_MM:-80}  # (added after the 2026-12-04 H200 runs: select it or others with GPU_CHECK_ONLY)
+PROBE_ARGS=${PROBE_ARGS:-}      # e.g. "--only prefill --weights int8,int4 --ms 32,64"
 
 # Import this tree without installing it: kernels/ and autotune_configs/ are
 # sub-packages of sparse24 only once installed (pyproject's package-dir), so
@@ -110,7 +112,10 @@ step() {  # step NAME LIMIT_S CMD...: run with a time limit, log to $RES/NAME.lo
 step l2 "$T_L2" "$PY" scripts/gpu_l2_bandwidth.py --out "$RES/"
 
 # 0b. where an eager call's host time goes; the prefill paths side by side (scripts/gpu_probe.py)
-step probe "$T_PROBE" "$PY" scripts/gpu_probe.py --out "$RES/"
+step probe "$T_PROBE" "$PY" scripts/gpu_probe.py --out "$RES/" $PROBE_ARGS
+
+# 0c. large-M sparse GEMMs with the host left out (CUDA graphs): cuSPARSELt, CUTLASS, the unpack route
+step sparse_mm "$T_SPARSE_MM" "$PY" scripts/gpu_sparse_mm.py --out "$RES/"
 
 # 1. kernel and module tests on CUDA (parallel across processes when pytest-xdist is there:
 #    the time goes into compiling kernel variants, one per process at a time)

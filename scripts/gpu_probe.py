@@ -191,7 +191,8 @@ def _triton_dense(x, w, cfg, kernels):
     return out
 
 
-def prefill(out: Path, dev, shapes=((4096, 4096), (11008, 4096), (4096, 11008)), ms=(32, 64, 256, 1024, 4096)) -> None:
+def prefill(out: Path, dev, shapes=((4096, 4096), (11008, 4096), (4096, 11008)), ms=(32, 64, 256, 1024, 4096),
+            weights=("fp16", "int8", "int4")) -> None:
     from triton.testing import do_bench
     torch.manual_seed(0)
     rows = []
@@ -217,7 +218,7 @@ def prefill(out: Path, dev, shapes=((4096, 4096), (11008, 4096), (4096, 11008)),
             print(f"  failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
             return float("nan")
 
-    for weight in ("fp16", "int8", "int4"):
+    for weight in weights:
         for N, K in shapes[:1] if weight == "int4" else shapes:   # (INT4: one shape, for the step's time)
             w = torch.randn(N, K, device=dev, dtype=torch.float16)
             c = sparse24.compress(w)
@@ -286,7 +287,12 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=Path("."))
     ap.add_argument("--only", choices=("host", "prefill"), default=None)
     ap.add_argument("--smoke", action="store_true", help="CPU, small shapes: the code paths only")
+    ap.add_argument("--weights", default="fp16,int8,int4", help="prefill: the weight kinds, in order")
+    ap.add_argument("--ms", default=None, help="prefill: the row counts (default 32,64,256,1024,4096)")
     a = ap.parse_args(argv)
+    kinds = tuple(a.weights.split(","))
+    if not set(kinds) <= {"fp16", "int8", "int4"}:
+        ap.error(f"--weights: fp16, int8 and int4 only, got {a.weights}")
     if not a.smoke and not torch.cuda.is_available():
         print("gpu_probe: no CUDA GPU visible; nothing to probe", file=sys.stderr)
         return 1
@@ -295,7 +301,9 @@ def main(argv=None) -> int:
     if a.only in (None, "host"):
         host(a.out, dev, *((128, 256, 3) if a.smoke else ()))
     if a.only in (None, "prefill"):
-        prefill(a.out, dev, *((((256, 256),), (64, 80)) if a.smoke else ()))
+        shapes = ((256, 256),) if a.smoke else ((4096, 4096), (11008, 4096), (4096, 11008))
+        ms = tuple(int(m) for m in a.ms.split(",")) if a.ms else (64, 80) if a.smoke else (32, 64, 256, 1024, 4096)
+        prefill(a.out, dev, shapes, ms, kinds)
     return 0
 
 
