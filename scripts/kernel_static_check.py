@@ -344,10 +344,16 @@ def sass_main(a) -> int:
 def default_config(dtype: str, N: int, K: int, gpu: str = "NVIDIA H200", rows: int = 16, tuned: bool = True):
     """``(config, source)`` a decode-layout layer of ``dtype`` (a dtype key) at M <= 16 (or
     ``rows``) uses on ``gpu`` (sm_90, 132 SMs): a tuned file's entry where one applies, else
-    the built-in default (``tuned=False``: the built-in default, the files aside)."""
+    the built-in default (``tuned=False``: the built-in default, the files aside). A 16-bit
+    weight at 17-64 rows: the sparse tensor-core kernel's 32-row default where no tuned entry
+    gives it a 32-row config (its route takes it from a tuned entry only: config_space.sp_tunable;
+    this reports what that kernel compiles to)."""
+    from sparse24.ops.config_space import decode_default, sp_tunable
     from sparse24.ops.config_store import lookup
     choice = lookup(max(rows, 16), N, K, dtype, gpu if tuned else "untuned", (9, 0) if tuned else None, SMS,
                     "decode")
+    if sp_tunable(rows, dtype) and choice.config.block_m != 32:
+        return decode_default(N, K, dtype, SMS, rows=rows), "sparse-default"
     return choice.config, choice.kind
 
 

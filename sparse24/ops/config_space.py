@@ -17,7 +17,7 @@ import torch
 __all__ = ["KernelConfig", "KERNEL_VARIANTS", "LAYOUTS", "LAYOUT_KERNEL", "M_BUCKETS", "DTYPE_KEYS", "DECODE_M",
            "SPLIT_K_MAX_M", "SP_MAX_M", "PREFILL_SPLIT_MAX_M", "PREFILL_SPLITS", "split_factors", "DECODE_PAIRS",
            "LISTED_SHAPES",
-           "m_bucket", "dtype_key", "builtin_config", "decode_default", "decode_rows", "candidate_configs", "decode_configs", "check_decode_config",
+           "m_bucket", "dtype_key", "builtin_config", "decode_default", "decode_rows", "sp_tunable", "candidate_configs", "decode_configs", "check_decode_config",
            "sparse_kernel", "prefill_configs", "check_prefill_config"]
 
 # Kernel variants a config may name (kernels/): "matmul" (sparse24_matmul.py)
@@ -160,14 +160,17 @@ def candidate_configs(M: int, N: int, K: int, num_sms: int = 132, layout: str = 
 
     The decode layout past 16 rows runs the prefill kernel (``sparse24::linear``'s
     route, but for INT8 / INT4 with 16-bit x to SP_MAX_M rows): its space is
-    :func:`prefill_configs`.
+    :func:`prefill_configs`, and for 16-bit weights at 17 to SP_MAX_M rows the sparse
+    tensor-core kernel's 32-row space beside it (:func:`sp_tunable`: the tuned entry says
+    which kernel the route takes).
     """
     if layout == "decode":
         if M > DECODE_M and decode_rows(M, dtype) != 32:
             # and each config split along K where that can fill idle SMs (the model's
             # defaults, prefill_config, take split-K there)
             return [dataclasses.replace(c, split_k=s) for c in prefill_configs(M)
-                    for s in split_factors(M, N, K, c, num_sms)]
+                    for s in split_factors(M, N, K, c, num_sms)] \
+                + (decode_configs(M, N, K, dtype, num_sms, rows=32) if sp_tunable(M, dtype) else [])
         return decode_configs(M, N, K, dtype, num_sms)
     out: list[KernelConfig] = []
     if M <= 16:
@@ -221,13 +224,24 @@ def sparse_kernel(dtype: str) -> bool:
 
 def decode_rows(M: int, dtype: str) -> int:
     """Rows of x per program the decode kernels take at ``M`` rows (or its bucket) of dtype key
-    ``dtype``: 32 on the sparse tensor-core route (17 to SP_MAX_M rows with float16 / bfloat16 x:
-    INT8 / INT4 weights, and 16-bit weights of x's dtype, whose M <= 16 stays on the byte-permute
-    kernel; one weight register serves 32 rows), else 16."""
-    return 32 if DECODE_M < M <= SP_MAX_M and (sparse_kernel(dtype) or dtype in ("float16", "bfloat16")) else 16
+    ``dtype``: 32 on the sparse tensor-core route (17 to SP_MAX_M rows, INT8 / INT4 weights with
+    float16 / bfloat16 x: one weight register serves 32 rows), else 16. (16-bit weights take that
+    kernel there only where this GPU's tuned entry chose it: :func:`sp_tunable`.)"""
+    return 32 if DECODE_M < M <= SP_MAX_M and sparse_kernel(dtype) else 16
 
 
-def decode_configs(M: int, N: int, K: int, dtype: str = "float16", num_sms: int = 132) -> list[KernelConfig]:
+def sp_tunable(M: int, dtype: str) -> bool:
+    """Whether the sparse tensor-core kernel's 32-row configs join the tuning space of a 16-bit
+    weight of x's dtype (``dtype`` ``"float16"`` / ``"bfloat16"``) at ``M`` (17 to SP_MAX_M rows),
+    beside the prefill kernel's. Measured on an H200 (results/NVIDIA_H200/probe_prefill.csv),
+    untuned it lost to the prefill kernel at all six points (4096x4096, 11008x4096, 4096x11008;
+    32 and 64 rows: 30-81 against 26-61 us), tuned it won at 4096x4096 and 32 rows (18.2 us
+    against the prefill kernel's untuned 25.7): so the route takes it only from a tuned entry."""
+    return DECODE_M < M <= SP_MAX_M and dtype in ("float16", "bfloat16")
+
+
+def decode_configs(M: int, N: int, K: int, dtype: str = "float16", num_sms: int = 132,
+                   rows: int | None = None) -> list[KernelConfig]:
     """The decode kernel's config space for one (M, N, K, dtype key).
 
     BLOCK_N x warps in (64 x 4, 128 x 8) x BLOCK_K in (64, 128, 256) x
@@ -245,18 +259,21 @@ def decode_configs(M: int, N: int, K: int, dtype: str = "float16", num_sms: int 
     (its route past decode sizes) 32 rows per program (``block_m`` 32) with
     split-K, BLOCK_K up to 256 and INT4 at most two tiles per warp (INT4's doubled
     accumulators spill beyond; all 30 compiled variants at 4096 x 4096: 0 spills).
-    16-bit weights take the same kernel there (with x of their dtype; at M <= 16 the
-    byte-permute kernel's space), at most two tiles per warp (four spill with Triton 3.6).
+    16-bit weights take the same kernel's space there with ``rows`` 32 (:func:`sp_tunable`; at
+    M <= 16 the byte-permute kernel's space), at most two tiles per warp (four spill with Triton 3.6).
 
     Args:
         M, N, K: problem size (x is M x K, W is N x K); dtype: a :func:`dtype_key`.
+        rows: rows per program (default :func:`decode_rows`; 32 for a 16-bit key where :func:`sp_tunable`).
     Returns:
         list of :class:`KernelConfig` with ``kernel == "decode"``, ``block_m`` 16 (32: above).
     """
     if M < 1:
         raise ValueError(f"M must be >= 1, got {M}")
     int8 = dtype.startswith("int8-")
-    rows = decode_rows(M, dtype)
+    rows = decode_rows(M, dtype) if rows is None else rows
+    if rows not in (16, 32) or rows == 32 and not (decode_rows(M, dtype) == 32 or sp_tunable(M, dtype)):
+        raise ValueError(f"rows={rows}: 16, or 32 where the sparse tensor-core kernel serves {dtype} at M={M}")
     r32 = rows == 32
     sparse = sparse_kernel(dtype) or r32
     out = []
@@ -287,8 +304,8 @@ DECODE_IN_FLIGHT = 32 * 1024
 
 def decode_default(N: int, K: int, dtype: str = "float16", num_sms: int = 132, rows: int = DECODE_M) -> KernelConfig:
     """The decode kernel's untuned config at M <= 16 for an (N, K) layer (``rows`` 17-64 with
-    INT8 / INT4 weights and 16-bit x: the sparse tensor-core kernel's 32 rows per program,
-    ``block_m`` 32; then INT4 takes at most 2 row tiles per warp and tiles at most 256 deep,
+    INT8 / INT4 weights and 16-bit x, or a 16-bit weight of x's dtype (:func:`sp_tunable`; no route
+    takes that one untuned): the sparse tensor-core kernel's 32 rows per program, ``block_m`` 32; then INT4 takes at most 2 row tiles per warp and tiles at most 256 deep,
     where the doubled accumulators spill (sm_90: 216 B with four tiles, 48 B at 512 deep), and
     INT8 tiles at most 256 deep too: 512 compiles without spills but is not predicted faster,
     the large shapes being at the byte ratio already).
@@ -312,7 +329,7 @@ def decode_default(N: int, K: int, dtype: str = "float16", num_sms: int = 132, r
     # loads into registers, without Triton's pipeline, so a program has one K-tile in flight;
     # its tiles may be 512 columns deep (the instructions outside the loop amortize over twice
     # the bytes: INT4 4096 x 4096 0.307 -> 0.239 warp-instructions per byte on sm_90)
-    r32 = decode_rows(rows, dtype) == 32
+    r32 = decode_rows(rows, dtype) == 32 or sp_tunable(rows, dtype)
     sparse = sparse_kernel(dtype) or r32   # (16-bit weights: on the sparse tensor cores past 16 rows)
     bn, warps = 64, 4
     if sparse:

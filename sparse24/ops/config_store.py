@@ -53,7 +53,7 @@ from pathlib import Path
 import torch
 
 from .config_space import (DECODE_M, DTYPE_KEYS, LAYOUT_KERNEL, M_BUCKETS, SP_MAX_M, KernelConfig, builtin_config,
-                           check_decode_config, check_prefill_runs, decode_rows, m_bucket)
+                           check_decode_config, check_prefill_runs, decode_rows, m_bucket, sp_tunable)
 
 __all__ = ["KERNEL", "SCHEMA_VERSION", "TIMINGS", "Choice", "DeviceInfo", "device_info", "config_dirs",
            "shipped_config_dir", "gpu_file_name", "validate_file", "validate_dir", "lookup", "get_choice",
@@ -128,11 +128,14 @@ def validate_file(data) -> dict:
 
 def _serves(config: KernelConfig, M: int, dtype: str) -> bool:
     """Whether a config tuned for another M (a nearest entry, a file's default) is the kind
-    its kernel takes at M: a decode-kernel config with :func:`decode_rows` rows per program; a
-    prefill config of at most 64 rows per program at 17-64 rows (the space there)."""
+    its kernel takes at M: a decode-kernel config with :func:`decode_rows` rows per program (or
+    the sparse tensor-core kernel's 32 where :func:`sp_tunable`); a prefill config of at most 64
+    rows per program at 17-64 rows (the space there)."""
     if config.kernel == "prefill":
         return config.block_m <= 64 or m_bucket(M) > 64
-    return config.kernel != "decode" or config.block_m == decode_rows(m_bucket(M), dtype)
+    bucket = m_bucket(M)
+    return config.kernel != "decode" or config.block_m == decode_rows(bucket, dtype) \
+        or config.block_m == 32 and sp_tunable(bucket, dtype)
 
 
 def _check_prefill_entry(config: KernelConfig, bucket: int, dtype: str, where: str) -> None:
@@ -144,12 +147,12 @@ def _check_prefill_entry(config: KernelConfig, bucket: int, dtype: str, where: s
         raise ValueError(f"{where}: {e}") from None
     if bucket <= DECODE_M or decode_rows(bucket, dtype) == 32:
         raise ValueError(f"{where}: a prefill entry at M bucket {bucket} for {dtype}: the prefill kernel runs past "
-                         f"{DECODE_M} rows (with float16 / bfloat16 x: past {SP_MAX_M})")
+                         f"{DECODE_M} rows (INT8 / INT4 weights with float16 / bfloat16 x: past {SP_MAX_M})")
 
 
 def _check_decode_entry(config: KernelConfig, bucket: int, dtype: str, where: str) -> None:
     """A decode-kernel entry must be one its kernel runs at that bucket: 32 rows per program
-    only on the sparse tensor-core route (16-bit x, 17 to SP_MAX_M rows)."""
+    only for the sparse tensor-core kernel (16-bit x, 17 to SP_MAX_M rows)."""
     try:
         check_decode_config(config)
     except ValueError as e:
@@ -291,9 +294,11 @@ def lookup(M: int, N: int, K: int, dtype: str, gpu_name: str, capability: tuple[
             return Choice(entry["config"], kind, f"{kind} entry M={bm} for N={N}, K={K}, {dtype} in {f['path']}",
                           entry)
     builtin = None if kernel == "prefill" else builtin_config(M, N, K, num_sms, layout, dtype)
-    for f in own:   # a file's default serves the dtype keys it tuned (its winner is their evidence)
+    for f in own:   # a file's default serves the dtype keys it won an entry of (the evidence for them: the
+        # H200 file's fp16 winner is a 16-bit byte-permute config, not one INT8's sparse kernel was timed with)
         if f["default"].kernel == kernel and _serves(f["default"], M, dtype) \
-                and any(k[3] == dtype for k in f["entries"]) and _fills(f["default"], builtin, M, N, K, num_sms):
+                and any(k[3] == dtype and e["config"] == f["default"] for k, e in f["entries"].items()) \
+                and _fills(f["default"], builtin, M, N, K, num_sms):
             return Choice(f["default"], "file-default", f"default of {f['path']}")
     if kernel == "prefill":
         from .linear24.prefill import prefill_config, prefill_pair

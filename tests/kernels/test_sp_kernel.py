@@ -253,22 +253,38 @@ def test_16bit_sparse_kernel_reads_the_keep_masks(gen):
 
 def test_route_defaults_past_16_rows():
     """The untuned configs of the route: 32 rows per program (INT8 four row tiles per warp
-    where tiles fill the SMs, INT4 and 16-bit weights two: four spill, INT4's doubled accumulators,
-    16-bit with Triton 3.6) in the 32- and 64-row buckets; past SP_MAX_M and for the byte-permute
-    kernel (which refuses 32) 16 rows."""
+    where tiles fill the SMs, INT4 two: four spill, INT4's doubled accumulators) in the 32- and
+    64-row buckets; past SP_MAX_M and for the byte-permute kernel (which refuses 32) 16 rows.
+    16-bit weights: the sparse kernel's 32-row space joins the prefill kernel's in the tuning
+    space there (its default two tiles per warp: four spill with Triton 3.6); untuned they take
+    the prefill kernel (config_space.sp_tunable)."""
+    from sparse24.ops.config_space import candidate_configs
     for dt in ("int8-float16", "int8-bfloat16", "int4-float16", "int4-bfloat16", "float16", "bfloat16"):
+        half = dt in ("float16", "bfloat16")
         for M in (32, SP_MAX_M):
-            c32 = builtin_config(M, 4096, 4096, layout="decode", dtype=dt)
-            assert c32 == decode_default(4096, 4096, dt, rows=32) and c32.block_m == 32 and c32.split_k > 1
+            c32 = decode_default(4096, 4096, dt, rows=32)
+            assert c32.block_m == 32 and c32.split_k > 1
             assert c32.block_n // (16 * c32.num_warps) == (4 if dt.startswith("int8-") else 2) and c32.block_k == 256
+            assert builtin_config(M, 4096, 4096, layout="decode", dtype=dt) == (
+                KernelConfig(16, 64, 128, 1, 1, 4, 1, kernel="decode") if half else c32)
         assert builtin_config(SP_MAX_M + 1, 4096, 4096, layout="decode", dtype=dt).block_m == 16
-        # the tuning space there is the route's too (a tuned entry replaces the default)
+        # the tuning space there (a tuned entry replaces the default)
         for M in (17, 32, SP_MAX_M):
-            space = decode_configs(M, 4096, 4096, dt)
+            space = decode_configs(M, 4096, 4096, dt, rows=32)
             assert {c.block_m for c in space} == {32} and max(c.block_k for c in space) == 256 and max(
                 c.split_k for c in space) > 1
             assert max(c.block_n // (16 * c.num_warps) for c in space) == (4 if dt.startswith("int8-") else 2)
+            tuned = candidate_configs(M, 4096, 4096, layout="decode", dtype=dt)
+            assert {c.kernel for c in tuned} == ({"prefill", "decode"} if half else {"decode"})
+            assert [c for c in tuned if c.kernel == "decode"] == space
+            assert {c.block_m for c in decode_configs(M, 4096, 4096, dt)} == {16 if half else 32}
         assert {c.block_m for c in decode_configs(SP_MAX_M + 1, 4096, 4096, dt)} == {16}
+        with pytest.raises(ValueError, match="rows=32"):
+            decode_configs(SP_MAX_M + 1, 4096, 4096, dt, rows=32)
+    with pytest.raises(ValueError, match="rows=32"):   # fp32 x and decode sizes: never the sparse kernel's 32 rows
+        decode_configs(32, 4096, 4096, "float32", rows=32)
+    with pytest.raises(ValueError, match="rows=32"):
+        decode_configs(16, 4096, 4096, "float16", rows=32)
     # M <= 16 keeps the byte-permute kernel for 16-bit weights; fp32 x never takes the route
     assert builtin_config(16, 4096, 4096, layout="decode", dtype="float16").block_m == 16
     assert builtin_config(32, 4096, 4096, layout="decode", dtype="float32").block_m == 16

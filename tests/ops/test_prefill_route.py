@@ -4,6 +4,8 @@ call's aten ops and allocated bytes are counted at torch's dispatcher (as
 ``scripts/bench_host.py --prefill`` does). No call may convert or decompress
 the weight; the layer holds one copy of the kept values."""
 
+import dataclasses
+
 import pytest
 import torch
 from torch import nn
@@ -13,7 +15,7 @@ from sparse24.decode_format import DecodePacked
 from sparse24.format import Sparse24Tensor
 from sparse24.ops import config_store
 from sparse24.ops.linear24 import launch, op
-from sparse24.ops.config_space import SP_MAX_M, decode_default, dtype_key
+from sparse24.ops.config_space import SP_MAX_M, KernelConfig, decode_default, dtype_key
 from sparse24.ops.linear24.prefill import prefill_config, prefill_pair
 from sparse24.tools.dispatch_count import count_dispatch
 
@@ -80,15 +82,18 @@ def test_prefill_route_converts_nothing(quantize, cuda_route, monkeypatch):
 @pytest.mark.parametrize("quantize", [None, "int8", "int4"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_the_sparse_tensor_core_kernel_serves_17_to_64_rows(dtype, quantize, cuda_route):
-    """16-bit weights of x's dtype, INT8 and INT4 with 16-bit x: to SP_MAX_M rows one launch of
-    the sparse tensor-core kernel with 32 rows per program (block_m 32, the untuned default past
-    16 rows, split-K included; ceil(M / 32) row blocks per weight tile); then the prefill kernel. Nothing
-    converted, only the output allocated once the plan exists. A 16-bit weight of the other
-    dtype than x (mma.sp takes one type) keeps the prefill kernel."""
+    """INT8 and INT4 with 16-bit x: to SP_MAX_M rows one launch of the sparse tensor-core kernel
+    with 32 rows per program (block_m 32, the untuned default past 16 rows, split-K included;
+    ceil(M / 32) row blocks per weight tile); then the prefill kernel. Nothing converted, only
+    the output allocated once the plan exists. Untuned 16-bit weights keep the prefill kernel
+    (measured faster there on an H200: config_space.sp_tunable; a tuned entry can choose the
+    sparse kernel, test_a_tuned_entry_gives_16bit_weights_the_sparse_tensor_cores)."""
     layer = _layer(quantize).to(dtype)
     key = dtype_key(dtype, int8_weights=quantize == "int8", int4_weights=quantize == "int4")
     gs = layer.group_size or 0
     rows = [(17, 32), (32, 32), (33, 32), (48, 32), (64, 32), (65, None), (128, None)]
+    if quantize is None:
+        rows = [(M, None) for M, _ in rows]
     with torch.no_grad():
         for M, block_m in rows:
             x = torch.randn(M, 512, dtype=dtype)
@@ -115,9 +120,50 @@ def test_the_sparse_tensor_core_kernel_serves_17_to_64_rows(dtype, quantize, cud
             want = "prefill" if quantize is None else "triton"
             assert op._auto_backend(torch.randn(20, 512, dtype=dtype), layer.values, layer.scale, 256, gs) == want
         config_store.clear_cache()
-        if quantize is None:
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_a_tuned_entry_gives_16bit_weights_the_sparse_tensor_cores(dtype, cuda_route, tmp_path, monkeypatch):
+    """A 16-bit weight of x's dtype at 17-64 rows runs the sparse tensor-core kernel where this
+    GPU's tuned entry for the shape and bucket chose its 32-row config (the tuner times it beside
+    the prefill kernel): that config, one launch, only the output allocated. Not from another
+    bucket's entry, not for the other 16-bit dtype (mma.sp takes one type), not on a GPU without
+    sparse tensor cores; a tuned prefill entry at the bucket keeps the prefill kernel."""
+    from sparse24.tools import tuning
+    layer = _layer(None).to(dtype)
+    key = dtype_key(dtype)
+    sp = dataclasses.replace(decode_default(256, 512, key, rows=32), split_k=2)
+    pre = KernelConfig(32, 64, 64, 8, 1, 4, 3, kernel="prefill")
+    assert sp.block_m == 32 and sp != decode_default(256, 512, key, rows=32)
+    tuning.write_entries(tmp_path, "Fake GPU H1", (9, 0), {
+        (32, 256, 512, key): {"config": sp, "kernel_us": 1.0, "dense_us": 2.0},
+        (64, 256, 512, key): {"config": pre, "kernel_us": 1.0, "dense_us": 2.0}})
+    monkeypatch.setenv("SPARSE24_CONFIG_DIR", str(tmp_path))
+    monkeypatch.setattr(config_store, "device_info", lambda device=None: config_store.DeviceInfo("Fake GPU H1", (9, 0)))
+    config_store.clear_cache()
+    try:
+        with torch.no_grad():
+            for M, want in ((17, sp), (32, sp), (33, pre), (64, pre), (8, None)):
+                x = torch.randn(M, 512, dtype=dtype)
+                cuda_route.clear()
+                y, count = count_dispatch(layer, x)
+                assert len(cuda_route) == 1, M
+                config, grid = cuda_route[0]
+                if want is None:   # M <= 16: the byte-permute kernel
+                    assert config.kernel == "decode" and config.block_m == 16
+                    continue
+                assert config == want, M
+                if want is sp:
+                    assert op._auto_backend(x, layer.values, None, 256) == "triton"
+                    assert grid == (-(-M // 32), -(-256 // sp.block_n), sp.split_k)
+                    assert len(count.ops) <= 3 and count.bytes_allocated <= y.numel() * y.element_size(), count
             other = torch.bfloat16 if dtype == torch.float16 else torch.float16
-            assert op._auto_backend(x.to(other), layer.values, layer.scale, 256, gs) == "prefill"
+            assert op._auto_backend(torch.randn(20, 512, dtype=other), layer.values, None, 256) == "prefill"
+        monkeypatch.setattr(config_store, "device_info", lambda device=None: config_store.DeviceInfo("Fake GPU H1", (7, 5)))
+        config_store.clear_cache()
+        assert op._auto_backend(torch.randn(20, 512, dtype=dtype), layer.values, None, 256) == "prefill"
+    finally:
+        config_store.clear_cache()
 
 
 def test_the_count_sees_a_whole_weight_conversion(cuda_route, monkeypatch):
@@ -167,8 +213,8 @@ def test_bench_host_prefill_figures(quantize):
 def test_a_tuned_prefill_entry_serves_the_route(cuda_route, tmp_path, monkeypatch):
     """With this GPU's tuned file holding a prefill entry for the layer's shape (``sparse24
     autotune`` past 16 rows), the call runs that config, also as the nearest M; at 17-64 rows
-    not (the sparse tensor-core kernel's route there, whose untuned default serves); from
-    UNPACK_MIN_M rows the unpack route (measured faster than the tuned prefill kernel on an H200)."""
+    not (the space there tiles at most 64 rows: the untuned default serves); from UNPACK_MIN_M
+    rows the unpack route (measured faster than the tuned prefill kernel on an H200)."""
     from sparse24.ops import config_store
     from sparse24.ops.config_space import KernelConfig
     from sparse24.tools import tuning
@@ -182,8 +228,8 @@ def test_a_tuned_prefill_entry_serves_the_route(cuda_route, tmp_path, monkeypatc
     config_store.clear_cache()
     try:
         with torch.no_grad():
-            # (at 17-64 rows the sparse tensor-core kernel's default; from UNPACK_MIN_M rows the unpack route)
-            for M, want in ((200, tuned), (100, tuned), (20, decode_default(256, 512, "float16", rows=20)),
+            # (at 17-64 rows the prefill kernel's untuned default; from UNPACK_MIN_M rows the unpack route)
+            for M, want in ((200, tuned), (100, tuned), (20, prefill_config(20, 256, 512)),
                             (300, "unpack"), (4096, "unpack")):
                 cuda_route.clear()
                 layer(torch.randn(M, 512, dtype=torch.float16))

@@ -460,12 +460,14 @@ def _gpu_check_commands() -> dict[str, list[str]]:
     import shlex
     text = GPU_CHECK.read_text().replace("\\\n", " ")
     variables = dict(re.findall(r"^([A-Z_]+)=([^$\s]+)$", text, re.M))
+    # NAME=${NAME:-default}: the default (what a plain `bash scripts/gpu_check.sh` runs)
+    variables.update(re.findall(r"^([A-Z_]+)=\$\{[A-Z_]+:-([^}]*)\}", text, re.M))
     cmds = {}
     for line in text.splitlines():
         if not line.startswith("step "):
             continue
-        for name, value in variables.items():
-            line = line.replace(f'"${name}"', value)
+        for name, value in variables.items():   # "$NAME" and $NAME (not $NAMEMORE)
+            line = re.sub(r'"?\$' + name + r'(?![A-Za-z0-9_])"?', lambda _: value, line)
         words = shlex.split(line.replace('"$RES/"', "RES"))
         if "sparse24" in words:
             cmds[words[1]] = words[words.index("sparse24") + 1:]
@@ -486,14 +488,15 @@ def test_gpu_check_script_commands_are_valid(capsys, tmp_path):
     # arguments exit 2 before the GPU check; valid ones reach it and exit 1 on this machine.
     assert subprocess.run(["bash", "-n", str(GPU_CHECK)]).returncode == 0
     cmds = _gpu_check_commands()
-    assert set(cmds) == {"l2", "probe", "autotune", "bench", "user_view", "block"}
-    for name in ("l2", "probe", "bench", "user_view", "block"):
+    assert set(cmds) == {"l2", "probe", "sparse_mm", "autotune", "bench", "user_view", "block"}
+    assert cmds["autotune"][cmds["autotune"].index("--m") + 1] == "1,16"   # the defaults were filled in
+    for name in ("l2", "probe", "sparse_mm", "bench", "user_view", "block"):
         cmds[name] = [str(tmp_path) if a == "RES" else a for a in cmds[name]]
     for name in ("autotune", "bench"):
         assert main(cmds[name]) == 1, (name, cmds[name])
         assert "no CUDA GPU" in capsys.readouterr().err
     assert main(cmds["bench"] + ["--m", "0"]) == 2  # the same command with a bad argument is caught
-    for name in ("l2", "probe", "user_view", "block"):
+    for name in ("l2", "probe", "sparse_mm", "user_view", "block"):
         script, *argv = cmds[name]
         assert _script_main(script)(argv) == 1 and "no CUDA GPU" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []

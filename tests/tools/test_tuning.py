@@ -124,9 +124,14 @@ def test_lookup_order(isolated, tmp_path, monkeypatch):
     assert look(512, 4096, 11008).config == KernelConfig.from_json(default) == CFG_C  # wins 2 of 3 entries
     assert (look(1, 4096, 11008).kind, look(1, 4096, 11008).config) == (
         "builtin", tuning.builtin_config(1, 4096, 11008))
-    # ... for the dtype keys it tuned: none of bfloat16 here, so the built-in serves them
+    # ... for the dtype keys it won an entry of: none of bfloat16 here, so the built-in serves them
     assert (look(16, dtype="bfloat16").kind, look(16, dtype="bfloat16").config) == (
         "builtin", tuning.builtin_config(16, 4096, 4096, dtype="bfloat16"))
+    # an entry of another config for bfloat16 (tuned, but the default never won it) changes nothing
+    _write(shipped, GPU, (9, 0), {(16, 4096, 4096, "bfloat16"): _entry(CFG_B)})
+    assert json.loads(own.read_text())["default"] == default
+    assert (look(512, 4096, 11008, "bfloat16").kind, look(512, 4096, 11008, "bfloat16").config) == (
+        "builtin", tuning.builtin_config(512, 4096, 11008, dtype="bfloat16"))
     # a GPU without any file: built-in
     unknown = tuning.lookup(16, 4096, 4096, "float16", "Fake GPU Z", (7, 5))
     assert (unknown.kind, unknown.config) == ("builtin", tuning.builtin_config(16))
@@ -166,7 +171,7 @@ def test_a_file_default_serves_only_where_it_fills_the_sms(isolated):
 
 def test_decode_entries_serve_their_side_of_16_rows(isolated, tmp_path):
     """A decode-kernel entry tuned at M <= 16 is not taken as the nearest for 17-64 rows (there
-    the sparse tensor-core route runs 32 rows per program, the built-in default) nor the reverse;
+    the INT8 / INT4 route runs 32 rows per program, the built-in default) nor the reverse;
     a file whose decode entry the kernel cannot run at its bucket is refused when read."""
     d16 = KernelConfig(16, 128, 256, 1, 8, 2, 1, kernel="decode")
     d32 = KernelConfig(32, 128, 256, 1, 8, 2, 1, kernel="decode")
@@ -337,8 +342,9 @@ def test_select_fastest_rejects_failing_and_wrong_configs(capsys):
 
 
 def test_prefill_entries_serve_the_prefill_route(isolated, tmp_path):
-    """Past 16 rows a decode-layout weight runs the prefill kernel (with 16-bit x: past SP_MAX_M),
-    so that is the space the tuner times there; a tuned prefill entry is found exactly or
+    """Past 16 rows a decode-layout weight runs the prefill kernel (INT8 / INT4 with 16-bit x: past
+    SP_MAX_M), so that is the space the tuner times there (16-bit weights at 17-64 rows: with the
+    sparse tensor-core kernel's); a tuned prefill entry is found exactly or
     as the nearest M (one of at most 64 rows per program at 17-64 rows), never by the decode kernel's
     lookup, and never made the file's default; without one, the prefill kernel's model default. A
     prefill entry where the route does not run the prefill kernel, or one it cannot run, is refused."""
@@ -351,6 +357,9 @@ def test_prefill_entries_serve_the_prefill_route(isolated, tmp_path):
     assert {c.split_k for c in tuning.candidate_configs(2048, 4096, 4096, 132, "decode", "float16")} == {1}
     sp = tuning.candidate_configs(32, 4096, 4096, 132, "decode", "int8-float16")
     assert sp and all(c.kernel == "decode" and c.block_m == 32 for c in sp)   # the sparse tensor-core route
+    # 16-bit weights at 17-64 rows: the prefill kernel's space and the sparse kernel's 32 rows, timed side by side
+    both = tuning.candidate_configs(32, 4096, 4096, 132, "decode", "float16")
+    assert {(c.kernel, c.block_m if c.kernel == "decode" else None) for c in both} == {("prefill", None), ("decode", 32)}
     wide = KernelConfig(256, 128, 64, 8, 1, 8, 2, kernel="prefill")
     small = KernelConfig(64, 128, 128, 8, 1, 8, 2, kernel="prefill")
     d16 = KernelConfig(16, 128, 256, 1, 8, 2, 1, kernel="decode")
@@ -368,13 +377,15 @@ def test_prefill_entries_serve_the_prefill_route(isolated, tmp_path):
     assert look(2048, kernel=None).config.kernel == "decode"
     assert look(300, dtype="int8-bfloat16", N=8192).config == prefill_config(300, 8192, 4096, 132, "int8-bfloat16")
     assert look(300, dtype="float32").config == prefill_config(300, 4096, 4096, 132, "float16")
-    # at 17-64 rows the prefill kernel serves fp32 x (16-bit x runs the sparse tensor-core kernel there)
-    _write(isolated, GPU, (9, 0), {(64, 4096, 4096, "float32"): _entry(small)})
-    assert (look(40, dtype="float32").kind, look(40, dtype="float32").config) == ("exact", small)  # 40 -> 64
-    assert (look(100, dtype="float32").kind, look(100, dtype="float32").config) == ("nearest", small)
+    # at 17-64 rows the prefill kernel serves fp32 x and 16-bit weights (INT8 / INT4 with 16-bit x run the
+    # sparse tensor-core kernel there)
+    _write(isolated, GPU, (9, 0), {(64, 4096, 4096, "float32"): _entry(small), (64, 4096, 4096, "bfloat16"): _entry(small)})
+    for dt in ("float32", "bfloat16"):
+        assert (look(40, dtype=dt).kind, look(40, dtype=dt).config) == ("exact", small)  # 40 -> 64
+        assert (look(100, dtype=dt).kind, look(100, dtype=dt).config) == ("nearest", small)
     for key, cfg, match in (((16, 4096, 4096, "float16"), small, "prefill entry at M bucket 16"),
                             ((64, 4096, 4096, "int8-float16"), small, "prefill entry at M bucket 64"),
-                            ((64, 4096, 4096, "bfloat16"), small, "prefill entry at M bucket 64"),
+                            ((64, 4096, 4096, "int4-bfloat16"), small, "prefill entry at M bucket 64"),
                             ((256, 4096, 4096, "float16"), KernelConfig(128, 64, 64, 8, 1, 8, 2, kernel="prefill"),
                              "bad prefill config")):
         with pytest.raises(ValueError, match=match):

@@ -17,8 +17,8 @@ import torch
 
 from ...decode_format import DecodePacked
 from ...format import Sparse24Tensor
-from ..config_space import DECODE_M, decode_rows, dtype_key, m_bucket
-from ..config_store import measured_timings, on_clear
+from ..config_space import DECODE_M, decode_rows, dtype_key, m_bucket, sp_tunable
+from ..config_store import get_choice, measured_timings, on_clear
 from . import launch
 from .naive import check_linear_args, linear_backward_reference, linear_reference
 
@@ -176,11 +176,11 @@ def _auto_backend(x: torch.Tensor, values: torch.Tensor, scale, out_features: in
     if M <= DECODE_M:
         return "triton"
     if values.dim() != 2:
-        if decode_rows(M, dtype_key(x.dtype, scale is not None)) == 32 \
-                and launch.sp_serves(x.dtype, values.dtype, scale is not None, x.device):   # (INT4 keys as INT8's)
-            # INT8 / INT4 or a 16-bit weight of x's dtype with 16-bit x: the sparse tensor-core
-            # kernel, 32 rows per program (config_space.SP_MAX_M says why; 16-bit weights on GPUs
-            # with sparse tensor cores).
+        dt = dtype_key(x.dtype, scale is not None)   # (INT4 keys as INT8's)
+        if launch.sp_serves(x.dtype, values.dtype, scale is not None, x.device) \
+                and (decode_rows(M, dt) == 32 or sp_tunable(M, dt) and _sp_tuned(x, out_features, M, dt)):
+            # INT8 / INT4 with 16-bit x, or a 16-bit weight of x's dtype that this GPU's tuned entry
+            # gave the sparse tensor-core kernel: 32 rows per program (config_space.SP_MAX_M says why).
             return "triton"
         # The decode layout (the one copy a module holds on CUDA): the prefill kernel decodes
         # each weight tile once per 128 rows, or from UNPACK_MIN_M rows one launch unpacks the
@@ -204,6 +204,19 @@ def _auto_backend(x: torch.Tensor, values: torch.Tensor, scale, out_features: in
 # costs 20-60 us a layer whatever M); at 64 rows the prefill kernel won in all 6 (0.52-0.95x
 # against 0.15-0.42x).
 UNPACK_MIN_M = 256
+
+
+def _sp_tuned(x, out_features: int, M: int, dtype: str) -> bool:
+    """Whether this GPU's tuned entry for the shape at M's bucket (exact, or tuned live) chose the
+    sparse tensor-core kernel's 32 rows over the prefill kernel (the tuner times both:
+    config_space.sp_tunable), once per key."""
+    key = ("sp", x.device, dtype, out_features, x.shape[-1], m_bucket(M))
+    chosen = _AUTO.get(key)
+    if chosen is None:
+        choice = get_choice(M, out_features, x.shape[-1], dtype, x.device, "decode", "decode")
+        chosen = _AUTO[key] = choice.kind in ("exact", "live") and choice.config.kernel == "decode" \
+            and choice.config.block_m == 32
+    return chosen
 
 
 def _prefill_route(x, values, scale, out_features: int, group_size: int, M: int) -> str:
