@@ -25,12 +25,12 @@ from ..decode_format import pack_decode
 from ..format import compress, quantize_values
 from ..ops import config_store
 from ..ops.config_space import (DTYPE_KEYS, KERNEL_VARIANTS, M_BUCKETS, KernelConfig, builtin_config,  # noqa: F401
-                               candidate_configs, dtype_key, m_bucket)
+                               SP_MAX_M, candidate_configs, decode_rows, dtype_key, m_bucket, sparse_kernel)
 from ..ops.config_store import (KERNEL, SCHEMA_VERSION, Choice, clear_cache, config_dirs,  # noqa: F401
                                describe_config_source, get_config, gpu_file_name, lookup, measured_timings,
                                shipped_config_dir, validate_dir, validate_file)
 from ..ops.linear24 import linear_prefill, linear_reference, linear_triton, op
-from ..ops.linear24.launch import half_pair, kernel_call, target_dtype
+from ..ops.linear24.launch import half_pair, kernel_call, sparse_tensor_cores, target_dtype
 from ..ops.linear24.op import DECODE_M
 from .bench import rel_error
 
@@ -71,6 +71,36 @@ def _tuning_inputs(M: int, N: int, K: int, dtype: str, device, seed: int = 0, la
     return x, pack_decode(p) if layout == "decode" else p, dense
 
 
+def tuning_space(M: int, N: int, K: int, dtype: str, device, layout: str | None = None) -> list[KernelConfig]:
+    """The configs :func:`tune_key` times for one key on ``device``: :func:`candidate_configs`,
+    except that a GPU without sparse tensor cores (compute capability < 8.0) times INT8 / INT4 keys
+    with 16-bit x at M <= 16 in the byte-permute kernel's space (that of the key's float32-x twin:
+    the kernel its layers run there) and refuses them at 17-64 rows, where those layers take the
+    prefill kernel's untuned config (its entries there are the sparse kernel's); 16-bit keys there
+    time the prefill kernel's space alone."""
+    device = torch.device(device)
+    layout = runtime_layout(dtype) if layout is None else layout
+    num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+    if layout != "decode" or sparse_tensor_cores(device):
+        return candidate_configs(M, N, K, num_sms, layout, dtype)
+    if sparse_kernel(dtype):
+        if M > DECODE_M and decode_rows(M, dtype) == 32:
+            raise RuntimeError(f"M={M}, {dtype}: on a GPU without sparse tensor cores (compute capability < 8.0) "
+                               f"INT8 / INT4 weights with 16-bit x take the prefill kernel's untuned config at "
+                               f"{DECODE_M + 1}-{SP_MAX_M} rows; nothing to tune there (tune M <= {DECODE_M} or "
+                               f"> {SP_MAX_M})")
+        dtype = dtype.split("-")[0] + "-float32"   # the twin key: the byte-permute kernel's space
+    return [c for c in candidate_configs(M, N, K, num_sms, layout, dtype) if c.kernel != "decode" or c.block_m == 16]
+
+
+def _space_or_none(M, N, K, dtype, device) -> list[KernelConfig]:
+    """:func:`tuning_space`, empty where it refuses (:func:`tune_key` reports that key)."""
+    try:
+        return tuning_space(M, N, K, dtype, device)
+    except RuntimeError:
+        return []
+
+
 def tune_key(M: int, N: int, K: int, dtype: str, device, configs=None, warmup_ms: float = 10,
              rep_ms: float = 40, layout: str | None = None) -> Choice:
     """Time the config space for one key on a CUDA device; return the fastest
@@ -107,7 +137,7 @@ def tune_key(M: int, N: int, K: int, dtype: str, device, configs=None, warmup_ms
         return time_launches_us([lambda q=q: launch_config(x, q, cfg) for q in weights], warmup_ms, rep_ms)
 
     best_cfg, best_us, rejected = _select_fastest(
-        configs if configs is not None else candidate_configs(M, N, K, props.multi_processor_count, layout, dtype),
+        configs if configs is not None else tuning_space(M, N, K, dtype, device, layout),
         launch=lambda cfg: launch_config(x, p, cfg),
         error=lambda y: rel_error(y, ref),
         time=kernel_time, max_err=max_err, label=f"M={M}, N={N}, K={K}, {dtype}")
@@ -355,9 +385,8 @@ def autotune(shapes, ms, dtypes, out_dir, warmup_ms: float = 10, rep_ms: float =
         keys = kept
         if not keys:
             return 0
-    num_sms = torch.cuda.get_device_properties(device).multi_processor_count
     tasks = [(m, n, k, dt, c) for m, n, k, dt in keys
-             for c in candidate_configs(m, n, k, num_sms, runtime_layout(dt), dt)]
+             for c in _space_or_none(m, n, k, dt, device)]
     print(f"sparse24 autotune on {gpu} (sm_{cc[0]}{cc[1]}): {len(keys)} keys, {len(tasks)} timings", file=sys.stderr)
     n_var = _precompile(tasks, jobs, device)
     print(f"  compiled {n_var} kernel variants with {jobs} processes", file=sys.stderr)

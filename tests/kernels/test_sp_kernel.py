@@ -295,6 +295,42 @@ def test_route_defaults_past_16_rows():
             linear_decode(torch.randn(20, 128).to(x_dtype), d16, config=_cfg(64, 64, rows=32))
 
 
+@pytest.mark.parametrize("quantize", ["int8", "int4"])
+def test_without_sparse_tensor_cores_quantized_weights_take_the_byte_permute_kernel(quantize, gen, monkeypatch):
+    """A GPU without sparse tensor cores (compute capability < 8.0, a T4: mma.sp does not compile
+    there): INT8 / INT4 weights with float16 x run the byte-permute decode kernel, 16 rows per
+    program, with its untuned config (the float32-x twin key's), against fp64 at M = 1, 5, 16 (bias,
+    a partial K-tile; INT4: the dequantized weight rounded once to x's dtype, that kernel's dot
+    operand as the prefill kernel's); it compiles for sm_75, without mma.sp. (The 17-64-row route
+    there is the prefill kernel: tests/ops/test_prefill_route.py.)"""
+    from sparse24.ops.linear24 import launch
+    N, K = 72, 200
+    w = torch.randn(N, K, generator=gen)
+    p = sparse24.compress(w, quantize="int8") if quantize == "int8" else \
+        sparse24.compress(w, quantize="int4", group_size=32, symmetric=False)
+    d, dense = pack_decode(p), p.to_dense().double()
+    if quantize == "int4":
+        dense = dense.half().double()
+    b = torch.randn(N, generator=gen).half()
+    monkeypatch.setattr(launch, "sparse_tensor_cores", lambda device: False)
+    launch._PLANS.clear()
+    try:
+        for M in (1, 5, 16):
+            x = torch.randn(M, K, generator=gen).half()
+            assert_matches_reference(linear_decode(x, d, b), x, dense, b)
+        plans = [plan for key, plan in launch._PLANS.items() if key[7] == K]
+        assert plans and all(plan.variant is launch._Decode and plan.config.block_m == 16 for plan in plans)
+        twin = "int8-float32" if quantize == "int8" else "int4-float32"
+        assert plans[0].config == builtin_config(16, N, K, layout="decode", dtype=twin)
+    finally:
+        launch._PLANS.clear()
+    x = torch.zeros(16, K, dtype=torch.float16)
+    cfg = builtin_config(16, N, K, layout="decode", dtype="int8-float32")
+    out = torch.empty(16, N, dtype=torch.float16)
+    ptx = launch.aot_compile(x, d, None, out, cfg, cfg.split_k, capability=(7, 5)).asm["ptx"]
+    assert ".target sm_75" in ptx and "mma.sp" not in ptx
+
+
 def test_unaligned_and_strided_x(gen):
     """x read as 32-bit words: a view at an odd element offset or with a column stride is
     copied first (contiguous x from torch never is)."""

@@ -113,12 +113,15 @@ def test_the_sparse_tensor_core_kernel_serves_17_to_64_rows(dtype, quantize, cud
             assert len(count.ops) <= 3 and count.bytes_allocated <= y.numel() * y.element_size(), count
         x = torch.randn(20, 512, dtype=torch.float32)     # fp32 x: the byte-permute kernels, the prefill one here
         assert op._auto_backend(x, layer.values, layer.scale, 256, gs) == "prefill"
-        # a GPU without sparse tensor cores (sm_75: mma.sp does not compile): 16-bit weights keep the prefill kernel
+        # a GPU without sparse tensor cores (sm_75: mma.sp does not compile): every weight kind takes the
+        # prefill kernel past 16 rows (and the byte-permute kernel to 16: tests/kernels/test_sp_kernel.py)
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(config_store, "device_info", lambda device=None: config_store.DeviceInfo("Old GPU", (7, 5)))
             config_store.clear_cache()
-            want = "prefill" if quantize is None else "triton"
-            assert op._auto_backend(torch.randn(20, 512, dtype=dtype), layer.values, layer.scale, 256, gs) == want
+            assert op._auto_backend(torch.randn(20, 512, dtype=dtype), layer.values, layer.scale, 256, gs) \
+                == "prefill"
+            op._AUTO.clear()
+            assert op._auto_backend(torch.randn(8, 512, dtype=dtype), layer.values, layer.scale, 256, gs) == "triton"
         config_store.clear_cache()
 
 

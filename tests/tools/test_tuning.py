@@ -450,7 +450,9 @@ def test_autotune_skip_tuned_goes_on_where_a_run_stopped(tmp_path, monkeypatch, 
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: GPU)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (9, 0))
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d=None: SimpleNamespace(multi_processor_count=132))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d=None: SimpleNamespace(
+        multi_processor_count=132, name=GPU, major=9, minor=0))
+    monkeypatch.setattr(config_store, "_DEVICES", {})   # (the fake GPU's device query is forgotten after)
     monkeypatch.setattr(tuning, "_precompile", lambda tasks, jobs, device: 0)
     timed = []
     dec = KernelConfig(16, 64, 256, 1, 4, 4, 1, kernel="decode")
@@ -469,3 +471,28 @@ def test_autotune_skip_tuned_goes_on_where_a_run_stopped(tmp_path, monkeypatch, 
     assert tuning.autotune(shapes, [1, 16], ["float16"], out) == 0
     assert timed == [(1, 4096, 4096, "float16"), (16, 4096, 4096, "float16")]
     assert tuning.tuned_keys(tmp_path / "none", GPU) == set()
+
+
+def test_a_gpu_without_sparse_tensor_cores_tunes_the_kernel_its_layers_run(monkeypatch):
+    """On a GPU without sparse tensor cores (compute capability < 8.0) INT8 / INT4 layers with 16-bit x
+    run the byte-permute decode kernel to 16 rows: the tuner times that kernel's space there (the
+    float32-x twin key's: one 16-row tile per warp), and at 17-64 rows, where those layers take the
+    prefill kernel's untuned config, it says so instead of timing a kernel they never run."""
+    for dt in ("int8-float16", "int4-bfloat16"):
+        sparse = tuning.tuning_space(1, 4096, 4096, dt, "cpu")
+        assert sparse == tuning.candidate_configs(1, 4096, 4096, 132, "decode", dt)
+        assert all(c.num_warps < c.block_n // 16 for c in sparse)   # two or four tiles per warp
+        monkeypatch.setattr(tuning, "sparse_tensor_cores", lambda device: False)
+        twin = dt.split("-")[0] + "-float32"
+        space = tuning.tuning_space(1, 4096, 4096, dt, "cpu")
+        assert space == tuning.candidate_configs(1, 4096, 4096, 132, "decode", twin)
+        assert space and all(c.block_m == 16 and c.num_warps == c.block_n // 16 for c in space)
+        with pytest.raises(RuntimeError, match="without sparse tensor cores.*prefill kernel's untuned config"):
+            tuning.tuning_space(32, 4096, 4096, dt, "cpu")
+        # 16-bit weights at 17-64 rows: the prefill kernel's space alone; past 64 rows: the same space either way
+        both = tuning.candidate_configs(32, 4096, 4096, 132, "decode", "float16")
+        assert tuning.tuning_space(32, 4096, 4096, "float16", "cpu") == [c for c in both if c.kernel == "prefill"]
+        assert any(c.kernel == "decode" for c in both)
+        assert tuning.tuning_space(128, 4096, 4096, dt, "cpu") == tuning.candidate_configs(
+            128, 4096, 4096, 132, "decode", dt)
+        monkeypatch.undo()

@@ -235,15 +235,20 @@ class _Plan:
             raise ValueError(f"bfloat16 scales are read only for INT4 weights with bfloat16 x; got "
                              f"{'INT4' if group_size else 'INT8'} weights and {x_dtype} x")
         layout = "v1" if values_dim == 2 else "decode"
-        if config is None:
-            config = get_config(bucket, N, K, dtype_key(x_dtype, has_scale, group_size > 0), device, layout)
-            if config.block_m == 32 and not sp_serves(x_dtype, values_dtype, has_scale, device):
-                # a 16-bit weight of the other 16-bit dtype than x, or on a GPU without sparse tensor
-                # cores: the byte-permute kernel's 16 rows (the builtin config of a key off the route)
-                config = builtin_config(bucket, N, K, layout=layout, dtype="float32")
-        self.config, self.variant = config, variant_of(config, x_dtype, has_scale, values_dtype)
         if device.type == "cuda":
             check_triton_for_gpu()
+        sparse_cores = sparse_tensor_cores(device)
+        if config is None:
+            key = dtype_key(x_dtype, has_scale, group_size > 0)
+            config = get_config(bucket, N, K, key, device, layout)
+            if config.kernel == "decode" and (config.block_m == 32 or sparse_kernel(key)) \
+                    and not sp_serves(x_dtype, values_dtype, has_scale, device):
+                # a sparse-kernel config for a 16-bit weight of the other 16-bit dtype than x, or on a GPU
+                # without sparse tensor cores: the byte-permute kernel's (the builtin config of the
+                # key's float32-x twin, which that kernel serves)
+                config = builtin_config(bucket, N, K, layout=layout,
+                                        dtype=dtype_key(torch.float32, has_scale, group_size > 0))
+        self.config, self.variant = config, variant_of(config, x_dtype, has_scale, values_dtype, sparse_cores)
         self.variant.check_config(config)
         self.split_k = self.variant.split_k(config, bucket, deterministic)
         self.kernel = self.variant.kernel(device.type == "cuda")
@@ -772,12 +777,16 @@ class _DecodeSP(_Decode):
         return x2.clone(memory_format=torch.contiguous_format)
 
 
-def variant_of(config: KernelConfig, x_dtype: torch.dtype, has_scale: bool, values_dtype: torch.dtype | None = None):
+def variant_of(config: KernelConfig, x_dtype: torch.dtype, has_scale: bool, values_dtype: torch.dtype | None = None,
+               sparse_cores: bool = True):
     """The kernel variant a launch of ``config`` runs: a decode config with INT8 / INT4
     weights and float16 / bfloat16 x runs the sparse tensor-core kernel, and so does one of
-    32 rows per program (17 to SP_MAX_M rows) with a 16-bit weight of x's dtype (``values_dtype``)."""
-    if config.kernel == "decode" and (sparse_kernel(dtype_key(x_dtype, has_scale))   # INT4 keys as INT8's
-                                      or config.block_m == 32 and half_pair(x_dtype, values_dtype, has_scale)):
+    32 rows per program (17 to SP_MAX_M rows) with a 16-bit weight of x's dtype (``values_dtype``),
+    where the GPU has sparse tensor cores (``sparse_cores``: :func:`sparse_tensor_cores`; without
+    them the byte-permute decode kernel, which takes 16 rows per program)."""
+    if config.kernel == "decode" and sparse_cores and (
+            sparse_kernel(dtype_key(x_dtype, has_scale))   # INT4 keys as INT8's
+            or config.block_m == 32 and half_pair(x_dtype, values_dtype, has_scale)):
         return _DecodeSP
     return _VARIANTS[config.kernel]
 
@@ -791,17 +800,18 @@ def half_pair(x_dtype: torch.dtype, values_dtype: torch.dtype | None, has_scale:
 
 
 def sp_serves(x_dtype: torch.dtype, values_dtype: torch.dtype | None, has_scale: bool, device: torch.device) -> bool:
-    """Whether the sparse tensor-core kernel takes this pair past 16 rows on ``device``
-    (:func:`half_pair`; 16-bit weights only where :func:`sp_route_16bit`)."""
-    return half_pair(x_dtype, values_dtype, has_scale) and (has_scale or sp_route_16bit(device))
+    """Whether the sparse tensor-core kernel takes this pair on ``device``: :func:`half_pair`
+    where :func:`sparse_tensor_cores`."""
+    return half_pair(x_dtype, values_dtype, has_scale) and sparse_tensor_cores(device)
 
 
-def sp_route_16bit(device: torch.device) -> bool:
-    """Whether 16-bit weights take the sparse tensor-core kernel past 16 rows on ``device``: a
-    GPU with sparse tensor cores (compute capability 8.0 or later: ``mma.sp`` does not compile
-    for older ones, where the prefill kernel keeps serving them), or Triton's interpreter.
-    (The store's device query, which is cached, read through the module: a decision simulated
-    on CPU answers it for its CUDA-looking device, scripts/bench_host.py.)"""
+def sparse_tensor_cores(device: torch.device) -> bool:
+    """Whether ``device`` runs the sparse tensor-core kernel: a GPU with sparse tensor cores
+    (compute capability 8.0 or later: ``mma.sp`` does not compile for older ones, such as a T4,
+    where INT8 / INT4 weights with 16-bit x take the byte-permute decode kernel to 16 rows and
+    the prefill or unpack route beyond, as 16-bit weights do), or Triton's interpreter (CPU
+    tensors). (The store's device query, which is cached, read through the module: a decision
+    simulated on CPU answers it for its CUDA-looking device, scripts/bench_host.py.)"""
     if device.type != "cuda":
         return True
     capability = config_store.device_info(device).capability
@@ -832,14 +842,17 @@ def check_triton_for_gpu() -> None:
                            f"interpreter). Install a newer triton, or use backend='reference' on the GPU")
 
 
-def kernel_call(x2, p: Sparse24Tensor | DecodePacked, bias, target, config: KernelConfig, split_k: int):
+def kernel_call(x2, p: Sparse24Tensor | DecodePacked, bias, target, config: KernelConfig, split_k: int,
+                sparse_cores: bool | None = None):
     """``(kernel, grid, args, kwargs)`` of one launch writing ``target`` (M, N)
     (dtype :func:`target_dtype`; zeroed when that is the general kernel's fp32
     split-K buffer); shared by the tuner's parallel pre-compilation and the
-    ahead-of-time compile, so both build the same kernel variant as the launch path."""
+    ahead-of-time compile, so both build the same kernel variant as the launch path
+    (``sparse_cores``: as :func:`variant_of`, default :func:`sparse_tensor_cores` of x's device)."""
     if x2.is_cuda:
         check_triton_for_gpu()
-    variant = variant_of(config, x2.dtype, p.scale is not None, p.values.dtype)
+    sparse_cores = sparse_tensor_cores(x2.device) if sparse_cores is None else sparse_cores
+    variant = variant_of(config, x2.dtype, p.scale is not None, p.values.dtype, sparse_cores)
     x2 = variant.prepare_x(x2)
     M = x2.shape[0]
     if target.dtype != target_dtype(config, split_k, x2.dtype):
@@ -877,8 +890,9 @@ def aot_compile(x2, p: Sparse24Tensor | DecodePacked, bias, target, config: Kern
     from triton.compiler import ASTSource
     from triton.runtime.jit import mangle_type
 
-    _, _, args, kwargs = kernel_call(x2, p, bias, target, config, split_k)
-    jit_fn = variant_of(config, x2.dtype, p.scale is not None, p.values.dtype).kernel(cuda=True)
+    sparse_cores = tuple(capability) >= (8, 0)   # mma.sp compiles from sm_80
+    _, _, args, kwargs = kernel_call(x2, p, bias, target, config, split_k, sparse_cores)
+    jit_fn = variant_of(config, x2.dtype, p.scale is not None, p.values.dtype, sparse_cores).kernel(cuda=True)
     names = jit_fn.arg_names
     constexprs = {k: v for k, v in kwargs.items() if k in names}
     constexprs.update({n: 1 for n, a in zip(names, args)
