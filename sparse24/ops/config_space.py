@@ -17,8 +17,8 @@ import torch
 __all__ = ["KernelConfig", "KERNEL_VARIANTS", "LAYOUTS", "LAYOUT_KERNEL", "M_BUCKETS", "DTYPE_KEYS", "DECODE_M",
            "SPLIT_K_MAX_M", "SP_MAX_M", "PREFILL_SPLIT_MAX_M", "PREFILL_SPLITS", "split_factors", "DECODE_PAIRS",
            "LISTED_SHAPES",
-           "m_bucket", "dtype_key", "builtin_config", "decode_default", "decode_rows", "sp_tunable", "candidate_configs", "decode_configs", "check_decode_config",
-           "sparse_kernel", "prefill_configs", "check_prefill_config"]
+           "m_bucket", "dtype_key", "builtin_config", "decode_default", "decode_rows", "sp_tunable", "fp32_twin",
+           "candidate_configs", "decode_configs", "check_decode_config", "sparse_kernel", "prefill_configs", "check_prefill_config"]
 
 # Kernel variants a config may name (kernels/): "matmul" (sparse24_matmul.py)
 # expands each weight tile in registers and runs tl.dot, any M, layout v1;
@@ -240,6 +240,13 @@ def sp_tunable(M: int, dtype: str) -> bool:
     return DECODE_M < M <= SP_MAX_M and dtype in ("float16", "bfloat16")
 
 
+def fp32_twin(dtype: str) -> str:
+    """The dtype key of the same weight with float32 x (``"int8-float16"`` -> ``"int8-float32"``,
+    ``"bfloat16"`` -> ``"float32"``): its configs are the byte-permute decode kernel's, which serves
+    every pair where the sparse tensor-core kernel cannot (a GPU without sparse tensor cores)."""
+    return dtype.split("-")[0] + "-float32" if "-" in dtype else "float32"
+
+
 def decode_configs(M: int, N: int, K: int, dtype: str = "float16", num_sms: int = 132,
                    rows: int | None = None) -> list[KernelConfig]:
     """The decode kernel's config space for one (M, N, K, dtype key).
@@ -305,8 +312,8 @@ DECODE_IN_FLIGHT = 32 * 1024
 def decode_default(N: int, K: int, dtype: str = "float16", num_sms: int = 132, rows: int = DECODE_M) -> KernelConfig:
     """The decode kernel's untuned config at M <= 16 for an (N, K) layer (``rows`` 17-64 with
     INT8 / INT4 weights and 16-bit x, or a 16-bit weight of x's dtype (:func:`sp_tunable`; no route
-    takes that one untuned): the sparse tensor-core kernel's 32 rows per program, ``block_m`` 32; then INT4 takes at most 2 row tiles per warp and tiles at most 256 deep,
-    where the doubled accumulators spill (sm_90: 216 B with four tiles, 48 B at 512 deep), and
+    takes that one untuned): the sparse tensor-core kernel's 32 rows per program, ``block_m`` 32;
+    then INT4 takes at most 2 row tiles per warp and tiles at most 256 deep, where the doubled accumulators spill (sm_90: 216 B with four tiles, 48 B at 512 deep), and
     INT8 tiles at most 256 deep too: 512 compiles without spills but is not predicted faster,
     the large shapes being at the byte ratio already).
 

@@ -25,7 +25,8 @@ from ..decode_format import pack_decode
 from ..format import compress, quantize_values
 from ..ops import config_store
 from ..ops.config_space import (DTYPE_KEYS, KERNEL_VARIANTS, M_BUCKETS, KernelConfig, builtin_config,  # noqa: F401
-                               SP_MAX_M, candidate_configs, decode_rows, dtype_key, m_bucket, sparse_kernel)
+                               SP_MAX_M, candidate_configs, decode_rows, dtype_key, fp32_twin, m_bucket,
+                               sparse_kernel)
 from ..ops.config_store import (KERNEL, SCHEMA_VERSION, Choice, clear_cache, config_dirs,  # noqa: F401
                                describe_config_source, get_config, gpu_file_name, lookup, measured_timings,
                                shipped_config_dir, validate_dir, validate_file)
@@ -89,7 +90,7 @@ def tuning_space(M: int, N: int, K: int, dtype: str, device, layout: str | None 
                                f"INT8 / INT4 weights with 16-bit x take the prefill kernel's untuned config at "
                                f"{DECODE_M + 1}-{SP_MAX_M} rows; nothing to tune there (tune M <= {DECODE_M} or "
                                f"> {SP_MAX_M})")
-        dtype = dtype.split("-")[0] + "-float32"   # the twin key: the byte-permute kernel's space
+        dtype = fp32_twin(dtype)   # the byte-permute kernel's space
     return [c for c in candidate_configs(M, N, K, num_sms, layout, dtype) if c.kernel != "decode" or c.block_m == 16]
 
 

@@ -162,7 +162,8 @@ def test_a_tuned_entry_gives_16bit_weights_the_sparse_tensor_cores(dtype, cuda_r
                     assert len(count.ops) <= 3 and count.bytes_allocated <= y.numel() * y.element_size(), count
             other = torch.bfloat16 if dtype == torch.float16 else torch.float16
             assert op._auto_backend(torch.randn(20, 512, dtype=other), layer.values, None, 256) == "prefill"
-        monkeypatch.setattr(config_store, "device_info", lambda device=None: config_store.DeviceInfo("Fake GPU H1", (7, 5)))
+        monkeypatch.setattr(config_store, "device_info",
+                            lambda device=None: config_store.DeviceInfo("Fake GPU H1", (7, 5)))
         config_store.clear_cache()
         assert op._auto_backend(torch.randn(20, 512, dtype=dtype), layer.values, None, 256) == "prefill"
     finally:

@@ -359,7 +359,8 @@ def test_prefill_entries_serve_the_prefill_route(isolated, tmp_path):
     assert sp and all(c.kernel == "decode" and c.block_m == 32 for c in sp)   # the sparse tensor-core route
     # 16-bit weights at 17-64 rows: the prefill kernel's space and the sparse kernel's 32 rows, timed side by side
     both = tuning.candidate_configs(32, 4096, 4096, 132, "decode", "float16")
-    assert {(c.kernel, c.block_m if c.kernel == "decode" else None) for c in both} == {("prefill", None), ("decode", 32)}
+    assert {(c.kernel, c.block_m if c.kernel == "decode" else None) for c in both} == {("prefill", None),
+                                                                                      ("decode", 32)}
     wide = KernelConfig(256, 128, 64, 8, 1, 8, 2, kernel="prefill")
     small = KernelConfig(64, 128, 128, 8, 1, 8, 2, kernel="prefill")
     d16 = KernelConfig(16, 128, 256, 1, 8, 2, 1, kernel="decode")
@@ -379,7 +380,8 @@ def test_prefill_entries_serve_the_prefill_route(isolated, tmp_path):
     assert look(300, dtype="float32").config == prefill_config(300, 4096, 4096, 132, "float16")
     # at 17-64 rows the prefill kernel serves fp32 x and 16-bit weights (INT8 / INT4 with 16-bit x run the
     # sparse tensor-core kernel there)
-    _write(isolated, GPU, (9, 0), {(64, 4096, 4096, "float32"): _entry(small), (64, 4096, 4096, "bfloat16"): _entry(small)})
+    _write(isolated, GPU, (9, 0), {(64, 4096, 4096, "float32"): _entry(small),
+                                   (64, 4096, 4096, "bfloat16"): _entry(small)})
     for dt in ("float32", "bfloat16"):
         assert (look(40, dtype=dt).kind, look(40, dtype=dt).config) == ("exact", small)  # 40 -> 64
         assert (look(100, dtype=dt).kind, look(100, dtype=dt).config) == ("nearest", small)
@@ -484,6 +486,7 @@ def test_a_gpu_without_sparse_tensor_cores_tunes_the_kernel_its_layers_run(monke
         assert all(c.num_warps < c.block_n // 16 for c in sparse)   # two or four tiles per warp
         monkeypatch.setattr(tuning, "sparse_tensor_cores", lambda device: False)
         twin = dt.split("-")[0] + "-float32"
+        assert tuning.fp32_twin(dt) == twin and tuning.fp32_twin("bfloat16") == "float32"
         space = tuning.tuning_space(1, 4096, 4096, dt, "cpu")
         assert space == tuning.candidate_configs(1, 4096, 4096, 132, "decode", twin)
         assert space and all(c.block_m == 16 and c.num_warps == c.block_n // 16 for c in space)

@@ -37,7 +37,7 @@ import torch
 from ...decode_format import DecodePacked, check_word_aligned, decode_dims, pack_decode
 from ...format import Sparse24Tensor
 from ..config_space import (DECODE_M, LAYOUT_KERNEL, SPLIT_K_MAX_M, KernelConfig, builtin_config, check_decode_config,
-                            check_prefill_runs, dtype_key, m_bucket, sparse_kernel)
+                            check_prefill_runs, dtype_key, fp32_twin, m_bucket, sparse_kernel)
 from .. import config_store
 from ..config_store import device_info, get_choice, get_config, on_clear
 from .naive import check_linear_args
@@ -246,8 +246,7 @@ class _Plan:
                 # a sparse-kernel config for a 16-bit weight of the other 16-bit dtype than x, or on a GPU
                 # without sparse tensor cores: the byte-permute kernel's (the builtin config of the
                 # key's float32-x twin, which that kernel serves)
-                config = builtin_config(bucket, N, K, layout=layout,
-                                        dtype=dtype_key(torch.float32, has_scale, group_size > 0))
+                config = builtin_config(bucket, N, K, layout=layout, dtype=fp32_twin(key))
         self.config, self.variant = config, variant_of(config, x_dtype, has_scale, values_dtype, sparse_cores)
         self.variant.check_config(config)
         self.split_k = self.variant.split_k(config, bucket, deterministic)
