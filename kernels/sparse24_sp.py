@@ -161,7 +161,7 @@ def _int8_pair(p, SEL: tl.constexpr, sm_mask, BF16: tl.constexpr):
         y, c = int8_bf16_words(d)
         m1 = tl.full(y.shape, _BF16X2_MINUS_ONE, tl.int32)
         return tl.inline_asm_elementwise(_SUB_BF16X2, "=r,r,r,r", [y, c, m1], dtype=tl.int32, is_pure=True, pack=1)
-    return libdevice.byte_perm(p, 0, SEL) & _SM_MASK   # float16: an AND with an immediate
+    return libdevice.byte_perm(p, 0, SEL) & sm_mask   # float16: the same AND (sm_mask holds _SM_MASK)
 
 
 @triton.jit
@@ -303,15 +303,21 @@ def _mmas(acc, a, e, b, h, ASM: tl.constexpr, N16: tl.constexpr):
 
 
 @triton.jit
-def _chunk(acc, A, E, xw0, xw1, kw: tl.constexpr, k, K, col, SEL: tl.constexpr, MASKED: tl.constexpr,
-           BF16: tl.constexpr, N16: tl.constexpr, RT: tl.constexpr):
-    # One 32-column chunk (first column k): its x words (rows 0-7 at xw0, 8-15 at xw1, word kw
-    # on) loaded once, then mma.sp for each of the RT row tiles (A registers A[r], metadata
-    # word E[r]). acc: per row tile its 8 accumulator registers (x rows 0-7, 8-15).
+def _chunk_x(xw0, xw1, kw: tl.constexpr, k, K, col, MASKED: tl.constexpr, N16: tl.constexpr):
+    # One 32-column chunk's x words (first column k; rows 0-7 at xw0, 8-15 at xw1, word kw on): (b, h).
     b = _x_words(xw0, kw, k, K, col, MASKED)
     h = b
     if N16:
         h = _x_words(xw1, kw, k, K, col, MASKED)
+    return b, h
+
+
+@triton.jit
+def _chunk(acc, A, E, bh, SEL: tl.constexpr, BF16: tl.constexpr, N16: tl.constexpr, RT: tl.constexpr):
+    # One 32-column chunk: mma.sp for each of the RT row tiles (A registers A[r], metadata word
+    # E[r]) with the chunk's x words bh (_chunk_x). acc: per row tile its 8 accumulator registers
+    # (x rows 0-7, 8-15).
+    b, h = bh
     if BF16:
         ASM: tl.constexpr = _MMA_BF16_1 if SEL else _MMA_BF16_0
     else:
@@ -398,10 +404,55 @@ def _int4_tiles(W, Q, nib_mask, BF16: tl.constexpr, RT: tl.constexpr):
 
 
 @triton.jit
+def _fold_loads(PV, P2V, XV, EW, A: tl.constexpr, RT: tl.constexpr, W16: tl.constexpr, R32: tl.constexpr,
+                N16: tl.constexpr):
+    # XOR of one word of every load of a K-tile (_sp_tile's): a value that exists only once all
+    # of them have arrived.
+    d = XV[0][0][0][0]
+    for c in tl.static_range(2 * A):
+        for q in tl.static_range(4):
+            if c + q > 0:
+                d = d ^ XV[c][0][0][q]
+            if N16:
+                d = d ^ XV[c][0][1][q]
+            if R32:
+                d = d ^ XV[c][1][0][q]
+                if N16:
+                    d = d ^ XV[c][1][1][q]
+    for j in tl.static_range(A):
+        for r in tl.static_range(RT):
+            d = d ^ _first_word(PV[j][r])
+            if W16:
+                d = d ^ _first_word(P2V[j][r])
+    for r in tl.static_range(RT):
+        if W16:
+            for i in tl.static_range(4):
+                d = d ^ EW[r][i][0]
+                if A > 4:
+                    d = d ^ EW[r][i][4]
+        else:
+            d = d ^ EW[r][0]
+            if A > 4:
+                d = d ^ EW[r][4]
+    return d
+
+
+@triton.jit
+def _first_word(v):
+    # A lane's first word of a [L, W] load (W = 2 or 4).
+    if v.shape[1] == 2:
+        w0, w1 = tl.split(v)
+    else:
+        w0, w1, w2, w3 = _lane_words(v)
+    return w0
+
+
+@triton.jit
 def _sp_tile(acc, acc2, vt, V_ATOM, V_ROWS, et, E_ROWS, xt0, xt1, xt2, xt3, col, kt, K, KA, sm_mask, nib_mask,
              magic, srow, zrow, G, KM, sel, A: tl.constexpr,
              MASKED: tl.constexpr, INT4: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr,
-             BF16: tl.constexpr, N16: tl.constexpr, RT: tl.constexpr, R32: tl.constexpr, W16: tl.constexpr):
+             BF16: tl.constexpr, N16: tl.constexpr, RT: tl.constexpr, R32: tl.constexpr, W16: tl.constexpr,
+             ONE_WAVE: tl.constexpr):
     # One K-tile (A atoms of 64 columns, two mma.sp chunks each) of this warp's RT row tiles:
     # acc per row tile its 8 accumulator registers (x rows 0-7, 8-15; the second four unused
     # unless N16); vt, et, xt0, xt1 this lane's value, metadata and x-word pointers at the
@@ -415,6 +466,10 @@ def _sp_tile(acc, acc2, vt, V_ATOM, V_ROWS, et, E_ROWS, xt0, xt1, xt2, xt3, col,
     W2: tl.constexpr = 2 if INT4 else 4   # value words per lane and atom (16-bit: per half-atom)
     SEG: tl.constexpr = GROUP if GROUP < 64 * A else 64 * A  # INT4: columns of a quantization group inside one K-tile
     zero = tl.zeros(col.shape, tl.float32)
+    # Every load of the K-tile first (keep masks / mma.sp words, values, x words), then the
+    # mma.sp: the warp issues in order, so a load placed after a consumer of an earlier one waits
+    # for it, and each such wave costs a memory round trip (the H200 measured the kernel
+    # latency-bound with 2-15 waves per K-tile; scripts/kernel_static_check.py counts them).
     EW = ()
     for r in tl.static_range(RT):
         if W16:   # per quad lane i: its keep-mask words of the K-tile's atoms
@@ -424,18 +479,50 @@ def _sp_tile(acc, acc2, vt, V_ATOM, V_ROWS, et, E_ROWS, xt0, xt1, xt2, xt3, col,
                         _tile_words(et + r * E_ROWS + 3 * KM, kt * A, KA, A, MASKED)),)
         else:
             EW = EW + (_tile_words(et + r * E_ROWS, kt * A, KA, A, MASKED),)
+    PV = ()   # per atom: per row tile its value words (16-bit: also the second half-atom's, P2)
+    P2V = ()
+    XV = ()   # per chunk (2 per atom): x words of rows 0-15 and (R32) 16-31
     for j in tl.static_range(A):
         a = kt * A + j
         ok = col * 0 + a < KA   # per lane (a scalar mask is not accepted by every Triton version)
         vp = (vt + j * V_ATOM)[:, None] + tl.arange(0, W2)[None, :]
         P = ()
-        E = ()
+        P2 = ()
         for r in tl.static_range(RT):
             P = P + (_atom_values(vp + r * V_ROWS, ok, MASKED),)
+            if W16:
+                P2 = P2 + (_atom_values(vp + r * V_ROWS + V_ATOM // 2, ok, MASKED),)
+        PV = PV + (P,)
+        P2V = P2V + (P2,)
+        for half in tl.static_range(2):
+            x01 = _chunk_x(xt0, xt1, j * 32 + 16 * half, a * 64 + 32 * half, K, col, MASKED, N16)
+            x23 = x01
+            if R32:
+                x23 = _chunk_x(xt2, xt3, j * 32 + 16 * half, a * 64 + 32 * half, K, col, MASKED, N16)
+            XV = XV + ((x01, x23),)
+    # The first uses wait for every load above: a zero word folded from them all (K >> 31 is 0,
+    # which no compiler can know; not KA, whose zero the masks hold already, and (x & m) | m = m)
+    # enters the masks every conversion and mma.sp word reads, so ptxas issues all of the
+    # K-tile's loads before any of them is used.
+    # (ONE_WAVE False: the small layers' kernel without a K-loop, one K-tile per program, whose
+    # integer-pipe budget has no room for the fold: INT4 3072 x 768 0.088 -> 0.104 per byte.)
+    if ONE_WAVE:
+        dep = _fold_loads(PV, P2V, XV, EW, A, RT, W16, R32, N16) & (K >> 31)
+        sm_mask = sm_mask | dep
+        nib_mask = nib_mask | dep
+        sel = sel | dep
+    for j in tl.static_range(A):
+        a = kt * A + j
+        ok = col * 0 + a < KA
+        P = PV[j]
+        E = ()
+        for r in tl.static_range(RT):
             if W16:
                 E = E + (_mask_sp_word(EW[r][0][j], EW[r][1][j], EW[r][2][j], EW[r][3][j], sel),)
             else:
                 E = E + (EW[r][j],)
+        X0 = XV[2 * j]
+        X1 = XV[2 * j + 1]
         if INT4:
             # Each quantization group's chunks sum into zeroed accumulators grp, then _fold adds
             # scale * grp (a group inside this K-tile: SEG columns; BLOCK_K < GROUP: the tile's part).
@@ -451,9 +538,9 @@ def _sp_tile(acc, acc2, vt, V_ATOM, V_ROWS, et, E_ROWS, xt0, xt1, xt2, xt3, col,
                 grp = _zeros(zero, RT)
                 grp2 = grp
             A0 = _int4_tiles(W0, Q, nib_mask, BF16, RT)
-            grp = _chunk(grp, A0, E, xt0, xt1, j * 32, a * 64, K, col, 0, MASKED, BF16, N16, RT)
+            grp = _chunk(grp, A0, E, X0[0], 0, BF16, N16, RT)
             if R32:
-                grp2 = _chunk(grp2, A0, E, xt2, xt3, j * 32, a * 64, K, col, 0, MASKED, BF16, N16, RT)
+                grp2 = _chunk(grp2, A0, E, X0[1], 0, BF16, N16, RT)
             if SEG == 32:  # the second chunk is the next group
                 acc = _fold(acc, grp, Q, N16, RT)
                 if R32:
@@ -463,9 +550,9 @@ def _sp_tile(acc, acc2, vt, V_ATOM, V_ROWS, et, E_ROWS, xt0, xt1, xt2, xt3, col,
                 grp = _zeros(zero, RT)
                 grp2 = grp
             A1 = _int4_tiles(W1, Q, nib_mask, BF16, RT)
-            grp = _chunk(grp, A1, E, xt0, xt1, j * 32 + 16, a * 64 + 32, K, col, 1, MASKED, BF16, N16, RT)
+            grp = _chunk(grp, A1, E, X1[0], 1, BF16, N16, RT)
             if R32:
-                grp2 = _chunk(grp2, A1, E, xt2, xt3, j * 32 + 16, a * 64 + 32, K, col, 1, MASKED, BF16, N16, RT)
+                grp2 = _chunk(grp2, A1, E, X1[1], 1, BF16, N16, RT)
             if (2 * j + 2) % (SEG // 32) == 0:   # the group ends with chunk 1
                 acc = _fold(acc, grp, Q, N16, RT)
                 if R32:
@@ -476,16 +563,16 @@ def _sp_tile(acc, acc2, vt, V_ATOM, V_ROWS, et, E_ROWS, xt0, xt1, xt2, xt3, col,
             for r in tl.static_range(RT):
                 if W16:   # the stored words are the A registers: chunk 0 in the first half-atom, chunk 1 in the second
                     A0 = A0 + (_lane_words(P[r]),)
-                    A1 = A1 + (_lane_words(_atom_values(vp + r * V_ROWS + V_ATOM // 2, ok, MASKED)),)
+                    A1 = A1 + (_lane_words(P2V[j][r]),)
                 else:
                     p0, p1, p2, p3 = _lane_words(P[r])
                     A0 = A0 + (_int8_regs(p0, p1, sm_mask, BF16),)
                     A1 = A1 + (_int8_regs(p2, p3, sm_mask, BF16),)
-            acc = _chunk(acc, A0, E, xt0, xt1, j * 32, a * 64, K, col, 0, MASKED, BF16, N16, RT)
-            acc = _chunk(acc, A1, E, xt0, xt1, j * 32 + 16, a * 64 + 32, K, col, 1, MASKED, BF16, N16, RT)
+            acc = _chunk(acc, A0, E, X0[0], 0, BF16, N16, RT)
+            acc = _chunk(acc, A1, E, X1[0], 1, BF16, N16, RT)
             if R32:
-                acc2 = _chunk(acc2, A0, E, xt2, xt3, j * 32, a * 64, K, col, 0, MASKED, BF16, N16, RT)
-                acc2 = _chunk(acc2, A1, E, xt2, xt3, j * 32 + 16, a * 64 + 32, K, col, 1, MASKED, BF16, N16, RT)
+                acc2 = _chunk(acc2, A0, E, X0[1], 0, BF16, N16, RT)
+                acc2 = _chunk(acc2, A1, E, X1[1], 1, BF16, N16, RT)
     return acc, acc2
 
 
@@ -602,12 +689,12 @@ def _sparse24_sp(
     if ONE_TILE and EVEN_K:  # split pid_k owns exactly K-tile pid_k (the small layers' default): no loop
         acc, acc2 = _sp_tile(acc, acc2, vt, V_ATOM, V_ROWS, et, E_ROWS, xt0, xt1, xt2, xt3, col, k_lo, K, KA, sm_mask,
                              nib_mask, magic, srow, zrow, G, KM, sel, A, False, INT4, GROUP, HAS_ZERO, BF16, N16, RT,
-                             R32, W16)
+                             R32, W16, False)
     else:
         for kt in range(k_lo, min(k_hi, n_full)):
             acc, acc2 = _sp_tile(acc, acc2, vt, V_ATOM, V_ROWS, et, E_ROWS, xt0, xt1, xt2, xt3, col, kt, K, KA, sm_mask,
                                  nib_mask, magic, srow, zrow, G, KM, sel, A, False, INT4, GROUP, HAS_ZERO, BF16, N16,
-                                 RT, R32, W16)
+                                 RT, R32, W16, True)
             vt += V_TILE
             et += A
             xt0 += BLOCK_K // 2
@@ -619,7 +706,7 @@ def _sparse24_sp(
         if (n_full >= k_lo) & (n_full < k_hi):  # this split owns the partial tile (pointers are there)
             acc, acc2 = _sp_tile(acc, acc2, vt, V_ATOM, V_ROWS, et, E_ROWS, xt0, xt1, xt2, xt3, col, n_full, K, KA,
                                  sm_mask, nib_mask, magic, srow, zrow, G, KM, sel, A, True, INT4, GROUP, HAS_ZERO, BF16,
-                                 N16, RT, R32, W16)
+                                 N16, RT, R32, W16, True)
 
     # out^T fragment -> (n, m): n = row of W, m = row of x
     n_lo = t * 16 + g

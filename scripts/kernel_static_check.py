@@ -176,6 +176,32 @@ def _opcode(text: str) -> str:
     return re.sub(r"^@!?U?P\w+\s+", "", text).split()[0]
 
 
+_REG = re.compile(r"\bR(\d+)\b")
+
+
+def load_waves(loop: list[str]) -> int:
+    """Memory round trips one warp waits out per loop iteration: a warp issues in order, so a
+    global load placed after an instruction that reads an earlier load's result is issued only
+    once that result arrived. Counts the runs of LDG separated by such a read (each LDG's
+    destination registers by its width; a read of any of them ends the run). The H200 measured
+    the sparse tensor-core kernel latency-bound while its loops had 2-15 (2026-12-04, runs 4-5)."""
+    waves, pending, stalled = 0, set(), True
+    for text in loop:
+        op = _opcode(text)
+        operands = re.sub(r"^@!?U?P\w+\s+", "", text)[len(op):].split(",")
+        dest = _REG.search(operands[0]) if op.startswith("LDG.") else None   # (not LDGSTS, LDGDEPBAR)
+        if dest:
+            if stalled:
+                waves, stalled = waves + 1, False
+            first = int(dest.group(1))
+            pending |= set(range(first, first + (4 if ".128" in op else 2 if ".64" in op else 1)))
+        else:   # stores and atomics read their first operand too
+            reads = operands if op.startswith(("ST", "RED", "ATOM")) else operands[1:]
+            if pending & {int(r) for o in reads for r in _REG.findall(o)}:
+                stalled, pending = True, set()
+    return waves
+
+
 def global_load_bytes(loop: list[str]) -> int:
     """Bytes one thread requests per iteration with LDG / LDGSTS (by the width suffix)."""
     total = 0
@@ -399,7 +425,7 @@ def compile_listed(dtype: str, cfg, cap: int, N: int, K: int, rows: int = 16) ->
     last = texts[exit_ + 1:] if exit_ is not None else []
     return dict(dtype=dtype, cfg=cfg, N=N, K=K, rows=rows, regs=regs, spills=spills,
                 shared=ck.metadata.shared, loop=len(loop), total=len(instrs), unroll=max(unroll, 1),
-                sparse=any(_opcode(t).startswith("HMMA.SP") for t in texts),
+                sparse=any(_opcode(t).startswith("HMMA.SP") for t in texts), waves=load_waves(loop),
                 loop_hmma_sp=sum(_opcode(t).startswith("HMMA.SP") for t in loop),
                 loop_int=_int_count(loop), total_int=_int_count(texts), tile_w=tile_w, last=len(last),
                 last_int=_int_count(last))
@@ -502,6 +528,13 @@ def listed_main(a, dtypes) -> dict:
         print(f"  {r['dtype']:14} {r['N']:>5}x{r['K']:<5} {config_name(c):28} {r['source']:8} {r['loop']:>5} "
               f"{r['total'] - r['loop']:>5} {r['last']:>5} {tiles / r['unroll']:>5.1f} {tot:>6.3f} {ints:>6.3f}")
     print(f"{len(results)} compiles in {time.time() - t0:.0f} s; spill bytes at most {max(r['spills'] for r in results)}")
+    waves = {}
+    for r in results:
+        if r["sparse"] and r["loop"]:
+            waves[r["dtype"]] = max(waves.get(r["dtype"], 0), r["waves"])
+    if waves:
+        print("max load waves per K-tile (sparse tensor-core kernel's loop; 1: every load of a K-tile in flight "
+              "together): " + ", ".join(f"{short} {waves[dt]}" for short, dt in SUMMARY_NAMES if dt in waves))
     # Predicted decode speed against dense fp16/bf16 weights read at the same bandwidth:
     # the byte ratio, unless issue (all instructions, 1.05e12/s) or the integer pipe
     # (half rate) takes longer than the bytes take to arrive (4.8 TB/s).

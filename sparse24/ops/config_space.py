@@ -213,6 +213,24 @@ _DECODE_TILES = ((64, 4), (128, 8))
 # (90-104 registers); four halve the x loads' L1 wavefronts per byte (INT4 0.0625 -> 0.0417, under
 # the 0.0545 HBM delivers; 251 registers at BLOCK_K 256, spills at 512).
 _SPARSE_TILES = ((64, 2), (128, 4), (128, 2))
+# The sparse tensor-core kernel issues every load of a K-tile before its first use (one memory
+# round trip per K-tile: kernels/sparse24_sp.py, _sp_tile), so a lane holds the whole tile's words
+# at once. Over this many (sp_load_words) sm_90 builds spill or sit at 255 registers (Triton 3.6
+# and 3.9, 4096 x 4096: INT8 4 tiles per warp 512 deep at 1-8 rows 192 words, 255 registers; 256
+# deep at 32 rows 192, 272-280 B of spills; 16-bit weights 2 tiles 256 deep at 32 rows 192, 224-248 B);
+# at 160 or fewer, 230 registers at most and no spills.
+SP_LOAD_WORDS = 160
+
+
+def sp_load_words(block_n: int, block_k: int, num_warps: int, dtype: str, rows: int) -> int:
+    """32-bit words a lane of the sparse tensor-core kernel loads per K-tile for ``rows`` rows of x
+    (M's bucket; 17-64: its 32 rows per program): the values (atoms x row tiles x 4 words; INT4 2,
+    16-bit weights 8) and the x words (two chunks per atom, 4 words per 8 rows: rows 8-15 from 9
+    rows on, 16-31 from 17)."""
+    atoms, tiles = block_k // 64, block_n // (16 * num_warps)
+    per_value = 2 if dtype.startswith("int4-") else 4 if dtype.startswith("int8-") else 8
+    blocks = (1 if rows <= 8 else 2) * (2 if rows > DECODE_M else 1)
+    return atoms * tiles * per_value + 2 * atoms * 4 * blocks
 _DECODE_BLOCK_K = (64, 128, 256)
 
 
@@ -268,6 +286,9 @@ def decode_configs(M: int, N: int, K: int, dtype: str = "float16", num_sms: int 
     accumulators spill beyond; all 30 compiled variants at 4096 x 4096: 0 spills).
     16-bit weights take the same kernel's space there with ``rows`` 32 (:func:`sp_tunable`; at
     M <= 16 the byte-permute kernel's space), at most two tiles per warp (four spill with Triton 3.6).
+    That kernel holds a whole K-tile's words per lane (one load wave per K-tile): tiles over
+    ``SP_LOAD_WORDS`` leave its space, so it depends on M's bucket (x rows 8-15 from 9 rows), and
+    INT4 starts 128 deep (64 deep: 0.206 warp-instructions per byte with the loads' fold, over 0.20).
 
     Args:
         M, N, K: problem size (x is M x K, W is N x K); dtype: a :func:`dtype_key`.
@@ -290,7 +311,9 @@ def decode_configs(M: int, N: int, K: int, dtype: str = "float16", num_sms: int 
             # or 512 deep spill too, and INT8 512 deep compiles (178 registers) but is not predicted faster.
             # 16-bit weights at 32 rows: four tiles spill with Triton 3.6 (255 registers, 40-200 B; 3.9: 170-193)
             if dtype.startswith("int4-") and bn // warps == 64 and (bk == 512 or r32) or (r32 and bk == 512) \
-                    or (r32 and not sparse_kernel(dtype) and bn // warps == 64):
+                    or (r32 and not sparse_kernel(dtype) and bn // warps == 64) \
+                    or sparse and sp_load_words(bn, bk, warps, dtype, 32 if r32 else m_bucket(M)) > SP_LOAD_WORDS \
+                    or dtype.startswith("int4-") and sparse and bk == 64:   # 0.206 warp-instructions per byte
                 continue
             programs = -(-N // bn) * -(-M // rows)
             splits = [1] + [s for s in (2, 4, 8) if programs * s <= 4 * num_sms and K >= 2 * s * bk
@@ -349,9 +372,13 @@ def decode_default(N: int, K: int, dtype: str = "float16", num_sms: int = 132, r
         # (at 32 rows INT4 and 16-bit weights keep two tiles: four spill, 16-bit with Triton 3.6)
         deep = () if r32 and not dtype.startswith("int8-") else (256,) if r32 or dtype.startswith("int4-") \
             else (512, 256)
-        bk = depth(-(-N // 128), deep)
+        x_rows = 32 if r32 else rows   # (the whole K-tile's words in registers: at most SP_LOAD_WORDS)
+
+        def fitting(bn, depths):
+            return tuple(b for b in depths if sp_load_words(bn, b, 2, dtype, x_rows) <= SP_LOAD_WORDS)
+        bk = depth(-(-N // 128), fitting(128, deep))
         bn, warps = (128, 2) if bk else (64, 2)
-        bk = bk or depth(-(-N // 64), (256, 128) if r32 else (512, 256, 128)) or 128
+        bk = bk or depth(-(-N // 64), fitting(64, (256, 128) if r32 else (512, 256, 128))) or 128
     rows = -(-N // bn)
     if not sparse:
         bk = 256 if rows * -(-K // 256) >= num_sms else 128

@@ -252,8 +252,8 @@ def test_16bit_sparse_kernel_reads_the_keep_masks(gen):
 
 
 def test_route_defaults_past_16_rows():
-    """The untuned configs of the route: 32 rows per program (INT8 four row tiles per warp
-    where tiles fill the SMs, INT4 two: four spill, INT4's doubled accumulators) in the 32- and
+    """The untuned configs of the route: 32 rows per program, two row tiles per warp (INT8's four
+    hold more than SP_LOAD_WORDS at 256 deep, INT4's spill: doubled accumulators) in the 32- and
     64-row buckets; past SP_MAX_M and for the byte-permute kernel (which refuses 32) 16 rows.
     16-bit weights: the sparse kernel's 32-row space joins the prefill kernel's in the tuning
     space there (its default two tiles per warp: four spill with Triton 3.6); untuned they take
@@ -264,15 +264,16 @@ def test_route_defaults_past_16_rows():
         for M in (32, SP_MAX_M):
             c32 = decode_default(4096, 4096, dt, rows=32)
             assert c32.block_m == 32 and c32.split_k > 1
-            assert c32.block_n // (16 * c32.num_warps) == (4 if dt.startswith("int8-") else 2) and c32.block_k == 256
+            # (a whole K-tile per lane: four INT8 tiles 256 deep, 16-bit two 256 deep, over SP_LOAD_WORDS)
+            assert c32.block_n // (16 * c32.num_warps) == 2 and c32.block_k == (128 if half else 256)
             assert builtin_config(M, 4096, 4096, layout="decode", dtype=dt) == (
                 KernelConfig(16, 64, 128, 1, 1, 4, 1, kernel="decode") if half else c32)
         assert builtin_config(SP_MAX_M + 1, 4096, 4096, layout="decode", dtype=dt).block_m == 16
         # the tuning space there (a tuned entry replaces the default)
         for M in (17, 32, SP_MAX_M):
             space = decode_configs(M, 4096, 4096, dt, rows=32)
-            assert {c.block_m for c in space} == {32} and max(c.block_k for c in space) == 256 and max(
-                c.split_k for c in space) > 1
+            assert {c.block_m for c in space} == {32} and max(c.block_k for c in space) == (128 if half else 256) \
+                and max(c.split_k for c in space) > 1
             assert max(c.block_n // (16 * c.num_warps) for c in space) == (4 if dt.startswith("int8-") else 2)
             tuned = candidate_configs(M, 4096, 4096, layout="decode", dtype=dt)
             assert {c.kernel for c in tuned} == ({"prefill", "decode"} if half else {"decode"})
@@ -370,6 +371,38 @@ def _static_check(monkeypatch):
     pytest.importorskip("triton.backends.nvidia")
     monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")
     return load_script("kernel_static_check")
+
+
+def test_load_waves_counts_the_round_trips_a_warp_waits_out():
+    """kernel_static_check.load_waves on hand-written SASS: loads issued before any read of their
+    registers are one wave; a read of a loaded register before a later load makes two (the warp
+    issues in order: the later load waits for the first); 128-bit loads cover four registers;
+    reads of other registers, and the loads' own address registers, end nothing."""
+    tool = load_script("kernel_static_check")
+    one = ["LDG.E.128 R4, desc[UR4][R2.64]", "LDG.E R8, desc[UR4][R2.64+0x10]", "IADD3 R9, R20, 0x1, RZ",
+           "HMMA.SP.16832.F32 R12, R4, R8, R12, R9, 0x0"]
+    assert tool.load_waves(one) == 1
+    two = ["LDG.E.128 R4, desc[UR4][R2.64]", "LOP3.LUT R7, R7, 0x807f807f, RZ, 0xc0, !PT",
+           "LDG.E R8, desc[UR4][R2.64+0x10]", "HMMA.SP.16832.F32 R12, R4, R8, R12, R9, 0x0"]
+    assert tool.load_waves(two) == 2
+    assert tool.load_waves(["@P0 LDG.E R4, desc[UR4][R2.64]", "STG.E desc[UR4][R6.64], R4",
+                            "LDG.E R5, desc[UR4][R4.64]"]) == 2
+    assert tool.load_waves(["IADD3 R1, R1, 0x1, RZ", "BRA 0x100"]) == 0
+
+
+@pytest.mark.parametrize("dtype,rows,waves", [("int8-float16", 1, 1), ("int8-bfloat16", 16, 1), ("float16", 32, 1),
+                                              ("int8-float16", 32, 1), ("int4-float16", 1, 2)])
+def test_a_k_tile_is_one_load_wave(dtype, rows, waves, monkeypatch):
+    """Compiled for sm_90 (no GPU), the untuned config at 8192 x 8192: every load of a K-tile (values,
+    mma.sp words or keep masks, x words) is issued before the first use of any, so a warp waits out
+    one memory round trip per K-tile (INT4: two, its group scales loaded where a group starts), with
+    no spills. Before (2026-12-04) the loops had 2-15, and the H200 measured the kernel
+    latency-bound (0.45-0.95x of dense where 1.5-3.2x was predicted)."""
+    tool = _static_check(monkeypatch)
+    cfg, _ = tool.default_config(dtype, 8192, 8192, rows=rows)
+    r = tool.compile_listed(dtype, cfg, 90, 8192, 8192, rows)
+    assert r["sparse"] and r["loop"] and r["spills"] == 0, r
+    assert r["waves"] == waves, r
 
 
 def test_batch_of_eight_compiles_one_mma_per_chunk(monkeypatch):
