@@ -804,6 +804,10 @@ def sp_serves(x_dtype: torch.dtype, values_dtype: torch.dtype | None, has_scale:
     return half_pair(x_dtype, values_dtype, has_scale) and sparse_tensor_cores(device)
 
 
+# The first compute capability whose GPUs have sparse tensor cores (``mma.sp`` compiles from sm_80).
+SPARSE_CORES_CAPABILITY = (8, 0)
+
+
 def sparse_tensor_cores(device: torch.device) -> bool:
     """Whether ``device`` runs the sparse tensor-core kernel: a GPU with sparse tensor cores
     (compute capability 8.0 or later: ``mma.sp`` does not compile for older ones, such as a T4,
@@ -814,7 +818,7 @@ def sparse_tensor_cores(device: torch.device) -> bool:
     if device.type != "cuda":
         return True
     capability = config_store.device_info(device).capability
-    return capability is not None and capability >= (8, 0)
+    return capability is not None and tuple(capability) >= SPARSE_CORES_CAPABILITY
 
 
 _VARIANTS = {"matmul": _Matmul, "decode": _Decode, "prefill": _Prefill}
@@ -889,7 +893,7 @@ def aot_compile(x2, p: Sparse24Tensor | DecodePacked, bias, target, config: Kern
     from triton.compiler import ASTSource
     from triton.runtime.jit import mangle_type
 
-    sparse_cores = tuple(capability) >= (8, 0)   # mma.sp compiles from sm_80
+    sparse_cores = tuple(capability) >= SPARSE_CORES_CAPABILITY
     _, _, args, kwargs = kernel_call(x2, p, bias, target, config, split_k, sparse_cores)
     jit_fn = variant_of(config, x2.dtype, p.scale is not None, p.values.dtype, sparse_cores).kernel(cuda=True)
     names = jit_fn.arg_names
