@@ -16,7 +16,8 @@
 #      24 in its 100 s, the two M = 4096 prefill keys among them; prefill with 16-bit x now takes
 #      the unpack route from 256 rows unless a tuned key past 16 rows, which records both, says
 #      the prefill kernel is faster), into
-#      autotune_configs/<GPU>/sparse24_matmul.json (merged after every key);
+#      autotune_configs/<GPU>/sparse24_matmul.json (merged after every key), and every
+#      candidate's time into results/<GPU>/autotune-timings.csv (what the untuned defaults are fitted to);
 #   3. bench: the throughput sweep (CSV + PNG) into results/<GPU>/, with the tuned configs;
 #   4. user view: eager wall time per call of a layer at M = 1 and tokens/s of an 8-block
 #      Llama-7B-shaped MLP stack under torch.compile(mode="reduce-overhead"), dense vs 2:4
@@ -50,6 +51,7 @@ T_L2=${T_L2:-30}
 T_PROBE=${T_PROBE:-80}          # 30 + 80 + 120 + 90 + 90 + 40 + 90 = 540 s = 9 minutes at most, and:
 T_SPARSE_MM=${T_SPARSE_MM:-80}  # (added after the 2026-12-04 H200 runs: select it or others with GPU_CHECK_ONLY)
 PROBE_ARGS=${PROBE_ARGS:-}      # e.g. "--only prefill --weights int8,int4 --ms 32,64"
+TUNE_SKIP=${TUNE_SKIP:---skip-tuned}  # TUNE_SKIP=--no-skip-tuned re-times the keys this GPU's file holds
 
 # Import this tree without installing it: kernels/ and autotune_configs/ are
 # sub-packages of sparse24 only once installed (pyproject's package-dir), so
@@ -126,7 +128,8 @@ step tests "$T_TESTS" env PYTHONPATH="$ROOT/scripts/gpu_tests:$PYTHONPATH" "$PY"
 
 # 2. tuning (entries are merged into the file one by one, so a run cut short keeps its measurements)
 step autotune "$T_TUNE" "$PY" -m sparse24 autotune --shapes standard --m "$M_TUNE" \
-    --dtype "$DTYPE_TUNE" --out-dir autotune_configs --warmup-ms 3 --rep-ms 10 --jobs 12 --skip-tuned
+    --dtype "$DTYPE_TUNE" --out-dir autotune_configs --warmup-ms 3 --rep-ms 10 --jobs 12 "$TUNE_SKIP" \
+    --timings "$RES/autotune-timings.csv"
 
 # 3. benchmark sweep with the tuned configs (CSV + PNG)
 step bench "$T_BENCH" "$PY" -m sparse24 bench --device cuda --shapes standard --m "$M_BENCH" \

@@ -424,7 +424,8 @@ def compile_listed(dtype: str, cfg, cap: int, N: int, K: int, rows: int = 16) ->
         (i for i in range(atom, len(texts)) if texts[i].startswith("@") and _opcode(texts[i]) == "EXIT"), None)
     last = texts[exit_ + 1:] if exit_ is not None else []
     return dict(dtype=dtype, cfg=cfg, N=N, K=K, rows=rows, regs=regs, spills=spills,
-                shared=ck.metadata.shared, loop=len(loop), total=len(instrs), unroll=max(unroll, 1),
+                local=sum(_opcode(t).startswith(("LDL", "STL")) for t in loop), shared=ck.metadata.shared,
+                loop=len(loop), total=len(instrs), unroll=max(unroll, 1),
                 sparse=any(_opcode(t).startswith("HMMA.SP") for t in texts), waves=load_waves(loop),
                 loop_hmma_sp=sum(_opcode(t).startswith("HMMA.SP") for t in loop),
                 loop_int=_int_count(loop), total_int=_int_count(texts), tile_w=tile_w, last=len(last),
@@ -508,6 +509,13 @@ def _listed_results(a, dtypes) -> list[dict]:
     return results
 
 
+def spill_summary(results: list[dict]) -> str:
+    """The worst spill of the listed compiles and whether any main loop touches local memory
+    (a spill outside the loop, e.g. in the split-K epilogue, costs a few L1 accesses per program)."""
+    return (f"spill bytes at most {max(r['spills'] for r in results)}, local-memory instructions in a main "
+            f"loop at most {max(r['local'] for r in results)}")
+
+
 def listed_main(a, dtypes) -> dict:
     """Each pair at the listed shapes, the config a layer would use, instructions outside
     the loop amortized over a program's K range; returns the worst per dtype."""
@@ -527,7 +535,7 @@ def listed_main(a, dtypes) -> dict:
         tiles = -(-(-(-r["K"] // c.block_k)) // c.split_k)
         print(f"  {r['dtype']:14} {r['N']:>5}x{r['K']:<5} {config_name(c):28} {r['source']:8} {r['loop']:>5} "
               f"{r['total'] - r['loop']:>5} {r['last']:>5} {tiles / r['unroll']:>5.1f} {tot:>6.3f} {ints:>6.3f}")
-    print(f"{len(results)} compiles in {time.time() - t0:.0f} s; spill bytes at most {max(r['spills'] for r in results)}")
+    print(f"{len(results)} compiles in {time.time() - t0:.0f} s; {spill_summary(results)}")
     waves = {}
     for r in results:
         if r["sparse"] and r["loop"]:
@@ -603,7 +611,8 @@ def occupancy_main(a) -> int:
     print(f"# sm_{a.cap} ({SMS} SMs, {SM_REGS} registers, {SM_SHARED // 1024} KiB shared memory per SM), M <= 16, "
           f"the config a decode-layout layer uses on {a.gpu} (tuned file entry, else built-in default)")
     print(f"  {'dtype':14} {'shape':>11} {'config':28} {'source':8} {'regs':>4} {'smem':>6} {'fit':>3} "
-          f"{'progs':>5} {'waves':>5} {'res/SM':>6} {'tileKiB':>7} {'depth':>5} {'flightKiB':>9} {'wholeKiB':>8}")
+          f"{'progs':>5} {'waves':>5} {'res/SM':>6} {'tileKiB':>7} {'depth':>5} {'flightKiB':>9} {'wholeKiB':>8} "
+          f"{'spillB':>6}")
     least, short = None, []
     for r in results:
         o = occupancy(r)
@@ -611,16 +620,15 @@ def occupancy_main(a) -> int:
         print(f"  {r['dtype']:14} {r['N']:>5}x{r['K']:<5} {config_name(c):28} {r['source']:8} {r['regs']:>4} "
               f"{r['shared']:>6} {o['fit']:>3} {o['programs']:>5} {o['waves']:>5.2f} {o['resident']:>6.2f} "
               f"{r['tile_w'] / 1024:>7.1f} {o['depth']:>3}{'*' if c.num_stages == 1 else ' ':2} "
-              f"{o['in_flight'] / 1024:>9.1f} {o['whole'] / 1024:>8.1f}")
+              f"{o['in_flight'] / 1024:>9.1f} {o['whole'] / 1024:>8.1f} {r['spills']:>6}")
         least = o["in_flight"] if least is None else min(least, o["in_flight"])
         if o["programs"] < SMS or o["in_flight"] < min(IN_FLIGHT_GOAL, o["whole"]) * (1 - 1e-9):
             short.append(f"{r['dtype']} {r['N']}x{r['K']}")
     print("  fit: programs per SM (registers, shared memory, warps); waves: programs / (132 x fit); res/SM: "
           "programs running at once per SM (average); depth: K-tiles requested ahead (num_stages - 1; * one "
           "stage: no prefetch, the tile's loads are in flight only until they land); wholeKiB: the layer's "
-          "whole weight / 132 SMs (no config can hold more in flight)")
-    print(f"{len(results)} compiles in {time.time() - t0:.0f} s; spill bytes at most "
-          f"{max(r['spills'] for r in results)}")
+          "whole weight / 132 SMs (no config can hold more in flight); spillB: bytes spilled to local memory")
+    print(f"{len(results)} compiles in {time.time() - t0:.0f} s; {spill_summary(results)}")
     print(f"min weight bytes in flight per SM: {least / 1024:.1f} KiB")
     print(f"every SM busy and >= {IN_FLIGHT_GOAL // 1024} KiB in flight per SM (or the whole weight where it is "
           f"smaller): " + ("met at every listed shape and pair" if not short else "NOT met: " + "; ".join(short)))

@@ -212,7 +212,11 @@ _DECODE_TILES = ((64, 4), (128, 8))
 # x words): two took INT4 x fp16 at 4096 x 4096 from 0.240 to 0.186 warp-instructions per byte
 # (90-104 registers); four halve the x loads' L1 wavefronts per byte (INT4 0.0625 -> 0.0417, under
 # the 0.0545 HBM delivers; 251 registers at BLOCK_K 256, spills at 512).
-_SPARSE_TILES = ((64, 2), (128, 4), (128, 2))
+_SPARSE_TILES = ((64, 4), (64, 2), (128, 4), (128, 2))
+# One tile per warp (64, 4) only for INT8 at M <= 16: INT4 so is 0.24 warp-instructions per byte (over
+# 0.20), and the 32-row spaces keep their measured tiles. INT8 with it: at most 0.125 in the loop and
+# 0.164 amortized (bfloat16 x, 16 rows, 64 deep), 32-199 registers, one load wave (sm_90, Triton 3.9);
+# the H200 ran INT8 decode fastest with it (run 2; docs/kernels.md).
 # The sparse tensor-core kernel issues every load of a K-tile before its first use (one memory
 # round trip per K-tile: kernels/sparse24_sp.py, _sp_tile), so a lane holds the whole tile's words
 # at once. Over this many (sp_load_words) sm_90 builds spill or sit at 255 registers (Triton 3.6
@@ -279,10 +283,10 @@ def decode_configs(M: int, N: int, K: int, dtype: str = "float16", num_sms: int 
     deepest pipeline of each tile is kept (``backend="triton"`` there; the tuner
     times the prefill kernel's space past 16 rows, :func:`candidate_configs`). INT8 / INT4 weights with
     float16 / bfloat16 x (the sparse tensor-core kernel): BLOCK_N x warps in
-    (64 x 2, 128 x 4, 128 x 2), two or four 16-row tiles per warp, BLOCK_K up to
-    512 (not 512 with four INT4 tiles: spills), one stage; at 17 to SP_MAX_M rows
+    (64 x 4, 64 x 2, 128 x 4, 128 x 2), one (INT8 only), two or four 16-row tiles per
+    warp, BLOCK_K up to 512 (not 512 with four INT4 tiles: spills), one stage; at 17 to SP_MAX_M rows
     (its route past decode sizes) 32 rows per program (``block_m`` 32) with
-    split-K, BLOCK_K up to 256 and INT4 at most two tiles per warp (INT4's doubled
+    split-K, two or four tiles per warp, BLOCK_K up to 256 and INT4 at most two tiles per warp (INT4's doubled
     accumulators spill beyond; all 30 compiled variants at 4096 x 4096: 0 spills).
     16-bit weights take the same kernel's space there with ``rows`` 32 (:func:`sp_tunable`; at
     M <= 16 the byte-permute kernel's space), at most two tiles per warp (four spill with Triton 3.6).
@@ -310,7 +314,8 @@ def decode_configs(M: int, N: int, K: int, dtype: str = "float16", num_sms: int 
             # Four INT4 row tiles per warp 512 deep spill (255 registers, sm_90); at 32 rows four INT4 tiles
             # or 512 deep spill too, and INT8 512 deep compiles (178 registers) but is not predicted faster.
             # 16-bit weights at 32 rows: four tiles spill with Triton 3.6 (255 registers, 40-200 B; 3.9: 170-193)
-            if dtype.startswith("int4-") and bn // warps == 64 and (bk == 512 or r32) or (r32 and bk == 512) \
+            if sparse and bn // warps == 16 and (r32 or not int8) \
+                    or dtype.startswith("int4-") and bn // warps == 64 and (bk == 512 or r32) or (r32 and bk == 512) \
                     or (r32 and not sparse_kernel(dtype) and bn // warps == 64) \
                     or sparse and sp_load_words(bn, bk, warps, dtype, 32 if r32 else m_bucket(M)) > SP_LOAD_WORDS \
                     or dtype.startswith("int4-") and sparse and bk == 64:   # 0.206 warp-instructions per byte
@@ -344,20 +349,21 @@ def decode_default(N: int, K: int, dtype: str = "float16", num_sms: int = 132, r
     256 (128 where 256 leaves SMs without a program), pipelined: 16-bit weights 2
     stages (one K-tile's loads in flight while another decodes), INT8 and INT4 3 stages
     (two: their tiles hold 5/9 and 3/9 of the bytes) with fp32 x; INT8 and INT4 with
-    16-bit x (the sparse tensor-core kernel) 1: one tile in flight per program, and its
-    warps own four 16-row tiles (BLOCK_N 128, 2 warps) where that keeps tiles 256 deep
-    or more, else two (64, 2). Then split-K (serial, inside the one launch) just
+    16-bit x (the sparse tensor-core kernel) 1: one tile in flight per program; INT8 at M <= 16
+    one 16-row tile per warp (BLOCK_N 64, 4 warps: the most warps per SM for the bytes, what the
+    H200 measured fastest), else its warps own four 16-row tiles (BLOCK_N 128, 2 warps) where
+    that keeps tiles 256 deep, else two (64, 2). Then split-K (serial, inside the one launch) just
     large enough that the programs running at once keep ``DECODE_IN_FLIGHT`` weight
     bytes requested per SM, or, for small layers, one K-tile per program (the whole
     weight at once, in one stage: there is no later tile to prefetch; SPLIT_K equals the
     K-tiles, so the kernel compiles without its K-loop, which keeps the ~250 instructions
     outside the tile within the budget). Predicted by
-    ``scripts/kernel_static_check.py --occupancy`` and ``--sass`` (docs/kernels.md), not
-    measured on a GPU."""
+    ``scripts/kernel_static_check.py --occupancy`` and ``--sass`` (docs/kernels.md); the INT8
+    tile shape measured on an H200 (run 2), the rest not measured on a GPU."""
     quantized = dtype.startswith(("int8-", "int4-"))
     # INT8 / INT4 with 16-bit x run the sparse tensor-core kernel (kernels/sparse24_sp.py): it
     # loads into registers, without Triton's pipeline, so a program has one K-tile in flight;
-    # its tiles may be 512 columns deep (the instructions outside the loop amortize over twice
+    # its INT4 tiles may be 512 columns deep (the instructions outside the loop amortize over twice
     # the bytes: INT4 4096 x 4096 0.307 -> 0.239 warp-instructions per byte on sm_90)
     r32 = decode_rows(rows, dtype) == 32 or sp_tunable(rows, dtype)
     sparse = sparse_kernel(dtype) or r32   # (16-bit weights: on the sparse tensor cores past 16 rows)
@@ -369,16 +375,24 @@ def decode_default(N: int, K: int, dtype: str = "float16", num_sms: int = 132, r
         # INT4 with four tiles: at most 256 deep (251 registers; 512 spills).
         def depth(rows, depths):
             return next((b for b in depths if rows * -(-K // b) >= num_sms and K % b == 0), None)
-        # (at 32 rows INT4 and 16-bit weights keep two tiles: four spill, 16-bit with Triton 3.6)
-        deep = () if r32 and not dtype.startswith("int8-") else (256,) if r32 or dtype.startswith("int4-") \
-            else (512, 256)
         x_rows = 32 if r32 else rows   # (the whole K-tile's words in registers: at most SP_LOAD_WORDS)
 
-        def fitting(bn, depths):
-            return tuple(b for b in depths if sp_load_words(bn, b, 2, dtype, x_rows) <= SP_LOAD_WORDS)
-        bk = depth(-(-N // 128), fitting(128, deep))
-        bn, warps = (128, 2) if bk else (64, 2)
-        bk = bk or depth(-(-N // 64), fitting(64, (256, 128) if r32 else (512, 256, 128))) or 128
+        def fitting(bn, warps, depths):
+            return tuple(b for b in depths if sp_load_words(bn, b, warps, dtype, x_rows) <= SP_LOAD_WORDS)
+        if dtype.startswith("int8-") and not r32:
+            # M <= 16, INT8: one 16-row tile per warp, 256 deep where the layer fills the SMs so. The
+            # H200 ran INT8 decode fastest with the most warps per SM: this tile (run 2: the Llama-7B
+            # block's compiled step at batch 1 in 107 us, against 150 us with four tiles per warp 512
+            # deep, run 4), and its tuner chose the smallest tile of its space then (run 5, without one
+            # tile per warp: 64 x 64, two per warp). docs/kernels.md.
+            bn, warps = 64, 4
+            bk = depth(-(-N // 64), fitting(64, 4, (256, 128))) or 128
+        else:
+            # (at 32 rows INT4 and 16-bit weights keep two tiles: four spill, 16-bit with Triton 3.6)
+            deep = () if r32 and not dtype.startswith("int8-") else (256,)
+            bk = depth(-(-N // 128), fitting(128, 2, deep))
+            bn, warps = (128, 2) if bk else (64, 2)
+            bk = bk or depth(-(-N // 64), fitting(64, 2, (256, 128) if r32 else (512, 256, 128))) or 128
     rows = -(-N // bn)
     if not sparse:
         bk = 256 if rows * -(-K // 256) >= num_sms else 128

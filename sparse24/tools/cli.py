@@ -197,8 +197,10 @@ def _cmd_autotune(argv: list[str]) -> int:
     ap.add_argument("--warmup-ms", type=float, default=10)
     ap.add_argument("--rep-ms", type=float, default=40)
     ap.add_argument("--jobs", type=int, default=min(8, os.cpu_count() or 1), help="parallel compile processes")
-    ap.add_argument("--skip-tuned", action="store_true",
-                    help="leave out the keys this GPU's file in --out-dir already holds")
+    ap.add_argument("--skip-tuned", action=argparse.BooleanOptionalAction, default=False,
+                    help="leave out the keys this GPU's file in --out-dir already holds (default: re-time them)")
+    ap.add_argument("--timings", default=None, metavar="CSV",
+                    help="append every candidate config's time (and each rejection) to this CSV file")
     try:
         args = ap.parse_args(argv)
         shapes = parse_shapes(args.shapes)
@@ -211,6 +213,9 @@ def _cmd_autotune(argv: list[str]) -> int:
         out_dir = Path(args.out_dir or os.environ.get("SPARSE24_CONFIG_DIR") or shipped_config_dir())
         if out_dir.exists() and not out_dir.is_dir():  # found before tuning, not after minutes of it
             raise ValueError(f"config folder {out_dir} is a file")
+        timings = None if args.timings is None else Path(args.timings)
+        if timings is not None and (timings.is_dir() or not timings.parent.is_dir()):
+            raise ValueError(f"--timings {timings}: need a file in an existing folder")
     except (CLIError, ValueError) as e:
         print(f"sparse24 autotune: error: {e}", file=sys.stderr)
         return 2
@@ -218,7 +223,7 @@ def _cmd_autotune(argv: list[str]) -> int:
         from .tuning import autotune
     except ImportError as e:
         raise CLIError(f"the tuner is not importable ({e})", 1) from None
-    return autotune(shapes, ms, dtypes, out_dir, args.warmup_ms, args.rep_ms, args.jobs, args.skip_tuned)
+    return autotune(shapes, ms, dtypes, out_dir, args.warmup_ms, args.rep_ms, args.jobs, args.skip_tuned, timings)
 
 
 def _cmd_inspect(args) -> int:

@@ -13,6 +13,7 @@ names are re-exported here for existing code.
 """
 from __future__ import annotations
 
+import csv
 import datetime
 import json
 import sys
@@ -31,7 +32,7 @@ from ..ops.config_store import (KERNEL, SCHEMA_VERSION, Choice, clear_cache, con
                                describe_config_source, get_config, gpu_file_name, lookup, measured_timings,
                                shipped_config_dir, validate_dir, validate_file)
 from ..ops.linear24 import linear_prefill, linear_reference, linear_triton, op
-from ..ops.linear24.launch import half_pair, kernel_call, sparse_tensor_cores, target_dtype
+from ..ops.linear24.launch import half_pair, kernel_call, sparse_tensor_cores, target_dtype, variant_of
 from ..ops.linear24.op import DECODE_M
 from .bench import rel_error
 
@@ -103,7 +104,7 @@ def _space_or_none(M, N, K, dtype, device) -> list[KernelConfig]:
 
 
 def tune_key(M: int, N: int, K: int, dtype: str, device, configs=None, warmup_ms: float = 10,
-             rep_ms: float = 40, layout: str | None = None) -> Choice:
+             rep_ms: float = 40, layout: str | None = None, timings: list | None = None) -> Choice:
     """Time the config space for one key on a CUDA device; return the fastest
     config that also computes the right result.
 
@@ -112,6 +113,8 @@ def tune_key(M: int, N: int, K: int, dtype: str, device, configs=None, warmup_ms
         device: a CUDA device. configs: candidates (default :func:`candidate_configs`).
         layout: the weight layout tuned for (default :func:`runtime_layout`).
         warmup_ms, rep_ms: timing budgets per candidate (see :func:`time_launches_us`).
+        timings: a list that gets one row (:data:`TIMING_COLUMNS`) per candidate, timed or
+            rejected, even when no candidate ran (:func:`autotune` writes them as CSV).
     Returns:
         :class:`Choice` with ``kind="live"`` and ``entry = {"config", "kernel_us",
         "dense_us", "m"}`` (dense = ``F.linear`` on the dense weight in the activation dtype),
@@ -137,12 +140,17 @@ def tune_key(M: int, N: int, K: int, dtype: str, device, configs=None, warmup_ms
     def kernel_time(cfg) -> float:
         return time_launches_us([lambda q=q: launch_config(x, q, cfg) for q in weights], warmup_ms, rep_ms)
 
-    best_cfg, best_us, rejected = _select_fastest(
-        configs if configs is not None else tuning_space(M, N, K, dtype, device, layout),
-        launch=lambda cfg: launch_config(x, p, cfg),
-        error=lambda y: rel_error(y, ref),
-        time=kernel_time, max_err=max_err, label=f"M={M}, N={N}, K={K}, {dtype}")
-    dense_us = time_launches_us([lambda w=w: F.linear(x, w) for w in dense_weights], warmup_ms, rep_ms)
+    record, dense_us = [], None
+    try:
+        best_cfg, best_us, rejected = _select_fastest(
+            configs if configs is not None else tuning_space(M, N, K, dtype, device, layout),
+            launch=lambda cfg: launch_config(x, p, cfg),
+            error=lambda y: rel_error(y, ref),
+            time=kernel_time, max_err=max_err, label=f"M={M}, N={N}, K={K}, {dtype}", record=record)
+        dense_us = time_launches_us([lambda w=w: F.linear(x, w) for w in dense_weights], warmup_ms, rep_ms)
+    finally:
+        if timings is not None:
+            timings += timing_rows((M, N, K, dtype), x, p, record, dense_us)
     entry = {"config": best_cfg, "kernel_us": round(best_us, 3), "dense_us": round(dense_us, 3), "m": M}
     if M > DECODE_M:  # backend="auto" never runs the reference at decode sizes: not worth the time there
         entry["reference_us"] = round(time_launches_us([lambda q=q: linear_reference(x, q) for q in weights],
@@ -154,6 +162,20 @@ def tune_key(M: int, N: int, K: int, dtype: str, device, configs=None, warmup_ms
                 entry["unpack_us"] = unpack
     return Choice(best_cfg, "live", f"tuned live on {torch.cuda.get_device_name(device)} "
                                     f"({len(rejected)} candidates rejected)", entry)
+
+
+def timing_rows(key: tuple, x: torch.Tensor, p, record: list, dense_us: float | None) -> list[dict]:
+    """``autotune --timings`` rows (:data:`TIMING_COLUMNS` but ``gpu``) of one key ``(M, N, K, dtype)``
+    from :func:`_select_fastest`'s ``record`` for weight ``p`` and ``x``: each candidate's config
+    (its file form), the kernel it ran on ``x``'s device, its time (empty: rejected) and status."""
+    sparse_cores = sparse_tensor_cores(x.device)
+    M, N, K, dtype = key
+    return [dict(m=M, n=N, k=K, dtype=dtype,
+                 kernel=variant_of(c, x.dtype, p.scale is not None, p.values.dtype, sparse_cores).kernel(
+                     cuda=True).__name__,
+                 config=json.dumps(c.to_json(), separators=(",", ":")), kernel_us="" if us is None else round(us, 3),
+                 dense_us="" if dense_us is None else round(dense_us, 3), status=status)
+            for c, us, status in record]
 
 
 def unpack_time_us(x: torch.Tensor, weights: list, ref: torch.Tensor, max_err: float, time) -> float | None:
@@ -215,26 +237,31 @@ def time_launches_us(launches, warmup_ms: float = 10, rep_ms: float = 40) -> flo
     return 1e3 * do_bench(graph.replay, warmup=warmup_ms, rep=rep_ms, return_mode="median") / len(launches)
 
 
-def _select_fastest(configs, launch, error, time, max_err: float, label: str):
-    """Fastest config whose result is right: ``(config, time, rejected)``.
+def _select_fastest(configs, launch, error, time, max_err: float, label: str, record: list | None = None):
+    """Fastest config whose result is right: ``(config, time, rejected)``; ``record``, when
+    given, gets ``(config, time or None, status)`` for every candidate.
 
     ``launch(cfg)`` runs the kernel once, ``error(y)`` is y's relative error
     vs an fp64 reference (it syncs, so asynchronous launch failures surface
     inside the try), ``time(cfg)`` measures a config that passed.
     """
     best, rejected = None, []
+    record = [] if record is None else record
     for cfg in configs:
         try:
             err = error(launch(cfg))
         except Exception as e:  # e.g. out of shared memory on this GPU: not a candidate here
             rejected.append(f"{cfg}: {type(e).__name__}: {str(e)[:120]}")
+            record.append((cfg, None, f"failed: {type(e).__name__}"))
             continue
         if not err <= max_err:  # a kernel bug, never a close call: say so loudly
             rejected.append(f"{cfg}: wrong result (relative error {err:.2e})")
+            record.append((cfg, None, f"wrong result: relative error {err:.2e}"))
             print(f"sparse24 tuning: WRONG RESULT from {cfg} at {label}: relative error {err:.2e} > "
                   f"{max_err:.0e}; config rejected", file=sys.stderr)
             continue
         t = time(cfg)
+        record.append((cfg, t, "ok"))
         if best is None or t < best[1]:
             best = (cfg, t)
     if best is None:
@@ -355,8 +382,25 @@ def _progress(i: int, n: int, label: str) -> None:
         print(f"[{bar}] {i}/{n} {label}", file=sys.stderr, flush=True)
 
 
+# The columns of ``autotune --timings``: one row per candidate config and key.
+TIMING_COLUMNS = ("gpu", "m", "n", "k", "dtype", "kernel", "config", "kernel_us", "dense_us", "status")
+
+
+def append_timings(path, gpu: str, rows: list[dict]) -> None:
+    """Append ``rows`` (:func:`tune_key`'s ``timings``) to the CSV file ``path`` (header
+    :data:`TIMING_COLUMNS` when the file is new or empty): every candidate's time, the data
+    the untuned defaults are fitted to."""
+    path = Path(path)
+    new = not path.exists() or path.stat().st_size == 0
+    with path.open("a", newline="") as f:
+        out = csv.DictWriter(f, TIMING_COLUMNS)
+        if new:
+            out.writeheader()
+        out.writerows(dict(r, gpu=gpu) for r in rows)
+
+
 def autotune(shapes, ms, dtypes, out_dir, warmup_ms: float = 10, rep_ms: float = 40, jobs: int = 1,
-             skip_tuned: bool = False) -> int:
+             skip_tuned: bool = False, timings_csv=None) -> int:
     """Tune every (M bucket, N, K, dtype) on the current GPU and merge each result into
     ``<out_dir>/<GPU name>/sparse24_matmul.json`` as soon as it is measured
     (``python -m sparse24 autotune``, whose parser checks the arguments).
@@ -367,6 +411,7 @@ def autotune(shapes, ms, dtypes, out_dir, warmup_ms: float = 10, rep_ms: float =
         warmup_ms, rep_ms: timing budgets per candidate; jobs: parallel compile processes.
         skip_tuned: leave out the keys this GPU's file already holds (a run cut short by a time
             limit goes on where it stopped).
+        timings_csv: a CSV file that gets every candidate's time, key by key (:func:`append_timings`).
     Returns:
         0 on success, 1 when there is no CUDA GPU or a key found no working config.
     """
@@ -393,12 +438,16 @@ def autotune(shapes, ms, dtypes, out_dir, warmup_ms: float = 10, rep_ms: float =
     print(f"  compiled {n_var} kernel variants with {jobs} processes", file=sys.stderr)
     path, done, failed = None, 0, []
     for i, key in enumerate(keys, 1):
+        rows = []
         try:
-            e = tune_key(*key, device, warmup_ms=warmup_ms, rep_ms=rep_ms).entry
+            e = tune_key(*key, device, warmup_ms=warmup_ms, rep_ms=rep_ms, timings=rows).entry
         except RuntimeError as err:
             failed.append(key)
             print(f"sparse24 autotune: {err}", file=sys.stderr)
             continue
+        finally:
+            if timings_csv is not None:
+                append_timings(timings_csv, gpu, rows)
         # Merge after every key, so a run stopped early keeps what it measured.
         path = write_entries(out_dir, gpu, cc, {key: e})
         done += 1

@@ -166,7 +166,10 @@ def test_two_tiles_per_warp_only_on_the_sparse_kernel(gen):
     d8, _ = _int8(64, 128, gen)
     with pytest.raises(ValueError, match="needs num_warps == block_n // 16"):   # fp32 x: the byte-permute kernel
         linear_decode(x.float(), d8, config=_cfg(64, 64, tiles_per_warp=2))
-    assert {c.block_n // (16 * c.num_warps) for c in decode_configs(16, 4096, 4096, "int8-float16")} == {2, 4}
+    # the sparse kernel's space: one 16-row tile per warp for INT8 at M <= 16 only (INT4 so is over budget)
+    assert {c.block_n // (16 * c.num_warps) for c in decode_configs(16, 4096, 4096, "int8-float16")} == {1, 2, 4}
+    assert {c.block_n // (16 * c.num_warps) for c in decode_configs(16, 4096, 4096, "int4-float16")} == {2, 4}
+    assert {c.block_n // (16 * c.num_warps) for c in decode_configs(32, 4096, 4096, "int8-float16")} == {2, 4}
 
 
 def test_every_int4_config_in_the_space_matches_reference(gen):

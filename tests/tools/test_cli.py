@@ -468,7 +468,7 @@ def _gpu_check_commands() -> dict[str, list[str]]:
             continue
         for name, value in variables.items():   # "$NAME" and $NAME (not $NAMEMORE)
             line = re.sub(r'"?\$' + name + r'(?![A-Za-z0-9_])"?', lambda _: value, line)
-        words = shlex.split(line.replace('"$RES/"', "RES"))
+        words = shlex.split(line.replace('"$RES/"', "RES").replace('"$RES/', '"RES/'))
         if "sparse24" in words:
             cmds[words[1]] = words[words.index("sparse24") + 1:]
         elif any(w.endswith(".py") for w in words):
@@ -490,8 +490,11 @@ def test_gpu_check_script_commands_are_valid(capsys, tmp_path):
     cmds = _gpu_check_commands()
     assert set(cmds) == {"l2", "probe", "sparse_mm", "autotune", "bench", "user_view", "block"}
     assert cmds["autotune"][cmds["autotune"].index("--m") + 1] == "1,16"   # the defaults were filled in
-    for name in ("l2", "probe", "sparse_mm", "bench", "user_view", "block"):
-        cmds[name] = [str(tmp_path) if a == "RES" else a for a in cmds[name]]
+    assert cmds["autotune"][cmds["autotune"].index("--timings") + 1] == "RES/autotune-timings.csv"
+    assert "--skip-tuned" in cmds["autotune"]
+    for name in cmds:
+        cmds[name] = [str(tmp_path) if a == "RES" else a.replace("RES/", f"{tmp_path}/", 1) if a.startswith("RES/")
+                      else a for a in cmds[name]]
     for name in ("autotune", "bench"):
         assert main(cmds[name]) == 1, (name, cmds[name])
         assert "no CUDA GPU" in capsys.readouterr().err

@@ -330,10 +330,15 @@ def test_select_fastest_rejects_failing_and_wrong_configs(capsys):
         return clock[cfg]
 
     configs = [slow, faster_but_wrong, fastest_but_fails, good]
+    record = []
     cfg, t, rejected = tuning._select_fastest(
         configs, launch, lambda y: float((y.double() - ref).norm() / ref.norm()), time,
-        max_err=tuning._MAX_REL_ERR["float32"], label="test")
+        max_err=tuning._MAX_REL_ERR["float32"], label="test", record=record)
     assert (cfg, t) == (good, 2.0)
+    # every candidate is recorded, timed or not (autotune --timings writes them)
+    assert [(c, us, status.split(":")[0]) for c, us, status in record] == [
+        (slow, 3.0, "ok"), (faster_but_wrong, None, "wrong result"), (fastest_but_fails, None, "failed"),
+        (good, 2.0, "ok")]
     assert timed == [slow, good]  # only correct configs are timed
     assert len(rejected) == 2 and "RuntimeError: out of resources" in rejected[1]
     assert "WRONG RESULT from" in capsys.readouterr().err
@@ -475,6 +480,66 @@ def test_autotune_skip_tuned_goes_on_where_a_run_stopped(tmp_path, monkeypatch, 
     assert tuning.tuned_keys(tmp_path / "none", GPU) == set()
 
 
+def test_autotune_writes_every_candidates_time(isolated, tmp_path, monkeypatch, capsys):
+    """``autotune --timings CSV``: the rows tune_key records for each key (every candidate, timed or
+    rejected, and those of a key that found no working config) are appended under one header."""
+    import csv
+    from types import SimpleNamespace
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: GPU)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (9, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d=None: SimpleNamespace(
+        multi_processor_count=132, name=GPU, major=9, minor=0))
+    monkeypatch.setattr(config_store, "_DEVICES", {})
+    monkeypatch.setattr(tuning, "_precompile", lambda tasks, jobs, device: 0)
+    dec = KernelConfig(16, 64, 256, 1, 4, 4, 1, kernel="decode")
+
+    def fake_tune_key(M, N, K, dtype, device, timings, **kw):
+        timings.append(dict(m=M, n=N, k=K, dtype=dtype, kernel="_sparse24_decode", config="{}",
+                            kernel_us="" if M == 16 else 1.5, dense_us="", status="failed" if M == 16 else "ok"))
+        if M == 16:
+            raise RuntimeError("no candidate config ran correctly")
+        return SimpleNamespace(entry={"config": dec, "kernel_us": 1.5, "dense_us": 2.0})
+    monkeypatch.setattr(tuning, "tune_key", fake_tune_key)
+    out, log = tmp_path / "configs", tmp_path / "timings.csv"
+    for _ in range(2):   # a second run appends under the same header
+        assert tuning.autotune([("x", 4096, 4096)], [1, 16], ["int8-float16"], out, timings_csv=log) == 1
+    rows = list(csv.DictReader(log.open()))
+    assert list(rows[0]) == list(tuning.TIMING_COLUMNS) and len(rows) == 4
+    assert [(r["gpu"], r["m"], r["status"], r["kernel_us"]) for r in rows[:2]] == [
+        (GPU, "1", "ok", "1.5"), (GPU, "16", "failed", "")]
+    # the CLI checks the path before any GPU work
+    bad = tmp_path / "no-such-folder" / "t.csv"
+    assert main(["autotune", "--timings", str(bad)]) == 2
+    assert "--timings" in capsys.readouterr().err
+    assert main(["autotune", "--timings", str(tmp_path)]) == 2
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["autotune", "--no-skip-tuned", "--timings", str(log)]) == 1   # parsed; then no GPU
+
+
+def test_timing_rows_name_each_candidates_kernel():
+    """tune_key's rows for ``--timings`` (built from _select_fastest's record; tune_key itself needs a
+    GPU): the config in its file form, the kernel the launch runs for this weight and x, the time or
+    nothing for a rejected candidate, dense's time on every row."""
+    import sparse24
+    from sparse24.decode_format import pack_decode
+    g = torch.Generator().manual_seed(0)
+    p8 = pack_decode(sparse24.compress(torch.randn(64, 128, generator=g), quantize="int8"))
+    p16 = pack_decode(sparse24.compress(torch.randn(64, 128, generator=g).half()))
+    x = torch.randn(1, 128, generator=g).half()
+    sp = KernelConfig(16, 64, 128, 1, 2, 2, 1, kernel="decode")
+    pre = KernelConfig(32, 64, 64, 8, 1, 4, 3, kernel="prefill")
+    rows = tuning.timing_rows((1, 64, 128, "int8-float16"), x, p8, [(sp, 3.25, "ok"), (pre, None, "failed: X")], 9.5)
+    assert [(r["kernel"], r["kernel_us"], r["dense_us"], r["status"]) for r in rows] == [
+        ("_sparse24_sp", 3.25, 9.5, "ok"), ("_sparse24_prefill", "", 9.5, "failed: X")]
+    assert KernelConfig.from_json(json.loads(rows[0]["config"])) == sp and rows[0]["m"] == 1
+    byte_permute = KernelConfig(16, 64, 128, 1, 2, 4, 1, kernel="decode")
+    assert tuning.timing_rows((1, 64, 128, "float16"), x, p16, [(byte_permute, 2.0, "ok")], None)[0]["kernel"] \
+        == "_sparse24_decode"
+    assert set(rows[0]) | {"gpu"} == set(tuning.TIMING_COLUMNS)
+
+
 def test_a_gpu_without_sparse_tensor_cores_tunes_the_kernel_its_layers_run(monkeypatch):
     """On a GPU without sparse tensor cores (compute capability < 8.0) INT8 / INT4 layers with 16-bit x
     run the byte-permute decode kernel to 16 rows: the tuner times that kernel's space there (the
@@ -483,7 +548,8 @@ def test_a_gpu_without_sparse_tensor_cores_tunes_the_kernel_its_layers_run(monke
     for dt in ("int8-float16", "int4-bfloat16"):
         sparse = tuning.tuning_space(1, 4096, 4096, dt, "cpu")
         assert sparse == tuning.candidate_configs(1, 4096, 4096, 132, "decode", dt)
-        assert all(c.num_warps < c.block_n // 16 for c in sparse)   # two or four tiles per warp
+        # 16-row tiles per warp: one (INT8 only), two or four
+        assert {c.block_n // (16 * c.num_warps) for c in sparse} == ({1, 2, 4} if dt.startswith("int8") else {2, 4})
         monkeypatch.setattr(tuning, "sparse_tensor_cores", lambda device: False)
         twin = dt.split("-")[0] + "-float32"
         assert tuning.fp32_twin(dt) == twin and tuning.fp32_twin("bfloat16") == "float32"
