@@ -448,10 +448,9 @@ def test_tuning_inputs_hold_the_key_s_weight_kind(dtype):
         assert_matches_reference(y, x, exact if cfg.kernel == "decode" else dense.double())
 
 
-def test_autotune_skip_tuned_goes_on_where_a_run_stopped(tmp_path, monkeypatch, capsys):
-    """``--skip-tuned`` leaves out the keys this GPU's file holds (a GPU run's tuning step cut
-    short by its time limit goes on next time); without it every key is timed again. The GPU is
-    faked: only the key bookkeeping is under test."""
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """torch.cuda as the tuner's driver code sees it on an sm_90 GPU named GPU; nothing compiles."""
     from types import SimpleNamespace
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
@@ -461,6 +460,13 @@ def test_autotune_skip_tuned_goes_on_where_a_run_stopped(tmp_path, monkeypatch, 
         multi_processor_count=132, name=GPU, major=9, minor=0))
     monkeypatch.setattr(config_store, "_DEVICES", {})   # (the fake GPU's device query is forgotten after)
     monkeypatch.setattr(tuning, "_precompile", lambda tasks, jobs, device: 0)
+
+
+def test_autotune_skip_tuned_goes_on_where_a_run_stopped(tmp_path, monkeypatch, capsys, fake_gpu):
+    """``--skip-tuned`` leaves out the keys this GPU's file holds (a GPU run's tuning step cut
+    short by its time limit goes on next time); without it every key is timed again. The GPU is
+    faked: only the key bookkeeping is under test."""
+    from types import SimpleNamespace
     timed = []
     dec = KernelConfig(16, 64, 256, 1, 4, 4, 1, kernel="decode")
     monkeypatch.setattr(tuning, "tune_key", lambda *key, **kw: timed.append(key[:4]) or SimpleNamespace(
@@ -480,19 +486,11 @@ def test_autotune_skip_tuned_goes_on_where_a_run_stopped(tmp_path, monkeypatch, 
     assert tuning.tuned_keys(tmp_path / "none", GPU) == set()
 
 
-def test_autotune_writes_every_candidates_time(isolated, tmp_path, monkeypatch, capsys):
+def test_autotune_writes_every_candidates_time(isolated, tmp_path, monkeypatch, capsys, fake_gpu):
     """``autotune --timings CSV``: the rows tune_key records for each key (every candidate, timed or
     rejected, and those of a key that found no working config) are appended under one header."""
     import csv
     from types import SimpleNamespace
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: GPU)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (9, 0))
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d=None: SimpleNamespace(
-        multi_processor_count=132, name=GPU, major=9, minor=0))
-    monkeypatch.setattr(config_store, "_DEVICES", {})
-    monkeypatch.setattr(tuning, "_precompile", lambda tasks, jobs, device: 0)
     dec = KernelConfig(16, 64, 256, 1, 4, 4, 1, kernel="decode")
 
     def fake_tune_key(M, N, K, dtype, device, timings, **kw):
