@@ -18,7 +18,8 @@
 #      the prefill kernel is faster), into
 #      autotune_configs/<GPU>/sparse24_matmul.json (merged after every key), and every
 #      candidate's time into results/<GPU>/autotune-timings.csv (what the untuned defaults are fitted to);
-#   3. bench: the throughput sweep (CSV + PNG) into results/<GPU>/, with the tuned configs;
+#   3. bench: the throughput sweep (CSV + PNG) into results/<GPU>/, with the tuned configs (a sweep its
+#      time limit stops leaves the rows so far in bench.partial.csv);
 #   4. user view: eager wall time per call of a layer at M = 1 and tokens/s of an 8-block
 #      Llama-7B-shaped MLP stack under torch.compile(mode="reduce-overhead"), dense vs 2:4
 #      (fp16 and INT8), with the graph-break count (scripts/gpu_user_view.py);

@@ -274,7 +274,7 @@ def plan_providers(settings: BenchSettings, explicit: bool) -> tuple[list, list[
 
 
 def run_bench(settings: BenchSettings, explicit_providers: bool = False, progress: bool | None = None,
-              log=None) -> list[dict]:
+              log=None, partial: str | os.PathLike | None = None) -> list[dict]:
     """Sweep M for every shape, dtype and provider; return CSV rows (dicts keyed by :data:`COLUMNS`).
 
     Args:
@@ -283,6 +283,8 @@ def run_bench(settings: BenchSettings, explicit_providers: bool = False, progres
             interpreter then runs on every shape).
         progress: a progress bar on stderr (tqdm; None: when stderr is a terminal or in a notebook).
         log: where skip notes go (default stderr).
+        partial: a CSV file rewritten with the rows so far after every point, so a sweep stopped
+            early (a GPU job's time limit) keeps what it measured.
     Returns:
         one row per (dtype, shape, M, provider) that ran.
     Example:
@@ -327,6 +329,8 @@ def run_bench(settings: BenchSettings, explicit_providers: bool = False, progres
                              "tflops": f"{2 * M * N * K / t / 1e12:.6g}", "gbps": f"{io_bytes / t / 1e9:.6g}",
                              "speedup_vs_dense": f"{t_dense / t:.5g}", "rel_err": f"{err:.2e}",
                              "repeats": settings.repeats})
+            if partial is not None:
+                write_csv(rows, partial)
             bar.set_postfix_str(f"{label} M={M}", refresh=False)
             bar.update(len(names))
         del ops, w, mask

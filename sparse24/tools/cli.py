@@ -57,19 +57,22 @@ def _cmd_bench(args) -> int:
         torch.set_num_threads(args.threads)
     info = bench.device_info(dev)
     out = _out_dir(args.out or os.path.join("runs", "bench", bench.device_slug(info)))
-    names = ["bench.csv", "bench.txt"] + ([] if args.no_plot else ["bench.png"])
+    names = ["bench.csv", "bench.txt", "bench.partial.csv"] + ([] if args.no_plot else ["bench.png"])
     if any((out / n).is_dir() for n in names) or not os.access(out, os.W_OK):  # found now, not after the sweep
         raise CLIError(f"--out {out}: cannot write {', '.join(names)} there (not writable, or one is a folder)")
     print(f"sparse24 bench on {info['device']} ({dev.type}"
           + (f", {info['threads']} threads" if dev.type == "cpu" else "") + f"): {len(shapes)} shape(s), "
           f"M in {ms}, {', '.join(str(t)[6:] for t in dtypes)}, median of {repeats}", file=sys.stderr)
     t0 = time.perf_counter()
-    rows = bench.run_bench(settings, explicit_providers=explicit, progress=args.progress)
+    # the rows so far, rewritten after every point: what a sweep stopped by a time limit measured
+    partial = out / "bench.partial.csv"
+    rows = bench.run_bench(settings, explicit_providers=explicit, progress=args.progress, partial=partial)
     seconds = time.perf_counter() - t0
     from .plot import plot_rows
     bench.write_together({out / "bench.csv": lambda p: bench.write_csv(rows, p),
                      out / "bench.txt": lambda p: _write_env(p, info, seconds),
                      **({} if args.no_plot else {out / "bench.png": lambda p: plot_rows(rows, p)})})
+    partial.unlink(missing_ok=True)
     print(_speedup_table(rows))
     print(f"CSV:  {out / 'bench.csv'}")
     if not args.no_plot:

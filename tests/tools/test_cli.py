@@ -144,15 +144,42 @@ def test_bench_failure_keeps_previous_results(capsys, tmp_path, monkeypatch):
     rc, _, err = _tiny_bench(capsys, tmp_path, "--m", "1,2")
     assert rc == 2
     assert_one_line_error(err.splitlines()[-1], "No space left on device")
-    # not a new CSV beside the old plot: the previous run's files, whole, and no temporaries
+    # not a new CSV beside the old plot: the previous run's files, whole, and no temporaries; what the
+    # failed run measured stays in bench.partial.csv
+    partial = tmp_path / "bench.partial.csv"
+    assert sorted({int(r["M"]) for r in csv.DictReader(partial.open())}) == [1, 2]
+    partial.unlink()
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+
+
+def test_bench_stopped_early_keeps_its_rows(capsys, tmp_path, monkeypatch):
+    """A sweep stopped after its first point (a GPU job's time limit) leaves that point's rows in
+    bench.partial.csv; a finished sweep leaves none."""
+    from sparse24.tools import bench
+    measure, points = bench._measure_point, []
+
+    def stop_at_the_second(*a, **kw):
+        if points:
+            raise KeyboardInterrupt
+        points.append(1)
+        return measure(*a, **kw)
+    monkeypatch.setattr(bench, "_measure_point", stop_at_the_second)
+    rc, _, err = _tiny_bench(capsys, tmp_path, "--m", "1,2")
+    assert rc == 130 and "interrupted" in err
+    rows = list(csv.DictReader((tmp_path / "bench.partial.csv").open()))
+    assert rows and {r["M"] for r in rows} == {"1"} and {"dense", "sparse24-reference"} <= {r["provider"] for r in rows}
+    assert not (tmp_path / "bench.csv").exists()
+    monkeypatch.setattr(bench, "_measure_point", measure)
+    rc, _, err = _tiny_bench(capsys, tmp_path, "--m", "1,2")
+    assert rc == 0, err
+    assert not (tmp_path / "bench.partial.csv").exists() and (tmp_path / "bench.csv").exists()
 
 
 def test_bench_checks_its_outputs_before_the_sweep(capsys, tmp_path):
     (tmp_path / "bench.txt").mkdir()
     rc, _, err = _tiny_bench(capsys, tmp_path)
     assert rc == 2
-    assert_one_line_error(err.splitlines()[-1], "cannot write bench.csv, bench.txt, bench.png there")
+    assert_one_line_error(err.splitlines()[-1], "cannot write bench.csv, bench.txt, bench.partial.csv, bench.png there")
     assert "bench [" not in err  # nothing measured
     assert [p.name for p in tmp_path.iterdir()] == ["bench.txt"]
 
