@@ -271,8 +271,14 @@ def _select_fastest(configs, launch, error, time, max_err: float, label: str, re
 
 def _compile_variant(M: int, N: int, K: int, dtype: str, cfg: KernelConfig) -> tuple:
     """What makes two launches compile the same kernel: Triton specializes ints
-    and strides on divisibility by 16 (M is not specialized)."""
-    return (dtype, N % 16 == 0, K % 16 == 0, (K // 2) % 16 == 0, cfg)
+    and strides on divisibility by 16 (M is not specialized), and the constexprs that
+    follow from the shape: M's bucket (the sparse tensor-core kernel takes two mma per
+    chunk past 8 rows), whether K fills whole K-tiles and whether each split owns one
+    K-tile (no loop). (Without them the tuner compiled the M = 1 bucket's sparse-kernel
+    variants of a shape in parallel and the M = 16 bucket's one by one while timing.)"""
+    tiles = -(-K // cfg.block_k)
+    return (dtype, N % 16 == 0, K % 16 == 0, (K // 2) % 16 == 0, cfg, m_bucket(M) > 8, K % cfg.block_k == 0,
+            tiles == cfg.split_k)
 
 
 def _compile_worker(items: list, device_index: int) -> list[str]:

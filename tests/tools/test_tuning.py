@@ -1,5 +1,6 @@
 """Tuned-config files: schema, lookup order, fallbacks, writing, the CLI without a GPU."""
 import dataclasses
+import itertools
 import json
 import warnings
 
@@ -536,6 +537,27 @@ def test_timing_rows_name_each_candidates_kernel():
     assert tuning.timing_rows((1, 64, 128, "float16"), x, p16, [(byte_permute, 2.0, "ok")], None)[0]["kernel"] \
         == "_sparse24_decode"
     assert set(rows[0]) | {"gpu"} == set(tuning.TIMING_COLUMNS)
+
+
+def test_precompile_variants_are_the_kernels_the_timing_launches():
+    """The tuner compiles each distinct kernel variant once, in parallel, before timing: two tasks
+    with the same _compile_variant key must launch the same kernel with the same constexprs (else
+    the second compiles, one by one, while timing), here through kernel_call on CPU tensors, the
+    path the compile workers take. INT8 at M = 1 and 16 are two variants of the sparse kernel."""
+    from sparse24.ops.linear24.launch import kernel_call, target_dtype
+    seen = {}
+    for dtype, (N, K), M in itertools.product(("float16", "int8-float16", "int4-float16"), ((64, 512), (64, 768)),
+                                             (1, 4, 16, 32, 128)):
+        x, p, _ = tuning._tuning_inputs(M, N, K, dtype, "cpu", layout="decode")
+        for cfg in tuning.candidate_configs(M, N, K, 132, "decode", dtype):
+            target = torch.empty(M, N, dtype=target_dtype(cfg, cfg.split_k, x.dtype))
+            kernel, _, _, kwargs = kernel_call(x, p, None, target, cfg, cfg.split_k)
+            launch = (kernel.fn.__name__ if hasattr(kernel, "fn") else kernel.__name__, sorted(kwargs.items()))
+            key = tuning._compile_variant(M, N, K, dtype, cfg)
+            assert seen.setdefault(key, launch) == launch, (key, M)
+    sp = KernelConfig(16, 64, 128, 1, 2, 2, 1, kernel="decode")
+    assert tuning._compile_variant(1, 4096, 4096, "int8-float16", sp) != tuning._compile_variant(
+        16, 4096, 4096, "int8-float16", sp)
 
 
 def test_a_gpu_without_sparse_tensor_cores_tunes_the_kernel_its_layers_run(monkeypatch):
