@@ -544,7 +544,7 @@ def test_precompile_variants_are_the_kernels_the_timing_launches():
     with the same _compile_variant key must launch the same kernel with the same constexprs (else
     the second compiles, one by one, while timing), here through kernel_call on CPU tensors, the
     path the compile workers take. INT8 at M = 1 and 16 are two variants of the sparse kernel."""
-    from sparse24.ops.linear24.launch import kernel_call, target_dtype
+    from sparse24.ops.linear24.launch import _Plan, kernel_call, target_dtype
     seen = {}
     for dtype, (N, K), M in itertools.product(("float16", "int8-float16", "int4-float16"), ((64, 512), (64, 768)),
                                              (1, 4, 16, 32, 128)):
@@ -555,6 +555,10 @@ def test_precompile_variants_are_the_kernels_the_timing_launches():
             launch = (kernel.fn.__name__ if hasattr(kernel, "fn") else kernel.__name__, sorted(kwargs.items()))
             key = tuning._compile_variant(M, N, K, dtype, cfg)
             assert seen.setdefault(key, launch) == launch, (key, M)
+            # the timed launch (launch.run's plan) takes the variant the workers compiled
+            plan = _Plan((x.device, x.dtype, p.values.dtype, p.values.dim(), None if p.scale is None else p.scale.dtype,
+                          None, N, K, tuning.m_bucket(M), False, False, cfg, p.group_size or 0, p.zero is not None), cfg)
+            assert dict(plan.constexprs, **plan.options) == kwargs, (dtype, M, cfg)
     sp = KernelConfig(16, 64, 128, 1, 2, 2, 1, kernel="decode")
     assert tuning._compile_variant(1, 4096, 4096, "int8-float16", sp) != tuning._compile_variant(
         16, 4096, 4096, "int8-float16", sp)
