@@ -611,25 +611,30 @@ def occupancy_main(a) -> int:
     print(f"# sm_{a.cap} ({SMS} SMs, {SM_REGS} registers, {SM_SHARED // 1024} KiB shared memory per SM), M <= 16, "
           f"the config a decode-layout layer uses on {a.gpu} (tuned file entry, else built-in default)")
     print(f"  {'dtype':14} {'shape':>11} {'config':28} {'source':8} {'regs':>4} {'smem':>6} {'fit':>3} "
-          f"{'progs':>5} {'waves':>5} {'res/SM':>6} {'tileKiB':>7} {'depth':>5} {'flightKiB':>9} {'wholeKiB':>8} "
-          f"{'spillB':>6}")
-    least, short = None, []
+          f"{'progs':>5} {'waves':>5} {'res/SM':>6} {'warps/SM':>8} {'tileKiB':>7} {'depth':>5} {'flightKiB':>9} "
+          f"{'wholeKiB':>8} {'spillB':>6}")
+    least, short, warps = None, [], {}
     for r in results:
         o = occupancy(r)
         c = r["cfg"]
+        per_sm = o["resident"] * c.num_warps
         print(f"  {r['dtype']:14} {r['N']:>5}x{r['K']:<5} {config_name(c):28} {r['source']:8} {r['regs']:>4} "
               f"{r['shared']:>6} {o['fit']:>3} {o['programs']:>5} {o['waves']:>5.2f} {o['resident']:>6.2f} "
-              f"{r['tile_w'] / 1024:>7.1f} {o['depth']:>3}{'*' if c.num_stages == 1 else ' ':2} "
+              f"{per_sm:>8.1f} {r['tile_w'] / 1024:>7.1f} {o['depth']:>3}{'*' if c.num_stages == 1 else ' ':2} "
               f"{o['in_flight'] / 1024:>9.1f} {o['whole'] / 1024:>8.1f} {r['spills']:>6}")
         least = o["in_flight"] if least is None else min(least, o["in_flight"])
+        warps[r["dtype"]] = min(warps.get(r["dtype"], per_sm), per_sm)
         if o["programs"] < SMS or o["in_flight"] < min(IN_FLIGHT_GOAL, o["whole"]) * (1 - 1e-9):
             short.append(f"{r['dtype']} {r['N']}x{r['K']}")
     print("  fit: programs per SM (registers, shared memory, warps); waves: programs / (132 x fit); res/SM: "
-          "programs running at once per SM (average); depth: K-tiles requested ahead (num_stages - 1; * one "
-          "stage: no prefetch, the tile's loads are in flight only until they land); wholeKiB: the layer's "
-          "whole weight / 132 SMs (no config can hold more in flight); spillB: bytes spilled to local memory")
+          "programs running at once per SM (average); warps/SM: res/SM x warps per program (what hides a warp's "
+          "own load and decode latency: the H200's INT8 decode ran fastest with the most, docs/kernels.md); depth: "
+          "K-tiles requested ahead (num_stages - 1; * one stage: no prefetch, the tile's loads are in flight only "
+          "until they land); wholeKiB: the layer's whole weight / 132 SMs (no config can hold more in flight); "
+          "spillB: bytes spilled to local memory")
     print(f"{len(results)} compiles in {time.time() - t0:.0f} s; {spill_summary(results)}")
     print(f"min weight bytes in flight per SM: {least / 1024:.1f} KiB")
+    print("min warps per SM at the listed shapes: " + ", ".join(f"{d} {w:.1f}" for d, w in warps.items()))
     print(f"every SM busy and >= {IN_FLIGHT_GOAL // 1024} KiB in flight per SM (or the whole weight where it is "
           f"smaller): " + ("met at every listed shape and pair" if not short else "NOT met: " + "; ".join(short)))
     return 1 if a.check and short else 0
