@@ -408,6 +408,30 @@ def test_a_k_tile_is_one_load_wave(dtype, rows, waves, monkeypatch):
     assert r["waves"] == waves, r
 
 
+def test_occupancy_report_counts_warps_and_spills(monkeypatch, capsys):
+    """kernel_static_check --occupancy (sm_90 compiles, no GPU) at two listed shapes: the INT8 untuned
+    default at M <= 16 takes one 16-row tile per warp (64 x 256, 4 warps: the H200's fastest INT8
+    decode), whose resident programs give >= 12 warps per SM at 8192 x 8192; the report prints each
+    layer's warps per SM and spill bytes, and the minimum per pair."""
+    import argparse
+    from concurrent.futures import ThreadPoolExecutor
+    from sparse24.ops import config_space
+    tool = _static_check(monkeypatch)
+    monkeypatch.setattr(config_space, "LISTED_SHAPES", ((8192, 8192), (3072, 768)))
+    monkeypatch.setattr(tool, "ProcessPoolExecutor", ThreadPoolExecutor)   # (a loaded script does not pickle)
+    args = argparse.Namespace(dtypes="int8-float16", gpu="No tuned file GPU", listed_rows=16, jobs=1, cap=90,
+                              check=False)
+    assert tool.occupancy_main(args) == 0
+    out = capsys.readouterr().out
+    head = next(line for line in out.splitlines() if "warps/SM" in line and "spillB" in line).split()
+    row = next(line for line in out.splitlines() if "8192x8192" in line).split()
+    assert row[2] == "BM16_BN64_BK256_W4_S1_SK4" and row[3] == "builtin", row
+    warps_per_sm = float(row[head.index("warps/SM")])
+    assert warps_per_sm == pytest.approx(float(row[head.index("res/SM")]) * 4, abs=0.05) and warps_per_sm >= 12
+    assert row[-1] == "0"                                    # spillB
+    assert "min warps per SM at the listed shapes: int8-float16 4.4" in out
+
+
 def test_batch_of_eight_compiles_one_mma_per_chunk(monkeypatch):
     """Compiled for sm_90 (no GPU): at M <= 8 the kernel issues half the HMMA.SP of M = 16 (one x row
     block of 8) and costs less per byte, both within the INT8 budget (8192 x 8192: a K-loop)."""
