@@ -564,6 +564,31 @@ def test_precompile_variants_are_the_kernels_the_timing_launches():
         16, 4096, 4096, "int8-float16", sp)
 
 
+def test_timings_report_ranks_the_default(tmp_path, capsys):
+    """scripts/timings_report.py on an autotune --timings file (written by append_timings): per key the
+    fastest candidate, the built-in default's time and rank, the best per tile shape, and how far the
+    defaults are from the best over all keys; a file of other columns is refused."""
+    from conftest import load_script
+    default = tuning.builtin_config(1, 4096, 4096, 132, "decode", "int8-float16")
+    small = KernelConfig(16, 64, 64, 1, 8, 2, 1, kernel="decode")
+    wide = KernelConfig(16, 128, 256, 1, 8, 2, 1, kernel="decode")
+    rows = [dict(m=1, n=4096, k=4096, dtype="int8-float16", kernel="_sparse24_sp",
+                 config=json.dumps(c.to_json()), kernel_us=us, dense_us=16.0, status=st)
+            for c, us, st in ((wide, 15.0, "ok"), (default, 10.0, "ok"), (small, 8.0, "ok"),
+                              (KernelConfig(16, 128, 512, 1, 8, 2, 1, kernel="decode"), "", "failed: X"))]
+    log = tmp_path / "t.csv"
+    tuning.append_timings(log, "GPU X", rows)
+    assert load_script("timings_report").main([str(log)]) == 0
+    out = capsys.readouterr().out
+    assert "GPU X M=1 4096x4096 int8-float16: 3 of 4 candidates timed, dense 16.0 us" in out
+    assert "best          8.0 us  2t x 64" in out and "(2.00x dense)" in out
+    assert "default      10.0 us  1t x 256   rank 2 of 3, 1.25x the best" in out
+    assert "defaults timed at 1 keys: median 1.25x, worst 1.25x the best candidate" in out
+    (tmp_path / "bad.csv").write_text("a,b\n1,2\n")
+    assert load_script("timings_report").main([str(tmp_path / "bad.csv")]) == 2
+    assert "not an autotune --timings file" in capsys.readouterr().err
+
+
 def test_a_gpu_without_sparse_tensor_cores_tunes_the_kernel_its_layers_run(monkeypatch):
     """On a GPU without sparse tensor cores (compute capability < 8.0) INT8 / INT4 layers with 16-bit x
     run the byte-permute decode kernel to 16 rows: the tuner times that kernel's space there (the
