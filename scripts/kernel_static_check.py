@@ -173,7 +173,12 @@ def main_loop(instrs: list[tuple[int, str]], required: bool = True) -> list[str]
 
 
 def _opcode(text: str) -> str:
-    return re.sub(r"^@!?U?P\w+\s+", "", text).split()[0]
+    return _unpredicated(text).split()[0]
+
+
+def _unpredicated(text: str) -> str:
+    """An instruction without its guard predicate (``@P0``, ``@!UP1``)."""
+    return re.sub(r"^@!?U?P\w+\s+", "", text)
 
 
 _REG = re.compile(r"\bR(\d+)\b")
@@ -188,7 +193,7 @@ def load_waves(loop: list[str]) -> int:
     waves, pending, stalled = 0, set(), True
     for text in loop:
         op = _opcode(text)
-        operands = re.sub(r"^@!?U?P\w+\s+", "", text)[len(op):].split(",")
+        operands = _unpredicated(text)[len(op):].split(",")
         dest = _REG.search(operands[0]) if op.startswith("LDG.") else None   # (not LDGSTS, LDGDEPBAR)
         if dest:
             if stalled:

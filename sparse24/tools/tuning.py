@@ -245,17 +245,15 @@ def _select_fastest(configs, launch, error, time, max_err: float, label: str, re
     vs an fp64 reference (it syncs, so asynchronous launch failures surface
     inside the try), ``time(cfg)`` measures a config that passed.
     """
-    best, rejected = None, []
-    record = [] if record is None else record
+    best, record = None, [] if record is None else record
+    start = len(record)
     for cfg in configs:
         try:
             err = error(launch(cfg))
         except Exception as e:  # e.g. out of shared memory on this GPU: not a candidate here
-            rejected.append(f"{cfg}: {type(e).__name__}: {str(e)[:120]}")
-            record.append((cfg, None, f"failed: {type(e).__name__}"))
+            record.append((cfg, None, f"failed: {type(e).__name__}: {str(e)[:120]}"))
             continue
         if not err <= max_err:  # a kernel bug, never a close call: say so loudly
-            rejected.append(f"{cfg}: wrong result (relative error {err:.2e})")
             record.append((cfg, None, f"wrong result: relative error {err:.2e}"))
             print(f"sparse24 tuning: WRONG RESULT from {cfg} at {label}: relative error {err:.2e} > "
                   f"{max_err:.0e}; config rejected", file=sys.stderr)
@@ -264,6 +262,7 @@ def _select_fastest(configs, launch, error, time, max_err: float, label: str, re
         record.append((cfg, t, "ok"))
         if best is None or t < best[1]:
             best = (cfg, t)
+    rejected = [f"{cfg}: {status}" for cfg, t, status in record[start:] if t is None]
     if best is None:
         raise RuntimeError(f"no candidate config ran correctly for {label}: " + "; ".join(rejected[:5]))
     return best[0], best[1], rejected
