@@ -213,7 +213,7 @@ def _clone_weight(p):
                    check=False)
 
 
-def time_launches_us(launches, warmup_ms: float = 10, rep_ms: float = 40) -> float:
+def time_launches_us(launches, warmup_ms: float = 10, rep_ms: float = 40, outputs: list | None = None) -> float:
     """Median GPU time per launch, in microseconds, of a list of launches
     (callables) replayed together as one CUDA graph.
 
@@ -221,6 +221,8 @@ def time_launches_us(launches, warmup_ms: float = 10, rep_ms: float = 40) -> flo
     decode-sized kernel it can exceed the kernel itself); replaying
     different weight copies in one graph keeps the weights out of L2.
     ``triton.testing.do_bench`` times the replays (L2 flushed before each).
+    ``outputs``, when given, gets what each captured call returned (the
+    graph's own tensors, written by one replay before timing).
     """
     from triton.testing import do_bench
 
@@ -232,8 +234,11 @@ def time_launches_us(launches, warmup_ms: float = 10, rep_ms: float = 40) -> flo
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for fn in launches:
-            fn()
+        captured = [fn() for fn in launches]
+    if outputs is not None:
+        graph.replay()
+        torch.cuda.synchronize()
+        outputs.extend(captured)
     return 1e3 * do_bench(graph.replay, warmup=warmup_ms, rep=rep_ms, return_mode="median") / len(launches)
 
 
