@@ -34,9 +34,9 @@ weights whose kept values encode their own row (``rows``) or column (``cols``) u
 2:4 masks chosen so that each group's sequence of kept pairs is its own, fp16 and int8;
 ``--analyze FILE`` reads such a file on any machine and says whether the kept values lie in
 plain row-major order (then a kernel of ours could read cuSPARSELt's copy and a layer could
-hold that one copy) and which group each 4-bit field of the metadata encodes. (torchao's sm_90
-sparsify kernel, which writes this format for cuSPARSELt, stores the values row-major and the
-metadata reordered; this checks it on the library the GPU has.)
+hold that one copy), which group each 4-bit field of the metadata encodes, and whether that is
+the order torchao's sm_90 sparsify kernel writes for cuSPARSELt (values row-major, metadata
+reordered: ``sm90_meta_groups``), on the library the GPU has.
 
     python scripts/gpu_sparse_mm.py --out results/NVIDIA_H200/ --layout
     python scripts/gpu_sparse_mm.py --analyze results/NVIDIA_H200/cslt_layout.pt
@@ -257,6 +257,24 @@ def _meta_map(N: int, K: int, entries) -> tuple[str | None, torch.Tensor]:
     return (name if whole else None), groups
 
 
+def sm90_meta_groups(N: int, K: int) -> torch.Tensor:
+    """The group each 4-bit metadata field holds in cuSPARSELt's sm_90 16-bit layout as torchao's
+    sparsify kernel writes it (reverse-engineered there; derived here from its index arithmetic,
+    nothing measured): for row n and group G (dense columns 4G..4G+3), with n = 64 band + 16 rb + rr
+    and G = 8 chunk + g, the byte ``8K band + 256 chunk + 64 rb + 8 (rr % 8) + 4 ((g // 2) % 2) +
+    2 (g % 2) + g // 4``, low nibble for rr < 8, high for rr >= 8. Returns ``groups[p]`` =
+    n * (K // 4) + G for field p (byte 2p // 2, low nibble first). N % 64 == 0, K % 32 == 0."""
+    n = torch.arange(N)[:, None]
+    G = torch.arange(K // 4)[None, :]
+    rr, g = n % 16, G % 8
+    byte = (n // 64) * 8 * K + (G // 8) * 256 + (n % 64) // 16 * 64 + 8 * (rr % 8) + 4 * ((g // 2) % 2) \
+        + 2 * (g % 2) + g // 4
+    field = 2 * byte + (rr >= 8).long()
+    groups = torch.full((N * K // 4,), -1, dtype=torch.long)
+    groups[field.reshape(-1)] = (n * (K // 4) + G).reshape(-1)
+    return groups
+
+
 def analyze_layout(path: Path) -> list[str]:
     """Lines saying, per dtype of a :func:`dump_layout` file, whether the kept values lie first in
     plain row-major order (row n, its kept values by column), in one fixed order, or in a
@@ -285,8 +303,11 @@ def analyze_layout(path: Path) -> list[str]:
         G = K // 4
         at = ", ".join(f"{int(g) // G}:{int(g) % G}" for g in groups[:16])
         if code:
+            sm90 = N % 64 == 0 and K % 32 == 0 and torch.equal(groups, sm90_meta_groups(N, K))
             lines.append(head + f"then {meta_bytes} B of metadata ({8 * meta_bytes / (N * K // 2):.2f} bits per kept "
-                         f"value): every 4-bit field one group, coded {code}; field p holds row:group {at}, ...")
+                         f"value): every 4-bit field one group, coded {code}; field p holds row:group {at}, ...; "
+                         + ("the sm_90 order torchao's sparsify kernel writes" if sm90 else
+                            "not the sm_90 order torchao's sparsify kernel writes"))
         else:
             lines.append(head + f"then {meta_bytes} B of metadata; {int((groups >= 0).sum())} of {groups.numel()} "
                          f"4-bit fields match one group's kept pair ({', '.join(NIBBLE_CODES)} tried)")

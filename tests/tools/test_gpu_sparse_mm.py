@@ -29,12 +29,12 @@ def _meta_elems(t):
 
 def _meta(t, code=lambda lo, hi: lo | hi << 2, order=None):
     """Metadata as a stand-in writes it: one 4-bit field per group (its kept pair coded by ``code``),
-    groups in row-major order or ``order``, two fields a byte, low nibble first."""
+    groups in row-major order or ``order(N, K)[p]`` in field p, two fields a byte, low nibble first."""
     N, K = t.shape
     idx = (t != 0).view(N, K // 4, 4).nonzero()[:, 2].view(-1, 2)     # each group's kept pair
     fields = code(idx[:, 0], idx[:, 1])
     if order is not None:
-        fields = fields[order(fields.numel())]
+        fields = fields[order(N, K)]
     return (fields[0::2] | fields[1::2] << 4).to(torch.uint8).view(t.dtype)
 
 
@@ -64,12 +64,33 @@ def test_layout_plain_row_major(tmp_path):
     assert all("kept values first, plain row-major" in ln for ln in lines[0::2])
     for ln in lines[1::2]:   # the metadata read back group by group
         assert "2.00 bits per kept value" in ln and "coded lo | hi << 2" in ln
-        assert "field p holds row:group 0:0, 0:1, 0:2" in ln
+        assert "field p holds row:group 0:0, 0:1, 0:2" in ln and "not the sm_90 order" in ln
+
+
+def test_layout_metadata_in_torchaos_sm90_order(tmp_path):
+    lines = _layout(tmp_path, _compress(_plain, lambda t: _meta(t, order=mod.sm90_meta_groups)))
+    for ln in lines[1::2]:
+        assert "coded lo | hi << 2" in ln and "field p holds row:group 0:0, 8:0, 0:4, 8:4, 0:1, 8:1" in ln, ln
+        assert "the sm_90 order torchao's sparsify kernel writes" in ln and "not the" not in ln
+
+
+def test_sm90_meta_groups_by_hand():
+    N, K = 128, 128
+    groups = mod.sm90_meta_groups(N, K)
+    assert torch.equal(groups.sort().values, torch.arange(N * K // 4))   # every field one group
+    at = {int(g): p for p, g in enumerate(groups)}
+    G = K // 4
+    # (row, group) -> field: rows r and r + 8 share a byte; groups 0, 4 / 1, 5 / 2, 6 / 3, 7 of a
+    # 32-column chunk sit in bytes 0, 1 / 2, 3 / 4, 5 / 6, 7 of the row's 8; 16-row blocks 64 B
+    # apart, 32-column chunks 256 B, 64-row bands 8 K bytes
+    for (n, g), field in {(0, 0): 0, (8, 0): 1, (0, 4): 2, (0, 1): 4, (0, 2): 8, (0, 3): 12, (0, 7): 14,
+                          (1, 0): 16, (9, 0): 17, (16, 0): 128, (0, 8): 512, (64, 0): 2 * 8 * K}.items():
+        assert at[n * G + g] == field, (n, g)
 
 
 def test_layout_metadata_reordered_and_recoded(tmp_path):
     lines = _layout(tmp_path, _compress(_plain, lambda t: _meta(t, lambda lo, hi: hi | lo << 2,
-                                                               lambda n: torch.arange(n).flip(0))))
+                                                               lambda N, K: torch.arange(N * K // 4).flip(0))))
     for ln, (N, K) in zip(lines[1::2], ((128, 128), (64, 64))):
         assert "coded hi | lo << 2" in ln and f"row:group {N - 1}:{K // 4 - 1}, {N - 1}:{K // 4 - 2}," in ln, ln
 
