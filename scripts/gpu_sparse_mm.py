@@ -36,7 +36,9 @@ weights whose kept values encode their own row (``rows``) or column (``cols``) u
 plain row-major order (then a kernel of ours could read cuSPARSELt's copy and a layer could
 hold that one copy), which group each 4-bit field of the metadata encodes, and whether that is
 the order torchao's sm_90 sparsify kernel writes for cuSPARSELt (values row-major, metadata
-reordered: ``sm90_meta_groups``), on the library the GPU has.
+reordered: ``sm90_meta_groups``), on the library the GPU has. Then it builds that predicted
+buffer from our layout (``sparse24.interop._cusparselt_sm90_buffer``, no dense copy), compares it
+with ``torch._cslt_compress``'s and runs cuSPARSELt's product on it (``cslt_layout.txt``).
 
     python scripts/gpu_sparse_mm.py --out results/NVIDIA_H200/ --layout
     python scripts/gpu_sparse_mm.py --analyze results/NVIDIA_H200/cslt_layout.pt
@@ -55,6 +57,7 @@ import torch.nn.functional as F
 
 import sparse24
 from sparse24.decode_format import pack_decode
+from sparse24.interop import _cusparselt_sm90_buffer, _sm90_meta_fields
 from sparse24.ops.linear24 import launch
 from sparse24.tools.tuning import time_launches_us
 
@@ -259,19 +262,11 @@ def _meta_map(N: int, K: int, entries) -> tuple[str | None, torch.Tensor]:
 
 def sm90_meta_groups(N: int, K: int) -> torch.Tensor:
     """The group each 4-bit metadata field holds in cuSPARSELt's sm_90 16-bit layout as torchao's
-    sparsify kernel writes it (reverse-engineered there; derived here from its index arithmetic,
-    nothing measured): for row n and group G (dense columns 4G..4G+3), with n = 64 band + 16 rb + rr
-    and G = 8 chunk + g, the byte ``8K band + 256 chunk + 64 rb + 8 (rr % 8) + 4 ((g // 2) % 2) +
-    2 (g % 2) + g // 4``, low nibble for rr < 8, high for rr >= 8. Returns ``groups[p]`` =
-    n * (K // 4) + G for field p (byte 2p // 2, low nibble first). N % 64 == 0, K % 32 == 0."""
-    n = torch.arange(N)[:, None]
-    G = torch.arange(K // 4)[None, :]
-    rr, g = n % 16, G % 8
-    byte = (n // 64) * 8 * K + (G // 8) * 256 + (n % 64) // 16 * 64 + 8 * (rr % 8) + 4 * ((g // 2) % 2) \
-        + 2 * (g % 2) + g // 4
-    field = 2 * byte + (rr >= 8).long()
+    sparsify kernel writes it (reverse-engineered there; its index arithmetic in
+    ``sparse24.interop._sm90_meta_fields``, nothing measured): ``groups[p]`` = n * (K // 4) + G
+    for field p (byte p // 2, low nibble first). N % 64 == 0, K % 32 == 0."""
     groups = torch.full((N * K // 4,), -1, dtype=torch.long)
-    groups[field.reshape(-1)] = (n * (K // 4) + G).reshape(-1)
+    groups[_sm90_meta_fields(N, K).reshape(-1)] = torch.arange(N * K // 4)
     return groups
 
 
@@ -314,6 +309,36 @@ def analyze_layout(path: Path) -> list[str]:
     return lines
 
 
+def own_buffer_lines(dev, shapes=((256, 512), (4096, 4096)), compress=None, mm=None) -> list[str]:
+    """Per shape and 16-bit dtype: does ``sparse24.interop._cusparselt_sm90_buffer`` (built from our
+    layout, no dense copy) equal what ``compress`` (``torch._cslt_compress``) makes of the dense
+    weight, values and metadata apart; and is ``mm`` (``torch._cslt_sparse_mm``) on it right
+    (max |diff| / max |ref| against the fp32 product, 16 rows of x)? Lines to print."""
+    compress = compress or torch._cslt_compress
+    mm = mm or torch._cslt_sparse_mm
+    lines = []
+    torch.manual_seed(0)
+    for dtype in (torch.float16, torch.bfloat16):
+        for N, K in shapes:
+            head = f"own sm_90 buffer {str(dtype)[6:]} {N}x{K}: "
+            try:
+                p = sparse24.compress(torch.randn(N, K, device=dev, dtype=dtype))
+                dense = p.to_dense()
+                ours, theirs = _cusparselt_sm90_buffer(p), compress(dense)
+                half = N * K // 2
+                same = [torch.equal(ours[:half], theirs[:half]),
+                        torch.equal(ours[half:].view(torch.uint8), theirs[half:].view(torch.uint8))]
+                x = torch.randn(16, K, device=dev, dtype=dtype)
+                ref = F.linear(x.float(), dense.float())
+                err = ((mm(ours, x.t(), transpose_result=True).float() - ref).abs().max() / ref.abs().max()).item()
+                lines.append(head + f"values {'equal' if same[0] else 'DIFFER'}, metadata "
+                             f"{'equal' if same[1] else 'DIFFERS'}; cuSPARSELt's product on it: max |diff| / max "
+                             f"|ref| {err:.3g} ({'right' if err < 1e-2 else 'WRONG'})")
+            except Exception as e:  # noqa: BLE001 (reported; the other shapes go on)
+                lines.append(head + f"{type(e).__name__}: {str(e)[:160]}")
+    return lines
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=Path("."))
@@ -333,7 +358,9 @@ def main(argv=None) -> int:
     else:
         if a.layout:   # first: seconds, and the answer does not depend on the sweep
             dump_layout(a.out / "cslt_layout.pt", torch.device("cuda"))
-            print("\n".join(analyze_layout(a.out / "cslt_layout.pt")), flush=True)
+            lines = analyze_layout(a.out / "cslt_layout.pt") + own_buffer_lines(torch.device("cuda"))
+            (a.out / "cslt_layout.txt").write_text("\n".join(lines) + "\n")
+            print("\n".join(lines), flush=True)
         measure(a.out, torch.device("cuda"), ((4096, 4096), (11008, 4096), (4096, 11008), (14336, 4096)),
                 (256, 1024, 2048, 4096))
     return 0

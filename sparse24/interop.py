@@ -222,6 +222,67 @@ def from_cutlass_layout(packed: torch.Tensor, meta: torch.Tensor) -> Sparse24Ten
     return Sparse24Tensor(vals, words.to(torch.int32).t().contiguous(), (R, C))
 
 
+# --- cuSPARSELt's sm_90 16-bit buffer, as predicted (not yet checked on a GPU) ----------------
+#
+# cuSPARSELt's compressed layout is opaque by contract. torchao's sm_90 sparsify kernel writes it for
+# cuSPARSELt's 16-bit products (reverse-engineered there); its index arithmetic gives: the kept values
+# (R, C/2) in plain row-major order (two per group, lower slot first: layout v1's values), then R*C/8
+# bytes of metadata, one 4-bit field per group (slot_lo | slot_hi << 2: layout v1's nibble) at
+# :func:`_sm90_meta_fields`. scripts/gpu_sparse_mm.py --layout compares this buffer with
+# torch._cslt_compress and runs cuSPARSELt's product on it; until a GPU has, nothing routes here.
+
+
+def _sm90_meta_fields(R: int, C: int, device=None) -> torch.Tensor:
+    """(R, C/4) int64: the 4-bit field (byte * 2, +1 for the high nibble) holding group G of row n.
+    Row n = 64 band + 16 rb + rr, group G = 8 chunk + g: byte 8C band + 256 chunk + 64 rb + 8 (rr % 8)
+    + 4 ((g // 2) % 2) + 2 (g % 2) + g // 4, high nibble for rr >= 8 (rows r, r + 8 share a byte).
+    R % 64 == 0, C % 32 == 0."""
+    n = torch.arange(R, device=device)[:, None]
+    G = torch.arange(C // 4, device=device)[None, :]
+    rr, g = n % 16, G % 8
+    byte = (n // 64) * 8 * C + (G // 8) * 256 + (n % 64) // 16 * 64 + 8 * (rr % 8) + 4 * ((g // 2) % 2) \
+        + 2 * (g % 2) + g // 4
+    return 2 * byte + (rr >= 8).long()
+
+
+def _check_sm90_shape(R: int, C: int) -> None:
+    if R % 64 or C % 64 or R == 0 or C == 0:
+        raise ValueError(f"cuSPARSELt's sm_90 layout is built here for rows and columns positive multiples of 64, "
+                         f"got {(R, C)}; pad the weight first")
+
+
+def _cusparselt_sm90_buffer(p: Sparse24Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The 1-D buffer ``torch._cslt_compress(p.to_dense())`` is predicted to return on sm_90
+    (float16/bfloat16, ``R*C*9/16`` elements), built without a dense copy, on p's device.
+    Unconfirmed (see above)."""
+    if not isinstance(p, Sparse24Tensor):
+        raise TypeError(f"expected a Sparse24Tensor, got {type(p).__name__}")
+    dtype = _export_dtype(p, dtype)
+    R, C = p.shape
+    _check_sm90_shape(R, C)
+    nib = ((p.meta.t().to(torch.int64).unsqueeze(-1) >> torch.arange(0, 32, 4, device=p.device)) & 15)
+    fields = torch.empty(R * C // 4, dtype=torch.int64, device=p.device)
+    fields.scatter_(0, _sm90_meta_fields(R, C, p.device).reshape(-1), nib.reshape(R, C // 4).reshape(-1))
+    meta = (fields[0::2] | fields[1::2] << 4).to(torch.uint8)
+    return torch.cat([p.dequantized_values(dtype).reshape(-1), meta.view(dtype)])
+
+
+def _from_cusparselt_sm90_buffer(buf: torch.Tensor, shape: tuple[int, int]) -> Sparse24Tensor:
+    """Inverse of :func:`_cusparselt_sm90_buffer`: the layout-v1 weight of logical ``shape``."""
+    R, C = shape
+    _check_sm90_shape(R, C)
+    if buf.dim() != 1 or buf.dtype not in _HALF or buf.numel() != R * C * 9 // 16:
+        raise ValueError(f"expected a 1-D float16/bfloat16 buffer of {R * C * 9 // 16} elements for {(R, C)}, got "
+                         f"{buf.dtype} {tuple(buf.shape)}")
+    vals = buf[:R * C // 2].view(R, C // 2).clone()
+    meta = buf[R * C // 2:].contiguous().view(torch.uint8).to(torch.int64)
+    fields = torch.stack([meta & 15, meta >> 4], 1).reshape(-1)
+    nib = fields[_sm90_meta_fields(R, C, buf.device).reshape(-1)].view(R, C // 32, 8)
+    words = (nib << torch.arange(0, 32, 4, device=buf.device)).sum(-1)
+    words = words - ((words >> 31) << 32)                     # as signed 32-bit values
+    return Sparse24Tensor(vals, words.to(torch.int32).t().contiguous(), (R, C))
+
+
 def to_semi_structured(p: Sparse24Tensor, backend: str | None = None, dtype: torch.dtype | None = None):
     """Export a 2:4 weight as a ``torch.sparse.SparseSemiStructuredTensor`` (CUDA).
 

@@ -6,7 +6,9 @@ import math
 
 import torch
 
+import sparse24
 from conftest import load_script
+from sparse24.interop import _cusparselt_sm90_buffer, _from_cusparselt_sm90_buffer
 
 mod = load_script("gpu_sparse_mm")
 
@@ -147,3 +149,37 @@ def test_digit_masks_tell_every_group_apart():
     assert all((m.view(N, K // 4, 4).sum(-1) == 2).all() for m in masks)
     seq = torch.stack([m.view(N * K // 4, 4) for m in masks], 1).reshape(N * K // 4, -1)
     assert torch.unique(seq, dim=0).shape[0] == N * K // 4
+
+
+def _sm90_compress(t):
+    """cuSPARSELt's compress as predicted: our buffer of the weight t's non-zeros name."""
+    return _cusparselt_sm90_buffer(sparse24.compress(t, mask=t != 0))
+
+
+def _sm90_mm(buf, xt, transpose_result):
+    """cuSPARSELt's product as a stand-in: decode the predicted buffer, multiply in fp32."""
+    K = xt.shape[0]
+    w = _from_cusparselt_sm90_buffer(buf, (buf.numel() * 16 // 9 // K, K)).to_dense()
+    assert transpose_result
+    return (xt.t().float() @ w.float().t()).to(xt.dtype)
+
+
+def test_layout_of_the_predicted_sm90_buffer(tmp_path):
+    lines = _layout(tmp_path, _sm90_compress)
+    assert "kept values first, plain row-major" in lines[0]
+    assert "coded lo | hi << 2" in lines[1] and "the sm_90 order torchao's sparsify kernel writes" in lines[1]
+    assert "compress failed: TypeError" in lines[2]   # an int8 buffer is not ours to build
+
+
+def test_own_buffer_check_reports_equal_and_right():
+    lines = mod.own_buffer_lines(torch.device("cpu"), shapes=((64, 128),), compress=_sm90_compress, mm=_sm90_mm)
+    assert len(lines) == 2 and all("values equal, metadata equal" in ln and "(right)" in ln for ln in lines), lines
+
+
+def test_own_buffer_check_reports_a_difference():
+    def shuffled(t):   # the metadata of another order: the product on our buffer stays right
+        b = _sm90_compress(t)
+        half = t.numel() // 2
+        return torch.cat([b[:half], b[half:].flip(0)])
+    lines = mod.own_buffer_lines(torch.device("cpu"), shapes=((64, 128),), compress=shuffled, mm=_sm90_mm)
+    assert all("values equal, metadata DIFFERS" in ln and "(right)" in ln for ln in lines), lines
