@@ -89,6 +89,17 @@ torch.cuda.get_device_properties(0).multi_processor_count)"
     git rev-parse --short HEAD 2>/dev/null || true
 } | tee "$RES/env.txt"
 
+# A Triton cache compiled without a GPU for this image's Triton (scripts/triton_prebuild.py), when
+# carried here (run(carry=[".triton-sm90"])): the JIT loads those kernels instead of compiling them.
+# New kernel folders at the end are the misses (a different key: then that image's Triton differs).
+PREBUILT="$ROOT/.triton-sm90"
+cache_kernels() { find "$PREBUILT" -mindepth 1 -maxdepth 1 -type d 2>/dev/null | wc -l; }
+if [ -d "$PREBUILT" ] && [ -z "${TRITON_CACHE_DIR:-}" ]; then
+    export TRITON_CACHE_DIR="$PREBUILT"
+    "$PY" scripts/triton_prebuild.py relocate "$PREBUILT" | sed 's/^/prebuilt Triton cache: /' | tee "$RES/triton-cache.txt"
+    CACHE_START=$(cache_kernels)
+fi
+
 keep() {  # what the run has so far, as one archive in $OUT (the device tool returns 8 files at most)
     if [ -n "${OUT:-}" ]; then
         tar -czf "$OUT/gpu_check.tgz.tmp" "$RES" $(ls -d autotune_configs/"$GPU" 2>/dev/null) 2>/dev/null &&
@@ -143,6 +154,11 @@ step user_view "$T_USER" "$PY" scripts/gpu_user_view.py --out "$RES/"
 # 5. one Llama-7B-shaped block, decode and prefill (rows written as they are measured)
 step block "$T_BLOCK" "$PY" scripts/gpu_block.py --out "$RES/"
 
+if [ -n "${CACHE_START:-}" ]; then
+    echo "prebuilt Triton cache: $CACHE_START kernels at the start, $(cache_kernels) at the end (the difference: compiled here)" |
+        tee -a "$RES/triton-cache.txt"
+    keep
+fi
 if [ "${#FAILED[@]}" -ne 0 ]; then
     echo "gpu_check: FAILED steps: ${FAILED[*]}"
     exit 1
