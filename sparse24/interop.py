@@ -222,14 +222,15 @@ def from_cutlass_layout(packed: torch.Tensor, meta: torch.Tensor) -> Sparse24Ten
     return Sparse24Tensor(vals, words.to(torch.int32).t().contiguous(), (R, C))
 
 
-# --- cuSPARSELt's sm_90 16-bit buffer, as predicted (not yet checked on a GPU) ----------------
+# --- cuSPARSELt's sm_90 16-bit buffer, as predicted ---------------------------------------------
 #
 # cuSPARSELt's compressed layout is opaque by contract. torchao's sm_90 sparsify kernel writes it for
 # cuSPARSELt's 16-bit products (reverse-engineered there); its index arithmetic gives: the kept values
 # (R, C/2) in plain row-major order (two per group, lower slot first: layout v1's values), then R*C/8
 # bytes of metadata, one 4-bit field per group (slot_lo | slot_hi << 2: layout v1's nibble) at
-# :func:`_sm90_meta_fields`. scripts/gpu_sparse_mm.py --layout compares this buffer with
-# torch._cslt_compress and runs cuSPARSELt's product on it; until a GPU has, nothing routes here.
+# :func:`_sm90_meta_fields`. Export and import use it only on a device where
+# :func:`cusparselt_layout_known` found torch._cslt_compress writing exactly that (checked once per
+# device); scripts/gpu_sparse_mm.py --layout reports the layout and the product on it.
 
 
 def _sm90_meta_fields(R: int, C: int, device=None) -> torch.Tensor:
@@ -268,7 +269,9 @@ def _cusparselt_sm90_buffer(p: Sparse24Tensor, dtype: torch.dtype | None = None)
 
 
 def _from_cusparselt_sm90_buffer(buf: torch.Tensor, shape: tuple[int, int]) -> Sparse24Tensor:
-    """Inverse of :func:`_cusparselt_sm90_buffer`: the layout-v1 weight of logical ``shape``."""
+    """Inverse of :func:`_cusparselt_sm90_buffer`: the layout-v1 weight of logical ``shape``; groups
+    with fewer than two non-zeros stored as ``compress(dense, mask=dense != 0)`` stores them (as
+    :func:`from_cutlass_layout` does)."""
     R, C = shape
     _check_sm90_shape(R, C)
     if buf.dim() != 1 or buf.dtype not in _HALF or buf.numel() != R * C * 9 // 16:
@@ -279,8 +282,38 @@ def _from_cusparselt_sm90_buffer(buf: torch.Tensor, shape: tuple[int, int]) -> S
     fields = torch.stack([meta & 15, meta >> 4], 1).reshape(-1)
     nib = fields[_sm90_meta_fields(R, C, buf.device).reshape(-1)].view(R, C // 32, 8)
     words = (nib << torch.arange(0, 32, 4, device=buf.device)).sum(-1)
+    _refill_short_groups_(vals.view(-1, 2), words, 8, _TO_OURS)   # groups of < 2 non-zeros: our slots
     words = words - ((words >> 31) << 32)                     # as signed 32-bit values
     return Sparse24Tensor(vals, words.to(torch.int32).t().contiguous(), (R, C))
+
+
+_LAYOUT_KNOWN: dict = {}
+
+
+def cusparselt_layout_known(device, cslt_compress=None) -> bool:
+    """Whether cuSPARSELt on ``device`` stores a 16-bit 2:4 weight exactly as
+    :func:`_cusparselt_sm90_buffer` predicts, so that export and import need no dense copy: a
+    128 x 128 probe per 16-bit dtype, compressed by ``cslt_compress`` (default
+    ``torch._cslt_compress``) and compared byte for byte, once per device and compressor. False off
+    CUDA devices of compute capability 9.x (with the default) and wherever the probe raises."""
+    device = torch.device(device)
+    if cslt_compress is None:
+        if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] != 9:
+            return False
+        cslt_compress = torch._cslt_compress
+    key = (device, cslt_compress)
+    if key not in _LAYOUT_KNOWN:
+        try:
+            gen = torch.Generator(device=device).manual_seed(0)
+            ok = True
+            for dtype in _HALF:   # random values: every group keeps two non-zeros, one encoding only
+                probe = compress(torch.randn(128, 128, generator=gen, device=device).to(dtype))
+                ok &= torch.equal(cslt_compress(probe.to_dense()).view(torch.int16),
+                                  _cusparselt_sm90_buffer(probe).view(torch.int16))
+        except Exception:  # noqa: BLE001 (a library or GPU that refuses the probe: keep the dense copy)
+            ok = False
+        _LAYOUT_KNOWN[key] = ok
+    return _LAYOUT_KNOWN[key]
 
 
 def to_semi_structured(p: Sparse24Tensor, backend: str | None = None, dtype: torch.dtype | None = None):
@@ -295,7 +328,9 @@ def to_semi_structured(p: Sparse24Tensor, backend: str | None = None, dtype: tor
         backend: ``"cutlass"`` (repacked directly, no dense copy; torch's
             CUTLASS 2:4 kernels run on compute capability 8.x only) or
             ``"cusparselt"`` (its layout is opaque: compressed by
-            ``torch._cslt_compress`` from a transient dense copy); default:
+            ``torch._cslt_compress`` from a transient dense copy, except on a
+            device where :func:`cusparselt_layout_known`, for shapes in
+            multiples of 64: built from ours directly); default:
             CUTLASS on 8.x GPUs, cuSPARSELt on the others (Hopper).
         dtype: float16 or bfloat16 (default: ``p.dtype``).
     Returns:
@@ -310,7 +345,8 @@ def to_semi_structured(p: Sparse24Tensor, backend: str | None = None, dtype: tor
         >>> t = to_semi_structured(sparse24.compress(torch.randn(64, 128, device="cuda").half()))
         >>> y = torch.nn.functional.linear(torch.randn(8, 128, device="cuda").half(), t)
     """
-    from torch.sparse import SparseSemiStructuredTensorCUSPARSELT, SparseSemiStructuredTensorCUTLASS
+    from torch.sparse import (SparseSemiStructuredTensor, SparseSemiStructuredTensorCUSPARSELT,
+                              SparseSemiStructuredTensorCUTLASS)
 
     if backend not in BACKENDS + (None,):
         raise ValueError(f"unknown backend {backend!r}; choose one of {BACKENDS}")
@@ -324,8 +360,14 @@ def to_semi_structured(p: Sparse24Tensor, backend: str | None = None, dtype: tor
         packed, meta = to_cutlass_layout(p, dtype)
         return SparseSemiStructuredTensorCUTLASS(p.shape, packed=packed, meta=meta, packed_t=None, meta_t=None,
                                                  compressed_swizzled_bitmask=None)
-    dense = p.to_dense().to(_export_dtype(p, dtype))
-    return SparseSemiStructuredTensorCUSPARSELT.from_dense(dense)
+    dtype = _export_dtype(p, dtype)
+    if p.shape[0] % 64 == 0 and p.shape[1] % 64 == 0 and cusparselt_layout_known(p.device):
+        # this device's cuSPARSELt stores what _cusparselt_sm90_buffer builds: no dense copy, no compress
+        return SparseSemiStructuredTensorCUSPARSELT(
+            p.shape, packed=_cusparselt_sm90_buffer(p, dtype), meta=None, packed_t=None, meta_t=None,
+            compressed_swizzled_bitmask=None, fuse_transpose_cusparselt=SparseSemiStructuredTensor._FUSE_TRANSPOSE,
+            alg_id_cusparselt=SparseSemiStructuredTensor._DEFAULT_ALG_ID, requires_grad=False)
+    return SparseSemiStructuredTensorCUSPARSELT.from_dense(p.to_dense().to(dtype))
 
 
 def backend_for(capability: tuple[int, int], backend: str | None = None) -> str:
@@ -345,14 +387,17 @@ def from_semi_structured(t) -> Sparse24Tensor:
     """Import a ``torch.sparse.SparseSemiStructuredTensor`` as a :class:`Sparse24Tensor`.
 
     CUTLASS tensors are repacked directly (any device); cuSPARSELt tensors
-    (opaque layout) go through ``t.to_dense()`` on their CUDA device.
+    (opaque layout) go through ``t.to_dense()`` on their CUDA device, except
+    where :func:`cusparselt_layout_known` (shapes in multiples of 64): read
+    directly.
 
     Args:
         t: a 2-D float16/bfloat16 ``SparseSemiStructuredTensor`` ``(N, K)``.
     Returns:
         :class:`Sparse24Tensor` on t's device with ``to_dense() == t.to_dense()``.
     """
-    from torch.sparse import SparseSemiStructuredTensor, SparseSemiStructuredTensorCUTLASS
+    from torch.sparse import (SparseSemiStructuredTensor, SparseSemiStructuredTensorCUSPARSELT,
+                              SparseSemiStructuredTensorCUTLASS)
 
     if not isinstance(t, SparseSemiStructuredTensor):
         raise TypeError(f"expected a torch.sparse.SparseSemiStructuredTensor, got {type(t).__name__}")
@@ -361,5 +406,9 @@ def from_semi_structured(t) -> Sparse24Tensor:
         return from_cutlass_layout(t.packed, t.meta)
     if t.dtype not in _HALF:
         raise TypeError(f"only float16/bfloat16 semi-structured tensors are 2:4, got {t.dtype}")
+    packed = getattr(t, "packed", None)
+    if isinstance(t, SparseSemiStructuredTensorCUSPARSELT) and packed is not None and packed.dim() == 1 \
+            and t.shape[0] % 64 == 0 and t.shape[1] % 64 == 0 and cusparselt_layout_known(packed.device):
+        return _from_cusparselt_sm90_buffer(packed, tuple(t.shape))   # this device's layout is known
     dense = t.to_dense()
     return compress(dense, mask=dense != 0)

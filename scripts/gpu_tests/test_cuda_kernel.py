@@ -74,6 +74,24 @@ def test_split_k_strided_3d_and_empty(gen):
     assert_matches_reference(sparse24.linear(x, p), x, dense)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_cusparselt_export_without_a_dense_copy(dtype, gen):
+    """Where this GPU's cuSPARSELt stores what sparse24.interop._cusparselt_sm90_buffer predicts
+    (cusparselt_layout_known: a byte-for-byte probe, once per device), the export is that buffer;
+    either way the product and the import are right."""
+    from sparse24.interop import (_cusparselt_sm90_buffer, cusparselt_layout_known, from_semi_structured,
+                                  to_semi_structured)
+    if not torch.backends.cusparselt.is_available():
+        pytest.fail("cuSPARSELt is not available in this torch build")
+    p = sparse24.compress(torch.randn(128, 256, generator=gen, device=DEV).to(dtype))
+    t = to_semi_structured(p, backend="cusparselt")
+    if cusparselt_layout_known(DEV):
+        assert torch.equal(t.packed.view(torch.int16), _cusparselt_sm90_buffer(p).view(torch.int16))
+    x = torch.randn(32, 256, generator=gen, device=DEV).to(dtype)
+    assert_matches_reference(torch.nn.functional.linear(x, t), x, p.to_dense().double())
+    assert torch.equal(from_semi_structured(t).to_dense(), p.to_dense())
+
+
 @pytest.mark.parametrize("backend", ["cutlass", "cusparselt", None])
 def test_interop_on_cuda(backend, gen):
     from sparse24.interop import from_semi_structured, to_semi_structured

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import sparse24
-from sparse24.interop import _cusparselt_sm90_buffer, _from_cusparselt_sm90_buffer
+from sparse24.interop import _cusparselt_sm90_buffer, _from_cusparselt_sm90_buffer, cusparselt_layout_known
 
 
 def bits(t):
@@ -65,3 +65,45 @@ def test_bad_input_is_refused(gen):
         _from_cusparselt_sm90_buffer(buf[:-1], (64, 64))
     with pytest.raises(ValueError, match="multiples of 64"):
         _from_cusparselt_sm90_buffer(buf, (32, 128))
+
+
+def test_import_stores_a_short_group_our_way():
+    """A group with one non-zero may name any free slot (torch's encoder names 2 and 3); read back,
+    it is stored as ``compress(dense, mask=dense != 0)`` stores it, bit for bit."""
+    gen = torch.Generator().manual_seed(1)
+    R, C = 64, 64
+    mask = torch.zeros(R, C // 4, 4, dtype=torch.bool)
+    keep = torch.rand(R, C // 4, 4, generator=gen).argsort(-1)[..., :2]
+    mask.scatter_(-1, keep, True)
+    mask[5, 2] = torch.tensor([False, False, True, False])        # row 5, group 2: one non-zero, slot 2
+    dense = (torch.randn(R, C, generator=gen).abs() + 1).half() * mask.view(R, C)
+    ours = sparse24.compress(dense, mask=dense != 0)
+    vals, meta = ours.values.clone(), ours.meta.clone()
+    vals[5, 4:6] = torch.tensor([float(dense[5, 10]), 0.0])         # torch's way: slots (2, 3), values (x, 0)
+    meta[0, 5] = (meta[0, 5] & ~(0xF << 8)) | ((2 | 3 << 2) << 8)
+    theirs = sparse24.Sparse24Tensor(vals, meta, (R, C))
+    assert not torch.equal(theirs.meta, ours.meta) and torch.equal(theirs.to_dense(), ours.to_dense())
+    q = _from_cusparselt_sm90_buffer(_cusparselt_sm90_buffer(theirs), (R, C))
+    assert torch.equal(bits(q.values), bits(ours.values)) and torch.equal(q.meta, ours.meta)
+
+
+def test_layout_known_only_where_the_probe_matches_byte_for_byte():
+    calls = []
+
+    def predicted(dense):   # what the layout predicts cuSPARSELt writes
+        calls.append(dense.dtype)
+        return _cusparselt_sm90_buffer(sparse24.compress(dense, mask=dense != 0))
+
+    def other_metadata(dense):
+        b = predicted(dense)
+        return torch.cat([b[:dense.numel() // 2], b[dense.numel() // 2:].flip(0)])
+
+    def refuses(dense):
+        raise RuntimeError("cuSPARSELt not supported on your machine")
+
+    cpu = torch.device("cpu")
+    assert cusparselt_layout_known(cpu, predicted) and calls == [torch.float16, torch.bfloat16]
+    assert cusparselt_layout_known(cpu, predicted) and len(calls) == 2   # checked once per device
+    assert not cusparselt_layout_known(cpu, other_metadata)
+    assert not cusparselt_layout_known(cpu, refuses)
+    assert not cusparselt_layout_known(cpu)   # the default: CUDA devices of compute capability 9.x only
