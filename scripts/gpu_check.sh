@@ -89,6 +89,12 @@ torch.cuda.get_device_properties(0).multi_processor_count)"
     git rev-parse --short HEAD 2>/dev/null || true
 } | tee "$RES/env.txt"
 
+# Every kernel variant the JIT is asked for, by every process, recorded (scripts/jit_record/): what
+# scripts/triton_prebuild.py build compiles into the cache a later session carries here.
+ln -s "$ROOT/scripts/jit_record/sitecustomize.py" "$SITE/sitecustomize.py"
+mkdir -p "$RES/jit-specs"
+export SPARSE24_JIT_SPECS="$ROOT/$RES/jit-specs"
+
 # A Triton cache compiled without a GPU for this image's Triton (scripts/triton_prebuild.py), when
 # carried here (run(carry=[".triton-sm90"])): the JIT loads those kernels instead of compiling them.
 # New kernel folders at the end are the misses (a different key: then that image's Triton differs).

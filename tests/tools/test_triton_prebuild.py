@@ -83,3 +83,31 @@ def test_cli_collect_then_relocate(tmp_path, capsys):
     assert len(lines) == n > 1 and len(set(lines)) == n   # one record per distinct variant
     assert {json.loads(s)["name"].rsplit(".", 1)[1] for s in lines} == {"_sparse24_sp"}   # INT8 at M = 1
     assert mod.main(["relocate", str(tmp_path / "empty")]) == 0 and capsys.readouterr().out.startswith("0 compiled")
+
+
+def test_gpu_check_records_every_variant_the_jit_is_asked_for(tmp_path):
+    """scripts/jit_record/sitecustomize.py (first on PYTHONPATH in gpu_check.sh): with SPARSE24_JIT_SPECS
+    set, a process appends each variant's specialization, in the form ``build`` compiles, and the
+    variant still compiles; without it, nothing is written."""
+    import subprocess
+    import sys
+    root = mod.ROOT
+    code = ("import sys; sys.path.insert(0, 'scripts'); import triton_prebuild as t; "
+            "t.warm(t.tuning_variants([(1, 128, 256, 'float16')])[:1])")
+    for record in (True, False):
+        specs = tmp_path / f"specs-{record}"
+        specs.mkdir()
+        env = {**os.environ, "PYTHONPATH": f"{root / 'scripts' / 'jit_record'}:{os.environ.get('PYTHONPATH', '')}",
+               "TRITON_CACHE_DIR": str(tmp_path / f"cache-{record}")}
+        if record:
+            env["SPARSE24_JIT_SPECS"] = str(specs)
+        r = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+        lines = [ln for f in specs.iterdir() for ln in f.read_text().splitlines()]
+        assert any((tmp_path / f"cache-{record}").rglob("*.cubin"))   # compiled all the same
+        if record:
+            assert len(lines) == 1 and json.loads(lines[0])["name"] == "sparse24.kernels.sparse24_decode._sparse24_decode"
+            done, errors = mod.build(lines, tmp_path / "rebuilt")    # the form build takes
+            assert (done, errors) == (1, [])
+        else:
+            assert lines == []
