@@ -357,8 +357,11 @@ def main(argv=None) -> int:
         measure(a.out, torch.device("cpu"), ((128, 256),), (64,))
     else:
         if a.layout:   # first: seconds, and the answer does not depend on the sweep
-            dump_layout(a.out / "cslt_layout.pt", torch.device("cuda"))
-            lines = analyze_layout(a.out / "cslt_layout.pt") + own_buffer_lines(torch.device("cuda"))
+            try:
+                dump_layout(a.out / "cslt_layout.pt", torch.device("cuda"))
+                lines = analyze_layout(a.out / "cslt_layout.pt") + own_buffer_lines(torch.device("cuda"))
+            except Exception as e:  # noqa: BLE001 (reported; the file is kept for --analyze, the sweep goes on)
+                lines = [f"layout: {type(e).__name__}: {str(e)[:300]}"]
             (a.out / "cslt_layout.txt").write_text("\n".join(lines) + "\n")
             print("\n".join(lines), flush=True)
         measure(a.out, torch.device("cuda"), ((4096, 4096), (11008, 4096), (4096, 11008), (14336, 4096)),
