@@ -16,6 +16,7 @@ from torch import nn
 from ..decode_format import DecodePacked
 from ..format import FLOAT_DTYPES, Sparse24Tensor, _pack_nibbles, compress, int4_quantize, quantize_values
 from ..ops import linear24
+from ..ops.linear24 import launch, op
 from .layout import LayoutMixin
 from .masking import _GRAD_HOOKED, _HAS_HOOK, _MASKED_MODULES, _ZERO_CHECKED, _grad_mask_hook
 from .prepare import (_check_mode, _mask_from_slots, _placeholder, _prepare, _Prepared, is_conv1d, is_conv1d_class,
@@ -29,6 +30,20 @@ __all__ = ["Sparse24Linear"]
 _MODE_STATE = ("_mode", "_dtype", "_weight_requires_grad", "_pending", "_layout", "_layout_pref", "_group_size")
 # Compressed mode's tensors (``zero`` and ``group_size`` only when INT4; see _set_compressed).
 _COMPRESSED = ("values", "meta", "scale", "zero", "group_size")
+
+
+# module -> {(x's shape, dtype): what a kernel-path call of that shape launched} (Sparse24Linear.forward's
+# fast path); weak keys and weak tensor references: nothing of it is copied or pickled with a module, and
+# it keeps no module or tensor alive
+_FAST: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _ref(t):
+    return None if t is None else weakref.ref(t)
+
+
+def _deref(r):
+    return None if r is None else r()
 
 
 class Sparse24Linear(LayoutMixin, StateDictMixin, nn.Module):
@@ -461,6 +476,30 @@ class Sparse24Linear(LayoutMixin, StateDictMixin, nn.Module):
     # -- forward --
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``(..., in_features)`` -> ``(..., out_features)``, as ``nn.Linear`` with the 2:4 weight."""
+        if not torch.compiler.is_compiling() and type(x) is torch.Tensor:
+            fast = _FAST.get(self)
+            fast = None if fast is None else fast.get((x.shape, x.dtype))
+            if fast is not None:
+                # The plan a call of this shape and dtype launched before, again, where the path below would
+                # launch the same plan on the same tensors: the module's tensors (so its mode, layout and
+                # dtypes), x's device, no autocast, no autograd, torch's deterministic switch, no config
+                # re-read or workspace release since. (Host time is what a decode-sized call costs.)
+                plan, values, meta, scale, bias, zero, device, kind, deterministic, epoch, M = fast
+                params, buffers = self._parameters, self._buffers
+                v = params.get("values")
+                b = params["bias"]
+                if v is values() and buffers["meta"] is meta() and buffers["scale"] is _deref(scale) \
+                        and b is _deref(bias) and buffers["zero"] is _deref(zero) and launch.PLAN_EPOCH[0] == epoch \
+                        and x.get_device() == device and self.__dict__.get("_pending") is None \
+                        and not torch.is_autocast_enabled(kind) \
+                        and torch.are_deterministic_algorithms_enabled() is deterministic \
+                        and not (torch.is_grad_enabled() and (x.requires_grad or v.requires_grad
+                                                              or b is not None and b.requires_grad)):
+                    z, sc = buffers["zero"], buffers["scale"]
+                    if x.dim() == 2:
+                        return plan(x, v, buffers["meta"], sc, b, M, z)
+                    return plan(x.reshape(M, x.shape[-1]), v, buffers["meta"], sc, b, M, z).view(*x.shape[:-1],
+                                                                                                 plan.N)
         if self.__dict__.get("_pending") is not None:
             self._refuse_pending("run")
         if self._mode == "masked":
@@ -526,8 +565,26 @@ class Sparse24Linear(LayoutMixin, StateDictMixin, nn.Module):
             if copy is not None and copy[0] is scale and (copy[1] is None or torch.compiler.is_compiling()
                                                           or copy[1] == scale._version):
                 scale = copy[2]
-        return linear24.forward(x, values, buffers["meta"], scale, params.get("bias"), self._dtype,
-                                self.out_features, zero=buffers["zero"], group_size=self._group_size or 0)
+        bias, zero, group_size = params.get("bias"), buffers["zero"], self._group_size or 0
+        out = linear24.forward(x, values, buffers["meta"], scale, bias, self._dtype, self.out_features, zero=zero,
+                               group_size=group_size)
+        if not torch.compiler.is_compiling():
+            # keep the plan this call launched (if the kernel ran) for the fast path above; not for INT4
+            # with bfloat16 x, whose scales are the module's exact copy (checked per call above)
+            plan = None if scale is not buffers["scale"] else op.kernel_plan(x, values, scale, bias, self.out_features,
+                                                                              zero, group_size)
+            if plan is not None:
+                entries = _FAST.get(self)
+                if entries is None:
+                    entries = _FAST[self] = {}
+                elif len(entries) >= 16:   # a few shapes (decode batch sizes) a module sees over and over
+                    entries.clear()
+                # weak references: a kept plan never keeps a moved or replaced weight alive
+                entries[(x.shape, x.dtype)] = (
+                    plan, weakref.ref(values), weakref.ref(buffers["meta"]), _ref(scale), _ref(bias), _ref(zero),
+                    x.get_device(), x.device.type, torch.are_deterministic_algorithms_enabled(), launch.PLAN_EPOCH[0],
+                    x.shape[0] if x.dim() == 2 else x.shape[:-1].numel())
+        return out
 
     # -- dtype/device moves: only floating tensors follow a dtype change --
     def _apply(self, fn, recurse=True):

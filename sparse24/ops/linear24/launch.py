@@ -204,22 +204,42 @@ def run(x: torch.Tensor, values: torch.Tensor, meta: torch.Tensor, scale: torch.
     if M == 0 or N == 0 or K == 0:
         out = x.new_zeros(*x.shape[:-1], N)
         return out if bias is None or M == 0 else out.add_(bias.to(out.dtype))
-    # fp32 dots follow torch's own matmul TF32 switch (off by default, so fp32
-    # results match F.linear); half types ignore it.
-    tf32 = x.dtype == torch.float32 and x.is_cuda and torch.backends.cuda.matmul.allow_tf32
-    key = (x.device, x.dtype, values.dtype, values.dim(), None if scale is None else scale.dtype,
-           None if bias is None else bias.dtype, N, K, m_bucket(M), torch.are_deterministic_algorithms_enabled(), tf32,
-           config, group_size, zero is not None)
-    plan = _PLANS.get(key)
-    if plan is None:
-        plan = _PLANS[key] = _Plan(key, config)
+    plan = plan_for(x, values, scale, bias, N, M, config, zero, group_size)
     if flat:
         return plan(x, values, meta, scale, bias, M, zero)
     return plan(x.reshape(M, K), values, meta, scale, bias, M, zero).view(*x.shape[:-1], N)
 
 
+def plan_for(x: torch.Tensor, values: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None, N: int,
+             M: int, config: KernelConfig | None = None, zero: torch.Tensor | None = None,
+             group_size: int = 0) -> "_Plan":
+    """The plan :func:`run` launches for these arguments and ``M`` (> 0) rows of x, made on the
+    first call of its key. A caller may keep it and call it again for arguments that give the same
+    key while :data:`PLAN_EPOCH` is unchanged (the modules' fast path does)."""
+    # fp32 dots follow torch's own matmul TF32 switch (off by default, so fp32
+    # results match F.linear); half types ignore it.
+    tf32 = x.dtype == torch.float32 and x.is_cuda and torch.backends.cuda.matmul.allow_tf32
+    key = (x.device, x.dtype, values.dtype, values.dim(), None if scale is None else scale.dtype,
+           None if bias is None else bias.dtype, N, x.shape[-1], m_bucket(M),
+           torch.are_deterministic_algorithms_enabled(), tf32, config, group_size, zero is not None)
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _PLANS[key] = _Plan(key, config)
+    return plan
+
+
 _PLANS: dict = {}
 on_clear(_PLANS.clear)  # sparse24.ops.config_store.clear_cache() forgets the plans made from its lookups
+# Bumped whenever a kept plan may no longer be what plan_for would make (configs re-read, workspaces
+# released): a plan kept outside _PLANS is valid only while this is unchanged.
+PLAN_EPOCH = [0]
+
+
+def _next_epoch() -> None:
+    PLAN_EPOCH[0] += 1
+
+
+on_clear(_next_epoch)
 
 
 class _Plan:
@@ -515,6 +535,7 @@ def release_workspaces() -> None:
     _RETIRED.clear()
     _WORKSPACES.clear()
     _PLANS.clear()
+    _next_epoch()
 
 
 def _launch_unpack(values, meta, scale, out, zero=None, group_size=0) -> None:

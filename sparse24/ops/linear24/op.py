@@ -96,6 +96,21 @@ def _compute(x, values, meta, scale, zero, bias, weight_dtype, backend, out_feat
                                        (out_features, x.shape[-1])), bias)
 
 
+def kernel_plan(x, values, scale, bias, out_features: int, zero=None, group_size: int = 0):
+    """The launch plan (:func:`launch.plan_for`) that :func:`forward` runs for these arguments
+    when it takes the kernel through :func:`launch.run` with 16-bit x (``backend="auto"`` choosing
+    ``"triton"``, no autograd, not traced, the decode layout, M > 0), else None. Valid for later
+    calls whose tensors, x's shape, dtype and device, the grad and tracing state, torch's
+    deterministic switch and ``launch.PLAN_EPOCH`` are the same (the modules' fast path)."""
+    if values.dim() == 2 or x.dtype not in (torch.float16, torch.bfloat16) or _needs_op(x, values, bias):
+        return None
+    M = x.shape[0] if x.dim() == 2 else x.shape[:-1].numel()
+    if M == 0 or out_features == 0 or x.shape[-1] == 0 \
+            or _auto_backend(x, values, scale, out_features, group_size) != "triton":
+        return None
+    return launch.plan_for(x, values, scale, bias, out_features, M, None, zero, group_size)
+
+
 def _needs_op(x, values, bias) -> bool:
     """Only gradients and tracing need the registered op."""
     if torch.compiler.is_compiling():
