@@ -55,8 +55,9 @@ def _full_path(layer, x):
 
 @pytest.mark.parametrize("quantize", [None, "int8", "int4"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_fast_path_gives_the_full_paths_bits(quantize, dtype, cuda_route):
-    layer = _layer(quantize)
+@pytest.mark.parametrize("bias", [True, False])
+def test_fast_path_gives_the_full_paths_bits(quantize, dtype, bias, cuda_route):
+    layer = _layer(quantize, bias=bias)
     if quantize == "int4" and dtype == torch.bfloat16:
         # scales bfloat16 holds exactly: the module passes their bfloat16 copy (checked per call), which
         # the fast path does not keep
