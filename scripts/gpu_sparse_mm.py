@@ -172,7 +172,8 @@ def measure(out: Path, dev, shapes, ms) -> list[list]:
             wr.writerow(r)
             f.flush()
             rows.append(r)
-            print(f"{N}x{K} M {M:5d}  " + "  ".join(f"{c} {v:8.2f}" for c, v in zip(COLUMNS, r[3:3 + len(COLUMNS)])), flush=True)
+            print(f"{N}x{K} M {M:5d}  " + "  ".join(f"{c} {v:8.2f}" for c, v in zip(COLUMNS, r[3:3 + len(COLUMNS)])),
+                  flush=True)
     f.close()
     return rows
 

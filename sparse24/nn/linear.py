@@ -488,7 +488,7 @@ class Sparse24Linear(LayoutMixin, StateDictMixin, nn.Module):
                 params, buffers = self._parameters, self._buffers
                 v = params.get("values")
                 b = params.get("bias")
-                if v is values() and buffers["meta"] is meta() and buffers["scale"] is _deref(scale) \
+                if v is not None and v is values() and buffers["meta"] is meta() and buffers["scale"] is _deref(scale) \
                         and b is _deref(bias) and buffers["zero"] is _deref(zero) and launch.PLAN_EPOCH[0] == epoch \
                         and x.get_device() == device and self.__dict__.get("_pending") is None \
                         and not torch.is_autocast_enabled(kind) \

@@ -148,3 +148,18 @@ def test_the_fast_path_keeps_nothing_alive_and_is_not_copied(cuda_route):
     del layer
     gc.collect()
     assert gone() is None
+
+
+def test_a_mode_switch_after_the_weight_is_gone_takes_the_full_path(cuda_route):
+    """A kept plan's weak references die with the decode-layout tensors; a layer switched to the masked
+    mode (no kept values at all) must not read that as a match."""
+    layer = _layer()
+    x = torch.randn(2, 128, dtype=torch.float16)
+    with torch.no_grad():
+        layer(x)                                           # kept
+        layer.to_masked()
+        gc.collect()
+        assert linear_mod._FAST[layer][(x.shape, x.dtype)][1]() is None   # the kept values are gone
+        w = layer.weight * layer.mask
+        y = layer(x)
+    assert torch.equal(y, torch.nn.functional.linear(x, w, layer.bias))
