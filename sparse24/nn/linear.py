@@ -42,10 +42,6 @@ def _ref(t):
     return None if t is None else weakref.ref(t)
 
 
-def _deref(r):
-    return None if r is None else r()
-
-
 class Sparse24Linear(LayoutMixin, StateDictMixin, nn.Module):
     """``nn.Linear`` whose weight is 2:4 sparse, in ``"masked"`` (training) or
     ``"compressed"`` (inference) mode; see the module docstring.
@@ -486,20 +482,22 @@ class Sparse24Linear(LayoutMixin, StateDictMixin, nn.Module):
                 # re-read or workspace release since. (Host time is what a decode-sized call costs.)
                 plan, values, meta, scale, bias, zero, device, kind, deterministic, epoch, M = fast
                 params, buffers = self._parameters, self._buffers
-                v = params.get("values")
-                b = params.get("bias")
-                if v is not None and v is values() and buffers["meta"] is meta() and buffers["scale"] is _deref(scale) \
-                        and b is _deref(bias) and buffers["zero"] is _deref(zero) and launch.PLAN_EPOCH[0] == epoch \
-                        and x.get_device() == device and self.__dict__.get("_pending") is None \
-                        and not torch.is_autocast_enabled(kind) \
+                v, b = params.get("values"), params.get("bias")
+                m, sc, z = buffers.get("meta"), buffers.get("scale"), buffers.get("zero")
+                # (a tensor that was None must be None, one that was kept the same live object: a reference
+                # that died matches nothing)
+                if v is not None and v is values() and m is not None and m is meta() \
+                        and (sc is None if scale is None else sc is not None and sc is scale()) \
+                        and (b is None if bias is None else b is not None and b is bias()) \
+                        and (z is None if zero is None else z is not None and z is zero()) \
+                        and launch.PLAN_EPOCH[0] == epoch and x.get_device() == device \
+                        and self.__dict__.get("_pending") is None and not torch.is_autocast_enabled(kind) \
                         and torch.are_deterministic_algorithms_enabled() is deterministic \
                         and not (torch.is_grad_enabled() and (x.requires_grad or v.requires_grad
                                                               or b is not None and b.requires_grad)):
-                    z, sc = buffers["zero"], buffers["scale"]
                     if x.dim() == 2:
-                        return plan(x, v, buffers["meta"], sc, b, M, z)
-                    return plan(x.reshape(M, x.shape[-1]), v, buffers["meta"], sc, b, M, z).view(*x.shape[:-1],
-                                                                                                 plan.N)
+                        return plan(x, v, m, sc, b, M, z)
+                    return plan(x.reshape(M, x.shape[-1]), v, m, sc, b, M, z).view(*x.shape[:-1], plan.N)
         if self.__dict__.get("_pending") is not None:
             self._refuse_pending("run")
         if self._mode == "masked":

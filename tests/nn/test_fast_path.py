@@ -163,3 +163,20 @@ def test_a_mode_switch_after_the_weight_is_gone_takes_the_full_path(cuda_route):
         w = layer.weight * layer.mask
         y = layer(x)
     assert torch.equal(y, torch.nn.functional.linear(x, w, layer.bias))
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")   # the tampered layer's full path computes nonsense
+def test_a_scale_set_to_none_is_not_a_match(cuda_route):
+    """An INT8 layer whose scale a user drops (and whose old scale dies) must not replay the scaled plan."""
+    layer = _layer("int8")
+    x = torch.randn(2, 128, dtype=torch.float16)
+    with torch.no_grad():
+        layer(x)                                           # kept, with the scale
+        layer._buffers["scale"] = None
+        gc.collect()
+        n = len(cuda_route)
+        try:
+            layer(x)
+        except Exception:   # noqa: BLE001 (the full path may refuse the tampered layer: what matters is it ran)
+            pass
+    assert len(cuda_route) == n + 1
