@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -57,9 +56,13 @@ import torch.nn.functional as F
 
 import sparse24
 from sparse24.decode_format import pack_decode
+from sparse24.format import _unpack_nibbles
 from sparse24.interop import _cusparselt_sm90_buffer, _sm90_meta_fields
 from sparse24.ops.linear24 import launch
 from sparse24.tools.tuning import time_launches_us
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_user_view import _wall_us  # noqa: E402  (the same eager timer as the other GPU scripts)
 
 COLUMNS = ("dense", "cslt", "cutlass", "unpack", "unpack_mm", "compress", "unpack_cslt", "cslt_alg",
            "dense_eager", "cslt_eager", "cslt_mm_eager")
@@ -77,21 +80,11 @@ def _graph_us(fn, dev) -> tuple[float, torch.Tensor]:
     return time_launches_us([fn], warmup_ms=5, rep_ms=25, outputs=out), out[0]
 
 
-def _eager_us(fn, dev, calls: int = 20, repeats: int = 5) -> tuple[float, torch.Tensor]:
-    """Wall time per call of ``fn`` called ``calls`` times back to back and synchronised once
-    (median of ``repeats``): the host's time where it exceeds the GPU's, as an eager model sees
-    it. Returns it with the last call's output."""
-    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
-    y = fn()   # warm up: plans, compiled kernels, the allocator's blocks
-    sync()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            y = fn()
-        sync()
-        times.append(1e6 * (time.perf_counter() - t0) / calls)
-    return statistics.median(times), y
+def _eager_us(fn, dev) -> tuple[float, torch.Tensor]:
+    """Wall time per call of ``fn`` called 20 times back to back and synchronised once (median of
+    5: gpu_user_view's timer), the host's time where it exceeds the GPU's, as an eager model sees
+    it; with one more call's output."""
+    return _wall_us(fn, dev, 20, 5), fn()
 
 
 def _semi_structured(w: torch.Tensor, cutlass: bool):
@@ -240,10 +233,8 @@ def _meta_map(N: int, K: int, entries) -> tuple[str | None, torch.Tensor]:
     first) encodes: (the encoding of a group's kept pair that explains every field, or None;
     ``groups[p]`` = row * (K // 4) + group for field p, -1 where no group matches)."""
     kept = N * K // 2
-    fields = []
-    for e in entries:
-        meta = e["rows"][kept:].contiguous().view(torch.uint8).long()
-        fields.append(torch.stack([meta & 15, meta >> 4], 1).reshape(-1))
+    fields = [_unpack_nibbles(e["rows"][kept:].contiguous().view(torch.uint8).view(1, -1)).view(-1).long()
+              for e in entries]
     best = (None, torch.full_like(fields[0], -1))
     for name, code in NIBBLE_CODES.items():
         key = torch.zeros(N * K // 4, dtype=torch.long)      # a group's fields over the masks, base 16

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from .format import Sparse24Tensor, compress
+from .format import Sparse24Tensor, _pack_nibbles, _unpack_nibbles, compress
 
 __all__ = ["to_semi_structured", "from_semi_structured", "to_cutlass_layout", "from_cutlass_layout"]
 
@@ -246,8 +246,13 @@ def _sm90_meta_fields(R: int, C: int, device=None) -> torch.Tensor:
     return 2 * byte + (rr >= 8).long()
 
 
+def _sm90_shape(R: int, C: int) -> bool:
+    """Whether :func:`_cusparselt_sm90_buffer` builds an ``(R, C)`` weight (positive multiples of 64)."""
+    return R > 0 and C > 0 and R % 64 == 0 and C % 64 == 0
+
+
 def _check_sm90_shape(R: int, C: int) -> None:
-    if R % 64 or C % 64 or R == 0 or C == 0:
+    if not _sm90_shape(R, C):
         raise ValueError(f"cuSPARSELt's sm_90 layout is built here for rows and columns positive multiples of 64, "
                          f"got {(R, C)}; pad the weight first")
 
@@ -262,10 +267,9 @@ def _cusparselt_sm90_buffer(p: Sparse24Tensor, dtype: torch.dtype | None = None)
     R, C = p.shape
     _check_sm90_shape(R, C)
     nib = ((p.meta.t().to(torch.int64).unsqueeze(-1) >> torch.arange(0, 32, 4, device=p.device)) & 15)
-    fields = torch.empty(R * C // 4, dtype=torch.int64, device=p.device)
-    fields.scatter_(0, _sm90_meta_fields(R, C, p.device).reshape(-1), nib.reshape(R, C // 4).reshape(-1))
-    meta = (fields[0::2] | fields[1::2] << 4).to(torch.uint8)
-    return torch.cat([p.dequantized_values(dtype).reshape(-1), meta.view(dtype)])
+    fields = torch.empty(R * C // 4, dtype=torch.uint8, device=p.device)
+    fields.scatter_(0, _sm90_meta_fields(R, C, p.device).reshape(-1), nib.reshape(-1).to(torch.uint8))
+    return torch.cat([p.dequantized_values(dtype).reshape(-1), _pack_nibbles(fields.view(1, -1)).view(-1).view(dtype)])
 
 
 def _from_cusparselt_sm90_buffer(buf: torch.Tensor, shape: tuple[int, int]) -> Sparse24Tensor:
@@ -278,8 +282,7 @@ def _from_cusparselt_sm90_buffer(buf: torch.Tensor, shape: tuple[int, int]) -> S
         raise ValueError(f"expected a 1-D float16/bfloat16 buffer of {R * C * 9 // 16} elements for {(R, C)}, got "
                          f"{buf.dtype} {tuple(buf.shape)}")
     vals = buf[:R * C // 2].view(R, C // 2).clone()
-    meta = buf[R * C // 2:].contiguous().view(torch.uint8).to(torch.int64)
-    fields = torch.stack([meta & 15, meta >> 4], 1).reshape(-1)
+    fields = _unpack_nibbles(buf[R * C // 2:].contiguous().view(torch.uint8).view(1, -1)).view(-1).to(torch.int64)
     nib = fields[_sm90_meta_fields(R, C, buf.device).reshape(-1)].view(R, C // 32, 8)
     words = (nib << torch.arange(0, 32, 4, device=buf.device)).sum(-1)
     _refill_short_groups_(vals.view(-1, 2), words, 8, _TO_OURS)   # groups of < 2 non-zeros: our slots
@@ -361,7 +364,7 @@ def to_semi_structured(p: Sparse24Tensor, backend: str | None = None, dtype: tor
         return SparseSemiStructuredTensorCUTLASS(p.shape, packed=packed, meta=meta, packed_t=None, meta_t=None,
                                                  compressed_swizzled_bitmask=None)
     dtype = _export_dtype(p, dtype)
-    if p.shape[0] % 64 == 0 and p.shape[1] % 64 == 0 and cusparselt_layout_known(p.device):
+    if _sm90_shape(*p.shape) and cusparselt_layout_known(p.device):
         # this device's cuSPARSELt stores what _cusparselt_sm90_buffer builds: no dense copy, no compress
         return SparseSemiStructuredTensorCUSPARSELT(
             p.shape, packed=_cusparselt_sm90_buffer(p, dtype), meta=None, packed_t=None, meta_t=None,
@@ -408,7 +411,7 @@ def from_semi_structured(t) -> Sparse24Tensor:
         raise TypeError(f"only float16/bfloat16 semi-structured tensors are 2:4, got {t.dtype}")
     packed = getattr(t, "packed", None)
     if isinstance(t, SparseSemiStructuredTensorCUSPARSELT) and packed is not None and packed.dim() == 1 \
-            and t.shape[0] % 64 == 0 and t.shape[1] % 64 == 0 and cusparselt_layout_known(packed.device):
+            and _sm90_shape(*t.shape) and cusparselt_layout_known(packed.device):
         return _from_cusparselt_sm90_buffer(packed, tuple(t.shape))   # this device's layout is known
     dense = t.to_dense()
     return compress(dense, mask=dense != 0)
