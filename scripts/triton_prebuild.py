@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
+import itertools
 import json
 import os
 import shutil
@@ -43,15 +44,20 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 class CompileOnlyDriver:
-    """Triton's active driver, faked: device 0, stream 0, a CUDA target of ``arch`` (90: H100/H200).
-    The JIT binds and specializes arguments and compiles for it; nothing is launched (warmup)."""
+    """Triton's active driver, faked: a CUDA target of ``arch`` (90: H100/H200), stream 0, and a
+    device number of its own, so the JIT's in-memory kernels of other drivers are not its own (it
+    asks its hooks and its disk cache afresh). The JIT binds and specializes arguments and compiles
+    for it; nothing is launched (warmup)."""
+
+    _devices = itertools.count(1000)
 
     def __init__(self, arch: int = 90):
         from triton.backends.compiler import GPUTarget
         self.target = GPUTarget("cuda", arch, 32)
+        self.device = next(self._devices)
 
     def get_current_device(self):
-        return 0
+        return self.device
 
     def get_current_stream(self, device=None):
         return 0
@@ -80,26 +86,22 @@ def fake_driver(arch: int = 90):
 def tuning_variants(keys, num_sms: int = 132) -> list[tuple]:
     """One ``(M, N, K, dtype, config)`` per distinct compiled variant among the candidate configs
     the tuner times for ``keys`` ``[(M, N, K, dtype), ...]`` on a GPU with sparse tensor cores and
-    ``num_sms`` SMs (the tuner's own de-duplication, ``tuning._compile_variant``)."""
+    ``num_sms`` SMs (the tuner's own de-duplication, ``tuning.distinct_variants``)."""
     from sparse24.ops.config_space import candidate_configs
-    from sparse24.tools.tuning import _compile_variant, runtime_layout
-    variants = {}
-    for M, N, K, dtype in keys:
-        for cfg in candidate_configs(M, N, K, num_sms, runtime_layout(dtype), dtype):
-            variants.setdefault(_compile_variant(M, N, K, dtype, cfg), (M, N, K, dtype, cfg))
-    return list(variants.values())
+    from sparse24.tools.tuning import distinct_variants, runtime_layout
+    return distinct_variants([(M, N, K, dtype, cfg) for M, N, K, dtype in keys
+                              for cfg in candidate_configs(M, N, K, num_sms, runtime_layout(dtype), dtype)])
 
 
 def warm(variants, arch: int = 90, record: list | None = None) -> None:
-    """Put each variant through the JIT as its launch would (CPU tensors, whose pointers are 16-byte
-    aligned as CUDA's), under :func:`fake_driver`: compiled into Triton's cache
-    (``TRITON_CACHE_DIR``), or, given ``record``, only its specialization data appended there
-    (JSON strings; nothing compiled)."""
+    """Put each variant through the JIT as the tuner's compile step does (``tuning.compile_variants``,
+    on CPU tensors, whose pointers are 16-byte aligned as CUDA's) under :func:`fake_driver`:
+    compiled into Triton's cache (``TRITON_CACHE_DIR``), or, given ``record``, only its
+    specialization data appended there (JSON strings; nothing compiled). Raises on a failure."""
     import torch
     import triton
 
-    from sparse24.ops.linear24.launch import kernel_call, target_dtype, variant_of
-    from sparse24.tools.tuning import _tuning_inputs, runtime_layout
+    from sparse24.tools.tuning import compile_variants
 
     def hook(**kw):
         record.append(kw["compile"]["specialization_data"])
@@ -108,21 +110,13 @@ def warm(variants, arch: int = 90, record: list | None = None) -> None:
     old = triton.knobs.runtime.jit_cache_hook
     if record is not None:
         triton.knobs.runtime.jit_cache_hook = hook
-    inputs = {}
     try:
         with fake_driver(arch):
-            for M, N, K, dtype, cfg in variants:
-                if (M, N, K, dtype) not in inputs:
-                    inputs[(M, N, K, dtype)] = _tuning_inputs(M, N, K, dtype, "cpu", layout=runtime_layout(dtype))[:2]
-                x, p = inputs[(M, N, K, dtype)]
-                target = torch.empty(M, N, dtype=target_dtype(cfg, cfg.split_k, x.dtype))
-                _, grid, args, kwargs = kernel_call(x, p, None, target, cfg, cfg.split_k, sparse_cores=True)
-                jit_fn = variant_of(cfg, x.dtype, p.scale is not None, p.values.dtype, True).kernel(cuda=True)
-                if record is not None:   # the JIT asks the hook only about what it has not compiled
-                    jit_fn.device_caches[0][0].clear()   # in this process (device 0: the fake one)
-                jit_fn.warmup(*args, grid=grid, **kwargs)
+            errors = compile_variants(variants, torch.device("cpu"), sparse_cores=True)
     finally:
         triton.knobs.runtime.jit_cache_hook = old
+    if errors:
+        raise RuntimeError(f"{len(errors)} variants failed, e.g. {errors[0]}")
 
 
 # --- build (Triton and numpy only) ---------------------------------------------------------------

@@ -285,20 +285,39 @@ def _compile_variant(M: int, N: int, K: int, dtype: str, cfg: KernelConfig) -> t
             tiles == cfg.split_k)
 
 
-def _compile_worker(items: list, device_index: int) -> list[str]:
-    """Compile (not run) each (M, N, K, dtype, config) into Triton's disk cache."""
-    errors = []
-    device = torch.device("cuda", device_index)
-    torch.cuda.set_device(device)
+def distinct_variants(tasks) -> list:
+    """One ``(M, N, K, dtype, config)`` of ``tasks`` per distinct compiled kernel variant
+    (:func:`_compile_variant`), in their order."""
+    variants = {}
+    for t in tasks:
+        variants.setdefault(_compile_variant(*t), t)
+    return list(variants.values())
+
+
+def compile_variants(items: list, device, sparse_cores: bool | None = None) -> list[str]:
+    """Compile (not run) the CUDA kernel of each ``(M, N, K, dtype, config)`` into Triton's disk
+    cache, its arguments made on ``device`` (a GPU; or CPU tensors under a driver that only
+    compiles: scripts/triton_prebuild.py, ``sparse_cores`` then as the target has them). Returns
+    the errors, one message each."""
+    errors, key, inputs = [], None, None
     for M, N, K, dtype, cfg in items:
         try:
-            x, p, _ = _tuning_inputs(M, N, K, dtype, device, layout=runtime_layout(dtype))
+            if (M, N, K, dtype) != key:   # (items come grouped by key: one key's inputs at a time)
+                key, inputs = (M, N, K, dtype), _tuning_inputs(M, N, K, dtype, device, layout=runtime_layout(dtype))
+            x, p, _ = inputs
             target = torch.empty(M, N, device=device, dtype=target_dtype(cfg, cfg.split_k, x.dtype))
-            kernel, grid, args, kwargs = kernel_call(x, p, None, target, cfg, cfg.split_k)
+            kernel, grid, args, kwargs = kernel_call(x, p, None, target, cfg, cfg.split_k, sparse_cores, cuda=True)
             kernel.warmup(*args, grid=grid, **kwargs)
         except Exception as e:  # reported; the timing pass skips configs that fail again
             errors.append(f"{cfg}: {type(e).__name__}: {str(e)[:200]}")
     return errors
+
+
+def _compile_worker(items: list, device_index: int) -> list[str]:
+    """Compile (not run) each (M, N, K, dtype, config) into Triton's disk cache."""
+    device = torch.device("cuda", device_index)
+    torch.cuda.set_device(device)
+    return compile_variants(items, device)
 
 
 def _precompile(tasks: list, jobs: int, device: torch.device) -> int:
@@ -308,10 +327,7 @@ def _precompile(tasks: list, jobs: int, device: torch.device) -> int:
     from concurrent.futures import ProcessPoolExecutor
     from multiprocessing import get_context
 
-    variants = {}
-    for t in tasks:
-        variants.setdefault(_compile_variant(*t), t)
-    items = list(variants.values())
+    items = distinct_variants(tasks)
     if jobs <= 1 or len(items) <= 1:
         errors = _compile_worker(items, device.index or 0)
     else:

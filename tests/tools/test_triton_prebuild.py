@@ -15,7 +15,7 @@ KEY = (1, 128, 256, "float16")
 
 @pytest.fixture
 def cache_env(tmp_path, monkeypatch):
-    """A fresh Triton cache folder for the JIT, and fresh in-memory JIT caches."""
+    """A fresh Triton cache folder for the JIT."""
     cache = tmp_path / "cache"
     monkeypatch.setenv("TRITON_CACHE_DIR", str(cache))
     yield cache
@@ -23,17 +23,6 @@ def cache_env(tmp_path, monkeypatch):
 
 def _files(cache):
     return sorted(str(f.relative_to(cache)) for f in cache.rglob("*") if f.is_file())
-
-
-def _forget_compiled(variants):
-    """Empty the in-memory caches of the variants' JIT functions (a second lookup goes to disk)."""
-    import torch
-
-    from sparse24.ops.linear24.launch import variant_of
-    for _, _, _, dtype, cfg in variants:
-        x_dtype = torch.float16 if dtype.endswith("float16") else torch.bfloat16
-        for values in (torch.float16, torch.uint8):
-            variant_of(cfg, x_dtype, dtype.startswith("int"), values, True).kernel(cuda=True).device_caches.clear()
 
 
 def test_build_writes_what_the_jit_looks_up(tmp_path, cache_env):
@@ -55,8 +44,7 @@ def test_build_writes_what_the_jit_looks_up(tmp_path, cache_env):
     shutil.rmtree(built)                 # (so only the relocated paths can be found)
     assert mod.relocate(cache_env) == 2
     before = _files(cache_env)
-    _forget_compiled(variants)
-    mod.warm(variants)
+    mod.warm(variants)                     # (a fresh fake device: the JIT looks on disk)
     assert _files(cache_env) == before     # a compile would have written its IR files (.ptx, ...) again
 
 
@@ -68,7 +56,6 @@ def test_a_stale_copy_is_a_miss_not_an_error(tmp_path, cache_env):
     mod.build(specs, built)
     shutil.copytree(built, cache_env)   # not relocated: its group file names the old place
     shutil.rmtree(built)
-    _forget_compiled(variants)
     before = _files(cache_env)
     mod.warm(variants)                  # compiles again (Triton finds no files), no error
     after = _files(cache_env)

@@ -867,12 +867,13 @@ def check_triton_for_gpu() -> None:
 
 
 def kernel_call(x2, p: Sparse24Tensor | DecodePacked, bias, target, config: KernelConfig, split_k: int,
-                sparse_cores: bool | None = None):
+                sparse_cores: bool | None = None, cuda: bool | None = None):
     """``(kernel, grid, args, kwargs)`` of one launch writing ``target`` (M, N)
     (dtype :func:`target_dtype`; zeroed when that is the general kernel's fp32
     split-K buffer); shared by the tuner's parallel pre-compilation and the
     ahead-of-time compile, so both build the same kernel variant as the launch path
-    (``sparse_cores``: as :func:`variant_of`, default :func:`sparse_tensor_cores` of x's device)."""
+    (``sparse_cores``: as :func:`variant_of`, default :func:`sparse_tensor_cores` of x's device;
+    ``cuda``: the compiled kernel rather than the interpreted one, default: x on CUDA)."""
     if x2.is_cuda:
         check_triton_for_gpu()
     sparse_cores = sparse_tensor_cores(x2.device) if sparse_cores is None else sparse_cores
@@ -891,7 +892,8 @@ def kernel_call(x2, p: Sparse24Tensor | DecodePacked, bias, target, config: Kern
     grid = variant.grid(M, p.shape[0], config, split_k)
     extra = variant.extra(x2.device, p.shape[0], config, split_k, m_bucket(M))
     z = variant.zero_arg(p.meta if zero is None else zero)
-    return variant.kernel(x2.is_cuda), grid, variant.args(x2, p.values, p.meta, s, b, target, M, extra, z), kwargs
+    return (variant.kernel(x2.is_cuda if cuda is None else cuda), grid,
+            variant.args(x2, p.values, p.meta, s, b, target, M, extra, z), kwargs)
 
 
 def aot_compile(x2, p: Sparse24Tensor | DecodePacked, bias, target, config: KernelConfig, split_k: int,
