@@ -249,9 +249,12 @@ def prefill(out: Path, dev, shapes=((4096, 4096), (11008, 4096), (4096, 11008)),
                 # past the route's rows: its 32-row config, one program per (32 rows, weight tile)
                 sp_cfg = None if M <= SP_MAX_M else replace(decode_default(N, K, key, rows=32), split_k=1)
                 if weight == "fp16":
-                    y_t = _triton_dense(x, wd, cfg, kernels)
-                    err = (y_t.float() - F.linear(x, wd).float()).abs().max().item()
-                    print(f"  M {M}: triton dense max |diff| vs F.linear {err:.3g}", flush=True)
+                    try:   # (a deep config's dense tiles can exceed shared memory: reported, the sweep goes on)
+                        y_t = _triton_dense(x, wd, cfg, kernels)
+                        err = (y_t.float() - F.linear(x, wd).float()).abs().max().item()
+                        print(f"  M {M}: triton dense max |diff| vs F.linear {err:.3g}", flush=True)
+                    except Exception as e:  # noqa: BLE001
+                        print(f"  M {M}: triton dense failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
                 try:   # the sparse tensor-core kernel's result, as timed below (F.linear: fp32 accumulation too)
                     ref = F.linear(x.float(), wd.float())
                     y_sp = launch.run(x, p.values, p.meta, p.scale, None, N, sp_cfg, p.zero, gs).float()

@@ -902,7 +902,105 @@ def prefill_main(a) -> int:
     print("min predicted without split-K (the best config of the space not split): " + ", ".join(
         f"{dt} M={m} {v:.2f}" for (dt, m), v in sorted(one_split.items())))
     print("predicted >= 1.0 of dense (default configs): " + (", ".join(wins) or "nowhere"))
+    few_rows_report(rows, dtypes)
     return 0
+
+
+def prefill_in_flight(r: dict, dtype: str, M: int, N: int, K: int, split_k: int) -> float:
+    """Weight bytes one SM keeps in flight (average over the SMs) running a prefill config at
+    (M, N, K) split ``split_k`` ways: resident programs (its cost row's ``per_sm``, or the
+    programs / 132 where fewer) x K-tiles requested ahead (num_stages - 1, at most a split's
+    K-tiles) x its weight tile's bytes (values and metadata)."""
+    c = r["cfg"]
+    programs = -(-M // c.block_m) * -(-N // c.block_n) * split_k
+    depth = min(c.num_stages - 1, -(-(-(-K // c.block_k)) // split_k))
+    return min(max(r["per_sm"], 1), programs / SMS) * depth * weight_tile_bytes(dtype, c.block_n, c.block_k)
+
+
+# The pairs whose weights run the prefill kernel at 17-64 rows with 16-bit x (op._auto_backend).
+SIXTEEN_BIT = ("float16", "bfloat16")
+# The H200's measured prefill-kernel rows the latency term was fitted on and is checked against.
+MEASURED_PREFILL = ("results/NVIDIA_H200/probe_prefill-run4.csv", "results/NVIDIA_H200/probe_prefill-run5.csv")
+SM_CLOCK_GHZ = 1.98
+
+
+def measured_prefill_rows(root: str = ".") -> list[dict]:
+    """Rows of MEASURED_PREFILL at 17-64 rows: ``pair`` (``float16`` / ``int8-float16``), N, K, M,
+    the config (``cfg``, with its split) and the measured kernel time ``us`` (later files win)."""
+    import csv
+
+    from sparse24.ops.config_space import SPLIT_K_MAX_M, KernelConfig
+
+    found = {}
+    for name in MEASURED_PREFILL:
+        path = os.path.join(root, name)
+        if not os.path.exists(path):
+            continue
+        with open(path) as f:
+            for row in csv.DictReader(f):
+                m = re.fullmatch(r"BM(\d+)_BN(\d+)_BK(\d+)_W(\d+)_S(\d+)_SK(\d+)", row["prefill_config"])
+                if not m or int(row["M"]) > SPLIT_K_MAX_M or row["prefill_us"] in ("", "nan"):
+                    continue
+                bm, bn, bk, w, st, sk = map(int, m.groups())
+                pair = {"fp16": "float16", "int8": "int8-float16"}[row["weight"]]
+                key = (pair, int(row["N"]), int(row["K"]), int(row["M"]))
+                found[key] = dict(pair=pair, N=key[1], K=key[2], M=key[3], us=float(row["prefill_us"]),
+                                  cfg=KernelConfig(bm, bn, bk, 8, sk, w, st, kernel="prefill"))
+    return list(found.values())
+
+
+def few_rows_report(rows: list[dict], dtypes: list[str]) -> None:
+    """``--prefill`` at 17-64 rows: the weight bytes in flight per SM of the default configs at
+    the listed shapes, and the model against the H200's measured prefill-kernel times there,
+    with and without its latency term (prefill_model.HBM_LATENCY_CLK)."""
+    from sparse24.ops.linear24.prefill import cost_key, prefill_config
+
+    least, short = {}, []
+    for dt in dtypes:
+        by_cfg = {r["cfg"]: r for r in rows if r["dtype"] == dt}
+        for N, K in PREFILL_SHAPES:
+            for M in (17, 32, 48, 64):
+                c = prefill_config(M, N, K, pair=dt)
+                if cost_key(c) in by_cfg:
+                    flight = prefill_in_flight(by_cfg[cost_key(c)], dt, M, N, K, c.split_k)
+                    least[dt] = min(least.get(dt, flight), flight)
+                    whole = N * K * weight_tile_bytes(dt, 64, 64) / (64 * 64) / SMS
+                    if dt in SIXTEEN_BIT and flight < min(IN_FLIGHT_GOAL, whole) * (1 - 1e-9):
+                        short.append(f"{dt} {N}x{K} M={M} {flight / 1024:.1f}")
+    print("min weight bytes in flight per SM at 17-64 rows (default configs, M = 17, 32, 48, 64 at the listed "
+          "shapes): " + ", ".join(f"{dt} {v / 1024:.1f} KiB" for dt, v in least.items()))
+    print(f">= {IN_FLIGHT_GOAL // 1024} KiB in flight per SM at 17-64 rows (or the whole weight / 132 where it is "
+          "smaller), 16-bit weights (INT8 / INT4 with 16-bit x take the sparse tensor-core kernel there: --occupancy "
+          "--listed-rows 32): " + ("met at every listed shape" if not short else "NOT met: " + "; ".join(short)))
+    measured = [m for m in measured_prefill_rows() if m["pair"] in dtypes]
+    if not measured:
+        return
+    print(f"# 17-64 rows, the H200's measured prefill kernel ({', '.join(MEASURED_PREFILL)}) against the model "
+          f"(this Triton's cost rows; us at {SM_CLOCK_GHZ} GHz): with its latency term, without it; flightKiB: weight "
+          "bytes in flight per SM")
+    print(f"  {'pair':13} {'shape':>11} {'M':>3} {'config':26} {'measured':>8} {'model':>6} {'m-model':>7} "
+          f"{'no-lat':>6} {'m-no-lat':>8} {'flightKiB':>9}")
+    gaps = {True: [], False: []}
+    for m in measured:
+        r = {x["cfg"]: x for x in rows if x["dtype"] == m["pair"]}.get(cost_key(m["cfg"]))
+        if r is None:
+            continue
+        w_bytes = dense_bytes_per_weight(m["pair"])
+        us = {lat: predicted_time(r, m["M"], m["N"], m["K"], w_bytes, m["cfg"].split_k,
+                                  **({} if lat else {"hbm_latency": 0.0}))[0] / (SM_CLOCK_GHZ * 1e3)
+              for lat in (True, False)}
+        for lat in gaps:
+            gaps[lat].append(m["us"] - us[lat])
+        print(f"  {m['pair']:13} {m['N']:>5}x{m['K']:<5} {m['M']:>3} {config_name(m['cfg']):26} {m['us']:>8.1f} "
+              f"{us[True]:>6.1f} {m['us'] - us[True]:>7.1f} {us[False]:>6.1f} {m['us'] - us[False]:>8.1f} "
+              f"{prefill_in_flight(r, m['pair'], m['M'], m['N'], m['K'], m['cfg'].split_k) / 1024:>9.1f}")
+
+    def spread(v):
+        v = sorted(v)
+        return f"median {v[len(v) // 2]:.1f} us, {v[0]:.1f} to {v[-1]:.1f}"
+    print(f"measured - model at 17-64 rows ({len(gaps[True])} H200 points): with the latency term "
+          f"{spread(gaps[True])}; without it {spread(gaps[False])} (a constant difference is the fixed launch and "
+          "epilogue time the model leaves out)")
 
 
 # --- --unpack: the unpack route's kernel ---------------------------------------------

@@ -86,8 +86,8 @@ def test_every_config_matches_reference(wtype, gen):
         assert_matches_reference(y, x, dense)
 
 
-@pytest.mark.parametrize("bm,bn,bk,split", [(32, 64, 128, 2), (64, 128, 128, 4), (128, 64, 64, 2), (128, 256, 64, 2),
-                                              (128, 128, 64, 16), (128, 256, 64, 8)])
+@pytest.mark.parametrize("bm,bn,bk,split", [(32, 64, 128, 2), (64, 128, 128, 4), (32, 128, 256, 4), (128, 64, 64, 2),
+                                              (128, 256, 64, 2), (128, 128, 64, 16), (128, 256, 64, 8)])
 def test_split_k_matches_reference(bm, bn, bk, split, gen):
     """The prefill kernel's split-K on the GPU (partial sums added as a pairwise tree through the
     workspace, an arrival counter per node, programs racing for real): against fp64, then four

@@ -419,7 +419,10 @@ def prefill_configs(M: int) -> list[KernelConfig]:
     """The prefill kernel's (``kernels/sparse24_prefill.py``) config space for the static report and a tuner: BLOCK_M in
     (32, 64) at M <= 64, else (32, 64, 128, 256) (BLOCK_K 128 for
     BLOCK_M < 128, else 64), BLOCK_N x warps in (64 x 4, 128 x 8), 2 or 3 stages
-    (pipelined x loads); past 64 rows also 128 x 256 (8 warps, two 128-row halves of W
+    (pipelined x and weight loads); at M <= 64 (SPLIT_K_MAX_M), where each weight tile streams
+    from HBM once and the H200 measured this kernel bound by the bytes a program keeps in flight
+    (docs/kernels.md, "17-64 rows: bytes in flight"), also BLOCK_K 128 on 4 stages and BLOCK_K 256
+    on 2 or 3; past 64 rows also 128 x 256 (8 warps, two 128-row halves of W
     sharing one x tile; BLOCK_K 64 or 128) where the installed Triton runs 128-row tiles in
     x's own order (``natural_tile``: 3.6 and later). BLOCK_K 128 there halves the per-K-tile
     cost of a quantization group's constants (INT4 with bfloat16 x, Triton 3.6: 1126 -> 1024
@@ -429,22 +432,27 @@ def prefill_configs(M: int) -> list[KernelConfig]:
     count of 3)."""
     from sparse24.kernels.sparse24_prefill import natural_tile
 
-    bms = (32, 64) if M <= 64 else (32, 64, 128, 256)
-    space = [(bm, bn, 64 if bm >= 128 else 128, w) for bm in bms for bn, w in ((64, 4), (128, 8))]
-    if M > 64 and natural_tile(128, WIDE_N):
-        space += [(128, WIDE_N, 64, 8), (128, WIDE_N, 128, 8)]
+    bms = (32, 64) if M <= SPLIT_K_MAX_M else (32, 64, 128, 256)
+    space = [(bm, bn, 64 if bm >= 128 else 128, w, st) for bm in bms for bn, w in ((64, 4), (128, 8)) for st in (2, 3)]
+    if M <= SPLIT_K_MAX_M:   # more weight bytes in flight per program where the weight streams from HBM
+        space += [(bm, bn, bk, w, st) for bm in bms for bn, w in ((64, 4), (128, 8))
+                  for bk, st in ((128, 4), (256, 2), (256, 3))]
+    elif natural_tile(128, WIDE_N):
+        space += [(128, WIDE_N, bk, 8, st) for bk in (64, 128) for st in (2, 3)]
     return [check_prefill_config(KernelConfig(bm, bn, bk, 8, 1, w, st, kernel="prefill"))
-            for bm, bn, bk, w in space for st in (2, 3)]
+            for bm, bn, bk, w, st in space]
 
 
 def split_factors(M: int, N: int, K: int, config: KernelConfig, num_sms: int = 132) -> tuple[int, ...]:
     """The prefill kernel's split-K factors (:data:`PREFILL_SPLITS`) for ``config`` at
     (M, N, K), the defaults' and the tuner's: 1, and up to M = PREFILL_SPLIT_MAX_M those that
-    keep two K-tiles per split and at most two programs per SM (split-K is for output tiles
-    too few to fill the SMs; the workspace grows with the programs)."""
+    keep two K-tiles per split and at most two programs per SM, four at M <= SPLIT_K_MAX_M as the
+    decode kernels (split-K is for output tiles too few to fill the SMs, and at few rows for the
+    weight bytes in flight; the workspace grows with the programs)."""
     tiles = -(-M // config.block_m) * -(-N // config.block_n)
+    per_sm = 4 if M <= SPLIT_K_MAX_M else 2
     return (1,) + tuple(s for s in PREFILL_SPLITS[1:] if M <= PREFILL_SPLIT_MAX_M and K >= 2 * s * config.block_k
-                        and tiles * s <= 2 * num_sms)
+                        and tiles * s <= per_sm * num_sms)
 
 
 def check_prefill_config(config: KernelConfig) -> KernelConfig:

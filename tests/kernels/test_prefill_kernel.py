@@ -128,6 +128,8 @@ def _split(bm, bn, bk, split):
     (40, 200, 1000, torch.float32, "fp16", _split(32, 64, 128, 2)),   # a partial K-tile in the last split
     (40, 72, 1000, torch.float16, "int8", _split(32, 64, 128, 4)),
     (17, 72, 300, torch.float32, "fp16", _split(32, 128, 128, 4)),    # 3 K-tiles, 4 splits: one owns none
+    (40, 72, 1300, torch.float16, "fp16", _split(32, 64, 256, 4)),    # 256 deep (17-64 rows): 6 K-tiles, partial last
+    (64, 40, 1100, torch.float32, "int8", _split(64, 128, 256, 2)),
     (67, 40, 700, torch.float32, "int4", _split(64, 64, 128, 16)),    # 6 K-tiles, 16 splits
     (130, 72, 520, torch.float16, "fp16", _split(128, 64, 64, 2)),    # natural order, two accumulators
     (130, 300, 520, torch.float32, "int8", _split(128, 256, 64, 4)),  # the wide tile: both halves' partials
@@ -400,6 +402,38 @@ def test_default_configs_follow_the_model(monkeypatch):
     assert better > 0   # the model's choice differs somewhere, or the table would not be needed
 
 
+def test_few_row_defaults_keep_the_weight_in_flight(monkeypatch):
+    """At 17-64 rows, where the H200 measured the prefill kernel bound by what each SM kept in
+    flight (run 4: 4.8-35 KiB of weight per SM, 0.36-1.27 TB/s), the default of a 16-bit weight at
+    the 11 listed shapes keeps >= 32 KiB of weight in flight per SM (resident programs x K-tiles
+    requested ahead x the weight tile), or the layer's whole weight / 132 where that is smaller,
+    with the cost table of the GPU image's Triton (3.6) and of the installed one. (INT8 / INT4 with
+    16-bit x run the sparse tensor-core kernel there, sized by decode_default; their prefill
+    defaults at 17-64 rows serve fp32 x and follow the model alone.)"""
+    import triton
+
+    tool = _static_check()
+    for version in {(3, 6), tuple(int(v) for v in triton.__version__.split(".")[:2])}:
+        table = prefill.prefill_costs(version)
+        if table is None:
+            continue
+        monkeypatch.setattr(prefill, "prefill_costs", lambda *args, **kw: table)
+        prefill_config.cache_clear()
+        try:
+            for pair in tool.SIXTEEN_BIT:
+                rows = {r["cfg"]: r for r in table[pair]["configs"]}
+                per_weight = tool.weight_tile_bytes(pair, 64, 64) / (64 * 64)   # values and metadata
+                for N, K in tool.PREFILL_SHAPES:
+                    for M in (17, 32, 48, 64):
+                        c = prefill_config(M, N, K, pair=pair)
+                        flight = tool.prefill_in_flight(dict(rows[prefill.cost_key(c)], cfg=c), pair, M, N, K,
+                                                        c.split_k)
+                        goal = min(tool.IN_FLIGHT_GOAL, N * K * per_weight / tool.SMS)
+                        assert flight >= goal * (1 - 1e-9), (version, pair, N, K, M, c, flight)
+        finally:
+            prefill_config.cache_clear()
+
+
 def _synthetic_row(stages, alone, l2_clocks, spills=0):
     """A cost row of 128 x 128 x 64 for the two tests below: 4096 x 4096 at M = 512 is 128
     programs, one per SM, 64 K-tiles (not split: _choice); dense takes 40960 clocks at 32 B per SM
@@ -640,6 +674,50 @@ def test_one_program_alone_is_the_replayed_loop():
     assert tool.predicted_time(r, 1024, 4096, 4096, 1.125)[0] == 64 * 1024
     r.pop("alone")   # without a replay: decode, then multiply
     assert tool.predicted_time(r, 256, 4096, 4096, 1.125)[0] == 64 * (400 + 512)
+
+
+def test_few_rows_wait_for_their_loads():
+    """Up to LATENCY_MAX_M rows a round of n programs takes at least (HBM_LATENCY_CLK + n t_l2) /
+    (num_stages - 1) SM clocks per K-tile (its pipeline's K-tiles in flight), by hand: 32 x 64 x
+    128 split 2 at 4096 x 8192 and 32 rows is 128 programs (one round, one per SM), 32 K-tiles
+    each; with L2 unbounded (t_l2 0, no partials' cost) every figure is above the HBM floor
+    (~19100 clocks). The fitted config's own numbers (17408 B a K-tile at 32 B per SM clock, 4096 x
+    4096: 16 K-tiles) give back the measured 2614 clocks per K-tile. Past 64 rows, or with the
+    term off, its loop binds as before."""
+    tool = _static_check()
+    lat = prefill_model.HBM_LATENCY_CLK
+    inf = float("inf")
+    for stages in (2, 3, 4):
+        r = dict(cfg=_cfg(32, 64, 128, stages), t_tensor=128.0, t_issue=400.0, alone=650.0, per_sm=4)
+        assert tool.predicted_time(r, 32, 4096, 8192, 1.125, 2, inf)[0] == 32 * lat / (stages - 1)
+        assert tool.predicted_time(r, 32, 4096, 8192, 1.125, 2, inf, hbm_latency=0.0)[0] == 32 * 650
+        # 65 rows: 3 row blocks, 384 programs, 3 per SM in one round: issue binds, no latency term
+        assert tool.predicted_time(r, 65, 4096, 8192, 1.125, 2, inf)[0] == 32 * 3 * 400
+    r = dict(cfg=_cfg(32, 64, 128, 2), t_tensor=128.0, t_issue=400.0, alone=520.0, per_sm=4, l2_bytes=17408)
+    partials = 2 * 32 * 64 * 4 / 32.0   # the split's tree: a store and a load of one fp32 tile
+    assert tool.predicted_time(r, 32, 4096, 4096, 1.125, 2, 32.0)[0] == 16 * (lat + 17408 / 32) + partials
+    assert 16 * (lat + 17408 / 32) == pytest.approx(16 * 2614)
+
+
+def test_the_latency_term_is_the_h200_fit():
+    """HBM_LATENCY_CLK is the slope of the H200's two measured runs of one config at 32 rows
+    (results/NVIDIA_H200/probe_prefill-run4.csv: 4096 x 4096 and 4096 x 11008, 16 and 43 K-tiles a
+    program) in SM clocks at 1.98 GHz, less its tiles' time through L2 at the assumed 32 B per SM
+    clock (32 x 128 fp16 x and 64 x 128 compressed fp16 weight a K-tile); the report reads those rows."""
+    import pathlib
+
+    tool = _static_check()
+    rows = {(r["N"], r["K"]): r for r in tool.measured_prefill_rows(pathlib.Path(__file__).parents[2])
+            if r["pair"] == "float16" and r["M"] == 32}
+    a, b = rows[(4096, 4096)], rows[(4096, 11008)]
+    assert a["cfg"] == b["cfg"] == dataclasses.replace(_cfg(32, 64, 128), split_k=2)
+
+    def tiles(r):
+        return -(-(-(-r["K"] // 128)) // 2)
+    slope = (b["us"] - a["us"]) / (tiles(b) - tiles(a)) * tool.SM_CLOCK_GHZ * 1e3
+    assert tool.tile_l2_bytes("float16", a["cfg"]) == 32 * 128 * 2 + 64 * 128 * 9 // 8
+    through_l2 = tool.tile_l2_bytes("float16", a["cfg"]) / prefill_model.L2_BYTES_PER_SM_CLK
+    assert abs(slope - through_l2 - prefill_model.HBM_LATENCY_CLK) < 1
 
 
 def test_the_report_writes_the_cost_table_it_reads(tmp_path, monkeypatch):

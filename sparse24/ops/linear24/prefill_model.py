@@ -24,6 +24,21 @@ HBM_BYTES_PER_SM_CLK = 4.0e12 / 1.98e9 / SMS
 # each K-tile (the pipelined copies bypass L1); split-K's fp32 partials go through it too.
 # scripts/gpu_l2_bandwidth.py measures it on a GPU.
 L2_BYTES_PER_SM_CLK = 32.0
+# Up to LATENCY_MAX_M rows each weight tile streams from HBM once, and a program waits out its
+# loads: its pipeline keeps num_stages - 1 K-tiles in flight, and a K-tile's bytes arrive
+# HBM_LATENCY_CLK after the request plus the time the SM's share of L2 bandwidth takes to bring
+# in its round's tiles (n programs' l2_bytes at l2 B per SM clock), so a round takes at least
+# (HBM_LATENCY_CLK + n t_l2) / (num_stages - 1) per K-tile (Little's law per program).
+# Fitted on the H200 (results/NVIDIA_H200/probe_prefill-run4.csv): one config, 32 x 64 x 128 on
+# 2 stages split in 2, one program per SM, at 32 rows took 25.66 us for 16 K-tiles a program
+# (fp16 4096 x 4096) and 61.30 us for 43 (4096 x 11008): 1.32 us per K-tile, 2614 clocks at
+# 1.98 GHz, less its tiles' 17408 B at the assumed 32 B per SM clock (544): 2070 (its loop alone
+# is ~520; the fit's fixed 4.6 us, launch and epilogue, is not modelled, on either side).
+# Measured throughput there rose with the bytes each SM kept in flight (docs/kernels.md,
+# "17-64 rows: bytes in flight"). Past 64 rows the tiles are re-read from L2 and the tensor,
+# issue and L2 terms bind; the fit says nothing there.
+HBM_LATENCY_CLK = 2070.0
+LATENCY_MAX_M = 64
 # The idealized dense GEMM's tiles (rows of x, rows of W: the small ones with the weight as
 # wgmma's 64-row side, as GEMMs swap the operands for few rows of x) and split-K factors.
 DENSE_TILES = ((32, 64), (32, 128), (64, 64), (64, 128), (128, 128), (128, 256), (256, 128))
@@ -73,19 +88,21 @@ def dense_time(M: int, N: int, K: int, l2: float = L2_BYTES_PER_SM_CLK, sms: int
 
 
 def predicted_time(r: dict, M: int, N: int, K: int, w_bytes: float, split_k: int = 1,
-                   l2: float = L2_BYTES_PER_SM_CLK, sms: int = SMS) -> tuple[float, float]:
+                   l2: float = L2_BYTES_PER_SM_CLK, sms: int = SMS,
+                   hbm_latency: float = HBM_LATENCY_CLK) -> tuple[float, float]:
     """``(ours, dense)`` in SM clocks for (M, N, K): programs spread over the SMs,
     ``per_sm`` resident at once, in rounds: a round of p programs takes max(p t_tensor,
     p t_issue, p t_l2, alone) per K-tile, where t_l2 is a program's x and weight tiles
     (``l2_bytes``) through L2 at ``l2`` B per SM clock (``inf``: no L2 limit, on either
     side) and ``alone`` is one program's K-tile by itself on an SM (its loop's wgmma groups
     and waits replayed; without it, decode and wgmma one after the other: t_tensor +
-    t_issue), other programs filling its gaps; floored by HBM traffic (weight bytes
+    t_issue), other programs filling its gaps, and up to LATENCY_MAX_M rows at least
+    (HBM_LATENCY_CLK + n t_l2) / (num_stages - 1) (each program's loads in flight); floored by HBM traffic (weight bytes
     ``w_bytes`` per element, x and out fp16). ``split_k`` > 1: the kernel's split-K
     (``r`` then the split row of the cost table): split_k times the programs, each over its
     split's whole K-tiles, and fp32 partial tiles through L2 as the pairwise tree moves them
     (:func:`reduction_tiles`). Dense: :func:`dense_time`. ``sms``: the SMs
-    the programs spread over."""
+    the programs spread over; ``hbm_latency``: the latency term's clocks (0: without it)."""
     c = r["cfg"]
     progs = -(-M // c.block_m) * -(-N // c.block_n) * split_k
     per_sm_progs = -(-progs // sms)
@@ -93,9 +110,11 @@ def predicted_time(r: dict, M: int, N: int, K: int, w_bytes: float, split_k: int
     tt, ti, tl2, p = r["t_tensor"], r["t_issue"], r.get("l2_bytes", 0) / l2, max(r["per_sm"], 1)
     full, rest = divmod(per_sm_progs, p)
     alone = r.get("alone", tt + ti)   # one program's K-tile
+    depth = max(c.num_stages - 1, 1) if M <= LATENCY_MAX_M else 0
 
     def rnd(n):
-        return max(n * tt, n * ti, n * tl2, alone) if n else 0.0
+        wait = (hbm_latency + n * tl2) / depth if depth else 0.0
+        return max(n * tt, n * ti, n * tl2, alone, wait) if n else 0.0
     ours = iters * (full * rnd(p) + rnd(rest))
     ours += reduction_tiles(per_sm_progs, split_k, c.block_n == 256) * c.block_m * c.block_n * 4 / l2
     io = (M * K + M * N) * 2 / SMS / HBM_BYTES_PER_SM_CLK
