@@ -50,7 +50,10 @@ predicted X us (issue Y us, HBM Z us)``.
 ``--prefill``: the prefill kernel (M > 16) compiled for sm_90: issue cycles of
 its main loop per tensor-core instruction, its tiles' L2 traffic, and the
 predicted ratio to dense at the listed shapes, with L2 at an assumed 32 B per
-SM clock and unbounded (docs/kernels.md, "Prefill path").
+SM clock and unbounded (docs/kernels.md, "Prefill path"); at 17-64 rows the
+defaults' weight bytes in flight per SM (``min weight bytes in flight per SM at
+17-64 rows``) and the model against the H200's measured rows, with and without
+its latency term (docs/kernels.md, "17-64 rows: bytes in flight").
 """
 import argparse
 import collections
