@@ -97,8 +97,8 @@ def predicted_time(r: dict, M: int, N: int, K: int, w_bytes: float, split_k: int
     side) and ``alone`` is one program's K-tile by itself on an SM (its loop's wgmma groups
     and waits replayed; without it, decode and wgmma one after the other: t_tensor +
     t_issue), other programs filling its gaps, and up to LATENCY_MAX_M rows at least
-    (HBM_LATENCY_CLK + n t_l2) / (num_stages - 1) (each program's loads in flight); floored by HBM traffic (weight bytes
-    ``w_bytes`` per element, x and out fp16). ``split_k`` > 1: the kernel's split-K
+    (HBM_LATENCY_CLK + n t_l2) / (num_stages - 1) (each program's loads in flight); floored
+    by HBM traffic (weight bytes ``w_bytes`` per element, x and out fp16). ``split_k`` > 1: the kernel's split-K
     (``r`` then the split row of the cost table): split_k times the programs, each over its
     split's whole K-tiles, and fp32 partial tiles through L2 as the pairwise tree moves them
     (:func:`reduction_tiles`). Dense: :func:`dense_time`. ``sms``: the SMs
