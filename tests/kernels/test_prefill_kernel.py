@@ -343,7 +343,7 @@ def test_default_configs_without_a_cost_table(monkeypatch):
     """A Triton with no cost table (below 3.6, or one not yet measured) gets the fixed list:
     the largest tile that still gives enough programs for an H200's 132 SMs, wasting at most
     half its rows, the same for every weight kind, split along K while the programs still fit one
-    wave."""
+    wave (to 64 rows: on 3 stages, up to FEW_ROWS_PER_SM programs per SM)."""
     wide = natural_tile(256, 128)   # Triton >= 3.6: 256 x 128 first, from 0.5 programs per SM
     assert [(lambda c: (c.block_m, c.block_n))(_rule_config(M, 4096, monkeypatch)) for M in (17, 64, 65, 256, 512, 1024, 100000)] == \
         [(32, 64), (32, 64), (128, 64), (128, 64), (128, 128)] + [(256 if wide else 128, 128)] * 2
@@ -351,9 +351,14 @@ def test_default_configs_without_a_cost_table(monkeypatch):
     assert _rule_config(64, 8192, monkeypatch).block_m == 64   # 128 programs of 64 x 64: from 0.5 per SM
     assert _rule_config(64, 3072, monkeypatch).block_m == 32   # 48 programs of 64 x 64: too few
     assert _rule_config(40, 28672, monkeypatch).block_m == 64  # never 128 rows for 40
-    # 64 programs of 32 x 64 (17 rows, 4096 x 4096): split in two (128 programs); 28672 rows give
-    # 448 programs, more than a wave already; past PREFILL_SPLIT_MAX_M rows nothing is split
-    assert [_rule_config(M, N, monkeypatch).split_k for M, N in ((17, 4096), (17, 28672), (100000, 1024))] == [2, 1, 1]
+    # 64 programs of 32 x 64 (17 rows, 4096 x 4096): to 64 rows split up to FEW_ROWS_PER_SM (3) programs
+    # per SM, so in four (256 programs); 28672 rows give 448 programs, more than that already; past
+    # 64 rows within one wave (65 rows, 1024 x 4096: 16 programs of 128 x 64, split in eight); past
+    # PREFILL_SPLIT_MAX_M rows nothing is split
+    assert [_rule_config(M, N, monkeypatch).split_k for M, N in ((17, 4096), (17, 28672), (65, 1024), (100000, 1024))] \
+        == [4, 1, 8, 1]
+    # to 64 rows on 3 stages (two K-tiles in flight a program: the latency term), past them on 2
+    assert [_rule_config(M, 4096, monkeypatch).num_stages for M in (17, 64, 65, 4096)] == [3, 3, 2, 2]
 
 
 def test_default_configs_follow_the_model(monkeypatch):

@@ -18,7 +18,7 @@ import math
 from pathlib import Path
 
 from ..config_space import DECODE_M, KernelConfig, check_prefill_config, prefill_configs, split_factors
-from .prefill_model import L2_BYTES_PER_SM_CLK, predicted_time
+from .prefill_model import L2_BYTES_PER_SM_CLK, LATENCY_MAX_M, predicted_time
 
 __all__ = ["prefill_config", "prefill_configs", "check_prefill_config", "cost_key", "natural_tile", "prefill_pair",
            "prefill_costs", "COSTS_FILE", "PAIRS", "COST_KEYS", "ROBUST_TOLERANCE", "ROBUST_L2"]
@@ -58,6 +58,13 @@ ROBUST_L2 = (L2_BYTES_PER_SM_CLK, 1.5 * L2_BYTES_PER_SM_CLK, 2 * L2_BYTES_PER_SM
 # weights), is not in the list: how an unmeasured Triton compiles its two halves is unknown.
 _WIDE = (256, 128, 64, 8, 2, 0.5)
 _TILES = ((128, 128, 64, 8, 2, 0.5), (128, 64, 64, 4, 2, 0.0), (64, 64, 128, 4, 2, 0.5), (32, 64, 128, 4, 2, 0.0))
+# Up to LATENCY_MAX_M rows the list's small tiles wait out their loads (prefill_model: the latency
+# term the H200's 17-64-row runs fitted): they take 3 stages (two K-tiles in flight a program) and
+# split along K to FEW_ROWS_PER_SM programs per SM, the fewest either tile fits on an SM at 3 stages
+# in the measured Tritons' tables and with Triton 3.5.1 (64 x 64 x 128: 3; 32 x 64 x 128: 4-5, sm_90,
+# every weight kind; scripts/kernel_static_check.py's programs_per_sm): 4096 x 4096 at 32 rows
+# keeps 34.9 KiB of fp16 weight in flight per SM (split 4), against 8.7 KiB on 2 stages split 2.
+FEW_ROWS_STAGES, FEW_ROWS_PER_SM = 3, 3
 
 
 @functools.lru_cache(maxsize=4096)
@@ -72,7 +79,8 @@ def prefill_config(M: int, N: int, K: int, num_sms: int = 132, pair: str = "floa
     64 B per SM clock and unbounded (:data:`ROBUST_L2`) is within :data:`ROBUST_TOLERANCE` of
     the largest, the largest ratio at 32. Without a table for this Triton: the first tile of a
     fixed list that wastes at most half its BLOCK_M rows and gives enough programs, split along
-    K while that still fits one wave (docs/kernels.md "Prefill path")."""
+    K while that still fits one wave (up to 64 rows: on 3 stages, and FEW_ROWS_PER_SM programs per
+    SM; docs/kernels.md "Prefill path", "17-64 rows: bytes in flight")."""
     if M <= DECODE_M:
         raise ValueError(f"the prefill kernel serves M > {DECODE_M}, got M = {M}")
     if pair not in PAIRS:
@@ -97,9 +105,10 @@ def prefill_config(M: int, N: int, K: int, num_sms: int = 132, pair: str = "floa
     for bm, bn, bk, warps, stages, fill in tiles:
         if bm < 2 * M and -(-M // bm) * -(-N // bn) >= fill * num_sms:
             break
-    c = _config(bm, bn, bk, warps, stages)
-    tiles = -(-M // bm) * -(-N // bn)
-    return dataclasses.replace(c, split_k=max((s for s in split_factors(M, N, K, c, num_sms) if tiles * s <= num_sms),
+    few = M <= LATENCY_MAX_M
+    c = _config(bm, bn, bk, warps, FEW_ROWS_STAGES if few else stages)
+    tiles, wave = -(-M // bm) * -(-N // bn), (FEW_ROWS_PER_SM if few else 1) * num_sms
+    return dataclasses.replace(c, split_k=max((s for s in split_factors(M, N, K, c, num_sms) if tiles * s <= wave),
                                               default=1))
 
 
