@@ -359,7 +359,9 @@ def test_prefill_entries_serve_the_prefill_route(isolated, tmp_path):
     space = [dataclasses.replace(c, split_k=s) for c in prefill_configs(128) for s in split_factors(128, 4096, 4096, c)]
     assert tuning.candidate_configs(128, 4096, 4096, 132, "decode", "float16") == space
     assert tuning.candidate_configs(128, 4096, 4096, 132, "decode", "int8-float16") == space
-    assert {c.split_k for c in space} == {1, 2, 4, 8, 16}   # the wide tile's 16 programs split up to 16
+    from sparse24.kernels.sparse24_prefill import natural_tile
+    # the wide tile's 16 programs split up to 16 (Triton >= 3.6; before, 128 x 128's 32 up to 8)
+    assert {c.split_k for c in space} == {1, 2, 4, 8} | ({16} if natural_tile(128, 256) else set())
     assert {c.split_k for c in tuning.candidate_configs(2048, 4096, 4096, 132, "decode", "float16")} == {1}
     sp = tuning.candidate_configs(32, 4096, 4096, 132, "decode", "int8-float16")
     assert sp and all(c.kernel == "decode" and c.block_m == 32 for c in sp)   # the sparse tensor-core route
