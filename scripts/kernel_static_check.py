@@ -69,7 +69,8 @@ from concurrent.futures import ProcessPoolExecutor
 
 import torch
 
-from sparse24.ops.linear24.prefill_model import L2_BYTES_PER_SM_CLK, MACS_PER_CLK, dense_time, predicted_time
+from sparse24.ops.linear24.prefill_model import (L2_BYTES_PER_SM_CLK, LATENCY_MAX_M, MACS_PER_CLK, dense_time,
+                                                 predicted_time)
 
 
 def compile_one(cfg, dtype, cap, N, K):
@@ -920,8 +921,6 @@ def prefill_in_flight(r: dict, dtype: str, M: int, N: int, K: int, split_k: int)
     return min(max(r["per_sm"], 1), programs / SMS) * depth * weight_tile_bytes(dtype, c.block_n, c.block_k)
 
 
-# The pairs whose weights run the prefill kernel at 17-64 rows with 16-bit x (op._auto_backend).
-SIXTEEN_BIT = ("float16", "bfloat16")
 # The H200's measured prefill-kernel rows the latency term was fitted on and is checked against.
 MEASURED_PREFILL = ("results/NVIDIA_H200/probe_prefill-run4.csv", "results/NVIDIA_H200/probe_prefill-run5.csv")
 SM_CLOCK_GHZ = 1.98
@@ -932,7 +931,7 @@ def measured_prefill_rows(root: str = ".") -> list[dict]:
     the config (``cfg``, with its split) and the measured kernel time ``us`` (later files win)."""
     import csv
 
-    from sparse24.ops.config_space import SPLIT_K_MAX_M, KernelConfig
+    from sparse24.ops.config_space import KernelConfig
 
     found = {}
     for name in MEASURED_PREFILL:
@@ -942,7 +941,7 @@ def measured_prefill_rows(root: str = ".") -> list[dict]:
         with open(path) as f:
             for row in csv.DictReader(f):
                 m = re.fullmatch(r"BM(\d+)_BN(\d+)_BK(\d+)_W(\d+)_S(\d+)_SK(\d+)", row["prefill_config"])
-                if not m or int(row["M"]) > SPLIT_K_MAX_M or row["prefill_us"] in ("", "nan"):
+                if not m or int(row["M"]) > LATENCY_MAX_M or row["prefill_us"] in ("", "nan"):
                     continue
                 bm, bn, bk, w, st, sk = map(int, m.groups())
                 pair = {"fp16": "float16", "int8": "int8-float16"}[row["weight"]]
@@ -952,30 +951,44 @@ def measured_prefill_rows(root: str = ".") -> list[dict]:
     return list(found.values())
 
 
+def few_row_flights(by_cfg: dict, dtype: str):
+    """For each listed shape at M = 17, 32, 48 and 64: ``(N, K, M, config, flight, goal)``, the
+    default config of pair ``dtype`` (:func:`prefill_config` with the installed cost table), the
+    weight bytes it keeps in flight per SM (:func:`prefill_in_flight`, from its row in ``by_cfg``,
+    cost rows by config) and the goal: IN_FLIGHT_GOAL, or the layer's whole weight / 132 where that is
+    smaller. Defaults without a row in ``by_cfg`` are left out."""
+    from sparse24.ops.linear24.prefill import cost_key, prefill_config
+
+    for N, K in PREFILL_SHAPES:
+        for M in (17, 32, 48, 64):
+            c = prefill_config(M, N, K, pair=dtype)
+            if cost_key(c) in by_cfg:
+                flight = prefill_in_flight(dict(by_cfg[cost_key(c)], cfg=c), dtype, M, N, K, c.split_k)
+                whole = N * K * weight_tile_bytes(dtype, 64, 64) / (64 * 64) / SMS
+                yield N, K, M, c, flight, min(IN_FLIGHT_GOAL, whole)
+
+
 def few_rows_report(rows: list[dict], dtypes: list[str]) -> None:
     """``--prefill`` at 17-64 rows: the weight bytes in flight per SM of the default configs at
     the listed shapes, and the model against the H200's measured prefill-kernel times there,
     with and without its latency term (prefill_model.HBM_LATENCY_CLK)."""
-    from sparse24.ops.linear24.prefill import cost_key, prefill_config
+    from sparse24.ops.config_space import sparse_kernel
+    from sparse24.ops.linear24.prefill import cost_key
 
+    by_pair = {dt: {r["cfg"]: r for r in rows if r["dtype"] == dt} for dt in dtypes}
     least, short = {}, []
     for dt in dtypes:
-        by_cfg = {r["cfg"]: r for r in rows if r["dtype"] == dt}
-        for N, K in PREFILL_SHAPES:
-            for M in (17, 32, 48, 64):
-                c = prefill_config(M, N, K, pair=dt)
-                if cost_key(c) in by_cfg:
-                    flight = prefill_in_flight(by_cfg[cost_key(c)], dt, M, N, K, c.split_k)
-                    least[dt] = min(least.get(dt, flight), flight)
-                    whole = N * K * weight_tile_bytes(dt, 64, 64) / (64 * 64) / SMS
-                    if dt in SIXTEEN_BIT and flight < min(IN_FLIGHT_GOAL, whole) * (1 - 1e-9):
-                        short.append(f"{dt} {N}x{K} M={M} {flight / 1024:.1f}")
+        for N, K, M, _, flight, goal in few_row_flights(by_pair[dt], dt):
+            least[dt] = min(least.get(dt, flight), flight)
+            # (the goal is the 16-bit weights': INT8 / INT4 with 16-bit x take the sparse tensor-core kernel)
+            if not sparse_kernel(dt) and flight < goal * (1 - 1e-9):
+                short.append(f"{dt} {N}x{K} M={M} {flight / 1024:.1f}")
     print("min weight bytes in flight per SM at 17-64 rows (default configs, M = 17, 32, 48, 64 at the listed "
           "shapes): " + ", ".join(f"{dt} {v / 1024:.1f} KiB" for dt, v in least.items()))
     print(f">= {IN_FLIGHT_GOAL // 1024} KiB in flight per SM at 17-64 rows (or the whole weight / 132 where it is "
           "smaller), 16-bit weights (INT8 / INT4 with 16-bit x take the sparse tensor-core kernel there: --occupancy "
           "--listed-rows 32): " + ("met at every listed shape" if not short else "NOT met: " + "; ".join(short)))
-    measured = [m for m in measured_prefill_rows() if m["pair"] in dtypes]
+    measured = [m for m in measured_prefill_rows() if m["pair"] in by_pair]
     if not measured:
         return
     print(f"# 17-64 rows, the H200's measured prefill kernel ({', '.join(MEASURED_PREFILL)}) against the model "
@@ -985,7 +998,7 @@ def few_rows_report(rows: list[dict], dtypes: list[str]) -> None:
           f"{'no-lat':>6} {'m-no-lat':>8} {'flightKiB':>9}")
     gaps = {True: [], False: []}
     for m in measured:
-        r = {x["cfg"]: x for x in rows if x["dtype"] == m["pair"]}.get(cost_key(m["cfg"]))
+        r = by_pair[m["pair"]].get(cost_key(m["cfg"]))
         if r is None:
             continue
         w_bytes = dense_bytes_per_weight(m["pair"])

@@ -425,16 +425,14 @@ def test_few_row_defaults_keep_the_weight_in_flight(monkeypatch):
         monkeypatch.setattr(prefill, "prefill_costs", lambda *args, **kw: table)
         prefill_config.cache_clear()
         try:
-            for pair in tool.SIXTEEN_BIT:
+            for pair in ("float16", "bfloat16"):
                 rows = {r["cfg"]: r for r in table[pair]["configs"]}
-                per_weight = tool.weight_tile_bytes(pair, 64, 64) / (64 * 64)   # values and metadata
-                for N, K in tool.PREFILL_SHAPES:
-                    for M in (17, 32, 48, 64):
-                        c = prefill_config(M, N, K, pair=pair)
-                        flight = tool.prefill_in_flight(dict(rows[prefill.cost_key(c)], cfg=c), pair, M, N, K,
-                                                        c.split_k)
-                        goal = min(tool.IN_FLIGHT_GOAL, N * K * per_weight / tool.SMS)
-                        assert flight >= goal * (1 - 1e-9), (version, pair, N, K, M, c, flight)
+                seen = 0
+                for N, K, M, c, flight, goal in tool.few_row_flights(rows, pair):
+                    assert goal == min(32 * 1024, N * K * 9 / 8 / 132)   # values and metadata: 9/8 B a weight
+                    assert flight >= goal * (1 - 1e-9), (version, pair, N, K, M, c, flight)
+                    seen += 1
+                assert seen == 4 * len(tool.PREFILL_SHAPES)   # every default has its cost row
         finally:
             prefill_config.cache_clear()
 

@@ -12,6 +12,8 @@ and weight tiles through L2) and ``per_sm`` (resident programs).
 """
 from __future__ import annotations
 
+from ..config_space import SPLIT_K_MAX_M
+
 # H200: 132 SMs; dense fp16/bf16 tensor cores 1024 x 2 = 2048 multiply-adds per clock per SM
 # (989 TFLOP/s at 1.83 GHz); HBM 4.0 TB/s at 1.98 GHz for the memory floor.
 SMS, MACS_PER_CLK = 132, 2048
@@ -36,9 +38,10 @@ L2_BYTES_PER_SM_CLK = 32.0
 # is ~520; the fit's fixed 4.6 us, launch and epilogue, is not modelled, on either side).
 # Measured throughput there rose with the bytes each SM kept in flight (docs/kernels.md,
 # "17-64 rows: bytes in flight"). Past 64 rows the tiles are re-read from L2 and the tensor,
-# issue and L2 terms bind; the fit says nothing there.
+# issue and L2 terms bind; the fit says nothing there. (The config space's few-row regime, whose
+# deeper configs and wider split-K this term is for: config_space.prefill_configs, split_factors.)
 HBM_LATENCY_CLK = 2070.0
-LATENCY_MAX_M = 64
+LATENCY_MAX_M = SPLIT_K_MAX_M
 # The idealized dense GEMM's tiles (rows of x, rows of W: the small ones with the weight as
 # wgmma's 64-row side, as GEMMs swap the operands for few rows of x) and split-K factors.
 DENSE_TILES = ((32, 64), (32, 128), (64, 64), (64, 128), (128, 128), (128, 256), (256, 128))
