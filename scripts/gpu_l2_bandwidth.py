@@ -1,6 +1,7 @@
 """Measure what the prefill model assumes: how many bytes per SM clock L2 delivers to
-the SMs (scripts/kernel_static_check.py, ``L2_BYTES_PER_SM_CLK``, 32 assumed; docs/kernels.md,
-"Prefill path"), and HBM's bandwidth beside it. Run by scripts/gpu_check.sh; its figure
+the SMs (scripts/kernel_static_check.py, ``L2_BYTES_PER_SM_CLK``: 24.7, the mean of this probe's two
+H200 runs, 23.4 and 26.0; 32 assumed before; docs/kernels.md, "Prefill path"), and HBM's bandwidth
+beside it. Run by scripts/gpu_check.sh; its figure
 goes back into the report here: ``python scripts/kernel_static_check.py --prefill --l2 X``.
 
 Every program reads 16-byte vectors with ``.cg`` (L2 only, as the prefill kernel's

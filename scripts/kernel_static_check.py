@@ -854,7 +854,7 @@ def prefill_main(a) -> int:
           "t_issue = issue cycles per scheduler (half-rate counted twice), t_tensor = SM clocks of its "
           "multiply-adds at 2048 per clock; alone = SM clocks of one program's K-tile by itself (its loop's wgmma "
           "groups and waits replayed: loop_tile_time); t_L2 = SM clocks of its x and weight tiles through L2 at "
-          f"{a.l2:g} B per SM clock ({'assumed' if a.l2 == L2_BYTES_PER_SM_CLK else '--l2'}); in flight = wgmma groups per K-tile / the fewest "
+          f"{a.l2:g} B per SM clock ({'the H200 measured' if a.l2 == L2_BYTES_PER_SM_CLK else '--l2'}); in flight = wgmma groups per K-tile / the fewest "
           "any wait leaves in flight; /SM = resident programs (registers, shared memory)")
     print(f"{'dtype':13} {'config':26} {'regs':>4} {'smem':>6} {'/SM':>3} {'mma':>4} {'loop':>5} {'half':>4} "
           f"{'issue/mma':>9} {'t_issue':>7} {'t_tensor':>8} {'alone':>6} {'t_L2':>5} in flight")
@@ -907,6 +907,7 @@ def prefill_main(a) -> int:
         f"{dt} M={m} {v:.2f}" for (dt, m), v in sorted(one_split.items())))
     print("predicted >= 1.0 of dense (default configs): " + (", ".join(wins) or "nowhere"))
     few_rows_report(rows, dtypes)
+    large_rows_report(rows, a.cap)
     return 0
 
 
@@ -926,9 +927,11 @@ MEASURED_PREFILL = ("results/NVIDIA_H200/probe_prefill-run4.csv", "results/NVIDI
 SM_CLOCK_GHZ = 1.98
 
 
-def measured_prefill_rows(root: str = ".") -> list[dict]:
-    """Rows of MEASURED_PREFILL at 17-64 rows: ``pair`` (``float16`` / ``int8-float16``), N, K, M,
-    the config (``cfg``, with its split) and the measured kernel time ``us`` (later files win)."""
+def measured_prefill_rows(root: str = ".", few: bool = True) -> list[dict]:
+    """Rows of MEASURED_PREFILL at 17-64 rows (``few``; else past 64): ``pair`` (``float16`` /
+    ``int8-float16``), N, K, M, the config (``cfg``, with its split), the measured kernel time ``us``,
+    cuBLAS's ``dense_us`` and Triton's own dense GEMM on the same tile ``triton_dense_us`` (NaN where
+    not timed) (later files win)."""
     import csv
 
     from sparse24.ops.config_space import KernelConfig
@@ -941,14 +944,102 @@ def measured_prefill_rows(root: str = ".") -> list[dict]:
         with open(path) as f:
             for row in csv.DictReader(f):
                 m = re.fullmatch(r"BM(\d+)_BN(\d+)_BK(\d+)_W(\d+)_S(\d+)_SK(\d+)", row["prefill_config"])
-                if not m or int(row["M"]) > LATENCY_MAX_M or row["prefill_us"] in ("", "nan"):
+                if not m or (int(row["M"]) <= LATENCY_MAX_M) != few or row["prefill_us"] in ("", "nan"):
                     continue
                 bm, bn, bk, w, st, sk = map(int, m.groups())
                 pair = {"fp16": "float16", "int8": "int8-float16"}[row["weight"]]
                 key = (pair, int(row["N"]), int(row["K"]), int(row["M"]))
                 found[key] = dict(pair=pair, N=key[1], K=key[2], M=key[3], us=float(row["prefill_us"]),
-                                  cfg=KernelConfig(bm, bn, bk, 8, sk, w, st, kernel="prefill"))
+                                  cfg=KernelConfig(bm, bn, bk, 8, sk, w, st, kernel="prefill"),
+                                  dense_us=float(row["dense_us"]),
+                                  triton_dense_us=float(row.get("triton_dense_us") or "nan"))
     return list(found.values())
+
+
+def dense_one(cfg, cap: int) -> dict:
+    """Compile Triton's own dense GEMM of scripts/gpu_probe.py (``_dense_mm``: 16-bit x and W,
+    no decode), which the H200 timed beside the prefill kernel on the same tile, warps and
+    stages, for sm_``cap`` and cost its K-tile as :func:`prefill_model` costs ours (its W tile
+    BLOCK_N x BLOCK_K x 2 B through L2)."""
+    import importlib.util
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    spec = importlib.util.spec_from_file_location("gpu_probe", os.path.join(os.path.dirname(__file__), "gpu_probe.py"))
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    sig = {"x_ptr": "*fp16", "w_ptr": "*fp16", "out_ptr": "*fp16", "M": "i32", "N": "i32", "K": "i32",
+           "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr"}
+    # as the JIT specializes the H200's launches: aligned pointers, N and K divisible by 16 (M is too
+    # at every measured row)
+    src = ASTSource(triton.jit(probe._dense_mm), sig, attrs={(i,): [["tt.divisibility", 16]] for i in range(6)},
+                    constexprs={"BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k})
+    ck = triton.compile(src, target=GPUTarget("cuda", cap, 32),
+                        options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+    loop = main_loop(sass_instructions(ck.asm["cubin"]))
+    ops = collections.Counter(_opcode(t).split(".")[0] for t in loop)
+    regs, spills = resource_usage(ck.asm["cubin"])
+    r = prefill_model(dict(dtype="float16", cfg=dataclasses.replace(cfg, split_k=1), loop=len(loop),
+                           mma=ops["HGMMA"] + ops["HMMA"], half=sum(ops[o] for o in HALF_RATE), regs=regs,
+                           spills=spills, shared=ck.metadata.shared, events=wgmma_events(loop)))
+    r["l2_bytes"] = (cfg.block_m + cfg.block_n) * cfg.block_k * 2   # x and a dense W tile, not ours
+    r["t_l2"] = r["l2_bytes"] / L2_BYTES_PER_SM_CLK
+    return r
+
+
+# The fixed time of a launch the model leaves out on both sides (launch, epilogue): the
+# intercept of the latency fit (prefill_model's HBM_LATENCY_CLK), added where modelled time is
+# set against measured time.
+FIXED_US = 4.6
+
+
+def large_rows_report(rows: list[dict], cap: int) -> tuple[list[float], list[float]]:
+    """``--prefill`` past 64 rows: the H200's measured prefill kernel and, on the same tile,
+    Triton's own dense GEMM (no decode: :func:`dense_one`) against the model (this Triton's cost
+    rows and SASS, FIXED_US added), and cuBLAS against the idealized dense GEMM
+    (``dense_time``). Returns the measured / model ratios (Triton's dense, ours)."""
+    from sparse24.ops.linear24.prefill import cost_key
+
+    by_cfg = {r["cfg"]: r for r in rows if r["dtype"] == "float16"}
+    measured = [m for m in measured_prefill_rows(few=False) if m["pair"] == "float16"]
+    if not measured or not by_cfg:
+        return [], []
+    dense_rows = {}
+    clk = SM_CLOCK_GHZ * 1e3
+    print(f"# past {LATENCY_MAX_M} rows, fp16: the H200's measured prefill kernel (ours), Triton's own dense GEMM "
+          "on the same tile (scripts/gpu_probe.py _dense_mm, compiled here) and cuBLAS, each against the model (us; "
+          f"{FIXED_US} us of launch added; one program's K-tile its tensor, issue and L2 time one after the other)")
+    print(f"  {'shape':>11} {'M':>4} {'config':26} {'ours':>7} {'model':>6} {'ratio':>5} {'triton':>7} {'model':>6} "
+          f"{'ratio':>5} {'cuBLAS':>7} {'model':>6} {'ratio':>5}")
+    tri, ours, cub = [], [], []
+    for m in measured:
+        r = by_cfg.get(cost_key(m["cfg"]))
+        if r is None:
+            continue
+        one = dataclasses.replace(m["cfg"], split_k=1)
+        if one not in dense_rows:
+            dense_rows[one] = dense_one(one, cap)
+        o, d = (t / clk + FIXED_US for t in predicted_time(r, m["M"], m["N"], m["K"], 1.125, m["cfg"].split_k))
+        t = predicted_time(dense_rows[one], m["M"], m["N"], m["K"], 2.0)[0] / clk + FIXED_US
+        ours.append(m["us"] / o)
+        cub.append(m["dense_us"] / d)
+        if m["triton_dense_us"] == m["triton_dense_us"]:
+            tri.append(m["triton_dense_us"] / t)
+        print(f"  {m['N']:>5}x{m['K']:<5} {m['M']:>4} {config_name(m['cfg']):26} {m['us']:>7.1f} {o:>6.1f} "
+              f"{ours[-1]:>5.2f} {m['triton_dense_us']:>7.1f} {t:>6.1f} {m['triton_dense_us'] / t:>5.2f} "
+              f"{m['dense_us']:>7.1f} {d:>6.1f} {cub[-1]:>5.2f}")
+    print(f"measured / model past {LATENCY_MAX_M} rows ({len(ours)} H200 points): "
+          f"Triton's dense GEMM {_spread(tri, '.2f')}; "
+          f"ours {_spread(ours, '.2f')}; cuBLAS / idealized dense {_spread(cub, '.2f')}")
+    return tri, ours
+
+
+def _spread(v: list[float], fmt: str, unit: str = "") -> str:
+    """``median M<unit>, LO to HI`` of ``v`` (the upper median of an even count), or ``none``."""
+    v = sorted(v)
+    return f"median {v[len(v) // 2]:{fmt}}{unit}, {v[0]:{fmt}} to {v[-1]:{fmt}}" if v else "none"
 
 
 def few_row_flights(by_cfg: dict, dtype: str):
@@ -1010,12 +1101,9 @@ def few_rows_report(rows: list[dict], dtypes: list[str]) -> None:
         print(f"  {m['pair']:13} {m['N']:>5}x{m['K']:<5} {m['M']:>3} {config_name(m['cfg']):26} {m['us']:>8.1f} "
               f"{us[True]:>6.1f} {m['us'] - us[True]:>7.1f} {us[False]:>6.1f} {m['us'] - us[False]:>8.1f} "
               f"{prefill_in_flight(r, m['pair'], m['M'], m['N'], m['K'], m['cfg'].split_k) / 1024:>9.1f}")
-
-    def spread(v):
-        v = sorted(v)
-        return f"median {v[len(v) // 2]:.1f} us, {v[0]:.1f} to {v[-1]:.1f}"
     print(f"measured - model at 17-64 rows ({len(gaps[True])} H200 points): with the latency term "
-          f"{spread(gaps[True])}; without it {spread(gaps[False])} (a constant difference is the fixed launch and "
+          f"{_spread(gaps[True], '.1f', ' us')}; without it {_spread(gaps[False], '.1f', ' us')} "
+          "(a constant difference is the fixed launch and "
           "epilogue time the model leaves out)")
 
 

@@ -18,7 +18,7 @@ import math
 from pathlib import Path
 
 from ..config_space import DECODE_M, KernelConfig, check_prefill_config, prefill_configs, split_factors
-from .prefill_model import L2_BYTES_PER_SM_CLK, LATENCY_MAX_M, predicted_time
+from .prefill_model import L2_BYTES_PER_SM_CLK, L2_MEASURED, LATENCY_MAX_M, predicted_time
 
 __all__ = ["prefill_config", "prefill_configs", "check_prefill_config", "cost_key", "natural_tile", "prefill_pair",
            "prefill_costs", "COSTS_FILE", "PAIRS", "COST_KEYS", "ROBUST_TOLERANCE", "ROBUST_L2"]
@@ -27,27 +27,25 @@ __all__ = ["prefill_config", "prefill_configs", "check_prefill_config", "cost_ke
 # for the shape, from each config's costs measured on its sm_90 SASS with the installed
 # Triton (scripts/kernel_static_check.py --prefill --write-costs, one table per Triton
 # minor version, committed in COSTS_FILE; docs/kernels.md "Prefill path"): of the configs whose
-# worst case over the L2 bandwidths ROBUST_L2, the model's assumed 32 B per SM clock, 48, 64 and
-# none (the L2 figure is not measured yet), is within ROBUST_TOLERANCE of the best worst case, the
-# best at 32. (The best worst case alone picked 256 x 128 over 128 x 256 where both are bound by
-# the unbounded case, 1.2% apart there, at the cost of 11% at 32 B: INT4 x fp16 with Triton 3.8,
-# 0.99 -> 0.88.) The points between 32 and none, because the ratio is not monotonic in L2 (dense
-# gains from L2 where a decode-bound config does not, a split config's partials the other way):
-# with the two ends alone INT4 x fp16 with Triton 3.6, 3072 x 768 at M = 512, took 128 x 256
-# split 2, 0.75 at both ends and 0.55 at 64 B, over 128 x 128, 1.56 at 32, 0.89 at 64, 0.67
-# unbounded. Not timed on a GPU yet.
+# worst case over the L2 bandwidths ROBUST_L2 (the model's figure and the H200's two measured
+# runs, 23.4 and 26.0 B per SM clock) is within ROBUST_TOLERANCE of the best worst case, the best
+# at the model's figure. (Until the H200 measured it, the set was 32, 48, 64 and unbounded, to
+# cover an L2 figure nobody had measured; the model's figure was an assumed 32.)
 COSTS_FILE = Path(__file__).with_name("prefill_costs.json")
 PAIRS = ("float16", "bfloat16", "int8-float16", "int8-bfloat16", "int4-float16", "int4-bfloat16")
 COST_KEYS = ("regs", "spills", "shared", "per_sm", "loop", "mma", "half", "t_tensor", "t_issue", "alone", "l2_bytes")
 ROBUST_TOLERANCE = 0.05   # how far below the best worst case a default's worst case may lie
-ROBUST_L2 = (L2_BYTES_PER_SM_CLK, 1.5 * L2_BYTES_PER_SM_CLK, 2 * L2_BYTES_PER_SM_CLK, math.inf)
+ROBUST_L2 = (L2_BYTES_PER_SM_CLK, *L2_MEASURED)
 
 # Without a table for the installed Triton (below 3.6, or a release not yet measured): a
-# fixed list, fitted to the same model over the 11 shapes of issue 22 at M = 32-4096 for
-# every weight kind and Triton 3.9 and 3.6 (the best sum over M of the minimum over shapes,
-# weight kinds and the two L2 bandwidths). Tiles in order, each with the programs (in units
-# of the SMs) it needs before the next, smaller one is taken, (BLOCK_M, BLOCK_N, BLOCK_K,
-# warps, stages, SMs); the last tile takes whatever is left. One 16-row W tile per warp
+# fixed list, fitted to the model as it was before 2026-12-05 (L2 assumed at 32 B per SM clock,
+# a program's loads under its multiply past 64 rows) over the 11 shapes of issue 22 at M =
+# 32-4096 for every weight kind and Triton 3.9 and 3.6 (the best sum over M of the minimum over
+# shapes, weight kinds and the two L2 bandwidths). Not refitted to the serial rule: what that
+# rule prefers past 64 rows, two 64 x 128 programs per SM, is its part no GPU has checked yet.
+# Tiles in order, each with the programs (in units of the SMs) it needs before the next,
+# smaller one is taken, (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, SMs); the last tile takes
+# whatever is left. One 16-row W tile per warp
 # (num_warps == BLOCK_N // 16, the decode layout's fragment ownership) and BLOCK_N >= 64,
 # so sm_90 runs wgmma with W from registers (HGMMA). Every program reads its x tile and its
 # weight tile through L2 on every K-tile, so the wide tile comes first: 256 x 128 x 64 (8
@@ -55,7 +53,8 @@ ROBUST_L2 = (L2_BYTES_PER_SM_CLK, 1.5 * L2_BYTES_PER_SM_CLK, 2 * L2_BYTES_PER_SM
 # 256 x 128 multiply-adds, 128 x 64 x 64 328 B for a quarter of them. Below Triton 3.6 no
 # tile is natural (natural_tile): there 256 x 128 would run permuted and serial, so it is
 # left out. The wide weight tile, 128 x 256 (the tables' large-M choice for 16-bit and INT8
-# weights), is not in the list: how an unmeasured Triton compiles its two halves is unknown.
+# weights before the serial rule), is not in the list: how an unmeasured Triton compiles its two
+# halves is unknown.
 _WIDE = (256, 128, 64, 8, 2, 0.5)
 _TILES = ((128, 128, 64, 8, 2, 0.5), (128, 64, 64, 4, 2, 0.0), (64, 64, 128, 4, 2, 0.5), (32, 64, 128, 4, 2, 0.0))
 # Up to LATENCY_MAX_M rows the list's small tiles wait out their loads (prefill_model: the latency
@@ -75,11 +74,11 @@ def prefill_config(M: int, N: int, K: int, num_sms: int = 132, pair: str = "floa
     leave SMs idle), the one :func:`~.prefill_model.predicted_time` puts fastest on
     ``num_sms`` SMs (default: an H200's 132) from the installed Triton's cost table for
     ``pair`` (:data:`PAIRS`, :func:`prefill_pair`; a split config costs its split row,
-    :func:`cost_key`): of the configs whose worst-case ratio to dense over L2 at 32, 48 and
-    64 B per SM clock and unbounded (:data:`ROBUST_L2`) is within :data:`ROBUST_TOLERANCE` of
-    the largest, the largest ratio at 32. Without a table for this Triton: the first tile of a
-    fixed list that wastes at most half its BLOCK_M rows and gives enough programs, split along
-    K while that still fits one wave (up to 64 rows: on 3 stages, and FEW_ROWS_PER_SM programs per
+    :func:`cost_key`): of the configs whose worst-case ratio to dense over the L2 bandwidths
+    :data:`ROBUST_L2` (the model's 24.7 B per SM clock and the H200's two measured runs) is
+    within :data:`ROBUST_TOLERANCE` of the largest, the largest ratio at 24.7. Without a table
+    for this Triton: the first tile of a fixed list that wastes at most half its BLOCK_M rows
+    and gives enough programs, split along K while that still fits one wave (up to 64 rows: on 3 stages, and FEW_ROWS_PER_SM programs per
     SM; docs/kernels.md "Prefill path", "17-64 rows: bytes in flight")."""
     if M <= DECODE_M:
         raise ValueError(f"the prefill kernel serves M > {DECODE_M}, got M = {M}")

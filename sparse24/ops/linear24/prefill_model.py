@@ -18,14 +18,15 @@ from ..config_space import SPLIT_K_MAX_M
 # (989 TFLOP/s at 1.83 GHz); HBM 4.0 TB/s at 1.98 GHz for the memory floor.
 SMS, MACS_PER_CLK = 132, 2048
 HBM_BYTES_PER_SM_CLK = 4.0e12 / 1.98e9 / SMS
-# L2 to the SMs: 32 B per SM clock (8.4 TB/s at 1.98 GHz on 132 SMs), assumed, not measured by us:
-# others measured ~5.5 TB/s of L2 reads on an H100 PCIe (114 SMs, clocks ~1.4-1.6 GHz under that
-# load: 30-34 B per SM clock). The 788 TFLOP/s of bf16 cuBLAS measured on an H200 of these machines
-# (device/KINDS.md) needs at least 24 B per SM clock (128 x 256 tiles, two SMs sharing one operand's
-# loads), so it does not contradict it. Every program reads its x and weight tiles through L2 on
-# each K-tile (the pipelined copies bypass L1); split-K's fp32 partials go through it too.
-# scripts/gpu_l2_bandwidth.py measures it on a GPU.
-L2_BYTES_PER_SM_CLK = 32.0
+# L2 to the SMs: the H200's own figure, the mean of its two probe runs (scripts/gpu_l2_bandwidth.py:
+# 23.4 B per SM clock in results/NVIDIA_H200/l2_bandwidth.txt, 26.0 in run 1, at 1.98 GHz). Until
+# 2026-12-05 the model assumed 32 (8.4 TB/s), which put the idealized dense GEMM 1.03-1.37x faster
+# than the cuBLAS measured beside it from 256 rows; at 24.7 it is 0.81-1.09x of it (median 0.99, 25
+# points of probe_prefill-run4.csv and sparse_mm-run5.csv, the fitted 4.6 us added). Every program
+# reads its x and weight tiles through L2 on each K-tile (the pipelined copies bypass L1); split-K's
+# fp32 partials go through it too.
+L2_MEASURED = (23.4, 26.0)
+L2_BYTES_PER_SM_CLK = round(sum(L2_MEASURED) / len(L2_MEASURED), 2)
 # Up to LATENCY_MAX_M rows each weight tile streams from HBM once, and a program waits out its
 # loads: its pipeline keeps num_stages - 1 K-tiles in flight, and a K-tile's bytes arrive
 # HBM_LATENCY_CLK after the request plus the time the SM's share of L2 bandwidth takes to bring
@@ -34,13 +35,23 @@ L2_BYTES_PER_SM_CLK = 32.0
 # Fitted on the H200 (results/NVIDIA_H200/probe_prefill-run4.csv): one config, 32 x 64 x 128 on
 # 2 stages split in 2, one program per SM, at 32 rows took 25.66 us for 16 K-tiles a program
 # (fp16 4096 x 4096) and 61.30 us for 43 (4096 x 11008): 1.32 us per K-tile, 2614 clocks at
-# 1.98 GHz, less its tiles' 17408 B at the assumed 32 B per SM clock (544): 2070 (its loop alone
-# is ~520; the fit's fixed 4.6 us, launch and epilogue, is not modelled, on either side).
-# Measured throughput there rose with the bytes each SM kept in flight (docs/kernels.md,
-# "17-64 rows: bytes in flight"). Past 64 rows the tiles are re-read from L2 and the tensor,
-# issue and L2 terms bind; the fit says nothing there. (The config space's few-row regime, whose
-# deeper configs and wider split-K this term is for: config_space.prefill_configs, split_factors.)
-HBM_LATENCY_CLK = 2070.0
+# 1.98 GHz, less its tiles' 17408 B at 24.7 B per SM clock (705): 1909 (its loop alone is ~520;
+# the fit's fixed 4.6 us, launch and epilogue, is not modelled, on either side). Measured
+# throughput there rose with the bytes each SM kept in flight (docs/kernels.md, "17-64 rows:
+# bytes in flight"). (The config space's few-row regime, whose deeper configs and wider split-K
+# this term is for: config_space.prefill_configs, split_factors.)
+HBM_LATENCY_CLK = 1909.0
+# Past LATENCY_MAX_M rows the tiles are re-read from L2, and one program's K-tile takes its
+# tensor-core time, its issue time and its tiles' time through L2 one after the other
+# (t_tensor + t_issue + t_l2: nothing of its own overlaps), other programs on the SM filling
+# its gaps. Fitted on the H200's run 4, where each prefill row also timed Triton's own dense
+# GEMM (scripts/gpu_probe.py's _dense_mm, no decode) on the same tile, warps and stages: that
+# kernel's sm_90 loop replayed this way gives 0.92-1.02x of its measured time at the 9 points
+# of 256-4096 rows (128 x 256 and 128 x 128 x 64 on 2 stages), where the replay with loads
+# overlapped (max of the terms) gave 1.56-1.67x; ours 1.06-1.20x on the two layers of K = 4096
+# (docs/kernels.md, "Past 64 rows: the model checked against Triton's own GEMM"). Two programs
+# per SM rest on one point: run 2's tuned 256 x 64 x 64 on 3 stages, 1.08x of the rule; the same
+# tuner timed 64 x 128 x 128 slower than that winner, which the rule overrates by >= 14%.
 LATENCY_MAX_M = SPLIT_K_MAX_M
 # The idealized dense GEMM's tiles (rows of x, rows of W: the small ones with the weight as
 # wgmma's 64-row side, as GEMMs swap the operands for few rows of x) and split-K factors.
@@ -97,10 +108,11 @@ def predicted_time(r: dict, M: int, N: int, K: int, w_bytes: float, split_k: int
     ``per_sm`` resident at once, in rounds: a round of p programs takes max(p t_tensor,
     p t_issue, p t_l2, alone) per K-tile, where t_l2 is a program's x and weight tiles
     (``l2_bytes``) through L2 at ``l2`` B per SM clock (``inf``: no L2 limit, on either
-    side) and ``alone`` is one program's K-tile by itself on an SM (its loop's wgmma groups
-    and waits replayed; without it, decode and wgmma one after the other: t_tensor +
-    t_issue), other programs filling its gaps, and up to LATENCY_MAX_M rows at least
-    (HBM_LATENCY_CLK + n t_l2) / (num_stages - 1) (each program's loads in flight); floored
+    side) and ``alone`` is one program's K-tile by itself on an SM, other programs filling
+    its gaps: up to LATENCY_MAX_M rows its loop's wgmma groups and waits replayed (without
+    the replay, decode and wgmma one after the other: t_tensor + t_issue), and the round at
+    least (HBM_LATENCY_CLK + n t_l2) / (num_stages - 1) (each program's loads in flight);
+    past them t_tensor + t_issue + t_l2 (the H200 fit: nothing of one program overlaps); floored
     by HBM traffic (weight bytes ``w_bytes`` per element, x and out fp16). ``split_k`` > 1: the kernel's split-K
     (``r`` then the split row of the cost table): split_k times the programs, each over its
     split's whole K-tiles, and fp32 partial tiles through L2 as the pairwise tree moves them
@@ -112,8 +124,11 @@ def predicted_time(r: dict, M: int, N: int, K: int, w_bytes: float, split_k: int
     iters = -(-(-(-K // c.block_k)) // split_k)   # K-tiles of a split (the kernel's per_split)
     tt, ti, tl2, p = r["t_tensor"], r["t_issue"], r.get("l2_bytes", 0) / l2, max(r["per_sm"], 1)
     full, rest = divmod(per_sm_progs, p)
-    alone = r.get("alone", tt + ti)   # one program's K-tile
-    depth = max(c.num_stages - 1, 1) if M <= LATENCY_MAX_M else 0
+    few = M <= LATENCY_MAX_M
+    # one program's K-tile: its replayed loop (without one: decode, then multiply) up to
+    # LATENCY_MAX_M rows, past them its terms one after the other
+    alone = r.get("alone", tt + ti) if few else tt + ti + tl2
+    depth = max(c.num_stages - 1, 1) if few else 0
 
     def rnd(n):
         wait = (hbm_latency + n * tl2) / depth if depth else 0.0
