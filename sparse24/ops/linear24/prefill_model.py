@@ -50,8 +50,9 @@ HBM_LATENCY_CLK = 1909.0
 # of 256-4096 rows (128 x 256 and 128 x 128 x 64 on 2 stages), where the replay with loads
 # overlapped (max of the terms) gave 1.56-1.67x; ours 1.06-1.20x on the two layers of K = 4096
 # (docs/kernels.md, "Past 64 rows: the model checked against Triton's own GEMM"). Two programs
-# per SM rest on one point: run 2's tuned 256 x 64 x 64 on 3 stages, 1.08x of the rule; the same
-# tuner timed 64 x 128 x 128 slower than that winner, which the rule overrates by >= 16%.
+# per SM rest on two points: run 2's tuned 256 x 64 x 64 on 3 stages at 4096 rows, 1.08x and 1.10x
+# of the rule (4096 x 4096, 11008 x 4096); the same tuner timed 64 x 128 x 128 slower than those
+# winners, which the rule overrates there by >= 16% and >= 22%.
 LATENCY_MAX_M = SPLIT_K_MAX_M
 # The idealized dense GEMM's tiles (rows of x, rows of W: the small ones with the weight as
 # wgmma's 64-row side, as GEMMs swap the operands for few rows of x) and split-K factors.
