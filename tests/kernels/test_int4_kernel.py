@@ -14,7 +14,7 @@ import triton.language as tl
 import sparse24
 from sparse24.decode_format import DecodePacked, pack_decode
 from sparse24.kernels import sparse24_prefill as prefill_kernel
-from sparse24.kernels.interpreter import InterpretedKernel, byte_perm_reference, prmt_raw_reference
+from sparse24.kernels.interpreter import InterpretedKernel, byte_perm_reference, prmt_raw_reference, triton_version
 from sparse24.kernels.sparse24_decode import SELECTORS
 from sparse24.format import bf16_exact_scales
 from sparse24.kernels.sparse24_decode import _int4_dequant
@@ -357,13 +357,16 @@ def test_default_configs_and_the_op(gen):
     assert_matches_reference(sparse24.linear(x, p, backend="triton"), x, _operand(W, torch.float16))
     assert_matches_reference(linear_decode(x, p), x, _operand(W, torch.float16))
     # the untuned large-M prefill tile (tests/kernels/test_prefill_kernel.py), from the cost tables of
-    # Triton 3.6-3.9: 64 x 128 x 128, two programs per SM (the model's serial rule past 64 rows: a
-    # program's multiply, decode and loads one after the other, another program's filling the gaps)
-    # for 16-bit weights and INT4 with either x; a Triton without a table: the fixed list's
-    # 256 x 128 where 128-row tiles run in x's own order, else 128 x 128
+    # Triton 3.6-3.9: two programs per SM (the model's serial rule past 64 rows: a program's multiply,
+    # decode and loads one after the other, another program's filling the gaps), 64 x 128 x 128 for
+    # 16-bit weights and INT4 with either x (Triton 3.6: INT4 256 x 64 x 64); a Triton without a
+    # table: the fixed list's 256 x 128 where 128-row tiles run in x's own order, else 128 x 128
     big = [prefill_config(4096, 4096, 4096, pair=pair) for pair in ("float16", "int4-float16", "int4-bfloat16")]
-    want = [(64, 128, 128)] * 3 if prefill.prefill_costs() is not None else \
-        [(256, 128, 64)] * 3 if natural_tile(256, 128) else [(128, 128, 64)] * 3
+    if prefill.prefill_costs() is not None:
+        int4 = (256, 64, 64) if triton_version()[:2] == (3, 6) else (64, 128, 128)
+        want = [(64, 128, 128), int4, int4]
+    else:
+        want = [(256, 128, 64)] * 3 if natural_tile(256, 128) else [(128, 128, 64)] * 3
     assert [(c.block_m, c.block_n, c.block_k) for c in big] == want
 
 
@@ -376,10 +379,12 @@ def test_natural_order_tiles_compile_for_sm90(dtype, cfg, monkeypatch):
     STS), no wait takes the loop's wgmma groups below one K-tile's worth less one (128 rows: two
     accumulators, four groups, three left in flight; 256 rows: two groups, one), nothing spills,
     two programs fit per SM at 128 x 64 (4 warps), one at the 8-warp wide tile (128 x 256 x 64; x 128
-    with Triton 3.6, whose group constants cost less once per 128 columns)."""
+    with Triton 3.6, whose group constants cost less once per 128 columns; before 3.6, which has no
+    wide tile, 128 x 128)."""
     monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")
     tool = _static_check()
-    cfg = cfg or _prefill_cfg(128, 256, 64 if NATURAL_TRITON or not natural_tile(128, 256) else 128)
+    if cfg is None:   # the wide tile where this Triton runs it (x 128 with 3.6), else 128 x 128
+        cfg = _prefill_cfg(128, 256, 64 if NATURAL_TRITON else 128) if natural_tile(128, 256) else _prefill_cfg(128, 128)
     assert cfg.block_m >= 128
     r = tool.prefill_one(dtype, cfg, 90)
     assert r["hgmma"] and r["mma"] == cfg.block_k // 16 * -(-cfg.block_n // 128)
