@@ -58,6 +58,7 @@ its latency term (docs/kernels.md, "17-64 rows: bytes in flight").
 import argparse
 import collections
 import dataclasses
+import functools
 import os
 import platform
 import re
@@ -683,16 +684,21 @@ def prefill_one(dtype: str, cfg, cap: int) -> dict:
     act, w = _weights("decode", dtype, 4096, 4096, bf16_scales=True)
     x = torch.randn(cfg.block_m, 4096).to(act)
     ck = aot_compile(x, w, None, torch.empty(cfg.block_m, 4096, dtype=act), cfg, cfg.split_k, (cap // 10, cap % 10))
+    return dict(loop_counts(ck), dtype=dtype, cfg=cfg, triton=triton.__version__)
+
+
+def loop_counts(ck) -> dict:
+    """A compiled kernel's main loop counted as :func:`prefill_one` reports it (instructions,
+    tensor-core and half-rate ones per warp, wgmma events and groups, shared-memory stores,
+    local-memory accesses) with its registers, spills, shared memory and atomics."""
     sass = sass_instructions(ck.asm["cubin"])
     loop = main_loop(sass)
     ops = collections.Counter(_opcode(t).split(".")[0] for t in loop)
     regs, spills = resource_usage(ck.asm["cubin"])
-    mma = ops["HGMMA"] + ops["HMMA"]
     events = wgmma_events(loop)
-    return dict(dtype=dtype, cfg=cfg, loop=len(loop), mma=mma, hgmma=ops["HGMMA"] > 0, local=ops["LDL"] + ops["STL"],
-                sts=ops["STS"],
-                half=sum(ops[o] for o in HALF_RATE), regs=regs, spills=spills, shared=ck.metadata.shared,
-                groups=max(1, sum(e == "group" for e, _ in events)), events=events, triton=triton.__version__,
+    return dict(loop=len(loop), mma=ops["HGMMA"] + ops["HMMA"], hgmma=ops["HGMMA"] > 0, local=ops["LDL"] + ops["STL"],
+                sts=ops["STS"], half=sum(ops[o] for o in HALF_RATE), regs=regs, spills=spills,
+                shared=ck.metadata.shared, groups=max(1, sum(e == "group" for e, _ in events)), events=events,
                 atomics=sum(_opcode(t).split(".")[0] in ("ATOMG", "RED") for _, t in sass))
 
 
@@ -760,7 +766,7 @@ def prefill_model(r: dict, l2: float = L2_BYTES_PER_SM_CLK) -> dict:
     r["t_issue"] = (r["loop"] - r["mma"] + r["half"]) * c.num_warps / 4
     r["per_sm"] = programs_per_sm(r["regs"], r["shared"], c.num_warps)
     r["alone"] = loop_tile_time(r["events"], r["t_tensor"], c.num_warps)
-    r["l2_bytes"] = tile_l2_bytes(r["dtype"], c)
+    r["l2_bytes"] = r.get("l2_bytes", tile_l2_bytes(r["dtype"], c))   # (given: a kernel other than ours)
     r["t_l2"] = r["l2_bytes"] / l2
     r["issue_per_mma"] = (r["loop"] - r["mma"] + r["half"]) / max(r["mma"], 1)
     return r
@@ -956,37 +962,36 @@ def measured_prefill_rows(root: str = ".", few: bool = True) -> list[dict]:
     return list(found.values())
 
 
+@functools.lru_cache(maxsize=1)
+def _probe():
+    """scripts/gpu_probe.py as a module (its ``_dense_mm``), loaded once."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_probe", os.path.join(os.path.dirname(__file__), "gpu_probe.py"))
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    return probe
+
+
 def dense_one(cfg, cap: int) -> dict:
     """Compile Triton's own dense GEMM of scripts/gpu_probe.py (``_dense_mm``: 16-bit x and W,
     no decode), which the H200 timed beside the prefill kernel on the same tile, warps and
     stages, for sm_``cap`` and cost its K-tile as :func:`prefill_model` costs ours (its W tile
     BLOCK_N x BLOCK_K x 2 B through L2)."""
-    import importlib.util
-
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    spec = importlib.util.spec_from_file_location("gpu_probe", os.path.join(os.path.dirname(__file__), "gpu_probe.py"))
-    probe = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(probe)
     sig = {"x_ptr": "*fp16", "w_ptr": "*fp16", "out_ptr": "*fp16", "M": "i32", "N": "i32", "K": "i32",
            "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr"}
     # as the JIT specializes the H200's launches: aligned pointers, N and K divisible by 16 (M is too
     # at every measured row)
-    src = ASTSource(triton.jit(probe._dense_mm), sig, attrs={(i,): [["tt.divisibility", 16]] for i in range(6)},
+    src = ASTSource(triton.jit(_probe()._dense_mm), sig, attrs={(i,): [["tt.divisibility", 16]] for i in range(6)},
                     constexprs={"BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k})
     ck = triton.compile(src, target=GPUTarget("cuda", cap, 32),
                         options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
-    loop = main_loop(sass_instructions(ck.asm["cubin"]))
-    ops = collections.Counter(_opcode(t).split(".")[0] for t in loop)
-    regs, spills = resource_usage(ck.asm["cubin"])
-    r = prefill_model(dict(dtype="float16", cfg=dataclasses.replace(cfg, split_k=1), loop=len(loop),
-                           mma=ops["HGMMA"] + ops["HMMA"], half=sum(ops[o] for o in HALF_RATE), regs=regs,
-                           spills=spills, shared=ck.metadata.shared, events=wgmma_events(loop)))
-    r["l2_bytes"] = (cfg.block_m + cfg.block_n) * cfg.block_k * 2   # x and a dense W tile, not ours
-    r["t_l2"] = r["l2_bytes"] / L2_BYTES_PER_SM_CLK
-    return r
+    return prefill_model(dict(loop_counts(ck), dtype="float16", cfg=dataclasses.replace(cfg, split_k=1),
+                              l2_bytes=(cfg.block_m + cfg.block_n) * cfg.block_k * 2))   # x and a dense W tile
 
 
 # The fixed time of a launch the model leaves out on both sides (launch, epilogue): the
@@ -995,17 +1000,17 @@ def dense_one(cfg, cap: int) -> dict:
 FIXED_US = 4.6
 
 
-def large_rows_report(rows: list[dict], cap: int) -> tuple[list[float], list[float]]:
+def large_rows_report(rows: list[dict], cap: int) -> tuple[list[float], list[float], list[float]]:
     """``--prefill`` past 64 rows: the H200's measured prefill kernel and, on the same tile,
     Triton's own dense GEMM (no decode: :func:`dense_one`) against the model (this Triton's cost
     rows and SASS, FIXED_US added), and cuBLAS against the idealized dense GEMM
-    (``dense_time``). Returns the measured / model ratios (Triton's dense, ours)."""
+    (``dense_time``). Returns the measured / model ratios (Triton's dense, ours, cuBLAS)."""
     from sparse24.ops.linear24.prefill import cost_key
 
     by_cfg = {r["cfg"]: r for r in rows if r["dtype"] == "float16"}
     measured = [m for m in measured_prefill_rows(few=False) if m["pair"] == "float16"]
     if not measured or not by_cfg:
-        return [], []
+        return [], [], []
     dense_rows = {}
     clk = SM_CLOCK_GHZ * 1e3
     print(f"# past {LATENCY_MAX_M} rows, fp16: the H200's measured prefill kernel (ours), Triton's own dense GEMM "
@@ -1021,7 +1026,8 @@ def large_rows_report(rows: list[dict], cap: int) -> tuple[list[float], list[flo
         one = dataclasses.replace(m["cfg"], split_k=1)
         if one not in dense_rows:
             dense_rows[one] = dense_one(one, cap)
-        o, d = (t / clk + FIXED_US for t in predicted_time(r, m["M"], m["N"], m["K"], 1.125, m["cfg"].split_k))
+        o, d = (t / clk + FIXED_US for t in predicted_time(r, m["M"], m["N"], m["K"], dense_bytes_per_weight("float16"),
+                                                            m["cfg"].split_k))
         t = predicted_time(dense_rows[one], m["M"], m["N"], m["K"], 2.0)[0] / clk + FIXED_US
         ours.append(m["us"] / o)
         cub.append(m["dense_us"] / d)
@@ -1033,7 +1039,7 @@ def large_rows_report(rows: list[dict], cap: int) -> tuple[list[float], list[flo
     print(f"measured / model past {LATENCY_MAX_M} rows ({len(ours)} H200 points): "
           f"Triton's dense GEMM {_spread(tri, '.2f')}; "
           f"ours {_spread(ours, '.2f')}; cuBLAS / idealized dense {_spread(cub, '.2f')}")
-    return tri, ours
+    return tri, ours, cub
 
 
 def _spread(v: list[float], fmt: str, unit: str = "") -> str:

@@ -78,8 +78,9 @@ def prefill_config(M: int, N: int, K: int, num_sms: int = 132, pair: str = "floa
     :data:`ROBUST_L2` (the model's 24.7 B per SM clock and the H200's two measured runs) is
     within :data:`ROBUST_TOLERANCE` of the largest, the largest ratio at 24.7. Without a table
     for this Triton: the first tile of a fixed list that wastes at most half its BLOCK_M rows
-    and gives enough programs, split along K while that still fits one wave (up to 64 rows: on 3 stages, and FEW_ROWS_PER_SM programs per
-    SM; docs/kernels.md "Prefill path", "17-64 rows: bytes in flight")."""
+    and gives enough programs, split along K while that still fits one wave (up to 64 rows: on 3
+    stages, and FEW_ROWS_PER_SM programs per SM; docs/kernels.md "Prefill path", "17-64 rows: bytes
+    in flight")."""
     if M <= DECODE_M:
         raise ValueError(f"the prefill kernel serves M > {DECODE_M}, got M = {M}")
     if pair not in PAIRS:
