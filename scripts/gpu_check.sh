@@ -51,6 +51,7 @@ T_BLOCK=${T_BLOCK:-90}
 T_L2=${T_L2:-30}
 T_PROBE=${T_PROBE:-80}          # 30 + 80 + 120 + 90 + 90 + 40 + 90 = 540 s = 9 minutes at most, and:
 T_SPARSE_MM=${T_SPARSE_MM:-100}  # (added after the 2026-12-04 H200 runs: select it or others with GPU_CHECK_ONLY)
+T_KSWEEP=${T_KSWEEP:-100}       # (added 2026-12-05: runs only where GPU_CHECK_ONLY names it)
 PROBE_ARGS=${PROBE_ARGS:-}      # e.g. "--only prefill --weights int8,int4 --ms 32,64"
 TUNE_SKIP=${TUNE_SKIP:---skip-tuned}  # TUNE_SKIP=--no-skip-tuned re-times the keys this GPU's file holds
 
@@ -137,6 +138,13 @@ step probe "$T_PROBE" "$PY" scripts/gpu_probe.py --out "$RES/" $PROBE_ARGS
 # 0c. large-M sparse GEMMs with the host left out (CUDA graphs): cuSPARSELt, CUTLASS, the unpack route;
 #     then cuSPARSELt's host cost per eager call, and its compressed layout (cslt_layout.pt)
 step sparse_mm "$T_SPARSE_MM" "$PY" scripts/gpu_sparse_mm.py --out "$RES/" --layout
+
+# 0d. the 16-bit prefill kernel against Triton's own GEMM on one tile as K grows (run 4: 2.5x at
+#     K = 11008, 1.02-1.19x at 4096; scripts/gpu_probe.py ksweep): a diagnostic, so never in a run
+#     that names no steps
+if [ "$ONLY" != "  " ]; then
+    step ksweep "$T_KSWEEP" "$PY" scripts/gpu_probe.py --out "$RES/" --only ksweep
+fi
 
 # 1. kernel and module tests on CUDA (parallel across processes when pytest-xdist is there:
 #    the time goes into compiling kernel variants, one per process at a time)

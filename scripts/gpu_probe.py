@@ -191,32 +191,43 @@ def _triton_dense(x, w, cfg, kernels):
     return out
 
 
+def _dense_kernels() -> dict:
+    """:func:`_dense_mm` compiled (``"cuda"``) and in Triton's interpreter (``"cpu"``, --smoke)."""
+    from sparse24.kernels.interpreter import InterpretedKernel
+    return {"cuda": triton.jit(_dense_mm), "cpu": InterpretedKernel(_dense_mm)}
+
+
+def _bench(fn, dev) -> float:
+    """Median microseconds of ``fn`` (do_bench); on CPU (--smoke) one call's wall time, the code
+    path only. A path that fails is reported and gives NaN, so a sweep goes on."""
+    from triton.testing import do_bench
+    try:
+        if dev.type != "cuda":
+            t0 = time.perf_counter()
+            fn()
+            return round(1e6 * (time.perf_counter() - t0), 2)
+        return round(do_bench(fn, warmup=5, rep=25, return_mode="median") * 1e3, 2)
+    except Exception as e:  # noqa: BLE001
+        print(f"  failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+        return float("nan")
+
+
 def prefill(out: Path, dev, shapes=((4096, 4096), (11008, 4096), (4096, 11008)), ms=(32, 64, 256, 1024, 4096),
             weights=("fp16", "int8", "int4")) -> None:
-    from triton.testing import do_bench
     torch.manual_seed(0)
     rows = []
     f = open(out / "probe_prefill.csv", "w", newline="")
     wr = csv.writer(f)
     wr.writerow(["weight", "N", "K", "M", "dense_us", "prefill_us", "unpack_mm_us", "unpack_us", "cusparselt_us",
                  "triton_dense_us", "prefill_config", "cusparselt_kernel_us", "sp_us"])
-    from sparse24.kernels.interpreter import InterpretedKernel
     from dataclasses import replace
 
     from sparse24.ops.config_space import SP_MAX_M, decode_default, dtype_key
     from sparse24.ops.linear24.prefill import prefill_config, prefill_pair
-    kernels = {"cuda": triton.jit(_dense_mm), "cpu": InterpretedKernel(_dense_mm)}
+    kernels = _dense_kernels()
 
     def bench(fn):
-        try:
-            if dev.type != "cuda":   # --smoke on CPU: the code paths, one call
-                t0 = time.perf_counter()
-                fn()
-                return round(1e6 * (time.perf_counter() - t0), 2)
-            return round(do_bench(fn, warmup=5, rep=25, return_mode="median") * 1e3, 2)
-        except Exception as e:  # noqa: BLE001 (a path that fails is reported, the sweep goes on)
-            print(f"  failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
-            return float("nan")
+        return _bench(fn, dev)
 
     for weight in weights:
         for N, K in shapes[:1] if weight == "int4" else shapes:   # (INT4: one shape, for the step's time)
@@ -285,10 +296,82 @@ def prefill(out: Path, dev, shapes=((4096, 4096), (11008, 4096), (4096, 11008)),
     f.close()
 
 
+# The K-sweep's fixed tile: run 4's untuned config at 1024-4096 rows, the one that ran 2.5x
+# Triton's own GEMM at K = 11008 and 1.02-1.19x of it at K = 4096 with the same loop code.
+KSWEEP_TILE = dict(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=2)
+KSWEEP_KS = (4096, 8192, 10240, 11008, 11264, 12288, 16384)
+# The split-K rows: run 4's 256-row config at 4096x4096 (split 2), 1.93x the model where Triton's
+# unsplit GEMM on its tile was 1.02x.
+SPLIT_TILE = dict(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=2)
+
+
+def ksweep_jobs(N: int = 4096, M: int = 1024, ks=KSWEEP_KS, group_ms=(1, 8, 32), group_k: int = 11008,
+                tile=None, split_shape=(4096, 4096, 256), splits=(1, 2, 4), split_tile=None) -> list:
+    """The K-sweep's launches, ``(N, K, M, config)``, each a fp16 weight of the prefill kernel:
+    ``tile`` (default :data:`KSWEEP_TILE`) at every K of ``ks``, N and M fixed, GROUP_M 8, and at
+    ``group_k`` also the other ``group_ms``; then ``split_tile`` (:data:`SPLIT_TILE`) at
+    ``split_shape`` (N, K, M) for each split-K factor of ``splits``."""
+    from dataclasses import replace
+
+    from sparse24.ops.config_space import KernelConfig
+    base = KernelConfig(kernel="prefill", **(tile or KSWEEP_TILE))
+    jobs = [(N, K, M, replace(base, group_m=g)) for K in ks for g in (group_ms if K == group_k else (8,))]
+    split = KernelConfig(kernel="prefill", **(split_tile or SPLIT_TILE))
+    return jobs + [(*split_shape, replace(split, split_k=sk)) for sk in splits]
+
+
+def ksweep(out: Path, dev, jobs) -> None:
+    """Why the 16-bit prefill kernel ran 2.5x Triton's own dense GEMM at K = 11008 (run 4), with the
+    loop it compiles at K = 4096 (docs/kernels.md, "Past 64 rows"), and whether its split-K gains
+    anything (run 4's split 256-row point: 1.93x the model). ``jobs``: :func:`ksweep_jobs` (the
+    default: N = 4096, 1024 rows, one tile, K = 4096 ... 16384; seven compiles in all, none per K).
+    Per job: cuBLAS (F.linear), ours (checked against fp32 first) and Triton's own dense GEMM on the
+    tile (unsplit). The meta row stride KM (atoms, padded to 16) is a power of two at 4096, 8192 and
+    16384 and not at 10240 / 11008 / 11264 / 12288; 11008 and 11264 share KM = 176. So a ratio to
+    Triton's that rises with K says capacity (L2, TLB), one that jumps where KM is not a power of two
+    says the meta rows' stride, one only at 11008 says its K-tile count; GROUP_M 1 and 32 beside 8 at
+    11008, the order in which programs share weight tiles in L2. Writes ``probe_ksweep.csv``."""
+    from sparse24.decode_format import decode_dims
+    torch.manual_seed(0)
+    kernels = _dense_kernels()
+    f = open(out / "probe_ksweep.csv", "w", newline="")
+    wr = csv.writer(f)
+    wr.writerow(["N", "K", "M", "KM", "config", "dense_us", "ours_us", "triton_dense_us", "ours_over_triton",
+                 "max_rel_err"])
+    shape = None
+    for N, K, M, cfg in jobs:
+        if (N, K, M) != shape:   # one weight per shape, shared by its configs
+            shape = (N, K, M)
+            w = torch.randn(N, K, device=dev, dtype=torch.float16)
+            c = sparse24.compress(w)
+            p = pack_decode(c)
+            wd = c.to_dense().to(torch.float16)
+            x = torch.randn(M, K, device=dev, dtype=torch.float16)
+            ref = F.linear(x.float(), wd.float())
+        name = (f"BM{cfg.block_m}_BN{cfg.block_n}_BK{cfg.block_k}_W{cfg.num_warps}_S{cfg.num_stages}"
+                f"_SK{cfg.split_k}_G{cfg.group_m}")
+        try:   # ours checked against fp32 before it is timed (a wrong kernel times nothing useful)
+            y = launch.run_prefill(x, p.values, p.meta, None, None, N, cfg).float()
+            err = round(((y - ref).abs().max() / ref.abs().max()).item(), 6)
+        except Exception as e:  # noqa: BLE001
+            print(f"  {N}x{K} M {M} {name}: ours failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+            err = float("nan")
+        dense = _bench(lambda: F.linear(x, wd), dev)
+        ours = _bench(lambda: launch.run_prefill(x, p.values, p.meta, None, None, N, cfg), dev)
+        tri = _bench(lambda: _triton_dense(x, wd, cfg, kernels), dev)
+        r = [N, K, M, decode_dims(N, K)[2], name, dense, ours, tri, round(ours / tri, 3), err]
+        wr.writerow(r)
+        f.flush()
+        print("  %5dx%-5d M %5d  KM %4d  %s  dense %8.2f  ours %8.2f  triton dense %8.2f  ours/triton %6.3f  "
+              "max rel err %.3g" % tuple(r), flush=True)
+    f.close()
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=Path("."))
-    ap.add_argument("--only", choices=("host", "prefill"), default=None)
+    ap.add_argument("--only", choices=("host", "prefill", "ksweep"), default=None,
+                    help="one step (ksweep: never run by default, gpu_check.sh's ksweep step)")
     ap.add_argument("--smoke", action="store_true", help="CPU, small shapes: the code paths only")
     ap.add_argument("--weights", default="fp16,int8,int4", help="prefill: the weight kinds, in order")
     ap.add_argument("--ms", default=None, help="prefill: the row counts (default 32,64,256,1024,4096)")
@@ -307,6 +390,14 @@ def main(argv=None) -> int:
         shapes = ((256, 256),) if a.smoke else ((4096, 4096), (11008, 4096), (4096, 11008))
         ms = tuple(int(m) for m in a.ms.split(",")) if a.ms else (64, 80) if a.smoke else (32, 64, 256, 1024, 4096)
         prefill(a.out, dev, shapes, ms, kinds)
+    if a.only == "ksweep":
+        if a.smoke:   # the code path on the interpreter: small shapes, tiles it runs in seconds
+            small = dict(block_m=32, block_n=128, block_k=64, num_warps=8, num_stages=2)
+            jobs = ksweep_jobs(N=128, M=32, ks=(128, 192), group_ms=(1, 8), group_k=192, tile=small,
+                               split_shape=(128, 256, 32), splits=(1, 2), split_tile=small)
+        else:
+            jobs = ksweep_jobs(M=int(a.ms.split(",")[0]) if a.ms else 1024)
+        ksweep(a.out, dev, jobs)
     return 0
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from .._checks import check_finite
 from ..format import Sparse24Tensor, is_nm
 from ..masks import kept_magnitude_fraction
 from ..nn.state import _check_state_masked, check_int4_entries
@@ -152,8 +153,7 @@ def _sparse_row(prefix: str, t: dict) -> dict | None:
 
 
 def _finite(t: torch.Tensor, name: str) -> None:
-    if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-        raise ValueError(f"non-finite {name} ({int((~torch.isfinite(t)).sum())} of {t.numel()})")
+    check_finite(t, name, why="")
 
 
 def _kept(w: torch.Tensor, mask: torch.Tensor) -> float | None:

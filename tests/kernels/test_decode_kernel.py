@@ -240,6 +240,13 @@ def test_rejects_bad_input_and_changes_nothing(gen):
         linear_decode(x, sparse24.compress(torch.randn(40, 64).half()), config=_cfg(64, 64))
     with pytest.raises(ValueError, match="a DecodePacked weight runs the 'decode' kernel, got a config for 'matmul'"):
         linear_decode(x, d, config=KernelConfig(16, 64, 64))
+    # the internal launch, which callers reach with configs unchecked, refuses the other layout's
+    # kernel too (it once computed garbage: a probe's 'matmul' tile on a decode-layout weight)
+    v1 = sparse24.compress(torch.randn(40, 64).half())
+    with pytest.raises(ValueError, match="a 'matmul' config cannot read a layout-decode weight"):
+        launch.run_prefill(x.half(), d.values, d.meta, None, None, 40, KernelConfig(32, 64, 64, num_warps=4))
+    with pytest.raises(ValueError, match="a 'prefill' config cannot read a layout-v1 weight"):
+        launch.run(x.half(), v1.values, v1.meta, None, None, 40, KernelConfig(32, 64, 64, kernel="prefill"))
     with pytest.raises(TypeError, match="no bfloat16 arithmetic"):
         linear_decode(x.bfloat16(), d)
     with pytest.raises(TypeError, match="float16, bfloat16 or float32, got torch.float64"):

@@ -491,6 +491,7 @@ def _gpu_check_commands() -> dict[str, list[str]]:
     variables.update(re.findall(r"^([A-Z_]+)=\$\{[A-Z_]+:-([^}]*)\}", text, re.M))
     cmds = {}
     for line in text.splitlines():
+        line = line.strip()   # (a step inside an if: ksweep)
         if not line.startswith("step "):
             continue
         for name, value in variables.items():   # "$NAME" and $NAME (not $NAMEMORE)
@@ -515,7 +516,7 @@ def test_gpu_check_script_commands_are_valid(capsys, tmp_path):
     # arguments exit 2 before the GPU check; valid ones reach it and exit 1 on this machine.
     assert subprocess.run(["bash", "-n", str(GPU_CHECK)]).returncode == 0
     cmds = _gpu_check_commands()
-    assert set(cmds) == {"l2", "probe", "sparse_mm", "autotune", "bench", "user_view", "block"}
+    assert set(cmds) == {"l2", "probe", "sparse_mm", "ksweep", "autotune", "bench", "user_view", "block"}
     assert cmds["autotune"][cmds["autotune"].index("--m") + 1] == "1,16"   # the defaults were filled in
     assert cmds["autotune"][cmds["autotune"].index("--timings") + 1] == "RES/autotune-timings.csv"
     assert "--skip-tuned" in cmds["autotune"]
@@ -526,7 +527,7 @@ def test_gpu_check_script_commands_are_valid(capsys, tmp_path):
         assert main(cmds[name]) == 1, (name, cmds[name])
         assert "no CUDA GPU" in capsys.readouterr().err
     assert main(cmds["bench"] + ["--m", "0"]) == 2  # the same command with a bad argument is caught
-    for name in ("l2", "probe", "sparse_mm", "user_view", "block"):
+    for name in ("l2", "probe", "sparse_mm", "ksweep", "user_view", "block"):
         script, *argv = cmds[name]
         assert _script_main(script)(argv) == 1 and "no CUDA GPU" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
@@ -567,6 +568,23 @@ def test_gpu_probe_runs_every_step_on_cpu(tmp_path, capsys):
     assert all(float(r["sp_us"]) > 0 for r in rows)
     errs = [float(e) for e in re.findall(r"sparse tensor cores max \|diff\| / max \|ref\| (\S+)", out)]
     assert len(errs) == 6 and max(errs) < 2e-3 and "sparse tensor cores failed" not in out   # fp16 output rounding
+
+
+def test_gpu_probe_ksweep_checks_ours_then_times_one_tile_per_k(tmp_path, capsys):
+    """The K-sweep (why K = 11008 ran 2.5x Triton's GEMM; does split-K gain) on CPU, small: a row
+    per K, one per GROUP_M at the swept K and one per split factor, ours checked against fp32
+    before timing (a config of the wrong kernel variant once gave garbage there: the error column
+    catches that), the KM column as the layout pads it."""
+    assert _script_main("scripts/gpu_probe.py")(["--smoke", "--only", "ksweep", "--out", str(tmp_path)]) == 0
+    rows = list(csv.DictReader(open(tmp_path / "probe_ksweep.csv")))
+    assert [(r["K"], r["config"][-7:]) for r in rows] == [
+        ("128", "_SK1_G8"), ("192", "_SK1_G1"), ("192", "_SK1_G8"), ("256", "_SK1_G8"), ("256", "_SK2_G8")]
+    assert all(r["KM"] == "16" for r in rows)   # 2 to 4 atoms, padded to 16
+    assert all(float(r[c]) > 0 for r in rows for c in ("dense_us", "ours_us", "triton_dense_us"))
+    assert max(float(r["max_rel_err"]) for r in rows) < 2e-3 and "failed" not in capsys.readouterr().out
+    jobs = _script_main("scripts/gpu_probe.py").__globals__["ksweep_jobs"]()   # the GPU's: 7 K, 2 GROUP_M, 3 splits
+    assert len(jobs) == 12 and {c.kernel for *_, c in jobs} == {"prefill"}
+    assert [(n, k, m, c.split_k) for n, k, m, c in jobs[-3:]] == [(4096, 4096, 256, s) for s in (1, 2, 4)]
 
 
 def test_gpu_probe_times_the_kept_handle_with_both_pointer_forms(monkeypatch):

@@ -283,6 +283,31 @@ def test_finding_float8_entries(fuzz):
         t.model.load_state_dict(sd)
 
 
+def test_finding_float8_int4_scales(fuzz, tmp_path):
+    """An INT4 layer's scales stored as float8 (2026-12-05, seed 3535): the positivity check ran
+    before the dtype check and raised torch's "le_cpu not implemented for 'Float8_e4m3fn'",
+    naming no entry, in load_state_dict and as a traceback in `sparse24 inspect`."""
+    from safetensors.torch import load, save
+    t = fuzz.SafetensorsTarget()
+    sd = load(t.seed)
+    sd["6.scale"] = sd["6.scale"].to(torch.float8_e4m3fn)
+    assert fuzz.run_one(t, save(sd)).startswith("refused: RuntimeError: N: INTN scale must be floatN of shape")
+    with pytest.raises(RuntimeError, match=r"6: INT4 scale must be float16 of shape \(8, 1\) \(group_size 32\), "
+                                           r"got torch.float8_e4m3fn"):
+        t.model.load_state_dict(sd)
+    torch.save(sd, tmp_path / "f8.pt")
+    from sparse24.tools.inspect_checkpoint import inspect_tensors
+    rows = {r["layer"]: r for r in inspect_tensors(torch.load(tmp_path / "f8.pt"))}
+    assert "INT4 scale must be float16" in rows["6"]["problem"] and rows["0"]["valid"]
+    # inspect's own finiteness check of a masked layer's weight (torch has no float8 isfinite either)
+    sd = load(t.seed)
+    w = sd["4.weight"].clone()
+    w[tuple(sd["4.mask"].bool().nonzero()[0].tolist())] = float("nan")   # at a kept place: the mask check passes
+    sd["4.weight"] = w.to(torch.float8_e4m3fn)
+    rows = {r["layer"]: r for r in inspect_tensors(sd)}
+    assert rows["4"]["problem"].startswith("weight has 1 non-finite value(s)")
+
+
 @pytest.mark.parametrize("field, value, message", [
     ("num_hidden_layers", 10 ** 6, r"config\.json: num_hidden_layers=1000000, but the checkpoint holds 1 "
                                    r"\(model\.layers\.0 to model\.layers\.0\)"),

@@ -71,7 +71,7 @@ def test_inspect_a_mixed_file(capsys, tmp_path):
     ("meta", "corrupt metadata at row 0, group 0"),
     ("mask", "mask"),
     ("weight", "non-zero where"),
-    ("nan", "non-finite values (1 of"),
+    ("nan", "values has 1 non-finite value(s) (inf/NaN), the first at"),
 ])
 def test_inspect_names_a_broken_layer(capsys, tmp_path, damage, problem):
     sd, _ = _mixed_checkpoint(tmp_path)

@@ -255,6 +255,11 @@ class _Plan:
             raise ValueError(f"bfloat16 scales are read only for INT4 weights with bfloat16 x; got "
                              f"{'INT4' if group_size else 'INT8'} weights and {x_dtype} x")
         layout = "v1" if values_dim == 2 else "decode"
+        if config is not None and (config.kernel == "matmul") != (layout == "v1"):
+            # internal callers pass configs unchecked: a kernel reading the other layout's
+            # bytes would compute garbage, silently (once per plan, not per call)
+            raise ValueError(f"a {config.kernel!r} config cannot read a layout-{layout} weight "
+                             f"(layout v1: 'matmul'; decode layout: 'decode' or 'prefill')")
         if device.type == "cuda":
             check_triton_for_gpu()
         sparse_cores = sparse_tensor_cores(device)
