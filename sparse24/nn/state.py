@@ -154,6 +154,9 @@ def _check_whole(self, sd: dict, prefix: str) -> None:
             raise TypeError(f"'{prefix}bias' must be a tensor, got {type(bias).__name__}")
         if bias.shape != self.bias.shape:
             raise ValueError(f"'{prefix}bias' has shape {tuple(bias.shape)}, expected {tuple(self.bias.shape)}")
+        if bias.is_complex():   # torch would drop the imaginary part with a warning (found by fuzzing)
+            raise TypeError(f"'{prefix}bias' must be real, got {bias.dtype}")
+        check_finite(bias, f"'{prefix}bias'", "a corrupt or diverged checkpoint")
 
 
 def _check_state_masked(weight: torch.Tensor, mask: torch.Tensor, shape, prefix: str) -> None:

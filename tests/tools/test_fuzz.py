@@ -308,6 +308,19 @@ def test_finding_float8_int4_scales(fuzz, tmp_path):
     assert rows["4"]["problem"].startswith("weight has 1 non-finite value(s)")
 
 
+def test_finding_complex_or_nonfinite_bias(fuzz):
+    """A 2:4 layer's bias stored as complex (2026-12-05, the mutators' wider dtypes) loaded its real
+    part under torch's warning, and a NaN bias loaded without a word: both now refused, the model
+    unchanged."""
+    t = fuzz.PtTarget()
+    before = {k: v.clone() for k, v in t.model.state_dict().items()}
+    for bias, message in ((t.valid_sd["0.bias"].to(torch.complex64), r"'0.bias' must be real, got torch.complex64"),
+                          (torch.full_like(t.valid_sd["0.bias"], float("nan")), r"'0.bias' has 32 non-finite")):
+        with pytest.raises(RuntimeError, match=message):
+            t.model.load_state_dict(dict(t.valid_sd, **{"0.bias": bias}))
+        assert all(torch.equal(v, before[k]) for k, v in t.model.state_dict().items())
+
+
 @pytest.mark.parametrize("field, value, message", [
     ("num_hidden_layers", 10 ** 6, r"config\.json: num_hidden_layers=1000000, but the checkpoint holds 1 "
                                    r"\(model\.layers\.0 to model\.layers\.0\)"),
