@@ -188,7 +188,7 @@ class StateDictMixin:
                 check_int4_entries(self.group_size, self.scale, self._group_size)
             self.sparse_tensor().validate()
         _check_finite_entries(dict(self.named_parameters(recurse=False)) | dict(self.named_buffers(recurse=False)),
-                              "", [k for k in ("weight", "values", "scale") if getattr(self, k, None) is not None])
+                              "", [k for k in ("weight", "values", "scale", "bias") if getattr(self, k, None) is not None])
         return self
 
     def _finish_loading(self, trainable_values: bool = False) -> None:

@@ -102,3 +102,23 @@ def test_transformers_folder_with_non_finite_values_is_refused_naming_the_layer(
     with pytest.raises(ValueError, match=r"layer 'model.layers.1.mlp.up_proj': corrupt 2:4 layer .*'values' has 1 "
                                          r"non-finite value"):
         sparse24.from_pretrained(LlamaForCausalLM, tmp_path)
+
+
+def test_transformers_folder_with_a_non_finite_bias_is_refused_naming_the_layer(tmp_path):
+    """A 2:4 layer's NaN bias loaded without a word (the finiteness checks covered weight, values
+    and scale); GPT-2's Conv1D layers have biases."""
+    from safetensors.torch import load_file, save_file
+    from transformers import GPT2LMHeadModel
+
+    from hf_models import tiny_gpt2
+    model = tiny_gpt2()
+    sparse24.sparsify_(model, mode="compressed")
+    model.save_pretrained(tmp_path)
+    (path,) = tmp_path.glob("*.safetensors")
+    tensors = load_file(path)
+    key = "transformer.h.0.mlp.c_fc.bias"
+    tensors[key][5] = float("nan")
+    save_file(tensors, path, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"layer 'transformer.h.0.mlp.c_fc': corrupt 2:4 layer .*'bias' has 1 "
+                                         r"non-finite value"):
+        sparse24.from_pretrained(GPT2LMHeadModel, tmp_path)
