@@ -1,6 +1,8 @@
 """Whole-model calls check their inputs before changing anything: non-finite weights and
 checkpoint entries, calibration dicts that do not fit the model, mode switches on a model
 that was never sparsified. Each error names the layer (or key) and leaves the model as it was."""
+import re
+
 import pytest
 import torch
 from torch import nn
@@ -86,39 +88,24 @@ def test_checkpoint_with_non_finite_values_is_refused_naming_the_key(kind, key, 
     assert all(torch.equal(model.state_dict()[k], snap["state"][k]) for k in layer_keys)
 
 
-def test_transformers_folder_with_non_finite_values_is_refused_naming_the_layer(tmp_path):
+@pytest.mark.parametrize("arch, layer, entry", [
+    ("llama", "model.layers.1.mlp.up_proj", "values"),
+    # a NaN bias loaded without a word (the finiteness checks covered weight, values and scale);
+    # GPT-2's Conv1D layers have biases
+    ("gpt2", "transformer.h.0.mlp.c_fc", "bias"),
+])
+def test_transformers_folder_with_non_finite_entries_is_refused_naming_the_layer(tmp_path, arch, layer, entry):
     from safetensors.torch import load_file, save_file
-    from transformers import LlamaForCausalLM
+    from transformers import GPT2LMHeadModel, LlamaForCausalLM
 
-    from hf_models import tiny_llama
-    model = tiny_llama()
+    from hf_models import tiny_gpt2, tiny_llama
+    model = {"llama": tiny_llama, "gpt2": tiny_gpt2}[arch]()
     sparse24.sparsify_(model, mode="compressed")
     model.save_pretrained(tmp_path)
     (path,) = tmp_path.glob("*.safetensors")
     tensors = load_file(path)
-    key = "model.layers.1.mlp.up_proj.values"
-    tensors[key].view(-1)[3] = float("nan")
+    tensors[f"{layer}.{entry}"].view(-1)[3] = float("nan")
     save_file(tensors, path, metadata={"format": "pt"})
-    with pytest.raises(ValueError, match=r"layer 'model.layers.1.mlp.up_proj': corrupt 2:4 layer .*'values' has 1 "
+    with pytest.raises(ValueError, match=rf"layer '{re.escape(layer)}': corrupt 2:4 layer .*'{entry}' has 1 "
                                          r"non-finite value"):
-        sparse24.from_pretrained(LlamaForCausalLM, tmp_path)
-
-
-def test_transformers_folder_with_a_non_finite_bias_is_refused_naming_the_layer(tmp_path):
-    """A 2:4 layer's NaN bias loaded without a word (the finiteness checks covered weight, values
-    and scale); GPT-2's Conv1D layers have biases."""
-    from safetensors.torch import load_file, save_file
-    from transformers import GPT2LMHeadModel
-
-    from hf_models import tiny_gpt2
-    model = tiny_gpt2()
-    sparse24.sparsify_(model, mode="compressed")
-    model.save_pretrained(tmp_path)
-    (path,) = tmp_path.glob("*.safetensors")
-    tensors = load_file(path)
-    key = "transformer.h.0.mlp.c_fc.bias"
-    tensors[key][5] = float("nan")
-    save_file(tensors, path, metadata={"format": "pt"})
-    with pytest.raises(ValueError, match=r"layer 'transformer.h.0.mlp.c_fc': corrupt 2:4 layer .*'bias' has 1 "
-                                         r"non-finite value"):
-        sparse24.from_pretrained(GPT2LMHeadModel, tmp_path)
+        sparse24.from_pretrained({"llama": LlamaForCausalLM, "gpt2": GPT2LMHeadModel}[arch], tmp_path)
