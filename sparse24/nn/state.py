@@ -156,7 +156,7 @@ def _check_whole(self, sd: dict, prefix: str) -> None:
             raise ValueError(f"'{prefix}bias' has shape {tuple(bias.shape)}, expected {tuple(self.bias.shape)}")
         if bias.is_complex():   # torch would drop the imaginary part with a warning (found by fuzzing)
             raise TypeError(f"'{prefix}bias' must be real, got {bias.dtype}")
-        check_finite(bias, f"'{prefix}bias'", "a corrupt or diverged checkpoint")
+        _check_finite_entries(sd, prefix, ["bias"])
 
 
 def _check_state_masked(weight: torch.Tensor, mask: torch.Tensor, shape, prefix: str) -> None:

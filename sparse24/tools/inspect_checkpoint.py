@@ -136,7 +136,7 @@ def _sparse_row(prefix: str, t: dict) -> dict | None:
                 row["asymmetric"] = "zero" in t
             p = Sparse24Tensor(values, meta, row["shape"], torch.float32 if scale is not None else None, scale,
                                zero=t.get("zero"), group_size=row["group_size"])
-            _finite(values, "values")
+            check_finite(values, "values", why="")
             row["_mask"] = p.kept_mask()
         else:
             w, mask = t["weight"], t.get("mask")
@@ -144,16 +144,12 @@ def _sparse_row(prefix: str, t: dict) -> dict | None:
             if w.dim() != 2 or not w.is_floating_point():
                 raise ValueError(f"weight is {w.dim()}-D {w.dtype}, not a 2-D float matrix")
             _check_state_masked(w, mask, tuple(w.shape), prefix)
-            _finite(w, "weight")
+            check_finite(w, "weight", why="")
             row["_mask"] = mask
         row["valid"] = True
     except (ValueError, TypeError) as e:
         row["problem"] = _one_line(e)
     return row
-
-
-def _finite(t: torch.Tensor, name: str) -> None:
-    check_finite(t, name, why="")
 
 
 def _kept(w: torch.Tensor, mask: torch.Tensor) -> float | None:
