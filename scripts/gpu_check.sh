@@ -55,24 +55,7 @@ T_KSWEEP=${T_KSWEEP:-100}       # (added 2026-12-05: runs only where GPU_CHECK_O
 PROBE_ARGS=${PROBE_ARGS:-}      # e.g. "--only prefill --weights int8,int4 --ms 32,64"
 TUNE_SKIP=${TUNE_SKIP:---skip-tuned}  # TUNE_SKIP=--no-skip-tuned re-times the keys this GPU's file holds
 
-# Import this tree without installing it: kernels/ and autotune_configs/ are
-# sub-packages of sparse24 only once installed (pyproject's package-dir), so
-# build that layout from symlinks (writes still land in this tree).
-SITE=$(mktemp -d)
-trap 'rm -rf "$SITE"' EXIT
-mkdir "$SITE/sparse24"
-for f in "$ROOT"/sparse24/*; do ln -s "$f" "$SITE/sparse24/"; done
-ln -s "$ROOT/kernels" "$SITE/sparse24/kernels"
-ln -s "$ROOT/autotune_configs" "$SITE/sparse24/autotune_configs"
-export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
-# `python -m` and `-c` put the working directory first on sys.path, where this tree's own
-# sparse24/ (without kernels/) would shadow the layout above: the first GPU run failed so.
-export PYTHONSAFEPATH=1
-if ! "$PY" -c "import os, sparse24.kernels, sparse24.autotune_configs as a
-assert os.path.dirname(a.__file__).startswith('$SITE'), a.__file__"; then
-    echo "gpu_check: this tree does not import as the installed layout (sparse24.kernels)" >&2
-    exit 1
-fi
+. scripts/installed_layout.sh   # SITE: this tree as installed (sparse24.kernels), first on PYTHONPATH
 
 if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
     echo "gpu_check: no CUDA GPU visible to $PY (torch.cuda.is_available() is False); nothing to check" >&2

@@ -212,7 +212,54 @@ def _bench(fn, dev) -> float:
         return float("nan")
 
 
-def prefill(out: Path, dev, shapes=((4096, 4096), (11008, 4096), (4096, 11008)), ms=(32, 64, 256, 1024, 4096),
+PREFILL_SHAPES = ((4096, 4096), (11008, 4096), (4096, 11008))
+
+
+def _weight_key(weight: str) -> str:
+    """The dtype key of a probe weight kind (fp16 x): ``"int8"`` -> ``"int8-float16"``."""
+    from sparse24.ops.config_space import dtype_key
+    return dtype_key(torch.float16, weight == "int8", weight == "int4")
+
+
+def _shapes_of(weight: str, shapes):
+    return shapes[:1] if weight == "int4" else shapes   # (INT4: one shape, for the step's time)
+
+
+def prefill_configs(weight: str, N: int, K: int, M: int) -> tuple:
+    """The prefill probe's two fixed configs at one point: the prefill kernel's untuned one (what
+    ``run_prefill`` takes without a tuned entry; Triton's own GEMM runs its tile) and, past the
+    route's rows, the sparse tensor-core kernel's 32-row one, one program per (32 rows, weight
+    tile) (None to ``SP_MAX_M`` rows: the route's own config)."""
+    from dataclasses import replace
+
+    from sparse24.ops.config_space import SP_MAX_M, decode_default
+    from sparse24.ops.linear24.prefill import prefill_config, prefill_pair
+    key = _weight_key(weight)
+    cfg = prefill_config(M, N, K, pair=prefill_pair(key))
+    return cfg, None if M <= SP_MAX_M else replace(decode_default(N, K, key, rows=32), split_k=1)
+
+
+def prefill_jobs(ms, weights=("fp16",), shapes=PREFILL_SHAPES, gpu: str = "NVIDIA H200",
+                 capability=(9, 0), num_sms: int = 132) -> list:
+    """The kernel variants of ours the prefill probe launches on ``gpu``, ``(M, N, K, dtype key,
+    config)`` (what scripts/triton_prebuild.py compiles ahead): per point, ``run_prefill``'s config
+    (the GPU's tuned prefill entry, else the untuned one) and the sparse tensor-core kernel's
+    (:func:`prefill_configs`, to ``SP_MAX_M`` rows the route's config for the GPU), both found
+    through the config store's lookup as the launch finds them."""
+    from sparse24.ops.config_store import lookup
+    jobs = []
+    for weight in weights:
+        key = _weight_key(weight)
+        for N, K in _shapes_of(weight, shapes):
+            for M in ms:
+                _, sp_cfg = prefill_configs(weight, N, K, M)
+                ours = lookup(M, N, K, key, gpu, capability, num_sms, "decode", "prefill").config
+                sp = sp_cfg or lookup(M, N, K, key, gpu, capability, num_sms, "decode").config
+                jobs += [(M, N, K, key, ours), (M, N, K, key, sp)]
+    return jobs
+
+
+def prefill(out: Path, dev, shapes=PREFILL_SHAPES, ms=(32, 64, 256, 1024, 4096),
             weights=("fp16", "int8", "int4")) -> None:
     torch.manual_seed(0)
     rows = []
@@ -220,17 +267,13 @@ def prefill(out: Path, dev, shapes=((4096, 4096), (11008, 4096), (4096, 11008)),
     wr = csv.writer(f)
     wr.writerow(["weight", "N", "K", "M", "dense_us", "prefill_us", "unpack_mm_us", "unpack_us", "cusparselt_us",
                  "triton_dense_us", "prefill_config", "cusparselt_kernel_us", "sp_us"])
-    from dataclasses import replace
-
-    from sparse24.ops.config_space import SP_MAX_M, decode_default, dtype_key
-    from sparse24.ops.linear24.prefill import prefill_config, prefill_pair
     kernels = _dense_kernels()
 
     def bench(fn):
         return _bench(fn, dev)
 
     for weight in weights:
-        for N, K in shapes[:1] if weight == "int4" else shapes:   # (INT4: one shape, for the step's time)
+        for N, K in _shapes_of(weight, shapes):
             w = torch.randn(N, K, device=dev, dtype=torch.float16)
             c = sparse24.compress(w)
             if weight == "int8":
@@ -254,11 +297,7 @@ def prefill(out: Path, dev, shapes=((4096, 4096), (11008, 4096), (4096, 11008)),
                     print(f"  cuSPARSELt: {type(e).__name__}: {str(e)[:200]}", flush=True)
             for M in ms:
                 x = torch.randn(M, K, device=dev, dtype=torch.float16)
-                # the prefill kernel's untuned config (what run_prefill takes without a tuned entry)
-                key = dtype_key(torch.float16, weight == "int8", weight == "int4")
-                cfg = prefill_config(M, N, K, pair=prefill_pair(key))
-                # past the route's rows: its 32-row config, one program per (32 rows, weight tile)
-                sp_cfg = None if M <= SP_MAX_M else replace(decode_default(N, K, key, rows=32), split_k=1)
+                cfg, sp_cfg = prefill_configs(weight, N, K, M)
                 if weight == "fp16":
                     try:   # (a deep config's dense tiles can exceed shared memory: reported, the sweep goes on)
                         y_t = _triton_dense(x, wd, cfg, kernels)

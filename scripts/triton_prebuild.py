@@ -21,6 +21,10 @@ numpy``). Two steps, as torch is not needed for the second:
     /tmp/v312/bin/python scripts/triton_prebuild.py build specs.jsonl --cache .triton-sm90
     python scripts/triton_prebuild.py relocate .triton-sm90   # where it was copied to (gpu_check.sh)
 
+``collect --probe-ms 32,64 --ksweep`` adds the kernel variants scripts/gpu_probe.py launches
+(``--no-tuning``: those alone). scripts/prebuild_sm90.sh does all of it for the next GPU calls in one
+command, the two environments included.
+
 That ``build`` writes what the JIT then looks up is tested here with one Triton
 (tests/tools/test_triton_prebuild.py: no compile after a build). Whether the GPU image's Triton is
 the same build is known only when a GPU session runs with the folder: gpu_check.sh prints the
@@ -119,6 +123,23 @@ def warm(variants, arch: int = 90, record: list | None = None) -> None:
         raise RuntimeError(f"{len(errors)} variants failed, e.g. {errors[0]}")
 
 
+def probe_variants(probe_ms=(), ksweep: bool = False) -> list[tuple]:
+    """The variants of ours scripts/gpu_probe.py launches, ``(M, N, K, dtype, config)``: its prefill
+    step's at the rows ``probe_ms`` (fp16 weights, as on an H200: ``gpu_probe.prefill_jobs``) and,
+    with ``ksweep``, the K-sweep's (``gpu_probe.ksweep_jobs``). Triton's own dense GEMM, which the
+    probe defines in the script it runs, compiles on the GPU. Every launch, not one per
+    ``tuning.distinct_variants`` key: the recorded specializations are made distinct instead."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import gpu_probe
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    jobs = gpu_probe.prefill_jobs(probe_ms) if probe_ms else []
+    if ksweep:
+        jobs += [(M, N, K, "float16", cfg) for N, K, M, cfg in gpu_probe.ksweep_jobs()]
+    return jobs
+
+
 # --- build (Triton and numpy only) ---------------------------------------------------------------
 
 @contextlib.contextmanager
@@ -210,7 +231,8 @@ def build(spec_lines: list[str], cache: Path, arch: int = 90, slim: bool = True)
     return done, errors
 
 
-def main(argv=None) -> int:
+def parser() -> argparse.ArgumentParser:
+    """The command line: ``collect``, ``warm``, ``build``, ``relocate``."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     for name, text in (("collect", "record the variants the tuner would compile (needs torch)"),
@@ -219,6 +241,10 @@ def main(argv=None) -> int:
         c.add_argument("--m", default="1,16", help="M buckets, comma-separated")
         c.add_argument("--dtype", default="float16,int8-float16", help="dtype keys, comma-separated")
         c.add_argument("--shapes", nargs="+", default=["standard"])
+        c.add_argument("--probe-ms", default="", help="also gpu_probe.py's prefill launches at these rows "
+                       "(fp16 weights, its three shapes, as on an H200), comma-separated")
+        c.add_argument("--ksweep", action="store_true", help="also gpu_probe.py's K-sweep launches")
+        c.add_argument("--no-tuning", action="store_true", help="not the tuner's candidates (only --probe-ms, --ksweep)")
         if name == "collect":
             c.add_argument("--out", type=Path, required=True)
     b = sub.add_parser("build", help="compile recorded variants into a Triton cache (the GPU image's Triton)")
@@ -226,7 +252,11 @@ def main(argv=None) -> int:
     b.add_argument("--cache", type=Path, required=True)
     r = sub.add_parser("relocate", help="point a copied cache's group files at its place")
     r.add_argument("cache", type=Path)
-    a = ap.parse_args(argv)
+    return ap
+
+
+def main(argv=None) -> int:
+    a = parser().parse_args(argv)
     if a.cmd == "relocate":
         print(f"{relocate(a.cache)} compiled kernels in {a.cache}")
         return 0
@@ -239,7 +269,8 @@ def main(argv=None) -> int:
         from sparse24.tools.shapes import parse_shapes
         keys = [(int(m), n, k, dt) for dt in a.dtype.split(",") for _, n, k in parse_shapes(a.shapes)
                 for m in a.m.split(",")]
-        variants = tuning_variants(keys)
+        variants = ([] if a.no_tuning else tuning_variants(keys)) + probe_variants(
+            tuple(int(m) for m in a.probe_ms.split(",") if m), a.ksweep)
         specs = [] if a.cmd == "collect" else None
         warm(variants, record=specs)
         if a.cmd == "collect":

@@ -32,7 +32,8 @@ from ..ops.config_store import (KERNEL, SCHEMA_VERSION, Choice, clear_cache, con
                                describe_config_source, get_config, gpu_file_name, lookup, measured_timings,
                                shipped_config_dir, validate_dir, validate_file)
 from ..ops.linear24 import linear_prefill, linear_reference, linear_triton, op
-from ..ops.linear24.launch import half_pair, kernel_call, sparse_tensor_cores, target_dtype, variant_of
+from ..ops.linear24.launch import (half_pair, int_specialization, kernel_call, sparse_tensor_cores, target_dtype,
+                                   variant_of)
 from ..ops.linear24.op import DECODE_M
 from .bench import rel_error
 
@@ -275,14 +276,16 @@ def _select_fastest(configs, launch, error, time, max_err: float, label: str, re
 
 def _compile_variant(M: int, N: int, K: int, dtype: str, cfg: KernelConfig) -> tuple:
     """What makes two launches compile the same kernel: Triton specializes ints
-    and strides on divisibility by 16 (M is not specialized), and the constexprs that
+    and strides on divisibility by 16 (:func:`~sparse24.ops.linear24.launch.int_specialization`:
+    every integer argument, those the layout derives from K too), and the constexprs that
     follow from the shape: M's bucket (the sparse tensor-core kernel takes two mma per
     chunk past 8 rows), whether K fills whole K-tiles and whether each split owns one
     K-tile (no loop). (Without them the tuner compiled the M = 1 bucket's sparse-kernel
-    variants of a shape in parallel and the M = 16 bucket's one by one while timing.)"""
+    variants of a shape in parallel and the M = 16 bucket's one by one while timing; without
+    the derived ints, a K = 11008 shape's variants counted as K = 4096's.)"""
     tiles = -(-K // cfg.block_k)
-    return (dtype, N % 16 == 0, K % 16 == 0, (K // 2) % 16 == 0, cfg, m_bucket(M) > 8, K % cfg.block_k == 0,
-            tiles == cfg.split_k)
+    return (dtype, int_specialization(cfg, N, K, dtype.startswith("int")), cfg, m_bucket(M) > 8,
+            K % cfg.block_k == 0, tiles == cfg.split_k)
 
 
 def distinct_variants(tasks) -> list:

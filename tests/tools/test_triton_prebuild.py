@@ -98,3 +98,69 @@ def test_gpu_check_records_every_variant_the_jit_is_asked_for(tmp_path):
             assert (done, errors) == (1, [])
         else:
             assert lines == []
+
+
+def test_probe_variants_are_what_the_probe_launches_on_the_h200():
+    """``collect --probe-ms --ksweep`` (scripts/prebuild_sm90.sh): the prefill probe's launch of ours
+    at 4096 rows takes the H200 file's tuned prefill entry where it has one (read here from the JSON
+    itself) and the untuned config elsewhere; past the sparse route's rows its 32-row config; the
+    K-sweep's launches are all there (one tile at seven K, GROUP_M 1 / 32 at one, a 256-row tile
+    split 1 / 2 / 4)."""
+    import pathlib
+
+    from sparse24.ops.config_space import KernelConfig
+    from sparse24.ops.linear24.prefill import prefill_config, prefill_pair
+    probe = load_script("gpu_probe")
+    entries = json.loads((pathlib.Path(mod.ROOT) / "autotune_configs" / "NVIDIA_H200" / "sparse24_matmul.json")
+                         .read_text())["entries"]
+    c = entries["4096,4096,4096,float16"]["config"]
+    tuned = KernelConfig(c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"], c["GROUP_M"], c["SPLIT_K"], c["num_warps"],
+                         c["num_stages"], kernel=c["KERNEL"])
+    assert "4096,4096,11008,float16" not in entries
+    jobs = probe.prefill_jobs([4096], shapes=((4096, 4096), (4096, 11008)))
+    assert [(M, N, K, key) for M, N, K, key, _ in jobs] == [(4096, 4096, 4096, "float16")] * 2 + \
+        [(4096, 4096, 11008, "float16")] * 2
+    assert jobs[0][4] == tuned
+    assert jobs[2][4] == prefill_config(4096, 4096, 11008, pair=prefill_pair("float16")) != tuned
+    assert jobs[1][4] == jobs[3][4] and (jobs[1][4].block_m, jobs[1][4].split_k) == (32, 1)   # the 32-row config
+    ksweep = [(M, N, K, "float16", cfg) for N, K, M, cfg in probe.ksweep_jobs()]
+    assert mod.probe_variants((), ksweep=True) == ksweep and len(ksweep) == 12
+    assert mod.probe_variants((4096,), ksweep=True) == probe.prefill_jobs([4096]) + ksweep
+
+
+def test_tuner_variant_key_separates_what_the_jit_compiles_apart():
+    """``tuning.distinct_variants`` (the tuner's parallel compile, ``collect``) keeps one launch per
+    ``_compile_variant`` key, so two launches with one key must record one specialization (two keys
+    may still share one: the key is finer than some kernels need). The decode layout passes ints
+    derived from K: at K = 1088 its atom count K / 64 = 17 is not divisible by 16 where at K = 1024
+    it is (as 11008 against 4096), so the JIT compiles the same config twice (the key once counted
+    them as one, and the tuner then compiled 4096x11008's kernels one by one while timing)."""
+    from sparse24.tools import tuning
+    tasks = [(M, N, K, dtype, cfg) for dtype in ("float16", "int8-float16") for N in (64, 72) for M in (1, 16)
+             for cfg in tuning.candidate_configs(M, N, 1024, 132, "decode", dtype)[:2] for K in (1024, 1088)]
+    specs, by_task = {}, {}
+    for task in tasks:
+        record = []
+        mod.warm([task], record=record)
+        assert len(record) == 1
+        specs.setdefault(tuning._compile_variant(*task), set()).add(record[0])
+        by_task[task] = record[0]
+    assert all(len(s) == 1 for s in specs.values())               # one key, one kernel
+    for M, N, K, dtype, cfg in tasks[::2]:                        # K = 1024 beside 1088, same config
+        assert by_task[(M, N, K, dtype, cfg)] != by_task[(M, N, 1088, dtype, cfg)]
+        assert tuning._compile_variant(M, N, K, dtype, cfg) != tuning._compile_variant(M, N, 1088, dtype, cfg)
+
+
+def test_prebuild_script_commands_parse():
+    """scripts/prebuild_sm90.sh (step 0 of a GPU session): valid bash, and each of its
+    triton_prebuild.py command lines parses (a typo there would cost the session its ~13 minutes)."""
+    import shlex
+    import subprocess
+    script = mod.ROOT / "scripts" / "prebuild_sm90.sh"
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    lines = [ln.split("scripts/triton_prebuild.py", 1)[1] for ln in script.read_text().splitlines()
+             if "scripts/triton_prebuild.py" in ln and not ln.lstrip().startswith("#")]
+    cmds = [shlex.split(ln.replace('"$SPECS/', '"SPECS/').replace('"$CACHE"', "CACHE")) for ln in lines]
+    assert [c[0] for c in cmds] == ["collect"] * 3 + ["build"]
+    parsed = [mod.parser().parse_args(c) for c in cmds]
+    assert parsed[2].ksweep and parsed[2].no_tuning and parsed[2].probe_ms == "32,64,128,4096"

@@ -848,6 +848,16 @@ def sparse_tensor_cores(device: torch.device) -> bool:
 
 
 _VARIANTS = {"matmul": _Matmul, "decode": _Decode, "prefill": _Prefill}
+
+
+def int_specialization(config: KernelConfig, N: int, K: int, quantized: bool = False) -> tuple:
+    """How Triton specializes the integer arguments of a launch of ``config`` on contiguous
+    tensors (N, K, the sizes the layout derives from them, the strides; M is not specialized),
+    in argument order: 1, ``"D"`` (divisible by 16) or ``""``. Launches that differ here compile
+    different kernels: at K = 11008 the decode layout's atom count K / 64 = 172 is not divisible
+    by 16 where at K = 4096 it is. ``quantized``: INT8 / INT4 weights."""
+    ints = _VARIANTS[config.kernel].contiguous_ints(N, K, quantized)
+    return tuple(1 if v == 1 else "D" if v % 16 == 0 else "" for v in ints)
 _PLACEHOLDER: dict = {}
 
 
