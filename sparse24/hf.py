@@ -490,6 +490,7 @@ def check_folder(folder: str | os.PathLike, cls, config=None) -> None:
     if files is None:
         return  # no safetensors checkpoint: transformers' own loader decides
     headers = safetensors_headers(files)
+    _check_loadable_dtypes(headers)
     path = os.path.join(folder, "config.json") if config is None else "the config given to from_pretrained"
     config = read_config(folder, cls) if config is None else config
     check_blocks(config, headers, folder, path)
@@ -522,6 +523,20 @@ def check_folder(folder: str | os.PathLike, cls, config=None) -> None:
     if lacking > EXTRA_ELEMENTS + stored:
         raise ValueError(f"{path} describes a model with {lacking:,} elements the checkpoint does not hold "
                          f"(it holds {stored:,}): not this checkpoint's config")
+
+
+def _check_loadable_dtypes(headers: dict) -> None:
+    """Refuse a tensor stored in a dtype transformers' loader has no torch dtype for (its own table:
+    float8 FNUZ kinds, complex): it raised "Cannot load safetensors of unknown dtype", naming no file
+    (found by fuzzing)."""
+    from transformers import modeling_utils
+    known = getattr(modeling_utils, "str_to_torch_dtype", None)
+    if not isinstance(known, dict):
+        return   # another transformers: its loader decides
+    for key, (dtype, _, file) in headers.items():
+        if dtype not in known:
+            raise ValueError(f"{file}: '{key}' is stored as {dtype}, which transformers cannot load "
+                             f"(it reads {', '.join(known)})")
 
 
 def read_section(folder: str | os.PathLike) -> dict | None:

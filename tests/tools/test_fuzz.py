@@ -171,6 +171,27 @@ def test_finding_values_stored_in_another_dtype(hf_target):
     assert torch.equal(model.model.layers[0].mlp.up_proj.values, sd[key])
 
 
+def test_finding_dtype_transformers_cannot_load(hf_target):
+    """A tensor stored as float8 FNUZ in model.safetensors of a config.json without "dtype" (2026-12-05,
+    seed 7373): transformers, inferring the dtype from the weights' headers, raised "Cannot load
+    safetensors of unknown dtype F8_E4M3FNUZ", naming no file. Now a dtype its loader has no torch
+    dtype for is refused first, naming the file and the entry, with or without "dtype" in the config
+    (with it, transformers would cast such a tensor); a dtype it reads (float8 e4m3) still loads, cast."""
+    from safetensors.torch import load, save
+    config, weights = hf_target.unpack(hf_target.seed)
+    no_dtype = json.loads(config)
+    del no_dtype["dtype"]
+    sd = load(weights)
+    key = "model.norm.weight"
+    for cfg in (json.dumps(no_dtype).encode(), config):
+        for dtype, name in ((torch.float8_e4m3fnuz, "F8_E4M3FNUZ"), (torch.complex64, "C64")):
+            with pytest.raises(ValueError, match=rf"model\.safetensors: '{key}' is stored as {name}, which "
+                                                 r"transformers cannot load \(it reads BOOL, "):
+                _load_folder(hf_target, cfg, save(dict(sd, **{key: sd[key].to(dtype)})))
+    model = _load_folder(hf_target, config, save(dict(sd, **{key: sd[key].to(torch.float8_e4m3fn)})))
+    assert torch.equal(model.model.norm.weight, sd[key].to(torch.float8_e4m3fn).to(sd[key].dtype))
+
+
 def test_finding_layer_entry_without_quantize(hf_target):
     """A layer entry of the sparse24 section without "quantize" raised KeyError."""
     config, weights = hf_target.unpack(hf_target.seed)
