@@ -584,7 +584,12 @@ class HFFolderTarget:
                 m.validate()
                 for k, v in m.state_dict().items():
                     f = file_sd.get(f"{fqn}.{k}")
-                    if k != "bias" and (f is None or f.dtype != v.dtype or not same_tensor(f, v)):
+                    # a float layer's kept values or masked weight in the model's dtype (config.json's
+                    # "dtype"), cast as transformers casts every float tensor; every other entry as stored
+                    cast = k in ("values", "weight") and f is not None and f.is_floating_point() \
+                        and v.is_floating_point()
+                    if k != "bias" and (f is None or not same_tensor(f.to(v.dtype) if cast else f, v)
+                                        or not cast and f.dtype != v.dtype):
                         raise Failure(f"loaded, but {fqn}.{k} is not the file's tensor")
         return "loaded: another model"
 

@@ -34,7 +34,9 @@ model on the meta device, puts an empty :class:`~sparse24.Sparse24Linear` of the
 recorded mode in each listed layer (no dense random init, no masks computed on
 random weights), lets transformers assign the checkpoint's tensors, then checks
 every 2:4 layer (masks, metadata, scales) and re-arms the masking. The result is
-the saved model, bit for bit. A folder whose config lists a layer the model
+the saved model, bit for bit. In another dtype (``dtype=`` or config.json's ``dtype``), a float
+layer's kept values or masked weight are cast to it as transformers casts every float tensor;
+INT8 / INT4 values, metadata and scales stay as stored. A folder whose config lists a layer the model
 does not have, or whose checkpoint lacks a layer's entries, is an error.
 Without sparse24 registered, transformers warns "Unknown quantization type,
 got sparse24" and then fails on the markers of compressed layers; masked layers

@@ -192,6 +192,38 @@ def test_finding_dtype_transformers_cannot_load(hf_target):
     assert torch.equal(model.model.norm.weight, sd[key].to(torch.float8_e4m3fn).to(sd[key].dtype))
 
 
+def test_oracle_a_config_dtype_casts_float_entries_only(fuzz, hf_target):
+    """A config.json whose "dtype" is float16 (2026-12-05, seed 8484): transformers builds the model in
+    fp16 and casts every float tensor, the 2:4 layers' kept values and masked weights too, as
+    ``from_pretrained(..., dtype=)`` does (tests/hf); INT8 / INT4 values, metadata and scales stay as
+    stored. The oracle took that cast for a wrong tensor; now it loads as "another model", and a
+    masked weight changed after the cast is still caught."""
+    from safetensors.torch import load, save
+    config, weights = hf_target.unpack(hf_target.seed)
+    cfg = json.loads(config)
+    cfg["dtype"] = "float16"
+    half = json.dumps(cfg).encode()
+    assert fuzz.run_one(hf_target, hf_target.pack(half, weights)) == "loaded: another model"
+    model = _load_folder(hf_target, half, weights)
+    sd = load(weights)
+    v_proj, q_proj = model.model.layers[0].self_attn.v_proj, model.model.layers[0].self_attn.q_proj
+    assert torch.equal(v_proj.weight, sd["model.layers.0.self_attn.v_proj.weight"].half())
+    assert torch.equal(q_proj.values, sd["model.layers.0.self_attn.q_proj.values"])   # INT8: as stored
+    assert q_proj.scale.dtype == torch.float32
+    with pytest.MonkeyPatch.context() as mp:   # the oracle still sees a weight that is not the file's
+        real = sparse24.from_pretrained
+
+        def changed(*a, **k):
+            m = real(*a, **k)
+            with torch.no_grad():
+                w = m.model.layers[0].self_attn.v_proj.weight
+                w[w != 0] += 1
+            return m
+        mp.setattr(sparse24, "from_pretrained", changed)
+        with pytest.raises(fuzz.Failure, match="v_proj.weight is not the file's tensor"):
+            fuzz.run_one(hf_target, hf_target.pack(half, weights))
+
+
 def test_finding_layer_entry_without_quantize(hf_target):
     """A layer entry of the sparse24 section without "quantize" raised KeyError."""
     config, weights = hf_target.unpack(hf_target.seed)
