@@ -357,16 +357,16 @@ def test_default_configs_and_the_op(gen):
     assert_matches_reference(sparse24.linear(x, p, backend="triton"), x, _operand(W, torch.float16))
     assert_matches_reference(linear_decode(x, p), x, _operand(W, torch.float16))
     # the untuned large-M prefill tile (tests/kernels/test_prefill_kernel.py), from the cost tables of
-    # Triton 3.5-3.9: two programs per SM (the model's serial rule past 64 rows: a program's multiply,
-    # decode and loads one after the other, another program's filling the gaps), 64 x 128 x 128 for
-    # 16-bit weights and INT4 with either x (Triton 3.6: INT4 256 x 64 x 64; 3.5, where no tile runs
-    # in x's own order: 16-bit 128 x 128 x 64); a Triton without a table: the fixed list's 256 x 128
-    # where 128-row tiles run in x's own order, else 128 x 128
+    # Triton 3.4-3.9: mostly two programs per SM (the model's serial rule past 64 rows: a program's
+    # multiply, decode and loads one after the other, another program's filling the gaps), 64 x 128 x
+    # 128 for 16-bit weights and INT4 with either x, except where a Triton compiles the kernel
+    # otherwise (3.5, which runs no tile in x's own order: 16-bit 128 x 128 x 64); a Triton without a
+    # table: the fixed list's 256 x 128 where 128-row tiles run in x's own order, else 128 x 128
     big = [prefill_config(4096, 4096, 4096, pair=pair) for pair in ("float16", "int4-float16", "int4-bfloat16")]
     if prefill.prefill_costs() is not None:
-        version = triton_version()[:2]
-        int4 = (256, 64, 64) if version == (3, 6) else (64, 128, 128)
-        want = [(128, 128, 64) if version == (3, 5) else (64, 128, 128), int4, int4]
+        half, int4 = {(3, 4): ((64, 128, 128), (128, 64, 64)), (3, 5): ((128, 128, 64), (64, 128, 128)),
+                      (3, 6): ((64, 128, 128), (256, 64, 64))}.get(triton_version()[:2], ((64, 128, 128),) * 2)
+        want = [half, int4, int4]
     else:
         want = [(256, 128, 64)] * 3 if natural_tile(256, 128) else [(128, 128, 64)] * 3
     assert [(c.block_m, c.block_n, c.block_k) for c in big] == want

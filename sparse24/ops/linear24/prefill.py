@@ -37,7 +37,7 @@ COST_KEYS = ("regs", "spills", "shared", "per_sm", "loop", "mma", "half", "t_ten
 ROBUST_TOLERANCE = 0.05   # how far below the best worst case a default's worst case may lie
 ROBUST_L2 = (L2_BYTES_PER_SM_CLK, *L2_MEASURED)
 
-# Without a table for the installed Triton (3.4, or a release not yet measured): a
+# Without a table for the installed Triton (a release not yet measured; the tables cover 3.4-3.9): a
 # fixed list, fitted to the model as it was before 2026-12-05 (L2 assumed at 32 B per SM clock,
 # a program's loads under its multiply past 64 rows) over the 11 shapes of issue 22 at M =
 # 32-4096 for every weight kind and Triton 3.9 and 3.6 (the best sum over M of the minimum over
