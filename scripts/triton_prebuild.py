@@ -77,12 +77,13 @@ class CompileOnlyDriver:
 def fake_driver(arch: int = 90):
     """:class:`CompileOnlyDriver` as Triton's active driver inside the block (the previous one after)."""
     from triton.runtime import driver
-    old = driver._active
+    attr = "_active" if hasattr(driver, "_active") else "active"   # (Triton 3.4 keeps it as .active)
+    old = getattr(driver, attr)
     driver.set_active(CompileOnlyDriver(arch))
     try:
         yield
     finally:
-        driver._active = old
+        setattr(driver, attr, old)
 
 
 # --- collect (torch and this package) ------------------------------------------------------------
