@@ -386,7 +386,8 @@ def test_natural_order_tiles_compile_for_sm90(dtype, cfg, monkeypatch):
     monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")
     tool = _static_check()
     if cfg is None:   # the wide tile where this Triton runs it (x 128 with 3.6), else 128 x 128
-        cfg = _prefill_cfg(128, 256, 64 if NATURAL_TRITON else 128) if natural_tile(128, 256) else _prefill_cfg(128, 128)
+        cfg = _prefill_cfg(128, 256, 128 if triton_version()[:2] == (3, 6) else 64) if natural_tile(128, 256) \
+            else _prefill_cfg(128, 128)   # (x 128 spills 88 / 72 / 104 B with Triton 3.7 / 3.8 / 3.9)
     assert cfg.block_m >= 128
     r = tool.prefill_one(dtype, cfg, 90)
     assert r["hgmma"] and r["mma"] == cfg.block_k // 16 * -(-cfg.block_n // 128)
