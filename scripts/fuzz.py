@@ -588,8 +588,8 @@ class HFFolderTarget:
                     # "dtype"), cast as transformers casts every float tensor; every other entry as stored
                     cast = k in ("values", "weight") and f is not None and f.is_floating_point() \
                         and v.is_floating_point()
-                    if k != "bias" and (f is None or not same_tensor(f.to(v.dtype) if cast else f, v)
-                                        or not cast and f.dtype != v.dtype):
+                    want = f.to(v.dtype) if cast else f
+                    if k != "bias" and (f is None or want.dtype != v.dtype or not same_tensor(want, v)):
                         raise Failure(f"loaded, but {fqn}.{k} is not the file's tensor")
         return "loaded: another model"
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["FLOAT_DTYPES", "check_weight", "check_nm", "check_mask", "check_model", "check_finite",
+__all__ = ["FLOAT_DTYPES", "check_weight", "check_nm", "check_mask", "check_model", "check_finite", "computable",
            "safetensors_headers"]
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -50,16 +50,20 @@ def check_model(model, filter_fn, who: str = "") -> None:
         raise TypeError(f"{who}filter_fn must be callable (module, fqn) -> bool, got {type(filter_fn).__name__}")
 
 
+def computable(t: torch.Tensor) -> torch.Tensor:
+    """``t`` detached, float8 widened to float32 (exactly, inf/NaN kept): torch has no CPU kernels
+    for float8 isfinite (found by fuzzing) nor, in torch 2.9, for float8 indexing."""
+    x = t.detach()
+    return x.float() if x.is_floating_point() and x.element_size() == 1 else x
+
+
 def check_finite(t: torch.Tensor, name: str = "weight",
                  why: str = "a 2:4 mask ranks magnitudes, and inf/NaN would spread to every output") -> None:
     """ValueError unless every entry of a floating ``t`` is finite; the message names ``name``,
     how many entries are inf/NaN, where the first one is, and ``why`` (integer tensors pass)."""
     if not t.is_floating_point() or t.is_meta:
         return
-    x = t.detach()
-    if x.element_size() == 1:  # float8 has no isfinite kernel (found by fuzzing); widening keeps inf/NaN
-        x = x.float()
-    bad = ~torch.isfinite(x)
+    bad = ~torch.isfinite(computable(t))
     if bool(bad.any()):
         first = tuple(int(i) for i in bad.nonzero()[0])
         raise ValueError(f"{name} has {int(bad.sum())} non-finite value(s) (inf/NaN), the first at index {first}"
