@@ -42,6 +42,7 @@ from peft.tuners.lora.layer import Linear as LoraLinear
 from peft.tuners.tuners_utils import BaseTunerLayer, check_adapters_to_merge
 from peft.utils.constants import INCLUDE_LINEAR_LAYERS_SHORTHAND
 
+from ._rollback import TensorBackup
 from .nn import Sparse24Linear
 
 __all__ = ["Sparse24LoraLinear", "register"]
@@ -89,13 +90,19 @@ class Sparse24LoraLinear(LoraLinear):
             safe_merge: raise ValueError (and leave the layer as it was) if the merged
                 tensors are not finite.
             adapter_names: adapters to merge (default: the active ones).
+        Raises:
+            ValueError, the layer as it was: an adapter's update is not finite (whatever
+            ``safe_merge`` says: :meth:`~sparse24.Sparse24Linear.add_to_kept_` refuses it).
         """
         adapter_names = [a for a in check_adapters_to_merge(self, adapter_names) if a in self.lora_A]
         if not adapter_names:
             return
         base = self.get_base_layer()
-        tensors = _base_tensors(base)
-        before = [t.detach().clone() for t in tensors]
+        before = self._before_merge if self._before_merge is not None else _merged_entries(base)
+        # A decode-layout base (frozen 16-bit/INT8/INT4 weights on CUDA) gets new tensor objects from
+        # every update (add_to_kept_ goes through layout v1): undo by the module's own tables, then values.
+        snapshot, backup = base._snapshot(), TensorBackup()
+        backup.keep(_base_tensors(base))
         try:
             with torch.no_grad():
                 for name in adapter_names:
@@ -105,30 +112,34 @@ class Sparse24LoraLinear(LoraLinear):
                             raise RuntimeError("Impossible to merge LoRA with `lora_bias=True` because the base "
                                                "layer has no bias.")
                         base.bias.add_(self.lora_B[name].bias * self.scaling[name])
-            if safe_merge and not all(bool(torch.isfinite(t).all()) for t in tensors if t.is_floating_point()):
+            if safe_merge and not all(bool(torch.isfinite(t).all()) for t in _base_tensors(base)
+                                      if t.is_floating_point()):
                 raise ValueError(f"NaNs detected in the merged weights. The adapter(s) {adapter_names} seem to be "
                                  "broken")
         except BaseException:
-            _put_back(tensors, before)
+            base._restore(snapshot)
+            backup.restore()
             raise
-        if self._before_merge is None:
-            self._before_merge = before
+        self._before_merge = before
         self.merged_adapters.extend(adapter_names)
 
     def unmerge(self) -> None:
-        """Put the base back exactly as it was before the first merge."""
+        """Put the base back exactly as it was before the first merge (in whatever layout, device
+        and dtype it is held now: the saved entries are layout v1's, loaded as a checkpoint is)."""
         if not self.merged:
             warnings.warn("Already unmerged. Nothing to do.")
             return
-        _put_back(_base_tensors(self.get_base_layer()), self._before_merge)
+        base = self.get_base_layer()
+        base.load_state_dict({**base.state_dict(), **self._before_merge})
         self._before_merge = None
         self.merged_adapters.clear()
 
 
-def _put_back(tensors: list[torch.Tensor], saved: list[torch.Tensor]) -> None:
-    with torch.no_grad():
-        for t, s in zip(tensors, saved):
-            t.copy_(s)  # in place: same tensor objects, version counters move (the masked-mode check reruns)
+def _merged_entries(base: Sparse24Linear) -> dict[str, torch.Tensor]:
+    """Copies of the state-dict entries a merge changes (``weight`` or ``values`` and ``scale``, and
+    ``bias``): layout v1, whatever layout the base holds."""
+    names = {"weight", "values", "scale", "bias"}
+    return {k: v.detach().clone() for k, v in base.state_dict().items() if k in names}
 
 
 def _sparse24_base(target) -> bool:

@@ -79,13 +79,17 @@ class LayoutMixin:
             raise ValueError(f"layout must be 'v1', 'decode' or 'auto', got {layout!r}")
         if self._mode != "compressed":
             raise ValueError("only compressed mode has a layout (masked mode holds the dense weight)")
-        before = self.__dict__.get("_layout_pref")
+        snap = self._snapshot()
         self._layout_pref = None if layout == "auto" else layout
-        if layout == "decode" and self._wanted_layout() != "decode":
-            self._layout_pref = before  # refused: nothing changes
-            raise ValueError("the decode layout holds float16, bfloat16, INT8 or INT4 values that do not train; this "
-                             f"layer has {self.values.dtype} values (requires_grad={self.values.requires_grad})")
-        self._settle_layout()
+        try:
+            if layout == "decode" and self._wanted_layout() != "decode":
+                raise ValueError("the decode layout holds float16, bfloat16, INT8 or INT4 values that do not train; "
+                                 f"this layer has {self.values.dtype} values "
+                                 f"(requires_grad={self.values.requires_grad})")
+            self._settle_layout()
+        except BaseException:
+            self._restore(snap)  # refused: nothing changes (the preference included)
+            raise
         return self
 
     @property

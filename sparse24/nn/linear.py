@@ -375,7 +375,7 @@ class Sparse24Linear(LayoutMixin, StateDictMixin, nn.Module):
         change (what merging a dense LoRA update into this layer means; see :mod:`sparse24.lora`).
 
         Args:
-            delta: ``(R, C)`` floating tensor; its entries at pruned positions are ignored.
+            delta: ``(R, C)`` finite floating tensor; its entries at pruned positions are ignored.
         Returns:
             self. Masked mode updates ``weight`` (same Parameter), compressed mode ``values``;
             INT8 values are dequantized, updated in fp32 and requantized (new ``scale``). INT4
@@ -393,6 +393,9 @@ class Sparse24Linear(LayoutMixin, StateDictMixin, nn.Module):
         if not isinstance(delta, torch.Tensor) or tuple(delta.shape) != (R, C) or not delta.is_floating_point():
             raise ValueError(f"delta must be a floating ({R}, {C}) tensor, got "
                              f"{tuple(delta.shape) if isinstance(delta, torch.Tensor) else type(delta).__name__}")
+        if not bool(torch.isfinite(delta).all()):
+            # (INT4 would round NaN to a code silently: its lowest grid point)
+            raise ValueError("delta has NaN or infinite entries (a diverged adapter?); nothing was changed")
         if self._mode == "masked":
             self.weight.add_(torch.where(self.mask, delta.to(self.weight.dtype), 0))
             return self

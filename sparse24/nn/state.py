@@ -100,6 +100,17 @@ def check_state(self, sd: dict, prefix: str) -> None:
     Sparse24Tensor(values, meta, (R, C), dtype, scale, zero=sd.get(prefix + "zero"), group_size=self._group_size)
 
 
+def _make_contiguous(layer) -> None:
+    """``load_state_dict(assign=True)`` installs the file's tensors as they are; the kernels and the
+    decode layout (held on CUDA) read the compressed ones as contiguous arrays."""
+    for table in (layer._parameters, layer._buffers):
+        for name in ("values", "meta", "scale", "zero"):
+            t = table.get(name)
+            if t is not None and not t.is_contiguous():
+                table[name] = (torch.nn.Parameter(t.contiguous(), requires_grad=t.requires_grad)
+                               if isinstance(t, torch.nn.Parameter) else t.contiguous())
+
+
 def check_int4_entries(group_size: torch.Tensor, scale: torch.Tensor, expected: int, prefix: str = "") -> None:
     """An INT4 layer's ``group_size`` entry (a 0-d integer tensor equal to the layer's group size)
     and its scales (positive: the quantizers never write 0 or a negative scale, so one is a corrupt
@@ -249,6 +260,9 @@ class StateDictMixin:
             self._pending = None
         if self._mode == "masked" and self.weight is not weight_before:
             self._track_masked()  # load_state_dict(assign=True) installs new Parameters
+        if self._mode == "compressed":
+            _make_contiguous(self)
+
 
     def _has_dense_entry_only(self, sd: dict, prefix: str) -> bool:
         return prefix + "weight" in sd and not any(prefix + k in sd for k in _ALL_KEYS[1:])

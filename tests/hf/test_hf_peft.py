@@ -155,3 +155,57 @@ def test_gpt2_conv1d_base_with_lora():
     with torch.no_grad():
         torch.testing.assert_close(layer(x).double(), F.linear(x.double(), w, b) + x.double() @ A.T @ B.T,
                                    **tolerance(torch.float32, 64))
+
+
+DECODE_KINDS = {"fp16": {}, "int8": {"quantize": "int8"}, "int4": {"quantize": "int4", "group_size": 32}}
+
+
+def decode_layout_lora(kind, bias=True, **lora_kw):
+    """A fp16 64x64 2:4 layer in the decode layout (what a frozen one holds on CUDA) under a LoRA adapter."""
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64, bias=bias).half())
+    sparse24.sparsify_(model, mode="compressed", skip_output_head=False, **DECODE_KINDS[kind])
+    model[0].to_layout("decode")
+    cfg = dict(target_modules=["0"], r=4, init_lora_weights=False, **lora_kw)
+    return get_peft_model(model, LoraConfig(**cfg)).base_model.model[0]
+
+
+@pytest.mark.parametrize("kind", DECODE_KINDS)
+def test_a_refused_merge_leaves_a_decode_layout_base_as_it_was(kind):
+    # add_to_kept_ gives a decode-layout base new tensor objects: the merge must undo by the module's
+    # own tables, not by the tensors it held before (which the NaN check then read, and missed)
+    layer = decode_layout_lora(kind)
+    base = layer.get_base_layer()
+    held, entries = dict(base._parameters) | dict(base._buffers), base_tensors(base)
+    with torch.no_grad():
+        layer.lora_B["default"].weight.fill_(float("nan"))
+    with pytest.raises(ValueError, match="NaN"):
+        layer.merge(safe_merge=True)
+    assert not layer.merged and base.layout == "decode"
+    assert all(t is held[n] for n, t in (dict(base._parameters) | dict(base._buffers)).items())
+    assert all(torch.equal(base_tensors(base)[k], v) for k, v in entries.items())
+
+    layer = decode_layout_lora(kind, bias=False, lora_bias=True)  # fails after the weight's update
+    base = layer.get_base_layer()
+    entries = base_tensors(base)
+    with pytest.raises(RuntimeError, match="no bias"):
+        layer.merge()
+    assert not layer.merged and base.layout == "decode"
+    assert all(torch.equal(base_tensors(base)[k], v) for k, v in entries.items())
+
+
+@pytest.mark.parametrize("kind", DECODE_KINDS)
+def test_unmerge_after_a_layout_change_restores_the_base(kind):
+    layer = decode_layout_lora(kind)
+    base = layer.get_base_layer()
+    base.to_layout("v1")
+    entries = base_tensors(base)
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(2)).half()
+    with torch.no_grad():
+        y = layer(x)
+        layer.merge()
+        assert not torch.equal(base.state_dict()["values"], entries["values"])
+        base.to_layout("decode")  # e.g. the model moved to CUDA after merging
+        layer.unmerge()
+        assert base.layout == "decode" and not layer.merged
+        assert all(torch.equal(base_tensors(base)[k], v) for k, v in entries.items())
+        assert torch.equal(layer(x), y)

@@ -122,6 +122,52 @@ def test_to_layout_rejects_what_it_cannot_do(gen):
     assert masked.layout is None
 
 
+def test_int8_minus_128_is_refused_at_load_and_a_failed_layout_change_changes_nothing(gen):
+    # symmetric INT8 holds -127..127; the decode layout (sign-magnitude bytes) cannot hold -128, so a
+    # checkpoint holding it must be refused where it is loaded, not on the layer's first move to CUDA
+    layer = _layer(gen, "int8")
+    state = {k: v.clone() for k, v in layer.state_dict().items()}
+    bad = {**state, "values": state["values"].clone()}
+    bad["values"][3, 5] = -128
+    with pytest.raises(RuntimeError, match="-128 is outside the format's range"):
+        layer.load_state_dict(bad)
+    assert _same_state(layer.state_dict(), state)
+    # written in place past every check: the refused conversion leaves the layer as it was
+    with torch.no_grad():
+        layer.values[3, 5] = -128
+    with pytest.raises(ValueError, match="-128"):
+        layer.to_layout("decode")
+    assert layer.layout == "v1" and layer.__dict__.get("_layout_pref") is None
+    assert layer.float().dtype == torch.float32  # later moves and casts are not stuck on the refused layout
+
+
+@pytest.mark.parametrize("quantize", [None, "int8", "int4"])
+def test_assign_loading_makes_the_compressed_tensors_contiguous(quantize, gen):
+    layer = _layer(gen, quantize)
+    dense = layer.dense_weight()
+    state = {k: (v.t().contiguous().t() if v.dim() == 2 else v.clone()) for k, v in layer.state_dict().items()}
+    assert not all(v.is_contiguous() for v in state.values())
+    layer.load_state_dict(state, assign=True)
+    assert all(t.is_contiguous() for t in (layer.values, layer.meta, layer.scale) if t is not None)
+    assert layer.to_layout("decode").layout == "decode" and torch.equal(layer.dense_weight(), dense)
+    assert not layer.values.requires_grad
+
+
+@pytest.mark.parametrize("kind", ["masked", None, "int8", "int4"])
+def test_add_to_kept_refuses_a_non_finite_delta(kind, gen):
+    # INT4 rounded NaN to its lowest grid point, silently (a diverged LoRA adapter merged)
+    layer = _layer(gen, None if kind == "masked" else kind)
+    if kind == "masked":
+        layer.to_masked()
+    state = {k: v.clone() for k, v in layer.state_dict().items()}
+    for bad in (float("nan"), float("inf")):
+        delta = torch.zeros(72, 200)
+        delta[1, :8] = bad
+        with pytest.raises(ValueError, match="NaN or infinite"):
+            layer.add_to_kept_(delta)
+        assert _same_state(layer.state_dict(), state)
+
+
 def test_add_to_kept_and_mode_switches_from_the_decode_layout(gen):
     layer = _layer(gen).to_layout("decode")
     before = layer.dense_weight()
