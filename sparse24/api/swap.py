@@ -55,7 +55,7 @@ from ..nn.prepare import _check_mode, _linear_weight, _prepare, describe_quant, 
 from .guard import check_calibration, require_sparse_layers
 from .report import LayerReport, SparsifyReport
 from .walk import (MIN_FEATURES, FilterFn, _after_change, _check_foreign_quantization, _child_slots, _direct_readers,
-                   _entry, _is_linear, _not_handled, _output_heads, _shared_weights, _skip_reason, _Undo)
+                   _entry, _is_linear, _kept_dense, _not_handled, _shared_weights, _skip_reason, _Undo)
 
 __all__ = ["sparsify_", "densify_", "compress_", "decompress_", "prune_trained_model", "count_parameters",
            "SparsifyReport", "LayerReport", "MIN_FEATURES"]
@@ -93,7 +93,7 @@ def sparsify_(model: nn.Module, filter_fn: FilterFn | None = None, mode: str = "
             ``get_output_embeddings()`` where it has one (transformers), else any Linear with as
             many outputs as the input embedding has rows; ``False``: prune it too; a layer name
             or a list of names: keep those.
-        optimizer: an optimizer training the model: a layer whose weight becomes a new
+        optimizer: masked mode only; an optimizer training the model: a layer whose weight becomes a new
             Parameter (a ``Conv1D``'s, stored transposed) is swapped in it, with its state
             transposed (see :func:`prune_trained_model`, which also zeroes the pruned state).
         group_size, symmetric: ``quantize="int4"`` only: scales per ``group_size`` input
@@ -116,6 +116,10 @@ def sparsify_(model: nn.Module, filter_fn: FilterFn | None = None, mode: str = "
     quant = _check_mode(mode, quantize, trainable_values, group_size, symmetric)
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    if optimizer is not None and mode != "masked":
+        # compressed layers hold new tensors (kept values), none of them the Parameters the optimizer trains
+        raise ValueError(f"optimizer goes with mode='masked' (retraining keeps each weight Parameter); mode={mode!r} "
+                         "makes new tensors: build the optimizer after sparsify_ (nothing was changed)")
     if not isinstance(method, str):
         raise TypeError(f"method must be a string, got {type(method).__name__}")
     if calibration is not None and not isinstance(calibration, dict):
@@ -124,7 +128,7 @@ def sparsify_(model: nn.Module, filter_fn: FilterFn | None = None, mode: str = "
     if not isinstance(min_features, int) or min_features < 0:
         raise ValueError(f"min_features must be a non-negative int, got {min_features!r}")
     _check_foreign_quantization(model)
-    heads = _output_heads(model, skip_output_head)
+    heads = _kept_dense(model, skip_output_head)
     settings = {"mode": mode, "method": method, **quant}
     settings.update({k: v for k, v in (("calibration", calibration and "given"),) if v})
     report = SparsifyReport("sparsify_", settings)

@@ -50,6 +50,11 @@ def _child_slots(model: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:
     return slots
 
 
+# nn.Module's tables of per-module hooks (a user's activation or gradient hooks), which a swap carries over
+_HOOK_TABLES = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",
+                "_forward_hooks_always_called", "_backward_pre_hooks", "_backward_hooks")
+
+
 def _set_child(parent: nn.Module, name: str, new: nn.Module) -> None:
     setattr(parent, name, new)
 
@@ -61,10 +66,20 @@ class _Undo:
         self._steps: list[Callable[[], None]] = []
 
     def replace(self, slots, old: nn.Module, new: nn.Module) -> None:
-        """Put ``new`` in every slot holding ``old``."""
+        """Put ``new`` in every slot holding ``old``, with ``old``'s forward and backward hooks."""
         for parent, name in slots[id(old)]:
             self._steps.append(lambda parent=parent, name=name: parent._modules.__setitem__(name, old))
             _set_child(parent, name, new)
+        for table in _HOOK_TABLES:
+            hooks, own = getattr(old, table, None), getattr(new, table, None)
+            if hooks and own is not None and not own:
+                # the same dict object: a handle the user holds still removes its hook
+                setattr(new, table, hooks)
+                self._steps.append(lambda table=table, own=own: setattr(new, table, own))
+        if old._backward_hooks and new._backward_hooks is old._backward_hooks:  # full or old-style, as registered
+            flag = new._is_full_backward_hook
+            new._is_full_backward_hook = old._is_full_backward_hook
+            self._steps.append(lambda: setattr(new, "_is_full_backward_hook", flag))
 
     def add(self, inverse: Callable[[], None]) -> None:
         self._steps.append(inverse)
@@ -116,10 +131,30 @@ def _input_embedding(model: nn.Module) -> tuple[str, nn.Embedding] | None:
     return max(tables, key=lambda t: t[1].num_embeddings, default=None)
 
 
+def _kept_dense(model: nn.Module, skip_output_head) -> dict[int, str]:
+    """id(layer) -> why it is kept dense: the output head, or a part of a PEFT adapter layer."""
+    return {**_output_heads(model, skip_output_head), **_inside_peft_layers(model)}
+
+
+def _inside_peft_layers(model: nn.Module) -> dict[int, str]:
+    """id(module) -> why: it sits inside a PEFT tuner layer (its base layer, its adapters), whose
+    merge writes the base weight densely (peft is imported by the caller, never here)."""
+    tuners = sys.modules.get("peft.tuners.tuners_utils")
+    if tuners is None:
+        return {}
+    return {id(sub): f"inside the PEFT adapter layer {fqn!r}: PEFT's merge would write the base weight densely; "
+                     "sparsify_ the base model before get_peft_model"
+            for fqn, m in model.named_modules() if isinstance(m, tuners.BaseTunerLayer)
+            for sub in m.modules() if sub is not m}
+
+
 def _output_heads(model: nn.Module, skip_output_head) -> dict[int, str]:
     """id(layer) -> why it is kept dense as the output head."""
     if skip_output_head is False or skip_output_head is None:
         return {}
+    if not isinstance(skip_output_head, (bool, str, list, tuple, set, frozenset)):
+        raise TypeError(f"skip_output_head must be True, False, a layer name or a list of names, got "
+                        f"{skip_output_head!r}")
     if skip_output_head is not True:
         names = [skip_output_head] if isinstance(skip_output_head, str) else list(skip_output_head)
         modules = dict(model.named_modules())

@@ -307,6 +307,11 @@ def test_bad_arguments_change_nothing():
         sparse24.prune_trained_model(model, [])
     with pytest.raises(ValueError, match="prune_trained_model retrains in masked mode"):
         sparse24.prune_trained_model(model, torch.optim.SGD(model.parameters(), lr=0.1), mode="compressed")
+    with pytest.raises(ValueError, match="optimizer goes with mode='masked'"):
+        sparse24.sparsify_(model, mode="compressed", optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    for bad in (0, 1, 2.0):
+        with pytest.raises(TypeError, match="skip_output_head must be True, False, a layer name or a list"):
+            sparse24.sparsify_(model, skip_output_head=bad)
     assert not any(isinstance(m, Sparse24Linear) for m in model.modules())
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in sd.items())
     sparse24.sparsify_(model, mode="compressed")
@@ -377,3 +382,26 @@ def test_sparsify_reports_kept_magnitude_per_layer():
             kept[method, r.fqn] = r.kept_fraction
         assert "kept |W|" in str(report)
     assert all(kept["magnitude", f] > kept["2d_optimal", f] for f in ("0", "2"))
+
+
+def test_swaps_carry_the_layers_hooks_over():
+    # a user's activation and gradient hooks keep firing on the swapped layer, and their handles still
+    # remove them (torch.ao.quantization's swap_module carries hooks over too)
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8))
+    seen = []
+    handles = [model[0].register_forward_pre_hook(lambda m, a: seen.append("pre")),
+               model[0].register_forward_hook(lambda m, a, y: seen.append(("out", type(m).__name__))),
+               model[0].register_full_backward_hook(lambda m, gi, go: seen.append("backward"))]
+    sparse24.sparsify_(model, skip_output_head=False)
+    x = torch.randn(2, 64, requires_grad=True)
+    model(x).sum().backward()
+    assert seen == ["pre", ("out", "Sparse24Linear"), "backward"]
+    sparse24.densify_(model)
+    seen.clear()
+    model(x).sum().backward()
+    assert seen == ["pre", ("out", "Linear"), "backward"]
+    for h in handles:
+        h.remove()
+    seen.clear()
+    model(x).sum().backward()
+    assert seen == []

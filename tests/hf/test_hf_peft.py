@@ -209,3 +209,15 @@ def test_unmerge_after_a_layout_change_restores_the_base(kind):
         assert base.layout == "decode" and not layer.merged
         assert all(torch.equal(base_tensors(base)[k], v) for k, v in entries.items())
         assert torch.equal(layer(x), y)
+
+
+def test_sparsify_leaves_the_layers_of_a_peft_model_alone():
+    # PEFT's merge writes a dense update into its base layer's weight: pruning that base (or the adapters)
+    # under PEFT would come undone at merge; sparsify_ the base model first
+    model = torch.nn.Sequential(torch.nn.Linear(128, 128), torch.nn.ReLU(), torch.nn.Linear(128, 128))
+    pm = get_peft_model(model, LoraConfig(target_modules=["0"], r=32, init_lora_weights=False))
+    report = sparse24.sparsify_(pm, skip_output_head=False)
+    assert [r.fqn for r in report.swapped] == ["base_model.model.2"]
+    inside = {r.fqn: r.reason for r in report.skipped if ".0." in r.fqn}
+    assert set(inside) == {f"base_model.model.0.{n}" for n in ("base_layer", "lora_A.default", "lora_B.default")}
+    assert all("sparsify_ the base model before get_peft_model" in why for why in inside.values())
