@@ -242,6 +242,12 @@ _JSON_VALUES = [None, True, False, 0, -1, 1, 2, 3, 1.5, 2 ** 31, 2 ** 63, -2 ** 
                 [], {}, [9, 0], [1, 2, 3], "16,4096,4096,float16", "../x", "a" * 300]
 
 
+def _json_value(rng):
+    # a copy: a later edit inside a list or dict taken from the table must not change the table
+    # (a list put inside itself made the next dump raise "Circular reference detected")
+    return copy.deepcopy(rng.choice(_JSON_VALUES))
+
+
 def _mutate_json_at(rng, obj, depth):
     if isinstance(obj, dict) and obj and rng.random() < 0.8 and depth < 8:
         k = rng.choice(list(obj))
@@ -251,7 +257,7 @@ def _mutate_json_at(rng, obj, depth):
         elif op == 1:
             obj[k + rng.choice(["", "x", ".weight"])] = obj.pop(k)
         elif op == 2:
-            obj[rng.choice(["extra", k.upper(), "default", "entries", "mode", "layers"])] = rng.choice(_JSON_VALUES)
+            obj[rng.choice(["extra", k.upper(), "default", "entries", "mode", "layers"])] = _json_value(rng)
         else:
             obj[k] = _mutate_json_at(rng, obj[k], depth + 1)
         return obj
@@ -266,14 +272,14 @@ def _mutate_json_at(rng, obj, depth):
             obj[i] = _mutate_json_at(rng, obj[i], depth + 1)
         return obj
     if isinstance(obj, bool) or obj is None:
-        return rng.choice(_JSON_VALUES)
+        return _json_value(rng)
     if isinstance(obj, int):
-        return rng.choice([obj + 1, obj - 1, -obj, obj * 2 ** 20, 0, rng.choice(_JSON_VALUES)])
+        return rng.choice([obj + 1, obj - 1, -obj, obj * 2 ** 20, 0, _json_value(rng)])
     if isinstance(obj, float):
-        return rng.choice([-obj, 0.0, float("nan"), 1e308, rng.choice(_JSON_VALUES)])
+        return rng.choice([-obj, 0.0, float("nan"), 1e308, _json_value(rng)])
     if isinstance(obj, str):
-        return rng.choice([obj + "x", obj[:-1], obj.upper(), rng.choice(_JSON_VALUES)])
-    return rng.choice(_JSON_VALUES)
+        return rng.choice([obj + "x", obj[:-1], obj.upper(), _json_value(rng)])
+    return _json_value(rng)
 
 
 def json_bytes(obj) -> bytes:
@@ -364,7 +370,7 @@ def partial_load(model: nn.Module, ref: dict, sd) -> str | None:
 
 
 def names_a_field(msg: str, keys) -> bool:
-    return any(k in msg for k in keys) or "state_dict" in msg
+    return any(str(k) in msg for k in keys) or "state_dict" in msg  # (a mutated key need not be a string)
 
 
 class StateTarget:

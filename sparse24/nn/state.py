@@ -333,6 +333,9 @@ def _whole_model_check(model, state_dict, prefix, local_metadata, strict, missin
     problem before anything is copied; ``state_dict`` is torch's own copy (a pending layer's dense
     weight is replaced by its 2:4 entries here, as the layer would)."""
     errors, checked, covered = [], [], True
+    odd = [k for k in state_dict if not isinstance(k, str)]
+    if odd:  # torch's loader calls str methods on every key, whether strict or not
+        errors.append(f"state_dict keys must be strings (module paths), got {', '.join(repr(k) for k in odd[:5])}")
     for fqn, m in _loading_walk(model, prefix):
         if m is None:
             covered = False  # a module that may rewrite its entries: torch and it decide
@@ -420,6 +423,8 @@ def _incompatible_keys(model, sd: dict, prefix: str) -> tuple[list, list]:
         local[p] = (m, _local_state(m))
         missing += [p + k for k in local[p][1] if p + k not in sd]
     for k in sd:  # torch's rule, per key down its path: a name followed by more is a child, the last an entry
+        if not isinstance(k, str):  # refused by the caller (torch would raise AttributeError on it)
+            continue
         p = prefix
         while k.startswith(p):  # (an "_extra_state" entry is own only for a module that has one)
             m, own = local[p]

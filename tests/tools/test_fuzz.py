@@ -508,3 +508,27 @@ def test_finding_unexpected_keys_as_torch_finds_them(fuzz):
                                                          sorted(torch_says.unexpected_keys)), sorted(d)
         compared += 1
     assert compared > 200
+
+
+def test_finding_a_key_that_is_no_string(fuzz):
+    """A pickled state dict whose key is ``False`` made the whole-model check raise AttributeError
+    ('bool' object has no attribute 'startswith'; seed 1010; torch's own loader raises it too, strict
+    or not): now a clear error naming the key, and nothing loaded."""
+    model, sd = _fuzz_model(fuzz)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    bad = {**{k: v * 2 if v.is_floating_point() else v for k, v in sd.items()}, False: torch.ones(1)}
+    for strict in (True, False):
+        with pytest.raises(RuntimeError, match="nothing was loaded.*\n.*keys must be strings .*, got False"):
+            model.load_state_dict(bad, strict=strict)
+        assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert fuzz.names_a_field("state_dict keys must be strings (module paths), got False", {False})
+
+
+def test_json_mutations_leave_the_value_table_alone(fuzz):
+    """A list taken from the mutators' value table and then edited changed the table itself, until a
+    list inside itself made every later dump raise "Circular reference detected" (seed 1010)."""
+    table = json.dumps(fuzz._JSON_VALUES[:10]) + repr(fuzz._JSON_VALUES[10:])
+    rng = random.Random(3)
+    for _ in range(3000):
+        json.dumps(fuzz.mutate_json(rng, {"a": [1, {"b": []}], "c": {}}))
+    assert json.dumps(fuzz._JSON_VALUES[:10]) + repr(fuzz._JSON_VALUES[10:]) == table
