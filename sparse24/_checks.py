@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["FLOAT_DTYPES", "check_weight", "check_nm", "check_mask", "check_model", "check_finite", "computable",
-           "safetensors_headers"]
+__all__ = ["FLOAT_DTYPES", "check_weight", "check_nm", "check_mask", "check_model", "check_separate_teacher",
+           "check_finite", "computable", "safetensors_headers"]
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -48,6 +48,17 @@ def check_model(model, filter_fn, who: str = "") -> None:
         raise TypeError(f"{who}model must be a torch.nn.Module, got {type(model).__name__}")
     if filter_fn is not None and not callable(filter_fn):
         raise TypeError(f"{who}filter_fn must be callable (module, fqn) -> bool, got {type(filter_fn).__name__}")
+
+
+def check_separate_teacher(model: nn.Module, teacher: nn.Module) -> None:
+    """ValueError if ``teacher`` is ``model`` or shares a parameter with it (the same Parameter, or
+    another over the same memory, as ``nn.Parameter(w.data)`` makes): training or pruning the
+    model would change the reference it is measured against (distilling from itself: loss 0)."""
+    ids = {id(p) for p in model.parameters()}
+    memory = {p.data_ptr() for p in model.parameters() if p.numel()}
+    if teacher is model or any(id(p) in ids or (p.numel() and p.data_ptr() in memory) for p in teacher.parameters()):
+        raise ValueError("teacher shares parameters with the model: pass a separate copy made before pruning "
+                         "(copy.deepcopy(model))")
 
 
 def computable(t: torch.Tensor) -> torch.Tensor:

@@ -86,9 +86,9 @@ def distill_(model: nn.Module, batches, steps: int, *, teacher: nn.Module | None
     params = [p for p in (model.parameters() if parameters is None else parameters) if p.requires_grad]
     if not params:
         raise ValueError("no trainable parameters")
-    objective = _Objective(model, teacher, loss_fn, output_loss, hidden, hidden_weight, forward)
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)  # (refuses its settings before any hook)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _warmup_cosine(steps, warmup, final_lr))
+    objective = _Objective(model, teacher, loss_fn, output_loss, hidden, hidden_weight, forward)
     rep = DistillReport()
     rollback = _rollback_for(model, params)  # all or nothing: a failure at step k puts back what was trained
     t0 = time.perf_counter()

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .._checks import check_separate_teacher
 from ..api.guard import ModelRollback
 from ..nn import Sparse24Linear
 
@@ -75,6 +76,8 @@ class _Objective:
             raise TypeError(f"loss_fn must be callable (output, batch) -> loss, got {type(loss_fn).__name__}")
         if teacher is not None and not isinstance(teacher, nn.Module):
             raise TypeError(f"teacher must be an nn.Module, got {type(teacher).__name__}")
+        if teacher is not None:
+            check_separate_teacher(student, teacher)
         if not callable(output_loss) and output_loss not in OUTPUT_LOSSES:
             raise ValueError(f"output_loss must be one of {OUTPUT_LOSSES} or a callable (student, teacher) -> loss, "
                              f"got {output_loss!r}")
@@ -162,7 +165,9 @@ def _check_steps(steps) -> int:
 
 
 def _optimizer_step(loss: torch.Tensor, params: list, clip: float | None, opt, sched) -> float:
-    """One training step: backward, optional gradient-norm clipping, step, schedule, zero; the loss value."""
+    """One training step: zero, backward, optional gradient-norm clipping, step, schedule, zero; the loss
+    value. (Zeroed first too: gradients left on the model before the call must not enter step 0.)"""
+    opt.zero_grad(set_to_none=True)
     loss.backward()
     if clip is not None:
         torch.nn.utils.clip_grad_norm_(params, clip)

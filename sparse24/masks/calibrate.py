@@ -8,7 +8,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from .._checks import check_model
+from .._checks import check_model, check_separate_teacher
 from .._rollback import TensorBackup
 from .._progress import progress_bar, progress_enabled
 from .distributed import agree, check_group, sum_over_ranks
@@ -190,12 +190,7 @@ def _check_teacher(model: nn.Module, teacher: nn.Module, selected: dict[str, nn.
     Linear of the same name and width for every selected layer."""
     if not isinstance(teacher, nn.Module):
         raise TypeError(f"teacher must be an nn.Module, got {type(teacher).__name__}")
-    # the same Parameter objects, or other Parameters over the same memory (nn.Parameter(w.data))
-    ids = {id(p) for p in model.parameters()}
-    memory = {p.data_ptr() for p in model.parameters() if p.numel()}
-    if teacher is model or any(id(p) in ids or (p.numel() and p.data_ptr() in memory) for p in teacher.parameters()):
-        raise ValueError("teacher shares parameters with the model: pass a separate copy made before pruning "
-                         "(copy.deepcopy(model))")
+    check_separate_teacher(model, teacher)
     for fqn, mod in selected.items():
         try:
             t = teacher.get_submodule(fqn)

@@ -67,7 +67,8 @@ def gather_mask(mask: "DTensor") -> torch.Tensor:
     if pad:
         local = torch.cat([local, local.new_zeros(r, pad)], dim=1)
     bit = torch.arange(8, dtype=torch.uint8, device=local.device)
-    packed = (local.view(r, -1, 8).to(torch.uint8) << bit).sum(-1, dtype=torch.uint8)  # (r, (C + pad) / 8)
+    # (the width given: a rank holding no rows of the layer has r = 0)
+    packed = (local.view(r, (C + pad) // 8, 8).to(torch.uint8) << bit).sum(-1, dtype=torch.uint8)
     R, width = mask.shape[0], (C + pad) // 8
     whole = DTensor.from_local(packed, mask.device_mesh, mask.placements, shape=torch.Size((R, width)),
                                stride=(width, 1)).full_tensor()

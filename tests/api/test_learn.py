@@ -180,6 +180,31 @@ def test_distill_trains_with_masks_frozen_and_layerwise_losses():
         distill_(student, data, steps=1, teacher=dense, warmup=2)
 
 
+def test_distill_refuses_itself_as_teacher_leaks_no_hook_and_ignores_stale_gradients():
+    dense, data = teacher_and_data(7)
+    student = copy.deepcopy(dense)
+    sparsify_(student)
+    state = {k: v.clone() for k, v in student.state_dict().items()}
+    for teacher in (student, nn.Sequential(*student)):  # itself, or its very layers (loss 0: nothing trained)
+        with pytest.raises(ValueError, match="teacher shares parameters with the model"):
+            distill_(student, data, steps=2, teacher=teacher)
+        with pytest.raises(ValueError, match="teacher shares parameters with the model"):
+            learn_masks(student, data, steps=2, teacher=teacher)
+    with pytest.raises(ValueError, match="weight_decay"):  # torch's optimizer refuses it: no hook left behind
+        distill_(student, data, steps=2, teacher=dense, hidden=["0"], weight_decay=-0.1)
+    assert not student[0]._forward_hooks and not dense[0]._forward_hooks
+    assert all(torch.equal(v, student.state_dict()[k]) for k, v in state.items())
+    # gradients on the model before the call do not enter the first step
+    runs = []
+    for stale in (False, True):
+        s = copy.deepcopy(student)
+        if stale:
+            (s(data[0]).sum() * 1000).backward()
+        distill_(s, data, steps=1, teacher=dense, lr=1e-2)
+        runs.append(s.state_dict())
+    assert all(torch.equal(v, runs[1][k]) for k, v in runs[0].items())
+
+
 def test_learning_without_noise_and_distillation_under_cpu_bf16_autocast():
     """What scripts/eval_minilm.py runs: mask learning with the noise off (the softmax relaxation, hard
     draws at the end) and distillation, both inside torch.autocast(bf16) on CPU. Weights, logits and masks

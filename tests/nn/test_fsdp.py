@@ -138,7 +138,20 @@ def _train_worker(rank):
         sparse24.compress_(sharded)
     except RuntimeError as e:
         out["compress-sharded"] = str(e)
+    # a layer of one row: rank 1 holds none of it (FSDP2 gives each rank ceil(R / world) rows), and its
+    # mask's all-gather failed there while rank 0 waited
+    model = one_row()
+    fully_shard(model, mesh=mesh)
+    out["one-row"] = train(model, xs[:, mine], ys[:, mine, :1], dist.group.WORLD)
+    out["one-row-state"] = full_state(model)
     return out
+
+
+def one_row():
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(36, 64), nn.GELU(), nn.Linear(64, 1))
+    sparse24.sparsify_(model, min_features=0, skip_output_head=False)
+    return model
 
 
 def test_fsdp2_frozen_masks_match_one_process():
@@ -173,6 +186,14 @@ def test_fsdp2_frozen_masks_match_one_process():
         for k, v in ref_state.items():
             torch.testing.assert_close(state[k], v, rtol=1e-5, atol=1e-6, msg=k)
     assert not torch.equal(ref_state["0.up.weight"], build().state_dict()["0.up.weight"])  # it trained
+
+    ref = one_row()
+    ref_losses, ref_bad = train(ref, xs, ys[..., :1])
+    losses, bad = out["one-row"]
+    assert bad == ref_bad == [0] * STEPS
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+    for k, v in full_state(ref).items():
+        torch.testing.assert_close(out["one-row-state"][k], v, rtol=1e-5, atol=1e-6, msg=k)
 
     msg, kind = out["wrong-order"]
     assert "sparsify before sharding" in msg and kind == "Linear", out["wrong-order"]
