@@ -234,6 +234,8 @@ def mask_nm(w: torch.Tensor, n: int = 2, m: int = 4, method: str = "magnitude", 
         return _mask_wanda(w, n, m, **kwargs)
     _no_kwargs(method, kwargs)
     check_weight(w, m)
+    if bool(torch.isnan(w).any()):  # (as magnitude_mask: NaN has no magnitude order)
+        raise ValueError("weight contains NaN: no magnitude order exists")
     if w.shape[0] % m != 0:
         raise ValueError(f"method={method!r} builds {m}x{m} blocks: the weight's rows ({w.shape[0]}) must be "
                          f"divisible by m={m} too, got shape {tuple(w.shape)}")

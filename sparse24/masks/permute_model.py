@@ -31,7 +31,7 @@ from torch import nn
 
 from .nm import LayerStats
 from .permutation import search_permutation
-from .reconstruct import PERCDAMP
+from .reconstruct import PERCDAMP, damp_
 
 __all__ = ["PermutationGroup", "find_permutation_groups", "check_group", "permute_model_", "group_importance"]
 
@@ -118,13 +118,14 @@ def _random_perm(H: int, block: int | None, gen: torch.Generator) -> torch.Tenso
 
 def _outputs_equal(a, b, tol: float | None = None) -> bool:
     """Equal up to rounding: ``tol`` relative to the largest output (default: 1e-9 for
-    float64 outputs, 1e-4 otherwise: the permuted sums run in another order)."""
+    float64 outputs, else the larger of 1e-4 and 8 ulps of 1.0 in the output's dtype, 7.8e-3 in
+    float16 and 6.3e-2 in bfloat16: the permuted sums run in another order, rounded at every layer)."""
     if isinstance(a, torch.Tensor):
         if not (isinstance(b, torch.Tensor) and a.shape == b.shape):
             return False
         if not a.is_floating_point():
             return torch.equal(a, b)
-        t = tol if tol is not None else (1e-9 if a.dtype == torch.float64 else 1e-4)
+        t = tol if tol is not None else (1e-9 if a.dtype == torch.float64 else max(1e-4, 8 * torch.finfo(a.dtype).eps))
         scale = float(a.detach().abs().max()) if a.numel() else 0.0
         return torch.allclose(a.double(), b.double(), rtol=t, atol=t * max(scale, 1e-30))
     if isinstance(a, dict):
@@ -153,11 +154,25 @@ def _double(example):
     return example
 
 
+def check_example(example) -> None:
+    """ValueError for a token batch of one position (``input_ids`` ``(..., 1)``, ``inputs_embeds``
+    ``(..., 1, H)``): attention over one key is 1 and rotary embeddings at position 0 are the
+    identity, so query rows permuted with key columns (not exact) leave its outputs unchanged."""
+    if isinstance(example, dict):
+        for key, dim in (("input_ids", -1), ("inputs_embeds", -2)):
+            t = example.get(key)
+            if isinstance(t, torch.Tensor) and t.dim() >= -dim and t.shape[dim] < 2:
+                raise ValueError(f"example {key!r} has {t.shape[dim]} position(s): a test on one token cannot tell "
+                                 "an exact permutation from one that mixes attention's query and key channels; give "
+                                 "a batch of at least 2 tokens (more is a stronger test)")
+
+
 class _Float64Copy:
     """A float64 copy of a model and its outputs on one example, to test groups:
     each test permutes the copy, compares, and permutes it back (exactly)."""
 
     def __init__(self, model: nn.Module, example):
+        check_example(example)
         self.model = copy.deepcopy(model).double().eval()
         self.example = _double(example)
         with torch.no_grad():
@@ -254,9 +269,7 @@ def _importance(lin: nn.Linear, score: str, stats: LayerStats | None, percdamp: 
     if score == "wanda":
         return (w.abs() * stats.act_norm.to(w))**2
     H = stats.hessian.to(w).clone()
-    dead = torch.diag(H) == 0
-    H[dead, dead] = 1
-    H.diagonal().add_(percdamp * float(torch.diag(H).mean()))
+    damp_(H, percdamp)
     d = torch.linalg.inv(H).diagonal()
     return w.pow(2) / d
 
@@ -295,7 +308,7 @@ def permute_model_(model: nn.Module, groups: list, score: str = "magnitude", cal
     ``calibration`` (``{fqn: LayerStats}``) is updated in place so it
     describes the permuted model (the consumers' input statistics are
     permuted too). With ``example``, the outputs before and after are
-    compared (to 1e-4 of the largest output, 1e-9 in float64) and everything
+    compared (to 1e-4 of the largest output, 1e-9 in float64, 8 ulps in 16-bit dtypes) and everything
     is undone if they differ (a group that was not exact); this keeps one
     copy of the model's state during the call.
 
@@ -324,6 +337,8 @@ def permute_model_(model: nn.Module, groups: list, score: str = "magnitude", cal
     if not all(isinstance(g, PermutationGroup) for g in groups):
         raise TypeError("groups must be PermutationGroup objects")
     sizes = [g.size(model) for g in groups]  # every group checked before anything changes
+    if example is not None:
+        check_example(example)
     for g in groups:
         if score != "magnitude":
             missing = [c for c in g.consumers if c not in calibration]

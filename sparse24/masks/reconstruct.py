@@ -73,8 +73,10 @@ def damped_hessian(hessian: torch.Tensor, C: int, percdamp: float, device,
                    shrink: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Check a layer's ``(C, C)`` Hessian and return ``(H, dead)``: an fp64 copy on ``device``, its
     off-diagonal part scaled by ``1 - shrink`` (``(1 - shrink) H + shrink diag(H)``), the
-    never-firing inputs (``dead``, ``(C,)`` bool: zero diagonal) given a unit diagonal and
-    ``percdamp`` x the mean diagonal added (SparseGPT's damping; shared with :func:`sparsegpt_prune`).
+    never-firing inputs (``dead``, ``(C,)`` bool: zero diagonal) given the live inputs' mean
+    diagonal, and ``percdamp`` x the mean diagonal added (SparseGPT's damping, shared with
+    :func:`sparsegpt_prune`; SparseGPT's code gives dead inputs a unit diagonal before averaging, which
+    makes the damping depend on the activations' scale).
 
     Shrinking trusts each input's measured variance but only part of the measured correlations
     between inputs, which a few hundred samples of one domain tie to that domain: the fits then
@@ -95,12 +97,20 @@ def damped_hessian(hessian: torch.Tensor, C: int, percdamp: float, device,
     if shrink:
         d = H.diagonal().clone()
         H.mul_(1 - shrink).diagonal().copy_(d)
-    dead = torch.diag(H) == 0  # inputs that never fire: their weights do not matter
-    if bool(dead.all()):  # no inputs at all: every weight would be zeroed
+    if bool((torch.diag(H) == 0).all()):  # no inputs at all: every weight would be zeroed
         raise ValueError("hessian is all zero (no calibration inputs reached this layer)")
-    H[dead, dead] = 1
+    return H, damp_(H, percdamp)
+
+
+def damp_(H: torch.Tensor, percdamp: float) -> torch.Tensor:
+    """Damp a ``(C, C)`` fp64 Hessian in place; return its dead inputs ``(C,)`` (zero diagonal). A dead
+    input gets the live inputs' mean diagonal (its weight is zeroed, so only the mean below sees it),
+    then ``percdamp`` x the mean diagonal is added: the same relative damping at any scale of ``H``."""
+    dead = torch.diag(H) == 0  # inputs that never fire: their weights do not matter
+    live = torch.diag(H)[~dead]
+    H[dead, dead] = float(live.mean()) if live.numel() else 1.0
     H.diagonal().add_(percdamp * float(torch.diag(H).mean()))
-    return H, dead
+    return dead
 
 
 def _refit(w: torch.Tensor, mask: torch.Tensor, H: torch.Tensor, dead: torch.Tensor,

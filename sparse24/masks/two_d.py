@@ -9,6 +9,7 @@ results/cpu-amd-epyc/bench_masks.md).
 from __future__ import annotations
 
 import itertools
+import math
 from functools import lru_cache
 
 import torch
@@ -91,12 +92,19 @@ def mask_2d_optimal(w: torch.Tensor, n: int, m: int) -> torch.Tensor:
     sdt = score_dtype(w)
     pats = _block_patterns(n, m).to(w.device)
     pf = pats.to(sdt).t().contiguous()  # (m*m, P)
-    blocks = _to_blocks(w.detach().abs().to(sdt), m)  # (B, m*m)
+    a = w.detach().abs().to(sdt)
+    infinite = torch.isinf(a)
+    blocks = _to_blocks(a.masked_fill(infinite, 0), m)  # (B, m*m); 0 x inf in a pattern's sum would be NaN
+    inf_blocks = _to_blocks(infinite.to(sdt), m) if bool(infinite.any()) else None
     best = torch.empty(blocks.shape[0], dtype=torch.long, device=w.device)
     # Chunks bound the (B, P) score matrix: 1M blocks x 90 patterns would be 377 MB.
     step = max(1, (1 << 22) // pf.shape[1])
     for i in range(0, blocks.shape[0], step):
-        best[i:i + step] = (blocks[i:i + step] @ pf).argmax(-1)  # first maximum on ties: deterministic
+        score = blocks[i:i + step] @ pf
+        if inf_blocks is not None:  # most infinite weights first, then the finite sum
+            count = inf_blocks[i:i + step] @ pf
+            score = score.masked_fill(count < count.amax(-1, keepdim=True), -math.inf)
+        best[i:i + step] = score.argmax(-1)  # first maximum on ties: deterministic
     return _from_blocks(pats[best], R, C, m)
 
 

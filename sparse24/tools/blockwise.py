@@ -81,6 +81,8 @@ def _check_batches(batches) -> list[torch.Tensor]:
             raise TypeError(f"batch {i} must be a (B, L) int64 tensor of token ids, got "
                             f"{tuple(b.shape) if isinstance(b, torch.Tensor) else type(b).__name__}"
                             f"{' ' + str(b.dtype) if isinstance(b, torch.Tensor) else ''}")
+        if b.numel() == 0:
+            raise ValueError(f"batch {i} holds no token ids (shape {tuple(b.shape)})")
     return batches
 
 

@@ -134,10 +134,12 @@ def prune_calibrated(model: torch.nn.Module, batches: list, method: str, layers:
     if permute or method != "layerwise":
         stats = calibrate(model, batches, hessian=method != "wanda", filter_fn=chosen, progress=progress)
     if permute:
-        groups = [g for g in find_permutation_groups(model, batches[0], heads=heads)
+        # the proof's example: the longest batch (a one-token first line proved nothing: check_example)
+        example = max(batches, key=lambda b: b["input_ids"].shape[-1] if isinstance(b, dict) else 0)
+        groups = [g for g in find_permutation_groups(model, example, heads=heads)
                   if all(c in layers for c in g.consumers)]
         permute_model_(model, groups, score="wanda" if method == "wanda" else "sparsegpt", calibration=stats,
-                       example=batches[0], max_iters=permute_iters, time_limit=3600,
+                       example=example, max_iters=permute_iters, time_limit=3600,
                        progress=progress_enabled(progress))
     if method != "layerwise":
         report = sparsify_(model, method=method, calibration=stats, **options,

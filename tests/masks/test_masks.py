@@ -113,6 +113,27 @@ def test_2d_optimal_other_dtypes_keep_the_optimum(dtype):
     assert got == pytest.approx(want, rel=1e-6)
 
 
+def test_2d_methods_refuse_nan_and_keep_inf():
+    # 2d_optimal scored a block holding inf as NaN (0 x inf in its pattern sums) and could drop it; both
+    # 2-D methods took NaN without a word, where magnitude refuses it
+    w = _randn(8, 16, seed=4)
+    for method in ("2d_optimal", "2d_greedy"):
+        bad = w.clone()
+        bad[2, 5] = float("nan")
+        with pytest.raises(ValueError, match="NaN"):
+            mask_nm(bad, 2, 4, method=method)
+        for sign in (1, -1):
+            big = w.clone()
+            big[2, 5] = sign * float("inf")
+            mask = mask_nm(big, 2, 4, method=method)
+            assert mask[2, 5] and is_nm(mask, 2, 4) and is_nm(mask.T, 2, 4)
+    big = w.clone()
+    big[2, 5] = float("inf")  # the finite weights keep their optimum around it
+    finite = w.clone()
+    finite[2, 5] = 1e6
+    assert torch.equal(mask_nm(big, 2, 4, method="2d_optimal"), _brute_2d(finite, 2))
+
+
 def test_2d_greedy_matches_reference_and_is_transposable():
     w = _randn(16, 24, seed=5)
     for n, m in [(2, 4), (1, 4), (2, 8), (3, 8)]:

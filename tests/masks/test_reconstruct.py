@@ -263,3 +263,18 @@ def test_bad_shrink_is_refused_and_changes_nothing(bad):
     with pytest.raises(ValueError, match="shrink must be a number in"):
         prune_layerwise_(net, batches, method="sparsegpt", shrink=bad, teacher=teacher)
     assert all(torch.equal(v, net.state_dict()[k]) for k, v in before.items())
+
+
+def test_damping_is_the_same_at_any_scale_with_dead_inputs():
+    # SparseGPT's code gives dead inputs a unit diagonal before taking the mean it damps by: with small
+    # activations those 1s set the damping, so the mask and the refit changed with the Hessian's scale
+    x, w = _data(R=16, C=64, N=400)
+    x[:, :16] = 0  # inputs that never fire (a ReLU layer's dead units)
+    h = (x.T @ x).double()
+    ref_w, ref_mask = sparsegpt_prune(w.double(), h, 2, 4)
+    ref_fit = reconstruct_weight(w.double(), ref_mask, h)
+    for scale in (1e-4, 1e4):
+        new_w, mask = sparsegpt_prune(w.double(), h * scale, 2, 4)
+        assert torch.equal(mask, ref_mask)
+        torch.testing.assert_close(new_w, ref_w, rtol=1e-9, atol=1e-12)
+        torch.testing.assert_close(reconstruct_weight(w.double(), ref_mask, h * scale), ref_fit, rtol=1e-9, atol=1e-12)
