@@ -26,9 +26,14 @@
 #   5. both phases of one Llama-7B-shaped block (q, k, v, o, gate, up, down): decode tokens/s at
 #      batch 1 and 8, prefill of 2048 tokens, dense vs 2:4 vs 2:4 INT8, eager and compiled, with
 #      CUDA kernels per call from torch.profiler (scripts/gpu_block.py: block.csv, block.md).
-# Each step has its own time limit; a failing step does not stop the next ones, and the
-# script exits non-zero if any failed. Every step's outputs are archived to $OUT/gpu_check.tgz
-# (when OUT is set) as soon as the step ends, so a run cut short keeps what it measured.
+# Each step has its own time limit, cut to what is left of GPU_CHECK_BUDGET (570 s from the
+# script's start: a device call may run 600; a step left under 20 s is skipped and counts as
+# failed); a failing step does not stop the next ones, and the script exits non-zero if any
+# failed. Every step's outputs are archived to $OUT/gpu_check.tgz (when OUT is set) as soon as
+# the step ends, so a run cut short keeps what it measured. The planned calls of a GPU session
+# are scripts/gpu_plan.sh N (one line each, so nothing is lost to a wrapped paste).
+# GPU_CHECK_DRY=1 prints each step's name and limit without a GPU and runs nothing, as if every
+# step took its whole limit (what tests/tools/test_gpu_plan.py checks the budget with).
 #
 #   bash scripts/gpu_check.sh            # PYTHON=python3 by default
 set -uo pipefail
@@ -50,11 +55,49 @@ T_USER=${T_USER:-40}
 T_BLOCK=${T_BLOCK:-90}
 T_L2=${T_L2:-30}
 T_PROBE=${T_PROBE:-80}          # 30 + 80 + 120 + 90 + 90 + 40 + 90 = 540 s = 9 minutes at most, and:
-T_SPARSE_MM=${T_SPARSE_MM:-100}  # (added after the 2026-12-04 H200 runs: select it or others with GPU_CHECK_ONLY)
+T_SPARSE_MM=${T_SPARSE_MM:-100}  # (added after the 2026-12-04 H200 runs: runs only where GPU_CHECK_ONLY names it)
 T_KSWEEP=${T_KSWEEP:-100}       # (added 2026-12-05: runs only where GPU_CHECK_ONLY names it)
+BUDGET=${GPU_CHECK_BUDGET:-570}
+DRY=${GPU_CHECK_DRY:-}
 PROBE_ARGS=${PROBE_ARGS:-}      # e.g. "--only prefill --weights int8,int4 --ms 32,64"
 TUNE_SKIP=${TUNE_SKIP:---skip-tuned}  # TUNE_SKIP=--no-skip-tuned re-times the keys this GPU's file holds
 
+keep() {  # what the run has so far, as one archive in $OUT (the device tool returns 8 files at most)
+    if [ -n "${OUT:-}" ]; then
+        tar -czf "$OUT/gpu_check.tgz.tmp" "$RES" $(ls -d autotune_configs/"$GPU" 2>/dev/null) 2>/dev/null &&
+            mv "$OUT/gpu_check.tgz.tmp" "$OUT/gpu_check.tgz"
+    fi
+    return 0
+}
+
+FAILED=()
+ONLY=" ${GPU_CHECK_ONLY:-} "   # e.g. GPU_CHECK_ONLY="probe tests": those steps alone (a follow-up call)
+step() {  # step NAME LIMIT_S CMD...: run with a time limit, log to $RES/NAME.log, record failure
+    local name=$1 limit=$2 rc=0 t0=$SECONDS left
+    shift 2
+    if [ "$ONLY" != "  " ] && [[ "$ONLY" != *" $name "* ]]; then return 0; fi
+    left=$((BUDGET - SECONDS - 15))   # (timeout's 10 s grace and the archive)
+    if [ "$left" -lt 20 ]; then
+        echo "=== $name: skipped, ${left} s left of the ${BUDGET} s budget"
+        FAILED+=("$name(no time left)")
+        return 0
+    fi
+    if [ "$limit" -gt "$left" ]; then limit=$left; fi
+    if [ -n "$DRY" ]; then   # as if the step ran to its limit and past timeout's grace
+        echo "step $name $limit"
+        SECONDS=$((SECONDS + limit + 10))
+        return 0
+    fi
+    echo "=== $name (limit ${limit}s): $*"
+    timeout --kill-after=10 "$limit" "$@" 2>&1 | tee "$RES/$name.log" || rc=$?
+    echo "=== $name: exit $rc after $((SECONDS - t0)) s" | tee -a "$RES/$name.log"
+    if [ "$rc" -ne 0 ]; then FAILED+=("$name(exit $rc)"); fi
+    keep
+}
+
+if [ -n "$DRY" ]; then
+    GPU=DRY RES=results/DRY
+else
 . scripts/installed_layout.sh   # SITE: this tree as installed (sparse24.kernels), first on PYTHONPATH
 
 if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
@@ -84,33 +127,16 @@ export SPARSE24_JIT_SPECS="$ROOT/$RES/jit-specs"
 # New kernel folders at the end are the misses (a different key: then that image's Triton differs).
 PREBUILT="$ROOT/.triton-sm90"
 cache_kernels() { find "$PREBUILT" -mindepth 1 -maxdepth 1 -type d 2>/dev/null | wc -l; }
+# sparse24's kernels (each folder holds <kernel name>.json): a miss among them is a prebuild gap
+sparse24_kernels() { find "$PREBUILT" -mindepth 2 -maxdepth 2 -name '_sparse24_*.json' 2>/dev/null | wc -l; }
 if [ -d "$PREBUILT" ] && [ -z "${TRITON_CACHE_DIR:-}" ]; then
     export TRITON_CACHE_DIR="$PREBUILT"
     "$PY" scripts/triton_prebuild.py relocate "$PREBUILT" | sed 's/^/prebuilt Triton cache: /' | tee "$RES/triton-cache.txt"
-    CACHE_START=$(cache_kernels)
+    CACHE_START=$(cache_kernels) SPARSE24_START=$(sparse24_kernels)
 fi
 
-keep() {  # what the run has so far, as one archive in $OUT (the device tool returns 8 files at most)
-    if [ -n "${OUT:-}" ]; then
-        tar -czf "$OUT/gpu_check.tgz.tmp" "$RES" $(ls -d autotune_configs/"$GPU" 2>/dev/null) 2>/dev/null &&
-            mv "$OUT/gpu_check.tgz.tmp" "$OUT/gpu_check.tgz"
-    fi
-    return 0
-}
 keep
-
-FAILED=()
-ONLY=" ${GPU_CHECK_ONLY:-} "   # e.g. GPU_CHECK_ONLY="probe tests": those steps alone (a follow-up call)
-step() {  # step NAME LIMIT_S CMD...: run with a time limit, log to $RES/NAME.log, record failure
-    local name=$1 limit=$2 rc=0 t0=$SECONDS
-    shift 2
-    if [ "$ONLY" != "  " ] && [[ "$ONLY" != *" $name "* ]]; then return 0; fi
-    echo "=== $name (limit ${limit}s): $*"
-    timeout --kill-after=10 "$limit" "$@" 2>&1 | tee "$RES/$name.log" || rc=$?
-    echo "=== $name: exit $rc after $((SECONDS - t0)) s" | tee -a "$RES/$name.log"
-    if [ "$rc" -ne 0 ]; then FAILED+=("$name(exit $rc)"); fi
-    keep
-}
+fi
 
 # 0. what the prefill model assumes of L2 (seconds)
 step l2 "$T_L2" "$PY" scripts/gpu_l2_bandwidth.py --out "$RES/"
@@ -120,7 +146,10 @@ step probe "$T_PROBE" "$PY" scripts/gpu_probe.py --out "$RES/" $PROBE_ARGS
 
 # 0c. large-M sparse GEMMs with the host left out (CUDA graphs): cuSPARSELt, CUTLASS, the unpack route;
 #     then cuSPARSELt's host cost per eager call, and its compressed layout (cslt_layout.pt)
-step sparse_mm "$T_SPARSE_MM" "$PY" scripts/gpu_sparse_mm.py --out "$RES/" --layout
+#     (never in a run that names no steps: the defaults fit 9 minutes without it)
+if [ "$ONLY" != "  " ]; then
+    step sparse_mm "$T_SPARSE_MM" "$PY" scripts/gpu_sparse_mm.py --out "$RES/" --layout
+fi
 
 # 0d. the 16-bit prefill kernel against Triton's own GEMM on one tile as K grows (run 4: 2.5x at
 #     K = 11008, 1.02-1.19x at 4096; scripts/gpu_probe.py ksweep): a diagnostic, so never in a run
@@ -132,8 +161,8 @@ fi
 # 1. kernel and module tests on CUDA (parallel across processes when pytest-xdist is there:
 #    the time goes into compiling kernel variants, one per process at a time)
 XDIST=()
-if "$PY" -c "import xdist" 2>/dev/null; then XDIST=(-n "${GPU_TEST_WORKERS:-14}"); fi
-step tests "$T_TESTS" env PYTHONPATH="$ROOT/scripts/gpu_tests:$PYTHONPATH" "$PY" -m pytest -q -p no:cacheprovider \
+if [ -z "$DRY" ] && "$PY" -c "import xdist" 2>/dev/null; then XDIST=(-n "${GPU_TEST_WORKERS:-14}"); fi
+step tests "$T_TESTS" env PYTHONPATH="$ROOT/scripts/gpu_tests:${PYTHONPATH:-}" "$PY" -m pytest -q -p no:cacheprovider \
     -p no:randomly -p report_now "${XDIST[@]}" scripts/gpu_tests
 
 # 2. tuning (entries are merged into the file one by one, so a run cut short keeps its measurements)
@@ -152,7 +181,7 @@ step user_view "$T_USER" "$PY" scripts/gpu_user_view.py --out "$RES/"
 step block "$T_BLOCK" "$PY" scripts/gpu_block.py --out "$RES/"
 
 if [ -n "${CACHE_START:-}" ]; then
-    echo "prebuilt Triton cache: $CACHE_START kernels at the start, $(cache_kernels) at the end (the difference: compiled here)" |
+    echo "prebuilt Triton cache: $CACHE_START kernels at the start ($SPARSE24_START of sparse24's), $(cache_kernels) at the end ($(sparse24_kernels) of sparse24's: the difference was compiled here; the rest are the tests' and torch.compile's own)" |
         tee -a "$RES/triton-cache.txt"
     keep
 fi

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# The planned calls of the next GPU session (results/NVIDIA_H200/README.md says why each, in this
+# order), each one `scripts/gpu_check.sh` with its settings, so the device tool's command is one
+# short line: run("bash scripts/gpu_plan.sh 1", carry=[".triton-sm90"], kind="nvidia-h200").
+# Each call's step limits add up to under the 570 s budget gpu_check.sh keeps
+# (tests/tools/test_gpu_plan.py checks it with GPU_CHECK_DRY=1).
+#
+#   bash scripts/gpu_plan.sh 1|2|3
+set -euo pipefail
+cd "$(dirname "$0")/.."
+case ${1:-} in
+    1)  # tests, cuSPARSELt's layout and host cost, 16-bit prefill at 32 / 64 / 128 / 4096 rows, INT8 decode
+        #    keys re-timed, the block with what was tuned
+        export GPU_CHECK_ONLY="sparse_mm probe tests autotune block" \
+            PROBE_ARGS="--only prefill --weights fp16 --ms 32,64,128,4096" \
+            M_TUNE=1,16 DTYPE_TUNE=int8-float16 TUNE_SKIP=--no-skip-tuned GPU_TEST_WORKERS=16 \
+            T_SPARSE_MM=80 T_PROBE=100 T_TESTS=170 T_TUNE=90 T_BLOCK=75 ;;
+    2)  # the K-sweep, then 16-bit weights at 32 / 64 rows: the sparse kernel's space beside the prefill kernel's
+        export GPU_CHECK_ONLY="ksweep autotune" M_TUNE=32,64 DTYPE_TUNE=float16 TUNE_SKIP=--no-skip-tuned \
+            T_KSWEEP=100 T_TUNE=170 ;;
+    3)  # the throughput sweep alone (rows so far in bench.partial.csv if stopped)
+        export GPU_CHECK_ONLY=bench M_BENCH=1,16,64,256,4096 T_BENCH=400 ;;
+    *)  echo "usage: bash scripts/gpu_plan.sh 1|2|3 (results/NVIDIA_H200/README.md)" >&2; exit 2 ;;
+esac
+exec bash scripts/gpu_check.sh

@@ -1,0 +1,53 @@
+"""The GPU session's planned calls (scripts/gpu_plan.sh N, each scripts/gpu_check.sh with its
+settings) fit one device call: gpu_check.sh's dry run prints every step and its limit as if each
+step ran to its limit and past timeout's 10 s grace, so a plan whose steps are cut or skipped
+there could be cut on the GPU (the plan's wrapped command lines once lost every setting)."""
+import os
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+BUDGET = 570
+PLANS = {"1": ["probe", "sparse_mm", "tests", "autotune", "block"], "2": ["ksweep", "autotune"], "3": ["bench"]}
+
+
+def dry(*argv, **env):
+    out = subprocess.run(["bash", *argv], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "GPU_CHECK_DRY": "1", **env})
+    return out.returncode, out.stdout + out.stderr
+
+
+def steps(text):
+    return [(m[1], int(m[2])) for m in re.finditer(r"^step (\S+) (\d+)$", text, re.M)]
+
+
+@pytest.mark.parametrize("call", PLANS)
+def test_each_planned_call_runs_every_step_in_full_within_the_budget(call):
+    script = (ROOT / "scripts/gpu_plan.sh").read_text()
+    block = script.split(f"    {call})", 1)[1].split(";;", 1)[0]
+    asked = {k.removeprefix("T_").lower(): int(v) for k, v in re.findall(r"\b(T_[A-Z_]+)=(\d+)", block)}
+    rc, out = dry("scripts/gpu_plan.sh", call)
+    assert rc == 0, out
+    got = steps(out)
+    assert [name for name, _ in got] == PLANS[call], out
+    for name, limit in got:  # nothing trimmed by the budget
+        assert limit == asked[{"sparse_mm": "sparse_mm", "autotune": "tune"}.get(name, name)], (name, limit, asked)
+    assert sum(limit + 10 for _, limit in got) <= BUDGET - 5  # (the guard keeps 15 s beside the 10 s grace)
+
+
+def test_the_budget_cuts_the_last_steps_of_a_long_run():
+    rc, out = dry("scripts/gpu_check.sh")  # the defaults: every step runs, the last ones cut to fit
+    got = steps(out)
+    assert [n for n, _ in got] == ["l2", "probe", "tests", "autotune", "bench", "user_view", "block"], out
+    assert rc == 0 and sum(limit + 10 for _, limit in got) <= BUDGET - 5
+    rc, out = dry("scripts/gpu_check.sh", GPU_CHECK_BUDGET="300")
+    assert rc == 1 and [n for n, _ in steps(out)] == ["l2", "probe", "tests", "autotune"]
+    assert "bench: skipped" in out and "FAILED steps: bench(no time left) user_view(no time left)" in out
+
+
+def test_the_plan_refuses_an_unknown_call():
+    rc, out = dry("scripts/gpu_plan.sh", "4")
+    assert rc == 2 and "usage: bash scripts/gpu_plan.sh 1|2|3" in out
