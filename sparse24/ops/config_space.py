@@ -78,18 +78,20 @@ class KernelConfig:
 
     def validate(self) -> "KernelConfig":
         """Raise ValueError unless the kernel can compile this config on any GPU."""
+        def integer(v, lo, hi):   # (bool is an int to Python: True would read as 1)
+            return isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi
+
         def pow2(v, lo, hi):
-            return isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi and v & (v - 1) == 0
+            return integer(v, lo, hi) and v & (v - 1) == 0
         checks = [  # every tl.dot dim >= 16; BLOCK_K covers whole metadata words (32 columns)
             ("KERNEL", self.kernel, self.kernel in KERNEL_VARIANTS, f"one of {KERNEL_VARIANTS}"),
             ("BLOCK_M", self.block_m, pow2(self.block_m, 16, 256), "a power of two in [16, 256]"),
             ("BLOCK_N", self.block_n, pow2(self.block_n, 16, 256), "a power of two in [16, 256]"),
             ("BLOCK_K", self.block_k, pow2(self.block_k, 32, 512), "a power of two in [32, 512]"),
-            ("GROUP_M", self.group_m, isinstance(self.group_m, int) and 1 <= self.group_m <= 64, "in [1, 64]"),
-            ("SPLIT_K", self.split_k, isinstance(self.split_k, int) and 1 <= self.split_k <= 32, "in [1, 32]"),
+            ("GROUP_M", self.group_m, integer(self.group_m, 1, 64), "in [1, 64]"),
+            ("SPLIT_K", self.split_k, integer(self.split_k, 1, 32), "in [1, 32]"),
             ("num_warps", self.num_warps, pow2(self.num_warps, 1, 16), "1, 2, 4, 8 or 16"),
-            ("num_stages", self.num_stages, isinstance(self.num_stages, int) and 1 <= self.num_stages <= 8,
-             "in [1, 8]"),
+            ("num_stages", self.num_stages, integer(self.num_stages, 1, 8), "in [1, 8]"),
         ]
         for name, value, ok, need in checks:
             if not ok:

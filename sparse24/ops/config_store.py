@@ -53,7 +53,7 @@ from pathlib import Path
 import torch
 
 from .config_space import (DECODE_M, DTYPE_KEYS, LAYOUT_KERNEL, M_BUCKETS, SP_MAX_M, KernelConfig, builtin_config,
-                           check_decode_config, check_prefill_runs, decode_rows, m_bucket, sp_tunable)
+                           check_decode_config, check_prefill_runs, decode_rows, m_bucket, sp_tunable, sparse_kernel)
 
 __all__ = ["KERNEL", "SCHEMA_VERSION", "TIMINGS", "Choice", "DeviceInfo", "device_info", "config_dirs",
            "shipped_config_dir", "gpu_file_name", "validate_file", "validate_dir", "lookup", "get_choice",
@@ -102,22 +102,26 @@ def validate_file(data) -> dict:
     if data["kernel"] != KERNEL:
         raise ValueError(f"kernel {data['kernel']!r} is not {KERNEL!r}")
     cc = data["compute_capability"]
-    if len(cc) != 2 or not all(isinstance(c, int) for c in cc):
+    if len(cc) != 2 or not all(isinstance(c, int) and not isinstance(c, bool) for c in cc):
         raise ValueError(f"compute_capability must be [major, minor], got {cc}")
     parsed = dict(data, default=_parse_config(data["default"], "default"), entries={})
+    _check_shared_memory(parsed["default"], "default")
     for key, entry in data["entries"].items():
         where = f"entry {key!r}"
         parts = key.split(",")
-        if len(parts) != 4 or not all(p.isdigit() for p in parts[:3]) or parts[3] not in DTYPE_KEYS \
-                or int(parts[0]) not in M_BUCKETS:
-            raise ValueError(f"{where}: keys must be 'M_BUCKET,N,K,DTYPE' with M_BUCKET in {M_BUCKETS} "
-                             f"and DTYPE in {DTYPE_KEYS}")
+        # numbers as written by str(int): '01,64,...' would be a second key for '1,64,...'
+        if len(parts) != 4 or not all(p.isdigit() and str(int(p)) == p for p in parts[:3]) \
+                or parts[3] not in DTYPE_KEYS or int(parts[0]) not in M_BUCKETS or int(parts[2]) % 4:
+            raise ValueError(f"{where}: keys must be 'M_BUCKET,N,K,DTYPE' with M_BUCKET in {M_BUCKETS}, K a "
+                             f"multiple of 4 and DTYPE in {DTYPE_KEYS}")
         if not isinstance(entry, dict) or "config" not in entry:
             raise ValueError(f"{where}: must be an object with a 'config'")
         for t in TIMINGS:
-            if t in entry and not (isinstance(entry[t], (int, float)) and entry[t] > 0):
-                raise ValueError(f"{where}: {t} must be a positive number, got {entry[t]!r}")
+            v = entry.get(t, 1.0)
+            if isinstance(v, bool) or not (isinstance(v, (int, float)) and 0 < v < math.inf):
+                raise ValueError(f"{where}: {t} must be a positive finite number, got {entry[t]!r}")
         config = _parse_config(entry["config"], where)
+        _check_shared_memory(config, where)
         if config.kernel == "decode":
             _check_decode_entry(config, int(parts[0]), parts[3], where)
         elif config.kernel == "prefill":
@@ -150,6 +154,22 @@ def _check_prefill_entry(config: KernelConfig, bucket: int, dtype: str, where: s
                          f"{DECODE_M} rows (INT8 / INT4 weights with float16 / bfloat16 x: past {SP_MAX_M})")
 
 
+# The most shared memory one program may have on any CUDA GPU (sm_90's 227 KiB opt-in)
+_MAX_SHARED = 227 * 1024
+
+
+def _check_shared_memory(config: KernelConfig, where: str) -> None:
+    """A general-kernel (layout v1) config whose pipeline cannot fit any GPU's shared memory, counted
+    low (16-bit x, no layout conversions): its first launch would fail, on every forward pass."""
+    if config.kernel != "matmul":   # (the decode and prefill entries are checked against their spaces)
+        return
+    per_stage = config.block_m * config.block_k * 2 + config.block_n * config.block_k + config.block_n * config.block_k // 16
+    if config.num_stages * per_stage > _MAX_SHARED:
+        raise ValueError(f"{where}: {config} needs at least {config.num_stages * per_stage // 1024} KiB of shared "
+                         f"memory ({config.num_stages} stages), more than any GPU gives a program "
+                         f"({_MAX_SHARED // 1024} KiB)")
+
+
 def _check_decode_entry(config: KernelConfig, bucket: int, dtype: str, where: str) -> None:
     """A decode-kernel entry must be one its kernel runs at that bucket: 32 rows per program
     only for the sparse tensor-core kernel (16-bit x, 17 to SP_MAX_M rows)."""
@@ -160,6 +180,11 @@ def _check_decode_entry(config: KernelConfig, bucket: int, dtype: str, where: st
     if config.block_m != 16 and not _serves(config, bucket, dtype):
         raise ValueError(f"{where}: BLOCK_M {config.block_m} in a decode entry: 32 rows per program only for "
                          f"float16 / bfloat16 x at M buckets {DECODE_M * 2}-{SP_MAX_M}")
+    if config.block_m == 16 and not sparse_kernel(dtype) and config.num_warps != config.block_n // 16:
+        # 16 rows of a 16-bit weight or of float32 x: the byte-permute kernel's one tile per warp (its
+        # launch refuses the others, on every call a forward pass makes)
+        raise ValueError(f"{where}: a {dtype} decode entry of 16 rows runs the byte-permute kernel, which needs "
+                         f"num_warps == block_n // 16 (got {config.num_warps} warps for block_n {config.block_n})")
 
 
 def validate_dir(d) -> list[tuple[Path, str]]:

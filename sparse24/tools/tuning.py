@@ -210,8 +210,11 @@ def _copies(l2_bytes: int, nbytes: int) -> int:
 
 
 def _clone_weight(p):
-    return type(p)(p.values.clone(), p.meta.clone(), p.shape, p.dtype, None if p.scale is None else p.scale.clone(),
-                   check=False)
+    """A copy of ``p`` in new memory (every tensor: values, meta, INT8 / INT4 scales, INT4 zero points)."""
+    def copy(t):
+        return None if t is None else t.clone()
+    return type(p)(p.values.clone(), p.meta.clone(), p.shape, p.dtype, copy(p.scale), zero=copy(p.zero),
+                   group_size=p.group_size, check=False)
 
 
 def time_launches_us(launches, warmup_ms: float = 10, rep_ms: float = 40, outputs: list | None = None) -> float:

@@ -209,6 +209,38 @@ def test_past_16_rows_split_k_inside_the_launch(M, rows, quantize, gen):
     assert launch._DecodeSP.grid(M, 72, cfg, 2) == (-(-M // rows), 2, 2)   # (row blocks, tiles, splits)
 
 
+@pytest.mark.parametrize("quantize", [None, "int8"])
+def test_split_k_stays_inside_the_workspace_the_plan_allocates(quantize, gen, monkeypatch):
+    """Every split-K launch writes partials and counters only inside what its plan allocated: the
+    workspace is handed to the kernel as the front of a longer buffer whose tail holds sentinels.
+    A block_m-32 config at 16 rows or fewer wrote its second 16-row block past a workspace sized
+    for 16 rows (a segfault or heap corruption; on a GPU, another tensor's memory)."""
+    real, guards = launch.decode_workspace, []
+
+    def guarded(*args, **kwargs):
+        ws, counts = real(*args, **kwargs)
+        if ws is None:
+            return ws, counts
+        big_ws = torch.full((ws.numel() + 4096,), 12345.0)
+        big_counts = torch.cat((torch.zeros_like(counts), torch.full((256,), 777, dtype=counts.dtype)))
+        guards.append((big_ws, ws.numel(), big_counts, counts.numel()))
+        return big_ws[:ws.numel()], big_counts[:counts.numel()]
+
+    monkeypatch.setattr(launch, "decode_workspace", guarded)
+    w = torch.randn(72, 200, generator=gen)
+    p = sparse24.compress(w.half()) if quantize is None else sparse24.compress(w, quantize=quantize)
+    d, dense = pack_decode(p), p.to_dense().double()
+    for M, rows in ((1, 32), (5, 32), (16, 32), (16, 16), (17, 16), (40, 32)):
+        launch.release_workspaces()
+        x = torch.randn(M, 200, generator=gen).half()
+        cfg = _cfg(64, 64, split=2, rows=rows)
+        assert_matches_reference(linear_decode(x, d, None, config=cfg), x, dense)
+        big_ws, n_ws, big_counts, n_counts = guards[-1]
+        assert bool((big_ws[n_ws:] == 12345.0).all()), (M, rows, "partials written past the workspace")
+        assert bool((big_counts[n_counts:] == 777).all()), (M, rows, "counters written past the workspace")
+    launch.release_workspaces()
+
+
 @pytest.mark.parametrize("M", [17, 25, 40, 64])
 def test_16bit_weights_past_16_rows_match_reference(M, gen):
     """16-bit weights of x's dtype at 17 to SP_MAX_M rows: the stored values are the mma.sp A

@@ -74,6 +74,10 @@ def test_linear_rejects_bad_input_and_changes_nothing(gen):
         sparse24.linear(x.long(), p)
     with pytest.raises(ValueError, match="bias must have shape"):
         sparse24.linear(x, p, b[:4])
+    for bad in (b.to(torch.complex64), b.long(), b > 0):  # complex lost its imaginary part; F.linear refuses these
+        for backend in ("reference", "auto"):
+            with pytest.raises(TypeError, match="bias must be a floating-point tensor"):
+                sparse24.linear(x, p, bad, backend=backend)
     with pytest.raises(ValueError, match="x is on meta but the weight is on cpu"):
         sparse24.linear(x.to("meta"), p)
     with pytest.raises(ValueError, match="bias is on meta"):

@@ -59,10 +59,35 @@ def test_validate_dir_rejects_bad_files(tmp_path):
     }
     expected = {"json": "JSONDecodeError", "schema": "schema 1 is not supported (this sparse24 reads schema 2); re-tune",
                 "config": "BLOCK_K=48", "key": "keys must be 'M_BUCKET,N,K,DTYPE'", "timing": "kernel_us must be"}
+    # what passed before and failed a forward pass (or read wrong): a 16-bit decode entry of the sparse
+    # kernel's two tiles per warp at 16 rows (the byte-permute kernel refuses it at every launch), a
+    # pipeline no GPU's shared memory holds, booleans read as 1, infinite timings, a key that is a
+    # second spelling of another, a K no layer has
+    entry = data["entries"]["16,64,64,float16"]
+    two_tiles = KernelConfig(16, 64, 128, 1, 1, 2, 1, kernel="decode").to_json()
+    huge = KernelConfig(256, 256, 512, 1, 1, 8, 8).to_json()
+    more = {
+        "two tiles": ({"1,64,256,float16": dict(entry, config=two_tiles)}, "runs the byte-permute kernel"),
+        "two tiles fp32 x": ({"1,64,256,int8-float32": dict(entry, config=two_tiles)}, "num_warps == block_n // 16"),
+        "shared memory": ({"16,64,64,float16": dict(entry, config=huge)}, "more than any GPU gives a program"),
+        "bool timing": ({"16,64,64,float16": dict(entry, kernel_us=True)}, "kernel_us must be a positive finite"),
+        "inf timing": ({"16,64,64,float16": dict(entry, dense_us=float("inf"))}, "dense_us must be a positive finite"),
+        "bool split": ({"16,64,64,float16": dict(entry, config=dict(entry["config"], SPLIT_K=True))}, "SPLIT_K=True"),
+        "leading zero": ({"016,64,64,float16": entry}, "keys must be 'M_BUCKET,N,K,DTYPE'"),
+        "odd K": ({"16,64,66,float16": entry}, "K a multiple of 4"),
+    }
+    cases.update({name: json.dumps(dict(data, entries=entries)) for name, (entries, _) in more.items()})
+    expected.update({name: needle for name, (_, needle) in more.items()})
+    cases["bool cc"] = json.dumps(dict(data, compute_capability=[True, 0]))
+    expected["bool cc"] = "compute_capability must be [major, minor]"
     for name, text in cases.items():
         good.write_text(text)
         (problem,) = tuning.validate_dir(tmp_path)
         assert problem[0] == good and expected[name] in problem[1], (name, problem)
+    # the sparse tensor-core kernel's entries keep their two or four tiles per warp
+    sp = KernelConfig(16, 64, 128, 1, 1, 2, 1, kernel="decode").to_json()
+    good.write_text(json.dumps(dict(data, entries={"1,64,256,int8-float16": dict(entry, config=sp)})))
+    assert tuning.validate_dir(tmp_path) == []
     good.write_text(json.dumps(data))
     moved = tmp_path / "wrong_folder" / good.name
     moved.parent.mkdir()
@@ -371,7 +396,7 @@ def test_prefill_entries_serve_the_prefill_route(isolated, tmp_path):
                                                                                       ("decode", 32)}
     wide = KernelConfig(256, 128, 64, 8, 1, 8, 2, kernel="prefill")
     small = KernelConfig(64, 128, 128, 8, 1, 8, 2, kernel="prefill")
-    d16 = KernelConfig(16, 128, 256, 1, 8, 2, 1, kernel="decode")
+    d16 = KernelConfig(16, 128, 256, 1, 8, 8, 1, kernel="decode")   # (one 16-row tile per warp: 16-bit weights)
     path = _write(isolated, GPU, (9, 0), {(2048, 4096, 4096, "float16"): _entry(wide),
                                           (512, 4096, 4096, "float16"): _entry(wide),
                                           (16, 4096, 4096, "float16"): _entry(d16)})
@@ -449,6 +474,30 @@ def test_tuning_inputs_hold_the_key_s_weight_kind(dtype):
         y = tuning.launch_config(x, d, cfg)
         exact = d.to_sparse24().to(dtype=torch.float32).to_dense().double() if d.quantized else dense.double()
         assert_matches_reference(y, x, exact if cfg.kernel == "decode" else dense.double())
+
+
+@pytest.mark.parametrize("quantize", [None, "int8", "int4", "int4-asym"])
+def test_the_tuner_s_weight_copies_are_whole(quantize):
+    """The tuner times each config on ~15 copies of the weight (kept out of L2): an INT4 copy was
+    rebuilt without its group size and zero points, which refused it as an INT8 weight and ended
+    every INT4 tuning run (``autotune --dtype int4-*``, SPARSE24_AUTOTUNE=1) at its first key."""
+    import sparse24
+    from sparse24.decode_format import pack_decode
+    kw = {"int4": dict(quantize="int4", group_size=64), "int4-asym": dict(quantize="int4", group_size=32,
+                                                                          symmetric=False)}.get(quantize)
+    w = torch.randn(72, 256, generator=torch.Generator().manual_seed(0))
+    p = sparse24.compress(w.half()) if quantize is None else sparse24.compress(w, **(kw or {"quantize": quantize}))
+    for weight in (p, pack_decode(p)):
+        c = tuning._clone_weight(weight)
+        assert type(c) is type(weight) and c.shape == weight.shape and c.dtype == weight.dtype
+        assert c.group_size == weight.group_size
+        for name in ("values", "meta", "scale", "zero"):
+            a, b = getattr(weight, name), getattr(c, name)
+            assert (a is None) == (b is None), name
+            if a is not None:
+                assert torch.equal(a, b) and a.data_ptr() != b.data_ptr(), name
+        assert torch.equal(c.to_dense() if hasattr(c, "to_dense") else c.to_sparse24().to_dense(),
+                           weight.to_dense() if hasattr(weight, "to_dense") else weight.to_sparse24().to_dense())
 
 
 @pytest.fixture

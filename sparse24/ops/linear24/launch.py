@@ -790,6 +790,12 @@ class _DecodeSP(_Decode):
         return GRID_LIMITS[0] * config.block_m
 
     @staticmethod
+    def extra(device, N, config, split_k, bucket) -> tuple:
+        # partials per 16 rows, for whole programs: with block_m 32 a program of a 16-row bucket still
+        # stores its second block's (it wrote past the workspace sized for 16 rows)
+        return _split_extra(device, N, config, split_k, _cdiv(bucket, config.block_m) * config.block_m, 16)
+
+    @staticmethod
     def check_config(config) -> None:
         """One, two or four 16-row tiles per warp: ``check_decode_config`` allows them all."""
 

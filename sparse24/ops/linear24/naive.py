@@ -60,6 +60,8 @@ def check_linear_args(x: torch.Tensor, p: Sparse24Tensor | DecodePacked, bias: t
     if bias is not None:
         if not isinstance(bias, torch.Tensor):
             raise TypeError(f"bias must be a tensor or None, got {type(bias).__name__}")
+        if not bias.is_floating_point():   # (complex: the reference dropped its imaginary part silently)
+            raise TypeError(f"bias must be a floating-point tensor, got {bias.dtype}")
         if tuple(bias.shape) != (p.shape[0],):
             raise ValueError(f"bias must have shape {(p.shape[0],)}, got {tuple(bias.shape)}")
         if bias.device != x.device:
