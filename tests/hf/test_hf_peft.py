@@ -165,6 +165,9 @@ def decode_layout_lora(kind, bias=True, **lora_kw):
     model = torch.nn.Sequential(torch.nn.Linear(64, 64, bias=bias).half())
     sparse24.sparsify_(model, mode="compressed", skip_output_head=False, **DECODE_KINDS[kind])
     model[0].to_layout("decode")
+    # a plain PyTorch model: PEFT knows Sparse24Linear once registered (docs/modules.md); an xdist worker
+    # that imported sparse24 before peft and ran no transformers test yet had not (PEFT refused the layer)
+    sparse24.lora.register()
     cfg = dict(target_modules=["0"], r=4, init_lora_weights=False, **lora_kw)
     return get_peft_model(model, LoraConfig(**cfg)).base_model.model[0]
 
