@@ -162,7 +162,7 @@ fi
 #    the time goes into compiling kernel variants, one per process at a time)
 XDIST=()
 if [ -z "$DRY" ] && "$PY" -c "import xdist" 2>/dev/null; then XDIST=(-n "${GPU_TEST_WORKERS:-14}"); fi
-step tests "$T_TESTS" env PYTHONPATH="$ROOT/scripts/gpu_tests:${PYTHONPATH:-}" "$PY" -m pytest -q -p no:cacheprovider \
+step tests "$T_TESTS" env PYTHONPATH="$ROOT/scripts/gpu_tests:${PYTHONPATH:-}" GPU_TESTS_PASSED="$ROOT/$RES/tests-passed.txt" "$PY" -m pytest -q -p no:cacheprovider \
     -p no:randomly -p report_now "${XDIST[@]}" scripts/gpu_tests
 
 # 2. tuning (entries are merged into the file one by one, so a run cut short keeps its measurements)

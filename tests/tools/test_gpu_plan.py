@@ -5,6 +5,7 @@ there could be cut on the GPU (the plan's wrapped command lines once lost every 
 import os
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -51,3 +52,15 @@ def test_the_budget_cuts_the_last_steps_of_a_long_run():
 def test_the_plan_refuses_an_unknown_call():
     rc, out = dry("scripts/gpu_plan.sh", "4")
     assert rc == 2 and "usage: bash scripts/gpu_plan.sh 1|2|3" in out
+
+
+@pytest.mark.parametrize("workers", [[], ["-n", "2"]])
+def test_report_now_names_failures_at_once_and_lists_every_passed_test(tmp_path, workers):
+    (tmp_path / "test_x.py").write_text("def test_a():\n    pass\n\ndef test_b():\n    assert False\n")
+    passed = tmp_path / "passed.txt"
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:randomly", "-p", "no:cacheprovider", "-p",
+                          "report_now", *workers, str(tmp_path / "test_x.py")], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=120, env={**os.environ, "GPU_TESTS_PASSED": str(passed),
+                                                      "PYTHONPATH": str(ROOT / "scripts/gpu_tests")})
+    assert out.returncode == 1 and "!!! FAILED test_x.py::test_b (call)" in out.stderr
+    assert passed.read_text() == "test_x.py::test_a\n"   # once, under xdist too
