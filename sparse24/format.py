@@ -542,7 +542,7 @@ def quantize_values(p: Sparse24Tensor, mode: str = "int8", *, group_size: int = 
 
     INT4: one float16 scale per row and quantization group of ``group_size``
     dense columns (see the module docstring). Symmetric: ``scale = amax / 7``
-    (rounded to float16, at least 2**-24; 1.0 for an all-zero group; a bfloat16
+    (rounded to float16, at least 2**-24, a subnormal one never down; 1.0 for an all-zero group; a bfloat16
     weight's rounded up to 8 significant bits, :func:`bf16_exact_scales`),
     ``u = round(v / scale) + 8`` clamped to 1..15. Asymmetric: ``lo, hi`` =
     the group's min and max with 0 included, ``scale = (hi - lo) / 15``,
@@ -632,7 +632,7 @@ def int4_quantize(v: torch.Tensor, group_size: int, symmetric: bool = True,
             s = torch.where(hi > lo, (hi - lo) / 15, torch.ones_like(hi))
         if bool((s > torch.finfo(torch.float16).max).any()):
             raise ValueError("cannot quantize to INT4: a group's scale exceeds float16's range (|w| > 458,528)")
-        scale = bf16_exact_scales(s) if bf16_scales else s.clamp(min=2.0 ** -24).half()
+        scale = bf16_exact_scales(s) if bf16_scales else _half_scales(s)
         if not symmetric:
             zero = torch.round(-lo / scale.float()).clamp_(0, 15).to(torch.uint8)
     s = scale.float().repeat_interleave(half, dim=1)[:, :n]
@@ -642,6 +642,15 @@ def int4_quantize(v: torch.Tensor, group_size: int, symmetric: bool = True,
         z = zero.float().repeat_interleave(half, dim=1)[:, :n]
         codes = (torch.round(v / s) + z).clamp_(0, 15)
     return codes.to(torch.uint8), scale, zero
+
+
+def _half_scales(s: torch.Tensor) -> torch.Tensor:
+    """float16 scales of fp32 ``s``: rounded to nearest, except that a subnormal one rounded down goes up
+    one step (float16's subnormals are 2**-24 apart: rounded down, a group of weights around 1e-4 or less
+    clipped by up to several steps; a normal one rounded down clips by at most 15 x 2**-11 of a step)."""
+    h = s.clamp(min=2.0 ** -24).half()
+    low = (h.float() < s) & (h < 2.0 ** -14)
+    return torch.where(low, h + torch.tensor(2.0 ** -24, dtype=torch.float16), h)
 
 
 # The largest float16 value with 8 significant bits (0xFF << 8): float16's max, 65504, has 11

@@ -22,11 +22,20 @@ def _bf16_scale(s: float) -> float:
     return float(BOTH_EXACT[min(np.searchsorted(BOTH_EXACT, s), len(BOTH_EXACT) - 1)])
 
 
+def _f16_scale(v: float) -> float:
+    """The float16 scale of v: the nearest (at least 2**-24), or where that is a subnormal below v the next
+    one up (rounded down there, a group's largest weights clipped by up to several steps)."""
+    h = np.float16(max(v, 2.0 ** -24))
+    if h < v and h < 2.0 ** -14:
+        h = np.nextafter(h, np.float16(np.inf))
+    return float(h)
+
+
 def _reference(w: torch.Tensor, group_size: int, symmetric: bool, bf16: bool = False) -> np.ndarray:
     """Dense dequantized 2:4 INT4 weight, computed from the dense masked weight column group
     by column group in numpy (float16 scales as the format stores them; ``bf16``: the smallest
     float16 value at or above the scale that bfloat16 holds too, as for bfloat16 weights)."""
-    rnd = _bf16_scale if bf16 else (lambda v: np.float64(np.float16(max(v, 2.0 ** -24))))
+    rnd = _bf16_scale if bf16 else _f16_scale
     wm = (w * mask_nm(w)).double().numpy()
     keep = mask_nm(w).numpy()
     out = np.zeros_like(wm)
@@ -53,9 +62,10 @@ def _reference(w: torch.Tensor, group_size: int, symmetric: bool, bf16: bool = F
 @pytest.mark.parametrize("group_size", [32, 64, 128])
 @pytest.mark.parametrize("symmetric", [True, False])
 @pytest.mark.parametrize("shape", [(5, 128), (3, 200), (7, 36), (1, 4)])
-def test_int4_grid_matches_independent_reference(group_size, symmetric, shape):
+@pytest.mark.parametrize("magnitude", [1.0, 1e-5])   # 1e-5: scales in float16's subnormals
+def test_int4_grid_matches_independent_reference(group_size, symmetric, shape, magnitude):
     torch.manual_seed(sum(shape) + group_size)
-    w = torch.randn(*shape) * torch.logspace(-2, 1, shape[1])  # groups of very different scale
+    w = torch.randn(*shape) * torch.logspace(-2, 1, shape[1]) * magnitude  # groups of very different scale
     q = compress(w, quantize="int4", group_size=group_size, symmetric=symmetric)
     assert q.quantized == "int4" and q.values.dtype == torch.uint8 and q.scale.dtype == torch.float16
     got = q.to_dense().double().numpy()
