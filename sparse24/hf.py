@@ -434,15 +434,33 @@ def check_blocks(config, headers: dict, folder, path: str | None = None) -> None
                          "holds " + (f"{most} ({where}.0 to {where}.{most - 1})" if where else "no numbered layers"))
 
 
-def _checkpoint_files(folder) -> list[str] | None:
+def read_shard_index(folder) -> dict | None:
+    """``folder``'s ``model.safetensors.index.json`` (None when there is none), checked: an object whose
+    ``weight_map`` maps tensor names to shard file names, each a plain name inside the folder (a name
+    such as ``../x.safetensors`` or an absolute path would have a tool that rewrites the shards write
+    outside the folder; transformers refuses them too). ValueError naming the file otherwise."""
     index = os.path.join(folder, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        try:
-            with open(index) as f:
-                shards = sorted(set(json.load(f)["weight_map"].values()))
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-            raise ValueError(f"{index}: not a readable shard index ({type(e).__name__}: {e})") from None
-        return [os.path.join(folder, str(s)) for s in shards]
+    if not os.path.isfile(index):
+        return None
+    try:
+        with open(index) as f:
+            data = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{index}: not a readable shard index ({type(e).__name__}: {e})") from None
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                                   for k, v in weight_map.items()):
+        raise ValueError(f"{index}: 'weight_map' must be an object mapping tensor names to shard file names")
+    bad = [v for v in weight_map.values() if os.path.basename(v) != v or v in ("", ".", "..") or "\\" in v]
+    if bad:
+        raise ValueError(f"{index}: shard file {bad[0]!r} is not a plain file name inside the folder")
+    return data
+
+
+def _checkpoint_files(folder) -> list[str] | None:
+    index = read_shard_index(folder)
+    if index is not None:
+        return [os.path.join(folder, s) for s in sorted(set(index["weight_map"].values()))]
     single = os.path.join(folder, "model.safetensors")
     return [single] if os.path.isfile(single) else None
 

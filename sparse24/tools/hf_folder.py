@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from ..api import MIN_FEATURES, sparsify_
-from ..hf import FORMAT_VERSION, check_blocks, read_config, sparsity_config
+from ..hf import FORMAT_VERSION, check_blocks, read_config, read_shard_index, sparsity_config
 from ..masks import kept_magnitude_fraction
 from ..nn import Sparse24Linear, is_conv1d_class
 from .._progress import progress_bar
@@ -35,9 +35,8 @@ NOT_SWAPPED = "not the weight of a layer sparsify_ prunes (an embedding table, o
 
 def _shards(folder: Path) -> tuple[list[str], dict | None]:
     """The safetensors weight files of ``folder`` and its index (None when not sharded)."""
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        data = json.loads(index.read_text())
+    data = read_shard_index(folder)
+    if data is not None:
         return sorted(set(data["weight_map"].values())), data
     if (folder / "model.safetensors").is_file():
         return ["model.safetensors"], None

@@ -152,7 +152,8 @@ def prune_state_dict(sd: dict, method: str = "magnitude", quantize: str | None =
     except re.error as e:
         raise ValueError(f"--exclude {exclude!r} is not a regular expression: {e}") from None
     # sparse-layout or meta tensors hold no dense data to prune (and have no storage): copied as they are
-    plain = {k for k, v in sd.items() if v.layout == torch.strided and not v.is_meta}
+    # (a dict: the state dict's order, which "the last 2-D weight" below reads; a set's order varies per run)
+    plain = {k: None for k, v in sd.items() if v.layout == torch.strided and not v.is_meta}
     storages: dict[int, list[str]] = {}
     for k in plain:
         storages.setdefault(sd[k].untyped_storage().data_ptr(), []).append(k)

@@ -447,6 +447,24 @@ def test_prune_skips_tied_weights():
     assert "tied" in report[0]["reason"] and "head.weight" in report[0]["reason"]
 
 
+def test_prune_finds_the_same_output_head_in_every_run(tmp_path):
+    """The output head of a state dict (as many rows as the embedding table, the last 2-D weight) was
+    taken from a set's order, which Python's string hashing changes per process: the same command kept
+    'to_logits.weight' dense under PYTHONHASHSEED=3 and compressed it under 0-2 (and 4-7)."""
+    g = torch.Generator().manual_seed(0)
+    torch.save({"tok_emb.weight": torch.randn(96, 64, generator=g), "blocks.0.fc1.weight": torch.randn(128, 64, generator=g),
+                "blocks.0.fc2.weight": torch.randn(64, 128, generator=g), "to_logits.weight": torch.randn(96, 64, generator=g)},
+               tmp_path / "custom.pt")
+    code = ("import sys, torch; from sparse24.tools.prune import prune_state_dict; "
+            "_, rows = prune_state_dict(torch.load(sys.argv[1])); "
+            "print([(r['name'], r['action']) for r in rows if r['name'] == 'to_logits.weight'])")
+    runs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "custom.pt")], stdout=subprocess.PIPE,
+                             text=True, env={**os.environ, "PYTHONHASHSEED": str(seed), "OMP_NUM_THREADS": "1"})
+            for seed in range(4)]
+    outs = {run.communicate(timeout=120)[0].strip() for run in runs}
+    assert outs == {"[('to_logits.weight', 'kept dense')]"}, outs
+
+
 def test_demo_thread_choice():
     from sparse24.tools.demo import _pick_threads
     n, note = _pick_threads("auto")

@@ -88,6 +88,31 @@ def test_truncated_shard_is_one_line_and_writes_nothing(capsys, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dense"]  # no output, no partial folder
 
 
+def test_shard_names_outside_the_folder_are_refused(capsys, tmp_path):
+    """A shard index naming '../victim/model.safetensors' (or an absolute path) had prune rewrite that
+    file in place, outside --out, and exit 0; transformers refuses such names when it loads."""
+    tiny_llama().save_pretrained(tmp_path / "victim")
+    victim = tmp_path / "victim" / "model.safetensors"
+    before = victim.read_bytes()
+    capsys.readouterr()  # transformers' own "Writing model shards" bar
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "config.json").write_text((tmp_path / "victim" / "config.json").read_text())
+    names = list(load_file(victim))
+    for shard in ("../victim/model.safetensors", str(victim)):
+        (src / "model.safetensors.index.json").write_text(json.dumps(
+            {"metadata": {}, "weight_map": dict.fromkeys(names, shard)}))
+        for argv in (["prune", str(src), "--out", str(tmp_path / "o")], ["inspect", str(src)]):
+            rc, _, err = run(capsys, *argv)
+            assert rc == 2, (argv, err)
+            assert_one_line_error(err, "model.safetensors.index.json", "is not a plain file name inside the folder")
+    (src / "model.safetensors.index.json").write_text(json.dumps({"weight_map": []}))
+    for argv in (["prune", str(src), "--out", str(tmp_path / "o")], ["inspect", str(src)]):
+        rc, _, err = run(capsys, *argv)
+        assert rc == 2 and "'weight_map' must be an object" in err, (argv, err)
+    assert victim.read_bytes() == before and not (tmp_path / "o").exists()
+
+
 def _summary(out: str) -> tuple[int, int]:
     line = next(li for li in out.splitlines() if "2-D float weight tensors pruned" in li)
     n, total = re.search(r"(\d+) of the checkpoint's (\d+) 2-D", line).groups()
