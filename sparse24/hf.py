@@ -560,7 +560,20 @@ def _check_loadable_dtypes(headers: dict) -> None:
 
 
 def read_section(folder: str | os.PathLike) -> dict | None:
-    """The sparse24 section of ``folder/config.json``, or None when it has none."""
+    """The sparse24 section of ``folder/config.json``, or None when it has none. ValueError when
+    config.json is not a JSON object."""
     with open(os.path.join(folder, "config.json")) as f:
-        qc = json.load(f).get("quantization_config")
+        config = json.load(f)
+    if not isinstance(config, dict):
+        raise ValueError(f"config.json must hold a JSON object, got {type(config).__name__}")
+    qc = config.get("quantization_config")
     return qc if isinstance(qc, dict) and qc.get("quant_method") == QUANT_METHOD else None
+
+
+def check_section(section: dict) -> None:
+    """ValueError unless ``section`` (a folder's sparse24 section) is one this sparse24 reads: as
+    :class:`Sparse24Config` checks it when transformers loads the folder."""
+    try:
+        Sparse24Config(**section)
+    except TypeError as e:   # (a field of the wrong kind, e.g. a number where a name belongs)
+        raise ValueError(f"sparse24 section: {e}") from None

@@ -69,12 +69,14 @@ class _Shards(dict):
         return self[key] if key in self else default
 
 
-def inspect_tensors(sd, dense=None) -> list[dict]:
+def inspect_tensors(sd, dense=None, conv1d: set | frozenset = frozenset()) -> list[dict]:
     """One row per weight matrix of ``sd`` (``{name: tensor}``, or a lazy mapping).
 
     Args:
         sd: the checkpoint's tensors.
         dense: optional tensors of the dense original (same names), for the kept magnitude.
+        conv1d: layers whose dense weight is stored transposed (transformers' ``Conv1D``: a folder's
+            sparse24 section says so); other weights are taken as transposed only when the shapes say so.
     Returns:
         dicts ``layer, mode ("compressed" | "INT8" | "INT4" | "masked" | "dense"), group_size (INT4,
         else None), shape (R, C), dtype, valid (True / False / None for a dense weight that is not
@@ -94,7 +96,7 @@ def inspect_tensors(sd, dense=None) -> list[dict]:
         if row is None:
             continue
         if dense is not None and row["valid"] and prefix + "weight" in dense:
-            row["kept"] = _kept(dense[prefix + "weight"], row.pop("_mask"))
+            row["kept"] = _kept(dense[prefix + "weight"], row.pop("_mask"), prefix[:-1] in conv1d)
         row.pop("_mask", None)
         rows.append(row)
     for key in keys:
@@ -152,9 +154,9 @@ def _sparse_row(prefix: str, t: dict) -> dict | None:
     return row
 
 
-def _kept(w: torch.Tensor, mask: torch.Tensor) -> float | None:
-    if tuple(w.shape) != tuple(mask.shape) and tuple(w.shape[::-1]) == tuple(mask.shape):
-        w = w.t()  # a Conv1D weight, stored (in, out)
+def _kept(w: torch.Tensor, mask: torch.Tensor, transposed: bool = False) -> float | None:
+    if transposed or tuple(w.shape) != tuple(mask.shape) and tuple(w.shape[::-1]) == tuple(mask.shape):
+        w = w.t()  # a Conv1D weight, stored (in, out) (a square one is known only from the section)
     return kept_magnitude_fraction(w, mask) if tuple(w.shape) == tuple(mask.shape) else None
 
 
@@ -166,15 +168,16 @@ def cmd_inspect(args) -> int:
     path = Path(args.path)
     if not path.exists():
         raise CLIError(f"no such checkpoint: {path} (a state dict file or a Hugging Face model folder)")
+    section = _section(path)
+    conv1d = {name for name, e in section["layers"].items() if e.get("kind") == "conv1d"} if section else set()
     with open_checkpoint(path) as sd:
         if args.dense is None:
             rows = inspect_tensors(sd)
         else:
             with open_checkpoint(args.dense) as dense:
-                rows = inspect_tensors(sd, dense)
+                rows = inspect_tensors(sd, dense, conv1d)
     if not rows:
         raise CLIError(f"{path}: no weight matrix in it (no 2-D float *.weight, no 2:4 layer entries)")
-    section = _section(path)
     print(f"{_prog()} inspect {path}" + (f" (config.json: sparse24 format {section.get('format_version')}, "
                                          f"{len(section.get('layers', {}))} 2:4 layer(s) listed)" if section else ""))
     w = max(len(r["layer"]) for r in rows)
@@ -207,10 +210,13 @@ def cmd_inspect(args) -> int:
 
 
 def _section(path: Path) -> dict | None:
-    if not path.is_dir() or importlib.util.find_spec("transformers") is None:
-        return None
-    from ..hf import read_section
+    if not (path / "config.json").is_file() or importlib.util.find_spec("transformers") is None:
+        return None  # (a folder without config.json: open_checkpoint says so)
+    from ..hf import check_section, read_section
     try:
-        return read_section(path)
-    except ValueError as e:  # config.json is not JSON
+        section = read_section(path)
+        if section is not None:
+            check_section(section)  # (what from_pretrained checks: the layers and their entries' fields)
+        return section
+    except ValueError as e:  # config.json is not JSON, or a section that is not one
         raise CLIError(f"{path / 'config.json'}: {_one_line(e)}") from None

@@ -113,10 +113,40 @@ def test_inspect_a_folder_and_a_dense_weight_that_is_2_4(capsys, tmp_path):
     assert rc == 0 and "exact (stored dense)" in next(li for li in out.splitlines() if "fc " in li)
     # config.json listing a 2:4 layer the weights lack
     cfg = json.loads((tmp_path / "sparse" / "config.json").read_text())
-    cfg["quantization_config"]["layers"]["model.layers.9.mlp.up_proj"] = {"mode": "compressed"}
+    cfg["quantization_config"]["layers"]["model.layers.9.mlp.up_proj"] = {"mode": "compressed", "quantize": None}
     (tmp_path / "sparse" / "config.json").write_text(json.dumps(cfg))
     rc, out, _ = run(capsys, "inspect", str(tmp_path / "sparse"))
     assert rc == 1 and "config.json lists 1 2:4 layer(s) with no entries here: model.layers.9.mlp.up_proj" in out
+
+
+def test_inspect_a_gpt2_folder_transposes_its_square_conv1d_weights(capsys, tmp_path):
+    # a Conv1D weight is stored (in, out): a square one (attn.c_proj) was compared untransposed with its
+    # mask, which gave a random mask's ~50% where prune's own table said ~75%
+    from hf_models import tiny_gpt2
+    tiny_gpt2().save_pretrained(tmp_path / "dense")
+    rc, _, err = run(capsys, "prune", str(tmp_path / "dense"), "--out", str(tmp_path / "sparse"))
+    assert rc == 0, err
+    rc, out, err = run(capsys, "inspect", str(tmp_path / "sparse"), "--dense", str(tmp_path / "dense"))
+    assert rc == 0, err
+    dense = tiny_gpt2().state_dict()
+    for name in ("transformer.h.0.attn.c_proj", "transformer.h.1.mlp.c_fc"):
+        w = dense[name + ".weight"].t()  # (out, in), as the 2:4 layer holds it
+        line = next(li for li in out.splitlines() if li.startswith(f"  {name} "))
+        assert f"{100 * _top2_kept(w):.1f}%" in line, line
+
+
+@pytest.mark.parametrize("section, needle", [
+    (["a list"], "config.json must hold a JSON object"),
+    ({"quantization_config": {"quant_method": "sparse24", "layers": ["fc"]}}, "'layers' must map layer names"),
+    ({"quantization_config": {"quant_method": "sparse24", "layers": 3}}, "'layers' must map layer names"),
+    ({"quantization_config": {"quant_method": "sparse24", "layers": {"fc": {"mode": "dense"}}}}, "unreadable entry")])
+def test_inspect_a_folder_with_a_broken_config_is_one_line(capsys, tmp_path, section, needle):
+    tiny_llama().save_pretrained(tmp_path / "folder")
+    (tmp_path / "folder" / "config.json").write_text(json.dumps(section))
+    capsys.readouterr()
+    rc, out, err = run(capsys, "inspect", str(tmp_path / "folder"))
+    assert rc == 2 and out == "", out
+    assert_one_line_error(err, "config.json", needle)
 
 
 def test_inspect_bad_files_are_one_line(capsys, tmp_path):
