@@ -26,7 +26,6 @@ from __future__ import annotations
 import copy
 import ctypes
 import os
-import re
 import shutil
 from pathlib import Path
 
@@ -40,7 +39,7 @@ from ..hf import FORMAT_VERSION
 from ..masks import prune_layerwise_
 from ..masks.nm import _row_chunks
 from ..nn import Sparse24Linear, compressed_entries, quant_options
-from .checkpoint import check_shards, quant_label
+from .checkpoint import check_shards, exclude_pattern, quant_label
 from .hf_folder import _finish_folder, _shards, _skeleton, prune_folder
 
 __all__ = ["prune_folder_blockwise", "CALIBRATED"]
@@ -163,7 +162,7 @@ def prune_folder_blockwise(src: str | os.PathLike, dst: str | os.PathLike, batch
     if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
         raise ValueError(f"--out {dst}: exists and is not an empty folder")
     batches = _check_batches(batches)
-    excl = re.compile(exclude, re.IGNORECASE) if exclude else None
+    excl = exclude_pattern(exclude)
     shards, _ = _shards(src)
     config, model = _skeleton(src, check_shards(src, shards))
     body = getattr(model, "model", None)
@@ -175,6 +174,8 @@ def prune_folder_blockwise(src: str | os.PathLike, dst: str | os.PathLike, batch
     sparsify_(plan, filter_fn=None if excl is None else (lambda m, fqn: not excl.search(fqn)), mode="compressed",
               min_features=MIN_FEATURES if min_features is None else min_features, **quant)
     layers = {fqn: m for fqn, m in plan.named_modules() if isinstance(m, Sparse24Linear)}
+    if not layers:
+        raise ValueError(f"{src}: no layer to prune (see --min-features / --exclude)")
     outside = [f for f in layers if not f.startswith("model.layers.")]
     if outside:
         raise ValueError(f"layers outside the decoder blocks cannot be pruned block by block: {outside[:3]}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 import warnings
 import zipfile
 from pathlib import Path
@@ -21,6 +22,15 @@ __all__ = ["is_model_folder", "is_weight_matrix", "dense_row", "check_shards", "
 # The state-dict entries of a 2:4 layer besides its bias (masked: weight + mask; compressed: values + meta,
 # INT8/INT4 scale, INT4 zero points and group size).
 LAYER_ENTRIES = ("weight", "mask", "values", "meta", "scale", "zero", "group_size")
+
+
+def exclude_pattern(exclude: str | None) -> "re.Pattern | None":
+    """``--exclude``'s regular expression, compiled case-insensitively (None for none); ValueError
+    naming it when it does not compile."""
+    try:
+        return re.compile(exclude, re.IGNORECASE) if exclude else None
+    except re.error as e:
+        raise ValueError(f"--exclude {exclude!r} is not a regular expression: {e}") from None
 
 
 def is_model_folder(path: str | os.PathLike) -> bool:

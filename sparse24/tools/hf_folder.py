@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 from pathlib import Path
 
@@ -25,7 +24,8 @@ from ..hf import FORMAT_VERSION, check_blocks, read_config, read_shard_index, sp
 from ..masks import kept_magnitude_fraction
 from ..nn import Sparse24Linear, is_conv1d_class
 from .._progress import progress_bar
-from .checkpoint import check_shards, dense_row, is_model_folder, is_weight_matrix, quant_label
+from .checkpoint import check_shards, dense_row, exclude_pattern, is_model_folder, is_weight_matrix, quant_label
+from .cli_common import CLIError
 
 __all__ = ["is_model_folder", "prune_folder", "WEIGHT_FILES"]
 
@@ -98,7 +98,7 @@ def prune_folder(src: str | os.PathLike, dst: str | os.PathLike, method: str = "
     src, dst = Path(src), Path(dst)
     if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
         raise ValueError(f"--out {dst}: exists and is not an empty folder")
-    excl = re.compile(exclude, re.IGNORECASE) if exclude else None
+    excl = exclude_pattern(exclude)
     shards, index = _shards(src)
     config, model = _skeleton(src, check_shards(src, shards))
     report = sparsify_(model, filter_fn=None if excl is None else (lambda m, fqn: not excl.search(fqn)),
@@ -108,6 +108,8 @@ def prune_folder(src: str | os.PathLike, dst: str | os.PathLike, method: str = "
                        skip_output_head=not prune_head)
     layers = {f"{fqn}.weight": (fqn, m) for fqn, m in model.named_modules(remove_duplicate=False)
               if isinstance(m, Sparse24Linear)}
+    if not layers:  # (as for a state dict: a dense copy whose config says sparse24 would help nobody)
+        raise CLIError(f"{src}: no layer to prune (see --min-features / --exclude)", 1)
     prefix = f"{model.base_model_prefix}." if model.base_model_prefix else ""
     rows, done = [], set()
     skipped = {r.fqn + ".weight": r.reason for r in report.skipped}

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from .._progress import progress_bar
-from .checkpoint import (LAYER_ENTRIES, CheckpointError, dense_row, is_model_folder, is_weight_matrix, load_torch_file,
+from .checkpoint import (LAYER_ENTRIES, CheckpointError, dense_row, exclude_pattern, is_model_folder, is_weight_matrix, load_torch_file,
                          quant_label)
 from .cli_common import CLIError, _one_line, _prog, int4_args, prune_quant
 
@@ -147,10 +147,7 @@ def prune_state_dict(sd: dict, method: str = "magnitude", quantize: str | None =
     min_features = MIN_FEATURES if min_features is None else min_features
     if min_features < 0:
         raise ValueError(f"--min-features must be >= 0, got {min_features}")
-    try:
-        excl = re.compile(exclude, re.IGNORECASE) if exclude else None
-    except re.error as e:
-        raise ValueError(f"--exclude {exclude!r} is not a regular expression: {e}") from None
+    excl = exclude_pattern(exclude)
     # sparse-layout or meta tensors hold no dense data to prune (and have no storage): copied as they are
     # (a dict: the state dict's order, which "the last 2-D weight" below reads; a set's order varies per run)
     plain = {k: None for k, v in sd.items() if v.layout == torch.strided and not v.is_meta}

@@ -36,7 +36,6 @@ import contextlib
 import copy
 import inspect
 import os
-import re
 import shutil
 from pathlib import Path
 
@@ -48,7 +47,7 @@ from ..masks import (calibrate, find_permutation_groups, kept_magnitude_fraction
 from ..masks.reconstruct import LAYERWISE_PERCDAMP
 from ..nn import Sparse24Linear, is_conv1d_class
 from .._progress import progress_enabled
-from .checkpoint import LAYER_ENTRIES, check_shards, dense_row, is_model_folder, is_weight_matrix, quant_label
+from .checkpoint import LAYER_ENTRIES, check_shards, dense_row, exclude_pattern, is_model_folder, is_weight_matrix, quant_label
 from .cli_common import CLIError, _one_line, int4_args, prune_quant
 
 __all__ = ["CALIBRATED", "read_samples", "tokenize_samples", "prune_calibrated", "prune_folder_calibrated",
@@ -222,10 +221,7 @@ def prune_folder_calibrated(src: Path, dst: Path, args) -> tuple[list[dict], str
         raise CLIError(f"--out {dst}: exists and is not an empty folder")
     quant = prune_quant(args)
     texts = read_samples(args.calibration, args.samples)
-    try:
-        excl = re.compile(args.exclude, re.IGNORECASE) if args.exclude else None
-    except re.error as e:
-        raise CLIError(f"--exclude {args.exclude!r} is not a regular expression: {e}") from None
+    excl = exclude_pattern(args.exclude)
     shards, _ = _shards(src)
     config, skeleton = _skeleton(src, check_shards(src, shards))
     try:

@@ -113,6 +113,27 @@ def test_shard_names_outside_the_folder_are_refused(capsys, tmp_path):
     assert victim.read_bytes() == before and not (tmp_path / "o").exists()
 
 
+def test_folder_prune_refuses_a_bad_exclude_and_an_empty_plan(capsys, tmp_path):
+    # an invalid --exclude gave re.error's traceback on a folder (one line on a state dict); pruning
+    # nothing wrote a dense folder whose config.json named it sparse24 (a state dict: exit 1, nothing)
+    tiny_llama().save_pretrained(tmp_path / "dense")
+    torch.save(tokens(shape=(4, 9)), tmp_path / "ids.pt")
+    capsys.readouterr()
+    o = str(tmp_path / "o")
+    for argv, code, needle in [
+            (["--exclude", "("], 2, "--exclude '(' is not a regular expression"),
+            (["--exclude", "(", "--method", "wanda", "--calibration-ids", str(tmp_path / "ids.pt")], 2,
+             "--exclude '(' is not a regular expression"),
+            (["--min-features", "100000"], 1, "no layer to prune"),
+            (["--exclude", "."], 1, "no layer to prune"),
+            (["--exclude", ".", "--method", "wanda", "--calibration-ids", str(tmp_path / "ids.pt")], 2,
+             "no layer to prune")]:
+        rc, _, err = run(capsys, "prune", str(tmp_path / "dense"), "--out", o, *argv)
+        assert rc == code, (argv, err)
+        assert_one_line_error(err, needle)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dense", "ids.pt"]
+
+
 def _summary(out: str) -> tuple[int, int]:
     line = next(li for li in out.splitlines() if "2-D float weight tensors pruned" in li)
     n, total = re.search(r"(\d+) of the checkpoint's (\d+) 2-D", line).groups()
