@@ -41,7 +41,8 @@ def is_model_folder(path: str | os.PathLike) -> bool:
 def is_weight_matrix(key: str, t: torch.Tensor) -> bool:
     """The tensors a ``prune`` report counts, for a file and a folder alike: every 2-D
     floating-point ``weight`` (``<prefix>.weight``) stored in the checkpoint."""
-    return (key == "weight" or key.endswith(".weight")) and t.dim() == 2 and t.dtype in FLOAT_DTYPES
+    return (key == "weight" or key.endswith(".weight")) and t.dim() == 2 and t.dtype in FLOAT_DTYPES \
+        and t.layout == torch.strided  # (a sparse-layout tensor holds no dense matrix: copied as it is)
 
 
 def quant_label(quant: dict) -> str:

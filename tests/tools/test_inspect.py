@@ -149,6 +149,22 @@ def test_inspect_a_folder_with_a_broken_config_is_one_line(capsys, tmp_path, sec
     assert_one_line_error(err, "config.json", needle)
 
 
+def test_sparse_layout_tensors_are_left_alone(capsys, tmp_path):
+    # a sparse-layout "*.weight" (prune copies those as they are) crashed inspect in is_nm and prune's
+    # safetensors writer (which stores dense tensors only) after the work was done
+    torch.save({"fc.weight": torch.randn(64, 64), "emb.weight": torch.randn(64, 64).to_sparse()}, tmp_path / "mix.pt")
+    rc, out, err = run(capsys, "inspect", str(tmp_path / "mix.pt"))
+    assert rc == 0 and "emb" not in out and "  fc  " in out, err
+    rc, out, err = run(capsys, "prune", str(tmp_path / "mix.pt"), "--out", str(tmp_path / "o.safetensors"))
+    assert rc == 2 and out == ""
+    assert_one_line_error(err, "safetensors stores dense tensors only", "'emb.weight' is a sparse_coo tensor")
+    rc, _, err = run(capsys, "prune", str(tmp_path / "mix.pt"), "--out", str(tmp_path / "o.pt"), "--min-features", "0")
+    assert rc == 0, err
+    got = torch.load(tmp_path / "o.pt")
+    assert got["emb.weight"].layout == torch.sparse_coo and "fc.values" in got
+    assert not (tmp_path / "o.safetensors").exists()
+
+
 def test_inspect_bad_files_are_one_line(capsys, tmp_path):
     tiny_llama().save_pretrained(tmp_path / "folder")
     shard = tmp_path / "folder" / "model.safetensors"
