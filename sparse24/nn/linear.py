@@ -174,10 +174,18 @@ class Sparse24Linear(LayoutMixin, StateDictMixin, nn.Module):
         for name in ("_dtype", "_weight_requires_grad", "_layout", "_layout_pref", "_group_size"):
             self.__dict__.pop(name, None)
         self.weight = weight
+        self._bias_last()
         self.register_buffer("mask", mask)
         self._mode = "masked"
         if track:
             self._track_masked()
+
+    def _bias_last(self) -> None:
+        """Parameters in nn.Linear's order, (weight or values, bias): an optimizer's state dict pairs
+        its entries with parameters by position, so a checkpoint of the dense model's optimizer (or
+        of one prune_trained_model kept) resumes into one built from model.parameters() after."""
+        if "bias" in self._parameters:
+            self._parameters["bias"] = self._parameters.pop("bias")
 
     def _set_compressed(self, p: Sparse24Tensor, trainable_values: bool, requires_grad: bool = True) -> None:
         self._release()
@@ -185,6 +193,7 @@ class Sparse24Linear(LayoutMixin, StateDictMixin, nn.Module):
             self._buffers.pop(name, None)
             self._parameters.pop(name, None)
         self.values = nn.Parameter(p.values, requires_grad=trainable_values and requires_grad)
+        self._bias_last()
         self.register_buffer("meta", p.meta)
         self.register_buffer("scale", p.scale)  # None unless quantized (then not in the state dict)
         self.register_buffer("zero", p.zero)  # INT4 asymmetric only

@@ -302,3 +302,40 @@ def test_srste_twice_is_rejected_without_change():
     with pytest.raises(ValueError, match="already has a parametrized weight"):
         SRSTE(model)
     assert set(model.state_dict()) == keys
+
+
+def test_an_optimizer_checkpoint_resumes_after_pruning():
+    """An optimizer's state dict pairs entries with parameters by position: Sparse24Linear listed
+    (bias, weight) where nn.Linear lists (weight, bias), so the state of the optimizer prune_trained_model
+    kept loaded into one built from model.parameters() with the moments swapped (the first step then
+    raised a broadcast error)."""
+    import copy
+    import sparse24
+
+    def make():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 32))
+
+    def train(model, opt, steps=2):
+        for i in range(steps):
+            opt.zero_grad()
+            model(torch.randn(8, 32, generator=torch.Generator().manual_seed(i))).pow(2).mean().backward()
+            opt.step()
+
+    model = make()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    train(model, opt)
+    sparse24.prune_trained_model(model, opt, min_features=0, skip_output_head=False)
+    train(model, opt)
+    saved, state = copy.deepcopy(opt.state_dict()), copy.deepcopy(model.state_dict())
+    resumed = make()
+    sparse24.sparsify_(resumed, min_features=0, skip_output_head=False)
+    resumed.load_state_dict(state)
+    assert [n for n, _ in resumed.named_parameters()] == [n for n, _ in make().named_parameters()]
+    opt2 = torch.optim.AdamW(resumed.parameters(), lr=1e-2)
+    opt2.load_state_dict(saved)
+    for p, q in zip(model.parameters(), resumed.parameters()):
+        assert all(torch.equal(opt.state[p][k], opt2.state[q][k]) for k in opt.state[p])
+    train(model, opt)
+    train(resumed, opt2)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), resumed.state_dict().values()))
