@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from .._checks import check_model, check_separate_teacher
@@ -97,23 +98,23 @@ def calibrate(model: nn.Module, batches, hessian: bool = False, filter_fn=None, 
     calls: dict[str, int] = {}  # the model's calls of each layer in the current batch
     seen: set[str] = set()
 
-    def inputs(fqn: str, k: int, args) -> torch.Tensor:
-        return _token_inputs(fqn, args[0].detach(), rows[0]).reshape(-1, k).to(dtype)
+    def inputs(fqn: str, k: int, args, kwargs) -> torch.Tensor:
+        return _token_inputs(fqn, _layer_input(args, kwargs).detach(), rows[0]).reshape(-1, k).to(dtype)
 
     def stop_if_done():
         if stop_early and len(seen) == len(selected):
             raise _StopForward
 
     def teacher_hook(fqn: str, k: int):
-        def hook(mod, args):
-            teacher_in.setdefault(fqn, []).append(inputs(fqn, k, args))
+        def hook(mod, args, kwargs):
+            teacher_in.setdefault(fqn, []).append(inputs(fqn, k, args, kwargs))
             seen.add(fqn)
             stop_if_done()
         return hook
 
     def hook_for(fqn: str, k: int):
-        def hook(mod, args):
-            x = inputs(fqn, k, args)
+        def hook(mod, args, kwargs):
+            x = inputs(fqn, k, args, kwargs)
             s = stats.get(fqn)
             if s is None:
                 def zeros(*shape):
@@ -140,9 +141,10 @@ def calibrate(model: nn.Module, batches, hessian: bool = False, filter_fn=None, 
     modes = [(mod, mod.training) for net in (model, teacher) if net is not None for mod in net.modules()]
     try:
         for fqn, mod in selected.items():
-            handles.append(mod.register_forward_pre_hook(hook_for(fqn, mod.in_features)))
+            handles.append(mod.register_forward_pre_hook(hook_for(fqn, mod.in_features), with_kwargs=True))
             if teacher is not None:
-                handles.append(teacher.get_submodule(fqn).register_forward_pre_hook(teacher_hook(fqn, mod.in_features)))
+                handles.append(teacher.get_submodule(fqn).register_forward_pre_hook(teacher_hook(fqn, mod.in_features),
+                                                                                    with_kwargs=True))
         for mod, _ in modes:
             mod.training = False
         with torch.no_grad():
@@ -307,6 +309,12 @@ def prune_layerwise_(model: nn.Module, batches, n: int = 2, m: int = 4, method: 
         error = e
     if group is not None:
         agree(error, group, "prune_layerwise_'s checks")
+        order = [None] * dist.get_world_size(group)
+        dist.all_gather_object(order, [fqn for fqn, _ in calls], group=group)
+        if any(o != order[0] for o in order):  # (each rank's sums would be added to another layer's)
+            raise ValueError(f"the ranks' first batches run different layers or orders ({order[0][:3]} ... on rank 0, "
+                             f"{next(o for o in order if o != order[0])[:3]} ... on another): every rank must prune "
+                             "the same layers in the same order (nothing was changed)")
     once = len({fqn for fqn, _ in calls}) == len(calls)  # every layer called once per forward
     # Waves: consecutive layers reading the very same input tensor (q, k, v) are pruned together,
     # with one pass; each pass stops at the wave when layers are called once per forward.
@@ -388,13 +396,13 @@ def _check_inputs(model: nn.Module, names: dict[nn.Module, str], batches, device
     last, rows, index = [None], [None], [0]
     counts: dict[str, int] = {}
 
-    def record(mod, args):
-        fqn, x = names[mod], args[0]
+    def record(mod, args, kwargs):
+        fqn, x = names[mod], _layer_input(args, kwargs)
         if index[0] == 0:
             calls.append((fqn, x is last[0]))
             last[0] = x
         counts[fqn] = counts.get(fqn, 0) + _token_inputs(fqn, x, rows[0]).numel() // max(1, x.shape[-1])
-    handles = [mod.register_forward_pre_hook(record) for mod in names]
+    handles = [mod.register_forward_pre_hook(record, with_kwargs=True) for mod in names]
     try:
         for index[0], b in enumerate(batches):
             try:
@@ -412,11 +420,22 @@ def _check_inputs(model: nn.Module, names: dict[nn.Module, str], batches, device
     finally:
         for h in handles:
             h.remove()
+    first = {fqn for fqn, _ in calls}
+    later = [fqn for fqn in counts if fqn not in first]
+    if later:  # (they were left dense, without a word, while their statistics were there)
+        raise ValueError(f"layer(s) {later[:5]} run on later batches but not on the first: layer-by-layer pruning "
+                         "takes its layers and their order from the first batch; put first a batch that runs every "
+                         "layer to prune, or leave those out with filter_fn (nothing was changed)")
     empty = [fqn for fqn, c in counts.items() if c == 0]
     if empty:
         raise ValueError(f"layer(s) {empty} received no input rows from batches (token_mask keeps none of their "
                          "tokens): nothing to calibrate them on (nothing was changed)")
     return calls
+
+
+def _layer_input(args: tuple, kwargs: dict) -> torch.Tensor:
+    """A Linear's input, given positionally or by name (``lin(input=x)``)."""
+    return args[0] if args else next(iter(kwargs.values()))
 
 
 def _teacher_target(w: torch.Tensor, stats: LayerStats, percdamp: float = PERCDAMP,

@@ -95,6 +95,54 @@ def _one_rank_fails(rank):
     return every
 
 
+class Routed(nn.Module):
+    """A branch per batch (an MoE expert, a conditional path): b runs on some batches, c on others."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.c = (nn.Linear(16, 16).double() for _ in range(3))
+
+    def forward(self, x, route):
+        h = self.a(x)
+        return self.b(h) if route else self.c(h)
+
+
+def _routed_batches(routes):
+    return [(torch.randn(8, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(i)), r)
+            for i, r in enumerate(routes)]
+
+
+def test_a_layer_the_first_batch_does_not_run_is_refused():
+    # b ran on batch 1 only: its statistics were there, but the layer list came from batch 0 and b
+    # was left dense without a word (then sparsify_ pruned it by magnitude)
+    model = Routed()
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(ValueError, match=r"layer\(s\) \['b'\] run on later batches but not on the first"):
+        prune_layerwise_(model, _routed_batches([False, True]), method="wanda")
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def _ranks_route_apart(rank):
+    model = Routed()
+    before = copy.deepcopy(model.state_dict())
+    try:
+        prune_layerwise_(model, _routed_batches([bool(rank)] * 2), method="wanda", group=dist.group.WORLD)
+        out = "returned"
+    except ValueError as e:
+        out = str(e)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    every = [None] * WORLD
+    dist.all_gather_object(every, out)
+    return every
+
+
+def test_ranks_pruning_different_layers_are_refused_on_every_rank():
+    # rank 0 pruned [a, c], rank 1 [a, b]: the widths matched, so rank 0's c took rank 1's b statistics
+    for out in spawn(_ranks_route_apart, WORLD, timeout=60):
+        assert "run different layers or orders" in out, out
+
+
 def test_a_check_failing_on_one_rank_raises_on_every_rank():
     rank0, rank1 = spawn(_one_rank_fails, WORLD, timeout=60)  # without the agreement rank 0 waited: timeout
     for name in ("calibrate: a batch of the wrong width", "prune_layerwise_: a batch of the wrong width",

@@ -354,6 +354,26 @@ def test_calibrate_statistics_match_hand_computation():
         only_b["b"].hessian
 
 
+def test_calibrate_and_layerwise_see_a_linear_called_with_its_input_by_name():
+    # lin(input=x) gave the hooks no positional argument: IndexError
+    class ByName(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(8, 16).double(), nn.Linear(16, 4).double()
+
+        def forward(self, x):
+            return self.b(input=torch.relu(self.a(input=x)))
+
+    torch.manual_seed(0)
+    net, x = ByName(), _randn(6, 8, seed=4)
+    stats = calibrate(net, [x], hessian=True, teacher=copy.deepcopy(net))
+    with torch.no_grad():
+        h = torch.relu(net.a(x))
+    torch.testing.assert_close(stats["a"].xtx, x.T @ x, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(stats["b"].xtx_teacher, h.T @ h, rtol=1e-12, atol=1e-12)
+    assert set(prune_layerwise_(net, [x], method="wanda")) == {"a", "b"}
+
+
 def test_calibrate_removes_hooks_on_error_and_feeds_sparsify_methods():
     net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)).train()
     with pytest.raises(RuntimeError):
