@@ -95,7 +95,7 @@ def distill_(model: nn.Module, batches, steps: int, *, teacher: nn.Module | None
     bar = progress_bar(_batch_stream(batches, steps), total=steps, desc="distill_", progress=progress, unit="step")
     try:
         for step, batch in enumerate(bar):
-            rep.losses.append(_optimizer_step(objective(batch), params, clip, opt, sched))
+            rep.losses.append(_optimizer_step(objective(batch), model, params, clip, opt, sched))
             bar.set_postfix_str(f"loss {rep.losses[-1]:.4g}", refresh=False)
             if callback is not None:
                 callback(step, rep.losses[-1])

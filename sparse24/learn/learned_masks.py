@@ -337,7 +337,7 @@ def _train_masks(batches, steps, objective, learners, schedule, tau, hard_fracti
         loss = objective(batch)
         if magnitude_reg:
             loss = loss - magnitude_reg * sum(s.kept_norm_fraction() for s in stand_ins) / len(stand_ins)
-        rep.losses.append(_optimizer_step(loss, params, opt_kwargs["clip"], opt, sched))
+        rep.losses.append(_optimizer_step(loss, objective.student, params, opt_kwargs["clip"], opt, sched))
         bar.set_postfix_str(f"loss {rep.losses[-1]:.4g}", refresh=False)
         if callback is not None:
             callback(step, rep.losses[-1])

@@ -164,9 +164,12 @@ def _check_steps(steps) -> int:
     return steps
 
 
-def _optimizer_step(loss: torch.Tensor, params: list, clip: float | None, opt, sched) -> float:
+def _optimizer_step(loss: torch.Tensor, model: nn.Module, params: list, clip: float | None, opt, sched) -> float:
     """One training step: zero, backward, optional gradient-norm clipping, step, schedule, zero; the loss
-    value. (Zeroed first too: gradients left on the model before the call must not enter step 0.)"""
+    value. Every gradient of ``model`` is cleared, before (gradients left on it before the call must not
+    enter step 0) and after: a parameter that requires grad but is not trained (outside ``parameters=``,
+    or every weight of ``learn_masks(train_weights=False)``) would hold the sum of every step's."""
+    model.zero_grad(set_to_none=True)
     opt.zero_grad(set_to_none=True)
     loss.backward()
     if clip is not None:
@@ -174,6 +177,7 @@ def _optimizer_step(loss: torch.Tensor, params: list, clip: float | None, opt, s
     opt.step()
     sched.step()
     opt.zero_grad(set_to_none=True)
+    model.zero_grad(set_to_none=True)
     return loss.item()
 
 

@@ -203,6 +203,14 @@ def test_distill_refuses_itself_as_teacher_leaks_no_hook_and_ignores_stale_gradi
         distill_(s, data, steps=1, teacher=dense, lr=1e-2)
         runs.append(s.state_dict())
     assert all(torch.equal(v, runs[1][k]) for k, v in runs[0].items())
+    # and no gradient is left behind: parameters not trained (outside parameters=, or every weight of
+    # learn_masks without train_weights) held the sum of every step's
+    s = copy.deepcopy(student)
+    distill_(s, data, steps=3, teacher=dense, parameters=[s[0].weight])
+    assert all(p.grad is None for p in s.parameters())
+    s = copy.deepcopy(dense)
+    learn_masks(s, data, steps=3)
+    assert all(p.grad is None for p in s.parameters())
 
 
 def test_learning_without_noise_and_distillation_under_cpu_bf16_autocast():
