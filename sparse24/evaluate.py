@@ -120,7 +120,9 @@ def sentence_embeddings(model: nn.Module, batches, token_mask: Callable | None =
                 raise ValueError(f"batch {i}: expected a (B, D) or (B, L, D) output, got shape {tuple(h.shape)}")
             out.append(F.normalize(h.float(), dim=-1) if normalize else h.float())
     if not out:
-        raise ValueError("batches is empty: nothing to embed")
+        raise ValueError("batches is empty: nothing to embed" + (" (a generator or iterator that was used up "
+                                                                 "already? pass a list)" if iter(batches) is batches
+                                                                 else ""))
     return torch.cat(out)
 
 
@@ -141,6 +143,9 @@ def embedding_fidelity(model: nn.Module, batches, reference, token_mask: Callabl
         >>> embedding_fidelity(enc, [ids], enc)
         1.0
     """
+    if iter(batches) is batches and not isinstance(reference, torch.Tensor):
+        raise TypeError("batches must be re-iterable (a list, not a generator or iterator): the reference "
+                        "model runs on the same batches after the model")
     emb = sentence_embeddings(model, batches, token_mask)
     ref = reference if isinstance(reference, torch.Tensor) else sentence_embeddings(reference, batches, token_mask)
     if ref.shape != emb.shape:
@@ -158,7 +163,8 @@ def bits_per_char(model: nn.Module, ids: torch.Tensor, ctx: int, windows: int, b
     first ``ctx`` and predicts every next one.
 
     Args:
-        model: ``(B, ctx)`` int64 ids -> ``(B, ctx, vocab)`` logits.
+        model: ``(B, ctx)`` int64 ids -> ``(B, ctx, vocab)`` logits (or an output holding them:
+            ``.logits`` of a Hugging Face causal LM).
         ids: ``(T,)`` integer tensor of character ids, ``T > ctx + 1``.
         ctx: context length.
         windows: how many windows to score.
@@ -183,7 +189,7 @@ def bits_per_char(model: nn.Module, ids: torch.Tensor, ctx: int, windows: int, b
     with _EvalMode(model), torch.no_grad():
         for i in range(0, windows, batch_size):
             win = torch.stack([ids[s:s + ctx + 1] for s in starts[i:i + batch_size]]).long()
-            logits = model(win[:, :-1])
+            logits = _output_tensor(model(win[:, :-1]), "logits", "score")   # (a Hugging Face output: .logits)
             total += float(F.cross_entropy(logits.flatten(0, 1), win[:, 1:].flatten(), reduction="sum"))
             count += win[:, 1:].numel()
     return total / count / math.log(2)

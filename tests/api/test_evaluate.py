@@ -110,6 +110,23 @@ def test_bits_per_char_matches_position_by_position_cross_entropy():
     starts = [i * (60 - ctx - 1) // 5 for i in range(6)]           # evenly spaced, first and last included
     nll = [-logp[int(ids[s + j]), int(ids[s + j + 1])] for s in starts for j in range(ctx)]
     assert got == pytest.approx(float(sum(nll)) / len(nll) / math.log(2), rel=1e-6)
+    # a Hugging Face causal LM returns its logits in an output object (an AttributeError before)
+    from hf_models import tiny_llama
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    class Wrapped(nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            return CausalLMOutputWithPast(logits=self.inner(x))
+    assert bits_per_char(Wrapped(model), ids, ctx, windows=6, batch_size=4) == got
+    llama = tiny_llama()
+    ids = torch.randint(3, 96, (40,))
+    with torch.no_grad():
+        want = F.cross_entropy(llama(ids[None, :-1]).logits[0], ids[1:]) / math.log(2)
+    assert bits_per_char(llama, torch.cat((ids, ids[:1])), ctx=39, windows=1) == pytest.approx(float(want), rel=1e-5)
 
 
 def test_bad_inputs_name_the_problem():
@@ -129,6 +146,8 @@ def test_bad_inputs_name_the_problem():
         sentence_embeddings(Text(), [b["input_ids"]])
     with pytest.raises(ValueError, match="reference embeddings have shape"):
         embedding_fidelity(model, [b], torch.zeros(3, 32))
+    with pytest.raises(TypeError, match="batches must be re-iterable"):  # ("batches is empty" before)
+        embedding_fidelity(model, (x for x in [b]), tiny_bert())
     lm = nn.Embedding(4, 4)
     with pytest.raises(TypeError, match="1-D integer tensor"):
         bits_per_char(lm, torch.rand(30), ctx=4, windows=2)
