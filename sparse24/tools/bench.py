@@ -378,7 +378,7 @@ def _measure_point(ops: dict, x: torch.Tensor, timer: _Timer, repeats: int, log,
 def write_csv(rows: list[dict], path: str | os.PathLike) -> Path:
     """Write ``rows`` (from :func:`run_bench`) to ``path`` with the :data:`COLUMNS` header."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    make_parent(path)
 
     def write(tmp: Path) -> None:
         with open(tmp, "w", newline="") as f:
@@ -388,6 +388,16 @@ def write_csv(rows: list[dict], path: str | os.PathLike) -> Path:
 
     write_together({path: write})
     return path
+
+
+def make_parent(path: Path) -> None:
+    """Create ``path``'s folder (and the ones above); ValueError naming the file that stands where a
+    folder must (mkdir's own "[Errno 17] File exists" named neither)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        blocking = next((p for p in path.parents if p.exists() and not p.is_dir()), path.parent)
+        raise ValueError(f"cannot write {path}: {blocking} is a file, not a folder") from None
 
 
 def write_together(writers: dict) -> None:

@@ -26,7 +26,7 @@ import os
 from pathlib import Path
 
 from .._version import __version__
-from .bench import COLUMNS, PROVIDERS, SCHEMA, write_together
+from .bench import COLUMNS, PROVIDERS, SCHEMA, make_parent, write_together
 
 __all__ = ["read_rows", "byte_ceiling", "plot_rows", "plot_csv", "figure"]
 
@@ -36,7 +36,8 @@ _COLORS = dict(zip(PROVIDERS, ["black", "tab:blue", "tab:cyan", "tab:green", "ta
 # Bytes stored per dense weight by the quantized providers (INT4: group 128, symmetric, as the bench stores it).
 _QUANT_BYTES = {"int8": 0.5 + 0.125, "int4": 0.25 + 0.125 + 2 / 128}
 _CEILING_COLORS = {"": "tab:blue", "int8": "tab:red", "int4": "tab:purple"}
-_STYLES = ["-", "--", ":", "-."]
+_STYLES = ["-", "--", ":", "-."]   # one per device
+_MARKERS = ["o", "s", "^", "D", "v"]  # one per dtype (a provider's lines keep its colour)
 _NUMERIC = {"N": int, "K": int, "M": int, "weight_bytes": int, "median_ms": float, "tflops": float,
             "gbps": float, "speedup_vs_dense": float}
 
@@ -132,7 +133,7 @@ def plot_rows(rows: list[dict], out: str | os.PathLike, title: str | None = None
     """
     fig = figure(rows, title)
     out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    make_parent(out)
     write_together({out: lambda tmp: fig.savefig(tmp, dpi=110, format="png")})
     return out
 
@@ -146,7 +147,8 @@ def figure(rows: list[dict], title: str | None = None):
     shapes = list(dict.fromkeys((r["shape"], r["N"], r["K"]) for r in rows))
     rows = [{**r, "device": _device_label(r)} for r in rows]
     devices = list(dict.fromkeys(r["device"] for r in rows))
-    multi_dtype = len({r["dtype"] for r in rows}) > 1
+    dtypes = list(dict.fromkeys(r["dtype"] for r in rows))
+    multi_dtype = len(dtypes) > 1
     # CPUs reach GFLOP/s, GPUs TFLOP/s: label in the unit that gives readable numbers
     unit, scale = ("TFLOP/s", 1.0) if max(r["tflops"] for r in rows) >= 1 else ("GFLOP/s", 1e3)
     fig = Figure(figsize=(12, 3.3 * len(shapes) + 1.2), layout="constrained")
@@ -161,7 +163,7 @@ def figure(rows: list[dict], title: str | None = None):
             ms, tf, sp = zip(*pts)
             label = prov + (f" {dtype}" if multi_dtype else "") + (f" ({dev})" if len(devices) > 1 else "")
             style = dict(color=_COLORS.get(prov, "gray"), linestyle=_STYLES[devices.index(dev) % len(_STYLES)],
-                         marker="o", markersize=3.5)
+                         marker=_MARKERS[dtypes.index(dtype) % len(_MARKERS)], markersize=3.5)
             handles.setdefault(label, ax_t.plot(ms, [v * scale for v in tf], label=label, **style)[0])
             ax_s.plot(ms, sp, **style)
         _value_axis(ax_t, [r["tflops"] * scale for r in here])

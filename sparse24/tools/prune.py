@@ -277,8 +277,8 @@ def cmd_prune(args) -> int:
         raise CLIError(f"{args.checkpoint}: no weight could be pruned ({len(report)} 2-D float weight(s), "
                        "none eligible" + (f"; first: {report[0]['name']}: {report[0]['reason']}" if report else "")
                        + "); see --min-features / --exclude", 1)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    from .bench import write_together
+    from .bench import make_parent, write_together
+    make_parent(out)
     write_together({out: lambda p: _save_state_dict(new, p)})  # a failed write leaves an existing file whole
     _print_prune_table(f"{_prog()} prune {args.checkpoint}" + (f" (state dict under '{wrapper}')" if wrapper else "")
                        + settings, report, out, src.stat().st_size)

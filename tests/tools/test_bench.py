@@ -240,3 +240,14 @@ def test_plot_axes_follow_the_data_and_the_legend_stays_outside():
     ax_s = fig.axes[1]
     assert ax_s.get_yscale() == "linear" and ax_s.get_ylim()[0] == 0 and ax_s.get_ylim()[1] > 1.78
     assert not any("far above" in t.get_text() for t in ax_s.texts)
+
+
+def test_plot_tells_dtypes_apart():
+    # one provider in two dtypes was drawn twice in the same colour, line and marker
+    rows = _synthetic({"dense": [1, 1, 1], "sparse24-reference": [0.2, 0.3, 0.4]}, "float32") + \
+        _synthetic({"dense": [1, 1, 1], "sparse24-reference": [0.3, 0.4, 0.5]}, "float16")
+    fig = plot.figure(rows)
+    lines = [l for l in fig.axes[0].lines if l.get_label().startswith("dense")]
+    assert sorted(l.get_label() for l in lines) == ["dense float16", "dense float32"]
+    looks = {(l.get_color(), l.get_linestyle(), l.get_marker()) for l in fig.axes[0].lines}
+    assert len(looks) == len(fig.axes[0].lines) == 4

@@ -213,6 +213,11 @@ def test_plot_out_is_a_folder(capsys, tmp_path):
     rc, _, err = run(capsys, "plot", "a.csv", "--out", str(tmp_path / "x.png"))
     assert rc == 2
     assert_one_line_error(err, "is a folder")
+    (tmp_path / "afile").write_text("")   # a file where the output's folder must be ("[Errno 17] File exists")
+    csv_path = Path(__file__).resolve().parents[2] / "results" / "cpu-amd-epyc" / "bench.csv"
+    rc, _, err = run(capsys, "plot", str(csv_path), "--out", str(tmp_path / "afile" / "x.png"))
+    assert rc == 2
+    assert_one_line_error(err, f"{tmp_path / 'afile'} is a file, not a folder")
 
 
 def test_info_lists_invalid_tuned_files(capsys, tmp_path, monkeypatch):
