@@ -26,7 +26,6 @@ from __future__ import annotations
 import copy
 import ctypes
 import os
-import shutil
 from pathlib import Path
 
 import torch
@@ -39,7 +38,7 @@ from ..hf import FORMAT_VERSION
 from ..masks import prune_layerwise_
 from ..masks.nm import _row_chunks
 from ..nn import Sparse24Linear, compressed_entries, quant_options
-from .checkpoint import check_shards, exclude_pattern, quant_label
+from .checkpoint import check_shards, exclude_pattern, partial_folder, quant_label
 from .hf_folder import _finish_folder, _shards, _skeleton, prune_folder
 
 __all__ = ["prune_folder_blockwise", "CALIBRATED"]
@@ -190,11 +189,8 @@ def prune_folder_blockwise(src: str | os.PathLike, dst: str | os.PathLike, batch
     inputs = _first_block_inputs(body, config, embedding, batches)
     del embedding
 
-    tmp = dst.with_name(f".{dst.name}.{os.getpid()}.partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
     rows, weight_map, nbytes = [], {}, 0
-    try:
+    with partial_folder(dst) as tmp:
         for i in range(len(body.layers)):
             pre = f"model.layers.{i}."
             block = body.layers[i]
@@ -225,8 +221,6 @@ def prune_folder_blockwise(src: str | os.PathLike, dst: str | os.PathLike, batch
             _return_freed_memory()
         nbytes += _copy_rest(src, tmp, where, weight_map)
         _finish_folder(src, tmp, dst, shards, weight_map, config, plan, {"total_size": nbytes})
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return rows
 
 

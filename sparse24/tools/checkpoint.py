@@ -3,9 +3,11 @@ count as weight matrices, the report row of one left dense, and a first read of
 safetensors shards that names a bad file in one line."""
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import re
+import shutil
 import warnings
 import zipfile
 from pathlib import Path
@@ -31,6 +33,26 @@ def exclude_pattern(exclude: str | None) -> "re.Pattern | None":
         return re.compile(exclude, re.IGNORECASE) if exclude else None
     except re.error as e:
         raise ValueError(f"--exclude {exclude!r} is not a regular expression: {e}") from None
+
+
+@contextlib.contextmanager
+def partial_folder(dst: Path):
+    """A new empty folder beside ``dst`` (``.NAME.PID.partial``) to write an output folder into and
+    rename to ``dst`` when complete; removed when the block ends, with every folder above it that was
+    made for it and stays empty (a failure leaves no trace of ``--out a/b/out``)."""
+    tmp = dst.with_name(f".{dst.name}.{os.getpid()}.partial")
+    made = [p for p in tmp.parents if not p.exists()]   # nearest first
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        yield tmp
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        for d in made:
+            try:
+                d.rmdir()
+            except OSError:   # (holds the finished output, or something else now)
+                break
 
 
 def is_model_folder(path: str | os.PathLike) -> bool:

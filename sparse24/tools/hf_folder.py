@@ -24,7 +24,8 @@ from ..hf import FORMAT_VERSION, check_blocks, read_config, read_shard_index, sp
 from ..masks import kept_magnitude_fraction
 from ..nn import Sparse24Linear, is_conv1d_class
 from .._progress import progress_bar
-from .checkpoint import check_shards, dense_row, exclude_pattern, is_model_folder, is_weight_matrix, quant_label
+from .checkpoint import (check_shards, dense_row, exclude_pattern, is_model_folder, is_weight_matrix, partial_folder,
+                         quant_label)
 from .cli_common import CLIError
 
 __all__ = ["is_model_folder", "prune_folder", "WEIGHT_FILES"]
@@ -113,10 +114,7 @@ def prune_folder(src: str | os.PathLike, dst: str | os.PathLike, method: str = "
     prefix = f"{model.base_model_prefix}." if model.base_model_prefix else ""
     rows, done = [], set()
     skipped = {r.fqn + ".weight": r.reason for r in report.skipped}
-    tmp = dst.with_name(f".{dst.name}.{os.getpid()}.partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
+    with partial_folder(dst) as tmp:
         weight_map = {}
         for shard in progress_bar(shards, desc="prune", progress=progress, unit="shard"):
             out = {}
@@ -150,8 +148,6 @@ def prune_folder(src: str | os.PathLike, dst: str | os.PathLike, method: str = "
                              + (" ..." if len(missing) > 5 else "") + f" of {type(model).__name__}")
         _finish_folder(src, tmp, dst, shards, weight_map, config, model,
                        None if index is None else index.get("metadata", {}))
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return rows
 
 

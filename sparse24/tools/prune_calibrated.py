@@ -47,7 +47,8 @@ from ..masks import (calibrate, find_permutation_groups, kept_magnitude_fraction
 from ..masks.reconstruct import LAYERWISE_PERCDAMP
 from ..nn import Sparse24Linear, is_conv1d_class
 from .._progress import progress_enabled
-from .checkpoint import LAYER_ENTRIES, check_shards, dense_row, exclude_pattern, is_model_folder, is_weight_matrix, quant_label
+from .checkpoint import (LAYER_ENTRIES, check_shards, dense_row, exclude_pattern, is_model_folder, is_weight_matrix,
+                         partial_folder, quant_label)
 from .cli_common import CLIError, _one_line, int4_args, prune_quant
 
 __all__ = ["CALIBRATED", "read_samples", "tokenize_samples", "prune_calibrated", "prune_folder_calibrated",
@@ -250,9 +251,7 @@ def prune_folder_calibrated(src: Path, dst: Path, args) -> tuple[list[dict], str
     kept, groups = prune_calibrated(model, calib, args.method, set(planned), args.permute,
                             getattr(config, "num_attention_heads", None), args.quantize, args.prune_head,
                             min_features, args.permute_iters, args.progress, **int4_args(quant))
-    tmp = dst.with_name(f".{dst.name}.{os.getpid()}.partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
+    with partial_folder(dst) as tmp:
         with _transformers_bars(progress_enabled(args.progress)):
             model.save_pretrained(tmp)
         for item in src.iterdir():  # tokenizer, generation config, README, ... (what save_pretrained did not write)
@@ -262,8 +261,6 @@ def prune_folder_calibrated(src: Path, dst: Path, args) -> tuple[list[dict], str
         if dst.exists():
             dst.rmdir()
         os.replace(tmp, dst)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     skipped = {r.fqn + ".weight": r.reason for r in plan.skipped}
     state = model.state_dict()
     prefix = f"{model.base_model_prefix}." if model.base_model_prefix else ""

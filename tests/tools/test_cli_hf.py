@@ -134,6 +134,19 @@ def test_folder_prune_refuses_a_bad_exclude_and_an_empty_plan(capsys, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dense", "ids.pt"]
 
 
+def test_a_late_failure_leaves_no_folder_behind(capsys, tmp_path):
+    # the shards are read one by one: a layer whose weight is in none of them fails after the output's
+    # folders were made; --out a/b/out left a/b behind (the partial folder itself was removed)
+    tiny_llama().save_pretrained(tmp_path / "dense")
+    weights = load_file(tmp_path / "dense" / "model.safetensors")
+    del weights["model.layers.1.mlp.up_proj.weight"]
+    save_file(weights, tmp_path / "dense" / "model.safetensors", metadata={"format": "pt"})
+    capsys.readouterr()
+    rc, _, err = run(capsys, "prune", str(tmp_path / "dense"), "--out", str(tmp_path / "a" / "b" / "out"))
+    assert rc != 0 and "model.layers.1.mlp.up_proj" in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dense"]
+
+
 def _summary(out: str) -> tuple[int, int]:
     line = next(li for li in out.splitlines() if "2-D float weight tensors pruned" in li)
     n, total = re.search(r"(\d+) of the checkpoint's (\d+) 2-D", line).groups()
