@@ -7,11 +7,17 @@ import os
 import sys
 
 
+_WORKER = []
+
+
+def pytest_configure(config):
+    _WORKER.append(hasattr(config, "workerinput"))   # an xdist worker (the controller sees every worker's reports)
+
+
 def pytest_runtest_logreport(report):
     if report.failed:
         sys.stderr.write(f"\n!!! FAILED {report.nodeid} ({report.when})\n{report.longreprtext[-4000:]}\n")
         sys.stderr.flush()
-    elif report.passed and report.when == "call" and os.environ.get("GPU_TESTS_PASSED") \
-            and not os.environ.get("PYTEST_XDIST_WORKER"):   # (the controller sees every worker's reports)
+    elif report.passed and report.when == "call" and os.environ.get("GPU_TESTS_PASSED") and not any(_WORKER):
         with open(os.environ["GPU_TESTS_PASSED"], "a") as f:
             f.write(report.nodeid + "\n")
