@@ -204,9 +204,11 @@ class _Grid:
 
 def _slots(kept: torch.Tensor) -> torch.Tensor:
     """``(R, k)`` bool, at most 2 of every 4 -> ``(R, k / 4, 2)`` the slots the format stores: the
-    kept ones, a group keeping fewer filled with its lowest free slots (a stable sort of ~kept)."""
+    kept ones, a group keeping fewer filled with its lowest free slots (a stable sort of ~kept), in
+    increasing order as the metadata holds them (a group keeping slot 2 alone is (0, 2), not (2, 0):
+    its kept code went to slot 0, a pruned position)."""
     R = kept.shape[0]
-    return torch.sort((~kept).view(R, -1, 4).to(torch.uint8), dim=2, stable=True).indices[:, :, :2]
+    return torch.sort((~kept).view(R, -1, 4).to(torch.uint8), dim=2, stable=True).indices[:, :, :2].sort(dim=2).values
 
 
 def _check_quantize(quantize, group_size, symmetric, n: int, m: int, blocksize: int, refit: bool) -> int:

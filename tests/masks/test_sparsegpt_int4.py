@@ -136,6 +136,8 @@ def test_codes_on_the_grid_and_fixed_mask():
     w = torch.randn(16, 128, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
     mask = mask_nm(w)
     mask[0, :4] = False  # a group keeping none: stored with zero values in its filler slots
+    for r, slot in ((1, 1), (2, 2), (3, 3)):  # one kept: its code went to slot 0 (a pruned position)
+        mask[r, :4] = torch.arange(4) == slot
     w0 = w.clone()
     for symmetric in (True, False):
         p = sparsegpt_prune(w, H, quantize="int4", group_size=32, symmetric=symmetric, mask=mask)
