@@ -36,6 +36,7 @@ _COMPRESSED = ("values", "meta", "scale", "zero", "group_size")
 # fast path); weak keys and weak tensor references: nothing of it is copied or pickled with a module, and
 # it keeps no module or tensor alive
 _FAST: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+launch.on_release(_FAST.clear)   # release_workspaces(): the kept plans hold split-K workspaces
 
 
 def _ref(t):

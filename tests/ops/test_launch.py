@@ -349,3 +349,52 @@ def test_constexprs_that_are_not_the_last_parameters_are_refused():
     assert launch._in_signature_order({"B": 2, "A": 1}, ["x", "A", "B"]) == {"A": 1, "B": 2}
     with pytest.raises(AssertionError, match="last parameters"):
         launch._in_signature_order({"A": 1, "x": 0}, ["x", "A", "B"])
+
+
+@pytest.mark.parametrize("quantize", [None, "int8", "int4"])
+def test_strided_bias_scales_and_zero_points_read_right_on_every_route(quantize, gen):
+    """The kernels read bias, scales and zero points as pointers at unit stride: a sliced bias
+    (``fused_bias.view(-1, 3)[:, 0]``) or INT8 scale gave wrong outputs on every Triton route (errors of
+    3-29 here), where the reference backend, CPU's default, was right. Against the fp64 product with
+    the weight's exact (dequantized) values."""
+    N, K = 64, 128
+    kw = {"int4": dict(quantize="int4", group_size=32, symmetric=False), "int8": dict(quantize="int8")}
+    p = sparse24.compress(torch.randn(N, K, generator=gen), **kw[quantize]) if quantize else \
+        sparse24.compress(torch.randn(N, K, generator=gen).half())
+    dense = p.to_dense().double()
+    # the prefill kernel multiplies INT4 weights as (u - z) * s rounded once to x's dtype (to 64 rows the
+    # sparse tensor-core kernel multiplies them exactly)
+    operand = dense.half().double() if quantize == "int4" else dense
+    bias = torch.randn(2 * N, generator=gen).half()[::2]
+
+    def strided(t):   # the same values as a non-contiguous view
+        return None if t is None else torch.stack((t, t), -1).select(-1, 0)
+
+    d = sparse24.pack_decode(p)
+    # the decode layout (which refuses strided INT4 scales itself) and layout v1 (INT4: re-ordered to the
+    # decode layout on every call)
+    weights = [d if quantize == "int4" else sparse24.DecodePacked(d.values, d.meta, d.shape, d.dtype,
+                                                                  strided(d.scale), check=False),
+               sparse24.Sparse24Tensor(p.values, p.meta, p.shape, p.dtype, strided(p.scale), zero=strided(p.zero),
+                                       group_size=p.group_size)]
+    for M in (3, 20):
+        x = torch.randn(M, K, generator=gen).half()
+        for w in weights:
+            assert_matches_reference(sparse24.linear(x, w, bias, backend="triton"), x, dense, bias)
+            if w.values.dim() != 2 and M > 16:
+                assert_matches_reference(launch.linear_prefill(x, w, bias), x, operand, bias)
+    u = launch.unpack_dense(d.values, d.meta, strided(d.scale), (N, K), torch.float16, zero=strided(d.zero),
+                            group_size=d.group_size or 0)
+    assert torch.equal(u, dense.half())   # the exact values rounded once
+
+
+def test_only_a_split_k_with_a_workspace_runs_in_bucket_sized_chunks(gen):
+    # the general kernel's split-K adds into its output: capping its rows at the bucket sent M > 4096
+    # through Triton's slower launch path in 4096-row chunks, for no workspace at all
+    p = sparse24.compress(torch.randn(64, 128, generator=gen).half())
+    x = torch.randn(5000, 128, generator=gen).half()
+    matmul = launch.plan_for(x, p.values, None, None, 64, 5000, KernelConfig(64, 64, 32, 1, 4, 4, 2))
+    assert matmul.atomic_split and matmul.max_rows > 5000
+    d = sparse24.pack_decode(p)
+    prefill = launch.plan_for(x, d.values, None, None, 64, 5000, KernelConfig(64, 64, 64, 8, 4, 4, 2, kernel="prefill"))
+    assert prefill.split_k == 4 and prefill.max_rows == 4096   # its workspace holds the bucket's rows

@@ -195,8 +195,9 @@ def run(x: torch.Tensor, values: torch.Tensor, meta: torch.Tensor, scale: torch.
     (a layout-v1 INT4 weight is re-ordered to the decode layout first, every call).
     Every line here runs on every call: each costs 0.1-2 us of host time."""
     if group_size and values.dim() == 2:
-        d = pack_decode(Sparse24Tensor(values, meta, (N, x.shape[-1]), torch.float32, scale, zero=zero,
-                                       group_size=group_size, check=False))
+        d = pack_decode(Sparse24Tensor(values, meta, (N, x.shape[-1]), torch.float32, scale.contiguous(),
+                                       zero=None if zero is None else zero.contiguous(), group_size=group_size,
+                                       check=False))
         values, meta, scale, zero = d.values, d.meta, d.scale, d.zero
     K = x.shape[-1]
     flat = x.dim() == 2
@@ -286,12 +287,14 @@ class _Plan:
         # the integer arguments of contiguous tensors: fixed by N and K
         self.contiguous_ints = self.variant.contiguous_ints(N, K, has_scale)
         self.max_rows = self.variant.max_rows(N, config)
-        if self.split_k > 1:   # the split-K workspace holds the bucket's rows (M past the last bucket: chunks)
+        self.atomic_split = _atomic_split(config, self.split_k)
+        if self.split_k > 1 and not self.atomic_split:
+            # the split-K workspace holds the bucket's rows (M past the last bucket: chunks); the general
+            # kernel's split-K adds into the output and needs none
             self.max_rows = min(self.max_rows, bucket)
         # the variant's extra tensors (decode: split-K workspace and counters, kept for the process)
         self.extra = self.variant.extra(device, N, config, self.split_k, bucket)
         self.extra_ptrs = tuple(t.data_ptr() for t in self.extra)   # (the plan keeps the tensors alive)
-        self.atomic_split = _atomic_split(config, self.split_k)
         self.compiled = None
         # per call, only what varies: the grid per M (a few buckets' rows), whether the kernel takes
         # INT4 zero points, whether x needs preparing (host time is what a decode-sized call costs)
@@ -336,6 +339,9 @@ class _Plan:
                 return target if not self.atomic_split else target.to(x2.dtype)
             args = (x2, values, meta, s, *z, b, target, *self.extra, M, *self.contiguous_ints)
         else:
+            # the kernels read bias, scales and zero points at unit stride (a sliced bias gave wrong outputs)
+            s, b = s.contiguous(), b.contiguous()
+            z = tuple(t.contiguous() for t in z)
             args = self.variant.args(x2, values, meta, s, b, target, M, self.extra, z)
             aligned = False
         if not aligned:  # off the fast path only: 16-byte aligned pointers are word-aligned
@@ -540,13 +546,24 @@ def release_workspaces() -> None:
     _RETIRED.clear()
     _WORKSPACES.clear()
     _PLANS.clear()
+    for forget in _ON_RELEASE:   # (the modules' kept plans hold their workspaces too)
+        forget()
     _next_epoch()
+
+
+_ON_RELEASE: list = []
+
+
+def on_release(forget) -> None:
+    """Have :func:`release_workspaces` also call ``forget()`` (for plans kept above this module)."""
+    _ON_RELEASE.append(forget)
 
 
 def _launch_unpack(values, meta, scale, out, zero=None, group_size=0) -> None:
     """One launch of ``kernels/sparse24_unpack.py`` writing ``out`` (R, C)."""
     from sparse24.kernels.sparse24_unpack import sparse24_unpack, sparse24_unpack_interpreted
     kernel = sparse24_unpack if values.is_cuda else sparse24_unpack_interpreted
+    scale, zero = (None if t is None else t.contiguous() for t in (scale, zero))   # read at unit stride
     R, C = out.shape
     block_a = 4   # atoms of 64 columns per program: 4 x 16 rows x 64 columns
     grid = (meta.shape[0], _cdiv(_cdiv(C, 64), block_a))
