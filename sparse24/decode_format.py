@@ -143,6 +143,8 @@ class DecodePacked:
         if values.dtype not in vdt or tuple(values.shape) != want:
             raise ValueError(f"values must be {' or '.join(map(str, vdt))} of shape {want} for logical shape "
                              f"{(R, C)}, got {values.dtype} {tuple(values.shape)}")
+        if scale is None and dtype != values.dtype:   # (to_dense / to_sparse24 refused it later)
+            raise ValueError(f"dtype {dtype} does not match the 16-bit values' {values.dtype}")
         mshape = (NT, 32, KM * (1 if scale is None else 2))   # INT8 / INT4: keep masks + mma.sp words
         if meta.dtype != torch.int32 or tuple(meta.shape) != mshape:
             raise ValueError(f"meta must be int32 of shape {mshape}, got {meta.dtype} {tuple(meta.shape)}")
@@ -427,4 +429,7 @@ def _pack_int4(p: Sparse24Tensor, meta: torch.Tensor, NT: int, KA: int, Rp: int,
     nib = codes.view(NT, 2, 8, KA, 2, 2, 4, 2).permute(3, 0, 2, 6, 4, 7, 5, 1)       # (a, t, i, j, h, v, qq, b)
     nib = nib.reshape(KA, NT, 32, 2, 8)                                              # nibble n = 4v + 2qq + b
     values = (nib[..., 0::2] | nib[..., 1::2] << 4).reshape(KA, NT, 32, 8).contiguous()
-    return DecodePacked(values, meta, (R, C), p.dtype, p.scale, zero=p.zero, group_size=p.group_size, check=False)
+    # the same scale and zero-point tensors as layout v1's (made contiguous only where they are not)
+    zero = None if p.zero is None else p.zero.contiguous()
+    return DecodePacked(values, meta, (R, C), p.dtype, p.scale.contiguous(), zero=zero, group_size=p.group_size,
+                        check=False)

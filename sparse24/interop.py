@@ -158,7 +158,8 @@ def to_cutlass_layout(p: Sparse24Tensor, dtype: torch.dtype | None = None) -> tu
                          f"(for {dtype}), got shape {(R, C)}; pad the weight first")
     words = p.meta.t().to(torch.int64)                       # (R, C/32): 8 nibbles each
     halves = torch.stack([words & 0xFFFF, (words >> 16) & 0xFFFF], dim=-1).reshape(R, C // 16)
-    vals = p.dequantized_values(dtype).clone()               # a copy: p.values must stay as they are
+    # in the logical dtype first, as p.to_dense().to(dtype) rounds (a copy, contiguous: p.values stay as they are)
+    vals = p.dequantized_values().to(dtype).clone(memory_format=torch.contiguous_format)
     _refill_short_groups_(vals.view(-1, 2), halves, 4, _TO_TORCH)
     halves = halves - ((halves >> 15) << 16)                 # as signed 16-bit values
     meta = torch.empty(R * (C // 16), dtype=torch.int16, device=p.device)
@@ -269,7 +270,7 @@ def _cusparselt_sm90_buffer(p: Sparse24Tensor, dtype: torch.dtype | None = None)
     nib = ((p.meta.t().to(torch.int64).unsqueeze(-1) >> torch.arange(0, 32, 4, device=p.device)) & 15)
     fields = torch.empty(R * C // 4, dtype=torch.uint8, device=p.device)
     fields.scatter_(0, _sm90_meta_fields(R, C, p.device).reshape(-1), nib.reshape(-1).to(torch.uint8))
-    return torch.cat([p.dequantized_values(dtype).reshape(-1), _pack_nibbles(fields.view(1, -1)).view(-1).view(dtype)])
+    return torch.cat([p.dequantized_values().to(dtype).reshape(-1), _pack_nibbles(fields.view(1, -1)).view(-1).view(dtype)])
 
 
 def _from_cusparselt_sm90_buffer(buf: torch.Tensor, shape: tuple[int, int]) -> Sparse24Tensor:

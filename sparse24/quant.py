@@ -37,11 +37,14 @@ def sqnr_db(reference, approx) -> float:
     ref, app = (_dense64(t, name) for t, name in ((reference, "reference"), (approx, "approx")))
     if ref.shape != app.shape:
         raise ValueError(f"sqnr_db needs equal shapes, got reference {tuple(ref.shape)} and approx {tuple(app.shape)}")
+    for t, name in ((ref, "reference"), (app, "approx")):
+        if not bool(torch.isfinite(t).all()):
+            raise ValueError(f"sqnr_db: {name} has NaN or infinite values (an overflow?)")
     noise = float(((ref - app.to(ref.device)) ** 2).sum())
     signal = float((ref ** 2).sum())
     if noise == 0:
         return math.inf
-    if signal == 0:
+    if signal == 0 or signal / noise == 0:   # (the ratio can underflow: 1e-320 / 1e20)
         return -math.inf
     return 10 * math.log10(signal / noise)
 

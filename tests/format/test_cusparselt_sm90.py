@@ -43,6 +43,10 @@ def test_int8_weights_export_dequantized(gen):
     p8 = sparse24.compress(torch.randn(64, 128, generator=gen), quantize="int8")
     q = _from_cusparselt_sm90_buffer(_cusparselt_sm90_buffer(p8, dtype=torch.bfloat16), (64, 128))
     assert torch.equal(q.to_dense(), p8.to_dense().bfloat16())
+    # a bfloat16 weight's INT8 values exported as float16: rounded to bfloat16 first, as to_dense() gives them
+    b8 = sparse24.compress(torch.randn(64, 128, generator=gen).bfloat16(), quantize="int8")
+    q = _from_cusparselt_sm90_buffer(_cusparselt_sm90_buffer(b8, dtype=torch.float16), (64, 128))
+    assert torch.equal(q.to_dense(), b8.to_dense().half())
 
 
 def test_the_buffer_is_a_copy(gen):

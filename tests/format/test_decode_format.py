@@ -179,3 +179,17 @@ def test_to_dense_rows_decodes_only_those_blocks(quantize):
         assert torch.equal(d.to_dense(rows=sl), full[sl]), sl
     with pytest.raises(TypeError, match="step 1"):
         d.to_dense(rows=slice(0, 10, 2))
+
+
+def test_a_dtype_other_than_the_values_is_refused_and_strided_int4_scales_pack(gen):
+    # DecodePacked took a 16-bit layout under another dtype and failed later in to_dense; pack_decode
+    # refused a valid INT4 weight whose scales are a strided view
+    d = pack_decode(sparse24.compress(torch.randn(8, 64, generator=gen).half()))
+    with pytest.raises(ValueError, match="dtype torch.bfloat16 does not match the 16-bit values' torch.float16"):
+        sparse24.DecodePacked(d.values, d.meta, d.shape, torch.bfloat16)
+    p = sparse24.compress(torch.randn(8, 64, generator=gen), quantize="int4", group_size=32, symmetric=False)
+    q = sparse24.Sparse24Tensor(p.values, p.meta, p.shape, p.dtype, torch.stack((p.scale, p.scale), -1)[..., 0],
+                                zero=torch.stack((p.zero, p.zero), -1)[..., 0], group_size=32)
+    assert not q.scale.is_contiguous()
+    assert torch.equal(pack_decode(q).to_sparse24().to_dense(), p.to_dense())
+    assert pack_decode(p).scale is p.scale   # contiguous ones stay the very tensors

@@ -59,6 +59,13 @@ def test_sqnr(gen):
     assert sqnr_db(x, x + 0.1 * x) == pytest.approx(20.0)   # noise power 1% of the signal
     with pytest.raises(ValueError, match="equal shapes"):
         sqnr_db(x, x[:10])
+    for bad in (float("inf"), float("nan")):   # ("math domain error" on inf; nan without a word)
+        y = x.clone()
+        y[3] = bad
+        with pytest.raises(ValueError, match="approx has NaN or infinite values"):
+            sqnr_db(x, y)
+    tiny = torch.full((4,), 1e-160, dtype=torch.float64)   # signal / noise underflows to 0
+    assert sqnr_db(tiny, torch.full((4,), 1e10, dtype=torch.float64)) == -math.inf
     with pytest.raises(TypeError, match="approx must be a tensor or Sparse24Tensor, got list"):
         sqnr_db(x, [1.0])
 
