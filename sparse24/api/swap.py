@@ -423,8 +423,8 @@ def count_parameters(model: nn.Module) -> dict[str, int]:
 
     ``model.parameters()`` (and transformers' ``num_parameters()``) count Parameters
     only: a masked layer's dense weight counts fully (pruned zeros included), a
-    compressed one's ``values`` are buffers and do not count, so that number
-    halves-and-more after :func:`compress_` without the model changing.
+    compressed one only its kept ``values`` (half), so that number drops to
+    ``nonzero`` after :func:`compress_` without the model changing.
 
     Returns:
         ``{"parameters": numel of model.parameters(), "dense": the count as if every 2:4

@@ -18,8 +18,8 @@ Providers (each on the same masked 2:4 weight, one shape and M at a time):
 * ``sparse24-int4-reference`` / ``sparse24-int4-auto`` / ``sparse24-int4-triton``: INT4
   values + fp16 scales per 128 input columns, symmetric
   (``sparse24.compress(w, quantize="int4")``), activations in ``--dtype``; ``auto`` is
-  the backend a layer gets (CUDA only, as ``sparse24-auto``), ``triton`` is skipped with the
-  reason while the Triton backend refuses INT4 weights.
+  the backend a layer gets (CUDA only, as ``sparse24-auto``), ``triton`` the Triton backend's
+  INT4 kernels.
 
 Timing: medians over ``repeats`` samples after warm-up, providers interleaved
 round-robin so that a load change on a shared machine hits all of them alike.

@@ -309,7 +309,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     n = sub.add_parser("inspect", help="per layer of a pruned checkpoint: mode, exact 2:4 check, kept |w|, bytes",
                        description="Check a pruned checkpoint (state dict file or Hugging Face folder) layer by layer: "
-                                   "mode (compressed, INT8, masked, dense), whether the 2:4 pattern is exact (as "
+                                   "mode (compressed, INT8, INT4 gN [asym], masked, dense), whether the 2:4 pattern is exact (as "
                                    "loading checks it), bytes, dtype, and the totals. Exit 0 when every layer passes, "
                                    "1 when one fails, 2 when the file cannot be read.")
     n.add_argument("path", help="a .pt/.safetensors state dict or a Hugging Face model folder")

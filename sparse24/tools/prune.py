@@ -333,6 +333,9 @@ def _prune_blockwise(args, src: Path, out: Path, settings: str) -> int:
     if args.calibration is not None or args.permute or args.noise is not None or args.noise_p is not None:
         raise CLIError("--calibration-ids prunes block by block on token ids: give it without --calibration, "
                        "--permute and --noise (those are the in-memory calibrated path)")
+    if args.prune_head:   # (it was ignored: only the decoder blocks' layers are pruned on this path)
+        raise CLIError("--calibration-ids prunes the decoder blocks' layers only: the output head stays dense; "
+                       "give it without --prune-head")
     if not is_model_folder(src):
         raise CLIError(f"{src}: calibrated pruning takes a Hugging Face model folder (config.json + safetensors)")
     if args.batch_size < 1:

@@ -22,7 +22,7 @@ library runs exactly what a user would write in Python (:func:`prune_calibrated`
   leaning on what a few hundred samples of one kind of text happened to show
   (docs/recipes.md, "How much calibration data is enough");
 * ``--permute`` first: channel permutations found by ``find_permutation_groups``
-  (proved exact on the first sample) and searched on the method's importance
+  (proved exact on the longest sample) and searched on the method's importance
   (``permute_model_``).
 
 The layers are those ``sparsify_`` picks (output head dense unless
@@ -170,7 +170,7 @@ def add_calibration_arguments(p) -> None:
     p.add_argument("--noise-p", type=float, metavar="P",
                    help=f"probability that a token of a noisy copy is replaced (default {NOISE_P})")
     p.add_argument("--permute", action="store_true", help="search channel permutations first (proved exact on the "
-                   "first sample; calibrated methods only)")
+                   "longest sample; calibrated methods only)")
     p.add_argument("--permute-iters", type=int, default=PERMUTE_ITERS,
                    help=f"search steps per permutation group (default {PERMUTE_ITERS})")
 

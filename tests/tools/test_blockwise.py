@@ -84,6 +84,9 @@ def test_cli_prunes_block_by_block(capsys, tmp_path, folder):
                      "--calibration-ids", str(tmp_path / "bad.pt"))
     assert rc == 2 and "expected an (N, L) int64 tensor of token ids" in err
     assert not (tmp_path / "o").exists()
+    rc, _, err = run(capsys, "prune", str(folder), "--out", str(tmp_path / "o"), "--method", "wanda",
+                     "--calibration-ids", str(tmp_path / "ids.pt"), "--prune-head")   # (it was ignored)
+    assert rc == 2 and "the output head stays dense; give it without --prune-head" in err
     for empty in ((0, 11), (6, 0)):  # ids.min() of no ids raised a traceback
         torch.save(torch.zeros(empty, dtype=torch.long), tmp_path / "empty.pt")
         rc, _, err = run(capsys, "prune", str(folder), "--out", str(tmp_path / "o"), "--method", "sparsegpt",
