@@ -176,8 +176,8 @@ class GradualPruner:
         """Flat prune-order scores: pruned weights -1 (stay pruned), weights
         an N:M mask must keep +inf (never chosen), else |w|."""
         w = lin.weight.detach()
-        if torch.isnan(w).any():
-            raise ValueError(f"GradualPruner: weight of layer {fqn!r} contains NaN")
+        if not bool(torch.isfinite(w).all()):   # (an infinite weight could never be pruned: the target missed)
+            raise ValueError(f"GradualPruner: weight of layer {fqn!r} contains NaN or inf")
         score = w.abs().float().masked_fill(~self.masks[fqn], -1.0)
         if self.nm is not None:
             n, m = self.nm
@@ -267,7 +267,9 @@ class SRSTE:
     backward is straight-through (the gradient of the masked weight goes to
     every dense weight) plus the sparse-refined term ``decay * (~M) * W``,
     which pulls the currently pruned weights toward zero and so damps mask
-    flip-flopping. The dense weight stays the parameter the optimizer sees
+    flip-flopping. The term comes with every use of the weight in a backward pass:
+    a layer called twice in one forward, or gradients accumulated over k
+    micro-batches, gets ``k * decay`` (scale ``decay`` by 1 / k to keep the paper's). The dense weight stays the parameter the optimizer sees
     (``layer.parametrizations.weight.original``, the same Parameter object,
     so an optimizer built before ``SRSTE`` keeps working); state-dict keys
     change accordingly until :meth:`finalize`.

@@ -328,7 +328,10 @@ def _train_masks(batches, steps, objective, learners, schedule, tau, hard_fracti
     hard_from = steps - round(hard_fraction * steps)
     t0 = time.perf_counter()
     bar = progress_bar(_batch_stream(batches, steps), total=steps, desc="learn_masks", progress=progress, unit="step")
+    seen = []   # the first check_batches batches drawn: an iterator cannot give them again for the check
     for step, batch in enumerate(bar):
+        if len(seen) < check_batches:
+            seen.append(batch)
         frac = step / max(1, steps - 1)
         schedule.tau = tau[0] * (tau[1] / tau[0]) ** frac  # geometric: equal time per decade
         schedule.noise = (noise[0] * (noise[1] / noise[0]) ** frac if min(noise) > 0
@@ -344,13 +347,18 @@ def _train_masks(batches, steps, objective, learners, schedule, tau, hard_fracti
     bar.close()
     rep.seconds = time.perf_counter() - t0
     if check_batches:
-        rep.learned_loss, rep.prior_loss = (_mean_loss(objective, batches, check_batches, schedule, use)
+        # the same batches for both masks (an iterator's next ones differed between the two, or ran out)
+        check = list(_batch_stream(batches, check_batches)) if iter(batches) is not batches else seen
+        rep.learned_loss, rep.prior_loss = (_mean_loss(objective, check, schedule, use)
                                             for use in ("learned", "prior"))
+        if not (math.isfinite(rep.learned_loss) and math.isfinite(rep.prior_loss)):
+            raise FloatingPointError(f"the prior guard's loss is not finite (learned {rep.learned_loss}, prior "
+                                     f"{rep.prior_loss})")
         rep.kept = "learned" if rep.learned_loss <= rep.prior_loss else "prior"
 
 
 @torch.no_grad()
-def _mean_loss(objective, batches, k, schedule, use) -> float:
+def _mean_loss(objective, check: list, schedule, use) -> float:
     schedule.use = use
-    losses = [float(objective(b)) for b in _batch_stream(batches, k)]
+    losses = [float(objective(b)) for b in check]
     return sum(losses) / len(losses)

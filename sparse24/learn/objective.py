@@ -169,6 +169,8 @@ def _optimizer_step(loss: torch.Tensor, model: nn.Module, params: list, clip: fl
     value. Every gradient of ``model`` is cleared, before (gradients left on it before the call must not
     enter step 0) and after: a parameter that requires grad but is not trained (outside ``parameters=``,
     or every weight of ``learn_masks(train_weights=False)``) would hold the sum of every step's."""
+    if not bool(torch.isfinite(loss.detach()).all()):   # (Adam would spread it to every weight it trains)
+        raise FloatingPointError(f"the loss is {float(loss.detach())}: training diverged or a batch is bad")
     model.zero_grad(set_to_none=True)
     opt.zero_grad(set_to_none=True)
     loss.backward()

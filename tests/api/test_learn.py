@@ -260,3 +260,34 @@ def test_output_head_stays_dense_unless_asked():
     model = lm()
     learn_masks(model, data, steps=2, skip_output_head=False)
     assert isinstance(model[3], Sparse24Linear) and is_nm(model[3].dense_weight())
+
+
+def test_a_non_finite_loss_fails_the_call_and_puts_the_model_back():
+    # NaN from step 2 on trained every weight to NaN and reported the prior as kept (nan <= nan is False)
+    dense, data = teacher_and_data(3)
+    for call in ("learn", "distill"):
+        model = copy.deepcopy(dense)
+        if call == "distill":
+            sparsify_(model)
+        before = copy.deepcopy(model.state_dict())
+        calls = [0]
+
+        def loss_fn(out, batch):
+            calls[0] += 1
+            return out.pow(2).mean() * (float("nan") if calls[0] >= 3 else 1.0)
+        with pytest.raises(FloatingPointError, match="the loss is nan"):
+            if call == "learn":
+                learn_masks(model, data, steps=6, loss_fn=loss_fn, train_weights=True)
+            else:
+                distill_(model, data, steps=6, loss_fn=loss_fn)
+        assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+
+
+def test_the_prior_guard_scores_both_masks_on_the_same_batches_of_an_iterator():
+    # with an iterator the check drew fresh batches for each mask (and failed when exactly `steps`
+    # were given): identical masks were judged apart by batch noise
+    dense, data = teacher_and_data(4, batches=3)
+    model = copy.deepcopy(dense)
+    rep = learn_masks(model, iter(data), steps=3, teacher=dense, lr=1e-9, check_batches=2)
+    assert rep.learned_loss == rep.prior_loss and rep.kept == "learned"   # the same masks, the same batches
+    assert all(v == 0 for v in rep.layers.values())

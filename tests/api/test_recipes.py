@@ -339,3 +339,14 @@ def test_an_optimizer_checkpoint_resumes_after_pruning():
     train(model, opt)
     train(resumed, opt2)
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), resumed.state_dict().values()))
+
+
+def test_non_finite_weights_are_refused_not_left_unpruned():
+    # an infinite weight could never be pruned (its score is never among the smallest): the layer ended
+    # above its 2:4 target without a word, where NaN was already refused
+    for bad in (float("inf"), float("nan")):
+        model = mlp(5)
+        with torch.no_grad():
+            model[0].weight[0, :4] = bad
+        with pytest.raises(ValueError, match="contains NaN or inf"):
+            GradualPruner(model, (2, 4), start_step=0, end_step=2, frequency=1).step(2)
