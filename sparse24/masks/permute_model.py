@@ -94,20 +94,30 @@ def _apply(model: nn.Module, group: PermutationGroup, perm: torch.Tensor) -> Non
     """Permute every tensor of ``group`` in place (same Parameter objects)."""
     mods = dict(model.named_modules())
     H = perm.numel()
+    done = set()   # each tensor (and slice) once, whatever names it was listed under (tied ones included)
+
+    def once(key) -> bool:
+        new = key not in done
+        done.add(key)
+        return new
     for c in group.consumers:
         w = mods[c].weight
-        w.copy_(w[:, perm.to(w.device)])
+        if once((id(w), "columns")):
+            w.copy_(w[:, perm.to(w.device)])
     for p in group.producers:
         fqn, first = (p, 0) if isinstance(p, str) else p
         lin = mods[fqn]
+        if not once((id(lin.weight), "rows", first)):
+            continue
         rows = first + perm.to(lin.weight.device)
         lin.weight[first:first + H] = lin.weight[rows].clone()
         if lin.bias is not None:
             lin.bias[first:first + H] = lin.bias[rows].clone()
     params = dict(model.named_parameters(remove_duplicate=False))
-    for name, dim in dict.fromkeys(group.params):  # a parameter listed twice is permuted once
+    for name, dim in group.params:
         t = params[name]
-        t.copy_(t.index_select(dim, perm.to(t.device)))
+        if once((id(t), dim)):
+            t.copy_(t.index_select(dim, perm.to(t.device)))
 
 
 def _random_perm(H: int, block: int | None, gen: torch.Generator) -> torch.Tensor:
@@ -126,8 +136,9 @@ def _outputs_equal(a, b, tol: float | None = None) -> bool:
         if not a.is_floating_point():
             return torch.equal(a, b)
         t = tol if tol is not None else (1e-9 if a.dtype == torch.float64 else max(1e-4, 8 * torch.finfo(a.dtype).eps))
-        scale = float(a.detach().abs().max()) if a.numel() else 0.0
-        return torch.allclose(a.double(), b.double(), rtol=t, atol=t * max(scale, 1e-30))
+        finite = a.detach().abs()[torch.isfinite(a.detach())]
+        scale = float(finite.max()) if finite.numel() else 0.0
+        return torch.allclose(a.double(), b.double(), rtol=t, atol=t * max(scale, 1e-30), equal_nan=True)
     if isinstance(a, dict):
         return isinstance(b, dict) and a.keys() == b.keys() and all(_outputs_equal(a[k], b[k], tol) for k in a)
     if isinstance(a, (tuple, list)):
@@ -142,6 +153,17 @@ def _run(model, example):
     if isinstance(example, (tuple, list)):
         return model(*example)
     return model(example)
+
+
+def _run_eval(model, example):
+    """The outputs in eval mode (dropout off: the groups are proved on an eval copy), the modes restored."""
+    modes = [(mod, mod.training) for mod in model.modules()]
+    model.eval()
+    try:
+        return _run(model, example)
+    finally:
+        for mod, training in modes:
+            mod.training = training
 
 
 def _double(example):
@@ -295,6 +317,8 @@ def _permute_stats(stats: LayerStats, perm: torch.Tensor) -> None:
     stats.sq_sum = stats.sq_sum[p]
     if stats.xtx is not None:
         stats.xtx = stats.xtx[p][:, p]
+    if stats.xtx_teacher is not None:   # x^T x_t: the model's inputs permuted, the teacher's as they were
+        stats.xtx_teacher = stats.xtx_teacher[p]
 
 
 def permute_model_(model: nn.Module, groups: list, score: str = "magnitude", calibration: dict | None = None,
@@ -346,10 +370,11 @@ def permute_model_(model: nn.Module, groups: list, score: str = "magnitude", cal
                 raise ValueError(f"group {g.name!r}: no calibration statistics{' with a Hessian' if not missing else ''}"
                                  f" for {missing or g.consumers} (calibrate(..., hessian=True) for sparsegpt)")
     with torch.no_grad():
-        before = _run(model, example) if example is not None else None
-    # to undo everything if the outputs change: one copy of the model's state while searching
+        before = _run_eval(model, example) if example is not None else None
+    # to undo everything if the outputs change: one copy of the model's state while searching, and the
+    # statistics objects' own tensors (the caller may hold those objects)
     state = {k: v.clone() for k, v in model.state_dict().items()} if example is not None else None
-    stats_before = {k: copy.copy(v) for k, v in (calibration or {}).items()}
+    stats_before = {k: (v, v.sq_sum, v.xtx, v.xtx_teacher) for k, v in (calibration or {}).items()}
     gains = {}
     with torch.no_grad():
         for g, H in zip(groups, sizes):
@@ -361,8 +386,8 @@ def permute_model_(model: nn.Module, groups: list, score: str = "magnitude", cal
                 # One window per block, never re-drawn: all blocks searched side by side, none mixed.
                 perm = search_permutation(S.float(), n, m, time_limit=time_limit, max_iters=max_iters, seed=seed,
                                           progress=progress, window=g.block, round_iters=(max_iters or 1 << 62) + 1)
-            else:  # blocks of one group (or not made of whole groups): no permutation changes the masks
-                perm = torch.arange(H)
+            else:  # blocks of one group (no permutation changes the masks), or not made of whole groups
+                perm = torch.arange(H)   # (the windowed search takes whole groups; such blocks are not searched)
             perm = perm.cpu()
             kept = lambda A: float(A.reshape(A.shape[0], -1, m).topk(n, dim=-1).values.sum())  # noqa: E731
             base = kept(S)
@@ -372,12 +397,14 @@ def permute_model_(model: nn.Module, groups: list, score: str = "magnitude", cal
                 if calibration is not None and c in calibration:
                     _permute_stats(calibration[c], perm)
         if example is not None:
-            after = _run(model, example)
+            after = _run_eval(model, example)
             if not _outputs_equal(before, after):
                 model.load_state_dict(state)
                 if calibration is not None:
                     calibration.clear()
-                    calibration.update(stats_before)
+                    for k, (obj, sq_sum, xtx, xtx_teacher) in stats_before.items():
+                        obj.sq_sum, obj.xtx, obj.xtx_teacher = sq_sum, xtx, xtx_teacher
+                        calibration[k] = obj
                 raise ValueError("the permuted model's outputs differ from the original's: a group is not "
                                  "exact (check it with check_group); nothing was changed")
     return gains

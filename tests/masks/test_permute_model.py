@@ -206,3 +206,55 @@ def test_exact_groups_pass_the_output_check_in_16_bit():
                 after = model(**example).logits.double()
             tol = 8 * torch.finfo(dtype).eps * float(before.abs().max())
             assert float((after - before).abs().max()) <= tol
+
+
+def test_nan_importance_is_refused():
+    # one NaN made every swap's score NaN: the search ran out its time limit and returned the identity
+    from sparse24.masks import search_permutation
+    w = torch.randn(4, 16)
+    w[0, 3] = float("nan")
+    with pytest.raises(ValueError, match="contains NaN or inf"):
+        search_permutation(w, max_iters=50)
+
+
+def test_a_tied_parameter_listed_under_both_names_is_permuted_once():
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(8, 16).double(), nn.Linear(16, 8).double()
+            self.s = nn.Parameter(torch.rand(16, dtype=torch.float64) + 0.5)
+            self.s2 = self.s   # the same Parameter under a second name
+
+        def forward(self, x):
+            return self.b(torch.relu(self.a(x)) * self.s)
+
+    torch.manual_seed(6)
+    model, x = Tied(), torch.randn(5, 8, dtype=torch.float64)
+    ref = model(x)
+    both = PermutationGroup(["b"], ["a"], [("s", 0), ("s2", 0)], name="g")
+    assert check_group(model, both, x)   # was False: s was permuted twice
+    permute_model_(model, [both], max_iters=30)
+    torch.testing.assert_close(model(x), ref, rtol=1e-12, atol=1e-12)
+
+
+def test_train_mode_models_and_the_caller_s_statistics():
+    # the output check ran a train-mode model with dropout on (refused as "not exact"); a refused call
+    # left the caller's own LayerStats objects permuted; xtx_teacher was not permuted
+    torch.manual_seed(7)
+    mlp = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Dropout(0.1), nn.Linear(64, 16)).double().train()
+    x = torch.randn(6, 16, dtype=torch.float64)
+    groups = find_permutation_groups(mlp, x)
+    teacher = copy.deepcopy(mlp)
+    stats = calibrate(mlp, [x], hessian=True, teacher=teacher)
+    held = stats["3"]
+    permute_model_(mlp, groups, score="sparsegpt", calibration=stats, example=x, max_iters=30)
+    assert mlp.training and mlp[2].training   # modes restored
+    fresh = calibrate(mlp, [x], hessian=True, teacher=teacher)
+    torch.testing.assert_close(stats["3"].xtx_teacher, fresh["3"].xtx_teacher, rtol=1e-12, atol=1e-12)
+    # a refused call puts back the very objects the caller holds, with their tensors
+    stats = calibrate(mlp, [x], hessian=True)
+    held, sq = stats["3"], stats["3"].sq_sum.clone()
+    bad = PermutationGroup(["3"], [], name="no producer")   # the consumer's columns alone: not exact
+    with pytest.raises(ValueError, match="differ"):
+        permute_model_(mlp, [bad], score="wanda", calibration=stats, example=x, max_iters=30)
+    assert stats["3"] is held and torch.equal(held.sq_sum, sq)
