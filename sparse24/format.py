@@ -460,10 +460,11 @@ class Sparse24Tensor:
                 raise ValueError(f"corrupt metadata at row {r}: padding bits past column {C} are not zero")
         if self.scale is not None and not bool(torch.isfinite(self.scale).all()):
             raise ValueError("corrupt scales: non-finite values")
-        if self.values.dtype == torch.int8 and bool((self.values == -128).any()):
+        low = self.values == -128 if self.values.dtype == torch.int8 else None
+        if low is not None and bool(low.any()):
             # symmetric INT8 (quantize_values writes -127..127); the decode layout's sign-magnitude bytes
             # cannot hold -128, so a layer loading it would fail later, on its first move to CUDA
-            r, c = (int(i) for i in (self.values == -128).nonzero()[0])
+            r, c = (int(i) for i in low.nonzero()[0])
             raise ValueError(f"corrupt INT8 values at row {r}, kept value {c}: -128 is outside the format's "
                              "range -127..127")
         if self.zero is not None and bool((self.zero > 15).any()):

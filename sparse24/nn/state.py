@@ -263,7 +263,6 @@ class StateDictMixin:
         if self._mode == "compressed":
             _make_contiguous(self)
 
-
     def _has_dense_entry_only(self, sd: dict, prefix: str) -> bool:
         return prefix + "weight" in sd and not any(prefix + k in sd for k in _ALL_KEYS[1:])
 

@@ -228,10 +228,6 @@ def _save_state_dict(sd: dict, path: Path) -> None:
     save_file(flat, path, metadata={"format": "pt"})
 
 
-def _layout_name(t: torch.Tensor) -> str:
-    return str(t.layout).removeprefix("torch.")
-
-
 def _print_prune_table(title: str, report: list[dict], out: Path, size_in: int) -> None:
     w = max(len(r["name"]) for r in report)
     print(title)
@@ -267,10 +263,10 @@ def cmd_prune(args) -> int:
     if out.suffix == ".safetensors" and importlib.util.find_spec("safetensors") is None:
         raise CLIError("writing .safetensors needs the safetensors package: pip install 'sparse24[hf]'", 1)
     sd, wrapper = _load_state_dict(args.checkpoint)
-    odd = next((k for k, v in sd.items() if v.layout != torch.strided), None)
-    if out.suffix == ".safetensors" and odd is not None:
-        raise CLIError(f"--out {out}: safetensors stores dense tensors only, and {odd!r} is a {_layout_name(sd[odd])} "
-                       "tensor; write a .pt file")
+    odd = next((k for k, v in sd.items() if v.layout != torch.strided), None) if out.suffix == ".safetensors" else None
+    if odd is not None:
+        raise CLIError(f"--out {out}: safetensors stores dense tensors only, and {odd!r} is a "
+                       f"{str(sd[odd].layout).removeprefix('torch.')} tensor; write a .pt file")
     new, report = prune_state_dict(sd, args.method, args.quantize, args.min_features, args.exclude, args.prune_head,
                                    args.progress, **int4_args(quant))
     if not any(r["action"] != "kept dense" for r in report):

@@ -195,9 +195,8 @@ def run(x: torch.Tensor, values: torch.Tensor, meta: torch.Tensor, scale: torch.
     (a layout-v1 INT4 weight is re-ordered to the decode layout first, every call).
     Every line here runs on every call: each costs 0.1-2 us of host time."""
     if group_size and values.dim() == 2:
-        d = pack_decode(Sparse24Tensor(values, meta, (N, x.shape[-1]), torch.float32, scale.contiguous(),
-                                       zero=None if zero is None else zero.contiguous(), group_size=group_size,
-                                       check=False))
+        d = pack_decode(Sparse24Tensor(values, meta, (N, x.shape[-1]), torch.float32, scale, zero=zero,
+                                       group_size=group_size, check=False))
         values, meta, scale, zero = d.values, d.meta, d.scale, d.zero
     K = x.shape[-1]
     flat = x.dim() == 2
