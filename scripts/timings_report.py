@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import math
 import statistics
 import sys
 from collections import defaultdict
@@ -30,12 +31,34 @@ def read_rows(paths) -> dict:
             if missing:
                 raise ValueError(f"{path}: not an autotune --timings file (columns {sorted(missing)} missing)")
             for r in reader:
-                cfg = KernelConfig.from_json(json.loads(r["config"]))
-                us = float(r["kernel_us"]) if r["kernel_us"] else None
-                dense = float(r["dense_us"]) if r["dense_us"] else None
+                where = f"{path} line {reader.line_num}"
+                try:
+                    raw = json.loads(r["config"])
+                except ValueError as e:
+                    raise ValueError(f"{where}: config {r['config']!r} is not JSON ({e})") from None
+                try:
+                    cfg = KernelConfig.from_json(raw)
+                except (ValueError, KeyError, TypeError) as e:
+                    raise ValueError(f"{where}: config {r['config']!r}: {e}") from None
+                us, dense = _micros(r, "kernel_us", where), _micros(r, "dense_us", where)
                 keys[(r["gpu"], int(r["m"]), int(r["n"]), int(r["k"]), r["dtype"])].append(
                     (cfg, r["kernel"], us, dense, r["status"]))
     return keys
+
+
+def _micros(row: dict, column: str, where: str) -> float | None:
+    """A timing cell: None when empty (the candidate did not run)."""
+    text = row[column]
+    if not text:
+        return None
+    try:
+        us = float(text)
+    except ValueError:
+        us = math.nan
+    if not (math.isfinite(us) and us > 0):  # a nan would be ranked and reported as "nanx the best"
+        raise ValueError(f"{where}: {column} must be a positive finite number of microseconds (or empty), "
+                         f"got {text!r}")
+    return us
 
 
 def shape_of(cfg: KernelConfig) -> str:

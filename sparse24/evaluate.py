@@ -55,7 +55,7 @@ def mean_pool(hidden: torch.Tensor, mask: torch.Tensor | None = None, normalize:
             None averages every token.
         normalize: L2-normalize each sentence vector.
     Returns:
-        ``(B, D)`` tensor in ``hidden``'s dtype.
+        ``(B, D)`` tensor in ``hidden``'s dtype, computed in at least float32.
     Example:
         >>> h = torch.tensor([[[1., 0.], [3., 0.], [9., 9.]]]); mask = torch.tensor([[1, 1, 0]])
         >>> mean_pool(h, mask, normalize=False)
@@ -64,16 +64,18 @@ def mean_pool(hidden: torch.Tensor, mask: torch.Tensor | None = None, normalize:
     if not isinstance(hidden, torch.Tensor) or hidden.dim() != 3:
         got = tuple(hidden.shape) if isinstance(hidden, torch.Tensor) else type(hidden).__name__
         raise ValueError(f"mean_pool: hidden must be a (B, L, D) tensor, got {got}")
+    # at least fp32: in fp16 a long sentence's sum overflows and clamp(min=1e-9) underflows to 0 (0/0 = NaN)
+    h = hidden.to(torch.promote_types(hidden.dtype, torch.float32))
     if mask is None:
-        pooled = hidden.mean(1)
+        pooled = h.mean(1)
     else:
         if not isinstance(mask, torch.Tensor) or tuple(mask.shape) != tuple(hidden.shape[:2]):
             got = tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
             raise ValueError(f"the token mask has shape {got} but the model's output {tuple(hidden.shape)} "
                              f"needs ({hidden.shape[0]}, {hidden.shape[1]})")
-        m = mask.unsqueeze(-1).to(hidden.dtype)
-        pooled = (hidden * m).sum(1) / m.sum(1).clamp(min=1e-9)  # a sentence with no kept token gives 0
-    return F.normalize(pooled, dim=-1) if normalize else pooled
+        m = mask.unsqueeze(-1).to(h.dtype)
+        pooled = (h * m).sum(1) / m.sum(1).clamp(min=1e-9)  # a sentence with no kept token gives 0
+    return (F.normalize(pooled, dim=-1) if normalize else pooled).to(hidden.dtype)
 
 
 def sentence_embeddings(model: nn.Module, batches, token_mask: Callable | None = None,
@@ -102,28 +104,39 @@ def sentence_embeddings(model: nn.Module, batches, token_mask: Callable | None =
         >>> e.shape, torch.allclose(e[1], F.normalize(enc.weight[3], dim=0))
         (torch.Size([2, 4]), True)
     """
+    _check_token_mask(token_mask)
+    with _EvalMode(model), torch.no_grad():
+        out = [_embed(model, b, i, token_mask, normalize) for i, b in enumerate(batches)]
+    _check_nonempty(out, batches)
+    return torch.cat(out)
+
+
+def _check_token_mask(token_mask) -> None:
     if token_mask is not None and not callable(token_mask):
         raise TypeError(f"token_mask must be callable (batch) -> (B, L) tensor, got {type(token_mask).__name__}")
-    out = []
-    with _EvalMode(model), torch.no_grad():
-        for i, b in enumerate(batches):
-            # token vectors: last_hidden_state of a Hugging Face output
-            h = _output_tensor(_call(model, b), "last_hidden_state", "read embeddings from")
-            if h.dim() == 3:
-                mask = token_mask(b) if token_mask is not None else (
-                    b["attention_mask"] if isinstance(b, dict) and "attention_mask" in b else None)
-                try:
-                    h = mean_pool(h, mask, normalize=False)  # normalized in fp32 below
-                except ValueError as e:
-                    raise ValueError(f"batch {i}: {e}") from None
-            elif h.dim() != 2:
-                raise ValueError(f"batch {i}: expected a (B, D) or (B, L, D) output, got shape {tuple(h.shape)}")
-            out.append(F.normalize(h.float(), dim=-1) if normalize else h.float())
+
+
+def _check_nonempty(out: list, batches) -> None:
     if not out:
         raise ValueError("batches is empty: nothing to embed" + (" (a generator or iterator that was used up "
                                                                  "already? pass a list)" if iter(batches) is batches
                                                                  else ""))
-    return torch.cat(out)
+
+
+def _embed(model: nn.Module, b, i: int, token_mask: Callable | None, normalize: bool) -> torch.Tensor:
+    """``(B, D)`` float32 sentence embeddings of batch number ``i`` (see :func:`sentence_embeddings`)."""
+    # token vectors: last_hidden_state of a Hugging Face output; pooled and normalized in fp32
+    h = _output_tensor(_call(model, b), "last_hidden_state", "read embeddings from").float()
+    if h.dim() == 3:
+        mask = token_mask(b) if token_mask is not None else (
+            b["attention_mask"] if isinstance(b, dict) and "attention_mask" in b else None)
+        try:
+            h = mean_pool(h, mask, normalize=False)
+        except ValueError as e:
+            raise ValueError(f"batch {i}: {e}") from None
+    elif h.dim() != 2:
+        raise ValueError(f"batch {i}: expected a (B, D) or (B, L, D) output, got shape {tuple(h.shape)}")
+    return F.normalize(h, dim=-1) if normalize else h
 
 
 def embedding_fidelity(model: nn.Module, batches, reference, token_mask: Callable | None = None) -> float:
@@ -131,23 +144,32 @@ def embedding_fidelity(model: nn.Module, batches, reference, token_mask: Callabl
 
     Args:
         model: the pruned encoder.
-        batches: a re-iterable collection of batches (the same ones give the reference).
-        reference: the dense encoder (an ``nn.Module``, run on the same batches) or
+        batches: iterable of batches, read once (a shuffling DataLoader is fine: both models
+            see each batch as it comes).
+        reference: the dense encoder (an ``nn.Module``, run on each batch beside ``model``) or
             its ``(N, D)`` embeddings from :func:`sentence_embeddings` (compute them
-            once when judging several models).
+            once when judging several models; they must come from the same batches in
+            the same order, so not from a shuffling DataLoader).
         token_mask: as in :func:`sentence_embeddings`.
     Returns:
         the mean over the ``N`` sentences of ``cos(e_model, e_reference)``: 1.0 = identical.
     Example:
         >>> enc = nn.Embedding(10, 4); ids = torch.tensor([[1, 2], [3, 4]])
-        >>> embedding_fidelity(enc, [ids], enc)
+        >>> round(embedding_fidelity(enc, [ids], enc), 6)  # fp32 cosines: 1 - 6e-8 for some weights
         1.0
     """
-    if iter(batches) is batches and not isinstance(reference, torch.Tensor):
-        raise TypeError("batches must be re-iterable (a list, not a generator or iterator): the reference "
-                        "model runs on the same batches after the model")
-    emb = sentence_embeddings(model, batches, token_mask)
-    ref = reference if isinstance(reference, torch.Tensor) else sentence_embeddings(reference, batches, token_mask)
+    if isinstance(reference, torch.Tensor):
+        emb, ref = sentence_embeddings(model, batches, token_mask), reference
+    else:
+        # both models on each batch in one pass: a second pass over a shuffling DataLoader would pair
+        # different sentences
+        _check_token_mask(token_mask)
+        pairs = []
+        with _EvalMode(model), _EvalMode(reference), torch.no_grad():
+            for i, b in enumerate(batches):
+                pairs.append((_embed(model, b, i, token_mask, True), _embed(reference, b, i, token_mask, True)))
+        _check_nonempty(pairs, batches)
+        emb, ref = (torch.cat(t) for t in zip(*pairs))
     if ref.shape != emb.shape:
         raise ValueError(f"reference embeddings have shape {tuple(ref.shape)} but the model gives "
                          f"{tuple(emb.shape)} on these batches")
@@ -190,6 +212,11 @@ def bits_per_char(model: nn.Module, ids: torch.Tensor, ctx: int, windows: int, b
         for i in range(0, windows, batch_size):
             win = torch.stack([ids[s:s + ctx + 1] for s in starts[i:i + batch_size]]).long()
             logits = _output_tensor(model(win[:, :-1]), "logits", "score")   # (a Hugging Face output: .logits)
+            if logits.dim() != 3 or logits.shape[:2] != win[:, :-1].shape:
+                raise ValueError(f"the model gave logits of shape {tuple(logits.shape)} for ({len(win)}, {ctx}) ids: "
+                                 f"expected ({len(win)}, {ctx}, vocab), a prediction at every position")
+            # at least fp32: summed in fp16 the loss overflows to inf, in bf16 it is off by ~0.05 bits/char
+            logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
             total += float(F.cross_entropy(logits.flatten(0, 1), win[:, 1:].flatten(), reduction="sum"))
             count += win[:, 1:].numel()
     return total / count / math.log(2)

@@ -22,7 +22,10 @@ class LayerReport:
         mode: the layer's mode afterwards (None for dense layers).
         reason: why it was skipped, or a note.
         dense_bytes: the dense weight's bytes.
-        compressed_bytes: the weight's bytes once compressed (values + 2-bit indices + INT8 scales).
+        compressed_bytes: the weight's nominal bytes once compressed: values + 2-bit indices, plus
+            for INT8 an fp32 scale per row, for INT4 an fp16 scale per row and group (and a uint8
+            zero point beside it unless symmetric); :func:`sparse24.nn.compressed_nbytes`. Padding
+            of the stored index words is not counted (``memory_bytes`` of a compressed layer is).
         memory_bytes: the weight's bytes as held now (masked mode: dense weight + 1-byte mask).
         kept_fraction: ``sparsify_`` only: fraction of the original ``sum |W|`` the mask
             keeps (see :func:`sparse24.masks.kept_magnitude_fraction`), to compare methods;

@@ -167,15 +167,23 @@ def train(model: CharMLP, ids: torch.Tensor, cfg: TrainConfig, label: str = "tra
 def evaluate_bpc(model: nn.Module, ids: torch.Tensor, n_chars: int, ctx: int = 32, label: str = "",
                  progress: bool | None = False) -> float:
     """Bits per character predicting each of the first ``n_chars`` held-out
-    characters (after the first ``ctx``) from the ``ctx`` before it.
+    characters after the first ``ctx`` (``ids[ctx:ctx + n_chars]``; all of
+    ``ids[ctx:]`` when fewer) from the ``ctx`` before it.
 
+    Raises:
+        ValueError: ``n_chars < 1``, or ``ids`` holds no character after the first ``ctx``.
     Example:
         >>> _, val, _ = load_corpus(max_files=16)
         >>> 6.0 < evaluate_bpc(CharMLP(), val, n_chars=256) < 8.0  # untrained: ~log2(101) = 6.66
         True
     """
+    if isinstance(n_chars, bool) or not isinstance(n_chars, int) or n_chars < 1:
+        raise ValueError(f"n_chars must be an int >= 1, got {n_chars!r}")
+    if ids.numel() < ctx + 1:
+        raise ValueError(f"ids holds {ids.numel()} characters: predicting one from the ctx = {ctx} before it "
+                         f"needs at least {ctx + 1}")
     model.eval()
-    starts = torch.arange(0, min(n_chars, ids.numel() - ctx - 1))
+    starts = torch.arange(0, min(n_chars, ids.numel() - ctx))  # start s predicts ids[s + ctx], the last one too
     total, chunk = 0.0, 4096
     for a in progress_bar(range(0, len(starts), chunk), desc=label, progress=progress, unit="chunk"):
         x, y = _windows(ids, starts[a:a + chunk], ctx)
@@ -319,7 +327,7 @@ def _run_demo(args) -> int:
     torch.manual_seed(args.seed)
     model = CharMLP()
     # evaluate_bpc scores at most this many; the report and results.csv must say what was scored
-    eval_chars = min(eval_chars, val_ids.numel() - model.ctx - 1)
+    eval_chars = min(eval_chars, val_ids.numel() - model.ctx)
     say(f"sparse24 demo on {machine}, {threads} torch thread(s) ({why})")
     say(f"data: {info['files']} stdlib files from {info['folder']}: {info['train_chars']:,} training characters; "
         f"held out: {info['heldout_chars']:,} characters from {info['heldout_files']} other files "

@@ -61,7 +61,8 @@ def read_rows(paths) -> list[dict]:
     for path in paths:
         if not path.is_file():
             raise FileNotFoundError(f"no such CSV file: {path}")
-        with open(path, newline="", encoding="utf-8", errors="replace") as f:
+        # utf-8-sig: a file re-saved by Excel ("CSV UTF-8") starts with a BOM that would prefix the first column
+        with open(path, newline="", encoding="utf-8-sig", errors="replace") as f:
             reader = csv.DictReader(f)
             header = reader.fieldnames or []
             if "schema" not in header:

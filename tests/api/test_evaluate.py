@@ -146,8 +146,8 @@ def test_bad_inputs_name_the_problem():
         sentence_embeddings(Text(), [b["input_ids"]])
     with pytest.raises(ValueError, match="reference embeddings have shape"):
         embedding_fidelity(model, [b], torch.zeros(3, 32))
-    with pytest.raises(TypeError, match="batches must be re-iterable"):  # ("batches is empty" before)
-        embedding_fidelity(model, (x for x in [b]), tiny_bert())
+    with pytest.raises(ValueError, match="batches is empty"):  # a generator is fine now: batches are read once
+        embedding_fidelity(model, (x for x in []), tiny_bert())
     lm = nn.Embedding(4, 4)
     with pytest.raises(TypeError, match="1-D integer tensor"):
         bits_per_char(lm, torch.rand(30), ctx=4, windows=2)
@@ -155,3 +155,97 @@ def test_bad_inputs_name_the_problem():
         bits_per_char(lm, torch.zeros(30, dtype=torch.long), ctx=4, windows=0)
     with pytest.raises(ValueError, match="need at least 6"):
         bits_per_char(lm, torch.zeros(5, dtype=torch.long), ctx=4, windows=1)
+
+
+class CharLM(nn.Module):
+    """(B, ctx) ids -> (B, ctx, V) logits in the module's dtype."""
+
+    def __init__(self, V=101):
+        super().__init__()
+        self.emb, self.out = nn.Embedding(V, 32), nn.Linear(32, V)
+
+    def forward(self, x):
+        return self.out(self.emb(x)) * 2
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_bits_per_char_of_a_half_precision_model_is_the_fp64_cross_entropy_of_its_logits(dtype):
+    """The loss was summed in the logits' dtype: bf16 came out 0.05 bits/char low, and fp16 inf (64 windows x
+    256 positions x ~4.6 nats > fp16's 65504)."""
+    torch.manual_seed(0)
+    V, ctx, windows = 101, 256, 64
+    model = CharLM(V).to(dtype)
+    ids = torch.randint(0, V, (100_000,))
+    got = bits_per_char(model, ids, ctx=ctx, windows=windows)
+    starts = torch.linspace(0, ids.numel() - ctx - 1, windows).long()
+    win = ids[starts[:, None] + torch.arange(ctx + 1)]
+    with torch.no_grad():
+        logits = model(win[:, :-1]).double()                 # the same logits, summed in fp64
+    want = float(F.cross_entropy(logits.flatten(0, 1), win[:, 1:].flatten(), reduction="sum")) / win[:, 1:].numel()
+    # fp32 log-softmax (a few round-offs a term) summed pairwise over 16384 terms (log2 = 14 round-offs):
+    # within 17 fp32 round-offs (1e-6); in bf16 the error was 7e-3, in fp16 inf
+    assert got == pytest.approx(want / math.log(2), rel=1e-6)
+
+
+def test_fidelity_pairs_each_sentence_with_itself_over_a_shuffled_data_loader():
+    """The model ran over the batches, then the reference ran over them again: a DataLoader(shuffle=True)
+    yields another order the second time, so different sentences were compared (0.25 against itself)."""
+    from torch.utils.data import DataLoader
+    torch.manual_seed(0)
+    a, b = nn.Embedding(50, 8), nn.Embedding(50, 8)                # (B, L) ids -> (B, L, 8) token vectors
+    ids = torch.randint(1, 50, (64, 6))
+    shuffled = DataLoader(ids, batch_size=16, shuffle=True)
+    assert embedding_fidelity(a, shuffled, a) == pytest.approx(1.0, abs=1e-6)
+    with torch.no_grad():
+        want = F.cosine_similarity(a.weight.double()[ids].mean(1), b.weight.double()[ids].mean(1), dim=-1).mean()
+    assert embedding_fidelity(a, shuffled, b) == pytest.approx(float(want), abs=1e-6)
+    assert embedding_fidelity(a, [ids], b) == pytest.approx(float(want), abs=1e-6)
+    # one pass over the batches: a generator is enough now
+    assert embedding_fidelity(a, (x for x in ids.split(16)), b) == pytest.approx(float(want), abs=1e-6)
+
+
+def test_fp16_pooling_gives_zero_for_an_empty_sentence_and_does_not_overflow():
+    """Pooled in fp16, clamp(min=1e-9) underflowed to 0 (an all-padding sentence gave 0/0 = NaN) and a long
+    sentence's token sum overflowed to inf; both poisoned embedding_fidelity."""
+    gen = torch.Generator().manual_seed(0)
+    h = torch.randint(-8, 9, (3, 5, 4), generator=gen).half()     # small integers: exact fp32 sums
+    mask = torch.tensor([[1, 1, 1, 0, 0], [0, 0, 0, 0, 0], [1, 1, 0, 1, 1]])
+    m = mask.double()[..., None]
+    ref = (h.double() * m).sum(1) / m.sum(1).clamp(min=1)           # an empty sentence: 0
+    got = mean_pool(h, mask, normalize=False)
+    assert got.dtype == torch.float16 and torch.equal(got, ref.half()) and (got[1] == 0).all()
+    unit = mean_pool(h, mask)
+    assert unit.dtype == torch.float16 and (unit[1] == 0).all()
+    torch.testing.assert_close(unit[[0, 2]].double(), F.normalize(ref[[0, 2]], dim=-1), rtol=2 ** -11, atol=0)
+    long = torch.full((1, 512, 4), 200.0, dtype=torch.float16)     # sum 102400 > fp16's max 65504
+    assert torch.equal(mean_pool(long, torch.ones(1, 512), normalize=False), torch.full((1, 4), 200.0).half())
+    assert torch.equal(mean_pool(long, None, normalize=False), torch.full((1, 4), 200.0).half())
+    hg = h.clone().requires_grad_()                                 # still differentiable
+    mean_pool(hg, mask).float().sum().backward()
+    assert hg.grad.dtype == torch.float16 and hg.grad.isfinite().all() and (hg.grad[1] == 0).all()
+    # through sentence_embeddings / embedding_fidelity with an fp16 encoder
+    enc = nn.Embedding(10, 4).half()
+    with torch.no_grad():
+        enc.weight[3] = 200.0
+    ids = torch.tensor([[1, 2, 0] + [3] * 509, [0] * 512])            # a long sentence and an empty one
+    e = sentence_embeddings(enc, [ids], token_mask=lambda b: b != 0)
+    w = enc.weight.detach().double()
+    want = F.normalize(w[ids[0, :2]].sum(0) + 509 * w[3], dim=0)
+    torch.testing.assert_close(e[0].double(), want, rtol=0, atol=1e-6)
+    assert (e[1] == 0).all()
+    assert embedding_fidelity(enc, [ids], enc, token_mask=lambda b: b != 0) == pytest.approx(0.5, abs=1e-6)
+
+
+def test_bits_per_char_names_the_logits_shape_it_needs():
+    class NextChar(nn.Module):  # (B, ctx) -> (B, vocab): a next-character model such as the demo's CharMLP
+        def forward(self, x):
+            return torch.zeros(x.shape[0], 8)
+
+    class SeqFirst(nn.Module):  # (ctx, B, vocab)
+        def forward(self, x):
+            return torch.zeros(x.shape[1], x.shape[0], 8)
+    ids = torch.randint(0, 8, (200,))
+    with pytest.raises(ValueError, match=r"logits of shape \(4, 8\) .* expected \(4, 16, vocab\)"):
+        bits_per_char(NextChar(), ids, ctx=16, windows=4)
+    with pytest.raises(ValueError, match=r"logits of shape \(16, 4, 8\) .* expected \(4, 16, vocab\)"):
+        bits_per_char(SeqFirst(), ids, ctx=16, windows=4)

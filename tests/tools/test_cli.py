@@ -439,8 +439,8 @@ def test_demo_reports_the_characters_it_scored(capsys, tmp_path, monkeypatch):
                        "--no-bench", "--threads", "1", "--out", str(tmp_path), "--progress")
     assert rc == 0, err
     with open(tmp_path / "results.csv") as f:  # was 100000: more than the 500 held-out characters exist
-        assert {r["eval_chars"] for r in csv.DictReader(f)} == {str(500 - 32 - 1)}
-    assert "scoring the first 467)" in out
+        assert {r["eval_chars"] for r in csv.DictReader(f)} == {str(500 - 32)}
+    assert "scoring the first 468)" in out
 
 
 def test_prune_skips_tied_weights():
