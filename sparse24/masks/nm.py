@@ -19,6 +19,7 @@ the per-layer calibration data it accepts (collected by
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -52,7 +53,8 @@ def kept_magnitude_fraction(w: torch.Tensor, mask: torch.Tensor) -> float:
         w: ``(R, C)`` weight (any float dtype, any device).
         mask: ``(R, C)`` bool mask.
     Returns:
-        float in [0, 1] (computed in fp64); 1.0 for an all-zero ``w``.
+        float in [0, 1] (computed in fp64); 1.0 for an all-zero ``w``; where ``w`` holds infinite
+        values, the fraction of those kept.
     Example:
         >>> w = torch.tensor([[4.0, -3.0, 2.0, 1.0]])
         >>> kept_magnitude_fraction(w, magnitude_mask(w, 2, 4))
@@ -66,6 +68,8 @@ def kept_magnitude_fraction(w: torch.Tensor, mask: torch.Tensor) -> float:
         a = w[rows].detach().abs()
         total += float(a.sum(dtype=torch.float64))
         kept += float(a.masked_fill(~mask[rows], 0).sum(dtype=torch.float64))
+    if math.isinf(total):  # inf / inf: the infinite magnitudes outweigh the rest, so count those
+        return kept_magnitude_fraction(torch.isinf(w).to(torch.float32), mask)
     return 1.0 if total == 0 else kept / total
 
 
@@ -172,10 +176,11 @@ def prune_nm(w: torch.Tensor, n: int = 2, m: int = 4, method: str = "magnitude",
     kept = kept_magnitude_fraction(w, mask)  # of the original: before out (maybe w) is written
     with torch.no_grad():
         if out is None:
-            weight = w.detach() * mask if weight is None else weight
+            # masked_fill, not w * mask: a pruned infinite weight would become NaN (inf * 0)
+            weight = w.detach().masked_fill(~mask, 0) if weight is None else weight
         elif weight is None:
             for rows in _row_chunks(w) if w.dim() == 2 else [slice(None)]:  # w * mask, no weight-sized temporary
-                out[rows] = w.detach()[rows] * mask[rows]
+                out[rows] = w.detach()[rows].masked_fill(~mask[rows], 0)
         else:
             out.copy_(weight)
     return PruneResult(out.detach() if out is not None else weight, mask, kept, method)
@@ -261,7 +266,9 @@ def _mask_wanda(w: torch.Tensor, n: int, m: int, act_norm: torch.Tensor | None =
     if bool((act_norm < 0).any()):
         raise ValueError("act_norm must be non-negative")
     sdt = score_dtype(w)
-    score = w.detach().abs().to(sdt) * act_norm.to(device=w.device, dtype=sdt)
+    act = act_norm.to(device=w.device, dtype=sdt)
+    # A dead input channel scores 0 even under an infinite weight (inf * 0 would read as NaN)
+    score = torch.where(act == 0, 0, w.detach().abs().to(sdt) * act)
     return magnitude_mask(score, n, m)
 
 

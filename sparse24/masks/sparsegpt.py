@@ -179,7 +179,7 @@ class _Grid:
         shape) positions (quantize_values' rule; zeros stand in for the missing ones of a group
         keeping fewer than 2 of 4, as the format stores them)."""
         R = cur.shape[0]
-        v = torch.where(kept, cur, 0).view(R, -1, 4).gather(2, _slots(kept)).view(R, -1)
+        v = torch.where(kept, cur, 0).view(R, kept.shape[1] // 4, 4).gather(2, _slots(kept)).flatten(1)
         _, self.scale[:, k:k + 1], zero = int4_quantize(v, self.gs, self.zero is None, bf16_scales=self.bf16_scales)
         if zero is not None:
             self.zero[:, k:k + 1] = zero
@@ -198,7 +198,7 @@ class _Grid:
         """The INT4 :class:`Sparse24Tensor` of the kept codes under the 2:4 ``mask``."""
         R, C = self.shape
         meta = compress(mask.to(torch.float16), mask).meta  # the slots of the mask (the values are not used)
-        values = _pack_nibbles(self.codes.view(R, -1, 4).gather(2, _slots(mask)).view(R, C // 2))
+        values = _pack_nibbles(self.codes.view(R, C // 4, 4).gather(2, _slots(mask)).view(R, C // 2))
         return Sparse24Tensor(values, meta, (R, C), dtype, self.scale, zero=self.zero, group_size=self.gs)
 
 
@@ -208,7 +208,9 @@ def _slots(kept: torch.Tensor) -> torch.Tensor:
     increasing order as the metadata holds them (a group keeping slot 2 alone is (0, 2), not (2, 0):
     its kept code went to slot 0, a pruned position)."""
     R = kept.shape[0]
-    return torch.sort((~kept).view(R, -1, 4).to(torch.uint8), dim=2, stable=True).indices[:, :, :2].sort(dim=2).values
+    # explicit widths: -1 cannot be inferred for a weight of 0 rows
+    return torch.sort((~kept).view(R, kept.shape[1] // 4, 4).to(torch.uint8), dim=2,
+                      stable=True).indices[:, :, :2].sort(dim=2).values
 
 
 def _check_quantize(quantize, group_size, symmetric, n: int, m: int, blocksize: int, refit: bool) -> int:

@@ -1,7 +1,7 @@
 """Transposable 2-D N:M masks: every ``m x m`` block keeps at most ``n`` per
 row AND per column, so ``mask.T`` is N:M too (the backward pass ``grad @ W``
 can use the same sparse weight). ``"2d_optimal"`` keeps the maximum magnitude
-over all valid block patterns (90 for 2:4); ``"2d_greedy"`` takes the largest
+over all valid block patterns (the 186 maximal ones for 2:4); ``"2d_greedy"`` takes the largest
 entries first (any n:m; for m = 4 the optimum is also the faster one: 0.63 s
 vs 1.78 s at 4096x4096 fp32, 1 thread of a 2-core AMD EPYC,
 results/cpu-amd-epyc/bench_masks.md).
@@ -20,22 +20,25 @@ __all__ = ["block_patterns", "mask_2d_optimal", "mask_2d_greedy", "score_dtype"]
 
 
 # 2d_optimal enumerates the block patterns; their number grows fast with m
-# (2:4 has 90, 2:5 has 2040, 2:6 has 67950), so refuse beyond this many.
-_MAX_PATTERNS = 3000
+# (2:4 has 186, 2:5 4290, 3:5 13540, 2:6 141390), so refuse beyond this many.
+_MAX_PATTERNS = 15000
 
 
 def block_patterns(n: int = 2, m: int = 4) -> torch.Tensor:
-    """All ``m x m`` 0/1 blocks with exactly ``n`` ones in every row and column.
+    """All maximal ``m x m`` 0/1 blocks with at most ``n`` ones in every row and column.
+
+    Maximal: no zero could become a one without a row or column passing ``n``. Magnitudes are
+    >= 0, so the best of all valid blocks is one of these; blocks with exactly ``n`` per row and
+    column (90 for 2:4) are not enough: a block that keeps fewer in one row can keep more in all.
 
     Returns:
-        ``(P, m * m)`` bool, row-major blocks, in lexicographic order of row
-        choices (90 patterns for 2:4, 24 for 1:4 and 3:4).
+        ``(P, m * m)`` bool, row-major blocks, those with the most ones first (186 patterns for
+        2:4, 24 for 1:4, 184 for 3:4).
     Raises:
-        ValueError if there are more than 3000 patterns (e.g. 2:8): use
-        ``"2d_greedy"`` there.
+        ValueError if there are more than 15000 patterns (e.g. 2:6): use ``"2d_greedy"`` there.
     Example:
         >>> block_patterns(2, 4).shape
-        torch.Size([90, 16])
+        torch.Size([186, 16])
     """
     check_nm(n, m)
     return _block_patterns(n, m).clone()
@@ -43,32 +46,39 @@ def block_patterns(n: int = 2, m: int = 4) -> torch.Tensor:
 
 @lru_cache(maxsize=None)
 def _block_patterns(n: int, m: int) -> torch.Tensor:
-    if m >= 7 and 0 < n < m:  # at least m! = 5040 patterns: refuse without enumerating
+    # Over the limit without enumerating (seconds each): 2:6 to 5:6 (63756 and more), 1:8 (8! = 40320).
+    if (m >= 6 and 1 < n < m) or (m >= 8 and 0 < n < m):
         _too_many_patterns(n, m)
-    rows = [sum(1 << j for j in c) for c in itertools.combinations(range(m), n)]
+    rows = [sum(1 << j for j in c) for k in range(n, -1, -1) for c in itertools.combinations(range(m), k)]
     out: list[list[int]] = []
 
-    def extend(prefix, col_counts):  # depth-first, pruning columns that are full
+    # Depth-first over rows. `need` holds the columns that some row with fewer than n ones lacks:
+    # maximality needs each of them full (n ones) by the last row, so prune when one no longer can.
+    def extend(prefix, col_counts, need):
         if len(out) > _MAX_PATTERNS:
             return
-        if len(prefix) == m:
-            out.append(prefix)
-            return
+        left = m - len(prefix) - 1  # rows still to fill after this one
         for r in rows:
             cnt = [c + (r >> j & 1) for j, c in enumerate(col_counts)]
-            left = m - len(prefix) - 1  # rows still to fill can add at most `left` per column
-            if all(c <= n and c + left >= n for c in cnt):
-                extend(prefix + [r], cnt)
+            nd = need | (~r & ((1 << m) - 1) if r.bit_count() < n else 0)
+            if max(cnt) > n or any(nd >> j & 1 and cnt[j] + left < n for j in range(m)):
+                continue
+            if left:
+                extend(prefix + [r], cnt, nd)
+            else:
+                out.append(prefix + [r])
 
-    extend([], [0] * m)
+    extend([], [0] * m, 0)
     if len(out) > _MAX_PATTERNS:
         _too_many_patterns(n, m)
+    out.sort(key=lambda p: -sum(r.bit_count() for r in p))  # stable: fullest first, so ties keep the most
     bits = torch.tensor([[r >> j & 1 for r in p for j in range(m)] for p in out], dtype=torch.bool)
     return bits.view(len(out), m * m)
 
 
 def _too_many_patterns(n: int, m: int):
-    raise ValueError(f"2d_optimal enumerates every {m}x{m} block with {n} per row and column; {n}:{m} has more "
+    raise ValueError(f"2d_optimal enumerates every maximal {m}x{m} block with at most {n} per row and column; "
+                     f"{n}:{m} has more "
                      f"than {_MAX_PATTERNS} such patterns: use method='2d_greedy' for {n}:{m}")
 
 

@@ -42,29 +42,28 @@ def _brute_1d(score, n, m):
 
 
 @functools.lru_cache(maxsize=None)
-def _brute_2d_patterns(n):
-    """All 0/1 4x4 matrices with n ones per row and per column, by exhaustive itertools over 2^16
-    (each returned as the tuple of its kept row-major indices)."""
+def _brute_2d_patterns(n, m=4):
+    """All 0/1 m x m matrices with at most n ones per row and per column, by exhaustive itertools
+    over 2^(m*m) (each returned as the tuple of its kept row-major indices)."""
     out = []
-    for bits in itertools.product((0, 1), repeat=16):
-        rows = [sum(bits[4 * i:4 * i + 4]) for i in range(4)]
-        cols = [sum(bits[j::4]) for j in range(4)]
-        if rows == [n] * 4 and cols == [n] * 4:
-            out.append(tuple(k for k in range(16) if bits[k]))
+    for bits in itertools.product((0, 1), repeat=m * m):
+        rows = [sum(bits[m * i:m * i + m]) for i in range(m)]
+        cols = [sum(bits[j::m]) for j in range(m)]
+        if max(rows) <= n and max(cols) <= n:
+            out.append(tuple(k for k in range(m * m) if bits[k]))
     return out
 
 
-def _brute_2d(w, n):
+def _brute_2d(w, n, m=4):
+    """Per m x m block, the valid block (of every one enumerated above) with the largest kept |w|,
+    scored in float64."""
     R, C = w.shape
-    mask = torch.zeros(R, C, dtype=torch.bool)
-    a = w.abs().tolist()
-    for i in range(0, R, 4):
-        for j in range(0, C, 4):
-            blk = [a[i + k // 4][j + k % 4] for k in range(16)]
-            best = max(_brute_2d_patterns(n), key=lambda pat: sum(blk[k] for k in pat))
-            for k in best:
-                mask[i + k // 4, j + k % 4] = True
-    return mask
+    pats = torch.zeros(len(_brute_2d_patterns(n, m)), m * m, dtype=torch.float64)
+    for i, pat in enumerate(_brute_2d_patterns(n, m)):
+        pats[i, list(pat)] = 1
+    blocks = w.double().abs().view(R // m, m, C // m, m).permute(0, 2, 1, 3).reshape(-1, m * m)
+    best = pats[(blocks @ pats.T).argmax(1)].bool()
+    return best.view(R // m, C // m, m, m).permute(0, 2, 1, 3).reshape(R, C)
 
 
 def _greedy_2d_reference(w, n, m):
@@ -97,12 +96,27 @@ def test_magnitude_is_bruteforce_optimal(n, m):
 
 @pytest.mark.parametrize("n", [2, 1, 3])
 def test_2d_optimal_is_bruteforce_optimal(n):
-    pats = _brute_2d_patterns(n)
-    assert len(pats) == {2: 90, 1: 24, 3: 24}[n]
-    assert block_patterns(n, 4).shape == (len(pats), 16)
+    valid = set(map(frozenset, _brute_2d_patterns(n)))
+    maximal = {p for p in valid if not any(p | {k} in valid for k in range(16) if k not in p)}
+    assert len(maximal) == {2: 186, 1: 24, 3: 184}[n]
+    pats = block_patterns(n, 4)
+    assert {frozenset(torch.nonzero(p).flatten().tolist()) for p in pats} == maximal and len(pats) == len(maximal)
     w = _randn(12, 16, seed=n)
     mask = mask_nm(w, n, 4, method="2d_optimal")
     assert torch.equal(mask, _brute_2d(w, n))  # continuous random values: the optimum is unique
+
+
+def test_2d_optimal_beats_blocks_with_exactly_n_per_row():
+    # 2d_optimal searched only blocks keeping exactly n per row and column, so on this block (and 78 of
+    # 2000 random 4x4 ones) 2d_greedy, under the same rule of at most n, kept more than the "optimum"
+    w = torch.tensor([[0.1861, 2.2573, 1.5289], [0.0877, 0.9174, 0.9862], [0.0269, 0.3772, 0.2464]],
+                     dtype=torch.float64)
+    opt, greedy = (mask_nm(w, 2, 3, method=meth) for meth in ("2d_optimal", "2d_greedy"))
+    assert torch.equal(opt, _brute_2d(w, 2, 3)) and is_nm(opt.T, 2, 3)
+    assert kept_magnitude_fraction(w, opt) == pytest.approx(kept_magnitude_fraction(w, greedy))
+    w = _randn(64, 64, seed=11)
+    for n in (2, 3):
+        assert torch.equal(mask_nm(w, n, 4, method="2d_optimal"), _brute_2d(w, n))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
@@ -151,7 +165,7 @@ def test_2d_orders_and_transposability():
     assert kept["magnitude"] > kept["2d_optimal"] > kept["2d_greedy"]
     mask = mask_nm(w, 2, 4, method="2d_optimal")
     assert is_nm(mask, 2, 4) and is_nm(mask.T, 2, 4)
-    assert int(mask.sum()) == w.numel() // 2  # exactly 2 per row and column of every block
+    assert w.numel() // 2 * 0.9 < int(mask.sum()) <= w.numel() // 2  # at most 2 per row and column
     assert torch.equal(mask_nm(w.t().contiguous(), 2, 4, method="2d_optimal"), mask.t())
 
 
@@ -400,6 +414,36 @@ def test_kept_magnitude_fraction_and_prune_nm():
         kept_magnitude_fraction(w, torch.ones(2, 2, dtype=torch.bool))
     with pytest.raises(TypeError, match="mask must be bool"):
         kept_magnitude_fraction(w, torch.ones(2, 4))
+
+
+def test_pruned_infinite_weights_become_zero_not_nan():
+    # w * mask turned a pruned inf into NaN (inf * 0), in PruneResult.weight, in out= and so in the
+    # model through prune_layerwise_; kept_fraction was inf / inf = NaN
+    inf = math.inf
+    w = torch.tensor([[inf, -inf, inf, 1.0, 0.5, 0.25, 2.0, 3.0]]).repeat(4, 1)
+    for method in ("magnitude", "2d_greedy", "2d_optimal"):
+        r = prune_nm(w, 2, 4, method)
+        out = prune_nm(w, 2, 4, method, out=torch.empty_like(w)).weight
+        for got in (r.weight, out):
+            assert torch.equal(got, torch.where(r.mask, w, torch.zeros(())))  # zeros, no NaN
+        n_inf_kept = int((r.mask & w.isinf()).sum())
+        assert r.kept_fraction == n_inf_kept / int(w.isinf().sum())
+    net = nn.Sequential(nn.Linear(8, 4))
+    with torch.no_grad():
+        net[0].weight[0, :3] = inf
+    prune_layerwise_(net, [torch.randn(4, 8)], method="magnitude", progress=False)
+    assert not bool(net[0].weight.isnan().any()) and int(net[0].weight[0, :4].isinf().sum()) == 2
+    # Wanda: an infinite weight on a dead input channel scores 0, not NaN ("weight contains NaN")
+    mask = mask_nm(w[:1], 2, 4, method="wanda", act_norm=torch.tensor([0.0, 1, 1, 1, 1, 1, 1, 1]))
+    assert mask[0, :4].tolist() == [False, True, True, False]
+
+
+@pytest.mark.parametrize("quantize", [None, "int4"])
+def test_sparsegpt_takes_a_weight_of_zero_rows(quantize):
+    r = prune_nm(torch.randn(0, 256), 2, 4, "sparsegpt", hessian=torch.eye(256), quantize=quantize)
+    assert r.weight.shape == r.mask.shape == (0, 256)
+    if quantize:
+        assert r.packed.shape == (0, 256) and r.packed.quantized == "int4"
 
 
 @pytest.mark.parametrize("method", ["magnitude", "wanda", "2d_greedy", "sparsegpt"])
