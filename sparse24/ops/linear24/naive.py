@@ -105,7 +105,7 @@ def linear_backward_reference(grad_y: torch.Tensor, x: torch.Tensor | None, p: S
         ``(grad_x (..., K), grad_values (N, K/2) at the kept slots, grad_bias (N,))``, None where not needed.
     """
     N, K = p.shape
-    gy = grad_y.reshape(-1, N)
+    gy = grad_y.reshape(grad_y.shape[:-1].numel(), N)  # not -1: ambiguous for a layer of 0 outputs
     grad_x = grad_values = grad_bias = None
     if need_x:
         grad_x = torch.zeros(gy.shape[0], K, dtype=gy.dtype, device=gy.device)
@@ -113,7 +113,7 @@ def linear_backward_reference(grad_y: torch.Tensor, x: torch.Tensor | None, p: S
             grad_x.addmm_(gy[:, sl], p.to_dense(rows=sl).to(gy.dtype))
         grad_x = grad_x.view(*grad_y.shape[:-1], K)
     if need_values:
-        x2, slots = x.reshape(-1, K).to(gy.dtype), p.slots()
+        x2, slots = x.reshape(gy.shape[0], K).to(gy.dtype), p.slots()
         grad_values = torch.empty_like(p.values)
         for sl in row_chunks(N, K, p.device):
             gw = (gy[:, sl].t() @ x2).view(-1, K // 4, 4)  # dense weight gradient, these rows

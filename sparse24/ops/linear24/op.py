@@ -112,8 +112,8 @@ def kernel_plan(x, values, scale, bias, out_features: int, zero=None, group_size
 
 
 def _needs_op(x, values, bias) -> bool:
-    """Only gradients and tracing need the registered op."""
-    if torch.compiler.is_compiling():
+    """Only gradients and tracing need the registered op (and torch.func a pure-torch path: no kernel)."""
+    if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
         return True
     return torch.is_grad_enabled() and (x.requires_grad or values.requires_grad
                                         or (bias is not None and bias.requires_grad))
@@ -126,6 +126,10 @@ def forward(x: torch.Tensor, values: torch.Tensor, meta: torch.Tensor, scale: to
     (the modules), in either layout: ``x`` is checked by the caller, the weight
     is not. Shapes as in :func:`linear`; ``zero`` and ``group_size`` (0: not INT4)
     as in :class:`~sparse24.format.Sparse24Tensor`."""
+    if torch._C._are_functorch_transforms_active():
+        # torch.func (jvp, grad, jacrev, vmap) differentiates pure-torch ops only: through the registered
+        # op jvp's tangent came out all zeros, without a word, and grad raised
+        return _compute(x, values, meta, scale, zero, bias, weight_dtype, "reference", out_features, group_size)
     if _needs_op(x, values, bias):
         return torch.ops.sparse24.linear(x, values, meta, scale, zero, bias, weight_dtype, backend, out_features,
                                          group_size)
