@@ -37,7 +37,8 @@ every 2:4 layer (masks, metadata, scales) and re-arms the masking. The result is
 the saved model, bit for bit. In another dtype (``dtype=`` or config.json's ``dtype``), a float
 layer's kept values or masked weight are cast to it as transformers casts every float tensor;
 INT8 / INT4 values, metadata and scales stay as stored. A folder whose config lists a layer the model
-does not have, or whose checkpoint lacks a layer's entries, is an error.
+does not have, or whose checkpoint lacks a layer's entries (its bias included) or holds ones the listed
+layer has no place for (zero points of an INT4 layer listed as symmetric), is an error.
 Without sparse24 registered, transformers warns "Unknown quantization type,
 got sparse24" and then fails on the markers of compressed layers; masked layers
 load as plain Linear layers holding the masked weights (same outputs, masks lost).
@@ -60,7 +61,7 @@ from ._checks import safetensors_headers
 from ._version import __version__
 from .format import INT4_GROUP_SIZES
 from .nn import MODES, QUANTIZE, Sparse24Linear, is_conv1d, is_conv1d_class, linear_shape
-from .nn.state import guard_loading
+from .nn.state import _ALL_KEYS, guard_loading
 
 __all__ = ["register", "from_pretrained", "check_folder", "read_config", "check_blocks",
            "attach", "sparsity_config", "Sparse24Config", "Sparse24Quantizer",
@@ -146,6 +147,9 @@ class Sparse24Config(QuantizationConfigMixin):
         self.mode, self.quantization = mode, quantization
         self.layers = dict(layers or {})
         for k, v in kwargs.items():  # later sparse24 versions may add informative fields
+            if k.startswith("_") or hasattr(type(self), k):  # would replace a method transformers calls (to_dict)
+                raise ValueError(f"sparse24 section: field {k!r} names an attribute of the config class, not a "
+                                 "section field")
             setattr(self, k, v)
 
 
@@ -184,12 +188,15 @@ class Sparse24Quantizer(HfQuantizer):
             except (ValueError, TypeError) as e:  # e.g. in_features not divisible by 4 (found by fuzzing)
                 raise ValueError(f"config.json lists {fqn!r} as a 2:4 layer, which it cannot be: {e}") from None
             if found is not None:
-                need = [k for k in shell.state_dict(keep_vars=True) if k != "bias"]
+                # The bias too: transformers' init never reaches a Sparse24Linear, so a missing one stayed
+                # uninitialized memory.
+                need = list(shell.state_dict(keep_vars=True))
                 lacking = [k for k in need if f"{saved}.{k}" not in found]
                 if lacking:
                     raise ValueError(f"the checkpoint lacks {', '.join(f'{saved}.{k}' for k in lacking)} for the 2:4 "
                                      f"{spec['mode']} layer {saved!r} that config.json lists")
                 _check_stored(found, saved, shell, need, spec)
+                _check_unplaced(found, saved, shell, spec)
                 self._files[saved] = found[f"{saved}.{need[0]}"][2]
             model.set_submodule(fqn, shell)
             if spec["mode"] == "compressed":
@@ -313,6 +320,22 @@ def _check_stored(found: dict, saved: str, shell: Sparse24Linear, need: list, sp
             raise ValueError(f"{file}: '{saved}.{k}' is stored as {dtype}; {what} needs {' or '.join(allowed[k])}")
 
 
+def _check_unplaced(found: dict, saved: str, shell: Sparse24Linear, spec: dict) -> None:
+    """Refuse a stored 2:4 entry the layer config.json describes has no place for: transformers drops
+    it as UNEXPECTED and the layer computes something else (zero points of a layer listed as symmetric
+    INT4: wrong logits, no error)."""
+    sd = shell.state_dict(keep_vars=True)
+    for k in _ALL_KEYS:
+        if k in sd or (k == "weight" and spec["mode"] == "compressed"):  # (a compressed layer's marker)
+            continue
+        if f"{saved}.{k}" in found:
+            q = spec["quantize"]
+            hint = " (zero points are stored for an asymmetric INT4 layer: is 'symmetric' wrong?)"
+            raise ValueError(f"{found[f'{saved}.{k}'][2]}: '{saved}.{k}' is stored, but the 2:4 {spec['mode']}"
+                             f"{' ' + q.upper() if q else ''} layer config.json describes for {saved!r} has no such "
+                             f"entry: config.json does not describe the stored layer{hint if k == 'zero' else ''}")
+
+
 def attach(model: nn.Module) -> None:
     """Record ``model``'s sparse24 section in ``model.config.quantization_config`` and give it
     the quantizer that saves it (what :func:`sparse24.sparsify_` and friends call on a
@@ -383,7 +406,7 @@ def from_pretrained(cls, path: str | os.PathLike, **kwargs) -> nn.Module:
             and kwargs.get("variant") is None and kwargs.get("gguf_file") is None
             and kwargs.get("use_safetensors") is not False)
     if ours and os.path.isdir(folder) and (given or os.path.isfile(os.path.join(folder, "config.json"))):
-        check_folder(folder, cls, config if given else None)
+        check_folder(folder, cls, config if given else None, bool(kwargs.get("ignore_mismatched_sizes")))
     return cls.from_pretrained(path, **kwargs)
 
 
@@ -416,9 +439,13 @@ def read_config(folder: str | os.PathLike, cls=None):
 
 
 def check_blocks(config, headers: dict, folder, path: str | None = None) -> None:
-    """Refuse a config describing more layers than the checkpoint holds, before any model is built
+    """Refuse a config describing far more layers than the checkpoint holds, before any model is built
     (a corrupt ``num_hidden_layers`` of 1M made transformers spend 9 s building it). The
-    checkpoint's layers are its longest run of numbered names (``model.layers.<i>.``, ``h.<i>.``)."""
+    checkpoint's layers are its longest run of numbered names (``model.layers.<i>.``, ``h.<i>.``).
+    Valid folders may describe more: ALBERT runs one shared layer group ``num_hidden_layers`` times,
+    Funnel's ``num_hidden_layers`` is ``sum(block_sizes)``. So only a count past ``max(4 * most,
+    most + 256)`` is refused: that bounds the build; layers the checkpoint really lacks are bounded
+    by :func:`check_folder`'s element count."""
     n = getattr(config, "num_hidden_layers", None)
     runs: dict[str, int] = {}
     for key in headers:
@@ -428,7 +455,7 @@ def check_blocks(config, headers: dict, folder, path: str | None = None) -> None
                 group = ".".join(parts[:i])
                 runs[group] = max(runs.get(group, 0), int(part) + 1)
     most = max(runs.values(), default=0)
-    if isinstance(n, int) and not isinstance(n, bool) and n > most:
+    if isinstance(n, int) and not isinstance(n, bool) and n > max(4 * most, most + 256):
         where = max(runs, key=runs.get) if runs else None
         raise ValueError(f"{path or os.path.join(folder, 'config.json')}: num_hidden_layers={n}, but the checkpoint "
                          "holds " + (f"{most} ({where}.0 to {where}.{most - 1})" if where else "no numbered layers"))
@@ -458,11 +485,13 @@ def read_shard_index(folder) -> dict | None:
 
 
 def _checkpoint_files(folder) -> list[str] | None:
-    index = read_shard_index(folder)
-    if index is not None:
-        return [os.path.join(folder, s) for s in sorted(set(index["weight_map"].values()))]
+    """The safetensors files transformers loads from ``folder``: ``model.safetensors`` when there is one
+    (an unsharded save_pretrained over a sharded one leaves the old index), else the index's shards."""
     single = os.path.join(folder, "model.safetensors")
-    return [single] if os.path.isfile(single) else None
+    if os.path.isfile(single):
+        return [single]
+    index = read_shard_index(folder)
+    return None if index is None else [os.path.join(folder, s) for s in sorted(set(index["weight_map"].values()))]
 
 
 def _layers_24(config, headers: dict, path: str) -> set:
@@ -497,15 +526,18 @@ def _layers_24(config, headers: dict, path: str) -> set:
     return stored
 
 
-def check_folder(folder: str | os.PathLike, cls, config=None) -> None:
+def check_folder(folder: str | os.PathLike, cls, config=None, ignore_mismatched_sizes: bool = False) -> None:
     """Before transformers builds anything: ``config.json`` (or ``config``, a config object given
     to ``from_pretrained``) reads (:func:`read_config`), describes
     no more layers than the checkpoint holds (:func:`check_blocks`), and the model it describes,
     built on the meta device, matches the safetensors headers: each tensor the checkpoint has
     under a model name has the model's shape, and the model holds at most
     ``EXTRA_ELEMENTS`` + the checkpoint's element count in tensors the checkpoint lacks (so a
-    corrupt size cannot make transformers allocate past a bound from the files' size). The 2:4
-    layers the section lists are checked by the quantizer. Raises ValueError naming the file."""
+    corrupt size cannot make transformers allocate past a bound from the files' size). With
+    ``ignore_mismatched_sizes`` (as given to ``from_pretrained``: a new head), a tensor of another shape
+    counts as one the checkpoint lacks, since transformers initializes it afresh. The 2:4 layers the
+    section lists are checked by the quantizer, which refuses them in another shape all the same.
+    Raises ValueError naming the file."""
     files = _checkpoint_files(folder)
     if files is None:
         return  # no safetensors checkpoint: transformers' own loader decides
@@ -531,8 +563,9 @@ def check_folder(folder: str | os.PathLike, cls, config=None) -> None:
         if any(k.endswith(".weight") and k[:-7] in layers_24 for k in names):
             supplied.add(id(t))  # a 2:4 layer's weight: the quantizer checks its entries, with clearer words
         elif key is not None:
-            supplied.add(id(t))
-            if tuple(headers[key][1]) != tuple(t.shape):
+            if tuple(headers[key][1]) == tuple(t.shape):
+                supplied.add(id(t))
+            elif not ignore_mismatched_sizes:
                 raise ValueError(f"{path} describes {name!r} as {tuple(t.shape)}, but {headers[key][2]} holds "
                                  f"{key!r} as {tuple(headers[key][1])}")
     for name, t in tensors:

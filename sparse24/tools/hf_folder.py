@@ -35,12 +35,13 @@ NOT_SWAPPED = "not the weight of a layer sparsify_ prunes (an embedding table, o
 
 
 def _shards(folder: Path) -> tuple[list[str], dict | None]:
-    """The safetensors weight files of ``folder`` and its index (None when not sharded)."""
+    """The safetensors weight files of ``folder`` and its index (None when not sharded), in transformers'
+    order: ``model.safetensors`` first (an unsharded save over a sharded one leaves the old index)."""
+    if (folder / "model.safetensors").is_file():
+        return ["model.safetensors"], None
     data = read_shard_index(folder)
     if data is not None:
         return sorted(set(data["weight_map"].values())), data
-    if (folder / "model.safetensors").is_file():
-        return ["model.safetensors"], None
     raise ValueError(f"{folder} has no model.safetensors or model.safetensors.index.json (only safetensors "
                      "folders are supported; save_pretrained writes them)")
 
