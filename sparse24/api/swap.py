@@ -90,8 +90,8 @@ def sparsify_(model: nn.Module, filter_fn: FilterFn | None = None, mode: str = "
         min_features: skip layers with fewer input or output features.
         trainable_values: compressed mode: ``values`` require grad (frozen layers stay frozen).
         skip_output_head: ``True`` (default): keep the output head dense: the model's
-            ``get_output_embeddings()`` where it has one (transformers), else any Linear with as
-            many outputs as the input embedding has rows; ``False``: prune it too; a layer name
+            ``get_output_embeddings()`` where it has one (transformers), else one Linear with as
+            many outputs as the input embedding has rows (the one tied to it, else the last); ``False``: prune it too; a layer name
             or a list of names: keep those.
         optimizer: masked mode only; an optimizer training the model: a layer whose weight becomes a new
             Parameter (a ``Conv1D``'s, stored transposed) is swapped in it, with its state

@@ -173,9 +173,14 @@ def _output_heads(model: nn.Module, skip_output_head) -> dict[int, str]:
     if found is None:
         return {}
     name, emb = found
-    return {id(mod): f"output head ({emb.num_embeddings} outputs = the vocabulary of the input embedding {name!r}): "
-                     f"{keep}" for mod in model.modules()
-            if _is_linear(mod) and linear_shape(mod)[0] == emb.num_embeddings}
+    # One head: where the vocabulary is the model width (a byte-level LM), every D -> D layer is as
+    # wide as it. The one tied to the embedding, else the last (a head comes after the blocks).
+    wide = [mod for mod in model.modules() if _is_linear(mod) and linear_shape(mod)[0] == emb.num_embeddings]
+    if not wide:
+        return {}
+    head = ([mod for mod in wide if mod.weight is emb.weight] or wide)[-1]
+    return {id(head): f"output head ({emb.num_embeddings} outputs = the vocabulary of the input embedding {name!r}): "
+                      f"{keep}"}
 
 
 def _entry(fqn: str, mod: nn.Module, action: str, reason: str = "") -> LayerReport:

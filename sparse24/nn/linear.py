@@ -135,6 +135,7 @@ class Sparse24Linear(LayoutMixin, StateDictMixin, nn.Module):
         self.in_features, self.out_features = C, R = linear_shape(linear)[::-1]
         self._dense_cls = type(linear)  # to_dense_module restores e.g. MultiheadAttention's out_proj class, Conv1D
         self._pending = pending
+        self.training = linear.training  # a swap inside an eval model stays in eval mode
         self.bias = linear.bias
         requires_grad = linear.weight.requires_grad
         if p is None:
@@ -152,7 +153,8 @@ class Sparse24Linear(LayoutMixin, StateDictMixin, nn.Module):
         return self._finish() if finish else self
 
     def _finish(self) -> "Sparse24Linear":
-        """Prune the (shared) masked weight in place and register the masking (cannot fail
+        """Prune the (shared) masked weight in place, and a gradient it already has (mid
+        accumulation: clipping and the optimizer read it), and register the masking (cannot fail
         short of running out of memory)."""
         args = self.__dict__.pop("_finish_args", None)
         if args is not None:
@@ -164,6 +166,8 @@ class Sparse24Linear(LayoutMixin, StateDictMixin, nn.Module):
                         w.masked_fill_(~mask, 0)
                     else:
                         w.copy_(new_w)
+                    if w.grad is not None:
+                        w.grad.masked_fill_(~mask, 0)
             self._track_masked()
         return self
 
@@ -211,8 +215,7 @@ class Sparse24Linear(LayoutMixin, StateDictMixin, nn.Module):
 
     def _track_masked(self) -> None:
         """Register for the optimizer post-hook and make this module the owner
-        of its weight's gradient hook (hooking each Parameter once; a frozen one
-        when it first needs a gradient)."""
+        of its weight's gradient hook (hooking each Parameter once, a frozen one too)."""
         _MASKED_MODULES.add(self)
         w = self.weight
         _GRAD_HOOKED[w] = weakref.ref(self)
@@ -220,9 +223,23 @@ class Sparse24Linear(LayoutMixin, StateDictMixin, nn.Module):
 
     @staticmethod
     def _hook_if_needed(w: nn.Parameter) -> None:
-        if w.requires_grad and w not in _HAS_HOOK:
+        if w in _HAS_HOOK or not (w.requires_grad or w.is_floating_point()):
+            return
+        frozen = not w.requires_grad
+        # A frozen weight is hooked now too: a parent reading .weight directly (MultiheadAttention's
+        # out_proj) never runs forward's retry, so once unfrozen its gradient went unmasked. torch
+        # refuses a hook on a tensor that does not require grad, and keeps one across the toggle.
+        if frozen:
+            try:
+                w.requires_grad_(True)
+            except RuntimeError:  # an inference tensor (never trained): left to forward's retry
+                return
+        try:
             w.register_hook(_grad_mask_hook(w))
-            _HAS_HOOK[w] = True
+        finally:
+            if frozen:
+                w.requires_grad_(False)
+        _HAS_HOOK[w] = True
 
     def _release(self) -> None:
         """Stop masking this module's weight (its Parameter is handed to someone else)."""
@@ -377,7 +394,7 @@ class Sparse24Linear(LayoutMixin, StateDictMixin, nn.Module):
             w = self.dense_weight()
             weight = nn.Parameter(w.t().contiguous() if is_conv1d_class(cls) else w, requires_grad=requires_grad)
         dense.weight, dense.bias = weight, self.bias
-        return dense
+        return dense.train(self.training)  # (built in train mode) the swap keeps an eval model in eval mode
 
     @torch.no_grad()
     def add_to_kept_(self, delta: torch.Tensor) -> "Sparse24Linear":
@@ -520,7 +537,7 @@ class Sparse24Linear(LayoutMixin, StateDictMixin, nn.Module):
                 return F.linear(x, torch.where(gather_mask(mask), w, 0), self.bias)
             if w.requires_grad and torch.is_grad_enabled():
                 if not torch.compiler.is_compiling():
-                    self._hook_if_needed(w)  # a layer frozen when sparsified and trained now
+                    self._hook_if_needed(w)  # one _track_masked could not hook (see there)
             elif self._zero_where_pruned(w):
                 # No gradient for the weight and it is exactly 0 where pruned: the product is the same
                 # without the where(), which costs a pass over the whole weight per call (11.8x
@@ -530,7 +547,7 @@ class Sparse24Linear(LayoutMixin, StateDictMixin, nn.Module):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"input must be a torch.Tensor, got {type(x).__name__}")
         dev = x.device.type
-        if torch.is_autocast_enabled(dev):
+        if dev != "meta" and torch.is_autocast_enabled(dev):  # torch has no autocast state for meta (it raises)
             # Autocast does not see inside the op: cast explicitly, as it would for F.linear.
             x = x.to(torch.get_autocast_dtype(dev))
             with torch.autocast(dev, enabled=False):

@@ -22,8 +22,8 @@ __all__ = []
 _MASKED_MODULES: "weakref.WeakSet" = weakref.WeakSet()  # of Sparse24Linear
 # Weight Parameter -> weakref to the module that owns it as its masked weight.
 _GRAD_HOOKED = WeakIdKeyDictionary()
-# Weight Parameters that carry the gradient hook (a frozen one gets it when it first needs a gradient:
-# torch refuses a hook on a tensor that does not require grad).
+# Weight Parameters that carry the gradient hook (a frozen one too: requires_grad is switched on just to
+# register it, since torch refuses a hook on a tensor that does not require grad).
 _HAS_HOOK = WeakIdKeyDictionary()
 # Module -> (weakref weight, its version, weakref mask, its version) when the weight was last found
 # zero at every pruned position: inference skips the per-call where() while both stay unchanged.

@@ -12,7 +12,7 @@ import weakref
 
 import torch
 
-from .._checks import check_finite, computable
+from .._checks import FLOAT_DTYPES, check_finite, computable
 from ..format import Sparse24Tensor, _check_mask24, compress
 from . import prepare
 from .prepare import is_conv1d_class
@@ -242,16 +242,22 @@ class StateDictMixin:
 
     def _load_v1(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
         try:
-            if not _already_checked(self, state_dict, prefix):  # by the whole model's hook (guard_loading)
+            checked, dense_dtype = _already_checked(self, state_dict, prefix)  # by the model's hook (guard_loading)
+            if not checked:
                 if self.pending and self._has_dense_entry_only(state_dict, prefix):
-                    self._fill_from_dense(state_dict, prefix)  # the weights arrived: compute the mask now
+                    dense_dtype = self._fill_from_dense(state_dict, prefix)  # the weights arrived: compute the mask
                 check_state(self, state_dict, prefix)
                 _check_whole(self, state_dict, prefix)
+                unexpected = _own_unexpected_keys(self, state_dict, prefix)
+                if unexpected:  # torch reports them only after copying
+                    error_msgs.append(f"Unexpected key(s) in state_dict: {', '.join(repr(k) for k in unexpected)}. ")
+                    return
         except (ValueError, TypeError) as e:
             error_msgs.append(f"{prefix[:-1] or 'Sparse24Linear'}: {e}")
             return  # nothing of this module changes
+        assign = local_metadata.get("assign_to_params_buffers", False)
         if self._holds_meta():  # copying into meta tensors is a no-op: the loaded tensors must be taken as they are
-            local_metadata = {**local_metadata, "assign_to_params_buffers": True}
+            local_metadata, assign = {**local_metadata, "assign_to_params_buffers": True}, True
         weight_before = self._parameters.get("weight")
         n_missing = len(missing_keys)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
@@ -262,15 +268,32 @@ class StateDictMixin:
             self._track_masked()  # load_state_dict(assign=True) installs new Parameters
         if self._mode == "compressed":
             _make_contiguous(self)
+            if assign and prefix + "values" in state_dict:
+                self._take_assigned_dtype(dense_dtype)
+
+    def _take_assigned_dtype(self, dense_dtype: torch.dtype | None) -> None:
+        """After ``assign=True`` installed the file's tensors, the logical dtype is theirs, as an
+        nn.Linear's becomes (the old one beside 16-bit values made every forward raise). Quantized
+        values do not tell it: the dense weight's they were computed from (a pending layer), else
+        the bias's; neither (a bias-less INT8/INT4 checkpoint): unchanged."""
+        if self.scale is None:
+            self._dtype = self.values.dtype
+            return
+        bias = self._parameters.get("bias")
+        dtype = dense_dtype or (None if bias is None else bias.dtype)
+        if dtype in FLOAT_DTYPES:
+            self._dtype = dtype
 
     def _has_dense_entry_only(self, sd: dict, prefix: str) -> bool:
         return prefix + "weight" in sd and not any(prefix + k in sd for k in _ALL_KEYS[1:])
 
-    def _fill_from_dense(self, sd: dict, prefix: str) -> None:
+    def _fill_from_dense(self, sd: dict, prefix: str) -> torch.dtype:
         """Replace a dense ``weight`` entry of ``sd`` by this layer's 2:4 entries, pruned by the
-        pending method (``sd`` is load_state_dict's own copy: changing it is allowed)."""
+        pending method (``sd`` is load_state_dict's own copy: changing it is allowed). Returns the
+        dense weight's dtype (what an assigned quantized layer computes in: _take_assigned_dtype)."""
         w = sd.pop(prefix + "weight")
         sd.update({prefix + k: v for k, v in self.entries_from_dense(w)[0].items()})
+        return w.dtype
 
     def entries_from_dense(self, weight: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         """The state-dict entries this layer holds for a dense weight, pruned by the method it
@@ -311,14 +334,17 @@ def guard_loading(model: torch.nn.Module) -> None:
     tensors (found by fuzzing: tests/tools/test_fuzz.py). A load_state_dict pre-hook on
     ``model`` checks the whole state dict first, before any module copies anything: every 2:4
     layer's entries (as the layer does), what torch refuses for other modules (a non-tensor, a
-    size mismatch) and, for a strict call, missing and unexpected keys. It runs where torch
-    reaches ``model``: for ``model.load_state_dict`` and for a parent's, where it covers
-    ``model``'s part (a submodule's own ``load_state_dict`` is the layers' business). Each
-    layer skips the checks the hook already made on the same tensors. Idempotent.
+    size mismatch) and, for a strict call, missing and unexpected keys. A module with its own
+    loading code (``_load_from_state_dict``, e.g. BatchNorm, or load pre-hooks) may rename or
+    convert its entries: its subtree is left to it and torch, the rest is checked. It runs
+    where torch reaches ``model``: for ``model.load_state_dict`` and for a parent's, where it
+    covers ``model``'s part (a submodule's own ``load_state_dict`` is the layers' business).
+    Each layer skips the checks the hook already made on the same tensors. Idempotent.
 
     Args:
         model: any ``nn.Module`` (a lone :class:`~sparse24.Sparse24Linear` needs none: it
-            loads all its entries or none by itself).
+            loads all its entries or none by itself, and refuses unexpected keys under it
+            in a strict call before copying anything).
     """
     if isinstance(model, StateDictMixin) or any(getattr(h, "hook", h) is _whole_model_check
                                                 for h in model._load_state_dict_pre_hooks.values()):
@@ -331,21 +357,21 @@ def _whole_model_check(model, state_dict, prefix, local_metadata, strict, missin
     """The pre-hook of :func:`guard_loading`: raises RuntimeError (torch's wording) listing every
     problem before anything is copied; ``state_dict`` is torch's own copy (a pending layer's dense
     weight is replaced by its 2:4 entries here, as the layer would)."""
-    errors, checked, covered = [], [], True
+    errors, checked = [], []
     odd = [k for k in state_dict if not isinstance(k, str)]
     if odd:  # torch's loader calls str methods on every key, whether strict or not
         errors.append(f"state_dict keys must be strings (module paths), got {', '.join(repr(k) for k in odd[:5])}")
     for fqn, m in _loading_walk(model, prefix):
         if m is None:
-            covered = False  # a module that may rewrite its entries: torch and it decide
-            continue
+            continue  # a module that may rewrite its entries: torch and it decide (about its subtree only)
         if isinstance(m, StateDictMixin):
             try:
+                dense_dtype = None
                 if m.pending and m._has_dense_entry_only(state_dict, fqn):
-                    m._fill_from_dense(state_dict, fqn)
+                    dense_dtype = m._fill_from_dense(state_dict, fqn)
                 check_state(m, state_dict, fqn)
                 _check_whole(m, state_dict, fqn)
-                checked.append((m, fqn))
+                checked.append((m, fqn, dense_dtype))
             except (ValueError, TypeError) as e:
                 errors.append(f"{fqn[:-1] or 'Sparse24Linear'}: {e}")
             continue
@@ -358,17 +384,17 @@ def _whole_model_check(model, state_dict, prefix, local_metadata, strict, missin
             elif not (t.dim() == 0 and v.dim() == 1 and v.numel() >= 1) and v.shape != t.shape:  # torch takes v[0]
                 errors.append(f"size mismatch for {fqn}{name}: copying a param with shape {v.shape} from "
                               f"checkpoint, the shape in current model is {t.shape}.")
-    if covered and _strict_call(model):
+    if _strict_call(model):
         missing, unexpected = _incompatible_keys(model, state_dict, prefix)
         if unexpected:
             errors.insert(0, f"Unexpected key(s) in state_dict: {', '.join(repr(k) for k in unexpected)}. ")
         if missing:
             errors.insert(0, f"Missing key(s) in state_dict: {', '.join(repr(k) for k in missing)}. ")
     if errors:
-        raise RuntimeError(f"Error(s) in loading state_dict for {type(model).__name__} (nothing was loaded):\n\t"
+        raise RuntimeError(f"Error(s) in loading state_dict for {type(model).__name__} (load_state_dict copied nothing):\n\t"
                            + "\n\t".join(errors))
-    for m, fqn in checked:  # the layers skip these checks on these very tensors
-        m.__dict__.setdefault("_checked_entries", {})[fqn] = _entry_refs(state_dict, fqn)
+    for m, fqn, dense_dtype in checked:  # the layers skip these checks on these very tensors
+        m.__dict__.setdefault("_checked_entries", {})[fqn] = (_entry_refs(state_dict, fqn), dense_dtype)
 
 
 _ENTRY_NAMES = ("weight", "mask", "values", "meta", "scale", "zero", "group_size", "bias")
@@ -379,13 +405,27 @@ def _entry_refs(sd: dict, prefix: str) -> dict:
     return {k: weakref.ref(sd[prefix + k]) if prefix + k in sd else None for k in _ENTRY_NAMES}
 
 
-def _already_checked(layer, sd: dict, prefix: str) -> bool:
-    """The whole-model hook checked exactly these tensors for this layer (consumed once)."""
-    refs = layer.__dict__.get("_checked_entries", {}).pop(prefix, None)
-    if refs is None:
-        return False
-    return all((r is None) == (prefix + k not in sd) and (r is None or r() is sd[prefix + k])
+def _already_checked(layer, sd: dict, prefix: str) -> tuple[bool, torch.dtype | None]:
+    """Whether the whole-model hook checked exactly these tensors for this layer (consumed once),
+    and the dtype of the dense weight it replaced by 2:4 entries (None if it replaced none)."""
+    record = layer.__dict__.get("_checked_entries", {}).pop(prefix, None)
+    if record is None:
+        return False, None
+    refs, dense_dtype = record
+    same = all((r is None) == (prefix + k not in sd) and (r is None or r() is sd[prefix + k])
                for k, r in refs.items())
+    return same, dense_dtype if same else None
+
+
+def _own_unexpected_keys(layer, sd: dict, prefix: str) -> list:
+    """For a strict call of ``layer``'s own load_state_dict (a lone layer: no whole-model hook),
+    the keys of ``sd`` that are none of its entries (nor a child's). Under a parent's call,
+    torch's report stands."""
+    if not _strict_call(layer, own=True):
+        return []
+    own = set(_local_state(layer)) | set(layer._modules)
+    return [k for k in sd if isinstance(k, str) and k.startswith(prefix)
+            and k[len(prefix):].partition(".")[0] not in own]
 
 
 def _loads_plainly(m: torch.nn.Module) -> bool:
@@ -419,13 +459,16 @@ def _incompatible_keys(model, sd: dict, prefix: str) -> tuple[list, list]:
     """Missing and unexpected keys as torch's strict load reports them, for ``model`` at ``prefix``."""
     missing, unexpected, local = [], [], {}
     for p, m in _loading_walk(model, prefix):
+        if m is None:  # its own loading code decides what it misses and what it takes
+            local[p] = None
+            continue
         local[p] = (m, _local_state(m))
         missing += [p + k for k in local[p][1] if p + k not in sd]
     for k in sd:  # torch's rule, per key down its path: a name followed by more is a child, the last an entry
         if not isinstance(k, str):  # refused by the caller (torch would raise AttributeError on it)
             continue
         p = prefix
-        while k.startswith(p):  # (an "_extra_state" entry is own only for a module that has one)
+        while k.startswith(p) and local[p] is not None:  # (an "_extra_state" entry: own only where there is one)
             m, own = local[p]
             head, dot, _ = k[len(p):].partition(".")
             if head not in (m._modules if dot else own):
@@ -437,14 +480,15 @@ def _incompatible_keys(model, sd: dict, prefix: str) -> tuple[list, list]:
     return missing, unexpected
 
 
-def _strict_call(model) -> bool:
-    """Whether the load_state_dict call under way is strict. torch passes True to every module's
-    loading code whatever the call says (and reports missing keys only at the end, after copying),
-    so the caller's own argument is read from its frame; False when no such frame is found (a
-    loader calling _load_from_state_dict itself: torch's report stands)."""
+def _strict_call(model, own: bool = False) -> bool:
+    """Whether the load_state_dict call under way is strict (``own``: and is ``model``'s own, not
+    a parent's). torch passes True to every module's loading code whatever the call says (and
+    reports missing keys only at the end, after copying), so the caller's own argument is read
+    from its frame; False when no such frame is found (a loader calling _load_from_state_dict
+    itself: torch's report stands)."""
     f = sys._getframe(1)
     while f is not None:
         if f.f_code is torch.nn.Module.load_state_dict.__code__:
-            return bool(f.f_locals.get("strict", True))
+            return bool(f.f_locals.get("strict", True)) and (not own or f.f_locals.get("self") is model)
         f = f.f_back
     return False
