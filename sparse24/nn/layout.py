@@ -43,25 +43,35 @@ class LayoutMixin:
         pref = self.__dict__.get("_layout_pref")
         return pref if pref is not None else ("decode" if values.is_cuda else "v1")
 
-    def _settle_layout(self) -> None:
+    def _settle_layout(self, keep_values: bool = False) -> bool:
+        """Hold the layout :meth:`_wanted_layout` says; True if it changed. ``keep_values``: see
+        :meth:`_convert_layout`."""
         if self._mode == "compressed" and not self.pending:
             wanted = self._wanted_layout()
             if wanted != self._layout:
-                self._convert_layout(wanted)
+                self._convert_layout(wanted, keep_values)
+                return True
+        return False
 
-    def _convert_layout(self, layout: str) -> None:
+    def _convert_layout(self, layout: str, keep_values: bool = False) -> None:
         """Hold the compressed tensors in ``layout`` (new tensor objects: a snapshot taken
-        before keeps the old ones, so an all-or-nothing call can still undo)."""
+        before keeps the old ones, so an all-or-nothing call can still undo). ``keep_values``:
+        the same ``values`` Parameter holds the new data instead (forward settling a layer just
+        unfrozen: an optimizer built since holds that Parameter, and a new one would never train)."""
         p = self.sparse_tensor()
         new = pack_decode(p) if layout == "decode" else p
-        self._parameters["values"] = nn.Parameter(new.values, requires_grad=self.values.requires_grad)
+        if keep_values:
+            self.values.data = new.values
+        else:
+            self._parameters["values"] = nn.Parameter(new.values, requires_grad=self.values.requires_grad)
         self._buffers["meta"] = new.meta
         self._layout = layout
         # INT4 scales that bfloat16 holds exactly (quantized from a bfloat16 weight: bf16_exact_scales):
         # the decode layout keeps them as bfloat16 too, for bfloat16 x, whose kernels then scale a
         # register pair in two fma instead of three (docs/kernels.md, "INT4 weights"); small: 2 bytes
         # per group of 32-128 weights. Tied to the float16 tensor it copies and that tensor's version:
-        # forward passes the copy only while both hold (a replaced or changed scale reads float16).
+        # eager forward passes the copy only while both hold (a replaced or changed scale reads float16;
+        # so does a compiled one, which cannot check the version).
         self._scale_bf16 = _bf16_copy(self.scale) if layout == "decode" and self._group_size else None
 
     def to_layout(self, layout: str) -> "LayoutMixin":

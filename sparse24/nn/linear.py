@@ -523,6 +523,7 @@ class Sparse24Linear(LayoutMixin, StateDictMixin, nn.Module):
                         and launch.PLAN_EPOCH[0] == epoch and x.get_device() == device \
                         and self.__dict__.get("_pending") is None and not torch.is_autocast_enabled(kind) \
                         and torch.are_deterministic_algorithms_enabled() is deterministic \
+                        and not torch._C._are_functorch_transforms_active() \
                         and not (torch.is_grad_enabled() and (x.requires_grad or v.requires_grad
                                                               or b is not None and b.requires_grad)):
                     if x.dim() == 2:
@@ -547,7 +548,8 @@ class Sparse24Linear(LayoutMixin, StateDictMixin, nn.Module):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"input must be a torch.Tensor, got {type(x).__name__}")
         dev = x.device.type
-        if dev != "meta" and torch.is_autocast_enabled(dev):  # torch has no autocast state for meta (it raises)
+        # (torch has no autocast state for meta: it raises; autocast leaves float64 as it is)
+        if dev != "meta" and x.dtype != torch.float64 and torch.is_autocast_enabled(dev):
             # Autocast does not see inside the op: cast explicitly, as it would for F.linear.
             x = x.to(torch.get_autocast_dtype(dev))
             with torch.autocast(dev, enabled=False):
@@ -583,15 +585,18 @@ class Sparse24Linear(LayoutMixin, StateDictMixin, nn.Module):
         if (values.requires_grad and values.dim() != 2 or values.is_cuda and values.dim() == 2) \
                 and not torch.compiler.is_compiling():
             # made trainable since (needs layout v1), or placed on CUDA without .to() (a loader's direct
-            # assignment): settle the layout (a no-op where layout v1 is what this layer wants)
-            self._settle_layout()
+            # assignment): settle the layout (a no-op where layout v1 is what this layer wants), in the
+            # same Parameter (an optimizer may hold it); plans kept for the old data go with it
+            if self._settle_layout(keep_values=True):
+                _FAST.pop(self, None)
             values = params["values"]
         linear24.check_input(x, self.in_features, values.device)
         scale = buffers["scale"]
-        if x.dtype == torch.bfloat16:   # INT4 in the decode layout: bfloat16 scales where exact (LayoutMixin)
+        # INT4 in the decode layout: bfloat16 scales where exact (LayoutMixin), in eager mode only: a
+        # compiled graph cannot see an in-place change of the float16 scales (it kept the stale copy)
+        if x.dtype == torch.bfloat16 and not torch.compiler.is_compiling():
             copy = self.__dict__.get("_scale_bf16")
-            if copy is not None and copy[0] is scale and (copy[1] is None or torch.compiler.is_compiling()
-                                                          or copy[1] == scale._version):
+            if copy is not None and copy[0] is scale and (copy[1] is None or copy[1] == scale._version):
                 scale = copy[2]
         bias, zero, group_size = params.get("bias"), buffers["zero"], self._group_size or 0
         out = linear24.forward(x, values, buffers["meta"], scale, bias, self._dtype, self.out_features, zero=zero,

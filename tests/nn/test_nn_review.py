@@ -222,3 +222,52 @@ def test_swapped_layers_keep_the_training_flag(call, mode):
             assert model[0].to_dense_module().training is training
             sparse24.densify_(model)
         assert [m.training for m in model.modules()] == [training] * 4
+
+
+# --- found by the op review ---------------------------------------------------------------
+
+def test_unfreezing_a_decode_layout_layer_trains_the_parameter_the_optimizer_holds():
+    # The first forward after unfreezing moved the values to layout v1 in a NEW Parameter: the optimizer
+    # built before kept the old one and the weight never trained. The twin never leaves layout v1.
+    lin = nn.Linear(64, 16).half()
+    twin, layer = (Sparse24Linear.from_linear(nn.Linear(64, 16).half(), mode="compressed") for _ in range(2))
+    for m in (twin, layer):
+        m.load_state_dict(Sparse24Linear.from_linear(lin, mode="compressed").state_dict())
+    layer.to_layout("decode")  # what a CUDA layer holds
+    x = torch.randn(8, 64).half()
+    for m in (twin, layer):
+        for p in m.parameters():
+            p.requires_grad_(p.is_floating_point())  # docs/modules.md's unfreeze recipe
+        opt = torch.optim.SGD(m.parameters(), lr=0.5)
+        for _ in range(2):
+            opt.zero_grad()
+            m(x).float().square().sum().backward()
+            opt.step()
+        assert any(p is m.values for g in opt.param_groups for p in g["params"])
+    assert not torch.equal(layer.dense_weight(), Sparse24Linear.from_linear(lin, mode="compressed").dense_weight())
+    assert torch.equal(layer.dense_weight(), twin.dense_weight()) and torch.equal(layer.bias, twin.bias)
+
+
+def test_compiled_int4_bf16_forward_sees_scales_changed_in_place():
+    # The decode layout's bfloat16 copy of INT4 scales was trusted under torch.compile without its
+    # version check: after scale.mul_(2) every compiled call used the old scales (error 1.25, eager 0.004)
+    lin = nn.Linear(64, 16).bfloat16()
+    mask = top2_mask(lin.weight)
+    layer = Sparse24Linear.from_linear(lin, mode="compressed", quantize="int4", group_size=32).to_layout("decode")
+    with torch.no_grad():
+        layer.scale.mul_(2)
+    x = torch.randn(3, 64).bfloat16()
+    torch._dynamo.reset()
+    out = torch.compile(layer, backend="aot_eager", fullgraph=True)(x)
+    # the weight in the layer's bfloat16 (one rounding of the exact dequantized value), then fp64
+    w = int4_dequantized_reference(layer.to_layout("v1"), mask).bfloat16().double()
+    assert_matches_reference(out, x, w, layer.bias)
+
+
+def test_autocast_leaves_float64_input_in_float64():
+    lin = nn.Linear(32, 8).double()
+    layer = Sparse24Linear.from_linear(lin, mode="compressed")
+    x = torch.randn(4, 32, dtype=torch.float64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, want = layer(x), nn.functional.linear(x, layer.dense_weight(), layer.bias)
+    assert out.dtype == torch.float64 and torch.allclose(out, want, rtol=1e-12, atol=1e-12)
