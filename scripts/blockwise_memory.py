@@ -76,9 +76,10 @@ def generate(folder: Path, layers: int, shard_bytes: int = 500 * MIB) -> int:
 def prune(folder: Path, out: Path, method: str, sequences: int, seq: int) -> None:
     """Runs in its own process: the peak RSS is this pruning's alone."""
     from sparse24.tools.blockwise import prune_folder_blockwise
-    from sparse24.tools.hf_folder import _skeleton
+    from sparse24.tools.checkpoint import check_shards
+    from sparse24.tools.hf_folder import _shards, _skeleton
 
-    config, model = _skeleton(folder)  # what the pruning builds too; counted in the overhead
+    config, model = _skeleton(folder, check_shards(folder, _shards(folder)[0]))  # as the pruning; in the overhead
     block = sum(p.numel() for p in model.model.layers[0].parameters()) * 4
     fixed = rss_mib()
     ids = torch.randint(3, config.vocab_size, (sequences, seq), generator=torch.Generator().manual_seed(1))

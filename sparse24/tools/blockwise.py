@@ -2,15 +2,18 @@
 calibration (``python -m sparse24 prune FOLDER --out DIR --method wanda --calibration-ids ids.pt``).
 
 SparseGPT's sequential scheme, on a model that never exists whole: the model is built on
-the meta device; the first decoder block's inputs are computed from the checkpoint's
-embedding rows by the model's own forward (attention masks, rotary embeddings), stopped
-at block 0. Then each block in turn is materialized in fp32 from the safetensors shards and
-pruned layer by layer on the inputs it receives (:func:`sparse24.prune_layerwise_`); each layer,
-as soon as it is pruned (in place), is compressed in the checkpoint's dtype, a few rows at a time,
-and written as its own output shard, so no mask outlives its layer. The pruned block then runs
-once more to give the next block its inputs, its other tensors (norms) are written, and it is
-freed. The result is what pruning the whole fp32 model in memory with ``prune_layerwise_`` gives
-(the tests compare the two), stored in the checkpoint's dtype.
+the meta device and every tensor it needs is checked against the shard headers. One pass of
+the model's own forward per batch, each decoder block replaced by a recorder that passes its
+input on, gives the first block's inputs (the checkpoint's embedding rows through the model's
+embedding module) and every block's own keyword arguments (attention masks and rotary
+embeddings differ between sliding-window and full-attention layers). Then each block in turn
+is materialized in fp32 from the safetensors shards and pruned layer by layer on the inputs it
+receives (:func:`sparse24.prune_layerwise_`); each layer, as soon as it is pruned (in place), is
+compressed in the checkpoint's dtype, a few rows at a time, and written as its own output shard,
+so no mask outlives its layer. The pruned block then runs once more to give the next block its
+inputs, its other tensors (norms) are written, and it is freed. The result is what pruning the
+whole fp32 model in memory with ``prune_layerwise_`` gives (the tests compare the two), stored in
+the checkpoint's dtype.
 
 Memory: one block in fp32, plus one layer's mask and compressed form and a few MiB of
 temporaries; the calibration hidden states twice (a block's inputs and outputs); the method's
@@ -19,7 +22,9 @@ wave and its solver's copies); and a fixed overhead (Python, torch, transformers
 model). No copy of the block is kept to undo a failure (the output folder is discarded instead).
 Tensors are read one at a time from memory-mapped shards, each file closed after its read, so
 no shard is ever resident whole.
-Supported: Llama-shaped decoders (``model.model.layers``, ``embed_tokens``, ``rotary_emb``).
+Supported: Llama-shaped decoders (``model.model.layers``, an ``nn.Embedding`` ``embed_tokens``,
+``rotary_emb``; tested: Llama, Qwen2/3, Gemma 1-3, gpt-oss) whose forward passes each block's output
+straight to the next.
 """
 from __future__ import annotations
 
@@ -29,7 +34,6 @@ import os
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..api import MIN_FEATURES, sparsify_
@@ -47,18 +51,27 @@ __all__ = ["prune_folder_blockwise", "CALIBRATED"]
 CALIBRATED = ("wanda", "sparsegpt")
 
 
-class _Caught(Exception):
-    def __init__(self, inputs: dict):
-        self.inputs = inputs
+class _Stop(Exception):
+    pass
 
 
-class _Catch(nn.Module):
-    """Stands in for decoder block 0: records the arguments the model gives it, then stops the forward."""
+class _Record(nn.Module):
+    """Stands in for one decoder block in a pass of the model's forward: records the keyword arguments the
+    model gives that block (a model with several layer types gives each its own attention mask and rotary
+    embeddings) and returns the hidden states unchanged; the last one stops the forward (what follows
+    is on the meta device)."""
+
+    def __init__(self, seen: list, last: bool):
+        super().__init__()
+        self.seen, self.last = seen, last
 
     def forward(self, hidden_states, *args, **kwargs):
         if args:
             raise TypeError("the decoder block got positional arguments beyond hidden_states: not Llama-shaped")
-        raise _Caught({"hidden_states": hidden_states, **kwargs})
+        self.seen.append((hidden_states, kwargs))
+        if self.last:
+            raise _Stop
+        return hidden_states
 
 
 def _read(src: Path, shard: str, key: str) -> torch.Tensor:
@@ -84,47 +97,102 @@ def _check_batches(batches) -> list[torch.Tensor]:
     return batches
 
 
-def _first_block_inputs(body: nn.Module, config, embedding: torch.Tensor, batches) -> list[dict]:
-    """Every batch's keyword arguments of decoder block 0, hidden states in fp32."""
-    vocab = embedding.shape[0]
+def _embed(model: nn.Module, module: nn.Embedding, table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """The fp32 model's embeddings of ``ids`` by its own embedding module (Gemma scales the rows inside it),
+    run on a copy holding only the rows ``ids`` use: the whole table in fp32 can outweigh a block."""
+    used, local = ids.long().unique(return_inverse=True)
+    small = copy.deepcopy(module)  # meta
+    small.weight = nn.Parameter(torch.empty(len(used), table.shape[1], device="meta"), requires_grad=False)
+    small.num_embeddings, small.padding_idx = len(used), None  # padding_idx only masks gradients; its row moved
+    small.to_empty(device="cpu")
+    model._init_weights(small)  # its non-persistent buffers (Gemma's embed_scale), which no checkpoint holds
+    with torch.no_grad():
+        small.weight.copy_(table[used])  # an exact cast of the stored rows
+        return small(local)
+
+
+def _block_arguments(model: nn.Module, body: nn.Module, config, table: torch.Tensor,
+                     batches) -> tuple[list[torch.Tensor], list[list[dict]]]:
+    """Every batch's hidden states entering decoder block 0 (fp32), and every block's other keyword
+    arguments for every batch (``[block][batch]``), from one pass of the model's forward per batch with
+    each block replaced by a :class:`_Record`."""
+    vocab = table.shape[0]
     body.rotary_emb = type(body.rotary_emb)(config=config)  # real frequencies (a buffer no checkpoint holds)
-    first = body.layers[0]
-    body.layers[0] = _Catch()
-    inputs = []
+    blocks = list(body.layers)
+    seen = [[] for _ in blocks]
+    for i, s in enumerate(seen):
+        body.layers[i] = _Record(s, last=i == len(seen) - 1)
+    hidden = []
     try:
-        with torch.no_grad():
-            for ids in batches:
-                if int(ids.min()) < 0 or int(ids.max()) >= vocab:
-                    raise ValueError(f"token ids must lie in [0, {vocab}), got [{int(ids.min())}, {int(ids.max())}]")
-                try:  # the fp32 model's lookup: an exact cast of the stored rows
-                    body(inputs_embeds=F.embedding(ids.long(), embedding).float(), use_cache=False)
-                except _Caught as c:
-                    inputs.append(c.inputs)
-                else:
-                    raise RuntimeError("the model's forward never reached decoder block 0")
+        for ids in batches:
+            if int(ids.min()) < 0 or int(ids.max()) >= vocab:
+                raise ValueError(f"token ids must lie in [0, {vocab}), got [{int(ids.min())}, {int(ids.max())}]")
+            x = _embed(model, body.embed_tokens, table, ids)
+            try:
+                with torch.no_grad():
+                    body(inputs_embeds=x, use_cache=False)
+            except _Stop:
+                pass
+            else:
+                raise RuntimeError("the model's forward never reached its last decoder block")
+            # Each block's inputs are then its predecessor's outputs: only if the forward changes nothing
+            # between blocks (and calls each once) is running them one by one the same.
+            if any(len(s) != len(hidden) + 1 or s[-1][0] is not seen[0][-1][0] for s in seen):
+                raise ValueError(f"{type(model).__name__}'s forward does not pass each decoder block's output "
+                                 "straight to the next: block-by-block pruning cannot reproduce it; prune it in "
+                                 "memory with sparse24.prune_layerwise_")
+            hidden.append(seen[0][-1][0])
     finally:
-        body.layers[0] = first
-    return inputs
+        for i, b in enumerate(blocks):
+            body.layers[i] = b
+    return hidden, [[kw for _, kw in s] for s in seen]
 
 
-def _materialize(block: nn.Module, names: dict[str, tuple[str, str]], src: Path) -> dict[str, torch.dtype]:
-    """Fill the meta block's tensors in place (fp32 on CPU) from the checkpoint; returns each
-    entry's stored dtype. ``names``: block-relative state key -> (checkpoint key, shard)."""
+def _materialize(block: nn.Module, names: dict[str, tuple[str, str]], src: Path,
+                 prefix: str) -> dict[str, torch.dtype]:
+    """Fill the meta block ``prefix`` (``model.layers.<i>.``) in place (fp32 on CPU) from the checkpoint;
+    returns each entry's stored dtype. ``names``: block-relative state key -> (checkpoint key, shard).
+    The checks repeat those done before any block (the folder may change while a large model is pruned)."""
     block.to_empty(device="cpu")
     state, stored = block.state_dict(), {}
+    where = f"(decoder block {prefix.split('.')[-2]})"
     missing = sorted(set(state) - set(names))
     if missing:
-        raise ValueError(f"the checkpoint has no {', '.join(missing[:5])} for this block")
+        raise ValueError(f"the checkpoint has no {', '.join(prefix + k for k in missing[:5])} {where}")
     with torch.no_grad():
         for k, t in state.items():
             key, shard = names[k]
             loaded = _read(src, shard, key)
             if loaded.shape != t.shape:
                 raise ValueError(f"checkpoint entry {key} has shape {tuple(loaded.shape)}, the model expects "
-                                 f"{tuple(t.shape)}")
+                                 f"{tuple(t.shape)} {where}")
             t.copy_(loaded)
             stored[k] = loaded.dtype
     return stored
+
+
+def _check_entries(model: nn.Module, where: dict, headers: dict) -> None:
+    """Every tensor the blocks and the embeddings need is in the checkpoint with the model's shape, checked
+    from the shard headers before any work: a gap in the last block was found hours into a large model."""
+    expected = model.state_dict()  # meta: shapes only
+    needed = [k for k in expected if k.startswith("model.layers.") or k == "model.embed_tokens.weight"]
+    missing = [k for k in needed if k not in where]
+    if missing:
+        raise ValueError(f"the checkpoint has no {', '.join(missing[:5])}"
+                         f"{f' (and {len(missing) - 5} more)' if len(missing) > 5 else ''}")
+    for k in needed:
+        key = where[k][0]
+        shape = tuple(headers[key][1])
+        if shape != tuple(expected[k].shape):
+            raise ValueError(f"checkpoint entry {key} has shape {shape}, the model expects "
+                             f"{tuple(expected[k].shape)}")
+    for i, block in enumerate(model.model.layers):
+        # to_empty leaves them uninitialized and no checkpoint holds them: they would be garbage
+        odd = [n for n, _ in block.named_buffers() if n not in block.state_dict()]
+        if odd:
+            raise ValueError(f"decoder block {i} has buffers no checkpoint holds ({', '.join(odd[:3])}): "
+                             "block-by-block pruning cannot rebuild them; prune it in memory with "
+                             "sparse24.prune_layerwise_")
 
 
 def prune_folder_blockwise(src: str | os.PathLike, dst: str | os.PathLike, batches, method: str = "wanda",
@@ -135,7 +203,8 @@ def prune_folder_blockwise(src: str | os.PathLike, dst: str | os.PathLike, batch
     (see the module docstring), calibrated on ``batches``.
 
     Args:
-        src: folder with ``config.json`` and safetensors weights (sharded or not), Llama-shaped.
+        src: folder with ``config.json`` and safetensors weights (sharded or not), Llama-shaped
+            (see the module docstring).
         dst: folder to create (must not exist, or be empty); written under a temporary name.
         batches: list of ``(B, L)`` int64 token-id tensors (what ``model(batch)`` takes).
         method: ``"wanda"`` or ``"sparsegpt"``; a method without calibration goes to
@@ -151,8 +220,6 @@ def prune_folder_blockwise(src: str | os.PathLike, dst: str | os.PathLike, batch
         >>> ids = torch.load("calibration_ids.pt")  # (N, L) token ids
         >>> prune_folder_blockwise("llama-70b", "llama-70b-2of4", list(ids.split(1)), method="sparsegpt")
     """
-    from safetensors import safe_open
-
     if method not in CALIBRATED:
         return prune_folder(src, dst, method, quantize, min_features, exclude, group_size=group_size,
                             symmetric=symmetric)
@@ -163,12 +230,14 @@ def prune_folder_blockwise(src: str | os.PathLike, dst: str | os.PathLike, batch
     batches = _check_batches(batches)
     excl = exclude_pattern(exclude)
     shards, _ = _shards(src)
-    config, model = _skeleton(src, check_shards(src, shards))
+    headers = check_shards(src, shards)
+    config, model = _skeleton(src, headers)
     body = getattr(model, "model", None)
-    if not all(hasattr(body, a) for a in ("layers", "embed_tokens", "rotary_emb")):
-        raise ValueError(f"{type(model).__name__} is not Llama-shaped (model.layers, model.embed_tokens, "
-                         "model.rotary_emb): block-by-block pruning supports those; prune it in memory with "
-                         "sparse24.prune_layerwise_")
+    if not all(hasattr(body, a) for a in ("layers", "embed_tokens", "rotary_emb")) \
+            or not isinstance(body.embed_tokens, nn.Embedding):
+        raise ValueError(f"{type(model).__name__} is not Llama-shaped (model.layers, an nn.Embedding "
+                         "model.embed_tokens, model.rotary_emb): block-by-block pruning supports those; prune it "
+                         "in memory with sparse24.prune_layerwise_")
     plan = copy.deepcopy(model)  # which layers sparsify_ takes (meta: nothing computed)
     sparsify_(plan, filter_fn=None if excl is None else (lambda m, fqn: not excl.search(fqn)), mode="compressed",
               min_features=MIN_FEATURES if min_features is None else min_features, **quant)
@@ -179,22 +248,21 @@ def prune_folder_blockwise(src: str | os.PathLike, dst: str | os.PathLike, batch
     if outside:
         raise ValueError(f"layers outside the decoder blocks cannot be pruned block by block: {outside[:3]}")
     # module state key -> (checkpoint key, shard): checkpoint keys may lack the base model's prefix
-    names = set(model.state_dict())
-    where = {}
-    for shard in shards:
-        with safe_open(src / shard, framework="pt") as f:
-            for key in f.keys():
-                where[key if key in names else f"{model.base_model_prefix}.{key}"] = (key, shard)
-    embedding = _read(src, where["model.embed_tokens.weight"][1], where["model.embed_tokens.weight"][0])
-    inputs = _first_block_inputs(body, config, embedding, batches)
-    del embedding
+    names, shard_of = set(model.state_dict()), {src / s: s for s in shards}
+    where = {(key if key in names else f"{model.base_model_prefix}.{key}"): (key, shard_of[f])
+             for key, (_, _, f) in headers.items()}
+    _check_entries(model, where, headers)
+    table = _read(src, where["model.embed_tokens.weight"][1], where["model.embed_tokens.weight"][0])
+    hidden, arguments = _block_arguments(model, body, config, table, batches)
+    del table
 
     rows, weight_map, nbytes = [], {}, 0
     with partial_folder(dst) as tmp:
         for i in range(len(body.layers)):
             pre = f"model.layers.{i}."
             block = body.layers[i]
-            stored = _materialize(block, {k[len(pre):]: v for k, v in where.items() if k.startswith(pre)}, src)
+            stored = _materialize(block, {k[len(pre):]: v for k, v in where.items() if k.startswith(pre)}, src, pre)
+            inputs = [{**kw, "hidden_states": h} for kw, h in zip(arguments[i], hidden)]
             mine = {f[len(pre):] for f in layers if f.startswith(pre)}
 
             def write_layer(f, r, i=i, pre=pre, stored=stored):
@@ -211,7 +279,8 @@ def prune_folder_blockwise(src: str | os.PathLike, dst: str | os.PathLike, batch
                                      on_layer=write_layer, rollback=False, **method_kwargs).values()
             with torch.no_grad():  # the next block's inputs, from this pruned block
                 block.eval()
-                inputs = [{**b, "hidden_states": block(**b)} for b in inputs]
+                hidden = [block(**b) for b in inputs]
+            del inputs
             # the rest of the block (norms, biases) cast back: an exact round trip
             rest = {pre + k: t.to(stored[k]) for k, t in block.state_dict().items()
                     if not (k.endswith(".weight") and k[:-len(".weight")] in mine)}

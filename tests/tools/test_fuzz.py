@@ -284,7 +284,7 @@ def test_finding_load_state_dict_is_all_or_nothing(fuzz):
              "a missing key": {k: v for k, v in changed.items() if k != "3.bias"},
              "an unexpected key": dict(changed, extra=torch.ones(1))}
     for why, bad in cases.items():
-        with pytest.raises(RuntimeError, match="nothing was loaded"):
+        with pytest.raises(RuntimeError, match="load_state_dict copied nothing"):
             model.load_state_dict(bad)
         for k, v in model.state_dict().items():
             assert torch.equal(v, before[k]), (why, k)
@@ -474,7 +474,7 @@ def test_finding_unexpected_keys_as_torch_finds_them(fuzz):
     from sparse24.nn import state
     model, sd = _fuzz_model(fuzz)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    with pytest.raises(RuntimeError, match="nothing was loaded.*\n.*Unexpected key.*'3.weight.values'"):
+    with pytest.raises(RuntimeError, match="load_state_dict copied nothing.*\n.*Unexpected key.*'3.weight.values'"):
         model.load_state_dict(dict({k: v * 2 if v.is_floating_point() else v for k, v in sd.items()},
                                    **{"3.weight.values": torch.ones(1)}))
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
@@ -518,7 +518,7 @@ def test_finding_a_key_that_is_no_string(fuzz):
     before = {k: v.clone() for k, v in model.state_dict().items()}
     bad = {**{k: v * 2 if v.is_floating_point() else v for k, v in sd.items()}, False: torch.ones(1)}
     for strict in (True, False):
-        with pytest.raises(RuntimeError, match="nothing was loaded.*\n.*keys must be strings .*, got False"):
+        with pytest.raises(RuntimeError, match="load_state_dict copied nothing.*\n.*keys must be strings .*, got False"):
             model.load_state_dict(bad, strict=strict)
         assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
     assert fuzz.names_a_field("state_dict keys must be strings (module paths), got False", {False})
