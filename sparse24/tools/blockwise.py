@@ -42,7 +42,7 @@ from ..hf import FORMAT_VERSION
 from ..masks import prune_layerwise_
 from ..masks.nm import _row_chunks
 from ..nn import Sparse24Linear, compressed_entries, quant_options
-from .checkpoint import check_shards, exclude_pattern, partial_folder, quant_label
+from .checkpoint import check_shards, exclude_pattern, output_folder, partial_folder, quant_label
 from .hf_folder import _finish_folder, _shards, _skeleton, prune_folder
 
 __all__ = ["prune_folder_blockwise", "CALIBRATED"]
@@ -224,9 +224,7 @@ def prune_folder_blockwise(src: str | os.PathLike, dst: str | os.PathLike, batch
         return prune_folder(src, dst, method, quantize, min_features, exclude, group_size=group_size,
                             symmetric=symmetric)
     quant = quant_options(quantize, group_size, symmetric)
-    src, dst = Path(src), Path(dst)
-    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
-        raise ValueError(f"--out {dst}: exists and is not an empty folder")
+    src, dst = Path(src), output_folder(dst)
     batches = _check_batches(batches)
     excl = exclude_pattern(exclude)
     shards, _ = _shards(src)

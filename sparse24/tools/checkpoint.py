@@ -35,6 +35,18 @@ def exclude_pattern(exclude: str | None) -> "re.Pattern | None":
         raise ValueError(f"--exclude {exclude!r} is not a regular expression: {e}") from None
 
 
+def output_folder(dst: str | os.PathLike) -> Path:
+    """``--out`` as the folder to write: refused unless new or empty (ValueError). A symbolic link is
+    followed: the finished folder replaces its target, so the link names the result (renaming onto
+    the link itself failed after all the work)."""
+    dst = Path(dst)
+    if dst.is_symlink():
+        dst = dst.resolve()
+    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
+        raise ValueError(f"--out {dst}: exists and is not an empty folder")
+    return dst
+
+
 @contextlib.contextmanager
 def partial_folder(dst: Path):
     """A new empty folder beside ``dst`` (``.NAME.PID.partial``) to write an output folder into and

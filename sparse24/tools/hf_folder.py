@@ -24,8 +24,8 @@ from ..hf import FORMAT_VERSION, check_blocks, read_config, read_shard_index, sp
 from ..masks import kept_magnitude_fraction
 from ..nn import Sparse24Linear, is_conv1d_class
 from .._progress import progress_bar
-from .checkpoint import (check_shards, dense_row, exclude_pattern, is_model_folder, is_weight_matrix, partial_folder,
-                         quant_label)
+from .checkpoint import (check_shards, dense_row, exclude_pattern, is_model_folder, is_weight_matrix, output_folder,
+                         partial_folder, quant_label)
 from .cli_common import CLIError
 
 __all__ = ["is_model_folder", "prune_folder", "WEIGHT_FILES"]
@@ -97,9 +97,7 @@ def prune_folder(src: str | os.PathLike, dst: str | os.PathLike, method: str = "
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    src, dst = Path(src), Path(dst)
-    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
-        raise ValueError(f"--out {dst}: exists and is not an empty folder")
+    src, dst = Path(src), output_folder(dst)
     excl = exclude_pattern(exclude)
     shards, index = _shards(src)
     config, model = _skeleton(src, check_shards(src, shards))

@@ -48,7 +48,7 @@ from ..masks.reconstruct import LAYERWISE_PERCDAMP
 from ..nn import Sparse24Linear, is_conv1d_class
 from .._progress import progress_enabled
 from .checkpoint import (LAYER_ENTRIES, check_shards, dense_row, exclude_pattern, is_model_folder, is_weight_matrix,
-                         partial_folder, quant_label)
+                         output_folder, partial_folder, quant_label)
 from .cli_common import CLIError, _one_line, int4_args, prune_quant
 
 __all__ = ["CALIBRATED", "read_samples", "tokenize_samples", "prune_calibrated", "prune_folder_calibrated",
@@ -218,8 +218,10 @@ def prune_folder_calibrated(src: Path, dst: Path, args) -> tuple[list[dict], str
 
     from .hf_folder import NOT_SWAPPED, WEIGHT_FILES, _shards, _skeleton
 
-    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
-        raise CLIError(f"--out {dst}: exists and is not an empty folder")
+    try:
+        dst = output_folder(dst)
+    except ValueError as e:
+        raise CLIError(str(e)) from None
     quant = prune_quant(args)
     texts = read_samples(args.calibration, args.samples)
     excl = exclude_pattern(args.exclude)

@@ -137,3 +137,25 @@ def test_one_process_dcp_recipe_all_or_nothing(tmp_path):
     dcp.load(sd, checkpoint_id=tmp_path / "good", no_dist=True)
     model.load_state_dict(sd)
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in good.items())
+
+
+def test_out_as_a_symlink_to_an_empty_folder(tmp_path):
+    # Accepted at the start, then the final rename failed on the link (NotADirectoryError) after all
+    # the work: the link is followed, and names the result
+    from sparse24.tools.hf_folder import prune_folder
+    tiny_llama().half().save_pretrained(tmp_path / "src")
+    (tmp_path / "real").mkdir()
+    (tmp_path / "out").symlink_to(tmp_path / "real")
+    prune_folder(tmp_path / "src", tmp_path / "out")
+    assert (tmp_path / "out").is_symlink() and (tmp_path / "real" / "model.safetensors").is_file()
+    direct = tmp_path / "direct"
+    prune_folder(tmp_path / "src", direct)
+    assert load_file(tmp_path / "out" / "model.safetensors").keys() == load_file(direct / "model.safetensors").keys()
+    (tmp_path / "busy").symlink_to(tmp_path / "src")  # a link to a folder that is not empty: refused
+    with pytest.raises(ValueError, match="exists and is not an empty folder"):
+        prune_folder(tmp_path / "src", tmp_path / "busy")
+    batches = list(tokens(0, (2, 8)).split(1))
+    (tmp_path / "real2").mkdir()
+    (tmp_path / "out2").symlink_to(tmp_path / "real2")
+    prune_folder_blockwise(tmp_path / "src", tmp_path / "out2", batches, method="wanda")
+    assert (tmp_path / "real2" / "config.json").is_file()
