@@ -16,7 +16,7 @@ from .._checks import FLOAT_DTYPES, check_finite, computable
 from ..format import Sparse24Tensor, _check_mask24, compress
 from . import prepare
 from .prepare import is_conv1d_class
-from .sharded import local_pair
+from .sharded import is_dtensor, local_pair, shard_like
 
 __all__ = ["check_state", "StateDictMixin", "compressed_entries", "guard_loading"]
 
@@ -292,7 +292,17 @@ class StateDictMixin:
         pending method (``sd`` is load_state_dict's own copy: changing it is allowed). Returns the
         dense weight's dtype (what an assigned quantized layer computes in: _take_assigned_dtype)."""
         w = sd.pop(prefix + "weight")
-        sd.update({prefix + k: v for k, v in self.entries_from_dense(w)[0].items()})
+        if not is_dtensor(w):
+            sd.update({prefix + k: v for k, v in self.entries_from_dense(w)[0].items()})
+            return w.dtype
+        # FSDP2's load of a meta-built model (set_model_state_dict): the mask methods need whole rows
+        # and m x m blocks, so they run on the gathered weight (every rank loads, in the same order);
+        # each rank keeps its own pieces, sharded like the weight (sharded.py)
+        if self._mode != "masked":
+            raise ValueError("a sharded (DTensor) dense weight can fill a pending layer in masked mode only: "
+                             "load it into the masked model, then compress")
+        entries = self.entries_from_dense(w.full_tensor())[0]
+        sd.update({prefix + k: shard_like(v, w) for k, v in entries.items()})
         return w.dtype
 
     def entries_from_dense(self, weight: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:

@@ -1,6 +1,7 @@
 """FSDP2 (``fully_shard``) training with frozen 2:4 masks: 2 CPU processes on gloo against one
 process holding the whole global batch. Checked after every step, on the full tensors: every
 layer exactly 2:4, pruned weights and their optimizer state exactly zero, masks unchanged."""
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -198,3 +199,39 @@ def test_fsdp2_frozen_masks_match_one_process():
     msg, kind = out["wrong-order"]
     assert "sparsify before sharding" in msg and kind == "Linear", out["wrong-order"]
     assert "sharded" in out["compress-sharded"]
+
+
+def sparsify_2d_or_not(model, method):
+    # (13 output rows: no 4x4 blocks for the 2-D methods; the head stays dense there)
+    sparse24.sparsify_(model, min_features=0, skip_output_head=False, method=method,
+                       filter_fn=None if method == "magnitude" else lambda m, fqn: fqn != "2")
+
+
+def _meta_pending_worker(rank, method):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    mesh = init_device_mesh("cpu", (WORLD,))
+    with torch.device("meta"):
+        model = build_dense()
+    sparsify_2d_or_not(model, method)  # masks pending
+    shard(model, mesh).to_empty(device="cpu")
+    state = build_dense().state_dict() if rank == 0 else {}
+    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    x = data()[0][0]
+    return {"state": full_state(model), "y": full(model(x)).detach()}
+
+
+@pytest.mark.parametrize("method", ["magnitude", "2d_greedy"])
+def test_fsdp2_meta_built_model_computes_pending_masks_from_a_broadcast_load(method):
+    # The large-model recipe: build on meta, sparsify_ (masks pending), fully_shard, to_empty, load the dense
+    # weights from rank 0. The pending masks met DTensor weights: "mixed torch.Tensor and DTensor" (13 rows:
+    # "Cannot flatten unevenly sharded tensor"). Reference: one process, dense weights at hand, independent masks.
+    out = spawn(_meta_pending_worker, WORLD, method, timeout=120)
+    dense = build_dense()
+    ref = build_dense()
+    sparsify_2d_or_not(ref, method)
+    for fqn in SPARSE if method == "magnitude" else SPARSE[:-1]:
+        w = dense.get_submodule(fqn).weight.detach()
+        mask = top2_mask(w) if method == "magnitude" else sparse24.mask_nm(w, method=method)
+        assert torch.equal(out["state"][fqn + ".mask"], mask), fqn
+        assert torch.equal(out["state"][fqn + ".weight"], torch.where(mask, w, 0)), fqn
+    torch.testing.assert_close(out["y"], ref(data()[0][0]).detach(), rtol=1e-6, atol=1e-6)
