@@ -28,12 +28,15 @@
 #      CUDA kernels per call from torch.profiler (scripts/gpu_block.py: block.csv, block.md).
 # Each step has its own time limit, cut to what is left of GPU_CHECK_BUDGET (570 s from the
 # script's start: a device call may run 600; a step left under 20 s is skipped and counts as
-# failed); a failing step does not stop the next ones, and the script exits non-zero if any
-# failed. Every step's outputs are archived to $OUT/gpu_check.tgz (when OUT is set) as soon as
-# the step ends, so a run cut short keeps what it measured. The planned calls of a GPU session
+# failed; the preamble, ~5 Python start-ups importing torch for the layout and CUDA checks, env.txt
+# and the prebuilt cache's relocation, runs first inside it: ~15-20 s, its time appended to env.txt);
+# a failing step does not stop the next ones, and the script exits non-zero if any failed. Every
+# step's outputs are archived to $OUT/gpu_check.tgz (when OUT is set) as soon as the step ends, so
+# a run cut short keeps what it measured. The planned calls of a GPU session
 # are scripts/gpu_plan.sh N (one line each, so nothing is lost to a wrapped paste).
-# GPU_CHECK_DRY=1 prints each step's name and limit without a GPU and runs nothing, as if every
-# step took its whole limit (what tests/tools/test_gpu_plan.py checks the budget with).
+# GPU_CHECK_DRY=1 prints each step's name and limit without a GPU and runs nothing, as if the
+# preamble took GPU_CHECK_PREAMBLE_S (20 s) and every step its whole limit (what
+# tests/tools/test_gpu_plan.py checks the budget with).
 #
 #   bash scripts/gpu_check.sh            # PYTHON=python3 by default
 set -uo pipefail
@@ -59,6 +62,7 @@ T_SPARSE_MM=${T_SPARSE_MM:-100}  # (added after the 2026-12-04 H200 runs: runs o
 T_KSWEEP=${T_KSWEEP:-100}       # (added 2026-12-05: runs only where GPU_CHECK_ONLY names it)
 BUDGET=${GPU_CHECK_BUDGET:-570}
 DRY=${GPU_CHECK_DRY:-}
+PREAMBLE_S=${GPU_CHECK_PREAMBLE_S:-20}   # the dry run's charge for the preamble (a real run's is measured)
 PROBE_ARGS=${PROBE_ARGS:-}      # e.g. "--only prefill --weights int8,int4 --ms 32,64"
 TUNE_SKIP=${TUNE_SKIP:---skip-tuned}  # TUNE_SKIP=--no-skip-tuned re-times the keys this GPU's file holds
 
@@ -97,6 +101,8 @@ step() {  # step NAME LIMIT_S CMD...: run with a time limit, log to $RES/NAME.lo
 
 if [ -n "$DRY" ]; then
     GPU=DRY RES=results/DRY
+    echo "preamble $PREAMBLE_S"
+    SECONDS=$PREAMBLE_S
 else
 . scripts/installed_layout.sh   # SITE: this tree as installed (sparse24.kernels), first on PYTHONPATH
 
@@ -135,6 +141,7 @@ if [ -d "$PREBUILT" ] && [ -z "${TRITON_CACHE_DIR:-}" ]; then
     CACHE_START=$(cache_kernels) SPARSE24_START=$(sparse24_kernels)
 fi
 
+echo "gpu_check: preamble took $SECONDS s of the ${BUDGET} s budget (the dry run charges $PREAMBLE_S)" | tee -a "$RES/env.txt"
 keep
 fi
 
@@ -152,8 +159,8 @@ if [ "$ONLY" != "  " ]; then
 fi
 
 # 0d. the 16-bit prefill kernel against Triton's own GEMM on one tile as K grows (run 4: 2.5x at
-#     K = 11008, 1.02-1.19x at 4096; scripts/gpu_probe.py ksweep): a diagnostic, so never in a run
-#     that names no steps
+#     K = 11008; its K = 4096 rows timed another, tuned tile, so none like for like there yet;
+#     scripts/gpu_probe.py ksweep): a diagnostic, so never in a run that names no steps
 if [ "$ONLY" != "  " ]; then
     step ksweep "$T_KSWEEP" "$PY" scripts/gpu_probe.py --out "$RES/" --only ksweep
 fi

@@ -9,7 +9,11 @@ goes, and the prefill paths side by side.
    F.linear, the prefill kernel, the unpack kernel + cuBLAS (``launch.unpack_dense``), the unpack
    kernel alone, torch's cuSPARSELt and Triton's own dense GEMM with the prefill kernel's untuned
    tile (added after run 3: a slow Triton GEMM or a slow decode?), medians of do_bench; unpack
-   checked bit-exact first. fp16, INT8 and INT4 (group 128) weights; cuSPARSELt for fp16 only,
+   checked bit-exact first. ``prefill_us`` runs the untuned config named in ``prefill_config``,
+   the tile ``triton_dense_us`` runs; where this GPU's file has a tuned prefill entry for the
+   point (exact or nearest M: what a layer's ``run_prefill`` takes), ``tuned_us`` times it beside
+   them, named in ``tuned_config`` (run 4's ``prefill_us`` ran that entry under the untuned
+   label: fixed 2026-12-05). fp16, INT8 and INT4 (group 128) weights; cuSPARSELt for fp16 only,
    with its kernels' own GPU time per call from torch.profiler beside do_bench's (run 3 timed
    it at ~1 ms a call: if that is host time, a CUDA graph would remove it). ``sp_us``: the sparse
    tensor-core kernel, to 64 rows the route's own config, past 64 rows (where no route takes it)
@@ -239,23 +243,43 @@ def prefill_configs(weight: str, N: int, K: int, M: int) -> tuple:
     return cfg, None if M <= SP_MAX_M else replace(decode_default(N, K, key, rows=32), split_k=1)
 
 
+def config_name(cfg) -> str:
+    """A config as the CSV's ``prefill_config`` / ``tuned_config`` columns name it."""
+    return f"BM{cfg.block_m}_BN{cfg.block_n}_BK{cfg.block_k}_W{cfg.num_warps}_S{cfg.num_stages}_SK{cfg.split_k}"
+
+
+def _tuned_of(choice):
+    """The config of a config-store choice that comes from a tuned file (exact or nearest M, or the
+    GPU family's entry); None for the built-in one (then nothing tuned to time)."""
+    return None if choice.kind == "builtin" else choice.config
+
+
+def tuned_prefill_config(weight: str, N: int, K: int, M: int, dev):
+    """This GPU's tuned prefill config for the point, as ``run_prefill`` without a config finds it
+    (``launch._prefill_default``: exact or nearest M), or None where the file has none (CPU: none)."""
+    from sparse24.ops.config_store import get_choice
+    return _tuned_of(get_choice(M, N, K, _weight_key(weight), dev, "decode", "prefill"))
+
+
 def prefill_jobs(ms, weights=("fp16",), shapes=PREFILL_SHAPES, gpu: str = "NVIDIA H200",
                  capability=(9, 0), num_sms: int = 132) -> list:
     """The kernel variants of ours the prefill probe launches on ``gpu``, ``(M, N, K, dtype key,
-    config)`` (what scripts/triton_prebuild.py compiles ahead): per point, ``run_prefill``'s config
-    (the GPU's tuned prefill entry, else the untuned one) and the sparse tensor-core kernel's
-    (:func:`prefill_configs`, to ``SP_MAX_M`` rows the route's config for the GPU), both found
-    through the config store's lookup as the launch finds them."""
+    config)`` (what scripts/triton_prebuild.py compiles ahead), each once per point in the order
+    :func:`prefill` times them: the untuned prefill config (``prefill_us``), the GPU's tuned prefill
+    entry where it has one and it differs (``tuned_us``, found by the config store's lookup as
+    :func:`tuned_prefill_config` finds it on that GPU), and the sparse tensor-core kernel's
+    (:func:`prefill_configs`, to ``SP_MAX_M`` rows the route's config for the GPU)."""
     from sparse24.ops.config_store import lookup
     jobs = []
     for weight in weights:
         key = _weight_key(weight)
         for N, K in _shapes_of(weight, shapes):
             for M in ms:
-                _, sp_cfg = prefill_configs(weight, N, K, M)
-                ours = lookup(M, N, K, key, gpu, capability, num_sms, "decode", "prefill").config
+                cfg, sp_cfg = prefill_configs(weight, N, K, M)
+                tuned = _tuned_of(lookup(M, N, K, key, gpu, capability, num_sms, "decode", "prefill"))
                 sp = sp_cfg or lookup(M, N, K, key, gpu, capability, num_sms, "decode").config
-                jobs += [(M, N, K, key, ours), (M, N, K, key, sp)]
+                point = [cfg] + ([tuned] if tuned is not None and tuned != cfg else []) + [sp]
+                jobs += [(M, N, K, key, c) for c in point]
     return jobs
 
 
@@ -266,7 +290,7 @@ def prefill(out: Path, dev, shapes=PREFILL_SHAPES, ms=(32, 64, 256, 1024, 4096),
     f = open(out / "probe_prefill.csv", "w", newline="")
     wr = csv.writer(f)
     wr.writerow(["weight", "N", "K", "M", "dense_us", "prefill_us", "unpack_mm_us", "unpack_us", "cusparselt_us",
-                 "triton_dense_us", "prefill_config", "cusparselt_kernel_us", "sp_us"])
+                 "triton_dense_us", "prefill_config", "cusparselt_kernel_us", "sp_us", "tuned_us", "tuned_config"])
     kernels = _dense_kernels()
 
     def bench(fn):
@@ -298,6 +322,7 @@ def prefill(out: Path, dev, shapes=PREFILL_SHAPES, ms=(32, 64, 256, 1024, 4096),
             for M in ms:
                 x = torch.randn(M, K, device=dev, dtype=torch.float16)
                 cfg, sp_cfg = prefill_configs(weight, N, K, M)
+                tuned = tuned_prefill_config(weight, N, K, M, dev)
                 if weight == "fp16":
                     try:   # (a deep config's dense tiles can exceed shared memory: reported, the sweep goes on)
                         y_t = _triton_dense(x, wd, cfg, kernels)
@@ -312,35 +337,44 @@ def prefill(out: Path, dev, shapes=PREFILL_SHAPES, ms=(32, 64, 256, 1024, 4096),
                           f"{((y_sp - ref).abs().max() / ref.abs().max()).item():.3g}", flush=True)
                 except Exception as e:  # noqa: BLE001 (reported; the timing below reports NaN)
                     print(f"  M {M}: sparse tensor cores failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+                # ``cfg`` passed, never None: run_prefill(None) takes this GPU's tuned entry, which
+                # would time another tile than the label and than Triton's GEMM (run 4's rows did)
                 r = [weight, N, K, M, bench(lambda: F.linear(x, wd)),
-                     bench(lambda: launch.run_prefill(x, p.values, p.meta, p.scale, None, N, None, p.zero, gs)),
+                     bench(lambda: launch.run_prefill(x, p.values, p.meta, p.scale, None, N, cfg, p.zero, gs)),
                      bench(lambda: F.linear(x, unpack())),
                      bench(unpack),
                      bench(lambda: F.linear(x, ws)) if ws is not None else float("nan"),
                      bench(lambda: _triton_dense(x, wd, cfg, kernels)) if weight == "fp16" else float("nan"),
-                     f"BM{cfg.block_m}_BN{cfg.block_n}_BK{cfg.block_k}_W{cfg.num_warps}_S{cfg.num_stages}"
-                     f"_SK{cfg.split_k}",
+                     config_name(cfg),
                      # cuSPARSELt's own kernels per call (profiler): is its ~1 ms a call host time
                      # (then a CUDA graph would remove it) or the GPU's?
                      _device_us(lambda: F.linear(x, ws), dev) if ws is not None else float("nan"),
                      # to SP_MAX_M rows the route's sparse tensor-core kernel (16-bit weights too, since
                      # 2026-12-04), its untuned config for the M bucket; past them sp_cfg (docstring)
-                     bench(lambda: launch.run(x, p.values, p.meta, p.scale, None, N, sp_cfg, p.zero, gs))]
+                     bench(lambda: launch.run(x, p.values, p.meta, p.scale, None, N, sp_cfg, p.zero, gs)),
+                     # this GPU's tuned prefill entry (what a layer runs), beside the untuned one
+                     bench(lambda: launch.run_prefill(x, p.values, p.meta, p.scale, None, N, tuned, p.zero, gs))
+                     if tuned is not None else float("nan"),
+                     config_name(tuned) if tuned is not None else ""]
                 wr.writerow(r)
                 f.flush()
                 rows.append(r)
                 print("  M %5d  dense %8.2f  prefill %8.2f  unpack+mm %8.2f  unpack %7.2f  cusparselt %8.2f  "
-                      "triton dense %8.2f  (%s)  cusparselt kernels %8.2f  sparse tensor cores %8.2f" % (M, *r[4:]),
-                      flush=True)
+                      "triton dense %8.2f  (%s)  cusparselt kernels %8.2f  sparse tensor cores %8.2f  "
+                      "tuned %8.2f  (%s)" % (M, *r[4:-1], r[-1] or "none"), flush=True)
     f.close()
 
 
-# The K-sweep's fixed tile: run 4's untuned config at 1024-4096 rows, the one that ran 2.5x
-# Triton's own GEMM at K = 11008 and 1.02-1.19x of it at K = 4096 with the same loop code.
+# The K-sweep's fixed tile: run 4's untuned config at 1024-4096 rows. Ours ran 2.46-2.50x
+# Triton's own GEMM on it at 4096x11008, the one like-for-like comparison of run 4. Its rows at
+# K = 4096 (1.02-1.19x, labelled with this tile) did not run it: run_prefill without a config took
+# run 2's tuned 256 x 64 x 64 entry of the H200 file (4 warps, 3 stages) while Triton's GEMM ran
+# this tile. So ours on this tile at K = 4096 is unmeasured; the sweep's K = 4096 row is the first.
 KSWEEP_TILE = dict(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=2)
 KSWEEP_KS = (4096, 8192, 10240, 11008, 11264, 12288, 16384)
-# The split-K rows: run 4's 256-row config at 4096x4096 (split 2), 1.93x the model where Triton's
-# unsplit GEMM on its tile was 1.02x.
+# The split-K rows: the untuned 256-row config at 4096x4096 (split 2). Run 4's row labelled with
+# it (82.9 us, read as 1.93x the model) ran the same tuned 256 x 64 x 64 entry, unsplit, so what
+# the split gains is unmeasured: the sweep times this tile unsplit, split 2 and split 4.
 SPLIT_TILE = dict(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=2)
 
 
@@ -360,9 +394,12 @@ def ksweep_jobs(N: int = 4096, M: int = 1024, ks=KSWEEP_KS, group_ms=(1, 8, 32),
 
 
 def ksweep(out: Path, dev, jobs) -> None:
-    """Why the 16-bit prefill kernel ran 2.5x Triton's own dense GEMM at K = 11008 (run 4), with the
-    loop it compiles at K = 4096 (docs/kernels.md, "Past 64 rows"), and whether its split-K gains
-    anything (run 4's split 256-row point: 1.93x the model). ``jobs``: :func:`ksweep_jobs` (the
+    """Why the 16-bit prefill kernel ran 2.5x Triton's own dense GEMM on one tile at K = 11008 (run 4,
+    4096x11008), whose loop is the same code at K = 4096 (docs/kernels.md, "Past 64 rows"): run 4
+    never timed ours on that tile at K = 4096 (those rows ran the H200 file's tuned 256 x 64 x 64
+    entry under the untuned label; :data:`KSWEEP_TILE`), so the sweep's K = 4096 row is the first
+    like-for-like point there; and whether its split-K gains anything (unmeasured too:
+    :data:`SPLIT_TILE`). ``jobs``: :func:`ksweep_jobs` (the
     default: N = 4096, 1024 rows, one tile, K = 4096 ... 16384; seven compiles in all, none per K).
     Per job: cuBLAS (F.linear), ours (checked against fp32 first) and Triton's own dense GEMM on the
     tile (unsplit). The meta row stride KM (atoms, padded to 16) is a power of two at 4096, 8192 and

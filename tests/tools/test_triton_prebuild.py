@@ -102,8 +102,8 @@ def test_gpu_check_records_every_variant_the_jit_is_asked_for(tmp_path):
 
 def test_probe_variants_are_what_the_probe_launches_on_the_h200():
     """``collect --probe-ms --ksweep`` (scripts/prebuild_sm90.sh): the prefill probe's launch of ours
-    at 4096 rows takes the H200 file's tuned prefill entry where it has one (read here from the JSON
-    itself) and the untuned config elsewhere; past the sparse route's rows its 32-row config; the
+    at 4096 rows takes the untuned config and, where the H200 file has a tuned prefill entry (read
+    here from the JSON itself), that entry too; past the sparse route's rows its 32-row config; the
     K-sweep's launches are all there (one tile at seven K, GROUP_M 1 / 32 at one, a 256-row tile
     split 1 / 2 / 4)."""
     import pathlib
@@ -118,11 +118,13 @@ def test_probe_variants_are_what_the_probe_launches_on_the_h200():
                          c["num_stages"], kernel=c["KERNEL"])
     assert "4096,4096,11008,float16" not in entries
     jobs = probe.prefill_jobs([4096], shapes=((4096, 4096), (4096, 11008)))
-    assert [(M, N, K, key) for M, N, K, key, _ in jobs] == [(4096, 4096, 4096, "float16")] * 2 + \
+    # per point: the untuned config (prefill_us), the tuned entry where the file has one (tuned_us), the 32-row one
+    assert [(M, N, K, key) for M, N, K, key, _ in jobs] == [(4096, 4096, 4096, "float16")] * 3 + \
         [(4096, 4096, 11008, "float16")] * 2
-    assert jobs[0][4] == tuned
-    assert jobs[2][4] == prefill_config(4096, 4096, 11008, pair=prefill_pair("float16")) != tuned
-    assert jobs[1][4] == jobs[3][4] and (jobs[1][4].block_m, jobs[1][4].split_k) == (32, 1)   # the 32-row config
+    assert jobs[0][4] == prefill_config(4096, 4096, 4096, pair=prefill_pair("float16")) != tuned
+    assert jobs[1][4] == tuned
+    assert jobs[3][4] == prefill_config(4096, 4096, 11008, pair=prefill_pair("float16")) != tuned
+    assert jobs[2][4] == jobs[4][4] and (jobs[2][4].block_m, jobs[2][4].split_k) == (32, 1)   # the 32-row config
     ksweep = [(M, N, K, "float16", cfg) for N, K, M, cfg in probe.ksweep_jobs()]
     assert mod.probe_variants((), ksweep=True) == ksweep and len(ksweep) == 12
     assert mod.probe_variants((4096,), ksweep=True) == probe.prefill_jobs([4096]) + ksweep
