@@ -424,7 +424,9 @@ class Sparse24Tensor:
         step = max(1, _DENSE_BLOCK // max(C, 1)) if self.device.type == "cpu" else max(r, 1)
         for r0 in range(0, r, step):
             r1 = min(r, r0 + step)
-            m = meta[:, r0:r1].t().contiguous()  # (rows, words)
+            # (rows, words), a copy with unit last stride: with one word per row .contiguous() keeps
+            # the transposed view (a size-1 dim's stride does not count), which view(uint8) refuses
+            m = meta[:, r0:r1].t().clone(memory_format=torch.contiguous_format)
             # byte j of a word = its bits 8j..8j+7: on a little-endian machine, its j-th byte in memory
             # (a view: 1/5 of the time of the shifts, which big-endian machines still need)
             byte = m.view(torch.uint8).int() if sys.byteorder == "little" else (m.unsqueeze(-1) >> shifts) & 255

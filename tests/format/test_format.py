@@ -315,3 +315,17 @@ def test_kept_mask_is_the_mask_compressed(quantize):
     w[0, mask[0].nonzero()[0]] = 0.0  # a kept zero
     p = sparse24.compress(w, mask, quantize=quantize)
     assert p.kept_mask().dtype == torch.bool and torch.equal(p.kept_mask(), mask)
+
+
+def test_one_metadata_word_per_row_in_a_loaded_buffer():
+    # in_features 32: meta is (1, R). Loaded from a file its strides are (R, 1), and the decompression's
+    # meta[:, rows].t().contiguous() kept that transposed view (a size-1 dim's stride does not count), which
+    # view(uint8) refused: every forward of such a layer loaded by from_pretrained raised
+    w = torch.randn(48, 32, dtype=torch.float64)
+    p = sparse24.compress(w)
+    meta = torch.empty(p.meta.shape, dtype=p.meta.dtype)
+    meta.copy_(p.meta)
+    assert p.meta.shape[0] == 1 and meta.stride() == (48, 1)
+    loaded = Sparse24Tensor(p.values.clone(), meta, (48, 32), torch.float64)
+    want = w * sparse24.mask_nm(w)
+    assert torch.equal(loaded.to_dense(), want) and torch.equal(loaded.to_dense(rows=slice(5, 40)), want[5:40])
