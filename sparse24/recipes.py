@@ -247,15 +247,15 @@ class _SRSTEFunction(torch.autograd.Function):
 
 
 class _NMSTEParametrization(nn.Module):
-    def __init__(self, n: int, m: int, decay: float):
+    def __init__(self, n: int, m: int, decay: float, in_backward: bool = True):
         super().__init__()
-        self.n, self.m, self.decay = n, m, decay
+        self.n, self.m, self.decay, self.in_backward = n, m, decay, in_backward
 
     def forward(self, w: torch.Tensor) -> torch.Tensor:
-        return _SRSTEFunction.apply(w, self.n, self.m, self.decay)
+        return _SRSTEFunction.apply(w, self.n, self.m, self.decay if self.in_backward else 0.0)
 
     def extra_repr(self) -> str:
-        return f"n={self.n}, m={self.m}, decay={self.decay:g}"
+        return f"n={self.n}, m={self.m}, decay={self.decay:g}" + ("" if self.in_backward else " (at optimizer.step)")
 
 
 class SRSTE:
@@ -267,9 +267,15 @@ class SRSTE:
     backward is straight-through (the gradient of the masked weight goes to
     every dense weight) plus the sparse-refined term ``decay * (~M) * W``,
     which pulls the currently pruned weights toward zero and so damps mask
-    flip-flopping. The term comes with every use of the weight in a backward pass:
-    a layer called twice in one forward, or gradients accumulated over k
-    micro-batches, gets ``k * decay`` (scale ``decay`` by 1 / k to keep the paper's). The dense weight stays the parameter the optimizer sees
+    flip-flopping. Without ``optimizer`` the term is added in the backward, so it
+    comes with every use of the weight in a backward pass (a layer called twice in
+    one forward, or gradients accumulated over k micro-batches, gets ``k * decay``)
+    and a loss-scaled backward shrinks it by the scale (``torch.amp.GradScaler``'s
+    ``unscale_`` divides it by 65536 at the start: plain STE in effect). With
+    ``torch.amp.GradScaler`` or gradient accumulation, pass ``optimizer``: the backward is then plain
+    straight-through and the term is added to each dense weight's gradient when
+    ``optimizer.step()`` starts (after ``unscale_`` and any clipping), once per
+    step. The dense weight stays the parameter the optimizer sees
     (``layer.parametrizations.weight.original``, the same Parameter object,
     so an optimizer built before ``SRSTE`` keeps working); state-dict keys
     change accordingly until :meth:`finalize`.
@@ -279,6 +285,8 @@ class SRSTE:
         n, m: the pattern, ``1 <= n < m``; each selected layer needs ``in_features % m == 0``.
         decay: ``lambda_W >= 0``; the paper uses 2e-4 with SGD.
         filter_fn: ``(module, fqn) -> bool``; default all ``nn.Linear``.
+        optimizer: the optimizer training the selected weights: add the decay at its
+            step instead of in the backward (see above); until :meth:`finalize`.
     Example:
         >>> srste = SRSTE(model, n=2, m=4, decay=2e-4)
         >>> ...train as usual...
@@ -286,15 +294,34 @@ class SRSTE:
     """
 
     def __init__(self, model: nn.Module, n: int = 2, m: int = 4, decay: float = 2e-4,
-                 filter_fn: FilterFn | None = None):
+                 filter_fn: FilterFn | None = None, *, optimizer: torch.optim.Optimizer | None = None):
         self.n, self.m = _parse_nm((n, m))
         if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not decay >= 0 or math.isinf(decay):
             raise ValueError(f"SRSTE: decay must be a finite number >= 0, got {decay!r}")
+        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"SRSTE: optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
         self.decay = float(decay)
         self.layers = _linear_layers(model, filter_fn, self.m, "SRSTE")
+        if optimizer is not None:
+            trained = {id(p) for g in optimizer.param_groups for p in g["params"]}
+            missing = [fqn for fqn, lin in self.layers if id(lin.weight) not in trained]
+            if missing:  # their decay would go to a gradient no step reads
+                raise ValueError(f"SRSTE: the optimizer does not train the weight of layer(s) {missing}")
         for _, lin in self.layers:
-            parametrize.register_parametrization(lin, "weight", _NMSTEParametrization(self.n, self.m, self.decay))
+            parametrize.register_parametrization(
+                lin, "weight", _NMSTEParametrization(self.n, self.m, self.decay, in_backward=optimizer is None))
+        # At the step, not in the backward: after GradScaler's unscale_, once whatever the accumulation.
+        self._hook = optimizer.register_step_pre_hook(self._add_decay) if optimizer is not None else None
         self.finalized = False
+
+    @torch.no_grad()
+    def _add_decay(self, optimizer, args, kwargs) -> None:
+        """``grad += decay * (~M) * W`` on each dense weight with a gradient (M: the mask its forwards used,
+        as W has not moved since)."""
+        for _, lin in self.layers:
+            w = lin.parametrizations.weight.original
+            if w.grad is not None:
+                w.grad.add_(w * ~mask_nm(w, self.n, self.m), alpha=self.decay)
 
     @torch.no_grad()
     def current_masks(self) -> dict[str, torch.Tensor]:
@@ -314,6 +341,8 @@ class SRSTE:
         if self.finalized:
             raise RuntimeError("SRSTE.finalize: already finalized")
         self.masks = self.current_masks()
+        if self._hook is not None:
+            self._hook.remove()
         for fqn, lin in self.layers:
             parametrize.remove_parametrizations(lin, "weight", leave_parametrized=False)
             lin.weight.mul_(self.masks[fqn])

@@ -189,7 +189,7 @@ def sparsify_(model: nn.Module, filter_fn: FilterFn | None = None, mode: str = "
 def _optimizer_moves(optimizer, pairs) -> list[Callable[[_Undo], None]]:
     """Where a swap gives a layer a new weight Parameter (Conv1D: stored transposed), the
     steps that hand the optimizer the new Parameter and its state (transposed copies,
-    computed now)."""
+    computed now) in place of the old one's."""
     index = {id(p): (group, i) for group in optimizer.param_groups for i, p in enumerate(group["params"])}
     moves = []
     for old_layer, new in pairs:
@@ -204,6 +204,10 @@ def _optimizer_moves(optimizer, pairs) -> list[Callable[[_Undo], None]]:
             group["params"][i] = w
             undo.add(lambda: group["params"].__setitem__(i, old))
             if old in optimizer.state:
+                # the old Parameter is in no group now: a stale entry breaks optimizer.state_dict() (KeyError)
+                # and keeps the dense weight and its moments alive
+                old_state = optimizer.state.pop(old)
+                undo.add(lambda: optimizer.state.__setitem__(old, old_state))
                 optimizer.state[w] = state
                 undo.add(lambda: optimizer.state.pop(w, None))
         moves.append(move)

@@ -12,7 +12,7 @@ from torch import nn
 from .._checks import check_model
 from .._progress import progress_bar, progress_enabled
 from .objective import (_batch_stream, _check_steps, _failure_note, _nonempty, _Objective, _optimizer_step,
-                        _rollback_for, _warmup_cosine)
+                        _refuse_float16, _rollback_for, _warmup_cosine)
 
 __all__ = ["distill_", "DistillReport"]
 
@@ -57,7 +57,8 @@ def distill_(model: nn.Module, batches, steps: int, *, teacher: nn.Module | None
         lr, warmup, final_lr, weight_decay, clip: optimiser settings (``clip=None``: none).
         output_loss: ``"mse"`` (relative), ``"cosine"``, ``"kl"`` or a callable.
         hidden: names of modules (in both models) whose outputs are matched.
-        parameters: the parameters to train (default: every trainable one of ``model``).
+        parameters: the parameters to train (default: every trainable one of ``model``); not float16
+            (AdamW cannot train it: use bfloat16, or float32 weights under ``torch.autocast``).
         forward: ``(model, batch) -> output`` (default as in :func:`learn_masks`).
         callback: ``callback(step, loss)`` after each step.
         progress: a tqdm bar on stderr with the last loss (default None: when stderr is a
@@ -86,6 +87,8 @@ def distill_(model: nn.Module, batches, steps: int, *, teacher: nn.Module | None
     params = [p for p in (model.parameters() if parameters is None else parameters) if p.requires_grad]
     if not params:
         raise ValueError("no trainable parameters")
+    names = {id(p): n for n, p in model.named_parameters()}
+    _refuse_float16([(names.get(id(p), f"parameters[{i}]"), p) for i, p in enumerate(params)], "distill_")
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)  # (refuses its settings before any hook)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _warmup_cosine(steps, warmup, final_lr))
     objective = _Objective(model, teacher, loss_fn, output_loss, hidden, hidden_weight, forward)

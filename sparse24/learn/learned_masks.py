@@ -14,11 +14,11 @@ from torch import nn
 from .._checks import check_model
 from .._progress import progress_bar, progress_enabled
 from ..api import MIN_FEATURES, SparsifyReport, sparsify_
-from ..api.walk import _SWAPPABLE, _child_slots, _Undo
+from ..api.walk import _SWAPPABLE, _child_slots, _is_linear, _Undo
 from ..masks import LearnableMask
 from ..nn import Sparse24Linear
 from .objective import (_batch_stream, _check_steps, _failure_note, _nonempty, _Objective, _optimizer_step,
-                        _rollback_for, _warmup_cosine)
+                        _refuse_float16, _rollback_for, _warmup_cosine)
 
 __all__ = ["learn_masks", "LearnReport"]
 
@@ -163,7 +163,8 @@ def learn_masks(model: nn.Module, batches, steps: int, *, loss_fn: Callable | No
         magnitude_reg: weight of the kept-magnitude regulariser.
         train_weights: also train the candidate weights and every other
             trainable parameter of ``model`` (biases, norms, embeddings) with lr
-            ``weight_lr`` and AdamW ``weight_decay`` (on matrices only).
+            ``weight_lr`` and AdamW ``weight_decay`` (on matrices only); not float16 weights (use
+            bfloat16, or float32 weights under ``torch.autocast``).
         betas, clip: AdamW betas; gradient-norm clipping (None: none) of the weights when they
             train, else of the logits.
         output_loss: ``"mse"`` (relative), ``"cosine"``, ``"kl"`` or a callable.
@@ -173,7 +174,8 @@ def learn_masks(model: nn.Module, batches, steps: int, *, loss_fn: Callable | No
             to leave the labels of a batch to ``loss_fn``.
         filter_fn, min_features, skip_output_head: layer selection as in
             :func:`sparse24.sparsify_` (the output head stays dense by default).
-        logits_dtype: ``torch.float32`` or ``torch.bfloat16``...
+        logits_dtype: ``torch.float32`` or ``torch.bfloat16`` (half the memory), or ``torch.float64``;
+            not ``torch.float16`` (AdamW cannot train it).
         check_batches: batches for the final prior-vs-learned check (0: none).
         seed: seeds the Gumbel noise (runs are deterministic for a seed).
         callback: ``callback(step, loss)`` after each step.
@@ -207,8 +209,15 @@ def learn_masks(model: nn.Module, batches, steps: int, *, loss_fn: Callable | No
             raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
     if isinstance(confidence, bool) or not isinstance(confidence, (int, float)) or not 0 <= confidence < math.inf:
         raise ValueError(f"confidence must be a finite number >= 0, got {confidence!r}")
-    if logits_dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
-        raise TypeError(f"logits_dtype must be a floating dtype, got {logits_dtype!r}")
+    if logits_dtype not in (torch.float32, torch.bfloat16, torch.float64):
+        raise TypeError(f"logits_dtype must be torch.float32, torch.bfloat16 or torch.float64, got {logits_dtype!r}"
+                        + (": AdamW's eps (1e-8) is 0 in float16, so a logit whose gradient is 0 turns NaN at the "
+                           "first step" if logits_dtype == torch.float16 else ""))
+    if train_weights:  # the candidate weights are the layers' weights, trained even where frozen
+        layers = {id(getattr(m, "weight", None)) for m in model.modules()
+                  if _is_linear(m) or isinstance(m, Sparse24Linear)}
+        _refuse_float16([(n, p) for n, p in model.named_parameters() if p.requires_grad or id(p) in layers],
+                        "learn_masks(train_weights=True)")
     if isinstance(check_batches, bool) or not isinstance(check_batches, int) or check_batches < 0:
         raise ValueError(f"check_batches must be an int >= 0, got {check_batches!r}")
     if isinstance(prior, str) and prior not in ("magnitude", "wanda", "sparsegpt"):

@@ -49,8 +49,11 @@ def _distill_loss(kind, s: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     if kind == "cosine":  # mean over every vector along the last dim
         return (1 - F.cosine_similarity(s.float(), t.float(), dim=-1)).mean()
     # "kl": KL(teacher || student) of the softmax over the last dim, mean over positions
-    s, t = s.float().flatten(0, -2), t.float().flatten(0, -2)
-    return F.kl_div(s.log_softmax(-1), t.log_softmax(-1), log_target=True, reduction="batchmean")
+    ls, lt = s.float().flatten(0, -2).log_softmax(-1), t.float().flatten(0, -2).log_softmax(-1)
+    # 0 log 0 = 0 where the teacher gives no mass (logit -inf): F.kl_div takes 0 * (-inf - ls) as NaN. A student
+    # -inf where the teacher has mass stays +inf (a real divergence).
+    has_mass = lt > -math.inf
+    return (lt.exp() * torch.where(has_mass, lt - ls, 0)).sum() / ls.shape[0]
 
 
 def _call(model: nn.Module, batch):
@@ -100,8 +103,8 @@ class _Objective:
 
     @staticmethod
     def _keep(store: dict, name: str):
-        def hook(mod, args, out):
-            store[name] = out[0] if isinstance(out, (tuple, list)) else out
+        def hook(mod, args, out):  # a ModelOutput (e.g. a BertModel's encoder): its last_hidden_state
+            store[name] = _output_tensor(out, "last_hidden_state", f"match hidden={name!r} on")
         return hook
 
     def __call__(self, batch) -> torch.Tensor:
@@ -156,6 +159,18 @@ def _nonempty(batches):
     elif next(iter(batches), None) is not None:
         return batches
     raise ValueError("batches is empty")
+
+
+def _refuse_float16(named_params, who: str) -> None:
+    """TypeError if a parameter to train with AdamW is float16: its eps (1e-8) is 0 in float16, so every
+    weight whose gradient is 0 (a pruned one) becomes 0/0 = NaN at the first step."""
+    fp16 = [name for name, p in named_params if p.dtype == torch.float16]
+    if fp16:
+        more = f" and {len(fp16) - 3} more" if len(fp16) > 3 else ""
+        raise TypeError(f"{who}: cannot train float16 parameters ({', '.join(fp16[:3])}{more}): AdamW's eps (1e-8) "
+                        "is 0 in float16, so the first step turns weights NaN. Train bfloat16 or float32 weights, or "
+                        "keep float32 master weights and run the forward under torch.autocast(dtype=torch.float16) "
+                        "(nothing was changed)")
 
 
 def _check_steps(steps) -> int:

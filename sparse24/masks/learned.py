@@ -25,7 +25,9 @@ from .._checks import check_mask, check_nm
 
 __all__ = ["nm_patterns", "LearnableMask"]
 
-_LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+# Not float16: Adam's eps (1e-8) rounds to 0 there, so a logit whose gradient is 0 becomes 0/0 = NaN at the
+# first step (and the ~1e-4 gradients of a realistic loss underflow in its second moment).
+_LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float64)
 
 
 def nm_patterns(n: int = 2, m: int = 4, device=None) -> torch.Tensor:
@@ -62,8 +64,8 @@ class LearnableMask(nn.Module):
             own pattern has logit 0 and a pattern sharing ``k`` kept slots with
             it ``-confidence * (n - k)``. For 2:4 and ``confidence=3`` the
             prior's pattern starts at probability 0.83.
-        dtype: logits dtype (fp32 default; bf16 halves the memory; the
-            sampling computes in fp32).
+        dtype: logits dtype (fp32 default; bf16 halves the memory; fp64; the
+            sampling computes in fp32). fp16 is refused: Adam cannot train it.
         device: where the logits live.
     Attributes:
         logits: ``(P, R, C // m)`` Parameter, the only per-group state. Patterns
@@ -92,7 +94,9 @@ class LearnableMask(nn.Module):
         if C % m:
             raise ValueError(f"the weight's columns ({C}) must be divisible by m={m}")
         if dtype not in _LOGIT_DTYPES:
-            raise TypeError(f"dtype must be one of {_LOGIT_DTYPES}, got {dtype}")
+            raise TypeError(f"dtype must be one of {_LOGIT_DTYPES}, got {dtype}"
+                            + (": float16 logits cannot train (Adam's eps, 1e-8, is 0 in float16 and turns them NaN); "
+                               "bfloat16 takes as little memory" if dtype == torch.float16 else ""))
         self.n, self.m, self.shape = n, m, (R, C)
         self.register_buffer("patterns", nm_patterns(n, m, device), persistent=False)
         self.logits = nn.Parameter(torch.zeros(len(self.patterns), R, C // m, dtype=dtype, device=device))
