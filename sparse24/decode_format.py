@@ -71,13 +71,13 @@ __all__ = ["DecodePacked", "pack_decode", "decode_dims", "DECODE_LAYOUT_VERSION"
 #   That is the m16n8k32 metadata operand (PTX ISA; NVIDIA CuTe's ELayout for
 #   SM80_SPARSE_16x8x32) of the lanes of sparsity selector 0 (chunks 0, 1 of the atom,
 #   lanes q = 0, 1) and 1 (chunks 2, 3) (kernels/sparse24_sp.py).
-#   0.0625 B per weight more; 16-bit weights do not carry them (their byte-permute
+#   0.125 B per weight more (0.0625x of dense fp16); 16-bit weights do not carry them (their byte-permute
 #   decode kernel fits the instruction budget; a layer stays within 0.60x of dense).
 # * padding rows, columns and atoms: values 0, keep mask 0 (they decode to zeros),
 #   mma.sp words of padding atoms 0.
 #
-# Bytes per weight of the INT4 decode layout: 0.25 values + 0.125 keep masks +
-# 2 (3 asymmetric) / group_size scales, as layout v1, plus the padding.
+# Bytes per weight of the INT4 decode layout: 0.25 values + 0.125 keep masks + 0.125 mma.sp
+# words + 2 (3 asymmetric) / group_size scales, plus the padding (layout v1: 0.375 + scales).
 
 DECODE_LAYOUT_VERSION = 1
 _DEC_ROWS, _DEC_COLS, _DEC_ROW_ALIGN, _DEC_META_ALIGN = 16, 64, 128, 16

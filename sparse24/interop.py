@@ -204,7 +204,8 @@ def from_cutlass_layout(packed: torch.Tensor, meta: torch.Tensor) -> Sparse24Ten
     if not isinstance(packed, torch.Tensor) or not isinstance(meta, torch.Tensor):
         raise TypeError("packed and meta must be tensors")
     if packed.dtype not in _HALF:
-        raise TypeError(f"only float16/bfloat16 CUTLASS tensors are 2:4 (float32 is 1:2), got {packed.dtype}")
+        raise TypeError(f"only float16/bfloat16 CUTLASS layouts are supported (float32's is 1:2; int8's, with int32 "
+                        f"metadata, is not read), got {packed.dtype}")
     if packed.dim() != 2 or meta.dtype != torch.int16 or tuple(meta.shape) != (packed.shape[0], packed.shape[1] // 8) \
             or packed.shape[1] % 8:
         raise ValueError(f"need packed (R, C/2) and int16 meta (R, C/16), got packed {tuple(packed.shape)} and "
@@ -408,6 +409,10 @@ def from_semi_structured(t) -> Sparse24Tensor:
     if isinstance(t, SparseSemiStructuredTensorCUTLASS) and t.packed is not None and t.meta is not None \
             and t.meta.dim() == 2:
         return from_cutlass_layout(t.packed, t.meta)
+    if isinstance(t, SparseSemiStructuredTensorCUTLASS) and t.packed is None:
+        # (torch's own to_dense() then fails on an assertion)
+        raise ValueError("this SparseSemiStructuredTensor holds no packed data (a transposed view built without "
+                         "packed_t?): import the untransposed tensor")
     if t.dtype not in _HALF:
         raise TypeError(f"only float16/bfloat16 semi-structured tensors are 2:4, got {t.dtype}")
     packed = getattr(t, "packed", None)
