@@ -24,7 +24,7 @@ layers); ``group_size`` summarizes the INT4 layers' group sizes when there are
 any. The weights file holds each layer's state-dict entries
 (``values``/``meta``/``scale``, INT4 ``zero``/``group_size`` too, or
 ``weight``/``mask``) plus, for a compressed layer, a one-byte ``<layer>.weight``
-marker: a ``from_pretrained`` that does not know sparse24 finds it the wrong
+marker right after them: a ``from_pretrained`` that does not know sparse24 finds it the wrong
 shape and raises instead of filling the layer with random weights.
 
 **Loading.** :func:`register` adds sparse24 to transformers' quantizer registry
@@ -36,9 +36,11 @@ random weights), lets transformers assign the checkpoint's tensors, then checks
 every 2:4 layer (masks, metadata, scales) and re-arms the masking. The result is
 the saved model, bit for bit. In another dtype (``dtype=`` or config.json's ``dtype``), a float
 layer's kept values or masked weight are cast to it as transformers casts every float tensor;
-INT8 / INT4 values, metadata and scales stay as stored. A folder whose config lists a layer the model
-does not have, or whose checkpoint lacks a layer's entries (its bias included) or holds ones the listed
-layer has no place for (zero points of an INT4 layer listed as symmetric), is an error.
+INT8 / INT4 values, metadata and scales stay as stored. A layer the config lists in a head the model
+lacks (an MLM folder loaded as a classifier) is left out with a warning, as transformers drops an unused
+head's entries. A folder whose config lists a layer the base model does not have, or whose checkpoint
+lacks a layer's entries (its bias included) or holds ones the listed layer has no place for (zero points
+of an INT4 layer listed as symmetric), is an error.
 Without sparse24 registered, transformers warns "Unknown quantization type,
 got sparse24" and then fails on the markers of compressed layers; masked layers
 load as plain Linear layers holding the masked weights (same outputs, masks lost).
@@ -50,6 +52,7 @@ import json
 import math
 import os
 import re
+import warnings
 
 import torch
 from torch import nn
@@ -174,6 +177,12 @@ class Sparse24Quantizer(HfQuantizer):
         self._files = {}  # the section's layer name -> the checkpoint file holding its entries
         for saved, spec in layers.items():
             fqn = _resolve(model, saved)
+            if fqn is None and _in_head(model, saved):
+                # A head this model class lacks (an MLM folder loaded as a classifier): transformers drops an
+                # unused head's entries, reporting them as unexpected; its 2:4 layer goes with them.
+                warnings.warn(f"config.json lists 2:4 layer {saved!r}, in a head {type(model).__name__} does not "
+                              "have: its entries are not loaded", stacklevel=2)
+                continue
             if fqn is None:
                 raise ValueError(f"config.json lists 2:4 layer {saved!r}, which {type(model).__name__} built from "
                                  "this config does not have")
@@ -210,7 +219,9 @@ class Sparse24Quantizer(HfQuantizer):
         """Check every 2:4 layer the checkpoint filled, re-arm the masking, and describe the model
         under its own layer names (a base model's folder loaded into a task model adds a prefix)."""
         for saved, spec in self.quantization_config.layers.items():
-            fqn = self._names[saved]
+            fqn = self._names.get(saved)
+            if fqn is None:
+                continue  # a head this model lacks (see _process_model_before_weight_loading)
             try:
                 model.get_submodule(fqn)._finish_loading(bool(spec.get("trainable_values")))
             except ValueError as e:
@@ -222,13 +233,24 @@ class Sparse24Quantizer(HfQuantizer):
 
     def get_state_dict_and_metadata(self, model):
         """Saving: the section is refreshed from the model as it is now (so layers switched one
-        by one are described right) and the marker of each compressed layer is added."""
+        by one are described right) and the marker of each compressed layer is added right after
+        the layer's entries: save_pretrained cuts shards in this order, and a shard loaded on its own
+        (Trainer's resume of a sharded checkpoint) then rarely holds a marker without its layer."""
         attach(model)
         state_dict = model.state_dict()
-        for fqn, spec in model.config.quantization_config.layers.items():
-            if spec["mode"] == "compressed":
-                state_dict[f"{fqn}.weight"] = torch.zeros(1, dtype=_MARKER_DTYPE)
-        return state_dict, {"sparse24_format": str(FORMAT_VERSION)}
+        compressed = {fqn for fqn, spec in model.config.quantization_config.layers.items()
+                      if spec["mode"] == "compressed"}
+        last = {k.rpartition(".")[0]: k for k in state_dict if k.rpartition(".")[0] in compressed}
+        ordered = type(state_dict)()
+        for k, v in state_dict.items():
+            ordered[k] = v
+            if last.get(k.rpartition(".")[0]) == k:
+                ordered[f"{k.rpartition('.')[0]}.weight"] = torch.zeros(1, dtype=_MARKER_DTYPE)
+        for fqn in sorted(compressed - set(last)):  # (a layer with no entries: none, but never without a marker)
+            ordered[f"{fqn}.weight"] = torch.zeros(1, dtype=_MARKER_DTYPE)
+        if hasattr(state_dict, "_metadata"):
+            ordered._metadata = state_dict._metadata
+        return ordered, {"sparse24_format": str(FORMAT_VERSION)}
 
     def _dequantize(self, model, dtype=None):
         """``model.dequantize()``: every 2:4 layer back to the dense class it replaced."""
@@ -265,6 +287,18 @@ def _resolve(model: nn.Module, name: str) -> str | None:
         except AttributeError:
             continue
     return None
+
+
+def _in_head(model: nn.Module, name: str) -> bool:
+    """Whether ``name`` (a listed layer ``model`` lacks) lies outside ``model``'s base-model part: not
+    under the base model prefix nor under a part of the base model (a base model's folder names its
+    layers without the prefix). False for a model without a base model prefix."""
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    if not prefix:
+        return False
+    base = getattr(model, prefix, model)  # a task model holds its base model there; a base model is its own
+    first = name.partition(".")[0]
+    return first != prefix and first not in (base if isinstance(base, nn.Module) else model)._modules
 
 
 def _shell(dense: nn.Module, spec: dict) -> Sparse24Linear:

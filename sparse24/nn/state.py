@@ -53,19 +53,23 @@ def _quant_mismatch(self, has: set) -> str | None:
 
 
 def check_state(self, sd: dict, prefix: str) -> None:
-    """Validate this layer's entries of a state dict before anything is copied."""
-    R, C = self.out_features, self.in_features
+    """Validate this layer's entries of a state dict before anything is copied. A non-strict call
+    may bring part of them (see :func:`_check_part`)."""
     has = {k for k in _ALL_KEYS if prefix + k in sd}
     for k in has:
         if not isinstance(sd[prefix + k], torch.Tensor):
             raise TypeError(f"'{prefix}{k}' must be a tensor, got {type(sd[prefix + k]).__name__}")
-    quantized = self.quantize is not None
+    if self._mode == "compressed" and "weight" in has and _is_marker(sd[prefix + "weight"]) and _non_strict_call():
+        # A compressed layer's marker (sparse24.hf), which a shard may hold apart from the layer's entries:
+        # no entry of the layer, as the whole-file load (which also holds the entries) treats it.
+        has.discard("weight")
     want = _wanted(self)
     if has == want:
         pass
     elif not has:
         return  # entries missing altogether: nn.Module reports missing keys (strict mode)
-    elif has == {"weight"}:
+    elif has == {"weight"} and not (self._mode == "masked" and _non_strict_call()
+                                    and _is_24(sd[prefix + "weight"], self)):  # (a shard's part of a masked layer)
         raise ValueError(f"got a dense checkpoint ('{prefix}weight' without a 2:4 mask) for a 2:4 layer in "
                          f"{self._mode} mode; load dense weights before sparsify_, or into a densify_'d model")
     elif self._mode == "compressed" and has == {"weight", "mask"}:
@@ -80,10 +84,63 @@ def check_state(self, sd: dict, prefix: str) -> None:
         raise ValueError(f"got a quantized checkpoint ({', '.join(sorted(has & {'scale', 'zero', 'group_size'}))}) "
                          "for a masked-mode layer; compress_ this model with its quantization before loading")
     elif not has >= want:
+        if has <= want and _non_strict_call():
+            _check_part(self, sd, prefix, has, want)
+            return
         # Loading part of the set (e.g. a mask alone) would pair it with the old tensors unchecked.
         raise ValueError(f"incomplete 2:4 entries: got {sorted(has)}, a {self._mode} layer needs all of "
                          f"{sorted(want)} (or none)")
     # else: all wanted entries plus extras (reported as unexpected by nn.Module): check the wanted ones
+    _check_set(self, sd, prefix, want)
+
+
+def _check_part(self, sd: dict, prefix: str, has: set, want: set) -> None:
+    """A non-strict call bringing part of this layer's 2:4 entries (``has``): a sharded checkpoint
+    loaded one shard per call (transformers' ``load_sharded_checkpoint``, so ``Trainer``'s resume),
+    whose boundaries fall between a layer's entries. The part is taken when, with the layer's own
+    other entries, it makes a valid 2:4 layer (a weight zero where the layer's mask is False, a mask
+    its weight fits, values beside the meta), and refused otherwise: each call stays all or nothing
+    and no state is kept between calls. (Stashing a part until the rest arrives would also take a
+    checkpoint whose masks differ from the layer's, refused here, but would leave a layer holding
+    tensors from a call that never completes.)"""
+    own = {} if self._holds_meta() else _local_state(self)
+    if not own:
+        why = "it holds no weights yet: built on the meta device"
+    elif any(is_dtensor(t) or t.is_meta for t in [*(sd[prefix + k] for k in has), *own.values()]):
+        why = "sharded (DTensor) or meta entries are checked as a whole set only"
+    else:
+        device = sd[prefix + min(has)].device
+        candidate = {prefix + k: own[k].detach().to(device) for k in want - has} | {prefix + k: sd[prefix + k]
+                                                                                     for k in has}
+        try:
+            _check_set(self, candidate, prefix, want)
+            return
+        except (ValueError, TypeError) as e:
+            why = str(e)
+    raise ValueError(f"incomplete 2:4 entries: got {sorted(has)} without {sorted(want - has)}, and with this layer's "
+                     f"own they are not a valid 2:4 layer ({why}); a non-strict load takes part of a layer's entries "
+                     f"only when they are: load all of {sorted(want)} in one call")
+
+
+def _is_24(w: torch.Tensor, layer) -> bool:
+    """Whether ``w`` may be a masked 2:4 layer's weight (of ``layer``'s shape, at most 2 non-zeros in
+    each group of 4), not a dense one."""
+    R, C = layer.out_features, layer.in_features
+    if is_dtensor(w) or w.is_meta or not w.is_floating_point() or tuple(w.shape) != (R, C):
+        return False
+    return bool(((computable(w) != 0).reshape(R, C // 4, 4).sum(-1) <= 2).all())
+
+
+def _is_marker(t) -> bool:
+    """Whether ``t`` is the one-byte ``<layer>.weight`` marker saved beside a compressed layer's
+    entries (see :mod:`sparse24.hf`)."""
+    return isinstance(t, torch.Tensor) and t.dtype == torch.uint8 and tuple(t.shape) == (1,)
+
+
+def _check_set(self, sd: dict, prefix: str, want: set) -> None:
+    """Check a whole set of this layer's 2:4 entries (``want``, all in ``sd``)."""
+    R, C = self.out_features, self.in_features
+    quantized = self.quantize is not None
     _check_finite_entries(sd, prefix, sorted(want))
     if self._mode == "masked":
         _check_state_masked(sd[prefix + "weight"], sd[prefix + "mask"], (R, C), prefix)
@@ -153,10 +210,14 @@ def _check_whole(self, sd: dict, prefix: str) -> None:
     """All of this layer's entries load or none, the bias with the 2:4 set (found by fuzzing:
     tests/tools/test_fuzz.py): torch copies entry by entry and reports a bad or missing bias
     at the end, which left new 2:4 values beside the old bias. As for the 2:4 set, this holds
-    with ``strict=False`` too (torch does not tell a module which mode it loads in)."""
+    with ``strict=False`` too for a whole 2:4 set; a part of one (a shard's) may come without it."""
     own = list(self.state_dict(keep_vars=True))
     given = [k for k in own if prefix + k in sd]
-    if given and len(given) < len(own):
+    # A non-strict call may bring part of a 2:4 set (check_state checked it), with or without the bias:
+    # a checkpoint saved in state-dict order keeps the bias between the 2:4 entries (weight, bias, mask),
+    # so a shard holding a whole set holds its bias too.
+    whole_set = _wanted(self) <= set(given)
+    if given and len(given) < len(own) and (whole_set or not _non_strict_call()):
         raise ValueError(f"missing {', '.join(repr(prefix + k) for k in own if k not in given)} beside "
                          f"{', '.join(repr(prefix + k) for k in given)}: a layer loads all its entries or none")
     if self.bias is not None and prefix + "bias" in sd:
@@ -285,7 +346,8 @@ class StateDictMixin:
             self._dtype = dtype
 
     def _has_dense_entry_only(self, sd: dict, prefix: str) -> bool:
-        return prefix + "weight" in sd and not any(prefix + k in sd for k in _ALL_KEYS[1:])
+        return prefix + "weight" in sd and not any(prefix + k in sd for k in _ALL_KEYS[1:]) and not (
+            self._mode == "compressed" and _is_marker(sd[prefix + "weight"]))  # (a compressed layer's marker)
 
     def _fill_from_dense(self, sd: dict, prefix: str) -> torch.dtype:
         """Replace a dense ``weight`` entry of ``sd`` by this layer's 2:4 entries, pruned by the
@@ -488,6 +550,17 @@ def _incompatible_keys(model, sd: dict, prefix: str) -> tuple[list, list]:
                 break
             p += head + "."
     return missing, unexpected
+
+
+def _non_strict_call() -> bool:
+    """Whether the load_state_dict call under way says ``strict=False`` (read from its frame, as
+    :func:`_strict_call` does); False when no such frame is found."""
+    f = sys._getframe(1)
+    while f is not None:
+        if f.f_code is torch.nn.Module.load_state_dict.__code__:
+            return not f.f_locals.get("strict", True)
+        f = f.f_back
+    return False
 
 
 def _strict_call(model, own: bool = False) -> bool:
