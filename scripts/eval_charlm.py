@@ -50,7 +50,7 @@ corpus, the model and its training run are in ``charlm_model.py``, the tables
 and the plot in ``charlm_report.py``.
 
 Usage:
-    python scripts/eval_charlm.py                  # the committed results (9.1 min on 2 cores)
+    python scripts/eval_charlm.py                  # the committed results (11.7 min on 2 cores)
     python scripts/eval_charlm.py --quick          # smoke test, ~1 min, writes results/charlm-quick
 """
 from __future__ import annotations

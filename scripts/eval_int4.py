@@ -32,6 +32,9 @@ Usage (the committed results; the MiniLM runs cut down for a 2-core machine shar
         --groups 128 --qat-steps 200
     python scripts/eval_int4.py minilm --part qat --calib 128 --eval-sentences 128 --steps 200 --batch 16
     python scripts/eval_int4.py charlm --qat-steps 500    # results/int4/charlm.md (26 min)
+    python scripts/eval_int4.py charlm --steps 20 --groups 128 --out /tmp/int4   # smoke test, elsewhere
+
+``--out DIR`` (either part): where the table files go, default ``results/int4``.
 """
 from __future__ import annotations
 
@@ -124,7 +127,7 @@ def minilm_chain(args, argv) -> None:
     margs = em.parser().parse_args(["--quick"] if args.quick else [])
     ctx = em.context(margs)
     enc, evals = em._worker(ctx)
-    rows, out = [], OUT / ("minilm-chain-quick.md" if args.quick else "minilm-chain.md")
+    rows, out = [], args.out / ("minilm-chain-quick.md" if args.quick else "minilm-chain.md")
     header = ["recipe", "group", "bytes/weight", "held-out docstrings", "reference manual", "seconds", "note"]
     notes = ["- Model: all-MiniLM-L6-v2 through `transformers.AutoModel`; every encoder Linear (36) 2:4, then INT4",
              f"- Texts, settings and evaluation: `eval_minilm.py`'s ({len(ctx['held'])} held-out docstring / "
@@ -203,7 +206,7 @@ def minilm(args, argv) -> None:
         b = enc.batches(sorted(texts, key=len), 64)
         evals.append((b, sentence_embeddings(dense, b, token_mask=enc.token_mask)))
     rows = []
-    out = OUT / f"minilm-{args.part}.md"
+    out = args.out / f"minilm-{args.part}.md"
     notes = [f"- Model: all-MiniLM-L6-v2 through `transformers.AutoModel`; every encoder Linear (36) 2:4 + INT4",
              f"- Calibration: the first {args.calib} of a seeded shuffle of the training docstring sentences, batches "
              "of 32, padding left out; evaluation: mean cosine to the dense sentence embeddings on "
@@ -389,7 +392,7 @@ def charlm(args, argv) -> None:
     cfg = {"steps": args.steps, "d_model": 64, "layers": 2, "heads": 4, "ctx": 128, "batch": 8, "lr": 1e-2,
            "wd": 0.01, "eval_windows": 1024, "calib_batches": 8, "seed": 0, "kd": 0.5}
     train_ids, val_ids, _ = load_corpus()
-    out, rows = OUT / "charlm.md", []
+    out, rows = args.out / "charlm.md", []
     notes = ["- Model and training run: eval_charlm.py's (2 blocks, d_model 64, every nn.Linear incl. the head 2:4; "
              f"{args.steps} steps dense, then {args.steps} more with the magnitude masks frozen)",
              "- BPC on eval_charlm.py's 1024 fixed held-out windows; calibration for GPTQ: 8 training batches",
@@ -444,8 +447,11 @@ def charlm(args, argv) -> None:
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--out", type=Path, default=OUT,
+                        help=f"folder of the table files (default {OUT.relative_to(ROOT)}, the committed results)")
     sub = ap.add_subparsers(dest="what", required=True)
-    mp = sub.add_parser("minilm")
+    mp = sub.add_parser("minilm", parents=[common])
     mp.add_argument("--part", choices=("oneshot", "distill", "qat", "chain"), default="oneshot")
     mp.add_argument("--quick", action="store_true", help="chain: eval_minilm.py --quick's sizes (a smoke test)")
     mp.add_argument("--calib", type=int, default=512, help="calibration sentences")
@@ -456,7 +462,7 @@ def main(argv: list[str] | None = None) -> None:
     mp.add_argument("--lr", type=float, default=6e-4)
     mp.add_argument("--qat-steps", type=int, default=0, help="distill: quantization-aware steps after GPTQ")
     mp.add_argument("--qat-lr", type=float, default=2e-4)
-    cp = sub.add_parser("charlm")
+    cp = sub.add_parser("charlm", parents=[common])
     cp.add_argument("--steps", type=int, default=2000)
     cp.add_argument("--groups", type=int, nargs="+", default=(128, 64, 32))
     cp.add_argument("--qat-steps", type=int, default=0, help="quantization-aware steps after GPTQ (0: none)")

@@ -17,9 +17,12 @@ over the attention mask, L2-normalized; ``sparse24.embedding_fidelity``) on
 Recipes (each from the dense model; padding positions left out of every
 statistic): magnitude; SparseGPT; the recommended one shot, SparseGPT +
 channel permutation + layer by layer, each layer fit to the dense model's
-outputs (``prune_layerwise_(..., refit=True, teacher=dense)``); and that
-recipe with the options given by ``--robust`` (default: the Hessian shrunk
-halfway to its diagonal, ``shrink=0.5``); and the recommended recipe calibrated on
+outputs (``prune_layerwise_(..., refit=True, teacher=dense,
+percdamp=LAYERWISE_PERCDAMP)``, 0.1); "robust", the same permutation and
+``prune_layerwise_`` call but with SparseGPT's default damping
+(``percdamp`` 0.01, ``sparse24.masks.reconstruct.PERCDAMP``) unless
+``--robust`` sets it, plus the options given by ``--robust`` (default: the
+Hessian shrunk halfway to its diagonal, ``shrink=0.5``); and the recommended recipe calibrated on
 the lines plus ``--noise COPIES,P`` noisy copies of them (``sparse24.token_noise``:
 each token replaced by a random vocabulary token with probability P; default 2,0.3).
 
@@ -44,7 +47,7 @@ import torch
 import sparse24
 from sparse24 import (calibrate, embedding_fidelity, is_nm, permute_model_, prune_layerwise_,
                       sentence_embeddings, sparsify_)
-from sparse24.masks.reconstruct import LAYERWISE_PERCDAMP
+from sparse24.masks.reconstruct import LAYERWISE_PERCDAMP, PERCDAMP
 from sparse24.tools.bench import cpu_name
 
 from minilm_common import Encoder, code_lines, texts
@@ -126,7 +129,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--domains", nargs="+", choices=("docstrings", "code"), default=("code", "docstrings"))
     ap.add_argument("--sizes", type=int, nargs="+", default=(512, 256, 128, 1024), help="calibration lines")
     ap.add_argument("--recipes", nargs="+", choices=RECIPES, default=RECIPES)
-    ap.add_argument("--robust", default="shrink=0.5", help="prune_layerwise_ options of the robust row, k=v,...")
+    ap.add_argument("--robust", default="shrink=0.5", help=f"prune_layerwise_ options of the robust row, k=v,... (percdamp {PERCDAMP} unless given here)")
     ap.add_argument("--noise", default="2,0.3", help="COPIES,P of the noise row (sparse24.token_noise)")
     ap.add_argument("--eval-sentences", type=int, default=512, help="per evaluation text")
     ap.add_argument("--perm-iters", type=int, default=300, help="permutation search steps per group")
@@ -182,8 +185,10 @@ def write_table(args, argv: list[str], rows: list[tuple], wall: float, done: boo
         f"sentences / {args.eval_sentences} reference-manual sentences (the texts of eval_minilm.py)",
         f"- Recipes: recommended = SparseGPT + permutation ({args.perm_iters} search steps a group) + layer by "
         f"layer fit to the dense outputs (`prune_layerwise_(..., refit=True, teacher=, percdamp={LAYERWISE_PERCDAMP})`); "
-        f"robust = the same with "
-        f"`{args.robust}`; noise = recommended calibrated on the lines plus `sparse24.token_noise` copies "
+        f"robust = the same permutation and layer-by-layer fit with `{args.robust}`"
+        + ("" if "percdamp=" in args.robust else f" and SparseGPT's default damping `percdamp={PERCDAMP}` "
+           f"(not {LAYERWISE_PERCDAMP})") + "; noise"
+        f" = recommended calibrated on the lines plus `sparse24.token_noise` copies "
         f"(copies, p = {args.noise}: each token replaced by a random vocabulary token with probability p, special "
         f"tokens kept). Seconds: the recipe's own time, calibration included", "",
         "| calibrated on | lines | recipe | held-out docstrings | reference manual | seconds |",
