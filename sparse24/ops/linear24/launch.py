@@ -136,7 +136,7 @@ def linear_prefill(x: torch.Tensor, p: DecodePacked, bias: torch.Tensor | None =
         bias: ``(N,)`` or None (added in fp32).
         config: a ``kernel="prefill"`` :class:`KernelConfig`; default
             :func:`~sparse24.ops.linear24.prefill.prefill_config` for x's rows
-            (which needs M > 16; pass a config for fewer rows).
+            (at 16 rows or fewer, its 17-row config).
     Returns:
         ``(..., N)`` in x's dtype.
     Raises:
