@@ -205,7 +205,7 @@ class Sparse24Quantizer(HfQuantizer):
                     raise ValueError(f"the checkpoint lacks {', '.join(f'{saved}.{k}' for k in lacking)} for the 2:4 "
                                      f"{spec['mode']} layer {saved!r} that config.json lists")
                 _check_stored(found, saved, shell, need, spec)
-                _check_unplaced(found, saved, shell, spec)
+                _check_unplaced(found, saved, need, spec)
                 self._files[saved] = found[f"{saved}.{need[0]}"][2]
             model.set_submodule(fqn, shell)
             if spec["mode"] == "compressed":
@@ -354,13 +354,12 @@ def _check_stored(found: dict, saved: str, shell: Sparse24Linear, need: list, sp
             raise ValueError(f"{file}: '{saved}.{k}' is stored as {dtype}; {what} needs {' or '.join(allowed[k])}")
 
 
-def _check_unplaced(found: dict, saved: str, shell: Sparse24Linear, spec: dict) -> None:
-    """Refuse a stored 2:4 entry the layer config.json describes has no place for: transformers drops
-    it as UNEXPECTED and the layer computes something else (zero points of a layer listed as symmetric
-    INT4: wrong logits, no error)."""
-    sd = shell.state_dict(keep_vars=True)
+def _check_unplaced(found: dict, saved: str, need: list, spec: dict) -> None:
+    """Refuse a stored 2:4 entry the layer config.json describes has no place for (``need``: that
+    layer's entry names): transformers drops it as UNEXPECTED and the layer computes something else
+    (zero points of a layer listed as symmetric INT4: wrong logits, no error)."""
     for k in _ALL_KEYS:
-        if k in sd or (k == "weight" and spec["mode"] == "compressed"):  # (a compressed layer's marker)
+        if k in need or (k == "weight" and spec["mode"] == "compressed"):  # (a compressed layer's marker)
             continue
         if f"{saved}.{k}" in found:
             q = spec["quantize"]

@@ -552,26 +552,27 @@ def _incompatible_keys(model, sd: dict, prefix: str) -> tuple[list, list]:
     return missing, unexpected
 
 
-def _non_strict_call() -> bool:
-    """Whether the load_state_dict call under way says ``strict=False`` (read from its frame, as
-    :func:`_strict_call` does); False when no such frame is found."""
+def _load_call() -> dict | None:
+    """The locals of the load_state_dict call under way (its frame), or None when no such frame is
+    found (a loader calling _load_from_state_dict itself). torch passes strict=True to every module's
+    loading code whatever the call says, so the caller's own argument is read there."""
     f = sys._getframe(1)
     while f is not None:
         if f.f_code is torch.nn.Module.load_state_dict.__code__:
-            return not f.f_locals.get("strict", True)
+            return f.f_locals
         f = f.f_back
-    return False
+    return None
+
+
+def _non_strict_call() -> bool:
+    """Whether the load_state_dict call under way says ``strict=False``; False when none is found."""
+    call = _load_call()
+    return call is not None and not call.get("strict", True)
 
 
 def _strict_call(model, own: bool = False) -> bool:
     """Whether the load_state_dict call under way is strict (``own``: and is ``model``'s own, not
-    a parent's). torch passes True to every module's loading code whatever the call says (and
-    reports missing keys only at the end, after copying), so the caller's own argument is read
-    from its frame; False when no such frame is found (a loader calling _load_from_state_dict
-    itself: torch's report stands)."""
-    f = sys._getframe(1)
-    while f is not None:
-        if f.f_code is torch.nn.Module.load_state_dict.__code__:
-            return bool(f.f_locals.get("strict", True)) and (not own or f.f_locals.get("self") is model)
-        f = f.f_back
-    return False
+    a parent's); torch reports missing keys only at the end, after copying. False when no such call
+    is found (a loader calling _load_from_state_dict itself: torch's report stands)."""
+    call = _load_call()
+    return call is not None and bool(call.get("strict", True)) and (not own or call.get("self") is model)

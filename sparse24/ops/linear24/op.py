@@ -126,11 +126,11 @@ def forward(x: torch.Tensor, values: torch.Tensor, meta: torch.Tensor, scale: to
     (the modules), in either layout: ``x`` is checked by the caller, the weight
     is not. Shapes as in :func:`linear`; ``zero`` and ``group_size`` (0: not INT4)
     as in :class:`~sparse24.format.Sparse24Tensor`."""
-    if torch._C._are_functorch_transforms_active():
-        # torch.func (jvp, grad, jacrev, vmap) differentiates pure-torch ops only: through the registered
-        # op jvp's tangent came out all zeros, without a word, and grad raised
-        return _compute(x, values, meta, scale, zero, bias, weight_dtype, "reference", out_features, group_size)
     if _needs_op(x, values, bias):
+        if torch._C._are_functorch_transforms_active():
+            # torch.func (jvp, grad, jacrev, vmap) differentiates pure-torch ops only: through the registered
+            # op jvp's tangent came out all zeros, without a word, and grad raised
+            return _compute(x, values, meta, scale, zero, bias, weight_dtype, "reference", out_features, group_size)
         return torch.ops.sparse24.linear(x, values, meta, scale, zero, bias, weight_dtype, backend, out_features,
                                          group_size)
     return _compute(x, values, meta, scale, zero, bias, weight_dtype, backend, out_features, group_size)
