@@ -186,3 +186,52 @@ def test_trainer_resumes_a_sharded_checkpoint(tmp_path, mode):
     model = copy.deepcopy(fresh)
     Trainer(model, args, train_dataset=data).train(resume_from_checkpoint=str(tmp_path / "checkpoint-1"))
     assert same_state(model, trained)  # learning rate 0: the checkpoint's weights, untouched by the step
+
+
+def _quantized(quantize, symmetric):
+    """A compressed quantized model and a copy standing for it after training: other values and
+    scales (and zero points), the same masks."""
+    torch.manual_seed(0)
+    fresh = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 16))
+    sparse24.sparsify_(fresh, mode="compressed", quantize=quantize, symmetric=symmetric, skip_output_head=False)
+    trained = copy.deepcopy(fresh)
+    with torch.no_grad():
+        for m in layers_24(trained).values():
+            m.values.copy_(-m.values)
+            m.scale.mul_(1.5)
+            m.bias.add_(0.25)
+            if getattr(m, "zero", None) is not None:
+                m.zero.copy_(15 - m.zero)
+    return fresh, trained
+
+
+@pytest.mark.parametrize("quantize,symmetric", [("int8", None), ("int4", True), ("int4", False)])
+def test_a_quantized_layer_split_anywhere_loads_part_by_part(quantize, symmetric):
+    """A shard boundary may fall between any two of a quantized layer's entries: right after its
+    ``meta`` the first part (values + meta) has no scale, and was refused as "this layer is
+    INT4-quantized but the checkpoint has no scale: it is not INT4"."""
+    fresh, trained = _quantized(quantize, symmetric)
+    sd = trained.state_dict()
+    keys = [k for k in sd if k.startswith("0.")]
+    for cut in range(1, len(keys)):
+        parts = [{k: sd[k] for k in keys[:cut]}, {k: sd[k] for k in keys[cut:]}]
+        for order in (parts, parts[::-1]):
+            model = copy.deepcopy(fresh)
+            model.load_state_dict({k: v for k, v in sd.items() if not k.startswith("0.")}, strict=False)
+            for part in order:
+                model.load_state_dict(part, strict=False)
+            assert same_state(model, trained), (keys[:cut], keys[cut:])
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        assert torch.equal(model(x), trained(x))
+
+
+def test_a_quantized_part_that_does_not_fit_is_refused():
+    """The part is checked with the layer's own other entries: INT4 codes beside an INT8 layer's
+    scale are not a valid layer, and an unquantized part (floating values) is told apart."""
+    fresh, trained = _quantized("int8", None)
+    model = copy.deepcopy(fresh)
+    part = {"0.values": trained[0].values.float(), "0.meta": trained[0].meta}
+    with pytest.raises(RuntimeError, match="0: incomplete 2:4 entries.*not a valid 2:4 layer.*int8"):
+        model.load_state_dict(part, strict=False)
+    assert same_state(model, fresh)

@@ -274,3 +274,25 @@ def test_the_faster_measured_route_serves(quantize, cuda_route, tmp_path, monkey
             assert cuda_route[-1][0] == "unpack"
     finally:
         config_store.clear_cache()
+
+
+def test_the_byte_permute_fallback_fills_this_gpus_sms(monkeypatch):
+    """On a GPU without sparse tensor cores an INT8 weight with 16-bit x at 16 rows or fewer takes
+    the byte-permute kernel's built-in config, sized for this GPU's multiprocessors: it was sized
+    for an H200's 132 on any GPU (a 40-SM T4 split 4096 x 4096 by 4: three kernels' worth of
+    partial sums where one wave is already filled)."""
+    from sparse24.ops.config_space import builtin_config
+    monkeypatch.setattr(config_store, "device_info", lambda device=None: config_store.DeviceInfo("Old GPU", (7, 5), 40))
+    monkeypatch.setattr(launch, "check_triton_for_gpu", lambda: None)
+    config_store.clear_cache()
+    try:
+        key = (torch.device("cuda", 0), torch.float16, torch.uint8, 3, torch.float32, None, 4096, 4096, 16, False,
+               False, None, 0, False)
+        # past the config choice the plan allocates its split-K workspace on the GPU this machine lacks
+        monkeypatch.setattr(launch, "_split_extra", lambda *a: ())
+        plan = launch._Plan(key, None)
+        want = builtin_config(16, 4096, 4096, 40, "decode", "int8-float32")
+        assert want != builtin_config(16, 4096, 4096, 132, "decode", "int8-float32")
+        assert plan.config == want
+    finally:
+        config_store.clear_cache()

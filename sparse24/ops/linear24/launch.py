@@ -271,7 +271,7 @@ class _Plan:
                 # a sparse-kernel config for a 16-bit weight of the other 16-bit dtype than x, or on a GPU
                 # without sparse tensor cores: the byte-permute kernel's (the builtin config of the
                 # key's float32-x twin, which that kernel serves)
-                config = builtin_config(bucket, N, K, layout=layout, dtype=fp32_twin(key))
+                config = builtin_config(bucket, N, K, config_store.device_info(device).num_sms, layout, fp32_twin(key))
         self.config, self.variant = config, variant_of(config, x_dtype, has_scale, values_dtype, sparse_cores)
         self.variant.check_config(config)
         self.split_k = self.variant.split_k(config, bucket, deterministic)
