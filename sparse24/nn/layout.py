@@ -18,16 +18,17 @@ _DECODE_DTYPES = (torch.float16, torch.bfloat16)
 
 
 def _bf16_copy(scale: torch.Tensor) -> tuple | None:
-    """``(scale, its version counter, its bfloat16 copy)`` where bfloat16 holds every scale
-    exactly, else None (version None: an inference tensor, which counts no versions)."""
-    b = scale.to(torch.bfloat16)
-    if not torch.equal(b.to(scale.dtype), scale):
-        return None
+    """``(scale, its version counter, its bfloat16 copy, its data pointer)`` where bfloat16 holds
+    every scale exactly, else None. None too for an inference tensor (built or loaded under
+    ``torch.inference_mode``): it counts no versions, so an in-place change could not be seen."""
     try:
         version = scale._version
     except RuntimeError:
-        version = None
-    return scale, version, b
+        return None
+    b = scale.to(torch.bfloat16)
+    if not torch.equal(b.to(scale.dtype), scale):
+        return None
+    return scale, version, b, scale.data_ptr()
 
 
 class LayoutMixin:
@@ -69,9 +70,9 @@ class LayoutMixin:
         # INT4 scales that bfloat16 holds exactly (quantized from a bfloat16 weight: bf16_exact_scales):
         # the decode layout keeps them as bfloat16 too, for bfloat16 x, whose kernels then scale a
         # register pair in two fma instead of three (docs/kernels.md, "INT4 weights"); small: 2 bytes
-        # per group of 32-128 weights. Tied to the float16 tensor it copies and that tensor's version:
-        # eager forward passes the copy only while both hold (a replaced or changed scale reads float16;
-        # so does a compiled one, which cannot check the version).
+        # per group of 32-128 weights. Tied to the float16 tensor it copies, that tensor's version and
+        # storage: eager forward passes the copy only while all three hold (a replaced or changed scale,
+        # or new data set through ``.data =``, reads float16; so does a compiled one, which cannot check).
         self._scale_bf16 = _bf16_copy(self.scale) if layout == "decode" and self._group_size else None
 
     def to_layout(self, layout: str) -> "LayoutMixin":

@@ -596,7 +596,8 @@ class Sparse24Linear(LayoutMixin, StateDictMixin, nn.Module):
         # compiled graph cannot see an in-place change of the float16 scales (it kept the stale copy)
         if x.dtype == torch.bfloat16 and not torch.compiler.is_compiling():
             copy = self.__dict__.get("_scale_bf16")
-            if copy is not None and copy[0] is scale and (copy[1] is None or copy[1] == scale._version):
+            if copy is not None and copy[0] is scale and copy[1] == scale._version \
+                    and copy[3] == scale.data_ptr():
                 scale = copy[2]
         bias, zero, group_size = params.get("bias"), buffers["zero"], self._group_size or 0
         out = linear24.forward(x, values, buffers["meta"], scale, bias, self._dtype, self.out_features, zero=zero,

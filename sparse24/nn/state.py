@@ -118,9 +118,11 @@ def _check_part(self, sd: dict, prefix: str, has: set, want: set) -> None:
             return
         except (ValueError, TypeError) as e:
             why = str(e)
+    kind = _quant_mismatch(self, has) if self._mode == "compressed" else None
     raise ValueError(f"incomplete 2:4 entries: got {sorted(has)} without {sorted(want - has)}, and with this layer's "
                      f"own they are not a valid 2:4 layer ({why}); a non-strict load takes part of a layer's entries "
-                     f"only when they are: load all of {sorted(want)} in one call")
+                     f"only when they are: load all of {sorted(want)} in one call"
+                     + (f" (if these are all the entries: {kind})" if kind else ""))
 
 
 def _is_24(w: torch.Tensor, layer) -> bool:

@@ -180,13 +180,22 @@ def test_int4_mismatched_and_corrupt_checkpoints(gen):
         with pytest.raises(RuntimeError, match=msg):
             layer.load_state_dict(bad)
         assert same_state(before, layer_state(layer))
-    # an entry left out: the rest describes another kind of checkpoint
+    # an entry left out: the rest describes another kind of checkpoint (strict), or is part of this
+    # kind's entries (non-strict: a shard boundary may fall anywhere), taken only where it fits the
+    # layer's own other entries
     for layer, bad, msg in ((sym, {k: v for k, v in sd.items() if k != "group_size"}, "got an INT8 checkpoint"),
                             (asym, {k: v for k, v in sda.items() if k != "zero"}, "got a symmetric INT4 checkpoint")):
         before = layer_state(layer)
         with pytest.raises(RuntimeError, match=msg):
-            layer.load_state_dict(bad, strict=False)
+            layer.load_state_dict(bad)
         assert same_state(before, layer_state(layer))
+        assert layer.load_state_dict(bad, strict=False).missing_keys == [k for k in layer.state_dict() if k not in bad]
+        assert same_state(before, layer_state(layer))    # (its own entries again)
+    before = layer_state(sym)
+    with pytest.raises(RuntimeError, match=r"not a valid 2:4 layer \(.*\(if these are all "
+                                           r"the entries: got an INT8 checkpoint"):
+        sym.load_state_dict({k: v for k, v in int8.state_dict().items() if k != "bias"}, strict=False)
+    assert same_state(before, layer_state(sym))
 
 
 # --- torch.compile / torch.export -------------------------------------------------------------
@@ -252,7 +261,7 @@ def test_int4_bf16_layer_reads_its_scales_as_bf16_in_the_decode_layout(gen, monk
     x = torch.randn(5, 96, generator=gen).bfloat16()
     y_v1 = layer(x)
     layer.to_layout("decode")
-    scale, _, copy_ = layer._scale_bf16
+    scale, _, copy_, _ = layer._scale_bf16
     assert scale is layer.scale and copy_.dtype == torch.bfloat16 and torch.equal(copy_.half(), layer.scale)
     y = layer(x)
     assert seen == [torch.float16, torch.bfloat16] and torch.equal(y, y_v1)
@@ -276,6 +285,24 @@ def test_int4_bf16_layer_reads_its_scales_as_bf16_in_the_decode_layout(gen, monk
     assert seen[-1] == torch.float16
     layer.to_layout("v1")
     assert layer._scale_bf16 is None
+    # new data set through .data (torch's version counter does not move): the copy's storage is gone
+    layer.to_layout("decode")
+    layer(x)
+    assert seen[-1] == torch.bfloat16
+    with torch.no_grad():
+        layer.scale.data = layer.scale * 2
+    assert_matches_reference(layer(x), x, (4 * ref_w.double()).to(torch.bfloat16), layer.bias.detach())
+    assert seen[-1] == torch.float16
+    # built under inference_mode (a loader's usual context): an inference tensor counts no versions,
+    # so an in-place change could not be seen: no copy, float16 is read and follows the change
+    with torch.inference_mode():
+        inf = Sparse24Linear.from_linear(make_linear(96, 24, torch.bfloat16, gen), mode="compressed",
+                                         quantize="int4", group_size=32).to_layout("decode")
+        assert inf._scale_bf16 is None
+        y0 = inf(x).double() - inf.bias.double()
+        inf.scale.mul_(2)
+        y1 = inf(x).double() - inf.bias.double()
+    assert seen[-1] == torch.float16 and torch.allclose(y1, 2 * y0, rtol=2 ** -7, atol=1e-3)
     # quantized in float32 and then cast: 11-bit scales, no bfloat16 copy
     f32 = Sparse24Linear.from_linear(make_linear(96, 24, torch.float32, gen), mode="compressed", quantize="int4",
                                      group_size=32).bfloat16().to_layout("decode")
