@@ -550,7 +550,9 @@ def quantize_values(p: Sparse24Tensor, mode: str = "int8", *, group_size: int = 
     ``u = round(v / scale) + 8`` clamped to 1..15. Asymmetric: ``lo, hi`` =
     the group's min and max with 0 included, ``scale = (hi - lo) / 15``,
     ``zero = round(-lo / scale)`` in 0..15, ``u = round(v / scale) + zero``
-    clamped to 0..15. Rounding is half to even; every kept value's error is at
+    clamped to 0..15. A float16 weight's grids end inside float16's range (a scale
+    whose grid would reach past 65504 goes one float16 step down; such an asymmetric
+    group takes the symmetric grid, zero point 8). Rounding is half to even; every kept value's error is at
     most ``scale / 2`` (up to the float16 rounding of ``scale``).
 
     Args:
@@ -588,7 +590,8 @@ def quantize_values(p: Sparse24Tensor, mode: str = "int8", *, group_size: int = 
         raise ValueError("cannot quantize: the weight has non-finite (inf/NaN) kept values")
     if mode == "int4":
         check_group_size(group_size)
-        codes, scale, zero = int4_quantize(v, group_size, symmetric, bf16_scales=p.dtype == torch.bfloat16)
+        codes, scale, zero = int4_quantize(v, group_size, symmetric, bf16_scales=p.dtype == torch.bfloat16,
+                                           fp16_weights=p.dtype == torch.float16)
         return Sparse24Tensor(_pack_nibbles(codes), p.meta, p.shape, p.dtype, scale, zero=zero,
                               group_size=group_size, check=False)
     amax = v.abs().amax(dim=1) if v.shape[1] else v.new_zeros(v.shape[0])
@@ -605,7 +608,8 @@ def check_group_size(group_size) -> int:
 
 
 def int4_quantize(v: torch.Tensor, group_size: int, symmetric: bool = True,
-                  scale: torch.Tensor | None = None, zero: torch.Tensor | None = None, bf16_scales: bool = False):
+                  scale: torch.Tensor | None = None, zero: torch.Tensor | None = None, bf16_scales: bool = False,
+                  fp16_weights: bool = False):
     """Round kept values to INT4 codes on a group-wise grid (the rule of :func:`quantize_values`).
 
     Args:
@@ -617,6 +621,8 @@ def int4_quantize(v: torch.Tensor, group_size: int, symmetric: bool = True,
             (what GPTQ-style quantizers do column by column).
         bf16_scales: new scales rounded up to values bfloat16 holds exactly
             (:func:`bf16_exact_scales`), as :func:`quantize_values` does for bfloat16 weights.
+        fp16_weights: new grids end inside float16's range (:func:`_inside_fp16`), as
+            :func:`quantize_values` makes them for float16 weights.
     Returns:
         ``(codes (R, n) uint8 0..15, scale float16, zero uint8 or None)``.
     """
@@ -638,6 +644,8 @@ def int4_quantize(v: torch.Tensor, group_size: int, symmetric: bool = True,
         scale = bf16_exact_scales(s) if bf16_scales else _half_scales(s)
         if not symmetric:
             zero = torch.round(-lo / scale.float()).clamp_(0, 15).to(torch.uint8)
+        if fp16_weights:
+            scale, zero = _inside_fp16(scale, zero, g)
     s = scale.float().repeat_interleave(half, dim=1)[:, :n]
     if zero is None:
         codes = torch.round(v / s).clamp_(1 - _INT4_ZERO, 15 - _INT4_ZERO) + _INT4_ZERO
@@ -645,6 +653,29 @@ def int4_quantize(v: torch.Tensor, group_size: int, symmetric: bool = True,
         z = zero.float().repeat_interleave(half, dim=1)[:, :n]
         codes = (torch.round(v / s) + z).clamp_(0, 15)
     return codes.to(torch.uint8), scale, zero
+
+
+def _inside_fp16(scale: torch.Tensor, zero: torch.Tensor | None, g: torch.Tensor):
+    """Grids of float16 weights whose ends lie inside float16's range (|grid point| <= 65504).
+    A group reaching 65504 got a scale rounded up (fp16(65504 / 7) = 9360: 7 x 9360 = 65520, inf in
+    float16, so in every float16 dequantization: to_dense, the reference backend, a kernel's 16-bit
+    operands). Symmetric: such a scale goes down one float16 step (to at most amax / 7: the group's
+    largest value clips by under 7 steps of the scale's last bit, as a normal scale rounded down
+    does). Asymmetric (its zero point's rounding may also put an end past the group's range):
+    such a group takes the symmetric grid instead (zero point 8, codes 1..15)."""
+    fmax = torch.finfo(torch.float16).max
+
+    def down(s):   # one float16 step toward 0 where 7 steps reach past float16 (positive: bits - 1)
+        return torch.where(7 * s.float() > fmax, (s.view(torch.int16) - 1).view(torch.float16), s)
+
+    if zero is None:
+        return down(scale), None
+    z = zero.float()
+    over = torch.maximum(z, 15 - z) * scale.float() > fmax
+    if not bool(over.any()):
+        return scale, zero
+    sym = down(_half_scales(g.abs().amax(-1) / (15 - _INT4_ZERO)))
+    return torch.where(over, sym, scale), torch.where(over, torch.full_like(zero, _INT4_ZERO), zero)
 
 
 def _half_scales(s: torch.Tensor) -> torch.Tensor:

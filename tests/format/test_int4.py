@@ -185,3 +185,29 @@ def test_int4_state_tensors_round_trip():
     again = Sparse24Tensor(st["values"], st["meta"], q.shape, q.dtype, st["scale"], zero=st["zero"],
                            group_size=64)
     assert torch.equal(again.to_dense(), q.to_dense())
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("lo", [0.0, -1000.0, -65504.0])
+def test_float16_grids_stay_inside_float16(symmetric, lo):
+    """A float16 weight reaching float16's largest value, 65504: the float16-rounded scale put the
+    grid's end at 65520 (symmetric: fp16(65504 / 7) = 9360, 7 x 9360; asymmetric all-positive:
+    15 x fp16(65504 / 15) = 15 x 4368), which every float16 dequantization (to_dense, the reference
+    backend, a kernel's 16-bit operands) rounds to inf. Float16 weights' grids end inside
+    float16's range, each value still within half a step of its grid point."""
+    w = torch.zeros(4, 64, dtype=torch.float16)
+    w[:, 0], w[:, 5], w[1, 9], w[2, 12], w[3, 33] = 65504.0, lo, 1.0, -0.5, 300.0
+    q = quantize_values(compress(w), "int4", group_size=32, symmetric=symmetric)
+    dense = q.to_dense()
+    assert torch.isfinite(dense).all()
+    # each kept value within half a step of the original (plus the scale's float16 rounding)
+    scale = q.scale.double().repeat_interleave(32, dim=1)
+    err = (dense.double() - w.double()).abs()
+    assert bool((err <= scale * (0.5 + 15 * 2.0 ** -11)).all()), (err / scale).max()
+    # symmetric: every code of every group's grid (1..15: -7..7 steps) inside float16
+    if symmetric:
+        assert bool((7 * q.scale.double() <= 65504).all())
+    # bfloat16 and float32 weights keep their grids (their types hold 65520)
+    for dtype in (torch.float32, torch.bfloat16):
+        q2 = quantize_values(compress(w.to(dtype)), "int4", group_size=32, symmetric=symmetric)
+        assert torch.isfinite(q2.to_dense()).all()
