@@ -260,7 +260,14 @@ def job_distilled_retrain(cfg: dict, state: dict, control_state: dict, head_dens
 
 
 def _gradual_schedule(steps: int) -> dict:
-    """Prune from 10% to 60% of training (every ~2%), then train the rest with fixed masks."""
+    """Prune from 10% to 60% of training (every ~2%), then train the rest with fixed masks.
+
+    The last pruning step is at most ``steps - 1`` (``train`` calls ``after_step(0 .. steps - 1)``); it must
+    come after the first, so ``steps >= 2``.
+    """
+    if steps < 2:
+        raise ValueError(f"gradual pruning needs at least 2 training steps (a first and a last pruning step), "
+                         f"got {steps}")
     freq = max(1, steps // 50)
     start = (steps // 10) // freq * freq
     end = start + max(1, (steps * 6 // 10 - start) // freq) * freq
@@ -320,8 +327,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--check-seeds", type=int, nargs="*", default=[1, 2],
                     help="more seeds for the 0.03 comparison (control, 2:4 retrained, distilled)")
     args = ap.parse_args(argv)
-    if args.steps < 1 or args.jobs < 1 or args.threads < 1:
-        ap.error("--steps, --jobs and --threads must be >= 1")
+    if args.jobs < 1 or args.threads < 1:
+        ap.error("--jobs and --threads must be >= 1")
+    if args.steps < 2:  # the gradual-pruning rows prune first at step 0 and last at a later step
+        ap.error(f"--steps must be >= 2 (gradual pruning needs a first and a last pruning step), got {args.steps}")
     cfg = {"steps": args.steps, "d_model": args.d_model, "layers": args.layers, "heads": 4, "ctx": 128,
            "batch": args.batch, "lr": args.lr, "wd": 0.01, "eval_windows": args.eval_windows,
            "calib_batches": 8, "srste_decay": args.srste_decay, "seed": args.seed, "mask_lr": args.mask_lr,
