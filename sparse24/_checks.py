@@ -25,7 +25,8 @@ def check_weight(w: torch.Tensor, m: int, name: str = "weight") -> None:
 
 
 def check_nm(n: int, m: int) -> None:
-    if not (isinstance(n, int) and isinstance(m, int)) or m < 1 or not 0 <= n <= m:
+    # bool is an int to Python, but True as a pattern size is a mistake (mask_nm(w, True, 4) meant 1:4)
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in (n, m)) or m < 1 or not 0 <= n <= m:
         raise ValueError(f"need integers 0 <= n <= m and m >= 1, got n={n!r}, m={m!r}")
 
 

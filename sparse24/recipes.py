@@ -36,12 +36,13 @@ FilterFn = Callable[[nn.Module, str], bool]
 
 def _parse_nm(nm) -> tuple[int, int]:
     """``(n, m)`` or ``"n:m"`` -> ``(n, m)`` with 1 <= n < m."""
+    given = nm  # the error shows what the user wrote, not what parsing left
     if isinstance(nm, str) and nm.count(":") == 1:
         a, b = nm.split(":")
         nm = (int(a), int(b)) if a.strip().isdigit() and b.strip().isdigit() else None
     if (not isinstance(nm, (tuple, list)) or len(nm) != 2
             or not all(isinstance(v, int) and not isinstance(v, bool) for v in nm) or not 1 <= nm[0] < nm[1]):
-        raise ValueError(f"N:M target must be (n, m) or 'n:m' with integers 1 <= n < m, got {nm!r}")
+        raise ValueError(f"N:M target must be (n, m) or 'n:m' with integers 1 <= n < m, got {given!r}")
     return int(nm[0]), int(nm[1])
 
 
@@ -205,16 +206,35 @@ class GradualPruner:
         for fqn, part in zip(fqns, keep.split([self.masks[f].numel() for f in fqns])):
             self.masks[fqn] = part.view_as(self.masks[fqn])
 
+    def _target(self) -> str:
+        return f"{self.nm[0]}:{self.nm[1]}" if self.nm else f"unstructured sparsity {self.final_sparsity:g}"
+
     def state_dict(self) -> dict:
-        """Masks and schedule position, to resume training."""
-        return {"masks": {k: v.clone() for k, v in self.masks.items()}, "pruned_k": self._pruned_k}
+        """Masks and schedule position, to resume training, and the target they were pruned towards
+        (``nm``: ``(n, m)`` or None, ``final_sparsity``), which :meth:`load_state_dict` checks."""
+        return {"masks": {k: v.clone() for k, v in self.masks.items()}, "pruned_k": self._pruned_k,
+                "nm": self.nm, "final_sparsity": self.final_sparsity}
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore what :meth:`state_dict` returned; checks everything before changing anything."""
+        """Restore what :meth:`state_dict` returned; checks everything before changing anything.
+        A state saved with another target (N:M pattern or final sparsity) is refused: its masks
+        would leave the model at the other target (a sparser state loaded into a denser pruner
+        even revives weights it pruned). A state without ``nm`` / ``final_sparsity`` (saved
+        by an older version) is taken as this pruner's."""
         who = "GradualPruner.load_state_dict"
-        if not isinstance(state, dict) or set(state) != {"masks", "pruned_k"}:
+        keys = {"masks", "pruned_k", "nm", "final_sparsity"}
+        if not isinstance(state, dict) or set(state) not in (keys, {"masks", "pruned_k"}):
             got = sorted(state) if isinstance(state, dict) else type(state).__name__
-            raise ValueError(f"{who}: need a dict with keys ['masks', 'pruned_k'], got {got}")
+            raise ValueError(f"{who}: need a dict with keys {sorted(keys)}, got {got}")
+        if "nm" in state:
+            nm, s_f = state["nm"], state["final_sparsity"]
+            nm = tuple(nm) if isinstance(nm, (tuple, list)) else nm
+            if nm != self.nm or not isinstance(s_f, float) or not math.isclose(s_f, self.final_sparsity):
+                saved = (f"{nm[0]}:{nm[1]}" if isinstance(nm, tuple) and len(nm) == 2
+                         else f"unstructured sparsity {s_f!r}")
+                raise ValueError(f"{who}: the state was saved by a pruner with target {saved}, this one's target is "
+                                 f"{self._target()}: build the pruner with the target the state was saved with "
+                                 "(nothing was changed)")
         masks, k = state["masks"], state["pruned_k"]
         if not isinstance(masks, dict) or set(masks) != set(self.masks) or any(
                 not isinstance(masks[n], torch.Tensor) or masks[n].dtype != torch.bool or masks[n].shape != v.shape

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .._checks import check_model, check_separate_teacher
+from .._checks import check_model, check_nm, check_separate_teacher
 from .._rollback import TensorBackup
 from .._progress import progress_bar, progress_enabled
 from .distributed import agree, check_group, sum_over_ranks
@@ -219,7 +219,8 @@ def prune_layerwise_(model: nn.Module, batches, n: int = 2, m: int = 4, method: 
     short after the layer when every layer is called once per forward. The weights stay in the
     ``nn.Linear`` modules (zeros off the mask); convert them afterwards with
     ``sparse24.sparsify_(model)``, whose magnitude mask keeps exactly these
-    non-zeros.
+    non-zeros (for 2:4 and for any pattern at most as dense: 1:4, 2:8, 1:8 stay
+    so through the frozen-mask retraining).
 
     With a ``teacher`` (the dense model, a separate copy) each layer is fit to
     the teacher's outputs instead of its own: with ``X`` the layer's inputs in
@@ -245,9 +246,11 @@ def prune_layerwise_(model: nn.Module, batches, n: int = 2, m: int = 4, method: 
     returns) and the error says at which layer it stopped.
 
     Args:
-        model: module with ``nn.Linear`` layers (``in_features % m == 0`` to be pruned).
+        model: module with ``nn.Linear`` layers.
         batches: a re-iterable collection (e.g. a list) of batches as in :func:`calibrate`.
-        n, m: keep ``n`` of every ``m``.
+        n, m: keep ``n`` of every ``m``. Every selected layer needs ``in_features % m == 0``:
+            the others are named in a ValueError (leave them out with ``filter_fn``), as is a
+            call that selects no layer.
         method: any :data:`METHODS` entry (``"sparsegpt"`` collects each layer's Hessian).
         filter_fn: optional ``(module, fqn) -> bool`` selecting layers.
         device, token_mask: passed to :func:`calibrate`.
@@ -293,8 +296,19 @@ def prune_layerwise_(model: nn.Module, batches, n: int = 2, m: int = 4, method: 
             raise ValueError("batches is empty: prune_layerwise_ needs calibration inputs")
         if token_mask is not None and not callable(token_mask):
             raise TypeError(f"token_mask must be callable (batch) -> bool tensor, got {type(token_mask).__name__}")
+        check_nm(n, m)
         names = {mod: fqn for fqn, mod in model.named_modules() if isinstance(mod, nn.Linear)
-                 and mod.in_features % m == 0 and (filter_fn is None or filter_fn(mod, fqn))}
+                 and (filter_fn is None or filter_fn(mod, fqn))}
+        if not names:
+            raise ValueError(f"prune_layerwise_: no nn.Linear layer selected in {type(model).__name__}"
+                             + (" (filter_fn accepted none)" if filter_fn is not None else ""))
+        # Refused, not left dense without a word (m dividing no layer made the whole call a no-op)
+        misfit = [f"{fqn!r} (in_features={mod.in_features})" for mod, fqn in names.items() if mod.in_features % m]
+        if misfit:
+            raise ValueError(f"prune_layerwise_: layer(s) {', '.join(misfit[:5])}"
+                             + (f" and {len(misfit) - 5} more" if len(misfit) > 5 else "")
+                             + f" cannot be pruned to {n}:{m}: in_features is not divisible by m={m}; exclude them "
+                             "with filter_fn (nothing was changed)")
         # Everything checked before any layer changes, so that bad input changes nothing.
         calls = _check_inputs(model, names, batches, device, token_mask)
         if teacher is not None:

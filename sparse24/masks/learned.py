@@ -72,7 +72,9 @@ class LearnableMask(nn.Module):
             come first so that the softmax over them runs over contiguous planes:
             a draw + backward of a 1536x384 layer took 201 ms this way vs 365 ms
             with the patterns last (one loaded CPU core).
-        patterns: ``(P, m)`` bool buffer (not saved in the state dict).
+        patterns: ``(P, m)`` bool buffer (not saved in the state dict; the pattern ``n, m`` is, as
+            ``_extra_state``, and loading a state of another pattern is refused: 1:4 and 3:4 have
+            logits of one shape, ``C(m, n) = C(m, m - n)``, but not of one meaning).
     Example:
         >>> w = torch.randn(8, 16)
         >>> lm = LearnableMask(w.shape, prior=mask_nm(w, 2, 4))
@@ -102,6 +104,30 @@ class LearnableMask(nn.Module):
         self.logits = nn.Parameter(torch.zeros(len(self.patterns), R, C // m, dtype=dtype, device=device))
         if prior is not None:
             self.init_from_mask(prior, confidence)
+
+    def get_extra_state(self) -> torch.Tensor:
+        """The pattern ``[n, m]``, saved beside the logits (a tensor: any state-dict format holds it)."""
+        return torch.tensor([self.n, self.m])
+
+    def set_extra_state(self, state) -> None:
+        pass  # checked in _load_from_state_dict, before the logits are copied
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        key = prefix + "_extra_state"
+        if key in state_dict:  # refused before anything is copied (torch sets the extra state last)
+            saved = state_dict[key]
+            nm = saved.tolist() if isinstance(saved, torch.Tensor) and saved.shape == (2,) else None
+            if nm != [self.n, self.m]:
+                raise ValueError(f"LearnableMask: the state holds the logits of a "
+                                 f"{f'{nm[0]}:{nm[1]}' if nm else f'(unreadable pattern {saved!r})'} mask, this "
+                                 f"mask is {self.n}:{self.m} (the logits may have the same shape, not the same "
+                                 f"meaning): build LearnableMask(shape, n, m) with the saved pattern to load it "
+                                 "(nothing was changed)")
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+        if key not in state_dict and key in missing_keys:  # a state saved before the pattern was: taken as is
+            missing_keys.remove(key)
 
     @property
     def num_patterns(self) -> int:

@@ -145,6 +145,7 @@ def prune_nm(w: torch.Tensor, n: int = 2, m: int = 4, method: str = "magnitude",
         >>> r.mask.sum().item(), round(r.kept_fraction, 2) > 0.5
         (64, True)
     """
+    check_nm(n, m)  # first: the width checks below divide by m
     kwargs = _with_calibration(method, calibration, kwargs)
     if out is not None and (not isinstance(out, torch.Tensor) or not isinstance(w, torch.Tensor)
                             or out.shape != w.shape or out.dtype != w.dtype or out.device != w.device):

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from .._checks import check_nm
 from .nm import LayerStats
 from .permutation import search_permutation
 from .reconstruct import PERCDAMP, damp_
@@ -90,11 +91,14 @@ class PermutationGroup:
 
 
 @torch.no_grad()
-def _apply(model: nn.Module, group: PermutationGroup, perm: torch.Tensor) -> None:
-    """Permute every tensor of ``group`` in place (same Parameter objects)."""
+def _apply(model: nn.Module, group: PermutationGroup, perm: torch.Tensor, inverse: bool = False) -> None:
+    """Permute every tensor of ``group`` in place (same Parameter objects). ``inverse=True`` undoes
+    ``_apply(model, group, perm)`` exactly: the inverse permutation, its steps in reverse order (two
+    steps on one tensor need not commute, e.g. the overlapping row slices of a group that is not exact)."""
     mods = dict(model.named_modules())
     H = perm.numel()
     done = set()   # each tensor (and slice) once, whatever names it was listed under (tied ones included)
+    steps = []     # (tensor, dim, first row): its H entries from ``first`` along ``dim`` are permuted
 
     def once(key) -> bool:
         new = key not in done
@@ -103,21 +107,22 @@ def _apply(model: nn.Module, group: PermutationGroup, perm: torch.Tensor) -> Non
     for c in group.consumers:
         w = mods[c].weight
         if once((id(w), "columns")):
-            w.copy_(w[:, perm.to(w.device)])
+            steps.append((w, 1, 0))
     for p in group.producers:
         fqn, first = (p, 0) if isinstance(p, str) else p
         lin = mods[fqn]
-        if not once((id(lin.weight), "rows", first)):
-            continue
-        rows = first + perm.to(lin.weight.device)
-        lin.weight[first:first + H] = lin.weight[rows].clone()
-        if lin.bias is not None:
-            lin.bias[first:first + H] = lin.bias[rows].clone()
+        if once((id(lin.weight), "rows", first)):
+            steps += [(t, 0, first) for t in (lin.weight, lin.bias) if t is not None]  # the bias follows the rows
     params = dict(model.named_parameters(remove_duplicate=False))
     for name, dim in group.params:
         t = params[name]
         if once((id(t), dim)):
-            t.copy_(t.index_select(dim, perm.to(t.device)))
+            steps.append((t, dim, 0))
+    if inverse:
+        perm, steps = torch.argsort(perm), steps[::-1]
+    for t, dim, first in steps:
+        part = t.narrow(dim, first, H)
+        part.copy_(part.index_select(dim, perm.to(t.device)))
 
 
 def _random_perm(H: int, block: int | None, gen: torch.Generator) -> torch.Tensor:
@@ -207,7 +212,7 @@ class _Float64Copy:
         try:
             return _outputs_equal(self.ref, _run(self.model, self.example), 1e-9)
         finally:
-            _apply(self.model, group, torch.argsort(perm))
+            _apply(self.model, group, perm, inverse=True)
 
 
 def check_group(model: nn.Module, group: PermutationGroup, example, seed: int = 0) -> bool:
@@ -333,8 +338,13 @@ def permute_model_(model: nn.Module, groups: list, score: str = "magnitude", cal
     describes the permuted model (the consumers' input statistics are
     permuted too). With ``example``, the outputs before and after are
     compared (to 1e-4 of the largest output, 1e-9 in float64, 8 ulps in 16-bit dtypes) and everything
-    is undone if they differ (a group that was not exact); this keeps one
-    copy of the model's state during the call.
+    is undone if they differ (a group that was not exact).
+
+    All or nothing: the pattern, every group's tensors and width (``m`` must divide the channels
+    of a group searched without ``block``) and the calibration statistics are checked before
+    anything changes; if a search still fails part way (or on Ctrl-C), the groups already
+    permuted are permuted back (exactly: the inverse permutations) and the statistics objects
+    get their own tensors back before the error is raised.
 
     Args:
         model: the dense model, before pruning.
@@ -357,10 +367,15 @@ def permute_model_(model: nn.Module, groups: list, score: str = "magnitude", cal
         raise ValueError(f"score must be one of {SCORES}, got {score!r}")
     if score != "magnitude" and calibration is None:
         raise ValueError(f"score={score!r} needs calibration= from sparse24.calibrate")
+    check_nm(n, m)
     groups = list(groups)
     if not all(isinstance(g, PermutationGroup) for g in groups):
         raise TypeError("groups must be PermutationGroup objects")
     sizes = [g.size(model) for g in groups]  # every group checked before anything changes
+    for g, H in zip(groups, sizes):  # (a block group is searched by whole blocks of groups, or not at all)
+        if g.block is None and H % m:
+            raise ValueError(f"group {g.name!r}: its {H} channels are not divisible by m={m}, so they do not "
+                             "form N:M groups: leave the group out (nothing was changed)")
     if example is not None:
         check_example(example)
     for g in groups:
@@ -371,41 +386,49 @@ def permute_model_(model: nn.Module, groups: list, score: str = "magnitude", cal
                                  f" for {missing or g.consumers} (calibrate(..., hessian=True) for sparsegpt)")
     with torch.no_grad():
         before = _run_eval(model, example) if example is not None else None
-    # to undo everything if the outputs change: one copy of the model's state while searching, and the
+    # to undo everything: the permutations applied (inverted exactly, no copy of the model) and the
     # statistics objects' own tensors (the caller may hold those objects)
-    state = {k: v.clone() for k, v in model.state_dict().items()} if example is not None else None
+    applied: list[tuple[PermutationGroup, torch.Tensor]] = []
     stats_before = {k: (v, v.sq_sum, v.xtx, v.xtx_teacher) for k, v in (calibration or {}).items()}
+
+    @torch.no_grad()
+    def undo():
+        for g, perm in reversed(applied):
+            _apply(model, g, perm, inverse=True)
+        if calibration is not None:
+            calibration.clear()
+            for k, (obj, sq_sum, xtx, xtx_teacher) in stats_before.items():
+                obj.sq_sum, obj.xtx, obj.xtx_teacher = sq_sum, xtx, xtx_teacher
+                calibration[k] = obj
+
     gains = {}
-    with torch.no_grad():
-        for g, H in zip(groups, sizes):
-            S = group_importance(model, g, score, calibration)
-            if g.block is None:
-                perm = search_permutation(S.float(), n, m, time_limit=time_limit, max_iters=max_iters, seed=seed,
-                                          progress=progress)
-            elif g.block % m == 0 and g.block >= 2 * m:
-                # One window per block, never re-drawn: all blocks searched side by side, none mixed.
-                perm = search_permutation(S.float(), n, m, time_limit=time_limit, max_iters=max_iters, seed=seed,
-                                          progress=progress, window=g.block, round_iters=(max_iters or 1 << 62) + 1)
-            else:  # blocks of one group (no permutation changes the masks), or not made of whole groups
-                perm = torch.arange(H)   # (the windowed search takes whole groups; such blocks are not searched)
-            perm = perm.cpu()
-            kept = lambda A: float(A.reshape(A.shape[0], -1, m).topk(n, dim=-1).values.sum())  # noqa: E731
-            base = kept(S)
-            gains[g.name or ",".join(g.consumers)] = kept(S[:, perm.to(S.device)]) / base - 1 if base else 0.0
-            _apply(model, g, perm)
-            for c in g.consumers:
-                if calibration is not None and c in calibration:
-                    _permute_stats(calibration[c], perm)
-        if example is not None:
-            after = _run_eval(model, example)
-            if not _outputs_equal(before, after):
-                model.load_state_dict(state)
-                if calibration is not None:
-                    calibration.clear()
-                    for k, (obj, sq_sum, xtx, xtx_teacher) in stats_before.items():
-                        obj.sq_sum, obj.xtx, obj.xtx_teacher = sq_sum, xtx, xtx_teacher
-                        calibration[k] = obj
+    try:
+        with torch.no_grad():
+            for g, H in zip(groups, sizes):
+                S = group_importance(model, g, score, calibration)
+                if g.block is None:
+                    perm = search_permutation(S.float(), n, m, time_limit=time_limit, max_iters=max_iters,
+                                              seed=seed, progress=progress)
+                elif g.block % m == 0 and g.block >= 2 * m:
+                    # One window per block, never re-drawn: all blocks searched side by side, none mixed.
+                    perm = search_permutation(S.float(), n, m, time_limit=time_limit, max_iters=max_iters,
+                                              seed=seed, progress=progress, window=g.block,
+                                              round_iters=(max_iters or 1 << 62) + 1)
+                else:  # blocks of one group (no permutation changes the masks), or not made of whole groups
+                    perm = torch.arange(H)   # (the windowed search takes whole groups; such blocks are not searched)
+                perm = perm.cpu()
+                kept = lambda A: float(A.reshape(A.shape[0], -1, m).topk(n, dim=-1).values.sum())  # noqa: E731
+                base = kept(S)
+                gains[g.name or ",".join(g.consumers)] = kept(S[:, perm.to(S.device)]) / base - 1 if base else 0.0
+                _apply(model, g, perm)  # only indexes tensors that g.size() checked
+                applied.append((g, perm))
+                for c in g.consumers:
+                    if calibration is not None and c in calibration:
+                        _permute_stats(calibration[c], perm)
+            if example is not None and not _outputs_equal(before, _run_eval(model, example)):
                 raise ValueError("the permuted model's outputs differ from the original's: a group is not "
                                  "exact (check it with check_group); nothing was changed")
+    except BaseException:
+        undo()
+        raise
     return gains
-

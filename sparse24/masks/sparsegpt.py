@@ -14,7 +14,7 @@ __all__ = ["sparsegpt_prune"]
 
 
 def sparsegpt_prune(w: torch.Tensor, hessian: torch.Tensor | None = None, n: int = 2, m: int = 4,
-                    blocksize: int = 128, percdamp: float = PERCDAMP,
+                    blocksize: int | None = None, percdamp: float = PERCDAMP,
                     refit: bool = False, shrink: float = 0.0, quantize: str | None = None,
                     group_size: int | None = None, symmetric: bool | None = None, mask: torch.Tensor | None = None):
     """One-shot N:M pruning with OBS weight reconstruction (SparseGPT, Frantar & Alistarh 2023),
@@ -45,7 +45,10 @@ def sparsegpt_prune(w: torch.Tensor, hessian: torch.Tensor | None = None, n: int
             scale), e.g. ``calibrate(model, batches, hessian=True)[name].hessian``.
         n, m: keep ``n`` of every ``m``.
         blocksize: columns per lazy-update block (a multiple of ``m``; with
-            ``quantize``, also a multiple or a divisor of ``group_size``).
+            ``quantize``, also a multiple or a divisor of ``group_size``). Default
+            None: the largest multiple of ``m`` up to 128 (``m`` itself if larger),
+            so any ``m`` works: 128 for 2:4, 126 for 2:6. The result depends on it
+            only through rounding (the lazy updates are exact), the speed more.
         percdamp: damping added to the diagonal, as a fraction of its mean.
         refit: then replace the kept weights by the exact least-squares
             solution for the chosen mask (:func:`reconstruct_weight`): the
@@ -83,6 +86,8 @@ def sparsegpt_prune(w: torch.Tensor, hessian: torch.Tensor | None = None, n: int
     if hessian is None:
         raise ValueError("method='sparsegpt' needs hessian=: the (in_features, in_features) matrix X^T X of the "
                          "layer's inputs, e.g. sparse24.calibrate(model, batches, hessian=True)[name].hessian")
+    if blocksize is None:
+        blocksize = m * max(1, 128 // m)
     if not isinstance(blocksize, int) or blocksize < m or blocksize % m:
         raise ValueError(f"blocksize must be a positive multiple of m={m}, got {blocksize!r}")
     if not isinstance(refit, bool):
@@ -122,7 +127,7 @@ def sparsegpt_prune(w: torch.Tensor, hessian: torch.Tensor | None = None, n: int
     fixed = mask is not None
     prune = ~mask.to(dev) if fixed else torch.zeros(R, C, dtype=torch.bool, device=dev)
     if gs:
-        grid = _Grid(R, C, gs, symmetric, dev, w.dtype == torch.bfloat16)
+        grid = _Grid(R, C, gs, symmetric, dev, w.dtype)
     for i1 in range(0, C, blocksize):
         i2 = min(i1 + blocksize, C)
         W1, Hinv1 = W[:, i1:i2].clone(), Hinv[i1:i2, i1:i2]
@@ -167,9 +172,11 @@ def _drop(cur: torch.Tensor, d: torch.Tensor, n: int, m: int) -> torch.Tensor:
 class _Grid:
     """The INT4 grid the joint sweep builds group by group: codes of every column, scales, zero points."""
 
-    def __init__(self, R: int, C: int, group_size: int, symmetric: bool, device, bf16_scales: bool = False):
+    def __init__(self, R: int, C: int, group_size: int, symmetric: bool, device, dtype: torch.dtype = torch.float32):
         groups = -(-C // group_size)
-        self.gs, self.shape, self.bf16_scales = group_size, (R, C), bf16_scales
+        # (the weight's dtype: bfloat16 weights get scales bfloat16 holds, float16 weights grids inside
+        # float16's range, as quantize_values makes them)
+        self.gs, self.shape, self.dtype = group_size, (R, C), dtype
         self.codes = torch.zeros(R, C, dtype=torch.uint8, device=device)
         self.scale = torch.empty(R, groups, dtype=torch.float16, device=device)
         self.zero = None if symmetric else torch.empty(R, groups, dtype=torch.uint8, device=device)
@@ -180,7 +187,9 @@ class _Grid:
         keeping fewer than 2 of 4, as the format stores them)."""
         R = cur.shape[0]
         v = torch.where(kept, cur, 0).view(R, kept.shape[1] // 4, 4).gather(2, _slots(kept)).flatten(1)
-        _, self.scale[:, k:k + 1], zero = int4_quantize(v, self.gs, self.zero is None, bf16_scales=self.bf16_scales)
+        _, self.scale[:, k:k + 1], zero = int4_quantize(v, self.gs, self.zero is None,
+                                                        bf16_scales=self.dtype == torch.bfloat16,
+                                                        fp16_weights=self.dtype == torch.float16)
         if zero is not None:
             self.zero[:, k:k + 1] = zero
 

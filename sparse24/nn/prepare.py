@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from .._checks import check_finite
-from ..format import FLOAT_DTYPES, Sparse24Tensor, _check_mask24, check_group_size, compress
+from ..format import FLOAT_DTYPES, Sparse24Tensor, _check_mask24, check_group_size, compress, is_nm
 from ..masks import METHODS, mask_nm, prune_nm
 from .sharded import is_dtensor
 
@@ -98,13 +98,20 @@ def _prune_weight(weight: torch.Tensor, method: str = "magnitude", calibration=N
                   **mask_kwargs) -> tuple[torch.Tensor | None, torch.Tensor]:
     """2:4-prune one weight with ``method`` (nothing is modified).
 
+    The magnitude mask of a weight already at most 2:4 (no group of 4 inputs holds more than 2
+    non-zeros: pruned to 1:4, 2:8, 1:8 ... by ``prune_layerwise_`` or ``GradualPruner``) is
+    exactly its non-zeros: the slots a full 2:4 mask would add hold zeros that retraining would
+    grow back (1:4 silently becoming 2:4). Any other weight gets the plain 2:4 magnitude mask.
+    A meta-device layer computes its pending mask here too, when its weights are loaded.
+
     Returns ``(new_weight, mask)``: ``(R, C)`` bool mask and, for methods that
     also reconstruct the kept weights (SparseGPT), the ``(R, C)`` weight to
     store; ``None`` when that is just ``weight * mask`` (no copy kept).
     """
     w = weight.detach()
     if method == "magnitude" and calibration is None:  # the mask is all: no weight copy, no report
-        return None, mask_nm(w, 2, 4, **mask_kwargs)
+        mask = mask_nm(w, 2, 4, **mask_kwargs)
+        return None, (mask & (w != 0) if is_nm(w, 2, 4) else mask)
     r = prune_nm(w, 2, 4, method=method, calibration=calibration, **mask_kwargs)
     return (None if torch.equal(r.weight, w * r.mask) else r.weight), r.mask
 
@@ -148,11 +155,23 @@ def _check_deferrable(method, calibration, mask_kwargs, R) -> dict:
     return {"method": method, "kwargs": {}}
 
 
+def _pattern_2_4(mask_kwargs: dict) -> dict:
+    """``mask_kwargs`` without ``n=`` / ``m=``: the spelling of every other pattern-taking call is
+    accepted for 2:4, the one pattern a Sparse24Linear stores; any other is a ValueError."""
+    n, m = mask_kwargs.get("n", 2), mask_kwargs.get("m", 4)
+    if not (type(n) is int and type(m) is int and (n, m) == (2, 4)):
+        raise ValueError(f"Sparse24Linear stores 2:4, got n={n!r}, m={m!r}: for a sparser mask prune first "
+                         "(prune_layerwise_ or GradualPruner), then sparsify_, whose magnitude mask keeps exactly "
+                         "the non-zeros left; or pass from_linear a mask= keeping at most 2 of every 4")
+    return {k: v for k, v in mask_kwargs.items() if k not in ("n", "m")}
+
+
 def _prepare(linear, mask, mode, method, quant: dict, calibration, trainable_values, mask_kwargs) -> _Prepared:
     """Validate and compute a swap of ``linear`` (an ``nn.Linear`` or Hugging Face ``Conv1D``)
     without changing anything. ``quant``: :func:`quant_options`."""
     if not (isinstance(linear, nn.Linear) or is_conv1d(linear)):
         raise TypeError(f"expected an nn.Linear (or a transformers Conv1D), got {type(linear).__name__}")
+    mask_kwargs = _pattern_2_4(mask_kwargs)
     _check_mode(mode, quant.get("quantize"), trainable_values, quant.get("group_size"), quant.get("symmetric"))
     w = linear.weight
     if not isinstance(w, nn.Parameter):

@@ -193,3 +193,16 @@ def test_bad_input_prune_nm_and_mask_nm():
         prune_nm(torch.randn(4, 64), method="magnitude", quantize="int4")
     with pytest.raises(ValueError, match="returns a mask only"):
         masks_mask_nm(torch.randn(4, 64), method="sparsegpt", hessian=torch.eye(64), quantize="int4")
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_float16_grids_of_the_joint_sweep_stay_inside_float16(symmetric):
+    """The joint sweep builds each group's grid by quantize_values' rule: for a float16 weight
+    reaching 65504 that includes ending inside float16's range (its grid reached 65520: inf once
+    dequantized to float16). With an identity Hessian it is magnitude + round to nearest."""
+    w = torch.randn(8, 64, generator=torch.Generator().manual_seed(3)).half()
+    w[:, 0], w[2, 5] = 65504.0, -65504.0
+    p = sparsegpt_prune(w, torch.eye(64), quantize="int4", group_size=32, symmetric=symmetric)
+    r = compress(w, _mask_of(p), quantize="int4", group_size=32, symmetric=symmetric)
+    assert torch.equal(p.scale, r.scale) and (symmetric or torch.equal(p.zero, r.zero))
+    assert torch.isfinite(p.to_dense()).all()
