@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from ._checks import check_model
+from ._checks import check_finite, check_model
 from .format import mask_nm
 from .learn import distill_, learn_masks
 
@@ -327,9 +327,18 @@ class SRSTE:
             missing = [fqn for fqn, lin in self.layers if id(lin.weight) not in trained]
             if missing:  # their decay would go to a gradient no step reads
                 raise ValueError(f"SRSTE: the optimizer does not train the weight of layer(s) {missing}")
-        for _, lin in self.layers:
-            parametrize.register_parametrization(
-                lin, "weight", _NMSTEParametrization(self.n, self.m, self.decay, in_backward=optimizer is None))
+        for fqn, lin in self.layers:   # (register_parametrization runs the mask once: a NaN failed half-way)
+            check_finite(lin.weight.detach(), f"SRSTE: layer {fqn!r}'s weight", "fix or exclude it (filter_fn)")
+        done = []
+        try:
+            for _, lin in self.layers:
+                parametrize.register_parametrization(
+                    lin, "weight", _NMSTEParametrization(self.n, self.m, self.decay, in_backward=optimizer is None))
+                done.append(lin)
+        except BaseException:   # all or nothing (Ctrl-C, out of memory): the layers done are plain again
+            for lin in done:
+                parametrize.remove_parametrizations(lin, "weight", leave_parametrized=False)
+            raise
         # At the step, not in the backward: after GradScaler's unscale_, once whatever the accumulation.
         self._hook = optimizer.register_step_pre_hook(self._add_decay) if optimizer is not None else None
         self.finalized = False
@@ -360,11 +369,15 @@ class SRSTE:
         ``{fqn: bool}``."""
         if self.finalized:
             raise RuntimeError("SRSTE.finalize: already finalized")
-        self.masks = self.current_masks()
+        # the masks of the first call: an interrupted finalize (Ctrl-C) is finished by calling it again
+        if "_final_masks" not in self.__dict__:
+            self._final_masks = self.current_masks()
+        masks = self._final_masks
         if self._hook is not None:
             self._hook.remove()
         for fqn, lin in self.layers:
-            parametrize.remove_parametrizations(lin, "weight", leave_parametrized=False)
-            lin.weight.mul_(self.masks[fqn])
-        self.finalized = True
+            if parametrize.is_parametrized(lin, "weight"):
+                parametrize.remove_parametrizations(lin, "weight", leave_parametrized=False)
+            lin.weight.mul_(masks[fqn])   # (again for a layer done before an interruption: the same result)
+        self.masks, self.finalized = masks, True
         return dict(self.masks)
