@@ -61,11 +61,16 @@ class LayoutMixin:
         unfrozen: an optimizer built since holds that Parameter, and a new one would never train)."""
         p = self.sparse_tensor()
         new = pack_decode(p) if layout == "decode" else p
+        # share_memory() shares layout v1 (moves act on it, see _apply): the new tensors stay shared
+        shared = [t.device.type == "cpu" and t.is_shared() for t in (self.values, self.meta)]
         if keep_values:
             self.values.data = new.values
         else:
             self._parameters["values"] = nn.Parameter(new.values, requires_grad=self.values.requires_grad)
         self._buffers["meta"] = new.meta
+        for t, was_shared in zip((self.values, self.meta), shared):
+            if was_shared:
+                t.share_memory_()
         self._layout = layout
         # INT4 scales that bfloat16 holds exactly (quantized from a bfloat16 weight: bf16_exact_scales):
         # the decode layout keeps them as bfloat16 too, for bfloat16 x, whose kernels then scale a
@@ -97,7 +102,9 @@ class LayoutMixin:
                 raise ValueError("the decode layout holds float16, bfloat16, INT8 or INT4 values that do not train; "
                                  f"this layer has {self.values.dtype} values "
                                  f"(requires_grad={self.values.requires_grad})")
-            self._settle_layout()
+            if not self._settle_layout() and self._layout == "decode" and self._group_size:
+                # asked again: a new copy of the INT4 scales (a write through .data went unseen; _convert_layout)
+                self._scale_bf16 = _bf16_copy(self.scale)
         except BaseException:
             self._restore(snap)  # refused: nothing changes (the preference included)
             raise

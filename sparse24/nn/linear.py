@@ -6,19 +6,21 @@ before anything changes), ``masking`` (the hooks), ``layout`` (v1 or decode)
 and ``state`` (state dicts), the last two as mixins of the class.)"""
 from __future__ import annotations
 
+import sys
 import warnings
 import weakref
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.utils import parametrize
 
 from ..decode_format import DecodePacked
 from ..format import FLOAT_DTYPES, Sparse24Tensor, _pack_nibbles, compress, int4_quantize, quantize_values
 from ..ops import linear24
 from ..ops.linear24 import launch, op
 from .layout import LayoutMixin
-from .masking import _GRAD_HOOKED, _HAS_HOOK, _MASKED_MODULES, _ZERO_CHECKED, _grad_mask_hook
+from .masking import _GRAD_HOOKED, _HAS_HOOK, _MASKED_MODULES, _ZERO_CHECKED, _grad_mask_hook, _relink_hooks, _unhook
 from .prepare import (_check_mode, _mask_from_slots, _placeholder, _prepare, _Prepared, is_conv1d, is_conv1d_class,
                       describe_quant, linear_shape, quant_options)
 from .sharded import gather_mask, is_dtensor, shard_like
@@ -27,7 +29,8 @@ from .state import StateDictMixin
 __all__ = ["Sparse24Linear"]
 
 # The module's attributes a mode or layout switch changes (besides its tensors).
-_MODE_STATE = ("_mode", "_dtype", "_weight_requires_grad", "_pending", "_layout", "_layout_pref", "_group_size")
+_MODE_STATE = ("_mode", "_dtype", "_weight_requires_grad", "_pending", "_layout", "_layout_pref", "_group_size",
+               "_scale_bf16")
 # Compressed mode's tensors (``zero`` and ``group_size`` only when INT4; see _set_compressed).
 _COMPRESSED = ("values", "meta", "scale", "zero", "group_size")
 
@@ -37,6 +40,9 @@ _COMPRESSED = ("values", "meta", "scale", "zero", "group_size")
 # it keeps no module or tensor alive
 _FAST: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 launch.on_release(_FAST.clear)   # release_workspaces(): the kept plans hold split-K workspaces
+
+
+_ABSENT = object()  # a name missing from the module's _parameters
 
 
 def _ref(t):
@@ -235,11 +241,11 @@ class Sparse24Linear(LayoutMixin, StateDictMixin, nn.Module):
             except RuntimeError:  # an inference tensor (never trained): left to forward's retry
                 return
         try:
-            w.register_hook(_grad_mask_hook(w))
+            handle = w.register_hook(_grad_mask_hook(w))
         finally:
             if frozen:
                 w.requires_grad_(False)
-        _HAS_HOOK[w] = True
+        _HAS_HOOK[w] = handle
 
     def _release(self) -> None:
         """Stop masking this module's weight (its Parameter is handed to someone else)."""
@@ -248,6 +254,7 @@ class Sparse24Linear(LayoutMixin, StateDictMixin, nn.Module):
         w = self._parameters.get("weight")
         if w is not None and w in _GRAD_HOOKED and _GRAD_HOOKED[w]() is self:
             del _GRAD_HOOKED[w]
+            _unhook(w)  # nothing of sparse24 stays on it (a weak reference stops torch's swap_tensors)
 
     def _snapshot(self) -> tuple:
         """Everything a mode switch changes (references, no copies), for :meth:`_restore`."""
@@ -290,6 +297,17 @@ class Sparse24Linear(LayoutMixin, StateDictMixin, nn.Module):
             raise RuntimeError(f"this Sparse24Linear's weight is sharded (a DTensor, e.g. by fully_shard), so it "
                                f"cannot {what}: gather a full state dict (torch.distributed.checkpoint.state_dict."
                                "get_model_state_dict with full_state_dict=True) into an unsharded model first")
+
+    def __delattr__(self, name: str) -> None:
+        # torch.nn.utils.parametrize deletes the tensor first, then cannot file the parametrization under a
+        # name nn.ModuleDict has as an attribute ("values": ModuleDict.values) and raises with the layer left
+        # without its weight: refuse that call before anything changes (docs/modules.md)
+        if hasattr(nn.ModuleDict, name) and sys._getframe(1).f_code is parametrize.register_parametrization.__code__:
+            raise ValueError(f"torch.nn.utils.parametrize cannot parametrize a tensor named {name!r} (the name of an "
+                             f"nn.ModuleDict attribute), so a compressed Sparse24Linear's {name} cannot be "
+                             "parametrized; parametrize the weight in masked mode (to_masked()) instead. "
+                             "Nothing was changed")
+        super().__delattr__(name)
 
     def __getattr__(self, name: str):
         try:
@@ -558,21 +576,24 @@ class Sparse24Linear(LayoutMixin, StateDictMixin, nn.Module):
 
     def _zero_where_pruned(self, w: torch.Tensor) -> bool:
         """True if ``w`` is 0 at every pruned position, checked once per in-place change of
-        the weight or the mask (torch's version counters). False under tracing, on the meta
-        device, and for inference tensors (no version counter)."""
+        the weight or the mask (torch's version counters) and per new data set through ``.data =``
+        (e.g. by vector_to_parameters: a new storage, the version counter stays). False under
+        tracing, on the meta device, and for inference tensors (no version counter)."""
         if torch.compiler.is_compiling() or w.is_meta:
             return False
         m = self.mask
         try:
             seen = _ZERO_CHECKED.get(self)
             if seen is not None and seen[0]() is w and seen[1] == w._version and seen[2]() is m \
-                    and seen[3] == m._version:
+                    and seen[3] == m._version and seen[4] == w.data_ptr() and seen[5] == m.data_ptr():
                 return True
-            key = (weakref.ref(w), w._version, weakref.ref(m), m._version)
+            key = (weakref.ref(w), w._version, weakref.ref(m), m._version, w.data_ptr(), m.data_ptr())
         except RuntimeError:  # "Inference tensors do not track version counter"
             return False
         with torch.no_grad():
             if bool(torch.where(m, 0, w).any()):
+                # forget the old answer: its data pointers, once freed, may come back with other data
+                _ZERO_CHECKED.pop(self, None)
                 return False
         _ZERO_CHECKED[self] = key
         return True
@@ -581,7 +602,9 @@ class Sparse24Linear(LayoutMixin, StateDictMixin, nn.Module):
         # The module's dicts, not attribute access: nn.Module.__getattr__ costs ~1 us a name,
         # and at decode sizes host time is what a call costs (scripts/bench_host.py).
         params, buffers = self._parameters, self._buffers
-        values = params["values"]
+        values = params.get("values")
+        if values is None:  # an nn.DataParallel replica: torch's replicate() sets its parameters as attributes
+            values = self.values
         if (values.requires_grad and values.dim() != 2 or values.is_cuda and values.dim() == 2) \
                 and not torch.compiler.is_compiling():
             # made trainable since (needs layout v1), or placed on CUDA without .to() (a loader's direct
@@ -589,7 +612,7 @@ class Sparse24Linear(LayoutMixin, StateDictMixin, nn.Module):
             # same Parameter (an optimizer may hold it); plans kept for the old data go with it
             if self._settle_layout(keep_values=True):
                 _FAST.pop(self, None)
-            values = params["values"]
+            values = self.values
         linear24.check_input(x, self.in_features, values.device)
         scale = buffers["scale"]
         # INT4 in the decode layout: bfloat16 scales where exact (LayoutMixin), in eager mode only: a
@@ -599,7 +622,9 @@ class Sparse24Linear(LayoutMixin, StateDictMixin, nn.Module):
             if copy is not None and copy[0] is scale and copy[1] == scale._version \
                     and copy[3] == scale.data_ptr():
                 scale = copy[2]
-        bias, zero, group_size = params.get("bias"), buffers["zero"], self._group_size or 0
+        bias, zero, group_size = params.get("bias", _ABSENT), buffers["zero"], self._group_size or 0
+        if bias is _ABSENT:  # a replica's, a parametrized one (a property), or none (an attribute None)
+            bias = self.bias
         out = linear24.forward(x, values, buffers["meta"], scale, bias, self._dtype, self.out_features, zero=zero,
                                group_size=group_size)
         if not torch.compiler.is_compiling():
@@ -622,6 +647,23 @@ class Sparse24Linear(LayoutMixin, StateDictMixin, nn.Module):
 
     # -- dtype/device moves: only floating tensors follow a dtype change --
     def _apply(self, fn, recurse=True):
+        # A conversion failing part way (out of memory, a swap torch refuses) puts back the tensors and
+        # the state this layer held (logical dtype, decode layout); torch may have converted some
+        # tensors in place by then (as an nn.Linear's), so the dtype follows unquantized values.
+        snap = self._snapshot()
+        held = self._drop_weak_refs() if torch.__future__.get_swap_module_params_on_conversion() else None
+        try:
+            self._convert(fn, recurse)
+        except BaseException:
+            self._restore(snap)
+            if self._mode == "compressed" and self.scale is None:
+                self._dtype = self.values.dtype
+            raise
+        finally:
+            self._rearm(held)
+        return self
+
+    def _convert(self, fn, recurse: bool) -> None:
         # ints (meta, INT4 zero points and group size), bools (mask), int8/uint8 values and the
         # scales (fp32 INT8, fp16 INT4) keep their dtype (e.g. under module.half() or
         # module.type(...)); they only change device. Moves and casts act on layout v1 (the
@@ -650,7 +692,39 @@ class Sparse24Linear(LayoutMixin, StateDictMixin, nn.Module):
         if self._mode == "masked" and self.weight is not weight_before:
             self._track_masked()  # new Parameter object (e.g. overwrite_module_params_on_conversion)
         self._settle_layout()
-        return self
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        held = self._drop_weak_refs() if torch.__future__.get_swap_module_params_on_conversion() else None
+        try:
+            super()._load_from_state_dict(*args, **kwargs)
+        finally:
+            self._rearm(held)
+
+    def _drop_weak_refs(self) -> tuple | None:
+        """Before torch.utils.swap_tensors (what conversions and loads do under
+        ``torch.__future__.set_swap_module_params_on_conversion(True)``), which refuses a tensor
+        that has weak references: drop those sparse24 holds to this layer's tensors (kept plans, the
+        zero check, the masked weight's owner entry and gradient hook). Returns what
+        :meth:`_rearm` puts back after."""
+        _FAST.pop(self, None)
+        _ZERO_CHECKED.pop(self, None)
+        w = self._parameters.get("weight")
+        if w is None:
+            return None
+        owner = _GRAD_HOOKED.pop(w, None)
+        _unhook(w)
+        return w, owner
+
+    def _rearm(self, held: tuple | None) -> None:
+        """Undo :meth:`_drop_weak_refs` (``held``: what it returned; None: nothing was dropped): the
+        weight Parameter keeps its identity through a swap, its new data needs the hooks again."""
+        if held is None:
+            return
+        w, owner = held
+        if owner is not None:
+            _GRAD_HOOKED.setdefault(w, owner)  # (a failed call's _restore may have re-armed it already)
+        _relink_hooks(w)
+        self._hook_if_needed(w)
 
     def extra_repr(self) -> str:
         s = (f"in_features={self.in_features}, out_features={self.out_features}, "

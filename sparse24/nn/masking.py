@@ -22,11 +22,11 @@ __all__ = []
 _MASKED_MODULES: "weakref.WeakSet" = weakref.WeakSet()  # of Sparse24Linear
 # Weight Parameter -> weakref to the module that owns it as its masked weight.
 _GRAD_HOOKED = WeakIdKeyDictionary()
-# Weight Parameters that carry the gradient hook (a frozen one too: requires_grad is switched on just to
-# register it, since torch refuses a hook on a tensor that does not require grad).
+# Weight Parameter -> the handle of the gradient hook it carries (a frozen one too: requires_grad is switched
+# on just to register it, since torch refuses a hook on a tensor that does not require grad).
 _HAS_HOOK = WeakIdKeyDictionary()
-# Module -> (weakref weight, its version, weakref mask, its version) when the weight was last found
-# zero at every pruned position: inference skips the per-call where() while both stay unchanged.
+# Module -> (weakref weight, its version, weakref mask, its version, their data pointers) when the weight was
+# last found zero at every pruned position: inference skips the per-call where() while both stay unchanged.
 _ZERO_CHECKED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
@@ -67,6 +67,22 @@ def _mask_sharded_grads(optimizer, args, kwargs) -> None:
 
 register_optimizer_step_pre_hook(_mask_sharded_grads)
 register_optimizer_step_post_hook(_remask_after_step)
+
+
+def _unhook(w: torch.Tensor) -> None:
+    """Remove ``w``'s gradient hook, and with it the weak reference to ``w`` the hook holds."""
+    handle = _HAS_HOOK.pop(w, None)
+    if handle is not None:
+        handle.remove()
+
+
+def _relink_hooks(w: torch.Tensor) -> None:
+    """torch.utils.swap_tensors gives ``w`` new data that carries none of the hooks registered on ``w``
+    (its table of them stays, no longer called): register the table with the new data (every hook in
+    it, as without the swap). A no-op where ``w`` was not swapped."""
+    hooks = w._backward_hooks
+    if hooks is not None:
+        w._backward_hooks = hooks
 
 
 def _grad_mask_hook(param: nn.Parameter):
