@@ -16,6 +16,7 @@ class TensorBackup:
     Copies go to the CPU (host memory is the cheaper place for a model-sized copy), unless
     ``same`` offers a tensor already holding equal values (e.g. a teacher's copy of a weight),
     which is then used without a copy. Meta tensors hold no values and are not kept.
+    :meth:`keep_pruned` keeps only the entries a 2:4 pruning zeroes (half a weight's bytes).
 
     Example:
         >>> w = torch.ones(2, 2); backup = TensorBackup(); backup.keep([w])
@@ -36,11 +37,24 @@ class TensorBackup:
             if not (isinstance(src, torch.Tensor) and src.shape == t.shape and src.dtype == t.dtype
                     and torch.equal(src.detach().to(t.device), t.detach())):
                 src = t.detach().to("cpu", copy=True)
-            self._saved.append((t, src.detach()))
+            self._saved.append((t, src.detach(), None))
+            self._ids.add(id(t))
+
+    def keep_pruned(self, tensors: Iterable[torch.Tensor], mask: torch.Tensor) -> None:
+        """Record the entries of ``tensors`` (each of ``mask``'s shape, on its device) where ``mask``
+        is False: all that ``t.masked_fill_(~mask, 0)`` overwrites, for half the bytes of a full copy
+        with a 2:4 mask (copied to the CPU; ``mask`` is held by reference and must not change)."""
+        for t in tensors:
+            if id(t) in self._ids or t.is_meta:
+                continue
+            self._saved.append((t, t.detach()[~mask].to("cpu"), mask))
             self._ids.add(id(t))
 
     def restore(self) -> None:
         """Write every recorded value back (in place: the same tensor objects)."""
         with torch.no_grad():
-            for t, v in self._saved:
-                t.copy_(v)
+            for t, v, mask in self._saved:
+                if mask is None:
+                    t.copy_(v)
+                else:
+                    t.masked_scatter_(~mask, v.to(t.device))

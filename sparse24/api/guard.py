@@ -9,10 +9,12 @@ when they fail after changing it (all or nothing).
   buffers (the same objects, ``requires_grad`` and ``.grad``, and the values of those
   the call will write), and every :class:`~sparse24.nn.Sparse24Linear`'s mode state;
   :meth:`ModelRollback.restore` puts all of it back.
+* :func:`record_after_change`: what ``_after_change`` (run at the end of every whole-model call) sets on
+  the model, and the function that puts it back when such a call fails.
 """
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 from torch import nn
@@ -20,9 +22,9 @@ from torch import nn
 from .._rollback import TensorBackup
 from ..nn import Sparse24Linear
 from ..nn.masking import _MASKED_MODULES
-from .walk import _CALIBRATED_METHODS, _after_change, _is_linear
+from .walk import _CALIBRATED_METHODS, _is_linear, _is_transformers_model
 
-__all__ = ["check_calibration", "require_sparse_layers", "ModelRollback"]
+__all__ = ["check_calibration", "require_sparse_layers", "ModelRollback", "record_after_change"]
 
 
 def _few(names: list[str], k: int = 6) -> str:
@@ -63,6 +65,29 @@ def require_sparse_layers(model: nn.Module, who: str) -> None:
                          "sparsify_ it first (or check that you passed the sparsified model)")
 
 
+def record_after_change(model: nn.Module) -> Callable[[], None]:
+    """Record what ``_after_change(model)`` may change, before a call runs it; the function returned
+    puts it back exactly (to run once the layers are back): ``model``'s load_state_dict pre-hooks
+    (``guard_loading`` adds one) and, on a transformers model, the attributes of the model, of its
+    config and of its quantizer (``hf.attach`` sets or removes the sparse24 section and the quantizer).
+    Shallow: references to the attribute values, no copies."""
+    hooks = model._load_state_dict_pre_hooks
+    saved_hooks = dict(hooks)
+    held = []
+    if _is_transformers_model(model):
+        objs = (model, getattr(model, "config", None), getattr(model, "hf_quantizer", None))
+        held = [(vars(o), dict(vars(o))) for o in objs if o is not None]
+
+    def restore() -> None:
+        for attrs, saved in held:
+            for k in [k for k in attrs if k not in saved]:
+                del attrs[k]
+            attrs.update(saved)
+        hooks.clear()  # the same table: handles of the user's hooks keep working
+        hooks.update(saved_hooks)
+    return restore
+
+
 class ModelRollback:
     """Put a model back exactly as it was when a whole-model call fails part way.
 
@@ -83,6 +108,7 @@ class ModelRollback:
 
     def __init__(self, model: nn.Module, keep: Iterable[torch.Tensor] = (), same: dict | None = None):
         self.model = model
+        self.after_change = record_after_change(model)
         self.modules = [(m, dict(m._modules), dict(m._parameters), dict(m._buffers)) for m in model.modules()]
         self.sparse = {m: m._snapshot() for m in model.modules() if isinstance(m, Sparse24Linear)}
         self.flags = [(p, p.requires_grad, p.grad) for p in model.parameters()]
@@ -113,4 +139,4 @@ class ModelRollback:
         for m, snap in self.sparse.items():
             m._restore(snap)
         self.values.restore()
-        _after_change(self.model)  # a transformers config's sparse24 section follows the layers again
+        self.after_change()  # load pre-hooks and a transformers config's sparse24 section as they were

@@ -14,9 +14,12 @@ names are gathered in :mod:`sparse24.api`).
 * :func:`count_parameters`: parameter counts that mean the same in both modes.
 
 All or nothing: each of these computes everything that can fail (masks,
-compressed weights, new modules) before it changes the model, and undoes its
-module swaps if one fails; the one step left after that, zeroing the pruned
-entries of shared weights in place, cannot fail short of running out of memory.
+compressed weights, new modules) before it changes the model; then the changes
+(module swaps, mode switches, zeroing the pruned entries of shared weights in
+place, the hooks that keep them masked, a transformers config's sparse24 section)
+are one section, undone as a whole on any exception up to the return (Ctrl-C and
+out of memory included). The pruned entries that sparsify_ zeroes in place are
+copied to the CPU just before (half of each weight, see :func:`sparsify_`).
 Frozen layers (``requires_grad=False``, as under PEFT) are sparsified and stay frozen.
 
 Modules are swapped by assigning new children; classes are never patched.
@@ -42,17 +45,19 @@ sparse24 section of ``model.config`` that ``save_pretrained`` writes (see
 
 from __future__ import annotations
 
+import inspect
 from typing import Callable, Iterable
 
 import torch
 from torch import nn
 
 from .._checks import check_finite, check_model
+from .._rollback import TensorBackup
 from ..format import Sparse24Tensor
 from ..masks import kept_magnitude_fraction
 from ..nn import Sparse24Linear
 from ..nn.prepare import _check_mode, _linear_weight, _prepare, describe_quant, quant_options
-from .guard import check_calibration, require_sparse_layers
+from .guard import check_calibration, record_after_change, require_sparse_layers
 from .report import LayerReport, SparsifyReport
 from .walk import (MIN_FEATURES, FilterFn, _after_change, _check_foreign_quantization, _child_slots, _direct_readers,
                    _entry, _is_linear, _kept_dense, _not_handled, _shared_weights, _skip_reason, _Undo)
@@ -105,13 +110,27 @@ def sparsify_(model: nn.Module, filter_fn: FilterFn | None = None, mode: str = "
         with the reason.
     Raises:
         ValueError naming the layer, nothing changed: inf/NaN weights, calibration that does
-        not fit the model, a mask method failing on a layer.
+        not fit the model, a mask method failing on a layer. Any exception (Ctrl-C, out of
+        memory) leaves the model as it was.
+    Memory: while the swapped layers' shared weights are pruned in place, the entries that
+    pruning zeroes (half of each weight, and of a gradient it holds) are copied to the CPU, so
+    that a failure can write them back; freed on return. A SparseGPT weight (rewritten whole)
+    is copied whole.
     Example:
         >>> model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
         >>> report = sparsify_(model)
         >>> [r.fqn for r in report.swapped], [r.fqn for r in report.skipped]
         (['0'], ['2'])
     """
+    return _sparsify(model, filter_fn, mode, method, calibration, quantize, min_features, trainable_values,
+                     skip_output_head, optimizer, group_size, symmetric, mask_kwargs)
+
+
+def _sparsify(model, filter_fn, mode, method, calibration, quantize, min_features, trainable_values, skip_output_head,
+              optimizer, group_size, symmetric, mask_kwargs, zero_state: bool = False,
+              operation: str = "sparsify_") -> SparsifyReport:
+    """:func:`sparsify_`; ``zero_state``: also zero ``optimizer``'s state at the pruned entries (in
+    the same undoable section, see :func:`prune_trained_model`); ``operation``: the report's."""
     check_model(model, filter_fn)
     quant = _check_mode(mode, quantize, trainable_values, group_size, symmetric)
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
@@ -131,7 +150,7 @@ def sparsify_(model: nn.Module, filter_fn: FilterFn | None = None, mode: str = "
     heads = _kept_dense(model, skip_output_head)
     settings = {"mode": mode, "method": method, **quant}
     settings.update({k: v for k, v in (("calibration", calibration and "given"),) if v})
-    report = SparsifyReport("sparsify_", settings)
+    report = SparsifyReport(operation, settings)
     slots, readers, shared = _child_slots(model), _direct_readers(model), _shared_weights(model)
     plan = []
     for fqn, mod in model.named_modules():
@@ -168,22 +187,52 @@ def sparsify_(model: nn.Module, filter_fn: FilterFn | None = None, mode: str = "
             kept = kept_magnitude_fraction(_linear_weight(mod), work.mask)
         built.append((fqn, mod, new, note, kept))
     moves = _optimizer_moves(optimizer, [(mod, new) for _, mod, new, _, _ in built]) if optimizer is not None else []
-    # 2. Swap (undone if one fails), 3. prune shared weights in place and register the masking.
+    # 2. Swap, 3. prune the shared weights in place (the entries overwritten are kept first) and register the
+    # masking, 4. record the config: one section, undone as a whole on any failure up to the return.
     undo = _Undo()
+    undo.add(record_after_change(model))  # undone last, once the layers are back
     try:
         for _, mod, new, _, _ in built:
             undo.replace(slots, mod, new)
         for move in moves:
             move(undo)
+        overwritten = TensorBackup()
+        undo.add(overwritten.restore)
+        for fqn, mod, new, note, kept in built:
+            _prune_in_place(new, mod, overwritten, undo, optimizer if zero_state else None)
+            report.layers.append(_entry(fqn, new, "swapped", note))
+            report.layers[-1].kept_fraction = kept
+        _after_change(model)
+        return report
     except BaseException:
         undo.undo()
         raise
-    for fqn, mod, new, note, kept in built:
+
+
+def _prune_in_place(new: Sparse24Linear, old: nn.Module, overwritten: TensorBackup, undo: _Undo,
+                    optimizer: torch.optim.Optimizer | None) -> None:
+    """``new._finish()`` (prune the weight it shares with ``old``, and its gradient, in place; register
+    the masking), undoable: what it overwrites is kept in ``overwritten`` first and ``undo`` releases
+    ``new``. With ``optimizer``, also zero the weight's optimizer state at the pruned entries (kept alike)."""
+    new_w, mask = new.__dict__.get("_finish_args") or (None, None)
+    if mask is None:  # compressed: nothing shared to prune, no masking to register
         new._finish()
-        report.layers.append(_entry(fqn, new, "swapped", note))
-        report.layers[-1].kept_fraction = kept
-    _after_change(model)
-    return report
+        return
+    w = new.weight
+    shared = w is old.weight  # else a new Parameter (Conv1D's transposed weight), its optimizer state new too
+    state = [v for v in (optimizer.state.get(w, {}).values() if optimizer is not None else ())
+             if isinstance(v, torch.Tensor) and v.shape == mask.shape]
+    if shared:
+        if new_w is None:
+            overwritten.keep_pruned([w], mask)
+        else:  # SparseGPT's rebuilt weight replaces every entry
+            overwritten.keep([w])
+        overwritten.keep_pruned([t for t in (w.grad, *state) if t is not None], mask)
+    undo.add(new._release)
+    new._finish()
+    with torch.no_grad():
+        for v in state:
+            v.masked_fill_(~mask, 0)
 
 
 def _optimizer_moves(optimizer, pairs) -> list[Callable[[_Undo], None]]:
@@ -218,16 +267,25 @@ def _sparse_layers(model: nn.Module) -> list[tuple[str, Sparse24Linear]]:
     return [(fqn, m) for fqn, m in model.named_modules() if isinstance(m, Sparse24Linear)]
 
 
-def _switch_all(steps: list[tuple[Sparse24Linear, Callable[[], object]]]) -> None:
-    """Run each ``(layer, switch)``; if one fails, put every layer back as it was."""
-    done = []
+def _switch_all(steps: list[tuple[Sparse24Linear, Callable[[], object]]], undo: _Undo) -> None:
+    """Run each ``(layer, switch)``; ``undo`` puts every layer it reached back as it was."""
+    for m, switch in steps:
+        undo.add(lambda m=m, snap=m._snapshot(): m._restore(snap))
+        switch()
+
+
+def _switch_and_report(model: nn.Module, steps: list, report_of: Callable[[], SparsifyReport]) -> SparsifyReport:
+    """The changing section of compress_ / decompress_: the switches, the report, the config; undone
+    as a whole on any failure up to the return."""
+    undo = _Undo()
+    undo.add(record_after_change(model))  # undone last, once the layers are back
     try:
-        for m, switch in steps:
-            done.append((m, m._snapshot()))
-            switch()
+        _switch_all(steps, undo)
+        report = report_of()
+        _after_change(model)
+        return report
     except BaseException:
-        for m, snap in reversed(done):
-            m._restore(snap)
+        undo.undo()
         raise
 
 
@@ -283,18 +341,19 @@ def compress_(model: nn.Module, quantize: str | None = None, trainable_values: b
             packed[fqn] = given[fqn] if fqn in given else m._compressed_form(quant)
         except (ValueError, TypeError) as e:
             raise type(e)(f"compress_: layer {fqn!r}: {e} (nothing was changed)") from e
-    _switch_all([(m, lambda m=m, p=packed[fqn]: m._set_compressed(p, trainable_values, m._requires_grad()))
-                 for fqn, m in layers if fqn in packed])
-    report = SparsifyReport("compress_", quant)
-    for fqn, m in layers:
-        if id(m) in readers:
-            report.layers.append(_entry(fqn, m, "skipped", f"kept in masked mode: {readers[id(m)]}"))
-        elif fqn not in packed:
-            report.layers.append(_entry(fqn, m, "skipped", "already compressed"))
-        else:
-            report.layers.append(_entry(fqn, m, "compressed"))
-    _after_change(model)
-    return report
+    def report_of() -> SparsifyReport:
+        report = SparsifyReport("compress_", quant)
+        for fqn, m in layers:
+            if id(m) in readers:
+                report.layers.append(_entry(fqn, m, "skipped", f"kept in masked mode: {readers[id(m)]}"))
+            elif fqn not in packed:
+                report.layers.append(_entry(fqn, m, "skipped", "already compressed"))
+            else:
+                report.layers.append(_entry(fqn, m, "compressed"))
+        return report
+    return _switch_and_report(model, [(m, lambda m=m, p=packed[fqn]: m._set_compressed(p, trainable_values,
+                                                                                           m._requires_grad()))
+                                      for fqn, m in layers if fqn in packed], report_of)
 
 
 def _check_packed(packed: dict | None, layers: list, readers: dict, quant: dict) -> dict:
@@ -336,12 +395,13 @@ def decompress_(model: nn.Module) -> SparsifyReport:
     """
     check_model(model, None)
     require_sparse_layers(model, "decompress_")
-    report = SparsifyReport("decompress_")
     todo = [(fqn, m) for fqn, m in _sparse_layers(model) if m.mode == "compressed"]
-    _switch_all([(m, m.to_masked) for _, m in todo])
-    report.layers += [_entry(fqn, m, "decompressed") for fqn, m in todo]
-    _after_change(model)
-    return report
+
+    def report_of() -> SparsifyReport:
+        report = SparsifyReport("decompress_")
+        report.layers += [_entry(fqn, m, "decompressed") for fqn, m in todo]
+        return report
+    return _switch_and_report(model, [(m, m.to_masked) for _, m in todo], report_of)
 
 
 def densify_(model: nn.Module) -> SparsifyReport:
@@ -369,18 +429,22 @@ def densify_(model: nn.Module) -> SparsifyReport:
         raise ValueError("the model itself is a Sparse24Linear: nothing holds it to swap; "
                          "use model.to_dense_module()")
     built = [(fqn, m, m.to_dense_module(release=False)) for fqn, m in layers]
+    # Swap, stop masking the handed-over weights, record the config: undone as a whole on any failure up to the
+    # return (a layer not released yet would go on masking its weight, now a dense layer's).
     undo = _Undo()
+    undo.add(record_after_change(model))  # undone last, once the layers are back
     try:
         for _, m, dense in built:
             undo.replace(slots, m, dense)
+        for fqn, m, dense in built:
+            undo.add(lambda m=m, snap=m._snapshot(): m._restore(snap))
+            m._release()
+            report.layers.append(_entry(fqn, dense, "densified"))
+        _after_change(model)
+        return report
     except BaseException:
         undo.undo()
         raise
-    for fqn, m, dense in built:
-        m._release()
-        report.layers.append(_entry(fqn, dense, "densified"))
-    _after_change(model)
-    return report
 
 
 def prune_trained_model(model: nn.Module, optimizer: torch.optim.Optimizer, **kwargs) -> SparsifyReport:
@@ -411,15 +475,11 @@ def prune_trained_model(model: nn.Module, optimizer: torch.optim.Optimizer, **kw
     if kwargs.get("mode", "masked") != "masked" or kwargs.get("quantize") is not None:
         raise ValueError("prune_trained_model retrains in masked mode; compress_ after retraining")
     kwargs.pop("mode", None)
-    report = sparsify_(model, mode="masked", optimizer=optimizer, **kwargs)
-    report.operation = "prune_trained_model"
-    with torch.no_grad():
-        for r in report.changed:
-            m = model.get_submodule(r.fqn)
-            for v in optimizer.state.get(m.weight, {}).values():
-                if isinstance(v, torch.Tensor) and v.shape == m.mask.shape:
-                    v.masked_fill_(~m.mask, 0)
-    return report
+    args = inspect.signature(sparsify_).bind(model, mode="masked", optimizer=optimizer, **kwargs)
+    args.apply_defaults()
+    options = dict(args.arguments)
+    # the optimizer state is zeroed in sparsify_'s undoable section (a failure puts it back too)
+    return _sparsify(**options, zero_state=True, operation="prune_trained_model")
 
 
 def count_parameters(model: nn.Module) -> dict[str, int]:

@@ -91,24 +91,28 @@ def distill_(model: nn.Module, batches, steps: int, *, teacher: nn.Module | None
     _refuse_float16([(names.get(id(p), f"parameters[{i}]"), p) for i, p in enumerate(params)], "distill_")
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)  # (refuses its settings before any hook)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _warmup_cosine(steps, warmup, final_lr))
-    objective = _Objective(model, teacher, loss_fn, output_loss, hidden, hidden_weight, forward)
-    rep = DistillReport()
+    objective = _Objective(model, teacher, loss_fn, output_loss, hidden, hidden_weight, forward)  # checks only
+    rep, bar = DistillReport(), None
     rollback = _rollback_for(model, params)  # all or nothing: a failure at step k puts back what was trained
     t0 = time.perf_counter()
-    bar = progress_bar(_batch_stream(batches, steps), total=steps, desc="distill_", progress=progress, unit="step")
-    try:
+    try:  # the hooks go on inside: every way out of here (a return, or an exception up to it) removes them
+        objective.open()
+        bar = progress_bar(_batch_stream(batches, steps), total=steps, desc="distill_", progress=progress,
+                           unit="step")
         for step, batch in enumerate(bar):
             rep.losses.append(_optimizer_step(objective(batch), model, params, clip, opt, sched))
             bar.set_postfix_str(f"loss {rep.losses[-1]:.4g}", refresh=False)
             if callback is not None:
                 callback(step, rep.losses[-1])
+        bar.close()
+        objective.close()
+        rep.seconds = time.perf_counter() - t0
+        return rep
     except BaseException as e:
+        if bar is not None:
+            bar.close()
+        objective.close()
         rollback.restore()
         e.add_note(_failure_note("distill_", objective, steps, batches)
                    + ": the model was put back as it was before the call")
         raise
-    finally:
-        bar.close()
-        objective.close()
-    rep.seconds = time.perf_counter() - t0
-    return rep

@@ -145,7 +145,9 @@ def learn_masks(model: nn.Module, batches, steps: int, *, loss_fn: Callable | No
 
     Memory: the logits are ``(6, R, C/4)`` per layer in ``logits_dtype``, 6
     floats per group (24 B per 4 weights in fp32; AdamW adds 2 more per logit),
-    plus a dense copy of the selected weights (the default teacher).
+    plus a dense copy of the selected weights (the default teacher). For the
+    rollback: a CPU copy of the trained tensors, and, on a model already in
+    masked mode, of those layers' weights while the masks are written back.
 
     Args:
         model: dense model (``nn.Linear`` layers) or one already in masked mode.
@@ -231,7 +233,7 @@ def learn_masks(model: nn.Module, batches, steps: int, *, loss_fn: Callable | No
         teacher = copy.deepcopy(model).eval()
     if clip is not None and not (isinstance(clip, (int, float)) and clip > 0):
         raise ValueError(f"clip must be None or a number > 0, got {clip!r}")
-    objective = _Objective(model, teacher, loss_fn, output_loss, hidden, hidden_weight, forward)  # checks first
+    objective = _Objective(model, teacher, loss_fn, output_loss, hidden, hidden_weight, forward)  # checks only
     opt_kwargs = {"lr": lr, "weight_lr": weight_lr, "weight_decay": weight_decay, "betas": tuple(betas), "clip": clip}
     # All or nothing: what the call may write (the pruned weights, the weights it trains, buffers) is kept,
     # taken from the teacher's parameters where they hold equal values (our own copy's always do; the
@@ -240,23 +242,25 @@ def learn_masks(model: nn.Module, batches, steps: int, *, loss_fn: Callable | No
     same = {id(p): t_params[k] for k, p in model.named_parameters() if k in t_params}
     rollback = _rollback_for(model, [p for p in model.parameters() if train_weights and p.requires_grad]
                              + [m.weight for m in model.modules() if type(m) in _SWAPPABLE], same)
-    try:
-        return _learn(model, batches, steps, objective, teacher, prior, calibration, tau, hard_fraction, noise,
-                      confidence, magnitude_reg, train_weights, opt_kwargs, filter_fn,
-                      {"min_features": min_features, "skip_output_head": skip_output_head}, logits_dtype,
-                      check_batches, seed, callback, progress)
+    try:  # the hooks go on inside: every way out of here (a return, or an exception up to it) removes them
+        objective.open()
+        rep = _learn(model, batches, steps, objective, teacher, prior, calibration, tau, hard_fraction, noise,
+                     confidence, magnitude_reg, train_weights, opt_kwargs, filter_fn,
+                     {"min_features": min_features, "skip_output_head": skip_output_head}, logits_dtype,
+                     check_batches, seed, callback, progress, rollback)
+        objective.close()
+        return rep
     except BaseException as e:
+        objective.close()
         rollback.restore()
         e.add_note("learn_masks: every layer swap and weight change was undone: the model is as it was before the "
                    "call")
         raise
-    finally:
-        objective.close()
 
 
 def _learn(model, batches, steps, objective, teacher, prior, calibration, tau, hard_fraction, noise, confidence,
            magnitude_reg, train_weights, opt_kwargs, filter_fn, select, logits_dtype, check_batches, seed,
-           callback, progress=None) -> LearnReport:
+           callback, progress, rollback) -> LearnReport:
     # 1. dense weights of the layers about to be pruned (a view of the teacher's when it is our copy)
     t_mods = dict(teacher.named_modules()) if teacher is not None else {}
     dense = {}
@@ -306,7 +310,12 @@ def _learn(model, batches, steps, objective, teacher, prior, calibration, tau, h
         swaps.undo()
         e.add_note(_failure_note("learn_masks", objective, steps, batches))
         raise
-    # 4. write the masks back
+    # 4. write the masks back, in place (an optimizer may hold the weights). A failure part way (Ctrl-C, out
+    # of memory in where()) is undone by learn_masks' rollback, which keeps the values written here first: a
+    # layer swapped by this call has its dense weight kept already and a new mask; a layer that was masked
+    # before costs a CPU copy of its weight (its old mask is the stand-in's prior, no copy), freed on return.
+    rollback.keep([t for sp, _ in learners.values() for t in (sp.weight, sp.mask)],
+                  same={id(sp.mask): stand_in.prior for sp, stand_in in learners.values()})
     for fqn, (sp, stand_in) in learners.items():
         final = stand_in.mask.hard_mask() if rep.kept == "learned" else stand_in.prior
         with torch.no_grad():

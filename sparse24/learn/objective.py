@@ -67,7 +67,9 @@ def _call(model: nn.Module, batch):
 class _Objective:
     """``loss(batch)`` of the student: task loss, distillation from the teacher
     (output loss + ``hidden_weight`` x mean relative MSE of the ``hidden``
-    modules' outputs), or both summed. Hooks live until :meth:`close`."""
+    modules' outputs), or both summed. Construction only checks the arguments;
+    the hooks that catch the hidden outputs live from :meth:`open` to :meth:`close`
+    (a caller opens it inside the try whose failure path closes it)."""
 
     def __init__(self, student, teacher, loss_fn, output_loss, hidden, hidden_weight, forward=None):
         if forward is not None and not callable(forward):
@@ -96,10 +98,13 @@ class _Objective:
         self.student, self.teacher, self.loss_fn, self.output_loss = student, teacher, loss_fn, output_loss
         self.hidden, self.hidden_weight = hidden, float(hidden_weight)
         self._s, self._t, self._handles = {}, {}, []
+        self._targets = [(mods[h], store, h) for h in hidden for mods, store in ((s_mods, self._s), (t_mods, self._t))]
         self.calls = 0  # losses asked for: the step a failure happened at
-        for h in hidden:
-            self._handles.append(s_mods[h].register_forward_hook(self._keep(self._s, h)))
-            self._handles.append(t_mods[h].register_forward_hook(self._keep(self._t, h)))
+
+    def open(self) -> None:
+        """Register the hooks that catch the ``hidden`` modules' outputs (until :meth:`close`)."""
+        for mod, store, h in self._targets:
+            self._handles.append(mod.register_forward_hook(self._keep(store, h)))
 
     @staticmethod
     def _keep(store: dict, name: str):
@@ -125,6 +130,7 @@ class _Objective:
         return loss
 
     def close(self) -> None:
+        """Remove the hooks (idempotent)."""
         for h in self._handles:
             h.remove()
         self._handles.clear()
@@ -211,8 +217,8 @@ def _warmup_cosine(steps: int, warmup: float, floor: float):
 
 def _rollback_for(model: nn.Module, trained, same: dict | None = None) -> ModelRollback:
     """What a training call must put back if it fails: ``model``'s structure, the values of the
-    ``trained`` tensors and of its buffers (running statistics move in train mode); the 2:4 masks,
-    written only on success, are left out."""
+    ``trained`` tensors and of its buffers (running statistics move in train mode); the 2:4 masks
+    are left out: a call that writes some (learn_masks) keeps them, and the weights, just before."""
     masks = {id(m.mask) for m in model.modules() if isinstance(m, Sparse24Linear) and m.mode == "masked"}
     buffers = [b for b in model.buffers() if id(b) not in masks]
     return ModelRollback(model, keep=[*trained, *buffers], same=same)

@@ -241,11 +241,10 @@ class Sparse24Linear(LayoutMixin, StateDictMixin, nn.Module):
             except RuntimeError:  # an inference tensor (never trained): left to forward's retry
                 return
         try:
-            handle = w.register_hook(_grad_mask_hook(w))
+            _HAS_HOOK[w] = w.register_hook(_grad_mask_hook(w))   # recorded at once: an interrupt leaks no hook
         finally:
             if frozen:
                 w.requires_grad_(False)
-        _HAS_HOOK[w] = handle
 
     def _release(self) -> None:
         """Stop masking this module's weight (its Parameter is handed to someone else)."""

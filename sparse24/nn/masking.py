@@ -71,9 +71,10 @@ register_optimizer_step_post_hook(_remask_after_step)
 
 def _unhook(w: torch.Tensor) -> None:
     """Remove ``w``'s gradient hook, and with it the weak reference to ``w`` the hook holds."""
-    handle = _HAS_HOOK.pop(w, None)
+    handle = _HAS_HOOK.get(w)
     if handle is not None:
-        handle.remove()
+        handle.remove()   # before forgetting it: an interrupt in between leaves it recorded, not doubled
+        _HAS_HOOK.pop(w, None)
 
 
 def _relink_hooks(w: torch.Tensor) -> None:
