@@ -381,7 +381,7 @@ def pack_decode(p: Sparse24Tensor) -> DecodePacked:
         TypeError: float32/float64 values (cast with ``p.to(dtype=torch.float16)``).
         ValueError: an INT8 value of -128 (sign-magnitude bytes hold [-127, 127]).
     Example:
-        >>> d = pack_decode(compress(torch.randn(40, 100).half()))
+        >>> d = pack_decode(sparse24.compress(torch.randn(40, 100).half()))
         >>> d.values.shape, d.meta.shape
         (torch.Size([2, 2, 8, 32, 8]), torch.Size([8, 32, 16]))
     """

@@ -86,7 +86,9 @@ def sparsity_config(model: nn.Module) -> dict:
     Returns:
         a JSON-serializable dict; ``layers`` is empty when the model has no 2:4 layer.
     Example:
-        >>> sparsity_config(model)["layers"]["model.layers.0.mlp.up_proj"]
+        Not run as a test: ``model`` stands for a Llama model after ``sparsify_(model, mode="compressed")``.
+
+        >>> sparsity_config(model)["layers"]["model.layers.0.mlp.up_proj"]  # doctest: +SKIP
         {'mode': 'compressed', 'quantize': None, 'kind': 'linear'}
     """
     layers = {}
@@ -424,7 +426,10 @@ def from_pretrained(cls, path: str | os.PathLike, **kwargs) -> nn.Module:
     Returns:
         the model, its 2:4 layers as :class:`~sparse24.Sparse24Linear` in their saved modes.
     Example:
-        >>> model = sparse24.from_pretrained(LlamaForCausalLM, "out/llama-2of4")
+        Not run as a test: needs transformers and a model folder on disk.
+
+        >>> from transformers import LlamaForCausalLM  # doctest: +SKIP
+        >>> model = sparse24.from_pretrained(LlamaForCausalLM, "out/llama-2of4")  # doctest: +SKIP
     """
     register()
     import transformers

@@ -347,8 +347,10 @@ def to_semi_structured(p: Sparse24Tensor, backend: str | None = None, dtype: tor
         GPU that is not 8.x.
         TypeError: not a Sparse24Tensor, or a dtype torch cannot store 2:4.
     Example:
-        >>> t = to_semi_structured(sparse24.compress(torch.randn(64, 128, device="cuda").half()))
-        >>> y = torch.nn.functional.linear(torch.randn(8, 128, device="cuda").half(), t)
+        Not run as a test: needs a CUDA GPU.
+
+        >>> t = to_semi_structured(sparse24.compress(torch.randn(64, 128, device="cuda").half()))  # doctest: +SKIP
+        >>> y = torch.nn.functional.linear(torch.randn(8, 128, device="cuda").half(), t)  # doctest: +SKIP
     """
     from torch.sparse import (SparseSemiStructuredTensor, SparseSemiStructuredTensorCUSPARSELT,
                               SparseSemiStructuredTensorCUTLASS)

@@ -104,8 +104,10 @@ class GradualPruner:
     Attributes:
         masks: ``{fqn: (out, in) bool}``, True = kept.
     Example:
-        >>> pruner = GradualPruner(model, (2, 4), start_step=100, end_step=1100, frequency=100)
-        >>> for t in range(steps):
+        Not run as a test: ``model``, ``steps``, ``loss``, ``x`` and ``opt`` stand for your own.
+
+        >>> pruner = GradualPruner(model, (2, 4), start_step=100, end_step=1100, frequency=100)  # doctest: +SKIP
+        >>> for t in range(steps):  # doctest: +SKIP
         ...     loss(model(x)).backward(); opt.step(); opt.zero_grad()
         ...     pruner.step(t)
     """
@@ -308,9 +310,11 @@ class SRSTE:
         optimizer: the optimizer training the selected weights: add the decay at its
             step instead of in the backward (see above); until :meth:`finalize`.
     Example:
-        >>> srste = SRSTE(model, n=2, m=4, decay=2e-4)
-        >>> ...train as usual...
-        >>> masks = srste.finalize()   # plain Linear layers, weights exactly 2:4
+        Not run as a test: ``model`` stands for your own, trained in between.
+
+        >>> srste = SRSTE(model, n=2, m=4, decay=2e-4)  # doctest: +SKIP
+        >>> # ... train as usual ...
+        >>> masks = srste.finalize()   # plain Linear layers, weights exactly 2:4  # doctest: +SKIP
     """
 
     def __init__(self, model: nn.Module, n: int = 2, m: int = 4, decay: float = 2e-4,

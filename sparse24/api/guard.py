@@ -99,8 +99,10 @@ class ModelRollback:
     ``same`` (``{id(tensor): tensor holding equal values}``) without a copy.
 
     Example:
-        >>> rollback = ModelRollback(model, keep=[p for p in model.parameters() if p.requires_grad])
-        >>> try:
+        Not run as a test: ``model`` and ``train`` stand for your own.
+
+        >>> rollback = ModelRollback(model, keep=[p for p in model.parameters() if p.requires_grad])  # doctest: +SKIP
+        >>> try:  # doctest: +SKIP
         ...     train(model)
         ... except BaseException:
         ...     rollback.restore(); raise

@@ -67,7 +67,8 @@ def distill_(model: nn.Module, batches, steps: int, *, teacher: nn.Module | None
         :class:`DistillReport`.
     Example:
         >>> dense = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64))
-        >>> student = copy.deepcopy(dense); _ = sparsify_(student)
+        >>> import copy
+        >>> student = copy.deepcopy(dense); _ = sparse24.sparsify_(student)
         >>> rep = distill_(student, [torch.randn(16, 64)], steps=3, teacher=dense)
         >>> len(rep.losses)
         3

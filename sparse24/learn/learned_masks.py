@@ -188,7 +188,7 @@ def learn_masks(model: nn.Module, batches, steps: int, *, loss_fn: Callable | No
     Example:
         >>> model = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64))
         >>> rep = learn_masks(model, [torch.randn(16, 64)], steps=5)
-        >>> type(model[0]).__name__, is_nm(model[0].dense_weight())
+        >>> type(model[0]).__name__, sparse24.is_nm(model[0].dense_weight())
         ('Sparse24Linear', True)
     """
     check_model(model, filter_fn)

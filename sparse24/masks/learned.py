@@ -76,6 +76,7 @@ class LearnableMask(nn.Module):
             ``_extra_state``, and loading a state of another pattern is refused: 1:4 and 3:4 have
             logits of one shape, ``C(m, n) = C(m, m - n)``, but not of one meaning).
     Example:
+        >>> from sparse24 import mask_nm
         >>> w = torch.randn(8, 16)
         >>> lm = LearnableMask(w.shape, prior=mask_nm(w, 2, 4))
         >>> soft = lm.sample(tau=1.0, generator=torch.Generator().manual_seed(0))  # (8, 16), differentiable

@@ -221,7 +221,7 @@ def mask_nm(w: torch.Tensor, n: int = 2, m: int = 4, method: str = "magnitude", 
         ``(R, C)`` bool mask on ``w``'s device.
     Example:
         >>> mask = mask_nm(torch.randn(8, 8), 2, 4, method="2d_optimal")
-        >>> is_nm(mask, 2, 4) and is_nm(mask.T, 2, 4)
+        >>> sparse24.is_nm(mask, 2, 4) and sparse24.is_nm(mask.T, 2, 4)
         True
     """
     if method not in METHODS:

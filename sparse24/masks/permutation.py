@@ -56,7 +56,7 @@ def search_permutation(w: torch.Tensor, n: int = 2, m: int = 4, time_limit: floa
     Example:
         >>> w = torch.randn(64, 128)
         >>> perm = search_permutation(w, time_limit=1.0, progress=False)
-        >>> kept = lambda v: kept_magnitude_fraction(v, mask_nm(v, 2, 4))
+        >>> kept = lambda v: sparse24.kept_magnitude_fraction(v, sparse24.mask_nm(v, 2, 4))
         >>> kept(w[:, perm]) > kept(w)
         True
     """

@@ -53,7 +53,7 @@ def reconstruct_weight(w: torch.Tensor, mask: torch.Tensor, hessian: torch.Tenso
         ``(R, C)`` tensor in ``w``'s dtype, exactly zero where ``mask`` is False.
     Example:
         >>> x = torch.randn(256, 16, dtype=torch.float64); w = torch.randn(8, 16, dtype=torch.float64)
-        >>> mask = mask_nm(w)
+        >>> mask = sparse24.mask_nm(w)
         >>> v = reconstruct_weight(w, mask, x.T @ x, percdamp=1e-9)
         >>> bool(((x @ v.T - x @ w.T).norm() <= (x @ (w * mask).T - x @ w.T).norm()))
         True

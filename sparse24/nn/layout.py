@@ -87,6 +87,7 @@ class LayoutMixin:
         dicts (always layout v1) do not change. Returns self.
 
         Example:
+            >>> from sparse24 import Sparse24Linear
             >>> layer = Sparse24Linear(64, 32, mode="compressed", dtype=torch.float16)
             >>> layer.to_layout("decode").layout   # e.g. to run the decode kernel on CPU tensors
             'decode'

@@ -101,8 +101,10 @@ def linear_triton(x: torch.Tensor, p: Sparse24Tensor | DecodePacked, bias: torch
         TypeError: float64 (or integer) x, bfloat16 x on CPU, float64 weight values.
         ValueError: a config of the other kernel variant, bad shapes.
     Example:
-        >>> p = sparse24.compress(torch.randn(64, 128, device="cuda", dtype=torch.float16))
-        >>> linear_triton(torch.randn(4, 128, device="cuda", dtype=torch.float16), p).shape
+        Not run as a test: needs a CUDA GPU.
+
+        >>> p = sparse24.compress(torch.randn(64, 128, device="cuda", dtype=torch.float16))  # doctest: +SKIP
+        >>> linear_triton(torch.randn(4, 128, device="cuda", dtype=torch.float16), p).shape  # doctest: +SKIP
         torch.Size([4, 64])
     """
     check_linear_args(x, p, bias)
