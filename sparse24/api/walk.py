@@ -4,6 +4,8 @@ tied weights, the output head, layers too small, modules not handled), and
 swapping children in a way that can be undone (all or nothing)."""
 from __future__ import annotations
 
+import inspect
+import re
 import sys
 from typing import Callable
 
@@ -91,14 +93,38 @@ class _Undo:
 
 
 def _direct_readers(model: nn.Module) -> dict[int, str]:
-    """id(child Linear) -> why its weight is read directly by its parent."""
+    """id(child Linear) -> why its weight is read directly by its parent: the known readers, and
+    any parent whose ``forward`` source reads ``self.<child>.weight`` (T5's feed-forward casts to
+    ``self.wo.weight.dtype``, many vision-language heads to ``self.<proj>.weight.dtype``: a
+    compressed layer has no ``weight``, so such a child stays in masked mode)."""
     out = {}
     for mod in model.modules():
         for cls, (*names, why) in _DIRECT_READERS.items():
             if isinstance(mod, cls):
                 for n in names:
                     out[id(getattr(mod, n))] = why
+        for n in _forward_weight_reads(type(mod)):
+            child = mod._modules.get(n)
+            if child is not None and id(child) not in out:
+                out[id(child)] = f"{type(mod).__name__}.forward reads self.{n}.weight"
     return out
+
+
+_WEIGHT_READS: dict[type, frozenset] = {}
+
+
+def _forward_weight_reads(cls: type) -> frozenset:
+    """The child names whose ``.weight`` ``cls.forward`` reads (``self.<name>.weight`` in its source;
+    none where the source is not available). Cached per class."""
+    names = _WEIGHT_READS.get(cls)
+    if names is None:
+        forward = getattr(cls, "forward", None)
+        try:
+            src = inspect.getsource(forward) if forward is not None and forward is not nn.Module.forward else ""
+        except (OSError, TypeError):
+            src = ""
+        names = _WEIGHT_READS[cls] = frozenset(re.findall(r"self\.(\w+)\.weight\b", src))
+    return names
 
 
 def _shared_weights(model: nn.Module) -> dict[int, list[str]]:
