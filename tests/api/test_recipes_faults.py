@@ -22,6 +22,18 @@ def _same(a, b):
     return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
 
 
+def _interrupted_at(call: int, real):
+    """``real``, raising KeyboardInterrupt (Ctrl-C) at its ``call``-th call instead."""
+    calls = []
+
+    def flaky(*a, **k):
+        calls.append(1)
+        if len(calls) == call:
+            raise KeyboardInterrupt
+        return real(*a, **k)
+    return flaky
+
+
 def test_srste_refuses_a_nan_weight_before_parametrizing_any_layer():
     """The parametrization's first run refused the NaN in the last layer after the first two were
     parametrized: the model changed, and a retry said "SR-STE applied twice?"."""
@@ -42,14 +54,8 @@ def test_srste_refuses_a_nan_weight_before_parametrizing_any_layer():
 def test_srste_interrupted_while_parametrizing_leaves_plain_layers(monkeypatch):
     model = _mlp()
     before = copy.deepcopy(model)
-    real, calls = parametrize.register_parametrization, []
-
-    def flaky(*a, **k):
-        calls.append(1)
-        if len(calls) == 3:
-            raise KeyboardInterrupt
-        return real(*a, **k)
-    monkeypatch.setattr(parametrize, "register_parametrization", flaky)
+    monkeypatch.setattr(parametrize, "register_parametrization",
+                        _interrupted_at(3, parametrize.register_parametrization))
     with pytest.raises(KeyboardInterrupt):
         sparse24.SRSTE(model)
     assert not any(parametrize.is_parametrized(model[i]) for i in (0, 2, 4)) and _same(model, before)
@@ -59,14 +65,7 @@ def test_srste_finalize_interrupted_is_finished_by_calling_it_again(monkeypatch)
     model, ref = _mlp(), _mlp()
     srste, srste_ref = sparse24.SRSTE(model), sparse24.SRSTE(ref)
     want = srste_ref.finalize()
-    real, calls = parametrize.remove_parametrizations, []
-
-    def flaky(*a, **k):
-        calls.append(1)
-        if len(calls) == 2:
-            raise KeyboardInterrupt
-        return real(*a, **k)
-    monkeypatch.setattr(parametrize, "remove_parametrizations", flaky)
+    monkeypatch.setattr(parametrize, "remove_parametrizations", _interrupted_at(2, parametrize.remove_parametrizations))
     with pytest.raises(KeyboardInterrupt):
         srste.finalize()
     assert not srste.finalized
