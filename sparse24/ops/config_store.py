@@ -33,12 +33,17 @@ after six float16 keys would otherwise have set INT8, INT4 and bfloat16 configs 
 its grid keeps the SMs as busy as the built-in's and splits K no finer than its tiles (a winner
 at 4096 x 4096 would leave idle SMs at 1024 x 4096),
 (5) :func:`~sparse24.ops.config_space.builtin_config`.
-A missing folder is silent; a corrupt or schema-invalid file gives one warning
-and is skipped, so a bad file can never crash a forward pass or pick an invalid
-config. ``SPARSE24_AUTOTUNE=1`` replaces steps 2-5 by timing the config space
-on the spot (CUDA only; results kept for the process): the tuner lives in the
-tools layer (:mod:`sparse24.tools.tuning`) and plugs itself in with
-:func:`set_live_tuner`, so this store never imports upward.
+A missing folder is silent; a corrupt or schema-invalid file (a key written twice
+included) gives one warning and is skipped, so a bad file can never crash a forward
+pass or pick an invalid config. An entry the installed Triton cannot run (a prefill
+tile that needs a newer one) is skipped with one warning naming it; the rest of
+its file is used. Files are read as UTF-8, a leading BOM allowed. On CPU the
+device name is ``"cpu"``: a file whose ``gpu`` is ``"cpu"`` (nothing the tuner
+writes: it tunes on CUDA) serves CPU tensors like a GPU's own file; no GPU's file does.
+``SPARSE24_AUTOTUNE=1`` replaces steps 2-5 by timing the config space on the spot
+(CUDA only; results kept for the process): the tuner lives in the tools layer
+(:mod:`sparse24.tools.tuning`) and plugs itself in with :func:`set_live_tuner`, so
+this store never imports upward.
 """
 from __future__ import annotations
 
@@ -53,11 +58,13 @@ from pathlib import Path
 import torch
 
 from .config_space import (DECODE_M, DTYPE_KEYS, LAYOUT_KERNEL, M_BUCKETS, SP_MAX_M, KernelConfig, builtin_config,
-                           check_decode_config, check_prefill_runs, decode_rows, m_bucket, sp_tunable, sparse_kernel)
+                           check_decode_config, check_prefill_config, check_prefill_runs, decode_rows, m_bucket,
+                           sp_tunable, sparse_kernel)
 
 __all__ = ["KERNEL", "SCHEMA_VERSION", "TIMINGS", "Choice", "DeviceInfo", "device_info", "config_dirs",
-           "shipped_config_dir", "gpu_file_name", "validate_file", "validate_dir", "lookup", "get_choice",
-           "get_config", "measured_timings", "clear_cache", "on_clear", "describe_config_source", "set_live_tuner"]
+           "shipped_config_dir", "gpu_file_name", "read_file", "validate_file", "validate_dir", "lookup",
+           "get_choice", "get_config", "measured_timings", "clear_cache", "on_clear", "describe_config_source",
+           "set_live_tuner"]
 
 KERNEL = "sparse24_matmul"
 SCHEMA_VERSION = 2
@@ -85,10 +92,31 @@ def gpu_file_name(gpu_name: str) -> str:
     return re.sub(r"[^A-Za-z0-9.-]+", "_", gpu_name).strip("_") or "unknown"
 
 
+def _unique_keys(pairs: list) -> dict:
+    """``object_pairs_hook`` of :func:`read_file`: a key written twice (a hand edit) is refused,
+    not read as its last value."""
+    out = {}
+    for k, v in pairs:
+        if k in out:
+            raise ValueError(f"key {k!r} is written twice in one object (which one is meant?); keep one")
+        out[k] = v
+    return out
+
+
+def read_file(path) -> dict:
+    """A tuned-config file parsed (UTF-8, a leading BOM allowed; a key written twice refused
+    with ValueError), not yet validated: pass it to :func:`validate_file`."""
+    return json.loads(Path(path).read_text(encoding="utf-8-sig"), object_pairs_hook=_unique_keys)
+
+
 def validate_file(data) -> dict:
     """Check a parsed tuned-config file against the schema; return it with
     configs parsed (``default`` and each entry's ``config`` as KernelConfig).
-    Raise ValueError saying what is wrong and where."""
+    Raise ValueError saying what is wrong and where.
+
+    An entry the installed Triton cannot run (a prefill tile that needs a newer one), but
+    otherwise valid, is not an error: it is left out of ``entries`` and listed in
+    ``skipped`` (``{key: (entry as read, reason)}``), the rest of the file used."""
     if not isinstance(data, dict):
         raise ValueError(f"top level must be an object, got {type(data).__name__}")
     need = {"schema": int, "kernel": str, "gpu": str, "compute_capability": list, "triton": str, "torch": str,
@@ -104,7 +132,7 @@ def validate_file(data) -> dict:
     cc = data["compute_capability"]
     if len(cc) != 2 or not all(isinstance(c, int) and not isinstance(c, bool) for c in cc):
         raise ValueError(f"compute_capability must be [major, minor], got {cc}")
-    parsed = dict(data, default=_parse_config(data["default"], "default"), entries={})
+    parsed = dict(data, default=_parse_config(data["default"], "default"), entries={}, skipped={})
     _check_shared_memory(parsed["default"], "default")
     for key, entry in data["entries"].items():
         where = f"entry {key!r}"
@@ -122,11 +150,17 @@ def validate_file(data) -> dict:
                 raise ValueError(f"{where}: {t} must be a positive finite number, got {entry[t]!r}")
         config = _parse_config(entry["config"], where)
         _check_shared_memory(config, where)
+        k = (int(parts[0]), int(parts[1]), int(parts[2]), parts[3])
         if config.kernel == "decode":
             _check_decode_entry(config, int(parts[0]), parts[3], where)
         elif config.kernel == "prefill":
             _check_prefill_entry(config, int(parts[0]), parts[3], where)
-        parsed["entries"][(int(parts[0]), int(parts[1]), int(parts[2]), parts[3])] = dict(entry, config=config)
+            try:   # what the installed Triton runs: another environment reading the file may run it
+                check_prefill_runs(config)
+            except ValueError as e:
+                parsed["skipped"][k] = (entry, str(e))
+                continue
+        parsed["entries"][k] = dict(entry, config=config)
     return parsed
 
 
@@ -143,10 +177,11 @@ def _serves(config: KernelConfig, M: int, dtype: str) -> bool:
 
 
 def _check_prefill_entry(config: KernelConfig, bucket: int, dtype: str, where: str) -> None:
-    """A prefill-kernel entry must be one the kernel runs, at a bucket its route takes:
-    past 16 rows, and with 16-bit x past SP_MAX_M rows."""
+    """A prefill-kernel entry must be one of the kernel's configs, at a bucket its route takes:
+    past 16 rows, and with 16-bit x past SP_MAX_M rows. (Whether the installed Triton runs
+    it is not checked here: :func:`validate_file` skips that entry alone.)"""
     try:
-        check_prefill_runs(config)
+        check_prefill_config(config)
     except ValueError as e:
         raise ValueError(f"{where}: {e}") from None
     if bucket <= DECODE_M or decode_rows(bucket, dtype) == 32:
@@ -194,7 +229,7 @@ def validate_dir(d) -> list[tuple[Path, str]]:
     problems = []
     for path in sorted(Path(d).glob(f"*/{KERNEL}.json")):
         try:
-            data = validate_file(json.loads(path.read_text()))
+            data = validate_file(read_file(path))
         except BAD_FILE_ERRORS as e:
             problems.append((path, f"{type(e).__name__}: {e}"))
             continue
@@ -246,10 +281,16 @@ def _load_dir(d: Path) -> list[dict]:
     files = []
     for path in sorted(d.glob(f"*/{KERNEL}.json")) if d.is_dir() else []:
         try:
-            data = validate_file(json.loads(path.read_text()))
+            data = validate_file(read_file(path))
         except BAD_FILE_ERRORS as e:
             _warn_once(path, f"{type(e).__name__}: {e}")
             continue
+        if data["skipped"] and f"{path}:skipped" not in _WARNED:
+            _WARNED.add(f"{path}:skipped")
+            warnings.warn(f"sparse24: tuned-config file {path}: skipping {len(data['skipped'])} entries the "
+                          f"installed Triton cannot run (" + "; ".join(
+                              f"{','.join(map(str, k))!r}: {why}" for k, (_, why) in data["skipped"].items())
+                          + f"); its other {len(data['entries'])} entries are used.", RuntimeWarning, stacklevel=4)
         files.append(dict(data, path=path))
     return files
 
@@ -395,8 +436,10 @@ def set_live_tuner(tuner) -> None:
 def get_choice(M: int, N: int, K: int, dtype: str, device, layout: str = "v1", kernel: str | None = None) -> Choice:
     """:func:`lookup` for a launch on ``device``, or live tuning when ``SPARSE24_AUTOTUNE=1``
     on CUDA and no exact entry exists. Cached per process (:func:`clear_cache` forgets).
-    CPU tensors (interpreter) get the built-in config. ``kernel``: as in :func:`lookup` (the
-    live tuner times the layout's space at M, which past 16 rows is the prefill kernel's)."""
+    CPU tensors (the Triton interpreter) look up device name ``"cpu"``: the built-in config,
+    unless a file whose ``gpu`` is ``"cpu"`` holds one (no GPU's file serves them; the tuner
+    writes none: it tunes on CUDA). ``kernel``: as in :func:`lookup` (the live tuner times the
+    layout's space at M, which past 16 rows is the prefill kernel's)."""
     info = device_info(device)
     cache_key = (tuple(config_dirs()), info, (m_bucket(M), N, K, dtype), layout, kernel)
     choice = _CHOICES.get(cache_key)
@@ -441,10 +484,13 @@ def describe_config_source(device=None) -> str:
     lines.append("  searched, in order: " + ", ".join(
         f"{d}{'' if d.is_dir() else ' (a file, not a folder)' if d.exists() else ' (missing)'}" for d in dirs)
         + (" [SPARSE24_CONFIG_DIR first]" if os.environ.get("SPARSE24_CONFIG_DIR") else ""))
-    if cc is None:
-        lines.append("  not a CUDA device: the Triton backend runs in the interpreter with built-in configs")
-        return "\n".join(lines)
     own = [f for f in files if gpu_file_name(f["gpu"]) == gpu_file_name(gpu)]
+    if cc is None:
+        lines.append("  not a CUDA device: the Triton backend runs in the interpreter with "
+                     + ("the configs of the file(s) below, else built-in ones" if own else "built-in configs"))
+        lines += [f"  tuned file for '{gpu}': {f['path']} ({len(f['entries'])} entries): exact and nearest-M entries "
+                  f"come from here" for f in own]
+        return "\n".join(lines)
     family = [f for f in files if f not in own and tuple(f["compute_capability"]) == tuple(cc)]
     for f in own:
         lines.append(f"  tuned file for this GPU: {f['path']} ({len(f['entries'])} entries, triton {f['triton']}, "

@@ -16,7 +16,7 @@ dominates (small M, memory-bound) time scales with bytes, so speedup <=
 ``e / 0.390625`` = 5.12x for INT4 weights vs fp16. At large M the GEMM is
 compute-bound and the ceiling does not apply (a kernel without sparse tensor
 cores does the dense FLOPs: expect <= 1x there). The axis is set by the
-measurements; a ceiling far above them is named at the panel's top edge.
+measurements; ceilings far above them are named in one note at the panel's top edge.
 """
 from __future__ import annotations
 
@@ -204,36 +204,84 @@ def _value_axis(ax, values: list[float]) -> None:
         ax.set_ylim(0, hi * 1.1)
 
 
+# The ceiling notes are sized for figure()'s panels (12 inches wide in two columns, 3.3 inches a row):
+# ~95 characters of 7-point text fit a speedup panel's width, a line of it is ~1/18 of its height.
+_NOTE_CHARS = 80
+_NOTE_LINE = 9.5 / 170
+
+
+def _ceiling_label(items: list[tuple[float, str, str]], prefix: str = "byte ceiling ", suffix: str = "") -> str:
+    """One note for several ceilings (equal values named once), wrapped to a panel's width."""
+    import textwrap
+    whats: dict = {}
+    for c, dtype, quant in sorted(items):
+        whats.setdefault(c, []).append(f"{quant} 2:4 vs {dtype}" if quant else f"{dtype} 2:4")
+    text = prefix + ", ".join(f"{c:.2f}x ({', '.join(w)})" for c, w in whats.items()) + suffix
+    return "\n".join(textwrap.wrap(text, _NOTE_CHARS, break_on_hyphens=False))
+
+
 def _speedup_axis(ax, speedups: list[float], ceilings: list[tuple[float, str, str]]) -> None:
     """Axis limits from the measured speedups (and the 1x line), not from the byte ceilings: a
-    ceiling within reach of the data is drawn as a line (the axis grows to show it); one far above
-    it (CPU: 0.04-0.4x measured, 6.4x ceiling) is a note at the top edge."""
+    ceiling within reach of the data is drawn as a line (the axis grows to show it and its label;
+    lines closer than a label's height share one label); those far above it (CPU: 0.04-0.4x
+    measured, 6.4x ceiling) are one note at the panel's top edge, wrapped inside the panel."""
     lo, hi = min(min(speedups), 1.0), max(max(speedups), 1.0)
     log = hi / lo > _LOG_RANGE
-    top = hi * (1.5 if log else 1.15)
-    near = [c for c in ceilings if c[0] <= 2 * top]
-    top = max([top] + [c[0] * (1.8 if log else 1.15) for c in near])  # room above a line for the far note
-    for c, dtype, quant in ceilings:
-        what = f"{quant} 2:4 vs {dtype}" if quant else f"{dtype} 2:4"
-        color = _CEILING_COLORS[quant]
-        if (c, dtype, quant) in near:
-            ax.axhline(c, color=color, linestyle=(0, (4, 3)), linewidth=1, alpha=0.6)
-            ax.annotate(f"byte ceiling {c:.2f}x ({what}; memory-bound M)", (0.01, c),
-                        xycoords=("axes fraction", "data"), fontsize=7, va="bottom", color="dimgray")
-    far = [c for c in ceilings if c not in near]
+    bottom, start = (lo / 1.5, hi * 1.5) if log else (0.0, hi * 1.15)
+    near = sorted(c for c in ceilings if c[0] <= 2 * start)
+    while True:   # a ceiling the axis reaches anyway (its room for the notes) is a line too: settles
+        far = [c for c in ceilings if c not in near]
+        far_text = _ceiling_label(far, "far above \u2191 byte ceiling ") if far else ""
+        far_room = (far_text.count("\n") + 1) * _NOTE_LINE + 0.03 if far else 0.0
+        top, groups = _notes_top(near, hi, far_room, bottom, start, log)
+        reached = [c for c in far if c[0] <= top]
+        if not reached:
+            break
+        near = sorted(near + reached)
+    for group in groups:
+        for c, quant in dict.fromkeys((c, quant) for c, _, quant in group):
+            ax.axhline(c, color=_CEILING_COLORS[quant], linestyle=(0, (4, 3)), linewidth=1, alpha=0.6)
+        ax.annotate(_ceiling_label(group, suffix="; memory-bound M"), (0.01, group[-1][0]),
+                    xycoords=("axes fraction", "data"), fontsize=7, va="bottom", color="dimgray")
     if far:
-        text = "far above: byte ceiling " + ", ".join(
-            f"{c:.2f}x ({f'{q} 2:4 vs {d}' if q else f'{d} 2:4'})" for c, d, q in far)
         quants = {q for *_, q in far}
-        ax.annotate(text + " \u2191", (0.99, 0.98), xycoords="axes fraction", ha="right", va="top", fontsize=7,
+        ax.annotate(far_text, (0.99, 0.98), xycoords="axes fraction", ha="right", va="top", fontsize=7,
+                    multialignment="right",
                     color=_CEILING_COLORS[quants.pop()] if len(quants) == 1 and "" not in quants else "dimgray")
     if log:
         from matplotlib.ticker import FuncFormatter
         ax.set_yscale("log")
-        ax.set_ylim(lo / 1.5, top)
+        ax.set_ylim(bottom, top)
         ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}x"))
     else:
         ax.set_ylim(0, top)
+
+
+def _notes_top(near: list, hi: float, far_room: float, bottom: float, start: float, log: bool):
+    """``(top, groups)``: the speedup axis' top (at least ``start``) leaving room above the data for
+    the far note (``far_room``, a fraction of the panel) and above each group of ``near`` ceiling
+    lines (sorted) for its label under that note; a line closer to the one below than that one's
+    label is tall joins its group (one label above them all)."""
+    def frac(v: float, t: float) -> float:   # v's height in the panel (0: bottom, 1: top) when it ends at t
+        return math.log(v / bottom) / math.log(t / bottom) if log else v / t
+
+    def top_for(v: float, room: float) -> float:   # the least top leaving ``room`` (a fraction) above v
+        return bottom * (v / bottom) ** (1 / (1 - room)) if log else v / (1 - room)
+
+    def lines(items) -> int:
+        return _ceiling_label(items).count("\n") + 1
+
+    base = max(start, top_for(hi, far_room)) if far_room else start
+    top, groups = base, []
+    for _ in range(3):   # group at this top, then the top those labels need (it grows a little: settles)
+        groups = []
+        for c in near:
+            if groups and frac(c[0], top) < frac(groups[-1][-1][0], top) + (lines(groups[-1]) + 0.3) * _NOTE_LINE:
+                groups[-1].append(c)
+            else:
+                groups.append([c])
+        top = max([base] + [top_for(g[-1][0], lines(g) * _NOTE_LINE + far_room + 0.02) for g in groups])
+    return top, groups
 
 
 def _device_label(row: dict) -> str:

@@ -13,11 +13,21 @@ names are re-exported here for existing code.
 """
 from __future__ import annotations
 
+import contextlib
 import csv
 import datetime
+import errno
 import json
+import os
+import stat
 import sys
+import tempfile
 from pathlib import Path
+
+try:
+    import fcntl
+except ImportError:   # (Windows) no advisory file locks: concurrent writers of one file are not serialized
+    fcntl = None
 
 import torch
 import torch.nn.functional as F
@@ -358,49 +368,163 @@ def _tuned_file(out_dir: Path, gpu: str) -> Path:
 
 def tuned_keys(out_dir: Path, gpu: str) -> set:
     """The (M bucket, N, K, dtype) keys this GPU's file under ``out_dir`` holds (none for a
-    missing or unreadable file: those are re-tuned)."""
+    missing or unreadable file: those are re-tuned; nor entries the installed Triton cannot
+    run, which serve nothing here)."""
     try:
-        return set(validate_file(json.loads(_tuned_file(out_dir, gpu).read_text()))["entries"])
+        return set(validate_file(config_store.read_file(_tuned_file(out_dir, gpu)))["entries"])
     except (OSError, *config_store.BAD_FILE_ERRORS):
         return set()
 
 
+# Reading a file that is not JSON at all (garbage, cut short, not UTF-8, nested too deep): set aside.
+_NOT_JSON = (json.JSONDecodeError, UnicodeDecodeError, RecursionError)
+
+
+def _read_for_merge(path: Path):
+    """``(parsed, None)`` for this GPU's existing file (:func:`validate_file`'s result; None if
+    there is none) or ``(None, error)`` for one that is not JSON (:func:`write_entries` moves it
+    aside). A file that is JSON but not one this sparse24 merges into (another schema, a bad
+    entry, a key written twice) raises ValueError naming it and what to do: overwriting it would
+    throw its entries away."""
+    try:
+        return validate_file(config_store.read_file(path)), None
+    except FileNotFoundError:
+        return None, None
+    except _NOT_JSON as e:
+        return None, e
+    except ValueError as e:
+        raise ValueError(f"{path} is not a tuned-config file this sparse24 can merge into ({e}); nothing was "
+                         f"written: fix or move that file, or tune into another folder (--out-dir)") from None
+
+
+@contextlib.contextmanager
+def _locked(path: Path):
+    """Hold an exclusive lock on ``<file>.lock`` beside ``path`` (kept: removing it would let two
+    writers lock two different files): concurrent autotune runs (one per GPU of a node, one
+    per-model file) then read-merge-write one after another. Without ``fcntl`` (Windows) this
+    does not lock: each write still replaces the file whole, but concurrent writers may lose
+    each other's entries."""
+    lock = path.with_name(path.name + ".lock")
+    try:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o666)
+    except PermissionError:   # another user's lock file in a folder we may write: flock needs no write access
+        fd = os.open(lock, os.O_RDONLY)
+    try:
+        if fcntl is not None:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)   # released when fd is closed
+            except OSError as e:   # a file system without locks (some network mounts): write as without fcntl
+                if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
+                    raise
+                print(f"sparse24: cannot lock {lock} ({e.strerror}); writing unlocked: tuning runs writing "
+                      f"this file at the same time may lose each other's entries", file=sys.stderr)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _set_aside(path: Path) -> Path:
+    """Move a file that is not JSON to ``<name>.corrupt`` (``<name>.corrupt-<UTC time>[-n]`` when
+    that is taken: an earlier copy is never overwritten); called under :func:`_locked`."""
+    dest = path.with_name(path.name + ".corrupt")
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    n = 0
+    while dest.exists():
+        n += 1
+        dest = path.with_name(f"{path.name}.corrupt-{stamp}" + (f"-{n}" if n > 1 else ""))
+    path.replace(dest)
+    return dest
+
+
+def _replace_atomically(path: Path, text: str) -> None:
+    """Write ``text`` to a new temporary file beside ``path``, flushed to disk, and rename it over
+    ``path``: a reader sees the old file or the new one, never part of one; a failure leaves
+    the old file and no temporary one."""
+    mode = stat.S_IMODE(path.stat().st_mode) if path.exists() else 0o644   # (mkstemp makes 0600)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(text.encode("utf-8"))
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    if hasattr(os, "O_DIRECTORY"):   # the rename itself, on disk (POSIX)
+        dfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+
+
 def write_entries(out_dir: Path, gpu: str, capability: tuple[int, int], entries: dict) -> Path:
     """Merge ``entries`` ({(M bucket, N, K, dtype): entry}) into this GPU's file
-    under ``out_dir`` (created if needed; a corrupt old file is kept beside it
-    as ``.corrupt``). The default becomes the config that wins most entries (prefill entries
-    aside: the prefill route falls back to its model's choice, not to a file default)."""
+    under ``out_dir`` (created if needed). The default becomes the config that wins most entries
+    (prefill entries aside: the prefill route falls back to its model's choice, not to a file default).
+
+    Safe for several processes at once (one autotune per GPU, one file): the read-merge-write
+    holds an exclusive lock on ``<file>.lock`` and the new file replaces the old one whole.
+    An old file that is not JSON is kept beside it as ``.corrupt`` (a timestamped name when
+    that is taken). Raises ValueError, writing nothing, where the old file is JSON this sparse24
+    does not merge into (another schema, a bad entry: :func:`_read_for_merge`) or a new entry is
+    invalid; entries of the old file that the installed Triton cannot run are kept as they were."""
     import triton
 
     path = _tuned_file(out_dir, gpu)
-    old: dict = {}
-    if path.exists():
-        try:
-            old = validate_file(json.loads(path.read_text()))["entries"]
-        except config_store.BAD_FILE_ERRORS as e:
-            path.replace(path.with_suffix(".json.corrupt"))
-            print(f"sparse24: {path} was unreadable ({e}); moved to {path.name}.corrupt", file=sys.stderr)
-    merged = {**old, **entries}
-    wins: dict = {}
-    for e in merged.values():   # the default serves keys without an entry: the prefill route has its model's
-        if e["config"].kernel != "prefill":
-            wins[e["config"]] = wins.get(e["config"], 0) + 1
-    default = max(wins, key=wins.get) if wins else builtin_config(16)
-    order = sorted(merged, key=lambda k: (k[3], k[1], k[2], k[0]))  # dtype, N, K, M: readable diffs
-    data = {
-        "schema": SCHEMA_VERSION, "kernel": KERNEL, "gpu": gpu, "compute_capability": list(capability),
-        "triton": triton.__version__, "torch": torch.__version__.split("+")[0],
-        "updated": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "default": default.to_json(),
-        "entries": {_entry_key(k): dict(merged[k], config=merged[k]["config"].to_json()) for k in order},
-    }
-    validate_file(json.loads(json.dumps(data)))  # never write what the reader would reject
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(data, indent=1) + "\n")
-    tmp.replace(path)
+    with _locked(path):
+        old, err = _read_for_merge(path)
+        if err is not None:
+            dest = _set_aside(path)
+            print(f"sparse24: {path} was unreadable ({err}); moved to {dest.name}", file=sys.stderr)
+        kept = {k: raw for k, (raw, _) in (old or {}).get("skipped", {}).items() if k not in entries}
+        merged = {**(old or {}).get("entries", {}), **entries}
+        wins: dict = {}
+        for e in merged.values():   # the default serves keys without an entry: the prefill route has its model's
+            if e["config"].kernel != "prefill":
+                wins[e["config"]] = wins.get(e["config"], 0) + 1
+        default = max(wins, key=wins.get) if wins else builtin_config(16)
+        out = {k: dict(e, config=e["config"].to_json()) for k, e in merged.items()}
+        out.update(kept)   # as read: a newer Triton runs them
+        order = sorted(out, key=lambda k: (k[3], k[1], k[2], k[0]))  # dtype, N, K, M: readable diffs
+        data = {
+            "schema": SCHEMA_VERSION, "kernel": KERNEL, "gpu": gpu, "compute_capability": list(capability),
+            "triton": triton.__version__, "torch": torch.__version__.split("+")[0],
+            "updated": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+            "default": default.to_json(),
+            "entries": {_entry_key(k): out[k] for k in order},
+        }
+        text = json.dumps(data, indent=1) + "\n"
+        check = validate_file(json.loads(text))  # never write what the reader would reject
+        new_skipped = {k: why for k, (_, why) in check["skipped"].items() if k in entries}
+        if new_skipped:   # the tuner never times one; a caller's entry this Triton cannot run is refused
+            k, why = next(iter(new_skipped.items()))
+            raise ValueError(f"entry {_entry_key(k)!r}: {why}")
+        _replace_atomically(path, text)
     clear_cache()  # the store forgets what it read, and the launch path its plans
     return path
+
+
+def _check_writable(folder: Path) -> None:
+    """Raise ValueError unless a file can be created in ``folder`` (or, where it does not exist
+    yet, in the nearest folder above it, which autotune would create it in): a temporary file
+    is created and removed there, nothing else is made."""
+    folder = Path(folder)
+    probe = folder
+    while not probe.exists() and probe.parent != probe:
+        probe = probe.parent
+    if not probe.is_dir():
+        raise ValueError(f"cannot write the config folder {folder}: {probe} is a file, not a folder")
+    try:
+        fd, tmp = tempfile.mkstemp(dir=probe, prefix=".sparse24-write-check-")
+        os.close(fd)
+        os.unlink(tmp)
+    except OSError as e:
+        raise ValueError(f"cannot write the config folder {folder} ({probe}: {e.strerror or e}); pass --out-dir "
+                         f"a folder you can write (or set SPARSE24_CONFIG_DIR)") from None
 
 
 # --- CLI -----------------------------------------------------------------------
@@ -445,8 +569,15 @@ def autotune(shapes, ms, dtypes, out_dir, warmup_ms: float = 10, rep_ms: float =
             limit goes on where it stopped).
         timings_csv: a CSV file that gets every candidate's time, key by key (:func:`append_timings`).
     Returns:
-        0 on success, 1 when there is no CUDA GPU or a key found no working config.
+        0 on success, 1 when there is no CUDA GPU or a key found no working config, 2 (as the
+        CLI's other refusals of bad input, checked before any tuning) when ``out_dir`` cannot be
+        written or this GPU's file there is JSON this sparse24 cannot merge into.
     """
+    try:
+        _check_writable(out_dir)   # before the GPU check, as bench checks --out (exit 2 without a GPU too)
+    except ValueError as e:
+        print(f"sparse24 autotune: error: {e}", file=sys.stderr)
+        return 2
     if not torch.cuda.is_available():
         print("sparse24 autotune: error: no CUDA GPU found (torch.cuda.is_available() is False); tuning times kernels "
               "on the GPU it tunes for, so nothing was tuned or written.", file=sys.stderr)
@@ -454,6 +585,12 @@ def autotune(shapes, ms, dtypes, out_dir, warmup_ms: float = 10, rep_ms: float =
 
     device = torch.device("cuda", torch.cuda.current_device())
     gpu, cc = torch.cuda.get_device_name(device), torch.cuda.get_device_capability(device)
+    try:   # this GPU's folder, and a file there merges (found now, not after the first key's minutes)
+        _check_writable(_tuned_file(out_dir, gpu).parent)
+        _read_for_merge(_tuned_file(out_dir, gpu))
+    except (OSError, ValueError) as e:
+        print(f"sparse24 autotune: error: {e}", file=sys.stderr)
+        return 2
     keys = [(m, n, k, dt) for dt in dtypes for _, n, k in shapes for m in ms]
     if skip_tuned:
         have = tuned_keys(out_dir, gpu)
@@ -481,7 +618,12 @@ def autotune(shapes, ms, dtypes, out_dir, warmup_ms: float = 10, rep_ms: float =
             if timings_csv is not None:
                 append_timings(timings_csv, gpu, rows)
         # Merge after every key, so a run stopped early keeps what it measured.
-        path = write_entries(out_dir, gpu, cc, {key: e})
+        try:
+            path = write_entries(out_dir, gpu, cc, {key: e})
+        except (OSError, ValueError) as err:   # (a disk full; a file replaced meanwhile): what was written stays
+            print(f"sparse24 autotune: error: writing M={key[0]} {key[1]}x{key[2]} {key[3]}: {err}; stopped after "
+                  f"{done} keys written", file=sys.stderr)
+            return 1
         done += 1
         unpack = f", unpack route {e['unpack_us']:.1f} us" if "unpack_us" in e else ""
         _progress(i, len(keys), f"M={key[0]} {key[1]}x{key[2]} {key[3]}: {e['kernel_us']:.1f} us "

@@ -503,13 +503,18 @@ def test_the_tuner_s_weight_copies_are_whole(quantize):
 @pytest.fixture
 def fake_gpu(monkeypatch):
     """torch.cuda as the tuner's driver code sees it on an sm_90 GPU named GPU; nothing compiles."""
+    fake_sm90(monkeypatch)
+
+
+def fake_sm90(monkeypatch, name: str = GPU):
+    """:func:`fake_gpu`'s patches (shared with test_tuning_review.py)."""
     from types import SimpleNamespace
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: GPU)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: name)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (9, 0))
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d=None: SimpleNamespace(
-        multi_processor_count=132, name=GPU, major=9, minor=0))
+        multi_processor_count=132, name=name, major=9, minor=0))
     monkeypatch.setattr(config_store, "_DEVICES", {})   # (the fake GPU's device query is forgotten after)
     monkeypatch.setattr(tuning, "_precompile", lambda tasks, jobs, device: 0)
 
