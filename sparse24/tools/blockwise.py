@@ -42,7 +42,8 @@ from ..hf import FORMAT_VERSION
 from ..masks import prune_layerwise_
 from ..masks.nm import _row_chunks
 from ..nn import Sparse24Linear, compressed_entries, quant_options
-from .checkpoint import check_shards, exclude_pattern, output_folder, partial_folder, quant_label
+from .checkpoint import check_shards, dense_row, exclude_pattern, output_folder, partial_folder, quant_label
+from .cli_common import exclude_filter, exclude_reason
 from .hf_folder import _finish_folder, _shards, _skeleton, prune_folder
 
 __all__ = ["prune_folder_blockwise", "CALIBRATED"]
@@ -198,7 +199,7 @@ def _check_entries(model: nn.Module, where: dict, headers: dict) -> None:
 def prune_folder_blockwise(src: str | os.PathLike, dst: str | os.PathLike, batches, method: str = "wanda",
                            quantize: str | None = None, min_features: int | None = None, exclude: str | None = None,
                            *, group_size: int | None = None, symmetric: bool | None = None,
-                           **method_kwargs) -> list[dict]:
+                           all_weights: bool = False, **method_kwargs) -> list[dict]:
     """2:4-prune the model of Hugging Face folder ``src`` into ``dst`` one decoder block at a time
     (see the module docstring), calibrated on ``batches``.
 
@@ -213,9 +214,12 @@ def prune_folder_blockwise(src: str | os.PathLike, dst: str | os.PathLike, batch
             :func:`sparse24.sparsify_`).
         min_features, exclude: as :func:`~sparse24.tools.hf_folder.prune_folder`; the output
             head stays dense.
+        all_weights: report every 2-D float weight stored in the checkpoint, not only the pruned ones
+            (the command line's summary: embedding table and output head listed as kept dense).
         **method_kwargs: for the method (``blocksize=``, ``percdamp=``, ``refit=``).
     Returns:
-        one report row per pruned weight (as :func:`~sparse24.tools.hf_folder.prune_folder`).
+        one report row per pruned weight (as :func:`~sparse24.tools.hf_folder.prune_folder`), and with
+        ``all_weights`` one per other 2-D float weight stored, in checkpoint order.
     Example:
         Not run as a test: needs a model folder and a token-id file on disk.
 
@@ -240,7 +244,7 @@ def prune_folder_blockwise(src: str | os.PathLike, dst: str | os.PathLike, batch
                          "model.embed_tokens, model.rotary_emb): block-by-block pruning supports those; prune it "
                          "in memory with sparse24.prune_layerwise_")
     plan = copy.deepcopy(model)  # which layers sparsify_ takes (meta: nothing computed)
-    sparsify_(plan, filter_fn=None if excl is None else (lambda m, fqn: not excl.search(fqn)), mode="compressed",
+    report = sparsify_(plan, filter_fn=exclude_filter(excl), mode="compressed",
               min_features=MIN_FEATURES if min_features is None else min_features, **quant)
     layers = {fqn: m for fqn, m in plan.named_modules() if isinstance(m, Sparse24Linear)}
     if not layers:
@@ -291,7 +295,30 @@ def prune_folder_blockwise(src: str | os.PathLike, dst: str | os.PathLike, batch
             _return_freed_memory()
         nbytes += _copy_rest(src, tmp, where, weight_map)
         _finish_folder(src, tmp, dst, shards, weight_map, config, plan, {"total_size": nbytes})
-    return rows
+    return _with_dense_rows(rows, headers, where, report, exclude) if all_weights else rows
+
+
+def _with_dense_rows(rows: list[dict], headers: dict, where: dict, report, exclude) -> list[dict]:
+    """The pruned layers' rows and, in checkpoint order, one row per other 2-D float weight stored (embedding
+    table, output head, layers left dense), as the other paths count the checkpoint's weights."""
+    from .checkpoint import is_weight_matrix
+    from .hf_folder import NOT_SWAPPED
+    from .prune_calibrated import _SAFETENSORS_DTYPES
+
+    pruned = {r["name"]: r for r in rows}
+    key_of = {key: name for name, (key, _) in where.items()}  # checkpoint key -> model state name
+    skipped = {r.fqn + ".weight": exclude_reason(r.reason, exclude) for r in report.skipped}
+    out = []
+    for key, (dtype, shape, _) in headers.items():
+        name = key_of.get(key, key)
+        if name in pruned:
+            out.append(pruned.pop(name))
+            continue
+        # (other dtypes, float8, ...: no weight matrix sparse24 prunes, so not counted as one)
+        t = torch.empty(tuple(shape), dtype=_SAFETENSORS_DTYPES.get(dtype, torch.uint8), device="meta")
+        if is_weight_matrix(key, t):
+            out.append(dense_row(key, t, skipped.get(name) or NOT_SWAPPED))
+    return out + list(pruned.values())
 
 
 def _layer_entries(name: str, r, layer: Sparse24Linear, dtype: torch.dtype, quant: dict) -> tuple[dict, dict]:

@@ -299,8 +299,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="--quantize int4: input columns per scale (default 128)")
     r.add_argument("--asymmetric", action="store_true", help="--quantize int4: a uint8 zero point per group too")
     r.add_argument("--min-features", type=int, help="skip weights with fewer rows or columns (default: as sparsify_)")
-    r.add_argument("--exclude", default=PRUNE_EXCLUDE, metavar="REGEX",
-                   help=f"leave matching weights dense (default {PRUNE_EXCLUDE!r}: embedding tables; '' for none)")
+    r.add_argument("--exclude", metavar="REGEX",
+                   help="leave dense the layers whose name or weight name (as the report lists it, e.g. "
+                        "model.layers.0.mlp.down_proj.weight) matches; a model folder: none by default (its "
+                        f"embedding tables are never pruned); a state dict file: default {PRUNE_EXCLUDE!r}, "
+                        "its embedding tables ('' for none)")
     from .prune_calibrated import add_calibration_arguments
     add_calibration_arguments(r)
     add_progress_argument(r)

@@ -136,3 +136,37 @@ def prune_quant(args) -> dict:
 def int4_args(quant: dict) -> dict:
     """The INT4 keywords of the prune functions (``group_size``, ``symmetric``), from :func:`prune_quant`."""
     return {k: quant[k] for k in ("group_size", "symmetric") if k in quant}
+
+
+def excluded(pattern, fqn: str) -> bool:
+    """Whether ``--exclude`` (a compiled pattern, or None) names layer ``fqn``: searched in the layer name and
+    in its weight's name (``fqn + ".weight"``, as the report lists it)."""
+    return pattern is not None and bool(pattern.search(fqn) or pattern.search(f"{fqn}.weight" if fqn else "weight"))
+
+
+def exclude_filter(pattern):
+    """``sparsify_``'s ``filter_fn`` for ``--exclude`` (None when no pattern is given)."""
+    return None if pattern is None else (lambda m, fqn: not excluded(pattern, fqn))
+
+
+EXCLUDED_BY = "excluded by filter_fn"  # sparsify_'s reason, which the command line words as --exclude
+
+
+def exclude_reason(reason: str, exclude) -> str:
+    """A ``sparsify_`` skip reason in the command line's words (it has no filter_fn, only --exclude)."""
+    return f"name matches --exclude {exclude!r}" if reason == EXCLUDED_BY else reason
+
+
+def check_out_writable(out: Path) -> None:
+    """Refuse an ``--out`` that cannot be written before any work (CLIError naming it): the nearest
+    existing folder above it must be a writable folder (checked by creating and removing a probe there)."""
+    import tempfile
+    parent = next(a for a in out.absolute().parents if a.exists())
+    if not parent.is_dir():  # checked before the work, and before creating any folder
+        raise CLIError(f"--out {out}: {parent} is a file, not a folder")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise CLIError(f"--out {out}: cannot write in {parent} (permission denied)")
+    try:
+        tempfile.TemporaryDirectory(dir=parent, prefix=".sparse24-probe-").cleanup()
+    except OSError as e:
+        raise CLIError(f"--out {out}: cannot write in {parent} ({e.strerror or _one_line(e)})") from None

@@ -6,12 +6,16 @@ folder gets exactly the layers, skips (output head, tied weights, ...) and
 ``Conv1D`` orientation that ``sparsify_`` gives the loaded model. Then every
 weights shard is read, pruned and written one at a time (peak memory: about one
 shard in and one out). The new folder has the same shard layout, a
-``config.json`` with the sparse24 section, and every other file copied;
+``config.json`` with the sparse24 section, and every other file and subfolder copied (a
+sentence-transformers ``1_Pooling/``), except the dense weights in other formats
+(``pytorch_model*.bin``, ``tf_model*.h5``, ``flax_model*.msgpack``, ``*.ot``), which would hold the
+dense model again beside the pruned one;
 :func:`sparse24.from_pretrained` (or any ``from_pretrained`` once sparse24 is
 registered) loads it.
 """
 from __future__ import annotations
 
+import fnmatch
 import json
 import os
 import shutil
@@ -26,11 +30,35 @@ from ..nn import Sparse24Linear, is_conv1d_class
 from .._progress import progress_bar
 from .checkpoint import (check_shards, dense_row, exclude_pattern, is_model_folder, is_weight_matrix, output_folder,
                          partial_folder, quant_label)
-from .cli_common import CLIError
+from .cli_common import CLIError, exclude_filter, exclude_reason
 
-__all__ = ["is_model_folder", "prune_folder", "WEIGHT_FILES"]
+__all__ = ["is_model_folder", "prune_folder", "WEIGHT_FILES", "OTHER_WEIGHTS", "other_weight_files", "copy_rest"]
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
+# The dense weights in the other formats a Hub folder may carry beside model.safetensors: not copied.
+OTHER_WEIGHTS = ("pytorch_model*.bin", "pytorch_model*.bin.index.json", "tf_model*.h5", "tf_model*.h5.index.json",
+                 "flax_model*.msgpack", "flax_model*.msgpack.index.json", "*.ot")
+
+
+def other_weight_files(src: Path) -> list[str]:
+    """The files of ``src`` holding its weights in other formats than safetensors (left out of the output)."""
+    return sorted(f.name for f in Path(src).iterdir()
+                  if f.is_file() and any(fnmatch.fnmatch(f.name, pat) for pat in OTHER_WEIGHTS))
+
+
+def copy_rest(src: Path, tmp: Path, skip) -> None:
+    """Copy every file and subfolder of ``src`` into ``tmp`` (tokenizer, generation config, README, a
+    sentence-transformers ``1_Pooling/``, ...) but the names in ``skip``, those already in ``tmp``, the
+    other-format weight files, and ``tmp`` itself or the output beside it (an --out inside ``src``)."""
+    other = set(other_weight_files(src))
+    ours = {tmp.absolute(), tmp.absolute().parent / tmp.name[1:].rsplit(".", 2)[0]}  # (.NAME.PID.partial)
+    for item in src.iterdir():
+        if item.name in skip or item.name in other or (tmp / item.name).exists() or item.absolute() in ours:
+            continue
+        if item.is_dir():
+            shutil.copytree(item, tmp / item.name, symlinks=True)
+        elif item.is_file():
+            shutil.copy2(item, tmp / item.name)
 NOT_SWAPPED = "not the weight of a layer sparsify_ prunes (an embedding table, or not a Linear)"
 
 
@@ -84,7 +112,8 @@ def prune_folder(src: str | os.PathLike, dst: str | os.PathLike, method: str = "
         quantize: ``None``, ``"int8"`` or ``"int4"`` (``group_size``, ``symmetric``: as for
             :func:`sparse24.sparsify_`).
         min_features: as :func:`sparse24.sparsify_` (default its ``MIN_FEATURES``).
-        exclude: regular expression; matching layer names stay dense.
+        exclude: regular expression; layers whose name (or weight name, ``<name>.weight``) it
+            matches stay dense (default None: none).
         prune_head: prune the output head too (``skip_output_head=False``).
         progress: a tqdm bar over the shards (default None: when stderr is a terminal).
     Returns:
@@ -103,7 +132,7 @@ def prune_folder(src: str | os.PathLike, dst: str | os.PathLike, method: str = "
     excl = exclude_pattern(exclude)
     shards, index = _shards(src)
     config, model = _skeleton(src, check_shards(src, shards))
-    report = sparsify_(model, filter_fn=None if excl is None else (lambda m, fqn: not excl.search(fqn)),
+    report = sparsify_(model, filter_fn=exclude_filter(excl),
                        mode="compressed", method=method, quantize=quantize, group_size=group_size,
                        symmetric=symmetric,
                        min_features=MIN_FEATURES if min_features is None else min_features,
@@ -114,7 +143,7 @@ def prune_folder(src: str | os.PathLike, dst: str | os.PathLike, method: str = "
         raise CLIError(f"{src}: no layer to prune (see --min-features / --exclude)", 1)
     prefix = f"{model.base_model_prefix}." if model.base_model_prefix else ""
     rows, done = [], set()
-    skipped = {r.fqn + ".weight": r.reason for r in report.skipped}
+    skipped = {r.fqn + ".weight": exclude_reason(r.reason, exclude) for r in report.skipped}
     with partial_folder(dst) as tmp:
         weight_map = {}
         for shard in progress_bar(shards, desc="prune", progress=progress, unit="shard"):
@@ -159,9 +188,7 @@ def _finish_folder(src: Path, tmp: Path, dst: Path, shards, weight_map: dict, co
     if metadata is not None:
         (tmp / "model.safetensors.index.json").write_text(json.dumps(
             {"metadata": metadata, "weight_map": dict(sorted(weight_map.items()))}, indent=2))
-    for item in src.iterdir():  # tokenizer, generation config, README, ...
-        if item.name not in (*WEIGHT_FILES, "config.json", *shards) and item.is_file():
-            shutil.copy2(item, tmp / item.name)
+    copy_rest(src, tmp, (*WEIGHT_FILES, "config.json", *shards))
     config.quantization_config = sparsity_config(model)
     config.save_pretrained(tmp)
     if dst.exists():

@@ -13,13 +13,15 @@ import torch
 from .._progress import progress_bar
 from .checkpoint import (LAYER_ENTRIES, CheckpointError, dense_row, exclude_pattern, is_model_folder, is_weight_matrix, load_torch_file,
                          quant_label)
-from .cli_common import CLIError, _one_line, _prog, int4_args, prune_quant
+from .cli_common import CLIError, _one_line, _prog, check_out_writable, excluded, int4_args, prune_quant
 
 __all__ = ["prune_state_dict", "PRUNE_EXCLUDE", "cmd_prune", "add_blockwise_args"]
 
 # A raw state dict does not say which 2-D weights are embedding tables; these
 # names (GPT-2's wte/wpe, *embed*, *emb*) are, and pruning a lookup table 2:4
-# is not what a user asking to prune a checkpoint's linear layers wants.
+# is not what a user asking to prune a checkpoint's linear layers wants. (The
+# default of --exclude for a state dict file only: a model folder knows its
+# nn.Embedding tables, which sparsify_ never prunes.)
 PRUNE_EXCLUDE = r"emb|wte|wpe"
 
 
@@ -119,7 +121,9 @@ def prune_state_dict(sd: dict, method: str = "magnitude", quantize: str | None =
             ``"2d_greedy"``, ``"2d_optimal"``).
         quantize: ``None``, ``"int8"`` or ``"int4"``.
         min_features: default ``sparse24.api.MIN_FEATURES`` (the same rule as ``sparsify_``).
-        exclude: regular expression; matching weight names are left dense.
+        exclude: regular expression; a weight whose layer name or weight name (``<prefix>.weight``)
+            it matches is left dense (default ``PRUNE_EXCLUDE``: the embedding tables; the largest
+            of them gives the vocabulary, which finds the output head).
         prune_head: prune the output head too.
         progress: a tqdm bar over the entries (default None: when stderr is a terminal).
         group_size, symmetric: ``quantize="int4"`` only, as for :func:`sparse24.compress_`.
@@ -154,13 +158,18 @@ def prune_state_dict(sd: dict, method: str = "magnitude", quantize: str | None =
     storages: dict[int, list[str]] = {}
     for k in plain:
         storages.setdefault(sd[k].untyped_storage().data_ptr(), []).append(k)
-    # The output head: as many rows as the vocabulary (the largest excluded 2-D weight, an embedding table), and
-    # named like a head or the last 2-D weight (an MLP layer as wide as a small test vocabulary is no head).
-    vocab = max((sd[k].shape[0] for k in plain if excl is not None and sd[k].dim() == 2
-                 and k.endswith("weight") and excl.search(k[:-len("weight")].rstrip("."))), default=None)
-    last = [k for k in plain if k.endswith("weight") and sd[k].dim() == 2][-1:]
-    heads = {k for k in plain if vocab is not None and sd[k].dim() == 2 and sd[k].shape[0] == vocab
-             and (re.search(r"(^|\.)(lm_head|head|output)\.weight$", k) or [k] == last)}
+    # The output head, chosen as sparsify_ chooses it (api.walk._output_heads). A raw state dict names no
+    # nn.Embedding: the input embedding is the largest 2-D weight named like one (PRUNE_EXCLUDE), else the
+    # largest one --exclude names; among the other 2-D weights with as many rows as its vocabulary, the one
+    # sharing its storage (tied), else the last in the state dict.
+    mats = [k for k in plain if is_weight_matrix(k, sd[k])]
+    named = re.compile(PRUNE_EXCLUDE, re.IGNORECASE)
+    tables = ([k for k in mats if excluded(named, k[:-len("weight")].rstrip("."))]
+              or [k for k in mats if excluded(excl, k[:-len("weight")].rstrip("."))])
+    emb = max(tables, key=lambda k: sd[k].shape[0], default=None)
+    wide = [k for k in mats if emb is not None and k not in tables and sd[k].shape[0] == sd[emb].shape[0]]
+    ptr = None if emb is None else sd[emb].untyped_storage().data_ptr()
+    heads = set(([k for k in wide if sd[k].untyped_storage().data_ptr() == ptr] or wide)[-1:])
     out, report = {}, []
     for key, t in progress_bar(sd.items(), desc="prune", progress=progress, unit="tensor"):
         if not is_weight_matrix(key, t) or key not in plain:
@@ -177,13 +186,13 @@ def prune_state_dict(sd: dict, method: str = "magnitude", quantize: str | None =
             row["reason"] = f"in-features {C} not divisible by 4"
         elif min(R, C) < min_features:
             row["reason"] = f"smaller than min_features={min_features}: too small to gain"
-        elif excl is not None and excl.search(prefix.rstrip(".")):
+        elif excluded(excl, prefix.rstrip(".")):
             row["reason"] = f"name matches --exclude {exclude!r} (an embedding table?)"
         elif tied:
             row["reason"] = f"storage shared with {', '.join(tied)} (tied weights): pruning would prune those too"
         elif not prune_head and key in heads:
-            row["reason"] = (f"output head ({R} rows = the embedding table's vocabulary): kept dense as LLM pruning "
-                             "does; --prune-head prunes it")
+            row["reason"] = (f"output head ({R} rows = the vocabulary of {emb[:-len('.weight')] or emb}): kept "
+                             "dense as LLM pruning does; --prune-head prunes it")
         if row["reason"]:
             out[key] = t
             report.append(row)
@@ -207,10 +216,42 @@ def _check_prune_out(args) -> Path:
     if Path(args.out).resolve() == Path(args.checkpoint).resolve():
         raise CLIError("--out must differ from the input checkpoint (it would be overwritten)")
     out = Path(args.out)
-    parent = next(a for a in out.absolute().parents if a.exists())
-    if not parent.is_dir():  # checked before the work, and before creating any folder
-        raise CLIError(f"--out {out}: {parent} is a file, not a folder")
+    check_out_writable(out)  # before the work (calibration can take an hour), and before creating any folder
     return out
+
+
+def _writing(out: Path, only: bool = False):
+    """Turn an OSError writing ``out`` (or its temporary names beside it; any OSError when ``only``: the
+    block does nothing else) into a one-line error naming --out."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def guard():
+        try:
+            yield
+        except OSError as e:
+            name = str(Path(e.filename).absolute()) if e.filename else ""
+            here = str(out.absolute())
+            if only or name and (name.startswith(here) or Path(name).parent == out.absolute().parent
+                         and Path(name).name.startswith((f".{out.name}.", f".{out.stem}.")) or Path(here).is_relative_to(name)):
+                raise CLIError(f"--out {out}: cannot write it ({e.strerror or _one_line(e)})") from None
+            raise
+    return guard()
+
+
+def _load_hint(report: list[dict], quant: dict, min_features: int | None, out: Path) -> str:
+    """The exact ``sparsify_`` call whose model loads the state dict written: the layers kept dense are named
+    (sparsify_ would prune some of them: --exclude, its own head rule), ``min_features`` when given."""
+    dense = [r["name"][:-len(".weight")] if r["name"] != "weight" else "" for r in report
+             if r["action"] == "kept dense"]
+    call = "sparse24.sparsify_(model, mode='compressed'" + "".join(f", {k}={v!r}" for k, v in quant.items())
+    if min_features is not None:
+        call += f", min_features={min_features}"
+    if dense:
+        call += f", filter_fn=lambda m, name: name not in {sorted(dense)!r}"
+    call += ", skip_output_head=False"  # the head this command chose is among those named
+    return (f"  load it with: {call}); model.load_state_dict("
+            + ("safetensors.torch.load_file(...))" if out.suffix == ".safetensors" else "torch.load(...))"))
 
 
 def _save_state_dict(sd: dict, path: Path) -> None:
@@ -267,22 +308,29 @@ def cmd_prune(args) -> int:
     if odd is not None:
         raise CLIError(f"--out {out}: safetensors stores dense tensors only, and {odd!r} is a "
                        f"{str(sd[odd].layout).removeprefix('torch.')} tensor; write a .pt file")
-    new, report = prune_state_dict(sd, args.method, args.quantize, args.min_features, args.exclude, args.prune_head,
+    exclude = PRUNE_EXCLUDE if args.exclude is None else args.exclude  # (a file names no embedding table)
+    new, report = prune_state_dict(sd, args.method, args.quantize, args.min_features, exclude, args.prune_head,
                                    args.progress, **int4_args(quant))
     if not any(r["action"] != "kept dense" for r in report):
         raise CLIError(f"{args.checkpoint}: no weight could be pruned ({len(report)} 2-D float weight(s), "
                        "none eligible" + (f"; first: {report[0]['name']}: {report[0]['reason']}" if report else "")
                        + "); see --min-features / --exclude", 1)
     from .bench import make_parent, write_together
-    make_parent(out)
-    write_together({out: lambda p: _save_state_dict(new, p)})  # a failed write leaves an existing file whole
+    made = [p for p in out.absolute().parents if not p.exists()]  # nearest first: removed again on failure
+    try:
+        with _writing(out, only=True):
+            make_parent(out)
+            write_together({out: lambda p: _save_state_dict(new, p)})  # a failed write leaves an existing file whole
+    except BaseException:
+        for d in made:
+            try:
+                d.rmdir()
+            except OSError:
+                break
+        raise
     _print_prune_table(f"{_prog()} prune {args.checkpoint}" + (f" (state dict under '{wrapper}')" if wrapper else "")
                        + settings, report, out, src.stat().st_size)
-    print("  load it with: sparse24.sparsify_(model, mode='compressed'"
-          + "".join(f", {k}={v!r}" for k, v in quant.items()) + (", skip_output_head=False"
-                                                                          if args.prune_head else "")
-          + "); model.load_state_dict("
-          + ("safetensors.torch.load_file(...))" if out.suffix == ".safetensors" else "torch.load(...))"))
+    print(_load_hint(report, quant, args.min_features, out))
     return 0
 
 
@@ -291,10 +339,21 @@ def _prune_folder(args, src: Path, out: Path, settings: str) -> int:
     if importlib.util.find_spec("transformers") is None or importlib.util.find_spec("safetensors") is None:
         raise CLIError("pruning a model folder needs transformers and safetensors: pip install 'sparse24[hf]'", 1)
     from .hf_folder import prune_folder
-    report = prune_folder(src, out, args.method, args.quantize, args.min_features, args.exclude, args.prune_head,
-                          args.progress, **int4_args(prune_quant(args)))
+    with _writing(out):
+        report = prune_folder(src, out, args.method, args.quantize, args.min_features, args.exclude, args.prune_head,
+                              args.progress, **int4_args(prune_quant(args)))
     size_in = sum(f.stat().st_size for f in src.rglob("*") if f.is_file())
     _print_prune_table(f"{_prog()} prune {src} (Hugging Face folder){settings}", report, out, size_in)
+    _print_folder_tail(src, out)
+    return 0
+
+
+def _print_folder_tail(src: Path, out: Path) -> None:
+    """The last lines for a folder: the other-format weight files left out, and how to load the result."""
+    from .hf_folder import other_weight_files
+    other = other_weight_files(src)
+    if other:
+        print(f"  not copied (the dense weights in other formats): {', '.join(other)}")
     print(f"  load it with: sparse24.from_pretrained(<model class>, {str(out)!r})")
     return 0
 
@@ -305,10 +364,11 @@ def _prune_calibrated(args, src: Path, out: Path, settings: str) -> int:
     if importlib.util.find_spec("transformers") is None or importlib.util.find_spec("safetensors") is None:
         raise CLIError("pruning a model folder needs transformers and safetensors: pip install 'sparse24[hf]'", 1)
     from .prune_calibrated import prune_folder_calibrated
-    report, note = prune_folder_calibrated(src, out, args)
+    with _writing(out):
+        report, note = prune_folder_calibrated(src, out, args)
     size_in = sum(f.stat().st_size for f in src.rglob("*") if f.is_file())
     _print_prune_table(f"{_prog()} prune {src} (Hugging Face folder){settings}; {note}", report, out, size_in)
-    print(f"  load it with: sparse24.from_pretrained(<model class>, {str(out)!r})")
+    _print_folder_tail(src, out)
     return 0
 
 
@@ -318,7 +378,7 @@ def add_blockwise_args(parser) -> None:
                         help="torch file holding an (N, L) int64 tensor of token ids: prune a Hugging Face folder "
                              "one decoder block at a time on them (--method wanda or sparsegpt; a model larger "
                              "than memory)")
-    parser.add_argument("--batch-size", type=int, default=1, help="calibration sequences per forward (default 1)")
+    parser.add_argument("--batch-size", type=int, help="calibration sequences per forward (default 1)")
 
 
 def _prune_blockwise(args, src: Path, out: Path, settings: str) -> int:
@@ -329,6 +389,12 @@ def _prune_blockwise(args, src: Path, out: Path, settings: str) -> int:
     if args.calibration is not None or args.permute or args.noise is not None or args.noise_p is not None:
         raise CLIError("--calibration-ids prunes block by block on token ids: give it without --calibration, "
                        "--permute and --noise (those are the in-memory calibrated path)")
+    unread = [f"--{k.replace('_', '-')}" for k in ("samples", "seq_len", "permute_iters")
+              if getattr(args, k, None) is not None]
+    if unread:
+        raise CLIError(f"--calibration-ids prunes block by block on token ids: give it without {', '.join(unread)} "
+                       "(options of the in-memory calibrated path)")
+    args.batch_size = 1 if args.batch_size is None else args.batch_size
     if args.prune_head:   # (it was ignored: only the decoder blocks' layers are pruned on this path)
         raise CLIError("--calibration-ids prunes the decoder blocks' layers only: the output head stays dense; "
                        "give it without --prune-head")
@@ -346,12 +412,14 @@ def _prune_blockwise(args, src: Path, out: Path, settings: str) -> int:
         raise CLIError(f"--calibration-ids {args.calibration_ids}: expected an (N, L) int64 tensor of token ids")
     from .blockwise import prune_folder_blockwise
     try:
-        report = prune_folder_blockwise(src, out, list(ids.split(args.batch_size)), args.method, args.quantize,
-                                        args.min_features, args.exclude, **int4_args(prune_quant(args)))
+        with _writing(out):
+            report = prune_folder_blockwise(src, out, list(ids.split(args.batch_size)), args.method, args.quantize,
+                                            args.min_features, args.exclude, **int4_args(prune_quant(args)),
+                                            all_weights=True)
     except (ValueError, TypeError) as e:
         raise CLIError(f"{src}: {_one_line(e)}") from None
     size_in = sum(f.stat().st_size for f in src.rglob("*") if f.is_file())
     _print_prune_table(f"{_prog()} prune {src} (Hugging Face folder, block by block on {ids.shape[0]} x "
                        f"{ids.shape[1]} tokens){settings}", report, out, size_in)
-    print(f"  load it with: sparse24.from_pretrained(<model class>, {str(out)!r})")
+    _print_folder_tail(src, out)
     return 0

@@ -28,7 +28,8 @@ library runs exactly what a user would write in Python (:func:`prune_calibrated`
 The layers are those ``sparsify_`` picks (output head dense unless
 ``--prune-head``, ``--exclude``, ``--min-features``), planned on a meta-device
 copy as for magnitude pruning. The new folder is ``save_pretrained``'s, with the
-tokenizer and every other file copied; ``sparse24.from_pretrained`` loads it.
+tokenizer and every other file and subfolder copied (not the dense weights in other formats:
+:func:`sparse24.tools.hf_folder.copy_rest`); ``sparse24.from_pretrained`` loads it.
 """
 from __future__ import annotations
 
@@ -36,7 +37,6 @@ import contextlib
 import copy
 import inspect
 import os
-import shutil
 from pathlib import Path
 
 import torch
@@ -49,7 +49,7 @@ from ..nn import Sparse24Linear, is_conv1d_class
 from .._progress import progress_enabled
 from .checkpoint import (LAYER_ENTRIES, check_shards, dense_row, exclude_pattern, is_model_folder, is_weight_matrix,
                          output_folder, partial_folder, quant_label)
-from .cli_common import CLIError, _one_line, int4_args, prune_quant
+from .cli_common import CLIError, _one_line, exclude_filter, exclude_reason, int4_args, prune_quant
 
 __all__ = ["CALIBRATED", "read_samples", "tokenize_samples", "prune_calibrated", "prune_folder_calibrated",
            "add_calibration_arguments", "check_calibration_arguments"]
@@ -62,14 +62,16 @@ LAYERWISE_NOISE, NOISE_P = 2, 0.3
 
 
 def read_samples(path: str | os.PathLike, samples: int) -> list[str]:
-    """The first ``samples`` calibration texts of ``path``: its non-empty lines (a file)
+    """The first ``samples`` calibration texts of ``path``: its non-empty lines (a file; split at ``\\n`` only,
+    ``\\r\\n`` counting as one)
     or the text of each file (a folder, in name order; empty files skipped)."""
     p = Path(path)
     if p.is_dir():
         files = sorted(f for f in p.iterdir() if f.is_file() and not f.name.startswith("."))
         texts = [t for t in (_read_text(f) for f in files) if t.strip()]
     elif p.is_file():
-        texts = [line for line in _read_text(p).splitlines() if line.strip()]
+        # "\n" only: str.splitlines() also splits at form feeds, \x1c-\x1e, \x85, U+2028/9 inside a line
+        texts = [line for line in _read_text(p).replace("\r\n", "\n").split("\n") if line.strip()]
     else:
         raise CLIError(f"--calibration {path}: no such file or folder")
     if not texts:
@@ -162,8 +164,8 @@ def add_calibration_arguments(p) -> None:
     p.add_argument("--calibration", metavar="TEXT", help="calibration text for --method wanda|sparsegpt|layerwise: "
                    "a file (one sample per line) or a folder (one sample per file), tokenized with the model "
                    "folder's own tokenizer")
-    p.add_argument("--samples", type=int, default=128, help="calibration samples used (the first N; default 128)")
-    p.add_argument("--seq-len", type=int, default=512, help="tokens per sample at most (default 512)")
+    p.add_argument("--samples", type=int, help="calibration samples used (the first N; default 128)")
+    p.add_argument("--seq-len", type=int, help="tokens per sample at most (default 512)")
     p.add_argument("--noise", type=int, metavar="COPIES", help="noisy copies of each sample added to the calibration "
                    "(sparse24.token_noise: tokens replaced by random vocabulary tokens; default "
                    f"{LAYERWISE_NOISE} for layerwise, 0 for wanda and sparsegpt)")
@@ -171,7 +173,7 @@ def add_calibration_arguments(p) -> None:
                    help=f"probability that a token of a noisy copy is replaced (default {NOISE_P})")
     p.add_argument("--permute", action="store_true", help="search channel permutations first (proved exact on the "
                    "longest sample; calibrated methods only)")
-    p.add_argument("--permute-iters", type=int, default=PERMUTE_ITERS,
+    p.add_argument("--permute-iters", type=int,
                    help=f"search steps per permutation group (default {PERMUTE_ITERS})")
 
 
@@ -182,11 +184,20 @@ def noise_copies(args) -> int:
     return LAYERWISE_NOISE if args.method == "layerwise" else 0
 
 
+# The options only the in-memory calibrated path reads (None when not given), and their defaults.
+CALIBRATION_DEFAULTS = {"samples": 128, "seq_len": 512, "permute_iters": PERMUTE_ITERS}
+
+
 def check_calibration_arguments(args, src: Path) -> None:
-    """Refuse what cannot work before anything is read (exit 2)."""
+    """Refuse what cannot work, or would be ignored, before anything is read (exit 2); fill in the
+    defaults of the calibrated path's options."""
+    if getattr(args, "batch_size", None) is not None:
+        raise CLIError("--batch-size is for block-by-block pruning (--calibration-ids), which this is not")
     if args.method not in CALIBRATED:
         for flag, given in (("--calibration", args.calibration is not None), ("--permute", args.permute),
-                            ("--noise", args.noise is not None), ("--noise-p", args.noise_p is not None)):
+                            ("--noise", args.noise is not None), ("--noise-p", args.noise_p is not None),
+                            *((f"--{k.replace('_', '-')}", getattr(args, k) is not None)
+                              for k in CALIBRATION_DEFAULTS)):
             if given:
                 raise CLIError(f"{flag} is for the calibrated methods ({', '.join(CALIBRATED)}), not --method "
                                f"{args.method}")
@@ -199,6 +210,9 @@ def check_calibration_arguments(args, src: Path) -> None:
     if args.calibration is None:
         raise CLIError(f"--method {args.method} needs --calibration TEXT (a file with one sample per line, or a "
                        "folder with one sample per file)")
+    for k, v in CALIBRATION_DEFAULTS.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
     for flag, v in (("--samples", args.samples), ("--seq-len", args.seq_len), ("--permute-iters", args.permute_iters)):
         if v < 1:
             raise CLIError(f"{flag} must be >= 1, got {v}")
@@ -216,7 +230,7 @@ def prune_folder_calibrated(src: Path, dst: Path, args) -> tuple[list[dict], str
     the calibration data."""
     from transformers import AutoTokenizer
 
-    from .hf_folder import NOT_SWAPPED, WEIGHT_FILES, _shards, _skeleton
+    from .hf_folder import NOT_SWAPPED, WEIGHT_FILES, _shards, _skeleton, copy_rest
 
     try:
         dst = output_folder(dst)
@@ -226,7 +240,8 @@ def prune_folder_calibrated(src: Path, dst: Path, args) -> tuple[list[dict], str
     texts = read_samples(args.calibration, args.samples)
     excl = exclude_pattern(args.exclude)
     shards, _ = _shards(src)
-    config, skeleton = _skeleton(src, check_shards(src, shards))
+    headers = check_shards(src, shards)
+    config, skeleton = _skeleton(src, headers)
     try:
         tokenizer = AutoTokenizer.from_pretrained(src)
     except Exception as e:  # transformers raises OSError, ValueError or its own types for a missing tokenizer
@@ -234,7 +249,7 @@ def prune_folder_calibrated(src: Path, dst: Path, args) -> tuple[list[dict], str
                        "calibration text is tokenized with the model's own: save it into the folder "
                        "(tokenizer.save_pretrained)") from None
     min_features = MIN_FEATURES if args.min_features is None else args.min_features
-    plan = sparsify_(skeleton, filter_fn=None if excl is None else (lambda m, fqn: not excl.search(fqn)),
+    plan = sparsify_(skeleton, filter_fn=exclude_filter(excl),
                      mode="compressed", min_features=min_features, skip_output_head=not args.prune_head)
     planned = {fqn: m for fqn, m in skeleton.named_modules() if isinstance(m, Sparse24Linear)}
     conv = [fqn for fqn, m in planned.items() if is_conv1d_class(m._dense_cls)]
@@ -243,27 +258,41 @@ def prune_folder_calibrated(src: Path, dst: Path, args) -> tuple[list[dict], str
                        f"transformers Conv1D layers ({conv[0]}, ...): prune it with --method magnitude")
     if not planned:
         raise CLIError(f"{src}: no layer to prune (see --min-features / --exclude)", 1)
-    with _transformers_bars(progress_enabled(args.progress)):
-        model = type(skeleton).from_pretrained(src).eval()
+    # from_pretrained would give a layer missing from the checkpoint transformers' random init, pruned and
+    # written as the model's: refused, as the magnitude path refuses it (from the shard headers, before loading)
+    prefix = f"{skeleton.base_model_prefix}." if skeleton.base_model_prefix else ""
+    missing = [f"{fqn}.weight" for fqn in planned
+               if f"{fqn}.weight" not in headers and not (fqn.startswith(prefix) and prefix
+                                                          and f"{fqn[len(prefix):]}.weight" in headers)]
+    if missing:
+        raise CLIError(f"the checkpoint has no weight for layer(s) {', '.join(m[:-7] for m in missing[:5])}"
+                       + (" ..." if len(missing) > 5 else "") + f" of {type(skeleton).__name__}")
     # no longer than the model's positions (a longer sample would fail inside its embedding lookup)
     seq_len = min(args.seq_len, getattr(config, "max_position_embeddings", None) or args.seq_len)
-    batches = tokenize_samples(tokenizer, model, texts, seq_len)
+    batches = tokenize_samples(tokenizer, skeleton, texts, seq_len)  # (the forward's signature only)
+    # a tokenizer may have more entries than the model's embedding rows: its text must not use them, and the
+    # noisy copies draw their replacement tokens from the rows only
+    rows = getattr(skeleton.get_input_embeddings(), "num_embeddings", None) or len(tokenizer)
+    top = max(int(b["input_ids"].max()) for b in batches)
+    if top >= rows:
+        raise CLIError(f"--calibration: the folder's tokenizer gives token id {top}, but the model's input "
+                       f"embedding has {rows} rows: the tokenizer does not belong to this model")
+    with _transformers_bars(progress_enabled(args.progress)):
+        model = type(skeleton).from_pretrained(src).eval()
     copies, p = noise_copies(args), NOISE_P if args.noise_p is None else args.noise_p
-    calib = token_noise(batches, copies, p, vocab=len(tokenizer), keep=tokenizer.all_special_ids)
+    calib = token_noise(batches, copies, p, vocab=min(len(tokenizer), rows), keep=tokenizer.all_special_ids)
     kept, groups = prune_calibrated(model, calib, args.method, set(planned), args.permute,
                             getattr(config, "num_attention_heads", None), args.quantize, args.prune_head,
                             min_features, args.permute_iters, args.progress, **int4_args(quant))
     with partial_folder(dst) as tmp:
         with _transformers_bars(progress_enabled(args.progress)):
             model.save_pretrained(tmp)
-        for item in src.iterdir():  # tokenizer, generation config, README, ... (what save_pretrained did not write)
-            if item.is_file() and item.name not in (*WEIGHT_FILES, "config.json", *shards) \
-                    and not (tmp / item.name).exists():
-                shutil.copy2(item, tmp / item.name)
+        # tokenizer, generation config, README, subfolders, ... (what save_pretrained did not write)
+        copy_rest(src, tmp, (*WEIGHT_FILES, "config.json", *shards))
         if dst.exists():
             dst.rmdir()
         os.replace(tmp, dst)
-    skipped = {r.fqn + ".weight": r.reason for r in plan.skipped}
+    skipped = {r.fqn + ".weight": exclude_reason(r.reason, args.exclude) for r in plan.skipped}
     state = model.state_dict()
     prefix = f"{model.base_model_prefix}." if model.base_model_prefix else ""
     rows = []
