@@ -14,7 +14,9 @@ import argparse
 import math
 import os
 import re
+import signal
 import sys
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -332,10 +334,35 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+class _Terminated(BaseException):
+    """SIGTERM (a batch scheduler's time limit, ``kill``) raised as an exception: the ``finally``
+    blocks run, so a prune stopped part way leaves no ``.NAME.PID.partial`` folder."""
+
+
+def _on_sigterm(signum, frame):
+    raise _Terminated
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Run the command line; returns the exit status (0 on success)."""
+    """Run the command line; returns the exit status (0 on success; 130 after Ctrl-C, 143 after
+    SIGTERM, each with its partial output removed)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     cmd = next((a for a in argv if not a.startswith("-")), "")
+    # only where nobody else handles SIGTERM (an embedding program may), and signals can be handled here
+    previous = None
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+        previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        return _main(argv, cmd)
+    except _Terminated:
+        print(f"sparse24 {cmd}: terminated", file=sys.stderr)
+        return 143
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _main(argv: list[str], cmd: str) -> int:
     try:
         if cmd == "autotune":
             return _cmd_autotune(argv[argv.index("autotune") + 1:])

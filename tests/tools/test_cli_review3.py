@@ -309,3 +309,27 @@ def test_options_a_path_does_not_read_are_refused(capsys, tmp_path):
         assert rc == 2, (argv, err)
         assert_one_line_error(err, needle)
     assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+def test_sigterm_during_a_folder_prune_leaves_no_partial_folder(tmp_path, monkeypatch):
+    """A batch scheduler's time limit sends SIGTERM: the hidden .NAME.PID.partial folder stayed behind.
+    SIGTERM now unwinds like Ctrl-C (exit 143) where no other handler is installed, and the handler
+    is put back after."""
+    import os
+    import signal
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from sparse24.tools import hf_folder
+    from sparse24.tools.cli import main
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                 num_attention_heads=4, num_key_value_heads=2)).save_pretrained(tmp_path / "dense")
+    monkeypatch.setattr(hf_folder, "copy_rest", lambda *a, **k: os.kill(os.getpid(), signal.SIGTERM))
+    before = signal.signal(signal.SIGTERM, signal.SIG_DFL)   # (as in a plain `python -m sparse24`)
+    try:
+        assert main(["prune", str(tmp_path / "dense"), "--out", str(tmp_path / "out")]) == 143
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dense"]
