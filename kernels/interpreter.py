@@ -35,6 +35,7 @@ floor in pyproject.toml.
 """
 import importlib
 import sys
+import threading
 
 import numpy as np
 import triton
@@ -249,6 +250,11 @@ def _call_interpreted(jit_fn, *args, **kwargs):
             helper_globals.pop(name, None)
 
 
+# Held for a whole interpreted launch: each patches Triton's module state and restores its snapshot, so a
+# thread snapshotting while another's patches are in place would restore those for good (found by review).
+_PATCHING = threading.RLock()
+
+
 class InterpretedKernel:
     """``kernel[grid](*args)`` for CPU tensors through Triton's interpreter.
 
@@ -263,6 +269,10 @@ class InterpretedKernel:
 
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
+            with _PATCHING:   # one launch at a time: a thread's snapshot must not catch another's patches
+                return _launch(args, kwargs)
+
+        def _launch(args, kwargs):
             snapshot = _snapshot()
             JITFunction.__call__ = _call_interpreted
             undo_index_fix = _scalar_index_fix()

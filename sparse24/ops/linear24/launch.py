@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 import warnings
 
 import torch
@@ -482,6 +483,10 @@ def decode_workspace(device, N: int, config: KernelConfig, split_k: int, bucket:
 
 _DENSE_SCRATCH: dict = {}
 _SCRATCH_VIEWS: dict = {}
+# Held from a call's unpack launch through the matmul that reads the scratch (op.unpack_linear): threads
+# sharing a stream then queue each call's two launches together (another thread's unpack queued in between
+# overwrote the scratch before the first one's matmul read it: a wrong product, found by review).
+SCRATCH_LOCK = threading.Lock()
 _GRAPHED: set = set()   # devices whose current dense scratch a CUDA graph capture has written
 _RETIRED: list = []     # outgrown buffers a captured CUDA graph may still write: kept to release_workspaces()
 
@@ -505,7 +510,8 @@ def unpack_dense(values: torch.Tensor, meta: torch.Tensor, scale: torch.Tensor |
     Returns:
         ``(R, C)`` tensor of ``dtype`` (``(C, R)`` with ``transpose``), a view of the scratch: valid
         until the next call on this device (stream order: the matmul that reads it runs before the
-        next unpack writes it).
+        next unpack writes it; callers in several threads hold :data:`SCRATCH_LOCK` from this call
+        through their matmul's launch; threads on different streams are not supported, as for split-K).
     """
     R, C = shape
     if group_size:   # the kernel reads INT4 codes as 32-bit words (16-bit values: Triton specializes)

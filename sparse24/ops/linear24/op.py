@@ -282,10 +282,11 @@ def unpack_linear(x, values, meta, scale, zero, group_size, bias, out_features):
     kernel otherwise: it adds a bias of another dtype before its one rounding); out_features: N.
     Returns ``(..., N)`` of x's dtype: one unpack launch and one ``mm`` / ``addmm``."""
     K = x.shape[-1]
-    wt = launch.unpack_dense(values, meta, scale, (out_features, K), x.dtype, transpose=True, zero=zero,
-                             group_size=group_size)   # (K, N) view
     x2 = x if x.dim() == 2 else x.reshape(-1, K)
-    y = torch.mm(x2, wt) if bias is None else torch.addmm(bias, x2, wt)   # one aten op (and cuBLAS kernel)
+    with launch.SCRATCH_LOCK:   # the unpack and the matmul reading the shared scratch, queued together
+        wt = launch.unpack_dense(values, meta, scale, (out_features, K), x.dtype, transpose=True, zero=zero,
+                                 group_size=group_size)   # (K, N) view
+        y = torch.mm(x2, wt) if bias is None else torch.addmm(bias, x2, wt)   # one aten op (and cuBLAS kernel)
     return y if x.dim() == 2 else y.view(*x.shape[:-1], out_features)
 
 
