@@ -47,14 +47,21 @@ class TensorBackup:
         for t in tensors:
             if id(t) in self._ids or t.is_meta:
                 continue
-            self._saved.append((t, t.detach()[~mask].to("cpu"), mask))
+            # in row chunks of ~16M entries: boolean indexing builds 8-byte indices per entry taken (a
+            # whole bf16 weight at once briefly needed ~5x its bytes on its device)
+            rows = max(1, (1 << 24) // max(1, t[0].numel())) if t.dim() and t.shape[0] else 1
+            parts = [t.detach()[i:i + rows][~mask[i:i + rows]].to("cpu") for i in range(0, t.shape[0], rows)]
+            self._saved.append((t, torch.cat(parts) if parts else t.detach()[~mask].to("cpu"), mask))
             self._ids.add(id(t))
 
     def restore(self) -> None:
-        """Write every recorded value back (in place: the same tensor objects)."""
+        """Write every recorded value back (in place: the same tensor objects), then forget them (the
+        exception a failed call raises keeps its frames, and with them this backup, alive)."""
         with torch.no_grad():
             for t, v, mask in self._saved:
                 if mask is None:
                     t.copy_(v)
                 else:
                     t.masked_scatter_(~mask, v.to(t.device))
+        self._saved.clear()
+        self._ids.clear()

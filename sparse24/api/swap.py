@@ -45,7 +45,9 @@ sparse24 section of ``model.config`` that ``save_pretrained`` writes (see
 
 from __future__ import annotations
 
+import functools
 import inspect
+import traceback
 from typing import Callable, Iterable
 
 import torch
@@ -68,6 +70,22 @@ __all__ = ["sparsify_", "densify_", "compress_", "decompress_", "prune_trained_m
 
 # --- public API ------------------------------------------------------------------
 
+def _frees_on_failure(call):
+    """A whole-model call whose failure (after its undo) lets go of what it built: the exception's
+    frames held every mask, compressed weight and rollback copy made so far (a notebook keeps the
+    last exception, so a retry after running out of GPU memory ran out again). The frames' locals
+    are cleared; the traceback's text is kept."""
+    @functools.wraps(call)
+    def wrapper(*args, **kwargs):
+        try:
+            return call(*args, **kwargs)
+        except BaseException as e:
+            traceback.clear_frames(e.__traceback__)
+            raise
+    return wrapper
+
+
+@_frees_on_failure
 def sparsify_(model: nn.Module, filter_fn: FilterFn | None = None, mode: str = "masked", method: str = "magnitude",
               calibration: dict | None = None, quantize: str | None = None, min_features: int = MIN_FEATURES,
               trainable_values: bool = False, skip_output_head: bool | str | Iterable[str] = True,
@@ -114,8 +132,11 @@ def sparsify_(model: nn.Module, filter_fn: FilterFn | None = None, mode: str = "
         memory) leaves the model as it was.
     Memory: while the swapped layers' shared weights are pruned in place, the entries that
     pruning zeroes (half of each weight, and of a gradient it holds) are copied to the CPU, so
-    that a failure can write them back; freed on return. A SparseGPT weight (rewritten whole)
-    is copied whole.
+    that a failure can write them back; freed on return (and on failure). A SparseGPT weight
+    (rewritten whole) is copied whole, and until the swap every reconstructed weight is held
+    on its device beside the model's (a second copy of the pruned weights: on a GPU without
+    room for it, prune layer by layer with ``prune_layerwise_``, then ``sparsify_``). Masked
+    mode keeps a 1-byte mask per weight.
     Example:
         >>> model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
         >>> report = sparsify_(model)
@@ -289,6 +310,7 @@ def _switch_and_report(model: nn.Module, steps: list, report_of: Callable[[], Sp
         raise
 
 
+@_frees_on_failure
 def compress_(model: nn.Module, quantize: str | None = None, trainable_values: bool = False, *,
               group_size: int | None = None, symmetric: bool | None = None, packed: dict | None = None
               ) -> SparsifyReport:
@@ -384,6 +406,7 @@ def _check_packed(packed: dict | None, layers: list, readers: dict, quant: dict)
     return out
 
 
+@_frees_on_failure
 def decompress_(model: nn.Module) -> SparsifyReport:
     """Switch every compressed :class:`Sparse24Linear` of ``model`` back to masked
     mode (outputs unchanged; new weight Parameters, trainable again unless frozen); all or nothing.
@@ -404,6 +427,7 @@ def decompress_(model: nn.Module) -> SparsifyReport:
     return _switch_and_report(model, [(m, m.to_masked) for _, m in todo], report_of)
 
 
+@_frees_on_failure
 def densify_(model: nn.Module) -> SparsifyReport:
     """Replace every :class:`Sparse24Linear` by a plain ``nn.Linear`` (the class
     it came from; ``Conv1D`` for GPT-2's) holding the masked dense weight; outputs unchanged.
@@ -447,6 +471,7 @@ def densify_(model: nn.Module) -> SparsifyReport:
         raise
 
 
+@_frees_on_failure
 def prune_trained_model(model: nn.Module, optimizer: torch.optim.Optimizer, **kwargs) -> SparsifyReport:
     """Prune a trained model to 2:4 and leave it ready to retrain with the masks frozen; all or nothing.
 
@@ -465,6 +490,9 @@ def prune_trained_model(model: nn.Module, optimizer: torch.optim.Optimizer, **kw
             ``calibration``, ``min_features``, ``skip_output_head``...); ``mode`` is always masked.
     Returns:
         :class:`SparsifyReport`.
+    Memory: as :func:`sparsify_`, plus, during the call, the pruned half of every optimizer
+    state tensor shaped like a weight (Adam: two per weight) copied to the CPU, so that a
+    failure can write it back.
     Example:
         >>> model = nn.Sequential(nn.Linear(64, 64)); opt = torch.optim.AdamW(model.parameters())
         >>> len(prune_trained_model(model, opt).swapped)

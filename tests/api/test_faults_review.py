@@ -12,6 +12,7 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 import sparse24
+import sparse24.hf  # (sparse24.hf is imported lazily: the config tests patch it)
 from sparse24 import Sparse24Linear
 from sparse24._rollback import TensorBackup
 from sparse24.api import swap
