@@ -366,7 +366,13 @@ def _main(argv: list[str], cmd: str) -> int:
     try:
         if cmd == "autotune":
             return _cmd_autotune(argv[argv.index("autotune") + 1:])
-        args = build_parser().parse_args(argv)
+        ap = build_parser()
+        try:
+            args = ap.parse_args(argv)
+        except CLIError as e:   # (argparse reports a subcommand's unknown options from the top parser)
+            if cmd and "unrecognized arguments" in str(e):   # (a valid command: else "invalid choice")
+                raise CLIError(str(e).replace(f"'{ap.prog} --help'", f"'{ap.prog} {cmd} --help'"), 2) from None
+            raise
         return int(args.func(args) or 0)
     except SystemExit as e:  # --help / --version
         return e.code if isinstance(e.code, int) else 0

@@ -333,3 +333,9 @@ def test_sigterm_during_a_folder_prune_leaves_no_partial_folder(tmp_path, monkey
     finally:
         signal.signal(signal.SIGTERM, before)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dense"]
+
+
+def test_an_unknown_option_points_to_its_commands_help(capsys):
+    from sparse24.tools.cli import main
+    assert main(["bench", "--bogus"]) == 2
+    assert "see 'python -m sparse24 bench --help'" in capsys.readouterr().err
