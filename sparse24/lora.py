@@ -55,6 +55,20 @@ def _base_tensors(base: Sparse24Linear) -> list[torch.Tensor]:
     return [t for t in found if t is not None]
 
 
+# PEFT inits that read the base weight densely and write it back (the residual of an SVD or a
+# quantization): on a 2:4 base they rewrote the frozen weight at pruned positions (PiSSA changed the
+# layer's output by 30%; OLoRA's in-place write went unseen by the masked layer's zero check).
+_BASE_REWRITING_INITS = ("pissa", "corda", "olora", "mica", "loftq", "lora_ga")
+
+
+def _check_init(config) -> None:
+    init = getattr(config, "init_lora_weights", True)
+    if isinstance(init, str) and init.lower().startswith(_BASE_REWRITING_INITS):
+        raise ValueError(f"init_lora_weights={init!r} rewrites the base weight densely, and a 2:4 base stays as "
+                         "it is (frozen, exactly 0 where pruned): use the default init, 'gaussian', 'orthogonal' "
+                         "or 'eva' for adapters on sparse24 layers")
+
+
 class Sparse24LoraLinear(LoraLinear):
     """PEFT LoRA layer whose base is a :class:`~sparse24.Sparse24Linear` (see the module docstring).
 
@@ -67,6 +81,7 @@ class Sparse24LoraLinear(LoraLinear):
 
     def __init__(self, base_layer, adapter_name: str, config, **kwargs):
         kwargs.pop("is_target_conv_1d_layer", None)
+        _check_init(config)
         super().__init__(base_layer, adapter_name, config=config, **kwargs)
         # A 2:4 layer stores (out, in) whatever it replaced (GPT-2's Conv1D included), so the
         # adapter's product is never transposed; the shared config is left alone.
@@ -76,6 +91,10 @@ class Sparse24LoraLinear(LoraLinear):
     @property
     def lora_variants(self):
         return {(): None}  # DoRA & co. read the dense base weight
+
+    def update_layer(self, adapter_name, r, lora_alpha, config, **kwargs):
+        _check_init(config)   # (a second adapter comes through here, not through __init__)
+        return super().update_layer(adapter_name, r, lora_alpha, config, **kwargs)
 
     def _get_in_out_features(self, module):
         return module.in_features, module.out_features

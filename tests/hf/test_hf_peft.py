@@ -128,6 +128,28 @@ def test_dora_needs_a_dense_weight_and_is_refused():
         get_peft_model(model, LoraConfig(target_modules=["q_proj"], use_dora=True))
 
 
+@pytest.mark.parametrize("init", ["pissa", "olora", "corda"])   # (loftq: its config needs scipy)
+@pytest.mark.parametrize("mode", ["masked", "compressed"])
+def test_inits_that_rewrite_the_base_weight_are_refused(init, mode):
+    """PiSSA / OLoRA & co. write the dense residual back into the base: on a masked base PiSSA changed
+    the layer's output by 30% (entries written at pruned positions), OLoRA's in-place write went
+    unseen by the zero check; a compressed base failed with an AttributeError whose advice
+    (to_masked()) led to the silent case. Refused in every mode, with the base untouched; a second
+    adapter asking for one is refused too."""
+    model = tiny_llama()
+    sparse24.sparsify_(model, mode=mode)
+    before = base_tensors(model)
+    with pytest.raises(ValueError, match=rf"init_lora_weights='{init}' rewrites the base weight"):
+        lora(model, init_lora_weights=init)
+    after = base_tensors(model)
+    assert all(torch.equal(before[k], after[k]) for k in before if k in after)
+    model = tiny_llama()
+    sparse24.sparsify_(model, mode=mode)
+    pm = lora(model)
+    with pytest.raises(ValueError, match="rewrites the base weight"):
+        pm.add_adapter("second", LoraConfig(target_modules=TARGETS, r=4, init_lora_weights=init))
+
+
 def test_adapter_saves_and_loads_onto_a_fresh_2of4_base(tmp_path):
     model = tiny_llama()
     sparse24.sparsify_(model, mode="compressed")
