@@ -57,7 +57,9 @@ T_BENCH=${T_BENCH:-90}
 T_USER=${T_USER:-40}
 T_BLOCK=${T_BLOCK:-90}
 T_L2=${T_L2:-30}
-T_PROBE=${T_PROBE:-80}          # 30 + 80 + 120 + 90 + 90 + 40 + 90 = 540 s = 9 minutes at most, and:
+T_PROBE=${T_PROBE:-80}          # (a plain run, no plan: with the ~20 s preamble and 10 s of grace a step these
+                                # overrun the 570 s budget and the last steps are cut: block to 25 s; run the
+                                # calls of scripts/gpu_plan.sh, whose limits fit: GPU_CHECK_DRY=1 shows them)
 T_SPARSE_MM=${T_SPARSE_MM:-100}  # (added after the 2026-12-04 H200 runs: runs only where GPU_CHECK_ONLY names it)
 T_KSWEEP=${T_KSWEEP:-100}       # (added 2026-12-05: runs only where GPU_CHECK_ONLY names it)
 BUDGET=${GPU_CHECK_BUDGET:-570}
