@@ -166,8 +166,24 @@ class Sparse24Quantizer(HfQuantizer):
     # Loading only: a sparse24 folder holds 2:4 tensors; pruning a dense folder is sparsify_'s job.
     requires_calibration = True
 
-    def validate_environment(self, *args, **kwargs):
-        return
+    def validate_environment(self, *args, device_map=None, **kwargs):
+        """Called again with the resolved device map (transformers' ``_get_device_map``): 2:4
+        layers must hold their tensors when loaded (they are checked, and compressed ones have no
+        dense weight for accelerate's offload hooks to stream in), so a map sending one to disk is
+        refused before anything loads."""
+        if not isinstance(device_map, dict) or not getattr(self, "_names", None):
+            return
+        offloaded = []
+        for fqn in self._names.values():
+            owner = max((k for k in device_map if k == "" or fqn == k or fqn.startswith(k + ".")), key=len,
+                        default=None)
+            if owner is not None and device_map[owner] in ("disk", "meta"):
+                offloaded.append(fqn)
+        if offloaded:
+            raise ValueError(f"device_map sends 2:4 layer(s) {', '.join(offloaded[:4])}"
+                             f"{' ...' if len(offloaded) > 4 else ''} to disk: sparse24 layers load into memory "
+                             "(GPU or CPU). Give max_memory room for them (2:4 layers are 0.56x their dense "
+                             "size), or a device_map placing them on a device")
 
     def _process_model_before_weight_loading(self, model, checkpoint_files=None, **kwargs):
         """Put an empty 2:4 layer of the recorded mode in every listed place (the model is on

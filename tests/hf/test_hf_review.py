@@ -148,3 +148,22 @@ def test_a_section_key_naming_a_method_or_private_field_is_refused(tmp_path, key
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match=rf"config\.json: sparse24 section: field '{key}'"):
         sparse24.from_pretrained(LlamaForCausalLM, tmp_path)
+
+
+@pytest.mark.parametrize("mode", ["masked", "compressed"])
+def test_a_device_map_offloading_24_layers_to_disk_is_refused_before_loading(tmp_path, mode):
+    """device_map="auto" with max_memory leaving no room: accelerate sends layers to disk, whose
+    tensors stay on meta; the checks then failed with a bare meta-tensor error (masked) or called the
+    file corrupt (compressed), after the whole load. Refused up front, naming the layers; with room
+    (the whole model on the CPU) the same call loads the same logits."""
+    from transformers import LlamaForCausalLM
+    model = tiny_llama()
+    sparse24.sparsify_(model, mode=mode)
+    model.save_pretrained(tmp_path / "m")
+    with pytest.raises(ValueError, match=r"device_map sends 2:4 layer\(s\) model\.layers\..* to disk"):
+        sparse24.from_pretrained(LlamaForCausalLM, tmp_path / "m", device_map="auto", max_memory={"cpu": "40KB"},
+                                 offload_folder=str(tmp_path / "offload"))
+    loaded = sparse24.from_pretrained(LlamaForCausalLM, tmp_path / "m", device_map="auto").eval()
+    ids = tokens()
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, model(ids).logits)
