@@ -515,8 +515,11 @@ def count_parameters(model: nn.Module) -> dict[str, int]:
 
     ``model.parameters()`` (and transformers' ``num_parameters()``) count Parameters
     only: a masked layer's dense weight counts fully (pruned zeros included), a
-    compressed one only its kept ``values`` (half), so that number drops to
-    ``nonzero`` after :func:`compress_` without the model changing.
+    compressed one only its ``values`` tensor, whose size depends on the storage (16-bit
+    and INT8 layout v1: the kept half, R*C/2; INT4: two codes per byte, R*C/4; the decode
+    layout held on CUDA: padded to 128 rows and whole 64-column atoms, so it can exceed
+    R*C on small layers), so that number changes with :func:`compress_` without the model
+    changing. ``dense`` and ``nonzero`` do not depend on the storage.
 
     Returns:
         ``{"parameters": numel of model.parameters(), "dense": the count as if every 2:4

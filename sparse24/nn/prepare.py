@@ -230,7 +230,7 @@ def compressed_nbytes(out_features: int, in_features: int, element_size: int, qu
     columns, and a uint8 zero point beside it unless ``symmetric``)."""
     R, C = out_features, in_features
     half = R * (C // 2)
-    slots = half * 2 // 8
+    slots = (R * C + 7) // 8   # 2 bits per kept value (as Sparse24Tensor.nbytes counts them)
     if quantized == "int4":
         groups = R * -(-C // check_group_size(group_size))
         return half // 2 + slots + groups * (2 if symmetric else 3)
@@ -238,7 +238,11 @@ def compressed_nbytes(out_features: int, in_features: int, element_size: int, qu
 
 
 def memory_nbytes(mod) -> int:
-    """Bytes a :class:`~sparse24.nn.Sparse24Linear` holds for its weight now (masked: dense weight + bool mask)."""
+    """Bytes a :class:`~sparse24.nn.Sparse24Linear` holds for its weight now (masked: dense weight + bool
+    mask; compressed: its tensors as held, the decode layout's padding and an INT4 layer's bfloat16
+    copy of its scales included)."""
     if mod.mode == "masked":
         return mod.weight.numel() * mod.weight.element_size() + mod.mask.numel()
-    return sum(t.numel() * t.element_size() for t in (mod.values, mod.meta, mod.scale, mod.zero) if t is not None)
+    copy = mod.__dict__.get("_scale_bf16")
+    held = [mod.values, mod.meta, mod.scale, mod.zero, copy[2] if copy else None]
+    return sum(t.numel() * t.element_size() for t in held if t is not None)
