@@ -45,6 +45,7 @@ sparse24 section of ``model.config`` that ``save_pretrained`` writes (see
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import traceback
@@ -210,9 +211,7 @@ def _sparsify(model, filter_fn, mode, method, calibration, quantize, min_feature
     moves = _optimizer_moves(optimizer, [(mod, new) for _, mod, new, _, _ in built]) if optimizer is not None else []
     # 2. Swap, 3. prune the shared weights in place (the entries overwritten are kept first) and register the
     # masking, 4. record the config: one section, undone as a whole on any failure up to the return.
-    undo = _Undo()
-    undo.add(record_after_change(model))  # undone last, once the layers are back
-    try:
+    with _changing(model) as undo:
         for _, mod, new, _, _ in built:
             undo.replace(slots, mod, new)
         for move in moves:
@@ -223,11 +222,7 @@ def _sparsify(model, filter_fn, mode, method, calibration, quantize, min_feature
             _prune_in_place(new, mod, overwritten, undo, optimizer if zero_state else None)
             report.layers.append(_entry(fqn, new, "swapped", note))
             report.layers[-1].kept_fraction = kept
-        _after_change(model)
-        return report
-    except BaseException:
-        undo.undo()
-        raise
+    return report
 
 
 def _prune_in_place(new: Sparse24Linear, old: nn.Module, overwritten: TensorBackup, undo: _Undo,
@@ -284,30 +279,35 @@ def _optimizer_moves(optimizer, pairs) -> list[Callable[[_Undo], None]]:
     return moves
 
 
+@contextlib.contextmanager
+def _changing(model: nn.Module):
+    """The changing section of a whole-model call: yields an :class:`_Undo` the section records its
+    changes in, runs ``_after_change`` (hooks, a transformers config's sparse24 section) at its end,
+    and on any exception up to there undoes everything, the config's state included."""
+    undo = _Undo()
+    undo.add(record_after_change(model))  # undone last, once the layers are back
+    try:
+        yield undo
+        _after_change(model)
+    except BaseException:
+        undo.undo()
+        raise
+
+
 def _sparse_layers(model: nn.Module) -> list[tuple[str, Sparse24Linear]]:
     return [(fqn, m) for fqn, m in model.named_modules() if isinstance(m, Sparse24Linear)]
 
 
-def _switch_all(steps: list[tuple[Sparse24Linear, Callable[[], object]]], undo: _Undo) -> None:
-    """Run each ``(layer, switch)``; ``undo`` puts every layer it reached back as it was."""
-    for m, switch in steps:
-        undo.add(lambda m=m, snap=m._snapshot(): m._restore(snap))
-        switch()
-
-
-def _switch_and_report(model: nn.Module, steps: list, report_of: Callable[[], SparsifyReport]) -> SparsifyReport:
-    """The changing section of compress_ / decompress_: the switches, the report, the config; undone
-    as a whole on any failure up to the return."""
-    undo = _Undo()
-    undo.add(record_after_change(model))  # undone last, once the layers are back
-    try:
-        _switch_all(steps, undo)
+def _switch_all(model: nn.Module, steps: list[tuple[Sparse24Linear, Callable[[], object]]],
+                report_of: Callable[[], SparsifyReport]) -> SparsifyReport:
+    """compress_ / decompress_'s changing section: run each ``(layer, switch)``, then make the report;
+    any failure up to the return puts every layer reached back as it was."""
+    with _changing(model) as undo:
+        for m, switch in steps:
+            undo.add(lambda m=m, snap=m._snapshot(): m._restore(snap))
+            switch()
         report = report_of()
-        _after_change(model)
-        return report
-    except BaseException:
-        undo.undo()
-        raise
+    return report
 
 
 @_frees_on_failure
@@ -373,9 +373,9 @@ def compress_(model: nn.Module, quantize: str | None = None, trainable_values: b
             else:
                 report.layers.append(_entry(fqn, m, "compressed"))
         return report
-    return _switch_and_report(model, [(m, lambda m=m, p=packed[fqn]: m._set_compressed(p, trainable_values,
-                                                                                           m._requires_grad()))
-                                      for fqn, m in layers if fqn in packed], report_of)
+    return _switch_all(model, [(m, lambda m=m, p=packed[fqn]: m._set_compressed(p, trainable_values,
+                                                                                  m._requires_grad()))
+                               for fqn, m in layers if fqn in packed], report_of)
 
 
 def _check_packed(packed: dict | None, layers: list, readers: dict, quant: dict) -> dict:
@@ -424,7 +424,7 @@ def decompress_(model: nn.Module) -> SparsifyReport:
         report = SparsifyReport("decompress_")
         report.layers += [_entry(fqn, m, "decompressed") for fqn, m in todo]
         return report
-    return _switch_and_report(model, [(m, m.to_masked) for _, m in todo], report_of)
+    return _switch_all(model, [(m, m.to_masked) for _, m in todo], report_of)
 
 
 @_frees_on_failure
@@ -455,20 +455,14 @@ def densify_(model: nn.Module) -> SparsifyReport:
     built = [(fqn, m, m.to_dense_module(release=False)) for fqn, m in layers]
     # Swap, stop masking the handed-over weights, record the config: undone as a whole on any failure up to the
     # return (a layer not released yet would go on masking its weight, now a dense layer's).
-    undo = _Undo()
-    undo.add(record_after_change(model))  # undone last, once the layers are back
-    try:
+    with _changing(model) as undo:
         for _, m, dense in built:
             undo.replace(slots, m, dense)
         for fqn, m, dense in built:
             undo.add(lambda m=m, snap=m._snapshot(): m._restore(snap))
             m._release()
             report.layers.append(_entry(fqn, dense, "densified"))
-        _after_change(model)
-        return report
-    except BaseException:
-        undo.undo()
-        raise
+    return report
 
 
 @_frees_on_failure

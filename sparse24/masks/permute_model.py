@@ -120,17 +120,19 @@ def _apply(model: nn.Module, group: PermutationGroup, perm: torch.Tensor, invers
             steps.append((t, dim, 0))
     if inverse:
         perm, steps = torch.argsort(perm), steps[::-1]
+
+    def permute(t, dim, first, p):
+        part = t.narrow(dim, first, H)
+        part.copy_(part.index_select(dim, p.to(t.device)))
     done_steps = []
     try:
-        for t, dim, first in steps:
-            part = t.narrow(dim, first, H)
-            part.copy_(part.index_select(dim, perm.to(t.device)))
-            done_steps.append((t, dim, first))
+        for step in steps:
+            permute(*step, perm)
+            done_steps.append(step)
     except BaseException:   # (Ctrl-C, out of memory) part of the group: its caller's undo knows only whole ones
         back = torch.argsort(perm)
-        for t, dim, first in reversed(done_steps):
-            part = t.narrow(dim, first, H)
-            part.copy_(part.index_select(dim, back.to(t.device)))
+        for step in reversed(done_steps):
+            permute(*step, back)
         raise
 
 

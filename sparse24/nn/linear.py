@@ -650,7 +650,7 @@ class Sparse24Linear(LayoutMixin, StateDictMixin, nn.Module):
         # the state this layer held (logical dtype, decode layout); torch may have converted some
         # tensors in place by then (as an nn.Linear's), so the dtype follows unquantized values.
         snap = self._snapshot()
-        held = self._drop_weak_refs() if torch.__future__.get_swap_module_params_on_conversion() else None
+        held = self._drop_weak_refs()
         try:
             self._convert(fn, recurse)
         except BaseException:
@@ -693,7 +693,7 @@ class Sparse24Linear(LayoutMixin, StateDictMixin, nn.Module):
         self._settle_layout()
 
     def _load_from_state_dict(self, *args, **kwargs):
-        held = self._drop_weak_refs() if torch.__future__.get_swap_module_params_on_conversion() else None
+        held = self._drop_weak_refs()
         try:
             super()._load_from_state_dict(*args, **kwargs)
         finally:
@@ -704,7 +704,9 @@ class Sparse24Linear(LayoutMixin, StateDictMixin, nn.Module):
         ``torch.__future__.set_swap_module_params_on_conversion(True)``), which refuses a tensor
         that has weak references: drop those sparse24 holds to this layer's tensors (kept plans, the
         zero check, the masked weight's owner entry and gradient hook). Returns what
-        :meth:`_rearm` puts back after."""
+        :meth:`_rearm` puts back after; None (nothing dropped) when that flag is off."""
+        if not torch.__future__.get_swap_module_params_on_conversion():
+            return None
         _FAST.pop(self, None)
         _ZERO_CHECKED.pop(self, None)
         w = self._parameters.get("weight")

@@ -13,7 +13,7 @@ import weakref
 import torch
 
 from .._checks import FLOAT_DTYPES, check_finite, computable
-from ..format import Sparse24Tensor, _check_mask24, compress
+from ..format import Sparse24Tensor, _check_mask24, compress, is_nm
 from . import prepare
 from .prepare import is_conv1d_class
 from .sharded import is_dtensor, local_pair, shard_like
@@ -131,7 +131,7 @@ def _is_24(w: torch.Tensor, layer) -> bool:
     R, C = layer.out_features, layer.in_features
     if is_dtensor(w) or w.is_meta or not w.is_floating_point() or tuple(w.shape) != (R, C):
         return False
-    return bool(((computable(w) != 0).reshape(R, C // 4, 4).sum(-1) <= 2).all())
+    return is_nm(computable(w), 2, 4)
 
 
 def _is_marker(t) -> bool:

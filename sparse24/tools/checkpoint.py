@@ -53,18 +53,36 @@ def partial_folder(dst: Path):
     rename to ``dst`` when complete; removed when the block ends, with every folder above it that was
     made for it and stays empty (a failure leaves no trace of ``--out a/b/out``)."""
     tmp = dst.with_name(f".{dst.name}.{os.getpid()}.partial")
-    made = [p for p in tmp.parents if not p.exists()]   # nearest first
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
-        yield tmp
-    finally:
+    with new_parents(tmp, always=True):
         shutil.rmtree(tmp, ignore_errors=True)
-        for d in made:
-            try:
-                d.rmdir()
-            except OSError:   # (holds the finished output, or something else now)
-                break
+        tmp.mkdir(parents=True)
+        try:
+            yield tmp
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def new_parents(path: Path, always: bool = False):
+    """The folders above ``path`` that do not exist yet (the block may create them) are removed again,
+    those left empty, when the block fails (``always``: when it ends: a finished output kept in one
+    stops the removal there)."""
+    made = [p for p in Path(path).absolute().parents if not p.exists()]   # nearest first
+    try:
+        yield
+    except BaseException:
+        _remove_empty(made)
+        raise
+    if always:
+        _remove_empty(made)
+
+
+def _remove_empty(folders: list[Path]) -> None:
+    for d in folders:
+        try:
+            d.rmdir()
+        except OSError:   # (holds the finished output, or something else now)
+            break
 
 
 def is_model_folder(path: str | os.PathLike) -> bool:

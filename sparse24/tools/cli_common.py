@@ -157,16 +157,27 @@ def exclude_reason(reason: str, exclude) -> str:
     return f"name matches --exclude {exclude!r}" if reason == EXCLUDED_BY else reason
 
 
+def check_writable(folder: Path, what: str) -> None:
+    """Refuse, before any work, a place that cannot be written (CLIError starting with ``what``):
+    ``folder``, or where it does not exist yet the nearest existing folder above it (where it would be
+    created), must be a folder in which a file can be created (a probe created and removed there)."""
+    import tempfile
+    probe = Path(folder).absolute()
+    while not probe.exists() and probe.parent != probe:
+        probe = probe.parent
+    if not probe.is_dir():  # checked before the work, and before creating any folder
+        raise CLIError(f"{what}: cannot write there: {probe} is a file, not a folder")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise CLIError(f"{what}: cannot write in {probe} (permission denied)")
+    try:
+        fd, tmp = tempfile.mkstemp(dir=probe, prefix=".sparse24-probe-")
+        os.close(fd)
+        os.unlink(tmp)
+    except OSError as e:
+        raise CLIError(f"{what}: cannot write in {probe} ({e.strerror or _one_line(e)})") from None
+
+
 def check_out_writable(out: Path) -> None:
     """Refuse an ``--out`` that cannot be written before any work (CLIError naming it): the nearest
-    existing folder above it must be a writable folder (checked by creating and removing a probe there)."""
-    import tempfile
-    parent = next(a for a in out.absolute().parents if a.exists())
-    if not parent.is_dir():  # checked before the work, and before creating any folder
-        raise CLIError(f"--out {out}: {parent} is a file, not a folder")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise CLIError(f"--out {out}: cannot write in {parent} (permission denied)")
-    try:
-        tempfile.TemporaryDirectory(dir=parent, prefix=".sparse24-probe-").cleanup()
-    except OSError as e:
-        raise CLIError(f"--out {out}: cannot write in {parent} ({e.strerror or _one_line(e)})") from None
+    existing folder above it must be a writable folder."""
+    check_writable(Path(out).absolute().parent, f"--out {out}")

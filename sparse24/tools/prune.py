@@ -11,8 +11,8 @@ from pathlib import Path
 import torch
 
 from .._progress import progress_bar
-from .checkpoint import (LAYER_ENTRIES, CheckpointError, dense_row, exclude_pattern, is_model_folder, is_weight_matrix, load_torch_file,
-                         quant_label)
+from .checkpoint import (LAYER_ENTRIES, CheckpointError, dense_row, exclude_pattern, is_model_folder, is_weight_matrix,
+                         load_torch_file, new_parents, quant_label)
 from .cli_common import CLIError, _one_line, _prog, check_out_writable, excluded, int4_args, prune_quant
 
 __all__ = ["prune_state_dict", "PRUNE_EXCLUDE", "cmd_prune", "add_blockwise_args"]
@@ -316,18 +316,9 @@ def cmd_prune(args) -> int:
                        "none eligible" + (f"; first: {report[0]['name']}: {report[0]['reason']}" if report else "")
                        + "); see --min-features / --exclude", 1)
     from .bench import make_parent, write_together
-    made = [p for p in out.absolute().parents if not p.exists()]  # nearest first: removed again on failure
-    try:
-        with _writing(out, only=True):
-            make_parent(out)
-            write_together({out: lambda p: _save_state_dict(new, p)})  # a failed write leaves an existing file whole
-    except BaseException:
-        for d in made:
-            try:
-                d.rmdir()
-            except OSError:
-                break
-        raise
+    with new_parents(out), _writing(out, only=True):  # (the folders it makes are removed again if it fails)
+        make_parent(out)
+        write_together({out: lambda p: _save_state_dict(new, p)})  # a failed write leaves an existing file whole
     _print_prune_table(f"{_prog()} prune {args.checkpoint}" + (f" (state dict under '{wrapper}')" if wrapper else "")
                        + settings, report, out, src.stat().st_size)
     print(_load_hint(report, quant, args.min_features, out))

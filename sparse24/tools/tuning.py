@@ -46,6 +46,7 @@ from ..ops.linear24.launch import (half_pair, int_specialization, kernel_call, s
                                    variant_of)
 from ..ops.linear24.op import DECODE_M
 from .bench import rel_error
+from .cli_common import CLIError, check_writable
 
 __all__ = ["tune_key", "time_launches_us", "write_entries", "autotune", "KernelConfig", "candidate_configs",
            "get_config", "gpu_file_name", "clear_cache"]
@@ -508,25 +509,6 @@ def write_entries(out_dir: Path, gpu: str, capability: tuple[int, int], entries:
     return path
 
 
-def _check_writable(folder: Path) -> None:
-    """Raise ValueError unless a file can be created in ``folder`` (or, where it does not exist
-    yet, in the nearest folder above it, which autotune would create it in): a temporary file
-    is created and removed there, nothing else is made."""
-    folder = Path(folder)
-    probe = folder
-    while not probe.exists() and probe.parent != probe:
-        probe = probe.parent
-    if not probe.is_dir():
-        raise ValueError(f"cannot write the config folder {folder}: {probe} is a file, not a folder")
-    try:
-        fd, tmp = tempfile.mkstemp(dir=probe, prefix=".sparse24-write-check-")
-        os.close(fd)
-        os.unlink(tmp)
-    except OSError as e:
-        raise ValueError(f"cannot write the config folder {folder} ({probe}: {e.strerror or e}); pass --out-dir "
-                         f"a folder you can write (or set SPARSE24_CONFIG_DIR)") from None
-
-
 # --- CLI -----------------------------------------------------------------------
 
 def _progress(i: int, n: int, label: str) -> None:
@@ -574,8 +556,9 @@ def autotune(shapes, ms, dtypes, out_dir, warmup_ms: float = 10, rep_ms: float =
         written or this GPU's file there is JSON this sparse24 cannot merge into.
     """
     try:
-        _check_writable(out_dir)   # before the GPU check, as bench checks --out (exit 2 without a GPU too)
-    except ValueError as e:
+        # before the GPU check, as bench checks --out (exit 2 without a GPU too)
+        check_writable(out_dir, f"--out-dir {out_dir}")
+    except CLIError as e:
         print(f"sparse24 autotune: error: {e}", file=sys.stderr)
         return 2
     if not torch.cuda.is_available():
@@ -586,9 +569,9 @@ def autotune(shapes, ms, dtypes, out_dir, warmup_ms: float = 10, rep_ms: float =
     device = torch.device("cuda", torch.cuda.current_device())
     gpu, cc = torch.cuda.get_device_name(device), torch.cuda.get_device_capability(device)
     try:   # this GPU's folder, and a file there merges (found now, not after the first key's minutes)
-        _check_writable(_tuned_file(out_dir, gpu).parent)
+        check_writable(_tuned_file(out_dir, gpu).parent, f"--out-dir {out_dir}")
         _read_for_merge(_tuned_file(out_dir, gpu))
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, CLIError) as e:
         print(f"sparse24 autotune: error: {e}", file=sys.stderr)
         return 2
     keys = [(m, n, k, dt) for dt in dtypes for _, n, k in shapes for m in ms]
