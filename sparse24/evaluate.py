@@ -206,7 +206,9 @@ def bits_per_char(model: nn.Module, ids: torch.Tensor, ctx: int, windows: int, b
             raise ValueError(f"{name} must be an int >= 1, got {v!r}")
     if ids.numel() < ctx + 2:
         raise ValueError(f"ids holds {ids.numel()} characters: windows of ctx + 1 = {ctx + 1} need at least {ctx + 2}")
-    starts = torch.linspace(0, ids.numel() - ctx - 1, windows).long().tolist()
+    # integer arithmetic: a float32 linspace rounds the last start past the end above 2**24 ids
+    last = ids.numel() - ctx - 1
+    starts = [i * last // max(windows - 1, 1) for i in range(windows)]
     total, count = 0.0, 0
     with _EvalMode(model), torch.no_grad():
         for i in range(0, windows, batch_size):

@@ -123,7 +123,8 @@ def mask_2d_greedy(w: torch.Tensor, n: int, m: int) -> torch.Tensor:
     blocks = _to_blocks(w.detach().abs().to(score_dtype(w)), m)
     order = torch.sort(blocks, dim=-1, descending=True, stable=True).indices  # (B, m*m)
     B = blocks.shape[0]
-    row_cnt = torch.zeros(B, m, dtype=torch.int8, device=w.device)
+    # int32: int8 counters wrapped (and `< n` cast n to int8) for n >= 128, pruning everything
+    row_cnt = torch.zeros(B, m, dtype=torch.int32, device=w.device)
     col_cnt = torch.zeros_like(row_cnt)
     keep = torch.zeros(B, m * m, dtype=torch.bool, device=w.device)
     # Largest first: accept an entry while its row and column have room.
@@ -132,6 +133,6 @@ def mask_2d_greedy(w: torch.Tensor, n: int, m: int) -> torch.Tensor:
         r, c = idx // m, idx % m
         ok = (row_cnt.gather(1, r) < n) & (col_cnt.gather(1, c) < n)
         keep.scatter_(1, idx, ok)
-        row_cnt.scatter_add_(1, r, ok.to(torch.int8))
-        col_cnt.scatter_add_(1, c, ok.to(torch.int8))
+        row_cnt.scatter_add_(1, r, ok.to(torch.int32))
+        col_cnt.scatter_add_(1, c, ok.to(torch.int32))
     return _from_blocks(keep, R, C, m)

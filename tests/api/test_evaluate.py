@@ -90,6 +90,16 @@ def test_pooled_output_is_taken_as_is_and_fidelity_is_the_mean_cosine():
     assert embedding_fidelity(dense, batches, dense) == pytest.approx(1.0, abs=1e-6)
 
 
+def test_bits_per_char_reaches_the_last_window_of_a_text_past_2_to_the_24():
+    # enwik8-sized texts: a float32 linspace rounded the last start one past the end (a short window)
+    class Uniform(nn.Module):
+        def forward(self, x):
+            return torch.zeros(*x.shape, 8)
+    ctx = 16
+    ids = torch.zeros(2 ** 24 + 3 + ctx + 1, dtype=torch.uint8)
+    assert bits_per_char(Uniform(), ids, ctx=ctx, windows=4) == pytest.approx(3.0)
+
+
 def test_bits_per_char_matches_position_by_position_cross_entropy():
     torch.manual_seed(0)
     V, ctx = 7, 5

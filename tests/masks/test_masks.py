@@ -157,6 +157,14 @@ def test_2d_greedy_matches_reference_and_is_transposable():
         assert is_nm(mask, n, m) and is_nm(mask.T, n, m)
 
 
+def test_2d_greedy_counts_past_127_per_row():
+    # 128:256 is 50% sparsity like 2:4; int8 counters wrapped at n >= 128 and pruned every weight
+    w = _randn(256, 256, seed=7)
+    mask = mask_nm(w, 128, 256, method="2d_greedy")
+    assert torch.equal(mask, _greedy_2d_reference(w, 128, 256))
+    assert int(mask.sum()) > 0.9 * w.numel() // 2
+
+
 def test_2d_orders_and_transposability():
     w = _randn(64, 128, seed=6)
     kept = {meth: kept_magnitude_fraction(w, mask_nm(w, 2, 4, method=meth))
