@@ -60,7 +60,7 @@ from transformers.quantizers import HfQuantizer, register_quantization_config, r
 from transformers.quantizers.auto import AUTO_QUANTIZER_MAPPING
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
-from ._checks import safetensors_headers
+from ._checks import check_model, safetensors_headers
 from ._version import __version__
 from .format import INT4_GROUP_SIZES
 from .nn import MODES, QUANTIZE, Sparse24Linear, is_conv1d, is_conv1d_class, linear_shape
@@ -91,6 +91,7 @@ def sparsity_config(model: nn.Module) -> dict:
         >>> sparsity_config(model)["layers"]["model.layers.0.mlp.up_proj"]  # doctest: +SKIP
         {'mode': 'compressed', 'quantize': None, 'kind': 'linear'}
     """
+    check_model(model, None, "sparsity_config: ")
     layers = {}
     for fqn, m in model.named_modules(remove_duplicate=False):
         if isinstance(m, Sparse24Linear) and fqn:
@@ -268,7 +269,9 @@ class Sparse24Quantizer(HfQuantizer):
             ordered[f"{fqn}.weight"] = torch.zeros(1, dtype=_MARKER_DTYPE)
         if hasattr(state_dict, "_metadata"):
             ordered._metadata = state_dict._metadata
-        return ordered, {"sparse24_format": str(FORMAT_VERSION)}
+        # no metadata of our own: config.json carries the format, and safetensors writes a header of
+        # two or more metadata keys in random order (two saves of one model differed byte for byte)
+        return ordered, {}
 
     def _dequantize(self, model, dtype=None):
         """``model.dequantize()``: every 2:4 layer back to the dense class it replaced."""
@@ -395,6 +398,7 @@ def attach(model: nn.Module) -> None:
     Args:
         model: a ``transformers.PreTrainedModel``.
     """
+    check_model(model, None, "attach: ")
     register()
     section = sparsity_config(model)
     current = getattr(model, "hf_quantizer", None)
@@ -447,6 +451,8 @@ def from_pretrained(cls, path: str | os.PathLike, **kwargs) -> nn.Module:
         >>> from transformers import LlamaForCausalLM  # doctest: +SKIP
         >>> model = sparse24.from_pretrained(LlamaForCausalLM, "out/llama-2of4")  # doctest: +SKIP
     """
+    if not (isinstance(cls, type) and callable(getattr(cls, "from_pretrained", None))):
+        raise TypeError(f"cls must be a transformers model class (with from_pretrained), got {cls!r}")
     register()
     import transformers
 
@@ -480,7 +486,7 @@ def read_config(folder: str | os.PathLike, cls=None):
     try:
         with open(path, "rb") as f:
             data = json.load(f)
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:  # (RecursionError: nesting too deep for json's decoder)
         raise ValueError(f"{path}: not a readable JSON file ({' '.join(str(e).split())[:200]})") from None
     if not isinstance(data, dict):
         raise ValueError(f"{path}: must hold a JSON object, got {type(data).__name__}")
@@ -526,7 +532,7 @@ def read_shard_index(folder) -> dict | None:
     try:
         with open(index) as f:
             data = json.load(f)
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:  # (RecursionError: nesting too deep for json's decoder)
         raise ValueError(f"{index}: not a readable shard index ({type(e).__name__}: {e})") from None
     weight_map = data.get("weight_map") if isinstance(data, dict) else None
     if not isinstance(weight_map, dict) or not all(isinstance(k, str) and isinstance(v, str)
@@ -647,10 +653,13 @@ def _check_loadable_dtypes(headers: dict) -> None:
 
 
 def read_section(folder: str | os.PathLike) -> dict | None:
-    """The sparse24 section of ``folder/config.json``, or None when it has none. ValueError when
-    config.json is not a JSON object."""
-    with open(os.path.join(folder, "config.json")) as f:
-        config = json.load(f)
+    """The sparse24 section of ``folder/config.json``, or None when it has none. ValueError naming
+    the file when config.json is not JSON (nested too deeply, say) or not a JSON object."""
+    with open(os.path.join(folder, "config.json"), "rb") as f:
+        try:
+            config = json.load(f)
+        except (ValueError, RecursionError) as e:  # (UnicodeDecodeError is a ValueError)
+            raise ValueError(f"config.json is not a readable JSON file ({' '.join(str(e).split())[:200]})") from None
     if not isinstance(config, dict):
         raise ValueError(f"config.json must hold a JSON object, got {type(config).__name__}")
     qc = config.get("quantization_config")

@@ -31,6 +31,10 @@ Layers whose weight other code reads directly are handled explicitly:
   fast path. Masked mode serves them correctly: the stored weight is exactly
   zero where pruned and its gradient is masked from every use. Compressed mode
   has no dense weight to read, so these layers stay in masked mode (reported).
+  Their own forward never runs, so a forward pre-hook on the parent re-zeroes their
+  pruned entries after an in-place write outside an optimizer step (a re-init);
+  inside ``nn.TransformerEncoderLayer`` it sits on the module above (see
+  :func:`walk._sync_reader_hooks`; docs/modules.md).
 * a weight shared with another module (tied embeddings) is skipped: masking it
   would silently prune the other module too.
 * the output head of a language model (``skip_output_head=True``, the default)
@@ -53,6 +57,7 @@ from typing import Callable, Iterable
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 
 from .._checks import check_finite, check_model
 from .._rollback import TensorBackup
@@ -63,7 +68,8 @@ from ..nn.prepare import _check_mode, _linear_weight, _prepare, describe_quant, 
 from .guard import check_calibration, record_after_change, require_sparse_layers
 from .report import LayerReport, SparsifyReport
 from .walk import (MIN_FEATURES, FilterFn, _after_change, _check_foreign_quantization, _child_slots, _direct_readers,
-                   _entry, _is_linear, _kept_dense, _not_handled, _shared_weights, _skip_reason, _Undo)
+                   _entry, _is_linear, _kept_dense, _not_handled, _shared_weights, _skip_reason, _sync_reader_hooks,
+                   _Undo)
 
 __all__ = ["sparsify_", "densify_", "compress_", "decompress_", "prune_trained_model", "count_parameters",
            "SparsifyReport", "LayerReport", "MIN_FEATURES"]
@@ -178,10 +184,10 @@ def _sparsify(model, filter_fn, mode, method, calibration, quantize, min_feature
     for fqn, mod in model.named_modules():
         if isinstance(mod, Sparse24Linear):
             report.layers.append(_entry(fqn, mod, "skipped", "already a Sparse24Linear"))
+        elif (line := _not_handled(fqn, mod)) is not None:
+            report.layers.append(line)
         elif not _is_linear(mod):
-            line = _not_handled(fqn, mod)
-            if line is not None:
-                report.layers.append(line)
+            continue
         elif why := _skip_reason(fqn, mod, filter_fn, min_features, shared, readers, heads, method, calibration):
             report.layers.append(_entry(fqn, mod, "skipped", why))
         else:
@@ -282,16 +288,40 @@ def _optimizer_moves(optimizer, pairs) -> list[Callable[[_Undo], None]]:
 @contextlib.contextmanager
 def _changing(model: nn.Module):
     """The changing section of a whole-model call: yields an :class:`_Undo` the section records its
-    changes in, runs ``_after_change`` (hooks, a transformers config's sparse24 section) at its end,
-    and on any exception up to there undoes everything, the config's state included."""
+    changes in, then puts the forward pre-hooks that keep directly read masked weights masked where
+    they are needed (and only there, see :func:`walk._sync_reader_hooks`), runs ``_after_change``
+    (hooks, a transformers config's sparse24 section) at its end, and on any exception up to there
+    undoes everything, the config's state included."""
     undo = _Undo()
     undo.add(record_after_change(model))  # undone last, once the layers are back
     try:
         yield undo
+        _sync_reader_hooks(model, undo)
         _after_change(model)
     except BaseException:
         undo.undo()
         raise
+
+
+def _refuse_reparametrized(who: str, layers: list[tuple[str, Sparse24Linear]], bias: bool = False) -> None:
+    """ValueError naming the first of ``layers`` whose weight (compressed: ``values``), or with ``bias``
+    its bias, is reparametrized (``torch.nn.utils.parametrize``, or the forward pre-hooks of
+    ``torch.nn.utils.prune`` and the old ``weight_norm`` / ``spectral_norm``): a mode switch would
+    leave the dense original behind (held, saved, in the way of ``decompress_``), and ``densify_``
+    finds no Parameter to hand over."""
+    for fqn, m in layers:
+        hooks = {getattr(h, "_tensor_name", getattr(h, "name", None)): type(h).__name__
+                 for h in m._forward_pre_hooks.values()}
+        for name in ("weight" if m.mode == "masked" else "values", "bias")[:2 if bias else 1]:
+            if parametrize.is_parametrized(m, name):
+                by, how = "torch.nn.utils.parametrize", f"parametrize.remove_parametrizations(layer, {name!r})"
+            elif name in hooks and name not in m._parameters:
+                by, how = f"a {hooks[name]} forward pre-hook", "torch.nn.utils.prune.remove(layer, name), " \
+                                                              "remove_weight_norm or remove_spectral_norm"
+            else:
+                continue
+            raise ValueError(f"{who}: layer {fqn!r}: its {name!r} is reparametrized by {by}, whose original "
+                             f"tensors {who} would leave behind: remove it first ({how}) (nothing was changed)")
 
 
 def _sparse_layers(model: nn.Module) -> list[tuple[str, Sparse24Linear]]:
@@ -337,7 +367,8 @@ def compress_(model: nn.Module, quantize: str | None = None, trainable_values: b
         :class:`SparsifyReport`.
     Raises:
         ValueError (nothing changed): the model has no ``Sparse24Linear`` (never sparsified:
-        compressing it would silently do nothing), a masked layer's weight holds inf/NaN.
+        compressing it would silently do nothing), a masked layer's weight holds inf/NaN, or is
+        reparametrized (``torch.nn.utils.parametrize``, ``prune``, ``weight_norm``: remove it first).
     Example:
         >>> model = nn.Sequential(nn.Linear(64, 64)); _ = sparsify_(model)
         >>> compress_(model).changed[0].mode
@@ -352,11 +383,12 @@ def compress_(model: nn.Module, quantize: str | None = None, trainable_values: b
             raise ValueError(f"layer {fqn!r} is already compressed with {describe_quant(m._quant())}; "
                              f"decompress_ first to re-compress with {describe_quant(quant)}")
     given = _check_packed(packed, layers, readers, quant)
+    todo = [(fqn, m) for fqn, m in layers if id(m) not in readers
+            and not (m.mode == "compressed" and trainable_values == m.values.requires_grad)]
+    _refuse_reparametrized("compress_", todo)
     # Compress every masked layer first, so a failing one (e.g. inf weights with int8) leaves the model untouched.
     packed = {}
-    for fqn, m in layers:
-        if id(m) in readers or (m.mode == "compressed" and trainable_values == m.values.requires_grad):
-            continue
+    for fqn, m in todo:
         try:
             if m.mode == "masked":
                 check_finite(m.weight)
@@ -419,6 +451,7 @@ def decompress_(model: nn.Module) -> SparsifyReport:
     check_model(model, None)
     require_sparse_layers(model, "decompress_")
     todo = [(fqn, m) for fqn, m in _sparse_layers(model) if m.mode == "compressed"]
+    _refuse_reparametrized("decompress_", todo)
 
     def report_of() -> SparsifyReport:
         report = SparsifyReport("decompress_")
@@ -438,7 +471,9 @@ def densify_(model: nn.Module) -> SparsifyReport:
     Returns:
         :class:`SparsifyReport`.
     Raises:
-        ValueError: the model has no ``Sparse24Linear`` (nothing to switch).
+        ValueError (nothing changed): the model has no ``Sparse24Linear`` (nothing to switch), a
+        layer's weight or bias is reparametrized (``torch.nn.utils.parametrize``, ``prune``,
+        ``weight_norm``: remove it first).
     Example:
         >>> model = nn.Sequential(nn.Linear(64, 64)); _ = sparsify_(model)
         >>> _ = densify_(model); type(model[0]).__name__
@@ -452,6 +487,7 @@ def densify_(model: nn.Module) -> SparsifyReport:
     if any(not fqn for fqn, _ in layers):
         raise ValueError("the model itself is a Sparse24Linear: nothing holds it to swap; "
                          "use model.to_dense_module()")
+    _refuse_reparametrized("densify_", layers, bias=True)
     built = [(fqn, m, m.to_dense_module(release=False)) for fqn, m in layers]
     # Swap, stop masking the handed-over weights, record the config: undone as a whole on any failure up to the
     # return (a layer not released yet would go on masking its weight, now a dense layer's).

@@ -4,6 +4,7 @@ tied weights, the output head, layers too small, modules not handled), and
 swapping children in a way that can be undone (all or nothing)."""
 from __future__ import annotations
 
+import functools
 import inspect
 import re
 import sys
@@ -11,8 +12,10 @@ from typing import Callable
 
 import torch
 from torch import nn
+from torch.nn.parameter import is_lazy
 
 from ..nn import Sparse24Linear, compressed_nbytes, is_conv1d, linear_shape, memory_nbytes
+from ..nn.sharded import is_dtensor
 from ..nn.state import guard_loading
 from .report import LayerReport
 
@@ -99,15 +102,112 @@ def _direct_readers(model: nn.Module) -> dict[int, str]:
     compressed layer has no ``weight``, so such a child stays in masked mode)."""
     out = {}
     for mod in model.modules():
-        for cls, (*names, why) in _DIRECT_READERS.items():
-            if isinstance(mod, cls):
-                for n in names:
-                    out[id(getattr(mod, n))] = why
-        for n in _forward_weight_reads(type(mod)):
-            child = mod._modules.get(n)
-            if child is not None and id(child) not in out:
-                out[id(child)] = f"{type(mod).__name__}.forward reads self.{n}.weight"
+        for path, (why, known) in _reader_paths(mod).items():
+            child = _submodule(mod, path)
+            if child is not None and (known or id(child) not in out):
+                out[id(child)] = why
     return out
+
+
+def _reader_paths(mod: nn.Module) -> dict[str, tuple[str, bool]]:
+    """Path below ``mod`` -> (why, listed in _DIRECT_READERS) for the modules whose ``.weight`` ``mod``'s
+    forward reads directly."""
+    out = {}
+    for cls, (*names, why) in _DIRECT_READERS.items():
+        if isinstance(mod, cls):
+            out.update((n, (why, True)) for n in names)
+    for n in _forward_weight_reads(type(mod)):
+        if mod._modules.get(n) is not None:
+            out.setdefault(n, (f"{type(mod).__name__}.forward reads self.{n}.weight", False))
+    return out
+
+
+def _submodule(mod: nn.Module, path: str) -> nn.Module | None:
+    for name in path.split("."):
+        mod = mod._modules.get(name) if isinstance(mod, nn.Module) else None
+    return mod
+
+
+def _put_back(table: dict, saved: dict) -> None:
+    table.clear()  # the same table: handles of the user's hooks keep working
+    table.update(saved)
+
+
+class _MaskDirectReads:
+    """Forward pre-hook of a module holding masked layers whose ``.weight`` their parent reads directly
+    (their own forward, which masks, never runs; the hook's module is that parent, or a module above
+    it, see :func:`_hook_owner`): re-zeroes a layer's pruned entries in place when the weight
+    changed since it was last found zero there (a user's re-init, ``vector_to_parameters``, ``copy_``
+    under ``no_grad``; ``_zero_where_pruned`` caches the answer per version, so an unchanged weight
+    costs no pass over it). Holds the layers' paths only, looked up per call: survives deepcopy and pickle.
+
+    Left alone: a weight ``torch.func.functional_call`` substituted (no Parameter: never the caller's
+    tensor to write), calls under torch.compile or torch.func transforms (writing is no traceable or
+    functional op), inference tensors (cannot be written outside inference mode), meta and sharded
+    (FSDP2) weights."""
+
+    def __init__(self, paths: tuple[str, ...]):
+        self.paths = paths
+
+    def __call__(self, parent: nn.Module, args) -> None:
+        if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+            return
+        for path in self.paths:
+            child = _submodule(parent, path)
+            if not isinstance(child, Sparse24Linear) or child.__dict__.get("_mode") != "masked" \
+                    or child.__dict__.get("_pending") is not None:
+                continue
+            w, mask = child._parameters.get("weight"), child._buffers.get("mask")
+            if not isinstance(w, nn.Parameter) or mask is None or w.is_meta or w.is_inference() \
+                    or is_dtensor(w) or is_dtensor(mask):
+                continue
+            if not child._zero_where_pruned(w):
+                with torch.no_grad():
+                    w.masked_fill_(~mask, 0)
+
+
+def _sync_reader_hooks(model: nn.Module, undo: "_Undo") -> None:
+    """One :class:`_MaskDirectReads` on each module of ``model`` that must check directly read masked
+    ``Sparse24Linear`` weights (:func:`_hook_owner`), covering exactly those; none on the others (after
+    densify_). Run at the end of every whole-model call; ``undo`` puts each changed hook table back."""
+    wanted: dict[int, list[str]] = {}  # id(owner) -> the paths below it to check
+    for fqn, parent in model.named_modules():
+        paths = [p for p in _reader_paths(parent)
+                 if isinstance(c := _submodule(parent, p), Sparse24Linear) and c.mode == "masked"]
+        if paths:
+            owner = _hook_owner(model, fqn)
+            below = fqn[len(owner):].lstrip(".")
+            found = wanted.setdefault(id(model.get_submodule(owner)), [])
+            found += [q for q in (f"{below}.{p}" if below else p for p in paths) if q not in found]
+    for mod in model.modules():
+        paths = tuple(wanted.get(id(mod), ()))
+        hooks = mod._forward_pre_hooks
+        ours = [k for k, h in hooks.items() if isinstance(h, _MaskDirectReads)]
+        if (not ours and not paths) or (len(ours) == 1 and hooks[ours[0]].paths == paths):
+            continue
+        undo.add(functools.partial(_put_back, hooks, dict(hooks)))
+        for k in ours[1:] if paths else ours:
+            del hooks[k]
+        if paths and ours:
+            hooks[ours[0]] = _MaskDirectReads(paths)  # in its place among the user's hooks
+        elif paths:
+            mod.register_forward_pre_hook(_MaskDirectReads(paths))
+
+
+def _hook_owner(model: nn.Module, fqn: str) -> str:
+    """Where the check for the module ``fqn``'s direct reads goes: on it, unless it is (inside) an
+    ``nn.TransformerEncoderLayer``, whose fused inference fast path turns off when any module inside
+    it has a hook: then on the nearest module above that layer that is called (not a ModuleList), so
+    that the check runs before the layer does. The layer itself where nothing above it is called
+    (correct, without the fast path)."""
+    parts = fqn.split(".") if fqn else []
+    names = [".".join(parts[:i]) for i in range(len(parts) + 1)]  # root first
+    mods = [model.get_submodule(n) for n in names]
+    inside = [i for i, m in enumerate(mods) if isinstance(m, nn.TransformerEncoderLayer)]
+    if not inside:
+        return fqn
+    above = [i for i in range(inside[0]) if type(mods[i]).forward is not nn.Module.forward]
+    return names[above[-1]] if above else names[inside[0]]
 
 
 _WEIGHT_READS: dict[type, frozenset] = {}
@@ -128,13 +228,47 @@ def _forward_weight_reads(cls: type) -> frozenset:
 
 
 def _shared_weights(model: nn.Module) -> dict[int, list[str]]:
-    """id(parameter) -> the qualified names it is registered under, for parameters registered twice or more."""
+    """id(parameter) -> the qualified names of every parameter sharing memory with it: the same
+    Parameter registered twice or more, or Parameters over overlapping bytes (a tie that
+    ``load_state_dict(assign=True)`` made into two Parameter objects on one storage); only those."""
     names: dict[int, list[str]] = {}
+    spans = []  # (device, first byte, end byte, id) of each parameter holding memory
     for fqn, mod in model.named_modules():
         for pname, p in mod._parameters.items():
-            if p is not None:
-                names.setdefault(id(p), []).append(f"{fqn}.{pname}" if fqn else pname)
-    return {k: v for k, v in names.items() if len(v) > 1}
+            if p is None:
+                continue
+            if id(p) not in names:
+                names[id(p)] = []
+                span = _byte_span(p)
+                if span is not None:
+                    spans.append((*span, id(p)))
+            names[id(p)].append(f"{fqn}.{pname}" if fqn else pname)
+    group = {k: k for k in names}  # id -> the id whose group it is in
+    spans.sort(key=lambda s: (str(s[0]), s[1], s[2]))
+    end = None
+    for i, (device, lo, hi, k) in enumerate(spans):
+        if end is not None and device == spans[i - 1][0] and lo < end:
+            group[k] = group[spans[i - 1][3]]
+            end = max(end, hi)
+        else:
+            end = hi
+    members: dict[int, list[str]] = {}
+    for k, g in group.items():
+        members.setdefault(g, []).extend(names[k])
+    return {k: members[group[k]] for k in names if len(members[group[k]]) > 1}
+
+
+def _byte_span(p: torch.Tensor) -> tuple | None:
+    """(device, first byte, end byte) of the memory ``p`` spans; None where it holds none (meta,
+    lazy, empty) or none of its own to compare (a tensor subclass such as a DTensor)."""
+    if is_lazy(p) or p.is_meta or type(p.data) is not torch.Tensor or p.numel() == 0:
+        return None
+    try:
+        lo = p.data_ptr()
+    except RuntimeError:
+        return None
+    elements = 1 + sum((n - 1) * st for n, st in zip(p.shape, p.stride()))
+    return (p.device, lo, lo + elements * p.element_size()) if lo else None
 
 
 def _is_linear(mod: nn.Module) -> bool:
@@ -226,7 +360,13 @@ def _entry(fqn: str, mod: nn.Module, action: str, reason: str = "") -> LayerRepo
 
 
 def _not_handled(fqn: str, mod: nn.Module) -> LayerReport | None:
-    """A report line for a module owning a weight matrix that sparsify_ leaves alone, else None."""
+    """A report line for a module owning a weight matrix that sparsify_ leaves alone (a lazy
+    module not materialized yet too, Linear or not: it has no shape to read), else None."""
+    lazy = next((p for p in mod._parameters.values() if p is not None and is_lazy(p)), None)
+    if lazy is not None:
+        return LayerReport(fqn, (), lazy.dtype, "skipped",
+                           reason=f"not handled: {type(mod).__name__}: lazy, not materialized: run a forward pass "
+                                  "first")
     if _is_linear(mod) or isinstance(mod, Sparse24Linear):
         return None
     mats = [(n, p) for n, p in mod._parameters.items() if p is not None and p.dim() >= 2]

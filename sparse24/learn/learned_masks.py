@@ -14,7 +14,7 @@ from torch import nn
 from .._checks import check_model
 from .._progress import progress_bar, progress_enabled
 from ..api import MIN_FEATURES, SparsifyReport, sparsify_
-from ..api.walk import _SWAPPABLE, _child_slots, _is_linear, _Undo
+from ..api.walk import _SWAPPABLE, _child_slots, _direct_readers, _is_linear, _Undo
 from ..masks import LearnableMask
 from ..nn import Sparse24Linear
 from .objective import (_batch_stream, _check_steps, _failure_note, _nonempty, _Objective, _optimizer_step,
@@ -276,13 +276,14 @@ def _learn(model, batches, steps, objective, teacher, prior, calibration, tau, h
     slots, learners, not_learned = _child_slots(model), {}, {}
     layers = [(fqn, m) for fqn, m in model.named_modules() if isinstance(m, Sparse24Linear)
               and (filter_fn is None or filter_fn(m, fqn))]
-    readers = {r.fqn: r.reason for r in report.changed if r.reason}
+    # every layer read directly, the ones masked before this call too: a stand-in there would never run
+    readers = _direct_readers(model)
     for fqn, sp in layers:
         if sp.mode != "masked":
             not_learned[fqn] = "compressed mode: no dense weight to learn a mask over"
             continue
-        if fqn in readers:
-            not_learned[fqn] = f"its parent reads its weight directly ({readers[fqn]})"
+        if id(sp) in readers:
+            not_learned[fqn] = f"its parent reads its weight directly ({readers[id(sp)]})"
             continue
         src = dense.get(fqn)
         if src is None:
