@@ -236,12 +236,19 @@ def model_snapshot(model, optimizer=None) -> dict:
             "params": [(n, p, p.requires_grad, p.detach().clone(), None if p.grad is None else p.grad.clone())
                        for n, p in model.named_parameters()],
             "buffers": [(n, b, b.clone()) for n, b in model.named_buffers()],
-            "state": {k: v.clone() for k, v in model.state_dict().items()}}
+            "state": {k: v.clone() for k, v in model.state_dict().items()},
+            "hooks": _hooks(model)}
     if optimizer is not None:
         snap["groups"] = [list(g["params"]) for g in optimizer.param_groups]
         snap["opt_state"] = {p: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in s.items()}
                              for p, s in optimizer.state.items()}
     return snap
+
+
+def _hooks(model) -> list:
+    """Every module's forward pre-hooks, forward hooks and backward hooks (the callables, by handle id)."""
+    return [(n, dict(m._forward_pre_hooks), dict(m._forward_hooks), dict(m._backward_hooks))
+            for n, m in model.named_modules()]
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -255,6 +262,7 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def assert_model_unchanged(model, snap, optimizer=None) -> None:
     assert [(n, m, type(m)) for n, m in model.named_modules()] == snap["modules"]
+    assert _hooks(model) == snap["hooks"]
     params = list(model.named_parameters())
     assert [(n, p, p.requires_grad) for n, p in params] == [s[:3] for s in snap["params"]]
     assert all(_same(p, s[3]) for (_, p), s in zip(params, snap["params"]))

@@ -91,7 +91,7 @@ def record_after_change(model: nn.Module) -> Callable[[], None]:
 class ModelRollback:
     """Put a model back exactly as it was when a whole-model call fails part way.
 
-    Recorded at construction: every module's children, parameters and buffers (references,
+    Recorded at construction: every module's children, parameters, buffers and forward pre-hooks (references,
     so swapped modules and replaced tensors come back as the same objects), every
     parameter's ``requires_grad`` and ``.grad`` (existing gradients copied: backward adds
     to them in place), and each ``Sparse24Linear``'s mode state. The values of ``keep``,
@@ -111,7 +111,9 @@ class ModelRollback:
     def __init__(self, model: nn.Module, keep: Iterable[torch.Tensor] = (), same: dict | None = None):
         self.model = model
         self.after_change = record_after_change(model)
-        self.modules = [(m, dict(m._modules), dict(m._parameters), dict(m._buffers)) for m in model.modules()]
+        # (forward pre-hooks too: a call may add the one that keeps directly read weights masked)
+        self.modules = [(m, dict(m._modules), dict(m._parameters), dict(m._buffers), dict(m._forward_pre_hooks))
+                        for m in model.modules()]
         self.sparse = {m: m._snapshot() for m in model.modules() if isinstance(m, Sparse24Linear)}
         self.flags = [(p, p.requires_grad, p.grad) for p in model.parameters()]
         self.values = TensorBackup()
@@ -126,11 +128,12 @@ class ModelRollback:
         """Everything recorded comes back; 2:4 layers made since stop masking the weights they shared."""
         # 2:4 layers made since, in the model or swapped out of it (e.g. behind a stand-in), that mask one of
         # its weights: released, so that neither gradients nor optimizer steps of the weight are masked anymore
-        own = {id(p) for _, _, params, _ in self.modules for p in params.values() if p is not None}
+        own = {id(p) for _, _, params, _, _ in self.modules for p in params.values() if p is not None}
         made = {m for m in self.model.modules() if isinstance(m, Sparse24Linear) and m not in self.sparse}
         made |= {m for m in list(_MASKED_MODULES) if m not in self.sparse and id(m._parameters.get("weight")) in own}
-        for m, children, params, buffers in self.modules:
-            for table, saved in ((m._modules, children), (m._parameters, params), (m._buffers, buffers)):
+        for m, children, params, buffers, pre_hooks in self.modules:
+            for table, saved in ((m._modules, children), (m._parameters, params), (m._buffers, buffers),
+                                 (m._forward_pre_hooks, pre_hooks)):
                 table.clear()
                 table.update(saved)
         for m in made:

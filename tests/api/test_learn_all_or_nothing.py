@@ -127,3 +127,20 @@ def test_distill_fails_at_any_step_and_changes_nothing(k):
     assert_model_unchanged(model, snap)
     distill_(model, batches, steps=2, teacher=dense, lr=1e-2)  # and it still trains, masks frozen
     assert all(sparse24.is_nm(m.dense_weight()) for m in model.modules() if isinstance(m, Sparse24Linear))
+
+
+def test_learn_masks_failing_leaves_no_hook_on_a_parent_reading_a_weight_directly():
+    # its sparsify_ puts a pre-hook on the attention (it reads out_proj.weight): a failure left it behind
+    class Attn(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn, self.out = nn.MultiheadAttention(32, 4, batch_first=True), nn.Linear(32, 32)
+
+        def forward(self, x):
+            return self.out(self.attn(x[:, None], x[:, None], x[:, None])[0][:, 0])
+    torch.manual_seed(0)
+    model = Attn()
+    snap = model_snapshot(model)
+    with pytest.raises(RuntimeError, match="injected failure at step 1"):
+        learn_masks(model, data(), steps=4, callback=fail_at(1))
+    assert_model_unchanged(model, snap)
