@@ -21,10 +21,12 @@ from __future__ import annotations
 import math
 from typing import Callable
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ._checks import check_model
 from .learn.objective import _call, _output_tensor
 
 __all__ = ["mean_pool", "sentence_embeddings", "embedding_fidelity", "bits_per_char"]
@@ -104,6 +106,7 @@ def sentence_embeddings(model: nn.Module, batches, token_mask: Callable | None =
         >>> e.shape, torch.allclose(e[1], F.normalize(enc.weight[3], dim=0))
         (torch.Size([2, 4]), True)
     """
+    check_model(model, None)
     _check_token_mask(token_mask)
     with _EvalMode(model), torch.no_grad():
         out = [_embed(model, b, i, token_mask, normalize) for i, b in enumerate(batches)]
@@ -147,9 +150,10 @@ def embedding_fidelity(model: nn.Module, batches, reference, token_mask: Callabl
         batches: iterable of batches, read once (a shuffling DataLoader is fine: both models
             see each batch as it comes).
         reference: the dense encoder (an ``nn.Module``, run on each batch beside ``model``) or
-            its ``(N, D)`` embeddings from :func:`sentence_embeddings` (compute them
-            once when judging several models; they must come from the same batches in
-            the same order, so not from a shuffling DataLoader).
+            its ``(N, D)`` embeddings, a tensor from :func:`sentence_embeddings` or a numpy array
+            (sentence-transformers' ``encode()``) (compute them once when judging several models;
+            they must come from the same batches in the same order, so not from a shuffling
+            DataLoader). Anything else is a TypeError.
         token_mask: as in :func:`sentence_embeddings`.
     Returns:
         the mean over the ``N`` sentences of ``cos(e_model, e_reference)``: 1.0 = identical.
@@ -158,6 +162,12 @@ def embedding_fidelity(model: nn.Module, batches, reference, token_mask: Callabl
         >>> round(embedding_fidelity(enc, [ids], enc), 6)  # fp32 cosines: 1 - 6e-8 for some weights
         1.0
     """
+    check_model(model, None)
+    if isinstance(reference, np.ndarray):   # sentence-transformers' encode() returns numpy by default
+        reference = torch.as_tensor(reference)
+    if not isinstance(reference, (torch.Tensor, nn.Module)):
+        raise TypeError(f"reference must be the dense encoder (an nn.Module) or its (N, D) embeddings (a tensor or "
+                        f"numpy array), got {type(reference).__name__}")
     if isinstance(reference, torch.Tensor):
         emb, ref = sentence_embeddings(model, batches, token_mask), reference
     else:
@@ -199,6 +209,7 @@ def bits_per_char(model: nn.Module, ids: torch.Tensor, ctx: int, windows: int, b
         >>> round(bits_per_char(Uniform(), torch.randint(0, 8, (100,)), ctx=16, windows=4), 4)  # log2(8)
         3.0
     """
+    check_model(model, None)
     if not isinstance(ids, torch.Tensor) or ids.dim() != 1 or ids.is_floating_point():
         raise TypeError("ids must be a 1-D integer tensor of character ids")
     for name, v in (("ctx", ctx), ("windows", windows), ("batch_size", batch_size)):

@@ -64,6 +64,14 @@ def _call(model: nn.Module, batch):
     return model(batch)
 
 
+def _check_same_shape(s: torch.Tensor, t: torch.Tensor, what: str) -> None:
+    """ValueError naming both shapes unless the student's ``s`` and the teacher's ``t`` match
+    (torch broadcasts some mismatches silently, and names neither model in the others)."""
+    if s.shape != t.shape:
+        raise ValueError(f"the teacher's output has shape {tuple(t.shape)} but the student's {tuple(s.shape)}: "
+                         f"{what} element by element, so the teacher must be the same model before pruning")
+
+
 class _Objective:
     """``loss(batch)`` of the student: task loss, distillation from the teacher
     (output loss + ``hidden_weight`` x mean relative MSE of the ``hidden``
@@ -119,8 +127,13 @@ class _Objective:
         if self.teacher is not None:
             with torch.no_grad():
                 ref = self.forward(self.teacher, batch)
-            loss = loss + _distill_loss(self.output_loss, _output_tensor(out), _output_tensor(ref))
+            s, t = _output_tensor(out), _output_tensor(ref)
+            if not callable(self.output_loss):   # (a loss of one's own may compare other shapes)
+                _check_same_shape(s, t, f"output_loss={self.output_loss!r} compares the outputs")
+            loss = loss + _distill_loss(self.output_loss, s, t)
             if self.hidden and self.hidden_weight:
+                for h in self.hidden:
+                    _check_same_shape(self._s[h], self._t[h], f"hidden={h!r} compares the module's outputs")
                 layer = sum(_relative_mse(self._s[h], self._t[h]) for h in self.hidden) / len(self.hidden)
                 loss = loss + self.hidden_weight * layer
         self._s.clear()

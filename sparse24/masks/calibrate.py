@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Callable
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -99,7 +100,7 @@ def calibrate(model: nn.Module, batches, hessian: bool = False, filter_fn=None, 
     seen: set[str] = set()
 
     def inputs(fqn: str, k: int, args, kwargs) -> torch.Tensor:
-        return _token_inputs(fqn, _layer_input(args, kwargs).detach(), rows[0]).reshape(-1, k).to(dtype)
+        return _token_inputs(fqn, _layer_input(fqn, args, kwargs).detach(), rows[0]).reshape(-1, k).to(dtype)
 
     def stop_if_done():
         if stop_early and len(seen) == len(selected):
@@ -148,7 +149,8 @@ def calibrate(model: nn.Module, batches, hessian: bool = False, filter_fn=None, 
         for mod, _ in modes:
             mod.training = False
         with torch.no_grad():
-            for b in progress_bar(batches, desc="calibrate", progress=progress, unit="batch"):
+            for i, b in enumerate(progress_bar(batches, desc="calibrate", progress=progress, unit="batch")):
+                _check_batch(b, i)
                 b = _to_device(b, device)
                 if token_mask is not None:
                     rows[0] = _token_rows(token_mask(b))
@@ -411,7 +413,8 @@ def _check_inputs(model: nn.Module, names: dict[nn.Module, str], batches, device
     counts: dict[str, int] = {}
 
     def record(mod, args, kwargs):
-        fqn, x = names[mod], _layer_input(args, kwargs)
+        fqn = names[mod]
+        x = _layer_input(fqn, args, kwargs)
         if index[0] == 0:
             calls.append((fqn, x is last[0]))
             last[0] = x
@@ -419,6 +422,7 @@ def _check_inputs(model: nn.Module, names: dict[nn.Module, str], batches, device
     handles = [mod.register_forward_pre_hook(record, with_kwargs=True) for mod in names]
     try:
         for index[0], b in enumerate(batches):
+            _check_batch(b, index[0])
             try:
                 if token_mask is not None:
                     rows[0] = _token_rows(token_mask(_to_device(b, device)))
@@ -447,9 +451,23 @@ def _check_inputs(model: nn.Module, names: dict[nn.Module, str], batches, device
     return calls
 
 
-def _layer_input(args: tuple, kwargs: dict) -> torch.Tensor:
-    """A Linear's input, given positionally or by name (``lin(input=x)``)."""
-    return args[0] if args else next(iter(kwargs.values()))
+def _layer_input(fqn: str, args: tuple, kwargs: dict) -> torch.Tensor:
+    """A Linear's input, given positionally or by name (``lin(input=x)``); TypeError naming the
+    layer if it is not a tensor (the hooks run before the Linear could refuse it)."""
+    x = args[0] if args else next(iter(kwargs.values()))
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"layer {fqn!r} was called on a {type(x).__name__}, not a tensor")
+    return x
+
+
+def _check_batch(b, i: int) -> None:
+    """TypeError naming batch ``i`` if it is, or directly holds, a numpy array: torch modules take
+    tensors (the numpy array reached the layers' hooks, an AttributeError there)."""
+    parts = b.items() if isinstance(b, dict) else enumerate(b) if isinstance(b, (tuple, list)) else [(None, b)]
+    for k, v in parts:
+        if isinstance(v, np.ndarray):
+            raise TypeError(f"batch {i}{'' if k is None else f'[{k!r}]'} is a numpy.ndarray {v.shape}: batches hold "
+                            "torch tensors (convert with torch.from_numpy)")
 
 
 def _teacher_target(w: torch.Tensor, stats: LayerStats, percdamp: float = PERCDAMP,

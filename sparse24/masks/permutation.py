@@ -4,6 +4,7 @@ application to a producer/consumer pair of layers so outputs stay equal."""
 from __future__ import annotations
 
 import math
+import numbers
 import time
 
 import torch
@@ -16,7 +17,7 @@ from .two_d import score_dtype
 __all__ = ["search_permutation", "apply_permutation"]
 
 
-def search_permutation(w: torch.Tensor, n: int = 2, m: int = 4, time_limit: float = 10.0,
+def search_permutation(w: torch.Tensor, n: int = 2, m: int = 4, time_limit: float | None = 10.0,
                        max_iters: int | None = None, seed: int = 0, progress: bool | None = None,
                        window: int = 128, tenure: int = 10, round_iters: int = 64) -> torch.Tensor:
     """Input-channel permutation raising the magnitude an N:M mask keeps.
@@ -39,9 +40,10 @@ def search_permutation(w: torch.Tensor, n: int = 2, m: int = 4, time_limit: floa
     Args:
         w: ``(R, C)`` float weight, ``C % m == 0`` (searched on its device).
         n, m: the N:M pattern the mask will use.
-        time_limit: seconds for the whole call: no step starts that would end
+        time_limit: seconds for the whole call (finite): no step starts that would end
             past it (judged by the last step's duration), and a step still
-            running at the deadline stops at its next ~16M-term chunk.
+            running at the deadline stops at its next ~16M-term chunk; None: no
+            time limit (``max_iters`` is then required).
         max_iters: optional cap on search steps.
         seed: seeds the window draws.
         progress: a tqdm bar on stderr: share of the time (or steps) used, kept-magnitude gain
@@ -64,12 +66,9 @@ def search_permutation(w: torch.Tensor, n: int = 2, m: int = 4, time_limit: floa
     check_weight(w, m)
     if not bool(torch.isfinite(w).all()):   # (NaN made every swap's score NaN: the identity, after time_limit)
         raise ValueError("the importance matrix contains NaN or inf: no permutation can be scored")
-    if not (isinstance(time_limit, (int, float)) and time_limit > 0):
-        raise ValueError(f"time_limit must be a positive number of seconds, got {time_limit!r}")
-    if max_iters is not None and (not isinstance(max_iters, int) or max_iters < 0):
-        raise ValueError(f"max_iters must be a non-negative int or None, got {max_iters!r}")
+    check_search_args(time_limit, max_iters, seed)
     for name, v in (("window", window), ("tenure", tenure), ("round_iters", round_iters)):
-        if not isinstance(v, int) or v < (0 if name == "tenure" else 1):
+        if not _is_int(v) or v < (0 if name == "tenure" else 1):
             raise ValueError(f"{name} must be a {'non-negative' if name == 'tenure' else 'positive'} int, got {v!r}")
     t0 = time.perf_counter()
     C = w.shape[1]
@@ -84,7 +83,7 @@ def search_permutation(w: torch.Tensor, n: int = 2, m: int = 4, time_limit: floa
     t1 = time.perf_counter()
     base = _kept_nm(A[:, :C], identity, n, m)
     # The final check costs what this one did: keep time for it so the whole call fits time_limit.
-    deadline = t0 + time_limit - (time.perf_counter() - t1)
+    deadline = math.inf if time_limit is None else t0 + time_limit - (time.perf_counter() - t1)
     gen = torch.Generator().manual_seed(seed)
     bar = _Progress(time_limit, max_iters, base, progress)
     perm, it, rnd, gained = identity, 0, 0, 0.0
@@ -114,6 +113,25 @@ def search_permutation(w: torch.Tensor, n: int = 2, m: int = 4, time_limit: floa
         bar.close()
     # The gains were summed in the search precision: confirm with an fp64 sum.
     return perm if _kept_nm(A[:, :C], perm, n, m) >= base else identity
+
+
+def _is_int(v) -> bool:
+    # bool is an int to Python, but window=True (1 column) or max_iters=True (1 step) is a mistake
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+def check_search_args(time_limit, max_iters, seed) -> None:
+    """ValueError unless ``time_limit`` is a finite number > 0, or None with ``max_iters`` given
+    (inf or None alone never stop), ``max_iters`` an int >= 0 or None and ``seed`` an int; bools refused."""
+    if time_limit is None:
+        if max_iters is None:
+            raise ValueError("time_limit=None (no time limit) needs max_iters: the search would never stop")
+    elif isinstance(time_limit, bool) or not isinstance(time_limit, (int, float)) or not 0 < time_limit < math.inf:
+        raise ValueError(f"time_limit must be a positive number of seconds, and finite, got {time_limit!r}")
+    if max_iters is not None and (not _is_int(max_iters) or max_iters < 0):
+        raise ValueError(f"max_iters must be a non-negative int or None, got {max_iters!r}")
+    if not _is_int(seed):
+        raise ValueError(f"seed must be an int, got {seed!r}")
 
 
 def apply_permutation(producer: nn.Linear, consumer: nn.Linear, perm: torch.Tensor) -> None:
@@ -289,7 +307,7 @@ class _Progress:
         if self.bar.disable or now - self.last < 0.25:
             return
         self.last = now
-        frac = 1 - (deadline - now) / self.time_limit
+        frac = 0.0 if self.time_limit is None else 1 - (deadline - now) / self.time_limit
         if self.max_iters:
             frac = max(frac, it / self.max_iters)
         self.bar.n = round(100 * min(max(frac, 0.0), 1.0))

@@ -24,14 +24,15 @@ when ``block`` keeps each channel inside its head.
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from .._checks import check_nm
+from .._checks import check_model, check_nm
 from .nm import LayerStats
-from .permutation import search_permutation
+from .permutation import check_search_args, search_permutation
 from .reconstruct import PERCDAMP, damp_
 
 __all__ = ["PermutationGroup", "find_permutation_groups", "check_group", "permute_model_", "group_importance"]
@@ -192,10 +193,28 @@ def _double(example):
     return example
 
 
+def _tensors(x, where: str):
+    """``(where, tensor)`` for every tensor in ``x`` and its dicts, tuples and lists."""
+    if isinstance(x, torch.Tensor):
+        yield where, x
+    elif isinstance(x, dict):
+        for k, v in x.items():
+            yield from _tensors(v, f"{where}[{k!r}]")
+    elif isinstance(x, (tuple, list)):
+        for i, v in enumerate(x):
+            yield from _tensors(v, f"{where}[{i}]")
+
+
 def check_example(example) -> None:
-    """ValueError for a token batch of one position (``input_ids`` ``(..., 1)``, ``inputs_embeds``
-    ``(..., 1, H)``): attention over one key is 1 and rotary embeddings at position 0 are the
-    identity, so query rows permuted with key columns (not exact) leave its outputs unchanged."""
+    """ValueError for an example with an empty tensor (0 rows: any permutation leaves nothing
+    unchanged, so every group would pass) or a token batch of one position (``input_ids``
+    ``(..., 1)``, ``inputs_embeds`` ``(..., 1, H)``): attention over one key is 1 and rotary
+    embeddings at position 0 are the identity, so query rows permuted with key columns (not
+    exact) leave its outputs unchanged."""
+    for where, t in _tensors(example, "example"):
+        if t.numel() == 0:
+            raise ValueError(f"{where} has shape {tuple(t.shape)}, 0 elements: a test on no data proves every "
+                             "permutation exact; give a batch with rows (nothing was changed)")
     if isinstance(example, dict):
         for key, dim in (("input_ids", -1), ("inputs_embeds", -2)):
             t = example.get(key)
@@ -203,6 +222,14 @@ def check_example(example) -> None:
                 raise ValueError(f"example {key!r} has {t.shape[dim]} position(s): a test on one token cannot tell "
                                  "an exact permutation from one that mixes attention's query and key channels; give "
                                  "a batch of at least 2 tokens (more is a stronger test)")
+
+
+def _check_outputs(out) -> None:
+    """ValueError if the output tensors on the example hold no element: nothing to compare, any permutation passes."""
+    shapes = [tuple(t.shape) for _, t in _tensors(out, "")]
+    if shapes and not any(math.prod(s) for s in shapes):
+        raise ValueError(f"the model's outputs on example have no element (shapes {shapes}): they cannot tell an "
+                         "exact permutation from one that is not (nothing was changed)")
 
 
 class _Float64Copy:
@@ -215,6 +242,7 @@ class _Float64Copy:
         self.example = _double(example)
         with torch.no_grad():
             self.ref = _run(self.model, self.example)
+        _check_outputs(self.ref)
 
     @torch.no_grad()
     def exact(self, group: PermutationGroup, seed: int = 0) -> bool:
@@ -229,15 +257,23 @@ class _Float64Copy:
 def check_group(model: nn.Module, group: PermutationGroup, example, seed: int = 0) -> bool:
     """True if a random permutation of ``group`` (within its blocks) leaves the
     outputs of a float64 copy of ``model`` on ``example`` equal (to 1e-9 of the
-    largest output); ``model`` itself is not changed.
+    largest output); ``model`` itself is not changed. An ``example`` with an empty tensor, or
+    on which the outputs hold no element, proves nothing: a ValueError.
 
     Example:
         >>> mlp = nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 8))
         >>> check_group(mlp, PermutationGroup(["2"], ["0"]), torch.randn(4, 8))
         True
     """
+    check_model(model, None)
+    _check_group_type(group)
     group.size(model)
     return _Float64Copy(model, example).exact(group, seed)
+
+
+def _check_group_type(group) -> None:
+    if not isinstance(group, PermutationGroup):
+        raise TypeError(f"group must be a PermutationGroup, got {type(group).__name__}")
 
 
 @torch.no_grad()
@@ -258,7 +294,8 @@ def find_permutation_groups(model: nn.Module, example, heads: int | None = None)
 
     Args:
         model: the model (not modified; tests run on float64 copies).
-        example: one input batch as for :func:`sparse24.calibrate`.
+        example: one input batch as for :func:`sparse24.calibrate`, with rows (an empty tensor in it
+            is a ValueError: no data proves every candidate exact).
         heads: attention heads, to also find per-head value -> output pairs.
     Returns:
         list of :class:`PermutationGroup`, at most one per consumer.
@@ -267,8 +304,7 @@ def find_permutation_groups(model: nn.Module, example, heads: int | None = None)
         >>> [(g.producers, g.consumers) for g in find_permutation_groups(mlp, torch.randn(4, 8))]
         [(['0'], ['2'])]
     """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    check_model(model, None)
     if heads is not None and (not isinstance(heads, int) or heads < 1):
         raise ValueError(f"heads must be a positive int or None, got {heads!r}")
     linears = {fqn: m for fqn, m in model.named_modules() if isinstance(m, nn.Linear)}
@@ -321,8 +357,11 @@ def group_importance(model: nn.Module, group: PermutationGroup, score: str = "ma
     diagonal Hessian; ``"sparsegpt"``: ``W_ij^2 / [H^-1]_jj``, the OBS error
     SparseGPT's mask choice weighs (1% damping as in SparseGPT).
     """
+    check_model(model, None)
+    _check_group_type(group)
     if score not in SCORES:
         raise ValueError(f"score must be one of {SCORES}, got {score!r}")
+    group.size(model)   # a ValueError naming a layer the model lacks (was a KeyError)
     mods = dict(model.named_modules())
     rows = [_importance(mods[c], score, (calibration or {}).get(c)) for c in group.consumers]
     return torch.cat(rows)
@@ -338,7 +377,7 @@ def _permute_stats(stats: LayerStats, perm: torch.Tensor) -> None:
 
 
 def permute_model_(model: nn.Module, groups: list, score: str = "magnitude", calibration: dict | None = None,
-                   n: int = 2, m: int = 4, example=None, time_limit: float = 10.0, max_iters: int | None = 2000,
+                   n: int = 2, m: int = 4, example=None, time_limit: float | None = None, max_iters: int | None = 2000,
                    seed: int = 0, progress: bool = False) -> dict[str, float]:
     """Search and apply one input-channel permutation per group, in place.
 
@@ -363,8 +402,12 @@ def permute_model_(model: nn.Module, groups: list, score: str = "magnitude", cal
         score: ``"magnitude"``, ``"wanda"`` or ``"sparsegpt"`` (the last two need ``calibration``).
         calibration: statistics from ``sparse24.calibrate`` (hessian=True for sparsegpt).
         n, m: the N:M pattern.
-        example: optional batch to check the outputs on.
-        time_limit, max_iters, seed: per search (deterministic with ``max_iters``).
+        example: optional batch to check the outputs on (no empty tensor in it, as for :func:`check_group`).
+        time_limit, max_iters, seed: per search. By default each search runs ``max_iters=2000``
+            steps with no time limit: the result depends only on the inputs and the seed. A
+            ``time_limit`` (finite seconds > 0) stops a search earlier on a slow or busy machine,
+            so the permutation then depends on its speed. ``max_iters`` an int >= 0 or None
+            (then ``time_limit`` is required); bools refused.
         progress: progress bars on stderr.
     Returns:
         ``{group name: relative gain in kept importance}``.
@@ -374,11 +417,13 @@ def permute_model_(model: nn.Module, groups: list, score: str = "magnitude", cal
         >>> gains["mlp"] >= 0
         True
     """
+    check_model(model, None)
     if score not in SCORES:
         raise ValueError(f"score must be one of {SCORES}, got {score!r}")
     if score != "magnitude" and calibration is None:
         raise ValueError(f"score={score!r} needs calibration= from sparse24.calibrate")
     check_nm(n, m)
+    check_search_args(time_limit, max_iters, seed)
     groups = list(groups)
     if not all(isinstance(g, PermutationGroup) for g in groups):
         raise TypeError("groups must be PermutationGroup objects")
@@ -397,6 +442,8 @@ def permute_model_(model: nn.Module, groups: list, score: str = "magnitude", cal
                                  f" for {missing or g.consumers} (calibrate(..., hessian=True) for sparsegpt)")
     with torch.no_grad():
         before = _run_eval(model, example) if example is not None else None
+    if example is not None:
+        _check_outputs(before)
     # to undo everything: the permutations applied (inverted exactly, no copy of the model) and the
     # statistics objects' own tensors (the caller may hold those objects)
     applied: list[tuple[PermutationGroup, torch.Tensor]] = []
