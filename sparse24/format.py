@@ -60,6 +60,7 @@ from __future__ import annotations
 import sys
 
 import torch
+import torch.autograd.forward_ad as _fwAD
 
 from ._checks import FLOAT_DTYPES, check_mask, check_nm, check_weight
 
@@ -225,6 +226,12 @@ def _unpack_slots(meta: torch.Tensor, groups: int) -> torch.Tensor:
     codes = torch.arange(16, device=meta.device)
     table = torch.stack((codes & 3, codes >> 2), dim=-1)  # nibble -> (slot_lo, slot_hi)
     return table.index_select(0, nib.reshape(-1)).view(R, groups, 2)
+
+
+def has_tangent(*tensors) -> bool:
+    """Whether any of ``tensors`` (None allowed) is a dual tensor of ``torch.autograd.forward_ad``."""
+    return _fwAD._current_level >= 0 and any(t is not None and _fwAD.unpack_dual(t).tangent is not None
+                                             for t in tensors)
 
 
 # Elements per block of to_dense on a CPU: 256K (1 MiB fp32) stays in cache between zeroing and
@@ -409,7 +416,8 @@ class Sparse24Tensor:
         are cache-sized, so the zeros and the values are written while the block is in
         cache (4096x4096 fp32, 1 thread of a loaded 2-core AMD EPYC: 1.3-1.5x a
         ``clone`` of the result, where unpacking every slot to an int64 index first
-        took 3x; see scripts/bench_core.py).
+        took 3x; see scripts/bench_core.py). Under torch.func or forward-mode AD the blocks
+        are computed out of place (vmap over stacked weights, jvp / jacfwd w.r.t. the values).
         """
         R, C = self.shape
         if rows is not None and not isinstance(rows, slice):
@@ -417,7 +425,13 @@ class Sparse24Tensor:
         rows = slice(None) if rows is None else rows
         meta, row_ids = self.meta[:, rows], range(R)[rows]
         r, pairs = len(row_ids), (C // 4 + 1) // 2  # groups are read two (one byte) at a time
-        out = torch.empty(r, C, dtype=self.dtype, device=self.device)
+        if torch._C._are_functorch_transforms_active() or has_tangent(self.values, self.scale, self.zero):
+            # torch.func (e.g. vmap over stacked weights) or forward-mode AD: batched tensors cannot be
+            # written into a plain buffer and the int16 view below drops a tangent, so these go out of
+            # place, a block at a time, joined at the end
+            out, blocks = None, []
+        else:
+            out = torch.empty(r, C, dtype=self.dtype, device=self.device)
         columns = _byte_columns(self.device)
         base = torch.arange(0, 8 * pairs, 8, device=self.device).view(pairs, 1)
         shifts = torch.arange(0, 32, 8, dtype=torch.int32, device=self.device)
@@ -436,11 +450,17 @@ class Sparse24Tensor:
             # dequantized as dequantized_values does, a block at a time
             sub = row_ids[r0:r1]
             v = self._dequantized(slice(sub.start, sub.stop, sub.step)).to(self.dtype)
+            if out is None:
+                blocks.append(torch.zeros(r1 - r0, C, dtype=self.dtype, device=self.device).scatter(1, idx, v))
+                continue
             block = out[r0:r1]
             block.zero_()
             if block.element_size() == 2 and not v.requires_grad:  # fp16 / bf16 moved as int16 bits: torch's
                 block, v = block.view(torch.int16), v.view(torch.int16)  # CPU scatter of them is ~6x slower
             block.scatter_(1, idx, v)
+        if out is None:   # (no blocks: no rows)
+            return torch.cat(blocks) if len(blocks) > 1 else blocks[0] if blocks else \
+                torch.zeros(0, C, dtype=self.dtype, device=self.device)
         return out
 
     def validate(self) -> "Sparse24Tensor":

@@ -518,8 +518,9 @@ class Sparse24Linear(LayoutMixin, StateDictMixin, nn.Module):
 
     # -- forward --
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``(..., in_features)`` -> ``(..., out_features)``, as ``nn.Linear`` with the 2:4 weight."""
-        if not torch.compiler.is_compiling() and type(x) is torch.Tensor:
+        """``(..., in_features)`` -> ``(..., out_features)``, as ``nn.Linear`` with the 2:4 weight.
+        Compressed mode takes nested tensors of layout ``torch.jagged`` only (strided: TypeError)."""
+        if not torch.compiler.is_compiling() and type(x) is torch.Tensor and not x.is_nested:
             fast = _FAST.get(self)
             fast = None if fast is None else fast.get((x.shape, x.dtype))
             if fast is not None:
@@ -542,7 +543,9 @@ class Sparse24Linear(LayoutMixin, StateDictMixin, nn.Module):
                         and torch.are_deterministic_algorithms_enabled() is deterministic \
                         and not torch._C._are_functorch_transforms_active() \
                         and not (torch.is_grad_enabled() and (x.requires_grad or v.requires_grad
-                                                              or b is not None and b.requires_grad)):
+                                                              or b is not None and b.requires_grad
+                                                              or sc is not None and sc.requires_grad)) \
+                        and not op.has_tangent(x, v, b, sc):
                     if x.dim() == 2:
                         return plan(x, v, m, sc, b, M, z)
                     return plan(x.reshape(M, x.shape[-1]), v, m, sc, b, M, z).view(*x.shape[:-1], plan.N)
@@ -556,14 +559,19 @@ class Sparse24Linear(LayoutMixin, StateDictMixin, nn.Module):
             if w.requires_grad and torch.is_grad_enabled():
                 if not torch.compiler.is_compiling():
                     self._hook_if_needed(w)  # one _track_masked could not hook (see there)
-            elif self._zero_where_pruned(w):
+            elif not (torch._C._are_functorch_transforms_active() or op.has_tangent(w)) \
+                    and self._zero_where_pruned(w):
                 # No gradient for the weight and it is exactly 0 where pruned: the product is the same
                 # without the where(), which costs a pass over the whole weight per call (11.8x
-                # nn.Linear at M = 1; scripts/bench_hf.py).
+                # nn.Linear at M = 1; scripts/bench_hf.py). Not under torch.func or for a dual weight of
+                # forward-mode AD: the weight's tangent may be nonzero where pruned.
                 return F.linear(x, w, self.bias)
             return F.linear(x, torch.where(self.mask, w, 0), self.bias)
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"input must be a torch.Tensor, got {type(x).__name__}")
+        if x.is_nested:
+            # the op takes plain tensors: a jagged one's packed values (strided: a TypeError)
+            return op.on_jagged(x, self.forward, f"{type(self).__name__}'s input")
         dev = x.device.type
         # (torch has no autocast state for meta: it raises; autocast leaves float64 as it is)
         if dev != "meta" and x.dtype != torch.float64 and torch.is_autocast_enabled(dev):

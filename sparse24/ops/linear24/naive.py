@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from ...decode_format import DecodePacked
 from ...format import Sparse24Tensor
 
-__all__ = ["check_input", "check_linear_args", "chunk_rows", "row_chunks", "linear_reference", "linear_backward_reference",
-           "CHUNK_ELEMENTS", "CUDA_CHUNK_ELEMENTS"]
+__all__ = ["check_input", "check_linear_args", "on_jagged", "chunk_rows", "row_chunks", "linear_reference",
+           "linear_backward_reference", "CHUNK_ELEMENTS", "CUDA_CHUNK_ELEMENTS"]
 
 # Decompress at most this many weight elements at a time in the reference
 # backend, so a huge layer never exists densely in full (1M elements = 4 MiB
@@ -51,6 +51,17 @@ def check_input(x: torch.Tensor, in_features: int, device: torch.device) -> None
         raise ValueError(f"x is on {x.device} but the weight is on {device}")
 
 
+def on_jagged(x: torch.Tensor, fn, what: str = "x") -> torch.Tensor:
+    """``fn`` (a ``(..., K) -> (..., N)`` linear map) of a nested tensor ``x`` of layout ``torch.jagged``,
+    run on its packed values and nested again with x's offsets, lengths and ragged dim (differentiable,
+    as both are views). A strided nested tensor is a TypeError naming ``what``."""
+    if x.layout != torch.jagged:
+        raise TypeError(f"{what} is a nested tensor of layout {x.layout}: sparse24 takes nested tensors of layout "
+                        "torch.jagged only (torch.nested.nested_tensor(..., layout=torch.jagged))")
+    return torch.nested.nested_tensor_from_jagged(fn(x.values()), x.offsets(), lengths=x.lengths(),
+                                                  jagged_dim=x._ragged_idx)
+
+
 def check_linear_args(x: torch.Tensor, p: Sparse24Tensor | DecodePacked, bias: torch.Tensor | None) -> None:
     """Raise a clear error if x, p, bias do not fit together."""
     if not isinstance(p, (Sparse24Tensor, DecodePacked)):
@@ -87,10 +98,14 @@ def linear_reference(x: torch.Tensor, p: Sparse24Tensor | DecodePacked,
     chunks = row_chunks(N, K, p.device, 128 if isinstance(p, DecodePacked) else 1)
     if len(chunks) <= 1:  # small layer: one piece
         return F.linear(x, p.to_dense().to(x.dtype), None if bias is None else bias.to(x.dtype))
+    parts = (F.linear(x, p.to_dense(rows=sl).to(x.dtype), None if bias is None else bias[sl].to(x.dtype))
+             for sl in chunks)
+    if torch._C._are_functorch_transforms_active():
+        # torch.func (vmap over the weights): a batched part cannot be written into a plain buffer
+        return torch.cat(list(parts), dim=-1)
     out = x.new_empty(*x.shape[:-1], N)
-    for sl in chunks:
-        b = None if bias is None else bias[sl].to(x.dtype)
-        out[..., sl] = F.linear(x, p.to_dense(rows=sl).to(x.dtype), b)
+    for sl, part in zip(chunks, parts):
+        out[..., sl] = part
     return out
 
 
@@ -107,17 +122,38 @@ def linear_backward_reference(grad_y: torch.Tensor, x: torch.Tensor | None, p: S
     N, K = p.shape
     gy = grad_y.reshape(grad_y.shape[:-1].numel(), N)  # not -1: ambiguous for a layer of 0 outputs
     grad_x = grad_values = grad_bias = None
+    chunks = row_chunks(N, K, p.device)
+    # Out of place for one block of rows (most layers: nothing to accumulate) and for torch's batched
+    # backward (autograd.grad(is_grads_batched=True), jacobian / hessian(vectorize=True) run it under
+    # torch's legacy vmap: a batched grad_y cannot be written into the plain buffers, nor sliced whole:
+    # aten::alias); otherwise the blocks accumulate into one buffer (no block's product kept beside it)
+    whole = len(chunks) <= 1
+    in_place = not whole and not (torch._C._functorch.is_legacy_batchedtensor(grad_y)
+                                  or torch._C._functorch.is_functorch_wrapped_tensor(grad_y))
     if need_x:
-        grad_x = torch.zeros(gy.shape[0], K, dtype=gy.dtype, device=gy.device)
-        for sl in row_chunks(N, K, p.device):
-            grad_x.addmm_(gy[:, sl], p.to_dense(rows=sl).to(gy.dtype))
+        if whole:
+            grad_x = gy @ p.to_dense().to(gy.dtype)
+        elif in_place:
+            grad_x = torch.zeros(gy.shape[0], K, dtype=gy.dtype, device=gy.device)
+            for sl in chunks:
+                grad_x.addmm_(gy[:, sl], p.to_dense(rows=sl).to(gy.dtype))
+        else:
+            grad_x = sum(gy[:, sl] @ p.to_dense(rows=sl).to(gy.dtype) for sl in chunks)
         grad_x = grad_x.view(*grad_y.shape[:-1], K)
     if need_values:
         x2, slots = x.reshape(gy.shape[0], K).to(gy.dtype), p.slots()
-        grad_values = torch.empty_like(p.values)
-        for sl in row_chunks(N, K, p.device):
-            gw = (gy[:, sl].t() @ x2).view(-1, K // 4, 4)  # dense weight gradient, these rows
-            grad_values[sl] = gw.gather(-1, slots[sl]).view(-1, K // 2).to(p.values.dtype)
+
+        def kept(sl):  # the dense weight gradient of rows sl, at the kept slots
+            gw = ((gy if whole else gy[:, sl]).t() @ x2).view(-1, K // 4, 4)
+            return gw.gather(-1, slots[sl]).view(-1, K // 2).to(p.values.dtype)
+        if whole:
+            grad_values = kept(slice(None))
+        elif in_place:
+            grad_values = torch.empty_like(p.values)
+            for sl in chunks:
+                grad_values[sl] = kept(sl)
+        else:
+            grad_values = torch.cat([kept(sl) for sl in chunks])
     if need_bias:
         grad_bias = gy.sum(0).to(bias_dtype)
     return grad_x, grad_values, grad_bias

@@ -16,11 +16,11 @@ from __future__ import annotations
 import torch
 
 from ...decode_format import DecodePacked
-from ...format import Sparse24Tensor
+from ...format import Sparse24Tensor, has_tangent
 from ..config_space import DECODE_M, decode_rows, dtype_key, m_bucket, sp_tunable
 from ..config_store import get_choice, measured_timings, on_clear
 from . import launch
-from .naive import check_linear_args, linear_backward_reference, linear_reference
+from .naive import check_linear_args, linear_backward_reference, linear_reference, on_jagged
 
 __all__ = ["linear", "choose_backend", "forward", "BACKENDS", "KERNEL_DTYPES"]
 
@@ -102,7 +102,7 @@ def kernel_plan(x, values, scale, bias, out_features: int, zero=None, group_size
     ``"triton"``, no autograd, not traced, the decode layout, M > 0), else None. Valid for later
     calls whose tensors, x's shape, dtype and device, the grad and tracing state, torch's
     deterministic switch and ``launch.PLAN_EPOCH`` are the same (the modules' fast path)."""
-    if values.dim() == 2 or x.dtype not in (torch.float16, torch.bfloat16) or _needs_op(x, values, bias):
+    if values.dim() == 2 or x.dtype not in (torch.float16, torch.bfloat16) or _needs_op(x, values, bias, scale):
         return None
     M = x.shape[0] if x.dim() == 2 else x.shape[:-1].numel()
     if M == 0 or out_features == 0 or x.shape[-1] == 0 \
@@ -111,12 +111,22 @@ def kernel_plan(x, values, scale, bias, out_features: int, zero=None, group_size
     return launch.plan_for(x, values, scale, bias, out_features, M, None, zero, group_size)
 
 
-def _needs_op(x, values, bias) -> bool:
-    """Only gradients and tracing need the registered op (and torch.func a pure-torch path: no kernel)."""
-    if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+def _needs_op(x, values, bias, scale=None) -> bool:
+    """Only gradients and tracing need the registered op (and torch.func, forward-mode AD and a
+    trainable scale a pure-torch path: :func:`_pure_torch`)."""
+    if torch.compiler.is_compiling() or _pure_torch(x, values, bias, scale):
         return True
     return torch.is_grad_enabled() and (x.requires_grad or values.requires_grad
                                         or (bias is not None and bias.requires_grad))
+
+
+def _pure_torch(x, values, bias, scale) -> bool:
+    """Calls that only the pure-torch reference differentiates: torch.func (jvp, grad, jacrev, vmap:
+    through the registered op jvp's tangent came out all zeros, without a word, and grad raised),
+    forward-mode AD (the op has no forward formula, and the kernel none at all) and a scale that
+    requires grad (the op's backward gives x, the values and the bias theirs)."""
+    return torch._C._are_functorch_transforms_active() or has_tangent(x, values, bias, scale) \
+        or (scale is not None and scale.requires_grad and torch.is_grad_enabled())
 
 
 def forward(x: torch.Tensor, values: torch.Tensor, meta: torch.Tensor, scale: torch.Tensor | None,
@@ -126,10 +136,8 @@ def forward(x: torch.Tensor, values: torch.Tensor, meta: torch.Tensor, scale: to
     (the modules), in either layout: ``x`` is checked by the caller, the weight
     is not. Shapes as in :func:`linear`; ``zero`` and ``group_size`` (0: not INT4)
     as in :class:`~sparse24.format.Sparse24Tensor`."""
-    if _needs_op(x, values, bias):
-        if torch._C._are_functorch_transforms_active():
-            # torch.func (jvp, grad, jacrev, vmap) differentiates pure-torch ops only: through the registered
-            # op jvp's tangent came out all zeros, without a word, and grad raised
+    if _needs_op(x, values, bias, scale):
+        if _pure_torch(x, values, bias, scale):
             return _compute(x, values, meta, scale, zero, bias, weight_dtype, "reference", out_features, group_size)
         return torch.ops.sparse24.linear(x, values, meta, scale, zero, bias, weight_dtype, backend, out_features,
                                          group_size)
@@ -142,10 +150,14 @@ def linear(x: torch.Tensor, p: Sparse24Tensor | DecodePacked, bias: torch.Tensor
 
     Differentiable in ``x``, ``p.values`` (when it requires grad) and ``bias``;
     traceable by torch.compile (``fullgraph=True``) and torch.export, which see
-    the registered op ``torch.ops.sparse24.linear``.
+    the registered op ``torch.ops.sparse24.linear``. Under torch.func, forward-mode
+    AD (dual tensors) or with a ``p.scale`` that requires grad, the pure-torch
+    reference runs whatever ``backend`` says (it differentiates every input,
+    the scales too; the kernels and the op's backward do not).
 
     Args:
-        x: ``(..., K)`` floating input, any number of leading dims (M = 0 allowed).
+        x: ``(..., K)`` floating input, any number of leading dims (M = 0 allowed),
+            or a nested tensor of layout ``torch.jagged`` (a strided one: TypeError).
         p: :class:`Sparse24Tensor` of logical shape ``(N, K)``, or the same weight in
             the decode layout (:class:`~sparse24.decode_format.DecodePacked`, what the
             decode kernel reads; the modules hold it on CUDA).
@@ -161,6 +173,8 @@ def linear(x: torch.Tensor, p: Sparse24Tensor | DecodePacked, bias: torch.Tensor
     """
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; choose one of {BACKENDS}")
+    if isinstance(x, torch.Tensor) and x.is_nested:
+        return on_jagged(x, lambda v: linear(v, p, bias, backend))
     check_linear_args(x, p, bias)
     if backend == "triton":
         launch.check_triton_args(x, p)
