@@ -278,7 +278,7 @@ def job_from_scratch(cfg: dict, kind: str) -> dict:
     train_ids, val_ids, _ = _setup_worker(cfg)
     model = build_model(cfg)
     if kind == "srste":
-        srste = SRSTE(model, 2, 4, decay=cfg["srste_decay"])
+        srste = SRSTE(model, 2, 4, decay=cfg["srste_decay"], skip_output_head=False)
         curve, secs = train(model, train_ids, cfg)
         srste.finalize()
         assert all_nm(model)
@@ -286,7 +286,7 @@ def job_from_scratch(cfg: dict, kind: str) -> dict:
     else:
         target = 0.5 if kind == "gradual50" else (2, 4)
         sched = _gradual_schedule(cfg["steps"])
-        pruner = GradualPruner(model, target, **sched)
+        pruner = GradualPruner(model, target, skip_output_head=False, **sched)
         curve, secs = train(model, train_ids, cfg, after_step=pruner.step)
         name = "50% unstructured gradual" if kind == "gradual50" else "2:4 gradual"
         note = "cubic schedule, steps {start_step}..{end_step} every {frequency}".format(**sched)

@@ -10,9 +10,12 @@
   re-exported here): learned 2:4 masks (MaskLLM) and the frozen-mask
   distillation recipe for pretrained models.
 
-Both work on the ``torch.nn.Linear`` layers of a model (chosen by
-``filter_fn(module, fqn) -> bool``) and keep the dense weights as ordinary
-parameters, so any optimizer works unchanged. The paper's own recipe (prune
+Both work on the ``torch.nn.Linear`` (and Hugging Face ``Conv1D``) layers of a model,
+chosen as :func:`sparse24.sparsify_` chooses them: ``filter_fn(module, fqn) -> bool``,
+never a weight shared with another module (GPT-2's ``lm_head`` is the token embedding),
+the output head kept dense unless ``skip_output_head=False``; what they leave out is in
+their ``skipped``. They keep the dense weights as ordinary parameters, so any optimizer
+works unchanged. The paper's own recipe (prune
 once, retrain with the mask frozen) is ``sparsify_`` plus an unchanged training
 run; see ``scripts/example_prune_retrain.py``.
 """
@@ -26,7 +29,9 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from ._checks import check_finite, check_model
+from .api.walk import _is_linear, _output_heads, _shared_weights
 from .format import mask_nm
+from .nn import is_conv1d, linear_shape
 from .learn import distill_, learn_masks
 
 __all__ = ["GradualPruner", "SRSTE", "learn_masks", "distill_"]
@@ -46,21 +51,47 @@ def _parse_nm(nm) -> tuple[int, int]:
     return int(nm[0]), int(nm[1])
 
 
-def _linear_layers(model: nn.Module, filter_fn: FilterFn | None, m: int | None, who: str) -> list[tuple[str, nn.Linear]]:
-    """The ``nn.Linear`` layers of ``model`` selected by ``filter_fn``; with an
-    N:M target each must have ``in_features % m == 0`` (ValueError naming it)."""
+def _linear_layers(model: nn.Module, filter_fn: FilterFn | None, m: int | None, who: str,
+                   skip_output_head) -> tuple[list[tuple[str, nn.Module]], dict[str, str]]:
+    """The ``nn.Linear`` / ``Conv1D`` layers of ``model`` a recipe prunes, by sparsify_'s rules
+    (``filter_fn``, no shared weight, the output head per ``skip_output_head``), and
+    ``{fqn: why}`` for those left out. With an N:M target each layer must have
+    ``in_features % m == 0`` (ValueError naming it)."""
     check_model(model, filter_fn, f"{who}: ")
-    layers = [(fqn, mod) for fqn, mod in model.named_modules()
-              if isinstance(mod, nn.Linear) and (filter_fn is None or filter_fn(mod, fqn))]
+    try:
+        heads = _output_heads(model, skip_output_head)
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"{who}: {e}") from e
+    shared = _shared_weights(model)
+    layers, skipped = [], {}
+    for fqn, mod in model.named_modules():
+        if not _is_linear(mod):
+            continue
+        if filter_fn is not None and not filter_fn(mod, fqn):
+            skipped[fqn] = "excluded by filter_fn"
+        elif id(mod.weight) in shared:   # pruning it would prune the other module's weight too
+            others = [n for n in shared[id(mod.weight)] if n != f"{fqn}.weight"]
+            skipped[fqn] = f"weight is shared with {', '.join(others)} (tied): pruning it would also prune those"
+        elif id(mod) in heads:
+            skipped[fqn] = heads[id(mod)]
+        else:
+            layers.append((fqn, mod))
     if not layers:
-        raise ValueError(f"{who}: no torch.nn.Linear layer selected in {type(model).__name__}")
+        why = "; ".join(f"{fqn!r}: {r}" for fqn, r in skipped.items())
+        raise ValueError(f"{who}: no torch.nn.Linear layer selected in {type(model).__name__} (nor transformers "
+                         "Conv1D)" + (f"; skipped: {why}" if why else ""))
     for fqn, mod in layers:
         if parametrize.is_parametrized(mod, "weight"):
             raise ValueError(f"{who}: layer {fqn!r} already has a parametrized weight (SR-STE applied twice?)")
-        if m is not None and mod.in_features % m:
-            raise ValueError(f"{who}: layer {fqn!r} has in_features={mod.in_features}, not divisible by m={m}; "
+        if m is not None and linear_shape(mod)[1] % m:
+            raise ValueError(f"{who}: layer {fqn!r} has in_features={linear_shape(mod)[1]}, not divisible by m={m}; "
                              "exclude it with filter_fn")
-    return layers
+    return layers, skipped
+
+
+def _rc(w: torch.Tensor, layer: nn.Module) -> torch.Tensor:
+    """``w`` (a layer's weight or gradient) as ``(out, in)``: a view of a Conv1D's ``(in, out)`` one."""
+    return w.t() if is_conv1d(layer) else w
 
 
 class GradualPruner:
@@ -100,9 +131,13 @@ class GradualPruner:
         frequency: ``dt``; ``end_step - start_step`` must be a multiple of it.
         initial_sparsity: ``s_i`` in ``[0, s_f]``.
         scope: ``"layer"`` or ``"global"``.
-        filter_fn: ``(module, fqn) -> bool`` choosing layers; default all ``nn.Linear``.
+        filter_fn: ``(module, fqn) -> bool`` choosing layers; default all ``nn.Linear`` and
+            Hugging Face ``Conv1D`` but weights shared with another module (tied) and the output head.
+        skip_output_head: as for :func:`sparse24.sparsify_`: ``True`` keeps the output head dense,
+            ``False`` prunes it too, a name or list of names keeps those.
     Attributes:
-        masks: ``{fqn: (out, in) bool}``, True = kept.
+        masks: ``{fqn: (out, in) bool}``, True = kept (a ``Conv1D``'s too, its weight being ``(in, out)``).
+        skipped: ``{fqn: why}``: the Linear / Conv1D layers left out.
     Example:
         Not run as a test: ``model``, ``steps``, ``loss``, ``x`` and ``opt`` stand for your own.
 
@@ -113,7 +148,8 @@ class GradualPruner:
     """
 
     def __init__(self, model: nn.Module, target=0.5, *, start_step: int = 0, end_step: int, frequency: int = 100,
-                 initial_sparsity: float = 0.0, scope: str = "layer", filter_fn: FilterFn | None = None):
+                 initial_sparsity: float = 0.0, scope: str = "layer", filter_fn: FilterFn | None = None,
+                 skip_output_head=True):
         who = "GradualPruner"
         if isinstance(target, float) and not isinstance(target, bool):
             if not 0.0 < target < 1.0:
@@ -134,10 +170,11 @@ class GradualPruner:
                              f"sparsity), got {initial_sparsity}")
         if scope not in ("layer", "global"):
             raise ValueError(f"{who}: scope must be 'layer' or 'global', got {scope!r}")
-        self.layers = _linear_layers(model, filter_fn, self.nm and self.nm[1], who)
+        self.layers, self.skipped = _linear_layers(model, filter_fn, self.nm and self.nm[1], who, skip_output_head)
         self.start_step, self.end_step, self.frequency = start_step, end_step, frequency
         self.initial_sparsity, self.scope = float(initial_sparsity), scope
-        self.masks = {fqn: torch.ones_like(lin.weight, dtype=torch.bool) for fqn, lin in self.layers}
+        self.masks = {fqn: torch.ones(linear_shape(lin), dtype=torch.bool, device=lin.weight.device)
+                      for fqn, lin in self.layers}
         self._pruned_k = -1  # index k of the last pruning step t0 + k*dt applied
 
     def sparsity_at(self, step: int) -> float:
@@ -167,7 +204,7 @@ class GradualPruner:
     def apply_masks(self) -> None:
         """Zero the pruned weights (the optimizer may have moved them)."""
         for fqn, lin in self.layers:
-            lin.weight.mul_(self.masks[fqn])
+            _rc(lin.weight, lin).mul_(self.masks[fqn])
 
     def sparsity(self) -> float:
         """Measured fraction of pruned weights over the selected layers."""
@@ -175,10 +212,10 @@ class GradualPruner:
         return 1.0 - sum(int(mk.sum()) for mk in self.masks.values()) / total
 
     @torch.no_grad()
-    def _scores(self, fqn: str, lin: nn.Linear) -> torch.Tensor:
-        """Flat prune-order scores: pruned weights -1 (stay pruned), weights
-        an N:M mask must keep +inf (never chosen), else |w|."""
-        w = lin.weight.detach()
+    def _scores(self, fqn: str, lin: nn.Module) -> torch.Tensor:
+        """Flat prune-order scores of the ``(out, in)`` weight: pruned weights -1 (stay pruned),
+        weights an N:M mask must keep +inf (never chosen), else |w|."""
+        w = _rc(lin.weight.detach(), lin).contiguous()
         if not bool(torch.isfinite(w).all()):   # (an infinite weight could never be pruned: the target missed)
             raise ValueError(f"GradualPruner: weight of layer {fqn!r} contains NaN or inf")
         score = w.abs().float().masked_fill(~self.masks[fqn], -1.0)
@@ -186,7 +223,8 @@ class GradualPruner:
             n, m = self.nm
             groups = score.view(-1, m)
             protect = torch.zeros_like(groups, dtype=torch.bool)
-            protect.scatter_(-1, groups.topk(n, dim=-1).indices, True)  # the n largest alive of each group
+            # the n largest alive of each group; ties to the lower column, as mask_nm (topk's order is unspecified)
+            protect.scatter_(-1, torch.sort(groups, dim=-1, descending=True, stable=True).indices[:, :n], True)
             score = groups.masked_fill(protect, math.inf).view_as(w)
         return score.flatten()
 
@@ -269,12 +307,16 @@ class _SRSTEFunction(torch.autograd.Function):
 
 
 class _NMSTEParametrization(nn.Module):
-    def __init__(self, n: int, m: int, decay: float, in_backward: bool = True):
+    def __init__(self, n: int, m: int, decay: float, in_backward: bool = True, transposed: bool = False):
         super().__init__()
         self.n, self.m, self.decay, self.in_backward = n, m, decay, in_backward
+        self.transposed = transposed  # a Conv1D's (in, out) weight: groups run along its first dimension
 
     def forward(self, w: torch.Tensor) -> torch.Tensor:
-        return _SRSTEFunction.apply(w, self.n, self.m, self.decay if self.in_backward else 0.0)
+        decay = self.decay if self.in_backward else 0.0
+        if self.transposed:
+            return _SRSTEFunction.apply(w.t(), self.n, self.m, decay).t()
+        return _SRSTEFunction.apply(w, self.n, self.m, decay)
 
     def extra_repr(self) -> str:
         return f"n={self.n}, m={self.m}, decay={self.decay:g}" + ("" if self.in_backward else " (at optimizer.step)")
@@ -283,9 +325,9 @@ class _NMSTEParametrization(nn.Module):
 class SRSTE:
     """Train N:M sparse weights from scratch with SR-STE (Zhou et al. 2021).
 
-    Each selected ``nn.Linear`` gets a parametrization: its forward uses
-    ``W * M(W)``, the N:M magnitude mask recomputed from the dense weights at
-    every forward, so the mask follows the weights while they train. The
+    Each selected ``nn.Linear`` (or Hugging Face ``Conv1D``, masked along its inputs)
+    gets a parametrization: its forward uses ``W * M(W)``, the N:M magnitude mask
+    recomputed from the dense weights at every forward, so the mask follows the weights while they train. The
     backward is straight-through (the gradient of the masked weight goes to
     every dense weight) plus the sparse-refined term ``decay * (~M) * W``,
     which pulls the currently pruned weights toward zero and so damps mask
@@ -297,7 +339,10 @@ class SRSTE:
     ``torch.amp.GradScaler`` or gradient accumulation, pass ``optimizer``: the backward is then plain
     straight-through and the term is added to each dense weight's gradient when
     ``optimizer.step()`` starts (after ``unscale_`` and any clipping), once per
-    step. The dense weight stays the parameter the optimizer sees
+    step; a fused optimizer, which GradScaler lets unscale inside its step, gets it
+    multiplied by the scale it is handed (``optimizer.grad_scale``); with
+    ``optimizer.step(closure)`` (LBFGS, PyTorch Lightning) it is added to the
+    gradient each closure call computes. The dense weight stays the parameter the optimizer sees
     (``layer.parametrizations.weight.original``, the same Parameter object,
     so an optimizer built before ``SRSTE`` keeps working); state-dict keys
     change accordingly until :meth:`finalize`.
@@ -306,9 +351,13 @@ class SRSTE:
         model: the model, modified in place.
         n, m: the pattern, ``1 <= n < m``; each selected layer needs ``in_features % m == 0``.
         decay: ``lambda_W >= 0``; the paper uses 2e-4 with SGD.
-        filter_fn: ``(module, fqn) -> bool``; default all ``nn.Linear``.
+        filter_fn: ``(module, fqn) -> bool``; default all ``nn.Linear`` and ``Conv1D`` but weights
+            shared with another module (tied) and the output head.
         optimizer: the optimizer training the selected weights: add the decay at its
             step instead of in the backward (see above); until :meth:`finalize`.
+        skip_output_head: as for :func:`sparse24.sparsify_` (default True: the head stays dense).
+    Attributes:
+        layers: ``[(fqn, layer)]`` trained sparse; skipped: ``{fqn: why}`` for the Linear / Conv1D left out.
     Example:
         Not run as a test: ``model`` stands for your own, trained in between.
 
@@ -318,14 +367,15 @@ class SRSTE:
     """
 
     def __init__(self, model: nn.Module, n: int = 2, m: int = 4, decay: float = 2e-4,
-                 filter_fn: FilterFn | None = None, *, optimizer: torch.optim.Optimizer | None = None):
+                 filter_fn: FilterFn | None = None, *, optimizer: torch.optim.Optimizer | None = None,
+                 skip_output_head=True):
         self.n, self.m = _parse_nm((n, m))
         if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not decay >= 0 or math.isinf(decay):
             raise ValueError(f"SRSTE: decay must be a finite number >= 0, got {decay!r}")
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"SRSTE: optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
         self.decay = float(decay)
-        self.layers = _linear_layers(model, filter_fn, self.m, "SRSTE")
+        self.layers, self.skipped = _linear_layers(model, filter_fn, self.m, "SRSTE", skip_output_head)
         if optimizer is not None:
             trained = {id(p) for g in optimizer.param_groups for p in g["params"]}
             missing = [fqn for fqn, lin in self.layers if id(lin.weight) not in trained]
@@ -337,7 +387,8 @@ class SRSTE:
         try:
             for _, lin in self.layers:
                 parametrize.register_parametrization(
-                    lin, "weight", _NMSTEParametrization(self.n, self.m, self.decay, in_backward=optimizer is None))
+                    lin, "weight", _NMSTEParametrization(self.n, self.m, self.decay, in_backward=optimizer is None,
+                                                         transposed=is_conv1d(lin)))
                 done.append(lin)
         except BaseException:   # all or nothing (Ctrl-C, out of memory): the layers done are plain again
             for lin in done:
@@ -347,21 +398,44 @@ class SRSTE:
         self._hook = optimizer.register_step_pre_hook(self._add_decay) if optimizer is not None else None
         self.finalized = False
 
+    def _add_decay(self, optimizer, args, kwargs):
+        """Step pre-hook: add the decay now, or, for ``step(closure)``, to the gradient the closure computes
+        inside the step (the one the step reads: a gradient there now is replaced by it)."""
+        closure = kwargs["closure"] if "closure" in kwargs else args[1] if len(args) > 1 else None
+        if closure is None:
+            self._decay_now(optimizer)
+            return None
+
+        def closure_with_decay():
+            loss = closure()
+            self._decay_now(optimizer)
+            return loss
+        if "closure" in kwargs:
+            return args, {**kwargs, "closure": closure_with_decay}
+        return (args[0], closure_with_decay, *args[2:]), kwargs   # (args[0]: the optimizer)
+
     @torch.no_grad()
-    def _add_decay(self, optimizer, args, kwargs) -> None:
+    def _decay_now(self, optimizer) -> None:
         """``grad += decay * (~M) * W`` on each dense weight with a gradient (M: the mask its forwards used,
-        as W has not moved since)."""
+        as W has not moved since). A fused optimizer under GradScaler unscales inside its step, so its
+        gradients are still scaled by ``optimizer.grad_scale`` (None once ``unscale_`` ran): so is the term.
+        (Inf/NaN gradients: the fused step skips the update on GradScaler's ``found_inf`` as before.)"""
+        scale = getattr(optimizer, "grad_scale", None)
         for _, lin in self.layers:
             w = lin.parametrizations.weight.original
             if w.grad is not None:
-                w.grad.add_(w * ~mask_nm(w, self.n, self.m), alpha=self.decay)
+                term = w * _rc(~mask_nm(_rc(w, lin), self.n, self.m), lin)
+                if scale is not None:
+                    term.mul_(scale.to(term.device))
+                w.grad.add_(term, alpha=self.decay)
 
     @torch.no_grad()
     def current_masks(self) -> dict[str, torch.Tensor]:
         """``{fqn: (out, in) bool}``: the N:M masks the next forward will use."""
         if self.finalized:
             return dict(self.masks)
-        return {fqn: mask_nm(lin.parametrizations.weight.original, self.n, self.m) for fqn, lin in self.layers}
+        return {fqn: mask_nm(_rc(lin.parametrizations.weight.original, lin), self.n, self.m)
+                for fqn, lin in self.layers}
 
     @torch.no_grad()
     def finalize(self) -> dict[str, torch.Tensor]:
@@ -382,6 +456,6 @@ class SRSTE:
         for fqn, lin in self.layers:
             if parametrize.is_parametrized(lin, "weight"):
                 parametrize.remove_parametrizations(lin, "weight", leave_parametrized=False)
-            lin.weight.mul_(masks[fqn])   # (again for a layer done before an interruption: the same result)
+            _rc(lin.weight, lin).mul_(masks[fqn])   # (again for a layer done before an interruption: the same result)
         self.masks, self.finalized = masks, True
         return dict(self.masks)

@@ -64,7 +64,7 @@ from .._rollback import TensorBackup
 from ..format import Sparse24Tensor
 from ..masks import kept_magnitude_fraction
 from ..nn import Sparse24Linear
-from ..nn.prepare import _check_mode, _linear_weight, _prepare, describe_quant, quant_options
+from ..nn.prepare import _check_mode, _linear_weight, _prepare, describe_quant, quant_options, sparser_note
 from .guard import check_calibration, record_after_change, require_sparse_layers
 from .report import LayerReport, SparsifyReport
 from .walk import (MIN_FEATURES, FilterFn, _after_change, _check_foreign_quantization, _child_slots, _direct_readers,
@@ -213,6 +213,7 @@ def _sparsify(model, filter_fn, mode, method, calibration, quantize, min_feature
                                                  "load_state_dict brings the weights"]))
         else:  # of the weight before pruning
             kept = kept_magnitude_fraction(_linear_weight(mod), work.mask)
+            note = "; ".join(filter(None, [note, sparser_note(work.mask)]))
         built.append((fqn, mod, new, note, kept))
     moves = _optimizer_moves(optimizer, [(mod, new) for _, mod, new, _, _ in built]) if optimizer is not None else []
     # 2. Swap, 3. prune the shared weights in place (the entries overwritten are kept first) and register the

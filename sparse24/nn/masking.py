@@ -4,7 +4,11 @@ code that reads ``.weight`` directly) and a process-wide optimizer step
 post-hook (re-zeroes pruned entries that momentum, Adam state or weight decay
 moved). See :mod:`sparse24.nn` for the costs. A weight sharded by FSDP2
 (a DTensor) gets its gradient masked by a step pre-hook instead: FSDP2 writes
-the sharded gradient directly, so no tensor hook sees it."""
+the sharded gradient directly, so no tensor hook sees it. The same pre-hook
+refuses a step that would train nothing or the wrong thing: an optimizer still
+stepping the weight a masked layer replaced (a ``Conv1D``'s, stored transposed),
+or holding state of the transposed shape for a masked weight (a dense ``Conv1D``
+model's optimizer checkpoint loaded after ``sparsify_``)."""
 from __future__ import annotations
 
 import weakref
@@ -28,6 +32,15 @@ _HAS_HOOK = WeakIdKeyDictionary()
 # Module -> (weakref weight, its version, weakref mask, its version, their data pointers) when the weight was
 # last found zero at every pruned position: inference skips the per-call where() while both stay unchanged.
 _ZERO_CHECKED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+# Weight Parameter of a transformers Conv1D that a masked layer was built from (with a new, transposed weight
+# Parameter) -> weakref to the Conv1D's bias, which that layer shares: how the step pre-hook finds the layer.
+_REPLACED = WeakIdKeyDictionary()
+
+
+def note_replaced(old_weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """Record that a masked layer sharing ``bias`` is being built to replace ``old_weight`` (see _REPLACED)."""
+    if bias is not None:
+        _REPLACED[old_weight] = weakref.ref(bias)
 
 
 def _stepped_pairs(optimizer, sharded_only: bool = False):
@@ -53,11 +66,73 @@ def _remask_after_step(optimizer, args, kwargs) -> None:
             w.masked_fill_(~mask, 0)
 
 
+def _owner(p: torch.Tensor):
+    """The live masked module whose weight is ``p``, else None."""
+    ref = _GRAD_HOOKED.get(p)
+    m = ref() if ref is not None else None
+    if m is None or m not in _MASKED_MODULES or m._parameters.get("weight") is not p:
+        return None
+    return m
+
+
+def _replacing(p: torch.Tensor):
+    """The live masked layer built from the Conv1D whose weight ``p`` was, else None."""
+    ref = _REPLACED.get(p)
+    bias = ref() if ref is not None else None
+    if bias is None:
+        return None
+    return next((m for m in list(_MASKED_MODULES) if m._parameters.get("bias") is bias
+                 and m.__dict__.get("_mode") == "masked" and tuple(m.weight.shape) == tuple(p.shape)[::-1]), None)
+
+
+def _param_name(group: dict, i: int, layer) -> str:
+    """``'name'`` where the optimizer was built from ``named_parameters()``, else the layer and the position."""
+    names = group.get("param_names")
+    if names is not None and i < len(names):
+        return repr(names[i])
+    origin = " built from a transformers Conv1D" if getattr(layer.__dict__.get("_dense_cls"), "__name__", "") \
+        == "Conv1D" else ""
+    return f"the weight of a Sparse24Linear(in_features={layer.in_features}, out_features={layer.out_features}){origin}"
+
+
+def _check_optimizer(optimizer) -> None:
+    """Refuse a step (RuntimeError, nothing changed) that steps a Conv1D weight a masked layer replaced
+    while not the layer's own weight (it would train nothing the model uses), or that holds a state
+    tensor of a masked weight's transposed shape (a dense Conv1D model's state loaded after the swap)."""
+    stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    for g, group in enumerate(optimizer.param_groups):
+        for i, p in enumerate(group["params"]):
+            if _REPLACED and p in _REPLACED:
+                layer = _replacing(p)
+                if layer is not None and id(layer.weight) not in stepped:
+                    raise RuntimeError(
+                        f"optimizer step refused: it trains the transformers Conv1D weight {tuple(p.shape)} "
+                        f"(param_groups[{g}]['params'][{i}]"
+                        + (f", {group['param_names'][i]!r}" if group.get("param_names") else "")
+                        + f") that sparsify_ replaced by a new Parameter, the transposed weight of "
+                        f"Sparse24Linear(in_features={layer.in_features}, out_features={layer.out_features}): "
+                        "no step would reach the model. Pass optimizer= to sparsify_ (or prune_trained_model) or "
+                        "build the optimizer after sparsify_ (nothing was changed)")
+            m = _owner(p)
+            if m is None:
+                continue
+            for k, v in optimizer.state.get(p, {}).items():
+                if isinstance(v, torch.Tensor) and v.dim() == 2 and v.shape != p.shape and v.numel() == p.numel():
+                    raise RuntimeError(
+                        f"optimizer step refused: optimizer state {k!r} has shape {tuple(v.shape)}, the masked "
+                        f"weight {tuple(p.shape)} ({_param_name(group, i, m)}): a state saved for the dense model "
+                        "(a transformers Conv1D stores its weight transposed, (in, out)) was loaded into the "
+                        "optimizer of the sparsified model. Load it into the dense model's optimizer and then call "
+                        "prune_trained_model(model, optimizer), which transposes it (nothing was changed)")
+
+
 def _mask_sharded_grads(optimizer, args, kwargs) -> None:
-    """Optimizer step pre-hook: zero the pruned entries of sharded weights' gradients, so that
-    no optimizer state (momentum, Adam moments) grows there."""
+    """Optimizer step pre-hook: refuse a step that would train the wrong tensors (:func:`_check_optimizer`);
+    zero the pruned entries of sharded weights' gradients, so that no optimizer state (momentum, Adam
+    moments) grows there."""
     if not _MASKED_MODULES:
         return
+    _check_optimizer(optimizer)
     with torch.no_grad():
         for w, mask in _stepped_pairs(optimizer, sharded_only=True):
             if w.grad is not None:

@@ -13,6 +13,7 @@ from torch import nn
 from .._checks import check_finite
 from ..format import FLOAT_DTYPES, Sparse24Tensor, _check_mask24, check_group_size, compress, is_nm
 from ..masks import METHODS, mask_nm, prune_nm
+from .masking import note_replaced
 from .sharded import is_dtensor
 
 __all__ = ["MODES", "QUANTIZE", "quant_options", "describe_quant", "is_conv1d", "is_conv1d_class", "linear_shape",
@@ -99,10 +100,14 @@ def _prune_weight(weight: torch.Tensor, method: str = "magnitude", calibration=N
     """2:4-prune one weight with ``method`` (nothing is modified).
 
     The magnitude mask of a weight already at most 2:4 (no group of 4 inputs holds more than 2
-    non-zeros: pruned to 1:4, 2:8, 1:8 ... by ``prune_layerwise_`` or ``GradualPruner``) is
+    non-zeros: pruned to 1:4, 2:8, 1:8 by ``prune_layerwise_`` or ``GradualPruner``) is
     exactly its non-zeros: the slots a full 2:4 mask would add hold zeros that retraining would
-    grow back (1:4 silently becoming 2:4). Any other weight gets the plain 2:4 magnitude mask.
-    A meta-device layer computes its pending mask here too, when its weights are loaded.
+    grow back (1:4 silently becoming 2:4). That holds row by row for the rows with a non-zero in
+    every 8 inputs (the sparsest pattern kept is 1:8): a row without (all zero, or an identity
+    row: a fresh ``zeros_`` / ``eye_`` init, not a pruned one) gets the plain 2:4 mask, which
+    keeps its non-zeros and fills each group to 2, so that the layer can train. Any other weight
+    gets the plain 2:4 magnitude mask. A meta-device layer computes its pending mask here too,
+    when its weights are loaded. :func:`sparser_note` says when a mask keeps fewer than 2 of 4.
 
     Returns ``(new_weight, mask)``: ``(R, C)`` bool mask and, for methods that
     also reconstruct the kept weights (SparseGPT), the ``(R, C)`` weight to
@@ -111,9 +116,30 @@ def _prune_weight(weight: torch.Tensor, method: str = "magnitude", calibration=N
     w = weight.detach()
     if method == "magnitude" and calibration is None:  # the mask is all: no weight copy, no report
         mask = mask_nm(w, 2, 4, **mask_kwargs)
-        return None, (mask & (w != 0) if is_nm(w, 2, 4) else mask)
+        return None, (torch.where(_pruned_rows(w), mask & (w != 0), mask) if is_nm(w, 2, 4) else mask)
     r = prune_nm(w, 2, 4, method=method, calibration=calibration, **mask_kwargs)
     return (None if torch.equal(r.weight, w * r.mask) else r.weight), r.mask
+
+
+def _pruned_rows(w: torch.Tensor) -> torch.Tensor:
+    """``(R, 1)`` bool: the rows of ``w`` (``(R, C)``, ``C % 4 == 0``) with a non-zero in every group of 8
+    inputs (a last lone group of 4 on its own): pruned rows, whose non-zeros the mask keeps exactly."""
+    R, C = w.shape
+    nz = (w != 0).reshape(R, C // 4, 4).any(-1)
+    if nz.shape[1] % 2:
+        nz = torch.cat([nz, nz[:, -1:]], 1)
+    return nz.view(R, nz.shape[1] // 2, 2).any(-1).all(-1, keepdim=True)  # (no -1: R may be 0)
+
+
+def sparser_note(mask: torch.Tensor) -> str:
+    """A report note when the ``(R, C)`` 2:4 ``mask`` keeps fewer than 2 of some groups of 4 (a weight
+    already pruned sparser than 2:4 keeps exactly its non-zeros), else ``""``."""
+    kept = mask.reshape(-1, 4).sum(-1)
+    fewer = int((kept < 2).sum())
+    if not fewer:
+        return ""
+    return (f"the mask keeps fewer than 2 of 4 in {fewer} of {kept.numel()} groups ({int(kept.sum())} of "
+            f"{mask.numel()} weights): the weight's non-zeros, it was already sparser than 2:4")
 
 
 class _Prepared(NamedTuple):
@@ -193,6 +219,7 @@ def _prepare(linear, mask, mode, method, quant: dict, calibration, trainable_val
         if w.dtype not in FLOAT_DTYPES:
             raise TypeError(f"weight must be floating point, got {w.dtype}")
         p = _placeholder(R, C, w.dtype, quant, "meta") if mode == "compressed" else None
+        _note_conv1d(linear, mode)
         return _Prepared(None, torch.empty(R, C, dtype=torch.bool, device="meta"), p, pending)
     check_finite(w)
     if mask is None:
@@ -204,7 +231,15 @@ def _prepare(linear, mask, mode, method, quant: dict, calibration, trainable_val
     p = None
     if mode == "compressed":
         p = compress(w if new_w is None else new_w, mask, **quant)
+    _note_conv1d(linear, mode)
     return _Prepared(new_w, mask, p)
+
+
+def _note_conv1d(linear, mode: str) -> None:
+    """A masked layer built from a ``Conv1D`` holds a new, transposed weight Parameter: recorded, so that
+    an optimizer still stepping the Conv1D's is refused at its step (:mod:`.masking`)."""
+    if mode == "masked" and is_conv1d(linear):
+        note_replaced(linear.weight, linear.bias)
 
 
 def _mask_from_slots(p: Sparse24Tensor) -> torch.Tensor:
