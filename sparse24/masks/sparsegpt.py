@@ -24,7 +24,8 @@ def sparsegpt_prune(w: torch.Tensor, hessian: torch.Tensor | None = None, n: int
     processed left to right in blocks; at the start of each group of ``m``
     columns the ``n`` kept entries per row are the largest
     ``w^2 / [H^-1]_jj^2`` (``[H^-1]`` the upper Cholesky factor of the inverse
-    Hessian restricted to the columns not yet processed), and the error of
+    Hessian restricted to the columns not yet processed; ties go to the lower
+    column, as in :func:`sparse24.format.mask_nm`), and the error of
     each pruned column is compensated on the later columns.
 
     ``quantize="int4"`` (2:4 only) also rounds every kept weight onto the INT4
@@ -103,7 +104,9 @@ def sparsegpt_prune(w: torch.Tensor, hessian: torch.Tensor | None = None, n: int
 
     dev, wdt = w.device, (torch.float64 if w.dtype == torch.float64 else torch.float32)
     H, dead = damped_hessian(hessian, C, percdamp, dev, shrink)
-    W = w.detach().to(wdt).clone()
+    # row-major whatever w's layout: the lazy-update products below round by the layout they run in,
+    # so a column-major (transposed-view) copy of the same values gave other bits
+    W = w.detach().to(wdt).clone(memory_format=torch.contiguous_format)
     W[:, dead] = 0
     # Upper Cholesky factor U of H^-1 (H^-1 = U^T U), in fp64, without forming H^-1:
     # with J the reversal, J H J = L L^T gives U = J L^-1 J. One factorization and
@@ -162,10 +165,12 @@ def sparsegpt_prune(w: torch.Tensor, hessian: torch.Tensor | None = None, n: int
 
 def _drop(cur: torch.Tensor, d: torch.Tensor, n: int, m: int) -> torch.Tensor:
     """``(R, k)`` current weights of ``k / m`` consecutive groups and their ``(k,)`` inverse-Hessian
-    Cholesky diagonal -> ``(R, k)`` bool, True at the ``m - n`` lowest OBS saliencies ``w^2 / d^2`` per group."""
+    Cholesky diagonal -> ``(R, k)`` bool, True at the ``m - n`` lowest OBS saliencies ``w^2 / d^2`` per group;
+    among equal saliencies the lower column keeps (format.mask_nm's rule: a stable descending sort,
+    where topk's order among ties is unspecified and differs by backend)."""
     R, k = cur.shape
     score = (cur ** 2 / d ** 2).view(R, k // m, m)
-    drop = torch.topk(score, m - n, dim=2, largest=False).indices
+    drop = torch.sort(score, dim=2, descending=True, stable=True).indices[:, :, n:]
     return torch.zeros(R, k // m, m, dtype=torch.bool, device=cur.device).scatter_(2, drop, True).view(R, k)
 
 

@@ -101,18 +101,22 @@ def mask_2d_optimal(w: torch.Tensor, n: int, m: int) -> torch.Tensor:
     R, C = w.shape
     sdt = score_dtype(w)
     pats = _block_patterns(n, m).to(w.device)
-    pf = pats.to(sdt).t().contiguous()  # (m*m, P)
+    # Patterns are scored in float64, a chunk at a time: a float32 sum rounds pattern sums that differ
+    # by less than its step (e.g. 1 + k * 2^-23 entries) to ties or swaps them, so the mask kept less
+    # than the optimum and a float64 copy of the same values got another mask. The float64 sums of
+    # float32 / float16 / bfloat16 magnitudes are exact while a block's lie within 2^26 of each other.
+    pf = pats.to(torch.float64).t().contiguous()  # (m*m, P)
     a = w.detach().abs().to(sdt)
     infinite = torch.isinf(a)
     blocks = _to_blocks(a.masked_fill(infinite, 0), m)  # (B, m*m); 0 x inf in a pattern's sum would be NaN
     inf_blocks = _to_blocks(infinite.to(sdt), m) if bool(infinite.any()) else None
     best = torch.empty(blocks.shape[0], dtype=torch.long, device=w.device)
-    # Chunks bound the (B, P) score matrix: 1M blocks x 90 patterns would be 377 MB.
-    step = max(1, (1 << 22) // pf.shape[1])
+    # Chunks bound the (B, P) score matrix: 1M blocks x 90 patterns would be 754 MB in float64.
+    step = max(1, (1 << 21) // pf.shape[1])
     for i in range(0, blocks.shape[0], step):
-        score = blocks[i:i + step] @ pf
+        score = blocks[i:i + step].to(torch.float64) @ pf
         if inf_blocks is not None:  # most infinite weights first, then the finite sum
-            count = inf_blocks[i:i + step] @ pf
+            count = inf_blocks[i:i + step].to(torch.float64) @ pf
             score = score.masked_fill(count < count.amax(-1, keepdim=True), -math.inf)
         best[i:i + step] = score.argmax(-1)  # first maximum on ties: deterministic
     return _from_blocks(pats[best], R, C, m)

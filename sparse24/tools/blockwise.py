@@ -38,7 +38,6 @@ from torch import nn
 
 from ..api import MIN_FEATURES, sparsify_
 from ..format import compress
-from ..hf import FORMAT_VERSION
 from ..masks import prune_layerwise_
 from ..masks.nm import _row_chunks
 from ..nn import Sparse24Linear, compressed_entries, quant_options
@@ -368,7 +367,8 @@ def _return_freed_memory() -> None:
 def _write(tensors: dict, folder: Path, name: str, weight_map: dict) -> int:
     """Write one output shard; returns its tensor bytes."""
     from safetensors.torch import save_file
-    save_file(tensors, folder / name, metadata={"format": "pt", "sparse24_format": str(FORMAT_VERSION)})
+    # one metadata key: safetensors writes the map in (random) hash order; config.json has the format
+    save_file(tensors, folder / name, metadata={"format": "pt"})
     weight_map.update(dict.fromkeys(tensors, name))
     return sum(t.numel() * t.element_size() for t in tensors.values())
 

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from ..api import MIN_FEATURES, sparsify_
-from ..hf import FORMAT_VERSION, check_blocks, read_config, read_shard_index, sparsity_config
+from ..hf import check_blocks, read_config, read_shard_index, sparsity_config
 from ..masks import kept_magnitude_fraction
 from ..nn import Sparse24Linear, is_conv1d_class
 from .._progress import progress_bar
@@ -170,7 +170,8 @@ def prune_folder(src: str | os.PathLike, dst: str | os.PathLike, method: str = "
                                                                  mask),
                                  "bytes_before": t.numel() * t.element_size(),
                                  "bytes_after": sum(v.numel() * v.element_size() for v in entries.values())})
-            save_file(out, tmp / shard, metadata={"format": "pt", "sparse24_format": str(FORMAT_VERSION)})
+            # one metadata key: safetensors writes the map in (random) hash order; config.json has the format
+            save_file(out, tmp / shard, metadata={"format": "pt"})
             weight_map.update(dict.fromkeys(out, shard))
         missing = sorted(set(layers) - done)
         if missing:

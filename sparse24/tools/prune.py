@@ -258,7 +258,10 @@ def _save_state_dict(sd: dict, path: Path) -> None:
     """``torch.save``, or safetensors for a ``.safetensors`` name (tensors sharing storage, i.e.
     tied weights kept dense, are stored as copies: safetensors refuses shared tensors)."""
     if path.suffix != ".safetensors":
-        torch.save(sd, path)
+        # through a file object: torch.save names the zip records after a path's file name (here
+        # write_together's pid-bearing temporary one), so two identical runs wrote different bytes
+        with open(path, "wb") as f:
+            torch.save(sd, f)
         return
     from safetensors.torch import save_file
     seen, flat = set(), {}
