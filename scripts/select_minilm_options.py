@@ -1,7 +1,8 @@
 """Choosing the recommended one shot's options without the evaluation texts: variants of
 ``prune_layerwise_`` (given as JSON, e.g. '{}' '{"percdamp": 0.1}') on all-MiniLM-L6-v2 calibrated
 on the first N (env N, default 512) lines of eval_minilm_calibration.py's code (env DOM=code) or
-docstring sentences (DOM=docstrings), after the same permutation (cached in the temp folder).
+docstring sentences (DOM=docstrings), after the same permutation (its weights cached in
+~/.cache/sparse24, or $XDG_CACHE_HOME/sparse24).
 
 Judged on two selection texts that are no evaluation text: 512 other code lines (the last of the
 shuffle, val-code) and 512 docstring sentences of the training files (the last of their shuffle,
@@ -24,7 +25,6 @@ import copy
 import json
 import os
 import sys
-import tempfile
 import time
 
 import torch
@@ -56,17 +56,35 @@ for k, t in sel.items():
     refs[k] = (b, sentence_embeddings(enc.model, b, token_mask=enc.token_mask))
 dense = enc.model
 batches = enc.batches(calib, 32)
-cache = os.path.join(tempfile.gettempdir(), f"sparse24-select-perm-{DOM}{N}.pt")
-if os.path.exists(cache):
-    permuted = torch.load(cache, weights_only=False)
-else:
+
+
+def cached_permutation(base, path: str, permute_fn) -> torch.nn.Module:
+    """A copy of ``base`` permuted by ``permute_fn(copy)``, its state dict cached at ``path``: tensors
+    only, read with weights_only=True, in a folder of the user's own (a whole pickled model read from
+    a shared temp folder would run whatever code another user planted there)."""
+    permuted = copy.deepcopy(base)
+    if os.path.exists(path):
+        permuted.load_state_dict(torch.load(path, weights_only=True))
+        return permuted
+    permute_fn(permuted)
+    os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    torch.save(permuted.state_dict(), tmp)
+    os.replace(tmp, path)  # whole or absent: an interrupted save leaves no partial cache
+    return permuted
+
+
+def permute(model):
     t0 = time.perf_counter()
     stats = calibrate(dense, batches, hessian=True, token_mask=enc.token_mask, filter_fn=enc.filter_fn)
-    permuted = copy.deepcopy(dense)
-    permute_model_(permuted, enc.groups, score="sparsegpt", calibration=stats, example=enc.batch(calib[:8]),
+    permute_model_(model, enc.groups, score="sparsegpt", calibration=stats, example=enc.batch(calib[:8]),
                    max_iters=300, time_limit=600)
-    torch.save(permuted, cache)
     print(f"permutation {time.perf_counter()-t0:.0f} s", flush=True)
+
+
+CACHE = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "sparse24")
+permuted = cached_permutation(dense, os.path.join(CACHE, f"select-perm-{DOM}{N}.pt"), permute)
+
 
 def random_texts(n: int, seed: int = 7) -> list[str]:
     """``n`` strings of random vocabulary tokens, as long as the calibration lines (a data-free prior)."""

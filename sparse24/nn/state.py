@@ -468,8 +468,14 @@ def _whole_model_check(model, state_dict, prefix, local_metadata, strict, missin
     if errors:
         raise RuntimeError(f"Error(s) in loading state_dict for {type(model).__name__} (load_state_dict copied nothing):\n\t"
                            + "\n\t".join(errors))
-    for m, fqn, dense_dtype in checked:  # the layers skip these checks on these very tensors
-        m.__dict__.setdefault("_checked_entries", {})[fqn] = (_entry_refs(state_dict, fqn), dense_dtype)
+    # The layers skip these checks on these very tensors. The records are kept on torch's own copy of
+    # the state dict (the call's frame holds it), so none outlives the call, whether it completes or
+    # another module's loader raises part way (a record left on a layer made it unpicklable: weakrefs).
+    # No call found (a loader calling _load_from_state_dict itself): no record, each layer checks again.
+    records = _call_records()
+    if records is not None:
+        for m, fqn, dense_dtype in checked:
+            records[id(m), fqn] = (m, _entry_refs(state_dict, fqn), dense_dtype)
 
 
 _ENTRY_NAMES = ("weight", "mask", "values", "meta", "scale", "zero", "group_size", "bias")
@@ -480,13 +486,25 @@ def _entry_refs(sd: dict, prefix: str) -> dict:
     return {k: weakref.ref(sd[prefix + k]) if prefix + k in sd else None for k in _ENTRY_NAMES}
 
 
+def _call_records() -> dict | None:
+    """The whole-model hook's records for the load_state_dict call under way, ``{(id(layer), prefix):
+    (layer, refs, dense dtype)}``: an attribute of torch's own copy of the state dict (an OrderedDict),
+    dropped with it when the call ends. None when no such call is found."""
+    call = _load_call()
+    sd = None if call is None else call.get("state_dict")
+    if not hasattr(sd, "__dict__"):
+        return None
+    return sd.__dict__.setdefault("_sparse24_checked", {})
+
+
 def _already_checked(layer, sd: dict, prefix: str) -> tuple[bool, torch.dtype | None]:
     """Whether the whole-model hook checked exactly these tensors for this layer (consumed once),
     and the dtype of the dense weight it replaced by 2:4 entries (None if it replaced none)."""
-    record = layer.__dict__.get("_checked_entries", {}).pop(prefix, None)
+    records = _call_records()
+    record = None if records is None else records.pop((id(layer), prefix), None)
     if record is None:
         return False, None
-    refs, dense_dtype = record
+    _, refs, dense_dtype = record
     same = all((r is None) == (prefix + k not in sd) and (r is None or r() is sd[prefix + k])
                for k, r in refs.items())
     return same, dense_dtype if same else None

@@ -49,8 +49,8 @@ def read_rows(paths) -> list[dict]:
         FileNotFoundError: a path does not exist.
         ValueError: a file is not a sparse24 bench CSV, or has another schema
             version, a malformed row (a figure not a positive finite number, a
-            cell too many or too few) or a point another file or row already
-            has (one line naming the file and what to do).
+            cell too many or too few, a quote csv cannot close) or a point
+            another file or row already has (one line naming the file and what to do).
     Example:
         >>> rows = read_rows(["results/cpu-amd-epyc/bench.csv"])  # doctest: +SKIP
     """
@@ -64,40 +64,54 @@ def read_rows(paths) -> list[dict]:
         # utf-8-sig: a file re-saved by Excel ("CSV UTF-8") starts with a BOM that would prefix the first column
         with open(path, newline="", encoding="utf-8-sig", errors="replace") as f:
             reader = csv.DictReader(f)
-            header = reader.fieldnames or []
-            if "schema" not in header:
-                raise ValueError(f"{path} is not a sparse24 bench CSV (no 'schema' column; "
-                                 f"write one with 'python -m sparse24 bench')")
-            missing = [c for c in COLUMNS if c not in header]
-            for i, row in enumerate(reader, start=2):
-                if row.get("schema") != SCHEMA:
-                    raise ValueError(f"{path} line {i}: schema {row.get('schema')!r} (sparse24 "
-                                     f"{row.get('sparse24', '?')}), but this sparse24 {__version__} reads "
-                                     f"{SCHEMA!r}: re-run 'python -m sparse24 bench'")
-                if missing:
-                    raise ValueError(f"{path}: missing columns {missing} for schema {SCHEMA!r}")
-                if None in row or None in row.values():  # more or fewer cells than the header: shifted columns
-                    raise ValueError(f"{path} line {i}: the number of cells differs from the header's {len(header)}")
-                for k, t in _NUMERIC.items():
-                    try:
-                        v = t(row[k])
-                    except ValueError:
-                        v = None
-                    # every figure bench writes is a positive finite number; nan/inf/0/negatives
-                    # would be drawn as nothing, or fail deep in matplotlib
-                    if v is None or not (math.isfinite(v) and v > 0):
-                        raise ValueError(f"{path} line {i}: {k} must be a positive "
-                                         f"{'integer' if t is int else 'number'}, got {row[k]!r}")
-                    row[k] = v
-                key = (_device_label(row), *(row[c] for c in ("dtype", "shape", "N", "K", "M", "provider")))
-                if key in seen:  # one line through both would zigzag between two measurements
-                    raise ValueError(f"{path} line {i}: {row['provider']} {row['dtype']} {row['shape']} M={row['M']} "
-                                     f"on {key[0]} is already in {seen[key]}; plot one run per device")
-                seen[key] = f"{path} line {i}"
-                rows.append(row)
+            start = 1  # the line the row csv reads next starts on: where a csv.Error is (csv names none)
+            try:
+                header = reader.fieldnames or []
+                start = reader.line_num + 1
+                for row in _checked_rows(path, reader, header, seen):
+                    rows.append(row)
+                    start = reader.line_num + 1
+            except csv.Error as e:  # e.g. a stray quote: csv reads on to the field limit (128 KiB) for its end
+                raise ValueError(f"{path} line {start}: not a valid CSV row ({e}); mend the line or "
+                                 "re-run 'python -m sparse24 bench'") from None
     if not rows:
         raise ValueError(f"no measurements in {', '.join(map(str, paths))}")
     return rows
+
+
+def _checked_rows(path: Path, reader: csv.DictReader, header: list, seen: dict):
+    """The rows of one bench CSV (``header`` read), each checked and with its numeric fields converted
+    (:func:`read_rows`); ``seen`` maps each point already read to where."""
+    if "schema" not in header:
+        raise ValueError(f"{path} is not a sparse24 bench CSV (no 'schema' column; "
+                         f"write one with 'python -m sparse24 bench')")
+    missing = [c for c in COLUMNS if c not in header]
+    for i, row in enumerate(reader, start=2):
+        if row.get("schema") != SCHEMA:
+            raise ValueError(f"{path} line {i}: schema {row.get('schema')!r} (sparse24 "
+                             f"{row.get('sparse24', '?')}), but this sparse24 {__version__} reads "
+                             f"{SCHEMA!r}: re-run 'python -m sparse24 bench'")
+        if missing:
+            raise ValueError(f"{path}: missing columns {missing} for schema {SCHEMA!r}")
+        if None in row or None in row.values():  # more or fewer cells than the header: shifted columns
+            raise ValueError(f"{path} line {i}: the number of cells differs from the header's {len(header)}")
+        for k, t in _NUMERIC.items():
+            try:
+                v = t(row[k])
+            except ValueError:
+                v = None
+            # every figure bench writes is a positive finite number; nan/inf/0/negatives
+            # would be drawn as nothing, or fail deep in matplotlib
+            if v is None or not (math.isfinite(v) and v > 0):
+                raise ValueError(f"{path} line {i}: {k} must be a positive "
+                                 f"{'integer' if t is int else 'number'}, got {row[k]!r}")
+            row[k] = v
+        key = (_device_label(row), *(row[c] for c in ("dtype", "shape", "N", "K", "M", "provider")))
+        if key in seen:  # one line through both would zigzag between two measurements
+            raise ValueError(f"{path} line {i}: {row['provider']} {row['dtype']} {row['shape']} M={row['M']} "
+                             f"on {key[0]} is already in {seen[key]}; plot one run per device")
+        seen[key] = f"{path} line {i}"
+        yield row
 
 
 def byte_ceiling(provider: str, dtype: str) -> float | None:
