@@ -197,6 +197,7 @@ class DecodePacked:
 
     @property
     def device(self) -> torch.device:
+        """The device of every tensor it holds (``values``, ``meta``, ``scale``, ``zero``)."""
         return self.values.device
 
     @property
@@ -217,6 +218,7 @@ class DecodePacked:
                f"device={self.device})"
 
     def to(self, device) -> "DecodePacked":
+        """A copy of this weight with every tensor moved to ``device`` (same layout and shapes)."""
         scale, zero = (None if t is None else t.to(device) for t in (self.scale, self.zero))
         return DecodePacked(self.values.to(device), self.meta.to(device), self.shape, self.dtype, scale, zero=zero,
                             group_size=self.group_size, check=False)
@@ -277,7 +279,8 @@ class DecodePacked:
         return self
 
     def to_sparse24(self) -> Sparse24Tensor:
-        """The same weight in layout v1 (exact inverse of :func:`pack_decode`)."""
+        """The same logical ``(R, C)`` weight as a :class:`Sparse24Tensor` in layout v1 (``values``
+        ``(R, C // 2)``, or ``(R, C // 4)`` bytes when INT4; exact inverse of :func:`pack_decode`)."""
         R, C = self.shape
         slots = self.slots()
         vals = self._unpacked()[1][:R, :C // 4]

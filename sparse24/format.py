@@ -67,6 +67,16 @@ from ._checks import FLOAT_DTYPES, check_mask, check_nm, check_weight
 __all__ = ["mask_nm", "is_nm", "Sparse24Tensor", "compress", "quantize_values", "QUANT_MODES", "FLOAT_DTYPES",
            "INT4_GROUP_SIZES", "bf16_exact_scales"]
 
+
+def _refuse_meta(t: torch.Tensor, name: str) -> None:
+    """ValueError if ``t`` is on the meta device: a mask or a check reads values, which it has none of
+    (torch's own error, "Tensor.item() cannot be called on meta tensors", names neither). A layer built
+    on the meta device defers its mask until its weights are loaded (:mod:`sparse24.nn`)."""
+    if t.device.type == "meta":
+        raise ValueError(f"{name} is on the meta device: it has no values to read; load the weights first "
+                         "(e.g. load_state_dict(..., assign=True) or module.to_empty(device=...))")
+
+
 # The integer view of each float dtype: for finite values, comparing
 # ``bits & max`` orders magnitudes exactly, and integer compares are much
 # cheaper on CPU than fp16 compares (0.055 s vs 0.21 s for torch.topk on a
@@ -159,7 +169,7 @@ def mask_nm(w: torch.Tensor, n: int = 2, m: int = 4) -> torch.Tensor:
     :mod:`sparse24.masks`; ``sparse24.mask_nm(w, n, m, method=...)`` picks one.
 
     Args:
-        w: ``(R, C)`` floating weight, ``C % m == 0``. Any device.
+        w: ``(R, C)`` floating weight, ``C % m == 0``. Any device but meta (ValueError: no values).
         n, m: keep ``n`` of every ``m``.
     Returns:
         ``(R, C)`` bool mask on ``w``'s device.
@@ -170,6 +180,7 @@ def mask_nm(w: torch.Tensor, n: int = 2, m: int = 4) -> torch.Tensor:
     """
     check_nm(n, m)
     check_weight(w, m)
+    _refuse_meta(w, "weight")
     if n == 2 and m == 4:
         return _nibble_mask(_nibbles24(w)).view(w.shape)
     keys = _magnitude_keys(w).view(-1, m)
@@ -182,8 +193,8 @@ def mask_nm(w: torch.Tensor, n: int = 2, m: int = 4) -> torch.Tensor:
 
 def is_nm(w: torch.Tensor, n: int = 2, m: int = 4) -> bool:
     """True if every group of ``m`` consecutive entries along the last
-    dimension of ``w`` (any shape with at least 1 dim, last dim divisible by m)
-    has at most ``n`` non-zeros."""
+    dimension of ``w`` (any shape with at least 1 dim, last dim divisible by m;
+    not on the meta device) has at most ``n`` non-zeros."""
     check_nm(n, m)
     if not isinstance(w, torch.Tensor):
         raise TypeError(f"w must be a torch.Tensor, got {type(w).__name__}")
@@ -191,7 +202,11 @@ def is_nm(w: torch.Tensor, n: int = 2, m: int = 4) -> bool:
         raise ValueError("w must have at least 1 dimension, got a 0-d tensor")
     if w.shape[-1] % m != 0:
         raise ValueError(f"last dimension ({w.shape[-1]}) must be divisible by m={m}")
-    return bool(((w != 0).reshape(-1, m).sum(-1) <= n).all())
+    _refuse_meta(w, "w")
+    # Counted in the smallest integer that holds m: a bool sum defaults to int64, 2 bytes per fp16 weight
+    # (5.5x the weight's bytes in all, the peak of every magnitude prune; uint8: the bool tensor's 1 byte)
+    count = torch.uint8 if m < 256 else torch.int32
+    return bool(((w != 0).reshape(-1, m).sum(-1, dtype=count) <= n).all())
 
 
 # --- packing -----------------------------------------------------------------
@@ -325,6 +340,7 @@ class Sparse24Tensor:
     # -- basic properties --
     @property
     def device(self) -> torch.device:
+        """The device of every tensor it holds (``values``, ``meta``, ``scale``, ``zero``)."""
         return self.values.device
 
     @property
@@ -385,7 +401,14 @@ class Sparse24Tensor:
         return keep.scatter_(-1, self.slots(), True).view(R, C)
 
     def dequantized_values(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """``(R, C // 2)`` kept values in ``dtype`` (default: the logical dtype)."""
+        """``(R, C // 2)`` kept values in ``dtype`` (default: the logical dtype), one of
+        :data:`FLOAT_DTYPES` (TypeError otherwise: an integer or bool dtype would truncate them)."""
+        if dtype is not None and not isinstance(dtype, torch.dtype):
+            # (Tensor.to(3) would read 3 as a device)
+            raise TypeError(f"dtype must be a torch.dtype or None, got {type(dtype).__name__}")
+        if dtype is not None and dtype not in FLOAT_DTYPES:
+            raise TypeError(f"dtype must be a floating dtype ({', '.join(map(str, FLOAT_DTYPES))}), got {dtype}: "
+                            "the dequantized values are not integers")
         return self._dequantized(slice(None)).to(dtype or self.dtype)
 
     def int4_codes(self) -> torch.Tensor:
@@ -516,9 +539,14 @@ def compress(w: torch.Tensor, mask: torch.Tensor | None = None, **kwargs) -> Spa
         mask: optional ``(R, C)`` bool mask with at most 2 True per group of
             4 along the last dim; default: the 2:4 magnitude mask.
         quantize: ``None``, ``"int8"`` or ``"int4"`` (see :mod:`sparse24.quant`).
-        group_size, symmetric: INT4 only, passed to :func:`quantize_values`.
+        group_size, symmetric: INT4 only, passed to :func:`quantize_values` (None: the default,
+            128 and True, as :func:`sparse24.nn.quant_options` reads them).
     Returns:
-        :class:`Sparse24Tensor` with ``to_dense() == w * mask`` exactly.
+        :class:`Sparse24Tensor` with ``to_dense() == w * mask`` exactly (unquantized).
+    Raises:
+        TypeError: ``group_size`` / ``symmetric`` given (not None) without ``quantize="int4"``,
+            a ``symmetric`` that is not a bool; ValueError: an unknown mode or group size, ``w``
+            on the meta device.
     Example:
         >>> p = compress(torch.randn(16, 32))
         >>> p.values.shape, p.meta.shape
@@ -528,9 +556,11 @@ def compress(w: torch.Tensor, mask: torch.Tensor | None = None, **kwargs) -> Spa
     qargs = {k: kwargs.pop(k) for k in ("group_size", "symmetric") if k in kwargs}
     if kwargs:
         raise TypeError(f"unexpected arguments: {sorted(kwargs)}")
-    if qargs and quantize != "int4":
-        raise TypeError(f"{sorted(qargs)} only apply to quantize='int4', got quantize={quantize!r}")
+    if quantize is not None:
+        _check_quant_mode(quantize)
+    qargs = _quant_args(quantize, **qargs)  # checked before the work: quantize_values would refuse them after it
     check_weight(w, 4)
+    _refuse_meta(w, "weight")
     R, C = w.shape
     w4 = w.detach().contiguous().view(-1, 4)
     if mask is None:
@@ -556,8 +586,40 @@ INT4_GROUP_SIZES = (32, 64, 128)
 _INT4_ZERO = 8  # the symmetric zero point: codes 1..15 hold -7..7
 
 
-def quantize_values(p: Sparse24Tensor, mode: str = "int8", *, group_size: int = 128,
-                    symmetric: bool = True) -> Sparse24Tensor:
+def _check_quant_mode(mode) -> None:
+    """TypeError / ValueError unless ``mode`` is one of :data:`QUANT_MODES`."""
+    if not isinstance(mode, str):
+        raise TypeError(f"quantization mode must be a string, one of {QUANT_MODES}, got {type(mode).__name__}")
+    if mode not in QUANT_MODES:
+        raise ValueError(f"unknown quantization mode {mode!r}; supported: {', '.join(map(repr, QUANT_MODES))}")
+
+
+def int4_options(group_size=None, symmetric=None) -> tuple[int, bool]:
+    """INT4's ``(group_size, symmetric)`` checked, None standing for the default (128, True): the one
+    check behind :func:`compress`, :func:`quantize_values` and :func:`sparse24.nn.quant_options`.
+    ValueError for a group size other than 32, 64 or 128; TypeError for a ``symmetric`` that is
+    not a bool (a string ``"False"`` would read as True)."""
+    group_size = check_group_size(128 if group_size is None else group_size)
+    symmetric = True if symmetric is None else symmetric
+    if not isinstance(symmetric, bool):
+        raise TypeError(f"symmetric must be a bool, got {type(symmetric).__name__}")
+    return group_size, symmetric
+
+
+def _quant_args(mode, group_size=None, symmetric=None) -> dict:
+    """The INT4 options of ``mode`` as keyword arguments (``{}`` for another mode, None included);
+    TypeError for one given (not None) to a mode other than INT4."""
+    if mode != "int4":
+        given = sorted(k for k, v in (("group_size", group_size), ("symmetric", symmetric)) if v is not None)
+        if given:
+            raise TypeError(f"{given} only apply to quantize='int4', got quantize={mode!r}")
+        return {}
+    group_size, symmetric = int4_options(group_size, symmetric)
+    return {"group_size": group_size, "symmetric": symmetric}
+
+
+def quantize_values(p: Sparse24Tensor, mode: str = "int8", *, group_size: int | None = None,
+                    symmetric: bool | None = None) -> Sparse24Tensor:
     """Round the kept values of a 2:4 weight to INT8 or INT4 (round to nearest).
 
     INT8: one float32 scale per output row, ``scale[r] = max_j |values[r, j]| / 127``
@@ -578,15 +640,17 @@ def quantize_values(p: Sparse24Tensor, mode: str = "int8", *, group_size: int = 
     Args:
         p: unquantized :class:`Sparse24Tensor` ``(R, C)`` (any float dtype, any device).
         mode: ``"int8"`` or ``"int4"``.
-        group_size: INT4: 32, 64 or 128 (a row's last group may be short).
-        symmetric: INT4: False adds per-group zero points.
+        group_size: INT4: 32, 64 or 128 (a row's last group may be short); None: 128.
+        symmetric: INT4: False adds per-group zero points; None: True. INT8 takes neither
+            (TypeError unless both are None).
     Returns:
         A new :class:`Sparse24Tensor` sharing ``p.meta`` (not copied), with ``p``'s
         logical dtype: INT8 ``values`` int8 ``(R, C/2)`` and ``scale`` float32
         ``(R,)``; INT4 ``values`` uint8 ``(R, C/4)``, ``scale`` float16
         ``(R, ceil(C / group_size))`` and ``zero`` (asymmetric) uint8 of that shape.
     Raises:
-        TypeError: ``p`` is not a Sparse24Tensor, or ``mode`` is not a string.
+        TypeError: ``p`` is not a Sparse24Tensor, ``mode`` is not a string, ``symmetric`` is not
+            a bool, or INT8 got ``group_size`` / ``symmetric``.
         ValueError: unknown mode or group size, ``p`` already quantized,
             non-finite values, an INT4 scale beyond float16's range.
     Example:
@@ -599,18 +663,16 @@ def quantize_values(p: Sparse24Tensor, mode: str = "int8", *, group_size: int = 
     """
     if not isinstance(p, Sparse24Tensor):
         raise TypeError(f"quantize_values needs a Sparse24Tensor (see sparse24.compress), got {type(p).__name__}")
-    if not isinstance(mode, str):
-        raise TypeError(f"quantization mode must be a string, one of {QUANT_MODES}, got {type(mode).__name__}")
-    if mode not in QUANT_MODES:
-        raise ValueError(f"unknown quantization mode {mode!r}; supported: {', '.join(map(repr, QUANT_MODES))}")
+    _check_quant_mode(mode)
+    qargs = _quant_args(mode, group_size, symmetric)
     if p.scale is not None:
         raise ValueError("this Sparse24Tensor is already quantized (it has scales); quantize the float weight instead")
     v = p.values.float()
     if not bool(torch.isfinite(v).all()):
         raise ValueError("cannot quantize: the weight has non-finite (inf/NaN) kept values")
     if mode == "int4":
-        check_group_size(group_size)
-        codes, scale, zero = int4_quantize(v, group_size, symmetric, bf16_scales=p.dtype == torch.bfloat16,
+        group_size = qargs["group_size"]
+        codes, scale, zero = int4_quantize(v, group_size, qargs["symmetric"], bf16_scales=p.dtype == torch.bfloat16,
                                            fp16_weights=p.dtype == torch.float16)
         return Sparse24Tensor(_pack_nibbles(codes), p.meta, p.shape, p.dtype, scale, zero=zero,
                               group_size=group_size, check=False)

@@ -179,7 +179,9 @@ class GradualPruner:
 
     def sparsity_at(self, step: int) -> float:
         """The scheduled sparsity ``s_t`` at ``step`` (0 before ``start_step``,
-        ``s_f`` after ``end_step``)."""
+        ``s_f`` after ``end_step``); ``step`` is an int (TypeError otherwise: NaN would give NaN)."""
+        if not isinstance(step, int) or isinstance(step, bool):
+            raise TypeError(f"GradualPruner.sparsity_at: step must be an int, got {type(step).__name__} {step!r}")
         if step < self.start_step:
             return 0.0
         frac = min(step - self.start_step, self.end_step - self.start_step) / (self.end_step - self.start_step)
@@ -444,7 +446,7 @@ class SRSTE:
         final N:M mask (exactly N:M). For 2:4, ``sparse24.sparsify_(model)``
         then converts them (and ``compress_`` compresses them) without changing
         any value. Returns the masks
-        ``{fqn: bool}``."""
+        ``{fqn: (out, in) bool}``."""
         if self.finalized:
             raise RuntimeError("SRSTE.finalize: already finalized")
         # the masks of the first call: an interrupted finalize (Ctrl-C) is finished by calling it again

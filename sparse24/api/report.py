@@ -58,6 +58,7 @@ class SparsifyReport:
 
     @property
     def changed(self) -> list:
+        """The :class:`LayerReport` of every layer this call changed (any action but ``"skipped"``)."""
         return [r for r in self.layers if r.action != "skipped"]
 
     @property
@@ -67,6 +68,7 @@ class SparsifyReport:
 
     @property
     def skipped(self) -> list:
+        """The :class:`LayerReport` of every layer left as it was, each with its ``reason``."""
         return [r for r in self.layers if r.action == "skipped"]
 
     def _total(self, attr: str) -> int:
@@ -74,14 +76,17 @@ class SparsifyReport:
 
     @property
     def dense_bytes(self) -> int:
+        """Bytes of the changed layers' dense weights (sum of their ``dense_bytes``)."""
         return self._total("dense_bytes")
 
     @property
     def compressed_bytes(self) -> int:
+        """Nominal compressed bytes of the changed layers' weights (sum of their ``compressed_bytes``)."""
         return self._total("compressed_bytes")
 
     @property
     def memory_bytes(self) -> int:
+        """Bytes the changed layers' weights hold now (sum of their ``memory_bytes``)."""
         return self._total("memory_bytes")
 
     def __str__(self) -> str:

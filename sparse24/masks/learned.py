@@ -132,6 +132,7 @@ class LearnableMask(nn.Module):
 
     @property
     def num_patterns(self) -> int:
+        """How many N:M patterns each group chooses among: ``comb(m, n)`` (6 for 2:4), the logits' first dim."""
         return self.patterns.shape[0]
 
     @torch.no_grad()

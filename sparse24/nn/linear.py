@@ -20,7 +20,8 @@ from ..format import FLOAT_DTYPES, Sparse24Tensor, _pack_nibbles, compress, int4
 from ..ops import linear24
 from ..ops.linear24 import launch, op
 from .layout import LayoutMixin
-from .masking import _GRAD_HOOKED, _HAS_HOOK, _MASKED_MODULES, _ZERO_CHECKED, _grad_mask_hook, _relink_hooks, _unhook
+from .masking import (_GRAD_HOOKED, _HAS_HOOK, _MASKED_MODULES, _ZERO_CHECKED, _grad_mask_hook, _owner_of,
+                      _relink_hooks, _unhook)
 from .prepare import (_check_mode, _mask_from_slots, _placeholder, _prepare, _Prepared, is_conv1d, is_conv1d_class,
                       describe_quant, linear_shape, quant_options)
 from .sharded import gather_mask, is_dtensor, shard_like
@@ -199,20 +200,22 @@ class Sparse24Linear(LayoutMixin, StateDictMixin, nn.Module):
             self._parameters["bias"] = self._parameters.pop("bias")
 
     def _set_compressed(self, p: Sparse24Tensor, trainable_values: bool, requires_grad: bool = True) -> None:
+        # The new tensors first: a failure making them leaves this layer as it was (nothing released yet).
+        # INT4: the group size as a 0-d int32 entry too, so that a checkpoint says which it holds (a
+        # scale's shape does not tell 64 from 128 when C <= 64); the Python int is what forward reads.
+        values = nn.Parameter(p.values, requires_grad=bool(trainable_values and requires_grad))
+        group_size = None if p.group_size is None else torch.tensor(p.group_size, dtype=torch.int32, device=p.device)
         self._release()
         for name in ("weight", "mask", "values"):
             self._buffers.pop(name, None)
             self._parameters.pop(name, None)
-        self.values = nn.Parameter(p.values, requires_grad=trainable_values and requires_grad)
+        self.values = values
         self._bias_last()
         self.register_buffer("meta", p.meta)
         self.register_buffer("scale", p.scale)  # None unless quantized (then not in the state dict)
         self.register_buffer("zero", p.zero)  # INT4 asymmetric only
-        # INT4: the group size as a 0-d int32 entry too, so that a checkpoint says which it holds (a
-        # scale's shape does not tell 64 from 128 when C <= 64); the Python int is what forward reads.
         self._group_size = p.group_size
-        self.register_buffer("group_size", None if p.group_size is None else
-                             torch.tensor(p.group_size, dtype=torch.int32, device=p.device))
+        self.register_buffer("group_size", group_size)
         self._dtype = p.dtype  # logical dtype (differs from values' when quantized)
         self._weight_requires_grad = requires_grad  # a frozen layer stays frozen through to_masked
         self._mode = "compressed"
@@ -275,10 +278,16 @@ class Sparse24Linear(LayoutMixin, StateDictMixin, nn.Module):
             self._track_masked()
 
     def __setstate__(self, state):
-        # deepcopy / unpickle: hooks are not copied; re-arm them on the new objects.
+        # deepcopy / unpickle: hooks are not copied; re-arm them on the new objects. copy.copy shares the
+        # weight Parameter (and the parameter dict): its live owner stays the owner (the copy taking over left
+        # the weight's gradients unmasked once the copy died, e.g. torch's pipelining copies children so);
+        # the copy is registered as masked, so it takes over should the owner die first (masking._owner_of).
         super().__setstate__(state)
         if self.__dict__.get("_mode") == "masked":
-            self._track_masked()
+            if _owner_of(self._parameters.get("weight")) is None:
+                self._track_masked()
+            else:
+                _MASKED_MODULES.add(self)
         elif self.__dict__.get("_mode") == "compressed":  # pickled before INT4 existed
             self.__dict__.setdefault("_group_size", None)
             for name in ("zero", "group_size"):
@@ -319,6 +328,7 @@ class Sparse24Linear(LayoutMixin, StateDictMixin, nn.Module):
 
     @property
     def mode(self) -> str:
+        """``"masked"`` (dense weight + mask, trains) or ``"compressed"`` (values + 2-bit slots)."""
         return self._mode
 
     @property
@@ -350,6 +360,7 @@ class Sparse24Linear(LayoutMixin, StateDictMixin, nn.Module):
 
     @property
     def device(self) -> torch.device:
+        """The device of the weight (masked mode) or of the compressed values."""
         return self.weight.device if self._mode == "masked" else self.values.device
 
     def _refuse_pending(self, what: str) -> None:
@@ -359,8 +370,8 @@ class Sparse24Linear(LayoutMixin, StateDictMixin, nn.Module):
                                f"so it cannot {what} yet")
 
     def sparse_tensor(self) -> Sparse24Tensor:
-        """The weight as a :class:`Sparse24Tensor` (views of the buffers in compressed mode and
-        layout v1; re-ordered from the decode layout)."""
+        """The ``(R, C)`` = ``(out_features, in_features)`` weight as a :class:`Sparse24Tensor`
+        (views of the buffers in compressed mode and layout v1; re-ordered from the decode layout)."""
         self._refuse_pending("give its 2:4 weight")
         self._refuse_sharded("give its 2:4 weight")
         if self._mode == "masked":
@@ -429,7 +440,7 @@ class Sparse24Linear(LayoutMixin, StateDictMixin, nn.Module):
             :class:`UserWarning` says how many codes changed and how many were clipped (an
             update under half a step rounds away).
         Raises:
-            ValueError, nothing changed: a wrong ``delta``.
+            ValueError, nothing changed: a wrong ``delta``, or ``delta`` or the layer on the meta device.
         """
         self._refuse_pending("be updated")
         self._refuse_sharded("be updated")
@@ -437,6 +448,9 @@ class Sparse24Linear(LayoutMixin, StateDictMixin, nn.Module):
         if not isinstance(delta, torch.Tensor) or tuple(delta.shape) != (R, C) or not delta.is_floating_point():
             raise ValueError(f"delta must be a floating ({R}, {C}) tensor, got "
                              f"{tuple(delta.shape) if isinstance(delta, torch.Tensor) else type(delta).__name__}")
+        for name, dev in (("delta", delta.device), ("this layer's weight", self.device)):
+            if dev.type == "meta":   # (torch's own error names neither: "Tensor.item() cannot be called on meta ...")
+                raise ValueError(f"{name} is on the meta device: it has no values to add; nothing was changed")
         if not bool(torch.isfinite(delta).all()):
             # (INT4 would round NaN to a code silently: its lowest grid point)
             raise ValueError("delta has NaN or infinite entries (a diverged adapter?); nothing was changed")

@@ -47,10 +47,12 @@ def _stepped_pairs(optimizer, sharded_only: bool = False):
     """``(weight, mask)`` of every masked weight ``optimizer`` steps (only the sharded ones if
     ``sharded_only``); a sharded weight's mask is sharded like it first."""
     stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    done = set()   # a weight shared by a module and its copy.copy: once
     for mod in list(_MASKED_MODULES):
         w = mod._parameters.get("weight")
-        if w is None or id(w) not in stepped or (sharded_only and not is_dtensor(w)):
+        if w is None or id(w) not in stepped or id(w) in done or (sharded_only and not is_dtensor(w)):
             continue
+        done.add(id(w))
         if is_dtensor(w):
             mod._buffers["mask"] = shard_like(mod.mask, w)  # no-op once sharded alike
         yield w, mod.mask
@@ -66,13 +68,30 @@ def _remask_after_step(optimizer, args, kwargs) -> None:
             w.masked_fill_(~mask, 0)
 
 
-def _owner(p: torch.Tensor):
-    """The live masked module whose weight is ``p``, else None."""
-    ref = _GRAD_HOOKED.get(p)
-    m = ref() if ref is not None else None
-    if m is None or m not in _MASKED_MODULES or m._parameters.get("weight") is not p:
+def _owner_of(p) -> "nn.Module | None":
+    """The live masked-mode module that owns ``p`` as its weight, else None. When the recorded owner has
+    died, another live masked module holding ``p`` (a ``copy.copy`` of it, which shares the Parameter)
+    becomes the owner: its gradients stay masked."""
+    ref = _GRAD_HOOKED.get(p) if p is not None else None
+    if ref is None:
+        return None
+    m = ref()
+    if m is None:
+        m = next((c for c in list(_MASKED_MODULES) if c._parameters.get("weight") is p
+                  and c.__dict__.get("_mode") == "masked"), None)
+        if m is None:
+            _GRAD_HOOKED.pop(p, None)   # no one masks it: no search on the next backward
+            return None
+        _GRAD_HOOKED[p] = weakref.ref(m)
+    if m.__dict__.get("_mode") != "masked" or m._parameters.get("weight") is not p:
         return None
     return m
+
+
+def _owner(p: torch.Tensor):
+    """The live masked module whose weight is ``p``, else None."""
+    m = _owner_of(p)
+    return m if m is not None and m in _MASKED_MODULES else None
 
 
 def _replacing(p: torch.Tensor):
@@ -168,10 +187,8 @@ def _grad_mask_hook(param: nn.Parameter):
     def hook(grad: torch.Tensor) -> torch.Tensor:
         # Mask with the mask of the module that currently owns this Parameter
         # as its masked weight (none after densify_ or to_compressed).
-        p = param_ref()
-        owner = _GRAD_HOOKED.get(p) if p is not None else None
-        m = owner() if owner is not None else None
-        if m is None or m.__dict__.get("_mode") != "masked" or m._parameters.get("weight") is not p:
+        m = _owner_of(param_ref())
+        if m is None:
             return grad
         return torch.where(m.mask, grad, 0)
     return hook

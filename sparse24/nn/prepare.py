@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from .._checks import check_finite
-from ..format import FLOAT_DTYPES, Sparse24Tensor, _check_mask24, check_group_size, compress, is_nm
+from ..format import FLOAT_DTYPES, Sparse24Tensor, _check_mask24, check_group_size, compress, int4_options, is_nm
 from ..masks import METHODS, mask_nm, prune_nm
 from .masking import note_replaced
 from .sharded import is_dtensor
@@ -21,7 +21,6 @@ __all__ = ["MODES", "QUANTIZE", "quant_options", "describe_quant", "is_conv1d", 
 
 MODES = ("masked", "compressed")
 QUANTIZE = (None, "int8", "int4")
-INT4_DEFAULTS = {"group_size": 128, "symmetric": True}
 
 
 def quant_options(quantize=None, group_size=None, symmetric=None) -> dict:
@@ -43,10 +42,7 @@ def quant_options(quantize=None, group_size=None, symmetric=None) -> dict:
         if group_size is not None or symmetric is not None:
             raise ValueError(f"group_size and symmetric apply to quantize='int4', got quantize={quantize!r}")
         return {} if quantize is None else {"quantize": quantize}
-    group_size = check_group_size(INT4_DEFAULTS["group_size"] if group_size is None else group_size)
-    symmetric = INT4_DEFAULTS["symmetric"] if symmetric is None else symmetric
-    if not isinstance(symmetric, bool):
-        raise TypeError(f"symmetric must be a bool, got {type(symmetric).__name__}")
+    group_size, symmetric = int4_options(group_size, symmetric)  # the check sparse24.compress makes too
     return {"quantize": "int4", "group_size": group_size, "symmetric": symmetric}
 
 
@@ -56,7 +52,11 @@ def describe_quant(quant: dict) -> str:
 
 
 def _check_mode(mode, quantize, trainable_values, group_size=None, symmetric=None) -> dict:
-    """Check a mode and its quantization; return :func:`quant_options`."""
+    """Check a mode, its quantization and ``trainable_values``; return :func:`quant_options`."""
+    if not isinstance(trainable_values, bool):
+        # (nn.Parameter takes only a bool: 0, None or numpy's False failed after the layer had let go of its weight)
+        raise TypeError(f"trainable_values must be a bool, got {type(trainable_values).__name__} "
+                        f"{trainable_values!r}")
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     quant = quant_options(quantize, group_size, symmetric)
