@@ -229,10 +229,12 @@ def _forward_weight_reads(cls: type) -> frozenset:
 
 def _shared_weights(model: nn.Module) -> dict[int, list[str]]:
     """id(parameter) -> the qualified names of every parameter sharing memory with it: the same
-    Parameter registered twice or more, or Parameters over overlapping bytes (a tie that
-    ``load_state_dict(assign=True)`` made into two Parameter objects on one storage); only those."""
+    Parameter registered twice or more, or Parameters sharing elements of one storage (a tie that
+    ``load_state_dict(assign=True)`` made into two Parameter objects on one storage); only those.
+    Element-disjoint views of one buffer (a flat buffer, q/k/v as strided views of a fused weight) are
+    not shared."""
     names: dict[int, list[str]] = {}
-    spans = []  # (device, first byte, end byte, id) of each parameter holding memory
+    spans = []  # (device, first byte, end byte, parameter) of each parameter holding memory
     for fqn, mod in model.named_modules():
         for pname, p in mod._parameters.items():
             if p is None:
@@ -241,21 +243,27 @@ def _shared_weights(model: nn.Module) -> dict[int, list[str]]:
                 names[id(p)] = []
                 span = _byte_span(p)
                 if span is not None:
-                    spans.append((*span, id(p)))
+                    spans.append((*span, p))
             names[id(p)].append(f"{fqn}.{pname}" if fqn else pname)
-    group = {k: k for k in names}  # id -> the id whose group it is in
+    group = {k: k for k in names}  # id -> a parent id in its group (union-find)
+
+    def root(k: int) -> int:
+        while group[k] != k:
+            group[k] = k = group[group[k]]
+        return k
+
     spans.sort(key=lambda s: (str(s[0]), s[1], s[2]))
-    end = None
-    for i, (device, lo, hi, k) in enumerate(spans):
-        if end is not None and device == spans[i - 1][0] and lo < end:
-            group[k] = group[spans[i - 1][3]]
-            end = max(end, hi)
-        else:
-            end = hi
+    active = []  # earlier spans on this device that may still reach the current one
+    for device, lo, hi, p in spans:
+        active = [a for a in active if a[0] == device and a[2] > lo]
+        for a in active:
+            if _elements_overlap(a[3], p):
+                group[root(id(p))] = root(id(a[3]))
+        active.append((device, lo, hi, p))
     members: dict[int, list[str]] = {}
-    for k, g in group.items():
-        members.setdefault(g, []).extend(names[k])
-    return {k: members[group[k]] for k in names if len(members[group[k]]) > 1}
+    for k in names:
+        members.setdefault(root(k), []).extend(names[k])
+    return {k: members[root(k)] for k in names if len(members[root(k)]) > 1}
 
 
 def _byte_span(p: torch.Tensor) -> tuple | None:
@@ -269,6 +277,25 @@ def _byte_span(p: torch.Tensor) -> tuple | None:
         return None
     elements = 1 + sum((n - 1) * st for n, st in zip(p.shape, p.stride()))
     return (p.device, lo, lo + elements * p.element_size()) if lo else None
+
+
+def _elements_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b``, whose byte spans overlap, share an element. Contiguous tensors fill
+    their spans, so a span overlap is a shared element; strided views (q/k/v as interleaved views of
+    one fused weight) may only interleave: their elements are marked and compared in a bool buffer
+    over the storage. Different dtypes or storages over the same bytes count as shared (conservative:
+    their elements do not line up, and a false tie only leaves a layer dense)."""
+    if a.is_contiguous() and b.is_contiguous():
+        return True
+    same_storage = a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+    if a.dtype != b.dtype or not same_storage:
+        return True
+    lo = min(a.storage_offset(), b.storage_offset())
+    size = max(t.storage_offset() + 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
+               for t in (a, b)) - lo
+    marks = torch.zeros(size, dtype=torch.bool)  # on the host: no device memory or sync needed
+    marks.as_strided(a.shape, a.stride(), a.storage_offset() - lo).fill_(True)
+    return bool(marks.as_strided(b.shape, b.stride(), b.storage_offset() - lo).any())
 
 
 def _is_linear(mod: nn.Module) -> bool:

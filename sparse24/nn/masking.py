@@ -44,7 +44,7 @@ def note_replaced(old_weight: torch.Tensor, bias: torch.Tensor | None) -> None:
 
 
 def _stepped_pairs(optimizer, sharded_only: bool = False):
-    """``(weight, mask)`` of every masked weight ``optimizer`` steps (only the sharded ones if
+    """``(weight, mask, module)`` of every masked weight ``optimizer`` steps (only the sharded ones if
     ``sharded_only``); a sharded weight's mask is sharded like it first."""
     stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
     done = set()   # a weight shared by a module and its copy.copy: once
@@ -55,7 +55,7 @@ def _stepped_pairs(optimizer, sharded_only: bool = False):
         done.add(id(w))
         if is_dtensor(w):
             mod._buffers["mask"] = shard_like(mod.mask, w)  # no-op once sharded alike
-        yield w, mod.mask
+        yield w, mod.mask, mod
 
 
 def _remask_after_step(optimizer, args, kwargs) -> None:
@@ -63,9 +63,25 @@ def _remask_after_step(optimizer, args, kwargs) -> None:
     if not _MASKED_MODULES:
         return
     with torch.no_grad():
-        for w, mask in _stepped_pairs(optimizer):
-            w, mask = local_pair(w, mask)
-            w.masked_fill_(~mask, 0)
+        for w, mask, mod in _stepped_pairs(optimizer):
+            local_w, local_mask = local_pair(w, mask)
+            local_w.masked_fill_(~local_mask, 0)
+            if local_w is w and local_mask is mask:  # (a sharded weight: no zero check reads it)
+                _note_zero(mod, w, mask)
+
+
+def _note_zero(mod: nn.Module, w: torch.Tensor, mask: torch.Tensor) -> None:
+    """Record in _ZERO_CHECKED that ``mod``'s weight ``w`` is 0 wherever ``mask`` is False (it was just
+    zeroed there): the write bumped the version, and the next inference forward (or direct-read hook)
+    would otherwise rescan the whole weight, a host sync on GPU. The entry has the layout
+    Sparse24Linear._zero_where_pruned reads and writes (nn/linear.py)."""
+    if torch.compiler.is_compiling() or w.is_meta:
+        return
+    try:
+        _ZERO_CHECKED[mod] = (weakref.ref(w), w._version, weakref.ref(mask), mask._version, w.data_ptr(),
+                              mask.data_ptr())
+    except RuntimeError:  # inference tensors keep no version counter: no entry, as _zero_where_pruned
+        _ZERO_CHECKED.pop(mod, None)
 
 
 def _owner_of(p) -> "nn.Module | None":
@@ -153,7 +169,7 @@ def _mask_sharded_grads(optimizer, args, kwargs) -> None:
         return
     _check_optimizer(optimizer)
     with torch.no_grad():
-        for w, mask in _stepped_pairs(optimizer, sharded_only=True):
+        for w, mask, _ in _stepped_pairs(optimizer, sharded_only=True):
             if w.grad is not None:
                 grad, mask = local_pair(w.grad, mask)
                 grad.masked_fill_(~mask, 0)

@@ -471,11 +471,15 @@ def _whole_model_check(model, state_dict, prefix, local_metadata, strict, missin
     # The layers skip these checks on these very tensors. The records are kept on torch's own copy of
     # the state dict (the call's frame holds it), so none outlives the call, whether it completes or
     # another module's loader raises part way (a record left on a layer made it unpicklable: weakrefs).
-    # No call found (a loader calling _load_from_state_dict itself): no record, each layer checks again.
+    # No call found (a loader calling _load_from_state_dict itself: transformers < 4.50, DeepSpeed):
+    # in _NO_CALL_RECORDS, which no layer holds; the layer must get the dense dtype _fill_from_dense saw.
     records = _call_records()
-    if records is not None:
-        for m, fqn, dense_dtype in checked:
-            records[id(m), fqn] = (m, _entry_refs(state_dict, fqn), dense_dtype)
+    for m, fqn, dense_dtype in checked:
+        refs = _entry_refs(state_dict, fqn)
+        if records is not None:
+            records[id(m), fqn] = (m, refs, dense_dtype)
+        else:
+            _NO_CALL_RECORDS.setdefault(m, {})[fqn] = (None, refs, dense_dtype)  # (m itself would keep m alive)
 
 
 _ENTRY_NAMES = ("weight", "mask", "values", "meta", "scale", "zero", "group_size", "bias")
@@ -497,11 +501,20 @@ def _call_records() -> dict | None:
     return sd.__dict__.setdefault("_sparse24_checked", {})
 
 
+# Layer -> {prefix: record} of the whole-model hook under a loader calling _load_from_state_dict itself
+# (no load_state_dict call to keep them on; see _whole_model_check). Weak keys, and nothing on the layer:
+# a record a refused load left behind neither keeps the layer alive nor stops pickling it; it can only
+# match the very tensors it was made for (weak references, compared by identity).
+_NO_CALL_RECORDS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
 def _already_checked(layer, sd: dict, prefix: str) -> tuple[bool, torch.dtype | None]:
     """Whether the whole-model hook checked exactly these tensors for this layer (consumed once),
     and the dtype of the dense weight it replaced by 2:4 entries (None if it replaced none)."""
-    records = _call_records()
-    record = None if records is None else records.pop((id(layer), prefix), None)
+    records, own = _call_records(), _NO_CALL_RECORDS.get(layer)
+    record = own.pop(prefix, None) if own is not None else None  # consumed either way
+    if records is not None:  # under a load_state_dict call only its own records count
+        record = records.pop((id(layer), prefix), None)
     if record is None:
         return False, None
     _, refs, dense_dtype = record
