@@ -257,12 +257,25 @@ class GradualPruner:
         return {"masks": {k: v.clone() for k, v in self.masks.items()}, "pruned_k": self._pruned_k,
                 "nm": self.nm, "final_sparsity": self.final_sparsity}
 
+    def _other_layers(self, masks: dict) -> str:
+        """What differs between the layers of a state's ``masks`` and this pruner's, with why this
+        pruner leaves out the state's extra layers."""
+        extra = [n for n in masks if n not in self.masks]
+        missing = [n for n in self.masks if n not in masks]
+        parts = [f"the state has {n!r}, which this pruner leaves out ("
+                 + self.skipped.get(n, "no Linear / Conv1D layer of that name in the model") + ")" for n in extra]
+        if missing:
+            parts.append(f"this pruner prunes {', '.join(map(repr, missing))}, which the state lacks")
+        return "; ".join(parts)
+
     def load_state_dict(self, state: dict) -> None:
         """Restore what :meth:`state_dict` returned; checks everything before changing anything.
         A state saved with another target (N:M pattern or final sparsity) is refused: its masks
         would leave the model at the other target (a sparser state loaded into a denser pruner
         even revives weights it pruned). A state without ``nm`` / ``final_sparsity`` (saved
-        by an older version) is taken as this pruner's."""
+        by an older version) is taken as this pruner's target, if it holds this pruner's layers:
+        one of another layer selection is refused naming the layers (older versions pruned the
+        output head by default: build that pruner with ``skip_output_head=False``)."""
         who = "GradualPruner.load_state_dict"
         keys = {"masks", "pruned_k", "nm", "final_sparsity"}
         if not isinstance(state, dict) or set(state) not in (keys, {"masks", "pruned_k"}):
@@ -278,11 +291,19 @@ class GradualPruner:
                                  f"{self._target()}: build the pruner with the target the state was saved with "
                                  "(nothing was changed)")
         masks, k = state["masks"], state["pruned_k"]
-        if not isinstance(masks, dict) or set(masks) != set(self.masks) or any(
-                not isinstance(masks[n], torch.Tensor) or masks[n].dtype != torch.bool or masks[n].shape != v.shape
-                for n, v in self.masks.items()):
-            raise ValueError(f"{who}: masks do not match this pruner's layers (one bool tensor of the weight's "
-                             "shape per layer)")
+        if not isinstance(masks, dict):
+            raise ValueError(f"{who}: masks do not match this pruner's layers: need a dict {{layer name: bool "
+                             f"mask}}, got {type(masks).__name__} (nothing was changed)")
+        if set(masks) != set(self.masks):
+            raise ValueError(f"{who}: masks do not match this pruner's layers: {self._other_layers(masks)}. Build "
+                             "the pruner with the layer selection the state was saved with (filter_fn, "
+                             "skip_output_head: a state saved when the output head was pruned by default needs "
+                             "skip_output_head=False) (nothing was changed)")
+        bad = next((n for n, v in self.masks.items() if not isinstance(masks[n], torch.Tensor)
+                    or masks[n].dtype != torch.bool or masks[n].shape != v.shape), None)
+        if bad is not None:
+            raise ValueError(f"{who}: masks do not match this pruner's layers: the mask of layer {bad!r} is not a "
+                             f"bool tensor of the weight's shape {tuple(self.masks[bad].shape)} (nothing was changed)")
         last = (self.end_step - self.start_step) // self.frequency
         if not isinstance(k, int) or isinstance(k, bool) or not -1 <= k <= last:
             raise ValueError(f"{who}: pruned_k must be an int in [-1, {last}], got {k!r}")

@@ -64,7 +64,8 @@ from .._rollback import TensorBackup
 from ..format import Sparse24Tensor
 from ..masks import kept_magnitude_fraction
 from ..nn import Sparse24Linear
-from ..nn.prepare import _check_mode, _linear_weight, _prepare, describe_quant, quant_options, sparser_note
+from ..nn.masking import _REPLACED, note_replaced
+from ..nn.prepare import _check_mode, _linear_weight, _prepare, describe_quant, is_conv1d, quant_options, sparser_note
 from .guard import check_calibration, record_after_change, require_sparse_layers
 from .report import LayerReport, SparsifyReport
 from .walk import (MIN_FEATURES, FilterFn, _after_change, _check_foreign_quantization, _child_slots, _direct_readers,
@@ -221,6 +222,7 @@ def _sparsify(model, filter_fn, mode, method, calibration, quantize, min_feature
     with _changing(model) as undo:
         for _, mod, new, _, _ in built:
             undo.replace(slots, mod, new)
+            _note_replaced(mod, new, undo)
         for move in moves:
             move(undo)
         overwritten = TensorBackup()
@@ -256,6 +258,18 @@ def _prune_in_place(new: Sparse24Linear, old: nn.Module, overwritten: TensorBack
     with torch.no_grad():
         for v in state:
             v.masked_fill_(~mask, 0)
+
+
+def _note_replaced(old: nn.Module, new: Sparse24Linear, undo: _Undo) -> None:
+    """Where the swap takes a ``Conv1D`` out of the model for a masked layer (a new, transposed weight
+    Parameter), record its weight, so that an optimizer still stepping it is refused at its step
+    (:mod:`..nn.masking`); undoable. Only a swap records it: a layer merely built from a Conv1D
+    (``from_linear``) leaves the Conv1D the model's, its weight the one to train."""
+    if not (is_conv1d(old) and new.mode == "masked"):
+        return
+    w, before = old.weight, _REPLACED.get(old.weight)
+    note_replaced(w, old.bias)
+    undo.add(lambda: _REPLACED.pop(w, None) if before is None else _REPLACED.__setitem__(w, before))
 
 
 def _optimizer_moves(optimizer, pairs) -> list[Callable[[_Undo], None]]:

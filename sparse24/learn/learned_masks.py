@@ -175,8 +175,10 @@ def learn_masks(model: nn.Module, batches, steps: int, *, loss_fn: Callable | No
             ``model(*batch)`` for a tuple, ``model(**batch)`` for a dict), e.g.
             to leave the labels of a batch to ``loss_fn``.
         filter_fn, min_features, skip_output_head: layer selection as in
-            :func:`sparse24.sparsify_` (the output head stays dense by default); a
-            selection of no layer is a ValueError (nothing changed).
+            :func:`sparse24.sparsify_` (the output head stays dense by default): ``filter_fn``
+            gets the dense layers (``nn.Linear``), and the layers already a Sparse24Linear,
+            whose masks it learns where it returns True; a selection of no layer is a
+            ValueError (nothing changed).
         logits_dtype: ``torch.float32`` or ``torch.bfloat16`` (half the memory), or ``torch.float64``;
             not ``torch.float16`` (AdamW cannot train it).
         check_batches: batches for the final prior-vs-learned check (0: none).
@@ -275,8 +277,11 @@ def _learn(model, batches, steps, objective, teacher, prior, calibration, tau, h
     # 2. one learnable mask per masked layer
     schedule = _Schedule(seed)
     slots, learners, not_learned = _child_slots(model), {}, {}
+    # the layers this call swapped (filter_fn chose them as nn.Linear: a filter testing isinstance(m, nn.Linear)
+    # would refuse the Sparse24Linear now there) and, of the layers sparse before, those filter_fn selects
+    swapped = {r.fqn for r in report.changed}
     layers = [(fqn, m) for fqn, m in model.named_modules() if isinstance(m, Sparse24Linear)
-              and (filter_fn is None or filter_fn(m, fqn))]
+              and (fqn in swapped or filter_fn is None or filter_fn(m, fqn))]
     if not layers:   # (as prune_layerwise_, GradualPruner and SRSTE: a call that learns nothing is refused)
         why = "; ".join(f"{r.fqn!r}: {r.reason}" for r in report.skipped)
         raise ValueError(f"learn_masks: no torch.nn.Linear layer selected in {type(model).__name__} (nor transformers "

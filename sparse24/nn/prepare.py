@@ -13,7 +13,6 @@ from torch import nn
 from .._checks import check_finite
 from ..format import FLOAT_DTYPES, Sparse24Tensor, _check_mask24, check_group_size, compress, int4_options, is_nm
 from ..masks import METHODS, mask_nm, prune_nm
-from .masking import note_replaced
 from .sharded import is_dtensor
 
 __all__ = ["MODES", "QUANTIZE", "quant_options", "describe_quant", "is_conv1d", "is_conv1d_class", "linear_shape",
@@ -103,11 +102,13 @@ def _prune_weight(weight: torch.Tensor, method: str = "magnitude", calibration=N
     non-zeros: pruned to 1:4, 2:8, 1:8 by ``prune_layerwise_`` or ``GradualPruner``) is
     exactly its non-zeros: the slots a full 2:4 mask would add hold zeros that retraining would
     grow back (1:4 silently becoming 2:4). That holds row by row for the rows with a non-zero in
-    every 8 inputs (the sparsest pattern kept is 1:8): a row without (all zero, or an identity
-    row: a fresh ``zeros_`` / ``eye_`` init, not a pruned one) gets the plain 2:4 mask, which
-    keeps its non-zeros and fills each group to 2, so that the layer can train. Any other weight
-    gets the plain 2:4 magnitude mask. A meta-device layer computes its pending mask here too,
-    when its weights are loaded. :func:`sparser_note` says when a mask keeps fewer than 2 of 4.
+    every 8 inputs (the sparsest pattern kept is 1:8), inputs zero in every row aside (dead
+    inputs, whose columns SparseGPT zeroes). An all-zero row, and the rows of an identity (or
+    permutation) weight, at most one non-zero per row and column (a fresh ``zeros_`` / ``eye_``
+    init, not a pruned one), get the plain 2:4 mask, which keeps their non-zeros and fills each
+    group to 2, so that the layer can train. Any other weight gets the plain 2:4 magnitude mask.
+    A meta-device layer computes its pending mask here too, when its weights are loaded.
+    :func:`sparser_note` says when a mask keeps fewer than 2 of 4.
 
     Returns ``(new_weight, mask)``: ``(R, C)`` bool mask and, for methods that
     also reconstruct the kept weights (SparseGPT), the ``(R, C)`` weight to
@@ -122,13 +123,21 @@ def _prune_weight(weight: torch.Tensor, method: str = "magnitude", calibration=N
 
 
 def _pruned_rows(w: torch.Tensor) -> torch.Tensor:
-    """``(R, 1)`` bool: the rows of ``w`` (``(R, C)``, ``C % 4 == 0``) with a non-zero in every group of 8
-    inputs (a last lone group of 4 on its own): pruned rows, whose non-zeros the mask keeps exactly."""
+    """``(R, 1)`` bool: the pruned rows of ``w`` (``(R, C)``, ``C % 4 == 0``), whose non-zeros the mask keeps
+    exactly: a non-zero in every group of 8 inputs (a last lone group of 4 on its own) that is not zero in
+    every row. A group zero in every row holds inputs pruned as a whole (SparseGPT zeroes a dead input's
+    column), no sign of a fresh row. Not pruned: an all-zero row, and every row of an identity (or
+    permutation) weight, which would pass where it has few live groups (8 or fewer rows or columns)."""
     R, C = w.shape
-    nz = (w != 0).reshape(R, C // 4, 4).any(-1)
-    if nz.shape[1] % 2:
-        nz = torch.cat([nz, nz[:, -1:]], 1)
-    return nz.view(R, nz.shape[1] // 2, 2).any(-1).all(-1, keepdim=True)  # (no -1: R may be 0)
+    nz = w != 0
+    if bool((nz.sum(0) <= 1).all()) and bool((nz.sum(1) <= 1).all()):  # at most one per row and column
+        return torch.zeros(R, 1, dtype=torch.bool, device=w.device)
+    nz4 = nz.reshape(R, C // 4, 4).any(-1)
+    if nz4.shape[1] % 2:
+        nz4 = torch.cat([nz4, nz4[:, -1:]], 1)
+    nz8 = nz4.view(R, nz4.shape[1] // 2, 2).any(-1)   # (R, groups of 8); no -1: R may be 0
+    live = nz8.any(0, keepdim=True)                    # a non-zero in some row
+    return (nz8 | ~live).all(-1, keepdim=True) & nz8.any(-1, keepdim=True)
 
 
 def sparser_note(mask: torch.Tensor) -> str:
@@ -219,7 +228,6 @@ def _prepare(linear, mask, mode, method, quant: dict, calibration, trainable_val
         if w.dtype not in FLOAT_DTYPES:
             raise TypeError(f"weight must be floating point, got {w.dtype}")
         p = _placeholder(R, C, w.dtype, quant, "meta") if mode == "compressed" else None
-        _note_conv1d(linear, mode)
         return _Prepared(None, torch.empty(R, C, dtype=torch.bool, device="meta"), p, pending)
     check_finite(w)
     if mask is None:
@@ -231,15 +239,7 @@ def _prepare(linear, mask, mode, method, quant: dict, calibration, trainable_val
     p = None
     if mode == "compressed":
         p = compress(w if new_w is None else new_w, mask, **quant)
-    _note_conv1d(linear, mode)
     return _Prepared(new_w, mask, p)
-
-
-def _note_conv1d(linear, mode: str) -> None:
-    """A masked layer built from a ``Conv1D`` holds a new, transposed weight Parameter: recorded, so that
-    an optimizer still stepping the Conv1D's is refused at its step (:mod:`.masking`)."""
-    if mode == "masked" and is_conv1d(linear):
-        note_replaced(linear.weight, linear.bias)
 
 
 def _mask_from_slots(p: Sparse24Tensor) -> torch.Tensor:
