@@ -1,15 +1,16 @@
 """The compressed weight's layout, as a part of :class:`~sparse24.nn.Sparse24Linear`:
 layout v1 (the interchange format: state dicts and checkpoints hold it, always) or
-the decode layout (what the decode kernel reads; held on CUDA by frozen
-float16/bfloat16/INT8/INT4 weights; INT4's scales and zero points are the same
-tensors in both layouts, only values and meta are re-ordered). Kept apart from the class only for length: these
-methods read and write the module's own state."""
+the decode layout (what the decode kernel reads; held by frozen float16/bfloat16/INT8/INT4
+weights on a GPU the compiled kernels run on: NVIDIA, sm_70 or later; INT4's scales and zero
+points are the same tensors in both layouts, only values and meta are re-ordered). Kept apart
+from the class only for length: these methods read and write the module's own state."""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
 from ..decode_format import pack_decode
+from ..ops.linear24.launch import kernels_run_on
 
 __all__ = ["LayoutMixin"]
 
@@ -35,14 +36,17 @@ class LayoutMixin:
     """:meth:`to_layout`, :attr:`layout` and the conversions behind them."""
 
     def _wanted_layout(self) -> str:
-        """The decode layout for a frozen float16/bfloat16/INT8/INT4 weight on CUDA (or where
-        :meth:`to_layout` asked for it), layout v1 otherwise."""
+        """The decode layout for a frozen float16/bfloat16/INT8/INT4 weight on a GPU the compiled kernels
+        run on (an NVIDIA one of compute capability 7.0 or later: not ROCm's "cuda" devices; or where
+        :meth:`to_layout` asked for it), layout v1 otherwise (the reference reads it best)."""
         values = self.values
         if values.requires_grad or values.is_meta or not (self.scale is not None
                                                           or values.dtype in _DECODE_DTYPES):
             return "v1"  # gradients of the kept values, and fp32/fp64 values, need layout v1
         pref = self.__dict__.get("_layout_pref")
-        return pref if pref is not None else ("decode" if values.is_cuda else "v1")
+        if pref is not None:
+            return pref
+        return "decode" if values.is_cuda and kernels_run_on(values.device) else "v1"
 
     def _settle_layout(self, keep_values: bool = False) -> bool:
         """Hold the layout :meth:`_wanted_layout` says; True if it changed. ``keep_values``: see
@@ -83,7 +87,8 @@ class LayoutMixin:
     def to_layout(self, layout: str) -> "LayoutMixin":
         """Hold the compressed weight in ``layout``: ``"decode"`` (what the decode
         kernel reads: float16/bfloat16/INT8/INT4 values, not trainable), ``"v1"``, or
-        ``"auto"`` (the default: decode on CUDA, v1 elsewhere). Outputs and state
+        ``"auto"`` (the default: decode on an NVIDIA GPU of compute capability 7.0 or later,
+        v1 elsewhere: CPU, ROCm, older GPUs). Outputs and state
         dicts (always layout v1) do not change. Returns self.
 
         Example:

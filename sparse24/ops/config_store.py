@@ -27,7 +27,9 @@ files (before kernel variants existed) are rejected with a message to re-tune.
 
 Lookup order for (M, N, K, dtype) on a GPU: (1) exact key in this GPU's
 file(s), (2) the nearest M bucket with the same N, K, dtype, (3) the same in
-files of other GPUs with the same compute capability (the GPU family),
+files of other GPUs with the same compute capability (the GPU family: NVIDIA GPUs only, in
+NVIDIA's numbering; a ROCm GPU's "capability", e.g. an MI250X's 9.0, is AMD's, and the kernels
+do not run there),
 (4) this GPU's file default, for a dtype key the file has entries of (an H200 tune cut short
 after six float16 keys would otherwise have set INT8, INT4 and bfloat16 configs untimed) where
 its grid keeps the SMs as busy as the built-in's and splits K no finer than its tiles (a winner
@@ -61,8 +63,8 @@ from .config_space import (DECODE_M, DTYPE_KEYS, LAYOUT_KERNEL, M_BUCKETS, SP_MA
                            check_decode_config, check_prefill_config, check_prefill_runs, decode_rows, m_bucket,
                            sp_tunable, sparse_kernel)
 
-__all__ = ["KERNEL", "SCHEMA_VERSION", "TIMINGS", "Choice", "DeviceInfo", "device_info", "config_dirs",
-           "shipped_config_dir", "gpu_file_name", "read_file", "validate_file", "validate_dir", "lookup",
+__all__ = ["KERNEL", "SCHEMA_VERSION", "TIMINGS", "Choice", "DeviceInfo", "device_info", "shared_memory_limit",
+           "config_dirs", "shipped_config_dir", "gpu_file_name", "read_file", "validate_file", "validate_dir", "lookup",
            "get_choice", "get_config", "measured_timings", "clear_cache", "on_clear", "describe_config_source",
            "set_live_tuner"]
 
@@ -327,7 +329,8 @@ def _nearest_entry(files: list[dict], M: int, N: int, K: int, dtype: str, kernel
 
 
 def lookup(M: int, N: int, K: int, dtype: str, gpu_name: str, capability: tuple[int, int] | None,
-           num_sms: int = 132, layout: str = "v1", kernel: str | None = None) -> Choice:
+           num_sms: int = 132, layout: str = "v1", kernel: str | None = None, *, nvidia: bool | None = None,
+           shared_memory: int | None = None) -> Choice:
     """The config for one call, following the lookup order in the module docstring.
 
     Args:
@@ -338,6 +341,11 @@ def lookup(M: int, N: int, K: int, dtype: str, gpu_name: str, capability: tuple[
             variant that reads it are taken.
         kernel: that variant, if not the layout's own: ``"prefill"`` (the decode layout past
             16 rows, whose built-in is :func:`~sparse24.ops.linear24.prefill.prefill_config`).
+        nvidia: whether the device is an NVIDIA GPU (only those share files by capability, the
+            family); default: unless ``gpu_name`` is an AMD GPU's (:func:`get_choice` passes
+            whether torch is a CUDA build, not a ROCm one).
+        shared_memory: the device's per-program shared memory limit in bytes
+            (:func:`shared_memory_limit`; None: none), which the prefill kernel's built-in keeps within.
     Returns:
         :class:`Choice`.
     Example:
@@ -346,8 +354,7 @@ def lookup(M: int, N: int, K: int, dtype: str, gpu_name: str, capability: tuple[
     """
     files = _files()
     own = [f for f in files if gpu_file_name(f["gpu"]) == gpu_file_name(gpu_name)]
-    family = [f for f in files if f not in own and capability is not None
-              and tuple(f["compute_capability"]) == tuple(capability)]
+    family = _family(files, own, gpu_name, capability, nvidia)
     key, kernel = (m_bucket(M), N, K, dtype), kernel or LAYOUT_KERNEL[layout]
     for f in own:
         if key in f["entries"] and f["entries"][key]["config"].kernel == kernel:
@@ -368,9 +375,26 @@ def lookup(M: int, N: int, K: int, dtype: str, gpu_name: str, capability: tuple[
             return Choice(f["default"], "file-default", f"default of {f['path']}")
     if kernel == "prefill":
         from .linear24.prefill import prefill_config, prefill_pair
-        return Choice(prefill_config(max(M, DECODE_M + 1), N, K, num_sms, prefill_pair(dtype)), "builtin",
-                      "the prefill kernel's untuned config (no tuned prefill config for this GPU)")
+        return Choice(prefill_config(max(M, DECODE_M + 1), N, K, num_sms, prefill_pair(dtype),
+                                     dtype.endswith("float32"), shared_memory,
+                                     None if capability is None else tuple(capability)),
+                      "builtin", "the prefill kernel's untuned config (no tuned prefill config for this GPU)")
     return Choice(builtin, "builtin", "built-in untuned config (no tuned config of this layout for this GPU)")
+
+
+# ROCm's names for AMD GPUs (torch.cuda.get_device_name on a ROCm build)
+_AMD_NAME = re.compile(r"(?i)\b(amd|radeon|instinct)\b|^gfx\d")
+
+
+def _family(files: list[dict], own: list[dict], gpu_name: str, capability, nvidia: bool | None) -> list[dict]:
+    """Other NVIDIA GPUs' files of this NVIDIA GPU's compute capability (none for a ROCm GPU, whose
+    major.minor numbers AMD's architectures: an MI250X reports 9.0, an H200's)."""
+    if nvidia is None:
+        nvidia = not _AMD_NAME.search(gpu_name)
+    if capability is None or not nvidia:
+        return []
+    return [f for f in files if f not in own and not _AMD_NAME.search(f["gpu"])
+            and tuple(f["compute_capability"]) == tuple(capability)]
 
 
 def _programs(config: KernelConfig, M: int, N: int) -> int:
@@ -396,6 +420,28 @@ class DeviceInfo:
     name: str                              # torch.cuda.get_device_name, or "cpu"
     capability: tuple[int, int] | None     # None off CUDA
     num_sms: int = 132                     # multiprocessors (the builtin config fills them)
+    # Shared memory one program may opt in to (cudaDevAttrMaxSharedMemoryPerBlockOptin, what
+    # Triton's launch checks a kernel against); None: not reported (shared_memory_limit says)
+    shared_memory: int | None = None
+
+
+# NVIDIA's published per-block opt-in shared memory by compute capability, for a DeviceInfo that
+# does not say (made by hand, or a torch without the property), and every CUDA GPU's static 48 KiB
+# for other capabilities
+_OPTIN_SHARED = {(7, 0): 98304, (7, 2): 98304, (7, 5): 65536, (8, 0): 166912, (8, 6): 101376, (8, 7): 166912,
+                 (8, 9): 101376, (9, 0): 232448, (10, 0): 232448, (12, 0): 101376}
+_STATIC_SHARED = 48 * 1024
+
+
+def shared_memory_limit(info: DeviceInfo) -> int | None:
+    """The most shared memory one program may use on the device ``info`` describes (bytes):
+    what the device reports, else :data:`_OPTIN_SHARED`'s figure for its capability, else 48 KiB;
+    None for a CPU (Triton's interpreter has no limit)."""
+    if info.shared_memory is not None:
+        return info.shared_memory
+    if info.capability is None:
+        return None
+    return _OPTIN_SHARED.get(tuple(info.capability), _STATIC_SHARED)
 
 
 _DEVICES: dict[tuple, DeviceInfo] = {}
@@ -414,7 +460,8 @@ def device_info(device=None) -> DeviceInfo:
     if info is None:
         if device.type == "cuda":
             props = torch.cuda.get_device_properties(device)
-            info = DeviceInfo(props.name, (props.major, props.minor), props.multi_processor_count)
+            info = DeviceInfo(props.name, (props.major, props.minor), props.multi_processor_count,
+                              getattr(props, "shared_memory_per_block_optin", None))
         else:
             info = DeviceInfo(device.type, None)
         _DEVICES[key] = info
@@ -444,7 +491,8 @@ def get_choice(M: int, N: int, K: int, dtype: str, device, layout: str = "v1", k
     cache_key = (tuple(config_dirs()), info, (m_bucket(M), N, K, dtype), layout, kernel)
     choice = _CHOICES.get(cache_key)
     if choice is None:
-        choice = lookup(M, N, K, dtype, info.name, info.capability, info.num_sms, layout, kernel)
+        choice = lookup(M, N, K, dtype, info.name, info.capability, info.num_sms, layout, kernel,
+                        nvidia=torch.version.hip is None, shared_memory=shared_memory_limit(info))
         if (os.environ.get("SPARSE24_AUTOTUNE") == "1" and info.capability is not None and choice.kind != "exact"
                 and _LIVE_TUNER is not None):
             choice = _LIVE_TUNER(m_bucket(M), N, K, dtype, torch.device(device), layout=layout)
@@ -491,7 +539,7 @@ def describe_config_source(device=None) -> str:
         lines += [f"  tuned file for '{gpu}': {f['path']} ({len(f['entries'])} entries): exact and nearest-M entries "
                   f"come from here" for f in own]
         return "\n".join(lines)
-    family = [f for f in files if f not in own and tuple(f["compute_capability"]) == tuple(cc)]
+    family = _family(files, own, gpu, cc, torch.version.hip is None)
     for f in own:
         lines.append(f"  tuned file for this GPU: {f['path']} ({len(f['entries'])} entries, triton {f['triton']}, "
                      f"torch {f['torch']}): exact and nearest-M entries come from here")

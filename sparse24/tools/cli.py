@@ -133,18 +133,29 @@ def _cmd_info(args) -> int:
     if cuda:
         for i in range(torch.cuda.device_count()):
             cc = torch.cuda.get_device_capability(i)
-            print(f"GPU {i}: {torch.cuda.get_device_name(i)} (compute capability {cc[0]}.{cc[1]})")
+            print(f"GPU {i}: {torch.cuda.get_device_name(i)} "
+                  + (f"(ROCm {torch.version.hip}; capability {cc[0]}.{cc[1]} in AMD's numbering)" if torch.version.hip
+                     else f"(compute capability {cc[0]}.{cc[1]})"))
     else:
         why = "this torch is a CPU-only build" if torch.version.cuda is None else "no GPU visible to torch"
         print(f"GPU: none ({why})")
     cc = torch.cuda.get_device_capability() if cuda else None
+    refusal = None   # why the compiled kernels cannot run on this GPU (ROCm, older than sm_70)
+    if cuda and tv:
+        from ..ops.linear24.launch import kernel_refusal
+        refusal = kernel_refusal(torch.device("cuda", torch.cuda.current_device()), torch.float16)
     print("backends:")
     rows = [("reference", "available: pure torch, any device (decompresses a block of weight rows at a time)")]
     if not tv:
         rows.append(("triton", "unavailable: triton is not installed (pip install triton; Linux only)"))
+    elif refusal is not None:
+        rows.append(("triton", f"unavailable on this GPU: {refusal} (backend='auto' runs the reference "
+                               "here; Triton's interpreter still runs the kernels on CPU tensors)"))
     elif cuda:
         rows.append(("triton", "available: compiled kernel on CUDA (backend='auto' uses it unless this GPU's tuned "
-                               "file measured dense faster at that shape)"))
+                               "file measured dense faster at that shape"
+                               + ("; INT4 weights with bfloat16 x need compute capability 8.0: the reference "
+                                  "runs them here)" if cc < (8, 0) else ")")))
     else:
         rows.append(("triton", "interpreter only: no CUDA GPU, so the kernel runs in Triton's interpreter on CPU "
                                "tensors (correct, but seconds per call: for tests; auto picks the reference)"))

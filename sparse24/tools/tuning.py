@@ -42,8 +42,8 @@ from ..ops.config_store import (KERNEL, SCHEMA_VERSION, Choice, clear_cache, con
                                describe_config_source, get_config, gpu_file_name, lookup, measured_timings,
                                shipped_config_dir, validate_dir, validate_file)
 from ..ops.linear24 import linear_prefill, linear_reference, linear_triton, op
-from ..ops.linear24.launch import (half_pair, int_specialization, kernel_call, sparse_tensor_cores, target_dtype,
-                                   variant_of)
+from ..ops.linear24.launch import (half_pair, int_specialization, kernel_call, kernel_refusal, sparse_tensor_cores,
+                                   target_dtype, variant_of)
 from ..ops.linear24.op import DECODE_M
 from .bench import rel_error
 from .cli_common import CLIError, check_writable
@@ -137,6 +137,9 @@ def tune_key(M: int, N: int, K: int, dtype: str, device, configs=None, warmup_ms
     if device.type != "cuda":
         raise ValueError(f"tuning times kernels on a CUDA device, got {device}")
     layout = runtime_layout(dtype) if layout is None else layout
+    why = kernel_refusal(device, _ACT[_activation(dtype)], dtype.startswith("int4"))
+    if why is not None:  # (a ROCm or pre-sm_70 GPU: nothing to time, the kernels do not compile there)
+        raise ValueError(f"tuning: {why}")
     x, p, w_dense = _tuning_inputs(M, N, K, dtype, device, layout=layout)
     ref = F.linear(x.double(), w_dense.double())
     tf32 = dtype.endswith("float32") and torch.backends.cuda.matmul.allow_tf32

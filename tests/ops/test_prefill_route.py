@@ -118,10 +118,13 @@ def test_the_sparse_tensor_core_kernel_serves_17_to_64_rows(dtype, quantize, cud
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(config_store, "device_info", lambda device=None: config_store.DeviceInfo("Old GPU", (7, 5)))
             config_store.clear_cache()
+            # (but INT4 with bfloat16 x: the bf16x2 asm needs sm_80, so the reference)
+            want = "reference" if gs and dtype == torch.bfloat16 else None
             assert op._auto_backend(torch.randn(20, 512, dtype=dtype), layer.values, layer.scale, 256, gs) \
-                == "prefill"
+                == (want or "prefill")
             op._AUTO.clear()
-            assert op._auto_backend(torch.randn(8, 512, dtype=dtype), layer.values, layer.scale, 256, gs) == "triton"
+            assert op._auto_backend(torch.randn(8, 512, dtype=dtype), layer.values, layer.scale, 256, gs) \
+                == (want or "triton")
         config_store.clear_cache()
 
 

@@ -45,7 +45,7 @@ from .naive import check_linear_args
 from .prefill import natural_tile, prefill_config, prefill_pair
 
 __all__ = ["linear_triton", "linear_prefill", "check_triton_args", "kernel_call", "aot_compile", "layout_of",
-           "target_dtype",
+           "target_dtype", "kernels_run_on", "kernel_refusal",
            "SUPPORTED_DTYPES"]
 
 # tl.dot takes fp16/bf16/fp32 operands; fp64 has no tensor-core path, so
@@ -70,6 +70,10 @@ def check_triton_args(x: torch.Tensor, p: Sparse24Tensor | DecodePacked) -> None
                             "arithmetic; use float16/float32 on CPU, backend='reference', or a CUDA device")
     elif x.device.type != "cuda":
         raise ValueError(f"backend='triton' needs CUDA or CPU tensors, got device {x.device}")
+    else:
+        why = kernel_refusal(x.device, x.dtype, getattr(p, "group_size", None) is not None)
+        if why is not None:
+            raise ValueError(f"backend='triton' cannot run here: {why}")
     if p.scale is None and p.values.dtype == torch.float64:
         raise TypeError("backend='triton' cannot read float64 weight values; cast the weight with "
                         "p.to(dtype=torch.float32) or use backend='reference'")
@@ -100,7 +104,9 @@ def linear_triton(x: torch.Tensor, p: Sparse24Tensor | DecodePacked, bias: torch
         ``(..., N)`` in x's dtype.
     Raises:
         TypeError: float64 (or integer) x, bfloat16 x on CPU, float64 weight values.
-        ValueError: a config of the other kernel variant, bad shapes.
+        ValueError: a config of the other kernel variant, bad shapes, a GPU the kernels do not
+            run on (ROCm, compute capability below 7.0; INT4 weights with bfloat16 x below 8.0:
+            :func:`kernel_refusal`).
     Example:
         Not run as a test: needs a CUDA GPU.
 
@@ -144,7 +150,7 @@ def linear_prefill(x: torch.Tensor, p: DecodePacked, bias: torch.Tensor | None =
         ``(..., N)`` in x's dtype.
     Raises:
         TypeError: a layout-v1 weight, float64 x, bfloat16 x on CPU.
-        ValueError: bad shapes or config.
+        ValueError: bad shapes or config, a GPU the kernels do not run on (:func:`kernel_refusal`).
     Example:
         >>> d = sparse24.pack_decode(sparse24.compress(torch.randn(64, 128).half()))
         >>> linear_prefill(torch.randn(40, 128).half(), d).shape
@@ -176,13 +182,17 @@ def run_prefill(x: torch.Tensor, values: torch.Tensor, meta: torch.Tensor, scale
 @functools.lru_cache(maxsize=4096)
 def _prefill_default(device: torch.device, dtype: str, M: int, N: int, K: int) -> KernelConfig:
     """This GPU's tuned prefill config for the shape (exact, nearest M or its family's entry),
-    else the model's choice for exactly these M rows (a tuned file is cached per M bucket).
+    else the model's choice for exactly these M rows (a tuned file is cached per M bucket) among the
+    configs that fit the device's shared memory (float32 x counted at four bytes a value).
     Cached here, off the per-call path (the store's lookup takes ~17 us a call); forgotten
     with the store's cache."""
     choice = get_choice(M, N, K, dtype, device, "decode", "prefill")
     if choice.kind != "builtin":
         return choice.config
-    return prefill_config(max(M, DECODE_M + 1), N, K, device_info(device).num_sms, prefill_pair(dtype))
+    info = config_store.device_info(device)
+    return prefill_config(max(M, DECODE_M + 1), N, K, info.num_sms, prefill_pair(dtype), dtype.endswith("float32"),
+                          config_store.shared_memory_limit(info),
+                          None if info.capability is None else tuple(info.capability))
 
 
 on_clear(_prefill_default.cache_clear)
@@ -865,16 +875,66 @@ SPARSE_CORES_CAPABILITY = (8, 0)
 
 
 def sparse_tensor_cores(device: torch.device) -> bool:
-    """Whether ``device`` runs the sparse tensor-core kernel: a GPU with sparse tensor cores
+    """Whether ``device`` runs the sparse tensor-core kernel: an NVIDIA GPU with sparse tensor cores
     (compute capability 8.0 or later: ``mma.sp`` does not compile for older ones, such as a T4,
     where INT8 / INT4 weights with 16-bit x take the byte-permute decode kernel to 16 rows and
-    the prefill or unpack route beyond, as 16-bit weights do), or Triton's interpreter (CPU
-    tensors). (The store's device query, which is cached, read through the module: a decision
-    simulated on CPU answers it for its CUDA-looking device, scripts/bench_host.py.)"""
+    the prefill or unpack route beyond, as 16-bit weights do; never a ROCm GPU, whose capability
+    numbers are not NVIDIA's), or Triton's interpreter (CPU tensors). (The store's device query,
+    which is cached, read through the module: a decision simulated on CPU answers it for its
+    CUDA-looking device, scripts/bench_host.py.)"""
     if device.type != "cuda":
         return True
-    capability = config_store.device_info(device).capability
-    return capability is not None and tuple(capability) >= SPARSE_CORES_CAPABILITY
+    why, capability = _kernel_device(device)
+    return why is None and capability >= SPARSE_CORES_CAPABILITY
+
+
+# The oldest GPUs the compiled kernels run on: Triton compiles nothing for compute capability
+# below 7.0 (Pascal: P100, GTX 10xx), and the kernels' bf16x2 instructions (INT4 weights with
+# bfloat16 x) need 8.0 (ptxas rejects them for a T4 or a V100).
+KERNELS_CAPABILITY = (7, 0)
+BF16X2_CAPABILITY = (8, 0)
+_KERNEL_DEVICES: dict = {}
+on_clear(_KERNEL_DEVICES.clear)
+
+
+def _kernel_device(device: torch.device) -> tuple:
+    """``(why the compiled kernels cannot run on CUDA device ``device``, or None; its capability)``,
+    once per device (the routes ask on every call)."""
+    got = _KERNEL_DEVICES.get(device)
+    if got is None:
+        capability = config_store.device_info(device).capability
+        capability = (0, 0) if capability is None else tuple(capability)
+        if torch.version.hip is not None:
+            # a ROCm build's GPUs are torch's "cuda" devices, but the kernels hold NVIDIA PTX (prmt,
+            # mma.sp, f16x2 / bf16x2 inline asm): AMD's compiler rejects it, or drops mma.sp silently
+            why = (f"{device} is an AMD GPU (ROCm {torch.version.hip}): the kernels are NVIDIA PTX; "
+                   f"use backend='reference'")
+        elif capability < KERNELS_CAPABILITY:
+            why = (f"{device} has compute capability {capability[0]}.{capability[1]}: Triton compiles the kernels "
+                   f"for 7.0 or later only; use backend='reference'")
+        else:
+            why = None
+        got = _KERNEL_DEVICES[device] = (why, capability)
+    return got
+
+
+def kernels_run_on(device: torch.device) -> bool:
+    """Whether the compiled kernels can run on ``device``: an NVIDIA GPU (not a ROCm build's GPU)
+    of compute capability 7.0 or later. Elsewhere ``backend="auto"`` runs the reference, a module
+    keeps layout v1, and ``backend="triton"`` is a ValueError (:func:`kernel_refusal`)."""
+    return device.type == "cuda" and _kernel_device(device)[0] is None
+
+
+def kernel_refusal(device: torch.device, x_dtype: torch.dtype, int4: bool = False) -> str | None:
+    """Why the compiled kernels cannot compute x of ``x_dtype`` (with INT4 weights: ``int4``) on CUDA
+    device ``device`` (None: they can; CPU tensors are not asked: the interpreter runs them)."""
+    if device.type != "cuda":
+        return None
+    why, capability = _kernel_device(device)
+    if why is None and int4 and x_dtype == torch.bfloat16 and capability < BF16X2_CAPABILITY:
+        why = (f"INT4 weights with bfloat16 x need compute capability 8.0 (the kernels' bf16x2 instructions), "
+               f"{device} has {capability[0]}.{capability[1]}; use float16 x or backend='reference'")
+    return why
 
 
 _VARIANTS = {"matmul": _Matmul, "decode": _Decode, "prefill": _Prefill}

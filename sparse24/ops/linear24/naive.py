@@ -122,7 +122,7 @@ def linear_backward_reference(grad_y: torch.Tensor, x: torch.Tensor | None, p: S
     N, K = p.shape
     gy = grad_y.reshape(grad_y.shape[:-1].numel(), N)  # not -1: ambiguous for a layer of 0 outputs
     grad_x = grad_values = grad_bias = None
-    chunks = row_chunks(N, K, p.device)
+    chunks = row_chunks(N, K, p.device, 128 if isinstance(p, DecodePacked) else 1)  # (whole decode blocks)
     # Out of place for one block of rows (most layers: nothing to accumulate) and for torch's batched
     # backward (autograd.grad(is_grads_batched=True), jacobian / hessian(vectorize=True) run it under
     # torch's legacy vmap: a batched grad_y cannot be written into the plain buffers, nor sliced whole:

@@ -72,15 +72,14 @@ def _backward(ctx, grad_y):
 torch.library.register_autograd("sparse24::linear", _backward, setup_context=_setup_context)
 
 
-def _weight(values, meta, scale, zero, group_size, weight_dtype, shape) -> Sparse24Tensor:
-    """The op's weight tensors as a layout-v1 :class:`Sparse24Tensor` (a decode-layout weight re-ordered)."""
+def _weight(values, meta, scale, zero, group_size, weight_dtype, shape) -> Sparse24Tensor | DecodePacked:
+    """The op's weight tensors as the :class:`Sparse24Tensor` or :class:`DecodePacked` they are, never
+    re-ordered whole: the reference forward and its x-gradient decompress a decode-layout weight a
+    block of 128-row tiles at a time (``DecodePacked.to_dense(rows=)``)."""
     if group_size and scale.dtype == torch.bfloat16:   # a module's exact bfloat16 copy (nn/layout.py)
         scale = scale.half()
-    if values.dim() == 2:
-        return Sparse24Tensor(values, meta, shape, weight_dtype, scale, zero=zero, group_size=group_size or None,
-                              check=False)
-    return DecodePacked(values, meta, shape, weight_dtype, scale, zero=zero, group_size=group_size or None,
-                        check=False).to_sparse24()
+    cls = Sparse24Tensor if values.dim() == 2 else DecodePacked
+    return cls(values, meta, shape, weight_dtype, scale, zero=zero, group_size=group_size or None, check=False)
 
 
 def _compute(x, values, meta, scale, zero, bias, weight_dtype, backend, out_features, group_size):
@@ -113,8 +112,9 @@ def kernel_plan(x, values, scale, bias, out_features: int, zero=None, group_size
 
 def _needs_op(x, values, bias, scale=None) -> bool:
     """Only gradients and tracing need the registered op (and torch.func, forward-mode AD and a
-    trainable scale a pure-torch path: :func:`_pure_torch`)."""
-    if torch.compiler.is_compiling() or _pure_torch(x, values, bias, scale):
+    trainable scale a pure-torch path: :func:`_pure_torch`). torch.jit.trace too: it records the op
+    (the reference's ``view(torch.uint8)`` of the weight's bytes fails torch's tracer)."""
+    if torch.compiler.is_compiling() or torch.jit.is_tracing() or _pure_torch(x, values, bias, scale):
         return True
     return torch.is_grad_enabled() and (x.requires_grad or values.requires_grad
                                         or (bias is not None and bias.requires_grad))
@@ -163,7 +163,8 @@ def linear(x: torch.Tensor, p: Sparse24Tensor | DecodePacked, bias: torch.Tensor
             decode kernel reads; the modules hold it on CUDA).
         bias: ``(N,)`` or None.
         backend: ``"auto"`` (see :func:`choose_backend`), ``"reference"``
-            or ``"triton"`` (interpreted on CPU tensors).
+            or ``"triton"`` (interpreted on CPU tensors; a ValueError on a GPU the kernels do not
+            run on: ROCm, compute capability below 7.0, INT4 weights with bfloat16 x below 8.0).
     Returns:
         ``(..., N)`` in x's dtype; equals ``F.linear(x, p.to_dense(), bias)``.
     Example:
@@ -184,12 +185,14 @@ def linear(x: torch.Tensor, p: Sparse24Tensor | DecodePacked, bias: torch.Tensor
 
 def choose_backend(x: torch.Tensor, p: Sparse24Tensor | DecodePacked) -> str:
     """The backend ``"auto"`` runs for ``x`` and ``p``: the Triton kernel for
-    fp16/bf16/fp32 x on CUDA; at M > 16, ``"prefill"`` (the prefill kernel,
+    fp16/bf16/fp32 x on an NVIDIA GPU of compute capability 7.0 or later (8.0 for INT4 weights
+    with bfloat16 x; never on ROCm: the kernels are NVIDIA PTX); at M > 16, ``"prefill"`` (the prefill kernel,
     :func:`~sparse24.ops.linear24.launch.linear_prefill`) for a decode-layout
     weight, or from :data:`UNPACK_MIN_M` rows ``"unpack"`` (:func:`prefill_backend`;
     a call with a bias of another dtype than x runs the prefill kernel), and for layout v1 the reference backend (row-block decompression +
     cuBLAS) instead where this GPU's tuned file measured it faster than the
-    kernel; the reference everywhere else (CPU, fp64, no triton)."""
+    kernel; the reference everywhere else (CPU, fp64, no triton, the GPUs above that the kernels
+    do not run on)."""
     return _auto_backend(x, p.values, p.scale, p.shape[0], getattr(p, "group_size", None) or 0)
 
 
@@ -198,7 +201,10 @@ on_clear(_AUTO.clear)
 
 
 def _auto_backend(x: torch.Tensor, values: torch.Tensor, scale, out_features: int, group_size: int = 0) -> str:
-    if not (x.is_cuda and x.dtype in KERNEL_DTYPES and _triton_available()):
+    if not (x.is_cuda and x.dtype in KERNEL_DTYPES and _triton_available()) \
+            or launch.kernel_refusal(x.device, x.dtype, group_size > 0) is not None:
+        # (a ROCm GPU, an NVIDIA GPU older than sm_70, INT4 weights with bfloat16 x before sm_80:
+        # the compiled kernels do not run there)
         return "reference"
     if group_size and values.dim() == 2:
         # INT4 in layout v1: only the decode-layout kernels read INT4, and re-ordering the

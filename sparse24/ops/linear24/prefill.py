@@ -21,7 +21,7 @@ from ..config_space import DECODE_M, KernelConfig, check_prefill_config, prefill
 from .prefill_model import L2_BYTES_PER_SM_CLK, L2_MEASURED, LATENCY_MAX_M, predicted_time
 
 __all__ = ["prefill_config", "prefill_configs", "check_prefill_config", "cost_key", "natural_tile", "prefill_pair",
-           "prefill_costs", "COSTS_FILE", "PAIRS", "COST_KEYS", "ROBUST_TOLERANCE", "ROBUST_L2"]
+           "prefill_costs", "shared_need", "COSTS_FILE", "PAIRS", "COST_KEYS", "ROBUST_TOLERANCE", "ROBUST_L2"]
 
 # The untuned default is the config the time model (:mod:`.prefill_model`) predicts fastest
 # for the shape, from each config's costs measured on its sm_90 SASS with the installed
@@ -67,7 +67,8 @@ FEW_ROWS_STAGES, FEW_ROWS_PER_SM = 3, 3
 
 
 @functools.lru_cache(maxsize=4096)
-def prefill_config(M: int, N: int, K: int, num_sms: int = 132, pair: str = "float16") -> KernelConfig:
+def prefill_config(M: int, N: int, K: int, num_sms: int = 132, pair: str = "float16", fp32_x: bool = False,
+                   shared_memory: int | None = None, capability: tuple[int, int] | None = None) -> KernelConfig:
     """The untuned prefill config for ``M`` rows (``M > 16``) of an ``N x K`` weight:
     of :func:`prefill_configs` (M), each also split along K by the factors of
     :func:`~sparse24.ops.config_space.split_factors` (split-K inside the launch, where the output tiles
@@ -80,7 +81,10 @@ def prefill_config(M: int, N: int, K: int, num_sms: int = 132, pair: str = "floa
     for this Triton: the first tile of a fixed list that wastes at most half its BLOCK_M rows
     and gives enough programs, split along K while that still fits one wave (up to 64 rows: on 3
     stages, and FEW_ROWS_PER_SM programs per SM; docs/kernels.md "Prefill path", "17-64 rows: bytes
-    in flight")."""
+    in flight"). Either way only configs whose :func:`shared_need` (float32 x: ``fp32_x``, on a GPU
+    of ``capability``) fits ``shared_memory`` bytes, the device's per-program limit (None: no limit;
+    where none fits, the one that needs least): Triton refuses a launch that needs more
+    (OutOfResources), and the tables' choices assume sm_90's 227 KiB."""
     if M <= DECODE_M:
         raise ValueError(f"the prefill kernel serves M > {DECODE_M}, got M = {M}")
     if pair not in PAIRS:
@@ -92,7 +96,8 @@ def prefill_config(M: int, N: int, K: int, num_sms: int = 132, pair: str = "floa
         # (the row that measures it, split factor) for each config of the space, in table order
         rows = [(by_cfg.get(cost_key(dataclasses.replace(r["cfg"], split_k=s))), s) for r in table[pair]["configs"]
                 if r["cfg"] in space for s in split_factors(M, N, K, r["cfg"], num_sms)]
-        rows = [(r, s) for r, s in rows if r is not None and not r["spills"] and r["per_sm"] >= 1]
+        rows = _fitting([(r, s) for r, s in rows if r is not None and not r["spills"] and r["per_sm"] >= 1],
+                        lambda rs: shared_need(rs[0]["cfg"], rs[0]["shared"], fp32_x, capability), shared_memory)
         if rows:
             w_bytes = table[pair]["w_bytes"]
             ratios = [[dense / ours for ours, dense in (predicted_time(r, M, N, K, w_bytes, s, l2, num_sms)
@@ -101,15 +106,56 @@ def prefill_config(M: int, N: int, K: int, num_sms: int = 132, pair: str = "floa
             first_best = -max((rat[0], -i) for i, rat in enumerate(ratios) if min(rat) >= floor)[1]
             r, s = rows[first_best]
             return dataclasses.replace(r["cfg"], split_k=s)
-    tiles = ((_WIDE,) if natural_tile(256, 128) else ()) + _TILES
-    for bm, bn, bk, warps, stages, fill in tiles:
-        if bm < 2 * M and -(-M // bm) * -(-N // bn) >= fill * num_sms:
-            break
     few = M <= LATENCY_MAX_M
-    c = _config(bm, bn, bk, warps, FEW_ROWS_STAGES if few else stages)
-    tiles, wave = -(-M // bm) * -(-N // bn), (FEW_ROWS_PER_SM if few else 1) * num_sms
+    tiles = [(_config(bm, bn, bk, warps, FEW_ROWS_STAGES if few else stages), fill)
+             for bm, bn, bk, warps, stages, fill in ((_WIDE,) if natural_tile(256, 128) else ()) + _TILES]
+    tiles = _fitting(tiles, lambda cf: shared_need(cf[0], _listed_shared(cf[0], pair), fp32_x, capability),
+                     shared_memory)
+    for c, fill in tiles:
+        if c.block_m < 2 * M and -(-M // c.block_m) * -(-N // c.block_n) >= fill * num_sms:
+            break
+    tiles, wave = -(-M // c.block_m) * -(-N // c.block_n), (FEW_ROWS_PER_SM if few else 1) * num_sms
     return dataclasses.replace(c, split_k=max((s for s in split_factors(M, N, K, c, num_sms) if tiles * s <= wave),
                                               default=1))
+
+
+def _fitting(items: list, need, limit: int | None) -> list:
+    """``items`` whose ``need(item)`` is at most ``limit`` (None: all), else the one that needs least."""
+    if limit is None or not items:
+        return items
+    return [i for i in items if need(i) <= limit] or [min(items, key=need)]
+
+
+def shared_need(config: KernelConfig, shared: int, fp32_x: bool = False,
+                capability: tuple[int, int] | None = None) -> int:
+    """Bytes of shared memory a launch of prefill ``config`` takes, from ``shared``, its cost-table
+    row's (compiled for sm_90 with 16-bit x: the pipeline's stages of x and weight tiles), for
+    float32 x (``fp32_x``) on a GPU of ``capability`` (None: sm_80 or later). Compiled with Triton
+    3.9 for sm_75, sm_80 and sm_86 (tables' 16-bit configs, fp16 weights): 16-bit x needs at most
+    the sm_90 figure from sm_80 (sm_86: 104448 against 120832 B at 64 x 128 x 128 on 4 stages);
+    float32 x adds its tiles' second two bytes a value and the weight tile once more as float32
+    (the CUDA-core dot's operand: 64 x 128 x 128, 4 stages, 251904 B = 120832 + 65536 + 65536). Before
+    sm_80 (no asynchronous copies) nothing is staged: the weight tile as float32, and float32 x's
+    (sm_75: 65536 B at 64 x 128 x 128, 98304 with float32 x, whatever the stages)."""
+    bm, bn, bk = config.block_m, config.block_n, config.block_k
+    if capability is not None and tuple(capability) < (8, 0):
+        return bn * bk * 4 + (bm * bk * 4 if fp32_x else 0)
+    return shared + (config.num_stages * bm * bk * 2 + bn * bk * 4 if fp32_x else 0)
+
+
+def _listed_shared(config: KernelConfig, pair: str) -> int:
+    """A fixed-list tile's sm_90 shared memory (for :func:`shared_need`) where no table measures the
+    installed Triton: the newest table's, the larger of its split rows (a split's epilogue can take
+    more), else an upper bound of every table row (stages of x and weight tiles at two bytes a
+    value, and a float32 tile of the output)."""
+    tables = _load_costs(str(COSTS_FILE))
+    for version in sorted(tables, key=lambda v: tuple(map(int, v.split("."))), reverse=True):
+        by_cfg = {r["cfg"]: r["shared"] for r in tables[version][pair]["configs"]}
+        got = [by_cfg[k] for k in (dataclasses.replace(config, split_k=s) for s in (1, 2)) if k in by_cfg]
+        if got:
+            return max(got)
+    bm, bn, bk = config.block_m, config.block_n, config.block_k
+    return config.num_stages * (bm + bn) * bk * 2 + bm * bn * 4
 
 
 def cost_key(config: KernelConfig) -> KernelConfig:
