@@ -7,10 +7,21 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["FLOAT_DTYPES", "check_weight", "check_nm", "check_mask", "check_model", "check_separate_teacher",
+__all__ = ["FLOAT_DTYPES", "check_bool", "check_weight", "check_nm", "check_mask", "check_model", "check_separate_teacher",
            "check_finite", "computable", "safetensors_headers"]
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def check_bool(v, name: str) -> bool:
+    """``v`` as a Python bool: a bool or numpy's (``np.True_``); TypeError for anything else (0, None or
+    the string ``"False"`` are mistakes where a flag is due)."""
+    if isinstance(v, bool):
+        return v
+    if type(v).__module__ == "numpy" and type(v).__name__ in ("bool", "bool_"):
+        return bool(v)
+    raise TypeError(f"{name} must be a bool, got {type(v).__module__}.{type(v).__qualname__} {v!r}"
+                    if type(v).__module__ != "builtins" else f"{name} must be a bool, got {type(v).__name__} {v!r}")
 
 
 def check_weight(w: torch.Tensor, m: int, name: str = "weight") -> None:

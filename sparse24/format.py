@@ -62,7 +62,7 @@ import sys
 import torch
 import torch.autograd.forward_ad as _fwAD
 
-from ._checks import FLOAT_DTYPES, check_mask, check_nm, check_weight
+from ._checks import FLOAT_DTYPES, check_bool, check_mask, check_nm, check_weight
 
 __all__ = ["mask_nm", "is_nm", "Sparse24Tensor", "compress", "quantize_values", "QUANT_MODES", "FLOAT_DTYPES",
            "INT4_GROUP_SIZES", "bf16_exact_scales"]
@@ -241,6 +241,13 @@ def _unpack_slots(meta: torch.Tensor, groups: int) -> torch.Tensor:
     codes = torch.arange(16, device=meta.device)
     table = torch.stack((codes & 3, codes >> 2), dim=-1)  # nibble -> (slot_lo, slot_hi)
     return table.index_select(0, nib.reshape(-1)).view(R, groups, 2)
+
+
+def transformed(*tensors) -> bool:
+    """Whether any of ``tensors`` (None allowed) is wrapped by torch.func (vmap, grad, jvp ...) or dual:
+    a plain tensor (e.g. the weight when vmap maps only x) keeps the fast in-place paths."""
+    return any(t is not None and torch._C._functorch.is_functorch_wrapped_tensor(t) for t in tensors) \
+        or has_tangent(*tensors)
 
 
 def has_tangent(*tensors) -> bool:
@@ -448,7 +455,7 @@ class Sparse24Tensor:
         rows = slice(None) if rows is None else rows
         meta, row_ids = self.meta[:, rows], range(R)[rows]
         r, pairs = len(row_ids), (C // 4 + 1) // 2  # groups are read two (one byte) at a time
-        if torch._C._are_functorch_transforms_active() or has_tangent(self.values, self.scale, self.zero):
+        if transformed(self.values, self.scale, self.zero):
             # torch.func (e.g. vmap over stacked weights) or forward-mode AD: batched tensors cannot be
             # written into a plain buffer and the int16 view below drops a tangent, so these go out of
             # place, a block at a time, joined at the end
@@ -600,9 +607,7 @@ def int4_options(group_size=None, symmetric=None) -> tuple[int, bool]:
     ValueError for a group size other than 32, 64 or 128; TypeError for a ``symmetric`` that is
     not a bool (a string ``"False"`` would read as True)."""
     group_size = check_group_size(128 if group_size is None else group_size)
-    symmetric = True if symmetric is None else symmetric
-    if not isinstance(symmetric, bool):
-        raise TypeError(f"symmetric must be a bool, got {type(symmetric).__name__}")
+    symmetric = True if symmetric is None else check_bool(symmetric, "symmetric")
     return group_size, symmetric
 
 

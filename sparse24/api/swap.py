@@ -201,7 +201,7 @@ def _sparsify(model, filter_fn, mode, method, calibration, quantize, min_feature
         layer_mode = "masked" if note else mode
         if note and mode == "compressed":
             note = f"kept in masked mode: {note}"
-        train_values = trainable_values and layer_mode == "compressed"
+        train_values = bool(trainable_values) and layer_mode == "compressed"
         try:
             work = _prepare(mod, None, layer_mode, method, quant if layer_mode == "compressed" else {},
                             None if calibration is None else calibration.get(fqn), train_values, mask_kwargs)

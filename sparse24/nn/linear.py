@@ -16,7 +16,8 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from ..decode_format import DecodePacked
-from ..format import FLOAT_DTYPES, Sparse24Tensor, _pack_nibbles, compress, int4_quantize, quantize_values
+from ..format import (FLOAT_DTYPES, Sparse24Tensor, _pack_nibbles, compress, int4_quantize, quantize_values,
+                      transformed)
 from ..ops import linear24
 from ..ops.linear24 import launch, op
 from .layout import LayoutMixin
@@ -490,7 +491,7 @@ class Sparse24Linear(LayoutMixin, StateDictMixin, nn.Module):
                                  f"to re-compress with {describe_quant(quant)}")
             if trainable_values and self._layout == "decode":
                 self._convert_layout("v1")  # gradients of the kept values need layout v1
-            self.values.requires_grad_(trainable_values)
+            self.values.requires_grad_(bool(trainable_values))
             self._settle_layout()
             return self
         self._set_compressed(self._compressed_form(quant), trainable_values, self._requires_grad())
@@ -573,12 +574,11 @@ class Sparse24Linear(LayoutMixin, StateDictMixin, nn.Module):
             if w.requires_grad and torch.is_grad_enabled():
                 if not torch.compiler.is_compiling():
                     self._hook_if_needed(w)  # one _track_masked could not hook (see there)
-            elif not (torch._C._are_functorch_transforms_active() or op.has_tangent(w)) \
-                    and self._zero_where_pruned(w):
+            elif not transformed(w) and self._zero_where_pruned(w):
                 # No gradient for the weight and it is exactly 0 where pruned: the product is the same
                 # without the where(), which costs a pass over the whole weight per call (11.8x
-                # nn.Linear at M = 1; scripts/bench_hf.py). Not under torch.func or for a dual weight of
-                # forward-mode AD: the weight's tangent may be nonzero where pruned.
+                # nn.Linear at M = 1; scripts/bench_hf.py). Not for a weight torch.func transforms or a dual
+                # weight of forward-mode AD: its tangent may be nonzero where pruned.
                 return F.linear(x, w, self.bias)
             return F.linear(x, torch.where(self.mask, w, 0), self.bias)
         if not isinstance(x, torch.Tensor):

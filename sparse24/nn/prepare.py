@@ -10,7 +10,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from .._checks import check_finite
+from .._checks import check_bool, check_finite
 from ..format import FLOAT_DTYPES, Sparse24Tensor, _check_mask24, check_group_size, compress, int4_options, is_nm
 from ..masks import METHODS, mask_nm, prune_nm
 from .sharded import is_dtensor
@@ -52,10 +52,9 @@ def describe_quant(quant: dict) -> str:
 
 def _check_mode(mode, quantize, trainable_values, group_size=None, symmetric=None) -> dict:
     """Check a mode, its quantization and ``trainable_values``; return :func:`quant_options`."""
-    if not isinstance(trainable_values, bool):
-        # (nn.Parameter takes only a bool: 0, None or numpy's False failed after the layer had let go of its weight)
-        raise TypeError(f"trainable_values must be a bool, got {type(trainable_values).__name__} "
-                        f"{trainable_values!r}")
+    # (nn.Parameter takes only a bool: 0, None failed after the layer had let go of its weight; numpy's bools
+    # are bools, converted where used)
+    check_bool(trainable_values, "trainable_values")
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     quant = quant_options(quantize, group_size, symmetric)

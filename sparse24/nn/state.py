@@ -275,7 +275,7 @@ class StateDictMixin:
         self._pending = None
         if self._mode == "compressed":
             self.__dict__.pop("weight", None)  # a loader's stand-in (see sparse24.hf)
-            self.values.requires_grad_(trainable_values and self.values.is_floating_point())
+            self.values.requires_grad_(bool(trainable_values) and self.values.is_floating_point())
             if self.scale is None:
                 self._dtype = self.values.dtype
         try:

@@ -328,3 +328,38 @@ def test_strided_nested_input_is_refused_clearly(cuda_route):
         nt = torch.nested.nested_tensor([x, x[:1]], layout=torch.strided)
         with pytest.raises(TypeError, match="nested.*jagged"):
             fast(nt)
+
+
+def test_vmap_over_inputs_only_keeps_the_plain_paths(monkeypatch):
+    # the transforms check turned off the masked shortcut (a where() over the weight per call: 5.7x) and sent
+    # to_dense out of place (1.6x the bytes) whenever any transform ran, also when the weight was not mapped
+    torch.manual_seed(0)
+    masked = Sparse24Linear.from_linear(nn.Linear(64, 32)).requires_grad_(False)
+    compressed = Sparse24Linear.from_linear(nn.Linear(64, 32), mode="compressed")
+    x = torch.randn(5, 3, 64)
+    refs = [nn.functional.linear(x.double(), m.dense_weight().double(), m.bias.double()) for m in (masked, compressed)]
+    masked(x)   # (its one check that the weight is zero where pruned, cached per version)
+    calls = {"where": 0, "out_of_place": 0}
+    real_where, real_cat = torch.where, torch.cat
+    monkeypatch.setattr(torch, "where", lambda *a, **k: calls.__setitem__("where", calls["where"] + 1)
+                        or real_where(*a, **k))
+    monkeypatch.setattr(torch, "cat", lambda *a, **k: calls.__setitem__("out_of_place", calls["out_of_place"] + 1)
+                        or real_cat(*a, **k))
+    assert torch.allclose(vmap(masked)(x).double(), refs[0], atol=1e-5)
+    assert calls["where"] == 0
+    assert torch.allclose(vmap(compressed)(x).double(), refs[1], atol=1e-5)
+    assert calls["out_of_place"] == 0
+    assert format_mod.transformed(None, torch.ones(1)) is False
+
+
+def test_numpy_bools_are_bools():
+    np = pytest.importorskip("numpy")
+    layer = Sparse24Linear.from_linear(nn.Linear(32, 8), mode="compressed", trainable_values=np.True_)
+    assert layer.values.requires_grad
+    w = torch.randn(8, 128, generator=torch.Generator().manual_seed(0))
+    assert sparse24.compress(w, quantize="int4", symmetric=np.False_).zero is not None
+    assert sparse24.compress(w, quantize="int4", symmetric=np.True_).zero is None
+    with pytest.raises(TypeError, match="trainable_values must be a bool, got int 1"):
+        Sparse24Linear.from_linear(nn.Linear(32, 8), mode="compressed", trainable_values=1)
+    with pytest.raises(TypeError, match="symmetric must be a bool, got numpy.float64"):
+        sparse24.compress(w, quantize="int4", symmetric=np.float64(0))
