@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import dequantized_reference, top2_mask
+from test_serialization_review import Refuses
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
@@ -106,17 +107,6 @@ def test_recursive_loader_assigns_a_bias_less_int8_layer_the_checkpoints_dtype()
         ref = F.linear(ref, dequantized_reference(big[i], top2_mask(ws[i]))).bfloat16().double()
     torch.testing.assert_close(y.double(), ref, rtol=2e-2, atol=2e-2)
     pickle.dumps(big)
-
-
-class Refuses(nn.Module):
-    """A user's module whose own loading code refuses a state (any value but 0)."""
-
-    def get_extra_state(self):
-        return torch.tensor(0)
-
-    def set_extra_state(self, s):
-        if int(s) != 0:
-            raise ValueError("refused by a user's set_extra_state")
 
 
 def test_recursive_loader_refused_part_way_leaves_the_model_picklable(monkeypatch):
