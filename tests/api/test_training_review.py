@@ -240,17 +240,18 @@ def test_sparser_note_counts_the_groups_a_mask_keeps_fewer_than_2_of():
 # --- 6. a dense GPT-2 optimizer state loaded after sparsify_ ---------------------------------------------
 
 def _dense_checkpoint():
-    """A dense GPT-2 after one Adam step, its optimizer's state, and a fresh model holding its weights."""
+    """A dense GPT-2 after one Adam step, its optimizer, a copy of that one's state, and a fresh model holding
+    its weights."""
     dense = tiny_gpt2()
     opt = torch.optim.Adam(dense.parameters(), lr=1e-3)
     gpt2_step(dense, opt)
     model = tiny_gpt2()
     model.load_state_dict(dense.state_dict())
-    return dense, copy.deepcopy(opt.state_dict()), model
+    return dense, opt, copy.deepcopy(opt.state_dict()), model
 
 
 def test_dense_conv1d_optimizer_state_loaded_after_sparsify_is_refused():
-    dense, saved, model = _dense_checkpoint()
+    _, _, saved, model = _dense_checkpoint()
     sparsify_(model)
     opt2 = torch.optim.Adam(model.parameters(), lr=1e-3)
     opt2.load_state_dict(saved)
@@ -264,7 +265,7 @@ def test_dense_conv1d_optimizer_state_loaded_after_sparsify_is_refused():
 
 def test_dense_optimizer_state_then_prune_trained_model_resumes():
     """The documented order: load the checkpoint into the dense model and its optimizer, then prune."""
-    dense, saved, model = _dense_checkpoint()
+    dense, opt, saved, model = _dense_checkpoint()
     opt2 = torch.optim.Adam(model.parameters(), lr=1e-3)
     opt2.load_state_dict(saved)
     sparse24.prune_trained_model(model, opt2)
