@@ -196,7 +196,8 @@ def _pattern_2_4(mask_kwargs: dict) -> dict:
     if not (type(n) is int and type(m) is int and (n, m) == (2, 4)):
         raise ValueError(f"Sparse24Linear stores 2:4, got n={n!r}, m={m!r}: for a sparser mask prune first "
                          "(prune_layerwise_ or GradualPruner), then sparsify_, whose magnitude mask keeps exactly "
-                         "the non-zeros left; or pass from_linear a mask= keeping at most 2 of every 4")
+                         "the non-zeros left (patterns down to 1:8); or pass from_linear a mask= keeping at most 2 "
+                         "of every 4")
     return {k: v for k, v in mask_kwargs.items() if k not in ("n", "m")}
 
 

@@ -54,6 +54,7 @@ from .._version import __version__
 from ..decode_format import pack_decode
 from ..format import compress, mask_nm
 from ..ops.linear24 import linear
+from ..ops.linear24.launch import kernel_refusal
 
 __all__ = ["SCHEMA", "COLUMNS", "PROVIDERS", "BenchSettings", "device_info", "device_slug",
            "provider_status", "default_settings", "run_bench", "write_csv", "write_together"]
@@ -126,6 +127,9 @@ def provider_status(name: str, device: torch.device, dtype: torch.dtype) -> str:
             return "triton is not installed"
         if device.type == "cpu" and dtype == torch.bfloat16:
             return "Triton's interpreter (CPU) has no bfloat16 arithmetic"
+        why = kernel_refusal(device, dtype, "int4" in name)  # (a ROCm or pre-sm_70 GPU; INT4 + bf16 before sm_80)
+        if why is not None:
+            return why
     if name in ("sparse24-auto", "sparse24-int4-auto") and device.type != "cuda":
         return f"on CPU backend='auto' is the reference backend (timed as {name.replace('auto', 'reference')})"
     if name == "torch-semi-structured":

@@ -260,3 +260,16 @@ def test_tuning_refuses_a_gpu_the_kernels_do_not_run_on(gpu, info, hip):
     gpu(info, hip)
     with pytest.raises(ValueError, match="tuning: .*use backend='reference'"):
         tuning.tune_key(16, N, K, "float16", "cuda:0")
+
+
+def test_the_bench_skips_the_triton_providers_where_the_kernels_do_not_run(gpu):
+    # it would have hit kernel_refusal's ValueError mid-sweep instead of skipping them with the reason
+    from sparse24.tools.bench import provider_status
+    gpu(MI300X, "6.2.41133")
+    cuda = torch.device("cuda", 0)
+    for name in ("sparse24-triton", "sparse24-int8-triton", "sparse24-int4-triton"):
+        assert "use backend='reference'" in provider_status(name, cuda, torch.float16)
+    assert provider_status("sparse24-auto", cuda, torch.float16) == ""   # (auto runs the reference there)
+    gpu(config_store.DeviceInfo("Tesla T4", (7, 5), 40))
+    assert provider_status("sparse24-int4-triton", cuda, torch.float16) == ""
+    assert "need compute capability 8.0" in provider_status("sparse24-int4-triton", cuda, torch.bfloat16)

@@ -877,8 +877,9 @@ SPARSE_CORES_CAPABILITY = (8, 0)
 def sparse_tensor_cores(device: torch.device) -> bool:
     """Whether ``device`` runs the sparse tensor-core kernel: an NVIDIA GPU with sparse tensor cores
     (compute capability 8.0 or later: ``mma.sp`` does not compile for older ones, such as a T4,
-    where INT8 / INT4 weights with 16-bit x take the byte-permute decode kernel to 16 rows and
-    the prefill or unpack route beyond, as 16-bit weights do; never a ROCm GPU, whose capability
+    where INT8 weights with 16-bit x, and INT4 with float16 x, take the byte-permute decode kernel
+    to 16 rows and the prefill or unpack route beyond, as 16-bit weights do (INT4 with bfloat16 x:
+    the reference, :func:`kernel_refusal`); never a ROCm GPU, whose capability
     numbers are not NVIDIA's), or Triton's interpreter (CPU tensors). (The store's device query,
     which is cached, read through the module: a decision simulated on CPU answers it for its
     CUDA-looking device, scripts/bench_host.py.)"""

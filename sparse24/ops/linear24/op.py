@@ -223,8 +223,8 @@ def _auto_backend(x: torch.Tensor, values: torch.Tensor, scale, out_features: in
             return "triton"
         # The decode layout (the one copy a module holds on CUDA): the prefill kernel decodes
         # each weight tile once per 128 rows, or from UNPACK_MIN_M rows one launch unpacks the
-        # weight into a shared dense scratch for cuBLAS; the reference would re-order and
-        # decompress the whole weight on every call (264 aten calls, 596 MiB at 4096 x 4096).
+        # weight into a shared dense scratch for cuBLAS; the reference would decompress the whole
+        # weight, 128 rows at a time, on every call.
         return _prefill_route(x, values, scale, out_features, group_size, M)
     key = (x.device, x.dtype, scale is not None, values.dim(), out_features, x.shape[-1], m_bucket(M))
     choice = _AUTO.get(key)
