@@ -308,9 +308,10 @@ def _learn(model, batches, steps, objective, teacher, prior, calibration, tau, h
         lm = LearnableMask(tuple(sp.weight.shape), 2, 4, prior=sp.mask, confidence=confidence, dtype=logits_dtype,
                            device=sp.weight.device)
         learners[fqn] = (sp, _MaskLearningLinear(w, sp.bias, lm, schedule, sp.mask.clone()))
+    if not learners:  # (learning nothing is refused, as a selection of no layer is; the caller rolls back)
+        raise ValueError("learn_masks: no layer to learn: " + "; ".join(f"{k!r}: {v}" for k, v in not_learned.items())
+                         + " (decompress_ compressed layers first; nothing was changed)")
     rep = LearnReport(report, not_learned=not_learned)
-    if not learners:
-        return rep
     swaps = _Undo()
     for sp, stand_in in learners.values():
         swaps.replace(slots, sp, stand_in)

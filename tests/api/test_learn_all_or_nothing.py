@@ -144,3 +144,15 @@ def test_learn_masks_failing_leaves_no_hook_on_a_parent_reading_a_weight_directl
     with pytest.raises(RuntimeError, match="injected failure at step 1"):
         learn_masks(model, data(), steps=4, callback=fail_at(1))
     assert_model_unchanged(model, snap)
+
+
+def test_learn_masks_refuses_a_model_with_nothing_to_learn():
+    # every layer compressed: it returned "0 layer(s) learned over 0 steps", the reason only in the report
+    dense, batches = net(), data()
+    model = copy.deepcopy(dense)
+    sparsify_(model)
+    sparse24.compress_(model, quantize="int8")
+    snap = model_snapshot(model)
+    with pytest.raises(ValueError, match="no layer to learn: .*compressed mode"):
+        learn_masks(model, batches, steps=5, teacher=dense)
+    assert_model_unchanged(model, snap)
