@@ -75,6 +75,8 @@ def _cmd_bench(args) -> int:
                      out / "bench.txt": lambda p: _write_env(p, info, seconds),
                      **({} if args.no_plot else {out / "bench.png": lambda p: plot_rows(rows, p)})})
     partial.unlink(missing_ok=True)
+    if args.no_plot:  # (an earlier run's plot beside this run's CSV would describe another sweep)
+        (out / "bench.png").unlink(missing_ok=True)
     print(_speedup_table(rows))
     print(f"CSV:  {out / 'bench.csv'}")
     if not args.no_plot:

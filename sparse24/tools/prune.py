@@ -4,6 +4,7 @@ Hugging Face model folder (:mod:`sparse24.tools.hf_folder`)."""
 from __future__ import annotations
 
 import importlib.util
+import os
 import pickle
 import re
 from pathlib import Path
@@ -302,8 +303,8 @@ def cmd_prune(args) -> int:
         return _prune_calibrated(args, src, out, settings)
     if is_model_folder(src):
         return _prune_folder(args, src, out, settings)
-    if out.is_dir():
-        raise CLIError(f"--out {out}: is a folder; name the file to write")
+    if out.is_dir() or str(args.out).endswith(("/", os.sep)):  # (Path drops a trailing slash: "new/" is a folder)
+        raise CLIError(f"--out {args.out}: is a folder; name the file to write")
     if out.suffix == ".safetensors" and importlib.util.find_spec("safetensors") is None:
         raise CLIError("writing .safetensors needs the safetensors package: pip install 'sparse24[hf]'", 1)
     sd, wrapper = _load_state_dict(args.checkpoint)

@@ -210,6 +210,12 @@ def check_calibration_arguments(args, src: Path) -> None:
     if args.calibration is None:
         raise CLIError(f"--method {args.method} needs --calibration TEXT (a file with one sample per line, or a "
                        "folder with one sample per file)")
+    # options that would be ignored (the output as if they were absent) are refused, as for the other methods
+    if args.permute_iters is not None and not args.permute:
+        raise CLIError("--permute-iters goes with --permute (it sets that search's steps)")
+    if args.noise_p is not None and noise_copies(args) == 0:
+        raise CLIError(f"--noise-p goes with noisy copies: --noise COPIES > 0 (--method {args.method} makes none "
+                       "by default)")
     for k, v in CALIBRATION_DEFAULTS.items():
         if getattr(args, k) is None:
             setattr(args, k, v)

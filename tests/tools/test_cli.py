@@ -376,6 +376,9 @@ def test_prune_bad_inputs_and_outputs(capsys, tmp_path, monkeypatch):
     rc, _, err = run(capsys, "prune", str(ck), "--out", str(ck / "x.pt"))  # was "[Errno 17] File exists"
     assert rc == 2
     assert_one_line_error(err, "is a file, not a folder")
+    rc, _, err = run(capsys, "prune", str(ck), "--out", str(tmp_path / "new") + "/")  # wrote a file named "new"
+    assert rc == 2 and not (tmp_path / "new").exists()
+    assert_one_line_error(err, "is a folder; name the file to write")
     # a failed write leaves an existing output whole
     out = tmp_path / "o.pt"
     out.write_bytes(b"previous")
@@ -654,3 +657,12 @@ def test_gpu_user_view_runs_every_step_on_cpu(tmp_path, capsys):
     decode = [r for r in rows if r["what"] == "compiled decode"]
     assert all(r["graph_breaks"] == "0" and float(r["max_abs_diff_vs_eager"]) == 0.0 for r in decode)
     assert "tok/s" in capsys.readouterr().out
+
+
+def test_bench_no_plot_removes_an_earlier_runs_plot(capsys, tmp_path):
+    # an earlier sweep's bench.png stayed beside the new CSV, plotting other shapes
+    (tmp_path / "bench.png").write_bytes(b"an earlier run's plot")
+    rc, _, err = run(capsys, "bench", "--device", "cpu", "--shapes", "16,32", "--m", "1", "--repeats", "1",
+                     "--threads", "1", "--providers", "dense", "--no-plot", "--out", str(tmp_path))
+    assert rc == 0, err
+    assert (tmp_path / "bench.csv").exists() and not (tmp_path / "bench.png").exists()

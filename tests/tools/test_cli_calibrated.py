@@ -143,6 +143,11 @@ def test_calibrated_prune_errors(capsys, tmp_path):
          ["--noise-p must be in [0, 1]"]),
         (["prune", str(folder), "--out", o, "--method", "wanda", "--calibration", calib, "--samples", "0"],
          ["--samples must be >= 1"]),
+        # options the run would ignore (it wrote the folder as if they were absent, exit 0)
+        (["prune", str(folder), "--out", o, "--method", "wanda", "--calibration", calib, "--permute-iters", "5"],
+         ["--permute-iters goes with --permute"]),
+        (["prune", str(folder), "--out", o, "--method", "wanda", "--calibration", calib, "--noise-p", "0.9"],
+         ["--noise-p goes with noisy copies"]),
         (["prune", str(folder), "--out", o, "--method", "wanda", "--calibration", str(tmp_path / "none.txt")],
          ["no such file or folder"]),
         (["prune", str(folder), "--out", o, "--method", "wanda", "--calibration", str(tmp_path / "blank.txt")],

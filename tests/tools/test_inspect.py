@@ -43,6 +43,15 @@ def _top2_kept(w: torch.Tensor) -> float:
     return float(a.topk(2, dim=-1).values.sum() / a.sum())
 
 
+def test_inspect_with_a_dense_file_matching_no_layer_says_so(capsys, tmp_path):
+    # it printed "-" for every kept share, exit 0, as if --dense had not been given
+    _mixed_checkpoint(tmp_path)
+    torch.save({"other.weight": torch.randn(8, 8)}, tmp_path / "other.pt")
+    rc, _, err = run(capsys, "inspect", str(tmp_path / "sparse.pt"), "--dense", str(tmp_path / "other.pt"))
+    assert rc == 2
+    assert_one_line_error(err, "matched a weight in it by name and shape")
+
+
 def test_inspect_a_mixed_file(capsys, tmp_path):
     sd, dense = _mixed_checkpoint(tmp_path)
     rc, out, err = run(capsys, "inspect", str(tmp_path / "sparse.pt"), "--dense", str(tmp_path / "dense.pt"))
