@@ -297,3 +297,20 @@ def test_ema_averaged_model_with_buffers_keeps_the_masks():
     torch.testing.assert_close(ema.module[0].weight.detach().double(), ref, rtol=1e-6, atol=1e-7)
     assert torch.equal(ema.module[0].mask, model[0].mask) and ema.module[0].mask.dtype == torch.bool
     assert torch.equal(ema.module[0].weight != 0, model[0].mask)
+
+
+def test_state_shapes_are_checked_again_after_a_later_load_only():
+    # the check runs once per optimizer.state object (a load replaces it; steps only add right shapes)
+    from sparse24.nn import masking
+    _, _, saved, model = _dense_checkpoint()
+    sparsify_(model)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    gpt2_step(model, opt)
+    assert masking._STATE_CHECKED.get(opt) == id(opt.state)
+    gpt2_step(model, opt, seed=1)                      # (checked: no re-scan, and the step runs)
+    opt.load_state_dict(saved)                          # the dense model's transposed moments, loaded later
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(RuntimeError, match=r"optimizer state 'exp_avg' has shape"):
+        gpt2_step(model, opt)
+    sd = model.state_dict()
+    assert all(torch.equal(before[k], sd[k]) for k in sd)
