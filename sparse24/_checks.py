@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 __all__ = ["FLOAT_DTYPES", "check_bool", "check_weight", "check_nm", "check_mask", "check_model", "check_separate_teacher",
-           "check_finite", "computable", "safetensors_headers"]
+           "check_finite", "computable", "refuse_meta", "safetensors_headers"]
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -24,9 +24,20 @@ def check_bool(v, name: str) -> bool:
                     if type(v).__module__ != "builtins" else f"{name} must be a bool, got {type(v).__name__} {v!r}")
 
 
+def refuse_meta(t, name: str) -> None:
+    """ValueError if ``t`` (a tensor or module) is on the meta device: a mask or a check reads values,
+    which it has none of (torch's own error, "Tensor.item() cannot be called on meta tensors", names
+    neither). A layer built on the meta device defers its mask until its weights are loaded
+    (:mod:`sparse24.nn`)."""
+    if t.device.type == "meta":
+        raise ValueError(f"{name} is on the meta device: it has no values to read; load the weights first "
+                         "(e.g. load_state_dict(..., assign=True) or module.to_empty(device=...))")
+
+
 def check_weight(w: torch.Tensor, m: int, name: str = "weight") -> None:
     if not isinstance(w, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(w).__name__}")
+    refuse_meta(w, name)
     if w.dim() != 2:
         raise ValueError(f"{name} must be 2-D (out_features, in_features), got shape {tuple(w.shape)}")
     if w.dtype not in FLOAT_DTYPES:

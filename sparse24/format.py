@@ -62,19 +62,10 @@ import sys
 import torch
 import torch.autograd.forward_ad as _fwAD
 
-from ._checks import FLOAT_DTYPES, check_bool, check_mask, check_nm, check_weight
+from ._checks import FLOAT_DTYPES, check_bool, check_mask, check_nm, check_weight, refuse_meta
 
 __all__ = ["mask_nm", "is_nm", "Sparse24Tensor", "compress", "quantize_values", "QUANT_MODES", "FLOAT_DTYPES",
            "INT4_GROUP_SIZES", "bf16_exact_scales"]
-
-
-def _refuse_meta(t: torch.Tensor, name: str) -> None:
-    """ValueError if ``t`` is on the meta device: a mask or a check reads values, which it has none of
-    (torch's own error, "Tensor.item() cannot be called on meta tensors", names neither). A layer built
-    on the meta device defers its mask until its weights are loaded (:mod:`sparse24.nn`)."""
-    if t.device.type == "meta":
-        raise ValueError(f"{name} is on the meta device: it has no values to read; load the weights first "
-                         "(e.g. load_state_dict(..., assign=True) or module.to_empty(device=...))")
 
 
 # The integer view of each float dtype: for finite values, comparing
@@ -180,7 +171,6 @@ def mask_nm(w: torch.Tensor, n: int = 2, m: int = 4) -> torch.Tensor:
     """
     check_nm(n, m)
     check_weight(w, m)
-    _refuse_meta(w, "weight")
     if n == 2 and m == 4:
         return _nibble_mask(_nibbles24(w)).view(w.shape)
     keys = _magnitude_keys(w).view(-1, m)
@@ -202,7 +192,7 @@ def is_nm(w: torch.Tensor, n: int = 2, m: int = 4) -> bool:
         raise ValueError("w must have at least 1 dimension, got a 0-d tensor")
     if w.shape[-1] % m != 0:
         raise ValueError(f"last dimension ({w.shape[-1]}) must be divisible by m={m}")
-    _refuse_meta(w, "w")
+    refuse_meta(w, "w")
     # Counted in the smallest integer that holds m: a bool sum defaults to int64, 2 bytes per fp16 weight
     # (5.5x the weight's bytes in all, the peak of every magnitude prune; uint8: the bool tensor's 1 byte)
     count = torch.uint8 if m < 256 else torch.int32
@@ -567,7 +557,6 @@ def compress(w: torch.Tensor, mask: torch.Tensor | None = None, **kwargs) -> Spa
         _check_quant_mode(quantize)
     qargs = _quant_args(quantize, **qargs)  # checked before the work: quantize_values would refuse them after it
     check_weight(w, 4)
-    _refuse_meta(w, "weight")
     R, C = w.shape
     w4 = w.detach().contiguous().view(-1, 4)
     if mask is None:

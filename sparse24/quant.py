@@ -14,7 +14,8 @@ import math
 
 import torch
 
-from .format import QUANT_MODES, Sparse24Tensor, _refuse_meta, quantize_values
+from ._checks import refuse_meta
+from .format import QUANT_MODES, Sparse24Tensor, quantize_values
 
 __all__ = ["quantize_values", "sqnr_db", "QUANT_MODES"]
 
@@ -53,6 +54,6 @@ def _dense64(t, name: str) -> torch.Tensor:
     if isinstance(t, Sparse24Tensor):
         return t.to_dense().double()
     if isinstance(t, torch.Tensor):
-        _refuse_meta(t, f"sqnr_db: {name}")
+        refuse_meta(t, f"sqnr_db: {name}")
         return t.detach().double()
     raise TypeError(f"sqnr_db: {name} must be a tensor or Sparse24Tensor, got {type(t).__name__}")

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .._checks import check_mask, check_nm, check_weight
-from ..format import Sparse24Tensor, _refuse_meta
+from ..format import Sparse24Tensor
 from ..format import mask_nm as magnitude_mask
 from .sparsegpt import sparsegpt_prune
 from .two_d import mask_2d_greedy, mask_2d_optimal, score_dtype
@@ -146,8 +146,6 @@ def prune_nm(w: torch.Tensor, n: int = 2, m: int = 4, method: str = "magnitude",
         (True, True, True)
     """
     check_nm(n, m)  # first: the width checks below divide by m
-    if isinstance(w, torch.Tensor):
-        _refuse_meta(w, "weight")
     kwargs = _with_calibration(method, calibration, kwargs)
     if out is not None and (not isinstance(out, torch.Tensor) or not isinstance(w, torch.Tensor)
                             or out.shape != w.shape or out.dtype != w.dtype or out.device != w.device):
@@ -229,8 +227,6 @@ def mask_nm(w: torch.Tensor, n: int = 2, m: int = 4, method: str = "magnitude", 
     if method not in METHODS:
         raise ValueError(f"unknown mask method {method!r}; choose one of {', '.join(METHODS)}")
     check_nm(n, m)
-    if isinstance(w, torch.Tensor):
-        _refuse_meta(w, "weight")
     kwargs = _with_calibration(method, kwargs.pop("calibration", None), kwargs)
     if method == "magnitude":
         _no_kwargs(method, kwargs)

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils import parametrize
 
+from .._checks import refuse_meta
 from ..decode_format import DecodePacked
 from ..format import (FLOAT_DTYPES, Sparse24Tensor, _pack_nibbles, compress, int4_quantize, quantize_values,
                       transformed)
@@ -449,9 +450,8 @@ class Sparse24Linear(LayoutMixin, StateDictMixin, nn.Module):
         if not isinstance(delta, torch.Tensor) or tuple(delta.shape) != (R, C) or not delta.is_floating_point():
             raise ValueError(f"delta must be a floating ({R}, {C}) tensor, got "
                              f"{tuple(delta.shape) if isinstance(delta, torch.Tensor) else type(delta).__name__}")
-        for name, dev in (("delta", delta.device), ("this layer's weight", self.device)):
-            if dev.type == "meta":   # (torch's own error names neither: "Tensor.item() cannot be called on meta ...")
-                raise ValueError(f"{name} is on the meta device: it has no values to add; nothing was changed")
+        refuse_meta(delta, "delta")
+        refuse_meta(self, "this layer's weight")
         if not bool(torch.isfinite(delta).all()):
             # (INT4 would round NaN to a code silently: its lowest grid point)
             raise ValueError("delta has NaN or infinite entries (a diverged adapter?); nothing was changed")
