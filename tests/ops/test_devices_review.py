@@ -49,7 +49,6 @@ def gpu(monkeypatch):
         def device_info(device=None):
             return info if device is None or torch.device(device).type == "cuda" else real(device)
         monkeypatch.setattr(config_store, "device_info", device_info)
-        monkeypatch.setattr(launch, "device_info", device_info)   # (the name launch imported)
         monkeypatch.setattr(torch.version, "hip", hip)
         config_store.clear_cache()
         op._AUTO.clear()

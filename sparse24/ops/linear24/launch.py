@@ -40,7 +40,7 @@ from ...format import Sparse24Tensor
 from ..config_space import (DECODE_M, LAYOUT_KERNEL, SPLIT_K_MAX_M, KernelConfig, builtin_config, check_decode_config,
                             check_prefill_runs, dtype_key, fp32_twin, m_bucket, sparse_kernel)
 from .. import config_store
-from ..config_store import device_info, get_choice, get_config, on_clear
+from ..config_store import get_choice, get_config, on_clear
 from .naive import check_linear_args
 from .prefill import natural_tile, prefill_config, prefill_pair
 
