@@ -3,6 +3,7 @@ a raw state dict (torch or safetensors file, :func:`prune_state_dict`) or a
 Hugging Face model folder (:mod:`sparse24.tools.hf_folder`)."""
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import pickle
@@ -221,23 +222,26 @@ def _check_prune_out(args) -> Path:
     return out
 
 
+@contextlib.contextmanager
 def _writing(out: Path, only: bool = False):
     """Turn an OSError writing ``out`` (or its temporary names beside it; any OSError when ``only``: the
     block does nothing else) into a one-line error naming --out."""
-    import contextlib
+    try:
+        yield
+    except OSError as e:
+        if only or _concerns(e.filename, out):
+            raise CLIError(f"--out {out}: cannot write it ({e.strerror or _one_line(e)})") from None
+        raise
 
-    @contextlib.contextmanager
-    def guard():
-        try:
-            yield
-        except OSError as e:
-            name = str(Path(e.filename).absolute()) if e.filename else ""
-            here = str(out.absolute())
-            if only or name and (name.startswith(here) or Path(name).parent == out.absolute().parent
-                         and Path(name).name.startswith((f".{out.name}.", f".{out.stem}.")) or Path(here).is_relative_to(name)):
-                raise CLIError(f"--out {out}: cannot write it ({e.strerror or _one_line(e)})") from None
-            raise
-    return guard()
+
+def _concerns(filename, out: Path) -> bool:
+    """Whether an OSError's ``filename`` is ``out``, inside it, a folder above it, or one of the temporary
+    names written beside it (``.NAME.*``, ``.STEM.*``)."""
+    if not filename:
+        return False
+    name, here = Path(filename).absolute(), out.absolute()
+    return (str(name).startswith(str(here)) or here.is_relative_to(name)
+            or name.parent == here.parent and name.name.startswith((f".{out.name}.", f".{out.stem}.")))
 
 
 def _load_hint(report: list[dict], quant: dict, min_features: int | None, out: Path) -> str:
