@@ -666,3 +666,14 @@ def test_bench_no_plot_removes_an_earlier_runs_plot(capsys, tmp_path):
                      "--threads", "1", "--providers", "dense", "--no-plot", "--out", str(tmp_path))
     assert rc == 0, err
     assert (tmp_path / "bench.csv").exists() and not (tmp_path / "bench.png").exists()
+
+
+def test_which_write_errors_name_out(tmp_path):
+    # an OSError on --out, inside it, on a folder above it or on its temporary names beside it is --out's
+    from sparse24.tools.prune import _concerns
+    out = tmp_path / "a" / "out"
+    for name in (out, out / "model.safetensors", tmp_path / "a", tmp_path / "a" / ".out.123.partial",
+                 tmp_path / "a" / ".out.tmp"):
+        assert _concerns(str(name), out), name
+    for name in (None, "", tmp_path / "b" / "out", tmp_path / "a" / "other"):
+        assert not _concerns(name and str(name), out), name
