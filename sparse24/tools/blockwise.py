@@ -41,9 +41,11 @@ from ..format import compress
 from ..masks import prune_layerwise_
 from ..masks.nm import _row_chunks
 from ..nn import Sparse24Linear, compressed_entries, quant_options
-from .checkpoint import check_shards, dense_row, exclude_pattern, output_folder, partial_folder, quant_label
+from .checkpoint import (check_shards, dense_row, exclude_pattern, is_weight_matrix, output_folder, partial_folder,
+                         quant_label)
 from .cli_common import exclude_filter, exclude_reason
-from .hf_folder import _finish_folder, _shards, _skeleton, prune_folder
+from .hf_folder import NOT_SWAPPED, _finish_folder, _shards, _skeleton, prune_folder
+from .prune_calibrated import _SAFETENSORS_DTYPES
 
 __all__ = ["prune_folder_blockwise", "CALIBRATED"]
 
@@ -300,10 +302,6 @@ def prune_folder_blockwise(src: str | os.PathLike, dst: str | os.PathLike, batch
 def _with_dense_rows(rows: list[dict], headers: dict, where: dict, report, exclude) -> list[dict]:
     """The pruned layers' rows and, in checkpoint order, one row per other 2-D float weight stored (embedding
     table, output head, layers left dense), as the other paths count the checkpoint's weights."""
-    from .checkpoint import is_weight_matrix
-    from .hf_folder import NOT_SWAPPED
-    from .prune_calibrated import _SAFETENSORS_DTYPES
-
     pruned = {r["name"]: r for r in rows}
     key_of = {key: name for name, (key, _) in where.items()}  # checkpoint key -> model state name
     skipped = {r.fqn + ".weight": exclude_reason(r.reason, exclude) for r in report.skipped}

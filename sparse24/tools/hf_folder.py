@@ -59,6 +59,8 @@ def copy_rest(src: Path, tmp: Path, skip) -> None:
             shutil.copytree(item, tmp / item.name, symlinks=True)
         elif item.is_file():
             shutil.copy2(item, tmp / item.name)
+
+
 NOT_SWAPPED = "not the weight of a layer sparsify_ prunes (an embedding table, or not a Linear)"
 
 
