@@ -278,15 +278,15 @@ def prune_folder_calibrated(src: Path, dst: Path, args) -> tuple[list[dict], str
     batches = tokenize_samples(tokenizer, skeleton, texts, seq_len)  # (the forward's signature only)
     # a tokenizer may have more entries than the model's embedding rows: its text must not use them, and the
     # noisy copies draw their replacement tokens from the rows only
-    rows = getattr(skeleton.get_input_embeddings(), "num_embeddings", None) or len(tokenizer)
+    emb_rows = getattr(skeleton.get_input_embeddings(), "num_embeddings", None) or len(tokenizer)
     top = max(int(b["input_ids"].max()) for b in batches)
-    if top >= rows:
+    if top >= emb_rows:
         raise CLIError(f"--calibration: the folder's tokenizer gives token id {top}, but the model's input "
-                       f"embedding has {rows} rows: the tokenizer does not belong to this model")
+                       f"embedding has {emb_rows} rows: the tokenizer does not belong to this model")
     with _transformers_bars(progress_enabled(args.progress)):
         model = type(skeleton).from_pretrained(src).eval()
     copies, p = noise_copies(args), NOISE_P if args.noise_p is None else args.noise_p
-    calib = token_noise(batches, copies, p, vocab=min(len(tokenizer), rows), keep=tokenizer.all_special_ids)
+    calib = token_noise(batches, copies, p, vocab=min(len(tokenizer), emb_rows), keep=tokenizer.all_special_ids)
     kept, groups = prune_calibrated(model, calib, args.method, set(planned), args.permute,
                             getattr(config, "num_attention_heads", None), args.quantize, args.prune_head,
                             min_features, args.permute_iters, args.progress, **int4_args(quant))
@@ -300,7 +300,6 @@ def prune_folder_calibrated(src: Path, dst: Path, args) -> tuple[list[dict], str
         os.replace(tmp, dst)
     skipped = {r.fqn + ".weight": exclude_reason(r.reason, args.exclude) for r in plan.skipped}
     state = model.state_dict()
-    prefix = f"{model.base_model_prefix}." if model.base_model_prefix else ""
     rows = []
     for key, (shape, dtype) in _stored_tensors(src, shards).items():
         t = torch.empty(shape, dtype=dtype, device="meta")
