@@ -29,7 +29,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from ._checks import check_finite, check_model
-from .api.walk import _is_linear, _output_heads, _shared_weights
+from .api.walk import EXCLUDED_BY, _is_linear, _output_heads, _shared_weights, _tied_or_head
 from .format import mask_nm
 from .nn import is_conv1d, linear_shape
 from .learn import distill_, learn_masks
@@ -68,12 +68,9 @@ def _linear_layers(model: nn.Module, filter_fn: FilterFn | None, m: int | None, 
         if not _is_linear(mod):
             continue
         if filter_fn is not None and not filter_fn(mod, fqn):
-            skipped[fqn] = "excluded by filter_fn"
-        elif id(mod.weight) in shared:   # pruning it would prune the other module's weight too
-            others = [n for n in shared[id(mod.weight)] if n != f"{fqn}.weight"]
-            skipped[fqn] = f"weight is shared with {', '.join(others)} (tied): pruning it would also prune those"
-        elif id(mod) in heads:
-            skipped[fqn] = heads[id(mod)]
+            skipped[fqn] = EXCLUDED_BY
+        elif why := _tied_or_head(fqn, mod, shared, heads):
+            skipped[fqn] = why
         else:
             layers.append((fqn, mod))
     if not layers:

@@ -405,6 +405,18 @@ def _not_handled(fqn: str, mod: nn.Module) -> LayerReport | None:
     return LayerReport(fqn, tuple(p.shape), p.dtype, "skipped", reason=f"not handled: {type(mod).__name__}: {why}")
 
 
+EXCLUDED_BY = "excluded by filter_fn"  # the reason a layer filter_fn rejects is skipped
+
+
+def _tied_or_head(fqn: str, mod: nn.Module, shared: dict, heads: dict) -> str:
+    """Why ``mod`` stays dense whoever prunes (sparsify_, the recipes): its weight is shared with another
+    module (:func:`_shared_weights`), or it is the output head (:func:`_output_heads`); else ""."""
+    if id(mod.weight) in shared:
+        others = [n for n in shared[id(mod.weight)] if n != f"{fqn}.weight"]
+        return f"weight is shared with {', '.join(others)} (tied): pruning it would also prune those"
+    return heads.get(id(mod), "")
+
+
 def _skip_reason(fqn, mod, filter_fn, min_features, shared, readers, heads, method, calibration) -> str:
     """Why ``mod`` (an nn.Linear or Conv1D) cannot be swapped, or "" if it can."""
     if not fqn:
@@ -414,7 +426,7 @@ def _skip_reason(fqn, mod, filter_fn, min_features, shared, readers, heads, meth
             return "weight is parametrized (e.g. SR-STE, weight_norm); remove the parametrization first"
         return f"{type(mod).__name__} subclasses nn.Linear and may change its forward; not swapped"
     if filter_fn is not None and not filter_fn(mod, fqn):
-        return "excluded by filter_fn"
+        return EXCLUDED_BY
     R, C = linear_shape(mod)
     if C % 4:
         return f"in_features={C} is not divisible by 4"
@@ -422,11 +434,8 @@ def _skip_reason(fqn, mod, filter_fn, min_features, shared, readers, heads, meth
         return f"smaller than min_features={min_features} ({R}x{C}): too small to gain"
     if not mod.weight.is_floating_point():
         return f"weight dtype {mod.weight.dtype} is not floating point"
-    if id(mod.weight) in shared:
-        others = [n for n in shared[id(mod.weight)] if n != f"{fqn}.weight"]
-        return f"weight is shared with {', '.join(others)} (tied): pruning it would also prune those"
-    if id(mod) in heads:
-        return heads[id(mod)]
+    if why := _tied_or_head(fqn, mod, shared, heads):
+        return why
     if method in _CALIBRATED_METHODS and calibration is not None and fqn not in calibration and id(mod) in readers:
         # any other layer without statistics is an error (api.guard.check_calibration)
         return (f"no calibration statistics for this layer (method={method!r}): {readers[id(mod)]}, "

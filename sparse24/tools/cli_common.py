@@ -10,6 +10,8 @@ from pathlib import Path
 
 import torch
 
+from ..api.walk import EXCLUDED_BY
+
 __all__ = ["CLIError", "prune_quant", "int4_args"]
 
 
@@ -149,12 +151,9 @@ def exclude_filter(pattern):
     return None if pattern is None else (lambda m, fqn: not excluded(pattern, fqn))
 
 
-EXCLUDED_BY = "excluded by filter_fn"  # sparsify_'s reason, which the command line words as --exclude
-
-
 def exclude_reason(reason: str, exclude) -> str:
     """A ``sparsify_`` skip reason in the command line's words (it has no filter_fn, only --exclude)."""
-    return f"name matches --exclude {exclude!r}" if reason == EXCLUDED_BY else reason
+    return f"name matches --exclude {exclude!r}" if reason == EXCLUDED_BY else reason  # (worded for --exclude)
 
 
 def check_writable(folder: Path, what: str) -> None:
