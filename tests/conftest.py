@@ -228,6 +228,19 @@ def assert_export_keeps_op_and_buffers(net, x, layers, names) -> dict:
     return state
 
 
+def state(module) -> dict:
+    """A copy of ``module``'s state dict (values cloned), for :func:`assert_unchanged`."""
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+def assert_unchanged(module, before: dict) -> None:
+    """``module``'s state dict has exactly the keys and values of ``before`` (:func:`state`)."""
+    after = module.state_dict()
+    assert after.keys() == before.keys()
+    for k, v in before.items():
+        assert torch.equal(after[k], v), k
+
+
 def model_snapshot(model, optimizer=None) -> dict:
     """Everything a failed whole-model call must leave as it was: the module objects and their types,
     the parameter and buffer objects, ``requires_grad``, every value and gradient (clones), the optimizer's

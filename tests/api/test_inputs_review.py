@@ -15,21 +15,12 @@ from sparse24 import bits_per_char, calibrate, embedding_fidelity, prune_layerwi
 from sparse24.learn import distill_, learn_masks
 from sparse24.masks import PermutationGroup, check_group, find_permutation_groups, group_importance, permute_model_
 
+from conftest import assert_unchanged, state
+
 
 def mlp(seed=0, d=16, h=32, out=16):
     torch.manual_seed(seed)
     return nn.Sequential(nn.Linear(d, h), nn.GELU(), nn.Linear(h, out))
-
-
-def state(model):
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
-
-
-def assert_unchanged(model, before):
-    after = model.state_dict()
-    assert after.keys() == before.keys()
-    for k, v in before.items():
-        assert torch.equal(after[k], v), k
 
 
 # --- bug 2: an empty example proves nothing --------------------------------------------------------

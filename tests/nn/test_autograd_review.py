@@ -102,20 +102,28 @@ def test_16bit_values_carry_their_tangent(dtype):
 
 # -- 4. compressed layers under forward-mode AD --
 
-@pytest.mark.parametrize("quantize", [None, "int8"])
-@pytest.mark.parametrize("grad_mode", [True, False])
-@pytest.mark.parametrize("chunks", [1, 3])
-def test_compressed_forward_ad_gives_the_dense_tangents(quantize, grad_mode, chunks, monkeypatch):
-    # with grad mode on (the bias requires grad) the registered op raised "You must implement the jvp function"
-    if chunks > 1:   # the reference's blocks of weight rows: 2 rows each
+def _compressed_case(quantize, chunks, monkeypatch):
+    """A float64 compressed layer (trainable values unless quantized), its source Linear and mask, the dense
+    ``(6, 16)`` weight it must act as (masked; INT8: dequantized independently) and the tolerance; with
+    ``chunks > 1`` the reference's blocks of weight rows are 2 rows each."""
+    if chunks > 1:
         monkeypatch.setattr(naive, "CHUNK_ELEMENTS", 2 * 16)
     lin, mask = _linear(16, 6)
     layer = Sparse24Linear.from_linear(copy.deepcopy(lin), mode="compressed", quantize=quantize,
                                        trainable_values=quantize is None)
     w = dequantized_reference(layer, mask) if quantize else torch.where(mask, lin.weight, 0).detach()
+    tol = {"rtol": 1e-12, "atol": 1e-12} if quantize is None else {"rtol": 1e-6, "atol": 1e-6}
+    return lin, mask, layer, w, tol
+
+
+@pytest.mark.parametrize("quantize", [None, "int8"])
+@pytest.mark.parametrize("grad_mode", [True, False])
+@pytest.mark.parametrize("chunks", [1, 3])
+def test_compressed_forward_ad_gives_the_dense_tangents(quantize, grad_mode, chunks, monkeypatch):
+    # with grad mode on (the bias requires grad) the registered op raised "You must implement the jvp function"
+    lin, mask, layer, w, tol = _compressed_case(quantize, chunks, monkeypatch)
     b = lin.bias.detach()
     x, t, tb = _randn(2, 5, 16), _randn(2, 5, 16, seed=2), _randn(6, seed=3)
-    tol = {"rtol": 1e-12, "atol": 1e-12} if quantize is None else {"rtol": 1e-6, "atol": 1e-6}
     with torch.set_grad_enabled(grad_mode), fwAD.dual_level():
         y, tangent = fwAD.unpack_dual(layer(fwAD.make_dual(x, t)))
         torch.testing.assert_close(y, x @ w.T + b, **tol)
@@ -200,13 +208,7 @@ def test_a_trainable_scale_of_a_kept_plan_takes_the_full_path(cuda_route):
 def test_batched_backward_matches_the_dense_layer(quantize, chunks, monkeypatch):
     # the backward wrote into unbatched buffers (addmm_, slice assignment): torch's vmap over grad_outputs
     # raised "Batching rule not implemented for aten::alias"
-    if chunks > 1:   # the backward's blocks of weight rows: 2 rows each
-        monkeypatch.setattr(naive, "CHUNK_ELEMENTS", 2 * 16)
-    lin, mask = _linear(16, 6)
-    layer = Sparse24Linear.from_linear(copy.deepcopy(lin), mode="compressed", quantize=quantize,
-                                       trainable_values=quantize is None)
-    w = dequantized_reference(layer, mask) if quantize else torch.where(mask, lin.weight, 0).detach()
-    tol = {"rtol": 1e-12, "atol": 1e-12} if quantize is None else {"rtol": 1e-6, "atol": 1e-6}
+    lin, mask, layer, w, tol = _compressed_case(quantize, chunks, monkeypatch)
     x = _randn(3, 16)
     J = torch.autograd.functional.jacobian(layer, x, vectorize=True)
     torch.testing.assert_close(J, torch.einsum("ab,nk->anbk", torch.eye(3, dtype=torch.float64), w), **tol)

@@ -18,18 +18,7 @@ from sparse24.learn import learn_masks
 from sparse24.masks import prune_nm
 from sparse24.recipes import GradualPruner
 
-from conftest import top2_mask
-
-
-def state(module):
-    return {k: v.detach().clone() for k, v in module.state_dict().items()}
-
-
-def assert_unchanged(module, before):
-    after = module.state_dict()
-    assert after.keys() == before.keys()
-    for k, v in before.items():
-        assert torch.equal(after[k], v), k
+from conftest import assert_unchanged, state, top2_mask
 
 
 def masked_layer(seed=0, C=64, R=8):
