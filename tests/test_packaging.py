@@ -8,7 +8,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_pyproject_lists_every_package():
-    text = (ROOT / "pyproject.toml").read_text()  # no tomllib: Python 3.10 is supported
+    text = (ROOT / "pyproject.toml").read_text()  # (the same regex reads it on every supported Python)
     listed = set(ast.literal_eval(re.search(r"^packages = (\[.*?\])", text, re.M | re.S).group(1)))
     found = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "sparse24").rglob("__init__.py")}
     found |= {"sparse24.kernels", "sparse24.autotune_configs"}
@@ -55,3 +55,47 @@ def test_the_checkout_does_not_shadow_another_kernels_package(tmp_path):
     # the root on the path a second time, through a symlink: still this folder (or the installed one), once
     (tmp_path / "alias").symlink_to(ROOT, target_is_directory=True)
     assert _import_kernels(ROOT, tmp_path / "alias")[0] == path
+
+
+_NO_TRITON = """
+import sys
+from importlib.machinery import PathFinder
+class NoTriton(PathFinder):  # as where the dependency marker skips Triton (macOS, Windows)
+    @classmethod
+    def find_spec(cls, name, path=None, target=None):
+        return None if name.split(".")[0] == "triton" else PathFinder.find_spec(name, path, target)
+sys.meta_path[:] = [NoTriton if f is PathFinder else f for f in sys.meta_path]
+"""
+
+
+def test_without_triton_the_tuned_files_read_and_the_triton_backend_says_why(tmp_path):
+    """Without Triton the shipped tuned files still read (a prefill entry's Triton-version check
+    imported the kernel module: ModuleNotFoundError from describe_config_source, validate_dir and
+    ``sparse24 info``), and backend='triton' names the missing package."""
+    import subprocess
+    import sys
+
+    code = _NO_TRITON + (
+        "import torch, sparse24, sparse24.ops.config_store as cs\n"
+        "from sparse24.format import compress\n"
+        "from sparse24 import linear\n"
+        "print(cs.describe_config_source('cpu'))\n"
+        "print('problems', cs.validate_dir(cs.shipped_config_dir()))\n"
+        "w = torch.randn(8, 8); p = compress(w, sparse24.masks.mask_nm(w))\n"
+        "try:\n    linear(torch.randn(2, 8), p, backend='triton')\n"
+        "except RuntimeError as e:\n    print('refused:', e)\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "problems []" in out.stdout and "NVIDIA_H200" in "".join(p.name for p in (ROOT / "autotune_configs").iterdir())
+    assert "refused: backend='triton' needs the triton package" in out.stdout, out.stdout
+
+
+def test_license_and_version_are_single_sourced():
+    """The Apache-2.0 text ships (license-files), the version is written once (_version.py), and the
+    source distribution leaves out the test suite, which needs the whole checkout."""
+    text = (ROOT / "pyproject.toml").read_text()
+    assert 'license = "Apache-2.0"' in text and 'license-files = ["LICENSE"]' in text
+    assert "Apache License" in (ROOT / "LICENSE").read_text()[:200]
+    assert 'dynamic = ["version"]' in text and re.search(r'^version = "', text, re.M) is None
+    assert 'attr = "sparse24._version.__version__"' in text
+    assert "prune tests" in (ROOT / "MANIFEST.in").read_text().splitlines()

@@ -475,11 +475,16 @@ def check_prefill_runs(config: KernelConfig) -> KernelConfig:
     """:func:`check_prefill_config`, and for BLOCK_N 256 a Triton that runs 128-row tiles in
     x's own order (3.6 and later; the kernel has no permuted form of the wide tile). Checked
     where a config is launched or read from a tuned file, not in the cost tables (which hold
-    every Triton's rows)."""
-    from sparse24.kernels.sparse24_prefill import natural_tile
-
+    every Triton's rows). Without Triton (macOS, Windows) nothing launches it: the entry stays,
+    so a tuned file still reads there."""
     c = check_prefill_config(config)
-    if c.block_n == WIDE_N and not natural_tile(c.block_m, c.block_n):
+    if c.block_n != WIDE_N:
+        return c
+    try:
+        from sparse24.kernels.sparse24_prefill import natural_tile
+    except ImportError:
+        return c
+    if not natural_tile(c.block_m, c.block_n):
         raise ValueError(f"prefill config {c}: BLOCK_N {WIDE_N} needs Triton >= 3.6 (x in its own order at "
                          f"128 rows)")
     return c
