@@ -128,7 +128,7 @@ def prune_nm(w: torch.Tensor, n: int = 2, m: int = 4, method: str = "magnitude",
     """Prune one weight to N:M with any method; the single entry point for model-level code.
 
     Args:
-        w: ``(R, C)`` float weight (not modified).
+        w: ``(R, C)`` float weight (not modified, unless passed as ``out``).
         n, m: keep ``n`` of every ``m`` along the input dimension.
         method: one of :data:`METHODS`.
         calibration: optional :class:`LayerStats` of this layer (from
@@ -138,6 +138,8 @@ def prune_nm(w: torch.Tensor, n: int = 2, m: int = 4, method: str = "magnitude",
             ``blocksize=``, ``percdamp=``, ``refit=``, ``shrink=`` (sparsegpt);
             ``quantize="int4"``, ``group_size=``, ``symmetric=``: SparseGPT's joint
             INT4 quantization (:func:`sparsegpt_prune`), ``packed`` set.
+        out: optional tensor of ``w``'s shape, dtype and device that receives the pruned weight
+            (``w`` itself prunes in place, with no second copy of the weight); the result's ``weight`` is ``out``.
     Returns:
         :class:`PruneResult` (``weight`` has ``w``'s dtype and device).
     Example:
