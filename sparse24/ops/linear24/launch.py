@@ -311,6 +311,8 @@ class _Plan:
         # the variant's extra tensors (decode: split-K workspace and counters, kept for the process)
         self.extra = self.variant.extra(device, N, config, self.split_k, bucket)
         self.extra_ptrs = tuple(t.data_ptr() for t in self.extra)   # (the plan keeps the tensors alive)
+        # its launches use the device's shared split-K workspace: one stream at a time (follow_last_stream)
+        self.shares = self.split_k > 1 and not self.atomic_split
         self.compiled = None
         # per call, only what varies: the grid per M (a few buckets' rows), whether the kernel takes
         # INT4 zero points, whether x needs preparing (host time is what a decode-sized call costs)
@@ -325,6 +327,13 @@ class _Plan:
                           f"activations once (e.g. model.half() or torch.autocast)", RuntimeWarning, stacklevel=5)
 
     def __call__(self, x2, values, meta, scale, bias, M, zero=None):
+        if self.shares:
+            with SCRATCH_LOCK:
+                follow_last_stream(self.device)
+                return self._run(x2, values, meta, scale, bias, M, zero)
+        return self._run(x2, values, meta, scale, bias, M, zero)
+
+    def _run(self, x2, values, meta, scale, bias, M, zero=None):
         if self.prepares_x:
             x2 = self.variant.prepare_x(x2)
         if not self.atomic_split:  # one launch writes x's dtype (decode split-K reduces in the kernel)
@@ -462,7 +471,7 @@ def target_dtype(config: KernelConfig, split_k: int, x_dtype: torch.dtype) -> to
 # and every plan made since takes it (fp32 partials and int32 arrival counters). Never freed, so
 # a CUDA graph that captured a launch keeps valid pointers; a plan holds the one it was made with.
 # Launches on one stream run one after another and each leaves its counters at zero, so plans
-# share it; two streams running split-K plans at the same time would race on it: not supported.
+# share it; a launch on another stream first waits for the last one's (follow_last_stream).
 # Growing by at least twice keeps all of them under twice the largest need (the partials and the
 # counters each).
 _WORKSPACES: dict = {}
@@ -485,8 +494,8 @@ def decode_workspace(device, N: int, config: KernelConfig, split_k: int, bucket:
     device = torch.device(device)
     old = ws, counts = _WORKSPACES.get(device, (None, None))
     # each grows on its own (more counters need not double the partials' buffer)
-    ws = _grown(ws, floats, lambda n: torch.empty(n, dtype=torch.float32, device=device))
-    counts = _grown(counts, tiles * split_k, lambda n: torch.zeros(n, dtype=torch.int32, device=device))
+    ws = _grown(ws, floats, lambda n: persistent(torch.float32, n, device))
+    counts = _grown(counts, tiles * split_k, lambda n: persistent(torch.int32, n, device).zero_())
     # an outgrown pair stays alive: a CUDA graph captured with a plan that used it writes it on every
     # replay, even once that plan is gone (config_store.clear_cache()); geometric growth bounds them
     # below the current pair's size
@@ -525,12 +534,14 @@ def unpack_dense(values: torch.Tensor, meta: torch.Tensor, scale: torch.Tensor |
         ``(R, C)`` tensor of ``dtype`` (``(C, R)`` with ``transpose``), a view of the scratch: valid
         until the next call on this device (stream order: the matmul that reads it runs before the
         next unpack writes it; callers in several threads hold :data:`SCRATCH_LOCK` from this call
-        through their matmul's launch; threads on different streams are not supported, as for split-K).
+        through their matmul's launch; on another stream than the last call's, the current stream first
+        waits for that one: :func:`follow_last_stream`).
     """
     R, C = shape
     if group_size:   # the kernel reads INT4 codes as 32-bit words (16-bit values: Triton specializes)
         check_word_aligned(values, meta)
     dev = values.device
+    follow_last_stream(dev)   # (first: the growth below frees the old scratch on this stream's turn)
     out = _SCRATCH_VIEWS.get((dev, R, C, dtype))
     if out is None:  # views kept per shape: a call runs no aten op of its own
         buf = _DENSE_SCRATCH.get(dev)
@@ -539,14 +550,66 @@ def unpack_dense(values: torch.Tensor, meta: torch.Tensor, scale: torch.Tensor |
             if dev in _GRAPHED:      # a captured graph writes the old one on every replay: keep it
                 _RETIRED.append(buf)
                 _GRAPHED.discard(dev)
-            buf = _DENSE_SCRATCH[dev] = _grown(buf, R * C * 2, lambda n: torch.empty(n, dtype=torch.uint8,
-                                                                                    device=dev))
+            elif buf is not None and buf.is_cuda:   # freed once the current stream's work on it is done
+                buf.record_stream(torch.cuda.current_stream(dev))
+            buf = _DENSE_SCRATCH[dev] = _grown(buf, R * C * 2, lambda n: persistent(torch.uint8, n, dev))
         out = buf[:R * C * 2].view(dtype).view(R, C)
         out = _SCRATCH_VIEWS[(dev, R, C, dtype)] = out, out.t()
     if _capturing(values):
         _GRAPHED.add(dev)
     _launch_unpack(values, meta, scale, out[0], zero, group_size)
     return out[transpose]
+
+
+def persistent(dtype: torch.dtype, n: int, device) -> torch.Tensor:
+    """``torch.empty(n)`` of a buffer kept for the process (workspace, scratch), allocated outside
+    any CUDA-graph memory pool: during torch.compile(mode="reduce-overhead")'s warm-up run torch
+    sends every allocation of the current thread into its graph's pool, and a tensor still alive
+    there that is not an output fails the run ("tensor(s) in the cudagraph pool not tracked as
+    outputs"). A short-lived thread allocates from the ordinary caching allocator (on every device:
+    one path, which the CPU tests see; a buffer grows a few times per process)."""
+    device = torch.device(device)
+    got = []
+
+    def make():
+        try:
+            got.append(torch.empty(n, dtype=dtype, device=device))
+        except BaseException as e:   # (out of memory: raised in the caller's thread)
+            got.append(e)
+
+    t = threading.Thread(target=make, name="sparse24-alloc")
+    t.start()
+    t.join()
+    if isinstance(got[0], BaseException):
+        raise got[0]
+    return got[0]
+
+
+# The device index -> (raw stream, stream) whose launches last used the device's shared buffers
+# (split-K workspace and counters, the unpack scratch).
+_LAST_STREAM: dict = {}
+
+
+def follow_last_stream(device: torch.device) -> None:
+    """Before a launch on the device's shared buffers: if the current stream is not the one that
+    used them last, make it wait for that one (an event on the device, no host wait), so launches
+    on two streams (a model per stream, pipeline stages) take turns instead of overwriting each
+    other's partial sums or unpacked weight. Callers hold :data:`SCRATCH_LOCK` through their
+    launches, so threads each on their own stream queue them in one order. Not while a CUDA graph
+    is captured (a captured wait on an uncaptured stream fails the capture): a graph replays on
+    the stream that replays it, after what that stream queued before. (Off CUDA: nothing.)"""
+    if device.type != "cuda":
+        return
+    raw = torch._C._cuda_getCurrentRawStream(device.index)
+    last = _LAST_STREAM.get(device.index)
+    if last is not None and last[0] == raw:
+        return
+    stream = torch.cuda.current_stream(device.index)
+    if torch.cuda.is_current_stream_capturing():
+        return
+    if last is not None:
+        stream.wait_stream(last[1])
+    _LAST_STREAM[device.index] = raw, stream
 
 
 def _capturing(t: torch.Tensor) -> bool:
@@ -561,11 +624,16 @@ def release_workspaces() -> None:
     graph may still write them. The next call makes what it needs again. Not while a captured CUDA
     graph (``torch.compile(mode="reduce-overhead")``) that ran these layers is still replayed: its
     kernels address these buffers."""
+    kept = (*_DENSE_SCRATCH.values(), *_RETIRED, *(t for pair in _WORKSPACES.values() for t in pair))
+    for dev in {t.device for t in kept if t is not None and t.is_cuda}:
+        torch.cuda.synchronize(dev)   # nothing queued (on any stream) still uses what is freed here
+    del kept
     _DENSE_SCRATCH.clear()
     _SCRATCH_VIEWS.clear()
     _GRAPHED.clear()
     _RETIRED.clear()
     _WORKSPACES.clear()
+    _LAST_STREAM.clear()
     _PLANS.clear()
     for forget in _ON_RELEASE:   # (the modules' kept plans hold their workspaces too)
         forget()
@@ -604,8 +672,11 @@ def _split_extra(device, N, config, split_k, bucket, block_m) -> tuple:
     """The decode and prefill kernels' workspace and counters arguments."""
     ws, counts = decode_workspace(device, N, config, split_k, bucket, block_m)
     # without split-K the two pointers are never read: any tensor will do
-    return (ws, counts) if ws is not None else (_PLACEHOLDER.setdefault(device, torch.empty(
-        1, dtype=torch.int32, device=device)),) * 2
+    if ws is not None:
+        return ws, counts
+    if device not in _PLACEHOLDER:
+        _PLACEHOLDER[device] = persistent(torch.int32, 1, device)
+    return (_PLACEHOLDER[device],) * 2
 
 
 # --- the three kernels' arguments ---------------------------------------------------
