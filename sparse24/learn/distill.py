@@ -56,7 +56,9 @@ def distill_(model: nn.Module, batches, steps: int, *, teacher: nn.Module | None
         loss_fn: ``(output, batch) -> scalar`` task loss.
         lr, warmup, final_lr, weight_decay, clip: optimiser settings (``clip=None``: none).
         output_loss: ``"mse"`` (relative), ``"cosine"``, ``"kl"`` or a callable.
-        hidden: names of modules (in both models) whose outputs are matched.
+        hidden: names of modules (in both models) whose outputs are matched; under activation
+            checkpointing only with ``use_reentrant=False`` (a reentrant segment runs its modules under
+            no_grad first, so their term would train nothing: a ValueError, nothing changed).
         parameters: the parameters to train (default: every trainable one of ``model``); not float16
             (AdamW cannot train it: use bfloat16, or float32 weights under ``torch.autocast``).
         forward: ``(model, batch) -> output`` (default as in :func:`learn_masks`).

@@ -68,6 +68,7 @@ class _Schedule:
     def __init__(self, seed: int):
         self.tau, self.hard, self.noise, self.use = 1.0, False, 1.0, "sample"
         self.generator = torch.Generator().manual_seed(seed)
+        self.step = -1  # the training step: a layer's draw is the same for every forward of one step
 
 
 class _MaskLearningLinear(nn.Module):
@@ -78,6 +79,7 @@ class _MaskLearningLinear(nn.Module):
         super().__init__()
         self.weight, self.bias, self.mask, self.schedule = weight, bias, mask, schedule
         self.register_buffer("prior", prior, persistent=False)
+        self._draw = None  # (step, the generator's state before this layer's draw at that step)
 
     def current_mask(self) -> torch.Tensor:
         s = self.schedule
@@ -85,7 +87,15 @@ class _MaskLearningLinear(nn.Module):
             return self.prior.to(self.weight.dtype)
         if s.use == "learned":
             return self.mask.hard_mask().to(self.weight.dtype)
-        return self.mask.sample(s.tau, s.hard, s.generator, s.noise).to(self.weight.dtype)
+        # Activation checkpointing runs the forward again in backward (and restores torch's RNG, not ours): a
+        # second call in a step draws the first call's noise again from the state saved then, so the gradient
+        # is that of the loss. (A copy of the state, not of the noise: the noise is as large as the logits.)
+        gen = s.generator
+        if self._draw is not None and self._draw[0] == s.step:
+            gen = torch.Generator(gen.device).set_state(self._draw[1])
+        else:
+            self._draw = (s.step, gen.get_state())
+        return self.mask.sample(s.tau, s.hard, gen, s.noise).to(self.weight.dtype)
 
     def forward(self, x):
         return F.linear(x, self.weight * self.current_mask(), self.bias)
@@ -136,6 +146,12 @@ def learn_masks(model: nn.Module, batches, steps: int, *, loss_fn: Callable | No
 
     The model and the teacher run in the train/eval mode they are in (call
     ``.eval()`` to switch dropout off); the default teacher is in eval mode.
+    Activation checkpointing (``model.gradient_checkpointing_enable()``,
+    ``torch.utils.checkpoint``) gives the same results: each layer draws its
+    mask once per step (a layer run twice in a step uses that draw again), so a
+    forward recomputed in backward sees the mask the loss was computed with.
+    With ``hidden=`` it needs ``use_reentrant=False`` (a reentrant segment's
+    modules run under no_grad first: a ValueError, nothing changed).
 
     All or nothing: if anything fails (a batch the model cannot run, ``loss_fn``,
     ``callback``, Ctrl-C), the layer swaps are undone and the weights, buffers and
@@ -366,7 +382,7 @@ def _train_masks(batches, steps, objective, learners, schedule, tau, hard_fracti
         schedule.tau = tau[0] * (tau[1] / tau[0]) ** frac  # geometric: equal time per decade
         schedule.noise = (noise[0] * (noise[1] / noise[0]) ** frac if min(noise) > 0
                           else noise[0] + (noise[1] - noise[0]) * frac)
-        schedule.hard, schedule.use = step >= hard_from, "sample"
+        schedule.hard, schedule.use, schedule.step = step >= hard_from, "sample", step
         loss = objective(batch)
         if magnitude_reg:
             loss = loss - magnitude_reg * sum(s.kept_norm_fraction() for s in stand_ins) / len(stand_ins)

@@ -106,22 +106,29 @@ class _Objective:
         self.student, self.teacher, self.loss_fn, self.output_loss = student, teacher, loss_fn, output_loss
         self.hidden, self.hidden_weight = hidden, float(hidden_weight)
         self._s, self._t, self._handles = {}, {}, []
+        self._no_grad = set()  # the hidden modules whose student output was caught with autograd off
         self._targets = [(mods[h], store, h) for h in hidden for mods, store in ((s_mods, self._s), (t_mods, self._t))]
         self.calls = 0  # losses asked for: the step a failure happened at
 
     def open(self) -> None:
         """Register the hooks that catch the ``hidden`` modules' outputs (until :meth:`close`)."""
         for mod, store, h in self._targets:
-            self._handles.append(mod.register_forward_hook(self._keep(store, h)))
+            self._handles.append(mod.register_forward_hook(self._keep(store, h, self._no_grad
+                                                                      if store is self._s else None)))
 
     @staticmethod
-    def _keep(store: dict, name: str):
+    def _keep(store: dict, name: str, no_grad: set | None):
         def hook(mod, args, out):  # a ModelOutput (e.g. a BertModel's encoder): its last_hidden_state
             store[name] = _output_tensor(out, "last_hidden_state", f"match hidden={name!r} on")
+            if no_grad is not None:
+                (no_grad.discard if torch.is_grad_enabled() else no_grad.add)(name)
         return hook
 
     def __call__(self, batch) -> torch.Tensor:
         self.calls += 1
+        # (a checkpointed segment recomputed in the last backward ran the hooks again after the clear below)
+        self._s.clear()
+        self._no_grad.clear()
         out = self.forward(self.student, batch)
         loss = self.loss_fn(out, batch) if self.loss_fn is not None else 0.0
         if self.teacher is not None:
@@ -134,10 +141,20 @@ class _Objective:
             if self.hidden and self.hidden_weight:
                 for h in self.hidden:
                     _check_same_shape(self._s[h], self._t[h], f"hidden={h!r} compares the module's outputs")
+                    if h in self._no_grad and torch.is_grad_enabled():
+                        # reentrant checkpointing runs a segment's first forward under no_grad and the
+                        # differentiable one in backward, too late for the loss: the term would train nothing
+                        raise ValueError(f"hidden={h!r}: the student's module ran with autograd off (under torch."
+                                         "no_grad, or in a segment of reentrant activation checkpointing), so its "
+                                         "layer-wise loss would train nothing; use checkpointing with "
+                                         "use_reentrant=False (e.g. model.gradient_checkpointing_enable("
+                                         "gradient_checkpointing_kwargs={'use_reentrant': False})) or leave "
+                                         f"{h!r} out of hidden=")
                 layer = sum(_relative_mse(self._s[h], self._t[h]) for h in self.hidden) / len(self.hidden)
                 loss = loss + self.hidden_weight * layer
         self._s.clear()
         self._t.clear()
+        self._no_grad.clear()
         if not isinstance(loss, torch.Tensor):
             raise TypeError(f"loss_fn must return a tensor, got {type(loss).__name__}")
         return loss
