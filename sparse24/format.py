@@ -566,7 +566,12 @@ def compress(w: torch.Tensor, mask: torch.Tensor | None = None, **kwargs) -> Spa
         # Zero the dropped columns: a short group's filler slots then hold zeros.
         w4 = torch.where(mask.contiguous().view(-1, 4), w4, torch.zeros((), dtype=w.dtype, device=w.device))
     slots = torch.stack([nib & 3, nib >> 2], dim=-1).long()
-    values = w4.gather(-1, slots).view(R, C // 2)
+    if w4.element_size() == 2 and not transformed(w4):
+        # 16-bit values gathered as int16 bits (as to_dense scatters them): torch's CPU gather of
+        # bfloat16 rewrites a NaN's sign and payload, and compress -> to_dense is bit-exact
+        values = w4.view(torch.int16).gather(-1, slots).view(w.dtype).view(R, C // 2)
+    else:
+        values = w4.gather(-1, slots).view(R, C // 2)
     meta = _pack_meta(nib.view(R, C // 4).int())
     p = Sparse24Tensor(values, meta, (R, C), w.dtype, check=False)
     if quantize is not None:

@@ -42,6 +42,7 @@ from peft.tuners.lora.layer import Linear as LoraLinear
 from peft.tuners.tuners_utils import BaseTunerLayer, check_adapters_to_merge
 from peft.utils.constants import INCLUDE_LINEAR_LAYERS_SHORTHAND
 
+from ._checks import check_finite
 from ._rollback import TensorBackup
 from .nn import Sparse24Linear
 
@@ -110,8 +111,9 @@ class Sparse24LoraLinear(LoraLinear):
                 tensors are not finite.
             adapter_names: adapters to merge (default: the active ones).
         Raises:
-            ValueError, the layer as it was: an adapter's update is not finite (whatever
-            ``safe_merge`` says: :meth:`~sparse24.Sparse24Linear.add_to_kept_` refuses it).
+            ValueError, the layer as it was: an adapter's update (weight, or ``lora_bias``) is not
+            finite, or the merged tensor overflows the base's dtype (whatever ``safe_merge`` says:
+            :meth:`~sparse24.Sparse24Linear.add_to_kept_` refuses it, the bias is checked alike).
         """
         adapter_names = [a for a in check_adapters_to_merge(self, adapter_names) if a in self.lora_A]
         if not adapter_names:
@@ -130,7 +132,11 @@ class Sparse24LoraLinear(LoraLinear):
                         if base.bias is None:
                             raise RuntimeError("Impossible to merge LoRA with `lora_bias=True` because the base "
                                                "layer has no bias.")
-                        base.bias.add_(self.lora_B[name].bias * self.scaling[name])
+                        # checked as add_to_kept_ checks the weight's update: in the bias's own dtype
+                        merged = (base.bias + self.lora_B[name].bias * self.scaling[name]).to(base.bias.dtype)
+                        check_finite(merged, f"the bias merged with the lora_bias of adapter {name!r}",
+                                     "a diverged adapter? (nothing was changed)")
+                        base.bias.copy_(merged)
             if safe_merge and not all(bool(torch.isfinite(t).all()) for t in _base_tensors(base)
                                       if t.is_floating_point()):
                 raise ValueError(f"NaNs detected in the merged weights. The adapter(s) {adapter_names} seem to be "

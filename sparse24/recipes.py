@@ -202,8 +202,8 @@ class GradualPruner:
     @torch.no_grad()
     def apply_masks(self) -> None:
         """Zero the pruned weights (the optimizer may have moved them)."""
-        for fqn, lin in self.layers:
-            _rc(lin.weight, lin).mul_(self.masks[fqn])
+        for fqn, lin in self.layers:   # (not mul_: a pruned weight gone inf would become NaN, and stay NaN)
+            _rc(lin.weight, lin).masked_fill_(~self.masks[fqn], 0)
 
     def sparsity(self) -> float:
         """Measured fraction of pruned weights over the selected layers."""
@@ -308,6 +308,18 @@ class GradualPruner:
         self._pruned_k = k
 
 
+def _nm_mask(w: torch.Tensor, n: int, m: int, fqn: str) -> torch.Tensor:
+    """``mask_nm(w, n, m)``, its error (a NaN weight after a diverged step) naming SR-STE's layer ``fqn``."""
+    try:
+        return mask_nm(w, n, m)
+    except ValueError as e:
+        raise _named(e, fqn) from e
+
+
+def _named(e: ValueError, fqn: str) -> ValueError:
+    return ValueError(f"SRSTE: layer {fqn!r}: {e} (a diverged training step?)")
+
+
 class _SRSTEFunction(torch.autograd.Function):
     """Forward ``W * M(W)`` (M: N:M magnitude mask of the current W); backward
     the straight-through gradient plus the sparse-refined decay on the pruned
@@ -318,7 +330,7 @@ class _SRSTEFunction(torch.autograd.Function):
         mask = mask_nm(w.detach(), n, m)
         ctx.save_for_backward(w, mask)
         ctx.decay = decay
-        return w * mask
+        return torch.where(mask, w, 0)   # (not w * mask: a pruned inf weight would give NaN)
 
     @staticmethod
     def backward(ctx, grad):
@@ -327,16 +339,21 @@ class _SRSTEFunction(torch.autograd.Function):
 
 
 class _NMSTEParametrization(nn.Module):
-    def __init__(self, n: int, m: int, decay: float, in_backward: bool = True, transposed: bool = False):
+    def __init__(self, n: int, m: int, decay: float, in_backward: bool = True, transposed: bool = False,
+                 fqn: str = ""):
         super().__init__()
         self.n, self.m, self.decay, self.in_backward = n, m, decay, in_backward
+        self.fqn = fqn   # the layer's name, for errors
         self.transposed = transposed  # a Conv1D's (in, out) weight: groups run along its first dimension
 
     def forward(self, w: torch.Tensor) -> torch.Tensor:
         decay = self.decay if self.in_backward else 0.0
-        if self.transposed:
-            return _SRSTEFunction.apply(w.t(), self.n, self.m, decay).t()
-        return _SRSTEFunction.apply(w, self.n, self.m, decay)
+        try:
+            if self.transposed:
+                return _SRSTEFunction.apply(w.t(), self.n, self.m, decay).t()
+            return _SRSTEFunction.apply(w, self.n, self.m, decay)
+        except ValueError as e:   # (mask_nm's: a NaN weight after a diverged step)
+            raise _named(e, self.fqn) from e
 
     def extra_repr(self) -> str:
         return f"n={self.n}, m={self.m}, decay={self.decay:g}" + ("" if self.in_backward else " (at optimizer.step)")
@@ -405,10 +422,10 @@ class SRSTE:
             check_finite(lin.weight.detach(), f"SRSTE: layer {fqn!r}'s weight", "fix or exclude it (filter_fn)")
         done = []
         try:
-            for _, lin in self.layers:
+            for fqn, lin in self.layers:
                 parametrize.register_parametrization(
                     lin, "weight", _NMSTEParametrization(self.n, self.m, self.decay, in_backward=optimizer is None,
-                                                         transposed=is_conv1d(lin)))
+                                                         transposed=is_conv1d(lin), fqn=fqn))
                 done.append(lin)
         except BaseException:   # all or nothing (Ctrl-C, out of memory): the layers done are plain again
             for lin in done:
@@ -441,10 +458,10 @@ class SRSTE:
         gradients are still scaled by ``optimizer.grad_scale`` (None once ``unscale_`` ran): so is the term.
         (Inf/NaN gradients: the fused step skips the update on GradScaler's ``found_inf`` as before.)"""
         scale = getattr(optimizer, "grad_scale", None)
-        for _, lin in self.layers:
+        for fqn, lin in self.layers:
             w = lin.parametrizations.weight.original
             if w.grad is not None:
-                term = w * _rc(~mask_nm(_rc(w, lin), self.n, self.m), lin)
+                term = w * _rc(~_nm_mask(_rc(w, lin), self.n, self.m, fqn), lin)
                 if scale is not None:
                     term.mul_(scale.to(term.device))
                 w.grad.add_(term, alpha=self.decay)
@@ -454,7 +471,7 @@ class SRSTE:
         """``{fqn: (out, in) bool}``: the N:M masks the next forward will use."""
         if self.finalized:
             return dict(self.masks)
-        return {fqn: mask_nm(_rc(lin.parametrizations.weight.original, lin), self.n, self.m)
+        return {fqn: _nm_mask(_rc(lin.parametrizations.weight.original, lin), self.n, self.m, fqn)
                 for fqn, lin in self.layers}
 
     @torch.no_grad()
@@ -476,6 +493,7 @@ class SRSTE:
         for fqn, lin in self.layers:
             if parametrize.is_parametrized(lin, "weight"):
                 parametrize.remove_parametrizations(lin, "weight", leave_parametrized=False)
-            _rc(lin.weight, lin).mul_(masks[fqn])   # (again for a layer done before an interruption: the same result)
+            # (again for a layer done before an interruption: the same result; not mul_: inf * 0 is NaN)
+            _rc(lin.weight, lin).masked_fill_(~masks[fqn], 0)
         self.masks, self.finalized = masks, True
         return dict(self.masks)

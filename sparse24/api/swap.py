@@ -135,7 +135,7 @@ def sparsify_(model: nn.Module, filter_fn: FilterFn | None = None, mode: str = "
         module holding a weight matrix that is not handled (``nn.Embedding``, ``nn.Conv2d``, ...)
         with the reason.
     Raises:
-        ValueError naming the layer, nothing changed: inf/NaN weights, calibration that does
+        ValueError naming the layer, nothing changed: an inf/NaN weight or bias, calibration that does
         not fit the model, a mask method failing on a layer. Any exception (Ctrl-C, out of
         memory) leaves the model as it was.
     Memory: while the swapped layers' shared weights are pruned in place, the entries that
@@ -382,8 +382,9 @@ def compress_(model: nn.Module, quantize: str | None = None, trainable_values: b
         :class:`SparsifyReport`.
     Raises:
         ValueError (nothing changed): the model has no ``Sparse24Linear`` (never sparsified:
-        compressing it would silently do nothing), a masked layer's weight holds inf/NaN, or is
-        reparametrized (``torch.nn.utils.parametrize``, ``prune``, ``weight_norm``: remove it first).
+        compressing it would silently do nothing), a masked layer's weight or a layer's bias holds
+        inf/NaN, a layer is reparametrized (``torch.nn.utils.parametrize``, ``prune``,
+        ``weight_norm``: remove it first).
     Example:
         >>> model = nn.Sequential(nn.Linear(64, 64)); _ = sparsify_(model)
         >>> compress_(model).changed[0].mode
@@ -407,6 +408,9 @@ def compress_(model: nn.Module, quantize: str | None = None, trainable_values: b
         try:
             if m.mode == "masked":
                 check_finite(m.weight)
+            if m.bias is not None:   # (load_state_dict refuses a checkpoint with a non-finite bias)
+                check_finite(m.bias.detach(), "bias", "it would spread to every output, and load_state_dict "
+                             "refuses a checkpoint holding it")
             packed[fqn] = given[fqn] if fqn in given else m._compressed_form(quant)
         except (ValueError, TypeError) as e:
             raise type(e)(f"compress_: layer {fqn!r}: {e} (nothing was changed)") from e

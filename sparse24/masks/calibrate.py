@@ -15,7 +15,7 @@ from .._rollback import TensorBackup
 from .._progress import progress_bar, progress_enabled
 from .distributed import agree, check_group, sum_over_ranks
 from .nm import METHODS, LayerStats, PruneResult, prune_nm
-from .reconstruct import PERCDAMP, damped_hessian
+from .reconstruct import PERCDAMP, damped_hessian, to_weight_dtype
 
 __all__ = ["calibrate", "prune_layerwise_"]
 
@@ -495,7 +495,8 @@ def _teacher_target(w: torch.Tensor, stats: LayerStats, percdamp: float = PERCDA
     cross = stats.xtx_teacher.to(device=w.device, dtype=torch.float64) / max(stats.count, 1)
     # H - (1 - a) hess = a D + lam I (and 1 on never-firing inputs, which H treats the same way)
     rhs = (1 - shrink) * cross + H - (1 - shrink) * hess
-    return torch.linalg.solve(H, rhs @ w.detach().to(torch.float64).T).T.to(w.dtype)
+    target = torch.linalg.solve(H, rhs @ w.detach().to(torch.float64).T).T
+    return to_weight_dtype(target, w.dtype, "the weight fit to the teacher's outputs")
 
 
 def _token_rows(rows) -> torch.Tensor:

@@ -51,6 +51,8 @@ def reconstruct_weight(w: torch.Tensor, mask: torch.Tensor, hessian: torch.Tenso
             (0: as measured; see :func:`damped_hessian`).
     Returns:
         ``(R, C)`` tensor in ``w``'s dtype, exactly zero where ``mask`` is False.
+    Raises:
+        ValueError: among others, a solution past ``w``'s dtype's range (float16's 65504).
     Example:
         >>> x = torch.randn(256, 16, dtype=torch.float64); w = torch.randn(8, 16, dtype=torch.float64)
         >>> mask = sparse24.mask_nm(w)
@@ -113,6 +115,21 @@ def damp_(H: torch.Tensor, percdamp: float) -> torch.Tensor:
     return dead
 
 
+def to_weight_dtype(x: torch.Tensor, dtype: torch.dtype, what: str) -> torch.Tensor:
+    """``x`` (a float32/float64 fit from a finite weight) cast to the weight's ``dtype``; ValueError naming
+    ``what`` if the cast is not finite: a fit may reach past a 16-bit dtype's range (float16's 65504),
+    and the cast would store inf silently."""
+    out = x.to(dtype)
+    bad = ~torch.isfinite(out)
+    if bool(bad.any()):
+        first = tuple(int(i) for i in bad.nonzero()[0])
+        raise ValueError(f"{what} does not fit {dtype}: {int(bad.sum())} value(s) are inf/NaN after the cast, the "
+                         f"first at index {first} (computed in {x.dtype}: {float(x[first]):.6g}; {dtype} ends at "
+                         f"{torch.finfo(dtype).max:.6g}): scale the weight down, raise percdamp, or keep the layer "
+                         "in float32")
+    return out
+
+
 def _refit(w: torch.Tensor, mask: torch.Tensor, H: torch.Tensor, dead: torch.Tensor,
            rows_per_chunk: int = 64) -> torch.Tensor:
     """:func:`reconstruct_weight` on a checked weight and mask with ``(H, dead)`` from :func:`damped_hessian`."""
@@ -141,4 +158,5 @@ def _refit(w: torch.Tensor, mask: torch.Tensor, H: torch.Tensor, dead: torch.Ten
                              "X^T X of the layer's inputs, e.g. calibrate(..., hessian=True)[name].hessian")
         sol = torch.cholesky_solve(b.unsqueeze(-1), L).squeeze(-1)
         out[a:a + rows_per_chunk].scatter_(1, idx, torch.where(ok, sol, 0.0))
-    return out.to(w.dtype)  # zero off keep: padded indices are non-kept columns and get 0
+    # zero off keep: padded indices are non-kept columns and get 0
+    return to_weight_dtype(out, w.dtype, "the reconstructed weight")

@@ -8,7 +8,7 @@ import torch
 
 from .._checks import check_mask, check_nm, check_weight
 from ..format import Sparse24Tensor, _pack_nibbles, check_group_size, compress, int4_quantize
-from .reconstruct import PERCDAMP, _refit, damped_hessian
+from .reconstruct import PERCDAMP, _refit, damped_hessian, to_weight_dtype
 
 __all__ = ["sparsegpt_prune"]
 
@@ -72,6 +72,9 @@ def sparsegpt_prune(w: torch.Tensor, hessian: torch.Tensor | None = None, n: int
         (logical dtype ``w``'s: codes ``(R, C/4)`` uint8, float16 scales and
         (asymmetric) uint8 zero points ``(R, ceil(C / group_size))``, the
         mask's slots); ``to_dense()`` is the quantized 2:4 weight.
+    Raises:
+        ValueError: among others, a reconstructed weight past ``w``'s dtype's range (the
+            compensation can push a float16 weight past 65504: inf is not stored silently).
     Example:
         >>> x = torch.randn(256, 16); w = torch.randn(8, 16)
         >>> new_w, mask = sparsegpt_prune(w, x.T @ x)
@@ -160,7 +163,7 @@ def sparsegpt_prune(w: torch.Tensor, hessian: torch.Tensor | None = None, n: int
     if refit:  # the same damped Hessian, already checked and built
         return _refit(w, mask, H, dead), mask
     W[prune] = 0  # exact zeros (the update leaves rounding residue there)
-    return W.to(w.dtype), mask
+    return to_weight_dtype(W, w.dtype, "SparseGPT's reconstructed weight"), mask
 
 
 def _drop(cur: torch.Tensor, d: torch.Tensor, n: int, m: int) -> torch.Tensor:

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils import parametrize
 
-from .._checks import refuse_meta
+from .._checks import check_finite, refuse_meta
 from ..decode_format import DecodePacked
 from ..format import (FLOAT_DTYPES, Sparse24Tensor, _pack_nibbles, compress, int4_quantize, quantize_values,
                       transformed)
@@ -442,7 +442,9 @@ class Sparse24Linear(LayoutMixin, StateDictMixin, nn.Module):
             :class:`UserWarning` says how many codes changed and how many were clipped (an
             update under half a step rounds away).
         Raises:
-            ValueError, nothing changed: a wrong ``delta``, or ``delta`` or the layer on the meta device.
+            ValueError, nothing changed: a wrong or non-finite ``delta``, a merged weight that is not
+            finite in the layer's dtype (a float32 ``delta`` past a float16 layer's 65504; INT8: its
+            dequantized values), or ``delta`` or the layer on the meta device.
         """
         self._refuse_pending("be updated")
         self._refuse_sharded("be updated")
@@ -455,24 +457,31 @@ class Sparse24Linear(LayoutMixin, StateDictMixin, nn.Module):
         if not bool(torch.isfinite(delta).all()):
             # (INT4 would round NaN to a code silently: its lowest grid point)
             raise ValueError("delta has NaN or infinite entries (a diverged adapter?); nothing was changed")
+        # A finite delta may still overflow the layer's dtype (a float32 update into float16): every
+        # result is computed out of place and checked as stored, before anything is written.
         if self._mode == "masked":
-            self.weight.add_(torch.where(self.mask, delta.to(self.weight.dtype), 0))
+            new = self.weight + torch.where(self.mask, delta.to(self.weight.dtype), 0)
+            _check_merged(torch.where(self.mask, new, 0), "weight", self.dtype)
+            self.weight.copy_(new)
             return self
-        layout = self._layout
-        if layout == "decode":
-            self._convert_layout("v1")
-        p = self.sparse_tensor()
+        p = self.sparse_tensor()   # (the decode layout: a copy in layout v1's order, as written below)
         kept = delta.reshape(R, C // 4, 4).gather(-1, p.slots().to(delta.device)).reshape(R, C // 2)
         if self.scale is None:
-            self.values.add_(kept.to(self.values.dtype))
-        elif self.quantize == "int4":
-            self.values.copy_(_onto_int4_grid(p, p.dequantized_values(torch.float32) + kept.float()))
+            new = {"values": p.values + kept.to(p.values.dtype)}
+            _check_merged(new["values"], "weight (kept values)", self.dtype)
+        elif self.quantize == "int4":   # (its scales do not change: the grid stays in the dtype's range)
+            new = {"values": _onto_int4_grid(p, p.dequantized_values(torch.float32) + kept.float())}
         else:
             merged = Sparse24Tensor(p.dequantized_values(torch.float32) + kept.float(), p.meta, p.shape,
                                     torch.float32, check=False)
             q = quantize_values(merged)
-            self.values.copy_(q.values)
-            self.scale.copy_(q.scale)
+            _check_merged(q.dequantized_values(self.dtype), "weight (kept values, dequantized)", self.dtype)
+            new = {"values": q.values, "scale": q.scale}
+        layout = self._layout
+        if layout == "decode":
+            self._convert_layout("v1")
+        for name, t in new.items():
+            getattr(self, name).copy_(t)
         if layout == "decode":
             self._convert_layout("decode")
         return self
@@ -760,6 +769,11 @@ class Sparse24Linear(LayoutMixin, StateDictMixin, nn.Module):
             s += f", mask pending ({self._pending['method']})"
         return s
 
+
+def _check_merged(t: torch.Tensor, what: str, dtype: torch.dtype) -> None:
+    """add_to_kept_: ValueError unless the merged ``t`` (as the layer will hold it) is finite."""
+    check_finite(t, f"the merged {what}", f"delta is finite, but W + delta overflows the layer's {dtype} "
+                 "(a diverged adapter?); nothing was changed")
 
 
 def _onto_int4_grid(p: Sparse24Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -230,6 +230,9 @@ def _prepare(linear, mask, mode, method, quant: dict, calibration, trainable_val
         p = _placeholder(R, C, w.dtype, quant, "meta") if mode == "compressed" else None
         return _Prepared(None, torch.empty(R, C, dtype=torch.bool, device="meta"), p, pending)
     check_finite(w)
+    if linear.bias is not None:   # (a checkpoint with a non-finite bias is refused on load: refuse it here)
+        check_finite(linear.bias.detach(), "bias", "it would spread to every output, and load_state_dict refuses "
+                     "a checkpoint holding it")
     if mask is None:
         new_w, mask = _prune_weight(w, method, calibration, **mask_kwargs)
     else:
