@@ -4,11 +4,16 @@ Each raises a clear TypeError/ValueError naming what is wrong and changes nothin
 """
 from __future__ import annotations
 
+import os
+import sys
+import warnings
+from collections.abc import Mapping
+
 import torch
 from torch import nn
 
 __all__ = ["FLOAT_DTYPES", "check_bool", "check_weight", "check_nm", "check_mask", "check_model", "check_separate_teacher",
-           "check_finite", "computable", "refuse_meta", "safetensors_headers"]
+           "check_finite", "computable", "refuse_meta", "safetensors_headers", "refuse_single_batch", "warn_user"]
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -82,6 +87,41 @@ def check_separate_teacher(model: nn.Module, teacher: nn.Module) -> None:
     if teacher is model or any(id(p) in ids or (p.numel() and p.data_ptr() in memory) for p in teacher.parameters()):
         raise ValueError("teacher shares parameters with the model: pass a separate copy made before pruning "
                          "(copy.deepcopy(model))")
+
+
+def refuse_single_batch(batches) -> None:
+    """TypeError unless ``batches`` is an iterable of batches: one batch passed alone (a dict or other
+    mapping such as a tokenizer's output, a str, a tensor) would be iterated as its keys, characters or
+    rows, each run as a batch, and fail deep inside the model with an error naming none of this. Only
+    types are looked at: a one-shot iterator or generator is not consumed."""
+    if isinstance(batches, (Mapping, str, bytes, torch.Tensor)):
+        what = (f"a tensor of shape {tuple(batches.shape)}; list(tensor) makes its rows the batches"
+                if isinstance(batches, torch.Tensor) else f"a {type(batches).__name__}")
+        raise TypeError(f"batches is a single batch ({what}): pass a list of batches, e.g. [batch] (an iterable "
+                        "of batches, each one model call)")
+    if not hasattr(batches, "__iter__"):
+        raise TypeError("batches must be an iterable of batches (a list of tensors, tuples or dicts), got "
+                        f"{type(batches).__name__}")
+
+
+def _package_dir(name: str) -> str | None:
+    mod = sys.modules.get(name)
+    file = getattr(mod, "__file__", None)
+    return os.path.dirname(os.path.abspath(file)) + os.sep if file else None
+
+
+def warn_user(message: str, category: type[Warning] = UserWarning) -> None:
+    """``warnings.warn`` attributed to the first caller outside sparse24, transformers and torch:
+    the user's line, however deep in those libraries the warning is raised (a fixed ``stacklevel``
+    lands in whichever library frame happens to be there, e.g. transformers' loader calling our
+    quantizer; Python 3.11 has no ``skip_file_prefixes``). Python's default filter then shows it once
+    per user line."""
+    skip = tuple(d for d in map(_package_dir, ("sparse24", "transformers", "torch")) if d)
+    frame, level = sys._getframe(1), 2  # level 2: warn_user's caller
+    while frame is not None and frame.f_code.co_filename.startswith(skip):
+        frame, level = frame.f_back, level + 1
+    # every frame a library one (run from inside them): the caller's line then
+    warnings.warn(message, category, stacklevel=level if frame is not None else 2)
 
 
 def computable(t: torch.Tensor) -> torch.Tensor:

@@ -2,10 +2,14 @@
 
 ``progress=None`` (the default of every function that takes it) draws a bar
 when stderr is a terminal or the code runs in a Jupyter kernel, and nothing in
-logs, pipes and tests; ``True`` forces it, ``False`` switches it off.
+logs, pipes and tests, nor when the environment sets ``TQDM_DISABLE`` (tqdm's
+own switch, which transformers' and datasets' bars follow) to anything but
+``""``, ``0``, ``false``, ``no`` or ``off``; ``True`` forces it, ``False``
+switches it off.
 """
 from __future__ import annotations
 
+import os
 import sys
 
 from tqdm.std import tqdm
@@ -25,11 +29,14 @@ def _in_notebook() -> bool:
 
 def progress_enabled(progress: bool | None, stream=None) -> bool:
     """Whether to draw: ``progress`` itself, or for ``None`` whether ``stream``
-    (default stderr) is a terminal or this runs in a notebook."""
+    (default stderr) is a terminal or this runs in a notebook, unless ``TQDM_DISABLE`` is set."""
     if progress is not None and not isinstance(progress, bool):
         raise TypeError(f"progress must be True, False or None (auto), got {progress!r}")
     if progress is not None:
         return progress
+    # tqdm reads TQDM_DISABLE only as the default of disable=, which we always pass: honoured here
+    if os.environ.get("TQDM_DISABLE", "").strip().lower() not in ("", "0", "false", "no", "off"):
+        return False
     stream = sys.stderr if stream is None else stream
     return bool(getattr(stream, "isatty", lambda: False)()) or _in_notebook()
 

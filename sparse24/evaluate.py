@@ -12,13 +12,14 @@
   its cross-entropy in bits per character on fixed held-out windows.
 
 Batches are passed to the model as :func:`sparse24.calibrate` passes them:
-dicts as ``model(**batch)``, tuples and lists as ``model(*batch)``, tensors as
+dicts (a tokenizer's output too) as ``model(**batch)``, tuples and lists as ``model(*batch)``, tensors as
 ``model(batch)``. Every function runs under ``torch.no_grad()`` in eval mode
 and restores the model's train/eval flags afterwards.
 """
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Callable
 
 import numpy as np
@@ -26,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._checks import check_model
+from ._checks import check_model, refuse_single_batch
 from .learn.objective import _call, _output_tensor
 
 __all__ = ["mean_pool", "sentence_embeddings", "embedding_fidelity", "bits_per_char"]
@@ -93,7 +94,7 @@ def sentence_embeddings(model: nn.Module, batches, token_mask: Callable | None =
         batches: iterable of batches (see the module docstring).
         token_mask: optional ``token_mask(batch) -> (B, L)`` bool or 0/1 tensor of
             the tokens to average. Default: ``batch["attention_mask"]`` for a dict
-            batch that has one, else every token. Padding left in changes the
+            batch (or tokenizer output) that has one, else every token. Padding left in changes the
             embedding, so pass it for tuple batches of padded sentences.
         normalize: L2-normalize each embedding (as sentence-transformers does
             for all-MiniLM-L6-v2).
@@ -107,6 +108,7 @@ def sentence_embeddings(model: nn.Module, batches, token_mask: Callable | None =
         (torch.Size([2, 4]), True)
     """
     check_model(model, None)
+    refuse_single_batch(batches)
     _check_token_mask(token_mask)
     with _EvalMode(model), torch.no_grad():
         out = [_embed(model, b, i, token_mask, normalize) for i, b in enumerate(batches)]
@@ -132,7 +134,7 @@ def _embed(model: nn.Module, b, i: int, token_mask: Callable | None, normalize: 
     h = _output_tensor(_call(model, b), "last_hidden_state", "read embeddings from").float()
     if h.dim() == 3:
         mask = token_mask(b) if token_mask is not None else (
-            b["attention_mask"] if isinstance(b, dict) and "attention_mask" in b else None)
+            b["attention_mask"] if isinstance(b, Mapping) and "attention_mask" in b else None)
         try:
             h = mean_pool(h, mask, normalize=False)
         except ValueError as e:
@@ -163,6 +165,7 @@ def embedding_fidelity(model: nn.Module, batches, reference, token_mask: Callabl
         1.0
     """
     check_model(model, None)
+    refuse_single_batch(batches)
     if isinstance(reference, np.ndarray):   # sentence-transformers' encode() returns numpy by default
         reference = torch.as_tensor(reference)
     if not isinstance(reference, (torch.Tensor, nn.Module)):

@@ -52,7 +52,6 @@ import json
 import math
 import os
 import re
-import warnings
 
 import torch
 from torch import nn
@@ -60,7 +59,7 @@ from transformers.quantizers import HfQuantizer, register_quantization_config, r
 from transformers.quantizers.auto import AUTO_QUANTIZER_MAPPING
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
-from ._checks import check_model, safetensors_headers
+from ._checks import check_model, safetensors_headers, warn_user
 from ._version import __version__
 from .format import INT4_GROUP_SIZES
 from .nn import MODES, QUANTIZE, Sparse24Linear, is_conv1d, is_conv1d_class, linear_shape
@@ -199,8 +198,8 @@ class Sparse24Quantizer(HfQuantizer):
             if fqn is None and _in_head(model, saved):
                 # A head this model class lacks (an MLM folder loaded as a classifier): transformers drops an
                 # unused head's entries, reporting them as unexpected; its 2:4 layer goes with them.
-                warnings.warn(f"config.json lists 2:4 layer {saved!r}, in a head {type(model).__name__} does not "
-                              "have: its entries are not loaded", stacklevel=2)
+                warn_user(f"config.json lists 2:4 layer {saved!r}, in a head {type(model).__name__} does not "
+                          "have: its entries are not loaded")
                 continue
             if fqn is None:
                 raise ValueError(f"config.json lists 2:4 layer {saved!r}, which {type(model).__name__} built from "

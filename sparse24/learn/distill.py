@@ -50,7 +50,8 @@ def distill_(model: nn.Module, batches, steps: int, *, teacher: nn.Module | None
 
     Args:
         model: the 2:4 student (``sparsify_`` / ``learn_masks`` output).
-        batches: list (cycled) or iterator of batches.
+        batches: list (cycled) or iterator of batches (as in :func:`learn_masks`); one batch alone
+            (not in a list) is a TypeError.
         steps: optimisation steps.
         teacher: the dense model to distil from.
         loss_fn: ``(output, batch) -> scalar`` task loss.
@@ -59,8 +60,9 @@ def distill_(model: nn.Module, batches, steps: int, *, teacher: nn.Module | None
         hidden: names of modules (in both models) whose outputs are matched; under activation
             checkpointing only with ``use_reentrant=False`` (a reentrant segment runs its modules under
             no_grad first, so their term would train nothing: a ValueError, nothing changed).
-        parameters: the parameters to train (default: every trainable one of ``model``); not float16
-            (AdamW cannot train it: use bfloat16, or float32 weights under ``torch.autocast``).
+        parameters: an iterable of the tensors to train, e.g. ``model.lm_head.parameters()`` (default:
+            every trainable one of ``model``); not float16 (AdamW cannot train it: use bfloat16, or float32
+            weights under ``torch.autocast``). A module, or optimizer param groups (dicts), is a TypeError.
         forward: ``(model, batch) -> output`` (default as in :func:`learn_masks`).
         callback: ``callback(step, loss)`` after each step.
         progress: a tqdm bar on stderr with the last loss (default None: when stderr is a
@@ -87,7 +89,8 @@ def distill_(model: nn.Module, batches, steps: int, *, teacher: nn.Module | None
     if clip is not None and not (isinstance(clip, (int, float)) and clip > 0):
         raise ValueError(f"clip must be None or a number > 0, got {clip!r}")
     batches = _nonempty(batches)
-    params = [p for p in (model.parameters() if parameters is None else parameters) if p.requires_grad]
+    params = [p for p in (model.parameters() if parameters is None else _check_parameters(parameters))
+              if p.requires_grad]
     if not params:
         raise ValueError("no trainable parameters")
     names = {id(p): n for n, p in model.named_parameters()}
@@ -119,3 +122,24 @@ def distill_(model: nn.Module, batches, steps: int, *, teacher: nn.Module | None
         e.add_note(_failure_note("distill_", objective, steps, batches)
                    + ": the model was put back as it was before the call")
         raise
+
+
+def _check_parameters(parameters) -> list:
+    """``parameters`` as a list of tensors, or a TypeError naming the argument: a module (also a
+    slice of an ``nn.Sequential``) or optimizer param groups failed deep inside torch before."""
+    if isinstance(parameters, nn.Module):
+        raise TypeError(f"parameters is a {type(parameters).__name__} module: pass module.parameters()")
+    if isinstance(parameters, torch.Tensor):  # (iterated, its rows: non-leaf tensors AdamW refuses)
+        raise TypeError("parameters is a single tensor: pass a list of tensors, e.g. [weight]")
+    if not hasattr(parameters, "__iter__"):
+        raise TypeError(f"parameters must be an iterable of tensors (e.g. module.parameters()), got "
+                        f"{type(parameters).__name__}")
+    params = list(parameters)
+    for i, p in enumerate(params):
+        if isinstance(p, dict):  # distill_ has one lr and one schedule: per-group settings have no place
+            raise TypeError(f"parameters[{i}] is a dict (an optimizer param group?): pass the tensors themselves, "
+                            "e.g. [p for g in groups for p in g['params']]; per-group settings are not supported")
+        if not isinstance(p, torch.Tensor):
+            raise TypeError(f"parameters[{i}] is a {type(p).__name__}, not a torch.Tensor"
+                            + (": pass module.parameters()" if isinstance(p, nn.Module) else ""))
+    return params

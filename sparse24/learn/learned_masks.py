@@ -16,7 +16,7 @@ from .._progress import progress_bar, progress_enabled
 from ..api import MIN_FEATURES, SparsifyReport, sparsify_
 from ..api.walk import _SWAPPABLE, _child_slots, _direct_readers, _is_linear, _Undo
 from ..masks import LearnableMask
-from ..nn import Sparse24Linear
+from ..nn import Sparse24Linear, is_conv1d
 from .objective import (_batch_stream, _check_steps, _failure_note, _nonempty, _Objective, _optimizer_step,
                         _refuse_float16, _rollback_for, _warmup_cosine)
 
@@ -118,7 +118,8 @@ def learn_masks(model: nn.Module, batches, steps: int, *, loss_fn: Callable | No
                 progress: bool | None = None) -> LearnReport:
     """Learn the 2:4 masks of ``model``'s Linear layers end to end (MaskLLM), in place.
 
-    1. The selected ``nn.Linear`` layers are swapped for masked-mode
+    1. The selected ``nn.Linear`` layers (and transformers ``Conv1D``, GPT-2's, whose
+       transposed weight the layer takes) are swapped for masked-mode
        ``Sparse24Linear`` by ``sparsify_(method=prior, calibration=...)`` (the
        same choice of layers and skips; SparseGPT's rebuilt weights are kept
        at the positions its mask keeps). Layers that already are masked
@@ -166,8 +167,9 @@ def learn_masks(model: nn.Module, batches, steps: int, *, loss_fn: Callable | No
     masked mode, of those layers' weights while the masks are written back.
 
     Args:
-        model: dense model (``nn.Linear`` layers) or one already in masked mode.
-        batches: list (cycled) or iterator of batches (tensor, tuple or dict).
+        model: dense model (``nn.Linear`` or ``Conv1D`` layers) or one already in masked mode.
+        batches: list (cycled) or iterator of batches (tensor, tuple, or dict such as a tokenizer's
+            output); one batch alone (not in a list) is a TypeError.
         steps: optimisation steps.
         loss_fn: ``(output, batch) -> scalar`` task loss.
         teacher: model to distil from; default: a frozen copy of ``model``
@@ -192,7 +194,7 @@ def learn_masks(model: nn.Module, batches, steps: int, *, loss_fn: Callable | No
             to leave the labels of a batch to ``loss_fn``.
         filter_fn, min_features, skip_output_head: layer selection as in
             :func:`sparse24.sparsify_` (the output head stays dense by default): ``filter_fn``
-            gets the dense layers (``nn.Linear``), and the layers already a Sparse24Linear,
+            gets the dense layers (``nn.Linear``, ``Conv1D``), and the layers already a Sparse24Linear,
             whose masks it learns where it returns True; a selection of no layer is a
             ValueError (nothing changed).
         logits_dtype: ``torch.float32`` or ``torch.bfloat16`` (half the memory), or ``torch.float64``;
@@ -284,11 +286,11 @@ def _learn(model, batches, steps, objective, teacher, prior, calibration, tau, h
     t_mods = dict(teacher.named_modules()) if teacher is not None else {}
     dense = {}
     for fqn, mod in model.named_modules():
-        if (type(mod) in (nn.Linear, nn.modules.linear.NonDynamicallyQuantizableLinear)
+        if ((type(mod) in _SWAPPABLE or (is_conv1d(mod) and type(mod).__name__ == "Conv1D"))  # as sparsify_ swaps
                 and (filter_fn is None or filter_fn(mod, fqn))):
             src = t_mods.get(fqn)
-            same = isinstance(src, nn.Linear) and src.weight.shape == mod.weight.shape
-            dense[fqn] = src.weight.detach() if same else mod.weight.detach().clone()
+            same = _is_linear(src) and _out_in(src).shape == _out_in(mod).shape
+            dense[fqn] = _out_in(src) if same else _out_in(mod).clone()
     report = sparsify_(model, filter_fn, method=prior, calibration=calibration, **select)
     # 2. one learnable mask per masked layer
     schedule = _Schedule(seed)
@@ -314,7 +316,7 @@ def _learn(model, batches, steps, objective, teacher, prior, calibration, tau, h
         src = dense.get(fqn)
         if src is None:
             lin = t_mods.get(fqn)
-            src = lin.weight.detach() if isinstance(lin, nn.Linear) and lin.weight.shape == sp.weight.shape else None
+            src = _out_in(lin) if _is_linear(lin) and _out_in(lin).shape == sp.weight.shape else None
         if src is None:
             not_learned[fqn] = "no dense weight for it (no teacher layer of the same name and shape)"
             continue
@@ -353,6 +355,13 @@ def _learn(model, batches, steps, objective, teacher, prior, calibration, tau, h
     swaps.undo()  # every layer back into the slots it came from
     rep.logit_bytes = sum(s.mask.logits.numel() * s.mask.logits.element_size() for _, s in learners.values())
     return rep
+
+
+def _out_in(mod: nn.Module) -> torch.Tensor:
+    """The detached ``(out, in)`` weight of an ``nn.Linear``, or of a transformers ``Conv1D`` (stored
+    ``(in, out)``: a transposed view)."""
+    w = mod.weight.detach()
+    return w.t() if is_conv1d(mod) else w
 
 
 def _train_masks(batches, steps, objective, learners, schedule, tau, hard_fraction, noise, magnitude_reg,

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Mapping
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .._checks import check_separate_teacher
+from .._checks import check_separate_teacher, refuse_single_batch
 from ..api.guard import ModelRollback
 from ..nn import Sparse24Linear
 
@@ -24,7 +25,7 @@ def _output_tensor(out, key: str = "logits", use: str = "distil from"):
     output (Hugging Face ModelOutput), else its first tensor."""
     if isinstance(out, torch.Tensor):
         return out
-    if isinstance(out, dict):
+    if isinstance(out, Mapping):
         if key in out:
             return out[key]
         out = list(out.values())
@@ -57,7 +58,7 @@ def _distill_loss(kind, s: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
 
 
 def _call(model: nn.Module, batch):
-    if isinstance(batch, dict):
+    if isinstance(batch, Mapping):  # a tokenizer's BatchEncoding is a Mapping, not a dict
         return model(**batch)
     if isinstance(batch, (tuple, list)):
         return model(*batch)
@@ -94,7 +95,12 @@ class _Objective:
         if not callable(output_loss) and output_loss not in OUTPUT_LOSSES:
             raise ValueError(f"output_loss must be one of {OUTPUT_LOSSES} or a callable (student, teacher) -> loss, "
                              f"got {output_loss!r}")
-        hidden = [hidden] if isinstance(hidden, str) else list(hidden or ())
+        hidden = [hidden] if isinstance(hidden, (str, nn.Module)) else list(hidden or ())
+        odd = next((h for h in hidden if not isinstance(h, str)), None)
+        if odd is not None:  # (a module passed for its name fell through to "not in both models" with its repr)
+            name = next((n for n, mod in student.named_modules() if mod is odd), None)
+            raise TypeError(f"hidden takes module names (str, as model.named_modules() gives them), got a "
+                            f"{type(odd).__name__}" + (f": pass its name, {name!r}" if name else ""))
         if hidden and teacher is None:
             raise ValueError("hidden= (layer-wise distillation) needs a teacher")
         if not (isinstance(hidden_weight, (int, float)) and hidden_weight >= 0):
@@ -185,9 +191,9 @@ def _batch_stream(batches, steps: int):
 
 
 def _nonempty(batches):
-    """``batches`` after checking, without losing anything, that it yields at least one batch."""
-    if isinstance(batches, torch.Tensor) or batches is None or not hasattr(batches, "__iter__"):
-        raise TypeError("batches must be an iterable of batches (a list of tensors, tuples or dicts)")
+    """``batches`` after checking, without losing anything, that it is no single batch and yields at
+    least one batch."""
+    refuse_single_batch(batches)
     if iter(batches) is batches:  # an iterator: take the first batch and put it back in front
         first = next(batches, None)
         if first is not None:

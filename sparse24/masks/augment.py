@@ -17,6 +17,8 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 
+from .._checks import refuse_single_batch
+
 __all__ = ["token_noise"]
 
 
@@ -51,6 +53,7 @@ def token_noise(batches: Iterable, copies: int = 2, p: float = 0.3, *, vocab, ke
         raise ValueError(f"copies must be an int >= 0, got {copies!r}")
     if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 <= p <= 1:
         raise ValueError(f"p must be a number in [0, 1], got {p!r}")
+    refuse_single_batch(batches)
     pool = _vocab_ids(vocab)
     keep_ids = torch.as_tensor(list(keep), dtype=torch.long)
     batches = list(batches)

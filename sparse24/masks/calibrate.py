@@ -3,6 +3,7 @@ activation-aware methods need (:class:`LayerStats`), collected with forward
 pre-hooks, and SparseGPT-style sequential pruning of a whole model."""
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Callable
 
 import numpy as np
@@ -10,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .._checks import check_model, check_nm, check_separate_teacher
+from .._checks import check_model, check_nm, check_separate_teacher, refuse_single_batch
 from .._rollback import TensorBackup
 from .._progress import progress_bar, progress_enabled
 from .distributed import agree, check_group, sum_over_ranks
@@ -37,7 +38,9 @@ def calibrate(model: nn.Module, batches, hessian: bool = False, filter_fn=None, 
     Args:
         model: any module containing ``nn.Linear`` layers.
         batches: iterable of tensors (``model(b)``), tuples/lists
-            (``model(*b)``) or dicts (``model(**b)``).
+            (``model(*b)``) or dicts and other mappings, a tokenizer's output
+            included (``model(**b)``); a one-shot iterator is fine. One batch
+            alone (not in a list) is a TypeError.
         hessian: also accumulate ``X^T X`` (``K x K`` per layer; needed by
             ``"sparsegpt"``; costs K^2 memory so off by default).
         filter_fn: optional ``(module, fqn) -> bool`` selecting the layers.
@@ -82,6 +85,7 @@ def calibrate(model: nn.Module, batches, hessian: bool = False, filter_fn=None, 
         torch.Size([16])
     """
     check_model(model, filter_fn)
+    refuse_single_batch(batches)
     progress = progress_enabled(progress)
     check_group(group)
     if dtype not in (torch.float32, torch.float64):
@@ -179,7 +183,7 @@ def calibrate(model: nn.Module, batches, hessian: bool = False, filter_fn=None, 
 
 def _forward(model: nn.Module, b) -> None:
     try:
-        if isinstance(b, dict):
+        if isinstance(b, Mapping):  # a tokenizer's BatchEncoding is a Mapping, not a dict
             model(**b)
         elif isinstance(b, (tuple, list)):
             model(*b)
@@ -288,6 +292,7 @@ def prune_layerwise_(model: nn.Module, batches, n: int = 2, m: int = 4, method: 
     check_group(group)
     error = None
     try:  # with a group, every rank learns whether any rank's input failed a check (no rank waits)
+        refuse_single_batch(batches)
         if iter(batches) is batches:
             raise TypeError("batches must be re-iterable (a list or a DataLoader, not an iterator or generator): "
                             "every layer needs its own pass over them")
@@ -463,7 +468,7 @@ def _layer_input(fqn: str, args: tuple, kwargs: dict) -> torch.Tensor:
 def _check_batch(b, i: int) -> None:
     """TypeError naming batch ``i`` if it is, or directly holds, a numpy array: torch modules take
     tensors (the numpy array reached the layers' hooks, an AttributeError there)."""
-    parts = b.items() if isinstance(b, dict) else enumerate(b) if isinstance(b, (tuple, list)) else [(None, b)]
+    parts = b.items() if isinstance(b, Mapping) else enumerate(b) if isinstance(b, (tuple, list)) else [(None, b)]
     for k, v in parts:
         if isinstance(v, np.ndarray):
             raise TypeError(f"batch {i}{'' if k is None else f'[{k!r}]'} is a numpy.ndarray {v.shape}: batches hold "
@@ -515,7 +520,7 @@ def _to_device(b, device):
         return b
     if isinstance(b, torch.Tensor):
         return b.to(device)
-    if isinstance(b, dict):
+    if isinstance(b, Mapping):  # a plain dict: model(**b) takes it, whatever mapping it came in
         return {k: _to_device(v, device) for k, v in b.items()}
     if isinstance(b, (tuple, list)):
         return type(b)(_to_device(v, device) for v in b)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -156,8 +157,8 @@ def _outputs_equal(a, b, tol: float | None = None) -> bool:
         finite = a.detach().abs()[torch.isfinite(a.detach())]
         scale = float(finite.max()) if finite.numel() else 0.0
         return torch.allclose(a.double(), b.double(), rtol=t, atol=t * max(scale, 1e-30), equal_nan=True)
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(_outputs_equal(a[k], b[k], tol) for k in a)
+    if isinstance(a, Mapping):
+        return isinstance(b, Mapping) and a.keys() == b.keys() and all(_outputs_equal(a[k], b[k], tol) for k in a)
     if isinstance(a, (tuple, list)):
         return (isinstance(b, (tuple, list)) and len(a) == len(b)
                 and all(_outputs_equal(x, y, tol) for x, y in zip(a, b)))
@@ -165,7 +166,7 @@ def _outputs_equal(a, b, tol: float | None = None) -> bool:
 
 
 def _run(model, example):
-    if isinstance(example, dict):
+    if isinstance(example, Mapping):  # a tokenizer's BatchEncoding is a Mapping, not a dict
         return model(**example)
     if isinstance(example, (tuple, list)):
         return model(*example)
@@ -186,7 +187,7 @@ def _run_eval(model, example):
 def _double(example):
     if isinstance(example, torch.Tensor):
         return example.double() if example.is_floating_point() else example
-    if isinstance(example, dict):
+    if isinstance(example, Mapping):  # a plain dict, whatever mapping it came in
         return {k: _double(v) for k, v in example.items()}
     if isinstance(example, (tuple, list)):
         return type(example)(_double(v) for v in example)
@@ -197,7 +198,7 @@ def _tensors(x, where: str):
     """``(where, tensor)`` for every tensor in ``x`` and its dicts, tuples and lists."""
     if isinstance(x, torch.Tensor):
         yield where, x
-    elif isinstance(x, dict):
+    elif isinstance(x, Mapping):
         for k, v in x.items():
             yield from _tensors(v, f"{where}[{k!r}]")
     elif isinstance(x, (tuple, list)):
@@ -215,7 +216,7 @@ def check_example(example) -> None:
         if t.numel() == 0:
             raise ValueError(f"{where} has shape {tuple(t.shape)}, 0 elements: a test on no data proves every "
                              "permutation exact; give a batch with rows (nothing was changed)")
-    if isinstance(example, dict):
+    if isinstance(example, Mapping):
         for key, dim in (("input_ids", -1), ("inputs_embeds", -2)):
             t = example.get(key)
             if isinstance(t, torch.Tensor) and t.dim() >= -dim and t.shape[dim] < 2:

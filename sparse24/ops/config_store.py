@@ -54,11 +54,11 @@ import json
 import math
 import os
 import re
-import warnings
 from pathlib import Path
 
 import torch
 
+from .._checks import warn_user
 from .config_space import (DECODE_M, DTYPE_KEYS, LAYOUT_KERNEL, M_BUCKETS, SP_MAX_M, KernelConfig, builtin_config,
                            check_decode_config, check_prefill_config, check_prefill_runs, decode_rows, m_bucket,
                            sp_tunable, sparse_kernel)
@@ -274,9 +274,9 @@ def clear_cache() -> None:
 def _warn_once(path: Path, problem: str) -> None:
     if str(path) not in _WARNED:
         _WARNED.add(str(path))
-        warnings.warn(f"sparse24: ignoring tuned-config file {path}: {problem}. "
-                      f"Falling back to other files or the built-in config (results stay correct, "
-                      f"speed may not be tuned).", RuntimeWarning, stacklevel=4)
+        warn_user(f"sparse24: ignoring tuned-config file {path}: {problem}. "
+                  f"Falling back to other files or the built-in config (results stay correct, "
+                  f"speed may not be tuned).", RuntimeWarning)
 
 
 def _load_dir(d: Path) -> list[dict]:
@@ -289,10 +289,10 @@ def _load_dir(d: Path) -> list[dict]:
             continue
         if data["skipped"] and f"{path}:skipped" not in _WARNED:
             _WARNED.add(f"{path}:skipped")
-            warnings.warn(f"sparse24: tuned-config file {path}: skipping {len(data['skipped'])} entries the "
-                          f"installed Triton cannot run (" + "; ".join(
-                              f"{','.join(map(str, k))!r}: {why}" for k, (_, why) in data["skipped"].items())
-                          + f"); its other {len(data['entries'])} entries are used.", RuntimeWarning, stacklevel=4)
+            warn_user(f"sparse24: tuned-config file {path}: skipping {len(data['skipped'])} entries the "
+                      f"installed Triton cannot run (" + "; ".join(
+                          f"{','.join(map(str, k))!r}: {why}" for k, (_, why) in data["skipped"].items())
+                      + f"); its other {len(data['entries'])} entries are used.", RuntimeWarning)
         files.append(dict(data, path=path))
     return files
 

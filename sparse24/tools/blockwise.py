@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .._checks import refuse_single_batch
 from ..api import MIN_FEATURES, sparsify_
 from ..format import compress
 from ..masks import prune_layerwise_
@@ -86,6 +87,7 @@ def _read(src: Path, shard: str, key: str) -> torch.Tensor:
 def _check_batches(batches) -> list[torch.Tensor]:
     if isinstance(batches, torch.Tensor):
         raise TypeError("batches must be a list of (B, L) token-id tensors (split a tensor with .split(batch_size))")
+    refuse_single_batch(batches)
     batches = list(batches)
     if not batches:
         raise ValueError(f"pruning block by block with calibration needs at least one batch of token ids")

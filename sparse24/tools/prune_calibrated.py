@@ -37,6 +37,7 @@ import contextlib
 import copy
 import inspect
 import os
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -137,7 +138,7 @@ def prune_calibrated(model: torch.nn.Module, batches: list, method: str, layers:
         stats = calibrate(model, batches, hessian=method != "wanda", filter_fn=chosen, progress=progress)
     if permute:
         # the proof's example: the longest batch (a one-token first line proved nothing: check_example)
-        example = max(batches, key=lambda b: b["input_ids"].shape[-1] if isinstance(b, dict) else 0)
+        example = max(batches, key=lambda b: b["input_ids"].shape[-1] if isinstance(b, Mapping) else 0)
         groups = [g for g in find_permutation_groups(model, example, heads=heads)
                   if all(c in layers for c in g.consumers)]
         permute_model_(model, groups, score="wanda" if method == "wanda" else "sparsegpt", calibration=stats,
