@@ -8,6 +8,7 @@ import functools
 import inspect
 import re
 import sys
+import weakref
 from typing import Callable
 
 import torch
@@ -210,7 +211,8 @@ def _hook_owner(model: nn.Module, fqn: str) -> str:
     return names[above[-1]] if above else names[inside[0]]
 
 
-_WEIGHT_READS: dict[type, frozenset] = {}
+# class -> its _forward_weight_reads; weak: fx.GraphModule and parametrize make a class per instance
+_WEIGHT_READS: "weakref.WeakKeyDictionary[type, frozenset]" = weakref.WeakKeyDictionary()
 
 
 def _forward_weight_reads(cls: type) -> frozenset:

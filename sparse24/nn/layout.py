@@ -11,6 +11,7 @@ from torch import nn
 
 from ..decode_format import pack_decode
 from ..ops.linear24.launch import kernels_run_on
+from .masking import view_key
 
 __all__ = ["LayoutMixin"]
 
@@ -19,17 +20,17 @@ _DECODE_DTYPES = (torch.float16, torch.bfloat16)
 
 
 def _bf16_copy(scale: torch.Tensor) -> tuple | None:
-    """``(scale, its version counter, its bfloat16 copy, its data pointer)`` where bfloat16 holds
+    """``(scale, its version counter, its bfloat16 copy, its masking.view_key)`` where bfloat16 holds
     every scale exactly, else None. None too for an inference tensor (built or loaded under
     ``torch.inference_mode``): it counts no versions, so an in-place change could not be seen."""
     try:
-        version = scale._version
+        version, where = scale._version, view_key(scale)
     except RuntimeError:
         return None
     b = scale.to(torch.bfloat16)
     if not torch.equal(b.to(scale.dtype), scale):
         return None
-    return scale, version, b, scale.data_ptr()
+    return scale, version, b, where
 
 
 class LayoutMixin:
@@ -80,7 +81,8 @@ class LayoutMixin:
         # the decode layout keeps them as bfloat16 too, for bfloat16 x, whose kernels then scale a
         # register pair in two fma instead of three (docs/kernels.md, "INT4 weights"); small: 2 bytes
         # per group of 32-128 weights. Tied to the float16 tensor it copies, that tensor's version and
-        # storage: eager forward passes the copy only while all three hold (a replaced or changed scale,
+        # storage (masking.view_key: not its address alone, which new data set through ``.data =`` may
+        # reuse): eager forward passes the copy only while all three hold (a replaced or changed scale,
         # or new data set through ``.data =``, reads float16; so does a compiled one, which cannot check).
         self._scale_bf16 = _bf16_copy(self.scale) if layout == "decode" and self._group_size else None
 

@@ -23,7 +23,7 @@ from ..ops import linear24
 from ..ops.linear24 import launch, op
 from .layout import LayoutMixin
 from .masking import (_GRAD_HOOKED, _HAS_HOOK, _MASKED_MODULES, _ZERO_CHECKED, _grad_mask_hook, _owner_of,
-                      _relink_hooks, _unhook)
+                      _relink_hooks, _unhook, same_view, view_key)
 from .prepare import (_check_mode, _mask_from_slots, _placeholder, _prepare, _Prepared, is_conv1d, is_conv1d_class,
                       describe_quant, linear_shape, quant_options)
 from .sharded import gather_mask, is_dtensor, shard_like
@@ -46,6 +46,9 @@ launch.on_release(_FAST.clear)   # release_workspaces(): the kept plans hold spl
 
 
 _ABSENT = object()  # a name missing from the module's _parameters
+
+# INT4 layers that add_to_kept_ has warned about (its grid merge): once each; weak
+_INT4_MERGE_WARNED: "weakref.WeakSet" = weakref.WeakSet()
 
 
 def _ref(t):
@@ -426,7 +429,6 @@ class Sparse24Linear(LayoutMixin, StateDictMixin, nn.Module):
         dense.weight, dense.bias = weight, self.bias
         return dense.train(self.training)  # (built in train mode) the swap keeps an eval model in eval mode
 
-    @torch.no_grad()
     def add_to_kept_(self, delta: torch.Tensor) -> "Sparse24Linear":
         """Add ``delta`` at the kept positions only, in place: the 2:4 pattern and the mode do not
         change (what merging a dense LoRA update into this layer means; see :mod:`sparse24.lora`).
@@ -440,51 +442,54 @@ class Sparse24Linear(LayoutMixin, StateDictMixin, nn.Module):
             (scales and zero points do not change, so the layer keeps its format): within half
             its group's step inside the grid's range, at the range's end outside it; a
             :class:`UserWarning` says how many codes changed and how many were clipped (an
-            update under half a step rounds away).
+            update under half a step rounds away), on the layer's first INT4 merge only (a
+            merge/unmerge loop would repeat it for every layer).
         Raises:
             ValueError, nothing changed: a wrong or non-finite ``delta``, a merged weight that is not
             finite in the layer's dtype (a float32 ``delta`` past a float16 layer's 65504; INT8: its
             dequantized values), or ``delta`` or the layer on the meta device.
         """
-        self._refuse_pending("be updated")
-        self._refuse_sharded("be updated")
-        R, C = self.out_features, self.in_features
-        if not isinstance(delta, torch.Tensor) or tuple(delta.shape) != (R, C) or not delta.is_floating_point():
-            raise ValueError(f"delta must be a floating ({R}, {C}) tensor, got "
-                             f"{tuple(delta.shape) if isinstance(delta, torch.Tensor) else type(delta).__name__}")
-        refuse_meta(delta, "delta")
-        refuse_meta(self, "this layer's weight")
-        if not bool(torch.isfinite(delta).all()):
-            # (INT4 would round NaN to a code silently: its lowest grid point)
-            raise ValueError("delta has NaN or infinite entries (a diverged adapter?); nothing was changed")
-        # A finite delta may still overflow the layer's dtype (a float32 update into float16): every
-        # result is computed out of place and checked as stored, before anything is written.
-        if self._mode == "masked":
-            new = self.weight + torch.where(self.mask, delta.to(self.weight.dtype), 0)
-            _check_merged(torch.where(self.mask, new, 0), "weight", self.dtype)
-            self.weight.copy_(new)
+        # (not the decorator: the INT4 merge warning's stacklevel then reaches the caller)
+        with torch.no_grad():
+            self._refuse_pending("be updated")
+            self._refuse_sharded("be updated")
+            R, C = self.out_features, self.in_features
+            if not isinstance(delta, torch.Tensor) or tuple(delta.shape) != (R, C) or not delta.is_floating_point():
+                raise ValueError(f"delta must be a floating ({R}, {C}) tensor, got "
+                                 f"{tuple(delta.shape) if isinstance(delta, torch.Tensor) else type(delta).__name__}")
+            refuse_meta(delta, "delta")
+            refuse_meta(self, "this layer's weight")
+            if not bool(torch.isfinite(delta).all()):
+                # (INT4 would round NaN to a code silently: its lowest grid point)
+                raise ValueError("delta has NaN or infinite entries (a diverged adapter?); nothing was changed")
+            # A finite delta may still overflow the layer's dtype (a float32 update into float16): every
+            # result is computed out of place and checked as stored, before anything is written.
+            if self._mode == "masked":
+                new = self.weight + torch.where(self.mask, delta.to(self.weight.dtype), 0)
+                _check_merged(torch.where(self.mask, new, 0), "weight", self.dtype)
+                self.weight.copy_(new)
+                return self
+            p = self.sparse_tensor()   # (the decode layout: a copy in layout v1's order, as written below)
+            kept = delta.reshape(R, C // 4, 4).gather(-1, p.slots().to(delta.device)).reshape(R, C // 2)
+            if self.scale is None:
+                new = {"values": p.values + kept.to(p.values.dtype)}
+                _check_merged(new["values"], "weight (kept values)", self.dtype)
+            elif self.quantize == "int4":   # (its scales do not change: the grid stays in the dtype's range)
+                new = {"values": _onto_int4_grid(p, p.dequantized_values(torch.float32) + kept.float(), self)}
+            else:
+                merged = Sparse24Tensor(p.dequantized_values(torch.float32) + kept.float(), p.meta, p.shape,
+                                        torch.float32, check=False)
+                q = quantize_values(merged)
+                _check_merged(q.dequantized_values(self.dtype), "weight (kept values, dequantized)", self.dtype)
+                new = {"values": q.values, "scale": q.scale}
+            layout = self._layout
+            if layout == "decode":
+                self._convert_layout("v1")
+            for name, t in new.items():
+                getattr(self, name).copy_(t)
+            if layout == "decode":
+                self._convert_layout("decode")
             return self
-        p = self.sparse_tensor()   # (the decode layout: a copy in layout v1's order, as written below)
-        kept = delta.reshape(R, C // 4, 4).gather(-1, p.slots().to(delta.device)).reshape(R, C // 2)
-        if self.scale is None:
-            new = {"values": p.values + kept.to(p.values.dtype)}
-            _check_merged(new["values"], "weight (kept values)", self.dtype)
-        elif self.quantize == "int4":   # (its scales do not change: the grid stays in the dtype's range)
-            new = {"values": _onto_int4_grid(p, p.dequantized_values(torch.float32) + kept.float())}
-        else:
-            merged = Sparse24Tensor(p.dequantized_values(torch.float32) + kept.float(), p.meta, p.shape,
-                                    torch.float32, check=False)
-            q = quantize_values(merged)
-            _check_merged(q.dequantized_values(self.dtype), "weight (kept values, dequantized)", self.dtype)
-            new = {"values": q.values, "scale": q.scale}
-        layout = self._layout
-        if layout == "decode":
-            self._convert_layout("v1")
-        for name, t in new.items():
-            getattr(self, name).copy_(t)
-        if layout == "decode":
-            self._convert_layout("decode")
-        return self
 
     def to_compressed(self, quantize: str | None = None, trainable_values: bool = False, *,
                       group_size: int | None = None, symmetric: bool | None = None) -> "Sparse24Linear":
@@ -607,18 +612,19 @@ class Sparse24Linear(LayoutMixin, StateDictMixin, nn.Module):
     def _zero_where_pruned(self, w: torch.Tensor) -> bool:
         """True if ``w`` is 0 at every pruned position, checked once per in-place change of
         the weight or the mask (torch's version counters) and per new data set through ``.data =``
-        (e.g. by vector_to_parameters: a new storage, the version counter stays). False under
-        tracing, on the meta device, and for inference tensors (no version counter)."""
+        (e.g. by vector_to_parameters: a new storage, the version counter stays; also one that
+        lands at the freed storage's address, see masking.view_key). False under tracing, on the
+        meta device, for inference tensors (no version counter) and DTensors (no storage of their own)."""
         if torch.compiler.is_compiling() or w.is_meta:
             return False
         m = self.mask
         try:
             seen = _ZERO_CHECKED.get(self)
             if seen is not None and seen[0]() is w and seen[1] == w._version and seen[2]() is m \
-                    and seen[3] == m._version and seen[4] == w.data_ptr() and seen[5] == m.data_ptr():
+                    and seen[3] == m._version and same_view(seen[4], w) and same_view(seen[5], m):
                 return True
-            key = (weakref.ref(w), w._version, weakref.ref(m), m._version, w.data_ptr(), m.data_ptr())
-        except RuntimeError:  # "Inference tensors do not track version counter"
+            key = (weakref.ref(w), w._version, weakref.ref(m), m._version, view_key(w), view_key(m))
+        except RuntimeError:  # "Inference tensors do not track version counter"; a DTensor's storage
             return False
         with torch.no_grad():
             if bool(torch.where(m, 0, w).any()):
@@ -649,8 +655,7 @@ class Sparse24Linear(LayoutMixin, StateDictMixin, nn.Module):
         # compiled graph cannot see an in-place change of the float16 scales (it kept the stale copy)
         if x.dtype == torch.bfloat16 and not torch.compiler.is_compiling():
             copy = self.__dict__.get("_scale_bf16")
-            if copy is not None and copy[0] is scale and copy[1] == scale._version \
-                    and copy[3] == scale.data_ptr():
+            if copy is not None and copy[0] is scale and copy[1] == scale._version and same_view(copy[3], scale):
                 scale = copy[2]
         bias, zero, group_size = params.get("bias", _ABSENT), buffers["zero"], self._group_size or 0
         if bias is _ABSENT:  # a replica's, a parametrized one (a property), or none (an attribute None)
@@ -776,20 +781,26 @@ def _check_merged(t: torch.Tensor, what: str, dtype: torch.dtype) -> None:
                  "(a diverged adapter?); nothing was changed")
 
 
-def _onto_int4_grid(p: Sparse24Tensor, v: torch.Tensor) -> torch.Tensor:
+def _onto_int4_grid(p: Sparse24Tensor, v: torch.Tensor, layer: "Sparse24Linear") -> torch.Tensor:
     """INT4 bytes ``(R, C/4)`` of kept values ``v`` ``(R, C/2)`` fp32 rounded to the nearest point of
     ``p``'s grid (its scales and zero points; a value past the grid's range goes to its end), with a
-    warning that counts the codes changed and the values clipped."""
+    warning, on ``layer``'s first merge, that counts the codes changed and the values clipped."""
     codes, _, _ = int4_quantize(v, p.group_size, p.zero is None, scale=p.scale, zero=p.zero)
-    q = Sparse24Tensor(_pack_nibbles(codes), p.meta, p.shape, torch.float32, p.scale, zero=p.zero,
-                       group_size=p.group_size, check=False)
-    step = p._per_value(p.scale).float()
-    err = (q.dequantized_values(torch.float32) - v).abs() / step
-    clipped = int((err > 0.5 * (1 + 2.0 ** -20)).sum())  # slack: fp32 rounding of v / scale
-    moved = int((codes != p.int4_codes()).sum())
-    warnings.warn(f"INT4 merge onto the layer's own grid (scales and zero points kept): {moved} of {codes.numel()} "
-                  f"kept weights changed code, {clipped} clipped at their group's range (error up to "
-                  f"{float(err.max()) if err.numel() else 0.0:.3g} steps); updates under half a step round away: "
-                  "keep the adapter unmerged for its full effect, or merge into float weights (to_masked(), merge, "
-                  "to_compressed(quantize='int4'))", UserWarning, stacklevel=3)
+    if layer not in _INT4_MERGE_WARNED:
+        q = Sparse24Tensor(_pack_nibbles(codes), p.meta, p.shape, torch.float32, p.scale, zero=p.zero,
+                           group_size=p.group_size, check=False)
+        step = p._per_value(p.scale).float()
+        err = (q.dequantized_values(torch.float32) - v).abs() / step
+        clipped = int((err > 0.5 * (1 + 2.0 ** -20)).sum())  # slack: fp32 rounding of v / scale
+        moved = int((codes != p.int4_codes()).sum())
+        # stacklevel 3: add_to_kept_'s caller. Once per layer: the counts change per call, so Python's
+        # filter would show one per layer per merge (a merge/unmerge loop: one per layer per step)
+        warnings.warn(f"INT4 merge onto the layer's own grid (Sparse24Linear(in_features={layer.in_features}, "
+                      f"out_features={layer.out_features}); scales and zero points kept): {moved} of "
+                      f"{codes.numel()} kept weights changed code, {clipped} clipped at their group's range (error "
+                      f"up to {float(err.max()) if err.numel() else 0.0:.3g} steps); updates under half a step round "
+                      "away: keep the adapter unmerged for its full effect, or merge into float weights (to_masked(), "
+                      "merge, to_compressed(quantize='int4')). Shown on a layer's first merge only", UserWarning,
+                      stacklevel=3)
+        _INT4_MERGE_WARNED.add(layer)   # (after: a warning turned into an error comes again)
     return _pack_nibbles(codes)

@@ -29,14 +29,50 @@ _GRAD_HOOKED = WeakIdKeyDictionary()
 # Weight Parameter -> the handle of the gradient hook it carries (a frozen one too: requires_grad is switched
 # on just to register it, since torch refuses a hook on a tensor that does not require grad).
 _HAS_HOOK = WeakIdKeyDictionary()
-# Module -> (weakref weight, its version, weakref mask, its version, their data pointers) when the weight was
+# Module -> (weakref weight, its version, weakref mask, its version, view_key of each) when the weight was
 # last found zero at every pruned position: inference skips the per-call where() while both stay unchanged.
 _ZERO_CHECKED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 # Weight Parameter of a transformers Conv1D that a masked layer was built from (with a new, transposed weight
 # Parameter) -> weakref to the Conv1D's bias, which that layer shares: how the step pre-hook finds the layer.
 _REPLACED = WeakIdKeyDictionary()
-# optimizer -> id of the optimizer.state whose shapes _check_optimizer found right
+# optimizer -> id of the optimizer.state whose shapes _check_optimizer found right; dropped by a
+# load_state_dict post-hook (a loaded state may get the freed checked one's id)
 _STATE_CHECKED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+# optimizers carrying that post-hook (registered once each)
+_LOAD_HOOKED: "weakref.WeakSet" = weakref.WeakSet()
+
+
+class _StorageRef(weakref.ref):
+    """A weak reference to a storage that pickles and deep-copies as a dead one (a plain weak reference
+    cannot be pickled; Sparse24Linear holds one in its module state, ``_scale_bf16``): a copy of the
+    module holds other storages, which must not match it."""
+    __slots__ = ()
+
+    def __reduce__(self):
+        return _dead_ref, ()
+
+
+class _Gone:
+    pass
+
+
+def _dead_ref() -> weakref.ref:
+    return weakref.ref(_Gone())   # (the object dies at once)
+
+
+def view_key(t: torch.Tensor) -> tuple:
+    """What, besides its version counter, tells that ``t`` still holds the data a cache was made from:
+    ``.data =`` keeps the counter, and the new storage often lands at the freed one's address, so the
+    address alone does not. Its storage object, held weakly (torch keeps one Python object per live
+    storage: a freed one's reference is dead and never matches a new storage), its address (a resized
+    storage) and strides (``w.data = w.data.t()``). RuntimeError for a tensor holding no storage of its
+    own (a DTensor): no cache then. See :func:`same_view`."""
+    return _StorageRef(t.untyped_storage()), t.data_ptr(), t.stride()
+
+
+def same_view(key: tuple, t: torch.Tensor) -> bool:
+    """Whether ``t`` reads the memory :func:`view_key` recorded in ``key`` (~0.3 us)."""
+    return key[0]() is t.untyped_storage() and key[1] == t.data_ptr() and key[2] == t.stride()
 
 
 def note_replaced(old_weight: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -80,8 +116,8 @@ def _note_zero(mod: nn.Module, w: torch.Tensor, mask: torch.Tensor) -> None:
     if torch.compiler.is_compiling() or w.is_meta:
         return
     try:
-        _ZERO_CHECKED[mod] = (weakref.ref(w), w._version, weakref.ref(mask), mask._version, w.data_ptr(),
-                              mask.data_ptr())
+        _ZERO_CHECKED[mod] = (weakref.ref(w), w._version, weakref.ref(mask), mask._version, view_key(w),
+                              view_key(mask))
     except RuntimeError:  # inference tensors keep no version counter: no entry, as _zero_where_pruned
         _ZERO_CHECKED.pop(mod, None)
 
@@ -142,6 +178,9 @@ def _check_optimizer(optimizer) -> None:
     # entries of the parameters' own shapes): checked once per state object (~1.7 us per parameter a step)
     if _STATE_CHECKED.get(optimizer) == id(optimizer.state):
         return
+    if optimizer not in _LOAD_HOOKED:
+        optimizer.register_load_state_dict_post_hook(_forget_state_check)
+        _LOAD_HOOKED.add(optimizer)
     for g, group in enumerate(optimizer.param_groups):
         for i, p in enumerate(group["params"]):
             m = _owner(p)
@@ -156,6 +195,12 @@ def _check_optimizer(optimizer) -> None:
                         "optimizer of the sparsified model. Load it into the dense model's optimizer and then call "
                         "prune_trained_model(model, optimizer), which transposes it (nothing was changed)")
     _STATE_CHECKED[optimizer] = id(optimizer.state)
+
+
+def _forget_state_check(optimizer) -> None:
+    """load_state_dict post-hook: the loaded state is checked at the next step (its id() may be the
+    checked one's: that state was freed by the load)."""
+    _STATE_CHECKED.pop(optimizer, None)
 
 
 def _check_replaced(optimizer) -> None:
