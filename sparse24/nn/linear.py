@@ -13,6 +13,7 @@ import weakref
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.fx._symbolic_trace import is_fx_symbolic_tracing
 from torch.nn.utils import parametrize
 
 from .._checks import check_finite, refuse_meta
@@ -299,6 +300,12 @@ class Sparse24Linear(LayoutMixin, StateDictMixin, nn.Module):
                 self._buffers.setdefault(name, None)
 
     def __setattr__(self, name: str, value) -> None:
+        if name in ("weight", "mask") and self.__dict__.get("_mode") == "compressed" and "values" in self._parameters:
+            # forward reads values/meta: a dense weight set here was ignored, and went into the state dict
+            # (which a compressed layer's strict load then refuses). (Switching to masked mode removes
+            # values before it sets the weight.)
+            raise AttributeError(f"Sparse24Linear in compressed mode has no dense {name!r} to set (it stores "
+                                 "values/meta): call .to_masked() first, then set it; nothing was changed")
         # FSDP2's fully_shard installs the sharded weight with setattr (the plain
         # nn.Module.__setattr__ would be bypassed): shard the mask alike, at once.
         if name == "weight" and is_dtensor(value) and self.__dict__.get("_mode") == "masked":
@@ -448,6 +455,8 @@ class Sparse24Linear(LayoutMixin, StateDictMixin, nn.Module):
             ValueError, nothing changed: a wrong or non-finite ``delta``, a merged weight that is not
             finite in the layer's dtype (a float32 ``delta`` past a float16 layer's 65504; INT8: its
             dequantized values), or ``delta`` or the layer on the meta device.
+            RuntimeError, nothing changed: the layer holds inference tensors (built, compressed or
+            loaded under ``torch.inference_mode``) and the call is made outside it.
         """
         # (not the decorator: the INT4 merge warning's stacklevel then reaches the caller)
         with torch.no_grad():
@@ -462,6 +471,15 @@ class Sparse24Linear(LayoutMixin, StateDictMixin, nn.Module):
             if not bool(torch.isfinite(delta).all()):
                 # (INT4 would round NaN to a code silently: its lowest grid point)
                 raise ValueError("delta has NaN or infinite entries (a diverged adapter?); nothing was changed")
+            # The tensors written in place below (the decode layout's values are replaced by new ones first)
+            written = [self.weight] if self._mode == "masked" else \
+                [t for t in (self.values if self._layout == "v1" else None,
+                             self.scale if self.quantize == "int8" else None) if t is not None]
+            if any(t.is_inference() for t in written) and not torch.is_inference_mode_enabled():
+                # torch raises only after the copy has written (INT8: new values beside the old scale)
+                raise RuntimeError(f"Sparse24Linear(in_features={C}, out_features={R}) holds inference tensors "
+                                   "(made under torch.inference_mode), which torch updates in place only inside "
+                                   "it: call add_to_kept_ under torch.inference_mode(); nothing was changed")
             # A finite delta may still overflow the layer's dtype (a float32 update into float16): every
             # result is computed out of place and checked as stored, before anything is written.
             if self._mode == "masked":
@@ -548,7 +566,11 @@ class Sparse24Linear(LayoutMixin, StateDictMixin, nn.Module):
     # -- forward --
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``(..., in_features)`` -> ``(..., out_features)``, as ``nn.Linear`` with the 2:4 weight.
-        Compressed mode takes nested tensors of layout ``torch.jagged`` only (strided: TypeError)."""
+        Compressed mode takes nested tensors of layout ``torch.jagged`` only (strided: TypeError).
+        Unlike ``nn.Linear`` and masked mode (a RuntimeError), compressed mode takes a floating x of
+        another dtype than the weight's, computes with the weight cast to it and returns x's dtype (as
+        :func:`sparse24.linear`); its errors for a wrong feature count, a 0-d or an integer x are a
+        ValueError / TypeError (``nn.Linear``: RuntimeError)."""
         if not torch.compiler.is_compiling() and type(x) is torch.Tensor and not x.is_nested:
             fast = _FAST.get(self)
             fast = None if fast is None else fast.get((x.shape, x.dtype))
@@ -580,6 +602,9 @@ class Sparse24Linear(LayoutMixin, StateDictMixin, nn.Module):
                     return plan(x.reshape(M, x.shape[-1]), v, m, sc, b, M, z).view(*x.shape[:-1], plan.N)
         if self.__dict__.get("_pending") is not None:
             self._refuse_pending("run")
+        if is_fx_symbolic_tracing():
+            # torch.fx.symbolic_trace: x and the module's tensors are proxies (no control flow on them)
+            return self._fx_forward(x)
         if self._mode == "masked":
             w, mask = self.weight, self.mask
             if is_dtensor(mask) and not is_dtensor(w):
@@ -588,13 +613,20 @@ class Sparse24Linear(LayoutMixin, StateDictMixin, nn.Module):
             if w.requires_grad and torch.is_grad_enabled():
                 if not torch.compiler.is_compiling():
                     self._hook_if_needed(w)  # one _track_masked could not hook (see there)
-            elif not transformed(w) and self._zero_where_pruned(w):
+                    if mask.is_inference() and not torch.is_inference_mode_enabled():
+                        # (made under torch.inference_mode) where() saves its condition for backward, and
+                        # torch refuses to save an inference tensor; nn.Linear saves no weight-side tensor
+                        mask = mask.clone()
+            elif not (torch.compiler.is_compiling() or torch.jit.is_tracing()) and not transformed(w) \
+                    and self._zero_where_pruned(w):
                 # No gradient for the weight and it is exactly 0 where pruned: the product is the same
                 # without the where(), which costs a pass over the whole weight per call (11.8x
                 # nn.Linear at M = 1; scripts/bench_hf.py). Not for a weight torch.func transforms or a dual
-                # weight of forward-mode AD: its tangent may be nonzero where pruned.
+                # weight of forward-mode AD: its tangent may be nonzero where pruned. Not traced: Dynamo
+                # cannot trace transformed() (a graph break per layer), and a traced graph keeps the
+                # masking (torch.jit.trace records with gradients on, then checks the graph under no_grad).
                 return F.linear(x, w, self.bias)
-            return F.linear(x, torch.where(self.mask, w, 0), self.bias)
+            return F.linear(x, torch.where(mask, w, 0), self.bias)
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"input must be a torch.Tensor, got {type(x).__name__}")
         if x.is_nested:
@@ -608,6 +640,14 @@ class Sparse24Linear(LayoutMixin, StateDictMixin, nn.Module):
             with torch.autocast(dev, enabled=False):
                 return self._compressed_forward(x)
         return self._compressed_forward(x)
+
+    def _fx_forward(self, x):
+        """forward as torch.fx.symbolic_trace records it: the masked product, or the registered op on
+        the compressed tensors (``torch.ops.sparse24.linear``; the graph reads the module's tensors)."""
+        if self._mode == "masked":
+            return F.linear(x, torch.where(self.mask, self.weight, 0), self.bias)
+        return torch.ops.sparse24.linear(x, self.values, self.meta, self.scale, self.zero, self.bias, self._dtype,
+                                         "auto", self.out_features, self._group_size or 0)
 
     def _zero_where_pruned(self, w: torch.Tensor) -> bool:
         """True if ``w`` is 0 at every pruned position, checked once per in-place change of

@@ -5,6 +5,8 @@ the CPU implementation of the registered op, and its backward formula.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -120,7 +122,9 @@ def linear_backward_reference(grad_y: torch.Tensor, x: torch.Tensor | None, p: S
         ``(grad_x (..., K), grad_values (N, K/2) at the kept slots, grad_bias (N,))``, None where not needed.
     """
     N, K = p.shape
-    gy = grad_y.reshape(grad_y.shape[:-1].numel(), N)  # not -1: ambiguous for a layer of 0 outputs
+    # not -1: ambiguous for a layer of 0 outputs; math.prod, not Size.numel(): traced (compiled training),
+    # numel() made the rows a constant and every new batch or sequence length compiled again
+    gy = grad_y.reshape(math.prod(grad_y.shape[:-1]), N)
     grad_x = grad_values = grad_bias = None
     chunks = row_chunks(N, K, p.device, 128 if isinstance(p, DecodePacked) else 1)  # (whole decode blocks)
     # Out of place for one block of rows (most layers: nothing to accumulate) and for torch's batched

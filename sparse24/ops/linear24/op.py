@@ -13,6 +13,8 @@ dispatch every caller goes through.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ...decode_format import DecodePacked
@@ -55,12 +57,21 @@ def _setup_context(ctx, inputs, output):
     x, values, meta, scale, zero, bias, weight_dtype, backend, out_features, group_size = inputs
     ctx.weight_dtype, ctx.shape, ctx.group_size = weight_dtype, (out_features, x.shape[-1]), group_size
     ctx.bias_dtype = None if bias is None else bias.dtype
-    ctx.save_for_backward(x if ctx.needs_input_grad[1] else None, values, meta, scale, zero)
+    need = ctx.needs_input_grad
+    # The weight's tensors only for x's or the values' gradient: the bias's needs none of them, and
+    # torch refuses to save inference tensors (a layer compressed under torch.inference_mode, run outside
+    # it with a trainable bias, as nn.Linear runs)
+    weight = (values, meta, scale, zero) if need[0] or need[1] else (None,) * 4
+    ctx.save_for_backward(x if need[1] else None, *weight)
 
 
 def _backward(ctx, grad_y):
     x, values, meta, scale, zero = ctx.saved_tensors
     need = ctx.needs_input_grad
+    if not (need[0] or need[1]):   # the bias's gradient alone (no weight tensor saved)
+        gy = grad_y.reshape(math.prod(grad_y.shape[:-1]), ctx.shape[0])
+        grad_bias = gy.sum(0).to(ctx.bias_dtype) if need[5] else None
+        return None, None, None, None, None, grad_bias, None, None, None, None
     if need[1] and values.dim() != 2:
         raise RuntimeError("gradients for the kept values need layout v1 (trainable values stay in layout v1)")
     p = _weight(values, meta, scale, zero, ctx.group_size, ctx.weight_dtype, ctx.shape)
