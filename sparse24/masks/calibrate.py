@@ -3,6 +3,7 @@ activation-aware methods need (:class:`LayerStats`), collected with forward
 pre-hooks, and SparseGPT-style sequential pruning of a whole model."""
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Callable
 
@@ -15,10 +16,13 @@ from .._checks import check_model, check_nm, check_separate_teacher, refuse_sing
 from .._rollback import TensorBackup
 from .._progress import progress_bar, progress_enabled
 from .distributed import agree, check_group, sum_over_ranks
-from .nm import METHODS, LayerStats, PruneResult, prune_nm
+from .nm import METHODS, LayerStats, PruneResult, kept_magnitude_fraction, prune_nm
 from .reconstruct import PERCDAMP, damped_hessian, to_weight_dtype
 
 __all__ = ["calibrate", "prune_layerwise_"]
+
+# prune_layerwise_'s options of the fit to a teacher (SparseGPT takes them too)
+_TEACHER_FIT_KWARGS = ("percdamp", "shrink")
 
 
 class _StopForward(Exception):
@@ -273,7 +277,8 @@ def prune_layerwise_(model: nn.Module, batches, n: int = 2, m: int = 4, method: 
         rollback: keep a copy of each weight to restore on failure (default). False saves that
             copy (the size of the pruned layers) for callers that discard a failed model.
         **kwargs: method options (``blocksize=``, ``percdamp=``, ``refit=``, ``shrink=``;
-            ``percdamp`` and ``shrink`` also apply to the teacher fit). ``quantize="int4"``
+            ``percdamp`` and ``shrink`` also apply to the teacher fit, with any method; without a
+            teacher only ``"sparsegpt"`` takes them, else TypeError before any pass). ``quantize="int4"``
             (with ``group_size=``, ``symmetric=``; method ``"sparsegpt"``): each layer is
             pruned and quantized jointly (:func:`sparsegpt_prune`), its weight set to the
             dequantized INT4 grid values and its result's ``packed`` the INT4 tensor to store
@@ -303,6 +308,12 @@ def prune_layerwise_(model: nn.Module, batches, n: int = 2, m: int = 4, method: 
             raise ValueError("batches is empty: prune_layerwise_ needs calibration inputs")
         if token_mask is not None and not callable(token_mask):
             raise TypeError(f"token_mask must be callable (batch) -> bool tensor, got {type(token_mask).__name__}")
+        fit_only = sorted(k for k in _TEACHER_FIT_KWARGS if k in kwargs)
+        if fit_only and teacher is None and method != "sparsegpt":  # (else a TypeError after the first pass)
+            raise TypeError(f"{'= and '.join(fit_only)}= only appl{'y' if len(fit_only) > 1 else 'ies'} to "
+                            f"method='sparsegpt' and to the fit to a teacher: with method={method!r} and no "
+                            "teacher= there is nothing to apply it to; pass teacher= or leave it out (nothing was "
+                            "changed)")
         check_nm(n, m)
         names = {mod: fqn for fqn, mod in model.named_modules() if isinstance(mod, nn.Linear)
                  and (filter_fn is None or filter_fn(mod, fqn))}
@@ -351,6 +362,9 @@ def prune_layerwise_(model: nn.Module, batches, n: int = 2, m: int = 4, method: 
             waves.append([fqn])
     results: dict[str, PruneResult] = {}
     layers = dict(model.named_modules())
+    fit_kw = {k: kwargs[k] for k in _TEACHER_FIT_KWARGS if k in kwargs}
+    # The other methods take no percdamp= / shrink=: with a teacher those are the fit's alone
+    method_kw = kwargs if method == "sparsegpt" else {k: v for k, v in kwargs.items() if k not in fit_kw}
     bar = progress_bar(total=sum(map(len, waves)), desc="prune_layerwise_", progress=progress, unit="layer")
     backup = TensorBackup()  # the weights pruned so far, written back if a later layer fails
     at = ""
@@ -366,13 +380,22 @@ def prune_layerwise_(model: nn.Module, batches, n: int = 2, m: int = 4, method: 
                 if fqn not in stats:
                     raise ValueError(f"layer {fqn!r} received no input rows from batches: nothing to calibrate it on")
                 lin = layers[fqn]
-                w = (lin.weight if teacher is None
-                     else _teacher_target(lin.weight, stats[fqn], kwargs.get("percdamp", PERCDAMP),
-                                          kwargs.get("shrink", 0.0)))
                 if rollback:
                     backup.keep([lin.weight])
-                # written into the layer's own memory: no second copy of the model, nor of the layer
-                r = prune_nm(w, n, m, method, calibration=stats[fqn], out=lin.weight.detach(), **kwargs)
+                if teacher is None:
+                    # written into the layer's own memory: no second copy of the model, nor of the layer
+                    r = prune_nm(lin.weight, n, m, method, calibration=stats[fqn], out=lin.weight.detach(),
+                                 **method_kw)
+                else:
+                    # W_t pruned in its own memory, so that the kept fraction is of the layer's dense weight
+                    # (as documented and as the CLI reports it), not of the internal W_t, before it is written
+                    w_t = _teacher_target(lin.weight, stats[fqn], **fit_kw)
+                    r = prune_nm(w_t, n, m, method, calibration=stats[fqn], out=w_t, **method_kw)
+                    kept = kept_magnitude_fraction(lin.weight, r.mask)
+                    with torch.no_grad():
+                        lin.weight.copy_(r.weight)
+                    r = dataclasses.replace(r, weight=lin.weight.detach(), kept_fraction=kept)
+                    del w_t
                 results[fqn] = r if on_layer is None else on_layer(fqn, r)
                 del r
             bar.update(len(wave))

@@ -7,7 +7,9 @@ Methods (``mask_nm(w, n, m, method=...)``, re-exported as ``sparse24.mask_nm``):
 * ``"2d_greedy"`` / ``"2d_optimal"``: transposable masks
   (:mod:`sparse24.masks.two_d`).
 * ``"wanda"``: magnitude mask on ``|W_ij| * ||x_j||`` (Sun et al. 2023), needs
-  ``act_norm=`` (from :func:`sparse24.calibrate`).
+  ``act_norm=`` (from :func:`sparse24.calibrate`). Scored in float64: exact for
+  a float32 / 16-bit weight and a float32 ``act_norm`` (a float64 one, as
+  ``calibrate``'s, rounds each product to float64's 53 bits).
 * ``"sparsegpt"``: SparseGPT (Frantar & Alistarh 2023) mask, needs
   ``hessian=``; the mask alone discards the reconstructed weights, so use
   :func:`sparsegpt_prune` or :func:`prune_nm` to get both.
@@ -28,7 +30,7 @@ from .._checks import check_mask, check_nm, check_weight
 from ..format import Sparse24Tensor
 from ..format import mask_nm as magnitude_mask
 from .sparsegpt import sparsegpt_prune
-from .two_d import mask_2d_greedy, mask_2d_optimal, score_dtype
+from .two_d import mask_2d_greedy, mask_2d_optimal
 
 __all__ = ["METHODS", "mask_nm", "prune_nm", "PruneResult", "LayerStats", "kept_magnitude_fraction"]
 
@@ -268,11 +270,17 @@ def _mask_wanda(w: torch.Tensor, n: int, m: int, act_norm: torch.Tensor | None =
     act_norm = _check_vector(act_norm, w.shape[1], "act_norm")
     if bool((act_norm < 0).any()):
         raise ValueError("act_norm must be non-negative")
-    sdt = score_dtype(w)
-    act = act_norm.to(device=w.device, dtype=sdt)
-    # A dead input channel scores 0 even under an infinite weight (inf * 0 would read as NaN)
-    score = torch.where(act == 0, 0, w.detach().abs().to(sdt) * act)
-    return magnitude_mask(score, n, m)
+    # Scored in float64: a float32 product of a float32 (or 16-bit) weight and a float32 norm rounds, so
+    # scores that differ below its step tied and the lower column won, and a float64 copy of the same
+    # values got another mask; in float64 those products are exact. Row chunks bound the temporaries.
+    act = act_norm.to(device=w.device, dtype=torch.float64)
+    dead = act == 0
+    mask = torch.empty(w.shape, dtype=torch.bool, device=w.device)
+    for rows in _row_chunks(w):
+        score = w.detach()[rows].abs().to(torch.float64).mul_(act)
+        # A dead input channel scores 0 even under an infinite weight (inf * 0 would read as NaN)
+        mask[rows] = magnitude_mask(score.masked_fill_(dead, 0), n, m)
+    return mask
 
 
 def _check_vector(v, k: int, name: str) -> torch.Tensor:

@@ -1,7 +1,10 @@
 """Transposable 2-D N:M masks: every ``m x m`` block keeps at most ``n`` per
 row AND per column, so ``mask.T`` is N:M too (the backward pass ``grad @ W``
 can use the same sparse weight). ``"2d_optimal"`` keeps the maximum magnitude
-over all valid block patterns (the 186 maximal ones for 2:4); ``"2d_greedy"`` takes the largest
+over all valid block patterns (the 186 maximal ones for 2:4), up to float64 rounding of each
+pattern's sum: exact for float32 / 16-bit weights whose magnitudes within a block lie within a
+factor 2^24 of each other (2^26 for 2:4), else (1e-20 beside 1.0, or float64 weights) sums that differ below
+float64's step tie and the first pattern in table order wins; ``"2d_greedy"`` takes the largest
 entries first (any n:m; for m = 4 the optimum is also the faster one: 0.63 s
 vs 1.78 s at 4096x4096 fp32, 1 thread of a 2-core AMD EPYC,
 results/cpu-amd-epyc/bench_masks.md).
