@@ -4,10 +4,11 @@ Each raises a clear TypeError/ValueError naming what is wrong and changes nothin
 """
 from __future__ import annotations
 
+import copy
 import os
 import sys
 import warnings
-from collections.abc import Mapping
+from collections import UserDict
 
 import torch
 from torch import nn
@@ -89,17 +90,33 @@ def check_separate_teacher(model: nn.Module, teacher: nn.Module) -> None:
                          "(copy.deepcopy(model))")
 
 
+# Batches passed to the model as keyword arguments, model(**batch): dicts and UserDicts (a tokenizer's
+# BatchEncoding, a processor's BatchFeature). Other mappings (a TensorDict) stay one positional argument,
+# as models written for them take it.
+KEYWORD_BATCH = (dict, UserDict)
+
+
+def map_keyword_batch(batch, fn):
+    """A :data:`KEYWORD_BATCH` with ``fn`` applied to each entry: a dict, or a copy of a UserDict's own
+    type (a BatchEncoding keeps its attribute access, e.g. ``b.attention_mask``); ``batch`` unchanged."""
+    if isinstance(batch, UserDict):
+        out = copy.copy(batch)
+        out.data = {k: fn(v) for k, v in batch.items()}
+        return out
+    return {k: fn(v) for k, v in batch.items()}
+
+
 def refuse_single_batch(batches) -> None:
     """TypeError unless ``batches`` is an iterable of batches: one batch passed alone (a dict or other
     mapping such as a tokenizer's output, a str, a tensor) would be iterated as its keys, characters or
     rows, each run as a batch, and fail deep inside the model with an error naming none of this. Only
     types are looked at: a one-shot iterator or generator is not consumed."""
-    if isinstance(batches, (Mapping, str, bytes, torch.Tensor)):
+    if isinstance(batches, (*KEYWORD_BATCH, str, bytes, torch.Tensor)):
         what = (f"a tensor of shape {tuple(batches.shape)}; list(tensor) makes its rows the batches"
                 if isinstance(batches, torch.Tensor) else f"a {type(batches).__name__}")
         raise TypeError(f"batches is a single batch ({what}): pass a list of batches, e.g. [batch] (an iterable "
                         "of batches, each one model call)")
-    if not hasattr(batches, "__iter__"):
+    if not (hasattr(batches, "__iter__") or hasattr(type(batches), "__getitem__")):   # (a map-style Dataset)
         raise TypeError("batches must be an iterable of batches (a list of tensors, tuples or dicts), got "
                         f"{type(batches).__name__}")
 

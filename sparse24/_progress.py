@@ -3,9 +3,8 @@
 ``progress=None`` (the default of every function that takes it) draws a bar
 when stderr is a terminal or the code runs in a Jupyter kernel, and nothing in
 logs, pipes and tests, nor when the environment sets ``TQDM_DISABLE`` (tqdm's
-own switch, which transformers' and datasets' bars follow) to anything but
-``""``, ``0``, ``false``, ``no`` or ``off``; ``True`` forces it, ``False``
-switches it off.
+own switch, which transformers' and datasets' bars follow) to any non-empty value,
+as tqdm reads it (``0`` too); ``True`` forces it, ``False`` switches it off.
 """
 from __future__ import annotations
 
@@ -35,7 +34,7 @@ def progress_enabled(progress: bool | None, stream=None) -> bool:
     if progress is not None:
         return progress
     # tqdm reads TQDM_DISABLE only as the default of disable=, which we always pass: honoured here
-    if os.environ.get("TQDM_DISABLE", "").strip().lower() not in ("", "0", "false", "no", "off"):
+    if os.environ.get("TQDM_DISABLE"):   # (tqdm: any non-empty value, "0" included, switches its bars off)
         return False
     stream = sys.stderr if stream is None else stream
     return bool(getattr(stream, "isatty", lambda: False)()) or _in_notebook()

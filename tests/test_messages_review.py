@@ -58,7 +58,7 @@ def test_batchencoding_is_no_dict_but_a_mapping():
     enc = _encoding()
     assert not isinstance(enc, dict)   # what the old isinstance(b, dict) dispatch missed
     moved = _to_device(enc, "cpu")
-    assert type(moved) is dict and moved.keys() == enc.keys()
+    assert type(moved) is BatchEncoding and moved.keys() == enc.keys() and moved.data is not enc.data
 
 
 def test_calibrate_takes_a_batchencoding():
@@ -282,11 +282,11 @@ class _Terminal(io.StringIO):
         return True
 
 
-@pytest.mark.parametrize("value,drawn", [("1", False), ("True", False), ("yes", False), ("0", True),
-                                         ("false", True), ("", True)])
+@pytest.mark.parametrize("value,drawn", [("1", False), ("True", False), ("yes", False), ("0", False),
+                                         ("false", False), ("", True)])
 def test_tqdm_disable_switches_the_default_off(monkeypatch, value, drawn):
     monkeypatch.setenv("TQDM_DISABLE", value)
-    assert progress_enabled(None, _Terminal()) is drawn
+    assert progress_enabled(None, _Terminal()) is drawn   # (as tqdm reads it, at its import: any non-empty value)
     assert progress_enabled(True, _Terminal()) is True   # an explicit request still draws
 
 
@@ -314,3 +314,58 @@ def test_token_noise_and_blockwise_refuse_one_batch():
         with pytest.raises(TypeError, match="single batch"):
             call()
     assert len(token_noise([one], copies=1, vocab=10)) == 2
+
+
+def test_what_the_mapping_change_must_leave_alone():
+    """Regressions of the BatchEncoding change, found by review: a map-style Dataset (no __iter__) is
+    an iterable of batches; a Mapping that is not a dict or UserDict (a TensorDict) is one positional
+    argument as before; a ParameterList is a list of parameters; a BatchEncoding moved by device=
+    keeps its attribute access for token_mask; any 0/1 integer dtype is a token mask."""
+    from collections.abc import Mapping
+
+    from sparse24._checks import refuse_single_batch
+    from sparse24.learn.distill import _check_parameters
+
+    class Batches(torch.utils.data.Dataset):   # map-style: __getitem__ and __len__ only
+        def __init__(self, items):
+            self.items = items
+
+        def __len__(self):
+            return len(self.items)
+
+        def __getitem__(self, i):
+            return self.items[i]
+
+    class OneArg(Mapping):   # a TensorDict-like batch: the model takes it whole
+        def __init__(self, **kw):
+            self.d = kw
+
+        def __getitem__(self, k):
+            return self.d[k]
+
+        def __iter__(self):
+            return iter(self.d)
+
+        def __len__(self):
+            return len(self.d)
+
+    class Policy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64))
+
+        def forward(self, td):
+            return self.net(td["obs"])
+
+    torch.manual_seed(0)
+    xs = [torch.randn(8, 64) for _ in range(2)]
+    refuse_single_batch(Batches(xs))
+    stats = sparse24.calibrate(Policy(), [OneArg(obs=x) for x in xs])
+    assert set(stats) == {"net.0", "net.2"}   # (model(**batch) would have failed: forward() takes td)
+    plist = nn.ParameterList([nn.Parameter(torch.ones(2))])
+    assert _check_parameters(plist) == list(plist)
+    enc = BatchEncoding({"input_ids": torch.tensor([[1, 2, 3]]), "attention_mask": torch.tensor([[1, 1, 0]])})
+    from sparse24.masks.calibrate import _to_device, _token_rows
+    moved = _to_device(enc, "cpu")
+    assert isinstance(moved, BatchEncoding) and moved.attention_mask is not None and enc.data is not moved.data
+    assert _token_rows(torch.tensor([1, 0], dtype=torch.int8)).dtype == torch.bool

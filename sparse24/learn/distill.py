@@ -127,7 +127,7 @@ def distill_(model: nn.Module, batches, steps: int, *, teacher: nn.Module | None
 def _check_parameters(parameters) -> list:
     """``parameters`` as a list of tensors, or a TypeError naming the argument: a module (also a
     slice of an ``nn.Sequential``) or optimizer param groups failed deep inside torch before."""
-    if isinstance(parameters, nn.Module):
+    if isinstance(parameters, nn.Module) and not isinstance(parameters, nn.ParameterList):   # (a list of them)
         raise TypeError(f"parameters is a {type(parameters).__name__} module: pass module.parameters()")
     if isinstance(parameters, torch.Tensor):  # (iterated, its rows: non-leaf tensors AdamW refuses)
         raise TypeError("parameters is a single tensor: pass a list of tensors, e.g. [weight]")

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .._checks import check_separate_teacher, refuse_single_batch
+from .._checks import KEYWORD_BATCH, check_separate_teacher, refuse_single_batch
 from ..api.guard import ModelRollback
 from ..nn import Sparse24Linear
 
@@ -58,7 +58,7 @@ def _distill_loss(kind, s: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
 
 
 def _call(model: nn.Module, batch):
-    if isinstance(batch, Mapping):  # a tokenizer's BatchEncoding is a Mapping, not a dict
+    if isinstance(batch, KEYWORD_BATCH):  # (a tokenizer's BatchEncoding is a UserDict, not a dict)
         return model(**batch)
     if isinstance(batch, (tuple, list)):
         return model(*batch)

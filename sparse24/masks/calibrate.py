@@ -12,7 +12,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .._checks import check_model, check_nm, check_separate_teacher, refuse_single_batch
+from .._checks import (KEYWORD_BATCH, check_model, check_nm, check_separate_teacher, map_keyword_batch,
+                       refuse_single_batch)
 from .._rollback import TensorBackup
 from .._progress import progress_bar, progress_enabled
 from .distributed import agree, check_group, sum_over_ranks
@@ -187,7 +188,7 @@ def calibrate(model: nn.Module, batches, hessian: bool = False, filter_fn=None, 
 
 def _forward(model: nn.Module, b) -> None:
     try:
-        if isinstance(b, Mapping):  # a tokenizer's BatchEncoding is a Mapping, not a dict
+        if isinstance(b, KEYWORD_BATCH):  # (a tokenizer's BatchEncoding is a UserDict, not a dict)
             model(**b)
         elif isinstance(b, (tuple, list)):
             model(*b)
@@ -528,7 +529,7 @@ def _teacher_target(w: torch.Tensor, stats: LayerStats, percdamp: float = PERCDA
 
 
 def _token_rows(rows) -> torch.Tensor:
-    if not isinstance(rows, torch.Tensor) or rows.dtype not in (torch.bool, torch.int64, torch.int32, torch.uint8):
+    if not isinstance(rows, torch.Tensor) or rows.dtype.is_floating_point or rows.dtype.is_complex:
         raise TypeError(f"token_mask must return a bool (or 0/1 integer) tensor, got "
                         f"{getattr(rows, 'dtype', type(rows).__name__)}")
     if rows.dtype != torch.bool:
@@ -543,8 +544,8 @@ def _to_device(b, device):
         return b
     if isinstance(b, torch.Tensor):
         return b.to(device)
-    if isinstance(b, Mapping):  # a plain dict: model(**b) takes it, whatever mapping it came in
-        return {k: _to_device(v, device) for k, v in b.items()}
+    if isinstance(b, KEYWORD_BATCH):
+        return map_keyword_batch(b, lambda v: _to_device(v, device))
     if isinstance(b, (tuple, list)):
         return type(b)(_to_device(v, device) for v in b)
     return b

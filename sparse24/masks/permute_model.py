@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from .._checks import check_model, check_nm
+from .._checks import KEYWORD_BATCH, check_model, check_nm, map_keyword_batch
 from .nm import LayerStats
 from .permutation import check_search_args, search_permutation
 from .reconstruct import PERCDAMP, damp_
@@ -166,7 +166,7 @@ def _outputs_equal(a, b, tol: float | None = None) -> bool:
 
 
 def _run(model, example):
-    if isinstance(example, Mapping):  # a tokenizer's BatchEncoding is a Mapping, not a dict
+    if isinstance(example, KEYWORD_BATCH):  # (a tokenizer's BatchEncoding is a UserDict, not a dict)
         return model(**example)
     if isinstance(example, (tuple, list)):
         return model(*example)
@@ -187,8 +187,8 @@ def _run_eval(model, example):
 def _double(example):
     if isinstance(example, torch.Tensor):
         return example.double() if example.is_floating_point() else example
-    if isinstance(example, Mapping):  # a plain dict, whatever mapping it came in
-        return {k: _double(v) for k, v in example.items()}
+    if isinstance(example, KEYWORD_BATCH):
+        return map_keyword_batch(example, _double)
     if isinstance(example, (tuple, list)):
         return type(example)(_double(v) for v in example)
     return example

@@ -602,8 +602,10 @@ class Sparse24Linear(LayoutMixin, StateDictMixin, nn.Module):
                     return plan(x.reshape(M, x.shape[-1]), v, m, sc, b, M, z).view(*x.shape[:-1], plan.N)
         if self.__dict__.get("_pending") is not None:
             self._refuse_pending("run")
-        if is_fx_symbolic_tracing():
-            # torch.fx.symbolic_trace: x and the module's tensors are proxies (no control flow on them)
+        if is_fx_symbolic_tracing() and (self._mode == "masked" or isinstance(x, torch.fx.Proxy)):
+            # torch.fx.symbolic_trace: x and the module's tensors are proxies (no control flow on them).
+            # make_fx sets the same flag with real (traced) tensors: a compressed layer then takes its
+            # forward below, which routes torch.func / forward AD to the reference and applies autocast
             return self._fx_forward(x)
         if self._mode == "masked":
             w, mask = self.weight, self.mask

@@ -136,15 +136,15 @@ def tune_key(M: int, N: int, K: int, dtype: str, device, configs=None, warmup_ms
     device = torch.device(device)
     if device.type != "cuda":
         raise ValueError(f"tuning times kernels on a CUDA device, got {device}")
+    layout = runtime_layout(dtype) if layout is None else layout
+    why = kernel_refusal(device, _ACT[_activation(dtype)], dtype.startswith("int4"))
+    if why is not None:  # (a ROCm or pre-sm_70 GPU: nothing to time, the kernels do not compile there)
+        raise ValueError(f"tuning: {why}")
     if device.index is not None and device.index != torch.cuda.current_device():
         # the timing's side stream, graph capture and do_bench use the current device: another GPU's
         # launches (guarded to their own) were not captured, and an empty graph was timed
         with torch.cuda.device(device):
             return tune_key(M, N, K, dtype, device, configs, warmup_ms, rep_ms, layout, timings)
-    layout = runtime_layout(dtype) if layout is None else layout
-    why = kernel_refusal(device, _ACT[_activation(dtype)], dtype.startswith("int4"))
-    if why is not None:  # (a ROCm or pre-sm_70 GPU: nothing to time, the kernels do not compile there)
-        raise ValueError(f"tuning: {why}")
     x, p, w_dense = _tuning_inputs(M, N, K, dtype, device, layout=layout)
     ref = F.linear(x.double(), w_dense.double())
     tf32 = dtype.endswith("float32") and torch.backends.cuda.matmul.allow_tf32

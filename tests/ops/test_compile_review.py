@@ -83,3 +83,29 @@ def test_jit_trace_of_a_masked_model_passes_its_check_and_keeps_the_mask():
         ref = nn.functional.linear(torch.relu(masked), torch.where(m[2].mask, m[2].weight, 0).double(),
                                    m[2].bias.double())
     torch.testing.assert_close(traced(x).double(), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_make_fx_of_a_compressed_layer_keeps_torch_func_and_autocast():
+    """make_fx sets fx's tracing flag too, with real tensors: a compressed layer took the symbolic
+    trace's direct op call, skipping forward()'s torch.func routing and autocast cast (jvp / grad
+    failed inside torch, autocast traced float32 where eager gives bfloat16)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from torch.func import grad, jvp
+
+    torch.manual_seed(0)
+    layer = sparse24.Sparse24Linear.from_linear(nn.Linear(16, 8), mode="compressed")
+    x, t = torch.randn(3, 16), torch.randn(3, 16)
+    w, b = layer.dense_weight().double(), layer.bias.double()
+
+    def under_autocast(x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return layer(x)
+
+    cases = [(lambda x, t: jvp(layer, (x,), (t,))[1], (x, t), t.double() @ w.T),
+             (lambda x: grad(lambda x: layer(x).sum())(x), (x,), w.sum(0).expand(3, 16)),
+             (under_autocast, (x,), x.double() @ w.T + b)]
+    for fn, args, ref in cases:
+        out = make_fx(fn)(*args)(*args)
+        assert out.dtype == fn(*args).dtype
+        tol = 2e-2 if out.dtype == torch.bfloat16 else 1e-5
+        torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol)

@@ -106,16 +106,27 @@ def test_shared_launches_follow_the_stream_under_the_lock(monkeypatch):
     write only their output do not."""
     seen = []
     monkeypatch.setattr(launch, "follow_last_stream", lambda dev: seen.append((dev, launch.SCRATCH_LOCK.locked())))
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 7, raising=False)
+    monkeypatch.setattr(launch, "_LAST_STREAM", {})
     bench = load_script("bench_host")
     with torch.no_grad(), bench.stubbed_launch() as launches:
         for N, K in ((4096, 4096), (72, 200)):
             w = DecodePacked.empty(N, K, torch.float16, False)
             x = torch.empty(1, K, dtype=torch.float16)
-            seen.clear()
-            launches.clear()
             launch.run(x, w.values, w.meta, None, None, N)
-            plan = launches[0][0]
+            plan = launches[-1][0]
+            plan.cuda, plan.device_index = True, 0   # (a CUDA plan's launch path, the kernel stubbed)
+            launch._LAST_STREAM.clear()
+            seen.clear()
+            launch.run(x, w.values, w.meta, None, None, N)
+            assert launches[-1][0] is plan
             assert seen == ([(x.device, True)] if plan.split_k > 1 else []), (N, K, plan.split_k)
+            if plan.split_k > 1:   # the same stream as the last launch: no call
+                launch._LAST_STREAM[0] = (7, None)
+                seen.clear()
+                launch.run(x, w.values, w.meta, None, None, N)
+                assert seen == []
+            plan.cuda, plan.device_index = False, None
     monkeypatch.setattr(launch, "_launch_unpack", lambda *a, **k: None)
     w = DecodePacked.empty(64, 64, torch.float16, False)
     seen.clear()
@@ -142,17 +153,18 @@ def test_live_tuning_runs_on_the_layers_gpu(monkeypatch):
     class Reached(Exception):
         pass
 
-    def runtime_layout(dtype):
+    def tuning_inputs(*args, **kwargs):   # (the first step that uses the device)
         raise Reached(current[0])
 
     monkeypatch.setattr(torch.cuda, "current_device", lambda: current[0])
     monkeypatch.setattr(torch.cuda, "device", device)
-    monkeypatch.setattr(tuning, "runtime_layout", runtime_layout)
+    monkeypatch.setattr(tuning, "kernel_refusal", lambda *a: None)
+    monkeypatch.setattr(tuning, "_tuning_inputs", tuning_inputs)
     for index in (1, 0):
         try:
-            tuning.tune_key(1, 64, 64, "fp16", torch.device("cuda", index))
+            tuning.tune_key(1, 64, 64, "float16", torch.device("cuda", index))
         except Reached as e:
             assert e.args == (index,)
         else:
-            raise AssertionError("tune_key did not reach the layout choice")
+            raise AssertionError("tune_key did not reach its inputs")
     assert current[0] == 0

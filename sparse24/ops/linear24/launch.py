@@ -329,7 +329,11 @@ class _Plan:
     def __call__(self, x2, values, meta, scale, bias, M, zero=None):
         if self.shares:
             with SCRATCH_LOCK:
-                follow_last_stream(self.device)
+                # (the common case, the same stream as the last launch, inline: host time is what a
+                # decode call costs)
+                if self.cuda and _LAST_STREAM.get(self.device_index, _NO_STREAM)[0] \
+                        != torch._C._cuda_getCurrentRawStream(self.device_index):
+                    follow_last_stream(self.device)
                 return self._run(x2, values, meta, scale, bias, M, zero)
         return self._run(x2, values, meta, scale, bias, M, zero)
 
@@ -588,6 +592,7 @@ def persistent(dtype: torch.dtype, n: int, device) -> torch.Tensor:
 # The device index -> (raw stream, stream) whose launches last used the device's shared buffers
 # (split-K workspace and counters, the unpack scratch).
 _LAST_STREAM: dict = {}
+_NO_STREAM = (None, None)
 
 
 def follow_last_stream(device: torch.device) -> None:
