@@ -60,10 +60,11 @@ def layout_of(values: torch.Tensor) -> str:
 
 def check_triton_args(x: torch.Tensor, p: Sparse24Tensor | DecodePacked) -> None:
     """Raise a clear error for inputs the Triton kernels cannot compute."""
-    from sparse24.ops.linear24.op import _triton_available
-    if not _triton_available():
+    try:
+        import triton  # noqa: F401  (once imported: a dict lookup)
+    except ImportError:
         raise RuntimeError("backend='triton' needs the triton package (Linux; pip install triton); "
-                           "use backend='reference' or backend='auto'")
+                           "use backend='reference' or backend='auto'") from None
     if x.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"backend='triton' supports x of dtype float16, bfloat16 or float32, got {x.dtype}; "
                         f"use backend='reference' for {x.dtype}")
