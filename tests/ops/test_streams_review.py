@@ -169,3 +169,48 @@ def test_live_tuning_runs_on_the_layers_gpu(monkeypatch):
         else:
             raise AssertionError("tune_key did not reach its inputs")
     assert current[0] == 0
+
+
+def test_kept_buffers_are_idle_and_zero_before_any_stream_uses_them(monkeypatch):
+    """persistent()'s thread allocates on its own (default) stream, whose pool may hand out a block a
+    kernel queued there still writes: it waits for that stream before returning (simulated: a wrong
+    unpacked product otherwise), and the counters are zeroed there, not by a zero_() queued on the
+    caller's stream (another thread's stream launched first and found them non-zero). No host wait
+    while a graph is captured."""
+    import threading
+
+    events, capturing = [], [False]
+
+    class Stream:
+        def synchronize(self):
+            events.append(("wait", threading.get_ident()))
+
+    def allocator(name, real):
+        def allocate(n, dtype=None, device=None):
+            events.append((name, threading.get_ident()))
+            return real(n, dtype=dtype)
+        return allocate
+
+    monkeypatch.setattr(torch, "empty", allocator("empty", torch.empty))
+    monkeypatch.setattr(torch, "zeros", allocator("zeros", torch.zeros))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    cuda = torch.device("cuda", 0)
+    t = launch.persistent(torch.int32, 8, cuda, zero=True)
+    (kind, who), (wait, waiter) = events
+    assert (kind, wait) == ("zeros", "wait") and who == waiter != threading.get_ident() and not t.any()
+    events.clear()
+    launch.persistent(torch.uint8, 8, cuda)
+    assert [e[0] for e in events] == ["empty", "wait"]
+    events.clear()
+    capturing[0] = True
+    launch.persistent(torch.uint8, 8, cuda)
+    assert [e[0] for e in events] == ["empty"]
+    monkeypatch.undo()
+    asked = []
+    monkeypatch.setattr(launch, "persistent", lambda dtype, n, device, zero=False: asked.append((dtype, zero))
+                        or torch.empty(n, dtype=dtype))
+    monkeypatch.setattr(launch, "_WORKSPACES", {})
+    from sparse24.ops.config_space import KernelConfig
+    launch.decode_workspace("cpu", 256, KernelConfig(16, 64, 128, split_k=4, kernel="decode"), 4)
+    assert asked == [(torch.float32, False), (torch.int32, True)]

@@ -500,7 +500,9 @@ def decode_workspace(device, N: int, config: KernelConfig, split_k: int, bucket:
     old = ws, counts = _WORKSPACES.get(device, (None, None))
     # each grows on its own (more counters need not double the partials' buffer)
     ws = _grown(ws, floats, lambda n: persistent(torch.float32, n, device))
-    counts = _grown(counts, tiles * split_k, lambda n: persistent(torch.int32, n, device).zero_())
+    # zeroed before any stream can launch on them (a zero_() queued on this caller's stream left another
+    # thread's stream free to launch first, and a fill landing mid-kernel left a counter non-zero for good)
+    counts = _grown(counts, tiles * split_k, lambda n: persistent(torch.int32, n, device, zero=True))
     # an outgrown pair stays alive: a CUDA graph captured with a plan that used it writes it on every
     # replay, even once that plan is gone (config_store.clear_cache()); geometric growth bounds them
     # below the current pair's size
@@ -566,19 +568,27 @@ def unpack_dense(values: torch.Tensor, meta: torch.Tensor, scale: torch.Tensor |
     return out[transpose]
 
 
-def persistent(dtype: torch.dtype, n: int, device) -> torch.Tensor:
-    """``torch.empty(n)`` of a buffer kept for the process (workspace, scratch), allocated outside
-    any CUDA-graph memory pool: during torch.compile(mode="reduce-overhead")'s warm-up run torch
-    sends every allocation of the current thread into its graph's pool, and a tensor still alive
-    there that is not an output fails the run ("tensor(s) in the cudagraph pool not tracked as
-    outputs"). A short-lived thread allocates from the ordinary caching allocator (on every device:
-    one path, which the CPU tests see; a buffer grows a few times per process)."""
+def persistent(dtype: torch.dtype, n: int, device, zero: bool = False) -> torch.Tensor:
+    """``torch.empty(n)`` (``zero``: ``torch.zeros``) of a buffer kept for the process (workspace,
+    scratch), allocated outside any CUDA-graph memory pool: during torch.compile(mode="reduce-overhead")'s
+    warm-up run torch sends every allocation of the current thread into its graph's pool, and a
+    tensor still alive there that is not an output fails the run ("tensor(s) in the cudagraph pool not
+    tracked as outputs"). A short-lived thread allocates from the ordinary caching allocator (on every
+    device: one path, which the CPU tests see; a buffer grows a few times per process). That thread's
+    stream is the default one, whose pool may hand out a block a kernel queued there still writes,
+    and the caller's stream is not ordered after it: the thread waits for its stream (a host wait,
+    once per growth), which also leaves ``zero``'s fill done before any stream reads the buffer.
+    Not while a CUDA graph is captured (no host wait is allowed then): warm up before capturing."""
     device = torch.device(device)
+    wait = device.type == "cuda" and not torch.cuda.is_current_stream_capturing()
     got = []
 
     def make():
         try:
-            got.append(torch.empty(n, dtype=dtype, device=device))
+            t = (torch.zeros if zero else torch.empty)(n, dtype=dtype, device=device)
+            if wait:
+                torch.cuda.current_stream(device).synchronize()
+            got.append(t)
         except BaseException as e:   # (out of memory: raised in the caller's thread)
             got.append(e)
 
