@@ -25,7 +25,9 @@ any. The weights file holds each layer's state-dict entries
 (``values``/``meta``/``scale``, INT4 ``zero``/``group_size`` too, or
 ``weight``/``mask``) plus, for a compressed layer, a one-byte ``<layer>.weight``
 marker right after them: a ``from_pretrained`` that does not know sparse24 finds it the wrong
-shape and raises instead of filling the layer with random weights.
+shape and raises instead of filling the layer with random weights. Every tensor keeps the model's own
+name, also for a family whose older checkpoint names transformers would restore on save (ViT, Llava,
+...: see :meth:`Sparse24Quantizer.get_state_dict_and_metadata`).
 
 **Loading.** :func:`register` adds sparse24 to transformers' quantizer registry
 (:func:`from_pretrained` does it for you), so every loader
@@ -253,8 +255,21 @@ class Sparse24Quantizer(HfQuantizer):
         """Saving: the section is refreshed from the model as it is now (so layers switched one
         by one are described right) and the marker of each compressed layer is added right after
         the layer's entries: save_pretrained cuts shards in this order, and a shard loaded on its own
-        (Trainer's resume of a sharded checkpoint) then rarely holds a marker without its layer."""
+        (Trainer's resume of a sharded checkpoint) then rarely holds a marker without its layer.
+
+        The folder holds the model's own tensor names, which the section lists: for a family with a
+        checkpoint conversion mapping in transformers (ViT, DeiT, BEiT, Dinov2, Llava, Gemma 3, Qwen2-VL,
+        Mistral 3, ...) save_pretrained would rename the tensors back to the family's older checkpoint
+        names after this call (``revert_weight_conversion``; Dinov2's SwiGLU gate/up fused into one
+        tensor, 2:4 entries and markers concatenated), and the folder would not load. So such a model
+        gets ``model._weight_conversions = []``, what transformers records after loading a folder
+        that needed no renaming: nothing is reverted (the same as ``save_original_format=False``), and
+        transformers' loaders take the model's own names as they are. It stays set, so later saves
+        of the model write its own names too, until the last 2:4 layer goes (``densify_`` removes
+        the quantizer, and with it the attribute: a dense model saves in the older names again).
+        Families without a mapping (Llama, GPT-2, BERT) save as before, byte for byte."""
         attach(model)
+        _keep_own_names(model)
         state_dict = model.state_dict()
         compressed = {fqn for fqn, spec in model.config.quantization_config.layers.items()
                       if spec["mode"] == "compressed"}
@@ -293,6 +308,21 @@ class Sparse24Quantizer(HfQuantizer):
     @property
     def is_compileable(self) -> bool:
         return True
+
+
+def _keep_own_names(model: nn.Module) -> None:
+    """Make save_pretrained's renaming to older checkpoint names a no-op for ``model`` (see
+    :meth:`Sparse24Quantizer.get_state_dict_and_metadata`), where it would do anything: the
+    conversions it would revert are the model's recorded ones, else its family's mapping as
+    ``revert_weight_conversion`` builds it (no legacy renamings, no prefix changes)."""
+    conversions = getattr(model, "_weight_conversions", None)
+    if conversions is None:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import PrefixChange
+        conversions = [c for c in get_model_conversion_mapping(model, add_legacy=False)
+                       if not isinstance(c, PrefixChange)]
+    if conversions:  # (None or [] already: transformers keeps the names and the order as they are)
+        model._weight_conversions = []
 
 
 def _resolve(model: nn.Module, name: str) -> str | None:

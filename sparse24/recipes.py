@@ -29,7 +29,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from ._checks import check_finite, check_model
-from .api.walk import EXCLUDED_BY, _is_linear, _output_heads, _shared_weights, _tied_or_head
+from .api.walk import EXCLUDED_BY, _is_linear, _moe_routers, _output_heads, _shared_weights, _tied_or_head
 from .format import mask_nm
 from .nn import is_conv1d, linear_shape
 from .learn import distill_, learn_masks
@@ -59,7 +59,7 @@ def _linear_layers(model: nn.Module, filter_fn: FilterFn | None, m: int | None, 
     ``in_features % m == 0`` (ValueError naming it)."""
     check_model(model, filter_fn, f"{who}: ")
     try:
-        heads = _output_heads(model, skip_output_head)
+        heads = {**_output_heads(model, skip_output_head), **_moe_routers(model)}   # (sparsify_'s rules)
     except (TypeError, ValueError) as e:
         raise type(e)(f"{who}: {e}") from e
     shared = _shared_weights(model)

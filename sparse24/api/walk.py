@@ -321,8 +321,41 @@ def _input_embedding(model: nn.Module) -> tuple[str, nn.Embedding] | None:
 
 
 def _kept_dense(model: nn.Module, skip_output_head) -> dict[int, str]:
-    """id(layer) -> why it is kept dense: the output head, or a part of a PEFT adapter layer."""
-    return {**_output_heads(model, skip_output_head), **_inside_peft_layers(model)}
+    """id(layer) -> why it is kept dense: the output head, an MoE router, or a part of a PEFT adapter layer."""
+    return {**_output_heads(model, skip_output_head), **_moe_routers(model), **_inside_peft_layers(model)}
+
+
+# Where transformers' configs give the number of experts of an MoE layer.
+_EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+# How transformers names a router: in its path (router.proj, router.classifier, gate.wg) or its parent's class.
+_ROUTER_NAME = re.compile(r"router|routing|gate|gating", re.IGNORECASE)
+
+
+def _moe_routers(model: nn.Module) -> dict[int, str]:
+    """id(layer) -> why: an ``nn.Linear`` (or Conv1D) with as many outputs as the model's config has experts
+    (``num_experts``, ``num_local_experts``, ``n_routed_experts``, ``moe_num_experts``, in the config or its
+    ``text_config``) and named as a router (``router`` / ``gate`` in its path or its parent's class name):
+    an MoE router stored as a Linear (Gemma 4, SwitchTransformers, NLLB-MoE, HunYuan-MoE, DBRX, JetMoE,
+    ...). It is a tiny matrix, and pruning it changes which experts each token is sent to; routers that
+    are custom modules (Mixtral, Qwen-MoE) are no Linears and stay dense anyway. The name keeps a layer
+    that is as wide by chance (a k_proj of 32 outputs beside 32 experts) in the plan. Models without
+    such a config (any plain ``nn.Module``) have none: to prune a router all the same, ``sparsify_`` its
+    parent module."""
+    config = getattr(model, "config", None)
+    configs = [config, getattr(config, "text_config", None)]
+    counts = {n for c in configs if c is not None for a in _EXPERT_COUNTS
+              if isinstance(n := getattr(c, a, None), int) and not isinstance(n, bool) and n > 1}
+    if not counts:
+        return {}
+    out = {}
+    for fqn, mod in model.named_modules():
+        if fqn and _is_linear(mod) and linear_shape(mod)[0] in counts:
+            parent = model.get_submodule(fqn.rpartition(".")[0])
+            if _ROUTER_NAME.search(fqn) or _ROUTER_NAME.search(type(parent).__name__):
+                out[id(mod)] = (f"MoE router ({linear_shape(mod)[0]} outputs = the config's number of experts): "
+                                "pruning it changes which experts each token takes; sparsify_ its parent module "
+                                "to prune it")
+    return out
 
 
 def _inside_peft_layers(model: nn.Module) -> dict[int, str]:

@@ -9,7 +9,8 @@ shard in and one out). The new folder has the same shard layout, a
 ``config.json`` with the sparse24 section, and every other file and subfolder copied (a
 sentence-transformers ``1_Pooling/``), except the dense weights in other formats
 (``pytorch_model*.bin``, ``tf_model*.h5``, ``flax_model*.msgpack``, ``*.ot``), which would hold the
-dense model again beside the pruned one;
+dense model again beside the pruned one. Stored names are matched to the model's as transformers
+renames them on load (:func:`stored_names`: a family's older Hub names are written in the model's own);
 :func:`sparse24.from_pretrained` (or any ``from_pretrained`` once sparse24 is
 registered) loads it.
 """
@@ -32,7 +33,7 @@ from .checkpoint import (check_shards, dense_row, exclude_pattern, is_model_fold
                          partial_folder, quant_label)
 from .cli_common import CLIError, exclude_filter, exclude_reason
 
-__all__ = ["is_model_folder", "prune_folder", "WEIGHT_FILES", "OTHER_WEIGHTS", "other_weight_files", "copy_rest"]
+__all__ = ["is_model_folder", "prune_folder", "stored_names", "WEIGHT_FILES", "OTHER_WEIGHTS", "other_weight_files", "copy_rest"]
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
 # The dense weights in the other formats a Hub folder may carry beside model.safetensors: not copied.
@@ -99,6 +100,43 @@ def _skeleton(folder: Path, headers: dict):
                          f"({type(e).__name__}: {' '.join(str(e).split())[:200]})") from None
 
 
+def stored_names(model, keys, layers, folder) -> dict[str, tuple[str, str]]:
+    """Each stored tensor name in ``keys`` -> (the model's name for it, the name to store it under).
+
+    A family with a checkpoint conversion mapping in transformers (ViT, DeiT, BEiT, Dinov2, Llava, Gemma 3,
+    Qwen2-VL, Mistral 3, ...) stores older names in its Hub folders, which ``from_pretrained`` renames: the
+    model's name is the key after transformers' own renamings (``get_model_conversion_mapping``, applied by
+    its ``rename_source_key`` as at load), with the base model prefix added or removed as transformers
+    does. The name to store it under is the key after the renamings alone (a folder of the model's own
+    names, as ``save_pretrained`` of a 2:4 model writes, see :mod:`sparse24.hf`; families without a mapping
+    keep every key as stored). A tensor transformers builds by a conversion (fusing or splitting stored
+    tensors: the experts of an MoE) keeps its stored name, transformers converts it on load. ``layers``:
+    the ``<layer>.weight`` names of the layers to prune; one that comes out of such a conversion
+    (Dinov2-SwiGLU's gate/up projections, stored fused as ``mlp.weights_in``) is a CLIError (exit 2):
+    its stored tensor is not the layer's weight."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+
+    conversions = get_model_conversion_mapping(model)  # as from_pretrained builds it (with the legacy renamings)
+    renamings = [c for c in conversions if isinstance(c, WeightRenaming)]
+    converters = [c for c in conversions if isinstance(c, WeightConverter)]
+    known = dict.fromkeys([*model.state_dict(), *layers], True)
+    prefix = model.base_model_prefix or None
+    out = {}
+    for key in keys:
+        own, converted = rename_source_key(key, renamings, converters, prefix, known)
+        if converted is not None:
+            if own in layers:
+                raise CLIError(f"{folder}: {type(model).__name__} stores layer {own[:-7]!r} inside {key!r}, which "
+                               "transformers converts on load (fused or split): prune cannot rewrite it; load the "
+                               "model with transformers in Python, sparse24.sparsify_(model, mode='compressed'), "
+                               "then model.save_pretrained(OUT)")
+            out[key] = (own, key)
+        else:
+            out[key] = (own, rename_source_key(key, renamings, [])[0])
+    return out
+
+
 def prune_folder(src: str | os.PathLike, dst: str | os.PathLike, method: str = "magnitude",
                  quantize: str | None = None, min_features: int | None = None, exclude: str | None = None,
                  prune_head: bool = False, progress: bool | None = None, *, group_size: int | None = None,
@@ -133,7 +171,8 @@ def prune_folder(src: str | os.PathLike, dst: str | os.PathLike, method: str = "
     src, dst = Path(src), output_folder(dst)
     excl = exclude_pattern(exclude)
     shards, index = _shards(src)
-    config, model = _skeleton(src, check_shards(src, shards))
+    headers = check_shards(src, shards)
+    config, model = _skeleton(src, headers)
     report = sparsify_(model, filter_fn=exclude_filter(excl),
                        mode="compressed", method=method, quantize=quantize, group_size=group_size,
                        symmetric=symmetric,
@@ -143,7 +182,7 @@ def prune_folder(src: str | os.PathLike, dst: str | os.PathLike, method: str = "
               if isinstance(m, Sparse24Linear)}
     if not layers:  # (as for a state dict: a dense copy whose config says sparse24 would help nobody)
         raise CLIError(f"{src}: no layer to prune (see --min-features / --exclude)", 1)
-    prefix = f"{model.base_model_prefix}." if model.base_model_prefix else ""
+    names = stored_names(model, headers, layers, src)
     rows, done = [], set()
     skipped = {r.fqn + ".weight": exclude_reason(r.reason, exclude) for r in report.skipped}
     with partial_folder(dst) as tmp:
@@ -152,12 +191,12 @@ def prune_folder(src: str | os.PathLike, dst: str | os.PathLike, method: str = "
             out = {}
             with safe_open(src / shard, framework="pt") as f:
                 for key in f.keys():
-                    name = key if key in layers else prefix + key if prefix + key in layers else None
+                    name, kept_as = names[key]
                     t = f.get_tensor(key)
-                    if name is None:
-                        out[key] = t
+                    if name not in layers:
+                        out[kept_as] = t
                         if is_weight_matrix(key, t):  # counted as prune_state_dict counts a file's weights
-                            rows.append(dense_row(key, t, skipped.get(key) or skipped.get(prefix + key) or NOT_SWAPPED))
+                            rows.append(dense_row(key, t, skipped.get(name) or NOT_SWAPPED))
                         continue
                     fqn, layer = layers[name]
                     entries, mask = layer.entries_from_dense(t)

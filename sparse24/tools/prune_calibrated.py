@@ -237,7 +237,7 @@ def prune_folder_calibrated(src: Path, dst: Path, args) -> tuple[list[dict], str
     the calibration data."""
     from transformers import AutoTokenizer
 
-    from .hf_folder import NOT_SWAPPED, WEIGHT_FILES, _shards, _skeleton, copy_rest
+    from .hf_folder import NOT_SWAPPED, WEIGHT_FILES, _shards, _skeleton, copy_rest, stored_names
 
     try:
         dst = output_folder(dst)
@@ -266,11 +266,12 @@ def prune_folder_calibrated(src: Path, dst: Path, args) -> tuple[list[dict], str
     if not planned:
         raise CLIError(f"{src}: no layer to prune (see --min-features / --exclude)", 1)
     # from_pretrained would give a layer missing from the checkpoint transformers' random init, pruned and
-    # written as the model's: refused, as the magnitude path refuses it (from the shard headers, before loading)
-    prefix = f"{skeleton.base_model_prefix}." if skeleton.base_model_prefix else ""
-    missing = [f"{fqn}.weight" for fqn in planned
-               if f"{fqn}.weight" not in headers and not (fqn.startswith(prefix) and prefix
-                                                          and f"{fqn[len(prefix):]}.weight" in headers)]
+    # written as the model's: refused, as the magnitude path refuses it (from the shard headers, before loading).
+    # The stored keys as transformers renames them on load (a family's older checkpoint names, the base model
+    # prefix); a layer it builds from fused stored tensors is refused there.
+    names = stored_names(skeleton, headers, {f"{fqn}.weight" for fqn in planned}, src)
+    own = {name for name, _ in names.values()}
+    missing = [f"{fqn}.weight" for fqn in planned if f"{fqn}.weight" not in own]
     if missing:
         raise CLIError(f"the checkpoint has no weight for layer(s) {', '.join(m[:-7] for m in missing[:5])}"
                        + (" ..." if len(missing) > 5 else "") + f" of {type(skeleton).__name__}")
@@ -306,8 +307,8 @@ def prune_folder_calibrated(src: Path, dst: Path, args) -> tuple[list[dict], str
         t = torch.empty(shape, dtype=dtype, device="meta")
         if not is_weight_matrix(key, t):
             continue
-        # the model's name for it: the key, or the key under the base model's prefix
-        name = next((n for n in (key, prefix + key) if n in skipped or n[:-len(".weight")] in planned), key)
+        # the model's name for it (see stored_names)
+        name = names[key][0]
         fqn = name[:-len(".weight")]
         if fqn not in planned:
             rows.append(dense_row(key, t, skipped.get(name) or NOT_SWAPPED))
