@@ -238,7 +238,7 @@ def assert_unchanged(module, before: dict) -> None:
     after = module.state_dict()
     assert after.keys() == before.keys()
     for k, v in before.items():
-        assert torch.equal(after[k], v), k
+        assert after[k].dtype == v.dtype and torch.equal(after[k], v), k
 
 
 def model_snapshot(model, optimizer=None) -> dict:

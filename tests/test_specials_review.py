@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 import sparse24
-from conftest import assert_model_unchanged, model_snapshot
+from conftest import assert_model_unchanged, assert_unchanged, model_snapshot, state
 from sparse24 import Sparse24Linear
 from sparse24.format import compress
 from sparse24.masks.calibrate import _teacher_target
@@ -24,15 +24,6 @@ def _net():
     return nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 8))
 
 
-def _state(module) -> dict:
-    return {k: v.detach().clone() for k, v in module.state_dict().items()}
-
-
-def _assert_same_bits(module, before: dict) -> None:
-    after = module.state_dict()
-    assert after.keys() == before.keys()
-    for k, v in before.items():
-        assert after[k].dtype == v.dtype and torch.equal(after[k], v), k
 
 
 def _top2_mask(w: torch.Tensor) -> torch.Tensor:
@@ -90,13 +81,13 @@ def test_lora_merge_refuses_a_non_finite_lora_bias():
     pm = get_peft_model(model, LoraConfig(target_modules=["0"], r=2, init_lora_weights=False, lora_bias=True))
     layer = pm.base_model.model[0]
     base = layer.get_base_layer()
-    before = _state(base)
+    before = state(base)
     lora_b = layer.lora_B["default"].bias
     with torch.no_grad():
         lora_b[5] = NAN
     with pytest.raises(ValueError, match=r"lora_bias of adapter 'default' has 1 non-finite.*nothing was changed"):
         layer.merge()   # safe_merge=False
-    _assert_same_bits(base, before)
+    assert_unchanged(base, before)
     assert not layer.merged
     # the control: a finite lora_bias merges as base bias + scaling * lora_bias (fp64 reference)
     with torch.no_grad():
@@ -121,10 +112,10 @@ def test_add_to_kept_refuses_a_delta_overflowing_float16(kw, layout):
         layer.to_layout(layout)
     mask = layer.mask.clone() if layer.mode == "masked" else _mask_from_slots(layer.sparse_tensor())
     w0 = layer.dense_weight().double()
-    before = _state(layer)
+    before = state(layer)
     with pytest.raises(ValueError, match=r"the merged weight.*W \+ delta overflows the layer's torch.float16"):
         layer.add_to_kept_(torch.full((8, 16), 1e5))   # finite in float32, past float16's 65504
-    _assert_same_bits(layer, before)
+    assert_unchanged(layer, before)
     if layout is not None:
         assert layer._layout == layout
     # the control: a delta in range merges at the kept positions
