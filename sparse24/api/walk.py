@@ -327,14 +327,18 @@ def _kept_dense(model: nn.Module, skip_output_head) -> dict[int, str]:
 
 # Where transformers' configs give the number of experts of an MoE layer.
 _EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
-# How transformers names a router: in its path (router.proj, router.classifier, gate.wg) or its parent's class.
-_ROUTER_NAME = re.compile(r"router|routing|gate|gating", re.IGNORECASE)
+# How transformers names a router: the layer or its parent module, as a whole name (router.proj,
+# router.classifier, gate.wg, a Gemma-style `gate`), or a parent class ending so (`...Router`, `...TopKGate`).
+# Whole names only: `gate_proj` (Qwen3-Next's shared expert: 512 outputs beside 512 experts) is an MLP layer.
+_ROUTER_PART = re.compile(r"(router|routing|gate|gating)", re.IGNORECASE)
+_ROUTER_CLASS = re.compile(r"(Router|Gate|Gating)$")
 
 
 def _moe_routers(model: nn.Module) -> dict[int, str]:
     """id(layer) -> why: an ``nn.Linear`` (or Conv1D) with as many outputs as the model's config has experts
     (``num_experts``, ``num_local_experts``, ``n_routed_experts``, ``moe_num_experts``, in the config or its
-    ``text_config``) and named as a router (``router`` / ``gate`` in its path or its parent's class name):
+    ``text_config``) and named as a router (it or its parent named ``router`` / ``gate``, or a parent
+    class ending in ``Router`` / ``Gate``; never a ``*_proj`` layer):
     an MoE router stored as a Linear (Gemma 4, SwitchTransformers, NLLB-MoE, HunYuan-MoE, DBRX, JetMoE,
     ...). It is a tiny matrix, and pruning it changes which experts each token is sent to; routers that
     are custom modules (Mixtral, Qwen-MoE) are no Linears and stay dense anyway. The name keeps a layer
@@ -350,8 +354,11 @@ def _moe_routers(model: nn.Module) -> dict[int, str]:
     out = {}
     for fqn, mod in model.named_modules():
         if fqn and _is_linear(mod) and linear_shape(mod)[0] in counts:
-            parent = model.get_submodule(fqn.rpartition(".")[0])
-            if _ROUTER_NAME.search(fqn) or _ROUTER_NAME.search(type(parent).__name__):
+            parent_fqn, _, leaf = fqn.rpartition(".")
+            parent = model.get_submodule(parent_fqn)
+            if not leaf.endswith("_proj") and (_ROUTER_PART.fullmatch(leaf)
+                                               or _ROUTER_PART.fullmatch(parent_fqn.rpartition(".")[2])
+                                               or _ROUTER_CLASS.search(type(parent).__name__)):
                 out[id(mod)] = (f"MoE router ({linear_shape(mod)[0]} outputs = the config's number of experts): "
                                 "pruning it changes which experts each token takes; sparsify_ its parent module "
                                 "to prune it")

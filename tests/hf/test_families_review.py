@@ -190,3 +190,17 @@ def test_recipes_leave_moe_routers_dense_as_sparsify_does():
         names = set(recipe.masks) if hasattr(recipe, "masks") else {f for f, _ in recipe.layers}
         routers = {fqn for fqn, _ in model.named_modules() if fqn.endswith("router.classifier")}
         assert routers and not (routers & names) and any(".mlp.experts." in n for n in names), sorted(names)[:4]
+
+
+def test_a_gate_proj_as_wide_as_the_experts_count_is_no_router():
+    """Qwen3-Next's shared expert has a gate_proj of 512 outputs beside 512 experts (its real config): a
+    substring match of 'gate' kept it dense as a router, found by review. Routers are whole names."""
+    import transformers
+
+    cfg = transformers.Qwen3NextConfig(num_hidden_layers=1, vocab_size=256)   # real widths, on the meta device
+    assert cfg.num_experts == cfg.shared_expert_intermediate_size
+    with torch.device("meta"):
+        model = transformers.Qwen3NextForCausalLM(cfg)
+    report = sparse24.sparsify_(model, mode="compressed")
+    assert not [r.fqn for r in report.skipped if r.reason.startswith("MoE router")]
+    assert "model.layers.0.mlp.shared_expert.gate_proj" in [r.fqn for r in report.swapped]
