@@ -24,7 +24,7 @@ from ..ops import linear24
 from ..ops.linear24 import launch, op
 from .layout import LayoutMixin
 from .masking import (_GRAD_HOOKED, _HAS_HOOK, _MASKED_MODULES, _ZERO_CHECKED, _grad_mask_hook, _owner_of,
-                      _relink_hooks, _unhook, same_view, view_key)
+                      _relink_hooks, _unhook, same_view, still_zero, zero_key)
 from .prepare import (_check_mode, _mask_from_slots, _placeholder, _prepare, _Prepared, is_conv1d, is_conv1d_class,
                       describe_quant, linear_shape, quant_options)
 from .sharded import gather_mask, is_dtensor, shard_like
@@ -662,10 +662,9 @@ class Sparse24Linear(LayoutMixin, StateDictMixin, nn.Module):
         m = self.mask
         try:
             seen = _ZERO_CHECKED.get(self)
-            if seen is not None and seen[0]() is w and seen[1] == w._version and seen[2]() is m \
-                    and seen[3] == m._version and same_view(seen[4], w) and same_view(seen[5], m):
+            if seen is not None and still_zero(seen, w, m):
                 return True
-            key = (weakref.ref(w), w._version, weakref.ref(m), m._version, view_key(w), view_key(m))
+            key = zero_key(w, m)   # (taken before the scan: a write during it forces the next check)
         except RuntimeError:  # "Inference tensors do not track version counter"; a DTensor's storage
             return False
         with torch.no_grad():
@@ -828,8 +827,9 @@ def _onto_int4_grid(p: Sparse24Tensor, v: torch.Tensor, layer: "Sparse24Linear")
     ``p``'s grid (its scales and zero points; a value past the grid's range goes to its end), with a
     warning, on ``layer``'s first merge, that counts the codes changed and the values clipped."""
     codes, _, _ = int4_quantize(v, p.group_size, p.zero is None, scale=p.scale, zero=p.zero)
+    packed = _pack_nibbles(codes)
     if layer not in _INT4_MERGE_WARNED:
-        q = Sparse24Tensor(_pack_nibbles(codes), p.meta, p.shape, torch.float32, p.scale, zero=p.zero,
+        q = Sparse24Tensor(packed, p.meta, p.shape, torch.float32, p.scale, zero=p.zero,
                            group_size=p.group_size, check=False)
         step = p._per_value(p.scale).float()
         err = (q.dequantized_values(torch.float32) - v).abs() / step
@@ -845,4 +845,4 @@ def _onto_int4_grid(p: Sparse24Tensor, v: torch.Tensor, layer: "Sparse24Linear")
                       "merge, to_compressed(quantize='int4')). Shown on a layer's first merge only", UserWarning,
                       stacklevel=3)
         _INT4_MERGE_WARNED.add(layer)   # (after: a warning turned into an error comes again)
-    return _pack_nibbles(codes)
+    return packed

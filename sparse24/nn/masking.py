@@ -112,14 +112,27 @@ def _note_zero(mod: nn.Module, w: torch.Tensor, mask: torch.Tensor) -> None:
     """Record in _ZERO_CHECKED that ``mod``'s weight ``w`` is 0 wherever ``mask`` is False (it was just
     zeroed there): the write bumped the version, and the next inference forward (or direct-read hook)
     would otherwise rescan the whole weight, a host sync on GPU. The entry has the layout
-    Sparse24Linear._zero_where_pruned reads and writes (nn/linear.py)."""
+    Sparse24Linear._zero_where_pruned reads and writes (nn/linear.py): :func:`zero_key`."""
     if torch.compiler.is_compiling() or w.is_meta:
         return
     try:
-        _ZERO_CHECKED[mod] = (weakref.ref(w), w._version, weakref.ref(mask), mask._version, view_key(w),
-                              view_key(mask))
+        _ZERO_CHECKED[mod] = zero_key(w, mask)
     except RuntimeError:  # inference tensors keep no version counter: no entry, as _zero_where_pruned
         _ZERO_CHECKED.pop(mod, None)
+
+
+def zero_key(w: torch.Tensor, mask: torch.Tensor) -> tuple:
+    """The _ZERO_CHECKED entry of a weight ``w`` found 0 wherever ``mask`` is False: both tensors (held
+    weakly), their version counters and :func:`view_key`. RuntimeError for an inference tensor (no version
+    counter) or a DTensor (no storage of its own): no entry then."""
+    return weakref.ref(w), w._version, weakref.ref(mask), mask._version, view_key(w), view_key(mask)
+
+
+def still_zero(seen: tuple, w: torch.Tensor, mask: torch.Tensor) -> bool:
+    """Whether the :func:`zero_key` entry ``seen`` still describes ``w`` and ``mask``: the same tensors,
+    unchanged in place and holding the same memory. RuntimeError as :func:`zero_key`."""
+    return seen[0]() is w and seen[1] == w._version and seen[2]() is mask and seen[3] == mask._version \
+        and same_view(seen[4], w) and same_view(seen[5], mask)
 
 
 def _owner_of(p) -> "nn.Module | None":
