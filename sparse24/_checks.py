@@ -96,6 +96,17 @@ def check_separate_teacher(model: nn.Module, teacher: nn.Module) -> None:
 KEYWORD_BATCH = (dict, UserDict)
 
 
+def call_with_batch(model: nn.Module, batch):
+    """``model`` run on one batch: a :data:`KEYWORD_BATCH` as ``model(**batch)``, a tuple or list as
+    ``model(*batch)``, anything else as ``model(batch)`` (every call that runs the model on the user's
+    batches: calibrate, prune_layerwise_, learn_masks, distill_, the permutations' example)."""
+    if isinstance(batch, KEYWORD_BATCH):
+        return model(**batch)
+    if isinstance(batch, (tuple, list)):
+        return model(*batch)
+    return model(batch)
+
+
 def map_keyword_batch(batch, fn):
     """A :data:`KEYWORD_BATCH` with ``fn`` applied to each entry: a dict, or a copy of a UserDict's own
     type (a BatchEncoding keeps its attribute access, e.g. ``b.attention_mask``); ``batch`` unchanged."""

@@ -27,8 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._checks import check_model, refuse_single_batch
-from .learn.objective import _call, _output_tensor
+from ._checks import call_with_batch, check_model, refuse_single_batch
+from .learn.objective import _output_tensor
 
 __all__ = ["mean_pool", "sentence_embeddings", "embedding_fidelity", "bits_per_char"]
 
@@ -131,7 +131,7 @@ def _check_nonempty(out: list, batches) -> None:
 def _embed(model: nn.Module, b, i: int, token_mask: Callable | None, normalize: bool) -> torch.Tensor:
     """``(B, D)`` float32 sentence embeddings of batch number ``i`` (see :func:`sentence_embeddings`)."""
     # token vectors: last_hidden_state of a Hugging Face output; pooled and normalized in fp32
-    h = _output_tensor(_call(model, b), "last_hidden_state", "read embeddings from").float()
+    h = _output_tensor(call_with_batch(model, b), "last_hidden_state", "read embeddings from").float()
     if h.dim() == 3:
         mask = token_mask(b) if token_mask is not None else (
             b["attention_mask"] if isinstance(b, Mapping) and "attention_mask" in b else None)

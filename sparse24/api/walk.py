@@ -459,11 +459,17 @@ def _tied_or_head(fqn: str, mod: nn.Module, shared: dict, heads: dict) -> str:
     return heads.get(id(mod), "")
 
 
+def _swappable(mod: nn.Module) -> bool:
+    """Whether sparsify_ swaps a layer of ``mod``'s type: ``nn.Linear`` itself or transformers'
+    ``Conv1D`` itself (a subclass may change its forward, or be parametrized)."""
+    return type(mod) in _SWAPPABLE or (is_conv1d(mod) and type(mod).__name__ == "Conv1D")
+
+
 def _skip_reason(fqn, mod, filter_fn, min_features, shared, readers, heads, method, calibration) -> str:
     """Why ``mod`` (an nn.Linear or Conv1D) cannot be swapped, or "" if it can."""
     if not fqn:
         return "the model itself is this Linear (no parent to swap it in); use Sparse24Linear.from_linear"
-    if type(mod) not in _SWAPPABLE and not (is_conv1d(mod) and type(mod).__name__ == "Conv1D"):
+    if not _swappable(mod):
         if torch.nn.utils.parametrize.is_parametrized(mod):
             return "weight is parametrized (e.g. SR-STE, weight_norm); remove the parametrization first"
         return f"{type(mod).__name__} subclasses nn.Linear and may change its forward; not swapped"

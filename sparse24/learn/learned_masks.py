@@ -14,9 +14,10 @@ from torch import nn
 from .._checks import check_model
 from .._progress import progress_bar, progress_enabled
 from ..api import MIN_FEATURES, SparsifyReport, sparsify_
-from ..api.walk import _SWAPPABLE, _child_slots, _direct_readers, _is_linear, _Undo
+from ..api.walk import _SWAPPABLE, _child_slots, _direct_readers, _is_linear, _swappable, _Undo
 from ..masks import LearnableMask
-from ..nn import Sparse24Linear, is_conv1d
+from ..nn import Sparse24Linear
+from ..nn.prepare import _linear_weight
 from .objective import (_batch_stream, _check_steps, _failure_note, _nonempty, _Objective, _optimizer_step,
                         _refuse_float16, _rollback_for, _warmup_cosine)
 
@@ -286,11 +287,10 @@ def _learn(model, batches, steps, objective, teacher, prior, calibration, tau, h
     t_mods = dict(teacher.named_modules()) if teacher is not None else {}
     dense = {}
     for fqn, mod in model.named_modules():
-        if ((type(mod) in _SWAPPABLE or (is_conv1d(mod) and type(mod).__name__ == "Conv1D"))  # as sparsify_ swaps
-                and (filter_fn is None or filter_fn(mod, fqn))):
-            src = t_mods.get(fqn)
-            same = _is_linear(src) and _out_in(src).shape == _out_in(mod).shape
-            dense[fqn] = _out_in(src) if same else _out_in(mod).clone()
+        if _swappable(mod) and (filter_fn is None or filter_fn(mod, fqn)):   # as sparsify_ swaps
+            src, w = t_mods.get(fqn), _linear_weight(mod)
+            ws = _linear_weight(src) if _is_linear(src) else None
+            dense[fqn] = ws if ws is not None and ws.shape == w.shape else w.clone()
     report = sparsify_(model, filter_fn, method=prior, calibration=calibration, **select)
     # 2. one learnable mask per masked layer
     schedule = _Schedule(seed)
@@ -316,7 +316,7 @@ def _learn(model, batches, steps, objective, teacher, prior, calibration, tau, h
         src = dense.get(fqn)
         if src is None:
             lin = t_mods.get(fqn)
-            src = _out_in(lin) if _is_linear(lin) and _out_in(lin).shape == sp.weight.shape else None
+            src = _linear_weight(lin) if _is_linear(lin) and _linear_weight(lin).shape == sp.weight.shape else None
         if src is None:
             not_learned[fqn] = "no dense weight for it (no teacher layer of the same name and shape)"
             continue
@@ -355,13 +355,6 @@ def _learn(model, batches, steps, objective, teacher, prior, calibration, tau, h
     swaps.undo()  # every layer back into the slots it came from
     rep.logit_bytes = sum(s.mask.logits.numel() * s.mask.logits.element_size() for _, s in learners.values())
     return rep
-
-
-def _out_in(mod: nn.Module) -> torch.Tensor:
-    """The detached ``(out, in)`` weight of an ``nn.Linear``, or of a transformers ``Conv1D`` (stored
-    ``(in, out)``: a transposed view)."""
-    w = mod.weight.detach()
-    return w.t() if is_conv1d(mod) else w
 
 
 def _train_masks(batches, steps, objective, learners, schedule, tau, hard_fraction, noise, magnitude_reg,

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .._checks import KEYWORD_BATCH, check_separate_teacher, refuse_single_batch
+from .._checks import call_with_batch, check_separate_teacher, refuse_single_batch
 from ..api.guard import ModelRollback
 from ..nn import Sparse24Linear
 
@@ -57,14 +57,6 @@ def _distill_loss(kind, s: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     return (lt.exp() * torch.where(has_mass, lt - ls, 0)).sum() / ls.shape[0]
 
 
-def _call(model: nn.Module, batch):
-    if isinstance(batch, KEYWORD_BATCH):  # (a tokenizer's BatchEncoding is a UserDict, not a dict)
-        return model(**batch)
-    if isinstance(batch, (tuple, list)):
-        return model(*batch)
-    return model(batch)
-
-
 def _check_same_shape(s: torch.Tensor, t: torch.Tensor, what: str) -> None:
     """ValueError naming both shapes unless the student's ``s`` and the teacher's ``t`` match
     (torch broadcasts some mismatches silently, and names neither model in the others)."""
@@ -83,7 +75,7 @@ class _Objective:
     def __init__(self, student, teacher, loss_fn, output_loss, hidden, hidden_weight, forward=None):
         if forward is not None and not callable(forward):
             raise TypeError(f"forward must be callable (model, batch) -> output, got {type(forward).__name__}")
-        self.forward = forward or _call
+        self.forward = forward or call_with_batch
         if loss_fn is None and teacher is None:
             raise ValueError("nothing to train on: give loss_fn (a task loss) and/or teacher (to distil from)")
         if loss_fn is not None and not callable(loss_fn):
@@ -160,7 +152,6 @@ class _Objective:
                 loss = loss + self.hidden_weight * layer
         self._s.clear()
         self._t.clear()
-        self._no_grad.clear()
         if not isinstance(loss, torch.Tensor):
             raise TypeError(f"loss_fn must return a tensor, got {type(loss).__name__}")
         return loss

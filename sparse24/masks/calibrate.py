@@ -12,8 +12,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .._checks import (KEYWORD_BATCH, check_model, check_nm, check_separate_teacher, map_keyword_batch,
-                       refuse_single_batch)
+from .._checks import (KEYWORD_BATCH, call_with_batch, check_model, check_nm, check_separate_teacher,
+                       map_keyword_batch, refuse_single_batch)
 from .._rollback import TensorBackup
 from .._progress import progress_bar, progress_enabled
 from .distributed import agree, check_group, sum_over_ranks
@@ -188,12 +188,7 @@ def calibrate(model: nn.Module, batches, hessian: bool = False, filter_fn=None, 
 
 def _forward(model: nn.Module, b) -> None:
     try:
-        if isinstance(b, KEYWORD_BATCH):  # (a tokenizer's BatchEncoding is a UserDict, not a dict)
-            model(**b)
-        elif isinstance(b, (tuple, list)):
-            model(*b)
-        else:
-            model(b)
+        call_with_batch(model, b)
     except _StopForward:
         pass
 
@@ -297,6 +292,7 @@ def prune_layerwise_(model: nn.Module, batches, n: int = 2, m: int = 4, method: 
     progress = progress_enabled(progress)
     check_group(group)
     error = None
+    fit_kw = {k: kwargs[k] for k in _TEACHER_FIT_KWARGS if k in kwargs}   # (the teacher fit's options)
     try:  # with a group, every rank learns whether any rank's input failed a check (no rank waits)
         refuse_single_batch(batches)
         if iter(batches) is batches:
@@ -309,7 +305,7 @@ def prune_layerwise_(model: nn.Module, batches, n: int = 2, m: int = 4, method: 
             raise ValueError("batches is empty: prune_layerwise_ needs calibration inputs")
         if token_mask is not None and not callable(token_mask):
             raise TypeError(f"token_mask must be callable (batch) -> bool tensor, got {type(token_mask).__name__}")
-        fit_only = sorted(k for k in _TEACHER_FIT_KWARGS if k in kwargs)
+        fit_only = sorted(fit_kw)
         if fit_only and teacher is None and method != "sparsegpt":  # (else a TypeError after the first pass)
             raise TypeError(f"{'= and '.join(fit_only)}= only appl{'y' if len(fit_only) > 1 else 'ies'} to "
                             f"method='sparsegpt' and to the fit to a teacher: with method={method!r} and no "
@@ -363,7 +359,6 @@ def prune_layerwise_(model: nn.Module, batches, n: int = 2, m: int = 4, method: 
             waves.append([fqn])
     results: dict[str, PruneResult] = {}
     layers = dict(model.named_modules())
-    fit_kw = {k: kwargs[k] for k in _TEACHER_FIT_KWARGS if k in kwargs}
     # The other methods take no percdamp= / shrink=: with a teacher those are the fit's alone
     method_kw = kwargs if method == "sparsegpt" else {k: v for k, v in kwargs.items() if k not in fit_kw}
     bar = progress_bar(total=sum(map(len, waves)), desc="prune_layerwise_", progress=progress, unit="layer")

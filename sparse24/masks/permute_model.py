@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from .._checks import KEYWORD_BATCH, check_model, check_nm, map_keyword_batch
+from .._checks import KEYWORD_BATCH, call_with_batch, check_model, check_nm, map_keyword_batch
 from .nm import LayerStats
 from .permutation import check_search_args, search_permutation
 from .reconstruct import PERCDAMP, damp_
@@ -165,20 +165,12 @@ def _outputs_equal(a, b, tol: float | None = None) -> bool:
     return a == b
 
 
-def _run(model, example):
-    if isinstance(example, KEYWORD_BATCH):  # (a tokenizer's BatchEncoding is a UserDict, not a dict)
-        return model(**example)
-    if isinstance(example, (tuple, list)):
-        return model(*example)
-    return model(example)
-
-
 def _run_eval(model, example):
     """The outputs in eval mode (dropout off: the groups are proved on an eval copy), the modes restored."""
     modes = [(mod, mod.training) for mod in model.modules()]
     model.eval()
     try:
-        return _run(model, example)
+        return call_with_batch(model, example)
     finally:
         for mod, training in modes:
             mod.training = training
@@ -242,7 +234,7 @@ class _Float64Copy:
         self.model = copy.deepcopy(model).double().eval()
         self.example = _double(example)
         with torch.no_grad():
-            self.ref = _run(self.model, self.example)
+            self.ref = call_with_batch(self.model, self.example)
         _check_outputs(self.ref)
 
     @torch.no_grad()
@@ -250,7 +242,7 @@ class _Float64Copy:
         perm = _random_perm(group.size(self.model), group.block, torch.Generator().manual_seed(seed))
         _apply(self.model, group, perm)
         try:
-            return _outputs_equal(self.ref, _run(self.model, self.example), 1e-9)
+            return _outputs_equal(self.ref, call_with_batch(self.model, self.example), 1e-9)
         finally:
             _apply(self.model, group, perm, inverse=True)
 

@@ -178,8 +178,8 @@ def cmd_inspect(args) -> int:
                 rows = inspect_tensors(sd, dense, conv1d)
     if not rows:
         raise CLIError(f"{path}: no weight matrix in it (no 2-D float *.weight, no 2:4 layer entries)")
-    if args.dense is not None and not any(r["kept"] is not None for r in rows if r["mode"] != "dense" and r["valid"]) \
-            and any(r["mode"] != "dense" and r["valid"] for r in rows):
+    sparse = [r for r in rows if r["mode"] != "dense" and r["valid"]]
+    if args.dense is not None and sparse and all(r["kept"] is None for r in sparse):
         raise CLIError(f"--dense {args.dense}: no 2:4 layer of {path} matched a weight in it by name and shape")
     print(f"{_prog()} inspect {path}" + (f" (config.json: sparse24 format {section.get('format_version')}, "
                                          f"{len(section.get('layers', {}))} 2:4 layer(s) listed)" if section else ""))
