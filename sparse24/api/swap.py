@@ -65,7 +65,8 @@ from ..format import Sparse24Tensor
 from ..masks import kept_magnitude_fraction
 from ..nn import Sparse24Linear
 from ..nn.masking import _REPLACED, note_replaced
-from ..nn.prepare import _check_mode, _linear_weight, _prepare, describe_quant, is_conv1d, quant_options, sparser_note
+from ..nn.prepare import (_check_mode, _linear_weight, _prepare, check_finite_bias, describe_quant, is_conv1d,
+                          quant_options, sparser_note)
 from .guard import check_calibration, record_after_change, require_sparse_layers
 from .report import LayerReport, SparsifyReport
 from .walk import (MIN_FEATURES, FilterFn, _after_change, _check_foreign_quantization, _child_slots, _direct_readers,
@@ -408,9 +409,7 @@ def compress_(model: nn.Module, quantize: str | None = None, trainable_values: b
         try:
             if m.mode == "masked":
                 check_finite(m.weight)
-            if m.bias is not None:   # (load_state_dict refuses a checkpoint with a non-finite bias)
-                check_finite(m.bias.detach(), "bias", "it would spread to every output, and load_state_dict "
-                             "refuses a checkpoint holding it")
+            check_finite_bias(m.bias)
             packed[fqn] = given[fqn] if fqn in given else m._compressed_form(quant)
         except (ValueError, TypeError) as e:
             raise type(e)(f"compress_: layer {fqn!r}: {e} (nothing was changed)") from e

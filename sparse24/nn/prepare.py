@@ -83,6 +83,14 @@ def linear_shape(module) -> tuple[int, int]:
     return module.out_features, module.in_features
 
 
+def check_finite_bias(bias: torch.Tensor | None) -> None:
+    """ValueError for a bias with NaN or inf (load_state_dict refuses a checkpoint holding one, so a layer
+    made from it could not be saved and loaded back); None passes."""
+    if bias is not None:
+        check_finite(bias.detach(), "bias", "it would spread to every output, and load_state_dict refuses "
+                     "a checkpoint holding it")
+
+
 def _linear_weight(layer) -> torch.Tensor:
     """The ``(R, C)`` weight of an ``nn.Linear`` or ``Conv1D`` (a transposed view for Conv1D), detached."""
     w = layer.weight.detach()
@@ -230,9 +238,7 @@ def _prepare(linear, mask, mode, method, quant: dict, calibration, trainable_val
         p = _placeholder(R, C, w.dtype, quant, "meta") if mode == "compressed" else None
         return _Prepared(None, torch.empty(R, C, dtype=torch.bool, device="meta"), p, pending)
     check_finite(w)
-    if linear.bias is not None:   # (a checkpoint with a non-finite bias is refused on load: refuse it here)
-        check_finite(linear.bias.detach(), "bias", "it would spread to every output, and load_state_dict refuses "
-                     "a checkpoint holding it")
+    check_finite_bias(linear.bias)
     if mask is None:
         new_w, mask = _prune_weight(w, method, calibration, **mask_kwargs)
     else:

@@ -374,11 +374,9 @@ def lookup(M: int, N: int, K: int, dtype: str, gpu_name: str, capability: tuple[
                 and _fills(f["default"], builtin, M, N, K, num_sms):
             return Choice(f["default"], "file-default", f"default of {f['path']}")
     if kernel == "prefill":
-        from .linear24.prefill import prefill_config, prefill_pair
-        return Choice(prefill_config(max(M, DECODE_M + 1), N, K, num_sms, prefill_pair(dtype),
-                                     dtype.endswith("float32"), shared_memory,
-                                     None if capability is None else tuple(capability)),
-                      "builtin", "the prefill kernel's untuned config (no tuned prefill config for this GPU)")
+        from .linear24.prefill import untuned_prefill
+        return Choice(untuned_prefill(M, N, K, dtype, num_sms, shared_memory, capability), "builtin",
+                      "the prefill kernel's untuned config (no tuned prefill config for this GPU)")
     return Choice(builtin, "builtin", "built-in untuned config (no tuned config of this layout for this GPU)")
 
 

@@ -42,7 +42,7 @@ from ..config_space import (DECODE_M, LAYOUT_KERNEL, SPLIT_K_MAX_M, KernelConfig
 from .. import config_store
 from ..config_store import get_choice, get_config, on_clear
 from .naive import check_linear_args
-from .prefill import natural_tile, prefill_config, prefill_pair
+from .prefill import natural_tile, untuned_prefill
 
 __all__ = ["linear_triton", "linear_prefill", "check_triton_args", "kernel_call", "aot_compile", "layout_of",
            "target_dtype", "kernels_run_on", "kernel_refusal",
@@ -195,9 +195,7 @@ def _prefill_default(device: torch.device, dtype: str, M: int, N: int, K: int) -
     if choice.kind != "builtin":
         return choice.config
     info = config_store.device_info(device)
-    return prefill_config(max(M, DECODE_M + 1), N, K, info.num_sms, prefill_pair(dtype), dtype.endswith("float32"),
-                          config_store.shared_memory_limit(info),
-                          None if info.capability is None else tuple(info.capability))
+    return untuned_prefill(M, N, K, dtype, info.num_sms, config_store.shared_memory_limit(info), info.capability)
 
 
 on_clear(_prefill_default.cache_clear)

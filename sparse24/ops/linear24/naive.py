@@ -111,6 +111,13 @@ def linear_reference(x: torch.Tensor, p: Sparse24Tensor | DecodePacked,
     return out
 
 
+def grad_rows(grad_y: torch.Tensor, N: int) -> torch.Tensor:
+    """``grad_y`` ``(..., N)`` as ``(M, N)`` rows. Not -1: ambiguous for a layer of 0 outputs; math.prod,
+    not Size.numel(): traced (compiled training), numel() made the rows a constant and every new batch or
+    sequence length compiled again."""
+    return grad_y.reshape(math.prod(grad_y.shape[:-1]), N)
+
+
 def linear_backward_reference(grad_y: torch.Tensor, x: torch.Tensor | None, p: Sparse24Tensor,
                               need_x: bool, need_values: bool, need_bias: bool, bias_dtype=None):
     """Gradients of ``y = x @ W^T + b`` for a compressed W, a block of weight rows at a time.
@@ -122,9 +129,7 @@ def linear_backward_reference(grad_y: torch.Tensor, x: torch.Tensor | None, p: S
         ``(grad_x (..., K), grad_values (N, K/2) at the kept slots, grad_bias (N,))``, None where not needed.
     """
     N, K = p.shape
-    # not -1: ambiguous for a layer of 0 outputs; math.prod, not Size.numel(): traced (compiled training),
-    # numel() made the rows a constant and every new batch or sequence length compiled again
-    gy = grad_y.reshape(math.prod(grad_y.shape[:-1]), N)
+    gy = grad_rows(grad_y, N)
     grad_x = grad_values = grad_bias = None
     chunks = row_chunks(N, K, p.device, 128 if isinstance(p, DecodePacked) else 1)  # (whole decode blocks)
     # Out of place for one block of rows (most layers: nothing to accumulate) and for torch's batched

@@ -13,8 +13,6 @@ dispatch every caller goes through.
 """
 from __future__ import annotations
 
-import math
-
 import torch
 
 from ...decode_format import DecodePacked
@@ -22,7 +20,7 @@ from ...format import Sparse24Tensor, has_tangent
 from ..config_space import DECODE_M, decode_rows, dtype_key, m_bucket, sp_tunable
 from ..config_store import get_choice, measured_timings, on_clear
 from . import launch
-from .naive import check_linear_args, linear_backward_reference, linear_reference, on_jagged
+from .naive import check_linear_args, grad_rows, linear_backward_reference, linear_reference, on_jagged
 
 __all__ = ["linear", "choose_backend", "forward", "BACKENDS", "KERNEL_DTYPES"]
 
@@ -69,8 +67,7 @@ def _backward(ctx, grad_y):
     x, values, meta, scale, zero = ctx.saved_tensors
     need = ctx.needs_input_grad
     if not (need[0] or need[1]):   # the bias's gradient alone (no weight tensor saved)
-        gy = grad_y.reshape(math.prod(grad_y.shape[:-1]), ctx.shape[0])
-        grad_bias = gy.sum(0).to(ctx.bias_dtype) if need[5] else None
+        grad_bias = grad_rows(grad_y, ctx.shape[0]).sum(0).to(ctx.bias_dtype) if need[5] else None
         return None, None, None, None, None, grad_bias, None, None, None, None
     if need[1] and values.dim() != 2:
         raise RuntimeError("gradients for the kept values need layout v1 (trainable values stay in layout v1)")

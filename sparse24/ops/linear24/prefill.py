@@ -66,6 +66,15 @@ _TILES = ((128, 128, 64, 8, 2, 0.5), (128, 64, 64, 4, 2, 0.0), (64, 64, 128, 4, 
 FEW_ROWS_STAGES, FEW_ROWS_PER_SM = 3, 3
 
 
+def untuned_prefill(M: int, N: int, K: int, dtype: str, num_sms: int, shared_memory: int | None,
+                    capability) -> KernelConfig:
+    """:func:`prefill_config` for a dtype key (``"float16"``, ``"int8-bfloat16"``, ...) at ``M`` rows (taken as
+    17 below that) on a GPU of ``num_sms`` SMs, ``shared_memory`` bytes per block and ``capability`` (or None):
+    what a launch without a tuned prefill config runs, and what the store reports for it."""
+    return prefill_config(max(M, DECODE_M + 1), N, K, num_sms, prefill_pair(dtype), dtype.endswith("float32"),
+                          shared_memory, None if capability is None else tuple(capability))
+
+
 @functools.lru_cache(maxsize=4096)
 def prefill_config(M: int, N: int, K: int, num_sms: int = 132, pair: str = "float16", fp32_x: bool = False,
                    shared_memory: int | None = None, capability: tuple[int, int] | None = None) -> KernelConfig:
