@@ -13,8 +13,8 @@
 Both work on the ``torch.nn.Linear`` (and Hugging Face ``Conv1D``) layers of a model,
 chosen as :func:`sparse24.sparsify_` chooses them: ``filter_fn(module, fqn) -> bool``,
 never a weight shared with another module (GPT-2's ``lm_head`` is the token embedding),
-the output head kept dense unless ``skip_output_head=False``; what they leave out is in
-their ``skipped``. They keep the dense weights as ordinary parameters, so any optimizer
+the output head kept dense unless ``skip_output_head=False``, MoE routers and the parts of a PEFT
+adapter layer left alone; what they leave out is in their ``skipped``. They keep the dense weights as ordinary parameters, so any optimizer
 works unchanged. The paper's own recipe (prune
 once, retrain with the mask frozen) is ``sparsify_`` plus an unchanged training
 run; see ``scripts/example_prune_retrain.py``.
@@ -29,7 +29,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from ._checks import check_finite, check_model
-from .api.walk import EXCLUDED_BY, _is_linear, _moe_routers, _output_heads, _shared_weights, _tied_or_head
+from .api.walk import EXCLUDED_BY, _is_linear, _kept_dense, _shared_weights, _tied_or_head
 from .format import mask_nm
 from .nn import is_conv1d, linear_shape
 from .learn import distill_, learn_masks
@@ -59,7 +59,7 @@ def _linear_layers(model: nn.Module, filter_fn: FilterFn | None, m: int | None, 
     ``in_features % m == 0`` (ValueError naming it)."""
     check_model(model, filter_fn, f"{who}: ")
     try:
-        heads = {**_output_heads(model, skip_output_head), **_moe_routers(model)}   # (sparsify_'s rules)
+        heads = _kept_dense(model, skip_output_head)   # sparsify_'s rules: head, MoE routers, PEFT layers' parts
     except (TypeError, ValueError) as e:
         raise type(e)(f"{who}: {e}") from e
     shared = _shared_weights(model)

@@ -174,6 +174,23 @@ def test_filter_fn_selects_layers():
     assert bool((model[4].weight != 0).all())
 
 
+
+@pytest.mark.parametrize("recipe", ["gradual", "srste"])
+def test_recipes_leave_peft_adapter_layers_alone_as_sparsify_does(recipe):
+    # a LoRA layer's adapters (and its base, which PEFT's merge writes densely) are no layers to prune
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(0)
+    pm = peft.get_peft_model(nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 8)),
+                             peft.LoraConfig(target_modules=["0"], r=4, init_lora_weights=False))
+    before = {k: v.detach().clone() for k, v in pm.state_dict().items() if ".0." in k}
+    p = GradualPruner(pm, 0.5, end_step=1, frequency=1) if recipe == "gradual" else SRSTE(pm)
+    assert [k for k, _ in p.layers] == ["base_model.model.2"]
+    assert all("PEFT adapter layer" in why for k, why in p.skipped.items() if ".0." in k)
+    if recipe == "gradual":
+        p.step(1)
+    after = {k: v for k, v in pm.state_dict().items() if ".0." in k}
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+
 # --- SR-STE ---------------------------------------------------------------------
 
 def tiny_layer():
