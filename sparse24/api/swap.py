@@ -64,7 +64,7 @@ from .._rollback import TensorBackup
 from ..format import Sparse24Tensor
 from ..masks import kept_magnitude_fraction
 from ..nn import Sparse24Linear
-from ..nn.masking import _REPLACED, note_replaced
+from ..nn.masking import note_replaced
 from ..nn.prepare import (_check_mode, _linear_weight, _prepare, check_finite_bias, describe_quant, is_conv1d,
                           quant_options, sparser_note)
 from .guard import check_calibration, record_after_change, require_sparse_layers
@@ -268,9 +268,7 @@ def _note_replaced(old: nn.Module, new: Sparse24Linear, undo: _Undo) -> None:
     (``from_linear``) leaves the Conv1D the model's, its weight the one to train."""
     if not (is_conv1d(old) and new.mode == "masked"):
         return
-    w, before = old.weight, _REPLACED.get(old.weight)
-    note_replaced(w, old.bias)
-    undo.add(lambda: _REPLACED.pop(w, None) if before is None else _REPLACED.__setitem__(w, before))
+    undo.add(note_replaced(old.weight, old.bias))
 
 
 def _optimizer_moves(optimizer, pairs) -> list[Callable[[_Undo], None]]:

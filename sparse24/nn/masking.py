@@ -12,6 +12,7 @@ model's optimizer checkpoint loaded after ``sparsify_``)."""
 from __future__ import annotations
 
 import weakref
+from typing import Callable
 
 import torch
 from torch import nn
@@ -75,10 +76,13 @@ def same_view(key: tuple, t: torch.Tensor) -> bool:
     return key[0]() is t.untyped_storage() and key[1] == t.data_ptr() and key[2] == t.stride()
 
 
-def note_replaced(old_weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-    """Record that a masked layer sharing ``bias`` is being built to replace ``old_weight`` (see _REPLACED)."""
+def note_replaced(old_weight: torch.Tensor, bias: torch.Tensor | None) -> Callable[[], None]:
+    """Record that a masked layer sharing ``bias`` is being built to replace ``old_weight`` (see _REPLACED);
+    returns what undoes the record."""
+    before = _REPLACED.get(old_weight)
     if bias is not None:
         _REPLACED[old_weight] = weakref.ref(bias)
+    return lambda: _REPLACED.pop(old_weight, None) if before is None else _REPLACED.__setitem__(old_weight, before)
 
 
 def _stepped_pairs(optimizer, sharded_only: bool = False):
