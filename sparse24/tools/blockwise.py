@@ -23,8 +23,10 @@ model). No copy of the block is kept to undo a failure (the output folder is dis
 Tensors are read one at a time from memory-mapped shards, each file closed after its read, so
 no shard is ever resident whole.
 Supported: Llama-shaped decoders (``model.model.layers``, an ``nn.Embedding`` ``embed_tokens``,
-``rotary_emb``; tested: Llama, Qwen2/3, Gemma 1-3, gpt-oss) whose forward passes each block's output
-straight to the next.
+``rotary_emb``; tested: Llama, Qwen2/3, Gemma 1-3, gpt-oss, EXAONE) whose forward passes each block's output
+straight to the next. Stored names are matched to the model's as transformers renames them on load
+(:func:`~sparse24.tools.hf_folder.stored_names`: EXAONE's Hub folders keep ``transformer.h.*``), and written
+in the model's own, as :func:`~sparse24.tools.hf_folder.prune_folder` writes them.
 """
 from __future__ import annotations
 
@@ -45,7 +47,7 @@ from ..nn import Sparse24Linear, compressed_entries, quant_options
 from .checkpoint import (check_shards, dense_row, exclude_pattern, is_weight_matrix, output_folder, partial_folder,
                          quant_label)
 from .cli_common import exclude_filter, exclude_reason
-from .hf_folder import NOT_SWAPPED, _finish_folder, _shards, _skeleton, prune_folder
+from .hf_folder import NOT_SWAPPED, _finish_folder, _shards, _skeleton, prune_folder, stored_names
 from .prune_calibrated import _SAFETENSORS_DTYPES
 
 __all__ = ["prune_folder_blockwise", "CALIBRATED"]
@@ -255,10 +257,12 @@ def prune_folder_blockwise(src: str | os.PathLike, dst: str | os.PathLike, batch
     outside = [f for f in layers if not f.startswith("model.layers.")]
     if outside:
         raise ValueError(f"layers outside the decoder blocks cannot be pruned block by block: {outside[:3]}")
-    # module state key -> (checkpoint key, shard): checkpoint keys may lack the base model's prefix
-    names, shard_of = set(model.state_dict()), {src / s: s for s in shards}
-    where = {(key if key in names else f"{model.base_model_prefix}.{key}"): (key, shard_of[f])
-             for key, (_, _, f) in headers.items()}
+    # module state key -> (checkpoint key, shard), as transformers renames on load: checkpoint keys may lack
+    # the base model's prefix, or be a family's older Hub names (EXAONE's transformer.h.*); those are written
+    # under the model's own names, as prune_folder writes them
+    names = stored_names(model, headers, {f + ".weight" for f in layers}, src)
+    shard_of = {src / s: s for s in shards}
+    where = {names[key][0]: (key, shard_of[f]) for key, (_, _, f) in headers.items()}
     _check_entries(model, where, headers)
     table = _read(src, where["model.embed_tokens.weight"][1], where["model.embed_tokens.weight"][0])
     hidden, arguments = _block_arguments(model, body, config, table, batches)
@@ -296,7 +300,7 @@ def prune_folder_blockwise(src: str | os.PathLike, dst: str | os.PathLike, batch
             nbytes += _write(rest, tmp, f"model-block-{i:05d}.safetensors", weight_map)
             del rest
             _return_freed_memory()
-        nbytes += _copy_rest(src, tmp, where, weight_map)
+        nbytes += _copy_rest(src, tmp, where, {key: kept_as for key, (_, kept_as) in names.items()}, weight_map)
         _finish_folder(src, tmp, dst, shards, weight_map, config, plan, {"total_size": nbytes})
     return _with_dense_rows(rows, headers, where, report, exclude) if all_weights else rows
 
@@ -373,8 +377,9 @@ def _write(tensors: dict, folder: Path, name: str, weight_map: dict) -> int:
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
-def _copy_rest(src: Path, tmp: Path, where: dict, weight_map: dict) -> int:
-    """Every checkpoint tensor outside the decoder blocks, unchanged, one output shard each."""
+def _copy_rest(src: Path, tmp: Path, where: dict, kept_as: dict, weight_map: dict) -> int:
+    """Every checkpoint tensor outside the decoder blocks, unchanged, one output shard each, stored under
+    ``kept_as[key]`` (:func:`~sparse24.tools.hf_folder.stored_names`)."""
     outside = sorted((k, v) for k, v in where.items() if not k.startswith("model.layers."))
-    return sum(_write({key: _read(src, shard, key)}, tmp, f"model-other-{j:05d}.safetensors", weight_map)
+    return sum(_write({kept_as[key]: _read(src, shard, key)}, tmp, f"model-other-{j:05d}.safetensors", weight_map)
                for j, (_, (key, shard)) in enumerate(outside))

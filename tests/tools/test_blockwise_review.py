@@ -31,6 +31,8 @@ MODELS = {
     "gpt-oss": lambda: T.GptOssForCausalLM(T.GptOssConfig(  # experts are no nn.Linear: attention pruned only
         **{**SMALL, "intermediate_size": 64}, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
         sliding_window=4, layer_types=["sliding_attention", "full_attention"])),
+    # a Llama whose Hub folders keep EXAONE's older names (transformer.h.*.attn.attention.*), renamed on load
+    "exaone": lambda: T.AutoModelForCausalLM.from_config(T.AutoConfig.for_model("exaone", **SMALL)),
 }
 BATCHES = [torch.randint(3, 96, (2, 12), generator=torch.Generator().manual_seed(s)) for s in range(2)]
 
@@ -54,6 +56,12 @@ def test_blockwise_equals_in_memory_beyond_llama(tmp_path, name):
     for fqn, r in results.items():
         for n, t in compress(r.weight, r.mask).state_tensors().items():
             assert torch.equal(stored[f"{fqn}.{n}"], t), (fqn, n)
+    # the folder loads as the model it was pruned from, with every tensor left dense unchanged
+    out = sparse24.from_pretrained(type(ref), tmp_path / "out", dtype=torch.float32)
+    state = out.state_dict()
+    for k, t in ref.state_dict().items():
+        if k[:-len(".weight")] not in results:
+            assert torch.equal(state[k], t), k
 
 
 def test_blockwise_memory_script_runs(tmp_path, capsys):
