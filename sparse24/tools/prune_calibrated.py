@@ -303,8 +303,9 @@ def prune_folder_calibrated(src: Path, dst: Path, args) -> tuple[list[dict], str
     skipped = {r.fqn + ".weight": exclude_reason(r.reason, args.exclude) for r in plan.skipped}
     state = model.state_dict()
     rows = []
-    for key, (shape, dtype) in _stored_tensors(src, shards).items():
-        t = torch.empty(shape, dtype=dtype, device="meta")
+    for key, (dtype, shape, _) in headers.items():
+        # other dtypes (float8, ...): no weight matrix sparse24 prunes, so not counted as one
+        t = torch.empty(tuple(shape), dtype=_SAFETENSORS_DTYPES.get(dtype, torch.uint8), device="meta")
         if not is_weight_matrix(key, t):
             continue
         # the model's name for it (see stored_names)
@@ -337,20 +338,6 @@ def _transformers_bars(progress: bool):
     finally:
         if was:
             logging.enable_progress_bar()
-
-
-def _stored_tensors(folder: Path, shards: list[str]) -> dict:
-    """``{key: (shape, dtype)}`` of every tensor in the shards (headers only)."""
-    from safetensors import safe_open
-
-    out = {}
-    for shard in shards:
-        with safe_open(folder / shard, framework="pt") as f:
-            for key in f.keys():
-                sl = f.get_slice(key)
-                # other dtypes (float8, ...): no weight matrix sparse24 prunes, so not counted as one
-                out[key] = (tuple(sl.get_shape()), _SAFETENSORS_DTYPES.get(sl.get_dtype(), torch.uint8))
-    return out
 
 
 _SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
