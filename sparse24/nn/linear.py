@@ -648,6 +648,11 @@ class Sparse24Linear(LayoutMixin, StateDictMixin, nn.Module):
         the compressed tensors (``torch.ops.sparse24.linear``; the graph reads the module's tensors)."""
         if self._mode == "masked":
             return F.linear(x, torch.where(self.mask, self.weight, 0), self.bias)
+        if isinstance(x, torch.fx.Proxy) and getattr(x.tracer, "root", None) is self:
+            # the GraphModule built from a traced root copies its buffers, and its own `meta` dict then
+            # fails on ours (a bare TypeError from torch after the whole trace)
+            raise TypeError("torch.fx.symbolic_trace of a compressed Sparse24Linear alone: its 'meta' buffer "
+                            "clashes with GraphModule.meta; trace a module holding it (nn.Sequential(layer))")
         return torch.ops.sparse24.linear(x, self.values, self.meta, self.scale, self.zero, self.bias, self._dtype,
                                          "auto", self.out_features, self._group_size or 0)
 

@@ -187,6 +187,16 @@ def test_fx_symbolic_trace_of_a_sparsified_model(mode, quantize, layout, dtype):
         torch.testing.assert_close(gm(x), y, rtol=0, atol=0)
 
 
+
+def test_fx_symbolic_trace_of_a_bare_layer_traces_or_says_why():
+    x = torch.randn(3, 64, dtype=torch.float64)
+    masked = Sparse24Linear.from_linear(dense(32, 64, torch.float64))
+    torch.testing.assert_close(torch.fx.symbolic_trace(masked)(x), masked(x), rtol=0, atol=0)
+    compressed = Sparse24Linear.from_linear(dense(32, 64, torch.float64), mode="compressed")
+    # (torch's own error came after the trace: "cannot assign 'dict' as buffer 'meta'")
+    with pytest.raises(TypeError, match="trace a module holding it"):
+        torch.fx.symbolic_trace(compressed)
+
 # -- 7: compressed mode's mixed dtypes (documented: Sparse24Linear.forward, docs/modules.md) --
 
 def test_compressed_mode_casts_an_x_of_another_dtype_where_masked_mode_raises():
