@@ -14,6 +14,7 @@ from typing import Callable
 import torch
 from torch import nn
 from torch.nn.parameter import is_lazy
+from torch.nn.utils import parametrize
 
 from ..nn import Sparse24Linear, compressed_nbytes, is_conv1d, linear_shape, memory_nbytes
 from ..nn.sharded import is_dtensor
@@ -436,8 +437,8 @@ def _not_handled(fqn: str, mod: nn.Module) -> LayerReport | None:
         return LayerReport(fqn, (), lazy.dtype, "skipped",
                            reason=f"not handled: {type(mod).__name__}: lazy, not materialized: run a forward pass "
                                   "first")
-    if _is_linear(mod) or isinstance(mod, Sparse24Linear):
-        return None
+    if _is_linear(mod) or isinstance(mod, Sparse24Linear) or isinstance(mod, parametrize.ParametrizationList):
+        return None   # (a ParametrizationList: its owner's line says why it is left alone)
     mats = [(n, p) for n, p in mod._parameters.items() if p is not None and p.dim() >= 2]
     if not mats:
         return None
@@ -470,8 +471,10 @@ def _skip_reason(fqn, mod, filter_fn, min_features, shared, readers, heads, meth
     if not fqn:
         return "the model itself is this Linear (no parent to swap it in); use Sparse24Linear.from_linear"
     if not _swappable(mod):
-        if torch.nn.utils.parametrize.is_parametrized(mod):
-            return "weight is parametrized (e.g. SR-STE, weight_norm); remove the parametrization first"
+        if parametrize.is_parametrized(mod):
+            names = " and ".join(mod.parametrizations.keys())
+            return (f"{names} {'is' if len(mod.parametrizations) == 1 else 'are'} parametrized (e.g. SR-STE, "
+                    "weight_norm); remove the parametrization first")
         return f"{type(mod).__name__} subclasses nn.Linear and may change its forward; not swapped"
     if filter_fn is not None and not filter_fn(mod, fqn):
         return EXCLUDED_BY

@@ -253,6 +253,17 @@ def test_reparametrized_layer_refused_by_name(call, how):
     assert model[0].mode == "masked"
 
 
+
+@pytest.mark.parametrize("names", [["bias"], ["weight"], ["weight", "bias"]])
+def test_sparsify_names_what_is_parametrized(names):
+    model = nn.Sequential(nn.Linear(D, D), nn.ReLU(), nn.Linear(D, D))
+    for n in names:
+        parametrize.register_parametrization(model[0], n, _Scale())
+    report = sparse24.sparsify_(model, skip_output_head=False)
+    why = {r.fqn: r.reason for r in report.skipped}
+    assert why["0"].startswith(f"{' and '.join(names)} {'is' if len(names) == 1 else 'are'} parametrized"), why
+    assert not any("parametrizations" in fqn for fqn in why), why   # (no second line for torch's own module)
+
 # --- 4. lazy modules are reported, not a crash --------------------------------------------------------------
 
 @pytest.mark.parametrize("lazy", [lambda: nn.LazyLinear(D), lambda: nn.LazyConv1d(8, 3)], ids=["Linear", "Conv1d"])
