@@ -415,12 +415,14 @@ class Sparse24Tensor:
         return _unpack_nibbles(self.values)
 
     def _dequantized(self, rows: slice) -> torch.Tensor:
-        """Kept values of ``rows`` as stored (unquantized) or dequantized in float32."""
+        """Kept values of ``rows`` as stored (unquantized) or dequantized in float32 (an INT8 float64
+        weight's in float64: ``q * scale`` is exact there, not in float32; INT4's is exact in float32)."""
         values = self.values[rows]
         if self.scale is None:
             return values
         if self.group_size is None:
-            return values.float() * self.scale[rows, None]
+            wide = torch.float64 if self.dtype == torch.float64 else torch.float32
+            return values.to(wide) * self.scale[rows, None].to(wide)
         zero = 8.0 if self.zero is None else self._per_value(self.zero[rows]).float()
         return (_unpack_nibbles(values).float() - zero) * self._per_value(self.scale[rows]).float()
 

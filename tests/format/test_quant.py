@@ -33,6 +33,19 @@ def test_quantize_matches_spec(dtype, gen):
     assert bool((deq[p.to_dense() == 0] == 0).all())  # pruned entries stay exactly zero
 
 
+
+def test_float64_int8_dequantizes_exactly(gen):
+    # q * scale (int8 times a float32 scale) is exact in float64: a float64 weight dequantized in float32
+    # was off that grid by up to 3e-8 relative
+    w = torch.randn(32, 64, generator=gen, dtype=torch.float64)
+    q = sparse24.compress(w, quantize="int8")
+    kept = sparse24.compress(w).to_dense() != 0
+    exact = torch.zeros_like(w)
+    exact[kept] = (q.values.double() * q.scale.double()[:, None]).flatten()   # (kept values row-major, in order)
+    assert torch.equal(q.to_dense(), exact)
+    x = torch.randn(5, 64, generator=gen, dtype=torch.float64)
+    torch.testing.assert_close(sparse24.linear(x, q), x @ exact.t(), rtol=1e-13, atol=1e-13)
+
 def test_compress_quantize_option_and_storage(gen):
     w = torch.randn(64, 128, generator=gen).half()
     q = sparse24.compress(w, quantize="int8")
