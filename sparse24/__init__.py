@@ -27,7 +27,7 @@ _LAZY = {
     "calibrate": "masks", "search_permutation": "masks", "apply_permutation": "masks",
     "kept_magnitude_fraction": "masks", "prune_nm": "masks", "PruneResult": "masks",
     "sparsegpt_prune": "masks", "reconstruct_weight": "masks", "prune_layerwise_": "masks", "LayerStats": "masks",
-    "GradualPruner": "recipes", "SRSTE": "recipes",
+    "GradualPruner": "recipes", "SRSTE": "recipes", "ema_multi_avg_fn": "recipes",
     "learn_masks": "learn", "distill_": "learn", "LearnableMask": "masks",
     "mean_pool": "evaluate", "sentence_embeddings": "evaluate", "embedding_fidelity": "evaluate",
     "bits_per_char": "evaluate",

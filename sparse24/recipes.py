@@ -9,19 +9,23 @@
 * :func:`learn_masks` and :func:`distill_` (defined in :mod:`sparse24.learn`,
   re-exported here): learned 2:4 masks (MaskLLM) and the frozen-mask
   distillation recipe for pretrained models.
+* :func:`ema_multi_avg_fn`: the EMA for ``torch.optim.swa_utils.AveragedModel``
+  of a model with compressed layers (whose integer tensors torch's own average corrupts).
 
 Both work on the ``torch.nn.Linear`` (and Hugging Face ``Conv1D``) layers of a model,
 chosen as :func:`sparse24.sparsify_` chooses them: ``filter_fn(module, fqn) -> bool``,
-never a weight shared with another module (GPT-2's ``lm_head`` is the token embedding),
-the output head kept dense unless ``skip_output_head=False``, MoE routers and the parts of a PEFT
-adapter layer left alone; what they leave out is in their ``skipped``. They keep the dense weights as ordinary parameters, so any optimizer
-works unchanged. The paper's own recipe (prune
-once, retrain with the mask frozen) is ``sparsify_`` plus an unchanged training
-run; see ``scripts/example_prune_retrain.py``.
+none smaller than ``min_features`` (default ``sparse24.api.MIN_FEATURES``, as sparsify_, which would
+leave them dense), never a weight shared with another module (GPT-2's ``lm_head`` is the token
+embedding), the output head kept dense unless ``skip_output_head=False``, MoE routers and the parts
+of a PEFT adapter layer left alone; what they leave out is in their ``skipped``. They keep the dense
+weights as ordinary parameters, so any optimizer works unchanged. The paper's own recipe (prune
+once, retrain with the mask frozen) is ``sparsify_`` plus an unchanged training run; see
+``scripts/example_prune_retrain.py``.
 """
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Callable
 
 import torch
@@ -29,12 +33,13 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from ._checks import check_finite, check_model
-from .api.walk import EXCLUDED_BY, _is_linear, _kept_dense, _shared_weights, _tied_or_head
+from .api.walk import (EXCLUDED_BY, MIN_FEATURES, _is_linear, _kept_dense, _shared_weights, _tied_or_head, _too_small,
+                       check_min_features)
 from .format import mask_nm
 from .nn import is_conv1d, linear_shape
 from .learn import distill_, learn_masks
 
-__all__ = ["GradualPruner", "SRSTE", "learn_masks", "distill_"]
+__all__ = ["GradualPruner", "SRSTE", "ema_multi_avg_fn", "learn_masks", "distill_"]
 
 FilterFn = Callable[[nn.Module, str], bool]
 
@@ -52,12 +57,16 @@ def _parse_nm(nm) -> tuple[int, int]:
 
 
 def _linear_layers(model: nn.Module, filter_fn: FilterFn | None, m: int | None, who: str,
-                   skip_output_head) -> tuple[list[tuple[str, nn.Module]], dict[str, str]]:
+                   skip_output_head, min_features: int) -> tuple[list[tuple[str, nn.Module]], dict[str, str]]:
     """The ``nn.Linear`` / ``Conv1D`` layers of ``model`` a recipe prunes, by sparsify_'s rules
-    (``filter_fn``, no shared weight, the output head per ``skip_output_head``), and
-    ``{fqn: why}`` for those left out. With an N:M target each layer must have
-    ``in_features % m == 0`` (ValueError naming it)."""
+    (``filter_fn``, ``min_features``, no shared weight, the output head per ``skip_output_head``), and
+    ``{fqn: why}`` for those left out. Each layer's weight must be a Parameter of the layer, and with
+    an N:M target ``in_features % m == 0`` (ValueError naming it)."""
     check_model(model, filter_fn, f"{who}: ")
+    try:
+        check_min_features(min_features)
+    except ValueError as e:
+        raise ValueError(f"{who}: {e}") from None
     try:
         heads = _kept_dense(model, skip_output_head)   # sparsify_'s rules: head, MoE routers, PEFT layers' parts
     except (TypeError, ValueError) as e:
@@ -69,7 +78,7 @@ def _linear_layers(model: nn.Module, filter_fn: FilterFn | None, m: int | None, 
             continue
         if filter_fn is not None and not filter_fn(mod, fqn):
             skipped[fqn] = EXCLUDED_BY
-        elif why := _tied_or_head(fqn, mod, shared, heads):
+        elif why := _too_small(mod, min_features) or _tied_or_head(fqn, mod, shared, heads):
             skipped[fqn] = why
         else:
             layers.append((fqn, mod))
@@ -79,7 +88,16 @@ def _linear_layers(model: nn.Module, filter_fn: FilterFn | None, m: int | None, 
                          "Conv1D)" + (f"; skipped: {why}" if why else ""))
     for fqn, mod in layers:
         if parametrize.is_parametrized(mod, "weight"):
-            raise ValueError(f"{who}: layer {fqn!r} already has a parametrized weight (SR-STE applied twice?)")
+            raise ValueError(f"{who}: layer {fqn!r} already has a parametrized weight (SR-STE applied twice? "
+                             "weight_norm, spectral_norm: remove the parametrization first)")
+        w = mod._parameters.get("weight")
+        if not isinstance(w, nn.Parameter) or mod.weight is not w:
+            # what we would prune is a temporary its forward rebuilds: the layer would never be pruned
+            raise ValueError(f"{who}: layer {fqn!r}: its weight is a computed tensor ({type(mod.weight).__name__}, "
+                             "not a Parameter of the layer: e.g. torch.nn.utils.prune's weight_orig * weight_mask "
+                             "or torch.nn.utils.weight_norm, which a forward pre-hook rebuilds at every forward); "
+                             "make it a Parameter again first (torch.nn.utils.prune.remove(layer, 'weight'), "
+                             "torch.nn.utils.remove_weight_norm(layer)) or exclude the layer with filter_fn")
         if m is not None and linear_shape(mod)[1] % m:
             raise ValueError(f"{who}: layer {fqn!r} has in_features={linear_shape(mod)[1]}, not divisible by m={m}; "
                              "exclude it with filter_fn")
@@ -89,6 +107,23 @@ def _linear_layers(model: nn.Module, filter_fn: FilterFn | None, m: int | None, 
 def _rc(w: torch.Tensor, layer: nn.Module) -> torch.Tensor:
     """``w`` (a layer's weight or gradient) as ``(out, in)``: a view of a Conv1D's ``(in, out)`` one."""
     return w.t() if is_conv1d(layer) else w
+
+
+class _MaskGrad:
+    """A :class:`GradualPruner`'s gradient hook on one weight: zero where the pruner's current mask prunes
+    (nothing before its first pruning step). Holds the pruner weakly, so that a pruner nothing else
+    references is freed (and removes its hooks)."""
+
+    def __init__(self, pruner: "GradualPruner", fqn: str, transposed: bool):
+        self.pruner, self.fqn, self.transposed = weakref.ref(pruner), fqn, transposed
+
+    def __call__(self, grad: torch.Tensor) -> torch.Tensor | None:
+        pruner = self.pruner()
+        if pruner is None or pruner._pruned_k < 0:
+            return None
+        mask = pruner.masks[self.fqn]
+        # (not grad * mask: an inf gradient at a pruned position would become NaN)
+        return grad.masked_fill(~(mask.t() if self.transposed else mask), 0)
 
 
 class GradualPruner:
@@ -105,6 +140,15 @@ class GradualPruner:
     the pruned weights after every optimizer step so the model is exactly
     sparse at every forward. Nothing is pruned before ``start_step``. Pruning
     is monotone: a pruned weight stays pruned.
+
+    The gradient of each selected weight is masked too (a hook on the weight
+    Parameter, reading the current masks): zero at pruned positions, as in the
+    paper's masked forward (and ``torch.nn.utils.prune``), so gradient clipping
+    and the optimizer's moments see only the kept weights. The hooks go with
+    :meth:`remove` (call it when done, e.g. before ``sparsify_``, which masks on
+    its own) or with the pruner itself once nothing references it; a second
+    pruner on the same layers takes them over, a deep copy of the model and the
+    pruner hooks the copy's weights.
 
     Targets:
 
@@ -129,9 +173,13 @@ class GradualPruner:
         initial_sparsity: ``s_i`` in ``[0, s_f]``.
         scope: ``"layer"`` or ``"global"``.
         filter_fn: ``(module, fqn) -> bool`` choosing layers; default all ``nn.Linear`` and
-            Hugging Face ``Conv1D`` but weights shared with another module (tied) and the output head.
+            Hugging Face ``Conv1D`` but weights shared with another module (tied), the output head and
+            layers under ``min_features``.
         skip_output_head: as for :func:`sparse24.sparsify_`: ``True`` keeps the output head dense,
             ``False`` prunes it too, a name or list of names keeps those.
+        min_features: as for :func:`sparse24.sparsify_` (default ``sparse24.api.MIN_FEATURES``, 32):
+            a layer with fewer input or output features is left out (``sparsify_`` would leave it dense,
+            and retraining would revive its pruned weights); ``0`` prunes every layer.
     Attributes:
         masks: ``{fqn: (out, in) bool}``, True = kept (a ``Conv1D``'s too, its weight being ``(in, out)``).
         skipped: ``{fqn: why}``: the Linear / Conv1D layers left out.
@@ -146,7 +194,7 @@ class GradualPruner:
 
     def __init__(self, model: nn.Module, target=0.5, *, start_step: int = 0, end_step: int, frequency: int = 100,
                  initial_sparsity: float = 0.0, scope: str = "layer", filter_fn: FilterFn | None = None,
-                 skip_output_head=True):
+                 skip_output_head=True, min_features: int = MIN_FEATURES):
         who = "GradualPruner"
         if isinstance(target, float) and not isinstance(target, bool):
             if not 0.0 < target < 1.0:
@@ -167,12 +215,56 @@ class GradualPruner:
                              f"sparsity), got {initial_sparsity}")
         if scope not in ("layer", "global"):
             raise ValueError(f"{who}: scope must be 'layer' or 'global', got {scope!r}")
-        self.layers, self.skipped = _linear_layers(model, filter_fn, self.nm and self.nm[1], who, skip_output_head)
+        self.layers, self.skipped = _linear_layers(model, filter_fn, self.nm and self.nm[1], who, skip_output_head,
+                                                   min_features)
         self.start_step, self.end_step, self.frequency = start_step, end_step, frequency
         self.initial_sparsity, self.scope = float(initial_sparsity), scope
         self.masks = {fqn: torch.ones(linear_shape(lin), dtype=torch.bool, device=lin.weight.device)
                       for fqn, lin in self.layers}
         self._pruned_k = -1  # index k of the last pruning step t0 + k*dt applied
+        self._hooks = []
+        self._hook_weights()
+
+    def _hook_weights(self) -> None:
+        """Mask each selected weight's gradient (:class:`_MaskGrad`), once: another pruner's hook on it goes."""
+        for fqn, lin in self.layers:
+            w = lin.weight
+            if not w.is_floating_point():
+                continue
+            for key, fn in list((w._backward_hooks or {}).items()):
+                if isinstance(fn, _MaskGrad):   # a second pruner on the same layer takes it over
+                    del w._backward_hooks[key]
+            # A frozen weight too (torch refuses a hook on it, and keeps one across the toggle): a layer
+            # unfrozen later is masked as well.
+            frozen = not w.requires_grad
+            if frozen:
+                try:
+                    w.requires_grad_(True)
+                except RuntimeError:   # an inference tensor: it trains nothing
+                    continue
+            try:
+                self._hooks.append(w.register_hook(_MaskGrad(self, fqn, is_conv1d(lin))))
+            finally:
+                if frozen:
+                    w.requires_grad_(False)
+
+    def remove(self) -> None:
+        """Stop masking the gradients (remove the hooks); :meth:`step` still re-zeroes pruned weights."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    def __del__(self):
+        if "_hooks" in self.__dict__:   # (not when __init__ refused its arguments)
+            self.remove()
+
+    def __getstate__(self):   # (deep copy, pickle: hooks are not copied; the copy hooks its own weights)
+        return {k: v for k, v in self.__dict__.items() if k != "_hooks"}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._hooks = []
+        self._hook_weights()
 
     def sparsity_at(self, step: int) -> float:
         """The scheduled sparsity ``s_t`` at ``step`` (0 before ``start_step``,
@@ -389,10 +481,13 @@ class SRSTE:
         n, m: the pattern, ``1 <= n < m``; each selected layer needs ``in_features % m == 0``.
         decay: ``lambda_W >= 0``; the paper uses 2e-4 with SGD.
         filter_fn: ``(module, fqn) -> bool``; default all ``nn.Linear`` and ``Conv1D`` but weights
-            shared with another module (tied) and the output head.
+            shared with another module (tied), the output head and layers under ``min_features``.
         optimizer: the optimizer training the selected weights: add the decay at its
             step instead of in the backward (see above); until :meth:`finalize`.
         skip_output_head: as for :func:`sparse24.sparsify_` (default True: the head stays dense).
+        min_features: as for :func:`sparse24.sparsify_` (default ``sparse24.api.MIN_FEATURES``, 32):
+            a layer with fewer input or output features is left out, so that ``sparsify_`` after
+            :meth:`finalize` converts every layer trained sparse; ``0`` trains every layer sparse.
     Attributes:
         layers: ``[(fqn, layer)]`` trained sparse; skipped: ``{fqn: why}`` for the Linear / Conv1D left out.
     Example:
@@ -405,14 +500,14 @@ class SRSTE:
 
     def __init__(self, model: nn.Module, n: int = 2, m: int = 4, decay: float = 2e-4,
                  filter_fn: FilterFn | None = None, *, optimizer: torch.optim.Optimizer | None = None,
-                 skip_output_head=True):
+                 skip_output_head=True, min_features: int = MIN_FEATURES):
         self.n, self.m = _parse_nm((n, m))
         if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not decay >= 0 or math.isinf(decay):
             raise ValueError(f"SRSTE: decay must be a finite number >= 0, got {decay!r}")
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"SRSTE: optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
         self.decay = float(decay)
-        self.layers, self.skipped = _linear_layers(model, filter_fn, self.m, "SRSTE", skip_output_head)
+        self.layers, self.skipped = _linear_layers(model, filter_fn, self.m, "SRSTE", skip_output_head, min_features)
         if optimizer is not None:
             trained = {id(p) for g in optimizer.param_groups for p in g["params"]}
             missing = [fqn for fqn, lin in self.layers if id(lin.weight) not in trained]
@@ -497,3 +592,41 @@ class SRSTE:
             _rc(lin.weight, lin).masked_fill_(~masks[fqn], 0)
         self.masks, self.finalized = masks, True
         return dict(self.masks)
+
+
+def ema_multi_avg_fn(decay: float = 0.999) -> Callable:
+    """The exponential moving average for ``torch.optim.swa_utils.AveragedModel(model,
+    multi_avg_fn=ema_multi_avg_fn(decay), use_buffers=True)`` of a model with sparse layers.
+
+    Floating-point tensors get torch's own EMA (``get_ema_multi_avg_fn``'s ``lerp``, the same numbers):
+    ``avg = decay * avg + (1 - decay) * current``. Every other tensor is copied from the current model:
+    a compressed layer's ``meta`` (packed 2-bit slot indices in int32 words), INT8 / INT4 codes, a masked
+    layer's bool ``mask``, BatchNorm's ``num_batches_tracked``. Torch's own functions average those as
+    numbers and write them back truncated: every slot index of a compressed layer is rewritten (its
+    forward runs, with the wrong weights), and INT8 codes (Parameters, so even with
+    ``use_buffers=False``) are truncated at some decays (0.9, 0.9999).
+
+    Args:
+        decay: in ``[0, 1]``; the weight of the average so far.
+    Returns:
+        ``fn(averaged_list, current_list, num_averaged)``, updating ``averaged_list`` in place.
+    Example:
+        >>> import torch, sparse24
+        >>> from torch.optim.swa_utils import AveragedModel
+        >>> model = torch.nn.Sequential(torch.nn.Linear(64, 64))
+        >>> _ = sparse24.sparsify_(model, mode="compressed", trainable_values=True, skip_output_head=False)
+        >>> ema = AveragedModel(model, multi_avg_fn=ema_multi_avg_fn(0.999), use_buffers=True)
+        >>> ema.update_parameters(model)   # after each optimizer step
+    """
+    if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0.0 <= decay <= 1.0:
+        raise ValueError(f"ema_multi_avg_fn: decay must be a number in [0, 1], got {decay!r}")
+
+    @torch.no_grad()
+    def ema_update(averaged: list[torch.Tensor], current: list[torch.Tensor], num_averaged) -> None:
+        floats = [(a, c) for a, c in zip(averaged, current) if a.is_floating_point() or a.is_complex()]
+        if floats:   # (AveragedModel groups by dtype: all or none)
+            torch._foreach_lerp_([a for a, _ in floats], [c for _, c in floats], 1.0 - decay)
+        for a, c in zip(averaged, current):
+            if not (a.is_floating_point() or a.is_complex()):
+                a.copy_(c)
+    return ema_update

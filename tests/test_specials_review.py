@@ -134,7 +134,7 @@ def test_add_to_kept_refuses_a_delta_overflowing_float16(kw, layout):
 def test_gradual_pruner_zeroes_a_pruned_inf_weight():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
-    pruner = GradualPruner(model, (2, 4), start_step=0, end_step=10, frequency=10)
+    pruner = GradualPruner(model, (2, 4), start_step=0, end_step=10, frequency=10, min_features=0)
     pruner.step(10)
     mask = pruner.masks["0"]
     r, c = (~mask).nonzero()[0].tolist()
@@ -150,7 +150,7 @@ def test_gradual_pruner_zeroes_a_pruned_inf_weight():
 def test_srste_zeroes_a_pruned_inf_weight_in_forward_and_finalize():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
-    srste = SRSTE(model, 2, 4)
+    srste = SRSTE(model, 2, 4, min_features=0)
     with torch.no_grad():
         model[0].parametrizations.weight.original[0, :3] = INF   # 3 infs in one group: one is pruned
     w = model[0].parametrizations.weight.original.detach().clone()
@@ -162,7 +162,7 @@ def test_srste_zeroes_a_pruned_inf_weight_in_forward_and_finalize():
 
 def test_srste_nan_weight_error_names_the_layer():
     model = _net()
-    srste = SRSTE(model, 2, 4)
+    srste = SRSTE(model, 2, 4, min_features=0)
     with torch.no_grad():
         model[0].parametrizations.weight.original[1, 2] = NAN   # a diverged step
     with pytest.raises(ValueError, match=r"SRSTE: layer '0': weight contains NaN"):

@@ -71,7 +71,7 @@ from .guard import check_calibration, record_after_change, require_sparse_layers
 from .report import LayerReport, SparsifyReport
 from .walk import (MIN_FEATURES, FilterFn, _after_change, _check_foreign_quantization, _child_slots, _direct_readers,
                    _entry, _is_linear, _kept_dense, _not_handled, _shared_weights, _skip_reason, _sync_reader_hooks,
-                   _Undo)
+                   _Undo, check_min_features)
 
 __all__ = ["sparsify_", "densify_", "compress_", "decompress_", "prune_trained_model", "count_parameters",
            "SparsifyReport", "LayerReport", "MIN_FEATURES"]
@@ -174,8 +174,7 @@ def _sparsify(model, filter_fn, mode, method, calibration, quantize, min_feature
     if calibration is not None and not isinstance(calibration, dict):
         raise TypeError(f"calibration must be a dict {{fqn: stats}} from sparse24.calibrate, "
                         f"got {type(calibration).__name__}")
-    if not isinstance(min_features, int) or min_features < 0:
-        raise ValueError(f"min_features must be a non-negative int, got {min_features!r}")
+    check_min_features(min_features)
     _check_foreign_quantization(model)
     heads = _kept_dense(model, skip_output_head)
     settings = {"mode": mode, "method": method, **quant}

@@ -448,6 +448,18 @@ def _not_handled(fqn: str, mod: nn.Module) -> LayerReport | None:
     return LayerReport(fqn, tuple(p.shape), p.dtype, "skipped", reason=f"not handled: {type(mod).__name__}: {why}")
 
 
+def check_min_features(min_features) -> None:
+    """ValueError unless ``min_features`` is a non-negative int (not a bool)."""
+    if isinstance(min_features, bool) or not isinstance(min_features, int) or min_features < 0:
+        raise ValueError(f"min_features must be a non-negative int, got {min_features!r}")
+
+
+def _too_small(mod: nn.Module, min_features: int) -> str:
+    """Why ``mod`` (an nn.Linear or Conv1D) is too small to prune (a side under ``min_features``), else ""."""
+    R, C = linear_shape(mod)
+    return f"smaller than min_features={min_features} ({R}x{C}): too small to gain" if min(R, C) < min_features else ""
+
+
 EXCLUDED_BY = "excluded by filter_fn"  # the reason a layer filter_fn rejects is skipped
 
 
@@ -478,11 +490,10 @@ def _skip_reason(fqn, mod, filter_fn, min_features, shared, readers, heads, meth
         return f"{type(mod).__name__} subclasses nn.Linear and may change its forward; not swapped"
     if filter_fn is not None and not filter_fn(mod, fqn):
         return EXCLUDED_BY
-    R, C = linear_shape(mod)
-    if C % 4:
-        return f"in_features={C} is not divisible by 4"
-    if min(R, C) < min_features:
-        return f"smaller than min_features={min_features} ({R}x{C}): too small to gain"
+    if linear_shape(mod)[1] % 4:
+        return f"in_features={linear_shape(mod)[1]} is not divisible by 4"
+    if why := _too_small(mod, min_features):
+        return why
     if not mod.weight.is_floating_point():
         return f"weight dtype {mod.weight.dtype} is not floating point"
     if why := _tied_or_head(fqn, mod, shared, heads):

@@ -80,7 +80,7 @@ def srste_setup(decay=0.1):
     lin = nn.Linear(16, 4, dtype=torch.float64)
     W0 = lin.weight.detach().clone()
     opt = torch.optim.SGD(lin.parameters(), lr=0.1)
-    srste = SRSTE(nn.Sequential(lin), 2, 4, decay=decay, optimizer=opt)
+    srste = SRSTE(nn.Sequential(lin), 2, 4, decay=decay, optimizer=opt, min_features=0)
     W = lin.parametrizations.weight.original
     seen = []  # the gradient optimizer.step() uses (step pre-hooks run in the order registered)
     opt.register_step_pre_hook(lambda o, a, k: seen.append(W.grad.clone()))
@@ -121,7 +121,7 @@ def test_srste_without_optimizer_keeps_the_decay_in_backward():
     torch.manual_seed(0)
     lin = nn.Linear(16, 4, dtype=torch.float64)
     W0 = lin.weight.detach().clone()
-    SRSTE(nn.Sequential(lin), 2, 4, decay=0.1)
+    SRSTE(nn.Sequential(lin), 2, 4, decay=0.1, min_features=0)
     x, g = torch.randn(8, 16, dtype=torch.float64), torch.randn(8, 4, dtype=torch.float64)
     (lin(x) * g).sum().backward()
     torch.testing.assert_close(lin.parametrizations.weight.original.grad,
@@ -132,9 +132,9 @@ def test_srste_optimizer_must_train_the_weights():
     lin, other = nn.Linear(16, 4), nn.Linear(4, 4)
     model = nn.Sequential(lin)
     with pytest.raises(ValueError, match="optimizer"):
-        SRSTE(model, optimizer=torch.optim.SGD(other.parameters(), lr=0.1))
+        SRSTE(model, optimizer=torch.optim.SGD(other.parameters(), lr=0.1), min_features=0)
     with pytest.raises(TypeError, match="optimizer"):
-        SRSTE(model, optimizer="sgd")
+        SRSTE(model, optimizer="sgd", min_features=0)
     assert type(model[0].weight) is nn.Parameter and not hasattr(model[0], "parametrizations")
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.utils import parametrize
+from torch.nn.utils import parametrize, prune
 
 from sparse24 import is_nm
 from sparse24.recipes import SRSTE, GradualPruner
@@ -42,7 +42,7 @@ def kept_magnitudes_dominate(w, mask):
 # --- schedule ----------------------------------------------------------------
 
 def test_schedule_matches_cubic_formula_by_hand():
-    p = GradualPruner(mlp(), 0.9, initial_sparsity=0.1, start_step=10, end_step=110, frequency=10)
+    p = GradualPruner(mlp(), 0.9, initial_sparsity=0.1, start_step=10, end_step=110, frequency=10, min_features=0)
     # s_t = 0.9 + (0.1 - 0.9) * (1 - (t - 10) / 100) ** 3, evaluated by hand:
     expected = {0: 0.0, 9: 0.0,             # nothing pruned before t0
                 10: 0.1,                    # t0: s_i
@@ -57,7 +57,7 @@ def test_schedule_matches_cubic_formula_by_hand():
 @pytest.mark.parametrize("scope", ["layer", "global"])
 def test_unstructured_counts_follow_schedule_and_end_exact(scope):
     model = mlp()
-    p = GradualPruner(model, 0.75, start_step=2, end_step=10, frequency=4, scope=scope)
+    p = GradualPruner(model, 0.75, start_step=2, end_step=10, frequency=4, scope=scope, min_features=0)
     hist = train_steps(model, p, 14)
     total = sum(m.numel() for m in p.masks.values())
     for t, masks in enumerate(hist):
@@ -77,7 +77,8 @@ def test_unstructured_counts_follow_schedule_and_end_exact(scope):
 def test_first_pruning_keeps_largest_magnitudes_per_layer_and_globally():
     for scope in ("layer", "global"):
         model = mlp(3)
-        p = GradualPruner(model, 0.6, initial_sparsity=0.4, start_step=0, end_step=5, frequency=5, scope=scope)
+        p = GradualPruner(model, 0.6, initial_sparsity=0.4, start_step=0, end_step=5, frequency=5, scope=scope,
+                          min_features=0)
         dense = {k: lin.weight.detach().clone() for k, lin in p.layers}
         p.step(0)  # prunes to s_i = 0.4 from the untouched weights
         if scope == "layer":
@@ -92,7 +93,7 @@ def test_first_pruning_keeps_largest_magnitudes_per_layer_and_globally():
 
 def test_masks_frozen_between_pruning_steps_and_monotone():
     model = mlp(1)
-    p = GradualPruner(model, 0.8, start_step=3, end_step=15, frequency=4)
+    p = GradualPruner(model, 0.8, start_step=3, end_step=15, frequency=4, min_features=0)
     hist = train_steps(model, p, 20, lr=5e-2)
     prune_steps = {3, 7, 11, 15}
     for t in range(1, 20):
@@ -109,7 +110,7 @@ def test_masks_frozen_between_pruning_steps_and_monotone():
 def test_nm_target_is_reached_exactly_and_gradually(nm, scope):
     n, m = (1, 4) if nm == "1:4" else nm
     model = mlp(2)
-    p = GradualPruner(model, nm, start_step=0, end_step=12, frequency=3, scope=scope)
+    p = GradualPruner(model, nm, start_step=0, end_step=12, frequency=3, scope=scope, min_features=0)
     hist = train_steps(model, p, 16)
     for t, masks in enumerate(hist):
         for k, mk in masks.items():
@@ -127,7 +128,7 @@ def test_nm_candidates_are_the_weights_nm_would_drop():
     """One N:M pruning step from dense keeps, in every group, at least the n
     largest magnitudes (computed here by an independent sort)."""
     model = mlp(4)
-    p = GradualPruner(model, (2, 4), initial_sparsity=0.3, start_step=0, end_step=4, frequency=4)
+    p = GradualPruner(model, (2, 4), initial_sparsity=0.3, start_step=0, end_step=4, frequency=4, min_features=0)
     dense = {k: lin.weight.detach().clone() for k, lin in p.layers}
     p.step(0)
     for k, w in dense.items():
@@ -138,10 +139,10 @@ def test_nm_candidates_are_the_weights_nm_would_drop():
 
 def test_skipped_pruning_step_is_caught_up_and_state_roundtrips():
     model = mlp(5)
-    p = GradualPruner(model, 0.5, start_step=0, end_step=10, frequency=5)
+    p = GradualPruner(model, 0.5, start_step=0, end_step=10, frequency=5, min_features=0)
     p.step(7)  # step 5 was never called: prune to s(5)
     assert p.sparsity() == pytest.approx(round(p.sparsity_at(5) * 1536) / 1536)
-    q = GradualPruner(copy.deepcopy(model), 0.5, start_step=0, end_step=10, frequency=5)
+    q = GradualPruner(copy.deepcopy(model), 0.5, start_step=0, end_step=10, frequency=5, min_features=0)
     q.load_state_dict(p.state_dict())
     assert all(torch.equal(q.masks[k], p.masks[k]) for k in p.masks)
     q.step(8)  # same pruning interval: no change
@@ -151,7 +152,7 @@ def test_skipped_pruning_step_is_caught_up_and_state_roundtrips():
 def test_load_state_dict_checks_everything_before_changing_anything():
     # a state without 'pruned_k' used to replace the masks and then raise KeyError;
     # float masks were silently cast to bool, lists raised AttributeError
-    p = GradualPruner(mlp(5), 0.5, start_step=0, end_step=10, frequency=5)
+    p = GradualPruner(mlp(5), 0.5, start_step=0, end_step=10, frequency=5, min_features=0)
     p.step(5)
     good = p.state_dict()
     before = {k: v.clone() for k, v in p.masks.items()}
@@ -168,7 +169,8 @@ def test_load_state_dict_checks_everything_before_changing_anything():
 
 def test_filter_fn_selects_layers():
     model = mlp()
-    p = GradualPruner(model, 0.5, end_step=1, frequency=1, filter_fn=lambda mod, fqn: fqn != "4")
+    p = GradualPruner(model, 0.5, end_step=1, frequency=1, filter_fn=lambda mod, fqn: fqn != "4",
+                      min_features=0)
     assert [k for k, _ in p.layers] == ["0", "2"]
     p.step(1)
     assert bool((model[4].weight != 0).all())
@@ -183,7 +185,8 @@ def test_recipes_leave_peft_adapter_layers_alone_as_sparsify_does(recipe):
     pm = peft.get_peft_model(nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 8)),
                              peft.LoraConfig(target_modules=["0"], r=4, init_lora_weights=False))
     before = {k: v.detach().clone() for k, v in pm.state_dict().items() if ".0." in k}
-    p = GradualPruner(pm, 0.5, end_step=1, frequency=1) if recipe == "gradual" else SRSTE(pm)
+    p = (GradualPruner(pm, 0.5, end_step=1, frequency=1, min_features=0) if recipe == "gradual"
+         else SRSTE(pm, min_features=0))
     assert [k for k, _ in p.layers] == ["base_model.model.2"]
     assert all("PEFT adapter layer" in why for k, why in p.skipped.items() if ".0." in k)
     if recipe == "gradual":
@@ -210,7 +213,7 @@ def test_srste_forward_and_gradient_by_hand():
     w0 = lin.weight.detach().clone()
     opt = torch.optim.SGD(lin.parameters(), lr=0.1)  # built BEFORE SRSTE: must still train the dense weight
     decay = 0.3
-    SRSTE(nn.Sequential(lin), n=2, m=4, decay=decay)
+    SRSTE(nn.Sequential(lin), n=2, m=4, decay=decay, min_features=0)
     x = torch.linspace(-1, 1, 24, dtype=torch.float64).view(3, 8)
     r = torch.tensor([[1.0, -2.0], [0.5, 0.25], [-1.5, 3.0]], dtype=torch.float64)
     out = lin(x)
@@ -227,7 +230,7 @@ def test_srste_forward_and_gradient_by_hand():
 
 def test_srste_mask_follows_the_weights():
     lin, mask = tiny_layer()
-    SRSTE(nn.Sequential(lin), decay=0.0)
+    SRSTE(nn.Sequential(lin), decay=0.0, min_features=0)
     with torch.no_grad():
         lin.parametrizations.weight.original[0, 0] = 10.0  # now beats 2.0 in group 0
     new_mask = mask.clone()
@@ -239,7 +242,7 @@ def test_srste_mask_follows_the_weights():
 def test_srste_finalize_gives_exact_nm_plain_linears():
     torch.manual_seed(0)
     model = mlp(6, torch.float64)
-    srste = SRSTE(model, 2, 4, decay=2e-4)
+    srste = SRSTE(model, 2, 4, decay=2e-4, min_features=0)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     for _ in range(5):
         model(torch.randn(4, 16, dtype=torch.float64)).pow(2).mean().backward()
@@ -284,7 +287,7 @@ def test_gradual_pruner_bad_input_changes_nothing(kwargs, err, msg):
     model = mlp()
     before = copy.deepcopy(model.state_dict())
     with pytest.raises(err, match=msg):
-        GradualPruner(model, **kwargs)
+        GradualPruner(model, **kwargs, min_features=0)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
@@ -293,7 +296,7 @@ def test_bad_models_and_steps():
         GradualPruner("net", 0.5, end_step=2, frequency=1)
     with pytest.raises(ValueError, match="no torch.nn.Linear layer selected"):
         SRSTE(nn.Sequential(nn.ReLU()))
-    p = GradualPruner(mlp(), 0.5, end_step=2, frequency=1)
+    p = GradualPruner(mlp(), 0.5, end_step=2, frequency=1, min_features=0)
     with pytest.raises(TypeError, match="step must be an int"):
         p.step(1.0)
     assert p.sparsity() == 0.0
@@ -307,17 +310,17 @@ def test_srste_bad_input_changes_nothing(kwargs, msg):
     model = mlp()
     before = copy.deepcopy(model.state_dict())
     with pytest.raises(ValueError, match=msg):
-        SRSTE(model, **kwargs)
+        SRSTE(model, **kwargs, min_features=0)
     assert not any(parametrize.is_parametrized(mod) for mod in model.modules())
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
 def test_srste_twice_is_rejected_without_change():
     model = mlp()
-    SRSTE(model)
+    SRSTE(model, min_features=0)
     keys = set(model.state_dict())
     with pytest.raises(ValueError, match="already has a parametrized weight"):
-        SRSTE(model)
+        SRSTE(model, min_features=0)
     assert set(model.state_dict()) == keys
 
 
@@ -366,4 +369,239 @@ def test_non_finite_weights_are_refused_not_left_unpruned():
         with torch.no_grad():
             model[0].weight[0, :4] = bad
         with pytest.raises(ValueError, match="contains NaN or inf"):
-            GradualPruner(model, (2, 4), start_step=0, end_step=2, frequency=1).step(2)
+            GradualPruner(model, (2, 4), start_step=0, end_step=2, frequency=1, min_features=0).step(2)
+
+
+# --- layer selection: a real weight Parameter, sparsify_'s min_features ---------------
+
+def _prune_hooked(lin):
+    prune.l1_unstructured(lin, "weight", amount=0.2)   # weight_orig * weight_mask, a pre-hook
+
+
+def _old_weight_norm(lin):
+    with pytest.warns(FutureWarning):
+        torch.nn.utils.weight_norm(lin)   # weight_g / weight_v, a pre-hook
+
+
+@pytest.mark.parametrize("hook", [_prune_hooked, _old_weight_norm], ids=["prune", "weight_norm"])
+@pytest.mark.parametrize("recipe", ["gradual", "srste"])
+def test_a_layer_whose_weight_a_hook_recomputes_is_refused_without_change(recipe, hook):
+    # GradualPruner zeroed the temporary the pre-hook rebuilds at every forward: the layer was never pruned,
+    # while sparsity() said 0.5
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 32))
+    hook(model[0])
+    before = copy.deepcopy(model.state_dict())
+    make = ((lambda **kw: GradualPruner(model, (2, 4), end_step=1, frequency=1, **kw)) if recipe == "gradual"
+            else (lambda **kw: SRSTE(model, **kw)))
+    with pytest.raises(ValueError, match=r"layer '0': its weight is a computed tensor .*not a Parameter of the layer"):
+        make(skip_output_head=False)
+    assert before.keys() == model.state_dict().keys()
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert not any(parametrize.is_parametrized(m) for m in model.modules())
+    assert all(p._backward_hooks is None or not p._backward_hooks for p in model.parameters())
+    # left out, the other layer is pruned as before
+    p = make(skip_output_head=False, filter_fn=lambda mod, fqn: fqn != "0")
+    assert [k for k, _ in p.layers] == ["2"]
+
+
+def small_and_large(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 16), nn.ReLU(), nn.Linear(16, 32))
+
+
+@pytest.mark.parametrize("recipe", ["gradual", "srste"])
+def test_recipes_skip_small_layers_as_sparsify_does(recipe):
+    # they pruned the 64x16 and 16x32 layers, which sparsify_ then skipped (min_features=32): the documented
+    # conversion left them plain nn.Linear, and retraining revived their pruned weights
+    import sparse24
+    make = ((lambda m, **kw: GradualPruner(m, (2, 4), end_step=1, frequency=1, skip_output_head=False, **kw))
+            if recipe == "gradual" else (lambda m, **kw: SRSTE(m, skip_output_head=False, **kw)))
+    model = small_and_large()
+    p = make(model)
+    report = sparse24.sparsify_(small_and_large(), skip_output_head=False)
+    assert [k for k, _ in p.layers] == [r.fqn for r in report.swapped] == ["0"]
+    assert p.skipped == {r.fqn: r.reason for r in report.skipped} and set(p.skipped) == {"2", "4"}
+    assert p.skipped["2"] == "smaller than min_features=32 (16x64): too small to gain"
+    assert [k for k, _ in make(small_and_large(), min_features=16).layers] == ["0", "2", "4"]
+
+
+def test_recipes_min_features_end_to_end_and_bad_values():
+    import sparse24
+    model = small_and_large()
+    pruner = GradualPruner(model, (2, 4), start_step=0, end_step=2, frequency=1, skip_output_head=False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for t in range(3):
+        opt.zero_grad()
+        model(torch.randn(8, 32)).pow(2).mean().backward()
+        opt.step()
+        pruner.step(t)
+    report = sparse24.sparsify_(model, skip_output_head=False)
+    assert {r.fqn for r in report.swapped} == set(pruner.masks) == {"0"}
+    assert torch.equal(model[0].mask, pruner.masks["0"])
+    for bad in (-1, 1.5, "32", True):
+        for make in (lambda m: GradualPruner(m, 0.5, end_step=1, frequency=1, min_features=bad),
+                     lambda m: SRSTE(m, min_features=bad)):
+            model = small_and_large()
+            before = copy.deepcopy(model.state_dict())
+            with pytest.raises(ValueError, match="min_features must be a non-negative int"):
+                make(model)
+            assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+            assert not any(parametrize.is_parametrized(m) for m in model.modules())
+    with pytest.raises(ValueError, match=r"no torch.nn.Linear layer selected.*'2': smaller than min_features=64"):
+        SRSTE(small_and_large(), min_features=64)
+
+
+# --- GradualPruner masks the gradient at pruned positions -----------------------
+
+def two_layers(kind):
+    torch.manual_seed(0)
+    if kind == "conv1d":   # GPT-2's layer: weight (in, out), masks (out, in)
+        Conv1D = pytest.importorskip("transformers.pytorch_utils").Conv1D
+        return nn.Sequential(Conv1D(64, 32), nn.ReLU(), Conv1D(32, 64)).double()
+    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 32)).double()
+
+
+def hand_grads(model, x, r, masks=None, conv1d=False):
+    """d sum(r * model(x)) / dW computed on fresh float64 leaves, then masked with ``masks`` ((out, in))."""
+    ws = [model[i].weight.detach().clone().requires_grad_() for i in (0, 2)]
+    lin = (lambda h, w, b: h @ w + b) if conv1d else (lambda h, w, b: h @ w.t() + b)
+    out = lin(lin(x, ws[0], model[0].bias.detach()).relu(), ws[1], model[2].bias.detach())
+    (out * r).sum().backward()
+    if masks is None:
+        return [w.grad for w in ws]
+    return [w.grad.masked_fill(~(masks[k].t() if conv1d else masks[k]), 0) for w, k in zip(ws, ("0", "2"))]
+
+
+@pytest.mark.parametrize("kind", ["linear", "conv1d"])
+def test_gradual_pruner_masks_gradients_as_masked_training_does(kind):
+    # the gradient at pruned positions reached clip_grad_norm_ and the optimizer's moments: Zhu & Gupta's
+    # masked forward (and torch.nn.utils.prune) gives zero there
+    model = two_layers(kind)
+    x, r = torch.randn(8, 32, dtype=torch.float64), torch.randn(8, 32, dtype=torch.float64)
+    p = GradualPruner(model, (2, 4), start_step=0, end_step=2, frequency=2, skip_output_head=False)
+
+    def grads():
+        model.zero_grad()
+        (model(x) * r).sum().backward()
+        return [model[i].weight.grad for i in (0, 2)]
+
+    conv1d = kind == "conv1d"
+    for g, ref in zip(grads(), hand_grads(model, x, r, conv1d=conv1d)):    # nothing pruned yet: passed through
+        torch.testing.assert_close(g, ref, rtol=0, atol=1e-12)
+    p.step(0)
+    p.step(2)   # final 2:4 masks
+    assert p.sparsity() == 0.5
+    ref = hand_grads(model, x, r, p.masks, conv1d)
+    got = grads()
+    for g, want in zip(got, ref):
+        torch.testing.assert_close(g, want, rtol=0, atol=1e-12)
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)
+    want = torch.cat([g.flatten() for g in ref] + [model[i].bias.grad.flatten() for i in (0, 2)]).norm()
+    torch.testing.assert_close(norm, want, rtol=1e-12, atol=0)
+    # the mask is read when the gradient comes: a loaded state's masks apply at once
+    state = p.state_dict()
+    state["masks"] = {k: torch.rand(v.shape, generator=torch.Generator().manual_seed(1)) < 0.5
+                      for k, v in state["masks"].items()}
+    p.load_state_dict(state)
+    for g, want in zip(grads(), hand_grads(model, x, r, state["masks"], conv1d)):
+        torch.testing.assert_close(g, want, rtol=0, atol=1e-12)
+
+
+def test_gradual_pruner_gradient_hooks_one_per_weight_and_removed_with_the_pruner():
+    import gc
+    model = two_layers("linear")
+    x, r = torch.randn(8, 32, dtype=torch.float64), torch.randn(8, 32, dtype=torch.float64)
+
+    def hooks(m):
+        return [len(m[i].weight._backward_hooks or {}) for i in (0, 2)]
+
+    def grads(m):
+        m.zero_grad()
+        (m(x) * r).sum().backward()
+        return [m[i].weight.grad for i in (0, 2)]
+
+    p = GradualPruner(model, (2, 4), start_step=0, end_step=1, frequency=1, skip_output_head=False)
+    p.step(1)
+    assert hooks(model) == [1, 1]
+    # a second pruner on the same layers takes them over: still one hook each, masking with its masks
+    p2 = GradualPruner(model, "1:4", start_step=0, end_step=1, frequency=1, skip_output_head=False)
+    p2.step(1)
+    assert hooks(model) == [1, 1]
+    for g, want in zip(grads(model), hand_grads(model, x, r, p2.masks)):
+        torch.testing.assert_close(g, want, rtol=0, atol=1e-12)
+    final = p2.masks
+    p2.masks = {k: torch.ones_like(v) for k, v in final.items()}   # the first pruner's 2:4 masks no longer apply
+    for g, want in zip(grads(model), hand_grads(model, x, r)):
+        torch.testing.assert_close(g, want, rtol=0, atol=1e-12)
+    p2.masks = final
+    # a deep copy of model and pruner: the copy's weights are hooked once, reading the copy's masks
+    model2, q = copy.deepcopy((model, p2))
+    assert hooks(model2) == [1, 1] and hooks(model) == [1, 1]
+    q.masks = {k: torch.ones_like(v) for k, v in q.masks.items()}
+    for g, want in zip(grads(model2), hand_grads(model2, x, r)):
+        torch.testing.assert_close(g, want, rtol=0, atol=1e-12)
+    for g, want in zip(grads(model), hand_grads(model, x, r, p2.masks)):
+        torch.testing.assert_close(g, want, rtol=0, atol=1e-12)
+    # remove() ends the masking; a pruner garbage-collected leaves no hook behind
+    p2.remove()
+    p.remove()
+    assert hooks(model) == [0, 0]
+    for g, want in zip(grads(model), hand_grads(model, x, r)):
+        torch.testing.assert_close(g, want, rtol=0, atol=1e-12)
+    del q
+    gc.collect()
+    assert hooks(model2) == [0, 0]
+
+
+def test_gradual_pruner_hooks_a_frozen_weight_too():
+    # a layer unfrozen later (staged fine-tuning) gets its gradient masked as well
+    model = two_layers("linear")
+    model[0].weight.requires_grad_(False)
+    p = GradualPruner(model, (2, 4), start_step=0, end_step=1, frequency=1, skip_output_head=False)
+    assert not model[0].weight.requires_grad
+    p.step(1)
+    model[0].weight.requires_grad_(True)
+    x, r = torch.randn(8, 32, dtype=torch.float64), torch.randn(8, 32, dtype=torch.float64)
+    (model(x) * r).sum().backward()
+    torch.testing.assert_close(model[0].weight.grad, hand_grads(model, x, r, p.masks)[0], rtol=0, atol=1e-12)
+
+
+# --- EMA of a model with compressed layers ---------------------------------------
+
+@pytest.mark.parametrize("use_buffers", [True, False])
+def test_ema_multi_avg_fn_averages_floats_and_copies_integer_tensors(use_buffers):
+    # torch's get_ema_multi_avg_fn (which recipes.md recommended) averaged the int32 meta buffers as numbers,
+    # rewriting every 2:4 slot index (use_buffers=True), and rounds INT8 codes at some decays (either way)
+    import sparse24
+    from sparse24.recipes import ema_multi_avg_fn
+    from torch.optim.swa_utils import AveragedModel
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 32))
+    sparse24.sparsify_(model, lambda m, f: f == "0", mode="compressed", trainable_values=True, skip_output_head=False)
+    sparse24.sparsify_(model, lambda m, f: f == "2", mode="compressed", quantize="int8", skip_output_head=False)
+    sparse24.sparsify_(model, lambda m, f: f == "4", skip_output_head=False)   # masked: a bool mask
+    decay = 0.9   # (torch's average rounds 80 of the 256 int8 codes down at this decay)
+    avg = AveragedModel(model, multi_avg_fn=ema_multi_avg_fn(decay), use_buffers=use_buffers)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    x = torch.randn(16, 32)
+    ref = None
+    for _ in range(3):
+        opt.zero_grad()
+        model(x).pow(2).mean().backward()
+        opt.step()
+        avg.update_parameters(model)
+        now = {k: v.detach().double() for k, v in model.state_dict().items() if v.is_floating_point()}
+        ref = now if ref is None else {k: decay * ref[k] + (1 - decay) * now[k] for k in now}
+    got = avg.module.state_dict()
+    assert not torch.allclose(ref["0.values"], now["0.values"])   # the values moved: an average to check
+    for k, v in model.state_dict().items():
+        if v.is_floating_point():
+            torch.testing.assert_close(got[k].double(), ref[k], rtol=0, atol=1e-6)
+        else:   # meta, the INT8 codes, the mask: the model's, bit for bit
+            assert got[k].dtype == v.dtype and torch.equal(got[k], v), k
+    # the averaged layer computes with the averaged values at the model's slots
+    dense = sparse24.Sparse24Tensor(got["0.values"], model[0].meta, (64, 32), torch.float32).to_dense()
+    torch.testing.assert_close(avg.module[0].dense_weight(), dense, rtol=0, atol=0)
+    for bad in (1.5, -0.1, "0.9", True, float("nan")):
+        with pytest.raises(ValueError, match="decay must be a number in"):
+            ema_multi_avg_fn(bad)

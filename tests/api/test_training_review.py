@@ -46,7 +46,7 @@ def _srste_sgd(fused: bool):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 8))
     opt = torch.optim.SGD(model.parameters(), lr=1.0, fused=fused)
-    sr = SRSTE(model, 2, 4, decay=0.1, optimizer=opt)
+    sr = SRSTE(model, 2, 4, decay=0.1, optimizer=opt, min_features=0)
     return model, opt, sr, sr.layers[0][1].parametrizations.weight.original
 
 
@@ -89,7 +89,7 @@ def test_srste_decay_reaches_the_gradient_a_closure_computes(how):
     lbfgs = how == "lbfgs"
     opt = (torch.optim.LBFGS(model.parameters(), lr=1.0, max_iter=1) if lbfgs
            else torch.optim.SGD(model.parameters(), lr=1.0))
-    sr = SRSTE(model, 2, 4, decay=0.1, optimizer=opt)
+    sr = SRSTE(model, 2, 4, decay=0.1, optimizer=opt, min_features=0)
     w = sr.layers[0][1].parametrizations.weight.original
     w0 = w.detach().clone()
     pruned = ~top2_mask(w0)
@@ -171,7 +171,7 @@ def test_srste_on_a_conv1d_masks_along_the_inputs_and_finalizes():
     w0 = conv.weight.detach().clone()
     mask = top2_mask(w0.t())                         # (out, in)
     opt = torch.optim.SGD(conv.parameters(), lr=0.1)
-    sr = SRSTE(nn.Sequential(conv), 2, 4, decay=0.3)
+    sr = SRSTE(nn.Sequential(conv), 2, 4, decay=0.3, min_features=0)
     x = torch.randn(3, 16, dtype=torch.float64)
     r = torch.randn(3, 8, dtype=torch.float64)
     out = conv(x)
@@ -188,11 +188,11 @@ def test_srste_on_a_conv1d_masks_along_the_inputs_and_finalizes():
 def test_recipes_skip_an_untied_output_head_by_default():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Embedding(40, 16), nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 40))
-    pr = GradualPruner(model, (2, 4), start_step=0, end_step=1, frequency=1)
+    pr = GradualPruner(model, (2, 4), start_step=0, end_step=1, frequency=1, min_features=0)
     assert [f for f, _ in pr.layers] == ["1"] and "output head" in pr.skipped["3"]
-    whole = GradualPruner(model, 0.5, end_step=1, frequency=1, skip_output_head=False)
+    whole = GradualPruner(model, 0.5, end_step=1, frequency=1, skip_output_head=False, min_features=0)
     assert [f for f, _ in whole.layers] == ["1", "3"] and whole.skipped == {}
-    sr = SRSTE(model)
+    sr = SRSTE(model, min_features=0)
     assert [f for f, _ in sr.layers] == ["1"] and "output head" in sr.skipped["3"]
 
 
