@@ -120,8 +120,9 @@ class Sparse24LoraLinear(LoraLinear):
             return
         base = self.get_base_layer()
         before = self._before_merge if self._before_merge is not None else _merged_entries(base)
-        # A decode-layout base (frozen 16-bit/INT8/INT4 weights on CUDA) gets new tensor objects from
-        # every update (add_to_kept_ goes through layout v1): undo by the module's own tables, then values.
+        # A decode-layout base (frozen 16-bit/INT8/INT4 weights on CUDA) is re-packed through layout v1 by
+        # every update, written back into the tensors it holds (new ones only where those are inference
+        # tensors): undo by the module's own tables, then values.
         snapshot, backup = base._snapshot(), TensorBackup()
         backup.keep(_base_tensors(base))
         try:

@@ -86,6 +86,33 @@ class LayoutMixin:
         # or new data set through ``.data =``, reads float16; so does a compiled one, which cannot check).
         self._scale_bf16 = _bf16_copy(self.scale) if layout == "decode" and self._group_size else None
 
+    def _decode_held(self) -> tuple | None:
+        """``(values, meta)`` when this layer holds the decode layout (for :meth:`_keep_decode_tensors`), else None."""
+        if self._mode == "compressed" and self.__dict__.get("_layout") == "decode":
+            return self._parameters["values"], self._buffers["meta"]
+        return None
+
+    def _keep_decode_tensors(self, held: tuple | None) -> None:
+        """After a call that re-packed this layer through layout v1 (new tensors from :meth:`_convert_layout`):
+        write the new decode-layout data into ``held``, the ``(values, meta)`` it held before
+        (:meth:`_decode_held`), and hold those again, as layout v1 is written in place. Another process may
+        map their memory (``share_memory()``, CUDA IPC), an optimizer or a captured CUDA graph may hold
+        them: a new tensor left all of these on the old weights, silently. For a given layer the decode
+        tensors' shapes and dtypes do not change; where they do not fit anyway (another device: a load with
+        ``assign=True``) or cannot be written (inference tensors outside inference mode), the new ones stay."""
+        if held is None or self.__dict__.get("_layout") != "decode":
+            return
+        new = self._parameters["values"], self._buffers["meta"]
+        if any(n is o for n, o in zip(new, held)):
+            return
+        if not all(n.shape == o.shape and n.dtype == o.dtype and n.device == o.device for n, o in zip(new, held)) \
+                or any(o.is_inference() for o in held) and not torch.is_inference_mode_enabled():
+            return
+        with torch.no_grad():
+            for n, o in zip(new, held):
+                o.copy_(n)
+        self._parameters["values"], self._buffers["meta"] = held
+
     def to_layout(self, layout: str) -> "LayoutMixin":
         """Hold the compressed weight in ``layout``: ``"decode"`` (what the decode
         kernel reads: float16/bfloat16/INT8/INT4 values, not trainable), ``"v1"``, or

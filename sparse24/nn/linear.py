@@ -471,7 +471,8 @@ class Sparse24Linear(LayoutMixin, StateDictMixin, nn.Module):
             if not bool(torch.isfinite(delta).all()):
                 # (INT4 would round NaN to a code silently: its lowest grid point)
                 raise ValueError("delta has NaN or infinite entries (a diverged adapter?); nothing was changed")
-            # The tensors written in place below (the decode layout's values are replaced by new ones first)
+            # The tensors written in place below (the decode layout's values and meta after a round trip through
+            # layout v1: kept as new ones where inference tensors, see _keep_decode_tensors)
             written = [self.weight] if self._mode == "masked" else \
                 [t for t in (self.values if self._layout == "v1" else None,
                              self.scale if self.quantize == "int8" else None) if t is not None]
@@ -500,13 +501,14 @@ class Sparse24Linear(LayoutMixin, StateDictMixin, nn.Module):
                 q = quantize_values(merged)
                 _check_merged(q.dequantized_values(self.dtype), "weight (kept values, dequantized)", self.dtype)
                 new = {"values": q.values, "scale": q.scale}
-            layout = self._layout
-            if layout == "decode":
+            held = self._decode_held()
+            if held is not None:
                 self._convert_layout("v1")
             for name, t in new.items():
                 getattr(self, name).copy_(t)
-            if layout == "decode":
+            if held is not None:
                 self._convert_layout("decode")
+                self._keep_decode_tensors(held)   # written into the tensors held before (shared memory)
             return self
 
     def to_compressed(self, quantize: str | None = None, trainable_values: bool = False, *,
@@ -660,13 +662,18 @@ class Sparse24Linear(LayoutMixin, StateDictMixin, nn.Module):
         """True if ``w`` is 0 at every pruned position, checked once per in-place change of
         the weight or the mask (torch's version counters) and per new data set through ``.data =``
         (e.g. by vector_to_parameters: a new storage, the version counter stays; also one that
-        lands at the freed storage's address, see masking.view_key). False under tracing, on the
-        meta device, for inference tensors (no version counter) and DTensors (no storage of their own)."""
+        lands at the freed storage's address, see masking.view_key); every call for a CPU weight in
+        shared memory. False under tracing, on the meta device, for inference tensors (no version
+        counter) and DTensors (no storage of their own)."""
         if torch.compiler.is_compiling() or w.is_meta:
             return False
         m = self.mask
         try:
-            seen = _ZERO_CHECKED.get(self)
+            # A CPU weight in shared memory (share_memory(), torch.multiprocessing): another process's write
+            # bumps no version counter here, so no cache: scanned per call (CUDA tensors count as shared
+            # always; writes through CUDA IPC go unseen, see docs/modules.md)
+            shared = not w.is_cuda and w.untyped_storage().is_shared()
+            seen = None if shared else _ZERO_CHECKED.get(self)
             if seen is not None and still_zero(seen, w, m):
                 return True
             key = zero_key(w, m)   # (taken before the scan: a write during it forces the next check)
@@ -677,7 +684,8 @@ class Sparse24Linear(LayoutMixin, StateDictMixin, nn.Module):
                 # forget the old answer: its data pointers, once freed, may come back with other data
                 _ZERO_CHECKED.pop(self, None)
                 return False
-        _ZERO_CHECKED[self] = key
+        if not shared:
+            _ZERO_CHECKED[self] = key
         return True
 
     def _compressed_forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -752,6 +760,10 @@ class Sparse24Linear(LayoutMixin, StateDictMixin, nn.Module):
         # layout's INT8 values and meta have other dtypes and shapes than layout v1's.
         if self._mode == "compressed" and self._layout == "decode":
             self._convert_layout("v1")
+        # From the meta device (to_empty(), the usual re-materialization before a load) the new tensors hold
+        # uninitialized memory: packing it (an INT8 byte of -128 was refused) is left to the load's or the
+        # first CUDA forward's settling, the layer stays in layout v1 until then
+        from_meta = self._mode == "compressed" and self.values.is_meta
         keep = {n: b for n, b in self._buffers.items()
                 if b is not None and (n == "scale" or not b.is_floating_point())}
         keep_params = {n: p.detach() for n, p in self._parameters.items()
@@ -772,7 +784,8 @@ class Sparse24Linear(LayoutMixin, StateDictMixin, nn.Module):
             self._dtype = self.values.dtype
         if self._mode == "masked" and self.weight is not weight_before:
             self._track_masked()  # new Parameter object (e.g. overwrite_module_params_on_conversion)
-        self._settle_layout()
+        if not from_meta:
+            self._settle_layout()
 
     def _load_from_state_dict(self, *args, **kwargs):
         held = self._drop_weak_refs()

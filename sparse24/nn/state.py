@@ -214,7 +214,10 @@ def _check_whole(self, sd: dict, prefix: str) -> None:
     tests/tools/test_fuzz.py): torch copies entry by entry and reports a bad or missing bias
     at the end, which left new 2:4 values beside the old bias. As for the 2:4 set, this holds
     with ``strict=False`` too for a whole 2:4 set; a part of one (a shard's) may come without it."""
-    own = list(self.state_dict(keep_vars=True))
+    # (names only: a decode-layout layer's state_dict() re-orders its tensors to layout v1, ~80 ms for a
+    # 2048x2048 INT8 layer on a CPU, and a non-strict load of other modules' entries comes through here)
+    own = _local_names(self) + [f"{n}.{k}" for n, c in self._modules.items() if c is not None
+                                for k in c.state_dict(keep_vars=True)]
     given = [k for k in own if prefix + k in sd]
     # A non-strict call may bring part of a 2:4 set (check_state checked it), with or without the bias:
     # a checkpoint saved in state-dict order keeps the bias between the 2:4 entries (weight, bias, mask),
@@ -297,12 +300,21 @@ class StateDictMixin:
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
-        if self._mode == "compressed" and self._layout == "decode":
-            self._convert_layout("v1")  # entries are layout v1 (see _save_to_state_dict)
+        # Entries are layout v1 (see _save_to_state_dict): a decode-layout layer takes them in layout v1, and
+        # only when they bring values or meta (the two tensors whose layouts differ; a non-strict load of other
+        # modules' entries, as PEFT's adapter load, re-packed every layer). Loaded in place (not assign=True),
+        # the re-packed data goes into the tensors held before, as in layout v1 (_keep_decode_tensors).
+        held = self._decode_held()
+        repack = held is not None and (prefix + "values" in state_dict or prefix + "meta" in state_dict)
+        if repack:
+            self._convert_layout("v1")
+        if not repack or local_metadata.get("assign_to_params_buffers", False):
+            held = None
         try:
             self._load_v1(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
         finally:
             self._settle_layout()
+            self._keep_decode_tensors(held)
 
     def _load_v1(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
         try:
@@ -529,7 +541,7 @@ def _own_unexpected_keys(layer, sd: dict, prefix: str) -> list:
     torch's report stands."""
     if not _strict_call(layer, own=True):
         return []
-    own = set(_local_state(layer)) | set(layer._modules)
+    own = set(_local_names(layer)) | set(layer._modules)
     return [k for k in sd if isinstance(k, str) and k.startswith(prefix)
             and k[len(prefix):].partition(".")[0] not in own]
 
@@ -559,6 +571,14 @@ def _local_state(m: torch.nn.Module) -> dict:
     out = {}
     m._save_to_state_dict(out, "", keep_vars=True)
     return out
+
+
+def _local_names(layer) -> list:
+    """The names of the entries a :class:`StateDictMixin` ``layer`` itself saves and loads, in
+    :func:`_local_state`'s order, without computing them (its _save_to_state_dict writes the same names
+    as nn.Module's: its non-None parameters and persistent buffers)."""
+    return [n for n, t in layer._parameters.items() if t is not None] + [
+        n for n, t in layer._buffers.items() if t is not None and n not in layer._non_persistent_buffers_set]
 
 
 def _incompatible_keys(model, sd: dict, prefix: str) -> tuple[list, list]:
