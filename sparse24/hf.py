@@ -46,6 +46,16 @@ of an INT4 layer listed as symmetric), is an error.
 Without sparse24 registered, transformers warns "Unknown quantization type,
 got sparse24" and then fails on the markers of compressed layers; masked layers
 load as plain Linear layers holding the masked weights (same outputs, masks lost).
+
+**Casting, dequantizing, resizing.** A loaded model casts as the same model in memory does
+(``model.half()``, ``.float()``, ``.to(dtype)``: transformers refuses the first two for a model its loader
+quantized, so the quantizer clears that mark, ``model.is_quantized``). ``model.dequantize(dtype=None)``
+turns every 2:4 layer back into the dense class it replaced, holding the masked (INT8 / INT4: dequantized)
+weight in the layer's dtype, or in ``dtype`` when given (those layers only, as transformers' own
+quantizers). ``model.resize_token_embeddings`` of a model whose output head is a 2:4 layer is refused
+before anything changes (transformers resized the input embedding, then failed on the head): make the
+head dense (``model.set_output_embeddings(model.get_output_embeddings().to_dense_module())``), resize,
+then prune it again (``sparsify_(model, skip_output_head=False)``).
 """
 from __future__ import annotations
 
@@ -54,6 +64,7 @@ import json
 import math
 import os
 import re
+import weakref
 
 import torch
 from torch import nn
@@ -249,6 +260,10 @@ class Sparse24Quantizer(HfQuantizer):
                 raise ValueError(f"{where + ': ' if where else ''}layer {fqn!r}: {e}") from None
         guard_loading(model)
         attach(model)
+        # transformers' preprocess_model marked the model quantized, and a quantized model refuses .half() /
+        # .float() ("already casted to the correct dtype"); a 2:4 model casts as the same model in memory does
+        # (float values and weights cast, INT8 / INT4 values and scales kept), where nothing sets the mark
+        model.is_quantized = False
         return model
 
     def get_state_dict_and_metadata(self, model):
@@ -287,12 +302,28 @@ class Sparse24Quantizer(HfQuantizer):
         # two or more metadata keys in random order (two saves of one model differed byte for byte)
         return ordered, {}
 
+    def dequantize(self, model, dtype=None):
+        """``model.dequantize(dtype=None)``: every 2:4 layer back to the dense class it replaced, holding the
+        masked (INT8 / INT4: dequantized) weight in the layer's dtype, or in ``dtype`` when given (as
+        transformers' own quantizers, only the layers dequantized are cast); then the sparse24 section goes.
+        transformers' default fills in ``config.dtype``, which ``model.half()`` does not update: not taken."""
+        model = self._dequantize(model, dtype=dtype)
+        self.remove_quantization_config(model)
+        return model
+
     def _dequantize(self, model, dtype=None):
-        """``model.dequantize()``: every 2:4 layer back to the dense class it replaced."""
         for fqn, m in list(model.named_modules()):
             if isinstance(m, Sparse24Linear) and fqn:
-                model.set_submodule(fqn, m.to_dense_module())
+                dense = m.to_dense_module()
+                model.set_submodule(fqn, dense if dtype is None else dense.to(dtype))
         return model
+
+    def remove_quantization_config(self, model):
+        """The sparse24 section, the quantizer and the guard of ``resize_token_embeddings`` go (the last 2:4
+        layer went: :func:`attach`, ``model.dequantize()``)."""
+        super().remove_quantization_config(model)
+        if isinstance(vars(model).get("resize_token_embeddings"), _ResizeGuard):
+            del model.resize_token_embeddings
 
     def is_serializable(self):
         return True
@@ -421,8 +452,9 @@ def _check_unplaced(found: dict, saved: str, need: list, spec: dict) -> None:
 
 def attach(model: nn.Module) -> None:
     """Record ``model``'s sparse24 section in ``model.config.quantization_config`` and give it
-    the quantizer that saves it (what :func:`sparse24.sparsify_` and friends call on a
-    transformers model); with no 2:4 layer left, remove both.
+    the quantizer that saves it and a ``resize_token_embeddings`` that refuses a 2:4 output head
+    (:class:`_ResizeGuard`; what :func:`sparse24.sparsify_` and friends call on a transformers
+    model); with no 2:4 layer left, remove all three.
 
     Args:
         model: a ``transformers.PreTrainedModel``.
@@ -441,6 +473,38 @@ def attach(model: nn.Module) -> None:
         current.quantization_config = config
     else:
         model.hf_quantizer = Sparse24Quantizer(config, pre_quantized=True)
+    if "resize_token_embeddings" not in vars(model) and hasattr(type(model), "resize_token_embeddings"):
+        model.resize_token_embeddings = _ResizeGuard(model)
+
+
+class _ResizeGuard:
+    """``model.resize_token_embeddings`` of a 2:4 transformers model (set by :func:`attach`): refuses a 2:4
+    output head before anything changes, else calls transformers' method. transformers resizes the input
+    embedding first and fails on the head after (no ``nn.Linear``), leaving the embedding, the head and
+    ``config.vocab_size`` disagreeing: a folder saved then does not load. It holds the model weakly (no
+    reference cycle: ``del model`` still frees its memory at once); ``copy.deepcopy`` and pickling give the
+    copy a guard of its own (``from_pretrained`` calls attach)."""
+
+    def __init__(self, model: nn.Module):
+        self._model = weakref.ref(model)
+
+    def __deepcopy__(self, memo):
+        model = self._model()
+        return _ResizeGuard(memo.get(id(model), model))  # (deepcopy records the model's copy before its attributes)
+
+    def __reduce__(self):
+        return _ResizeGuard, (self._model(),)
+
+    def __call__(self, *args, **kwargs):
+        model = self._model()
+        head = model.get_output_embeddings()
+        if isinstance(head, Sparse24Linear):
+            name = next((fqn for fqn, m in model.named_modules() if m is head), "the output head")
+            raise TypeError(f"resize_token_embeddings: {name} is a 2:4 layer (Sparse24Linear), whose rows transformers "
+                            "cannot resize (nothing was changed): make it dense first, "
+                            "model.set_output_embeddings(model.get_output_embeddings().to_dense_module()), resize, "
+                            "then prune it again (sparse24.sparsify_(model, skip_output_head=False, ...))")
+        return type(model).resize_token_embeddings(model, *args, **kwargs)
 
 
 _REGISTERED = False

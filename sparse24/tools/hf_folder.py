@@ -6,13 +6,14 @@ folder gets exactly the layers, skips (output head, tied weights, ...) and
 ``Conv1D`` orientation that ``sparsify_`` gives the loaded model. Then every
 weights shard is read, pruned and written one at a time (peak memory: about one
 shard in and one out). The new folder has the same shard layout, a
-``config.json`` with the sparse24 section, and every other file and subfolder copied (a
-sentence-transformers ``1_Pooling/``), except the dense weights in other formats
-(``pytorch_model*.bin``, ``tf_model*.h5``, ``flax_model*.msgpack``, ``*.ot``), which would hold the
-dense model again beside the pruned one. Stored names are matched to the model's as transformers
-renames them on load (:func:`stored_names`: a family's older Hub names are written in the model's own);
-:func:`sparse24.from_pretrained` (or any ``from_pretrained`` once sparse24 is
-registered) loads it.
+``config.json`` with the sparse24 section (and the dtype the source loads in when its config names
+none: transformers would take it from the first floating tensor stored, maybe a quantized layer's
+scale), and every other file and subfolder copied (a sentence-transformers ``1_Pooling/``), except
+the dense weights in other formats (``pytorch_model*.bin``, ``tf_model*.h5``, ``flax_model*.msgpack``,
+``*.ot``), which would hold the dense model again beside the pruned one. Stored names are matched to
+the model's as transformers renames them on load (:func:`stored_names`: a family's older Hub names are
+written in the model's own); :func:`sparse24.from_pretrained` (or any ``from_pretrained`` once sparse24
+is registered) loads it.
 """
 from __future__ import annotations
 
@@ -223,15 +224,35 @@ def prune_folder(src: str | os.PathLike, dst: str | os.PathLike, method: str = "
     return rows
 
 
+def _auto_dtype(folder: Path) -> torch.dtype | None:
+    """The dtype ``from_pretrained(folder)`` gives a model whose ``config.json`` names none (transformers'
+    default ``dtype="auto"``): the shard index's ``metadata.dtype``, else transformers' own
+    ``get_state_dict_dtype`` of the first checkpoint file (its first floating tensor). None when that is no
+    floating dtype."""
+    from transformers.modeling_utils import get_state_dict_dtype, load_state_dict
+
+    shards, index = _shards(folder)
+    dtype = ((index or {}).get("metadata") or {}).get("dtype")
+    if dtype is None:
+        dtype = get_state_dict_dtype(load_state_dict(str(folder / shards[0]), map_location="meta"))
+    dtype = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
+    return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else None
+
+
 def _finish_folder(src: Path, tmp: Path, dst: Path, shards, weight_map: dict, config, model,
                    metadata: dict | None) -> None:
     """Complete the new folder ``tmp`` (the shard index when ``metadata`` is given, every other file
-    of ``src``, the config with ``model``'s sparse24 section), then rename it to ``dst``."""
+    of ``src``, the config with ``model``'s sparse24 section, and the dtype ``src`` loads in when its
+    config names none: :func:`_auto_dtype`), then rename it to ``dst``."""
     if metadata is not None:
         (tmp / "model.safetensors.index.json").write_text(json.dumps(
             {"metadata": metadata, "weight_map": dict(sorted(weight_map.items()))}, indent=2))
     copy_rest(src, tmp, (*WEIGHT_FILES, "config.json", *shards))
     config.quantization_config = sparsity_config(model)
+    if getattr(config, "dtype", None) is None:
+        # transformers' default dtype="auto" takes a dtype config.json does not name from the first floating
+        # tensor stored: here maybe a quantized layer's scale (float32 INT8, float16 INT4), not the model's
+        config.dtype = _auto_dtype(src)
     config.save_pretrained(tmp)
     if dst.exists():
         dst.rmdir()

@@ -2,7 +2,9 @@
 a stale shard index, ignore_mismatched_sizes, an INT4 section that contradicts its stored entries, a section
 key naming a method."""
 import copy
+import gc
 import json
+import weakref
 
 import pytest
 import torch
@@ -14,7 +16,8 @@ import sparse24
 from sparse24.hf import check_blocks
 from sparse24.tools.hf_folder import prune_folder
 
-from hf_models import VOCAB, tiny_llama, tokens
+from conftest import EPS, UNDERFLOW
+from hf_models import VOCAB, masked_reference, tiny_llama, tokens
 
 
 def tiny_bert(cls=BertModel, **kw):
@@ -167,3 +170,123 @@ def test_a_device_map_offloading_24_layers_to_disk_is_refused_before_loading(tmp
     ids = tokens()
     with torch.no_grad():
         assert torch.equal(loaded(ids).logits, model(ids).logits)
+
+
+def llama_lm(tie=False, seed=0):
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tie)
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(cfg).eval()
+
+
+@pytest.mark.parametrize("kw", [{}, {"mode": "compressed"}, {"mode": "compressed", "quantize": "int8"}],
+                         ids=["masked", "compressed", "int8"])
+def test_resize_token_embeddings_with_a_24_head_is_refused_before_anything_changes(tmp_path, kw):
+    """transformers resized the input embedding, then failed on the 2:4 head (no nn.Linear): embedding 100
+    rows, head and config.vocab_size 96, and the folder it saved no longer loaded. Refused up front; the
+    refusal survives deepcopy and save/load, and its advice (dense head, resize, prune again) works."""
+    model = llama_lm()
+    sparse24.sparsify_(model, skip_output_head=False, **kw)
+    before = copy.deepcopy(model)
+    for m in (model, before):  # (the copy's guard is the copy's)
+        with pytest.raises(TypeError, match=r"lm_head is a 2:4 layer.*to_dense_module\(\).*sparsify_"):
+            m.resize_token_embeddings(100)
+    assert same_state(model, before) and model.config.vocab_size == VOCAB
+    assert model.get_input_embeddings().num_embeddings == VOCAB
+    model.save_pretrained(tmp_path / "m")
+    loaded = sparse24.from_pretrained(LlamaForCausalLM, tmp_path / "m")
+    with pytest.raises(TypeError, match=r"lm_head is a 2:4 layer"):
+        loaded.resize_token_embeddings(100)
+    assert same_state(loaded, before)
+    # the advice: a dense head, resize, prune again
+    model.set_output_embeddings(model.get_output_embeddings().to_dense_module())
+    model.resize_token_embeddings(100)
+    sparse24.sparsify_(model, skip_output_head=False, **kw)
+    assert isinstance(model.lm_head, sparse24.Sparse24Linear) and model.lm_head.out_features == 100
+    model.save_pretrained(tmp_path / "r")
+    ids = tokens()
+    assert torch.equal(logits(sparse24.from_pretrained(LlamaForCausalLM, tmp_path / "r"), ids), logits(model, ids))
+
+
+@pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
+def test_resize_token_embeddings_with_a_dense_head_still_resizes(tie):
+    """The guard sits on every 2:4 transformers model: a dense head (tied or not) resizes as before, and the
+    old tokens' logits stay those of the model before the resize."""
+    model = llama_lm(tie)
+    assert model.config.tie_word_embeddings is tie
+    sparse24.sparsify_(model, mode="compressed")
+    assert not isinstance(model.lm_head, sparse24.Sparse24Linear)
+    resized = copy.deepcopy(model)
+    resized.resize_token_embeddings(100)  # the copy's guard resizes the copy
+    assert resized.get_input_embeddings().num_embeddings == resized.lm_head.out_features == 100
+    assert resized.config.vocab_size == 100 and model.config.vocab_size == model.lm_head.out_features == VOCAB
+    assert (resized.lm_head.weight is resized.get_input_embeddings().weight) is tie
+    ids = tokens()
+    assert torch.equal(logits(resized, ids)[..., :VOCAB], logits(model, ids))
+    gc.disable()  # the guard holds its model weakly: no reference cycle, `del` frees the model (GPU memory) at once
+    try:
+        gone = weakref.ref(resized)
+        del resized
+        assert gone() is None
+    finally:
+        gc.enable()
+
+
+INT4 = {"group_size": 32}  # (K = 64 and 160: groups of 128 would not divide them)
+
+
+@pytest.mark.parametrize("mode, quantize", [("masked", None), ("compressed", None), ("compressed", "int8"),
+                                           ("compressed", "int4")], ids=["masked", "16-bit", "int8", "int4"])
+def test_half_and_float_of_a_loaded_24_model(tmp_path, mode, quantize):
+    """transformers' loader marks a model it quantized (model.is_quantized) and then refuses .half() / .float():
+    a loaded 2:4 model refused them, while the same model in memory casts right. Loaded, it casts as the
+    in-memory one does (bit for bit), matches the float64 reference, and still saves its sparse24 section."""
+    dense = tiny_llama()
+    model = copy.deepcopy(dense)
+    sparse24.sparsify_(model, mode=mode, quantize=quantize, **(INT4 if quantize == "int4" else {}))
+    model.save_pretrained(tmp_path / "m")
+    loaded = sparse24.from_pretrained(LlamaForCausalLM, tmp_path / "m")
+    loaded.save_pretrained(tmp_path / "again")  # the section, and the tensors, as they were
+    assert json.loads((tmp_path / "again" / "config.json").read_text())["quantization_config"] == \
+        json.loads((tmp_path / "m" / "config.json").read_text())["quantization_config"]
+    assert same_state(sparse24.from_pretrained(LlamaForCausalLM, tmp_path / "again"), model)
+    ids = tokens()
+    ref = logits(masked_reference(dense, model), ids)
+    for m in (loaded, model):
+        m.float()
+    got = logits(loaded, ids)
+    assert got.dtype == torch.float32 and torch.equal(got, logits(model, ids))
+    torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5)
+    for m in (loaded, model):
+        m.half()
+    got = logits(loaded, ids)
+    assert got.dtype == torch.float16 and torch.equal(got, logits(model, ids))
+    # fp16 whole-model logits: measured worst |error| 4.6e-4 (|logits| <= 0.57); the unpruned model is 0.22 away
+    torch.testing.assert_close(got.double(), ref, rtol=2 * EPS[torch.float16], atol=4 * EPS[torch.float16])
+    for m in (loaded, model):
+        m.float()  # back: as the model in memory (fp16-rounded float weights)
+    assert torch.equal(logits(loaded, ids), logits(model, ids))
+
+
+@pytest.mark.parametrize("quantize", [None, "int8", "int4"], ids=["16-bit", "int8", "int4"])
+def test_dequantize_honours_an_explicit_dtype(tmp_path, quantize):
+    """model.dequantize(dtype=torch.float16) gave float32 layers without a word. Without a dtype the layers
+    keep theirs (transformers fills in config.dtype: float32 for a loaded model, which .half() leaves)."""
+    dense = tiny_llama()
+    model = copy.deepcopy(dense)
+    sparse24.sparsify_(model, mode="compressed", quantize=quantize, **(INT4 if quantize == "int4" else {}))
+    ref = masked_reference(dense, model)
+    layers = [fqn for fqn, m in model.named_modules() if isinstance(m, sparse24.Sparse24Linear)]
+    model.save_pretrained(tmp_path)
+    twin = sparse24.from_pretrained(LlamaForCausalLM, tmp_path).half()
+    assert twin.config.dtype == torch.float32  # stale
+    model.dequantize(dtype=torch.float16)
+    twin.dequantize()
+    for fqn in layers:
+        for m in (model, twin):
+            w = m.get_submodule(fqn).weight
+            assert type(m.get_submodule(fqn)) is torch.nn.Linear and w.dtype == torch.float16, fqn
+            # one rounding to fp16 of the fp64 value (two for INT8 / INT4: values * scale in fp32 first)
+            torch.testing.assert_close(w.double(), ref.get_submodule(fqn).weight, rtol=2 * EPS[torch.float16],
+                                       atol=UNDERFLOW[torch.float16])
+    assert getattr(model, "hf_quantizer", None) is None and not hasattr(model.config, "quantization_config")

@@ -191,3 +191,32 @@ def test_usage_names_the_program_as_invoked(tmp_path):
     for argv, prog in [([str(script)], "sparse24"), ([sys.executable, "-m", "sparse24"], "python -m sparse24")]:
         r = subprocess.run([*argv, "prune", "--help"], capture_output=True, text=True, timeout=120)
         assert r.returncode == 0 and r.stdout.startswith(f"usage: {prog} prune"), (argv, r.stdout[:200], r.stderr)
+
+
+@pytest.mark.parametrize("quantize", ["int8", "int4"])
+@pytest.mark.parametrize("path", ["magnitude", "wanda", "block-by-block"])
+def test_a_folder_whose_config_names_no_dtype_loads_in_its_dtype_after_pruning(capsys, tmp_path, path, quantize):
+    """transformers' default dtype="auto" takes a dtype config.json does not name from the first floating
+    tensor of the checkpoint: in the pruned folder a quantized layer's scale, so a bf16 model loaded as
+    float32 (INT8) or float16 (INT4). The output config now names the dtype the dense folder loads as."""
+    from test_cli_calibrated import _folder
+    folder, cls = _folder(tmp_path, "llama")
+    cls.from_pretrained(folder).to(torch.bfloat16).save_pretrained(folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    del cfg["dtype"]  # an older Hub config
+    (folder / "config.json").write_text(json.dumps(cfg))
+    dense = cls.from_pretrained(folder)  # the reference: what the dense folder loads as
+    assert dense.dtype == torch.bfloat16
+    torch.save(tokens(shape=(2, 9)), tmp_path / "ids.pt")
+    argv = {"magnitude": ["--prune-head"],  # (lm_head.scale: the first floating tensor stored)
+            "wanda": ["--method", "wanda", "--calibration", str(tmp_path / "calib.txt"), "--samples", "2"],
+            "block-by-block": ["--method", "wanda", "--calibration-ids", str(tmp_path / "ids.pt")]}[path]
+    capsys.readouterr()
+    rc, _, err = run(capsys, "prune", str(folder), "--out", str(tmp_path / "o"), "--quantize", quantize,
+                     "--no-progress", *argv)
+    assert rc == 0, err
+    loaded = sparse24.from_pretrained(cls, tmp_path / "o")
+    assert loaded.dtype == torch.bfloat16
+    assert json.loads((tmp_path / "o" / "config.json").read_text())["dtype"] == "bfloat16"
+    emb = loaded.model.embed_tokens.weight
+    assert emb.dtype == torch.bfloat16 and torch.equal(emb, dense.model.embed_tokens.weight)
