@@ -53,18 +53,19 @@ quantized, so the quantizer clears that mark, ``model.is_quantized``). ``model.d
 turns every 2:4 layer back into the dense class it replaced, holding the masked (INT8 / INT4: dequantized)
 weight in the layer's dtype, or in ``dtype`` when given (those layers only, as transformers' own
 quantizers). ``model.resize_token_embeddings`` of a model whose output head is a 2:4 layer is refused
-before anything changes (transformers resized the input embedding, then failed on the head): make the
+before anything changes when it would resize the head (transformers resized the input embedding, then
+failed on the head; a call keeping its size, ``len(tokenizer)`` equal to the vocabulary, passes): make the
 head dense (``model.set_output_embeddings(model.get_output_embeddings().to_dense_module())``), resize,
 then prune it again (``sparsify_(model, skip_output_head=False)``).
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import math
 import os
 import re
-import weakref
 
 import torch
 from torch import nn
@@ -318,13 +319,6 @@ class Sparse24Quantizer(HfQuantizer):
                 model.set_submodule(fqn, dense if dtype is None else dense.to(dtype))
         return model
 
-    def remove_quantization_config(self, model):
-        """The sparse24 section, the quantizer and the guard of ``resize_token_embeddings`` go (the last 2:4
-        layer went: :func:`attach`, ``model.dequantize()``)."""
-        super().remove_quantization_config(model)
-        if isinstance(vars(model).get("resize_token_embeddings"), _ResizeGuard):
-            del model.resize_token_embeddings
-
     def is_serializable(self):
         return True
 
@@ -452,9 +446,8 @@ def _check_unplaced(found: dict, saved: str, need: list, spec: dict) -> None:
 
 def attach(model: nn.Module) -> None:
     """Record ``model``'s sparse24 section in ``model.config.quantization_config`` and give it
-    the quantizer that saves it and a ``resize_token_embeddings`` that refuses a 2:4 output head
-    (:class:`_ResizeGuard`; what :func:`sparse24.sparsify_` and friends call on a transformers
-    model); with no 2:4 layer left, remove all three.
+    the quantizer that saves it (what :func:`sparse24.sparsify_` and friends call on a transformers
+    model); with no 2:4 layer left, remove both.
 
     Args:
         model: a ``transformers.PreTrainedModel``.
@@ -473,38 +466,33 @@ def attach(model: nn.Module) -> None:
         current.quantization_config = config
     else:
         model.hf_quantizer = Sparse24Quantizer(config, pre_quantized=True)
-    if "resize_token_embeddings" not in vars(model) and hasattr(type(model), "resize_token_embeddings"):
-        model.resize_token_embeddings = _ResizeGuard(model)
 
 
-class _ResizeGuard:
-    """``model.resize_token_embeddings`` of a 2:4 transformers model (set by :func:`attach`): refuses a 2:4
-    output head before anything changes, else calls transformers' method. transformers resizes the input
-    embedding first and fails on the head after (no ``nn.Linear``), leaving the embedding, the head and
-    ``config.vocab_size`` disagreeing: a folder saved then does not load. It holds the model weakly (no
-    reference cycle: ``del model`` still frees its memory at once); ``copy.deepcopy`` and pickling give the
-    copy a guard of its own (``from_pretrained`` calls attach)."""
-
-    def __init__(self, model: nn.Module):
-        self._model = weakref.ref(model)
-
-    def __deepcopy__(self, memo):
-        model = self._model()
-        return _ResizeGuard(memo.get(id(model), model))  # (deepcopy records the model's copy before its attributes)
-
-    def __reduce__(self):
-        return _ResizeGuard, (self._model(),)
-
-    def __call__(self, *args, **kwargs):
-        model = self._model()
-        head = model.get_output_embeddings()
-        if isinstance(head, Sparse24Linear):
-            name = next((fqn for fqn, m in model.named_modules() if m is head), "the output head")
-            raise TypeError(f"resize_token_embeddings: {name} is a 2:4 layer (Sparse24Linear), whose rows transformers "
-                            "cannot resize (nothing was changed): make it dense first, "
-                            "model.set_output_embeddings(model.get_output_embeddings().to_dense_module()), resize, "
-                            "then prune it again (sparse24.sparsify_(model, skip_output_head=False, ...))")
-        return type(model).resize_token_embeddings(model, *args, **kwargs)
+def _guard_resize(resize):
+    """transformers' ``PreTrainedModel.resize_token_embeddings``, refusing (before anything changes) a call that
+    would resize a 2:4 output head: transformers resizes the input embedding first and fails on the head after
+    (no ``nn.Linear``), leaving the embedding, the head and ``config.vocab_size`` disagreeing (a folder saved
+    then does not load). A call that keeps the head's size passes (``len(tokenizer)`` equal to the vocabulary,
+    ``None``); a compressed head, which has no dense ``weight`` for transformers to read, is not touched then."""
+    @functools.wraps(resize)
+    def resize_token_embeddings(self, new_num_tokens=None, pad_to_multiple_of=None, *args, **kwargs):
+        head = self.get_output_embeddings()
+        if not isinstance(head, Sparse24Linear):
+            return resize(self, new_num_tokens, pad_to_multiple_of, *args, **kwargs)
+        rows = getattr(self.get_input_embeddings(), "num_embeddings", head.out_features)
+        n = rows if new_num_tokens is None else new_num_tokens
+        if pad_to_multiple_of:
+            n = -(-n // pad_to_multiple_of) * pad_to_multiple_of
+        if n == rows == head.out_features or new_num_tokens is pad_to_multiple_of is None:
+            return self.get_input_embeddings() if head.mode == "compressed" else \
+                resize(self, new_num_tokens, pad_to_multiple_of, *args, **kwargs)
+        name = next((fqn for fqn, m in self.named_modules() if m is head), "the output head")
+        raise TypeError(f"resize_token_embeddings: {name} is a 2:4 layer (Sparse24Linear), whose rows transformers "
+                        "cannot resize (nothing was changed): make it dense first, "
+                        "model.set_output_embeddings(model.get_output_embeddings().to_dense_module()), resize, "
+                        "then prune it again (sparse24.sparsify_(model, skip_output_head=False, ...))")
+    resize_token_embeddings._sparse24_guard = True
+    return resize_token_embeddings
 
 
 _REGISTERED = False
@@ -520,6 +508,9 @@ def register() -> None:
     if QUANT_METHOD not in AUTO_QUANTIZER_MAPPING:
         register_quantization_config(QUANT_METHOD)(Sparse24Config)
         register_quantizer(QUANT_METHOD)(Sparse24Quantizer)
+    from transformers import PreTrainedModel
+    if not getattr(PreTrainedModel.resize_token_embeddings, "_sparse24_guard", False):
+        PreTrainedModel.resize_token_embeddings = _guard_resize(PreTrainedModel.resize_token_embeddings)
     if importlib.util.find_spec("peft") is not None:
         from . import lora
         lora.register()

@@ -188,7 +188,7 @@ def test_resize_token_embeddings_with_a_24_head_is_refused_before_anything_chang
     model = llama_lm()
     sparse24.sparsify_(model, skip_output_head=False, **kw)
     before = copy.deepcopy(model)
-    for m in (model, before):  # (the copy's guard is the copy's)
+    for m in (model, before):
         with pytest.raises(TypeError, match=r"lm_head is a 2:4 layer.*to_dense_module\(\).*sparsify_"):
             m.resize_token_embeddings(100)
     assert same_state(model, before) and model.config.vocab_size == VOCAB
@@ -208,6 +208,22 @@ def test_resize_token_embeddings_with_a_24_head_is_refused_before_anything_chang
     assert torch.equal(logits(sparse24.from_pretrained(LlamaForCausalLM, tmp_path / "r"), ids), logits(model, ids))
 
 
+@pytest.mark.parametrize("kw", [{}, {"mode": "compressed"}], ids=["masked", "compressed"])
+def test_resize_token_embeddings_keeping_a_24_heads_size_passes(kw):
+    """Fine-tuning scripts call resize_token_embeddings(len(tokenizer)) unconditionally: a call that keeps the
+    size (or names none, or pads to it) changes nothing and returns the input embedding, also on a shallow
+    copy (the guard sits on transformers' class, not on one model)."""
+    model = llama_lm()
+    sparse24.sparsify_(model, skip_output_head=False, **kw)
+    before = copy.deepcopy(model)
+    for m in (model, copy.copy(model)):
+        for args in ((VOCAB,), (), (None,), (VOCAB - 10, VOCAB // 2)):
+            assert m.resize_token_embeddings(*args) is m.get_input_embeddings()
+    assert same_state(model, before) and model.config.vocab_size == VOCAB
+    with pytest.raises(TypeError, match=r"lm_head is a 2:4 layer"):
+        model.resize_token_embeddings(VOCAB - 10, 64)   # (padded to 128)
+
+
 @pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
 def test_resize_token_embeddings_with_a_dense_head_still_resizes(tie):
     """The guard sits on every 2:4 transformers model: a dense head (tied or not) resizes as before, and the
@@ -217,13 +233,13 @@ def test_resize_token_embeddings_with_a_dense_head_still_resizes(tie):
     sparse24.sparsify_(model, mode="compressed")
     assert not isinstance(model.lm_head, sparse24.Sparse24Linear)
     resized = copy.deepcopy(model)
-    resized.resize_token_embeddings(100)  # the copy's guard resizes the copy
+    resized.resize_token_embeddings(100)
     assert resized.get_input_embeddings().num_embeddings == resized.lm_head.out_features == 100
     assert resized.config.vocab_size == 100 and model.config.vocab_size == model.lm_head.out_features == VOCAB
     assert (resized.lm_head.weight is resized.get_input_embeddings().weight) is tie
     ids = tokens()
     assert torch.equal(logits(resized, ids)[..., :VOCAB], logits(model, ids))
-    gc.disable()  # the guard holds its model weakly: no reference cycle, `del` frees the model (GPU memory) at once
+    gc.disable()  # no reference cycle: `del` frees the model (GPU memory) at once
     try:
         gone = weakref.ref(resized)
         del resized
