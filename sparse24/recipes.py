@@ -146,9 +146,10 @@ class GradualPruner:
     paper's masked forward (and ``torch.nn.utils.prune``), so gradient clipping
     and the optimizer's moments see only the kept weights. The hooks go with
     :meth:`remove` (call it when done, e.g. before ``sparsify_``, which masks on
-    its own) or with the pruner itself once nothing references it; a second
-    pruner on the same layers takes them over, a deep copy of the model and the
-    pruner hooks the copy's weights.
+    its own) or with the pruner itself once nothing references it; a weight
+    that came since (``load_state_dict(assign=True)``) is hooked at the next
+    :meth:`step`; a second pruner on the same layers masks with its own masks
+    too; a deep copy of the model and the pruner hooks the copy's weights.
 
     Targets:
 
@@ -226,14 +227,14 @@ class GradualPruner:
         self._hook_weights()
 
     def _hook_weights(self) -> None:
-        """Mask each selected weight's gradient (:class:`_MaskGrad`), once: another pruner's hook on it goes."""
+        """Mask each selected weight's gradient (:class:`_MaskGrad`), once per weight: also a weight that
+        came after the last call (``load_state_dict(assign=True)``, a module conversion swapping Parameters).
+        Another pruner's hooks stay (each masks with its own masks; a dead pruner's pass the gradient)."""
         for fqn, lin in self.layers:
             w = lin.weight
-            if not w.is_floating_point():
+            if not w.is_floating_point() or any(isinstance(fn, _MaskGrad) and fn.pruner() is self
+                                                for fn in (w._backward_hooks or {}).values()):
                 continue
-            for key, fn in list((w._backward_hooks or {}).items()):
-                if isinstance(fn, _MaskGrad):   # a second pruner on the same layer takes it over
-                    del w._backward_hooks[key]
             # A frozen weight too (torch refuses a hook on it, and keeps one across the toggle): a layer
             # unfrozen later is masked as well.
             frozen = not w.requires_grad
@@ -293,7 +294,9 @@ class GradualPruner:
 
     @torch.no_grad()
     def apply_masks(self) -> None:
-        """Zero the pruned weights (the optimizer may have moved them)."""
+        """Zero the pruned weights (the optimizer may have moved them), and mask the gradients of weights
+        that came since the last call (new Parameters: their gradients were not masked)."""
+        self._hook_weights()
         for fqn, lin in self.layers:   # (not mul_: a pruned weight gone inf would become NaN, and stay NaN)
             _rc(lin.weight, lin).masked_fill_(~self.masks[fqn], 0)
 

@@ -264,6 +264,26 @@ def test_sparsify_names_what_is_parametrized(names):
     assert why["0"].startswith(f"{' and '.join(names)} {'is' if len(names) == 1 else 'are'} parametrized"), why
     assert not any("parametrizations" in fqn for fqn in why), why   # (no second line for torch's own module)
 
+
+def test_parametrized_matrices_of_other_modules_are_reported_not_handled():
+    # wav2vec2/HuBERT's positional conv carries weight_norm: its matrix is in the ParametrizationList
+    from torch.nn.utils import parametrizations
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.conv, self.lin = nn.Embedding(64, D), nn.Conv1d(D, D, 3), nn.Linear(D, D)
+
+        def forward(self, x):
+            return self.lin(self.emb(x))
+
+    model = M()
+    parametrizations.weight_norm(model.conv, dim=2)
+    parametrizations.orthogonal(model.emb)
+    why = {r.fqn: r.reason for r in sparse24.sparsify_(model, skip_output_head=False).skipped}
+    assert why["conv"].startswith("not handled: ParametrizedConv1d: a convolution") and \
+        why["emb"].startswith("not handled: ParametrizedEmbedding: a lookup table"), why
+
 # --- 4. lazy modules are reported, not a crash --------------------------------------------------------------
 
 @pytest.mark.parametrize("lazy", [lambda: nn.LazyLinear(D), lambda: nn.LazyConv1d(8, 3)], ids=["Linear", "Conv1d"])

@@ -523,27 +523,36 @@ def test_gradual_pruner_gradient_hooks_one_per_weight_and_removed_with_the_prune
     p = GradualPruner(model, (2, 4), start_step=0, end_step=1, frequency=1, skip_output_head=False)
     p.step(1)
     assert hooks(model) == [1, 1]
-    # a second pruner on the same layers takes them over: still one hook each, masking with its masks
+    # a temporary second pruner, once freed, leaves the first one's hooks in place
+    assert GradualPruner(model, (2, 4), start_step=0, end_step=1, frequency=1, skip_output_head=False).skipped == {}
+    gc.collect()
+    assert hooks(model) == [1, 1]
+    # two live pruners on the same layers: each masks with its own masks
     p2 = GradualPruner(model, "1:4", start_step=0, end_step=1, frequency=1, skip_output_head=False)
     p2.step(1)
+    assert hooks(model) == [2, 2]
+    both = {k: p.masks[k] & p2.masks[k] for k in p.masks}
+    for g, want in zip(grads(model), hand_grads(model, x, r, both)):
+        torch.testing.assert_close(g, want, rtol=0, atol=1e-12)
+    del p2
+    gc.collect()
     assert hooks(model) == [1, 1]
-    for g, want in zip(grads(model), hand_grads(model, x, r, p2.masks)):
+    # new Parameters (a resume through load_state_dict(assign=True)): hooked at the next step
+    model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()}, assign=True)
+    assert hooks(model) == [0, 0]
+    p.step(2)
+    assert hooks(model) == [1, 1]
+    for g, want in zip(grads(model), hand_grads(model, x, r, p.masks)):
         torch.testing.assert_close(g, want, rtol=0, atol=1e-12)
-    final = p2.masks
-    p2.masks = {k: torch.ones_like(v) for k, v in final.items()}   # the first pruner's 2:4 masks no longer apply
-    for g, want in zip(grads(model), hand_grads(model, x, r)):
-        torch.testing.assert_close(g, want, rtol=0, atol=1e-12)
-    p2.masks = final
     # a deep copy of model and pruner: the copy's weights are hooked once, reading the copy's masks
-    model2, q = copy.deepcopy((model, p2))
+    model2, q = copy.deepcopy((model, p))
     assert hooks(model2) == [1, 1] and hooks(model) == [1, 1]
     q.masks = {k: torch.ones_like(v) for k, v in q.masks.items()}
     for g, want in zip(grads(model2), hand_grads(model2, x, r)):
         torch.testing.assert_close(g, want, rtol=0, atol=1e-12)
-    for g, want in zip(grads(model), hand_grads(model, x, r, p2.masks)):
+    for g, want in zip(grads(model), hand_grads(model, x, r, p.masks)):
         torch.testing.assert_close(g, want, rtol=0, atol=1e-12)
     # remove() ends the masking; a pruner garbage-collected leaves no hook behind
-    p2.remove()
     p.remove()
     assert hooks(model) == [0, 0]
     for g, want in zip(grads(model), hand_grads(model, x, r)):
