@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import copy
 import math
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -144,10 +145,23 @@ def _random_perm(H: int, block: int | None, gen: torch.Generator) -> torch.Tenso
     return torch.cat([b * block + torch.randperm(block, generator=gen) for b in range(H // block)])
 
 
+def _is_kv_cache(x) -> bool:
+    """A Hugging Face KV cache (``transformers.Cache``: ``DynamicCache``, ...), returned beside the logits."""
+    cache_utils = sys.modules.get("transformers.cache_utils")   # (never imports transformers)
+    return cache_utils is not None and isinstance(x, getattr(cache_utils, "Cache", ()))
+
+
 def _outputs_equal(a, b, tol: float | None = None) -> bool:
     """Equal up to rounding: ``tol`` relative to the largest output (default: 1e-9 for
     float64 outputs, else the larger of 1e-4 and 8 ulps of 1.0 in the output's dtype, 7.8e-3 in
-    float16 and 6.3e-2 in bfloat16: the permuted sums run in another order, rounded at every layer)."""
+    float16 and 6.3e-2 in bfloat16: the permuted sums run in another order, rounded at every layer).
+
+    Two KV caches count as equal: they are the attention's keys and values kept for the next call, not an
+    output (compared as objects, a decoder's default ``use_cache=True`` made every group fail; their
+    tensors would differ for an exact value -> output group, whose value channels move with the
+    permutation). Any other object that is not a tensor, mapping or sequence must compare ``==``."""
+    if _is_kv_cache(a) or _is_kv_cache(b):
+        return _is_kv_cache(a) and _is_kv_cache(b)
     if isinstance(a, torch.Tensor):
         if not (isinstance(b, torch.Tensor) and a.shape == b.shape):
             return False
@@ -251,7 +265,9 @@ def check_group(model: nn.Module, group: PermutationGroup, example, seed: int = 
     """True if a random permutation of ``group`` (within its blocks) leaves the
     outputs of a float64 copy of ``model`` on ``example`` equal (to 1e-9 of the
     largest output); ``model`` itself is not changed. An ``example`` with an empty tensor, or
-    on which the outputs hold no element, proves nothing: a ValueError.
+    on which the outputs hold no element, proves nothing: a ValueError. A Hugging Face KV cache
+    (``transformers.Cache``, returned with ``use_cache=True``) is not compared: it holds the keys and
+    values for the next call, which an exact group may permute; every tensor output is.
 
     Example:
         >>> mlp = nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 8))
@@ -274,7 +290,9 @@ def find_permutation_groups(model: nn.Module, example, heads: int | None = None)
     """Groups that can absorb a permutation, found by structure and proven by a test.
 
     For every ``nn.Linear`` (consumer), the candidate producers are the other
-    Linears under the same parent module (or its parent) with
+    Linears under the same parent module (or its parent; where that is a
+    ``ModuleList`` / ``Sequential`` / ``ModuleDict`` of blocks, only the consumer's
+    block and the one just before it) with
     ``out_features == consumer.in_features``: first all of them together
     (gated MLPs: gate and up rows with down columns), then each alone. A
     candidate is kept if :func:`check_group` proves it exact on ``example``;
@@ -300,16 +318,51 @@ def find_permutation_groups(model: nn.Module, example, heads: int | None = None)
     check_model(model, None)
     if heads is not None and (not isinstance(heads, int) or heads < 1):
         raise ValueError(f"heads must be a positive int or None, got {heads!r}")
-    linears = {fqn: m for fqn, m in model.named_modules() if isinstance(m, nn.Linear)}
+    mods = dict(model.named_modules())
+    linears = {fqn: m for fqn, m in mods.items() if isinstance(m, nn.Linear)}
     f64 = _Float64Copy(model, example)
 
-    def near(a: str, b: str) -> bool:  # same parent, or same grandparent
-        pa, pb = a.rsplit(".", 1)[0] if "." in a else "", b.rsplit(".", 1)[0] if "." in b else ""
-        return pa == pb or pa.rsplit(".", 1)[0] == pb.rsplit(".", 1)[0]
+    def parent(name: str) -> str:
+        return name.rsplit(".", 1)[0] if "." in name else ""
 
+    def grandparent(name: str) -> str:
+        return parent(name).rsplit(".", 1)[0]   # (a top-level parent is its own "grandparent")
+
+    previous: dict[tuple[str, str], str | None] = {}
+
+    def previous_block(gp: str, item: str) -> str | None:
+        """The nearest child before ``item`` of the container ``gp`` that holds a Linear (the block whose
+        outputs ``item`` reads; activations and norms between them are skipped)."""
+        if (gp, item) not in previous:
+            children = list(mods[gp]._modules.items())   # all, in order (named_children skips repeated modules)
+            names = [k for k, _ in children]
+            previous[gp, item] = next((k for k, child in reversed(children[:names.index(item)]) if child is not None
+                                       and any(isinstance(x, nn.Linear) for x in child.modules())), None)
+        return previous[gp, item]
+
+    def near(p: str, c: str) -> bool:
+        """Producer ``p`` for consumer ``c``: the same parent, or the same grandparent; but where that
+        grandparent is a container of blocks (``nn.ModuleList``, a model's ``layers``), only the block
+        just before ``c``'s. Every block of a stack was a candidate for every other's consumers (O(L^2)
+        candidates, each proved by a whole-model forward); a block reads its predecessor's outputs."""
+        pp, pc = parent(p), parent(c)
+        if pp == pc:
+            return True
+        gp = grandparent(p)
+        if gp != grandparent(c):
+            return False
+        if pp == gp or pc == gp or not isinstance(mods.get(gp), (nn.ModuleList, nn.Sequential, nn.ModuleDict)):
+            return True
+        return previous_block(gp, pc[len(gp) + 1:]) == pp[len(gp) + 1:]
+
+    # candidates share the consumer's grandparent (the same parent implies it): look only there
+    by_grandparent: dict[str, list[str]] = {}
+    for fqn in linears:
+        by_grandparent.setdefault(grandparent(fqn), []).append(fqn)
     groups = []
     for c, lin in linears.items():
-        cands = [p for p, pl in linears.items() if p != c and pl.out_features == lin.in_features and near(p, c)]
+        cands = [p for p in by_grandparent[grandparent(c)]
+                 if p != c and linears[p].out_features == lin.in_features and near(p, c)]
         tries = ([cands] if len(cands) > 1 else []) + [[p] for p in cands]
         blocks = [None] + ([lin.in_features // heads] if heads and lin.in_features % heads == 0 else [])
         found = None
@@ -380,8 +433,8 @@ def permute_model_(model: nn.Module, groups: list, score: str = "magnitude", cal
     ``calibration`` (``{fqn: LayerStats}``) is updated in place so it
     describes the permuted model (the consumers' input statistics are
     permuted too). With ``example``, the outputs before and after are
-    compared (to 1e-4 of the largest output, 1e-9 in float64, 8 ulps in 16-bit dtypes) and everything
-    is undone if they differ (a group that was not exact).
+    compared (to 1e-4 of the largest output, 1e-9 in float64, 8 ulps in 16-bit dtypes; a KV cache
+    in them is not, as in :func:`check_group`) and everything is undone if they differ (a group that was not exact).
 
     All or nothing: the pattern, every group's tensors and width (``m`` must divide the channels
     of a group searched without ``block``) and the calibration statistics are checked before

@@ -203,13 +203,14 @@ def prune_state_dict(sd: dict, method: str = "magnitude", quantize: str | None =
         row["kept"] = kept_magnitude_fraction(t, mask)
         reader = _direct_reader(prefix.rstrip("."), sd)
         if reader:
-            out[key], out[prefix + "mask"] = torch.where(mask, t, 0), mask
+            written = {key: torch.where(mask, t, 0), prefix + "mask": mask}
             row.update(action="masked", reason=f"kept as weight + mask: {reader}")
         else:
-            out.update({prefix + n: v for n, v in compressed_entries(compress(t, mask, **quant)).items()})
+            written = {prefix + n: v for n, v in compressed_entries(compress(t, mask, **quant)).items()}
             row["action"] = "compressed" + quant_label(quant)
-        row["bytes_after"] = sum(out[k].numel() * out[k].element_size() for k in out if k.startswith(prefix)
-                                 and k[len(prefix):] in LAYER_ENTRIES)
+        out.update(written)
+        # this layer's entries only (rescanning all of `out` per layer was quadratic: 16000 layers took 122 s)
+        row["bytes_after"] = sum(v.numel() * v.element_size() for v in written.values())
         report.append(row)
     return out, report
 
