@@ -165,11 +165,17 @@ def check_finite(t: torch.Tensor, name: str = "weight",
     how many entries are inf/NaN, where the first one is, and ``why`` (integer tensors pass)."""
     if not t.is_floating_point() or t.is_meta:
         return
+    # a block of rows at a time: isfinite's temporaries over a whole weight took 2.5x its bytes (bf16); the
+    # count and the first index are computed on the whole only for a tensor that fails (blocks 64x larger
+    # on a GPU: each costs a host sync)
+    x = t.detach().reshape(1) if t.dim() == 0 else t.detach()
+    step = max(1, (1 << (18 if x.device.type == "cpu" else 24)) // max(1, x[:1].numel()))
+    if all(bool(torch.isfinite(computable(x[i:i + step])).all()) for i in range(0, x.shape[0], step)):
+        return
     bad = ~torch.isfinite(computable(t))
-    if bool(bad.any()):
-        first = tuple(int(i) for i in bad.nonzero()[0])
-        raise ValueError(f"{name} has {int(bad.sum())} non-finite value(s) (inf/NaN), the first at index {first}"
-                         + (f": {why}" if why else ""))
+    first = tuple(int(i) for i in bad.nonzero()[0])
+    raise ValueError(f"{name} has {int(bad.sum())} non-finite value(s) (inf/NaN), the first at index {first}"
+                     + (f": {why}" if why else ""))
 
 
 def safetensors_headers(files) -> dict:

@@ -47,9 +47,11 @@ class TensorBackup:
         for t in tensors:
             if id(t) in self._ids or t.is_meta:
                 continue
-            # in row chunks of ~16M entries: boolean indexing builds 8-byte indices per entry taken (a
-            # whole bf16 weight at once briefly needed ~5x its bytes on its device)
-            rows = max(1, (1 << 24) // max(1, t[0].numel())) if t.dim() and t.shape[0] else 1
+            # in row chunks of ~1M entries (16M on a GPU): boolean indexing builds 8-byte indices per entry
+            # taken (a whole bf16 weight at once briefly needed ~5x its bytes on its device; 16M entries
+            # held ~176 MiB on a CPU, the whole sparsify_ peak of a 4096 x 4096 layer)
+            chunk = 1 << (20 if t.device.type == "cpu" else 24)
+            rows = max(1, chunk // max(1, t[0].numel())) if t.dim() and t.shape[0] else 1
             parts = [t.detach()[i:i + rows][~mask[i:i + rows]].to("cpu") for i in range(0, t.shape[0], rows)]
             self._saved.append((t, torch.cat(parts) if parts else t.detach()[~mask].to("cpu"), mask))
             self._ids.add(id(t))

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .format import Sparse24Tensor, _pack_meta, check_group_size
+from .format import Sparse24Tensor, _pack_meta, _row_chunks, check_group_size
 
 __all__ = ["DecodePacked", "pack_decode", "decode_dims", "DECODE_LAYOUT_VERSION"]
 
@@ -394,6 +394,41 @@ def pack_decode(p: Sparse24Tensor) -> DecodePacked:
         raise TypeError(f"the decode layout holds float16, bfloat16, INT8 or INT4 values, got {p.values.dtype}; "
                         f"cast first, e.g. p.to(dtype=torch.float16)")
     R, C = p.shape
+    if p.group_size is not None:   # the same scale and zero-point tensors as layout v1's (made contiguous
+        scale, zero = p.scale.contiguous(), None if p.zero is None else p.zero.contiguous()   # only where not)
+    else:
+        scale, zero = p.scale, None
+    chunks = _row_chunks(R, C, p.device, _DEC_ROW_ALIGN)
+    values, meta = _pack_rows(p) if len(chunks) <= 1 else _pack_blocks(p, chunks)
+    return DecodePacked(values, meta, (R, C), p.dtype, scale, zero=zero, group_size=p.group_size, check=False)
+
+
+def _pack_blocks(p: Sparse24Tensor, chunks: list[slice]) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_pack_rows` a block of 128-row tiles at a time (``chunks``: row slices starting at multiples of
+    128), written into the whole layout: a row tile owns its values and words. Whole, the int64 slots and
+    codes peaked at 6.3x the weight's dense bf16 bytes (32x an INT4 layer's stored bytes)."""
+    R, C = p.shape
+    NT = decode_dims(R, C)[0]
+    tdim = 2 if p.scale is None else 1   # values' row-tile dimension
+    values = meta = None
+    for rows in chunks:
+        part = Sparse24Tensor(p.values[rows], p.meta[:, rows], (rows.stop - rows.start, C), p.dtype,
+                              None if p.scale is None else p.scale[rows],
+                              zero=None if p.zero is None else p.zero[rows], group_size=p.group_size, check=False)
+        v, m = _pack_rows(part)
+        if meta is None:
+            meta = m.new_empty(NT, *m.shape[1:])
+            values = v.new_empty(v.shape[:tdim] + (NT,) + v.shape[tdim + 1:])
+        t0 = rows.start // _DEC_ROWS
+        meta[t0:t0 + m.shape[0]] = m
+        values.narrow(tdim, t0, m.shape[0]).copy_(v)
+    return values, meta
+
+
+def _pack_rows(p: Sparse24Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(values, meta)`` of :func:`pack_decode` for rows of a weight (a whole number of 128-row blocks,
+    or the last rows)."""
+    R, C = p.shape
     NT, KA, KM = decode_dims(R, C)
     Rp, Gp = NT * _DEC_ROWS, KA * _DEC_COLS // 4
     slots = p.slots()                                                          # (R, C/4, 2)
@@ -408,7 +443,7 @@ def pack_decode(p: Sparse24Tensor) -> DecodePacked:
     if p.scale is not None:  # INT8 / INT4: the mma.sp words after the keep masks
         meta = torch.cat((meta, _sp_words(slots, R, C)), dim=-1).contiguous()
     if p.group_size is not None:
-        return _pack_int4(p, meta, NT, KA, Rp, Gp)
+        return _pack_int4(p, NT, KA, Rp, Gp), meta
     vals = p.values.view(R, C // 4, 2)
     if p.scale is not None:
         v16 = vals.to(torch.int16)
@@ -422,17 +457,13 @@ def pack_decode(p: Sparse24Tensor) -> DecodePacked:
     else:
         v = vals.view(NT, 2, 8, KA, 4, 4, 2).permute(3, 0, 2, 5, 4, 6, 1)       # (a, t, i, j, q, v, b)
         values = v.reshape(KA, NT, 32, 16).contiguous()
-    return DecodePacked(values, meta, (R, C), p.dtype, p.scale, check=False)
+    return values, meta
 
 
-def _pack_int4(p: Sparse24Tensor, meta: torch.Tensor, NT: int, KA: int, Rp: int, Gp: int) -> DecodePacked:
-    """:func:`pack_decode` of an INT4 weight, given its decode-layout keep masks."""
+def _pack_int4(p: Sparse24Tensor, NT: int, KA: int, Rp: int, Gp: int) -> torch.Tensor:
+    """The decode-layout values of an INT4 weight (:func:`pack_decode`)."""
     R, C = p.shape
     codes = _dec_pad(torch.stack((p.values & 15, p.values >> 4), dim=-1), Rp, Gp)     # (Rp, Gp, 2) codes u
     nib = codes.view(NT, 2, 8, KA, 2, 2, 4, 2).permute(3, 0, 2, 6, 4, 7, 5, 1)       # (a, t, i, j, h, v, qq, b)
     nib = nib.reshape(KA, NT, 32, 2, 8)                                              # nibble n = 4v + 2qq + b
-    values = (nib[..., 0::2] | nib[..., 1::2] << 4).reshape(KA, NT, 32, 8).contiguous()
-    # the same scale and zero-point tensors as layout v1's (made contiguous only where they are not)
-    zero = None if p.zero is None else p.zero.contiguous()
-    return DecodePacked(values, meta, (R, C), p.dtype, p.scale.contiguous(), zero=zero, group_size=p.group_size,
-                        check=False)
+    return (nib[..., 0::2] | nib[..., 1::2] << 4).reshape(KA, NT, 32, 8).contiguous()

@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 from .._checks import check_bool, check_finite
-from ..format import FLOAT_DTYPES, Sparse24Tensor, _check_mask24, check_group_size, compress, int4_options, is_nm
+from ..format import (FLOAT_DTYPES, Sparse24Tensor, _check_mask24, _row_chunks, check_group_size, compress,
+                      int4_options, is_nm)
 from ..masks import METHODS, mask_nm, prune_nm
 from .sharded import is_dtensor
 
@@ -137,7 +138,12 @@ def _pruned_rows(w: torch.Tensor) -> torch.Tensor:
     permutation) weight, which would pass where it has few live groups (8 or fewer rows or columns)."""
     R, C = w.shape
     nz = w != 0
-    if bool((nz.sum(0) <= 1).all()) and bool((nz.sum(1) <= 1).all()):  # at most one per row and column
+    # counted a block of rows at a time: a bool sum casts the whole (R, C) mask to int64 first (4x a bf16 weight)
+    cols, lone = torch.zeros(C, dtype=torch.int32, device=w.device), True
+    for rows in _row_chunks(R, C, w.device):
+        cols += nz[rows].sum(0, dtype=torch.int32)
+        lone = lone and bool((nz[rows].sum(1, dtype=torch.int32) <= 1).all())
+    if lone and bool((cols <= 1).all()):  # at most one per row and column
         return torch.zeros(R, 1, dtype=torch.bool, device=w.device)
     nz4 = nz.reshape(R, C // 4, 4).any(-1)
     if nz4.shape[1] % 2:
@@ -150,12 +156,16 @@ def _pruned_rows(w: torch.Tensor) -> torch.Tensor:
 def sparser_note(mask: torch.Tensor) -> str:
     """A report note when the ``(R, C)`` 2:4 ``mask`` keeps fewer than 2 of some groups of 4 (a weight
     already pruned sparser than 2:4 keeps exactly its non-zeros), else ``""``."""
-    kept = mask.reshape(-1, 4).sum(-1)
-    fewer = int((kept < 2).sum())
+    R, C = mask.shape
+    # Counted a block of rows at a time, in uint8: a bool sum defaults to int64, 8 B per group (4x a bf16
+    # weight's bytes, the peak of sparsify_), and even a uint8 sum of the whole mask copies it first.
+    fewer = sum(int(torch.count_nonzero(mask[rows].reshape(-1, 4).sum(-1, dtype=torch.uint8) < 2))
+                for rows in _row_chunks(R, C, mask.device))
     if not fewer:
         return ""
-    return (f"the mask keeps fewer than 2 of 4 in {fewer} of {kept.numel()} groups ({int(kept.sum())} of "
-            f"{mask.numel()} weights): the weight's non-zeros, it was already sparser than 2:4")
+    return (f"the mask keeps fewer than 2 of 4 in {fewer} of {mask.numel() // 4} groups "
+            f"({int(torch.count_nonzero(mask))} of {mask.numel()} weights): the weight's non-zeros, it was "
+            "already sparser than 2:4")
 
 
 class _Prepared(NamedTuple):
@@ -252,11 +262,9 @@ def _prepare(linear, mask, mode, method, quant: dict, calibration, trainable_val
 
 
 def _mask_from_slots(p: Sparse24Tensor) -> torch.Tensor:
-    """``(R, C)`` bool, True at the two stored slots of every group."""
-    R, C = p.shape
-    keep = torch.zeros(R, C // 4, 4, dtype=torch.bool, device=p.device)
-    keep.scatter_(-1, p.slots(), True)
-    return keep.view(R, C)
+    """``(R, C)`` bool, True at the two stored slots of every group (:meth:`Sparse24Tensor.kept_mask`,
+    which unpacks the slots a block of rows at a time)."""
+    return p.kept_mask()
 
 
 def is_conv1d_class(cls) -> bool:

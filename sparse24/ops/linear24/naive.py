@@ -150,11 +150,12 @@ def linear_backward_reference(grad_y: torch.Tensor, x: torch.Tensor | None, p: S
             grad_x = sum(gy[:, sl] @ p.to_dense(rows=sl).to(gy.dtype) for sl in chunks)
         grad_x = grad_x.view(*grad_y.shape[:-1], K)
     if need_values:
-        x2, slots = x.reshape(gy.shape[0], K).to(gy.dtype), p.slots()
+        x2 = x.reshape(gy.shape[0], K).to(gy.dtype)
 
-        def kept(sl):  # the dense weight gradient of rows sl, at the kept slots
+        def kept(sl):  # the dense weight gradient of rows sl, at the kept slots (unpacked for rows sl only:
+            # the int64 slots are 4 bytes per weight, 2x a bf16 layer's dense bytes when unpacked whole)
             gw = ((gy if whole else gy[:, sl]).t() @ x2).view(-1, K // 4, 4)
-            return gw.gather(-1, slots[sl]).view(-1, K // 2).to(p.values.dtype)
+            return gw.gather(-1, p.slots(sl)).view(-1, K // 2).to(p.values.dtype)
         if whole:
             grad_values = kept(slice(None))
         elif in_place:
