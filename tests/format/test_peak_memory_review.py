@@ -246,3 +246,15 @@ def test_pruned_rows_counts_a_row_block_at_a_time(small_blocks):
     assert not bool(_pruned_rows(eye).any())
     eye[3, 100] = 1                                      # two in row 3: rows with one live group in 8 are not pruned
     assert not bool(_pruned_rows(eye).any())
+
+
+def test_check_finite_finds_a_nan_in_a_later_block_of_rows():
+    # check_finite scans blocks of rows (2**18 elements on a CPU): a value in the last block is found, and the
+    # message counts and places it over the whole tensor
+    from sparse24._checks import check_finite
+    w = torch.zeros(600, 1024, dtype=torch.bfloat16)
+    w[550, 7], w[599, 3] = float("nan"), float("-inf")
+    with pytest.raises(ValueError, match=r"weight has 2 non-finite value\(s\) \(inf/NaN\), the first at index "
+                                         r"\(550, 7\)"):
+        check_finite(w)
+    check_finite(torch.zeros(600, 1024))
