@@ -43,7 +43,7 @@ from ..ops.config_store import (KERNEL, SCHEMA_VERSION, Choice, clear_cache, con
                                shipped_config_dir, validate_dir, validate_file)
 from ..ops.linear24 import linear_prefill, linear_reference, linear_triton, op
 from ..ops.linear24.launch import (half_pair, int_specialization, kernel_call, kernel_refusal, sparse_tensor_cores,
-                                   target_dtype, variant_of)
+                                   target_dtype, tf32_matmul, variant_of)
 from ..ops.linear24.op import DECODE_M
 from .bench import rel_error
 from .cli_common import CLIError, check_writable
@@ -147,7 +147,7 @@ def tune_key(M: int, N: int, K: int, dtype: str, device, configs=None, warmup_ms
             return tune_key(M, N, K, dtype, device, configs, warmup_ms, rep_ms, layout, timings)
     x, p, w_dense = _tuning_inputs(M, N, K, dtype, device, layout=layout)
     ref = F.linear(x.double(), w_dense.double())
-    tf32 = dtype.endswith("float32") and torch.backends.cuda.matmul.allow_tf32
+    tf32 = dtype.endswith("float32") and tf32_matmul()
     max_err = 2e-3 if tf32 else _MAX_REL_ERR[_activation(dtype)]
     props = torch.cuda.get_device_properties(device)
     # Enough weight copies to overflow L2 twice, so every launch streams its

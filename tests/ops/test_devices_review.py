@@ -272,3 +272,38 @@ def test_the_bench_skips_the_triton_providers_where_the_kernels_do_not_run(gpu):
     gpu(config_store.DeviceInfo("Tesla T4", (7, 5), 40))
     assert provider_status("sparse24-int4-triton", cuda, torch.float16) == ""
     assert "need compute capability 8.0" in provider_status("sparse24-int4-triton", cuda, torch.bfloat16)
+
+
+@pytest.mark.parametrize("setting", ["new", "generic", "legacy", "high"])
+def test_tf32_switch_read_through_torchs_new_api(setting):
+    """With torch's new TF32 setting (fp32_precision, torch >= 2.9) set, reading the legacy allow_tf32 raises
+    ("a mix of the legacy and new APIs"): every float32 CUDA call of the Triton path did."""
+    from sparse24.ops.linear24 import launch
+    matmul, backends = torch.backends.cuda.matmul, torch.backends
+    saved = matmul.fp32_precision, backends.fp32_precision
+    try:
+        if setting == "new":
+            matmul.fp32_precision = "tf32"
+        elif setting == "generic":
+            backends.fp32_precision = "tf32"
+        elif setting == "legacy":
+            matmul.allow_tf32 = True
+        else:
+            torch.set_float32_matmul_precision("high")
+        assert launch.tf32_matmul() is True
+
+        class CudaX:  # what plan_for reads of x before any CUDA work: a (4, 64) float32 CUDA tensor
+            is_cuda, dtype, device, shape = True, torch.float32, torch.device("cuda"), torch.Size((4, 64))
+
+        p = sparse24.compress(torch.randn(32, 64))
+        try:
+            launch.plan_for(CudaX(), p.values, None, None, 32, 4)
+        except RuntimeError as e:   # (no GPU here: the plan's own CUDA work fails, after the TF32 read)
+            assert "legacy" not in str(e) and "new API" not in str(e), e
+        except (AttributeError, TypeError, AssertionError):
+            pass
+    finally:
+        matmul.allow_tf32 = False
+        torch.set_float32_matmul_precision("highest")
+        backends.fp32_precision, matmul.fp32_precision = saved[1], saved[0]
+    assert launch.tf32_matmul() is False

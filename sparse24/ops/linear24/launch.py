@@ -226,6 +226,15 @@ def run(x: torch.Tensor, values: torch.Tensor, meta: torch.Tensor, scale: torch.
     return plan(x.reshape(M, K), values, meta, scale, bias, M, zero).view(*x.shape[:-1], N)
 
 
+def tf32_matmul() -> bool:
+    """torch's matmul TF32 switch (``torch.backends.cuda.matmul``), read through ``fp32_precision`` where
+    torch has it: after a user set that (or ``torch.backends.fp32_precision``), reading the legacy
+    ``allow_tf32`` raises ("a mix of the legacy and new APIs"); it also reflects the legacy flag and
+    ``torch.set_float32_matmul_precision("high")``."""
+    precision = getattr(torch.backends.cuda.matmul, "fp32_precision", None)
+    return precision == "tf32" if precision is not None else bool(torch.backends.cuda.matmul.allow_tf32)
+
+
 def plan_for(x: torch.Tensor, values: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None, N: int,
              M: int, config: KernelConfig | None = None, zero: torch.Tensor | None = None,
              group_size: int = 0) -> "_Plan":
@@ -234,7 +243,7 @@ def plan_for(x: torch.Tensor, values: torch.Tensor, scale: torch.Tensor | None, 
     key while :data:`PLAN_EPOCH` is unchanged (the modules' fast path does)."""
     # fp32 dots follow torch's own matmul TF32 switch (off by default, so fp32
     # results match F.linear); half types ignore it.
-    tf32 = x.dtype == torch.float32 and x.is_cuda and torch.backends.cuda.matmul.allow_tf32
+    tf32 = x.dtype == torch.float32 and x.is_cuda and tf32_matmul()
     key = (x.device, x.dtype, values.dtype, values.dim(), None if scale is None else scale.dtype,
            None if bias is None else bias.dtype, N, x.shape[-1], m_bucket(M),
            torch.are_deterministic_algorithms_enabled(), tf32, config, group_size, zero is not None)
@@ -1077,7 +1086,7 @@ def kernel_call(x2, p: Sparse24Tensor | DecodePacked, bias, target, config: Kern
     M = x2.shape[0]
     if target.dtype != target_dtype(config, split_k, x2.dtype):
         raise ValueError(f"target must be {target_dtype(config, split_k, x2.dtype)} for {config}, got {target.dtype}")
-    tf32 = x2.is_cuda and x2.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32
+    tf32 = x2.is_cuda and x2.dtype == torch.float32 and tf32_matmul()
     s = p.meta if p.scale is None else p.scale
     b = p.meta if bias is None else bias
     group_size, zero = getattr(p, "group_size", None) or 0, getattr(p, "zero", None)
