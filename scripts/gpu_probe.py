@@ -189,7 +189,7 @@ def _triton_dense(x, w, cfg, kernels):
     grid = (triton.cdiv(M, cfg.block_m), triton.cdiv(N, cfg.block_n))
     if x.is_cuda:
         kernels["cuda"][grid](x, w, out, M, N, K, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                              num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                              num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=True)
     else:
         kernels["cpu"][grid](x, w, out, M, N, K, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k)
     return out

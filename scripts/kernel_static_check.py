@@ -1004,7 +1004,7 @@ def dense_one(cfg, cap: int) -> dict:
     src = ASTSource(triton.jit(_probe()._dense_mm), sig, attrs={(i,): [["tt.divisibility", 16]] for i in range(6)},
                     constexprs={"BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k})
     ck = triton.compile(src, target=GPUTarget("cuda", cap, 32),
-                        options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+                        options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages, "enable_fp_fusion": True})
     return prefill_model(dict(loop_counts(ck), dtype="float16", cfg=dataclasses.replace(cfg, split_k=1),
                               l2_bytes=(cfg.block_m + cfg.block_n) * cfg.block_k * 2))   # x and a dense W tile
 

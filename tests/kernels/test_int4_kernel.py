@@ -481,3 +481,29 @@ def test_bf16_scales_compile_to_two_fma_per_pair_for_sm90(bm, bn):
     ck = launch.aot_compile(x, d, None, out, cfg, 1, (9, 0))
     assert two in ck.asm["ptx"] and three not in ck.asm["ptx"]
     assert "ld.local" not in ck.asm["ptx"] and "st.local" not in ck.asm["ptx"]
+
+
+def test_compiled_kernels_keep_their_fmas_whatever_tritons_fp_fusion_default(monkeypatch):
+    """Triton 3.9 warned on every first compile that FP fusion was left to its default, which turns off in
+    3.10: the INT4 decode kernel then split its 8 fma.rn.f32 into mul + add (other rounding, other
+    instruction budget). The launch states it (launch.COMPILE_OPTIONS); no GPU needed: sm_90 PTX."""
+    import re
+    import warnings
+    torch.manual_seed(0)
+    d = pack_decode(sparse24.compress(torch.randn(256, 512).half(), quantize="int4", group_size=128))
+    cfg = KernelConfig(16, 64, 128, 1, 1, 4, 1, kernel="decode")
+
+    def fmas(default):
+        if default is None:
+            monkeypatch.delenv("TRITON_DEFAULT_FP_FUSION", raising=False)
+        else:
+            monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", default)
+        ptx = launch.aot_compile(torch.randn(16, 512).half(), d, None, torch.empty(16, 256).half(), cfg, 1).asm["ptx"]
+        return len(re.findall(r"\bfma\.rn\.f32", ptx)), len(re.findall(r"\bmul\.(?:rn\.)?f32", ptx))
+
+    on = fmas("1")
+    assert on[0] >= 8
+    assert fmas("0") == on
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")   # (Triton 3.9's "TRITON_DEFAULT_FP_FUSION is unset" warning)
+        assert fmas(None) == on

@@ -226,6 +226,11 @@ def run(x: torch.Tensor, values: torch.Tensor, meta: torch.Tensor, scale: torch.
     return plan(x.reshape(M, K), values, meta, scale, bias, M, zero).view(*x.shape[:-1], N)
 
 
+# Options of every compile of our kernels: FP fusion (fma) stated, not left to Triton's default, which
+# Triton 3.9 warns will turn off in 3.10 (the kernels' instruction budgets, docs/kernels.md, count fmas).
+COMPILE_OPTIONS = {"enable_fp_fusion": True}
+
+
 def tf32_matmul() -> bool:
     """torch's matmul TF32 switch (``torch.backends.cuda.matmul``), read through ``fp32_precision`` where
     torch has it: after a user set that (or ``torch.backends.fp32_precision``), reading the legacy
@@ -306,7 +311,7 @@ class _Plan:
                                     group_size, has_zero, bucket), self.variant.kernel(cuda=True).arg_names)
         # the kept handle binds them positionally, after the runtime arguments
         self.constexpr_values = tuple(self.constexprs.values())
-        self.options = {"num_warps": config.num_warps, "num_stages": config.num_stages}
+        self.options = {"num_warps": config.num_warps, "num_stages": config.num_stages, **COMPILE_OPTIONS}
         self.N, self.device, self.cuda, self.device_index = N, device, device.type == "cuda", device.index
         # the integer arguments of contiguous tensors: fixed by N and K
         self.contiguous_ints = self.variant.contiguous_ints(N, K, has_scale)
@@ -683,7 +688,7 @@ def _launch_unpack(values, meta, scale, out, zero=None, group_size=0) -> None:
         kernel[grid](values, meta, scale if scale is not None else values, zero if zero is not None else values, out,
                      R, C, meta.shape[0], scale.shape[1] if group_size else 1, meta.shape[2], out.stride(0),
                      INT8=scale is not None and not group_size, GROUP=group_size, HAS_ZERO=zero is not None,
-                     BLOCK_A=block_a)
+                     BLOCK_A=block_a, **COMPILE_OPTIONS)
 
 
 def _grown(buf, need: int, make):
@@ -1092,7 +1097,7 @@ def kernel_call(x2, p: Sparse24Tensor | DecodePacked, bias, target, config: Kern
     group_size, zero = getattr(p, "group_size", None) or 0, getattr(p, "zero", None)
     kwargs = dict(variant.constexprs(config, split_k, p.scale is not None, p.values.dtype, bias is not None, tf32,
                                      x2.shape[1], group_size, zero is not None, m_bucket(M)),
-                  num_warps=config.num_warps, num_stages=config.num_stages)
+                  num_warps=config.num_warps, num_stages=config.num_stages, **COMPILE_OPTIONS)
     grid = variant.grid(M, p.shape[0], config, split_k)
     extra = variant.extra(x2.device, p.shape[0], config, split_k, m_bucket(M))
     z = variant.zero_arg(p.meta if zero is None else zero)
@@ -1134,4 +1139,5 @@ def aot_compile(x2, p: Sparse24Tensor | DecodePacked, bias, target, config: Kern
                                          or (n != "M" and isinstance(a, int) and a % 16 == 0))}
     src = ASTSource(jit_fn, signature, constexprs=constexprs, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", capability[0] * 10 + capability[1], 32),
-                          options={"num_warps": config.num_warps, "num_stages": config.num_stages})
+                          options={"num_warps": config.num_warps, "num_stages": config.num_stages,
+                                   **COMPILE_OPTIONS})
