@@ -148,7 +148,7 @@ def learn_masks(model: nn.Module, batches, steps: int, *, loss_fn: Callable | No
 
     The model and the teacher run in the train/eval mode they are in (call
     ``.eval()`` to switch dropout off); the default teacher is in eval mode.
-    Activation checkpointing (``model.gradient_checkpointing_enable()``,
+    Activation checkpointing (``model.activation_checkpointing_enable()``,
     ``torch.utils.checkpoint``) gives the same results: each layer draws its
     mask once per step (a layer run twice in a step uses that draw again), so a
     forward recomputed in backward sees the mask the loss was computed with.

@@ -145,8 +145,8 @@ class _Objective:
                         raise ValueError(f"hidden={h!r}: the student's module ran with autograd off (under torch."
                                          "no_grad, or in a segment of reentrant activation checkpointing), so its "
                                          "layer-wise loss would train nothing; use checkpointing with "
-                                         "use_reentrant=False (e.g. model.gradient_checkpointing_enable("
-                                         "gradient_checkpointing_kwargs={'use_reentrant': False})) or leave "
+                                         "use_reentrant=False (e.g. model.activation_checkpointing_enable("
+                                         "{'use_reentrant': False})) or leave "
                                          f"{h!r} out of hidden=")
                 layer = sum(_relative_mse(self._s[h], self._t[h]) for h in self.hidden) / len(self.hidden)
                 loss = loss + self.hidden_weight * layer

@@ -96,7 +96,7 @@ def test_grad_x_through_a_frozen_decode_layout_layer_reads_it_block_by_block(no_
     torch.testing.assert_close(x.grad.double(), gy.double() @ ref_w, rtol=tol, atol=tol)
 
 
-@pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::torch.jit.TracerWarning")
+@pytest.mark.filterwarnings("ignore::DeprecationWarning", "error::torch.jit.TracerWarning")  # (none of ours)
 @pytest.mark.parametrize("quantize", [None, "int8", "int4"])
 def test_jit_trace_save_and_load_of_a_compressed_layer(quantize):
     torch.manual_seed(0)

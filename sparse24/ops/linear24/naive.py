@@ -46,7 +46,8 @@ def check_input(x: torch.Tensor, in_features: int, device: torch.device) -> None
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
     if not x.is_floating_point():
         raise TypeError(f"x must be floating point, got {x.dtype}")
-    if x.dim() < 1 or x.shape[-1] != in_features:
+    # (not under torch.jit.trace: the shape is fixed there, and its comparison only printed TracerWarnings)
+    if x.dim() < 1 or (not torch.jit.is_tracing() and x.shape[-1] != in_features):
         raise ValueError(f"x has {x.shape[-1] if x.dim() else 0} features but the weight expects {in_features} "
                          f"(x shape {tuple(x.shape)})")
     if x.device != device:
