@@ -60,6 +60,7 @@ then prune it again (``sparsify_(model, skip_output_head=False)``).
 """
 from __future__ import annotations
 
+import copy
 import functools
 import importlib.util
 import json
@@ -69,6 +70,7 @@ import re
 
 import torch
 from torch import nn
+from transformers import PretrainedConfig
 from transformers.quantizers import HfQuantizer, register_quantization_config, register_quantizer
 from transformers.quantizers.auto import AUTO_QUANTIZER_MAPPING
 from transformers.utils.quantization_config import QuantizationConfigMixin
@@ -461,11 +463,26 @@ def attach(model: nn.Module) -> None:
             current.remove_quantization_config(model)
         return
     config = Sparse24Config(**section)
-    model.config.quantization_config = config
     if isinstance(current, Sparse24Quantizer):
         current.quantization_config = config
     else:
+        _own_config(model)
         model.hf_quantizer = Sparse24Quantizer(config, pre_quantized=True)
+    model.config.quantization_config = config
+
+
+def _own_config(model: nn.Module) -> None:
+    """Give ``model`` a config object of its own (sub-configs included, wherever its modules hold them) before
+    its sparse24 section is written into it: models built from one config object share it (a teacher and a
+    student, ``Model(cfg)`` twice), and the section made the dense one save a folder that did not load."""
+    old = model.config
+    new = copy.deepcopy(old)
+    swap = {id(old): new, **{id(v): getattr(new, k) for k, v in vars(old).items()
+                             if isinstance(v, PretrainedConfig) and v is not old}}
+    for module in model.modules():
+        for name, value in list(vars(module).items()):
+            if id(value) in swap:
+                setattr(module, name, swap[id(value)])
 
 
 def _guard_resize(resize):

@@ -306,3 +306,20 @@ def test_dequantize_honours_an_explicit_dtype(tmp_path, quantize):
             torch.testing.assert_close(w.double(), ref.get_submodule(fqn).weight, rtol=2 * EPS[torch.float16],
                                        atol=UNDERFLOW[torch.float16])
     assert getattr(model, "hf_quantizer", None) is None and not hasattr(model.config, "quantization_config")
+
+
+def test_a_model_sharing_its_config_object_stays_dense_on_disk(tmp_path):
+    """Two models built from one config object (a teacher and a student) share it: sparsify_ of one wrote its
+    sparse24 section into the other's config too, which then saved a dense folder that did not load."""
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(0)
+    student, teacher = LlamaForCausalLM(cfg).eval(), LlamaForCausalLM(cfg).eval()
+    sparse24.sparsify_(student, mode="compressed")
+    assert getattr(teacher.config, "quantization_config", None) is None
+    assert all(m.config is student.config for m in student.modules() if "config" in vars(m))
+    teacher.save_pretrained(tmp_path / "t")
+    student.save_pretrained(tmp_path / "s")
+    ids = tokens()
+    assert torch.equal(logits(LlamaForCausalLM.from_pretrained(tmp_path / "t"), ids), logits(teacher, ids))
+    assert torch.equal(logits(sparse24.from_pretrained(LlamaForCausalLM, tmp_path / "s"), ids), logits(student, ids))
