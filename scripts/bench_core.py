@@ -4,8 +4,10 @@
   its CUTLASS 2:4 layout (same weight, same process, interleaved repeats);
 - the reference ``sparse24.linear`` versus dense ``F.linear`` on the masked
   weight, fp32, M = 1, 64, 256;
-- the reference backend's extra memory on a large layer (peak RSS growth in a
-  fresh process, versus the size of the dense weight).
+- the reference backend's extra memory on a large layer (peak RSS growth of a
+  first and of a repeated call in a fresh process, the peak reset right before
+  each (Linux ``/proc``; elsewhere the figure is reported unavailable), versus
+  the size of the dense weight).
 
 Goals (issue 23): to_dense within 2x of a copy of the same dense result
 (``torch.clone``, timed side by side), and the reference linear <= 1.4x dense
@@ -20,11 +22,12 @@ and ``sparse/dense`` are sparse24 / the reference (higher = sparse24 slower:
 from __future__ import annotations
 
 import argparse
-import resource
+import gc
 import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -91,26 +94,61 @@ def bench_linear(size: int, repeats: int) -> None:
               + ("  (goal at M = 256: <= 1.4x)" if M == 256 else ""))
 
 
-def _rss_child(n: int, k: int) -> None:
+_STATUS, _CLEAR_REFS = "/proc/self/status", "/proc/self/clear_refs"
+
+
+def _peak_rss() -> int | None:
+    """This process's peak resident set (Linux VmHWM) in bytes; None where /proc is missing."""
+    try:
+        with open(_STATUS) as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+    except (OSError, StopIteration):
+        return None
+
+
+def _reset_peak_rss() -> bool:
+    """Set the peak (VmHWM) to the current resident set (Linux >= 4.0); False where that is not possible."""
+    try:
+        with open(_CLEAR_REFS, "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _rss_child(n: int, k: int, threads: int | None = None) -> None:
+    """Prints the peak-RSS growth in bytes of a first and then a repeated ``sparse24.linear`` call on an
+    ``n x k`` fp32 weight, one line each, or ``unavailable``. The peak is reset right before each call:
+    ``ru_maxrss`` cannot be reset, and the setup (a 256 MiB ``randn`` and ``compress``) had already raised it
+    past anything the call needs, so it read 0 even for a call decompressing the whole weight."""
+    if threads:
+        torch.set_num_threads(threads)
     p = sparse24.compress(torch.randn(n, k))
     x = torch.randn(1, k)
-    sparse24.linear(x, p)  # warm-up
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    sparse24.linear(x, p)
-    torch.nn.functional.linear(x, torch.zeros(1, k))
-    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    print((after - before) * 1024)
+    for _ in range(2):  # the first call's growth includes one-time setup; the repeated call's does not
+        gc.collect()
+        before = _peak_rss() if _reset_peak_rss() else None
+        if before is None:
+            print("unavailable")
+            return
+        sparse24.linear(x, p)
+        # >= 0: Linux syncs a thread's RSS counts lazily (a few hundred KiB late), the peak can read lower
+        print(max(0, _peak_rss() - before))
 
 
-def bench_memory(n: int = 16384, k: int = 4096) -> None:
-    # ru_maxrss is a high-water mark, so the child first runs a warm-up call;
-    # the second call's growth is what one call needs beyond the first.
-    code = f"import sys; sys.path.insert(0, {sys.path[0]!r}); import bench_core; bench_core._rss_child({n}, {k})"
+def bench_memory(n: int = 16384, k: int = 4096, threads: int | None = None) -> None:
+    # A fresh process, so that no earlier benchmark's freed memory is reused by the calls measured.
+    code = (f"import sys; sys.path.insert(0, {str(Path(__file__).resolve().parent)!r}); import bench_core; "
+            f"bench_core._rss_child({n}, {k}, {threads!r})")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    growth = int(out.strip().splitlines()[-1])
+    lines = out.strip().splitlines()
     from sparse24.ops.linear24 import CHUNK_ELEMENTS
-    print(f"\nreference linear memory, fp32 W {n}x{k} (dense would be {n * k * 4 / 2**20:.0f} MiB): "
-          f"peak RSS growth of a repeated call {growth / 2**20:.1f} MiB; "
+    head = f"\nreference linear memory, fp32 W {n}x{k} (dense would be {n * k * 4 / 2**20:.0f} MiB): "
+    if lines[-1] == "unavailable":
+        print(head + "peak RSS growth unavailable (needs Linux's /proc/self/status VmHWM and clear_refs)")
+        return
+    first, repeated = (int(v) / 2**20 for v in lines[-2:])
+    print(head + f"peak RSS growth of a first call {first:.1f} MiB, of a repeated call {repeated:.1f} MiB; "
           f"decompression works in chunks of {CHUNK_ELEMENTS * 4 / 2**20:.0f} MiB")
 
 
@@ -138,7 +176,7 @@ def main() -> None:
     bench_conversion(args.size, args.repeats)
     bench_linear(args.size, args.repeats)
     if not args.skip_memory:
-        bench_memory()
+        bench_memory(threads=args.threads)
 
 
 if __name__ == "__main__":

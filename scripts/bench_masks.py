@@ -53,7 +53,7 @@ def timed(fn, repeats: int):
 
 def bench_permutation(seeds: int, time_limit: float, rows):
     print(f"\n## Permutation search, random normal 64x128 fp32, 2:4, {time_limit:g} s per matrix\n")
-    print("| seed | 2:4 kept | permuted kept | upper bound | gain | gap closed | steps budget |")
+    print("| seed | 2:4 kept | permuted kept | upper bound | gain | gap closed | time budget (s) |")
     print("|---|---|---|---|---|---|---|")
     gains, closed = [], []
     for seed in range(seeds):
@@ -103,13 +103,21 @@ def bench_big(size: int, repeats: int, perm_time: float, sparsegpt: bool, rows):
     print(f"\npermutation gain on {size}x{size}: +{100 * (kept_nm(wp) / kept_nm(w) - 1):.3f}% kept magnitude")
 
 
+def positive_int(text: str) -> int:
+    """argparse type: an int >= 1 (0 seeds or repeats left a median or mean of nothing)."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--seeds", type=int, default=10, help="random 64x128 matrices (default 10)")
+    ap.add_argument("--seeds", type=positive_int, default=10, help="random 64x128 matrices (default 10)")
     ap.add_argument("--perm-time", type=float, default=3.0, help="search seconds per 64x128 matrix")
     ap.add_argument("--big", type=int, default=4096, help="side of the square weight for the speed table")
     ap.add_argument("--big-perm-time", type=float, default=60.0, help="time_limit of the big permutation search")
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=positive_int, default=3)
     ap.add_argument("--no-sparsegpt", action="store_true", help="skip SparseGPT on the big weight")
     ap.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's choice)")
     ap.add_argument("--csv", help="write the figures to this CSV file")

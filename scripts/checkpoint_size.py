@@ -6,6 +6,9 @@ reloads each into a freshly built and sparsified model and checks the outputs
 are bit-identical, then prints the file sizes.
 
     python scripts/checkpoint_size.py [--dim 1024] [--blocks 2]
+
+``--dim`` must be a multiple of 4 and at least ``sparse24``'s ``min_features`` (32): every
+Linear is 2:4, or the sizes would include a layer ``sparsify_`` kept dense.
 """
 import argparse
 import io
@@ -15,6 +18,7 @@ import torch
 from torch import nn
 
 import sparse24
+from sparse24.api import MIN_FEATURES
 
 
 def build(dim: int, blocks: int, seed: int) -> nn.Module:
@@ -27,7 +31,10 @@ def build(dim: int, blocks: int, seed: int) -> nn.Module:
 
 def prepare(model: nn.Module, kind: str) -> nn.Module:
     if kind != "dense":
-        sparse24.sparsify_(model)
+        skipped = sparse24.sparsify_(model).skipped
+        if skipped:  # its fp16 weight would be counted in a "2:4" checkpoint's size
+            raise ValueError("layers left dense, the 2:4 sizes would include them: "
+                             + "; ".join(f"{r.fqn} ({r.reason})" for r in skipped))
         if kind != "masked":
             sparse24.compress_(model, quantize="int8" if kind == "int8" else None)
     return model
@@ -41,9 +48,11 @@ def saved_bytes(sd: dict) -> bytes:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--dim", type=int, default=1024)
+    ap.add_argument("--dim", type=int, default=1024, help="a multiple of 4, >= 32 (default 1024)")
     ap.add_argument("--blocks", type=int, default=2)
     args = ap.parse_args()
+    if args.dim % 4 or args.dim < MIN_FEATURES:  # sparsify_ would keep such layers dense
+        ap.error(f"--dim must be a multiple of 4 and >= {MIN_FEATURES} (every Linear 2:4), got {args.dim}")
     x = torch.randn(4, args.dim).half()
     weight_elems = 8 * args.dim * args.dim * args.blocks
     print(f"# {args.blocks} x (Linear({args.dim}, {4 * args.dim}) + Linear({4 * args.dim}, {args.dim})), fp16, "

@@ -21,6 +21,12 @@ model's own calibration (``sparsegpt_prune(..., mask=, quantize="int4")``).
 weights rounded onto the grid in the forward pass with the gradient passed straight through
 (:class:`OnGrid`); ``minilm --part qat``: the same from the joint one-pass model.
 
+``minilm --part chain``: ``eval_minilm.py``'s fp32 chain (the README's recipe), then INT4 on its
+masks at each of ``--groups`` (default 128): RTN, GPTQ and ``--qat-steps``. ``--calib``,
+``--eval-sentences``, ``--steps``, ``--batch`` and ``--lr`` become its ``--calib-sentences``,
+``--eval-sentences``, ``--distill-steps``, ``--batch`` and ``--distill-lr`` (its defaults where not
+given); with ``--quick`` (its smoke-test sizes) the first three are refused.
+
 ``charlm``: ``eval_charlm.py``'s model and training run (dense, then the same run again
 with the magnitude 2:4 masks frozen, every Linear), then that 2:4 model in INT4 (RTN and
 GPTQ on its masks, group 32 / 64 / 128, and ``--qat-steps`` of quantization-aware training):
@@ -116,15 +122,35 @@ def write(path: Path, title: str, header: list[str], rows: list[list], notes: li
 
 # --- MiniLM ------------------------------------------------------------------------------
 
+# minilm --part chain: this script's options as eval_minilm.py's (a chain has 400 mask-learning steps,
+# then --distill-steps of distillation: --steps and --lr are the distillation's, as in the other parts).
+CHAIN_OPTIONS = {"calib": "--calib-sentences", "eval_sentences": "--eval-sentences", "steps": "--distill-steps",
+                 "batch": "--batch", "lr": "--distill-lr"}
+QUICK_SETS = ("calib", "eval_sentences", "steps")  # eval_minilm.py --quick sets these itself
+# The other parts' defaults (minilm --part chain: eval_minilm.py's, and group 128).
+MINILM_DEFAULTS = {"calib": 512, "eval_sentences": 512, "groups": (128, 64, 32), "steps": 600, "batch": 32,
+                   "lr": 6e-4}
+
+
+def chain_argv(args) -> list[str]:
+    """eval_minilm.py's arguments for ``minilm --part chain``: ``--quick`` and the sizes given."""
+    out = ["--quick"] if args.quick else []
+    for name, option in CHAIN_OPTIONS.items():
+        if getattr(args, name) is not None:
+            out += [option, str(getattr(args, name))]
+    return out
+
+
 def minilm_chain(args, argv) -> None:
     """``minilm --part chain``: the README's fp32 recipe (eval_minilm.py's chain, its texts, settings
     and evaluation: permutation, layer by layer to the dense outputs, learned masks, distillation),
     then INT4 on its masks: RTN, GPTQ (the recovered model's own Hessians) and quantization-aware
-    distillation on the GPTQ grid from the same teacher (the permuted dense model)."""
+    distillation on the GPTQ grid from the same teacher (the permuted dense model), at each of ``--groups``
+    (default 128). The sizes given go to eval_minilm.py (:data:`CHAIN_OPTIONS`); the others keep its defaults."""
     sys.path.insert(0, str(ROOT / "scripts"))
     import eval_minilm as em
     t0 = time.perf_counter()
-    margs = em.parser().parse_args(["--quick"] if args.quick else [])
+    margs = em.parser().parse_args(chain_argv(args))
     ctx = em.context(margs)
     enc, evals = em._worker(ctx)
     rows, out = [], args.out / ("minilm-chain-quick.md" if args.quick else "minilm-chain.md")
@@ -149,39 +175,45 @@ def minilm_chain(args, argv) -> None:
             for r in fp32], [])
     secs = sum(r["seconds"] for r in fp32)
 
-    def int4_row(name: str, model, t: float, note: str = "") -> None:
+    def int4_row(name: str, model, gs: int, t: float, note: str = "") -> None:
         ws = [mod.weight.detach() * (mod.mask if isinstance(mod, Sparse24Linear) else 1)
               for mod in linears(model, "encoder.").values()]
         assert len(ws) == 36 and all(is_nm(w) for w in ws), "every encoder Linear must be 2:4"
         cos = {k: embedding_fidelity(model, b, ref, token_mask=enc.token_mask) for k, (b, ref) in evals.items()}
         print(f"  {name:<50} {cos['held']:.4f} / {cos['manual']:.4f} ({t:.0f} s)", flush=True)
-        report([], [[name, 128, f"{bytes_per_weight(128):.4f}", cos["held"], cos["manual"], f"{t:.0f}", note]])
+        report([], [[name, gs, f"{bytes_per_weight(gs):.4f}", cos["held"], cos["manual"], f"{t:.0f}", note]])
 
-    m = copy.deepcopy(student)
-    quantize_on_masks_(m, "rtn", 128, prefix="encoder.")
-    int4_row("recovered, then RTN", m, secs)
-    tc = time.perf_counter()
-    batches = enc.batches(ctx["calib"], 32)
-    stats = dense_stats(student, batches, token_mask=enc.token_mask, filter_fn=enc.filter_fn)
-    m = copy.deepcopy(student)
-    grids = quantize_on_masks_(m, "gptq", 128, stats=stats, prefix="encoder.")
-    int4_row("recovered, then GPTQ on its masks", m, secs + time.perf_counter() - tc,
-             "sparsegpt_prune(w, H, mask=, quantize='int4'), H from the recovered model on the calibration sentences")
-    if not args.qat_steps:
-        return write(out, "all-MiniLM-L6-v2, every encoder Linear 2:4 + INT4 (the README's recipe, then INT4)",
-                     header, rows, notes, argv, t0, True)
-    densify_(m)
-    for fqn, mod in linears(m, "encoder.").items():
-        parametrize.register_parametrization(mod, "weight", OnGrid(grids[fqn]))
-    n = ctx["learn_steps"] + ctx["distill_steps"]
-    stream = em.sentence_batches(enc, ctx["train"], n + args.qat_steps, ctx["batch"], seed=1)[n:]
-    d = _distil(enc, m, teacher, stream, args.qat_lr)
-    for mod in linears(m, "encoder.").values():  # the weights stay on each group's grid
-        mod.parametrizations.weight[0].check(mod.weight.detach())
-    int4_row("recovered, GPTQ, then quantization-aware distillation", m, secs + time.perf_counter() - tc,
-             f"{args.qat_steps} more steps x {ctx['batch']} sentences (the next of the same stream), lr "
-             f"{args.qat_lr:g}, 1 - cos + layer-wise relative MSE, straight-through rounding onto the GPTQ grid, "
-             f"grid and masks fixed; loss {d.losses[0]:.3f} -> {sum(d.losses[-10:]) / len(d.losses[-10:]):.3f}")
+    stats, t_stats = None, 0.0
+    for gs in args.groups:
+        m = copy.deepcopy(student)
+        quantize_on_masks_(m, "rtn", gs, prefix="encoder.")
+        int4_row("recovered, then RTN", m, gs, secs)
+        tc = time.perf_counter()
+        if stats is None:  # the recovered model's Hessians, once for every group
+            batches = enc.batches(ctx["calib"], 32)
+            stats = dense_stats(student, batches, token_mask=enc.token_mask, filter_fn=enc.filter_fn)
+            t_stats = time.perf_counter() - tc
+            tc = time.perf_counter()
+        m = copy.deepcopy(student)
+        grids = quantize_on_masks_(m, "gptq", gs, stats=stats, prefix="encoder.")
+        int4_row("recovered, then GPTQ on its masks", m, gs, secs + t_stats + time.perf_counter() - tc,
+                 "sparsegpt_prune(w, H, mask=, quantize='int4'), H from the recovered model on the calibration "
+                 "sentences")
+        if not args.qat_steps:
+            continue
+        densify_(m)
+        for fqn, mod in linears(m, "encoder.").items():
+            parametrize.register_parametrization(mod, "weight", OnGrid(grids[fqn]))
+        n = ctx["learn_steps"] + ctx["distill_steps"]
+        stream = em.sentence_batches(enc, ctx["train"], n + args.qat_steps, ctx["batch"], seed=1)[n:]
+        d = _distil(enc, m, teacher, stream, args.qat_lr)
+        for mod in linears(m, "encoder.").values():  # the weights stay on each group's grid
+            mod.parametrizations.weight[0].check(mod.weight.detach())
+        int4_row("recovered, GPTQ, then quantization-aware distillation", m, gs,
+                 secs + t_stats + time.perf_counter() - tc,
+                 f"{args.qat_steps} more steps x {ctx['batch']} sentences (the next of the same stream), lr "
+                 f"{args.qat_lr:g}, 1 - cos + layer-wise relative MSE, straight-through rounding onto the GPTQ grid, "
+                 f"grid and masks fixed; loss {d.losses[0]:.3f} -> {sum(d.losses[-10:]) / len(d.losses[-10:]):.3f}")
     write(out, "all-MiniLM-L6-v2, every encoder Linear 2:4 + INT4 (the README's recipe, then INT4)", header, rows,
           notes, argv, t0, True)
 
@@ -454,12 +486,16 @@ def main(argv: list[str] | None = None) -> None:
     mp = sub.add_parser("minilm", parents=[common])
     mp.add_argument("--part", choices=("oneshot", "distill", "qat", "chain"), default="oneshot")
     mp.add_argument("--quick", action="store_true", help="chain: eval_minilm.py --quick's sizes (a smoke test)")
-    mp.add_argument("--calib", type=int, default=512, help="calibration sentences")
-    mp.add_argument("--eval-sentences", type=int, default=512)
-    mp.add_argument("--groups", type=int, nargs="+", default=(128, 64, 32))
-    mp.add_argument("--steps", type=int, default=600, help="distillation steps")
-    mp.add_argument("--batch", type=int, default=32)
-    mp.add_argument("--lr", type=float, default=6e-4)
+    # Defaults None: --part chain passes on only what was given (its defaults are eval_minilm.py's).
+    mp.add_argument("--calib", type=int, help="calibration sentences (default 512; chain: eval_minilm.py's "
+                                              "--calib-sentences)")
+    mp.add_argument("--eval-sentences", type=int, help="default 512 (chain: eval_minilm.py's)")
+    mp.add_argument("--groups", type=int, nargs="+", help="INT4 group sizes (default 128 64 32; chain: 128)")
+    mp.add_argument("--steps", type=int, help="distillation steps (default 600; chain: eval_minilm.py's "
+                                              "--distill-steps)")
+    mp.add_argument("--batch", type=int, help="sentences per step (default 32; chain: eval_minilm.py's)")
+    mp.add_argument("--lr", type=float, help="distillation learning rate (default 6e-4; chain: eval_minilm.py's "
+                                             "--distill-lr)")
     mp.add_argument("--qat-steps", type=int, default=0, help="distill: quantization-aware steps after GPTQ")
     mp.add_argument("--qat-lr", type=float, default=2e-4)
     cp = sub.add_parser("charlm", parents=[common])
@@ -468,6 +504,15 @@ def main(argv: list[str] | None = None) -> None:
     cp.add_argument("--qat-steps", type=int, default=0, help="quantization-aware steps after GPTQ (0: none)")
     cp.add_argument("--qat-lr", type=float, default=1e-3)
     args = ap.parse_args(argv)
+    if args.what == "minilm" and args.part == "chain":
+        given = [f"--{n.replace('_', '-')}" for n in QUICK_SETS if getattr(args, n) is not None]
+        if args.quick and given:
+            mp.error(f"{', '.join(given)}: --quick sets eval_minilm.py's sizes itself; give either")
+        args.groups = args.groups or (128,)
+    elif args.what == "minilm":
+        for name, value in MINILM_DEFAULTS.items():
+            if getattr(args, name) is None:
+                setattr(args, name, value)
     torch.set_num_threads(1)
     (minilm if args.what == "minilm" else charlm)(args, argv)
 

@@ -122,6 +122,18 @@ def job(domain: str, texts: list[str], robust: dict, perm_iters: int, which, noi
     return rows
 
 
+def parse_noise(text: str) -> tuple[int, float]:
+    """``"COPIES,P"`` -> ``(copies, p)`` as ``sparse24.token_noise`` takes them (copies >= 0, p in [0, 1])."""
+    try:
+        copies, p = text.split(",")
+        copies, p = int(copies), float(p)
+    except ValueError:  # not two fields, or not numbers
+        copies, p = -1, -1.0
+    if copies < 0 or not 0 <= p <= 1:
+        raise ValueError("expected COPIES,P: an int >= 0 and a probability in [0, 1], e.g. 2,0.3")
+    return copies, p
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -138,9 +150,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch threads per worker")
     ap.add_argument("--out", type=Path, default=ROOT / "results" / "minilm-calibration" / "table.md")
     args = ap.parse_args(argv)
-    robust = {k: float(v) for k, v in (kv.split("=") for kv in args.robust.split(",") if kv)}
-    copies, p = args.noise.split(",")
-    noise = (int(copies), float(p))
+    try:
+        noise = parse_noise(args.noise)
+    except ValueError as e:
+        ap.error(f"--noise {args.noise!r}: {e}")
+    try:
+        robust = {k: float(v) for k, v in (kv.split("=") for kv in args.robust.split(",") if kv)}
+    except ValueError:
+        ap.error(f"--robust {args.robust!r}: expected k=v,... with numbers v, e.g. shrink=0.5,percdamp=0.1")
     t_start = time.perf_counter()
 
     # the texts of eval_minilm.py: the same held-out and manual sentences, the same seeded draws

@@ -76,8 +76,10 @@ def bits_per_char(model: nn.Module, ids: torch.Tensor) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--steps", type=int, default=300, help="training steps of each run, >= 1 (default 300)")
     steps = ap.parse_args().steps
+    if steps < 1:  # the cosine schedule divides by it
+        ap.error(f"--steps must be >= 1, got {steps}")
     torch.manual_seed(0)
     train_ids, held_ids = load_text()
 

@@ -19,8 +19,11 @@ text: decoded and tokenized again) and ``"token_noise": [k, p, low]`` (the libra
 token batches: k copies, ids drawn from ``low`` to the vocabulary's end, special tokens kept; an optional fourth
 entry is the seed).
 
+Each variant must be a JSON object (printed as its label); anything else is refused before the model loads.
+
 Usage: OMP_NUM_THREADS=1 python scripts/select_minilm_options.py '{}' '{"percdamp": 0.1}'
 """
+import argparse
 import copy
 import json
 import os
@@ -35,27 +38,51 @@ from sparse24 import (calibrate, distill_, embedding_fidelity, learn_masks, perm
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from minilm_common import Encoder, code_lines, docstring_sentences, manual_sentences  # noqa: E402
 
-torch.set_num_threads(1)
 
-N = int(os.environ.get("N", 512)); DOM = os.environ.get("DOM", "code")
-enc = Encoder("hf", 128)
-train, held = docstring_sentences()
-manual = manual_sentences(set(train))
-gen = torch.Generator().manual_seed(0)
-held = [held[i] for i in torch.randperm(len(held), generator=gen)[:512].tolist()]
-prose = [train[i] for i in torch.randperm(len(train), generator=gen).tolist()]
-manual = [manual[i] for i in torch.randperm(len(manual), generator=gen)[:512].tolist()]
-code = code_lines()
-code = [code[i] for i in torch.randperm(len(code), generator=torch.Generator().manual_seed(1)).tolist()]
-calib = (code if DOM == "code" else prose)[:N]
-sel = {"val-code": code[-512:], "val-doc": prose[-512:], "EVAL-held": held, "EVAL-manual": manual}
-assert not set(code[-512:]) & set(code[:1024]) and not set(prose[-512:]) & set(prose[:1024])
-refs = {}
-for k, t in sel.items():
-    b = enc.batches(sorted(t, key=len), 64)
-    refs[k] = (b, sentence_embeddings(enc.model, b, token_mask=enc.token_mask))
-dense = enc.model
-batches = enc.batches(calib, 32)
+def parse_variants(argv: list[str]) -> list[tuple[str, dict]]:
+    """``[(label, options)]`` from the command line, each variant a JSON object (a non-JSON variant
+    such as ``percdamp=0.1`` once ran as the default options under that label); argparse's error and
+    usage otherwise, and on ``-h`` or no variant."""
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("variants", nargs="+", metavar="JSON", help="a variant's options, e.g. '{\"percdamp\": 0.1}'")
+    out = []
+    for spec in ap.parse_args(argv).variants:
+        try:
+            opts = json.loads(spec)
+        except json.JSONDecodeError as e:
+            ap.error(f"variant {spec!r} is not JSON ({e}): give a JSON object, e.g. '{{\"percdamp\": 0.1}}'")
+        if not isinstance(opts, dict):
+            ap.error(f"variant {spec!r} is not a JSON object: give one, e.g. '{{\"percdamp\": 0.1}}'")
+        if "token_noise" in opts:  # the name of the library function the run calls
+            opts["token_noise_"] = opts.pop("token_noise")
+        out.append((spec, opts))
+    return out
+
+
+def load() -> None:
+    """The model, the texts, the selection references and the permuted model every variant starts from,
+    as module globals (minutes: in :func:`main`, after the variants are checked, never on import)."""
+    global N, DOM, enc, calib, refs, dense, batches, permuted
+    N = int(os.environ.get("N", 512)); DOM = os.environ.get("DOM", "code")
+    enc = Encoder("hf", 128)
+    train, held = docstring_sentences()
+    manual = manual_sentences(set(train))
+    gen = torch.Generator().manual_seed(0)
+    held = [held[i] for i in torch.randperm(len(held), generator=gen)[:512].tolist()]
+    prose = [train[i] for i in torch.randperm(len(train), generator=gen).tolist()]
+    manual = [manual[i] for i in torch.randperm(len(manual), generator=gen)[:512].tolist()]
+    code = code_lines()
+    code = [code[i] for i in torch.randperm(len(code), generator=torch.Generator().manual_seed(1)).tolist()]
+    calib = (code if DOM == "code" else prose)[:N]
+    sel = {"val-code": code[-512:], "val-doc": prose[-512:], "EVAL-held": held, "EVAL-manual": manual}
+    assert not set(code[-512:]) & set(code[:1024]) and not set(prose[-512:]) & set(prose[:1024])
+    refs = {}
+    for k, t in sel.items():
+        b = enc.batches(sorted(t, key=len), 64)
+        refs[k] = (b, sentence_embeddings(enc.model, b, token_mask=enc.token_mask))
+    dense = enc.model
+    batches = enc.batches(calib, 32)
+    permuted = cached_permutation(dense, os.path.join(CACHE, f"select-perm-{DOM}{N}.pt"), permute)
 
 
 def cached_permutation(base, path: str, permute_fn) -> torch.nn.Module:
@@ -83,7 +110,6 @@ def permute(model):
 
 
 CACHE = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "sparse24")
-permuted = cached_permutation(dense, os.path.join(CACHE, f"select-perm-{DOM}{N}.pt"), permute)
 
 
 def random_texts(n: int, seed: int = 7) -> list[str]:
@@ -142,9 +168,14 @@ def run(label, perm=True, distill_steps=0, distill_lr=2e-4, augment=0, random=0,
     print(f"{DOM}{N} {label:<34} " + "  ".join(f"{k} {v:.4f}" for k, v in cos.items())
           + f"  ({time.perf_counter()-t0:.0f} s)", flush=True)
 
-for spec in sys.argv[1:]:
-    label = spec
-    opts = json.loads(spec) if spec.startswith("{") else {}
-    if "token_noise" in opts:  # the name of the library function the run calls
-        opts["token_noise_"] = opts.pop("token_noise")
-    run(label, **opts)
+
+def main(argv: list[str] | None = None) -> None:
+    variants = parse_variants(sys.argv[1:] if argv is None else argv)
+    torch.set_num_threads(1)
+    load()
+    for label, opts in variants:
+        run(label, **opts)
+
+
+if __name__ == "__main__":
+    main()
