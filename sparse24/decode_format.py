@@ -242,10 +242,12 @@ class DecodePacked:
             v = v.permute(1, 6, 2, 0, 4, 3, 5)                               # (t, b, i, a, q, j, v)
         return codes.reshape(NT * 16, KA * 16), v.reshape(NT * 16, KA * 16, 2), self.meta[..., KA:KM]
 
-    def slots(self) -> torch.Tensor:
-        """``(R, C // 4, 2)`` int64 slot (0..3) of each kept value (lower slot first)."""
+    def slots(self, rows: slice | None = None) -> torch.Tensor:
+        """``(R, C // 4, 2)`` int64 slot (0..3) of each kept value (lower slot first), or of ``rows``
+        only (as :meth:`Sparse24Tensor.slots`)."""
         R, C = self.shape
-        return _slots_of_codes(self._unpacked()[0][:R, :C // 4])
+        codes = self._unpacked()[0][:R, :C // 4]
+        return _slots_of_codes(codes if rows is None else codes[rows])
 
     def validate(self) -> "DecodePacked":
         """Raise ValueError naming the first bad row/group unless every real

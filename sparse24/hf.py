@@ -463,6 +463,7 @@ def attach(model: nn.Module) -> None:
             current.remove_quantization_config(model)
         return
     config = Sparse24Config(**section)
+    _guard_resizes(type(model))
     if isinstance(current, Sparse24Quantizer):
         current.quantization_config = config
     else:
@@ -477,8 +478,15 @@ def _own_config(model: nn.Module) -> None:
     student, ``Model(cfg)`` twice), and the section made the dense one save a folder that did not load."""
     old = model.config
     new = copy.deepcopy(old)
-    swap = {id(old): new, **{id(v): getattr(new, k) for k, v in vars(old).items()
-                             if isinstance(v, PretrainedConfig) and v is not old}}
+    swap = {}
+
+    def pair(a, b):   # every config at every depth (Qwen2.5-Omni: thinker_config.text_config) with its copy
+        swap[id(a)] = b
+        for k, v in vars(a).items():
+            if isinstance(v, PretrainedConfig) and id(v) not in swap:
+                pair(v, getattr(b, k))
+
+    pair(old, new)
     for module in model.modules():
         for name, value in list(vars(module).items()):
             if id(value) in swap:
@@ -486,23 +494,27 @@ def _own_config(model: nn.Module) -> None:
 
 
 def _guard_resize(resize):
-    """transformers' ``PreTrainedModel.resize_token_embeddings``, refusing (before anything changes) a call that
-    would resize a 2:4 output head: transformers resizes the input embedding first and fails on the head after
-    (no ``nn.Linear``), leaving the embedding, the head and ``config.vocab_size`` disagreeing (a folder saved
-    then does not load). A call that keeps the head's size passes (``len(tokenizer)`` equal to the vocabulary,
-    ``None``); a compressed head, which has no dense ``weight`` for transformers to read, is not touched then."""
+    """A model class's ``resize_token_embeddings``, refusing (before anything changes) a call that would resize
+    a 2:4 output head (also one a LoRA layer wraps): transformers resizes the input embedding first and fails on
+    the head after (no ``nn.Linear``), leaving the embedding, the head and ``config.vocab_size`` disagreeing (a
+    folder saved then does not load). A call that keeps the head's size passes (``len(tokenizer)`` equal to the
+    vocabulary, ``None``); a compressed head, which has no dense ``weight`` for transformers to read, is not
+    touched then. The arguments go on as given (a class's own method may take fewer)."""
     @functools.wraps(resize)
-    def resize_token_embeddings(self, new_num_tokens=None, pad_to_multiple_of=None, *args, **kwargs):
+    def resize_token_embeddings(self, *args, **kwargs):
         head = self.get_output_embeddings()
-        if not isinstance(head, Sparse24Linear):
-            return resize(self, new_num_tokens, pad_to_multiple_of, *args, **kwargs)
-        rows = getattr(self.get_input_embeddings(), "num_embeddings", head.out_features)
+        base = head.get_base_layer() if hasattr(head, "get_base_layer") else head
+        if not isinstance(base, Sparse24Linear):
+            return resize(self, *args, **kwargs)
+        given = dict(zip(("new_num_tokens", "pad_to_multiple_of"), args), **kwargs)
+        new_num_tokens, pad = given.get("new_num_tokens"), given.get("pad_to_multiple_of")
+        rows = getattr(self.get_input_embeddings(), "num_embeddings", base.out_features)
         n = rows if new_num_tokens is None else new_num_tokens
-        if pad_to_multiple_of:
-            n = -(-n // pad_to_multiple_of) * pad_to_multiple_of
-        if n == rows == head.out_features or new_num_tokens is pad_to_multiple_of is None:
-            return self.get_input_embeddings() if head.mode == "compressed" else \
-                resize(self, new_num_tokens, pad_to_multiple_of, *args, **kwargs)
+        if pad:
+            n = -(-n // pad) * pad
+        if n == rows == base.out_features or new_num_tokens is pad is None:
+            return self.get_input_embeddings() if base.mode == "compressed" or base is not head else \
+                resize(self, *args, **kwargs)
         name = next((fqn for fqn, m in self.named_modules() if m is head), "the output head")
         raise TypeError(f"resize_token_embeddings: {name} is a 2:4 layer (Sparse24Linear), whose rows transformers "
                         "cannot resize (nothing was changed): make it dense first, "
@@ -510,6 +522,15 @@ def _guard_resize(resize):
                         "then prune it again (sparse24.sparsify_(model, skip_output_head=False, ...))")
     resize_token_embeddings._sparse24_guard = True
     return resize_token_embeddings
+
+
+def _guard_resizes(cls: type) -> None:
+    """Guard (:func:`_guard_resize`) ``resize_token_embeddings`` of ``cls`` and of every class above it that
+    defines its own: an override (MobileBERT's resizes its own head first) runs before the base class's."""
+    for c in cls.__mro__:
+        own = vars(c).get("resize_token_embeddings")
+        if callable(own) and not getattr(own, "_sparse24_guard", False):
+            setattr(c, "resize_token_embeddings", _guard_resize(own))
 
 
 _REGISTERED = False
@@ -526,8 +547,7 @@ def register() -> None:
         register_quantization_config(QUANT_METHOD)(Sparse24Config)
         register_quantizer(QUANT_METHOD)(Sparse24Quantizer)
     from transformers import PreTrainedModel
-    if not getattr(PreTrainedModel.resize_token_embeddings, "_sparse24_guard", False):
-        PreTrainedModel.resize_token_embeddings = _guard_resize(PreTrainedModel.resize_token_embeddings)
+    _guard_resizes(PreTrainedModel)
     if importlib.util.find_spec("peft") is not None:
         from . import lora
         lora.register()

@@ -442,7 +442,7 @@ def _not_handled(fqn: str, mod: nn.Module) -> LayerReport | None:
     # a parametrized matrix (weight_norm on a Conv1d, orthogonal on an Embedding) lives in the owner's
     # ParametrizationList (as `original`, or weight_norm's `original0` / `original1`), not in its _parameters
     stored = dict(mod._parameters)
-    for n, plist in getattr(mod, "parametrizations", {}).items():
+    for n, plist in (mod.parametrizations.items() if parametrize.is_parametrized(mod) else ()):
         stored[n] = max(plist._parameters.values(), key=lambda t: -1 if t is None else t.numel(), default=None)
     mats = [(n, p) for n, p in stored.items() if p is not None and p.dim() >= 2]
     if not mats:

@@ -6,6 +6,7 @@ the CPU implementation of the registered op, and its backward formula.
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -40,16 +41,26 @@ def row_chunks(n_rows: int, n_cols: int, device: torch.device, multiple: int = 1
     return [slice(r0, min(n_rows, r0 + rows)) for r0 in range(0, n_rows, rows)]
 
 
+def _shape(x: torch.Tensor) -> tuple:
+    """``tuple(x.shape)``; under torch.jit.trace as ints, without its TracerWarning (the traced shape is fixed:
+    checking it is right, and the warning only told users a trace might be wrong)."""
+    if not torch.jit.is_tracing():
+        return tuple(x.shape)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", torch.jit.TracerWarning)
+        return tuple(int(d) for d in x.shape)
+
+
 def check_input(x: torch.Tensor, in_features: int, device: torch.device) -> None:
     """Raise a clear error unless x is a floating ``(..., in_features)`` tensor on ``device``."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
     if not x.is_floating_point():
         raise TypeError(f"x must be floating point, got {x.dtype}")
-    # (not under torch.jit.trace: the shape is fixed there, and its comparison only printed TracerWarnings)
-    if x.dim() < 1 or (not torch.jit.is_tracing() and x.shape[-1] != in_features):
-        raise ValueError(f"x has {x.shape[-1] if x.dim() else 0} features but the weight expects {in_features} "
-                         f"(x shape {tuple(x.shape)})")
+    shape = _shape(x)
+    if not shape or shape[-1] != in_features:
+        raise ValueError(f"x has {shape[-1] if shape else 0} features but the weight expects {in_features} "
+                         f"(x shape {shape})")
     if x.device != device:
         raise ValueError(f"x is on {x.device} but the weight is on {device}")
 
