@@ -510,6 +510,12 @@ def main(argv: list[str] | None = None) -> None:
             mp.error(f"{', '.join(given)}: --quick sets eval_minilm.py's sizes itself; give either")
         args.groups = args.groups or (128,)
     elif args.what == "minilm":
+        # options a part would take and ignore: refused (the qat part runs group 128 only)
+        ignored = {"oneshot": ("steps", "batch", "lr"), "qat": ("groups",), "distill": ()}[args.part]
+        given = [f"--{n.replace('_', '-')}" for n in ignored if getattr(args, n) is not None]
+        given += ["--quick"] * args.quick + ["--qat-steps"] * (args.part != "distill" and args.qat_steps != 0)
+        if given:
+            mp.error(f"{', '.join(given)}: not used by --part {args.part}")
         for name, value in MINILM_DEFAULTS.items():
             if getattr(args, name) is None:
                 setattr(args, name, value)

@@ -151,6 +151,17 @@ def test_eval_int4_chain_refuses_sizes_that_quick_overrides(option, capsys, monk
     assert option in err and "--quick" in err
 
 
+@pytest.mark.parametrize("part, option", [("oneshot", ["--steps", "10"]), ("oneshot", ["--lr", "0.1"]),
+                                          ("oneshot", ["--quick"]), ("qat", ["--groups", "64"]),
+                                          ("distill", ["--quick"]), ("qat", ["--qat-steps", "5"])])
+def test_eval_int4_parts_refuse_options_they_would_ignore(part, option, capsys):
+    ei = load_script("eval_int4")
+    ei.minilm = lambda args, argv: pytest.fail("the part started")
+    with pytest.raises(SystemExit):
+        ei.main(["minilm", "--part", part, *option])
+    assert f"{option[0]}: not used by --part {part}" in capsys.readouterr().err
+
+
 def test_eval_int4_other_parts_keep_their_defaults():
     ei = load_script("eval_int4")
     seen = {}
