@@ -463,7 +463,7 @@ def attach(model: nn.Module) -> None:
             current.remove_quantization_config(model)
         return
     config = Sparse24Config(**section)
-    _guard_resizes(type(model))
+    _guard_resizes(type(model))   # (PreTrainedModel's own method too: every 2:4 model comes through here)
     if isinstance(current, Sparse24Quantizer):
         current.quantization_config = config
     else:
@@ -546,8 +546,6 @@ def register() -> None:
     if QUANT_METHOD not in AUTO_QUANTIZER_MAPPING:
         register_quantization_config(QUANT_METHOD)(Sparse24Config)
         register_quantizer(QUANT_METHOD)(Sparse24Quantizer)
-    from transformers import PreTrainedModel
-    _guard_resizes(PreTrainedModel)
     if importlib.util.find_spec("peft") is not None:
         from . import lora
         lora.register()
