@@ -93,10 +93,12 @@ def _magnitude_keys(w: torch.Tensor) -> torch.Tensor:
 _ROW_BLOCK = 1 << 18
 
 
-def _row_chunks(R: int, C: int, device, multiple: int = 1) -> list[slice]:
-    """Slices of ``R`` rows of ``C`` columns, :data:`_ROW_BLOCK` elements or so each (at least
-    one row), each starting at a multiple of ``multiple`` rows."""
-    budget = _ROW_BLOCK if torch.device(device).type == "cpu" else _ROW_BLOCK << 6
+def _row_chunks(R: int, C: int, device, multiple: int = 1, budget: int | None = None) -> list[slice]:
+    """Slices of ``R`` rows of ``C`` columns, ``budget`` elements or so each (at least one row; by default
+    :data:`_ROW_BLOCK` on the CPU, 64x that elsewhere), each starting at a multiple of ``multiple`` rows.
+    The one row-block rule of every whole-weight pass (format, masks, the reference backend)."""
+    if budget is None:
+        budget = _ROW_BLOCK if torch.device(device).type == "cpu" else _ROW_BLOCK << 6
     rows = -(-max(1, budget // max(C, 1)) // multiple) * multiple
     return [slice(r0, min(R, r0 + rows)) for r0 in range(0, R, rows)]
 

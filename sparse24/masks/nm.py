@@ -28,6 +28,7 @@ import torch
 
 from .._checks import check_mask, check_nm, check_weight
 from ..format import Sparse24Tensor
+from ..format import _row_chunks as _format_row_chunks
 from ..format import mask_nm as magnitude_mask
 from .sparsegpt import sparsegpt_prune
 from .two_d import mask_2d_greedy, mask_2d_optimal
@@ -42,10 +43,10 @@ METHODS = ("magnitude", "2d_greedy", "2d_optimal", "wanda", "sparsegpt")
 _CHUNK = 1 << 18
 
 
-def _row_chunks(w: torch.Tensor, multiple: int = 1):
-    """Slices of ``w``'s rows of about :data:`_CHUNK` elements each, a multiple of ``multiple`` rows."""
-    rows = max(multiple, _CHUNK // max(w.shape[1], 1) // multiple * multiple)
-    return [slice(a, a + rows) for a in range(0, w.shape[0], rows)]
+def _row_chunks(w: torch.Tensor, multiple: int = 1) -> list[slice]:
+    """Slices of ``w``'s rows of about :data:`_CHUNK` elements each (on every device: the temporaries are
+    several times the block), each starting at a multiple of ``multiple`` rows."""
+    return _format_row_chunks(w.shape[0], w.shape[1], w.device, multiple, _CHUNK)
 
 
 def kept_magnitude_fraction(w: torch.Tensor, mask: torch.Tensor) -> float:

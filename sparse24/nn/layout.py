@@ -6,6 +6,8 @@ points are the same tensors in both layouts, only values and meta are re-ordered
 from the class only for length: these methods read and write the module's own state."""
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 
@@ -112,6 +114,20 @@ class LayoutMixin:
             for n, o in zip(new, held):
                 o.copy_(n)
         self._parameters["values"], self._buffers["meta"] = held
+
+    @contextlib.contextmanager
+    def _repacked_in_place(self, repack: bool = True, keep: bool = True):
+        """Run the body with this layer in layout v1 where it holds the decode layout and ``repack``; after
+        it, settle the layout (:meth:`_settle_layout`) and, unless ``keep`` is False (a load with
+        ``assign=True``), write the re-packed data into the tensors held before (:meth:`_keep_decode_tensors`)."""
+        held = self._decode_held() if repack else None
+        if held is not None:
+            self._convert_layout("v1")
+        try:
+            yield
+        finally:
+            self._settle_layout()
+            self._keep_decode_tensors(held if keep else None)
 
     def to_layout(self, layout: str) -> "LayoutMixin":
         """Hold the compressed weight in ``layout``: ``"decode"`` (what the decode

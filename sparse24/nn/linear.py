@@ -501,14 +501,9 @@ class Sparse24Linear(LayoutMixin, StateDictMixin, nn.Module):
                 q = quantize_values(merged)
                 _check_merged(q.dequantized_values(self.dtype), "weight (kept values, dequantized)", self.dtype)
                 new = {"values": q.values, "scale": q.scale}
-            held = self._decode_held()
-            if held is not None:
-                self._convert_layout("v1")
-            for name, t in new.items():
-                getattr(self, name).copy_(t)
-            if held is not None:
-                self._convert_layout("decode")
-                self._keep_decode_tensors(held)   # written into the tensors held before (shared memory)
+            with self._repacked_in_place():   # (written into the tensors held before: shared memory)
+                for name, t in new.items():
+                    getattr(self, name).copy_(t)
             return self
 
     def to_compressed(self, quantize: str | None = None, trainable_values: bool = False, *,

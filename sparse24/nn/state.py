@@ -304,17 +304,9 @@ class StateDictMixin:
         # only when they bring values or meta (the two tensors whose layouts differ; a non-strict load of other
         # modules' entries, as PEFT's adapter load, re-packed every layer). Loaded in place (not assign=True),
         # the re-packed data goes into the tensors held before, as in layout v1 (_keep_decode_tensors).
-        held = self._decode_held()
-        repack = held is not None and (prefix + "values" in state_dict or prefix + "meta" in state_dict)
-        if repack:
-            self._convert_layout("v1")
-        if not repack or local_metadata.get("assign_to_params_buffers", False):
-            held = None
-        try:
+        repack = prefix + "values" in state_dict or prefix + "meta" in state_dict
+        with self._repacked_in_place(repack, keep=not local_metadata.get("assign_to_params_buffers", False)):
             self._load_v1(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
-        finally:
-            self._settle_layout()
-            self._keep_decode_tensors(held)
 
     def _load_v1(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
         try:

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from ...decode_format import DecodePacked
-from ...format import Sparse24Tensor
+from ...format import Sparse24Tensor, _row_chunks
 
 __all__ = ["check_input", "check_linear_args", "on_jagged", "chunk_rows", "row_chunks", "linear_reference",
            "linear_backward_reference", "CHUNK_ELEMENTS", "CUDA_CHUNK_ELEMENTS"]
@@ -28,17 +28,19 @@ CHUNK_ELEMENTS = 1 << 20
 CUDA_CHUNK_ELEMENTS = 1 << 24
 
 
+def _budget(device: torch.device) -> int:
+    return CUDA_CHUNK_ELEMENTS if device.type == "cuda" else CHUNK_ELEMENTS
+
+
 def chunk_rows(n_cols: int, device: torch.device) -> int:
     """Weight rows the reference backend decompresses at a time (at least 1)."""
-    budget = CUDA_CHUNK_ELEMENTS if device.type == "cuda" else CHUNK_ELEMENTS
-    return max(1, budget // max(n_cols, 1))
+    return max(1, _budget(device) // max(n_cols, 1))
 
 
 def row_chunks(n_rows: int, n_cols: int, device: torch.device, multiple: int = 1) -> list[slice]:
     """Row slices of the reference backend's block size (bounded dense memory), each
     starting at a multiple of ``multiple`` rows (the decode layout's 128-row blocks)."""
-    rows = -(-chunk_rows(n_cols, device) // multiple) * multiple
-    return [slice(r0, min(n_rows, r0 + rows)) for r0 in range(0, n_rows, rows)]
+    return _row_chunks(n_rows, n_cols, device, multiple, _budget(device))
 
 
 def _shape(x: torch.Tensor) -> tuple:
