@@ -869,7 +869,7 @@ def _pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
 
 def _unpack_nibbles(values: torch.Tensor) -> torch.Tensor:
     """``(R, n / 2)`` uint8 bytes -> ``(R, n)`` codes, the inverse of :func:`_pack_nibbles`."""
-    return torch.stack((values & 15, values >> 4), dim=-1).view(values.shape[0], -1)
+    return torch.stack((values & 15, values >> 4), dim=-1).view(values.shape[0], 2 * values.shape[1])  # (not -1: 0 rows)
 
 
 def _check_int4_fields(values, scale, zero, group_size, R: int, C: int) -> None:

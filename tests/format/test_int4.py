@@ -211,3 +211,16 @@ def test_float16_grids_stay_inside_float16(symmetric, lo):
     for dtype in (torch.float32, torch.bfloat16):
         q2 = quantize_values(compress(w.to(dtype)), "int4", group_size=32, symmetric=symmetric)
         assert torch.isfinite(q2.to_dense()).all()
+
+
+def test_int4_weight_with_no_rows_unpacks():
+    """0 output rows (an empty shard): the codes, the dequantized values and a merge are empty, as INT8's
+    (``_unpack_nibbles`` reshaped with -1, ambiguous for 0 elements)."""
+    from torch import nn
+    from sparse24 import Sparse24Linear
+    p = compress(torch.empty(0, 64), quantize="int4", group_size=32)
+    assert p.int4_codes().shape == (0, 32)
+    assert p.dequantized_values().shape == (0, 32)
+    layer = Sparse24Linear.from_linear(nn.Linear(64, 0), mode="compressed", quantize="int4", group_size=32)
+    assert layer.add_to_kept_(torch.zeros(0, 64)) is layer
+    assert layer(torch.randn(3, 64)).shape == (3, 0)
