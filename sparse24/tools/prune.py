@@ -85,7 +85,9 @@ def _direct_reader(prefix: str, sd: dict) -> str:
     head = parent + "." if parent else ""
     if leaf == "out_proj" and (head + "in_proj_weight" in sd or head + "q_proj_weight" in sd):
         return "nn.MultiheadAttention reads out_proj.weight in its functional forward"
-    if leaf in ("linear1", "linear2") and head + "self_attn.in_proj_weight" in sd:
+    # (a decoder layer holds self_attn.in_proj_weight too, and a cross-attention, and has no fast path)
+    if leaf in ("linear1", "linear2") and head + "self_attn.in_proj_weight" in sd \
+            and not any(k.startswith(head + "multihead_attn.") for k in sd):
         return "nn.TransformerEncoderLayer reads linear1/linear2.weight in its inference fast path"
     return ""
 

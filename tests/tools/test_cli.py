@@ -677,3 +677,29 @@ def test_which_write_errors_name_out(tmp_path):
         assert _concerns(str(name), out), name
     for name in (None, "", tmp_path / "b" / "out", tmp_path / "a" / "other"):
         assert not _concerns(name and str(name), out), name
+
+
+def test_prune_state_dict_compresses_a_transformer_decoder_feed_forward():
+    """A decoder layer holds self_attn.in_proj_weight as an encoder layer does, but has no fast path reading
+    linear1/linear2: the file compresses them, as sparsify_ does, and loads into the compressed model (it was
+    refused: missing linear1.values / meta)."""
+    from sparse24.tools.prune import prune_state_dict
+
+    def make():
+        return nn.TransformerDecoder(nn.TransformerDecoderLayer(64, 4, 128, dropout=0.0, batch_first=True), 2).eval()
+
+    torch.manual_seed(0)
+    dense = make()
+    sd = dense.state_dict()
+    pruned, _ = prune_state_dict(sd, progress=False)
+    assert {"layers.0.linear1.values", "layers.1.linear2.meta"} <= set(pruned)
+    model = make()
+    sparse24.sparsify_(model, mode="compressed", skip_output_head=False)
+    model.load_state_dict(pruned)
+    ref = {k: v * _topk_mask(v) if k.endswith(("linear1.weight", "linear2.weight", "out_proj.weight")) else v
+           for k, v in sd.items()}
+    reference = make().double()
+    reference.load_state_dict(ref)
+    x, mem = torch.randn(2, 5, 64), torch.randn(2, 3, 64)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x, mem).double(), reference(x.double(), mem.double()), atol=1e-5, rtol=1e-5)
