@@ -233,7 +233,9 @@ def _prepare(linear, mask, mode, method, quant: dict, calibration, trainable_val
     if is_dtensor(w):
         raise ValueError("the Linear's weight is already sharded (a DTensor: fully_shard or tensor parallel ran "
                          "first): sparsify before sharding (sparsify_(model), then fully_shard), so that each "
-                         "mask is computed from the whole weight and sharded with it")
+                         "mask is computed from the whole weight and sharded with it. Tensor parallelism "
+                         "(parallelize_module's ColwiseParallel / RowwiseParallel, which take only nn.Linear) "
+                         "is not supported for 2:4 layers: shard them with FSDP2 (docs/distributed.md)")
     R, C = linear_shape(linear)
     if C % 4:
         raise ValueError(f"in_features ({C}) must be divisible by 4 for 2:4 sparsity")
