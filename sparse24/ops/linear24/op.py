@@ -6,12 +6,18 @@ dispatch every caller goes through.
   (:func:`~sparse24.ops.linear24.naive.linear_backward_reference`), one
   implementation for every device (Triton on CUDA, the reference on CPU unless
   asked otherwise). Config selection happens inside it, never in traced code.
+  FlopCounterMode counts it as the dense ``F.linear`` it equals (``2 * M * N * K``:
+  :func:`_linear_flops`); its backward runs aten matmuls, counted as they run.
 * :func:`linear` (``sparse24.linear``) and the modules call the op only when
   something needs it (a gradient, or torch.compile tracing); otherwise they call
   the implementation directly: the op's Python dispatch costs more host time
   than a decode-sized kernel runs.
 """
 from __future__ import annotations
+
+import importlib.util
+import math
+import sys
 
 import torch
 
@@ -78,6 +84,51 @@ def _backward(ctx, grad_y):
 
 
 torch.library.register_autograd("sparse24::linear", _backward, setup_context=_setup_context)
+
+
+def _linear_flops(x_shape, *args, out_shape=None, **kwargs) -> int:
+    """FLOPs of one ``sparse24::linear`` call for ``torch.utils.flop_counter``: the dense-equivalent
+    ``2 * M * N * K`` that FlopCounterMode counts for ``F.linear`` (and for this layer's no-grad path,
+    plain aten ops) and that ``sparse24.tools.bench`` reports: the kernels expand each 2:4 tile and
+    run dense dot products. Without it the op counts 0 (FlopCounterMode never sees inside it)."""
+    return 2 * math.prod(x_shape[:-1]) * x_shape[-1] * out_shape[-1]
+
+
+def _register_flops() -> None:
+    from torch.utils.flop_counter import flop_registry, register_flop_formula
+    # the check: a second registration raises, and importlib.reload of this module (or a second
+    # import hook) runs this again; a reload re-creates the op, whose new packet is not yet listed
+    if torch.ops.sparse24.linear not in flop_registry:
+        register_flop_formula(torch.ops.sparse24.linear)(_linear_flops)
+
+
+class _AfterFlopCounterImport:
+    """Registers :func:`_linear_flops` right after ``torch.utils.flop_counter`` is first imported
+    (before any FlopCounterMode exists: each copies the registry when created). Importing it here
+    would import triton (the module imports ``triton.runtime.jit``), and ``import sparse24`` stays
+    light. A meta-path finder that wraps the module's loader, then removes itself."""
+    NAME = "torch.utils.flop_counter"
+
+    def find_spec(self, name, path=None, target=None):
+        if name != self.NAME:
+            return None
+        if self in sys.meta_path:
+            sys.meta_path.remove(self)   # once; the finders after it locate the module
+        spec = importlib.util.find_spec(name)
+        if spec is not None and hasattr(spec.loader, "exec_module"):
+            run = spec.loader.exec_module
+
+            def exec_module(module):
+                run(module)
+                _register_flops()
+            spec.loader.exec_module = exec_module
+        return spec
+
+
+if _AfterFlopCounterImport.NAME in sys.modules:
+    _register_flops()
+else:
+    sys.meta_path.insert(0, _AfterFlopCounterImport())
 
 
 def _weight(values, meta, scale, zero, group_size, weight_dtype, shape) -> Sparse24Tensor | DecodePacked:
