@@ -203,6 +203,7 @@ def _check_optimizer(optimizer) -> None:
             m = _owner(p)
             if m is None:
                 continue
+            _check_order(optimizer, group, i, p, m)
             for k, v in optimizer.state.get(p, {}).items():
                 if isinstance(v, torch.Tensor) and v.dim() == 2 and v.shape != p.shape and v.numel() == p.numel():
                     raise RuntimeError(
@@ -212,6 +213,26 @@ def _check_optimizer(optimizer) -> None:
                         "optimizer of the sparsified model. Load it into the dense model's optimizer and then call "
                         "prune_trained_model(model, optimizer), which transposes it (nothing was changed)")
     _STATE_CHECKED[optimizer] = id(optimizer.state)
+
+
+def _check_order(optimizer, group: dict, i: int, w: torch.Tensor, layer) -> None:
+    """Refuse a state that pairs a masked weight with its bias's moments, or the bias with the weight's:
+    sparse24 before 2026-12-05 listed a layer's parameters (bias, weight), now (weight, bias), and torch's
+    load_state_dict pairs states by position; the step then failed in torch after changing other tensors."""
+    b = layer._parameters.get("bias")
+    for p, other in ((w, b), (b, w)):
+        state = optimizer.state.get(p, {}) if p is not None and other is not None else {}
+        for k, v in state.items():
+            if isinstance(v, torch.Tensor) and v.dim() and v.shape != p.shape and v.shape == other.shape:
+                name = _param_name(group, i, layer)
+                subject = name if p is w else f"the bias beside {name}"
+                raise RuntimeError(
+                    f"optimizer step refused: optimizer state {k!r} of {subject} has shape {tuple(v.shape)}, the "
+                    f"{'bias' if p is w else 'weight'}'s: the optimizer state was "
+                    "saved by sparse24 before 2026-12-05, whose layers listed their parameters (bias, weight) where "
+                    "they now list (weight, bias), and torch pairs states by position. Swap each 2:4 layer's two "
+                    "entries in the saved state's 'state' before loading it, or restart the optimizer (nothing "
+                    "was changed)")
 
 
 def _forget_state_check(optimizer) -> None:
