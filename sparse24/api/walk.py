@@ -99,8 +99,9 @@ class _Undo:
 
 def _direct_readers(model: nn.Module) -> dict[int, str]:
     """id(child Linear) -> why its weight is read directly by its parent: the known readers, and
-    any parent whose ``forward`` source reads ``self.<child>.weight`` (T5's feed-forward casts to
-    ``self.wo.weight.dtype``, many vision-language heads to ``self.<proj>.weight.dtype``: a
+    any parent whose methods' source reads ``self.<child>.weight`` (:func:`_forward_weight_reads`:
+    T5's feed-forward casts to ``self.wo.weight.dtype`` in its forward, WavLM's attention passes
+    ``self.q_proj.weight`` to ``F.multi_head_attention_forward`` in a helper its forward calls: a
     compressed layer has no ``weight``, so such a child stays in masked mode)."""
     out = {}
     for mod in model.modules():
@@ -113,14 +114,14 @@ def _direct_readers(model: nn.Module) -> dict[int, str]:
 
 def _reader_paths(mod: nn.Module) -> dict[str, tuple[str, bool]]:
     """Path below ``mod`` -> (why, listed in _DIRECT_READERS) for the modules whose ``.weight`` ``mod``'s
-    forward reads directly."""
+    forward (or a method of it) reads directly."""
     out = {}
     for cls, (*names, why) in _DIRECT_READERS.items():
         if isinstance(mod, cls):
             out.update((n, (why, True)) for n in names)
-    for n in _forward_weight_reads(type(mod)):
+    for n, where in _forward_weight_reads(type(mod)).items():
         if mod._modules.get(n) is not None:
-            out.setdefault(n, (f"{type(mod).__name__}.forward reads self.{n}.weight", False))
+            out.setdefault(n, (f"{where} reads self.{n}.weight", False))
     return out
 
 
@@ -213,21 +214,60 @@ def _hook_owner(model: nn.Module, fqn: str) -> str:
 
 
 # class -> its _forward_weight_reads; weak: fx.GraphModule and parametrize make a class per instance
-_WEIGHT_READS: "weakref.WeakKeyDictionary[type, frozenset]" = weakref.WeakKeyDictionary()
+_WEIGHT_READS: "weakref.WeakKeyDictionary[type, dict]" = weakref.WeakKeyDictionary()
+# class -> the reads of the functions defined in its own body (shared by its subclasses' lookups)
+_OWN_READS: "weakref.WeakKeyDictionary[type, dict]" = weakref.WeakKeyDictionary()
+_READ = re.compile(r"self\.(\w+)\.weight\b")
 
 
-def _forward_weight_reads(cls: type) -> frozenset:
-    """The child names whose ``.weight`` ``cls.forward`` reads (``self.<name>.weight`` in its source;
-    none where the source is not available). Cached per class."""
-    names = _WEIGHT_READS.get(cls)
-    if names is None:
-        forward = getattr(cls, "forward", None)
-        try:
-            src = inspect.getsource(forward) if forward is not None and forward is not nn.Module.forward else ""
-        except (OSError, TypeError):
-            src = ""
-        names = _WEIGHT_READS[cls] = frozenset(re.findall(r"self\.(\w+)\.weight\b", src))
-    return names
+def _forward_weight_reads(cls: type) -> dict[str, str]:
+    """Child name -> where (``Class.method``) the source of ``cls`` reads ``self.<name>.weight``: its
+    ``forward`` and every other method, property and static/class method defined on it or on its bases
+    below ``nn.Module``, as a forward may hand the weights on from a helper it calls (WavLM's attention,
+    Reformer's ``_query_per_attn_head``). Left out: construction and (re-)initialization methods
+    (:func:`_initializes`), which read weights to fill them, never inside a forward pass (a false read
+    there would only keep a layer in masked mode, but T5, BERT, ... define ``_init_weights``).
+    Sources that are not available read nothing. Cached per class."""
+    found = _WEIGHT_READS.get(cls)
+    if found is None:
+        found = {}
+        for c in cls.__mro__:
+            if c is nn.Module:
+                break   # (nn.Module's own methods, and the mixins after it, run no model's forward)
+            for name, where in _own_weight_reads(c).items():
+                # forward first: the reason names the method a reader of the report looks at
+                if name not in found or where.endswith(".forward"):
+                    found[name] = where
+        _WEIGHT_READS[cls] = found
+    return found
+
+
+def _own_weight_reads(c: type) -> dict[str, str]:
+    """:func:`_forward_weight_reads` of the functions defined in ``c``'s own body."""
+    found = _OWN_READS.get(c)
+    if found is None:
+        found = {}
+        for attr, fn in vars(c).items():
+            fn = fn.fget if isinstance(fn, property) else fn.__func__ if isinstance(fn, (staticmethod, classmethod)) \
+                else fn
+            if not inspect.isfunction(fn) or _initializes(attr):
+                continue
+            try:
+                src = inspect.getsource(fn)
+            except (OSError, TypeError):
+                continue
+            for name in _READ.findall(src):
+                if name not in found or attr == "forward":
+                    found[name] = f"{c.__name__}.{attr}"
+        _OWN_READS[c] = found
+    return found
+
+
+def _initializes(method: str) -> bool:
+    """Whether a method named so builds or (re-)initializes weights rather than running them: ``__init__``,
+    ``_init_weights``, ``init_weights``, ``reset_parameters``, ``post_init``, Mamba's ``init_mamba_weights``
+    (the word ``init``, ``initialize`` or ``reset`` in its name; ``get_initial_state`` is none)."""
+    return not {"init", "initialize", "reset"}.isdisjoint(method.strip("_").split("_"))
 
 
 def _shared_weights(model: nn.Module) -> dict[int, list[str]]:

@@ -63,7 +63,11 @@ def calibrate(model: nn.Module, batches, hessian: bool = False, filter_fn=None, 
             A layer whose input lacks the mask's last (token) axis, ``(B, K)``
             for a ``(B, L)`` mask, as BERT's pooler reading one token per
             sequence, has no padding rows: all its rows count. Any other shape
-            is a ValueError naming the layer.
+            is a ValueError naming the layer. A layer whose input is a nested
+            tensor (``nn.TransformerEncoder`` in eval mode called with a
+            ``src_key_padding_mask`` drops the padding itself) counts every token
+            it holds, with or without ``token_mask``; a ``token_mask`` there must
+            keep exactly those (as many tokens per sequence), else ValueError.
         teacher: optional separate module with an ``nn.Linear`` of the same
             name and ``in_features`` for every selected layer (e.g. a
             ``copy.deepcopy`` of the model made before pruning it). It runs
@@ -214,8 +218,14 @@ def prune_layerwise_(model: nn.Module, batches, n: int = 2, m: int = 4, method: 
                      filter_fn=None, device=None, token_mask: Callable | None = None,
                      teacher: nn.Module | None = None, progress: bool | None = None, group=None,
                      on_layer: Callable | None = None, rollback: bool = True, **kwargs) -> dict[str, PruneResult]:
-    """Prune every ``nn.Linear`` of ``model`` to N:M in place, one layer at a time,
+    """Prune the ``nn.Linear`` layers of ``model`` to N:M in place, one layer at a time,
     each calibrated on the inputs it receives once the layers before it are pruned.
+
+    The layers are those :func:`sparse24.sparsify_` would prune (with its default
+    ``skip_output_head=True``; no ``min_features`` limit): not the output head, an MoE router,
+    a part of a PEFT adapter layer, nor a layer whose weight is shared (a head tied to the
+    token embedding: pruning it would prune the embedding too). A ``filter_fn`` picks the layers
+    instead (a layer whose weight is shared is still refused).
 
     This is how SparseGPT (and Wanda) prune a pretrained model: a layer's
     reconstruction then also absorbs the error of the earlier pruned layers.
@@ -258,8 +268,11 @@ def prune_layerwise_(model: nn.Module, batches, n: int = 2, m: int = 4, method: 
             the others are named in a ValueError (leave them out with ``filter_fn``), as is a
             call that selects no layer.
         method: any :data:`METHODS` entry (``"sparsegpt"`` collects each layer's Hessian).
-        filter_fn: optional ``(module, fqn) -> bool`` selecting layers.
-        device, token_mask: passed to :func:`calibrate`.
+        filter_fn: optional ``(module, fqn) -> bool`` selecting the layers (instead of
+            sparsify_'s choice, see above; e.g. ``lambda m, fqn: fqn == "lm_head"`` prunes an
+            untied head); one whose weight is shared with another module is a ValueError naming it.
+        device, token_mask: passed to :func:`calibrate` (a padded ``nn.TransformerEncoder``'s
+            nested layer inputs included).
         teacher: optional separate module with the model's layer names and
             widths, run on the same batches (see above and :func:`calibrate`).
         progress: a tqdm bar over the layers on stderr (default None: when stderr is a
@@ -312,11 +325,12 @@ def prune_layerwise_(model: nn.Module, batches, n: int = 2, m: int = 4, method: 
                             "teacher= there is nothing to apply it to; pass teacher= or leave it out (nothing was "
                             "changed)")
         check_nm(n, m)
-        names = {mod: fqn for fqn, mod in model.named_modules() if isinstance(mod, nn.Linear)
-                 and (filter_fn is None or filter_fn(mod, fqn))}
+        names, kept = _layers_to_prune(model, filter_fn)
         if not names:
+            why = "; ".join(f"{fqn!r}: {r}" for fqn, r in kept.items())
             raise ValueError(f"prune_layerwise_: no nn.Linear layer selected in {type(model).__name__}"
-                             + (" (filter_fn accepted none)" if filter_fn is not None else ""))
+                             + (" (filter_fn accepted none)" if filter_fn is not None else "")
+                             + (f"; kept dense: {why}" if why else ""))
         # Refused, not left dense without a word (m dividing no layer made the whole call a no-op)
         misfit = [f"{fqn!r} (in_features={mod.in_features})" for mod, fqn in names.items() if mod.in_features % m]
         if misfit:
@@ -406,11 +420,40 @@ def prune_layerwise_(model: nn.Module, batches, n: int = 2, m: int = 4, method: 
     return results
 
 
+def _layers_to_prune(model: nn.Module, filter_fn) -> tuple[dict[nn.Module, str], dict[str, str]]:
+    """``({layer: fqn} to prune, {fqn: why} of the nn.Linear layers kept dense)``: without ``filter_fn``,
+    sparsify_'s choice (the helpers GradualPruner and SRSTE use too): no output head, MoE router or part
+    of a PEFT adapter layer, and no layer whose weight is shared (tied: pruning a head tied to the token
+    embedding prunes the embedding too); with ``filter_fn``, the layers it accepts, a tied one refused
+    (ValueError naming it)."""
+    from ..api.walk import _kept_dense, _shared_weights, _tied_or_head  # (here: sparse24.api imports this package)
+    shared = _shared_weights(model)
+    heads = _kept_dense(model, True) if filter_fn is None else {}
+    names, kept, tied = {}, {}, []
+    for fqn, mod in model.named_modules():
+        if not isinstance(mod, nn.Linear) or (filter_fn is not None and not filter_fn(mod, fqn)):
+            continue
+        why = _tied_or_head(fqn, mod, shared, heads)
+        if why and filter_fn is not None:
+            tied.append(f"{fqn!r}: {why}")
+        elif why:
+            kept[fqn] = why
+        else:
+            names[mod] = fqn
+    if tied:
+        raise ValueError(f"prune_layerwise_: filter_fn selects layer(s) sparsify_ keeps dense: {'; '.join(tied[:5])}"
+                         + (f" and {len(tied) - 5} more" if len(tied) > 5 else "")
+                         + "; leave them out with filter_fn (nothing was changed)")
+    return names, kept
+
+
 def _token_inputs(fqn: str, x: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
     """The rows of a layer's input ``x`` (``(..., K)``) that the batch's token mask ``rows``
     keeps: ``x[rows]`` when ``x``'s leading dimensions are the mask's; all of them when ``x``
     lacks the mask's last (token) axis (a pooler's ``(B, K)`` under a ``(B, L)`` mask); else
-    ValueError naming the layer."""
+    ValueError naming the layer. A nested ``x``: :func:`_nested_rows`."""
+    if x.is_nested:
+        return _nested_rows(fqn, x, rows)
     if rows is None:
         return x
     lead, want = tuple(x.shape[:-1]), tuple(rows.shape)
@@ -420,6 +463,25 @@ def _token_inputs(fqn: str, x: torch.Tensor, rows: torch.Tensor | None) -> torch
         return x
     raise ValueError(f"token_mask gave shape {want} but layer {fqn!r} reads an input of shape {tuple(x.shape)}: "
                      f"its leading dimensions must be the mask's {want} (or {want[:-1]}, one row per sequence)")
+
+
+def _nested_rows(fqn: str, x: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+    """A nested input as ``(tokens, K)`` rows: ``nn.TransformerEncoder`` in eval mode, called with a
+    ``src_key_padding_mask``, hands its layers the real tokens of each sequence only (the padding
+    dropped), which has no shape to reshape. The token mask ``rows`` cannot pick rows of it (its
+    positions are the padded batch's): it must keep exactly as many tokens of each sequence as the
+    nested input holds (the padding mask's complement does), and then every row counts; else
+    ValueError naming the layer."""
+    parts = x.unbind()
+    if rows is not None:
+        held = [t.numel() // max(1, t.shape[-1]) for t in parts]
+        kept = rows.reshape(len(parts), -1).sum(1).tolist() if rows.dim() and rows.shape[0] == len(parts) else None
+        if kept != held:
+            raise ValueError(f"layer {fqn!r} reads a nested tensor (torch dropped the padding: nn.TransformerEncoder "
+                             f"with src_key_padding_mask) of {held} tokens per sequence, but token_mask keeps "
+                             f"{kept if kept is not None else f'a mask of shape {tuple(rows.shape)}'}: on such "
+                             "a model token_mask can only keep the non-padding tokens (or leave it out)")
+    return torch.cat([t.reshape(-1, t.shape[-1]) for t in parts])
 
 
 def _check_inputs(model: nn.Module, names: dict[nn.Module, str], batches, device,
@@ -442,7 +504,8 @@ def _check_inputs(model: nn.Module, names: dict[nn.Module, str], batches, device
         if index[0] == 0:
             calls.append((fqn, x is last[0]))
             last[0] = x
-        counts[fqn] = counts.get(fqn, 0) + _token_inputs(fqn, x, rows[0]).numel() // max(1, x.shape[-1])
+        kept = _token_inputs(fqn, x, rows[0])   # (a nested x has no shape: its rows have)
+        counts[fqn] = counts.get(fqn, 0) + kept.numel() // max(1, kept.shape[-1])
     handles = [mod.register_forward_pre_hook(record, with_kwargs=True) for mod in names]
     try:
         for index[0], b in enumerate(batches):
