@@ -41,7 +41,11 @@ class LayoutMixin:
     def _wanted_layout(self) -> str:
         """The decode layout for a frozen float16/bfloat16/INT8/INT4 weight on a GPU the compiled kernels
         run on (an NVIDIA one of compute capability 7.0 or later: not ROCm's "cuda" devices; or where
-        :meth:`to_layout` asked for it), layout v1 otherwise (the reference reads it best)."""
+        :meth:`to_layout` asked for it), layout v1 otherwise (the reference reads it best). A sharded layer
+        (FSDP2's fully_shard) keeps the layout it was sharded in: FSDP holds its values in that shape (in its
+        forward it sets its gathered values, which settling would re-order under it)."""
+        if self._is_sharded():
+            return self._layout
         values = self.values
         if values.requires_grad or values.is_meta or not (self.scale is not None
                                                           or values.dtype in _DECODE_DTYPES):
@@ -66,6 +70,7 @@ class LayoutMixin:
         before keeps the old ones, so an all-or-nothing call can still undo). ``keep_values``:
         the same ``values`` Parameter holds the new data instead (forward settling a layer just
         unfrozen: an optimizer built since holds that Parameter, and a new one would never train)."""
+        self._refuse_sharded(f"change its layout to {layout!r}")  # (a move or a load of a decode-layout one)
         p = self.sparse_tensor()
         new = pack_decode(p) if layout == "decode" else p
         # share_memory() shares layout v1 (moves act on it, see _apply): the new tensors stay shared
@@ -136,6 +141,11 @@ class LayoutMixin:
         v1 elsewhere: CPU, ROCm, older GPUs). Outputs and state
         dicts (always layout v1) do not change. Returns self.
 
+        A layer sharded by FSDP2's ``fully_shard`` keeps the layout it was sharded in (asking for
+        another raises RuntimeError, nothing changed): shard compressed layers in layout v1
+        (``to_layout("v1")`` before ``fully_shard``; one sharded in the decode layout runs forward
+        but cannot give or load a state dict).
+
         Example:
             >>> from sparse24 import Sparse24Linear
             >>> layer = Sparse24Linear(64, 32, mode="compressed", dtype=torch.float16)
@@ -146,6 +156,9 @@ class LayoutMixin:
             raise ValueError(f"layout must be 'v1', 'decode' or 'auto', got {layout!r}")
         if self._mode != "compressed":
             raise ValueError("only compressed mode has a layout (masked mode holds the dense weight)")
+        if layout != "auto" and layout != self._layout:
+            self._refuse_sharded(f"change its layout to {layout!r} (FSDP holds its values in the shape they were "
+                                 "sharded in)")
         snap = self._snapshot()
         self._layout_pref = None if layout == "auto" else layout
         try:

@@ -310,13 +310,43 @@ class Sparse24Linear(LayoutMixin, StateDictMixin, nn.Module):
         # nn.Module.__setattr__ would be bypassed): shard the mask alike, at once.
         if name == "weight" and is_dtensor(value) and self.__dict__.get("_mode") == "masked":
             self._buffers["mask"] = shard_like(self._buffers["mask"], value)
+        if name in ("weight", "values") and is_dtensor(value) and not self.__dict__.get("_sharded"):
+            # Marked for good (see _is_sharded): FSDP sets its gathered, plain tensors before each forward
+            if name == "values" and self.__dict__.get("_layout") == "decode":
+                warnings.warn(f"{self._who()} is sharded (fully_shard) holding the decode layout: its forward "
+                              "works, but its state dict cannot be taken (state_dict, get_model_state_dict, "
+                              "torch.distributed.checkpoint and loads raise) nor its layout changed; call "
+                              "to_layout('v1') on compressed layers before fully_shard", UserWarning, stacklevel=2)
+            self.__dict__["_sharded"] = True
         super().__setattr__(name, value)
 
-    def _refuse_sharded(self, what: str) -> None:
-        if self._mode == "masked" and is_dtensor(self.weight):
-            raise RuntimeError(f"this Sparse24Linear's weight is sharded (a DTensor, e.g. by fully_shard), so it "
-                               f"cannot {what}: gather a full state dict (torch.distributed.checkpoint.state_dict."
-                               "get_model_state_dict with full_state_dict=True) into an unsharded model first")
+    def _who(self, name: str | None = None) -> str:
+        """This layer in an error message: ``name`` (its path in the model, e.g. a state dict's prefix) or its shape."""
+        return f"layer {name!r}" if name else \
+            f"Sparse24Linear(in_features={self.in_features}, out_features={self.out_features})"
+
+    def _is_sharded(self) -> bool:
+        """True where FSDP2 (fully_shard) manages this layer's parameters, or they are DTensors. In FSDP's
+        forward they are its gathered, plain tensors, so __setattr__ marks the layer once it sees a DTensor."""
+        return bool(self.__dict__.get("_sharded")) or is_dtensor(self.weight if self._mode == "masked" else self.values)
+
+    def _refuse_sharded(self, what: str, name: str | None = None) -> None:
+        """RuntimeError where this layer is sharded (:meth:`_is_sharded`): ``what`` it cannot do, said of
+        ``name`` (see :meth:`_who`). Called before anything changes."""
+        if not self._is_sharded():
+            return
+        if self._mode == "compressed" and self._layout == "decode":
+            # (its layout v1 tensors, which every whole-weight form and state dict is built from, need the whole
+            # decode tensors; FSDP holds a piece of them, of the shape it sharded)
+            raise RuntimeError(f"{self._who(name)} was sharded (e.g. by fully_shard) holding the decode layout, so "
+                               f"it cannot {what}: call to_layout('v1') on compressed layers before fully_shard (a "
+                               "frozen 16-bit, INT8 or INT4 layer takes the decode layout on an NVIDIA GPU); "
+                               "nothing was changed")
+        tensor = "weight is" if self._mode == "masked" else "values are"
+        raise RuntimeError(f"{self._who(name)}'s {tensor} sharded (a DTensor, e.g. by fully_shard), so it "
+                           f"cannot {what}: gather a full state dict (torch.distributed.checkpoint.state_dict."
+                           "get_model_state_dict with full_state_dict=True) into an unsharded model first; "
+                           "nothing was changed")
 
     def __delattr__(self, name: str) -> None:
         # torch.nn.utils.parametrize deletes the tensor first, then cannot file the parametrization under a
@@ -385,7 +415,9 @@ class Sparse24Linear(LayoutMixin, StateDictMixin, nn.Module):
         """The ``(R, C)`` = ``(out_features, in_features)`` weight as a :class:`Sparse24Tensor`
         (views of the buffers in compressed mode and layout v1; re-ordered from the decode layout)."""
         self._refuse_pending("give its 2:4 weight")
-        self._refuse_sharded("give its 2:4 weight")
+        if self._mode == "masked" or self.__dict__.get("_layout") == "decode":
+            # (layout v1 gives its own tensors as they are, sharded ones too: validate() reads each rank's piece)
+            self._refuse_sharded("give its 2:4 weight")
         if self._mode == "masked":
             return compress(self.weight.detach(), self.mask)
         if self.__dict__.get("_layout") == "decode":
@@ -550,6 +582,7 @@ class Sparse24Linear(LayoutMixin, StateDictMixin, nn.Module):
         if self._mode == "masked":
             return self
         requires_grad = self._weight_requires_grad
+        self._refuse_sharded("switch to masked mode")
         if self.pending:
             R, C = self.out_features, self.in_features
             weight = torch.empty(R, C, dtype=self._dtype, device=self.device)
@@ -782,10 +815,24 @@ class Sparse24Linear(LayoutMixin, StateDictMixin, nn.Module):
         if not from_meta:
             self._settle_layout()
 
-    def _load_from_state_dict(self, *args, **kwargs):
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        if self._mode == "compressed" and self._layout == "decode":  # (its entries are layout v1's: see state.py)
+            self._refuse_sharded("give or take state dict entries (layout v1's)", prefix[:-1])
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        if self._mode == "compressed" and self._layout == "decode" \
+                and (prefix + "values" in state_dict or prefix + "meta" in state_dict):
+            try:  # (taken through layout v1, see state.py)
+                self._refuse_sharded("give or take state dict entries (layout v1's)", prefix[:-1])
+            except RuntimeError as e:
+                error_msgs.append(str(e))
+                return
         held = self._drop_weak_refs()
         try:
-            super()._load_from_state_dict(*args, **kwargs)
+            super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                          error_msgs)
         finally:
             self._rearm(held)
 
