@@ -358,6 +358,16 @@ def _int32(words: torch.Tensor) -> torch.Tensor:
     return torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)
 
 
+def _with_sp_words(values: torch.Tensor, meta: torch.Tensor, shape, dtype: torch.dtype, scale: torch.Tensor,
+                   zero: torch.Tensor | None = None, group_size: int | None = None) -> torch.Tensor:
+    """The ``(NT, 32, 2 KM)`` meta of an INT8 / INT4 decode layout from its ``(NT, 32, KM)`` keep masks
+    alone: such layouts held no ``mma.sp`` words before 2026-12-02 (modules pickled whole then)."""
+    full = torch.cat([meta, torch.zeros_like(meta)], -1)
+    p = DecodePacked(values, full, shape, dtype, scale, zero=zero, group_size=group_size, check=False)
+    full[..., meta.shape[-1]:] = _sp_words(p.slots(), *p.shape)
+    return full
+
+
 def _sp_words(slots: torch.Tensor, R: int, C: int) -> torch.Tensor:
     """``(NT, 32, KM)`` int32 ``mma.sp`` metadata words (layout comment above) of the kept
     ``slots`` ``(R, C // 4, 2)`` (lower slot first)."""

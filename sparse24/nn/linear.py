@@ -17,7 +17,7 @@ from torch.fx._symbolic_trace import is_fx_symbolic_tracing
 from torch.nn.utils import parametrize
 
 from .._checks import check_finite, refuse_meta
-from ..decode_format import DecodePacked
+from ..decode_format import DecodePacked, _with_sp_words, decode_dims
 from ..format import (FLOAT_DTYPES, Sparse24Tensor, _pack_nibbles, compress, int4_quantize, quantize_values,
                       transformed)
 from ..ops import linear24
@@ -294,10 +294,20 @@ class Sparse24Linear(LayoutMixin, StateDictMixin, nn.Module):
                 self._track_masked()
             else:
                 _MASKED_MODULES.add(self)
-        elif self.__dict__.get("_mode") == "compressed":  # pickled before INT4 existed
+        elif self.__dict__.get("_mode") == "compressed":
+            # pickled by an earlier sparse24: before INT4 (2026-11-30), before the decode layout, before
+            # the mask's saved trainability; before 2026-12-02 a quantized decode layout held its keep masks
+            # without the mma.sp words after them
             self.__dict__.setdefault("_group_size", None)
             for name in ("zero", "group_size"):
                 self._buffers.setdefault(name, None)
+            self.__dict__.setdefault("_layout", "v1")
+            self.__dict__.setdefault("_weight_requires_grad", True)
+            b = self._buffers
+            if self._layout == "decode" and b["scale"] is not None \
+                    and b["meta"].shape[-1] == decode_dims(self.out_features, self.in_features)[2]:
+                b["meta"] = _with_sp_words(self._parameters["values"], b["meta"], (self.out_features,
+                                           self.in_features), self._dtype, b["scale"], b["zero"], self._group_size)
 
     def __setattr__(self, name: str, value) -> None:
         if name in ("weight", "mask") and self.__dict__.get("_mode") == "compressed" and "values" in self._parameters:
