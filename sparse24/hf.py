@@ -38,11 +38,17 @@ random weights), lets transformers assign the checkpoint's tensors, then checks
 every 2:4 layer (masks, metadata, scales) and re-arms the masking. The result is
 the saved model, bit for bit. In another dtype (``dtype=`` or config.json's ``dtype``), a float
 layer's kept values or masked weight are cast to it as transformers casts every float tensor;
-INT8 / INT4 values, metadata and scales stay as stored. A layer the config lists in a head the model
-lacks (an MLM folder loaded as a classifier) is left out with a warning, as transformers drops an unused
-head's entries. A folder whose config lists a layer the base model does not have, or whose checkpoint
-lacks a layer's entries (its bias included) or holds ones the listed layer has no place for (zero points
-of an INT4 layer listed as symmetric), is an error.
+INT8 / INT4 values, metadata and scales stay as stored. The section's layer names are renamed as
+transformers renames the checkpoint's tensors (its conversion mapping: the base-model prefix added or
+removed, ``CLIPVisionModel`` dropping ``vision_model.``); a load that would put a 2:4 layer's entries
+anywhere else (a ``key_mapping`` moving them) is an error. Layers the config lists in a head or tower the
+model lacks (an MLM folder loaded as a classifier, a ``CLIPModel`` folder as ``CLIPVisionModel``) are left
+out with one warning, as transformers drops an unused head's entries. A folder whose config lists a layer
+the base model does not have, or whose checkpoint lacks a layer's entries (its bias included) or holds
+ones the listed layer has no place for (zero points of an INT4 layer listed as symmetric), is an error.
+A tower's config class reads only its part of a two-tower folder's config.json, without the section:
+:func:`from_pretrained` gives it the folder's (a plain ``CLIPVisionModel.from_pretrained`` of a
+``CLIPModel`` folder loads without sparse24).
 Without sparse24 registered, transformers warns "Unknown quantization type,
 got sparse24" and then fails on the markers of compressed layers; masked layers
 load as plain Linear layers holding the masked weights (same outputs, masks lost).
@@ -209,13 +215,14 @@ class Sparse24Quantizer(HfQuantizer):
         ignore = []  # compressed layers, whose "<layer>.weight" is the marker
         self._names = {}  # the section's layer name -> the name in this model
         self._files = {}  # the section's layer name -> the checkpoint file holding its entries
+        rename, left_out = _loader_names(model), []
         for saved, spec in layers.items():
-            fqn = _resolve(model, saved)
-            if fqn is None and _in_head(model, saved):
-                # A head this model class lacks (an MLM folder loaded as a classifier): transformers drops an
-                # unused head's entries, reporting them as unexpected; its 2:4 layer goes with them.
-                warn_user(f"config.json lists 2:4 layer {saved!r}, in a head {type(model).__name__} does not "
-                          "have: its entries are not loaded")
+            fqn = _resolve(model, saved, rename)
+            if fqn is None and _in_head(model, rename(f"{saved}.weight")[0].removesuffix(".weight")):
+                # A head or tower this model class lacks (an MLM folder loaded as a classifier, a CLIP folder as
+                # its vision tower): transformers drops its entries, reporting them as unexpected; its 2:4 layer
+                # goes with them (update_weight_conversions checks none of them loads into the model).
+                left_out.append(saved)
                 continue
             if fqn is None:
                 raise ValueError(f"config.json lists 2:4 layer {saved!r}, which {type(model).__name__} built from "
@@ -244,10 +251,43 @@ class Sparse24Quantizer(HfQuantizer):
             model.set_submodule(fqn, shell)
             if spec["mode"] == "compressed":
                 ignore += [re.escape(saved), re.escape(fqn)]
+        if left_out:  # (one warning: a CLIP folder loaded as its vision tower leaves out every text layer)
+            warn_user(f"config.json lists 2:4 layer(s) {', '.join(map(repr, left_out[:3]))}"
+                      f"{f', ... ({len(left_out)} in all)' if len(left_out) > 3 else ''} in a head or another tower "
+                      f"{type(model).__name__} does not have: their entries are not loaded")
         if ignore:  # the markers (one pattern: transformers joins all of them into one regex)
             model._keys_to_ignore_on_load_unexpected = set(model._keys_to_ignore_on_load_unexpected or ()) | {
                 rf"^({'|'.join(dict.fromkeys(ignore))})\.weight$"}
         return model
+
+    def update_weight_conversions(self, weight_conversions, model):
+        """Loading, once the renamings are known (the model's conversion mapping, a ``key_mapping`` given to
+        ``from_pretrained``): refuse a load that would put a 2:4 layer's entries anywhere but in the 2:4 layer
+        placed for it, or an entry of a layer left out (a head the model lacks) into the model. A masked
+        layer's weight would load into a plain Linear, its mask dropped without an error."""
+        weight_conversions = super().update_weight_conversions(weight_conversions, model)
+        names = getattr(self, "_names", None)
+        if names is None:  # (not a load this quantizer prepared)
+            return weight_conversions
+        rename = _loader_names(model, weight_conversions)
+        own = set(model.state_dict())
+        for saved in self.quantization_config.layers:
+            fqn = names.get(saved)
+            entries = list(model.get_submodule(fqn).state_dict(keep_vars=True)) if fqn else _ALL_KEYS
+            for k in entries:
+                got, converted = rename(f"{saved}.{k}")
+                if fqn is not None and (got != f"{fqn}.{k}" or converted):
+                    raise ValueError(f"the load would {'convert' if converted else 'put'} '{saved}.{k}' "
+                                     f"{'into' if converted else 'at'} {got!r}, not load it as it is into the 2:4 "
+                                     f"layer {fqn!r} config.json lists as {saved!r} (a key_mapping or "
+                                     f"{type(model).__name__}'s conversion mapping takes it): refused, the layer "
+                                     "would lose its 2:4 entries")
+                if fqn is None and got in own:
+                    raise ValueError(f"config.json lists 2:4 layer {saved!r}, which {type(model).__name__} does not "
+                                     f"have, but the load would put its '{saved}.{k}' into {got!r} (a key_mapping or "
+                                     "the model's conversion mapping renames it): refused, a plain layer would take "
+                                     "it without the layer's other 2:4 entries")
+        return weight_conversions
 
     def _process_model_after_weight_loading(self, model, **kwargs):
         """Check every 2:4 layer the checkpoint filled, re-arm the masking, and describe the model
@@ -352,24 +392,48 @@ def _keep_own_names(model: nn.Module) -> None:
         model._weight_conversions = []
 
 
-def _resolve(model: nn.Module, name: str) -> str | None:
-    """``name`` as a submodule of ``model``: as is, or with the base-model prefix added or removed
-    (transformers loads a base model's checkpoint into a task model and back)."""
-    prefix = getattr(model, "base_model_prefix", "") or ""
-    candidates = [name, f"{prefix}.{name}"] + ([name[len(prefix) + 1:]] if name.startswith(prefix + ".") else [])
-    for fqn in candidates if prefix else [name]:
-        try:
-            model.get_submodule(fqn)
-            return fqn
-        except AttributeError:
-            continue
-    return None
+def _loader_names(model: nn.Module, conversions=None):
+    """A function giving the name transformers' loader gives a checkpoint tensor of ``model``, and whether a
+    converter (an op: fused tensors split, experts stacked, a transpose) takes it: ``conversions``
+    (by default the model's conversion mapping, as ``from_pretrained`` builds it without a ``key_mapping``)
+    applied as the loader applies them (``rename_source_key``), which then adds or removes the base-model
+    prefix where that names a tensor of the model (a task model's folder loaded as a base model and back);
+    a name the model has and the renamings lose stays. transformers 5's ``CLIPVisionModel``, for one, has no
+    ``vision_model.`` wrapper and drops that prefix through its mapping."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+
+    # (a copy of given ones: renaming marks a transform used, which save_pretrained later reads)
+    conversions = get_model_conversion_mapping(model) if conversions is None else copy.deepcopy(conversions)
+    renamings = [c for c in conversions if isinstance(c, WeightRenaming)]
+    converters = [c for c in conversions if isinstance(c, WeightConverter)]
+    own, prefix = model.state_dict(), model.base_model_prefix
+
+    def rename(key: str) -> tuple[str, bool]:
+        new, pattern = rename_source_key(key, renamings, converters, prefix, own)
+        if new not in own and key in own:
+            new, pattern = rename_source_key(key, [], [], prefix, own)
+        return new, pattern is not None
+    return rename
+
+
+def _resolve(model: nn.Module, name: str, rename) -> str | None:
+    """``name`` (a layer the section lists) as a submodule of ``model``: the one transformers' loader puts the
+    tensor ``<name>.weight`` in (``rename``, from :func:`_loader_names`), None when it puts it in none."""
+    loaded = rename(f"{name}.weight")[0]
+    if not loaded.endswith(".weight"):
+        return None
+    try:
+        model.get_submodule(loaded[:-7])
+    except AttributeError:
+        return None
+    return loaded[:-7]
 
 
 def _in_head(model: nn.Module, name: str) -> bool:
-    """Whether ``name`` (a listed layer ``model`` lacks) lies outside ``model``'s base-model part: not
-    under the base model prefix nor under a part of the base model (a base model's folder names its
-    layers without the prefix). False for a model without a base model prefix."""
+    """Whether ``name`` (a listed layer ``model`` lacks, as the loader renames it) lies outside ``model``'s
+    base-model part: not under the base model prefix nor under a part of the base model (a base model's
+    folder names its layers without the prefix). False for a model without a base model prefix."""
     prefix = getattr(model, "base_model_prefix", "") or ""
     if not prefix:
         return False
@@ -556,7 +620,10 @@ def from_pretrained(cls, path: str | os.PathLike, **kwargs) -> nn.Module:
     """Load a model folder, rebuilding its 2:4 layers bit for bit (see the module docstring).
 
     The same as ``cls.from_pretrained(path, **kwargs)`` once sparse24 is registered, which
-    this does first; a folder without a sparse24 section loads as usual.
+    this does first; a folder without a sparse24 section loads as usual. For a tower of a local two-tower
+    folder (``CLIPVisionModel`` of a ``CLIPModel`` folder), whose config class reads only its sub-config
+    (no ``quantization_config``), the config read from the folder is passed with the folder's section
+    (``kwargs`` naming a config attribute set on it, as transformers does when it reads the config).
 
     Args:
         cls: a transformers model class (``LlamaForCausalLM``, ``AutoModelForCausalLM``, ...).
@@ -586,7 +653,33 @@ def from_pretrained(cls, path: str | os.PathLike, **kwargs) -> nn.Module:
             and kwargs.get("use_safetensors") is not False)
     if ours and os.path.isdir(folder) and (given or os.path.isfile(os.path.join(folder, "config.json"))):
         check_folder(folder, cls, config if given else None, bool(kwargs.get("ignore_mismatched_sizes")))
+        if not given:
+            config = read_config(folder, cls)
+            section = _tower_section(config, folder)
+            if section is not None:  # a tower of a two-tower folder: transformers would load it without the section
+                config.quantization_config = section
+                kwargs = {**_onto_config(config, kwargs), "config": config}
     return cls.from_pretrained(path, **kwargs)
+
+
+def _tower_section(config, folder) -> dict | None:
+    """``folder``'s sparse24 section when ``config`` (``folder/config.json`` as a model class reads it) has none:
+    a tower's config class (``CLIPVisionConfig``, ``SiglipTextConfig``) reads only its part of a two-tower
+    folder's config.json (``vision_config``), and transformers gives that no ``quantization_config``."""
+    return read_section(folder) if getattr(config, "quantization_config", None) is None else None
+
+
+def _onto_config(config, kwargs: dict) -> dict:
+    """Set on ``config`` the ``kwargs`` naming one of its attributes (``output_hidden_states=True``), as
+    transformers does when it reads the config itself rather than being given one; the others (``dtype`` too,
+    which transformers also keeps as an argument) are returned."""
+    rest = {}
+    for k, v in kwargs.items():
+        if k.startswith("_") or k in ("dtype", "torch_dtype") or not hasattr(config, k):
+            rest[k] = v
+        else:
+            setattr(config, k, v)
+    return rest
 
 
 # The elements a model may hold beyond its checkpoint's (freshly initialized heads, buffers) before
@@ -723,7 +816,11 @@ def check_folder(folder: str | os.PathLike, cls, config=None, ignore_mismatched_
     headers = safetensors_headers(files)
     _check_loadable_dtypes(headers)
     path = os.path.join(folder, "config.json") if config is None else "the config given to from_pretrained"
-    config = read_config(folder, cls) if config is None else config
+    if config is None:
+        config = read_config(folder, cls)
+        section = _tower_section(config, folder)
+        if section is not None:  # (see from_pretrained)
+            config.quantization_config = section
     check_blocks(config, headers, folder, path)
     layers_24 = _layers_24(config, headers, path)
     try:
@@ -732,14 +829,20 @@ def check_folder(folder: str | os.PathLike, cls, config=None, ignore_mismatched_
     except Exception as e:
         raise ValueError(f"{path}: transformers cannot build the model it describes ({type(e).__name__}: "
                          f"{' '.join(str(e).split())[:200]})") from None
-    prefix = getattr(model, "base_model_prefix", "") or ""
+    # each model tensor's checkpoint name, as transformers' loader renames them (CLIPVisionModel: a CLIP
+    # folder's "vision_model.encoder..." loads as "encoder..."); one a converter takes is not compared (the
+    # op changes its shape)
+    rename, loaded = _loader_names(model), {}
+    for k in headers:
+        new, converted = rename(k)
+        if not converted:
+            loaded.setdefault(new, k)
     lacking, seen = 0, set()
     tensors = list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False))
     supplied = set()
     for name, t in tensors:
-        names = [name, f"{prefix}.{name}"] + ([name[len(prefix) + 1:]] if name.startswith(prefix + ".") else [])
-        key = next((k for k in names if k in headers), None)
-        if any(k.endswith(".weight") and k[:-7] in layers_24 for k in names):
+        key = loaded.get(name)
+        if key is not None and key.endswith(".weight") and key[:-7] in layers_24:
             supplied.add(id(t))  # a 2:4 layer's weight: the quantizer checks its entries, with clearer words
         elif key is not None:
             if tuple(headers[key][1]) == tuple(t.shape):
