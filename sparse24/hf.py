@@ -790,7 +790,9 @@ def _layers_24(config, headers: dict, path: str) -> set:
             raise ValueError(f"{path}: {e}") from None
         if stored - listed:  # transformers would find such a layer's marker the wrong shape, naming no file
             raise ValueError(f"{path}: the checkpoint holds 2:4 entries for {sorted(stored - listed)[0]!r}, which "
-                             "the sparse24 section does not list")
+                             "the sparse24 section does not list (sparse24 before 2026-12-05 saved the 2:4 models "
+                             "of families transformers renames on load, ViT, DeiT, BEiT, Dinov2, ..., under the "
+                             "family's older names, which no version loads: sparsify the dense model again)")
         return listed
     if stored:
         raise ValueError(f"{path}: the checkpoint holds 2:4 entries ({sorted(stored)[0]}, ...) but quantization_config "

@@ -204,3 +204,21 @@ def test_a_gate_proj_as_wide_as_the_experts_count_is_no_router():
     report = sparse24.sparsify_(model, mode="compressed")
     assert not [r.fqn for r in report.skipped if r.reason.startswith("MoE router")]
     assert "model.layers.0.mlp.shared_expert.gate_proj" in [r.fqn for r in report.swapped]
+
+
+def test_a_folder_stored_under_the_hub_names_by_an_earlier_sparse24_says_so(tmp_path):
+    """sparse24 before 2026-12-05 saved a ViT's 2:4 tensors under the family's Hub names and listed them under
+    the model's: the refusal named neither cause nor version."""
+    from safetensors.torch import load_file, save_file
+
+    model = tiny_vit()
+    sparse24.sparsify_(model, mode="compressed")
+    model.save_pretrained(tmp_path)
+    path = tmp_path / "model.safetensors"
+    old = "vit.encoder.layer.0.attention.attention.key."
+    sd = {k.replace("vit.layers.0.attention.k_proj.", old): v for k, v in load_file(path).items()}
+    assert f"{old}values" in sd
+    save_file(sd, path, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"entries for 'vit\.encoder\.layer\.0\.attention\.attention\.key'.*"
+                                         r"before 2026-12-05.*sparsify the dense model again"):
+        sparse24.from_pretrained(type(model), tmp_path)
