@@ -13,8 +13,14 @@ from collections import UserDict
 import torch
 from torch import nn
 
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # a torch build without torch.distributed: nothing is ever sharded
+    DTensor = ()
+
 __all__ = ["FLOAT_DTYPES", "check_bool", "check_weight", "check_nm", "check_mask", "check_model", "check_separate_teacher",
-           "check_finite", "computable", "refuse_meta", "safetensors_headers", "refuse_single_batch", "warn_user"]
+           "check_finite", "computable", "local_piece", "refuse_dtensor", "refuse_meta", "safetensors_headers",
+           "refuse_single_batch", "warn_user"]
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -40,9 +46,19 @@ def refuse_meta(t, name: str) -> None:
                          "(e.g. load_state_dict(..., assign=True) or module.to_empty(device=...))")
 
 
+def refuse_dtensor(t, name: str) -> None:
+    """TypeError if ``t`` is a DTensor (sharded by fully_shard or parallelize_module): a mask or a
+    compression needs the whole weight, and torch's own error ("got mixed torch.Tensor and DTensor")
+    names neither the tensor nor the fix."""
+    if isinstance(t, DTensor):
+        raise TypeError(f"{name} is a DTensor (sharded): call full_tensor() first, or run before fully_shard / "
+                        "parallelize_module")
+
+
 def check_weight(w: torch.Tensor, m: int, name: str = "weight") -> None:
     if not isinstance(w, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(w).__name__}")
+    refuse_dtensor(w, name)
     refuse_meta(w, name)
     if w.dim() != 2:
         raise ValueError(f"{name} must be 2-D (out_features, in_features), got shape {tuple(w.shape)}")
@@ -159,12 +175,27 @@ def computable(t: torch.Tensor) -> torch.Tensor:
     return x.float() if x.is_floating_point() and x.element_size() == 1 else x
 
 
+def local_piece(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """``(piece, offset)``: a DTensor's own local piece (no communication) and the index of its first
+    entry in the whole tensor, for checks that look at each entry alone and name it by its index in
+    the whole; any other tensor itself, at offset 0."""
+    if not isinstance(t, DTensor):
+        return t, (0,) * t.dim()
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    _, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    return t.to_local(), tuple(int(o) for o in offset)
+
+
 def check_finite(t: torch.Tensor, name: str = "weight",
                  why: str = "a 2:4 mask ranks magnitudes, and inf/NaN would spread to every output") -> None:
     """ValueError unless every entry of a floating ``t`` is finite; the message names ``name``,
-    how many entries are inf/NaN, where the first one is, and ``why`` (integer tensors pass)."""
+    how many entries are inf/NaN, where the first one is, and ``why`` (integer tensors pass).
+    A DTensor: this rank's own piece is checked, without communication (slicing a DTensor is a
+    collective, and its nonzero has no sharding rule), so it may fail on some ranks only."""
     if not t.is_floating_point() or t.is_meta:
         return
+    where = " in this rank's shard" if isinstance(t, DTensor) else ""
+    t, offset = local_piece(t)
     # a block of rows at a time: isfinite's temporaries over a whole weight took 2.5x its bytes (bf16); the
     # count and the first index are computed on the whole only for a tensor that fails (blocks 64x larger
     # on a GPU: each costs a host sync)
@@ -173,8 +204,8 @@ def check_finite(t: torch.Tensor, name: str = "weight",
     if all(bool(torch.isfinite(computable(x[i:i + step])).all()) for i in range(0, x.shape[0], step)):
         return
     bad = ~torch.isfinite(computable(t))
-    first = tuple(int(i) for i in bad.nonzero()[0])
-    raise ValueError(f"{name} has {int(bad.sum())} non-finite value(s) (inf/NaN), the first at index {first}"
+    first = tuple(int(i) + o for i, o in zip(bad.nonzero()[0], offset))
+    raise ValueError(f"{name} has {int(bad.sum())} non-finite value(s) (inf/NaN){where}, the first at index {first}"
                      + (f": {why}" if why else ""))
 
 

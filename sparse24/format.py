@@ -62,7 +62,7 @@ import sys
 import torch
 import torch.autograd.forward_ad as _fwAD
 
-from ._checks import FLOAT_DTYPES, check_bool, check_mask, check_nm, check_weight, refuse_meta
+from ._checks import FLOAT_DTYPES, check_bool, check_mask, check_nm, check_weight, local_piece, refuse_meta
 
 __all__ = ["mask_nm", "is_nm", "Sparse24Tensor", "compress", "quantize_values", "QUANT_MODES", "FLOAT_DTYPES",
            "INT4_GROUP_SIZES", "bf16_exact_scales"]
@@ -183,7 +183,8 @@ def mask_nm(w: torch.Tensor, n: int = 2, m: int = 4) -> torch.Tensor:
     :mod:`sparse24.masks`; ``sparse24.mask_nm(w, n, m, method=...)`` picks one.
 
     Args:
-        w: ``(R, C)`` floating weight, ``C % m == 0``. Any device but meta (ValueError: no values).
+        w: ``(R, C)`` floating weight, ``C % m == 0``. Any device but meta (ValueError: no values);
+            not a DTensor (TypeError: ``full_tensor()`` it first).
         n, m: keep ``n`` of every ``m``.
     Returns:
         ``(R, C)`` bool mask on ``w``'s device.
@@ -546,14 +547,17 @@ class Sparse24Tensor:
                 raise ValueError(f"corrupt metadata at row {r}: padding bits past column {C} are not zero")
         if self.scale is not None and not bool(torch.isfinite(self.scale).all()):
             raise ValueError("corrupt scales: non-finite values")
-        for rows in chunks if self.values.dtype == torch.int8 else ():
-            low = self.values[rows] == -128
+        # (a DTensor, FSDP2's sharded values: this rank's own piece, without communication, so that this may
+        # fail on some ranks only; the loader makes the ranks agree, sparse24.nn.state)
+        values, (r0, c0) = local_piece(self.values) if self.values.dtype == torch.int8 else (None, (0, 0))
+        for rows in _row_chunks(values.shape[0], C, values.device) if values is not None else ():
+            low = values[rows] == -128
             if bool(low.any()):
                 # symmetric INT8 (quantize_values writes -127..127); the decode layout's sign-magnitude bytes
                 # cannot hold -128, so a layer loading it would fail later, on its first move to CUDA
                 r, c = (int(i) for i in low.nonzero()[0])
-                raise ValueError(f"corrupt INT8 values at row {rows.start + r}, kept value {c}: -128 is outside "
-                                 "the format's range -127..127")
+                raise ValueError(f"corrupt INT8 values at row {r0 + rows.start + r}, kept value {c0 + c}: -128 is "
+                                 "outside the format's range -127..127")
         if self.zero is not None and bool((self.zero > 15).any()):
             r, k = (int(i) for i in (self.zero > 15).nonzero()[0])
             raise ValueError(f"corrupt INT4 zero points at row {r}, group {k}: {int(self.zero[r, k])} is not in 0..15")
@@ -587,8 +591,8 @@ def compress(w: torch.Tensor, mask: torch.Tensor | None = None, **kwargs) -> Spa
         :class:`Sparse24Tensor` with ``to_dense() == w * mask`` exactly (unquantized).
     Raises:
         TypeError: ``group_size`` / ``symmetric`` given (not None) without ``quantize="int4"``,
-            a ``symmetric`` that is not a bool; ValueError: an unknown mode or group size, ``w``
-            on the meta device.
+            a ``symmetric`` that is not a bool, ``w`` a DTensor (``full_tensor()`` it first); ValueError:
+            an unknown mode or group size, ``w`` on the meta device.
     Example:
         >>> p = compress(torch.randn(16, 32))
         >>> p.values.shape, p.meta.shape
@@ -885,11 +889,12 @@ def _check_int4_fields(values, scale, zero, group_size, R: int, C: int) -> None:
         raise ValueError(f"INT4 zero points must be uint8 of shape {(R, groups)}, got {zero.dtype} {tuple(zero.shape)}")
 
 
-def _mask_nibbles24(mask: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def _mask_nibbles24(mask: torch.Tensor, w: torch.Tensor, row0: int = 0) -> torch.Tensor:
     """Check a 2:4 mask for ``w``; return its (R*C/4,) uint8 group nibbles.
 
     One table lookup of the 4 kept flags both packs the slots and finds groups
-    keeping more than 2 (ValueError naming the first row/group).
+    keeping more than 2 (ValueError naming the first row/group; ``row0``: the
+    index of ``mask``'s first row in a whole one it is a piece of).
     """
     check_mask(mask, w)
     R, C = w.shape
@@ -905,11 +910,12 @@ def _mask_nibbles24(mask: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
             r, g = (int(i) for i in bad.nonzero()[0])
             r += rows.start
             kept = int(mask[r, 4 * g:4 * g + 4].sum())
-            raise ValueError(f"mask is not 2:4: row {r}, group {g} (columns {4 * g}..{4 * g + 3}) keeps {kept} of 4")
+            raise ValueError(f"mask is not 2:4: row {row0 + r}, group {g} (columns {4 * g}..{4 * g + 3}) keeps "
+                             f"{kept} of 4")
     return nib.view(-1)
 
 
-def _check_mask24(mask: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """Check a 2:4 mask for ``w``; return it contiguous."""
-    _mask_nibbles24(mask, w)
+def _check_mask24(mask: torch.Tensor, w: torch.Tensor, row0: int = 0) -> torch.Tensor:
+    """Check a 2:4 mask for ``w`` (``row0``: see :func:`_mask_nibbles24`); return it contiguous."""
+    _mask_nibbles24(mask, w, row0)
     return mask.contiguous()

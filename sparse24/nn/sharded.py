@@ -7,17 +7,24 @@ therefore sharded exactly like its weight, with no communication: each rank
 keeps its own piece of its own full mask, as ``fully_shard`` keeps its own
 piece of its own full weight. In FSDP2's forward the weight is gathered
 (plain) while the mask stays sharded; the forward then gathers the mask too,
-packed 8 entries a byte (1/16 of the bytes of a bf16 weight's all-gather)."""
+packed 8 entries a byte (1/16 of the bytes of a bf16 weight's all-gather).
+
+Loading checks each rank's own piece of a sharded entry, so a corrupt part may
+fail on one rank only: :func:`agree` then makes every rank refuse together."""
 from __future__ import annotations
 
 import torch
 
 try:
+    import torch.distributed as dist
     from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 except ImportError:  # a torch build without torch.distributed: nothing is ever sharded
     DTensor = ()
 
-__all__ = ["is_dtensor", "shard_like", "gather_mask", "local_pair"]
+__all__ = ["is_dtensor", "shard_like", "gather_mask", "local_pair", "agree"]
+
+# The bytes of the first failing rank's message that the others quote (sent only when a check failed).
+_MESSAGE_BYTES = 1024
 
 
 def is_dtensor(t) -> bool:
@@ -89,3 +96,43 @@ def local_pair(weight: torch.Tensor, mask: torch.Tensor,
                            f"{_spec(weight)} vs {_spec(mask)}")
     full = [t.full_tensor() if is_dtensor(t) else t for t in (weight, mask)]
     return full[0], full[1]
+
+
+def _sum_over_mesh(t: torch.Tensor, mesh) -> None:
+    """``t`` summed over every rank of ``mesh``, in place: over each of its dimensions in turn."""
+    for d in range(mesh.ndim):
+        dist.all_reduce(t, group=mesh.get_group(d))
+
+
+def agree(error: Exception | None, t: "DTensor") -> None:
+    """After a check that each rank of ``t``'s mesh made on its own piece (no communication, so it may
+    fail on some ranks only): every rank learns whether any failed and, if so, raises: its own error
+    where it failed, a ValueError quoting the first failing rank's where it did not. So every rank
+    refuses a load together and none is left waiting in a later collective for one that has left.
+    A collective (one all-reduce per mesh dimension; a second one for the message when some rank
+    failed): every rank of the mesh calls it, in the same order, whatever its own check found.
+
+    Args:
+        error: this rank's exception, or None. t: a DTensor whose mesh the checked entries share.
+    """
+    mesh = t.device_mesh
+    device = torch.device("cpu") if mesh.device_type == "cpu" else torch.device(
+        mesh.device_type, torch.get_device_module(mesh.device_type).current_device())
+    ranks = mesh.mesh.flatten().tolist()
+    me = ranks.index(dist.get_rank())
+    failed = torch.zeros(len(ranks), dtype=torch.int32, device=device)
+    failed[me] = error is not None
+    _sum_over_mesh(failed, mesh)
+    failed = failed.nonzero().flatten().tolist()
+    if not failed:
+        return
+    text = torch.zeros(_MESSAGE_BYTES, dtype=torch.uint8, device=device)
+    if me == failed[0]:
+        raw = str(error).encode()[:_MESSAGE_BYTES]
+        text[:len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
+    _sum_over_mesh(text, mesh)
+    if error is not None:
+        raise error
+    quoted = bytes(text.cpu().tolist()).rstrip(b"\0").decode(errors="replace")
+    raise ValueError(f"refused on rank(s) {[ranks[i] for i in failed]} of the mesh, where rank {ranks[failed[0]]} "
+                     f"says: {quoted}")

@@ -12,11 +12,11 @@ import weakref
 
 import torch
 
-from .._checks import FLOAT_DTYPES, check_finite, computable
+from .._checks import FLOAT_DTYPES, check_finite, computable, local_piece
 from ..format import Sparse24Tensor, _check_mask24, compress, is_nm
 from . import prepare
 from .prepare import is_conv1d_class
-from .sharded import is_dtensor, local_pair, shard_like
+from .sharded import agree, is_dtensor, local_pair, shard_like
 
 __all__ = ["check_state", "StateDictMixin", "compressed_entries", "guard_loading"]
 
@@ -144,10 +144,10 @@ def _check_set(self, sd: dict, prefix: str, want: set) -> None:
     """Check a whole set of this layer's 2:4 entries (``want``, all in ``sd``)."""
     R, C = self.out_features, self.in_features
     quantized = self.quantize is not None
-    _check_finite_entries(sd, prefix, sorted(want))
-    if self._mode == "masked":
-        _check_state_masked(sd[prefix + "weight"], sd[prefix + "mask"], (R, C), prefix)
+    if self._mode == "masked":   # (its weight checked finite there, after a sharded pair's gather)
+        _check_state_masked(sd[prefix + "weight"], sd[prefix + "mask"], (R, C), prefix, _CORRUPT)
         return
+    _check_finite_entries(sd, prefix, sorted(want))
     values, meta, scale = sd[prefix + "values"], sd[prefix + "meta"], sd.get(prefix + "scale")
     if not quantized and not values.is_floating_point():
         raise TypeError(f"'{prefix}values' must be floating point for an unquantized layer, got {values.dtype}")
@@ -202,11 +202,37 @@ def compressed_entries(p: Sparse24Tensor) -> dict[str, torch.Tensor]:
     return entries
 
 
+_CORRUPT = "a corrupt or diverged checkpoint"
+
+
 def _check_finite_entries(sd: dict, prefix: str, keys) -> None:
     """A checkpoint's floating entries must be finite: inf/NaN values (a corrupt file, a diverged
     run) would load without a word and spread to every output."""
     for k in keys:
-        check_finite(sd[prefix + k], f"'{prefix}{k}'", "a corrupt or diverged checkpoint")
+        check_finite(sd[prefix + k], f"'{prefix}{k}'", _CORRUPT)
+
+
+def _check_entries(self, sd: dict, prefix: str) -> None:
+    """:func:`check_state` and :func:`_check_whole`. A sharded (DTensor) entry is checked on each rank's
+    own piece, so a corrupt part may fail on some ranks only: one agreement over the mesh then makes
+    every rank raise (sharded.agree; a rank left out would wait in the next collective, a hang under
+    NCCL). Every rank checks the same layers with the same kinds of entries, so each makes the same
+    collectives; a plain state dict makes none."""
+    sharded = [sd[prefix + k] for k in _ENTRY_NAMES if is_dtensor(sd.get(prefix + k))]
+    if not sharded:
+        check_state(self, sd, prefix)
+        _check_whole(self, sd, prefix)
+        return
+    error = None
+    try:
+        check_state(self, sd, prefix)
+        _check_whole(self, sd, prefix)
+    except (ValueError, TypeError) as e:
+        error = e
+    except Exception as e:   # (an unforeseen failure on one rank: agreed all the same, so that none waits)
+        error = ValueError(f"{type(e).__name__}: {e}")
+        error.__cause__ = e
+    agree(error, sharded[0])
 
 
 def _check_whole(self, sd: dict, prefix: str) -> None:
@@ -237,15 +263,22 @@ def _check_whole(self, sd: dict, prefix: str) -> None:
         _check_finite_entries(sd, prefix, ["bias"])
 
 
-def _check_state_masked(weight: torch.Tensor, mask: torch.Tensor, shape, prefix: str) -> None:
+def _check_state_masked(weight: torch.Tensor, mask: torch.Tensor, shape, prefix: str, why: str | None = None) -> None:
+    """A masked layer's weight and mask; ``why`` given: the weight is checked finite too (the message's why)."""
     if tuple(weight.shape) != tuple(shape):
         raise ValueError(f"'{prefix}weight' has shape {tuple(weight.shape)}, expected {tuple(shape)}")
     if not weight.is_floating_point():
         raise TypeError(f"'{prefix}weight' must be floating point, got {weight.dtype}")
-    weight, mask = local_pair(weight, mask, whole_groups=True)  # sharded (FSDP2): each rank checks its rows
+    # Sharded (FSDP2): each rank checks its own rows, or the gathered whole where shards split 2:4 groups;
+    # gathered first, before any check that may fail on one rank only, so every rank makes the same collectives.
+    pair = local_pair(weight, mask, whole_groups=True)
+    row0 = 0 if pair[0].shape == weight.shape else local_piece(weight)[1][0]  # (own rows: where they start)
+    if why is not None:
+        check_finite(weight, f"'{prefix}weight'", why)   # (a DTensor: its own piece, no communication)
+    weight, mask = pair
     if mask.device != weight.device:
         mask = mask.to(weight.device)
-    _check_mask24(mask, weight)
+    _check_mask24(mask, weight, row0)
     if bool(((computable(weight) != 0) & ~mask).any()):
         raise ValueError(f"'{prefix}weight' is non-zero where '{prefix}mask' is False: not a 2:4 masked weight")
 
@@ -314,8 +347,7 @@ class StateDictMixin:
             if not checked:
                 if self.pending and self._has_dense_entry_only(state_dict, prefix):
                     dense_dtype = self._fill_from_dense(state_dict, prefix)  # the weights arrived: compute the mask
-                check_state(self, state_dict, prefix)
-                _check_whole(self, state_dict, prefix)
+                _check_entries(self, state_dict, prefix)
                 unexpected = _own_unexpected_keys(self, state_dict, prefix)
                 if unexpected:  # torch reports them only after copying
                     error_msgs.append(f"Unexpected key(s) in state_dict: {', '.join(repr(k) for k in unexpected)}. ")
@@ -448,8 +480,7 @@ def _whole_model_check(model, state_dict, prefix, local_metadata, strict, missin
                 dense_dtype = None
                 if m.pending and m._has_dense_entry_only(state_dict, fqn):
                     dense_dtype = m._fill_from_dense(state_dict, fqn)
-                check_state(m, state_dict, fqn)
-                _check_whole(m, state_dict, fqn)
+                _check_entries(m, state_dict, fqn)
                 checked.append((m, fqn, dense_dtype))
             except (ValueError, TypeError) as e:
                 errors.append(f"{fqn[:-1] or 'Sparse24Linear'}: {e}")
