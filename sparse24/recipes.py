@@ -33,9 +33,9 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from ._checks import check_finite, check_model
-from .api.walk import (EXCLUDED_BY, MIN_FEATURES, _is_linear, _kept_dense, _shared_weights, _tied_or_head, _too_small,
-                       check_min_features)
+from .api.walk import EXCLUDED_BY, MIN_FEATURES, _too_small, check_min_features
 from .format import mask_nm
+from .masks.kept_dense import _is_linear, _kept_dense, _shared_weights, _tied_or_head
 from .nn import is_conv1d, linear_shape
 from .learn import distill_, learn_masks
 

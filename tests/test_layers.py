@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # module-name prefix -> layer, bottom (0) to top; the longest matching prefix wins
 LAYERS = {
     "sparse24._version": 0, "sparse24._checks": 0, "sparse24._progress": 0, "sparse24.autotune_configs": 0,
-    "sparse24._rollback": 0,                                      # shared checks, progress, undo of failed calls, data
+    "sparse24._rollback": 0, "sparse24._linears": 0,              # shared checks, progress, undo, data, layer kinds
     "sparse24.format": 1, "sparse24.decode_format": 1, "sparse24.quant": 1, "sparse24.interop": 1,  # layouts, INT8
     "sparse24.masks": 2,                                                              # mask methods
     "sparse24.kernels": 3,                                                            # Triton only

@@ -22,7 +22,8 @@ from torch import nn
 from .._rollback import TensorBackup
 from ..nn import Sparse24Linear
 from ..nn.masking import _MASKED_MODULES
-from .walk import _CALIBRATED_METHODS, _is_linear, _is_transformers_model
+from ..masks.kept_dense import _is_linear
+from .walk import _CALIBRATED_METHODS, _is_transformers_model
 
 __all__ = ["check_calibration", "require_sparse_layers", "ModelRollback", "record_after_change"]
 

@@ -69,9 +69,9 @@ from ..nn.prepare import (_check_mode, _linear_weight, _prepare, check_finite_bi
                           quant_options, sparser_note)
 from .guard import check_calibration, record_after_change, require_sparse_layers
 from .report import LayerReport, SparsifyReport
+from ..masks.kept_dense import _is_linear, _kept_dense, _shared_weights
 from .walk import (MIN_FEATURES, FilterFn, _after_change, _check_foreign_quantization, _child_slots, _direct_readers,
-                   _entry, _is_linear, _kept_dense, _not_handled, _shared_weights, _skip_reason, _sync_reader_hooks,
-                   _Undo, check_min_features)
+                   _entry, _not_handled, _skip_reason, _sync_reader_hooks, _Undo, check_min_features)
 
 __all__ = ["sparsify_", "densify_", "compress_", "decompress_", "prune_trained_model", "count_parameters",
            "SparsifyReport", "LayerReport", "MIN_FEATURES"]

@@ -17,6 +17,7 @@ from .._checks import (KEYWORD_BATCH, call_with_batch, check_model, check_nm, ch
 from .._rollback import TensorBackup
 from .._progress import progress_bar, progress_enabled
 from .distributed import agree, check_group, sum_over_ranks
+from .kept_dense import _kept_dense, _shared_weights, _tied_or_head
 from .nm import METHODS, LayerStats, PruneResult, kept_magnitude_fraction, prune_nm
 from .reconstruct import PERCDAMP, damped_hessian, to_weight_dtype
 
@@ -426,7 +427,6 @@ def _layers_to_prune(model: nn.Module, filter_fn) -> tuple[dict[nn.Module, str],
     of a PEFT adapter layer, and no layer whose weight is shared (tied: pruning a head tied to the token
     embedding prunes the embedding too); with ``filter_fn``, the layers it accepts, a tied one refused
     (ValueError naming it)."""
-    from ..api.walk import _kept_dense, _shared_weights, _tied_or_head  # (here: sparse24.api imports this package)
     shared = _shared_weights(model)
     heads = _kept_dense(model, True) if filter_fn is None else {}
     names, kept, tied = {}, {}, []

@@ -4,13 +4,13 @@ done before anything changes (so whole-model calls can prepare every layer
 first and stay all or nothing), and the byte counts reported for it."""
 from __future__ import annotations
 
-import sys
 from typing import NamedTuple
 
 import torch
 from torch import nn
 
 from .._checks import check_bool, check_finite
+from .._linears import is_conv1d, is_conv1d_class, linear_shape
 from ..format import (FLOAT_DTYPES, Sparse24Tensor, _check_mask24, _row_chunks, check_group_size, compress,
                       int4_options, is_nm)
 from ..masks import METHODS, mask_nm, prune_nm
@@ -65,23 +65,6 @@ def _check_mode(mode, quantize, trainable_values, group_size=None, symmetric=Non
     if trainable_values and (mode != "compressed" or quantize is not None):
         raise ValueError("trainable_values needs mode='compressed' with floating values (quantize=None)")
     return quant
-
-
-def is_conv1d(module) -> bool:
-    """True for Hugging Face ``transformers.pytorch_utils.Conv1D`` (GPT-2 and relatives): a
-    Linear whose weight is stored transposed, ``(in_features, out_features)``. Detected
-    without importing transformers (a Conv1D exists only once transformers is imported)."""
-    utils = sys.modules.get("transformers.pytorch_utils")
-    return utils is not None and isinstance(module, utils.Conv1D)
-
-
-def linear_shape(module) -> tuple[int, int]:
-    """``(out_features, in_features)`` of an ``nn.Linear``, a Hugging Face ``Conv1D`` or a
-    :class:`Sparse24Linear`."""
-    if is_conv1d(module):
-        C, R = module.weight.shape
-        return R, C
-    return module.out_features, module.in_features
 
 
 def check_finite_bias(bias: torch.Tensor | None) -> None:
@@ -267,12 +250,6 @@ def _mask_from_slots(p: Sparse24Tensor) -> torch.Tensor:
     """``(R, C)`` bool, True at the two stored slots of every group (:meth:`Sparse24Tensor.kept_mask`,
     which unpacks the slots a block of rows at a time)."""
     return p.kept_mask()
-
-
-def is_conv1d_class(cls) -> bool:
-    """True for the Hugging Face ``Conv1D`` class (see :func:`is_conv1d`)."""
-    utils = sys.modules.get("transformers.pytorch_utils")
-    return utils is not None and isinstance(cls, type) and issubclass(cls, utils.Conv1D)
 
 
 def compressed_nbytes(out_features: int, in_features: int, element_size: int, quantized=False,

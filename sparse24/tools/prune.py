@@ -162,7 +162,7 @@ def prune_state_dict(sd: dict, method: str = "magnitude", quantize: str | None =
     storages: dict[int, list[str]] = {}
     for k in plain:
         storages.setdefault(sd[k].untyped_storage().data_ptr(), []).append(k)
-    # The output head, chosen as sparsify_ chooses it (api.walk._output_heads). A raw state dict names no
+    # The output head, chosen as sparsify_ chooses it (masks.kept_dense._output_heads). A raw state dict names no
     # nn.Embedding: the input embedding is the largest 2-D weight named like one (PRUNE_EXCLUDE), else the
     # largest one --exclude names; among the other 2-D weights with as many rows as its vocabulary, the one
     # sharing its storage (tied), else the last in the state dict.

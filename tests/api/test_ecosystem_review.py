@@ -16,7 +16,7 @@ from torch.nn.utils import parametrize, prune
 import sparse24
 from sparse24 import Sparse24Linear
 from sparse24.api import swap
-from sparse24.api.walk import _shared_weights
+from sparse24.masks.kept_dense import _shared_weights
 
 D = 32
 

@@ -14,7 +14,7 @@ from torch.overrides import TorchFunctionMode
 
 import sparse24
 from sparse24 import Sparse24Linear
-from sparse24.api.walk import _shared_weights
+from sparse24.masks.kept_dense import _shared_weights
 from sparse24.nn import state
 from sparse24.nn.masking import _ZERO_CHECKED
 from sparse24.recipes import GradualPruner
