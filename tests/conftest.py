@@ -1,5 +1,6 @@
 """Shared test helpers: the one per-dtype error-bound table, the independent reference, and the snapshot a
 failed whole-model call is compared with."""
+import copy
 import math
 import os
 
@@ -187,6 +188,16 @@ def top2_mask(w):
     keep = torch.zeros_like(g, dtype=torch.bool)
     keep.scatter_(1, g.argsort(dim=1, descending=True)[:, :2], True)
     return keep.view(w.shape)
+
+
+def masked_copy(dense, names):
+    """float64 copy of ``dense`` with every layer in ``names`` holding W * top2_mask(W)."""
+    ref = copy.deepcopy(dense).double()
+    with torch.no_grad():
+        for fqn in names:
+            w = ref.get_submodule(fqn).weight
+            w.mul_(top2_mask(w))
+    return ref
 
 
 def dequantized_reference(layer, mask):

@@ -14,23 +14,9 @@ from torch import nn
 import sparse24
 from sparse24 import Sparse24Linear
 
+from conftest import masked_copy, top2_mask
+
 transformers = pytest.importorskip("transformers")
-
-
-def top2_mask(w: torch.Tensor) -> torch.Tensor:
-    """Independent 2:4 magnitude mask of an (out, in) weight: a stable sort of each group of 4 inputs."""
-    idx = torch.sort(w.abs().reshape(-1, 4), dim=-1, descending=True, stable=True).indices[:, :2]
-    return torch.zeros(w.numel() // 4, 4, dtype=torch.bool).scatter_(-1, idx, True).view_as(w)
-
-
-def masked_reference(dense: nn.Module, names) -> nn.Module:
-    """float64 copy of ``dense`` with every layer in ``names`` holding W * top2_mask(W)."""
-    ref = copy.deepcopy(dense).double()
-    with torch.no_grad():
-        for n in names:
-            w = ref.get_submodule(n).weight
-            w.mul_(top2_mask(w))
-    return ref
 
 
 def modes(model):
@@ -64,7 +50,7 @@ def test_wavlm_compressed_runs_with_the_helper_read_projections_kept_masked(quan
         out = model(input_values=x).logits
     if quantize is None:   # (INT8 values: only that it runs)
         with torch.no_grad():
-            ref = masked_reference(dense, got)(input_values=x.double()).logits
+            ref = masked_copy(dense, got)(input_values=x.double()).logits
         torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-4)
 
 
@@ -79,7 +65,7 @@ def test_wavlm_masked_rezeroes_a_helper_read_weight_written_in_place():
         q.weight.copy_(new)   # a re-init torch sees: the next forward must use it masked
         out = model(input_values=x).logits
     assert not q.weight[~q.mask].any()
-    ref = masked_reference(dense, modes(model))
+    ref = masked_copy(dense, modes(model))
     with torch.no_grad():   # the new weight under the layer's mask (the dense weight's magnitude mask)
         mask = top2_mask(dense.get_submodule(f"{ATT}.q_proj").weight)
         ref.get_submodule(f"{ATT}.q_proj").weight.copy_((new * mask).double())
@@ -134,7 +120,7 @@ def test_a_helper_read_keeps_its_layer_masked_and_init_reads_do_not(cls):
     assert modes(model) == {"0.proj": "masked", "0.fc": "compressed", "2": "compressed"}
     x = torch.randn(3, 64, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        torch.testing.assert_close(model(x).double(), masked_reference(dense, ["0.proj", "0.fc", "2"])(x.double()),
+        torch.testing.assert_close(model(x).double(), masked_copy(dense, ["0.proj", "0.fc", "2"])(x.double()),
                                    rtol=1e-5, atol=1e-5)
 
 
@@ -151,7 +137,7 @@ def test_reformer_lsh_attention_compressed_generates():
     got = modes(model)
     assert got[f"{lsh}.query_key"] == got[f"{lsh}.value"] == "masked", got
     ids = torch.randint(3, 64, (1, 8), generator=torch.Generator().manual_seed(1))
-    ref = masked_reference(dense, got)
+    ref = masked_copy(dense, got)
     with torch.no_grad():   # the cached path (past_buckets_states) calls _query_per_attn_head
         out = model.generate(ids, max_new_tokens=3, do_sample=False)
         want = ref.generate(ids, max_new_tokens=3, do_sample=False)

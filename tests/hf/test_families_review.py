@@ -14,7 +14,7 @@ import sparse24
 from sparse24 import Sparse24Linear
 from sparse24.tools.cli import main
 
-from conftest import top2_mask
+from conftest import masked_copy
 
 VIS = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, image_size=32,
            patch_size=8)
@@ -56,16 +56,6 @@ def stored_keys(folder):
         return set(f.keys())
 
 
-def masked_reference(dense, names):
-    """float64 copy of ``dense`` with every layer in ``names`` holding W * (independent top-2 mask)."""
-    ref = copy.deepcopy(dense).double()
-    with torch.no_grad():
-        for fqn in names:
-            w = ref.get_submodule(fqn).weight
-            w.mul_(top2_mask(w))
-    return ref
-
-
 @pytest.mark.parametrize("build, mode", [(tiny_vit, "masked"), (tiny_llava, "compressed"),
                                          (tiny_dinov2_swiglu, "compressed")], ids=["vit", "llava", "dinov2-swiglu"])
 def test_save_pretrained_of_a_mapped_family_loads_back(tmp_path, build, mode):
@@ -82,7 +72,7 @@ def test_save_pretrained_of_a_mapped_family_loads_back(tmp_path, build, mode):
     sd, sd2 = model.state_dict(), again.state_dict()
     assert sd.keys() == sd2.keys() and all(torch.equal(sd[k], sd2[k]) for k in sd)
     assert torch.equal(out(again, x), out(model, x))
-    torch.testing.assert_close(out(again, x).double(), out(masked_reference(dense, swapped), x),
+    torch.testing.assert_close(out(again, x).double(), out(masked_copy(dense, swapped), x),
                                rtol=1e-4, atol=1e-4)
     again.save_pretrained(tmp_path / "again")  # loaded from the model's own names: saved in them again
     assert stored_keys(tmp_path / "again") == stored_keys(tmp_path)
@@ -118,7 +108,7 @@ def test_prune_cli_takes_a_hub_format_vit_folder(capsys, tmp_path):
     assert swapped == [fqn for fqn, m in got.named_modules() if isinstance(m, Sparse24Linear)]
     x = inputs(dense)
     assert torch.equal(out(got, x), out(ref, x))
-    torch.testing.assert_close(out(got, x).double(), out(masked_reference(dense, swapped), x), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(out(got, x).double(), out(masked_copy(dense, swapped), x), rtol=1e-4, atol=1e-4)
 
 
 def test_prune_cli_refuses_a_fused_stored_layer(capsys, tmp_path):
