@@ -118,3 +118,12 @@ def test_the_check_sees_a_lazy_upward_import(tmp_path, monkeypatch, bad, expecte
     found = _imports(module, fake, modules)
     target = expected.split(" imports ")[1].split(" ")[0]
     assert target in found and _layer(target) > _layer(module)
+
+
+def test_test_modules_have_unique_basenames():
+    """pytest imports test modules by basename (rootdir-relative, no packages): two files of one name in
+    different folders fail the collection of the whole suite ("import file mismatch")."""
+    seen = {}
+    for path in sorted((ROOT / "tests").rglob("*.py")):
+        seen.setdefault(path.name, []).append(str(path.relative_to(ROOT)))
+    assert not {k: v for k, v in seen.items() if len(v) > 1 and k != "__init__.py"}
