@@ -477,6 +477,10 @@ def _whole_model_check(model, state_dict, prefix, local_metadata, strict, missin
             continue  # a module that may rewrite its entries: torch and it decide (about its subtree only)
         if isinstance(m, StateDictMixin):
             try:
+                if m._mode == "compressed" and m._layout == "decode" \
+                        and (fqn + "values" in state_dict or fqn + "meta" in state_dict):
+                    # (sharded in the decode layout: refused here, before any module copies, not by the layer)
+                    m._refuse_sharded("give or take state dict entries (layout v1's)", fqn[:-1])
                 dense_dtype = None
                 if m.pending and m._has_dense_entry_only(state_dict, fqn):
                     dense_dtype = m._fill_from_dense(state_dict, fqn)
@@ -484,6 +488,8 @@ def _whole_model_check(model, state_dict, prefix, local_metadata, strict, missin
                 checked.append((m, fqn, dense_dtype))
             except (ValueError, TypeError) as e:
                 errors.append(f"{fqn[:-1] or 'Sparse24Linear'}: {e}")
+            except RuntimeError as e:   # (_refuse_sharded: the message names the layer)
+                errors.append(str(e))
             continue
         for name, t in _local_state(m).items():
             v = state_dict.get(fqn + name, t)
@@ -611,7 +617,8 @@ def _incompatible_keys(model, sd: dict, prefix: str) -> tuple[list, list]:
         if m is None:  # its own loading code decides what it misses and what it takes
             local[p] = None
             continue
-        local[p] = (m, _local_state(m))
+        # (names only: a decode-layout layer's own state is re-ordered to layout v1 when computed)
+        local[p] = (m, _local_names(m) if isinstance(m, StateDictMixin) else _local_state(m))
         missing += [p + k for k in local[p][1] if p + k not in sd]
     for k in sd:  # torch's rule, per key down its path: a name followed by more is a child, the last an entry
         if not isinstance(k, str):  # refused by the caller (torch would raise AttributeError on it)

@@ -174,9 +174,36 @@ def _dense_calls(mesh, quantize) -> dict:
     return out
 
 
+def _decode_beside_v1(mesh) -> dict:
+    """A layer sharded in the decode layout beside a layout-v1 one: a load (strict or not) bringing both
+    layers' entries is refused before any module copies (the layer's own refusal came after torch had
+    copied the layers before it: a non-strict load left layer 0 holding the checkpoint)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    def build(seed):
+        torch.manual_seed(seed)
+        model = nn.Sequential(nn.Linear(C, C), nn.Linear(C, R)).half()
+        sparse24.sparsify_(model, mode="compressed", quantize="int8", min_features=1, skip_output_head=False)
+        return model
+    source = build(0).state_dict()
+    model = build(1)
+    model[1].to_layout("decode")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for m in (model[0], model[1], model):
+            fully_shard(m, mesh=mesh)
+    before = _full_state(model[0])
+    out = {}
+    for strict in (True, False):
+        out[strict] = _try(lambda: set_model_state_dict(model, source, options=StateDictOptions(
+            full_state_dict=True, strict=strict)))
+        out[strict, "unchanged"] = _same(_full_state(model[0]), before)
+    return out
+
+
 def _worker(rank, folder):
     mesh = init_device_mesh("cpu", (WORLD,))
-    out = {"to_layout": _to_layout_decode(mesh), "settle": _forward_settling(mesh),
+    out = {"beside": _decode_beside_v1(mesh), "to_layout": _to_layout_decode(mesh), "settle": _forward_settling(mesh),
            "decode": _decode_then_shard(mesh, folder), "v1": _v1_then_shard(mesh, folder),
            **{f"dense {q}": _dense_calls(mesh, q) for q in (None, "int8")}}
     gathered = [None] * WORLD
@@ -255,3 +282,11 @@ def test_sharded_compressed_layers_refuse_dense_calls(ranks, quantize):
                 and "nothing was changed" in call[2], (name, call)
             assert same_layer and mode == "compressed" and state == ("ok", True), name
             _matches(y, got["ref"], torch.float32)
+
+
+def test_a_load_beside_a_decode_sharded_layer_is_refused_before_any_copy(ranks):
+    for got in (r["beside"] for r in ranks):
+        for strict in (True, False):
+            assert got[strict][0] == "err" and "layer '1'" in got[strict][2] \
+                and "to_layout('v1')" in got[strict][2], got[strict]
+            assert got[strict, "unchanged"], strict   # layer 0 had taken the checkpoint (strict=False)
