@@ -121,17 +121,22 @@ class LayoutMixin:
         self._parameters["values"], self._buffers["meta"] = held
 
     @contextlib.contextmanager
-    def _repacked_in_place(self, repack: bool = True, keep: bool = True):
+    def _repacked_in_place(self, repack: bool = True, keep: bool = True, settle: bool = True):
         """Run the body with this layer in layout v1 where it holds the decode layout and ``repack``; after
-        it, settle the layout (:meth:`_settle_layout`) and, unless ``keep`` is False (a load with
-        ``assign=True``), write the re-packed data into the tensors held before (:meth:`_keep_decode_tensors`)."""
+        it, settle the layout (:meth:`_settle_layout`; ``settle=False``: only back to the decode layout it
+        held, a layer held in layout v1 stays so, in the same tensors) and, unless ``keep`` is False (a load
+        with ``assign=True``), write the re-packed data into the tensors held before
+        (:meth:`_keep_decode_tensors`)."""
         held = self._decode_held() if repack else None
         if held is not None:
             self._convert_layout("v1")
         try:
             yield
         finally:
-            self._settle_layout()
+            if settle:
+                self._settle_layout()
+            elif held is not None:
+                self._convert_layout("decode")
             self._keep_decode_tensors(held if keep else None)
 
     def to_layout(self, layout: str) -> "LayoutMixin":

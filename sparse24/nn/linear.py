@@ -543,7 +543,9 @@ class Sparse24Linear(LayoutMixin, StateDictMixin, nn.Module):
                 q = quantize_values(merged)
                 _check_merged(q.dequantized_values(self.dtype), "weight (kept values, dequantized)", self.dtype)
                 new = {"values": q.values, "scale": q.scale}
-            with self._repacked_in_place():   # (written into the tensors held before: shared memory)
+            # (written into the tensors held before: shared memory; a layer in layout v1 keeps its values
+            # Parameter, which an optimizer may hold: forward settles it in the same Parameter)
+            with self._repacked_in_place(settle=False):
                 for name, t in new.items():
                     getattr(self, name).copy_(t)
             return self

@@ -216,23 +216,25 @@ def _check_optimizer(optimizer) -> None:
 
 
 def _check_order(optimizer, group: dict, i: int, w: torch.Tensor, layer) -> None:
-    """Refuse a state that pairs a masked weight with its bias's moments, or the bias with the weight's:
+    """Refuse a state that pairs a masked weight with its bias's moments and the bias with the weight's:
     sparse24 before 2026-12-05 listed a layer's parameters (bias, weight), now (weight, bias), and torch's
-    load_state_dict pairs states by position; the step then failed in torch after changing other tensors."""
+    load_state_dict pairs states by position; the step then failed in torch after changing other tensors.
+    Only a swap: a key bias-shaped in the weight's state and weight-shaped in the bias's (one side alone
+    proves nothing: Adafactor's row factor of a weight is bias-shaped, bitsandbytes' absmax may be)."""
     b = layer._parameters.get("bias")
-    for p, other in ((w, b), (b, w)):
-        state = optimizer.state.get(p, {}) if p is not None and other is not None else {}
-        for k, v in state.items():
-            if isinstance(v, torch.Tensor) and v.dim() and v.shape != p.shape and v.shape == other.shape:
-                name = _param_name(group, i, layer)
-                subject = name if p is w else f"the bias beside {name}"
-                raise RuntimeError(
-                    f"optimizer step refused: optimizer state {k!r} of {subject} has shape {tuple(v.shape)}, the "
-                    f"{'bias' if p is w else 'weight'}'s: the optimizer state was "
-                    "saved by sparse24 before 2026-12-05, whose layers listed their parameters (bias, weight) where "
-                    "they now list (weight, bias), and torch pairs states by position. Swap each 2:4 layer's two "
-                    "entries in the saved state's 'state' before loading it, or restart the optimizer (nothing "
-                    "was changed)")
+    if b is None:
+        return
+    sw, sb = optimizer.state.get(w, {}), optimizer.state.get(b, {})
+    for k, v in sw.items():
+        u = sb.get(k)
+        if isinstance(v, torch.Tensor) and isinstance(u, torch.Tensor) and v.shape != w.shape \
+                and v.shape == b.shape and u.shape == w.shape:
+            raise RuntimeError(
+                f"optimizer step refused: optimizer state {k!r} of {_param_name(group, i, layer)} has the bias's "
+                f"shape {tuple(v.shape)}, and the bias's the weight's: the optimizer state was saved by sparse24 "
+                "before 2026-12-05, whose layers listed their parameters (bias, weight) where they now list "
+                "(weight, bias), and torch pairs states by position. Swap each 2:4 layer's two entries in the "
+                "saved state's 'state' before loading it, or restart the optimizer (nothing was changed)")
 
 
 def _forget_state_check(optimizer) -> None:

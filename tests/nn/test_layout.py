@@ -198,3 +198,28 @@ def test_compile_and_export_see_the_op_with_decode_tensors(gen):
     targets = [n.target for n in ep.graph.nodes if n.op == "call_function"]
     assert targets.count(torch.ops.sparse24.linear.default) == 2
     torch.testing.assert_close(ep.module()(x), ref, rtol=0, atol=0)
+
+
+def test_add_to_kept_keeps_a_layout_v1_layer_and_its_values_parameter():
+    """A frozen float16 layer held in layout v1 where it wants the decode layout (trained a while, frozen for
+    a LoRA merge): add_to_kept_ re-packed it into a new values Parameter, and the optimizer built on the old
+    one trained nothing once the values were unfrozen again."""
+    torch.manual_seed(0)
+    layer = Sparse24Linear.from_linear(nn.Linear(64, 32).half(), mode="compressed").to_layout("decode")
+    x = torch.randn(4, 64, dtype=torch.float16)
+    layer.values.requires_grad_(True)
+    layer(x).float().sum().backward()             # forward settles layout v1 in the same Parameter
+    values = layer.values
+    opt = torch.optim.SGD([values], lr=1.0)
+    values.requires_grad_(False)
+    delta = torch.randn(32, 64) * 0.01
+    want = layer.dense_weight().double() + torch.where(layer.dense_weight() != 0, delta.half().double(), 0)
+    layer.add_to_kept_(delta)
+    assert layer.layout == "v1" and layer.values is values
+    torch.testing.assert_close(layer.dense_weight().double(), want, atol=1e-3, rtol=1e-3)
+    values.requires_grad_(True)
+    opt.zero_grad()
+    layer(x).float().sum().backward()
+    before = layer.dense_weight().clone()
+    opt.step()
+    assert not torch.equal(layer.dense_weight(), before)   # the optimizer reaches the layer

@@ -65,7 +65,7 @@ def _wanted_layout(scale=None):
     """The layout a frozen float16 layer on cuda:0 holds (the module's rule, on a stand-in for its tensors)."""
     values = types.SimpleNamespace(requires_grad=False, is_meta=False, dtype=torch.float16, is_cuda=True,
                                    device=torch.device("cuda", 0))
-    return LayoutMixin._wanted_layout(types.SimpleNamespace(values=values, scale=scale))
+    return LayoutMixin._wanted_layout(types.SimpleNamespace(values=values, scale=scale, _is_sharded=lambda: False))
 
 
 def _refusal(x_dtype, d):
