@@ -114,8 +114,52 @@ def test_formula_registers_after_a_later_import_and_a_reload():
         "importlib.reload(op)\n"
         "importlib.reload(op)\n"
         "print(count())\n"
+        "import torch.utils.flop_counter as flop_counter\n"
+        "importlib.reload(flop_counter)\n"   # (a new registry)
+        "from torch.utils.flop_counter import FlopCounterMode\n"
+        "print(count())\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == [str(2 * 3 * 32 * 64)] * 2, out.stdout + out.stderr
+    assert out.stdout.split() == [str(2 * 3 * 32 * 64)] * 3, out.stdout + out.stderr
+
+
+def test_formula_registers_after_a_first_import_that_failed():
+    """The hook removed itself at the first import: one that failed (a broken triton import raising) left
+    the formula unregistered for the import that then succeeded (0 FLOPs)."""
+    code = (
+        "import importlib.abc, sys, torch\n"
+        "class FailOnce(importlib.abc.MetaPathFinder):\n"
+        "    done = False\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'torch.utils.module_tracker' and not self.done:\n"
+        "            self.done = True\n"
+        "            raise RuntimeError('simulated')\n"
+        "import sparse24\n"
+        "sys.meta_path.insert(0, FailOnce())\n"
+        "try:\n"
+        "    import torch.utils.flop_counter\n"
+        "except RuntimeError:\n"
+        "    pass\n"
+        "from torch.utils.flop_counter import FlopCounterMode\n"
+        "p = sparse24.compress(torch.randn(32, 64))\n"
+        "with FlopCounterMode(display=False) as fc:\n"
+        "    sparse24.linear(torch.randn(3, 64, requires_grad=True), p)\n"
+        "print(fc.get_total_flops())\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == [str(2 * 3 * 32 * 64)], out.stdout + out.stderr
+
+
+def test_the_kernel_path_without_gradients_counts_as_dense():
+    """No gradients and the Triton kernel (what "auto" runs at M <= 16 on a GPU; here the interpreter): the
+    launch is no aten op, so FlopCounterMode counted 0; under a dispatch mode the call goes through the op."""
+    p = sparse24.compress(torch.randn(32, 64, dtype=torch.float16))
+    x = torch.randn(3, 64, dtype=torch.float16)
+    with torch.no_grad(), FlopCounterMode(display=False) as fc:
+        y = sparse24.linear(x, p, backend="triton")
+    assert fc.get_total_flops() == 2 * 3 * 32 * 64
+    torch.testing.assert_close(y.double(), x.double() @ p.to_dense().double().T, atol=2e-2, rtol=2e-2)

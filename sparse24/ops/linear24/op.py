@@ -15,7 +15,7 @@ dispatch every caller goes through.
 """
 from __future__ import annotations
 
-import importlib.util
+import importlib.machinery
 import math
 import sys
 
@@ -103,18 +103,18 @@ def _register_flops() -> None:
 
 
 class _AfterFlopCounterImport:
-    """Registers :func:`_linear_flops` right after ``torch.utils.flop_counter`` is first imported
-    (before any FlopCounterMode exists: each copies the registry when created). Importing it here
-    would import triton (the module imports ``triton.runtime.jit``), and ``import sparse24`` stays
-    light. A meta-path finder that wraps the module's loader, then removes itself."""
+    """Registers :func:`_linear_flops` right after ``torch.utils.flop_counter`` is imported (before
+    any FlopCounterMode exists: each copies the registry when created). Importing it here would
+    import triton (the module imports ``triton.runtime.jit``), and ``import sparse24`` stays light.
+    A meta-path finder that wraps the module's loader; it stays, for an import that failed once
+    and a reload (which builds a new registry)."""
     NAME = "torch.utils.flop_counter"
 
     def find_spec(self, name, path=None, target=None):
         if name != self.NAME:
             return None
-        if self in sys.meta_path:
-            sys.meta_path.remove(self)   # once; the finders after it locate the module
-        spec = importlib.util.find_spec(name)
+        # (the path finder itself: a new loader each time, and no second pass through this one)
+        spec = importlib.machinery.PathFinder.find_spec(name, path, target)
         if spec is not None and hasattr(spec.loader, "exec_module"):
             run = spec.loader.exec_module
 
@@ -170,10 +170,13 @@ def kernel_plan(x, values, scale, bias, out_features: int, zero=None, group_size
 
 
 def _needs_op(x, values, bias, scale=None) -> bool:
-    """Only gradients and tracing need the registered op (and torch.func, forward-mode AD and a
-    trainable scale a pure-torch path: :func:`_pure_torch`). torch.jit.trace too: it records the op
-    (the reference's ``view(torch.uint8)`` of the weight's bytes fails torch's tracer)."""
-    if torch.compiler.is_compiling() or torch.jit.is_tracing() or _pure_torch(x, values, bias, scale):
+    """Only gradients, tracing and torch dispatch modes need the registered op (and torch.func,
+    forward-mode AD and a trainable scale a pure-torch path: :func:`_pure_torch`). torch.jit.trace
+    too: it records the op (the reference's ``view(torch.uint8)`` of the weight's bytes fails torch's
+    tracer). A dispatch mode (FlopCounterMode, a debug mode) sees the op, which it can count and name,
+    where the kernel's launch is no aten op at all (0 FLOPs)."""
+    if torch.compiler.is_compiling() or torch.jit.is_tracing() or torch._C._len_torch_dispatch_stack() \
+            or _pure_torch(x, values, bias, scale):
         return True
     return torch.is_grad_enabled() and (x.requires_grad or values.requires_grad
                                         or (bias is not None and bias.requires_grad))
