@@ -59,9 +59,9 @@ def check_state(self, sd: dict, prefix: str) -> None:
     for k in has:
         if not isinstance(sd[prefix + k], torch.Tensor):
             raise TypeError(f"'{prefix}{k}' must be a tensor, got {type(sd[prefix + k]).__name__}")
-    if self._mode == "compressed" and "weight" in has and _is_marker(sd[prefix + "weight"]) and _non_strict_call():
-        # A compressed layer's marker (sparse24.hf), which a shard may hold apart from the layer's entries:
-        # no entry of the layer, as the whole-file load (which also holds the entries) treats it.
+    if _is_own_marker(self, sd, prefix + "weight", prefix):
+        # A compressed layer's marker (sparse24.hf), taken and ignored (a shard may hold it apart from the
+        # layer's entries): no entry of the layer, strict or not.
         has.discard("weight")
     want = _wanted(self)
     if has == want:
@@ -138,6 +138,15 @@ def _is_marker(t) -> bool:
     """Whether ``t`` is the one-byte ``<layer>.weight`` marker saved beside a compressed layer's
     entries (see :mod:`sparse24.hf`)."""
     return isinstance(t, torch.Tensor) and t.dtype == torch.uint8 and tuple(t.shape) == (1,)
+
+
+def _is_own_marker(layer, sd: dict, key: str, prefix: str) -> bool:
+    """Whether ``sd[key]`` is compressed ``layer``'s own marker (``prefix + "weight"``). The layer takes
+    it and ignores it: a saved folder's tensors (Trainer's resume, a strict ``load_state_dict`` of its
+    ``model.safetensors``) hold one per compressed layer, which has no ``weight`` entry, and torch and
+    the strict checks would report it as unexpected. A dense weight there is still refused."""
+    return key == prefix + "weight" and isinstance(layer, StateDictMixin) and layer._mode == "compressed" \
+        and _is_marker(sd.get(key))
 
 
 def _check_set(self, sd: dict, prefix: str, want: set) -> None:
@@ -359,9 +368,12 @@ class StateDictMixin:
         if self._holds_meta():  # copying into meta tensors is a no-op: the loaded tensors must be taken as they are
             local_metadata, assign = {**local_metadata, "assign_to_params_buffers": True}, True
         weight_before = self._parameters.get("weight")
-        n_missing = len(missing_keys)
+        n_missing, n_unexpected = len(missing_keys), len(unexpected_keys)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                       unexpected_keys, error_msgs)
+        if prefix + "weight" in unexpected_keys[n_unexpected:] and _is_own_marker(self, state_dict, prefix + "weight",
+                                                                                   prefix):
+            unexpected_keys.remove(prefix + "weight")  # (torch lists it: this layer has no weight to take it)
         if self.pending and len(missing_keys) == n_missing and not self._holds_meta():
             self._pending = None
         if self._mode == "masked" and self.weight is not weight_before:
@@ -572,7 +584,7 @@ def _own_unexpected_keys(layer, sd: dict, prefix: str) -> list:
         return []
     own = set(_local_names(layer)) | set(layer._modules)
     return [k for k in sd if isinstance(k, str) and k.startswith(prefix)
-            and k[len(prefix):].partition(".")[0] not in own]
+            and k[len(prefix):].partition(".")[0] not in own and not _is_own_marker(layer, sd, k, prefix)]
 
 
 def _loads_plainly(m: torch.nn.Module) -> bool:
@@ -628,7 +640,8 @@ def _incompatible_keys(model, sd: dict, prefix: str) -> tuple[list, list]:
             m, own = local[p]
             head, dot, _ = k[len(p):].partition(".")
             if head not in (m._modules if dot else own):
-                unexpected.append(k)
+                if not _is_own_marker(m, sd, k, p):
+                    unexpected.append(k)
                 break
             if not dot or m._modules[head] is None:
                 break
