@@ -29,10 +29,16 @@ Semantics, in masked and compressed (also INT8 and INT4) mode:
   merge into float weights (``decompress_``, merge, ``compress_(quantize="int4")``
   requantizes with new scales).
 * unmerge: restores the base tensors exactly as they were before the merge.
-* DoRA and other LoRA variants need the dense base weight: PEFT refuses them.
+* inits: the default, ``"gaussian"``, ``"orthogonal"`` (PEFT's numbers, in the base's logical dtype,
+  in every mode) and ``"eva"`` work; the inits that rewrite the base weight (PiSSA & co.) are refused.
+* DoRA and the other LoRA variants (``use_dora``, ``alora_invocation_tokens``, ...) read the dense base
+  weight: refused, as are those inits, when the config targets any 2:4 layer, before any layer
+  (dense ones included) is replaced, so the model is left unchanged.
 """
 from __future__ import annotations
 
+import copy
+import dataclasses
 import warnings
 
 import torch
@@ -40,6 +46,7 @@ from peft.tuners import tuners_utils
 from peft.tuners.lora import LoraModel
 from peft.tuners.lora.layer import Linear as LoraLinear
 from peft.tuners.tuners_utils import BaseTunerLayer, check_adapters_to_merge
+from peft.utils import PeftType
 from peft.utils.constants import INCLUDE_LINEAR_LAYERS_SHORTHAND
 
 from ._checks import check_finite
@@ -62,12 +69,47 @@ def _base_tensors(base: Sparse24Linear) -> list[torch.Tensor]:
 _BASE_REWRITING_INITS = ("pissa", "corda", "olora", "mica", "loftq", "lora_ga")
 
 
-def _check_init(config) -> None:
+def _check_init(config, where: str = "") -> None:
     init = getattr(config, "init_lora_weights", True)
     if isinstance(init, str) and init.lower().startswith(_BASE_REWRITING_INITS):
-        raise ValueError(f"init_lora_weights={init!r} rewrites the base weight densely, and a 2:4 base stays as "
-                         "it is (frozen, exactly 0 where pruned): use the default init, 'gaussian', 'orthogonal' "
-                         "or 'eva' for adapters on sparse24 layers")
+        raise ValueError(f"{where}init_lora_weights={init!r} rewrites the base weight densely, and a 2:4 base "
+                         "stays as it is (frozen, exactly 0 where pruned): use the default init, 'gaussian', "
+                         "'orthogonal' or 'eva' for adapters on sparse24 layers")
+
+
+def _requested_variants(config) -> list[str]:
+    """The LoRA variants a LoraConfig asks for, found as PEFT's ``resolve_lora_variant`` finds them (fields
+    tagged ``is_lora_variant``, and the variant values of ``init_lora_weights``), so new ones are seen too."""
+    found = []
+    for field in dataclasses.fields(config):
+        if field.name == "init_lora_weights":
+            found += [v for v in field.metadata.get("lora_variants", ()) if config.init_lora_weights == v]
+        elif field.metadata.get("is_lora_variant") and getattr(config, field.name):
+            found.append(field.name)
+    return found
+
+
+def _check_targets(config, model) -> None:
+    """Refuse a LoRA config that 2:4 layers cannot take, before PEFT replaces any layer: PEFT's own
+    refusal came from inside its injection loop, after the dense targets met first were wrapped (or, for
+    PiSSA & co., rewritten)."""
+    if getattr(config, "peft_type", None) != PeftType.LORA or getattr(config, "target_modules", None) is None:
+        return
+    variants = _requested_variants(config)
+    inside = set()   # the modules inside existing adapter layers, which PEFT skips as well
+    for name, module in model.named_modules():
+        if not name or name in inside:
+            continue
+        if isinstance(module, BaseTunerLayer):
+            inside |= {f"{name}.{s}" for s, _ in module.named_modules() if s}
+        if not (_sparse24_base(module) and tuners_utils.check_target_module_exists(config, name)):
+            continue
+        where = f"target {name!r} is a 2:4 Sparse24Linear (nothing was changed): "
+        _check_init(config, where)
+        if variants:
+            raise ValueError(f"{where}the LoRA variant(s) {', '.join(variants)} read the base's dense weight, an "
+                             "unsupported variant combination on a 2:4 base; keep the 2:4 layers out of "
+                             "target_modules (or in exclude_modules) to use them on the dense ones")
 
 
 class Sparse24LoraLinear(LoraLinear):
@@ -95,7 +137,27 @@ class Sparse24LoraLinear(LoraLinear):
 
     def update_layer(self, adapter_name, r, lora_alpha, config, **kwargs):
         _check_init(config)   # (a second adapter comes through here, not through __init__)
-        return super().update_layer(adapter_name, r, lora_alpha, config, **kwargs)
+        if config.init_lora_weights != "orthogonal":
+            return super().update_layer(adapter_name, r, lora_alpha, config, **kwargs)
+        # PEFT's orthogonal init reads base.weight (absent in compressed mode) for its dtype only: build the
+        # adapter uninitialised (no random numbers drawn), then draw PEFT's numbers into it.
+        if r % 2:   # PEFT's check, made before this layer changes
+            raise ValueError(f"Orthogonal initialization requires the LoRA rank to be even, got {r} instead.")
+        plain = copy.copy(config)
+        plain.init_lora_weights = False
+        super().update_layer(adapter_name, r, lora_alpha, plain, **kwargs)
+        self._orthogonal_init_(adapter_name)
+
+    @torch.no_grad()
+    def _orthogonal_init_(self, adapter_name: str) -> None:
+        """peft's ``LoraLayer.orthogonal_init`` (same draws, same dtype: the base's logical one), written into
+        the adapter's parameters in place, so their device and ``requires_grad`` stay as PEFT set them."""
+        rank, dtype = self.r[adapter_name], self.get_base_layer().dtype
+        q, _ = torch.linalg.qr(torch.randn(rank, rank))
+        lora_a = torch.randn(self.in_features, rank // 2).mm(q[0::2, :]).T / 10.0
+        lora_b = torch.randn(rank // 2, self.out_features).T.mm(q[1::2, :]) / 10.0
+        self.lora_A[adapter_name].weight.copy_(lora_a.to(dtype))
+        self.lora_B[adapter_name].weight.copy_(lora_b.to(dtype))
 
     def _get_in_out_features(self, module):
         return module.in_features, module.out_features
@@ -199,6 +261,8 @@ def register() -> None:
                 peft_config.target_modules = set(peft_config.target_modules) | {
                     n for n, m in model.named_modules()
                     if isinstance(m, Sparse24Linear) and m is not head and n not in inside}
+            # PEFT calls this in inject_adapter after its checks and before it replaces the first layer
+            _check_targets(peft_config, model)
             return peft_config
         _maybe_include_all_linear_layers._sparse24 = True
         tuners_utils._maybe_include_all_linear_layers = _maybe_include_all_linear_layers
