@@ -16,8 +16,9 @@ from torch import nn
 from torch.nn.parameter import is_lazy
 from torch.nn.utils import parametrize
 
-from ..masks.kept_dense import _is_linear, _tied_or_head
-from ..nn import Sparse24Linear, compressed_nbytes, is_conv1d, linear_shape, memory_nbytes
+# _SWAPPABLE and _swappable live there (prune_layerwise_ shares them) and are re-exported here for learn.learned_masks
+from ..masks.kept_dense import _SWAPPABLE, _is_linear, _swappable, _tied_or_head, _unswappable  # noqa: F401
+from ..nn import Sparse24Linear, compressed_nbytes, linear_shape, memory_nbytes
 from ..nn.sharded import is_dtensor
 from ..nn.state import guard_loading
 from .report import LayerReport
@@ -34,7 +35,6 @@ _DIRECT_READERS = {
     nn.TransformerEncoderLayer: ("linear1", "linear2",
                                  "nn.TransformerEncoderLayer reads linear1/linear2.weight in its inference fast path"),
 }
-_SWAPPABLE = (nn.Linear, nn.modules.linear.NonDynamicallyQuantizableLinear)
 _CONV = "a convolution: sparse24's layers and kernels are matmuls (nn.Linear, transformers Conv1D); 2:4 " \
         "convolutions are not implemented"
 # Why modules that hold a weight matrix but are no Linear are left alone (checked in this order).
@@ -326,22 +326,12 @@ def _too_small(mod: nn.Module, min_features: int) -> str:
 EXCLUDED_BY = "excluded by filter_fn"  # the reason a layer filter_fn rejects is skipped
 
 
-def _swappable(mod: nn.Module) -> bool:
-    """Whether sparsify_ swaps a layer of ``mod``'s type: ``nn.Linear`` itself or transformers'
-    ``Conv1D`` itself (a subclass may change its forward, or be parametrized)."""
-    return type(mod) in _SWAPPABLE or (is_conv1d(mod) and type(mod).__name__ == "Conv1D")
-
-
 def _skip_reason(fqn, mod, filter_fn, min_features, shared, readers, heads, method, calibration) -> str:
     """Why ``mod`` (an nn.Linear or Conv1D) cannot be swapped, or "" if it can."""
     if not fqn:
         return "the model itself is this Linear (no parent to swap it in); use Sparse24Linear.from_linear"
-    if not _swappable(mod):
-        if parametrize.is_parametrized(mod):
-            names = " and ".join(mod.parametrizations.keys())
-            return (f"{names} {'is' if len(mod.parametrizations) == 1 else 'are'} parametrized (e.g. SR-STE, "
-                    "weight_norm); remove the parametrization first")
-        return f"{type(mod).__name__} subclasses nn.Linear and may change its forward; not swapped"
+    if why := _unswappable(mod):   # (prune_layerwise_ keeps these dense with the same words)
+        return why
     if filter_fn is not None and not filter_fn(mod, fqn):
         return EXCLUDED_BY
     if linear_shape(mod)[1] % 4:

@@ -4,6 +4,7 @@ pre-hooks, and SparseGPT-style sequential pruning of a whole model."""
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Mapping
 from typing import Callable
 
@@ -11,13 +12,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn.utils import parametrize
 
 from .._checks import (KEYWORD_BATCH, call_with_batch, check_model, check_nm, check_separate_teacher,
                        map_keyword_batch, refuse_single_batch)
 from .._rollback import TensorBackup
 from .._progress import progress_bar, progress_enabled
 from .distributed import agree, check_group, sum_over_ranks
-from .kept_dense import _kept_dense, _shared_weights, _tied_or_head
+from .kept_dense import _kept_dense, _shared_weights, _tied_or_head, _unswappable
 from .nm import METHODS, LayerStats, PruneResult, kept_magnitude_fraction, prune_nm
 from .reconstruct import PERCDAMP, damped_hessian, to_weight_dtype
 
@@ -224,9 +226,21 @@ def prune_layerwise_(model: nn.Module, batches, n: int = 2, m: int = 4, method: 
 
     The layers are those :func:`sparse24.sparsify_` would prune (with its default
     ``skip_output_head=True``; no ``min_features`` limit): not the output head, an MoE router,
-    a part of a PEFT adapter layer, nor a layer whose weight is shared (a head tied to the
-    token embedding: pruning it would prune the embedding too). A ``filter_fn`` picks the layers
-    instead (a layer whose weight is shared is still refused).
+    a part of a PEFT adapter layer, a layer whose weight is shared (a head tied to the
+    token embedding: pruning it would prune the embedding too), an ``nn.Linear`` subclass
+    (transformers' ``FalconLinear``: its forward may differ) nor a parametrized layer
+    (``weight_norm``, SR-STE), with sparsify_'s reasons. A ``filter_fn`` picks the layers
+    instead; a subclass it picks is pruned in place (its weight Parameter; sparsify_ then
+    leaves it an ``nn.Linear`` subclass holding the zeros). Refused either way, naming the
+    layer, before anything changes: a shared weight, and a weight that is no Parameter of the
+    layer (parametrized, or ``torch.nn.utils.prune``'s: a tensor recomputed on every access,
+    so pruning it would change nothing).
+
+    A selected layer the model never calls (its parent reads the weight directly, as WavLM's
+    attention passes ``q_proj.weight`` to ``F.multi_head_attention_forward``, or it does not run)
+    has no inputs to calibrate on: one warning names all of them, they stay dense and are
+    not in the returned dict (``sparsify_`` afterwards prunes them by magnitude); if no
+    selected layer is called, ValueError.
 
     This is how SparseGPT (and Wanda) prune a pretrained model: a layer's
     reconstruction then also absorbs the error of the earlier pruned layers.
@@ -328,10 +342,14 @@ def prune_layerwise_(model: nn.Module, batches, n: int = 2, m: int = 4, method: 
         check_nm(n, m)
         names, kept = _layers_to_prune(model, filter_fn)
         if not names:
-            why = "; ".join(f"{fqn!r}: {r}" for fqn, r in kept.items())
+            why = "; ".join(f"{fqn!r}: {r}" for fqn, r in list(kept.items())[:5]) \
+                + (f"; and {len(kept) - 5} more" if len(kept) > 5 else "")
+            subclass = any(r.endswith("; not swapped") for r in kept.values())  # (transformers' FalconLinear)
             raise ValueError(f"prune_layerwise_: no nn.Linear layer selected in {type(model).__name__}"
                              + (" (filter_fn accepted none)" if filter_fn is not None else "")
-                             + (f"; kept dense: {why}" if why else ""))
+                             + (f"; kept dense: {why}" if why else "")
+                             + ("; a filter_fn that picks an nn.Linear subclass prunes its weight in place "
+                                "(sparsify_ leaves it an nn.Linear subclass)" if subclass else ""))
         # Refused, not left dense without a word (m dividing no layer made the whole call a no-op)
         misfit = [f"{fqn!r} (in_features={mod.in_features})" for mod, fqn in names.items() if mod.in_features % m]
         if misfit:
@@ -359,7 +377,23 @@ def prune_layerwise_(model: nn.Module, batches, n: int = 2, m: int = 4, method: 
             raise ValueError(f"the ranks' first batches run different layers or orders ({order[0][:3]} ... on rank 0, "
                              f"{next(o for o in order if o != order[0])[:3]} ... on another): every rank must prune "
                              "the same layers in the same order (nothing was changed)")
-    once = len({fqn for fqn, _ in calls}) == len(calls)  # every layer called once per forward
+    # Layers the model never calls (_check_inputs refused those called on later batches only): their parent
+    # reads the weight directly (WavLM's attention hands q_proj.weight to F.multi_head_attention_forward), so no
+    # hook sees their inputs. Named once, not left out without a word; none at all changes nothing.
+    called = {fqn for fqn, _ in calls}
+    uncalled = [fqn for fqn in names.values() if fqn not in called]
+    if uncalled and not called:
+        raise ValueError(f"prune_layerwise_: the model calls none of the selected layers ({uncalled[:5]}"
+                         + (f" and {len(uncalled) - 5} more" if len(uncalled) > 5 else "") + "): their parents "
+                         "read the weights directly or the model never runs them, so there are no inputs to "
+                         "calibrate them on; sparsify_ prunes them by magnitude (nothing was changed)")
+    if uncalled:
+        warnings.warn(f"prune_layerwise_: layer(s) {uncalled[:5]}" + (f" and {len(uncalled) - 5} more" if
+                      len(uncalled) > 5 else "") + " are never called on these batches (their parent reads the "
+                      "weight directly, as WavLM's attention does, or the model does not run them): no inputs to "
+                      "calibrate them on, so they stay dense here and are not in the result; sparsify_ afterwards "
+                      "prunes them by magnitude, or leave them out with filter_fn", stacklevel=2)
+    once = len(called) == len(calls)  # every layer called once per forward
     # Waves: consecutive layers reading the very same input tensor (q, k, v) are pruned together,
     # with one pass; each pass stops at the wave when layers are called once per forward.
     waves: list[list[str]] = []
@@ -423,26 +457,36 @@ def prune_layerwise_(model: nn.Module, batches, n: int = 2, m: int = 4, method: 
 
 def _layers_to_prune(model: nn.Module, filter_fn) -> tuple[dict[nn.Module, str], dict[str, str]]:
     """``({layer: fqn} to prune, {fqn: why} of the nn.Linear layers kept dense)``: without ``filter_fn``,
-    sparsify_'s choice (the helpers GradualPruner and SRSTE use too): no output head, MoE router or part
-    of a PEFT adapter layer, and no layer whose weight is shared (tied: pruning a head tied to the token
-    embedding prunes the embedding too); with ``filter_fn``, the layers it accepts, a tied one refused
+    sparsify_'s choice (the helpers GradualPruner and SRSTE use too): no nn.Linear subclass or parametrized
+    layer (with sparsify_'s reasons, :func:`_unswappable`), output head, MoE router or part of a PEFT adapter
+    layer, and no layer whose weight is shared (tied: pruning a head tied to the token embedding prunes the
+    embedding too); with ``filter_fn``, the layers it accepts (a subclass too: its weight is pruned in place).
+    Either way a layer whose weight is shared, or is no Parameter of its own (parametrized, torch's
+    ``prune``: a tensor computed on every access, so writing it would change nothing), is refused
     (ValueError naming it)."""
     shared = _shared_weights(model)
     heads = _kept_dense(model, True) if filter_fn is None else {}
-    names, kept, tied = {}, {}, []
+    names, kept, refused = {}, {}, []
     for fqn, mod in model.named_modules():
         if not isinstance(mod, nn.Linear) or (filter_fn is not None and not filter_fn(mod, fqn)):
             continue
-        why = _tied_or_head(fqn, mod, shared, heads)
-        if why and filter_fn is not None:
-            tied.append(f"{fqn!r}: {why}")
-        elif why:
+        if filter_fn is None and (why := _unswappable(mod)):
             kept[fqn] = why
+        elif not isinstance(mod._parameters.get("weight"), nn.Parameter):
+            why = _unswappable(mod) if parametrize.is_parametrized(mod, "weight") else \
+                f"its weight is a computed {type(mod.weight).__name__} (e.g. torch.nn.utils.prune), no Parameter"
+            refused.append(f"{fqn!r}: {why}; pruning the computed weight would change nothing")
+        elif why := _tied_or_head(fqn, mod, shared, heads):
+            if filter_fn is None:
+                kept[fqn] = why
+            else:
+                refused.append(f"{fqn!r}: {why}")
         else:
             names[mod] = fqn
-    if tied:
-        raise ValueError(f"prune_layerwise_: filter_fn selects layer(s) sparsify_ keeps dense: {'; '.join(tied[:5])}"
-                         + (f" and {len(tied) - 5} more" if len(tied) > 5 else "")
+    if refused:
+        raise ValueError(f"prune_layerwise_: {'filter_fn selects ' if filter_fn is not None else ''}layer(s) "
+                         f"that cannot be pruned: {'; '.join(refused[:5])}"
+                         + (f" and {len(refused) - 5} more" if len(refused) > 5 else "")
                          + "; leave them out with filter_fn (nothing was changed)")
     return names, kept
 

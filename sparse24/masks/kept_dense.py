@@ -10,10 +10,15 @@ import sys
 import torch
 from torch import nn
 from torch.nn.parameter import is_lazy
+from torch.nn.utils import parametrize
 
 from .._linears import is_conv1d, linear_shape
 
-__all__ = ["_shared_weights", "_kept_dense", "_tied_or_head", "_is_linear", "_output_heads", "_input_embedding"]
+__all__ = ["_shared_weights", "_kept_dense", "_tied_or_head", "_is_linear", "_output_heads", "_input_embedding",
+           "_SWAPPABLE", "_swappable", "_unswappable"]
+
+# The Linear types sparsify_ swaps (nn.MultiheadAttention's out_proj is a NonDynamicallyQuantizableLinear)
+_SWAPPABLE = (nn.Linear, nn.modules.linear.NonDynamicallyQuantizableLinear)
 
 
 def _shared_weights(model: nn.Module) -> dict[int, list[str]]:
@@ -89,6 +94,25 @@ def _elements_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def _is_linear(mod: nn.Module) -> bool:
     return isinstance(mod, nn.Linear) or is_conv1d(mod)
+
+
+def _swappable(mod: nn.Module) -> bool:
+    """Whether sparsify_ swaps a layer of ``mod``'s type: ``nn.Linear`` itself or transformers'
+    ``Conv1D`` itself (a subclass may change its forward, or be parametrized)."""
+    return type(mod) in _SWAPPABLE or (is_conv1d(mod) and type(mod).__name__ == "Conv1D")
+
+
+def _unswappable(mod: nn.Module) -> str:
+    """Why ``mod`` (an nn.Linear or Conv1D) stays dense for its type (:func:`_swappable`), else "": a
+    parametrized layer (torch.nn.utils.parametrize makes its class a subclass), or a subclass. One text
+    for sparsify_ and prune_layerwise_, whose default choice is sparsify_'s."""
+    if _swappable(mod):
+        return ""
+    if parametrize.is_parametrized(mod):
+        names = " and ".join(mod.parametrizations.keys())
+        return (f"{names} {'is' if len(mod.parametrizations) == 1 else 'are'} parametrized (e.g. SR-STE, "
+                "weight_norm); remove the parametrization first")
+    return f"{type(mod).__name__} subclasses nn.Linear and may change its forward; not swapped"
 
 
 def _input_embedding(model: nn.Module) -> tuple[str, nn.Embedding] | None:
