@@ -55,6 +55,7 @@ from ..decode_format import pack_decode
 from ..format import compress, mask_nm
 from ..ops.linear24 import linear
 from ..ops.linear24.launch import kernel_refusal
+from .cli_common import temp_name
 
 __all__ = ["SCHEMA", "COLUMNS", "PROVIDERS", "BenchSettings", "device_info", "device_slug",
            "provider_status", "default_settings", "run_bench", "write_csv", "write_together"]
@@ -411,7 +412,9 @@ def write_together(writers: dict) -> None:
     tmps = {}
     try:
         for path, write in writers.items():
-            tmps[path] = path.with_name(f".{path.stem}.{os.getpid()}.tmp{path.suffix}")  # suffix kept: savefig
+            # suffix kept: savefig's format (a longer one is none); the name is short for any legal `path`
+            suffix = path.suffix if len(path.suffix) <= 16 else ""
+            tmps[path] = path.with_name(temp_name(path.name, "tmp" + suffix))
             write(tmps[path])
         for path, tmp in tmps.items():
             os.replace(tmp, path)

@@ -4,6 +4,7 @@ safetensors shards that names a bad file in one line."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import io
 import os
 import re
@@ -16,7 +17,7 @@ import torch
 
 from .._checks import safetensors_headers
 from ..format import FLOAT_DTYPES
-from .cli_common import _one_line
+from .cli_common import _one_line, temp_name
 
 __all__ = ["is_model_folder", "is_weight_matrix", "dense_row", "check_shards", "quant_label",
            "LAYER_ENTRIES", "load_torch_file", "CheckpointError"]
@@ -37,22 +38,29 @@ def exclude_pattern(exclude: str | None) -> "re.Pattern | None":
 
 def output_folder(dst: str | os.PathLike) -> Path:
     """``--out`` as the folder to write: refused unless new or empty (ValueError). A symbolic link is
-    followed: the finished folder replaces its target, so the link names the result (renaming onto
+    followed: the output is written into its target, so the link names the result (renaming onto
     the link itself failed after all the work)."""
     dst = Path(dst)
     if dst.is_symlink():
         dst = dst.resolve()
-    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
+    if dst.exists() and not dst.is_dir():
         raise ValueError(f"--out {dst}: exists and is not an empty folder")
+    first = next(dst.iterdir(), None) if dst.is_dir() else None
+    if first is not None:   # (named: a hidden one, a killed run's .s24-*.partial, is not seen by ls)
+        raise ValueError(f"--out {dst}: exists and is not an empty folder (it holds {first.name})")
     return dst
 
 
 @contextlib.contextmanager
 def partial_folder(dst: Path):
-    """A new empty folder beside ``dst`` (``.NAME.PID.partial``) to write an output folder into and
-    rename to ``dst`` when complete; removed when the block ends, with every folder above it that was
-    made for it and stays empty (a failure leaves no trace of ``--out a/b/out``)."""
-    tmp = dst.with_name(f".{dst.name}.{os.getpid()}.partial")
+    """A new empty hidden folder (:func:`~sparse24.tools.cli_common.temp_name`, ``.s24-PID-HASH.partial``)
+    to write an output folder into, then :func:`finish_folder` it to ``dst``; removed when the block ends,
+    with every folder above it that was made for it and stays empty (a failure leaves no trace of
+    ``--out a/b/out``). Made beside ``dst``, or inside it when ``dst`` is an existing (empty) folder: that
+    folder is kept, with its owner and permissions, and may be a mount point or sit in a folder the user
+    cannot write in."""
+    inside = dst.is_dir()
+    tmp = (dst if inside else dst.parent) / temp_name(dst.name, "partial")
     with new_parents(tmp, always=True):
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
@@ -60,6 +68,31 @@ def partial_folder(dst: Path):
             yield tmp
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def finish_folder(tmp: Path, dst: Path) -> None:
+    """Make the complete output folder ``tmp`` (from :func:`partial_folder`) ``dst``: renamed to it, or,
+    built inside ``dst``, its entries moved into ``dst`` one by one (``config.json`` last: until then the
+    folder is no model folder); a failure part way removes those moved, leaving ``dst`` empty as it was."""
+    if tmp.parent != dst:
+        os.replace(tmp, dst)
+        return
+    others = [n for n in os.listdir(dst) if n != tmp.name]
+    if others:   # (something else wrote into --out meantime: mixing the two would corrupt both)
+        raise OSError(errno.ENOTEMPTY, f"no longer empty (it now holds {others[0]})", str(dst))
+    moved = []
+    try:
+        for name in sorted(os.listdir(tmp), key=lambda n: n == "config.json"):
+            os.replace(tmp / name, dst / name)
+            moved.append(dst / name)
+    except BaseException:
+        for p in moved:
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                p.unlink(missing_ok=True)
+        raise
+    tmp.rmdir()
 
 
 @contextlib.contextmanager

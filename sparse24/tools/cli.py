@@ -349,7 +349,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 class _Terminated(BaseException):
     """SIGTERM (a batch scheduler's time limit, ``kill``) raised as an exception: the ``finally``
-    blocks run, so a prune stopped part way leaves no ``.NAME.PID.partial`` folder."""
+    blocks run, so a prune stopped part way leaves no ``.s24-PID-HASH.partial`` folder."""
 
 
 def _on_sigterm(signum, frame):

@@ -4,6 +4,7 @@ common arguments (integer lists, choices, devices, output folders, threads)."""
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import sys
 from pathlib import Path
@@ -177,6 +178,19 @@ def check_writable(folder: Path, what: str) -> None:
 
 
 def check_out_writable(out: Path) -> None:
-    """Refuse an ``--out`` that cannot be written before any work (CLIError naming it): the nearest
-    existing folder above it must be a writable folder."""
-    check_writable(Path(out).absolute().parent, f"--out {out}")
+    """Refuse an ``--out`` that cannot be written before any work (CLIError naming it): an existing
+    folder must itself be writable (an output folder is built inside it, so its parent need not be),
+    else the nearest existing folder above it."""
+    path = Path(out).absolute()
+    check_writable(path if path.is_dir() else path.parent, f"--out {out}")
+
+
+TEMP_PREFIX = ".s24-"
+
+
+def temp_name(final: str, kind: str) -> str:
+    """The hidden name an output is written under before it is renamed to ``final``:
+    ``.s24-PID-HASH.KIND`` (``HASH`` of ``final``: one per output and process). Short whatever ``final``'s
+    length: a name built from it (``.NAME.PID.partial``) exceeded the file system's 255 bytes for a
+    legal ``--out`` and failed after all the work."""
+    return f"{TEMP_PREFIX}{os.getpid()}-{hashlib.sha1(final.encode(errors='surrogateescape')).hexdigest()[:8]}.{kind}"

@@ -8,9 +8,11 @@ weights shard is read, pruned and written one at a time (peak memory: about one
 shard in and one out). The new folder has the same shard layout, a
 ``config.json`` with the sparse24 section (and the dtype the source loads in when its config names
 none: transformers would take it from the first floating tensor stored, maybe a quantized layer's
-scale), and every other file and subfolder copied (a sentence-transformers ``1_Pooling/``), except
-the dense weights in other formats (``pytorch_model*.bin``, ``tf_model*.h5``, ``flax_model*.msgpack``,
-``*.ot``), which would hold the dense model again beside the pruned one. Stored names are matched to
+scale), and every other file and subfolder copied (a sentence-transformers ``1_Pooling/``; symbolic
+links as the files they point to), except the dense weights in other formats (``pytorch_model*.bin``,
+``tf_model*.h5``, ``flax_model*.msgpack``, ``*.ot``; and at any depth the ``onnx/`` and ``openvino/``
+folders, ``*.onnx``, ``*.onnx_data``, ``openvino_model*``), which would hold the dense model again beside
+the pruned one. Stored names are matched to
 the model's as transformers renames them on load (:func:`stored_names`: a family's older Hub names are
 written in the model's own); :func:`sparse24.from_pretrained` (or any ``from_pretrained`` once sparse24
 is registered) loads it.
@@ -30,8 +32,8 @@ from ..hf import check_blocks, read_config, read_shard_index, sparsity_config
 from ..masks import kept_magnitude_fraction
 from ..nn import Sparse24Linear, is_conv1d_class
 from .._progress import progress_bar
-from .checkpoint import (check_shards, dense_row, exclude_pattern, is_model_folder, is_weight_matrix, output_folder,
-                         partial_folder, quant_label)
+from .checkpoint import (check_shards, dense_row, exclude_pattern, finish_folder, is_model_folder, is_weight_matrix,
+                         output_folder, partial_folder, quant_label)
 from .cli_common import CLIError, exclude_filter, exclude_reason
 
 __all__ = ["is_model_folder", "prune_folder", "stored_names", "WEIGHT_FILES", "OTHER_WEIGHTS", "other_weight_files", "copy_rest"]
@@ -40,25 +42,50 @@ WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
 # The dense weights in the other formats a Hub folder may carry beside model.safetensors: not copied.
 OTHER_WEIGHTS = ("pytorch_model*.bin", "pytorch_model*.bin.index.json", "tf_model*.h5", "tf_model*.h5.index.json",
                  "flax_model*.msgpack", "flax_model*.msgpack.index.json", "*.ot")
+# ... and at any depth: the ONNX and OpenVINO exports (sentence-transformers' Hub folders carry them), which
+# SentenceTransformer(folder, backend="onnx"/"openvino") would load instead of the pruned model
+OTHER_FOLDERS = ("onnx", "openvino")
+OTHER_ANYWHERE = ("*.onnx", "*.onnx_data", "openvino_model*")
+
+
+def _other_weight(folder: str | os.PathLike, name: str, top: bool) -> bool:
+    """Whether entry ``name`` of ``folder`` holds weights in another format (``top``: ``folder`` is the model's)."""
+    if os.path.isdir(os.path.join(folder, name)):
+        return name in OTHER_FOLDERS
+    return any(fnmatch.fnmatch(name, pat) for pat in OTHER_ANYWHERE + (OTHER_WEIGHTS if top else ()))
 
 
 def other_weight_files(src: Path) -> list[str]:
-    """The files of ``src`` holding its weights in other formats than safetensors (left out of the output)."""
-    return sorted(f.name for f in Path(src).iterdir()
-                  if f.is_file() and any(fnmatch.fnmatch(f.name, pat) for pat in OTHER_WEIGHTS))
+    """The files and folders of ``src`` (paths relative to it, a folder with a trailing ``/``) holding its
+    weights in other formats than safetensors (left out of the output)."""
+    found = []
+    for here, dirs, files in os.walk(src):
+        rel = Path(here).relative_to(src)
+        found += [(rel / n).as_posix() + ("/" if n in dirs else "") for n in dirs + files
+                  if _other_weight(here, n, rel == Path("."))]
+        dirs[:] = [d for d in dirs if d not in OTHER_FOLDERS]
+    return sorted(found)
+
+
+def _ignore_other(folder: str, names: list[str]) -> list[str]:
+    """``copytree``'s ``ignore``: the other-format weights inside a subfolder, and dangling links (skipped as
+    at the top; copytree's ``ignore_dangling_symlinks`` tests a relative link from the working folder)."""
+    return [n for n in names if _other_weight(folder, n, False) or not os.path.exists(os.path.join(folder, n))]
 
 
 def copy_rest(src: Path, tmp: Path, skip) -> None:
     """Copy every file and subfolder of ``src`` into ``tmp`` (tokenizer, generation config, README, a
     sentence-transformers ``1_Pooling/``, ...) but the names in ``skip``, those already in ``tmp``, the
-    other-format weight files, and ``tmp`` itself or the output beside it (an --out inside ``src``)."""
-    other = set(other_weight_files(src))
-    ours = {tmp.absolute(), tmp.absolute().parent / tmp.name[1:].rsplit(".", 2)[0]}  # (.NAME.PID.partial)
+    other-format weights (:func:`other_weight_files`), and ``tmp`` itself or a folder holding it (an --out
+    inside ``src``). Symbolic links are copied as the files they point to (a Hugging Face cache snapshot's
+    files are relative links into its ``blobs/``, which would dangle in the copy)."""
+    tmp = tmp.absolute()
     for item in src.iterdir():
-        if item.name in skip or item.name in other or (tmp / item.name).exists() or item.absolute() in ours:
+        if item.name in skip or _other_weight(src, item.name, True) or (tmp / item.name).exists() \
+                or tmp.is_relative_to(item.absolute()):
             continue
         if item.is_dir():
-            shutil.copytree(item, tmp / item.name, symlinks=True)
+            shutil.copytree(item, tmp / item.name, ignore=_ignore_other)
         elif item.is_file():
             shutil.copy2(item, tmp / item.name)
 
@@ -148,7 +175,8 @@ def prune_folder(src: str | os.PathLike, dst: str | os.PathLike, method: str = "
         src: folder with ``config.json`` and ``model.safetensors`` or a sharded
             ``model.safetensors.index.json`` + shards.
         dst: folder to create (must not exist, or be empty); written under a temporary
-            name and renamed at the end, so a failure leaves nothing half-written.
+            name (inside ``dst`` when it exists: it is kept, with its permissions) and renamed at
+            the end, so a failure leaves nothing half-written.
         method: ``"magnitude"``, ``"2d_greedy"`` or ``"2d_optimal"`` (no calibration data).
         quantize: ``None``, ``"int8"`` or ``"int4"`` (``group_size``, ``symmetric``: as for
             :func:`sparse24.sparsify_`).
@@ -243,7 +271,7 @@ def _finish_folder(src: Path, tmp: Path, dst: Path, shards, weight_map: dict, co
                    metadata: dict | None) -> None:
     """Complete the new folder ``tmp`` (the shard index when ``metadata`` is given, every other file
     of ``src``, the config with ``model``'s sparse24 section, and the dtype ``src`` loads in when its
-    config names none: :func:`_auto_dtype`), then rename it to ``dst``."""
+    config names none: :func:`_auto_dtype`), then make it ``dst`` (:func:`~.checkpoint.finish_folder`)."""
     if metadata is not None:
         (tmp / "model.safetensors.index.json").write_text(json.dumps(
             {"metadata": metadata, "weight_map": dict(sorted(weight_map.items()))}, indent=2))
@@ -254,6 +282,4 @@ def _finish_folder(src: Path, tmp: Path, dst: Path, shards, weight_map: dict, co
         # tensor stored: here maybe a quantized layer's scale (float32 INT8, float16 INT4), not the model's
         config.dtype = _auto_dtype(src)
     config.save_pretrained(tmp)
-    if dst.exists():
-        dst.rmdir()
-    os.replace(tmp, dst)
+    finish_folder(tmp, dst)

@@ -15,7 +15,7 @@ import torch
 from .._progress import progress_bar
 from .checkpoint import (LAYER_ENTRIES, CheckpointError, dense_row, exclude_pattern, is_model_folder, is_weight_matrix,
                          load_torch_file, new_parents, quant_label)
-from .cli_common import CLIError, _one_line, _prog, check_out_writable, excluded, int4_args, prune_quant
+from .cli_common import CLIError, _one_line, _prog, check_out_writable, excluded, int4_args, prune_quant, temp_name
 
 __all__ = ["prune_state_dict", "PRUNE_EXCLUDE", "cmd_prune", "add_blockwise_args"]
 
@@ -227,24 +227,51 @@ def _check_prune_out(args) -> Path:
 
 @contextlib.contextmanager
 def _writing(out: Path, only: bool = False):
-    """Turn an OSError writing ``out`` (or its temporary names beside it; any OSError when ``only``: the
-    block does nothing else) into a one-line error naming --out."""
+    """Turn an OSError writing ``out`` (or its temporary names; any OSError when ``only``: the block does
+    nothing else) into a one-line error naming --out. A writer's own error for a failed write counts as
+    the OSError it stands for, and an interrupt it wrapped is raised as itself (exit 130 / 143, not a
+    traceback): see :func:`_write_failure`."""
     try:
         yield
-    except OSError as e:
-        if only or _concerns(e.filename, out):
-            raise CLIError(f"--out {out}: cannot write it ({e.strerror or _one_line(e)})") from None
-        raise
+    except Exception as e:
+        err = _write_failure(e, out)
+        if err is None:
+            raise
+        if only or _concerns(err.filename, out):
+            raise CLIError(f"--out {out}: cannot write it ({err.strerror or _one_line(err)})") from None
+        if err is e:
+            raise
+        raise err from None
+
+
+def _write_failure(e: Exception, out: Path) -> OSError | None:
+    """``e`` as the OSError it reports, or None. torch.save raises a RuntimeError ("unexpected pos") whose
+    context is the failed write's OSError, or the KeyboardInterrupt / SIGTERM exception raised while it
+    wrote (raised again here); safetensors a SafetensorError "Error while serializing: ... (os error N)"
+    (only ``out`` is serialized: the OSError names it)."""
+    ctx = e.__context__
+    if ctx is not None and not isinstance(ctx, Exception):
+        raise ctx from None
+    if isinstance(e, OSError):
+        return e
+    if isinstance(e, RuntimeError) and isinstance(ctx, OSError):
+        return ctx
+    if type(e).__name__ == "SafetensorError" and str(e).startswith("Error while serializing"):
+        code = re.search(r"os error (\d+)", str(e))
+        return OSError(int(code[1]), os.strerror(int(code[1])), str(out)) if code else \
+            OSError(0, _one_line(e)[:200], str(out))
+    return None
 
 
 def _concerns(filename, out: Path) -> bool:
     """Whether an OSError's ``filename`` is ``out``, inside it, a folder above it, or one of the temporary
-    names written beside it (``.NAME.*``, ``.STEM.*``)."""
+    names written beside it (``.s24-PID-HASH.*``, :func:`~sparse24.tools.cli_common.temp_name`)."""
     if not filename:
         return False
     name, here = Path(filename).absolute(), out.absolute()
     return (str(name).startswith(str(here)) or here.is_relative_to(name)
-            or name.parent == here.parent and name.name.startswith((f".{out.name}.", f".{out.stem}.")))
+            or name.parent == here.parent and name.name.startswith(
+                (f".{out.name}.", f".{out.stem}.", temp_name(out.name, "").rstrip("."))))
 
 
 def _load_hint(report: list[dict], quant: dict, min_features: int | None, out: Path) -> str:

@@ -49,7 +49,7 @@ from ..masks.reconstruct import LAYERWISE_PERCDAMP
 from ..nn import Sparse24Linear, is_conv1d_class
 from .._progress import progress_enabled
 from .checkpoint import (LAYER_ENTRIES, check_shards, dense_row, exclude_pattern, is_model_folder, is_weight_matrix,
-                         output_folder, partial_folder, quant_label)
+                         finish_folder, output_folder, partial_folder, quant_label)
 from .cli_common import CLIError, _one_line, exclude_filter, exclude_reason, int4_args, prune_quant
 
 __all__ = ["CALIBRATED", "read_samples", "tokenize_samples", "prune_calibrated", "prune_folder_calibrated",
@@ -297,9 +297,7 @@ def prune_folder_calibrated(src: Path, dst: Path, args) -> tuple[list[dict], str
             model.save_pretrained(tmp)
         # tokenizer, generation config, README, subfolders, ... (what save_pretrained did not write)
         copy_rest(src, tmp, (*WEIGHT_FILES, "config.json", *shards))
-        if dst.exists():
-            dst.rmdir()
-        os.replace(tmp, dst)
+        finish_folder(tmp, dst)
     skipped = {r.fqn + ".weight": exclude_reason(r.reason, args.exclude) for r in plan.skipped}
     state = model.state_dict()
     rows = []
