@@ -169,14 +169,22 @@ def kernel_plan(x, values, scale, bias, out_features: int, zero=None, group_size
     return launch.plan_for(x, values, scale, bias, out_features, M, None, zero, group_size)
 
 
+def counting_flops() -> bool:
+    """Whether torch's FlopCounterMode is active: it counts the registered op (:func:`_linear_flops`),
+    where the kernel's launch is no aten op at all (0 FLOPs). Other dispatch modes (sparse24's own
+    dispatch counter, debug modes) see the path a call takes without them."""
+    if not torch._C._len_torch_dispatch_stack():
+        return False
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+    return any(type(m).__module__ == _AfterFlopCounterImport.NAME for m in _get_current_dispatch_mode_stack())
+
+
 def _needs_op(x, values, bias, scale=None) -> bool:
-    """Only gradients, tracing and torch dispatch modes need the registered op (and torch.func,
-    forward-mode AD and a trainable scale a pure-torch path: :func:`_pure_torch`). torch.jit.trace
-    too: it records the op (the reference's ``view(torch.uint8)`` of the weight's bytes fails torch's
-    tracer). A dispatch mode (FlopCounterMode, a debug mode) sees the op, which it can count and name,
-    where the kernel's launch is no aten op at all (0 FLOPs)."""
-    if torch.compiler.is_compiling() or torch.jit.is_tracing() or torch._C._len_torch_dispatch_stack() \
-            or _pure_torch(x, values, bias, scale):
+    """Only gradients, tracing and FLOP counting need the registered op (and torch.func, forward-mode
+    AD and a trainable scale a pure-torch path: :func:`_pure_torch`). torch.jit.trace too: it records
+    the op (the reference's ``view(torch.uint8)`` of the weight's bytes fails torch's tracer)."""
+    if torch.compiler.is_compiling() or torch.jit.is_tracing() or _pure_torch(x, values, bias, scale) \
+            or counting_flops():
         return True
     return torch.is_grad_enabled() and (x.requires_grad or values.requires_grad
                                         or (bias is not None and bias.requires_grad))
