@@ -470,17 +470,14 @@ def _layers_to_prune(model: nn.Module, filter_fn) -> tuple[dict[nn.Module, str],
     for fqn, mod in model.named_modules():
         if not isinstance(mod, nn.Linear) or (filter_fn is not None and not filter_fn(mod, fqn)):
             continue
-        if filter_fn is None and (why := _unswappable(mod)):
-            kept[fqn] = why
+        if filter_fn is None and (why := _unswappable(mod) or _tied_or_head(fqn, mod, shared, heads)):
+            kept[fqn] = why   # (first: a head kept dense needs no Parameter of its own)
         elif not isinstance(mod._parameters.get("weight"), nn.Parameter):
             why = _unswappable(mod) if parametrize.is_parametrized(mod, "weight") else \
                 f"its weight is a computed {type(mod.weight).__name__} (e.g. torch.nn.utils.prune), no Parameter"
             refused.append(f"{fqn!r}: {why}; pruning the computed weight would change nothing")
-        elif why := _tied_or_head(fqn, mod, shared, heads):
-            if filter_fn is None:
-                kept[fqn] = why
-            else:
-                refused.append(f"{fqn!r}: {why}")
+        elif why := _tied_or_head(fqn, mod, shared, heads):   # (with filter_fn only)
+            refused.append(f"{fqn!r}: {why}")
         else:
             names[mod] = fqn
     if refused:

@@ -582,7 +582,7 @@ def _own_unexpected_keys(layer, sd: dict, prefix: str) -> list:
     torch's report stands."""
     if not _strict_call(layer, own=True):
         return []
-    own = set(_local_names(layer)) | set(layer._modules)
+    own = set(_key_names(layer)) | set(layer._modules)
     return [k for k in sd if isinstance(k, str) and k.startswith(prefix)
             and k[len(prefix):].partition(".")[0] not in own and not _is_own_marker(layer, sd, k, prefix)]
 
@@ -622,6 +622,13 @@ def _local_names(layer) -> list:
         n for n, t in layer._buffers.items() if t is not None and n not in layer._non_persistent_buffers_set]
 
 
+def _key_names(layer) -> list:
+    """:func:`_local_names`, and ``_extra_state`` where the class defines ``get_extra_state`` (torch saves it
+    then): the keys a strict load expects of ``layer`` itself (the extra state is no 2:4 entry)."""
+    extra = type(layer).get_extra_state is not torch.nn.Module.get_extra_state
+    return _local_names(layer) + (["_extra_state"] if extra else [])
+
+
 def _incompatible_keys(model, sd: dict, prefix: str) -> tuple[list, list]:
     """Missing and unexpected keys as torch's strict load reports them, for ``model`` at ``prefix``."""
     missing, unexpected, local = [], [], {}
@@ -630,7 +637,7 @@ def _incompatible_keys(model, sd: dict, prefix: str) -> tuple[list, list]:
             local[p] = None
             continue
         # (names only: a decode-layout layer's own state is re-ordered to layout v1 when computed)
-        local[p] = (m, _local_names(m) if isinstance(m, StateDictMixin) else _local_state(m))
+        local[p] = (m, _key_names(m) if isinstance(m, StateDictMixin) else _local_state(m))
         missing += [p + k for k in local[p][1] if p + k not in sd]
     for k in sd:  # torch's rule, per key down its path: a name followed by more is a child, the last an entry
         if not isinstance(k, str):  # refused by the caller (torch would raise AttributeError on it)

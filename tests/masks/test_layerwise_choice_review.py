@@ -174,3 +174,17 @@ def test_no_selected_layer_called_is_refused():
         prune_layerwise_(model, BATCHES, method="magnitude", progress=False,
                          filter_fn=lambda m, fqn: fqn == "attn.proj")
     _unchanged(model, before, ["attn.proj"])
+
+
+def test_a_head_kept_dense_with_a_computed_weight_does_not_refuse_the_call():
+    """sparsify_ keeps the output head dense whatever its weight is; prune_layerwise_ checked for a computed
+    weight first and refused the whole call over a layer it never prunes (spectral_norm / prune on a head)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(50, 64), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 50))
+    torch_prune.l1_unstructured(model[3], "weight", 0.25)
+    before = _state(model)
+    ids = [torch.randint(0, 50, (4, 8), generator=torch.Generator().manual_seed(2))]
+    res = prune_layerwise_(model, ids, method="magnitude", progress=False)
+    assert list(res) == ["1"]
+    _unchanged(model, before, ["3"])
+    torch.testing.assert_close(model[1].weight.detach().double(), _magnitude_24(before["1.weight"]))

@@ -162,3 +162,23 @@ def test_the_kernel_path_without_gradients_counts_as_dense():
         y = sparse24.linear(x, p, backend="triton")
     assert fc.get_total_flops() == 2 * 3 * 32 * 64
     torch.testing.assert_close(y.double(), x.double() @ p.to_dense().double().T, atol=2e-2, rtol=2e-2)
+
+
+def test_formula_survives_a_reload_of_flop_counter_imported_before_sparse24():
+    """flop_counter imported first: the formula was registered once and no hook installed, so a reload of
+    flop_counter (a new registry) counted 0."""
+    code = (
+        "import importlib, torch\n"
+        "import torch.utils.flop_counter as flop_counter\n"
+        "import sparse24\n"
+        "p = sparse24.compress(torch.randn(32, 64))\n"
+        "for again in range(2):\n"
+        "    with flop_counter.FlopCounterMode(display=False) as fc:\n"
+        "        sparse24.linear(torch.randn(3, 64, requires_grad=True), p)\n"
+        "    print(fc.get_total_flops())\n"
+        "    flop_counter = importlib.reload(flop_counter)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == [str(2 * 3 * 32 * 64)] * 2, out.stdout + out.stderr
