@@ -635,7 +635,7 @@ class Sparse24Linear(LayoutMixin, StateDictMixin, nn.Module):
                         and self.__dict__.get("_pending") is None and not torch.is_autocast_enabled(kind) \
                         and torch.are_deterministic_algorithms_enabled() is deterministic \
                         and not torch._C._are_functorch_transforms_active() \
-                        and not op.counting_flops() \
+                        and (not torch._C._len_torch_dispatch_stack() or not op.counting_flops()) \
                         and not (torch.is_grad_enabled() and (x.requires_grad or v.requires_grad
                                                               or b is not None and b.requires_grad
                                                               or sc is not None and sc.requires_grad)) \
