@@ -95,6 +95,15 @@ def test_compressed_mlp_total_counts_as_dense(gen):
     assert _count(lambda: sparse(x)) == ref
 
 
+
+def _prints_dense_counts(code: str, times: int) -> None:
+    """Run ``code`` in a fresh process (imports in their order): it prints ``times`` counts of a 3 x 64 input
+    through a 32 x 64 weight, each the dense-equivalent 2 * M * N * K."""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == [str(2 * 3 * 32 * 64)] * times, out.stdout + out.stderr
+
 def test_formula_registers_after_a_later_import_and_a_reload():
     """``import sparse24`` imports neither flop_counter nor triton; flop_counter imported afterwards
     still counts the op, and so does a reload of the op's module (a new op, registered once)."""
@@ -115,10 +124,7 @@ def test_formula_registers_after_a_later_import_and_a_reload():
         "importlib.reload(op)\n"
         "print(count())\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == [str(2 * 3 * 32 * 64)] * 2, out.stdout + out.stderr
+    _prints_dense_counts(code, 2)
 
 
 def test_formula_registers_after_a_first_import_that_failed():
@@ -147,10 +153,7 @@ def test_formula_registers_after_a_first_import_that_failed():
         "    print(fc.get_total_flops())\n"
         "    flop_counter = importlib.reload(flop_counter)\n"   # (a new registry)
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == [str(2 * 3 * 32 * 64)] * 2, out.stdout + out.stderr
+    _prints_dense_counts(code, 2)
 
 
 def test_the_kernel_path_without_gradients_counts_as_dense():
@@ -178,7 +181,4 @@ def test_formula_survives_a_reload_of_flop_counter_imported_before_sparse24():
         "    print(fc.get_total_flops())\n"
         "    flop_counter = importlib.reload(flop_counter)\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == [str(2 * 3 * 32 * 64)] * 2, out.stdout + out.stderr
+    _prints_dense_counts(code, 2)
