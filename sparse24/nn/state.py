@@ -11,6 +11,7 @@ import sys
 import weakref
 
 import torch
+from torch.nn.utils import parametrize
 
 from .._checks import FLOAT_DTYPES, check_finite, computable, local_piece
 from ..format import Sparse24Tensor, _check_mask24, compress, is_nm
@@ -29,7 +30,9 @@ _ALL_KEYS = ("weight", "mask", "values", "meta", "scale", "zero", "group_size")
 
 def _wanted(self) -> set:
     if self._mode == "masked":
-        return {"weight", "mask"}
+        # A parametrized weight (torch.nn.utils.parametrize, e.g. SR-STE) is saved as its original(s), a child's
+        # entries ("parametrizations.weight.original"), which may be dense: the mask is the layer's own entry.
+        return {"mask"} if parametrize.is_parametrized(self, "weight") else {"weight", "mask"}
     return _COMPRESSED_KEYS[self.quantize] | ({"zero"} if self.symmetric is False else set())
 
 
@@ -153,6 +156,9 @@ def _check_set(self, sd: dict, prefix: str, want: set) -> None:
     """Check a whole set of this layer's 2:4 entries (``want``, all in ``sd``)."""
     R, C = self.out_features, self.in_features
     quantized = self.quantize is not None
+    if self._mode == "masked" and want == {"mask"}:
+        _check_mask_alone(sd[prefix + "mask"], (R, C), prefix)
+        return
     if self._mode == "masked":   # (its weight checked finite there, after a sharded pair's gather)
         _check_state_masked(sd[prefix + "weight"], sd[prefix + "mask"], (R, C), prefix, _CORRUPT)
         return
@@ -257,7 +263,8 @@ def _check_whole(self, sd: dict, prefix: str) -> None:
     # A non-strict call may bring part of a 2:4 set (check_state checked it), with or without the bias:
     # a checkpoint saved in state-dict order keeps the bias between the 2:4 entries (weight, bias, mask),
     # so a shard holding a whole set holds its bias too.
-    whole_set = _wanted(self) <= set(given)
+    # (a parametrized weight's originals belong to the set, though only its mask is checked)
+    whole_set = _wanted(self) | {k for k in own if k.startswith("parametrizations.weight.original")} <= set(given)
     if given and len(given) < len(own) and (whole_set or not _non_strict_call()):
         raise ValueError(f"missing {', '.join(repr(prefix + k) for k in own if k not in given)} beside "
                          f"{', '.join(repr(prefix + k) for k in given)}: a layer loads all its entries or none")
@@ -290,6 +297,16 @@ def _check_state_masked(weight: torch.Tensor, mask: torch.Tensor, shape, prefix:
     _check_mask24(mask, weight, row0)
     if bool(((computable(weight) != 0) & ~mask).any()):
         raise ValueError(f"'{prefix}weight' is non-zero where '{prefix}mask' is False: not a 2:4 masked weight")
+
+
+def _check_mask_alone(mask: torch.Tensor, shape, prefix: str) -> None:
+    """A parametrized weight's mask: shape, dtype and the 2:4 pattern. Nothing ties it to the saved
+    original, which may be dense (SR-STE's is): forward applies the mask to the parametrization's output."""
+    if tuple(mask.shape) != tuple(shape):
+        raise ValueError(f"'{prefix}mask' has shape {tuple(mask.shape)}, expected {tuple(shape)}")
+    if is_dtensor(mask):   # (whole 2:4 groups; every rank gathers, so all make the same collectives)
+        mask = mask.full_tensor()
+    _check_mask24(mask, torch.zeros((), device=mask.device).expand(shape))   # (a weight's shape, no memory)
 
 
 class StateDictMixin:
@@ -376,7 +393,7 @@ class StateDictMixin:
             unexpected_keys.remove(prefix + "weight")  # (torch lists it: this layer has no weight to take it)
         if self.pending and len(missing_keys) == n_missing and not self._holds_meta():
             self._pending = None
-        if self._mode == "masked" and self.weight is not weight_before:
+        if self._mode == "masked" and self._parameters.get("weight") is not weight_before:  # (parametrized: None)
             self._track_masked()  # load_state_dict(assign=True) installs new Parameters
         if self._mode == "compressed":
             _make_contiguous(self)
