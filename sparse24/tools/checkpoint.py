@@ -58,7 +58,9 @@ def partial_folder(dst: Path):
     with every folder above it that was made for it and stays empty (a failure leaves no trace of
     ``--out a/b/out``). Made beside ``dst``, or inside it when ``dst`` is an existing (empty) folder: that
     folder is kept, with its owner and permissions, and may be a mount point or sit in a folder the user
-    cannot write in."""
+    cannot write in. An OSError of the block that names a path in the temporary folder (removed by then) or
+    none (a buffered write's close: transformers' ``config.json``), and a ``shutil.Error`` (a subfolder's
+    copy), is raised as an OSError naming ``dst`` (:func:`_naming_dst`)."""
     inside = dst.is_dir()
     tmp = (dst if inside else dst.parent) / temp_name(dst.name, "partial")
     with new_parents(tmp, always=True):
@@ -66,8 +68,34 @@ def partial_folder(dst: Path):
         tmp.mkdir(parents=True)
         try:
             yield tmp
+        except OSError as e:
+            err = _naming_dst(e, tmp, dst)
+            if err is e:
+                raise
+            raise err from e
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _naming_dst(e: OSError, tmp: Path, dst: Path) -> OSError:
+    """``e`` (raised while ``tmp`` was written) as an OSError naming ``dst`` when it is about writing there;
+    else ``e`` itself (a source file that cannot be read stays named)."""
+    def inside(name) -> bool:
+        return os.path.abspath(name).startswith(os.path.abspath(tmp) + os.sep) \
+            or os.path.abspath(name) == os.path.abspath(tmp)
+    if isinstance(e, shutil.Error):   # copytree's list of (src, dst, str(error)); the first one stands for all
+        if not (e.args and isinstance(e.args[0], list) and e.args[0]):
+            return e
+        src, _, why = e.args[0][0]
+        code = re.match(r"\[Errno (\d+)\] ", why)
+        if f"{str(src)!r}" in why and str(tmp) not in why:   # (reading the source failed: named as it was)
+            return OSError(int(code[1]), os.strerror(int(code[1])), str(src)) if code else e
+        return OSError(int(code[1]), os.strerror(int(code[1])), str(dst)) if code else \
+            OSError(0, _one_line(why)[:200], str(dst))
+    names = [n for n in (e.filename, e.filename2) if n is not None]
+    if names and not any(inside(os.fsdecode(n)) for n in names if isinstance(n, (str, bytes, os.PathLike))):
+        return e
+    return OSError(e.errno, e.strerror or _one_line(e)[:200], str(dst))
 
 
 def finish_folder(tmp: Path, dst: Path) -> None:

@@ -9,7 +9,7 @@ shard in and one out). The new folder has the same shard layout, a
 ``config.json`` with the sparse24 section (and the dtype the source loads in when its config names
 none: transformers would take it from the first floating tensor stored, maybe a quantized layer's
 scale), and every other file and subfolder copied (a sentence-transformers ``1_Pooling/``; symbolic
-links as the files they point to), except the dense weights in other formats (``pytorch_model*.bin``,
+links as the files they point to, but a folder link back up: :func:`copy_rest`), except the dense weights in other formats (``pytorch_model*.bin``,
 ``tf_model*.h5``, ``flax_model*.msgpack``, ``*.ot``; and at any depth the ``onnx/`` and ``openvino/``
 folders, ``*.onnx``, ``*.onnx_data``, ``openvino_model*``), which would hold the dense model again beside
 the pruned one. Stored names are matched to
@@ -67,10 +67,28 @@ def other_weight_files(src: Path) -> list[str]:
     return sorted(found)
 
 
-def _ignore_other(folder: str, names: list[str]) -> list[str]:
-    """``copytree``'s ``ignore``: the other-format weights inside a subfolder, and dangling links (skipped as
-    at the top; copytree's ``ignore_dangling_symlinks`` tests a relative link from the working folder)."""
-    return [n for n in names if _other_weight(folder, n, False) or not os.path.exists(os.path.join(folder, n))]
+def _ignore_other(src: Path):
+    """``copytree``'s ``ignore`` for a subfolder of ``src``: the other-format weights inside it, dangling links
+    (skipped as at the top; copytree's ``ignore_dangling_symlinks`` tests a relative link from the working
+    folder), and folder links back up (:func:`_links_back`)."""
+    def ignore(folder: str, names: list[str]) -> list[str]:
+        return [n for n in names if _other_weight(folder, n, False) or not os.path.exists(os.path.join(folder, n))
+                or _links_back(src, Path(folder) / n)]
+    return ignore
+
+
+def _links_back(src: Path, path: Path) -> bool:
+    """Whether ``path`` (below ``src``, reached through the links copied so far) is a link to ``src``, a folder
+    above it, or a folder the copy passed through to reach it: followed, it would copy a folder into itself
+    until the kernel's link limit (``up -> ..``, or ``a/b -> ../b`` with ``b/a -> ../a``)."""
+    if not (path.is_symlink() and path.is_dir()):
+        return False
+    top = Path(os.path.realpath(src))
+    passed = {top, *top.parents}
+    for part in path.parent.relative_to(src).parts:
+        src = src / part
+        passed.add(Path(os.path.realpath(src)))
+    return Path(os.path.realpath(path)) in passed
 
 
 def copy_rest(src: Path, tmp: Path, skip) -> None:
@@ -78,14 +96,16 @@ def copy_rest(src: Path, tmp: Path, skip) -> None:
     sentence-transformers ``1_Pooling/``, ...) but the names in ``skip``, those already in ``tmp``, the
     other-format weights (:func:`other_weight_files`), and ``tmp`` itself or a folder holding it (an --out
     inside ``src``). Symbolic links are copied as the files they point to (a Hugging Face cache snapshot's
-    files are relative links into its ``blobs/``, which would dangle in the copy)."""
+    files are relative links into its ``blobs/``, which would dangle in the copy), except a dangling one and
+    a folder link back up (to ``src``, a folder above it or one it is inside of: :func:`_links_back`), which
+    are skipped."""
     tmp = tmp.absolute()
     for item in src.iterdir():
         if item.name in skip or _other_weight(src, item.name, True) or (tmp / item.name).exists() \
-                or tmp.is_relative_to(item.absolute()):
+                or tmp.is_relative_to(item.absolute()) or _links_back(src, item):
             continue
         if item.is_dir():
-            shutil.copytree(item, tmp / item.name, ignore=_ignore_other)
+            shutil.copytree(item, tmp / item.name, ignore=_ignore_other(src))
         elif item.is_file():
             shutil.copy2(item, tmp / item.name)
 

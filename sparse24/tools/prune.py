@@ -265,13 +265,15 @@ def _write_failure(e: Exception, out: Path) -> OSError | None:
 
 def _concerns(filename, out: Path) -> bool:
     """Whether an OSError's ``filename`` is ``out``, inside it, a folder above it, or one of the temporary
-    names written beside it (``.s24-PID-HASH.*``, :func:`~sparse24.tools.cli_common.temp_name`)."""
+    names written beside it (``.s24-PID-HASH.*``, :func:`~sparse24.tools.cli_common.temp_name`); ``out`` a
+    symbolic link: or its target (written in its place, :func:`~.checkpoint.output_folder`)."""
     if not filename:
         return False
-    name, here = Path(filename).absolute(), out.absolute()
-    return (str(name).startswith(str(here)) or here.is_relative_to(name)
-            or name.parent == here.parent and name.name.startswith(
-                (f".{out.name}.", f".{out.stem}.", temp_name(out.name, "").rstrip("."))))
+    name = Path(filename).absolute()
+    return any(str(name).startswith(str(here)) or here.is_relative_to(name)
+               or name.parent == here.parent and name.name.startswith(
+                   (f".{here.name}.", f".{here.stem}.", temp_name(here.name, "").rstrip(".")))
+               for here in {out.absolute(), out.resolve()})
 
 
 def _load_hint(report: list[dict], quant: dict, min_features: int | None, out: Path) -> str:

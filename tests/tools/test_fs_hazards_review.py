@@ -300,3 +300,82 @@ def test_a_calibrated_prune_fills_an_empty_out_folder_in_place(capsys, tmp_path)
     after = out.stat()
     assert (after.st_ino, stat.S_IMODE(after.st_mode)) == (before.st_ino, 0o700)
     assert "config.json" in os.listdir(out) and not [n for n in os.listdir(out) if n.startswith(".")]
+
+
+# --- 4. a full disk while the other files are written, and folder links back up ------------------------
+
+def _no_space(*names):   # (OSError's 4th argument is winerror, the 5th filename2)
+    return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), *names[:1], None, *names[1:]) if names else \
+        OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+@pytest.mark.parametrize("where", ["tokenizer", "subfolder", "config", "linked-out"])
+def test_a_full_disk_at_any_file_of_a_folder_is_one_line_naming_out(capsys, tmp_path, monkeypatch, where):
+    """The error named the removed temporary path (shutil's copy: src -> .s24-*.partial/...), printed
+    shutil.Error's list (a subfolder), named no file (transformers writing config.json), or, --out a link
+    to an empty folder, its target's temporary path: not the documented one line naming --out (exit 2)."""
+    import transformers
+    dense = tmp_path / "dense"
+    tiny_llama().save_pretrained(dense)
+    (dense / "tokenizer.json").write_text("{}")
+    (dense / "1_Pooling").mkdir()
+    (dense / "1_Pooling" / "big.json").write_text("{}")
+    out, target = tmp_path / "o", tmp_path / "target"
+    copyfile = shutil.copyfile
+
+    def full_copy(src, dst, **kw):   # (os.sendfile names both files)
+        if Path(src).name == {"tokenizer": "tokenizer.json", "subfolder": "big.json"}.get(where):
+            raise _no_space(os.fspath(src), os.fspath(dst))
+        return copyfile(src, dst, **kw)
+
+    def full_config(self, path, *a, **kw):   # (a buffered write's close names no file)
+        raise _no_space()
+
+    replace = os.replace
+
+    def full_replace(a, b, **kw):
+        if Path(a).name == "config.json":
+            raise _no_space(str(a), str(b))
+        return replace(a, b, **kw)
+
+    monkeypatch.setattr(shutil, "copyfile", full_copy)
+    if where == "config":
+        monkeypatch.setattr(transformers.PreTrainedConfig, "to_json_file", full_config)
+    if where == "linked-out":
+        target.mkdir()
+        os.symlink(target, out)
+        monkeypatch.setattr(os, "replace", full_replace)
+    before = _listing(tmp_path)
+    rc, _, err = run(capsys, "prune", str(dense), "--out", str(out), "--no-progress")
+    assert rc == 2, err
+    assert_one_line_error(err, f"--out {out}: cannot write it (No space left on device)")
+    assert ".partial" not in err
+    assert _listing(tmp_path) == before
+
+
+@pytest.mark.parametrize("link", ["1_Pooling/up", "self", "a/b"])
+def test_a_folder_link_back_up_is_not_copied_into_itself(capsys, tmp_path, link):
+    """A folder link to the model folder or a folder above it (or a cycle of two links: a/b -> ../b,
+    b/a -> ../a) was followed until the kernel's link limit: ~40 nested copies, the dense weights in each."""
+    src = tmp_path / "dense"
+    dense = _dense_folder(src)
+    (src / "1_Pooling").mkdir()
+    (src / "1_Pooling" / "config.json").write_text("{}")
+    (src / "a").mkdir()
+    (src / "b").mkdir()
+    (src / "b" / "x.txt").write_text("x")
+    targets = {"1_Pooling/up": "..", "self": ".", "a/b": "../b"}
+    os.symlink(targets[link], src / link)
+    if link == "a/b":
+        os.symlink("../a", src / "b" / "a")
+    out = tmp_path / "out"
+    rc, _, err = run(capsys, "prune", str(src), "--out", str(out), "--no-progress")
+    assert rc == 0, err
+    assert not list(out.rglob("model.safetensors"))[1:], "the dense weights copied again below --out"
+    assert (out / "1_Pooling" / "config.json").read_text() == "{}"
+    assert (out / "b" / "x.txt").read_text() == "x"
+    if link == "a/b":   # (a link to a folder that is not above it is copied, once)
+        assert (out / "a" / "b" / "x.txt").read_text() == "x" and not (out / "a" / "b" / "a").exists()
+    else:
+        assert not (out / link).exists()
+    _assert_pruned(out, dense)
