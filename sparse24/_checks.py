@@ -19,8 +19,8 @@ except ImportError:  # a torch build without torch.distributed: nothing is ever 
     DTensor = ()
 
 __all__ = ["FLOAT_DTYPES", "check_bool", "check_weight", "check_nm", "check_mask", "check_model", "check_separate_teacher",
-           "check_finite", "computable", "local_piece", "refuse_dtensor", "refuse_meta", "safetensors_headers",
-           "refuse_single_batch", "warn_user"]
+           "check_finite", "computable", "local_piece", "refuse_dtensor", "refuse_meta", "row_chunks",
+           "safetensors_headers", "refuse_single_batch", "warn_user"]
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -175,6 +175,23 @@ def computable(t: torch.Tensor) -> torch.Tensor:
     return x.float() if x.is_floating_point() and x.element_size() == 1 else x
 
 
+# Elements per block of rows of the passes over a whole weight (compress, validate, kept_mask, check_finite,
+# the masks, the reference backend): their int64 slot indices and float32 temporaries then stay a few MiB,
+# where whole they took 2.5-9x a bf16 weight's bytes. Off the CPU blocks are 64x larger: each costs several
+# kernel launches (and a host sync where it is checked).
+ROW_BLOCK = 1 << 18
+
+
+def row_chunks(R: int, C: int, device, multiple: int = 1, budget: int | None = None) -> list[slice]:
+    """Slices of ``R`` rows of ``C`` columns, ``budget`` elements or so each (at least one row; by default
+    :data:`ROW_BLOCK` on the CPU, 64x that elsewhere), each starting at a multiple of ``multiple`` rows.
+    The one row-block rule of every whole-weight pass."""
+    if budget is None:
+        budget = ROW_BLOCK if torch.device(device).type == "cpu" else ROW_BLOCK << 6
+    rows = -(-max(1, budget // max(C, 1)) // multiple) * multiple
+    return [slice(r0, min(R, r0 + rows)) for r0 in range(0, R, rows)]
+
+
 def local_piece(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
     """``(piece, offset)``: a DTensor's own local piece (no communication) and the index of its first
     entry in the whole tensor, for checks that look at each entry alone and name it by its index in
@@ -196,12 +213,10 @@ def check_finite(t: torch.Tensor, name: str = "weight",
         return
     where = " in this rank's shard" if isinstance(t, DTensor) else ""
     t, offset = local_piece(t)
-    # a block of rows at a time: isfinite's temporaries over a whole weight took 2.5x its bytes (bf16); the
-    # count and the first index are computed on the whole only for a tensor that fails (blocks 64x larger
-    # on a GPU: each costs a host sync)
+    # a block of rows at a time (row_chunks): isfinite's temporaries over a whole weight took 2.5x its bytes
+    # (bf16); the count and the first index are computed on the whole only for a tensor that fails
     x = t.detach().reshape(1) if t.dim() == 0 else t.detach()
-    step = max(1, (1 << (18 if x.device.type == "cpu" else 24)) // max(1, x[:1].numel()))
-    if all(bool(torch.isfinite(computable(x[i:i + step])).all()) for i in range(0, x.shape[0], step)):
+    if all(bool(torch.isfinite(computable(x[rows])).all()) for rows in row_chunks(x.shape[0], x[:1].numel(), x.device)):
         return
     bad = ~torch.isfinite(computable(t))
     first = tuple(int(i) + o for i, o in zip(bad.nonzero()[0], offset))

@@ -1,10 +1,12 @@
 """Tensor values kept aside so that a call that fails part way can write them back (the
-bottom floor: imports only torch; whole-model calls build on it to stay all or nothing)."""
+bottom floor: imports only torch and the shared checks; whole-model calls build on it to stay all or nothing)."""
 from __future__ import annotations
 
 from typing import Iterable
 
 import torch
+
+from ._checks import row_chunks
 
 __all__ = ["TensorBackup"]
 
@@ -50,9 +52,9 @@ class TensorBackup:
             # in row chunks of ~1M entries (16M on a GPU): boolean indexing builds 8-byte indices per entry
             # taken (a whole bf16 weight at once briefly needed ~5x its bytes on its device; 16M entries
             # held ~176 MiB on a CPU, the whole sparsify_ peak of a 4096 x 4096 layer)
-            chunk = 1 << (20 if t.device.type == "cpu" else 24)
-            rows = max(1, chunk // max(1, t[0].numel())) if t.dim() and t.shape[0] else 1
-            parts = [t.detach()[i:i + rows][~mask[i:i + rows]].to("cpu") for i in range(0, t.shape[0], rows)]
+            chunks = row_chunks(t.shape[0], t[0].numel(), t.device, budget=1 << (20 if t.device.type == "cpu" else 24)) \
+                if t.dim() else []
+            parts = [t.detach()[rows][~mask[rows]].to("cpu") for rows in chunks]
             self._saved.append((t, torch.cat(parts) if parts else t.detach()[~mask].to("cpu"), mask))
             self._ids.add(id(t))
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from .format import Sparse24Tensor, _pack_meta, _row_chunks, check_group_size
+from ._checks import row_chunks
+from .format import Sparse24Tensor, _pack_meta, check_group_size
 
 __all__ = ["DecodePacked", "pack_decode", "decode_dims", "DECODE_LAYOUT_VERSION"]
 
@@ -410,7 +411,7 @@ def pack_decode(p: Sparse24Tensor) -> DecodePacked:
         scale, zero = p.scale.contiguous(), None if p.zero is None else p.zero.contiguous()   # only where not)
     else:
         scale, zero = p.scale, None
-    chunks = _row_chunks(R, C, p.device, _DEC_ROW_ALIGN)
+    chunks = row_chunks(R, C, p.device, _DEC_ROW_ALIGN)
     values, meta = _pack_rows(p) if len(chunks) <= 1 else _pack_blocks(p, chunks)
     return DecodePacked(values, meta, (R, C), p.dtype, scale, zero=zero, group_size=p.group_size, check=False)
 

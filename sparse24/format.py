@@ -62,7 +62,8 @@ import sys
 import torch
 import torch.autograd.forward_ad as _fwAD
 
-from ._checks import FLOAT_DTYPES, check_bool, check_mask, check_nm, check_weight, local_piece, refuse_meta
+from ._checks import (FLOAT_DTYPES, check_bool, check_mask, check_nm, check_weight, local_piece, refuse_meta,
+                      row_chunks)
 
 __all__ = ["mask_nm", "is_nm", "Sparse24Tensor", "compress", "quantize_values", "QUANT_MODES", "FLOAT_DTYPES",
            "INT4_GROUP_SIZES", "bf16_exact_scales"]
@@ -85,22 +86,6 @@ def _magnitude_keys(w: torch.Tensor) -> torch.Tensor:
     if keys.numel() and int(keys.max()) > _INF_KEY[w.dtype]:
         raise ValueError("weight contains NaN: no magnitude order exists")
     return keys
-
-
-# Elements per block of rows of the passes over a whole weight (compress, validate, kept_mask, the slots'
-# users): their int64 slot indices and float32 temporaries then stay a few MiB, where whole they took
-# 2.5-9x a bf16 weight's bytes. Off the CPU blocks are 64x larger: each costs several kernel launches.
-_ROW_BLOCK = 1 << 18
-
-
-def _row_chunks(R: int, C: int, device, multiple: int = 1, budget: int | None = None) -> list[slice]:
-    """Slices of ``R`` rows of ``C`` columns, ``budget`` elements or so each (at least one row; by default
-    :data:`_ROW_BLOCK` on the CPU, 64x that elsewhere), each starting at a multiple of ``multiple`` rows.
-    The one row-block rule of every whole-weight pass (format, masks, the reference backend)."""
-    if budget is None:
-        budget = _ROW_BLOCK if torch.device(device).type == "cpu" else _ROW_BLOCK << 6
-    rows = -(-max(1, budget // max(C, 1)) // multiple) * multiple
-    return [slice(r0, min(R, r0 + rows)) for r0 in range(0, R, rows)]
 
 
 _INF_KEY = {dt: int(torch.tensor(float("inf"), dtype=dt).view(_INT_VIEW[dt])) for dt in _INT_VIEW}
@@ -146,13 +131,13 @@ def _nibbles24(w: torch.Tensor) -> torch.Tensor:
     Six integer compares and a table lookup instead of a sort (2x faster than
     computing ranks, 0.2 s vs 0.9 s for topk on 4096x4096 fp16, 2-core x86).
     Ties go to the lower column: column i beats j (i < j) when |w_i| >= |w_j|.
-    A block of rows at a time (:func:`_row_chunks`): whole, the keys (the weight's size) and
+    A block of rows at a time (:func:`~sparse24._checks.row_chunks`): whole, the keys (the weight's size) and
     the int64 table index (2 bytes per weight) outweighed the weight.
     """
     R, C = w.shape
     u8 = torch.uint8
     nib = torch.empty(R, C // 4, dtype=u8, device=w.device)
-    for rows in _row_chunks(R, C, w.device):
+    for rows in row_chunks(R, C, w.device):
         k = _magnitude_keys(w[rows]).view(-1, 4)
         code = torch.zeros(k.shape[0], dtype=u8, device=w.device)
         for b, (i, j) in enumerate(_PAIRS):
@@ -198,7 +183,7 @@ def mask_nm(w: torch.Tensor, n: int = 2, m: int = 4) -> torch.Tensor:
     if n == 2 and m == 4:   # a block of rows at a time: whole, this peaked at 1.25x a bf16 weight, now 0.5x
         R, C = w.shape
         mask = torch.empty(R, C, dtype=torch.bool, device=w.device)
-        for rows in _row_chunks(R, C, w.device):
+        for rows in row_chunks(R, C, w.device):
             block = mask[rows]
             block.copy_(_nibble_mask(_nibbles24(w[rows])).view(block.shape))
         return mask
@@ -433,7 +418,7 @@ class Sparse24Tensor:
         """``(R, C)`` bool: the positions this weight keeps (its 2-bit slots), whatever the values."""
         R, C = self.shape
         keep = torch.zeros(R, C // 4, 4, dtype=torch.bool, device=self.device)
-        for rows in _row_chunks(R, C, self.device):   # (the int64 slots a block of rows at a time)
+        for rows in row_chunks(R, C, self.device):   # (the int64 slots a block of rows at a time)
             keep[rows].scatter_(-1, self.slots(rows), True)
         return keep.view(R, C)
 
@@ -529,7 +514,7 @@ class Sparse24Tensor:
         """Check the metadata is well formed; raise ValueError naming the
         first bad row/group. Returns self."""
         R, C = self.shape
-        chunks = _row_chunks(R, C, self.device)   # (a block of rows at a time: it runs on every load)
+        chunks = row_chunks(R, C, self.device)   # (a block of rows at a time: it runs on every load)
         for rows in chunks:
             nib = _slot_nibbles(self.meta[:, rows], C // 4)
             bad = (nib & 3) >= (nib >> 2)  # duplicate or unordered slots
@@ -550,7 +535,7 @@ class Sparse24Tensor:
         # (a DTensor, FSDP2's sharded values: this rank's own piece, without communication, so that this may
         # fail on some ranks only; the loader makes the ranks agree, sparse24.nn.state)
         values, (r0, c0) = local_piece(self.values) if self.values.dtype == torch.int8 else (None, (0, 0))
-        for rows in _row_chunks(values.shape[0], C, values.device) if values is not None else ():
+        for rows in row_chunks(values.shape[0], C, values.device) if values is not None else ():
             low = values[rows] == -128
             if bool(low.any()):
                 # symmetric INT8 (quantize_values writes -127..127); the decode layout's sign-magnitude bytes
@@ -613,7 +598,7 @@ def compress(w: torch.Tensor, mask: torch.Tensor | None = None, **kwargs) -> Spa
     # slots and float32 temporaries peaked at 4.7x (16-bit), 6.7x (INT8), 8.7x (INT4) a bf16 weight.
     nib = (_nibbles24(w) if mask is None else _mask_nibbles24(mask, w)).view(R, C // 4)
     w = w.detach()
-    chunks = _row_chunks(R, C, w.device)
+    chunks = row_chunks(R, C, w.device)
     if len(chunks) <= 1 or transformed(w):   # (torch.func / forward AD: out of place, in one piece)
         return _compress_rows(w, mask, nib, quantize, qargs)
     values = meta = scale = zero = None
@@ -899,7 +884,7 @@ def _mask_nibbles24(mask: torch.Tensor, w: torch.Tensor, row0: int = 0) -> torch
     check_mask(mask, w)
     R, C = w.shape
     nib = torch.empty(R, C // 4, dtype=torch.uint8, device=w.device)
-    for rows in _row_chunks(R, C, w.device):   # (the int64 lookup index of the whole mask was 2 B per weight)
+    for rows in row_chunks(R, C, w.device):   # (the int64 lookup index of the whole mask was 2 B per weight)
         # clamp: a bool stored as a byte other than 0/1 (a corrupt file) is True to torch, and a
         # raw byte above 1 would index past the table (fuzzing found it: tests/format/test_fuzz_findings.py)
         k = mask[rows].contiguous().view(-1, 4).view(torch.uint8).clamp(max=1)

@@ -26,9 +26,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .._checks import check_mask, check_nm, check_weight
+from .._checks import check_mask, check_nm, check_weight, row_chunks
 from ..format import Sparse24Tensor
-from ..format import _row_chunks as _format_row_chunks
 from ..format import mask_nm as magnitude_mask
 from .sparsegpt import sparsegpt_prune
 from .two_d import mask_2d_greedy, mask_2d_optimal
@@ -46,7 +45,7 @@ _CHUNK = 1 << 18
 def _row_chunks(w: torch.Tensor, multiple: int = 1) -> list[slice]:
     """Slices of ``w``'s rows of about :data:`_CHUNK` elements each (on every device: the temporaries are
     several times the block), each starting at a multiple of ``multiple`` rows."""
-    return _format_row_chunks(w.shape[0], w.shape[1], w.device, multiple, _CHUNK)
+    return row_chunks(w.shape[0], w.shape[1], w.device, multiple, _CHUNK)
 
 
 def kept_magnitude_fraction(w: torch.Tensor, mask: torch.Tensor) -> float:

@@ -9,10 +9,9 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from .._checks import check_bool, check_finite
+from .._checks import check_bool, check_finite, row_chunks
 from .._linears import is_conv1d, is_conv1d_class, linear_shape
-from ..format import (FLOAT_DTYPES, Sparse24Tensor, _check_mask24, _row_chunks, check_group_size, compress,
-                      int4_options, is_nm)
+from ..format import FLOAT_DTYPES, Sparse24Tensor, _check_mask24, check_group_size, compress, int4_options, is_nm
 from ..masks import METHODS, mask_nm, prune_nm
 from .sharded import is_dtensor
 
@@ -123,7 +122,7 @@ def _pruned_rows(w: torch.Tensor) -> torch.Tensor:
     nz = w != 0
     # counted a block of rows at a time: a bool sum casts the whole (R, C) mask to int64 first (4x a bf16 weight)
     cols, lone = torch.zeros(C, dtype=torch.int32, device=w.device), True
-    for rows in _row_chunks(R, C, w.device):
+    for rows in row_chunks(R, C, w.device):
         cols += nz[rows].sum(0, dtype=torch.int32)
         lone = lone and bool((nz[rows].sum(1, dtype=torch.int32) <= 1).all())
     if lone and bool((cols <= 1).all()):  # at most one per row and column
@@ -143,7 +142,7 @@ def sparser_note(mask: torch.Tensor) -> str:
     # Counted a block of rows at a time, in uint8: a bool sum defaults to int64, 8 B per group (4x a bf16
     # weight's bytes, the peak of sparsify_), and even a uint8 sum of the whole mask copies it first.
     fewer = sum(int(torch.count_nonzero(mask[rows].reshape(-1, 4).sum(-1, dtype=torch.uint8) < 2))
-                for rows in _row_chunks(R, C, mask.device))
+                for rows in row_chunks(R, C, mask.device))
     if not fewer:
         return ""
     return (f"the mask keeps fewer than 2 of 4 in {fewer} of {mask.numel() // 4} groups "

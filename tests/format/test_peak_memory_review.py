@@ -9,7 +9,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import sparse24
-import sparse24.format as fmt
+import sparse24._checks as checks
 from sparse24.decode_format import pack_decode
 from sparse24.format import Sparse24Tensor, quantize_values
 from sparse24.nn.prepare import _mask_from_slots, sparser_note
@@ -37,7 +37,7 @@ def _peak(call) -> tuple[int, object]:
 @pytest.fixture
 def small_blocks(monkeypatch):
     # raising=False: on a build without row blocks the memory assertions fail, not the fixture
-    monkeypatch.setattr(fmt, "_ROW_BLOCK", BLOCK, raising=False)
+    monkeypatch.setattr(checks, "ROW_BLOCK", BLOCK, raising=False)
 
 
 def _weight(rows=R, cols=C, dtype=torch.bfloat16, seed=0) -> torch.Tensor:
@@ -96,7 +96,7 @@ def test_compress_in_row_blocks_is_bit_identical(small_blocks, monkeypatch, dtyp
     w = _weight(dtype=dtype, seed=3)
     mask = _thin_mask(w) if given else sparse24.mask_nm(w, 2, 4)
     with monkeypatch.context() as m:
-        m.setattr(fmt, "_ROW_BLOCK", 1 << 40, raising=False)
+        m.setattr(checks, "ROW_BLOCK", 1 << 40, raising=False)
         whole = sparse24.compress(w, mask if given else None, **quant)
     plain = sparse24.compress(w, mask if given else None)
     assert torch.equal(plain.to_dense().double(), w.double() * mask)
@@ -196,7 +196,7 @@ def test_pack_decode_in_tile_blocks_is_bit_identical(small_blocks, monkeypatch, 
     peak, d = _peak(lambda: pack_decode(p))
     results = sum(t.untyped_storage().nbytes() for t in (d.values, d.meta))
     assert peak <= results + 24 * 128 * C, (peak, results)   # the results, one 128-row block
-    monkeypatch.setattr(fmt, "_ROW_BLOCK", 1 << 40, raising=False)
+    monkeypatch.setattr(checks, "ROW_BLOCK", 1 << 40, raising=False)
     whole = pack_decode(p)
     assert torch.equal(_bits(d.values), _bits(whole.values)) and torch.equal(d.meta, whole.meta)
     assert d.scale is p.scale or torch.equal(d.scale, p.scale)

@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from ...decode_format import DecodePacked
-from ...format import Sparse24Tensor, _row_chunks
+from ..._checks import row_chunks as _row_chunks
+from ...format import Sparse24Tensor
 
 __all__ = ["check_input", "check_linear_args", "on_jagged", "chunk_rows", "row_chunks", "linear_reference",
            "linear_backward_reference", "CHUNK_ELEMENTS", "CUDA_CHUNK_ELEMENTS"]
