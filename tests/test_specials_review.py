@@ -13,7 +13,6 @@ from sparse24.masks.calibrate import _teacher_target
 from sparse24.masks.nm import LayerStats
 from sparse24.masks.reconstruct import reconstruct_weight
 from sparse24.masks.sparsegpt import sparsegpt_prune
-from sparse24.nn.prepare import _mask_from_slots
 from sparse24.recipes import SRSTE, GradualPruner
 
 INF, NAN = float("inf"), float("nan")
@@ -110,7 +109,7 @@ def test_add_to_kept_refuses_a_delta_overflowing_float16(kw, layout):
     layer = Sparse24Linear.from_linear(nn.Linear(16, 8).half(), **kw)
     if layout is not None:
         layer.to_layout(layout)
-    mask = layer.mask.clone() if layer.mode == "masked" else _mask_from_slots(layer.sparse_tensor())
+    mask = layer.mask.clone() if layer.mode == "masked" else layer.sparse_tensor().kept_mask()
     w0 = layer.dense_weight().double()
     before = state(layer)
     with pytest.raises(ValueError, match=r"the merged weight.*W \+ delta overflows the layer's torch.float16"):

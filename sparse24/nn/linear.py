@@ -25,7 +25,7 @@ from ..ops.linear24 import launch, op
 from .layout import LayoutMixin
 from .masking import (_GRAD_HOOKED, _HAS_HOOK, _MASKED_MODULES, _ZERO_CHECKED, _grad_mask_hook, _owner_of,
                       _relink_hooks, _unhook, same_view, still_zero, zero_key)
-from .prepare import (_check_mode, _mask_from_slots, _placeholder, _prepare, _Prepared, is_conv1d, is_conv1d_class,
+from .prepare import (_check_mode, _placeholder, _prepare, _Prepared, is_conv1d, is_conv1d_class,
                       describe_quant, linear_shape, quant_options)
 from .sharded import gather_mask, is_dtensor, shard_like
 from .state import StateDictMixin
@@ -602,7 +602,7 @@ class Sparse24Linear(LayoutMixin, StateDictMixin, nn.Module):
                              torch.empty(R, C, dtype=torch.bool, device=self.device))
             return self
         p = self.sparse_tensor()
-        self._set_masked(nn.Parameter(p.to_dense(), requires_grad=requires_grad), _mask_from_slots(p))
+        self._set_masked(nn.Parameter(p.to_dense(), requires_grad=requires_grad), p.kept_mask())
         return self
 
     # -- forward --

@@ -245,12 +245,6 @@ def _prepare(linear, mask, mode, method, quant: dict, calibration, trainable_val
     return _Prepared(new_w, mask, p)
 
 
-def _mask_from_slots(p: Sparse24Tensor) -> torch.Tensor:
-    """``(R, C)`` bool, True at the two stored slots of every group (:meth:`Sparse24Tensor.kept_mask`,
-    which unpacks the slots a block of rows at a time)."""
-    return p.kept_mask()
-
-
 def compressed_nbytes(out_features: int, in_features: int, element_size: int, quantized=False,
                       group_size: int | None = None, symmetric: bool = True) -> int:
     """Bytes of a compressed ``(R, C)`` weight: values + 2-bit indices + scales.

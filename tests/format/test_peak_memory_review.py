@@ -12,7 +12,7 @@ import sparse24
 import sparse24._checks as checks
 from sparse24.decode_format import pack_decode
 from sparse24.format import Sparse24Tensor, quantize_values
-from sparse24.nn.prepare import _mask_from_slots, sparser_note
+from sparse24.nn.prepare import sparser_note
 from sparse24.ops.linear24 import naive
 
 R, C = 67, 512            # 67 rows: not a multiple of the 8-row blocks below
@@ -154,7 +154,7 @@ def test_kept_mask_allocates_a_row_block_at_a_time(small_blocks):
     w = _weight()
     mask = _thin_mask(w)
     p = sparse24.compress(w, mask, quantize="int4")
-    peak, got = _peak(lambda: _mask_from_slots(p))
+    peak, got = _peak(lambda: p.kept_mask())
     assert peak <= R * C + PER_BLOCK, peak         # the (R, C) bool result and one block
     # independent: the mask given to compress, plus the filler slots of its short groups (lowest free ones)
     want = mask.clone().view(-1, 4)

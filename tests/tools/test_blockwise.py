@@ -8,7 +8,6 @@ import sparse24
 from sparse24 import Sparse24Linear
 from sparse24 import compress
 from sparse24.masks import nm, prune_layerwise_
-from sparse24.nn.prepare import _mask_from_slots
 from sparse24.tools.blockwise import prune_folder_blockwise
 
 from hf_models import tiny_llama, tokens
@@ -38,7 +37,7 @@ def test_block_by_block_equals_in_memory(tmp_path, folder, method):
     for fqn, r in results.items():
         m = layers[fqn]
         assert m.mode == "compressed" and m.dtype == torch.float16
-        assert torch.equal(_mask_from_slots(m.sparse_tensor()), r.mask), fqn
+        assert torch.equal(m.sparse_tensor().kept_mask(), r.mask), fqn
         assert torch.equal(m.dense_weight(), r.weight.half()), fqn
     for k, v in dense.state_dict().items():  # everything else as it was
         if k.rpartition(".")[0] not in layers:
