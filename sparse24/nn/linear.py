@@ -828,24 +828,10 @@ class Sparse24Linear(LayoutMixin, StateDictMixin, nn.Module):
         if not from_meta:
             self._settle_layout()
 
-    def _save_to_state_dict(self, destination, prefix, keep_vars):
-        if self._mode == "compressed" and self._layout == "decode":  # (its entries are layout v1's: see state.py)
-            self._refuse_sharded("give or take state dict entries (layout v1's)", prefix[:-1])
-        super()._save_to_state_dict(destination, prefix, keep_vars)
-
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                              error_msgs):
-        if self._mode == "compressed" and self._layout == "decode" \
-                and (prefix + "values" in state_dict or prefix + "meta" in state_dict):
-            try:  # (taken through layout v1, see state.py)
-                self._refuse_sharded("give or take state dict entries (layout v1's)", prefix[:-1])
-            except RuntimeError as e:
-                error_msgs.append(str(e))
-                return
+    def _load_from_state_dict(self, *args, **kwargs):
         held = self._drop_weak_refs()
         try:
-            super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                                          error_msgs)
+            super()._load_from_state_dict(*args, **kwargs)
         finally:
             self._rearm(held)
 

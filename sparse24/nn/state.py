@@ -234,20 +234,19 @@ def _check_entries(self, sd: dict, prefix: str) -> None:
     NCCL). Every rank checks the same layers with the same kinds of entries, so each makes the same
     collectives; a plain state dict makes none."""
     sharded = [sd[prefix + k] for k in _ENTRY_NAMES if is_dtensor(sd.get(prefix + k))]
-    if not sharded:
-        check_state(self, sd, prefix)
-        _check_whole(self, sd, prefix)
-        return
     error = None
     try:
         check_state(self, sd, prefix)
         _check_whole(self, sd, prefix)
-    except (ValueError, TypeError) as e:
+    except Exception as e:
+        if not sharded:
+            raise
         error = e
-    except Exception as e:   # (an unforeseen failure on one rank: agreed all the same, so that none waits)
-        error = ValueError(f"{type(e).__name__}: {e}")
-        error.__cause__ = e
-    agree(error, sharded[0])
+        if not isinstance(e, (ValueError, TypeError)):   # (an unforeseen failure on one rank: agreed all the same)
+            error = ValueError(f"{type(e).__name__}: {e}")
+            error.__cause__ = e
+    if sharded:
+        agree(error, sharded[0])
 
 
 def _check_whole(self, sd: dict, prefix: str) -> None:
@@ -351,7 +350,16 @@ class StateDictMixin:
     def _holds_meta(self) -> bool:
         return any(t is not None and t.is_meta for t in (*self._parameters.values(), *self._buffers.values()))
 
+    def _refuse_sharded_entries(self, state_dict: dict | None, prefix: str) -> None:
+        """RuntimeError naming the layer (``prefix``) where it was sharded (fully_shard) holding the decode
+        layout and its state-dict entries are made (``state_dict`` None: saving) or brought (its values or
+        meta): they are layout v1's, which need the whole decode tensors, of which FSDP holds a piece."""
+        if self._mode == "compressed" and self._layout == "decode" \
+                and (state_dict is None or prefix + "values" in state_dict or prefix + "meta" in state_dict):
+            self._refuse_sharded("give or take state dict entries (layout v1's)", prefix[:-1])
+
     def _save_to_state_dict(self, destination, prefix, keep_vars):
+        self._refuse_sharded_entries(None, prefix)
         super()._save_to_state_dict(destination, prefix, keep_vars)
         if self._mode == "compressed" and self._layout == "decode":  # checkpoints hold layout v1, always
             p = self.sparse_tensor()
@@ -363,6 +371,11 @@ class StateDictMixin:
         # only when they bring values or meta (the two tensors whose layouts differ; a non-strict load of other
         # modules' entries, as PEFT's adapter load, re-packed every layer). Loaded in place (not assign=True),
         # the re-packed data goes into the tensors held before, as in layout v1 (_keep_decode_tensors).
+        try:
+            self._refuse_sharded_entries(state_dict, prefix)
+        except RuntimeError as e:   # (torch reports error_msgs at the end of the load)
+            error_msgs.append(str(e))
+            return
         repack = prefix + "values" in state_dict or prefix + "meta" in state_dict
         with self._repacked_in_place(repack, keep=not local_metadata.get("assign_to_params_buffers", False)):
             self._load_v1(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
@@ -506,10 +519,7 @@ def _whole_model_check(model, state_dict, prefix, local_metadata, strict, missin
             continue  # a module that may rewrite its entries: torch and it decide (about its subtree only)
         if isinstance(m, StateDictMixin):
             try:
-                if m._mode == "compressed" and m._layout == "decode" \
-                        and (fqn + "values" in state_dict or fqn + "meta" in state_dict):
-                    # (sharded in the decode layout: refused here, before any module copies, not by the layer)
-                    m._refuse_sharded("give or take state dict entries (layout v1's)", fqn[:-1])
+                m._refuse_sharded_entries(state_dict, fqn)   # (here: before any module copies)
                 dense_dtype = None
                 if m.pending and m._has_dense_entry_only(state_dict, fqn):
                     dense_dtype = m._fill_from_dense(state_dict, fqn)
