@@ -16,8 +16,7 @@ from torch import nn
 from torch.nn.parameter import is_lazy
 from torch.nn.utils import parametrize
 
-# _SWAPPABLE and _swappable live there (prune_layerwise_ shares them) and are re-exported here for learn.learned_masks
-from ..masks.kept_dense import _SWAPPABLE, _is_linear, _swappable, _tied_or_head, _unswappable  # noqa: F401
+from ..masks.kept_dense import _is_linear, _tied_or_head, _unswappable
 from ..nn import Sparse24Linear, compressed_nbytes, linear_shape, memory_nbytes
 from ..nn.sharded import is_dtensor
 from ..nn.state import guard_loading

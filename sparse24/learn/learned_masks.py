@@ -14,8 +14,8 @@ from torch import nn
 from .._checks import check_model
 from .._progress import progress_bar, progress_enabled
 from ..api import MIN_FEATURES, SparsifyReport, sparsify_
-from ..api.walk import _SWAPPABLE, _child_slots, _direct_readers, _swappable, _Undo
-from ..masks.kept_dense import _is_linear
+from ..api.walk import _child_slots, _direct_readers, _Undo
+from ..masks.kept_dense import _SWAPPABLE, _is_linear, _swappable
 from ..masks import LearnableMask
 from ..nn import Sparse24Linear
 from ..nn.prepare import _linear_weight
