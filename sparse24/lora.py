@@ -89,19 +89,23 @@ def _requested_variants(config) -> list[str]:
     return found
 
 
+def _inside_adapters(model) -> set[str]:
+    """The names of the modules inside PEFT adapter layers (their base layers, their adapters), which PEFT
+    does not target again."""
+    return {f"{p}.{s}" for p, m in model.named_modules() if isinstance(m, BaseTunerLayer)
+            for s, _ in m.named_modules() if s}
+
+
 def _check_targets(config, model) -> None:
     """Refuse a LoRA config that 2:4 layers cannot take, before PEFT replaces any layer: PEFT's own
     refusal came from inside its injection loop, after the dense targets met first were wrapped (or, for
     PiSSA & co., rewritten)."""
     if getattr(config, "peft_type", None) != PeftType.LORA or getattr(config, "target_modules", None) is None:
         return
-    variants = _requested_variants(config)
-    inside = set()   # the modules inside existing adapter layers, which PEFT skips as well
+    variants, inside = _requested_variants(config), _inside_adapters(model)
     for name, module in model.named_modules():
         if not name or name in inside:
             continue
-        if isinstance(module, BaseTunerLayer):
-            inside |= {f"{name}.{s}" for s, _ in module.named_modules() if s}
         if not (_sparse24_base(module) and tuners_utils.check_target_module_exists(config, name)):
             continue
         where = f"target {name!r} is a 2:4 Sparse24Linear (nothing was changed): "
@@ -256,8 +260,7 @@ def register() -> None:
             if wanted:
                 get = getattr(model, "get_output_embeddings", None)
                 head = get() if callable(get) else None
-                inside = {f"{p}.{s}" for p, m in model.named_modules() if isinstance(m, BaseTunerLayer)
-                          for s, _ in m.named_modules() if s}
+                inside = _inside_adapters(model)
                 peft_config.target_modules = set(peft_config.target_modules) | {
                     n for n, m in model.named_modules()
                     if isinstance(m, Sparse24Linear) and m is not head and n not in inside}
