@@ -654,19 +654,22 @@ def from_pretrained(cls, path: str | os.PathLike, **kwargs) -> nn.Module:
     if ours and os.path.isdir(folder) and (given or os.path.isfile(os.path.join(folder, "config.json"))):
         check_folder(folder, cls, config if given else None, bool(kwargs.get("ignore_mismatched_sizes")))
         if not given:
-            config = read_config(folder, cls)
-            section = _tower_section(config, folder)
-            if section is not None:  # a tower of a two-tower folder: transformers would load it without the section
-                config.quantization_config = section
+            config, tower = _folder_config(folder, cls)
+            if tower:  # a tower of a two-tower folder: transformers would load it without the section
                 kwargs = {**_onto_config(config, kwargs), "config": config}
     return cls.from_pretrained(path, **kwargs)
 
 
-def _tower_section(config, folder) -> dict | None:
-    """``folder``'s sparse24 section when ``config`` (``folder/config.json`` as a model class reads it) has none:
-    a tower's config class (``CLIPVisionConfig``, ``SiglipTextConfig``) reads only its part of a two-tower
-    folder's config.json (``vision_config``), and transformers gives that no ``quantization_config``."""
-    return read_section(folder) if getattr(config, "quantization_config", None) is None else None
+def _folder_config(folder, cls) -> tuple:
+    """``(config, tower)``: ``folder/config.json`` as ``cls`` reads it (:func:`read_config`), given the folder's
+    sparse24 section where it has none (``tower`` True): a tower's config class (``CLIPVisionConfig``,
+    ``SiglipTextConfig``) reads only its part of a two-tower folder's config.json (``vision_config``), and
+    transformers gives that no ``quantization_config``."""
+    config = read_config(folder, cls)
+    section = read_section(folder) if getattr(config, "quantization_config", None) is None else None
+    if section is not None:
+        config.quantization_config = section
+    return config, section is not None
 
 
 def _onto_config(config, kwargs: dict) -> dict:
@@ -819,10 +822,7 @@ def check_folder(folder: str | os.PathLike, cls, config=None, ignore_mismatched_
     _check_loadable_dtypes(headers)
     path = os.path.join(folder, "config.json") if config is None else "the config given to from_pretrained"
     if config is None:
-        config = read_config(folder, cls)
-        section = _tower_section(config, folder)
-        if section is not None:  # (see from_pretrained)
-            config.quantization_config = section
+        config = _folder_config(folder, cls)[0]
     check_blocks(config, headers, folder, path)
     layers_24 = _layers_24(config, headers, path)
     try:
