@@ -382,15 +382,14 @@ def prune_layerwise_(model: nn.Module, batches, n: int = 2, m: int = 4, method: 
     # hook sees their inputs. Named once, not left out without a word; none at all changes nothing.
     called = {fqn for fqn, _ in calls}
     uncalled = [fqn for fqn in names.values() if fqn not in called]
+    shown = f"{uncalled[:5]}" + (f" and {len(uncalled) - 5} more" if len(uncalled) > 5 else "")
     if uncalled and not called:
-        raise ValueError(f"prune_layerwise_: the model calls none of the selected layers ({uncalled[:5]}"
-                         + (f" and {len(uncalled) - 5} more" if len(uncalled) > 5 else "") + "): their parents "
+        raise ValueError(f"prune_layerwise_: the model calls none of the selected layers ({shown}): their parents "
                          "read the weights directly or the model never runs them, so there are no inputs to "
                          "calibrate them on; sparsify_ prunes them by magnitude (nothing was changed)")
     if uncalled:
-        warnings.warn(f"prune_layerwise_: layer(s) {uncalled[:5]}" + (f" and {len(uncalled) - 5} more" if
-                      len(uncalled) > 5 else "") + " are never called on these batches (their parent reads the "
-                      "weight directly, as WavLM's attention does, or the model does not run them): no inputs to "
+        warnings.warn(f"prune_layerwise_: layer(s) {shown} are never called on these batches (their parent reads "
+                      "the weight directly, as WavLM's attention does, or the model does not run them): no inputs to "
                       "calibrate them on, so they stay dense here and are not in the result; sparsify_ afterwards "
                       "prunes them by magnitude, or leave them out with filter_fn", stacklevel=2)
     once = len(called) == len(calls)  # every layer called once per forward
