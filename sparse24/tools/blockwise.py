@@ -92,7 +92,7 @@ def _check_batches(batches) -> list[torch.Tensor]:
     refuse_single_batch(batches)
     batches = list(batches)
     if not batches:
-        raise ValueError(f"pruning block by block with calibration needs at least one batch of token ids")
+        raise ValueError("pruning block by block with calibration needs at least one batch of token ids")
     for i, b in enumerate(batches):
         if not isinstance(b, torch.Tensor) or b.dim() != 2 or b.dtype not in (torch.int64, torch.int32):
             raise TypeError(f"batch {i} must be a (B, L) int64 tensor of token ids, got "
