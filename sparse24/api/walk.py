@@ -4,6 +4,7 @@ tied weights, the output head, layers too small, modules not handled), and
 swapping children in a way that can be undone (all or nothing)."""
 from __future__ import annotations
 
+import ast
 import functools
 import inspect
 import re
@@ -19,7 +20,7 @@ from torch.nn.utils import parametrize
 from ..masks.kept_dense import _is_linear, _tied_or_head, _unswappable
 from ..nn import Sparse24Linear, compressed_nbytes, linear_shape, memory_nbytes
 from ..nn.sharded import is_dtensor
-from ..nn.state import guard_loading
+from ..nn.state import _whole_model_check, guard_loading
 from .report import LayerReport
 
 FilterFn = Callable[[nn.Module, str], bool]
@@ -57,9 +58,13 @@ def _child_slots(model: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:
     return slots
 
 
-# nn.Module's tables of per-module hooks (a user's activation or gradient hooks), which a swap carries over
+# nn.Module's tables of per-module hooks (a user's activation, gradient or state_dict hooks), which a swap carries
+# over: torch calls each with the module that holds it, now the new one (state_dict hooks see its own entries:
+# weight + mask, or values + meta). load_state_dict pre-hooks are not carried: such a layer is not swapped
+# (_load_hooks_reason).
 _HOOK_TABLES = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",
-                "_forward_hooks_always_called", "_backward_pre_hooks", "_backward_hooks")
+                "_forward_hooks_always_called", "_backward_pre_hooks", "_backward_hooks",
+                "_state_dict_pre_hooks", "_state_dict_hooks", "_load_state_dict_post_hooks")
 
 
 def _set_child(parent: nn.Module, name: str, new: nn.Module) -> None:
@@ -73,7 +78,7 @@ class _Undo:
         self._steps: list[Callable[[], None]] = []
 
     def replace(self, slots, old: nn.Module, new: nn.Module) -> None:
-        """Put ``new`` in every slot holding ``old``, with ``old``'s forward and backward hooks."""
+        """Put ``new`` in every slot holding ``old``, with ``old``'s hooks (:data:`_HOOK_TABLES`)."""
         for parent, name in slots[id(old)]:
             self._steps.append(lambda parent=parent, name=name: parent._modules.__setitem__(name, old))
             _set_child(parent, name, new)
@@ -99,7 +104,8 @@ class _Undo:
 
 def _direct_readers(model: nn.Module) -> dict[int, str]:
     """id(child Linear) -> why its weight is read directly by its parent: the known readers, and
-    any parent whose methods' source reads ``self.<child>.weight`` (:func:`_forward_weight_reads`:
+    any module whose methods' source reads ``self.<path>.weight`` of a module below it (``self.fc``,
+    ``self.block.fc``, ``self.layers[1]``, every layer of ``self.heads[k]``; :func:`_forward_weight_reads`:
     T5's feed-forward casts to ``self.wo.weight.dtype`` in its forward, WavLM's attention passes
     ``self.q_proj.weight`` to ``F.multi_head_attention_forward`` in a helper its forward calls: a
     compressed layer has no ``weight``, so such a child stays in masked mode)."""
@@ -119,10 +125,37 @@ def _reader_paths(mod: nn.Module) -> dict[str, tuple[str, bool]]:
     for cls, (*names, why) in _DIRECT_READERS.items():
         if isinstance(mod, cls):
             out.update((n, (why, True)) for n in names)
-    for n, where in _forward_weight_reads(type(mod)).items():
-        if mod._modules.get(n) is not None:
-            out.setdefault(n, (f"{where} reads self.{n}.weight", False))
+    for expr, where in _forward_weight_reads(type(mod)).items():
+        for path in _read_paths(mod, expr):
+            out.setdefault(path, (f"{where} reads self.{expr}.weight", False))
     return out
+
+
+def _read_paths(mod: nn.Module, expr: str) -> list[str]:
+    """The paths below ``mod`` (as :func:`_submodule` takes them) of the modules a read of
+    ``self.<expr>.weight`` may reach: ``expr`` is attribute names and subscripts (``block.fc``,
+    ``layers[1]``, ``heads['q']``). A literal index picks one child (by position: ``nn.ModuleList``,
+    ``nn.Sequential``), a literal key one child by name (``nn.ModuleDict``); any other subscript
+    (``heads[k]``) every child of that container, since which one is read is known only at run time."""
+    found = [("", mod)]
+    for name, index in _STEP.findall(expr):
+        step = []
+        for path, m in found:
+            kids = list(m._modules.items())
+            if name:
+                kids = [(name, m._modules.get(name))]
+            else:
+                try:
+                    key = ast.literal_eval(index)
+                except (ValueError, SyntaxError):
+                    key = None   # a variable, an expression: any child
+                if isinstance(key, int) and not isinstance(key, bool):
+                    kids = kids[key:key + 1] if key >= 0 else kids[key:][:1]
+                elif isinstance(key, str):
+                    kids = [(key, m._modules.get(key))]
+            step += [(f"{path}.{n}" if path else n, c) for n, c in kids if c is not None]
+        found = step
+    return [path for path, _ in found]
 
 
 def _submodule(mod: nn.Module, path: str) -> nn.Module | None:
@@ -217,11 +250,14 @@ def _hook_owner(model: nn.Module, fqn: str) -> str:
 _WEIGHT_READS: "weakref.WeakKeyDictionary[type, dict]" = weakref.WeakKeyDictionary()
 # class -> the reads of the functions defined in its own body (shared by its subclasses' lookups)
 _OWN_READS: "weakref.WeakKeyDictionary[type, dict]" = weakref.WeakKeyDictionary()
-_READ = re.compile(r"self\.(\w+)\.weight\b")
+# self.<path>.weight: attribute names with subscripts (self.fc, self.block.fc, self.layers[1], self.heads[k])
+_READ = re.compile(r"self\.(\w+(?:\[[^\[\]\n]*\])*(?:\.\w+(?:\[[^\[\]\n]*\])*)*)\.weight\b")
+_STEP = re.compile(r"(\w+)|\[([^\[\]\n]*)\]")   # one attribute name, or one subscript's text
 
 
 def _forward_weight_reads(cls: type) -> dict[str, str]:
-    """Child name -> where (``Class.method``) the source of ``cls`` reads ``self.<name>.weight``: its
+    """Path read -> where (``Class.method``) the source of ``cls`` reads ``self.<path>.weight`` (``fc``,
+    ``block.fc``, ``layers[1]``, ``heads[k]``, spaces removed; :func:`_read_paths` finds the modules): its
     ``forward`` and every other method, property and static/class method defined on it or on its bases
     below ``nn.Module``, as a forward may hand the weights on from a helper it calls (WavLM's attention,
     Reformer's ``_query_per_attn_head``). Left out: construction and (re-)initialization methods
@@ -257,6 +293,7 @@ def _own_weight_reads(c: type) -> dict[str, str]:
             except (OSError, TypeError):
                 continue
             for name in _READ.findall(src):
+                name = re.sub(r"\s+", "", name)  # (self.heads[ k ]: one expression however spaced)
                 if name not in found or attr == "forward":
                     found[name] = f"{c.__name__}.{attr}"
         _OWN_READS[c] = found
@@ -322,6 +359,19 @@ def _too_small(mod: nn.Module, min_features: int) -> str:
     return f"smaller than min_features={min_features} ({R}x{C}): too small to gain" if min(R, C) < min_features else ""
 
 
+def _load_hooks_reason(mod: nn.Module) -> str:
+    """Why a layer with load_state_dict pre-hooks is not swapped, else "". Such a hook renames or converts
+    the layer's entries (an old checkpoint's names) before nn.Module copies them, but a 2:4 layer checks
+    its entries before its hooks run (and the whole model's before any), holds other entries than
+    ``weight``, and a hook registered with its module would be handed the old layer: carried over it
+    could not work, dropped it would be lost without a word."""
+    hooks = [h for h in mod._load_state_dict_pre_hooks.values() if getattr(h, "hook", h) is not _whole_model_check]
+    if not hooks:
+        return ""
+    return (f"has {len(hooks)} load_state_dict pre-hook(s) (e.g. renaming old checkpoint keys), which a 2:4 layer "
+            "cannot run (it checks and holds other entries than 'weight'); remove them to prune this layer")
+
+
 EXCLUDED_BY = "excluded by filter_fn"  # the reason a layer filter_fn rejects is skipped
 
 
@@ -330,6 +380,8 @@ def _skip_reason(fqn, mod, filter_fn, min_features, shared, readers, heads, meth
     if not fqn:
         return "the model itself is this Linear (no parent to swap it in); use Sparse24Linear.from_linear"
     if why := _unswappable(mod):   # (prune_layerwise_ keeps these dense with the same words)
+        return why
+    if why := _load_hooks_reason(mod):
         return why
     if filter_fn is not None and not filter_fn(mod, fqn):
         return EXCLUDED_BY

@@ -22,15 +22,18 @@ _SWAPPABLE = (nn.Linear, nn.modules.linear.NonDynamicallyQuantizableLinear)
 
 
 def _shared_weights(model: nn.Module) -> dict[int, list[str]]:
-    """id(parameter) -> the qualified names of every parameter sharing memory with it: the same
-    Parameter registered twice or more, or Parameters sharing elements of one storage (a tie that
-    ``load_state_dict(assign=True)`` made into two Parameter objects on one storage); only those.
-    Element-disjoint views of one buffer (a flat buffer, q/k/v as strided views of a fused weight) are
-    not shared."""
+    """id(parameter or buffer) -> the qualified names of every parameter or buffer sharing memory
+    with it: the same Parameter registered twice or more, Parameters sharing elements of one storage
+    (a tie that ``load_state_dict(assign=True)`` made into two Parameter objects on one storage), or
+    a buffer over a Parameter's memory (a frozen ``weight.detach()`` used as a lookup table, named
+    ``buffer <name>``: pruning the weight would write it too); only those. Element-disjoint views of
+    one buffer (a flat buffer, q/k/v as strided views of a fused weight) are not shared."""
     names: dict[int, list[str]] = {}
-    spans = []  # (device, first byte, end byte, parameter) of each parameter holding memory
+    spans = []  # (device, first byte, end byte, tensor) of each parameter and buffer holding memory
     for fqn, mod in model.named_modules():
-        for pname, p in mod._parameters.items():
+        tensors = [(n, p, "") for n, p in mod._parameters.items()] + \
+                  [(n, b, "buffer ") for n, b in mod._buffers.items()]
+        for pname, p, kind in tensors:
             if p is None:
                 continue
             if id(p) not in names:
@@ -38,7 +41,7 @@ def _shared_weights(model: nn.Module) -> dict[int, list[str]]:
                 span = _byte_span(p)
                 if span is not None:
                     spans.append((*span, p))
-            names[id(p)].append(f"{fqn}.{pname}" if fqn else pname)
+            names[id(p)].append(kind + (f"{fqn}.{pname}" if fqn else pname))
     group = {k: k for k in names}  # id -> a parent id in its group (union-find)
 
     def root(k: int) -> int:

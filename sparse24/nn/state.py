@@ -79,8 +79,12 @@ def check_state(self, sd: dict, prefix: str) -> None:
         raise ValueError("got a masked-mode checkpoint (weight + mask) for a compressed layer; load it "
                          "into the masked model, then compress_ (or decompress_ this model first)")
     elif self._mode == "masked" and has >= {"values", "meta"}:
-        raise ValueError("got a compressed checkpoint (values + meta) for a masked-mode layer; "
-                         "compress_ this model before loading (or decompress_ it after)")
+        raise ValueError("got a compressed checkpoint (values + meta) for a masked-mode layer; compress_ this "
+                         "model before loading (or decompress_ it after). If compress_ keeps this layer masked (its "
+                         "report: 'kept in masked mode': its parent reads .weight directly), it takes no compressed "
+                         "entries: the checkpoint was written for a model without that reader (`python -m sparse24 "
+                         "prune` of a raw state dict sees no code); prune this model itself instead (sparsify_, or "
+                         "`prune` of its Hugging Face folder)")
     elif self._mode == "compressed" and has >= {"values", "meta"} and _quant_mismatch(self, has) and not (
             has < want and _non_strict_call()):  # (a shard may end right after meta: _check_part checks the part)
         raise ValueError(_quant_mismatch(self, has))

@@ -78,11 +78,21 @@ def _refused_unpickling(e: Exception) -> str:
             "sparse24 loads only tensors and never unpickles arbitrary objects, which can run code")
 
 
+# A raw state dict whose keys show LongT5 (its encoder's attention), whose gated feed-forward reads no weight
+_LONGT5 = re.compile(r"\.(LocalSelfAttention|TransientGlobalSelfAttention)\.")
+
+
 def _direct_reader(prefix: str, sd: dict) -> str:
-    """Why ``prefix`` (a Linear's name) must stay in masked mode, mirroring
-    ``sparse24.api``: parents that read the child's ``.weight`` directly."""
+    """Why ``prefix`` (a Linear's name) must stay in masked mode, mirroring ``sparse24.api``: parents
+    that read the child's ``.weight`` directly, known by name only (a raw state dict shows no code):
+    nn.MultiheadAttention, nn.TransformerEncoderLayer and the T5 family's feed-forward."""
     parent, _, leaf = prefix.rpartition(".")
     head = parent + "." if parent else ""
+    # T5, mT5, UMT5, LongT5, UDOP, Pop2Piano, SwitchTransformers, Pix2Struct, Kosmos-2.5 (transformers):
+    # the feed-forward's forward casts to self.wo.weight.dtype (LongT5's gated one alone does not)
+    if leaf == "wo" and (head + "wi.weight" in sd or head + "wi_0.weight" in sd and head + "wi_1.weight" in sd
+                         and not any(_LONGT5.search(k) for k in sd)):
+        return "the T5 family's feed-forward reads wo.weight in its forward (transformers)"
     if leaf == "out_proj" and (head + "in_proj_weight" in sd or head + "q_proj_weight" in sd):
         return "nn.MultiheadAttention reads out_proj.weight in its functional forward"
     # (a decoder layer holds self_attn.in_proj_weight too, and a cross-attention, and has no fast path)
@@ -114,8 +124,10 @@ def prune_state_dict(sd: dict, method: str = "magnitude", quantize: str | None =
       ``(R, ceil(C/group_size))`` fp16, zero points when asymmetric, and ``group_size``),
       replacing ``<prefix>.weight``;
     * layers whose parent reads ``.weight`` directly (``nn.MultiheadAttention.out_proj``,
-      ``nn.TransformerEncoderLayer.linear1/2``) stay in masked mode, as ``sparsify_``
-      keeps them: ``<prefix>.weight`` (zeros where pruned) + ``<prefix>.mask`` (bool).
+      ``nn.TransformerEncoderLayer.linear1/2``, the T5 family's feed-forward ``wo``) stay in
+      masked mode, as ``sparsify_`` keeps them: ``<prefix>.weight`` (zeros where pruned) +
+      ``<prefix>.mask`` (bool). A state dict shows no code: other direct readers are not
+      seen (prune a Hugging Face model folder, or ``sparsify_`` the model, for those).
 
     Everything else is copied unchanged.
 
@@ -344,6 +356,7 @@ def cmd_prune(args) -> int:
     if out.suffix == ".safetensors" and importlib.util.find_spec("safetensors") is None:
         raise CLIError("writing .safetensors needs the safetensors package: pip install 'sparse24[hf]'", 1)
     sd, wrapper = _load_state_dict(args.checkpoint)
+    sd, restored = _restore_ties(src, sd)
     odd = next((k for k, v in sd.items() if v.layout != torch.strided), None) if out.suffix == ".safetensors" else None
     if odd is not None:
         raise CLIError(f"--out {out}: safetensors stores dense tensors only, and {odd!r} is a "
@@ -361,8 +374,33 @@ def cmd_prune(args) -> int:
         write_together({out: lambda p: _save_state_dict(new, p)})  # a failed write leaves an existing file whole
     _print_prune_table(f"{_prog()} prune {args.checkpoint}" + (f" (state dict under '{wrapper}')" if wrapper else "")
                        + settings, report, out, src.stat().st_size)
+    if restored:
+        print(f"  tied names the file left out (safetensors save_model; its metadata names them), written again: "
+              f"{', '.join(restored)}")
     print(_load_hint(report, quant, args.min_features, out))
     return 0
+
+
+def _restore_ties(path: Path, sd: dict) -> tuple[dict, list[str]]:
+    """``sd`` with the tied names ``safetensors.torch.save_model`` left out of the file at ``path`` put back
+    (each the very tensor of the name it was tied to, after it), and ``["removed = kept", ...]``.
+    save_model stores one copy of tensors sharing memory and records each name it drops in the file's
+    metadata (``{removed: kept}``). Without them the pair looks untied: the copy kept would be pruned,
+    while ``sparsify_`` keeps a tied layer dense, and the model's load would miss the names dropped."""
+    if path.suffix != ".safetensors":
+        return sd, []
+    from safetensors import safe_open
+    with safe_open(str(path), "pt") as f:
+        meta = f.metadata() or {}
+    # (a user's metadata may name a tensor too: only a name of the same kind, weight for weight, is a tie)
+    ties = {k: v for k, v in meta.items() if k not in sd and v in sd and k.rpartition(".")[2] == v.rpartition(".")[2]}
+    if not ties:
+        return sd, []
+    out = {}
+    for k, t in sd.items():
+        out[k] = t
+        out.update((removed, t) for removed, kept in ties.items() if kept == k)
+    return out, [f"{removed} = {kept}" for removed, kept in ties.items()]
 
 
 def _prune_folder(args, src: Path, out: Path, settings: str) -> int:
