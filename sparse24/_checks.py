@@ -5,6 +5,8 @@ Each raises a clear TypeError/ValueError naming what is wrong and changes nothin
 from __future__ import annotations
 
 import copy
+import math
+import numbers
 import os
 import sys
 import warnings
@@ -18,9 +20,9 @@ try:
 except ImportError:  # a torch build without torch.distributed: nothing is ever sharded
     DTensor = ()
 
-__all__ = ["FLOAT_DTYPES", "check_bool", "check_weight", "check_nm", "check_mask", "check_model", "check_separate_teacher",
-           "check_finite", "computable", "local_piece", "refuse_dtensor", "refuse_meta", "row_chunks",
-           "safetensors_headers", "refuse_single_batch", "warn_user"]
+__all__ = ["FLOAT_DTYPES", "check_bool", "check_seed", "check_nonnegative", "check_weight", "check_nm", "check_mask",
+           "check_model", "check_separate_teacher", "check_finite", "computable", "local_piece", "refuse_dtensor",
+           "refuse_meta", "row_chunks", "safetensors_headers", "refuse_single_batch", "warn_user"]
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -34,6 +36,23 @@ def check_bool(v, name: str) -> bool:
         return bool(v)
     raise TypeError(f"{name} must be a bool, got {type(v).__module__}.{type(v).__qualname__} {v!r}"
                     if type(v).__module__ != "builtins" else f"{name} must be a bool, got {type(v).__name__} {v!r}")
+
+
+def check_seed(seed, name: str = "seed") -> int:
+    """``seed`` as an int (a numpy int made a Python one, which ``torch.Generator().manual_seed`` needs):
+    ValueError for anything else, or outside the 64 bits a generator takes (None, ``"0"``, 1.5 or a bool
+    reached ``manual_seed`` before, whose RuntimeError names no argument)."""
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not -2**63 <= seed < 2**64:
+        raise ValueError(f"{name} must be an int (64 bits: -2**63 <= {name} < 2**64), got {seed!r}")
+    return int(seed)
+
+
+def check_nonnegative(v, name: str) -> float:
+    """``v`` as a float: ValueError unless it is a finite number >= 0 (bools, strings, NaN and inf
+    refused)."""
+    if isinstance(v, bool) or not isinstance(v, numbers.Real) or not 0 <= v < math.inf:
+        raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
+    return float(v)
 
 
 def refuse_meta(t, name: str) -> None:

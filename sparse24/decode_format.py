@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ._checks import row_chunks
+from ._checks import check_bool, row_chunks
 from .format import Sparse24Tensor, _pack_meta, check_group_size
 
 __all__ = ["DecodePacked", "pack_decode", "decode_dims", "DECODE_LAYOUT_VERSION"]
@@ -86,7 +86,13 @@ _DEC_CODE_BIT = (0, 1, 3, 2)  # slot -> bit of the group's 4-bit keep mask
 
 
 def decode_dims(R: int, C: int) -> tuple[int, int, int]:
-    """``(NT, KA, KM)``: padded row tiles, atoms, and atoms of meta storage."""
+    """``(NT, KA, KM)``: padded row tiles, atoms, and atoms of meta storage.
+
+    Args:
+        R, C: the logical ``(R, C)`` shape of the weight.
+    Returns:
+        ``NT = 8 * ceil(R / 128)``, ``KA = ceil(C / 64)``, ``KM = 16 * ceil(KA / 16)`` (see :class:`DecodePacked`).
+    """
     NT = -(-R // _DEC_ROW_ALIGN) * (_DEC_ROW_ALIGN // _DEC_ROWS)
     KA = -(-C // _DEC_COLS)
     return NT, KA, -(-KA // _DEC_META_ALIGN) * _DEC_META_ALIGN
@@ -121,6 +127,12 @@ class DecodePacked:
     values and meta must be contiguous and start at 4-byte aligned addresses
     (the kernel reads 32-bit words). Build one with :func:`pack_decode`;
     :meth:`to_sparse24` is its exact inverse.
+
+    Args:
+        values, meta, shape, dtype, scale, zero, group_size: the attributes above.
+        check: also check the alignment and validate the bytes (:meth:`validate`; default True).
+            False skips both (tensors made here, or FakeTensors under tracing); shapes, dtypes,
+            devices and contiguity are checked either way.
     """
 
     version = DECODE_LAYOUT_VERSION
@@ -179,7 +191,23 @@ class DecodePacked:
         """An uninitialized (R, C) weight of this layout: right shapes, dtypes and
         alignment, storage never written or checked. Only for what reads shapes
         (ahead-of-time compiles, host-side benchmarks with the launch stubbed).
-        ``group_size``: an INT4 weight of that group size (``symmetric=False``: with zero points)."""
+
+        Args:
+            R, C: the logical shape (ints >= 0, ``C`` divisible by 4).
+            dtype: the 16-bit values' dtype (float16 or bfloat16; unused when quantized).
+            int8: a bool: an INT8 weight (logical dtype float32).
+            device: where every tensor is allocated.
+            group_size: an INT4 weight of that group size (32, 64 or 128; not with ``int8``).
+            symmetric: INT4 only: False adds zero points.
+        """
+        int8, symmetric = check_bool(int8, "int8"), check_bool(symmetric, "symmetric")
+        if group_size is not None:
+            check_group_size(group_size)   # (0 divided by zero, -1 made a negative dimension)
+            if int8:
+                raise ValueError("int8=True and group_size (INT4) exclude each other")
+        for name, v in (("R", R), ("C", C)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {v!r}")
         NT, KA, KM = decode_dims(R, C)
         zero = None
         if group_size is not None:
@@ -219,7 +247,14 @@ class DecodePacked:
                f"device={self.device})"
 
     def to(self, device) -> "DecodePacked":
-        """A copy of this weight with every tensor moved to ``device`` (same layout and shapes)."""
+        """A copy of this weight with every tensor moved to ``device`` (same layout, shapes and dtypes).
+        There is no dtype cast (``torch.Tensor.to(dtype)``): a dtype is a TypeError, as the layout fixes
+        its tensors' dtypes; cast the :meth:`to_sparse24` result and pack that."""
+        if isinstance(device, torch.dtype):   # it reached .to(device) and cast the int32 meta
+            raise TypeError(f"DecodePacked.to takes a device, not a dtype ({device}): the layout fixes its "
+                            "tensors' dtypes; use to_sparse24().to(dtype=...) and pack_decode that")
+        if not isinstance(device, (str, int, torch.device)):
+            raise TypeError(f"DecodePacked.to: device must be a torch.device, str or int, got {type(device).__name__}")
         scale, zero = (None if t is None else t.to(device) for t in (self.scale, self.zero))
         return DecodePacked(self.values.to(device), self.meta.to(device), self.shape, self.dtype, scale, zero=zero,
                             group_size=self.group_size, check=False)

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._checks import call_with_batch, check_model, refuse_single_batch
+from ._checks import call_with_batch, check_bool, check_model, refuse_single_batch
 from .learn.objective import _output_tensor
 
 __all__ = ["mean_pool", "sentence_embeddings", "embedding_fidelity", "bits_per_char"]
@@ -67,6 +67,7 @@ def mean_pool(hidden: torch.Tensor, mask: torch.Tensor | None = None, normalize:
     if not isinstance(hidden, torch.Tensor) or hidden.dim() != 3:
         got = tuple(hidden.shape) if isinstance(hidden, torch.Tensor) else type(hidden).__name__
         raise ValueError(f"mean_pool: hidden must be a (B, L, D) tensor, got {got}")
+    normalize = check_bool(normalize, "normalize")   # ("False" from a config file normalized)
     # at least fp32: in fp16 a long sentence's sum overflows and clamp(min=1e-9) underflows to 0 (0/0 = NaN)
     h = hidden.to(torch.promote_types(hidden.dtype, torch.float32))
     if mask is None:
@@ -110,6 +111,7 @@ def sentence_embeddings(model: nn.Module, batches, token_mask: Callable | None =
     check_model(model, None)
     refuse_single_batch(batches)
     _check_token_mask(token_mask)
+    normalize = check_bool(normalize, "normalize")
     with _EvalMode(model), torch.no_grad():
         out = [_embed(model, b, i, token_mask, normalize) for i, b in enumerate(batches)]
     _check_nonempty(out, batches)

@@ -396,7 +396,16 @@ class Sparse24Tensor:
 
     def to(self, device=None, dtype: torch.dtype | None = None) -> "Sparse24Tensor":
         """Move to ``device`` and/or cast the (unquantized) values to ``dtype``
-        (a quantized tensor changes only its logical dtype)."""
+        (a quantized tensor changes only its logical dtype). As with ``torch.Tensor.to``,
+        a dtype may come first alone: ``p.to(torch.bfloat16)``. The int32 ``meta`` (and the
+        scales and zero points) keep their dtypes; every shape stays the same."""
+        if isinstance(device, torch.dtype):   # to(dtype): it reached .to(device) and cast the int32 meta
+            if dtype is not None:
+                raise TypeError(f"Sparse24Tensor.to got two dtypes ({device} and dtype={dtype}): pass the device first")
+            device, dtype = None, device
+        if device is not None and not isinstance(device, (str, int, torch.device)):
+            raise TypeError(f"Sparse24Tensor.to: device must be a torch.device, str or int, got "
+                            f"{type(device).__name__} (cast with dtype=)")
         values = self.values.to(device)
         if dtype is not None and dtype != self.dtype:
             if dtype not in FLOAT_DTYPES:

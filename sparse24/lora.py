@@ -137,9 +137,22 @@ class Sparse24LoraLinear(LoraLinear):
 
     @property
     def lora_variants(self):
+        """PEFT's variant table of this layer: none. DoRA and the other variants read the base's dense
+        weight: a LoraConfig asking for one on a 2:4 target is refused before PEFT changes anything."""
         return {(): None}  # DoRA & co. read the dense base weight
 
     def update_layer(self, adapter_name, r, lora_alpha, config, **kwargs):
+        """Add the adapter ``adapter_name`` (PEFT's ``LoraLayer.update_layer``; a second adapter comes here).
+
+        Args:
+            adapter_name: the adapter's name.
+            r, lora_alpha: its rank and scaling numerator (``lora_A`` ``(r, in_features)``,
+                ``lora_B`` ``(out_features, r)``).
+            config: its ``LoraConfig``; an ``init_lora_weights`` that rewrites the base weight (PiSSA,
+                CorDA, OLoRA, MiCA, LoftQ, LoRA-GA) is a ValueError, nothing changed. ``"orthogonal"`` draws PEFT's
+                numbers without reading the base weight (absent in compressed mode).
+            **kwargs: passed on to PEFT.
+        """
         _check_init(config)   # (a second adapter comes through here, not through __init__)
         if config.init_lora_weights != "orthogonal":
             return super().update_layer(adapter_name, r, lora_alpha, config, **kwargs)

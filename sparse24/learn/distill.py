@@ -9,7 +9,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from .._checks import check_model
+from .._checks import check_model, check_nonnegative
 from .._progress import progress_bar, progress_enabled
 from .objective import (_batch_stream, _check_steps, _failure_note, _nonempty, _Objective, _optimizer_step,
                         _refuse_float16, _rollback_for, _warmup_cosine)
@@ -83,6 +83,10 @@ def distill_(model: nn.Module, batches, steps: int, *, teacher: nn.Module | None
     for name, v in (("lr", lr),):
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf:
             raise ValueError(f"{name} must be a finite number > 0, got {v!r}")
+    # torch's AdamW refuses a negative weight_decay but not NaN, inf or a str (it then failed mid-training);
+    # hidden_weight=inf made the loss NaN at the first step
+    for name, v in (("weight_decay", weight_decay), ("hidden_weight", hidden_weight)):
+        check_nonnegative(v, name)
     for name, v in (("warmup", warmup), ("final_lr", final_lr)):
         if not (isinstance(v, (int, float)) and 0 <= v <= 1):
             raise ValueError(f"{name} must be in [0, 1], got {v!r}")

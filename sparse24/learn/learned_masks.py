@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .._checks import check_model
+from .._checks import check_model, check_nonnegative, check_seed
 from .._progress import progress_bar, progress_enabled
 from ..api import MIN_FEATURES, SparsifyReport, sparsify_
 from ..api.walk import _child_slots, _direct_readers, _Undo
@@ -185,10 +185,10 @@ def learn_masks(model: nn.Module, batches, steps: int, *, loss_fn: Callable | No
         magnitude_reg: weight of the kept-magnitude regulariser.
         train_weights: also train the candidate weights and every other
             trainable parameter of ``model`` (biases, norms, embeddings) with lr
-            ``weight_lr`` and AdamW ``weight_decay`` (on matrices only); not float16 weights (use
-            bfloat16, or float32 weights under ``torch.autocast``).
-        betas, clip: AdamW betas; gradient-norm clipping (None: none) of the weights when they
-            train, else of the logits.
+            ``weight_lr`` and AdamW ``weight_decay`` (a finite number >= 0, on matrices only); not
+            float16 weights (use bfloat16, or float32 weights under ``torch.autocast``).
+        betas, clip: AdamW betas (two numbers in [0, 1)); gradient-norm clipping (None: none) of the
+            weights when they train, else of the logits.
         output_loss: ``"mse"`` (relative), ``"cosine"``, ``"kl"`` or a callable.
         hidden: module names whose outputs are matched layer-wise.
         forward: ``(model, batch) -> output`` (default: ``model(batch)``,
@@ -202,7 +202,7 @@ def learn_masks(model: nn.Module, batches, steps: int, *, loss_fn: Callable | No
         logits_dtype: ``torch.float32`` or ``torch.bfloat16`` (half the memory), or ``torch.float64``;
             not ``torch.float16`` (AdamW cannot train it).
         check_batches: batches for the final prior-vs-learned check (0: none).
-        seed: seeds the Gumbel noise (runs are deterministic for a seed).
+        seed: an int seeding the Gumbel noise (runs are deterministic for a seed).
         callback: ``callback(step, loss)`` after each step.
         progress: a tqdm bar on stderr with the last loss (default None: when stderr is a
             terminal or in a notebook; False: none).
@@ -229,9 +229,11 @@ def learn_masks(model: nn.Module, batches, steps: int, *, loss_fn: Callable | No
     if (not isinstance(noise, (tuple, list)) or len(noise) != 2
             or not all(isinstance(v, (int, float)) and 0 <= v < math.inf for v in noise)):
         raise ValueError(f"noise must be a number >= 0 or (start, end) numbers >= 0, got {noise!r}")
-    for name, v in (("magnitude_reg", magnitude_reg),):
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < math.inf:
-            raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
+    # weight_decay goes into AdamW's param groups, whose values torch does not check (-50 grew the weights)
+    for name, v in (("magnitude_reg", magnitude_reg), ("weight_decay", weight_decay), ("hidden_weight", hidden_weight)):
+        check_nonnegative(v, name)
+    betas = _check_betas(betas)
+    seed = check_seed(seed)   # (it was first read after the prior had pruned every layer)
     if isinstance(confidence, bool) or not isinstance(confidence, (int, float)) or not 0 <= confidence < math.inf:
         raise ValueError(f"confidence must be a finite number >= 0, got {confidence!r}")
     if logits_dtype not in (torch.float32, torch.bfloat16, torch.float64):
@@ -257,7 +259,7 @@ def learn_masks(model: nn.Module, batches, steps: int, *, loss_fn: Callable | No
     if clip is not None and not (isinstance(clip, (int, float)) and clip > 0):
         raise ValueError(f"clip must be None or a number > 0, got {clip!r}")
     objective = _Objective(model, teacher, loss_fn, output_loss, hidden, hidden_weight, forward)  # checks only
-    opt_kwargs = {"lr": lr, "weight_lr": weight_lr, "weight_decay": weight_decay, "betas": tuple(betas), "clip": clip}
+    opt_kwargs = {"lr": lr, "weight_lr": weight_lr, "weight_decay": weight_decay, "betas": betas, "clip": clip}
     # All or nothing: what the call may write (the pruned weights, the weights it trains, buffers) is kept,
     # taken from the teacher's parameters where they hold equal values (our own copy's always do; the
     # teacher's parameters are only read, its buffers may move in train mode).
@@ -279,6 +281,15 @@ def learn_masks(model: nn.Module, batches, steps: int, *, loss_fn: Callable | No
         e.add_note("learn_masks: every layer swap and weight change was undone: the model is as it was before the "
                    "call")
         raise
+
+
+def _check_betas(betas) -> tuple[float, float]:
+    """``betas`` as AdamW's ``(beta1, beta2)``, each in [0, 1): torch checks them only when the optimizer is
+    built, after the prior has pruned every layer."""
+    if (not isinstance(betas, (tuple, list)) or len(betas) != 2
+            or not all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1 for b in betas)):
+        raise ValueError(f"betas must be (beta1, beta2) numbers in [0, 1), got {betas!r}")
+    return float(betas[0]), float(betas[1])
 
 
 def _learn(model, batches, steps, objective, teacher, prior, calibration, tau, hard_fraction, noise, confidence,

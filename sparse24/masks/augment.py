@@ -17,7 +17,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 
-from .._checks import refuse_single_batch
+from .._checks import check_seed, refuse_single_batch
 
 __all__ = ["token_noise"]
 
@@ -47,12 +47,13 @@ def token_noise(batches: Iterable, copies: int = 2, p: float = 0.3, *, vocab, ke
 
     Raises:
         TypeError / ValueError: a batch without integer token ids, a bad ``copies``,
-        ``p`` or ``vocab``; checked for every batch before any copy is made.
+        ``p``, ``vocab`` or ``seed`` (not an int); checked for every batch before any copy is made.
     """
     if isinstance(copies, bool) or not isinstance(copies, int) or copies < 0:
         raise ValueError(f"copies must be an int >= 0, got {copies!r}")
     if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 <= p <= 1:
         raise ValueError(f"p must be a number in [0, 1], got {p!r}")
+    seed = check_seed(seed)
     refuse_single_batch(batches)
     pool = _vocab_ids(vocab)
     keep_ids = torch.as_tensor(list(keep), dtype=torch.long)

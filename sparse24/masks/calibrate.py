@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.utils import parametrize
 
-from .._checks import (KEYWORD_BATCH, call_with_batch, check_model, check_nm, check_separate_teacher,
+from .._checks import (KEYWORD_BATCH, call_with_batch, check_bool, check_model, check_nm, check_separate_teacher,
                        map_keyword_batch, refuse_single_batch)
 from .._rollback import TensorBackup
 from .._progress import progress_bar, progress_enabled
@@ -99,6 +99,7 @@ def calibrate(model: nn.Module, batches, hessian: bool = False, filter_fn=None, 
     check_model(model, filter_fn)
     refuse_single_batch(batches)
     progress = progress_enabled(progress)
+    hessian, stop_early = check_bool(hessian, "hessian"), check_bool(stop_early, "stop_early")
     check_group(group)
     if dtype not in (torch.float32, torch.float64):
         raise TypeError(f"dtype must be torch.float32 or torch.float64, got {dtype}")
@@ -318,6 +319,7 @@ def prune_layerwise_(model: nn.Module, batches, n: int = 2, m: int = 4, method: 
     """
     check_model(model, filter_fn)
     progress = progress_enabled(progress)
+    rollback = check_bool(rollback, "rollback")
     check_group(group)
     error = None
     fit_kw = {k: kwargs[k] for k in _TEACHER_FIT_KWARGS if k in kwargs}   # (the teacher fit's options)

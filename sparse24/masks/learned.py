@@ -21,7 +21,7 @@ import itertools
 import torch
 from torch import nn
 
-from .._checks import check_mask, check_nm
+from .._checks import check_bool, check_mask, check_nm, check_nonnegative
 
 __all__ = ["nm_patterns", "LearnableMask"]
 
@@ -174,12 +174,14 @@ class LearnableMask(nn.Module):
             generator: ``torch.Generator`` for the noise (draws are
                 reproducible for a seed; a CPU generator gives the same draws on
                 any device, a generator on the logits' device avoids a copy).
-            noise: scale of the Gumbel noise (0: no randomness).
+            noise: scale of the Gumbel noise, a finite number >= 0 (0: no randomness).
         Returns:
             ``(R, C)`` fp32 mask.
         """
         if not (isinstance(tau, (int, float)) and tau > 0):
             raise ValueError(f"tau must be a number > 0, got {tau!r}")
+        hard = check_bool(hard, "hard")   # ("False" drew hard masks)
+        noise = check_nonnegative(noise, "noise")   # (NaN / inf made every entry NaN)
         z = self.logits.float()
         if noise:
             dev = z.device if generator is None else generator.device

@@ -10,7 +10,7 @@ import time
 import torch
 from torch import nn
 
-from .._checks import check_nm, check_weight
+from .._checks import check_nm, check_seed, check_weight
 from .._progress import progress_bar
 from .two_d import score_dtype
 
@@ -84,7 +84,7 @@ def search_permutation(w: torch.Tensor, n: int = 2, m: int = 4, time_limit: floa
     base = _kept_nm(A[:, :C], identity, n, m)
     # The final check costs what this one did: keep time for it so the whole call fits time_limit.
     deadline = math.inf if time_limit is None else t0 + time_limit - (time.perf_counter() - t1)
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator().manual_seed(int(seed))
     bar = _Progress(time_limit, max_iters, base, progress)
     perm, it, rnd, gained = identity, 0, 0, 0.0
 
@@ -130,8 +130,7 @@ def check_search_args(time_limit, max_iters, seed) -> None:
         raise ValueError(f"time_limit must be a positive number of seconds, and finite, got {time_limit!r}")
     if max_iters is not None and (not _is_int(max_iters) or max_iters < 0):
         raise ValueError(f"max_iters must be a non-negative int or None, got {max_iters!r}")
-    if not _is_int(seed):
-        raise ValueError(f"seed must be an int, got {seed!r}")
+    check_seed(seed)
 
 
 def apply_permutation(producer: nn.Linear, consumer: nn.Linear, perm: torch.Tensor) -> None:

@@ -32,7 +32,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from .._checks import KEYWORD_BATCH, call_with_batch, check_model, check_nm, map_keyword_batch
+from .._checks import KEYWORD_BATCH, call_with_batch, check_model, check_nm, check_seed, map_keyword_batch
+from .._progress import progress_enabled
 from .nm import LayerStats
 from .permutation import check_search_args, search_permutation
 from .reconstruct import PERCDAMP, damp_
@@ -269,6 +270,13 @@ def check_group(model: nn.Module, group: PermutationGroup, example, seed: int = 
     (``transformers.Cache``, returned with ``use_cache=True``) is not compared: it holds the keys and
     values for the next call, which an exact group may permute; every tensor output is.
 
+    Args:
+        model: the model (not modified; the test runs on a float64 copy).
+        group: the :class:`PermutationGroup` to test.
+        example: one input batch as for :func:`sparse24.calibrate`, with rows.
+        seed: an int, seeding the random permutation tested.
+    Returns:
+        Whether the outputs stayed equal.
     Example:
         >>> mlp = nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 8))
         >>> check_group(mlp, PermutationGroup(["2"], ["0"]), torch.randn(4, 8))
@@ -276,6 +284,7 @@ def check_group(model: nn.Module, group: PermutationGroup, example, seed: int = 
     """
     check_model(model, None)
     _check_group_type(group)
+    seed = check_seed(seed)
     group.size(model)
     return _Float64Copy(model, example).exact(group, seed)
 
@@ -283,6 +292,20 @@ def check_group(model: nn.Module, group: PermutationGroup, example, seed: int = 
 def _check_group_type(group) -> None:
     if not isinstance(group, PermutationGroup):
         raise TypeError(f"group must be a PermutationGroup, got {type(group).__name__}")
+
+
+def _check_calibration(calibration) -> None:
+    """TypeError unless ``calibration`` is None or a dict ``{fqn: LayerStats}`` (a dict of ``act_norm``
+    tensors, or one LayerStats, failed inside with an AttributeError)."""
+    if calibration is None:
+        return
+    if not isinstance(calibration, dict):
+        raise TypeError(f"calibration must be a dict {{fqn: LayerStats}} from sparse24.calibrate, got "
+                        f"{type(calibration).__name__}")
+    for k, v in calibration.items():
+        if not isinstance(v, LayerStats):
+            raise TypeError(f"calibration[{k!r}] must be a LayerStats (from sparse24.calibrate), got "
+                            f"{type(v).__name__}")
 
 
 @torch.no_grad()
@@ -316,7 +339,7 @@ def find_permutation_groups(model: nn.Module, example, heads: int | None = None)
         [(['0'], ['2'])]
     """
     check_model(model, None)
-    if heads is not None and (not isinstance(heads, int) or heads < 1):
+    if heads is not None and (isinstance(heads, bool) or not isinstance(heads, int) or heads < 1):
         raise ValueError(f"heads must be a positive int or None, got {heads!r}")
     mods = dict(model.named_modules())
     linears = {fqn: m for fqn, m in mods.items() if isinstance(m, nn.Linear)}
@@ -402,11 +425,21 @@ def group_importance(model: nn.Module, group: PermutationGroup, score: str = "ma
     ``(|W_ij| ||x_j||)^2``, the output error of dropping ``W_ij`` with a
     diagonal Hessian; ``"sparsegpt"``: ``W_ij^2 / [H^-1]_jj``, the OBS error
     SparseGPT's mask choice weighs (1% damping as in SparseGPT).
+
+    Args:
+        model: the model holding the group's layers (not modified).
+        group: the :class:`PermutationGroup` whose consumers are scored.
+        score: ``"magnitude"``, ``"wanda"`` or ``"sparsegpt"``.
+        calibration: ``{fqn: LayerStats}`` from :func:`sparse24.calibrate`, with an entry for every consumer
+            for ``"wanda"`` and ``"sparsegpt"`` (``hessian=True`` for the latter); unused for ``"magnitude"``.
+    Returns:
+        ``(sum of consumer rows, H)`` float64 tensor, ``H`` the group's channels.
     """
     check_model(model, None)
     _check_group_type(group)
     if score not in SCORES:
         raise ValueError(f"score must be one of {SCORES}, got {score!r}")
+    _check_calibration(calibration)
     group.size(model)   # a ValueError naming a layer the model lacks (was a KeyError)
     mods = dict(model.named_modules())
     rows = [_importance(mods[c], score, (calibration or {}).get(c)) for c in group.consumers]
@@ -424,7 +457,7 @@ def _permute_stats(stats: LayerStats, perm: torch.Tensor) -> None:
 
 def permute_model_(model: nn.Module, groups: list, score: str = "magnitude", calibration: dict | None = None,
                    n: int = 2, m: int = 4, example=None, time_limit: float | None = None, max_iters: int | None = 2000,
-                   seed: int = 0, progress: bool = False) -> dict[str, float]:
+                   seed: int = 0, progress: bool | None = False) -> dict[str, float]:
     """Search and apply one input-channel permutation per group, in place.
 
     Each group's permutation maximises the importance its consumers' N:M masks
@@ -446,7 +479,8 @@ def permute_model_(model: nn.Module, groups: list, score: str = "magnitude", cal
         model: the dense model, before pruning.
         groups: :class:`PermutationGroup` list (e.g. :func:`find_permutation_groups`).
         score: ``"magnitude"``, ``"wanda"`` or ``"sparsegpt"`` (the last two need ``calibration``).
-        calibration: statistics from ``sparse24.calibrate`` (hessian=True for sparsegpt).
+        calibration: ``{fqn: LayerStats}`` from ``sparse24.calibrate`` (hessian=True for sparsegpt); another
+            type is a TypeError.
         n, m: the N:M pattern.
         example: optional batch to check the outputs on (no empty tensor in it, as for :func:`check_group`).
         time_limit, max_iters, seed: per search. By default each search runs ``max_iters=2000``
@@ -454,7 +488,7 @@ def permute_model_(model: nn.Module, groups: list, score: str = "magnitude", cal
             ``time_limit`` (finite seconds > 0) stops a search earlier on a slow or busy machine,
             so the permutation then depends on its speed. ``max_iters`` an int >= 0 or None
             (then ``time_limit`` is required); bools refused.
-        progress: progress bars on stderr.
+        progress: progress bars on stderr (True, False, or None: when stderr is a terminal or in a notebook).
     Returns:
         ``{group name: relative gain in kept importance}``.
     Example:
@@ -466,10 +500,12 @@ def permute_model_(model: nn.Module, groups: list, score: str = "magnitude", cal
     check_model(model, None)
     if score not in SCORES:
         raise ValueError(f"score must be one of {SCORES}, got {score!r}")
+    _check_calibration(calibration)
     if score != "magnitude" and calibration is None:
         raise ValueError(f"score={score!r} needs calibration= from sparse24.calibrate")
     check_nm(n, m)
     check_search_args(time_limit, max_iters, seed)
+    progress = progress_enabled(progress)
     groups = list(groups)
     if not all(isinstance(g, PermutationGroup) for g in groups):
         raise TypeError("groups must be PermutationGroup objects")

@@ -16,7 +16,7 @@ from torch import nn
 from torch.fx._symbolic_trace import is_fx_symbolic_tracing
 from torch.nn.utils import parametrize
 
-from .._checks import check_finite, refuse_meta
+from .._checks import check_bool, check_finite, refuse_meta
 from ..decode_format import DecodePacked, _with_sp_words, decode_dims
 from ..format import (FLOAT_DTYPES, Sparse24Tensor, _pack_nibbles, compress, int4_quantize, quantize_values,
                       transformed)
@@ -456,9 +456,12 @@ class Sparse24Linear(LayoutMixin, StateDictMixin, nn.Module):
         (``release=False``: still masking it, for a caller that may undo the swap
         and calls :meth:`_release` later).
 
+        Args:
+            release: a bool (default True): stop masking the handed-over weight.
         Returns:
             ``nn.Linear`` (weight ``(R, C)``) or ``Conv1D`` (weight ``(C, R)``).
         """
+        release = check_bool(release, "release")
         self._refuse_pending("be densified")
         self._refuse_sharded("be densified")
         cls = self.__dict__.get("_dense_cls", nn.Linear)
@@ -507,7 +510,8 @@ class Sparse24Linear(LayoutMixin, StateDictMixin, nn.Module):
             R, C = self.out_features, self.in_features
             if not isinstance(delta, torch.Tensor) or tuple(delta.shape) != (R, C) or not delta.is_floating_point():
                 raise ValueError(f"delta must be a floating ({R}, {C}) tensor, got "
-                                 f"{tuple(delta.shape) if isinstance(delta, torch.Tensor) else type(delta).__name__}")
+                                 + (f"{delta.dtype} {tuple(delta.shape)}" if isinstance(delta, torch.Tensor)
+                                    else type(delta).__name__))
             refuse_meta(delta, "delta")
             refuse_meta(self, "this layer's weight")
             if not bool(torch.isfinite(delta).all()):

@@ -249,9 +249,26 @@ def compressed_nbytes(out_features: int, in_features: int, element_size: int, qu
                       group_size: int | None = None, symmetric: bool = True) -> int:
     """Bytes of a compressed ``(R, C)`` weight: values + 2-bit indices + scales.
 
-    ``quantized``: False/None, ``"int8"`` (or True: one byte per kept value, fp32 scale per
-    row) or ``"int4"`` (half a byte per kept value, an fp16 scale per row and ``group_size``
-    columns, and a uint8 zero point beside it unless ``symmetric``)."""
+    Args:
+        out_features, in_features: ``R`` and ``C``, ints >= 0 (``C`` divisible by 4).
+        element_size: bytes per unquantized value (2 for bfloat16), an int >= 1.
+        quantized: False/None, ``"int8"`` (or True: one byte per kept value, fp32 scale per
+            row) or ``"int4"`` (half a byte per kept value, an fp16 scale per row and ``group_size``
+            columns, and a uint8 zero point beside it unless ``symmetric``).
+        group_size, symmetric: INT4's (``group_size`` 32, 64 or 128; ``symmetric`` a bool).
+    Returns:
+        The byte count (an int), as :attr:`sparse24.Sparse24Tensor.nbytes` counts it.
+    """
+    for name, v, low in (("out_features", out_features, 0), ("in_features", in_features, 0),
+                         ("element_size", element_size, 1)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < low:
+            raise ValueError(f"{name} must be an int >= {low}, got {v!r}")
+    if in_features % 4:
+        raise ValueError(f"in_features must be divisible by 4 (2:4 groups), got {in_features}")
+    if not (quantized is None or isinstance(quantized, bool)
+            or isinstance(quantized, str) and quantized in ("int8", "int4")):
+        raise ValueError(f"quantized must be False, None, True, 'int8' or 'int4', got {quantized!r}")
+    symmetric = check_bool(symmetric, "symmetric")
     R, C = out_features, in_features
     half = R * (C // 2)
     slots = (R * C + 7) // 8   # 2 bits per kept value (as Sparse24Tensor.nbytes counts them)
