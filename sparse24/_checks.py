@@ -22,7 +22,7 @@ except ImportError:  # a torch build without torch.distributed: nothing is ever 
 
 __all__ = ["FLOAT_DTYPES", "check_bool", "check_seed", "check_nonnegative", "check_weight", "check_nm", "check_mask",
            "check_model", "check_separate_teacher", "check_finite", "computable", "local_piece", "refuse_dtensor",
-           "refuse_meta", "row_chunks", "safetensors_headers", "refuse_single_batch", "warn_user"]
+           "refuse_meta", "row_chunks", "safetensors_headers", "refuse_single_batch", "warn_user", "with_context"]
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -53,6 +53,21 @@ def check_nonnegative(v, name: str) -> float:
     if isinstance(v, bool) or not isinstance(v, numbers.Real) or not 0 <= v < math.inf:
         raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
     return float(v)
+
+
+def with_context(e: Exception, message: str, note: str) -> Exception:
+    """The exception to raise (``raise with_context(e, ...)`` in the ``except``) for ``e`` caught where
+    more can be said of it: a new one of the same type saying ``message`` when ``e`` is exactly a
+    ValueError or TypeError (the errors sparse24's own checks raise), else ``e`` itself with ``note``
+    added. A subclass is not re-created: its constructor may take other arguments (a model's own
+    ``ShapeError(got, want)``, json.JSONDecodeError), and the caller may catch it by type or read its
+    attributes."""
+    if type(e) in (ValueError, TypeError):
+        new = type(e)(message)
+        new.__cause__ = e  # as ``raise ... from e``
+        return new
+    e.add_note(note)
+    return e
 
 
 def refuse_meta(t, name: str) -> None:
@@ -150,6 +165,14 @@ def map_keyword_batch(batch, fn):
         out.data = {k: fn(v) for k, v in batch.items()}
         return out
     return {k: fn(v) for k, v in batch.items()}
+
+
+def map_sequence_batch(batch, fn):
+    """A tuple or list batch rebuilt with ``fn`` applied to each item, keeping its type: a
+    namedtuple's constructor takes its fields as separate arguments, other tuples and lists an
+    iterable."""
+    items = [fn(v) for v in batch]
+    return type(batch)(*items) if hasattr(batch, "_fields") else type(batch)(items)
 
 
 def refuse_single_batch(batches) -> None:
@@ -252,17 +275,22 @@ def safetensors_headers(files) -> dict:
     Args:
         files: paths of ``.safetensors`` files (a model's shards).
     Raises:
-        ValueError naming the file.
+        ValueError naming the file: missing, not a file, unreadable, or not a whole safetensors file.
     """
     from safetensors import safe_open
 
     found = {}
     for f in files:
+        if not os.path.isfile(f):  # (safetensors says "No such device" of a folder)
+            raise ValueError(f"{f} {'is not a file' if os.path.exists(f) else 'does not exist'}: the checkpoint "
+                             "names it as one of its safetensors files (a shard missing, or not downloaded?)")
         try:
             with safe_open(f, framework="pt") as fh:
                 for k in fh.keys():
                     s = fh.get_slice(k)
                     found[k] = (s.get_dtype(), tuple(s.get_shape()), f)
+        except OSError as e:  # it could not be opened or read (permissions, I/O): its bytes are not to blame
+            raise ValueError(f"cannot read {f}: {e}") from None
         except Exception as e:
             raise ValueError(f"cannot read {f} as a safetensors file (truncated, or not one): "
                              f"{' '.join(str(e).split())[:300]}") from None

@@ -59,7 +59,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from .._checks import check_finite, check_model
+from .._checks import check_finite, check_model, with_context
 from .._rollback import TensorBackup
 from ..format import Sparse24Tensor
 from ..masks import kept_magnitude_fraction
@@ -207,7 +207,8 @@ def _sparsify(model, filter_fn, mode, method, calibration, quantize, min_feature
                             None if calibration is None else calibration.get(fqn), train_values, mask_kwargs)
             new = Sparse24Linear._empty()._adopt(mod, work, train_values, finish=False)
         except (ValueError, TypeError) as e:
-            raise type(e)(f"sparsify_: layer {fqn!r}: {e} (nothing was changed)") from e
+            raise with_context(e, f"sparsify_: layer {fqn!r}: {e} (nothing was changed)",
+                               f"sparsify_: layer {fqn!r} (nothing was changed)")
         if work.pending is not None:
             kept = None
             note = "; ".join(filter(None, [note, f"mask pending (meta device): computed by {method!r} when "
@@ -409,7 +410,8 @@ def compress_(model: nn.Module, quantize: str | None = None, trainable_values: b
             check_finite_bias(m.bias)
             packed[fqn] = given[fqn] if fqn in given else m._compressed_form(quant)
         except (ValueError, TypeError) as e:
-            raise type(e)(f"compress_: layer {fqn!r}: {e} (nothing was changed)") from e
+            raise with_context(e, f"compress_: layer {fqn!r}: {e} (nothing was changed)",
+                               f"compress_: layer {fqn!r} (nothing was changed)")
     def report_of() -> SparsifyReport:
         report = SparsifyReport("compress_", quant)
         for fqn, m in layers:

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .._checks import call_with_batch, check_separate_teacher, refuse_single_batch
+from .._checks import call_with_batch, check_nonnegative, check_separate_teacher, refuse_single_batch
 from ..api.guard import ModelRollback
 from ..nn import Sparse24Linear
 
@@ -95,8 +95,7 @@ class _Objective:
                             f"{type(odd).__name__}" + (f": pass its name, {name!r}" if name else ""))
         if hidden and teacher is None:
             raise ValueError("hidden= (layer-wise distillation) needs a teacher")
-        if not (isinstance(hidden_weight, (int, float)) and hidden_weight >= 0):
-            raise ValueError(f"hidden_weight must be a number >= 0, got {hidden_weight!r}")
+        hidden_weight = check_nonnegative(hidden_weight, "hidden_weight")  # (inf would make every loss inf or NaN)
         s_mods, t_mods = dict(student.named_modules()), dict(teacher.named_modules()) if teacher is not None else {}
         missing = [h for h in hidden if h not in s_mods or h not in t_mods]
         if missing:

@@ -15,7 +15,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from .._checks import (KEYWORD_BATCH, call_with_batch, check_bool, check_model, check_nm, check_separate_teacher,
-                       map_keyword_batch, refuse_single_batch)
+                       map_keyword_batch, map_sequence_batch, refuse_single_batch, with_context)
 from .._rollback import TensorBackup
 from .._progress import progress_bar, progress_enabled
 from .distributed import agree, check_group, sum_over_ranks
@@ -557,12 +557,10 @@ def _check_inputs(model: nn.Module, names: dict[nn.Module, str], batches, device
                     rows[0] = _token_rows(token_mask(_to_device(b, device)))
                 calibrate(model, [b], device=device, filter_fn=lambda mod, fqn: False,  # no statistics collected
                           progress=False)
-            except (ValueError, TypeError) as e:
-                raise type(e)(f"batch {index[0]}: {e} (checked before pruning: nothing was changed)") from e
             except Exception as e:
-                e.add_note(f"prune_layerwise_: batch {index[0]} failed in the check before pruning (nothing was "
-                           "changed)")
-                raise
+                raise with_context(e, f"batch {index[0]}: {e} (checked before pruning: nothing was changed)",
+                                   f"prune_layerwise_: batch {index[0]} failed in the check before pruning "
+                                   "(nothing was changed)")
             last[0] = None
     finally:
         for h in handles:
@@ -647,5 +645,5 @@ def _to_device(b, device):
     if isinstance(b, KEYWORD_BATCH):
         return map_keyword_batch(b, lambda v: _to_device(v, device))
     if isinstance(b, (tuple, list)):
-        return type(b)(_to_device(v, device) for v in b)
+        return map_sequence_batch(b, lambda v: _to_device(v, device))
     return b

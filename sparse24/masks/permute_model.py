@@ -32,7 +32,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from .._checks import KEYWORD_BATCH, call_with_batch, check_model, check_nm, check_seed, map_keyword_batch
+from .._checks import (KEYWORD_BATCH, call_with_batch, check_model, check_nm, check_seed, map_keyword_batch,
+                       map_sequence_batch)
 from .._progress import progress_enabled
 from .nm import LayerStats
 from .permutation import check_search_args, search_permutation
@@ -197,7 +198,7 @@ def _double(example):
     if isinstance(example, KEYWORD_BATCH):
         return map_keyword_batch(example, _double)
     if isinstance(example, (tuple, list)):
-        return type(example)(_double(v) for v in example)
+        return map_sequence_batch(example, _double)
     return example
 
 

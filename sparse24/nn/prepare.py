@@ -8,6 +8,7 @@ from typing import NamedTuple
 
 import torch
 from torch import nn
+from torch.sparse import SparseSemiStructuredTensor
 
 from .._checks import check_bool, check_finite, row_chunks
 from .._linears import is_conv1d, is_conv1d_class, linear_shape
@@ -209,6 +210,11 @@ def _prepare(linear, mask, mode, method, quant: dict, calibration, trainable_val
     mask_kwargs = _pattern_2_4(mask_kwargs)
     _check_mode(mode, quant.get("quantize"), trainable_values, quant.get("group_size"), quant.get("symmetric"))
     w = linear.weight
+    if isinstance(w, SparseSemiStructuredTensor):  # (torch's op table refuses the reads below, naming no layer)
+        raise ValueError(f"the Linear's weight is torch's own 2:4 format ({type(w).__name__}): make it dense "
+                         "first, linear.weight = nn.Parameter(linear.weight.to_dense()) (pruning a 2:4 weight by "
+                         "magnitude keeps its non-zeros), or read it as a Sparse24Tensor with "
+                         "sparse24.from_semi_structured(linear.weight)")
     if not isinstance(w, nn.Parameter):
         raise ValueError(f"the Linear's weight is a computed tensor ({type(w).__name__}, e.g. a "
                          "parametrization such as SR-STE or weight_norm); remove it first")
