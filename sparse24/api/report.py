@@ -15,8 +15,9 @@ class LayerReport:
 
     Attributes:
         fqn: name in ``model.named_modules()``.
-        shape: ``(out_features, in_features)`` (for a module that is not handled: its weight's shape).
-        dtype: weight dtype.
+        shape: ``(out_features, in_features)`` (for a module that is not handled: its weight's shape;
+            a quantized weight held in a buffer, GPTQ's ``qweight``: the buffer's shape as stored).
+        dtype: weight dtype (``torch.qint8`` / ``torch.int32`` for a layer quantized by another tool).
         action: what happened: ``"swapped"``, ``"compressed"``, ``"decompressed"``,
             ``"densified"`` or ``"skipped"``.
         mode: the layer's mode afterwards (None for dense layers).

@@ -17,6 +17,7 @@ from torch import nn
 from torch.nn.parameter import is_lazy
 from torch.nn.utils import parametrize
 
+from ..format import FLOAT_DTYPES
 from ..masks.kept_dense import _is_linear, _tied_or_head, _unswappable
 from ..nn import Sparse24Linear, compressed_nbytes, linear_shape, memory_nbytes
 from ..nn.sharded import is_dtensor
@@ -340,11 +341,32 @@ def _not_handled(fqn: str, mod: nn.Module) -> LayerReport | None:
         stored[n] = max(plist._parameters.values(), key=lambda t: -1 if t is None else t.numel(), default=None)
     mats = [(n, p) for n, p in stored.items() if p is not None and p.dim() >= 2]
     if not mats:
-        return None
+        return _quantized_elsewhere(fqn, mod)
     pname, p = mats[0]
     why = next((why for types, why in _NOT_HANDLED if isinstance(mod, types)),
                f"holds a weight matrix ({pname!r}) but is no nn.Linear or transformers Conv1D")
     return LayerReport(fqn, tuple(p.shape), p.dtype, "skipped", reason=f"not handled: {type(mod).__name__}: {why}")
+
+
+def _quantized_elsewhere(fqn: str, mod: nn.Module) -> LayerReport | None:
+    """The report line of a layer quantized by another tool whose weight matrix is no Parameter, else
+    None: torch.ao's quantized Linear (``quantize_dynamic``, static quantization: the weight packed in
+    an opaque object) and a module holding a 2-D integer or float8 weight as a buffer (GPTQ / AWQ
+    ``QuantLinear``'s ``qweight``: position ids and masks are no weights by name)."""
+    quantized = sys.modules.get("torch.ao.nn.quantized")   # (imported by torch; looked up: it is deprecated)
+    if quantized is not None and isinstance(mod, quantized.Linear):
+        return LayerReport(fqn, (mod.out_features, mod.in_features), mod._packed_params.dtype, "skipped",
+                           reason=f"not handled: {type(mod).__name__}: quantized by torch.ao.quantization (its "
+                                  "weight is packed for torch's quantized kernels); sparsify_ the float model "
+                                  "before quantizing it")
+    name, b = next(((n, b) for n, b in mod._buffers.items() if b is not None and b.dim() == 2
+                    and "weight" in n.lower() and b.dtype not in FLOAT_DTYPES), (None, None))
+    if b is None:
+        return None
+    return LayerReport(fqn, tuple(b.shape), b.dtype, "skipped",
+                       reason=f"not handled: {type(mod).__name__}: holds its weight matrix as the buffer {name!r} "
+                              f"({str(b.dtype)[6:]}: quantized or packed by another tool); sparsify_ prunes "
+                              "floating-point nn.Linear / Conv1D weights: prune the dense original")
 
 
 def check_min_features(min_features) -> None:

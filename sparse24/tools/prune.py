@@ -102,6 +102,51 @@ def _direct_reader(prefix: str, sd: dict) -> str:
     return ""
 
 
+def _moe_router(prefix: str, moe: bool) -> str:
+    """Why the layer ``prefix`` stays dense as an MoE router, else "": it or its parent is named as
+    ``sparsify_`` names a router (``masks.kept_dense._ROUTER_PART`` as a whole name: ``mlp.gate``,
+    ``router``, ``router.classifier``; never a ``*_proj`` layer) in a checkpoint holding experts (a
+    name with ``expert`` in it: ``mlp.experts.0.w1``, ``shared_experts``, anywhere, since a shard
+    may hold a router without its experts). A state dict has no config to count the experts by; the
+    experts keep a dense model's ``gate`` (D-FINE's) in the plan. Most routers are custom modules
+    (Qwen-MoE, Mixtral, DeepSeek) that ``sparsify_`` never swaps: compressed, the file would load
+    into no model."""
+    from ..masks.kept_dense import _ROUTER_PART
+    parent, _, leaf = prefix.rpartition(".")
+    named = _ROUTER_PART.fullmatch(leaf) or _ROUTER_PART.fullmatch(parent.rpartition(".")[2])
+    if leaf.endswith("_proj") or not named or not moe:
+        return ""
+    return ("MoE router (named so, in a checkpoint holding experts): kept dense as sparsify_ keeps it; pruning it "
+            "changes which experts each token takes")
+
+
+def _torch_pruned(sd: dict) -> None:
+    """ValueError naming the tensors saved with ``torch.nn.utils.prune`` (``<name>_orig`` + ``<name>_mask``,
+    the layer's ``<name>`` being their product, made by a forward pre-hook): the file holds no
+    ``<name>`` to prune, and it loads into no model without those hooks."""
+    pairs = [k[:-len("_orig")] for k in sd if k.endswith("_orig") and k[:-len("_orig")] + "_mask" in sd]
+    if pairs:
+        shown = ", ".join(f"{n}_orig + {n}_mask" for n in pairs[:3]) + (f" and {len(pairs) - 3} more"
+                                                                          if len(pairs) > 3 else "")
+        raise ValueError(f"{len(pairs)} tensor(s) were saved with torch.nn.utils.prune ({shown}): its hook "
+                         "computes each as orig * mask, so the file holds no plain weight for them; call "
+                         "torch.nn.utils.prune.remove(module, 'weight') on each pruned layer before saving the "
+                         "state dict, then prune that file")
+
+
+def _stored_quantized(key: str, t: torch.Tensor, sd: dict) -> str:
+    """Why a 2-D floating-point ``<prefix>.weight`` of a dtype sparse24 does not prune (float8:
+    quantized by another tool, its scale beside it) is kept dense, else "". Counted and listed
+    with the others (the report names every 2-D floating-point weight)."""
+    if not ((key == "weight" or key.endswith(".weight")) and t.dim() == 2 and t.is_floating_point()
+            and t.layout == torch.strided) or is_weight_matrix(key, t):
+        return ""
+    prefix = key[:-len("weight")]
+    scale = next((prefix + n for n in ("weight_scale_inv", "weight_scale") if prefix + n in sd), None)
+    return (f"stored as {str(t.dtype)[6:]} (quantized by another tool" + (f"; its scale is {scale}" if scale else "")
+            + "): sparse24 prunes float16/bfloat16/float32/float64 weights; prune the dense original")
+
+
 def prune_state_dict(sd: dict, method: str = "magnitude", quantize: str | None = None,
                      min_features: int | None = None, exclude: str = PRUNE_EXCLUDE,
                      prune_head: bool = False, progress: bool | None = None, *, group_size: int | None = None,
@@ -110,9 +155,14 @@ def prune_state_dict(sd: dict, method: str = "magnitude", quantize: str | None =
 
     Every 2-D floating ``<prefix>.weight`` with in-features divisible by 4 and
     both dimensions >= ``min_features`` is pruned, unless its name matches
-    ``exclude``, its storage is shared with another entry (tied weights) or it
+    ``exclude``, it is an MoE router (named ``gate`` / ``router``, or under a
+    module so named, in a checkpoint holding experts), its storage is shared
+    with another entry (tied weights) or it
     is the output head (as many rows as the largest excluded embedding table:
-    kept dense as LLM pruning does, unless ``prune_head``). A raw state dict does
+    kept dense as LLM pruning does, unless ``prune_head``). A float8 weight
+    (quantized by another tool) is listed and kept as stored. A state dict saved
+    with ``torch.nn.utils.prune`` (``weight_orig`` + ``weight_mask``) is refused
+    (ValueError): its layers hold no plain weight. A raw state dict does
     not say which layers are Hugging Face ``Conv1D`` (weight stored transposed):
     prune a model folder for GPT-2-style models.
     Pruned entries are stored the way :class:`sparse24.Sparse24Linear` holds
@@ -168,6 +218,7 @@ def prune_state_dict(sd: dict, method: str = "magnitude", quantize: str | None =
     if min_features < 0:
         raise ValueError(f"--min-features must be >= 0, got {min_features}")
     excl = exclude_pattern(exclude)
+    _torch_pruned(sd)
     # sparse-layout or meta tensors hold no dense data to prune (and have no storage): copied as they are
     # (a dict: the state dict's order, which "the last 2-D weight" below reads; a set's order varies per run)
     plain = {k: None for k, v in sd.items() if v.layout == torch.strided and not v.is_meta}
@@ -186,9 +237,13 @@ def prune_state_dict(sd: dict, method: str = "magnitude", quantize: str | None =
     wide = [k for k in mats if emb is not None and k not in tables and sd[k].shape[0] == sd[emb].shape[0]]
     ptr = None if emb is None else sd[emb].untyped_storage().data_ptr()
     heads = set(([k for k in wide if sd[k].untyped_storage().data_ptr() == ptr] or wide)[-1:])
+    moe = any("expert" in k.lower() for k in sd)
     out, report = {}, []
     for key, t in progress_bar(sd.items(), desc="prune", progress=progress, unit="tensor"):
         if not is_weight_matrix(key, t) or key not in plain:
+            quantized = _stored_quantized(key, t, sd) if key in plain else ""
+            if quantized:
+                report.append(dense_row(key, t, quantized))
             out[key] = t
             continue
         prefix = key[: -len("weight")]  # "fc." (or "" for a bare Linear's state dict)
@@ -204,8 +259,12 @@ def prune_state_dict(sd: dict, method: str = "magnitude", quantize: str | None =
             row["reason"] = f"smaller than min_features={min_features}: too small to gain"
         elif excluded(excl, prefix.rstrip(".")):
             row["reason"] = f"name matches --exclude {exclude!r} (an embedding table?)"
-        elif tied:
-            row["reason"] = f"storage shared with {', '.join(tied)} (tied weights): pruning would prune those too"
+        elif router := _moe_router(prefix.rstrip("."), moe):
+            row["reason"] = router
+        elif tied:   # (the first names: a tensor saved under 300 names made a 300-name line)
+            row["reason"] = (f"storage shared with {', '.join(tied[:3])}"
+                             + (f" and {len(tied) - 3} more" if len(tied) > 3 else "")
+                             + " (tied weights): pruning would prune those too")
         elif not prune_head and key in heads:
             row["reason"] = (f"output head ({R} rows = the vocabulary of {emb[:-len('.weight')] or emb}): kept "
                              "dense as LLM pruning does; --prune-head prunes it")
@@ -321,6 +380,24 @@ def _save_state_dict(sd: dict, path: Path) -> None:
     save_file(flat, path, metadata={"format": "pt"})
 
 
+def _check_copies(sd: dict, out: Path, size_in: int) -> None:
+    """CLIError when the copies :func:`_save_state_dict` would write for names sharing memory (tied
+    weights: stored once in a torch file, kept dense, one copy per name in safetensors) exceed the
+    input's size: one tensor saved under 300 names made a 1 MB file 315 MB (and as much memory)."""
+    groups: dict[tuple, list[str]] = {}
+    for k, v in sd.items():
+        if v.layout == torch.strided and not v.is_meta and v.numel():
+            groups.setdefault((v.untyped_storage().data_ptr(), v.untyped_storage().nbytes()), []).append(k)
+    extra = sum(sd[k].numel() * sd[k].element_size() for names in groups.values() for k in names[1:])
+    if extra > size_in:
+        shared = [names for names in groups.values() if len(names) > 1]
+        top = max(shared, key=len)
+        raise CLIError(f"--out {out}: {sum(map(len, shared))} names share the memory of {len(shared)} tensor(s) "
+                       f"(tied weights: {top[0]} has {len(top) - 1} other name(s), e.g. {top[1]}); safetensors "
+                       f"stores every name separately, {extra} more bytes than the {size_in}-byte input; write a "
+                       ".pt file, which keeps one copy")
+
+
 def _print_prune_table(title: str, report: list[dict], out: Path, size_in: int) -> None:
     w = max(len(r["name"]) for r in report)
     print(title)
@@ -361,12 +438,17 @@ def cmd_prune(args) -> int:
     if odd is not None:
         raise CLIError(f"--out {out}: safetensors stores dense tensors only, and {odd!r} is a "
                        f"{str(sd[odd].layout).removeprefix('torch.')} tensor; write a .pt file")
+    if out.suffix == ".safetensors":
+        _check_copies(sd, out, src.stat().st_size)
     exclude = PRUNE_EXCLUDE if args.exclude is None else args.exclude  # (a file names no embedding table)
     new, report = prune_state_dict(sd, args.method, args.quantize, args.min_features, exclude, args.prune_head,
                                    args.progress, **int4_args(quant))
     if not any(r["action"] != "kept dense" for r in report):
+        kinds = {}   # one weight per kind of reason, at most 3 (an fp8 file's routers hid its fp8 weights)
+        for r in report:
+            kinds.setdefault(r["reason"].split(" (")[0].split(":")[0], f"{r['name']}: {r['reason']}")
         raise CLIError(f"{args.checkpoint}: no weight could be pruned ({len(report)} 2-D float weight(s), "
-                       "none eligible" + (f"; first: {report[0]['name']}: {report[0]['reason']}" if report else "")
+                       "none eligible" + (f"; e.g. {'; '.join(list(kinds.values())[:3])}" if report else "")
                        + "); see --min-features / --exclude", 1)
     from .bench import make_parent, write_together
     with new_parents(out), _writing(out, only=True):  # (the folders it makes are removed again if it fails)
