@@ -147,8 +147,21 @@ class Sparse24Config(QuantizationConfigMixin):
     """The sparse24 section of ``config.json`` as transformers holds it
     (``model.config.quantization_config``); fields as in :func:`sparsity_config`.
 
+    Args:
+        layers: ``{fqn: entry}``, each entry ``{"mode", "quantize", "kind"}`` (INT4: with
+            ``"group_size"`` and ``"symmetric"``; ``"trainable_values"`` optional), as
+            :func:`sparsity_config` writes them; the entries are what layers are rebuilt from.
+        n, m: the pattern: 2 and 4.
+        mode, quantization: informative summaries of the entries (one value, ``"mixed"`` or None);
+            not checked, as nothing is built from them.
+        format_version: the sparse24 format the folder was written in (at most this sparse24's).
+        sparse24_version: the sparse24 that wrote it (informative).
+        quant_method: ``"sparse24"``.
+        **kwargs: fields a later sparse24 may add (informative; a name starting with ``_`` or
+            naming an attribute of this class, such as ``to_dict``, is refused).
+
     Raises ValueError for a section this sparse24 cannot read (newer format, not
-    2:4, unknown mode, quantization or layer kind).
+    2:4, a layer entry's unknown mode, quantization or layer kind).
     """
 
     def __init__(self, layers: dict | None = None, n: int = 2, m: int = 4, mode: str | None = None,
@@ -362,18 +375,23 @@ class Sparse24Quantizer(HfQuantizer):
         return model
 
     def is_serializable(self):
+        """True: transformers may save a model loaded or sparsified with this quantizer
+        (``save_pretrained`` writes the 2:4 tensors as they are held)."""
         return True
 
     @property
     def is_trainable(self) -> bool:
+        """True: transformers' Trainer may train the model (PEFT adapters on it too)."""
         return True  # masked layers train with frozen masks; compressed ones pass gradients through
 
     @property
     def is_qat_trainable(self) -> bool:
+        """True: Trainer may train the quantized model's own weights, not only adapters."""
         return True  # Trainer may fine-tune the model itself, not only adapters on it
 
     @property
     def is_compileable(self) -> bool:
+        """True: the model may run under ``torch.compile`` (transformers' compiled generation)."""
         return True
 
 
@@ -694,7 +712,11 @@ EXTRA_ELEMENTS = 2 ** 24
 def read_config(folder: str | os.PathLike, cls=None):
     """``folder/config.json`` as transformers reads it (``cls.config_class``, or ``AutoConfig``),
     every failure one ValueError naming the file: transformers' config classes raise KeyError,
-    AttributeError, ZeroDivisionError, ... on corrupt values (found by fuzzing)."""
+    AttributeError, ZeroDivisionError, ... on corrupt values (found by fuzzing). The folder's own code
+    is never run (``trust_remote_code=False``; only a caller's ``from_pretrained(...,
+    trust_remote_code=True)`` skips these checks): a config whose ``auto_map`` needs it, for the
+    config or for ``cls`` (an Auto class), is refused. transformers would otherwise ask on stdin and run
+    the code on "y", even with the caller's ``trust_remote_code=False``."""
     import transformers
 
     path = os.path.join(folder, "config.json")
@@ -706,11 +728,26 @@ def read_config(folder: str | os.PathLike, cls=None):
     if not isinstance(data, dict):
         raise ValueError(f"{path}: must hold a JSON object, got {type(data).__name__}")
     config_cls = getattr(cls, "config_class", None) or transformers.AutoConfig
+    auto_map = data.get("auto_map") if isinstance(data.get("auto_map"), dict) else {}
+
+    def needs_code(name):
+        return ValueError(f"{path}: its auto_map names the folder's own code for {name} ({auto_map[name]!r:.80}), "
+                          "which sparse24 runs only when from_pretrained is given trust_remote_code=True (the "
+                          "command line never runs it)")
     try:
-        return config_cls.from_pretrained(folder)
+        config = config_cls.from_pretrained(folder, trust_remote_code=False)
     except Exception as e:
+        model_type = data.get("model_type")   # (a type transformers knows is read by its own class)
+        if config_cls is transformers.AutoConfig and "AutoConfig" in auto_map and not (
+                isinstance(model_type, str) and model_type in transformers.CONFIG_MAPPING):
+            raise needs_code("AutoConfig") from None
         raise ValueError(f"{path}: transformers cannot read it ({type(e).__name__}: "
                          f"{' '.join(str(e).split())[:200]})") from None
+    # an Auto class builds the folder's model class where transformers has none for this config (from_config)
+    mapping = getattr(cls, "_model_mapping", None)
+    if mapping is not None and getattr(cls, "__name__", None) in auto_map and type(config) not in mapping:
+        raise needs_code(cls.__name__)
+    return config
 
 
 def check_blocks(config, headers: dict, folder, path: str | None = None) -> None:
@@ -720,7 +757,16 @@ def check_blocks(config, headers: dict, folder, path: str | None = None) -> None
     Valid folders may describe more: ALBERT runs one shared layer group ``num_hidden_layers`` times,
     Funnel's ``num_hidden_layers`` is ``sum(block_sizes)``. So only a count past ``max(4 * most,
     most + 256)`` is refused: that bounds the build; layers the checkpoint really lacks are bounded
-    by :func:`check_folder`'s element count."""
+    by :func:`check_folder`'s element count.
+
+    Args:
+        config: the model's transformers config (its ``num_hidden_layers`` is read, if any).
+        headers: ``{tensor name: ...}`` of the checkpoint (:func:`sparse24._checks.safetensors_headers`).
+        folder: the checkpoint's folder, named in the error.
+        path: the config file to name instead of ``folder/config.json``.
+    Raises:
+        ValueError naming the file, the count and the checkpoint's layers.
+    """
     n = getattr(config, "num_hidden_layers", None)
     runs: dict[str, int] = {}
     for key in headers:

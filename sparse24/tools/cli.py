@@ -399,7 +399,9 @@ def _main(argv: list[str], cmd: str) -> int:
         if os.environ.get("SPARSE24_DEBUG") == "1" or (isinstance(e, RuntimeError) and not oom):
             raise
         if oom:
-            e = CLIError(f"out of memory ({_one_line(e)[:160]}); use smaller --m / --shapes", 1)
+            # (bench and autotune size their work by --m / --shapes; the other commands by their input)
+            hint = "; use smaller --m / --shapes" if cmd in ("bench", "autotune") else ""
+            e = CLIError(f"out of memory ({_one_line(e)[:160]}){hint}", 1)
         where = f"sparse24 {cmd}" if cmd else "sparse24"
         print(f"{where}: error: {_one_line(e)}", file=sys.stderr)
         return e.code if isinstance(e, CLIError) else 2

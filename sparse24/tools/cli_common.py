@@ -13,7 +13,7 @@ import torch
 
 from ..api.walk import EXCLUDED_BY
 
-__all__ = ["CLIError", "prune_quant", "int4_args"]
+__all__ = ["CLIError", "prune_quant", "int4_args", "printable"]
 
 
 class CLIError(Exception):
@@ -36,6 +36,13 @@ class _Parser(argparse.ArgumentParser):
 
 def _one_line(msg: str) -> str:
     return " ".join(str(msg).split())
+
+
+def printable(name: str) -> str:
+    """``name`` (a tensor or layer name read from a file) as a table prints it: itself when every character
+    is printable, else escaped as ``ascii`` writes it (``\\x1b``, ``\\n``, ...). Names are the file's text: a
+    terminal runs the control sequences in them (``ESC[2K`` erases a line, ``ESC[8m`` hides what follows)."""
+    return name if name.isprintable() else ascii(name)[1:-1]
 
 
 def _int_list(text: str, what: str) -> list[int]:

@@ -9,7 +9,8 @@ shard in and one out). The new folder has the same shard layout, a
 ``config.json`` with the sparse24 section (and the dtype the source loads in when its config names
 none: transformers would take it from the first floating tensor stored, maybe a quantized layer's
 scale), and every other file and subfolder copied (a sentence-transformers ``1_Pooling/``; symbolic
-links as the files they point to, but a folder link back up: :func:`copy_rest`), except the dense weights in other formats (``pytorch_model*.bin``,
+links inside the folder as the files they point to, but a folder link back up; not a link out of it:
+:func:`copy_rest`), except the dense weights in other formats (``pytorch_model*.bin``,
 ``tf_model*.h5``, ``flax_model*.msgpack``, ``*.ot``; and at any depth the ``onnx/`` and ``openvino/``
 folders, ``*.onnx``, ``*.onnx_data``, ``openvino_model*``), which would hold the dense model again beside
 the pruned one. Stored names are matched to
@@ -23,12 +24,13 @@ import fnmatch
 import json
 import os
 import shutil
+import stat
 from pathlib import Path
 
 import torch
 
 from ..api import MIN_FEATURES, sparsify_
-from ..hf import check_blocks, read_config, read_shard_index, sparsity_config
+from ..hf import check_blocks, check_folder, read_config, read_shard_index, sparsity_config
 from ..masks import kept_magnitude_fraction
 from ..nn import Sparse24Linear, is_conv1d_class
 from .._progress import progress_bar
@@ -36,7 +38,8 @@ from .checkpoint import (check_shards, dense_row, exclude_pattern, finish_folder
                          output_folder, partial_folder, quant_label)
 from .cli_common import CLIError, exclude_filter, exclude_reason
 
-__all__ = ["is_model_folder", "prune_folder", "stored_names", "WEIGHT_FILES", "OTHER_WEIGHTS", "other_weight_files", "copy_rest"]
+__all__ = ["is_model_folder", "prune_folder", "stored_names", "WEIGHT_FILES", "OTHER_WEIGHTS", "other_weight_files",
+           "copy_rest", "links_left_out"]
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
 # The dense weights in the other formats a Hub folder may carry beside model.safetensors: not copied.
@@ -67,16 +70,6 @@ def other_weight_files(src: Path) -> list[str]:
     return sorted(found)
 
 
-def _ignore_other(src: Path):
-    """``copytree``'s ``ignore`` for a subfolder of ``src``: the other-format weights inside it, dangling links
-    (skipped as at the top; copytree's ``ignore_dangling_symlinks`` tests a relative link from the working
-    folder), and folder links back up (:func:`_links_back`)."""
-    def ignore(folder: str, names: list[str]) -> list[str]:
-        return [n for n in names if _other_weight(folder, n, False) or not os.path.exists(os.path.join(folder, n))
-                or _links_back(src, Path(folder) / n)]
-    return ignore
-
-
 def _links_back(src: Path, path: Path) -> bool:
     """Whether ``path`` (below ``src``, reached through the links copied so far) is a link to ``src``, a folder
     above it, or a folder the copy passed through to reach it: followed, it would copy a folder into itself
@@ -91,23 +84,72 @@ def _links_back(src: Path, path: Path) -> bool:
     return Path(os.path.realpath(path)) in passed
 
 
-def copy_rest(src: Path, tmp: Path, skip) -> None:
+def _link_roots(src: Path) -> list[Path]:
+    """The real folders whose files a copy of ``src`` may hold: ``src``, and for a Hugging Face cache
+    snapshot (``<repo>/snapshots/<revision>/``, its files relative links into ``<repo>/blobs/``) that
+    ``blobs/``. A link leading anywhere else (``README.md -> ~/.aws/credentials``, ``x -> /etc``) is not
+    followed: the output, maybe published, would hold files the model folder does not."""
+    top = Path(os.path.realpath(src))
+    return [top, Path(os.path.realpath(top.parent.parent / "blobs"))] if top.parent.name == "snapshots" else [top]
+
+
+def _left_out(path: Path, roots: list[Path]) -> bool:
+    """Whether ``copy_rest`` leaves ``path`` (an existing entry) out for where it leads: a link out of the
+    ``roots`` (:func:`_link_roots`), or neither a regular file nor a folder (a FIFO or a device, which a copy
+    would read forever: ``/dev/zero``)."""
+    real = Path(os.path.realpath(path))
+    if not any(real.is_relative_to(r) for r in roots):
+        return True
+    mode = os.stat(path).st_mode
+    return not (stat.S_ISREG(mode) or stat.S_ISDIR(mode))
+
+
+def links_left_out(src: Path) -> list[str]:
+    """The entries of ``src`` (paths relative to it, sorted) that :func:`copy_rest` leaves out of a pruned
+    copy for where they lead (:func:`_left_out`): symbolic links out of the folder, FIFOs, devices."""
+    shards, _ = _shards(src)
+    left: list[str] = []
+    _copy_folder(src, None, src, _link_roots(src), None, {*WEIGHT_FILES, "config.json", *shards}, left)
+    return sorted(left)
+
+
+def copy_rest(src: Path, tmp: Path, skip) -> list[str]:
     """Copy every file and subfolder of ``src`` into ``tmp`` (tokenizer, generation config, README, a
     sentence-transformers ``1_Pooling/``, ...) but the names in ``skip``, those already in ``tmp``, the
     other-format weights (:func:`other_weight_files`), and ``tmp`` itself or a folder holding it (an --out
     inside ``src``). Symbolic links are copied as the files they point to (a Hugging Face cache snapshot's
-    files are relative links into its ``blobs/``, which would dangle in the copy), except a dangling one and
-    a folder link back up (to ``src``, a folder above it or one it is inside of: :func:`_links_back`), which
-    are skipped."""
-    tmp = tmp.absolute()
-    for item in src.iterdir():
-        if item.name in skip or _other_weight(src, item.name, True) or (tmp / item.name).exists() \
-                or tmp.is_relative_to(item.absolute()) or _links_back(src, item):
+    files are relative links into its ``blobs/``, which would dangle in the copy) when they lead inside the
+    folder (or that ``blobs/``); a link out of it, a FIFO or a device (:func:`_left_out`), a dangling
+    link and a folder link back up (to ``src``, a folder above it or one it is inside of:
+    :func:`_links_back`) are skipped. Returns the entries left out for where they lead (as
+    :func:`links_left_out`)."""
+    left: list[str] = []
+    _copy_folder(src, tmp.absolute(), src, _link_roots(src), Path(os.path.realpath(tmp)), set(skip), left)
+    return sorted(left)
+
+
+def _copy_folder(folder: Path, dst: Path | None, src: Path, roots: list[Path], tmp: Path | None, skip: set,
+                 left: list[str]) -> None:
+    """:func:`copy_rest` of ``folder`` (``src`` or a subfolder reached from it) into ``dst`` (None: nothing
+    copied, ``left`` filled only); ``skip``: names left out (at the top only, as are those already in
+    ``dst``); ``left``: gets the paths left out for where they lead."""
+    top = folder == src
+    for item in sorted(folder.iterdir()):
+        if item.name in skip and top or _other_weight(folder, item.name, top) or not os.path.exists(item) \
+                or (top and dst is not None and (dst / item.name).exists()) or _links_back(src, item):
             continue
-        if item.is_dir():
-            shutil.copytree(item, tmp / item.name, ignore=_ignore_other(src))
-        elif item.is_file():
-            shutil.copy2(item, tmp / item.name)
+        if _left_out(item, roots):
+            left.append(item.relative_to(src).as_posix())
+        elif item.is_dir():
+            if tmp is not None and tmp.is_relative_to(os.path.realpath(item)):
+                continue   # (--out inside it: the copy would copy itself)
+            if dst is not None:
+                (dst / item.name).mkdir()
+            _copy_folder(item, None if dst is None else dst / item.name, src, roots, tmp, skip, left)
+            if dst is not None:
+                shutil.copystat(item, dst / item.name)   # (as copytree: after the files, a read-only folder too)
+        elif dst is not None:
+            shutil.copy2(item, dst / item.name)
 
 
 NOT_SWAPPED = "not the weight of a layer sparsify_ prunes (an embedding table, or not a Linear)"
@@ -120,6 +162,10 @@ def _shards(folder: Path) -> tuple[list[str], dict | None]:
         return ["model.safetensors"], None
     data = read_shard_index(folder)
     if data is not None:
+        # (read_shard_index checks the weight_map only; the metadata is read for the dtype and written again)
+        if not isinstance(data.get("metadata", {}), dict):
+            raise ValueError(f"{folder / 'model.safetensors.index.json'}: 'metadata' must be an object, got "
+                             f"{json.dumps(data['metadata'])[:80]}")
         return sorted(set(data["weight_map"].values())), data
     raise ValueError(f"{folder} has no model.safetensors or model.safetensors.index.json (only safetensors "
                      "folders are supported; save_pretrained writes them)")
@@ -127,7 +173,10 @@ def _shards(folder: Path) -> tuple[list[str], dict | None]:
 
 def _skeleton(folder: Path, headers: dict):
     """The model class of ``folder/config.json``, built on the meta device, after the config is
-    checked against the checkpoint's ``headers`` (:func:`sparse24.hf.check_blocks`)."""
+    checked against the checkpoint's ``headers`` (:func:`sparse24.hf.check_blocks`), and the model it
+    describes against every stored shape and the checkpoint's size (:func:`sparse24.hf.check_folder`, as
+    ``sparse24.from_pretrained`` checks a folder: the calibrated methods load it with transformers, and
+    the output must load)."""
     import transformers
 
     config = read_config(folder)
@@ -136,10 +185,15 @@ def _skeleton(folder: Path, headers: dict):
     if qc is not None:
         method = qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", "?")
         raise ValueError(f"{folder} is already quantized or compressed ({method}); prune its dense original")
-    arch = (getattr(config, "architectures", None) or [None])[0]
-    cls = getattr(transformers, arch, None) if arch else None
-    if cls is None:
-        raise ValueError(f"{folder}/config.json names no model class transformers knows (architectures={arch!r})")
+    archs = getattr(config, "architectures", None)
+    arch = archs[0] if isinstance(archs, list) and archs else None
+    # a model class only: the name comes from the file, and any other attribute of transformers would be called
+    cls = getattr(transformers, arch, None) if isinstance(arch, str) else None
+    if not (isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel)
+            and cls is not transformers.PreTrainedModel):
+        raise ValueError(f"{folder}/config.json names no model class transformers knows (architectures="
+                         f"{archs!r:.100})")
+    check_folder(folder, cls)
     try:
         with torch.device("meta"):
             return config, cls(config)
@@ -248,7 +302,10 @@ def prune_folder(src: str | os.PathLike, dst: str | os.PathLike, method: str = "
                             rows.append(dense_row(key, t, skipped.get(name) or NOT_SWAPPED))
                         continue
                     fqn, layer = layers[name]
-                    entries, mask = layer.entries_from_dense(t)
+                    try:
+                        entries, mask = layer.entries_from_dense(t)
+                    except (ValueError, TypeError) as e:
+                        raise type(e)(f"{src / shard}: {key!r}: {e}") from None
                     new = {f"{fqn}.{k}": v.contiguous() for k, v in entries.items()}
                     if layer.mode == "compressed":
                         new[f"{fqn}.weight"] = torch.zeros(1, dtype=torch.uint8)  # see sparse24.hf: the marker

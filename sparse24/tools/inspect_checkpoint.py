@@ -25,7 +25,7 @@ from ..format import Sparse24Tensor, is_nm
 from ..masks import kept_magnitude_fraction
 from ..nn.state import _check_state_masked, check_int4_entries
 from .checkpoint import check_shards, is_weight_matrix
-from .cli_common import CLIError, _one_line, _prog
+from .cli_common import CLIError, _one_line, _prog, printable
 
 __all__ = ["inspect_tensors", "cmd_inspect", "open_checkpoint"]
 
@@ -183,14 +183,14 @@ def cmd_inspect(args) -> int:
         raise CLIError(f"--dense {args.dense}: no 2:4 layer of {path} matched a weight in it by name and shape")
     print(f"{_prog()} inspect {path}" + (f" (config.json: sparse24 format {section.get('format_version')}, "
                                          f"{len(section.get('layers', {}))} 2:4 layer(s) listed)" if section else ""))
-    w = max(len(r["layer"]) for r in rows)
+    w = max(len(printable(r["layer"])) for r in rows)   # (names are the file's text: escaped, see printable)
     print(f"  {'layer':<{w}}  {'mode':<10}  {'shape':>12}  {'dtype':>8}  {'|w| kept':>8}  {'bytes':>10}  2:4 pattern")
     for r in rows:
         kept = f"{100 * r['kept']:.1f}%" if r["kept"] is not None else "-"
         check = ("exact" if r["valid"] and r["mode"] != "dense" else "exact (stored dense)" if r["valid"]
-                 else "-" if r["valid"] is None else f"INVALID: {r['problem']}")
+                 else "-" if r["valid"] is None else f"INVALID: {printable(r['problem'])}")
         mode = r["mode"] + (f" g{r['group_size']}" if r["group_size"] else "") + (" asym" * bool(r.get("asymmetric")))
-        print(f"  {r['layer']:<{w}}  {mode:<10}  {str(r['shape']):>12}  {r['dtype']:>8}  {kept:>8}  "
+        print(f"  {printable(r['layer']):<{w}}  {mode:<10}  {str(r['shape']):>12}  {r['dtype']:>8}  {kept:>8}  "
               f"{r['bytes']:>10}  {check}")
     sparse = [r for r in rows if r["mode"] != "dense"]
     bad = [r for r in rows if r["valid"] is False]
@@ -205,7 +205,8 @@ def cmd_inspect(args) -> int:
           + (f"; kept |w| {100 * min(kept):.1f}%-{100 * max(kept):.1f}% (mean {100 * sum(kept) / len(kept):.1f}%)"
              if kept else ""))
     if missing:
-        print(f"  config.json lists {len(missing)} 2:4 layer(s) with no entries here: {', '.join(missing[:5])}"
+        print(f"  config.json lists {len(missing)} 2:4 layer(s) with no entries here: "
+              f"{', '.join(map(printable, missing[:5]))}"
               + (" ..." if len(missing) > 5 else ""))
     size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.is_dir() else path.stat().st_size
     print(f"  {'folder' if path.is_dir() else 'file'}: {size} bytes")

@@ -249,9 +249,12 @@ def prune_folder_calibrated(src: Path, dst: Path, args) -> tuple[list[dict], str
     shards, _ = _shards(src)
     headers = check_shards(src, shards)
     config, skeleton = _skeleton(src, headers)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(src)
+    try:   # (never the folder's own code: transformers would ask on stdin, and run it on "y")
+        tokenizer = AutoTokenizer.from_pretrained(src, trust_remote_code=False)
     except Exception as e:  # transformers raises OSError, ValueError or its own types for a missing tokenizer
+        if "trust_remote_code" in str(e):
+            raise CLIError(f"{src}: its tokenizer is the folder's own code (auto_map in tokenizer_config.json or "
+                           "config.json), which the command line never runs") from None
         raise CLIError(f"{src} has no tokenizer that transformers.AutoTokenizer loads ({_one_line(e)[:160]}); the "
                        "calibration text is tokenized with the model's own: save it into the folder "
                        "(tokenizer.save_pretrained)") from None

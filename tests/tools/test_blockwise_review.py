@@ -86,7 +86,8 @@ def _four_blocks(tmp_path, edit):
     (lambda sd: sd.pop("model.layers.3.post_attention_layernorm.weight"),
      "no model.layers.3.post_attention_layernorm.weight"),
     (lambda sd: sd.update({"model.layers.3.mlp.up_proj.weight": torch.zeros(128, 60, dtype=torch.half)}),
-     r"model.layers.3.mlp.up_proj.weight has shape \(128, 60\), the model expects \(128, 64\)"),
+     r"describes 'model.layers.3.mlp.up_proj.weight' as \(128, 64\), but .* holds "
+     r"'model.layers.3.mlp.up_proj.weight' as \(128, 60\)"),
     (lambda sd: sd.pop("model.embed_tokens.weight"), "no model.embed_tokens.weight"),
 ])
 def test_late_missing_or_misshaped_tensor_refused_before_any_block(tmp_path, monkeypatch, edit, needle):
