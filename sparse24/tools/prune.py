@@ -15,7 +15,8 @@ import torch
 from .._progress import progress_bar
 from .checkpoint import (LAYER_ENTRIES, CheckpointError, dense_row, exclude_pattern, is_model_folder, is_weight_matrix,
                          load_torch_file, new_parents, quant_label)
-from .cli_common import CLIError, _one_line, _prog, check_out_writable, excluded, int4_args, prune_quant, temp_name
+from .cli_common import (CLIError, _one_line, _prog, check_out_writable, excluded, int4_args, printable,
+                         prune_quant, temp_name)
 
 __all__ = ["prune_state_dict", "PRUNE_EXCLUDE", "cmd_prune", "add_blockwise_args"]
 
@@ -399,13 +400,14 @@ def _check_copies(sd: dict, out: Path, size_in: int) -> None:
 
 
 def _print_prune_table(title: str, report: list[dict], out: Path, size_in: int) -> None:
-    w = max(len(r["name"]) for r in report)
+    names = [printable(r["name"]) for r in report]  # a file's names may hold terminal control sequences
+    w = max(len(n) for n in names)
     print(title)
     print(f"  {'weight':<{w}}  {'shape':>12}  {'dtype':>8}  {'|w| kept':>8}  {'bytes':>10}  {'-> bytes':>10}  action")
-    for r in report:
+    for name, r in zip(names, report):
         kept = f"{100 * r['kept']:.1f}%" if r["action"] != "kept dense" else "-"
-        print(f"  {r['name']:<{w}}  {str(r['shape']):>12}  {r['dtype']:>8}  {kept:>8}  {r['bytes_before']:>10}  "
-              f"{r['bytes_after']:>10}  {r['action']}" + (f" ({r['reason']})" if r["reason"] else ""))
+        print(f"  {name:<{w}}  {str(r['shape']):>12}  {r['dtype']:>8}  {kept:>8}  {r['bytes_before']:>10}  "
+              f"{r['bytes_after']:>10}  {r['action']}" + (f" ({printable(r['reason'])})" if r["reason"] else ""))
     before, after = (sum(r[k] for r in report) for k in ("bytes_before", "bytes_after"))
     n = sum(r["action"] != "kept dense" for r in report)
     size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file()) if out.is_dir() else out.stat().st_size
@@ -501,10 +503,13 @@ def _prune_folder(args, src: Path, out: Path, settings: str) -> int:
 
 def _print_folder_tail(src: Path, out: Path) -> None:
     """The last lines for a folder: the other-format weight files left out, and how to load the result."""
-    from .hf_folder import other_weight_files
+    from .hf_folder import links_left_out, other_weight_files
     other = other_weight_files(src)
     if other:
         print(f"  not copied (the dense weights in other formats): {', '.join(other)}")
+    links = links_left_out(src)
+    if links:
+        print(f"  not copied (links out of the folder, FIFOs, devices): {', '.join(map(printable, links))}")
     print(f"  load it with: sparse24.from_pretrained(<model class>, {str(out)!r})")
     return 0
 

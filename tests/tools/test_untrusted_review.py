@@ -161,8 +161,10 @@ def test_links_out_of_the_folder_fifos_and_devices_are_not_copied(capsys, tmp_pa
     os.symlink(out.parent, src / "x")
     os.symlink("extra/tok.json", src / "tokenizer.json")   # inside: copied as a file
     os.symlink("../extra", src / "1_Pooling" / "more")     # a folder inside: copied as a folder
-    rc, _, err = run(capsys, "prune", str(src), "--out", str(out), "--no-progress")
+    rc, printed, err = run(capsys, "prune", str(src), "--out", str(out), "--no-progress")
     assert rc == 0, err
+    assert "not copied (links out of the folder, FIFOs, devices): 1_Pooling/etc, 1_Pooling/zero, README.md, " \
+        "pipe, x" in printed
     listing = sorted(p.relative_to(out).as_posix() for p in out.rglob("*"))
     assert listing == ["1_Pooling", "1_Pooling/config.json", "1_Pooling/more", "1_Pooling/more/tok.json",
                        "config.json", "extra", "extra/tok.json", "generation_config.json", "model.safetensors",
@@ -358,3 +360,16 @@ def test_inspect_escapes_names_holding_control_characters(capsys, tmp_path):
     assert "\x1b" not in out + err and "\r" not in out + err
     row = next(line for line in out.splitlines() if "compressed" in line and "INVALID" in line)
     assert row.lstrip().startswith(r"0\x1b[2K\r\x1b[32mall layers fine\x1b[0m\x1b[8m  compressed")
+
+
+def test_prune_escapes_names_holding_control_characters(capsys, tmp_path):
+    """prune's table printed a file's tensor names raw: control sequences in one ran on the terminal."""
+    torch.manual_seed(0)
+    evil = "0\x1b[2K\r\x1b[32mfine\x1b[0m\x1b[8m"
+    sd = {f"{evil}.weight": torch.randn(64, 64), f"{evil}.bias": torch.randn(64)}
+    save_file(sd, tmp_path / "e.safetensors")
+    rc, out, err = run(capsys, "prune", str(tmp_path / "e.safetensors"), "--out", str(tmp_path / "p.safetensors"),
+                       "--min-features", "0", "--no-progress")
+    assert rc == 0, err
+    assert "\x1b" not in out + err and "\r" not in out + err
+    assert any(line.lstrip().startswith(r"0\x1b[2K\r\x1b[32mfine\x1b[0m\x1b[8m.weight") for line in out.splitlines())
