@@ -32,7 +32,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from ._checks import check_finite, check_model
+from ._checks import check_finite, check_model, with_context
 from .api.walk import EXCLUDED_BY, MIN_FEATURES, _too_small, check_min_features
 from .format import mask_nm
 from .masks.kept_dense import _is_linear, _kept_dense, _shared_weights, _tied_or_head
@@ -70,7 +70,7 @@ def _linear_layers(model: nn.Module, filter_fn: FilterFn | None, m: int | None, 
     try:
         heads = _kept_dense(model, skip_output_head)   # sparsify_'s rules: head, MoE routers, PEFT layers' parts
     except (TypeError, ValueError) as e:
-        raise type(e)(f"{who}: {e}") from e
+        raise with_context(e, f"{who}: {e}", who)
     shared = _shared_weights(model)
     layers, skipped = [], {}
     for fqn, mod in model.named_modules():

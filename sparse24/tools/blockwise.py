@@ -47,7 +47,8 @@ from ..nn import Sparse24Linear, compressed_entries, quant_options
 from .checkpoint import (check_shards, dense_row, exclude_pattern, is_weight_matrix, output_folder, partial_folder,
                          quant_label)
 from .cli_common import exclude_filter, exclude_reason
-from .hf_folder import NOT_SWAPPED, _finish_folder, _shards, _skeleton, prune_folder, stored_names
+from .hf_folder import (NOT_SWAPPED, _finish_folder, _shards, _skeleton, check_layer_weights, prune_folder,
+                        stored_names)
 from .prune_calibrated import _SAFETENSORS_DTYPES
 
 __all__ = ["prune_folder_blockwise", "CALIBRATED"]
@@ -261,6 +262,7 @@ def prune_folder_blockwise(src: str | os.PathLike, dst: str | os.PathLike, batch
     # the base model's prefix, or be a family's older Hub names (EXAONE's transformer.h.*); those are written
     # under the model's own names, as prune_folder writes them
     names = stored_names(model, headers, {f + ".weight" for f in layers}, src)
+    check_layer_weights(headers, names, [f + ".weight" for f in layers], model, src)
     shard_of = {src / s: s for s in shards}
     where = {names[key][0]: (key, shard_of[f]) for key, (_, _, f) in headers.items()}
     _check_entries(model, where, headers)

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from .._checks import with_context
 from ..api import MIN_FEATURES, sparsify_
 from ..hf import check_blocks, check_folder, read_config, read_shard_index, sparsity_config
 from ..masks import kept_magnitude_fraction
@@ -38,8 +39,8 @@ from .checkpoint import (check_shards, dense_row, exclude_pattern, finish_folder
                          output_folder, partial_folder, quant_label)
 from .cli_common import CLIError, exclude_filter, exclude_reason
 
-__all__ = ["is_model_folder", "prune_folder", "stored_names", "WEIGHT_FILES", "OTHER_WEIGHTS", "other_weight_files",
-           "copy_rest", "links_left_out"]
+__all__ = ["is_model_folder", "prune_folder", "stored_names", "check_layer_weights", "WEIGHT_FILES", "OTHER_WEIGHTS",
+           "other_weight_files", "copy_rest", "links_left_out"]
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
 # The dense weights in the other formats a Hub folder may carry beside model.safetensors: not copied.
@@ -183,6 +184,11 @@ def _skeleton(folder: Path, headers: dict):
     check_blocks(config, headers, folder)
     qc = getattr(config, "quantization_config", None)
     if qc is not None:
+        if isinstance(qc, dict) and _plain_compressed_tensors(qc):
+            raise ValueError(f"{folder / 'config.json'}: its quantization_config (compressed-tensors, format 'dense', "
+                             "no quantization) describes plain dense weights, which prune takes once that section "
+                             "is gone: delete \"quantization_config\" from config.json (in a copy of the folder) and "
+                             "prune that")
         method = qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", "?")
         raise ValueError(f"{folder} is already quantized or compressed ({method}); prune its dense original")
     archs = getattr(config, "architectures", None)
@@ -200,6 +206,62 @@ def _skeleton(folder: Path, headers: dict):
     except Exception as e:  # transformers' model classes raise anything on a corrupt config value
         raise ValueError(f"{folder / 'config.json'}: transformers cannot build the {arch} it describes "
                          f"({type(e).__name__}: {' '.join(str(e).split())[:200]})") from None
+
+
+def _plain_compressed_tensors(qc: dict) -> bool:
+    """Whether a compressed-tensors ``quantization_config`` describes plain dense weights: format
+    ``"dense"``, no quantization (``config_groups``, ``kv_cache_scheme``) or transforms, and a sparsity
+    section, if any, stored dense too (llm-compressor's sparsity-only export: already pruned weights
+    stored as plain tensors). Such a folder is a dense original, refused only for its config section."""
+    sparsity = qc.get("sparsity_config")
+    return qc.get("quant_method") == "compressed-tensors" and qc.get("format") == "dense" \
+        and not any(qc.get(k) for k in ("config_groups", "kv_cache_scheme", "transform_config")) \
+        and (not sparsity or isinstance(sparsity, dict) and sparsity.get("format") == "dense")
+
+
+# The safetensors dtypes of a weight sparse24 prunes (sparse24.format.FLOAT_DTYPES).
+PRUNABLE_DTYPES = ("F16", "BF16", "F32", "F64")
+
+
+def check_layer_weights(headers: dict, names: dict, layers, model, folder: Path) -> None:
+    """Every layer to prune stored as a plain floating-point ``weight``, checked from the shard
+    ``headers`` before any work (on every path: shard by shard, calibrated, block by block). A layer
+    quantized by another tool has no ``weight`` (GPTQ's ``qweight``) or int8 / float8 codes under that
+    name with their scale beside it (``weight_scale``, bitsandbytes' ``SCB``), which pruning would take
+    for the weights (transformers casts the codes to float and drops the scale on load).
+
+    Args:
+        headers: ``{stored name: (safetensors dtype, shape, file)}`` (:func:`~.checkpoint.check_shards`).
+        names: :func:`stored_names` of those keys.
+        layers: the model's ``<layer>.weight`` names of the layers to prune.
+        model: the model (its class names it in the error).
+        folder: the model folder (named in the error).
+    Raises:
+        ValueError naming the layers missing, or the tensor, its file and dtype, and what is stored beside
+        it under the layer's name."""
+    stored = {own: key for key, (own, _) in names.items()}
+
+    def beside(weight: str) -> str:   # the layer's other stored entries (its bias left out)
+        fqn = weight[:-len(".weight")]
+        found = [k for k, (own, _) in names.items() if own.startswith(fqn + ".") and own not in (weight, fqn + ".bias")]
+        return ", ".join(map(repr, found[:3])) + (" ..." if len(found) > 3 else "") \
+            + (f" (in {Path(headers[found[0]][2]).name})" if found else "")
+
+    missing = [w for w in layers if w not in stored]
+    if missing:
+        other = beside(missing[0])
+        raise ValueError(f"the checkpoint has no weight for layer(s) {', '.join(m[:-7] for m in missing[:5])}"
+                         + (" ..." if len(missing) > 5 else "") + f" of {type(model).__name__} ({folder}"
+                         + (f"; it stores {other} instead: quantized by another tool, prune its dense original"
+                            if other else "") + ")")
+    for w in layers:
+        key = stored[w]
+        dtype, _, file = headers[key]
+        if dtype not in PRUNABLE_DTYPES:
+            other = beside(w)
+            raise ValueError(f"{file}: {key!r}: weight must be floating point ({', '.join(PRUNABLE_DTYPES)}) to be "
+                             f"pruned, but it is stored as {dtype}" + (f", with {other} beside it" if other else "")
+                             + f": quantized by another tool{';' if other else '?'} prune its dense original")
 
 
 def stored_names(model, keys, layers, folder) -> dict[str, tuple[str, str]]:
@@ -286,6 +348,7 @@ def prune_folder(src: str | os.PathLike, dst: str | os.PathLike, method: str = "
     if not layers:  # (as for a state dict: a dense copy whose config says sparse24 would help nobody)
         raise CLIError(f"{src}: no layer to prune (see --min-features / --exclude)", 1)
     names = stored_names(model, headers, layers, src)
+    check_layer_weights(headers, names, layers, model, src)
     rows, done = [], set()
     skipped = {r.fqn + ".weight": exclude_reason(r.reason, exclude) for r in report.skipped}
     with partial_folder(dst) as tmp:
@@ -305,7 +368,7 @@ def prune_folder(src: str | os.PathLike, dst: str | os.PathLike, method: str = "
                     try:
                         entries, mask = layer.entries_from_dense(t)
                     except (ValueError, TypeError) as e:
-                        raise type(e)(f"{src / shard}: {key!r}: {e}") from None
+                        raise with_context(e, f"{src / shard}: {key!r}: {e}", f"in {src / shard}: {key!r}")
                     new = {f"{fqn}.{k}": v.contiguous() for k, v in entries.items()}
                     if layer.mode == "compressed":
                         new[f"{fqn}.weight"] = torch.zeros(1, dtype=torch.uint8)  # see sparse24.hf: the marker

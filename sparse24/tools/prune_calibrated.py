@@ -237,7 +237,8 @@ def prune_folder_calibrated(src: Path, dst: Path, args) -> tuple[list[dict], str
     the calibration data."""
     from transformers import AutoTokenizer
 
-    from .hf_folder import NOT_SWAPPED, WEIGHT_FILES, _shards, _skeleton, copy_rest, stored_names
+    from .hf_folder import (NOT_SWAPPED, WEIGHT_FILES, _shards, _skeleton, check_layer_weights, copy_rest,
+                            stored_names)
 
     try:
         dst = output_folder(dst)
@@ -268,16 +269,13 @@ def prune_folder_calibrated(src: Path, dst: Path, args) -> tuple[list[dict], str
                        f"transformers Conv1D layers ({conv[0]}, ...): prune it with --method magnitude")
     if not planned:
         raise CLIError(f"{src}: no layer to prune (see --min-features / --exclude)", 1)
-    # from_pretrained would give a layer missing from the checkpoint transformers' random init, pruned and
-    # written as the model's: refused, as the magnitude path refuses it (from the shard headers, before loading).
-    # The stored keys as transformers renames them on load (a family's older checkpoint names, the base model
-    # prefix); a layer it builds from fused stored tensors is refused there.
+    # from_pretrained would give a layer missing from the checkpoint transformers' random init, and int8 / fp8
+    # codes stored as a layer's weight cast to float, their scale dropped: either pruned and written as the
+    # model's. Refused from the shard headers, before loading, as on the other paths. The stored keys as
+    # transformers renames them on load (a family's older checkpoint names, the base model prefix); a layer it
+    # builds from fused stored tensors is refused there.
     names = stored_names(skeleton, headers, {f"{fqn}.weight" for fqn in planned}, src)
-    own = {name for name, _ in names.values()}
-    missing = [f"{fqn}.weight" for fqn in planned if f"{fqn}.weight" not in own]
-    if missing:
-        raise CLIError(f"the checkpoint has no weight for layer(s) {', '.join(m[:-7] for m in missing[:5])}"
-                       + (" ..." if len(missing) > 5 else "") + f" of {type(skeleton).__name__}")
+    check_layer_weights(headers, names, [f"{fqn}.weight" for fqn in planned], skeleton, src)
     # no longer than the model's positions (a longer sample would fail inside its embedding lookup)
     seq_len = min(args.seq_len, getattr(config, "max_position_embeddings", None) or args.seq_len)
     batches = tokenize_samples(tokenizer, skeleton, texts, seq_len)  # (the forward's signature only)
