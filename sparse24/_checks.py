@@ -47,12 +47,26 @@ def check_seed(seed, name: str = "seed") -> int:
     return int(seed)
 
 
-def check_nonnegative(v, name: str) -> float:
-    """``v`` as a float: ValueError unless it is a finite number >= 0 (bools, strings, NaN and inf
-    refused)."""
-    if isinstance(v, bool) or not isinstance(v, numbers.Real) or not 0 <= v < math.inf:
-        raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
+def as_real(v) -> float:
+    """``v`` as a float: a real number (Python's or numpy's) or a one-element real tensor, as torch's
+    optimizers take hyper-parameters; TypeError for anything else (bools, strings, complex, None)."""
+    if isinstance(v, torch.Tensor) and v.numel() == 1 and not (v.dtype == torch.bool or v.is_complex()):
+        return float(v.item())
+    if isinstance(v, bool) or not isinstance(v, numbers.Real):
+        raise TypeError(f"not a real number: {v!r}")
     return float(v)
+
+
+def check_nonnegative(v, name: str) -> float:
+    """``v`` as a float (see :func:`as_real`): ValueError unless it is a finite number >= 0 (bools,
+    strings, NaN and inf refused)."""
+    try:
+        x = as_real(v)
+    except TypeError:
+        x = None
+    if x is None or not 0 <= x < math.inf:
+        raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
+    return x
 
 
 def with_context(e: Exception, message: str, note: str) -> Exception:
@@ -284,6 +298,10 @@ def safetensors_headers(files) -> dict:
         if not os.path.isfile(f):  # (safetensors says "No such device" of a folder)
             raise ValueError(f"{f} {'is not a file' if os.path.exists(f) else 'does not exist'}: the checkpoint "
                              "names it as one of its safetensors files (a shard missing, or not downloaded?)")
+        try:
+            open(f, "rb").close()   # "Permission denied" where safetensors would say "No such file or directory"
+        except OSError as e:
+            raise ValueError(f"cannot read {f}: {e}") from None
         try:
             with safe_open(f, framework="pt") as fh:
                 for k in fh.keys():

@@ -253,7 +253,7 @@ class DecodePacked:
         if isinstance(device, torch.dtype):   # it reached .to(device) and cast the int32 meta
             raise TypeError(f"DecodePacked.to takes a device, not a dtype ({device}): the layout fixes its "
                             "tensors' dtypes; use to_sparse24().to(dtype=...) and pack_decode that")
-        if not isinstance(device, (str, int, torch.device)):
+        if device is not None and not isinstance(device, (str, int, torch.device)):
             raise TypeError(f"DecodePacked.to: device must be a torch.device, str or int, got {type(device).__name__}")
         scale, zero = (None if t is None else t.to(device) for t in (self.scale, self.zero))
         return DecodePacked(self.values.to(device), self.meta.to(device), self.shape, self.dtype, scale, zero=zero,

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .._checks import check_model, check_nonnegative, check_seed
+from .._checks import as_real, check_model, check_nonnegative, check_seed
 from .._progress import progress_bar, progress_enabled
 from ..api import MIN_FEATURES, SparsifyReport, sparsify_
 from ..api.walk import _child_slots, _direct_readers, _Undo
@@ -286,10 +286,13 @@ def learn_masks(model: nn.Module, batches, steps: int, *, loss_fn: Callable | No
 def _check_betas(betas) -> tuple[float, float]:
     """``betas`` as AdamW's ``(beta1, beta2)``, each in [0, 1): torch checks them only when the optimizer is
     built, after the prior has pruned every layer."""
-    if (not isinstance(betas, (tuple, list)) or len(betas) != 2
-            or not all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1 for b in betas)):
+    try:  # any pair AdamW takes: a tuple, a list, Hydra's ListConfig, a numpy array, 0-d tensors
+        pair = [as_real(b) for b in betas] if not isinstance(betas, (str, bytes)) else None
+    except TypeError:
+        pair = None
+    if pair is None or len(pair) != 2 or not all(0 <= b < 1 for b in pair):
         raise ValueError(f"betas must be (beta1, beta2) numbers in [0, 1), got {betas!r}")
-    return float(betas[0]), float(betas[1])
+    return pair[0], pair[1]
 
 
 def _learn(model, batches, steps, objective, teacher, prior, calibration, tau, hard_fraction, noise, confidence,

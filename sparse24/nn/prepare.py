@@ -4,6 +4,7 @@ done before anything changes (so whole-model calls can prepare every layer
 first and stay all or nothing), and the byte counts reported for it."""
 from __future__ import annotations
 
+import numbers
 from typing import NamedTuple
 
 import torch
@@ -12,7 +13,7 @@ from torch.sparse import SparseSemiStructuredTensor
 
 from .._checks import check_bool, check_finite, row_chunks
 from .._linears import is_conv1d, is_conv1d_class, linear_shape
-from ..format import FLOAT_DTYPES, Sparse24Tensor, _check_mask24, check_group_size, compress, int4_options, is_nm
+from ..format import FLOAT_DTYPES, Sparse24Tensor, _check_mask24, compress, int4_options, is_nm
 from ..masks import METHODS, mask_nm, prune_nm
 from .sharded import is_dtensor
 
@@ -267,21 +268,21 @@ def compressed_nbytes(out_features: int, in_features: int, element_size: int, qu
     """
     for name, v, low in (("out_features", out_features, 0), ("in_features", in_features, 0),
                          ("element_size", element_size, 1)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < low:
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < low:
             raise ValueError(f"{name} must be an int >= {low}, got {v!r}")
     if in_features % 4:
         raise ValueError(f"in_features must be divisible by 4 (2:4 groups), got {in_features}")
     if not (quantized is None or isinstance(quantized, bool)
             or isinstance(quantized, str) and quantized in ("int8", "int4")):
         raise ValueError(f"quantized must be False, None, True, 'int8' or 'int4', got {quantized!r}")
-    symmetric = check_bool(symmetric, "symmetric")
-    R, C = out_features, in_features
+    R, C = int(out_features), int(in_features)
     half = R * (C // 2)
     slots = (R * C + 7) // 8   # 2 bits per kept value (as Sparse24Tensor.nbytes counts them)
     if quantized == "int4":
-        groups = R * -(-C // check_group_size(group_size))
+        group_size, symmetric = int4_options(group_size, symmetric)   # None: the defaults, as compress takes
+        groups = R * -(-C // group_size)
         return half // 2 + slots + groups * (2 if symmetric else 3)
-    return half * (1 if quantized else element_size) + slots + (4 * R if quantized else 0)
+    return half * (1 if quantized else int(element_size)) + slots + (4 * R if quantized else 0)
 
 
 def memory_nbytes(mod) -> int:

@@ -256,3 +256,58 @@ def test_the_listed_parameters_and_hooks_are_documented():
                 hf.Sparse24Quantizer.is_qat_trainable, hf.Sparse24Quantizer.is_compileable):
         assert (inspect.getdoc(obj) or "").strip(), obj
     assert "a layer entry's unknown mode" in inspect.getdoc(hf.Sparse24Config)
+
+
+# --- regressions of the checks above (a second review) ------------------------------------------------------
+
+def test_betas_and_weight_decay_take_what_adamw_takes():
+    """The first betas check refused a numpy array, Hydra's ListConfig (a Sequence) and 0-d tensors, and the
+    weight_decay check a 0-d tensor: AdamW takes them all."""
+    from collections.abc import Sequence
+
+    class ListConfigLike(Sequence):   # what Hydra / OmegaConf hand a training script
+        def __init__(self, items):
+            self.items = list(items)
+
+        def __getitem__(self, i):
+            return self.items[i]
+
+        def __len__(self):
+            return len(self.items)
+
+    for betas in (np.array([0.9, 0.999]), ListConfigLike([0.9, 0.999]), (torch.tensor(0.9), torch.tensor(0.999)),
+                  [np.float32(0.5), 0.999], (0, 0.99)):
+        got = learned_masks_module._check_betas(betas)
+        assert got == tuple(float(b) for b in betas) and all(type(b) is float for b in got)
+    assert sparse24._checks.check_nonnegative(torch.tensor(0.25), "weight_decay") == 0.25
+    for bad in (torch.tensor([0.1, 0.2]), torch.tensor(True), "0.1"):
+        with pytest.raises(ValueError, match="weight_decay must be a finite number >= 0"):
+            sparse24._checks.check_nonnegative(bad, "weight_decay")
+
+
+def test_decode_packed_to_none_is_a_copy_on_the_same_device():
+    packed = sparse24.pack_decode(sparse24.compress(two_four_weight(16, 64).half()))
+    moved = packed.to(None)
+    assert moved is not packed and torch.equal(moved.to_sparse24().to_dense(), packed.to_sparse24().to_dense())
+
+
+def test_compressed_nbytes_takes_int4_defaults_and_numpy_ints():
+    """INT4's None defaults (128, symmetric) as compress takes them; the first check refused symmetric=None
+    (before it, zero points were counted) and numpy sizes."""
+    p = sparse24.compress(two_four_weight(64, 128).half(), quantize="int4")
+    held = p.nbytes + p.scale_nbytes   # values + indices + scales
+    assert compressed_nbytes(64, 128, 2, "int4", None, None) == held
+    assert compressed_nbytes(np.int64(64), np.int64(128), np.int64(2), "int4") == held
+
+
+def test_an_unreadable_shard_is_not_called_missing(tmp_path, monkeypatch):
+    """safetensors says "No such file or directory" of a file it may not read; Python's open names it."""
+    import sparse24._checks as checks
+    f = tmp_path / "model.safetensors"
+    f.write_bytes(b"")
+
+    def denied(path, mode="r"):
+        raise PermissionError(13, "Permission denied", str(path))
+    monkeypatch.setattr(checks, "open", denied, raising=False)
+    with pytest.raises(ValueError, match="cannot read .*model.safetensors: .*Permission denied"):
+        checks.safetensors_headers([f])
