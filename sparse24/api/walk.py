@@ -170,6 +170,13 @@ def _put_back(table: dict, saved: dict) -> None:
     table.update(saved)
 
 
+@torch.compiler.assume_constant_result
+def _is_inference(t: torch.Tensor) -> bool:
+    """``t.is_inference()``, which Dynamo cannot trace (a graph break): under torch.compile a constant
+    of the graph; Dynamo's guards on ``t`` (its dispatch keys) tell an inference tensor from another."""
+    return t.is_inference()
+
+
 class _MaskDirectReads:
     """Forward pre-hook of a module holding masked layers whose ``.weight`` their parent reads directly
     (their own forward, which masks, never runs; the hook's module is that parent, or a module above
@@ -178,27 +185,33 @@ class _MaskDirectReads:
     under ``no_grad``; ``_zero_where_pruned`` caches the answer per version, so an unchanged weight
     costs no pass over it). Holds the layers' paths only, looked up per call: survives deepcopy and pickle.
 
+    Under torch.compile the write is in the graph, on every call: a graph has no version counter to
+    tell an unchanged weight (the cost of one pass over the weight, as a masked layer's own compiled
+    forward masks on every call); skipping it would let a compiled model multiply by a weight
+    written in place since (``model.apply(init)``), silently.
+
     Left alone: a weight ``torch.func.functional_call`` substituted (no Parameter: never the caller's
-    tensor to write), calls under torch.compile or torch.func transforms (writing is no traceable or
-    functional op), inference tensors (cannot be written outside inference mode), meta and sharded
-    (FSDP2) weights."""
+    tensor to write), calls under torch.export or torch.func transforms (an exported program would
+    write its own parameters; a write is no functional op), inference tensors (cannot be written
+    outside inference mode), meta and sharded (FSDP2) weights."""
 
     def __init__(self, paths: tuple[str, ...]):
         self.paths = paths
 
     def __call__(self, parent: nn.Module, args) -> None:
-        if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+        if torch.compiler.is_exporting() or torch._C._are_functorch_transforms_active():
             return
+        compiling = torch.compiler.is_compiling()
         for path in self.paths:
             child = _submodule(parent, path)
             if not isinstance(child, Sparse24Linear) or child.__dict__.get("_mode") != "masked" \
                     or child.__dict__.get("_pending") is not None:
                 continue
             w, mask = child._parameters.get("weight"), child._buffers.get("mask")
-            if not isinstance(w, nn.Parameter) or mask is None or w.is_meta or w.is_inference() \
+            if not isinstance(w, nn.Parameter) or mask is None or w.is_meta or _is_inference(w) \
                     or is_dtensor(w) or is_dtensor(mask):
                 continue
-            if not child._zero_where_pruned(w):
+            if compiling or not child._zero_where_pruned(w):
                 with torch.no_grad():
                     w.masked_fill_(~mask, 0)
 

@@ -56,6 +56,16 @@ def _ref(t):
     return None if t is None else weakref.ref(t)
 
 
+@torch.compiler.disable(reason=(
+    "sparse24: a compressed layer made trainable in the decode layout settles to layout v1 in eager mode "
+    "(the op's backward takes layout v1); for fullgraph=True call layer.to_layout('v1') before compiling"))
+def _settle_eagerly(layer: "Sparse24Linear") -> None:
+    """``layer._settle_layout(keep_values=True)`` outside a compiled graph: it re-packs the values
+    Parameter's data in place, which Dynamo cannot trace."""
+    if layer._settle_layout(keep_values=True):
+        _FAST.pop(layer, None)
+
+
 class Sparse24Linear(LayoutMixin, StateDictMixin, nn.Module):
     """``nn.Linear`` whose weight is 2:4 sparse, in ``"masked"`` (training) or
     ``"compressed"`` (inference) mode; see the module docstring.
@@ -740,14 +750,20 @@ class Sparse24Linear(LayoutMixin, StateDictMixin, nn.Module):
         values = params.get("values")
         if values is None:  # an nn.DataParallel replica: torch's replicate() sets its parameters as attributes
             values = self.values
-        if (values.requires_grad and values.dim() != 2 or values.is_cuda and values.dim() == 2) \
-                and not torch.compiler.is_compiling():
+        if values.requires_grad and values.dim() != 2 or values.is_cuda and values.dim() == 2:
             # made trainable since (needs layout v1), or placed on CUDA without .to() (a loader's direct
             # assignment): settle the layout (a no-op where layout v1 is what this layer wants), in the
             # same Parameter (an optimizer may hold it); plans kept for the old data go with it
-            if self._settle_layout(keep_values=True):
-                _FAST.pop(self, None)
-            values = self.values
+            if not torch.compiler.is_compiling():
+                if self._settle_layout(keep_values=True):
+                    _FAST.pop(self, None)
+                values = self.values
+            elif values.requires_grad and values.dim() != 2 and not torch.compiler.is_exporting():
+                # under torch.compile only a layer made trainable (the op's backward takes layout v1; it
+                # reads either layout forward): settled outside the graph, once (one graph break; Dynamo's
+                # guards on the values' shape then recompile for layout v1)
+                _settle_eagerly(self)
+                values = self.values
         linear24.check_input(x, self.in_features, values.device)
         scale = buffers["scale"]
         # INT4 in the decode layout: bfloat16 scales where exact (LayoutMixin), in eager mode only: a

@@ -275,8 +275,11 @@ def _mask_sharded_grads(optimizer, args, kwargs) -> None:
                 grad.masked_fill_(~mask, 0)
 
 
-register_optimizer_step_pre_hook(_mask_sharded_grads)
-register_optimizer_step_post_hook(_remask_after_step)
+# Registered for every optimizer, so run eagerly under torch.compile(optimizer.step): Dynamo tracing
+# them broke every compiled step in the process into several graphs (on the weak dictionaries' loops),
+# also the steps of optimizers that hold no masked weight. Eager, they write the real Parameters.
+register_optimizer_step_pre_hook(torch.compiler.disable(_mask_sharded_grads))
+register_optimizer_step_post_hook(torch.compiler.disable(_remask_after_step))
 
 
 def _unhook(w: torch.Tensor) -> None:
