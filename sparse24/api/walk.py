@@ -449,7 +449,8 @@ def _check_foreign_quantization(model: nn.Module) -> None:
     qc = getattr(model.config, "quantization_config", None)
     method = qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", None)
     if qc is not None and method != "sparse24":
-        raise ValueError(f"the model is already quantized with {method!r}: its config.json cannot describe 2:4 "
+        name = getattr(method, "value", method)   # transformers' QuantizationMethod enum: its value, not its repr
+        raise ValueError(f"the model is already quantized with {name!r}: its config.json cannot describe 2:4 "
                          f"layers as well, so save_pretrained would lose them (nothing was changed)")
 
 

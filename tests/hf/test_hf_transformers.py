@@ -283,3 +283,14 @@ def test_all_minilm_l6_v2_round_trip(tmp_path):
         assert torch.equal(loaded(ids).last_hidden_state, y)
     size = sum(f.stat().st_size for f in tmp_path.glob("*.safetensors"))
     assert size < 0.75 * sum(f.stat().st_size for f in path.glob("*.safetensors"))  # fp32 -> INT8 2:4 layers
+
+
+def test_other_quantization_named_by_its_value_not_the_enum_repr():
+    """A loaded model's quantization_config holds transformers' QuantizationMethod enum: the refusal printed
+    "<QuantizationMethod.COMPRESSED_TENSORS: 'compressed-tensors'>"."""
+    from types import SimpleNamespace
+    from transformers.utils.quantization_config import QuantizationMethod
+    model = tiny_llama()
+    model.config.quantization_config = SimpleNamespace(quant_method=QuantizationMethod.COMPRESSED_TENSORS)
+    with pytest.raises(ValueError, match="already quantized with 'compressed-tensors': "):
+        sparse24.sparsify_(model)
