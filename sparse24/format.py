@@ -271,13 +271,33 @@ def has_tangent(*tensors) -> bool:
 _DENSE_BLOCK = 1 << 18
 
 
-def _byte_columns(device) -> torch.Tensor:
+def _build_byte_columns(device) -> torch.Tensor:
     """``(256, 4)`` int64: a metadata byte (groups ``2k``, ``2k+1``: nibbles ``slot_lo | slot_hi << 2``)
     -> the columns of its four kept values among the pair's 8 dense columns. Built from factory
     calls (as in :func:`_unpack_slots`: to_dense runs under tracing in the op's backward)."""
     b = torch.arange(256, device=device)
     lo, hi = b & 15, b >> 4
     return torch.stack((lo & 3, lo >> 2, 4 + (hi & 3), 4 + (hi >> 2)), dim=-1)
+
+
+_BYTE_COLUMNS: dict = {}   # device -> _build_byte_columns(device), eager mode only
+
+
+def _byte_columns(device: torch.device) -> torch.Tensor:
+    """:func:`_build_byte_columns`, built once per device in eager mode: it is 11 small ops (~25 us on
+    a CPU, a third of a small compressed layer's call), and the reference decompresses a large weight
+    in several row blocks. Built afresh while tracing (torch.compile, export, jit.trace, a fake-tensor
+    or other dispatch mode: a real tensor constant among fake tensors is an error), under torch.func
+    (inside grad a new tensor is a wrapper of that call's level) and during CUDA graph capture (whose
+    private memory pool should not hold a long-lived tensor)."""
+    if torch.compiler.is_compiling() or torch.jit.is_tracing() or torch._C._len_torch_dispatch_stack() \
+            or torch._C._are_functorch_transforms_active() \
+            or device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return _build_byte_columns(device)
+    table = _BYTE_COLUMNS.get(device)
+    if table is None:
+        table = _BYTE_COLUMNS[device] = _build_byte_columns(device)
+    return table
 
 
 class Sparse24Tensor:
@@ -489,31 +509,39 @@ class Sparse24Tensor:
         else:
             out = torch.empty(r, C, dtype=self.dtype, device=self.device)
         columns = _byte_columns(self.device)
-        base = torch.arange(0, 8 * pairs, 8, device=self.device).view(pairs, 1)
-        shifts = torch.arange(0, 32, 8, dtype=torch.int32, device=self.device)
+        # An even group count: scatter each byte's four values into its own 8 columns, a (rows, pairs, 8)
+        # view, at the table's columns 0..7 as they are. An odd one (C % 8 == 4) ends in a padding group
+        # whose columns lie past C: there the columns are offset to whole rows and the padding dropped.
+        base = None if C % 8 == 0 else torch.arange(0, 8 * pairs, 8, device=self.device).view(pairs, 1)
         step = max(1, _DENSE_BLOCK // max(C, 1)) if self.device.type == "cpu" else max(r, 1)
         for r0 in range(0, r, step):
             r1 = min(r, r0 + step)
+            n = r1 - r0
             # (rows, words), a copy with unit last stride: with one word per row .contiguous() keeps
             # the transposed view (a size-1 dim's stride does not count), which view(uint8) refuses
             m = meta[:, r0:r1].t().clone(memory_format=torch.contiguous_format)
             # byte j of a word = its bits 8j..8j+7: on a little-endian machine, its j-th byte in memory
             # (a view: 1/5 of the time of the shifts, which big-endian machines still need)
-            byte = m.view(torch.uint8).int() if sys.byteorder == "little" else (m.unsqueeze(-1) >> shifts) & 255
-            byte = byte.reshape(r1 - r0, 4 * m.shape[1])[:, :pairs]
-            idx = (columns.index_select(0, byte.reshape(-1)).view(r1 - r0, pairs, 4) + base)
-            idx = idx.view(r1 - r0, 4 * pairs)[:, :C // 2]  # an odd group count: drop the padding group
+            byte = m.view(torch.uint8).int() if sys.byteorder == "little" else \
+                (m.unsqueeze(-1) >> torch.arange(0, 32, 8, dtype=torch.int32, device=m.device)) & 255
+            byte = byte.reshape(n, 4 * m.shape[1])[:, :pairs]
+            idx = columns.index_select(0, byte.reshape(-1)).view(n, pairs, 4)
             # dequantized as dequantized_values does, a block at a time
             sub = row_ids[r0:r1]
             v = self._dequantized(slice(sub.start, sub.stop, sub.step)).to(self.dtype)
+            if base is None:
+                shape, dim, v = (n, pairs, 8), 2, v.reshape(n, pairs, 4)
+            else:
+                shape, dim, idx = (n, C), 1, (idx + base).view(n, 4 * pairs)[:, :C // 2]
             if out is None:
-                blocks.append(torch.zeros(r1 - r0, C, dtype=self.dtype, device=self.device).scatter(1, idx, v))
+                blocks.append(torch.zeros(shape, dtype=self.dtype, device=self.device).scatter(dim, idx, v)
+                              .reshape(n, C))
                 continue
             block = out[r0:r1]
             block.zero_()
             if block.element_size() == 2 and not v.requires_grad:  # fp16 / bf16 moved as int16 bits: torch's
                 block, v = block.view(torch.int16), v.view(torch.int16)  # CPU scatter of them is ~6x slower
-            block.scatter_(1, idx, v)
+            block.view(shape).scatter_(dim, idx, v)
         if out is None:   # (no blocks: no rows)
             return torch.cat(blocks) if len(blocks) > 1 else blocks[0] if blocks else \
                 torch.zeros(0, C, dtype=self.dtype, device=self.device)

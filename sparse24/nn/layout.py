@@ -146,6 +146,11 @@ class LayoutMixin:
         v1 elsewhere: CPU, ROCm, older GPUs). Outputs and state
         dicts (always layout v1) do not change. Returns self.
 
+        On a CPU a decode-layout layer's forward runs the reference, not the decode kernel: it
+        re-orders each 128-row block back to layout v1 on every call (5-7.5x layout v1's time), so
+        keep layout v1 there. The kernel runs on CPU tensors (Triton's interpreter, slow: for
+        tests) only through ``sparse24.linear(x, p, backend="triton")``.
+
         A layer sharded by FSDP2's ``fully_shard`` keeps the layout it was sharded in (asking for
         another raises RuntimeError, nothing changed): shard compressed layers in layout v1
         (``to_layout("v1")`` before ``fully_shard``; one sharded in the decode layout runs forward
@@ -154,7 +159,7 @@ class LayoutMixin:
         Example:
             >>> from sparse24 import Sparse24Linear
             >>> layer = Sparse24Linear(64, 32, mode="compressed", dtype=torch.float16)
-            >>> layer.to_layout("decode").layout   # e.g. to run the decode kernel on CPU tensors
+            >>> layer.to_layout("decode").layout   # e.g. to test the layout on CPU tensors
             'decode'
         """
         if layout not in ("v1", "decode", "auto"):
