@@ -65,7 +65,7 @@ def _write_in_place(dense, model) -> nn.Module:
     with torch.no_grad():
         for n, m in model.named_modules():
             if isinstance(m, Sparse24Linear):
-                new = torch.randn_like(m.weight)
+                new = torch.randn_like(m.weight) / m.in_features ** 0.5   # init's scale: O(1) outputs
                 m.weight.copy_(new)
                 ref.get_submodule(n).weight.copy_(new.double() * top2_mask(dense.get_submodule(n).weight))
     return ref
