@@ -16,21 +16,10 @@ import sparse24.recipes as recipes
 from hf_models import VOCAB, tiny_llama
 from sparse24.nn import Sparse24Linear
 from sparse24.tools.hf_folder import prune_folder
-from test_cli import assert_one_line_error, run as _run
+from test_cli import assert_one_line_error
+from test_cli_review3 import one_thread  # noqa: F401  (autouse: one thread, as the CLI tests)
+from test_untrusted_review import run
 from test_cli_calibrated import TEXTS, _tokenizer
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-def run(capsys, *argv):
-    capsys.readouterr()   # (save_pretrained's progress bar)
-    return _run(capsys, *argv)
 
 
 @pytest.fixture

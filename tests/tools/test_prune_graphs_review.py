@@ -3,7 +3,6 @@ feed-forward reads ``wo.weight`` (sparsify_ keeps ``wo`` masked, so the file mus
 ``safetensors.torch.save_model`` stored once (the printed call keeps the pair dense, so the file must
 hold both names dense). Each file is loaded with the call the command prints, and the model's outputs
 are compared with a float64 plain-torch copy whose pruned weights are masked here (top-2 |w| of 4)."""
-import copy
 
 import pytest
 import torch
@@ -12,15 +11,10 @@ from torch import nn
 import sparse24
 from sparse24.tools.cli import main
 
+from conftest import masked_copy
+
 safetensors_torch = pytest.importorskip("safetensors.torch")
 transformers = pytest.importorskip("transformers")
-
-
-def mask24(w: torch.Tensor) -> torch.Tensor:
-    """The magnitude 2:4 mask, in plain torch: the two largest |w| of each group of 4 along a row."""
-    g = w.detach().abs().reshape(w.shape[0], -1, 4)
-    keep = torch.zeros_like(g, dtype=torch.bool).scatter_(-1, g.topk(2, dim=-1).indices, True)
-    return keep.reshape(w.shape)
 
 
 def _prune(capsys, src, out, *extra) -> str:
@@ -29,16 +23,6 @@ def _prune(capsys, src, out, *extra) -> str:
     text = capsys.readouterr().out
     line = next(ln for ln in text.splitlines() if "load it with:" in ln)
     return line.split("load it with: ")[1].split("; model.load_state_dict")[0]
-
-
-def _reference(dense: nn.Module, pruned: list[str]) -> nn.Module:
-    """A float64 copy of ``dense`` with each layer in ``pruned`` holding its weight times its 2:4 mask."""
-    ref = copy.deepcopy(dense).double()
-    with torch.no_grad():
-        for fqn in pruned:
-            w = ref.get_submodule(fqn).weight
-            w.mul_(mask24(w))
-    return ref
 
 
 @pytest.mark.parametrize("family, gated, wo_masked", [("T5", False, True), ("T5", True, True),
@@ -66,7 +50,7 @@ def test_a_t5_family_state_dict_loads_into_the_printed_call(tmp_path, capsys, fa
     ids, dec = torch.randint(1, 128, (2, 7)), torch.randint(1, 128, (2, 5))
     with torch.no_grad():
         y = model(input_ids=ids, decoder_input_ids=dec).logits
-        y_ref = _reference(dense, pruned)(input_ids=ids, decoder_input_ids=dec).logits
+        y_ref = masked_copy(dense, pruned)(input_ids=ids, decoder_input_ids=dec).logits
     torch.testing.assert_close(y.double(), y_ref, rtol=0, atol=1e-4)
 
 
@@ -96,7 +80,7 @@ def test_a_tie_safetensors_save_model_stored_once_stays_dense_and_loads_strictly
     assert model.f2.weight is model.f1.weight and type(model.f1) is nn.Linear
     x = torch.randn(5, 64)
     with torch.no_grad():
-        y, y_ref = model(x), _reference(dense, ["out"])(x.double())
+        y, y_ref = model(x), masked_copy(dense, ["out"])(x.double())
     torch.testing.assert_close(y.double(), y_ref, rtol=0, atol=1e-5)
 
 
