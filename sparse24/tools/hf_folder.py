@@ -87,11 +87,15 @@ def _links_back(src: Path, path: Path) -> bool:
 
 def _link_roots(src: Path) -> list[Path]:
     """The real folders whose files a copy of ``src`` may hold: ``src``, and for a Hugging Face cache
-    snapshot (``<repo>/snapshots/<revision>/``, its files relative links into ``<repo>/blobs/``) that
-    ``blobs/``. A link leading anywhere else (``README.md -> ~/.aws/credentials``, ``x -> /etc``) is not
-    followed: the output, maybe published, would hold files the model folder does not."""
+    snapshot (``<repo>/snapshots/<revision>/``, or a subfolder of one such as ``text_encoder_2/``, its files
+    relative links into ``<repo>/blobs/``) that ``blobs/``. A link leading anywhere else
+    (``README.md -> ~/.aws/credentials``, ``x -> /etc``) is not followed: the output, maybe published, would
+    hold files the model folder does not."""
     top = Path(os.path.realpath(src))
-    return [top, Path(os.path.realpath(top.parent.parent / "blobs"))] if top.parent.name == "snapshots" else [top]
+    for revision in (top, *top.parents):
+        if revision.parent.name == "snapshots" and (revision.parent.parent / "blobs").is_dir():
+            return [top, Path(os.path.realpath(revision.parent.parent / "blobs"))]
+    return [top]
 
 
 def _left_out(path: Path, roots: list[Path]) -> bool:

@@ -145,9 +145,12 @@ def test_an_empty_out_folder_the_user_owns_in_a_folder_they_cannot_write():
 
 # --- 2. a Hugging Face cache snapshot ------------------------------------------------------------------
 
-def test_a_cache_snapshots_relative_links_are_copied_as_files(capsys, tmp_path):
+@pytest.mark.parametrize("sub", ["", "text_encoder_2"])
+def test_a_cache_snapshots_relative_links_are_copied_as_files(capsys, tmp_path, sub):
     """huggingface_hub's cache: snapshots/REV/NAME are relative links into ../../blobs. A subfolder's
-    links were copied as links, dangling in --out (sentence-transformers' 1_Pooling/config.json)."""
+    links were copied as links, dangling in --out (sentence-transformers' 1_Pooling/config.json). A model
+    in a subfolder of the snapshot (diffusers' text_encoder_2/) lost every file but its weights and config
+    once links out of the folder were left out: its blobs are the snapshot's."""
     plain = tmp_path / "plain"
     dense = _dense_folder(plain)
     (plain / "1_Pooling").mkdir()
@@ -157,12 +160,14 @@ def test_a_cache_snapshots_relative_links_are_copied_as_files(capsys, tmp_path):
     blobs.mkdir(parents=True)
     for i, f in enumerate(p for p in sorted(plain.rglob("*")) if p.is_file()):
         shutil.copy(f, blobs / f"b{i}")
-        link = snap / f.relative_to(plain)
+        link = snap / sub / f.relative_to(plain)
         link.parent.mkdir(parents=True, exist_ok=True)
         os.symlink(os.path.relpath(blobs / f"b{i}", link.parent), link)
     out = tmp_path / "out"
-    rc, _, err = run(capsys, "prune", str(snap), "--out", str(out), "--no-progress")
+    rc, printed, err = run(capsys, "prune", str(snap / sub), "--out", str(out), "--no-progress")
     assert rc == 0, err
+    assert "links out of the folder" not in printed
+    assert sorted(p.relative_to(out) for p in out.rglob("*")) == sorted(p.relative_to(plain) for p in plain.rglob("*"))
     copied = out / "1_Pooling" / "config.json"
     assert not copied.is_symlink() and copied.read_text() == pooling
     assert not any(p.is_symlink() for p in out.rglob("*"))

@@ -140,3 +140,19 @@ def test_tied_names_whose_safetensors_copies_dwarf_the_input_are_refused(tmp_pat
     assert out["layers.0.proj.weight"].untyped_storage().data_ptr() == out["layers.39.proj.weight"].untyped_storage().data_ptr()
     assert torch.equal(out["layers.7.proj.weight"], t) and "fc.values" in out
     assert "and 36 more (tied weights)" in text   # the reason names 3 of the 39 others
+
+
+def test_an_embedding_tied_under_a_few_names_is_written_to_safetensors(tmp_path, capsys):
+    """T5 v1.0 ties its embedding under 4 names (the copies 1.6x its file): the first copy limit (the input's
+    size) refused such ordinary files; only a blow-up (over 8x) is refused."""
+    torch.manual_seed(0)
+    emb = torch.randn(512, 64)
+    sd = {n: emb for n in ("shared.weight", "encoder.embed_tokens.weight", "decoder.embed_tokens.weight",
+                           "lm_head.weight")}
+    sd["encoder.block.0.fc.weight"] = torch.randn(64, 64)
+    torch.save(sd, tmp_path / "t5.pt")
+    _prune(capsys, tmp_path / "t5.pt", tmp_path / "o.safetensors")
+    out = safetensors_torch.load_file(tmp_path / "o.safetensors")
+    assert all(torch.equal(out[n], emb) for n in ("shared.weight", "encoder.embed_tokens.weight",
+                                                 "decoder.embed_tokens.weight", "lm_head.weight"))
+    assert "encoder.block.0.fc.values" in out
