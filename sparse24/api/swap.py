@@ -71,7 +71,8 @@ from .guard import check_calibration, record_after_change, require_sparse_layers
 from .report import LayerReport, SparsifyReport
 from ..masks.kept_dense import _is_linear, _kept_dense, _shared_weights
 from .walk import (MIN_FEATURES, FilterFn, _after_change, _check_foreign_quantization, _child_slots, _direct_readers,
-                   _entry, _not_handled, _skip_reason, _sync_reader_hooks, _Undo, check_min_features)
+                   _entry, _load_hooks_reason, _not_handled, _skip_reason, _sync_reader_hooks, _Undo,
+                   check_min_features)
 
 __all__ = ["sparsify_", "densify_", "compress_", "decompress_", "prune_trained_model", "count_parameters",
            "SparsifyReport", "LayerReport", "MIN_FEATURES"]
@@ -490,7 +491,8 @@ def densify_(model: nn.Module) -> SparsifyReport:
     Raises:
         ValueError (nothing changed): the model has no ``Sparse24Linear`` (nothing to switch), a
         layer's weight or bias is reparametrized (``torch.nn.utils.parametrize``, ``prune``,
-        ``weight_norm``: remove it first).
+        ``weight_norm``: remove it first), a layer has load_state_dict pre-hooks (they were registered
+        for its 2:4 entries; a swap would drop them: remove them first).
     Example:
         >>> model = nn.Sequential(nn.Linear(64, 64)); _ = sparsify_(model)
         >>> _ = densify_(model); type(model[0]).__name__
@@ -505,6 +507,11 @@ def densify_(model: nn.Module) -> SparsifyReport:
         raise ValueError("the model itself is a Sparse24Linear: nothing holds it to swap; "
                          "use model.to_dense_module()")
     _refuse_reparametrized("densify_", layers, bias=True)
+    for fqn, m in layers:   # (sparsify_ leaves such a layer dense; this way back refuses rather than drop them)
+        if _load_hooks_reason(m):
+            raise ValueError(f"densify_: layer {fqn!r} has load_state_dict pre-hooks, registered for its 2:4 "
+                             "entries, which the dense layer put in its place would not have: remove them first "
+                             "(nothing was changed)")
     built = [(fqn, m, m.to_dense_module(release=False)) for fqn, m in layers]
     # Swap, stop masking the handed-over weights, record the config: undone as a whole on any failure up to the
     # return (a layer not released yet would go on masking its weight, now a dense layer's).

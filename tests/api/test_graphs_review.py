@@ -198,3 +198,19 @@ def test_a_layer_with_a_load_state_dict_pre_hook_is_not_swapped_and_keeps_the_ho
     assert type(model[0]) is nn.Linear and isinstance(model[2], Sparse24Linear)
     model.load_state_dict(old, strict=False)   # the hook still renames an old checkpoint's keys
     assert torch.equal(model[0].weight, old["0.w"]) and torch.equal(model[0].bias, old["0.bias"])
+
+
+def test_densify_refuses_a_layer_with_load_state_dict_pre_hooks_changing_nothing():
+    """densify_ dropped a load_state_dict pre-hook registered on a 2:4 layer without a word."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64))
+    sparse24.sparsify_(model, min_features=0, skip_output_head=False)
+    seen = []
+    model[2]._register_load_state_dict_pre_hook(lambda *a, **k: seen.append(1))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=r"densify_: layer '2' has load_state_dict pre-hooks.*nothing was changed"):
+        sparse24.densify_(model)
+    assert all(isinstance(model[i], Sparse24Linear) for i in (0, 2))
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+    model.load_state_dict(before)
+    assert seen == [1]   # the hook is still there and runs
