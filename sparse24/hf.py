@@ -488,7 +488,8 @@ def _checkpoint_keys(files) -> dict | None:
     return safetensors_headers(files)
 
 
-_FLOATS = ("F16", "BF16", "F32", "F64")
+# sparse24.format.FLOAT_DTYPES as safetensors headers name them: the dtypes a weight is pruned and stored in
+FLOAT_SAFETENSORS_DTYPES = ("F16", "BF16", "F32", "F64")
 
 
 def _check_stored(found: dict, saved: str, shell: Sparse24Linear, need: list, spec: dict) -> None:
@@ -500,7 +501,7 @@ def _check_stored(found: dict, saved: str, shell: Sparse24Linear, need: list, sp
     shapes = {k: tuple(t.shape) for k, t in shell.state_dict(keep_vars=True).items()}
     q = spec["quantize"]
     allowed = {"meta": ("I32",), "mask": ("BOOL",), "scale": ("F16",) if q == "int4" else ("F32",),
-               "weight": _FLOATS, "values": {None: _FLOATS, "int8": ("I8",), "int4": ("U8",)}[q],
+               "weight": FLOAT_SAFETENSORS_DTYPES, "values": {None: FLOAT_SAFETENSORS_DTYPES, "int8": ("I8",), "int4": ("U8",)}[q],
                "zero": ("U8",), "group_size": ("I32",)}
     for k in need:
         dtype, shape, file = found[f"{saved}.{k}"]

@@ -142,10 +142,10 @@ def _read_paths(mod: nn.Module, expr: str) -> list[str]:
     for name, index in _STEP.findall(expr):
         step = []
         for path, m in found:
-            kids = list(m._modules.items())
             if name:
                 kids = [(name, m._modules.get(name))]
             else:
+                kids = list(m._modules.items())
                 try:
                     key = ast.literal_eval(index)
                 except (ValueError, SyntaxError):

@@ -56,14 +56,16 @@ def _ref(t):
     return None if t is None else weakref.ref(t)
 
 
-@torch.compiler.disable(reason=(
-    "sparse24: a compressed layer made trainable in the decode layout settles to layout v1 in eager mode "
-    "(the op's backward takes layout v1); for fullgraph=True call layer.to_layout('v1') before compiling"))
-def _settle_eagerly(layer: "Sparse24Linear") -> None:
-    """``layer._settle_layout(keep_values=True)`` outside a compiled graph: it re-packs the values
-    Parameter's data in place, which Dynamo cannot trace."""
+def _settle(layer: "Sparse24Linear") -> None:
+    """``layer._settle_layout(keep_values=True)``, its fast-path plan dropped when the layout changed."""
     if layer._settle_layout(keep_values=True):
         _FAST.pop(layer, None)
+
+
+# _settle outside a compiled graph: it re-packs the values Parameter's data in place, which Dynamo cannot trace
+_settle_eagerly = torch.compiler.disable(_settle, reason=(
+    "sparse24: a compressed layer made trainable in the decode layout settles to layout v1 in eager mode "
+    "(the op's backward takes layout v1); for fullgraph=True call layer.to_layout('v1') before compiling"))
 
 
 class Sparse24Linear(LayoutMixin, StateDictMixin, nn.Module):
@@ -755,8 +757,7 @@ class Sparse24Linear(LayoutMixin, StateDictMixin, nn.Module):
             # assignment): settle the layout (a no-op where layout v1 is what this layer wants), in the
             # same Parameter (an optimizer may hold it); plans kept for the old data go with it
             if not torch.compiler.is_compiling():
-                if self._settle_layout(keep_values=True):
-                    _FAST.pop(self, None)
+                _settle(self)
                 values = self.values
             elif values.requires_grad and values.dim() != 2 and not torch.compiler.is_exporting():
                 # under torch.compile only a layer made trainable (the op's backward takes layout v1; it

@@ -31,7 +31,8 @@ import torch
 
 from .._checks import with_context
 from ..api import MIN_FEATURES, sparsify_
-from ..hf import check_blocks, check_folder, read_config, read_shard_index, sparsity_config
+from ..hf import (FLOAT_SAFETENSORS_DTYPES, check_blocks, check_folder, read_config, read_shard_index,
+                  sparsity_config)
 from ..masks import kept_magnitude_fraction
 from ..nn import Sparse24Linear, is_conv1d_class
 from .._progress import progress_bar
@@ -223,9 +224,6 @@ def _plain_compressed_tensors(qc: dict) -> bool:
         and (not sparsity or isinstance(sparsity, dict) and sparsity.get("format") == "dense")
 
 
-# The safetensors dtypes of a weight sparse24 prunes (sparse24.format.FLOAT_DTYPES).
-PRUNABLE_DTYPES = ("F16", "BF16", "F32", "F64")
-
 
 def check_layer_weights(headers: dict, names: dict, layers, model, folder: Path) -> None:
     """Every layer to prune stored as a plain floating-point ``weight``, checked from the shard
@@ -261,9 +259,9 @@ def check_layer_weights(headers: dict, names: dict, layers, model, folder: Path)
     for w in layers:
         key = stored[w]
         dtype, _, file = headers[key]
-        if dtype not in PRUNABLE_DTYPES:
+        if dtype not in FLOAT_SAFETENSORS_DTYPES:
             other = beside(w)
-            raise ValueError(f"{file}: {key!r}: weight must be floating point ({', '.join(PRUNABLE_DTYPES)}) to be "
+            raise ValueError(f"{file}: {key!r}: weight must be floating point ({', '.join(FLOAT_SAFETENSORS_DTYPES)}) to be "
                              f"pruned, but it is stored as {dtype}" + (f", with {other} beside it" if other else "")
                              + f": quantized by another tool{';' if other else '?'} prune its dense original")
 

@@ -397,8 +397,7 @@ def _check_copies(sd: dict, out: Path, size_in: int) -> None:
         raise CLIError(f"--out {out}: {sum(map(len, shared))} names share the memory of {len(shared)} tensor(s) "
                        f"(tied weights: {top[0]} has {len(top) - 1} other name(s), e.g. {top[1]}); safetensors "
                        f"stores every name separately, {extra} more bytes, over 8 times the {size_in}-byte input; "
-                       "write a "
-                       ".pt file, which keeps one copy")
+                       "write a .pt file, which keeps one copy")
 
 
 def _print_prune_table(title: str, report: list[dict], out: Path, size_in: int) -> None:
