@@ -21,10 +21,21 @@ except ImportError:  # a torch build without torch.distributed: nothing is ever 
     DTensor = ()
 
 __all__ = ["FLOAT_DTYPES", "check_bool", "check_seed", "check_nonnegative", "check_weight", "check_nm", "check_mask",
-           "check_model", "check_separate_teacher", "check_finite", "computable", "local_piece", "refuse_dtensor",
-           "refuse_meta", "row_chunks", "safetensors_headers", "refuse_single_batch", "warn_user", "with_context"]
+           "check_model", "check_separate_teacher", "check_finite", "computable", "is_exporting", "local_piece",
+           "refuse_dtensor", "refuse_inference_mode", "refuse_meta", "row_chunks", "safetensors_headers",
+           "refuse_single_batch", "warn_user", "with_context"]
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def is_exporting() -> bool:
+    """Whether torch.export (strict or not) is tracing: the flag it sets around its trace, which
+    ``torch.compiler.is_exporting()`` returns in eager code. Inside a graph Dynamo traces, torch < 2.13
+    folds that call to True, under plain torch.compile too (pytorch#176347, fixed by #176499): work
+    skipped under export was skipped under torch.compile as well. Dynamo reads the flag as a constant
+    (a torch without that private flag: its public call, right from 2.13)."""
+    flag = getattr(torch.compiler, "_is_exporting_flag", None)
+    return torch.compiler.is_exporting() if flag is None else flag
 
 
 def check_bool(v, name: str) -> bool:
@@ -82,6 +93,15 @@ def with_context(e: Exception, message: str, note: str) -> Exception:
         return new
     e.add_note(note)
     return e
+
+
+def refuse_inference_mode(who: str) -> None:
+    """RuntimeError under ``torch.inference_mode()``, for a call that trains: autograd cannot record
+    inference tensors (``torch.enable_grad()`` does not undo inference mode for the tensors made in it)."""
+    if torch.is_inference_mode_enabled():
+        raise RuntimeError(f"{who} trains (backward and optimizer steps), which torch.inference_mode() rules out: "
+                           "call it outside torch.inference_mode() (under torch.no_grad() it trains with autograd "
+                           "on; nothing was changed)")
 
 
 def refuse_meta(t, name: str) -> None:

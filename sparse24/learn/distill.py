@@ -9,7 +9,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from .._checks import check_model, check_nonnegative
+from .._checks import check_model, check_nonnegative, refuse_inference_mode
 from .._progress import progress_bar, progress_enabled
 from .objective import (_batch_stream, _check_steps, _failure_note, _nonempty, _Objective, _optimizer_step,
                         _refuse_float16, _rollback_for, _warmup_cosine)
@@ -40,7 +40,10 @@ def distill_(model: nn.Module, batches, steps: int, *, teacher: nn.Module | None
     through any optimizer, so this trains every given parameter freely: AdamW,
     linear warmup over ``warmup * steps`` steps, cosine decay to
     ``final_lr * lr``, gradient clipping; the models run in the mode they are
-    in (``.eval()`` switches dropout off). All or nothing: if a step fails (or on
+    in (``.eval()`` switches dropout off), with autograd on whatever the caller's
+    grad mode (inside ``torch.no_grad()`` too; under ``torch.inference_mode()``,
+    whose tensors autograd cannot record: a RuntimeError, nothing changed).
+    All or nothing: if a step fails (or on
     Ctrl-C), every trained parameter and buffer gets its value from before the call
     back (a copy is kept on the CPU while it runs; save checkpoints from ``callback``
     to keep progress) and the error notes the step and batch. Loss: ``loss_fn(output, batch)``
@@ -78,6 +81,7 @@ def distill_(model: nn.Module, batches, steps: int, *, teacher: nn.Module | None
         3
     """
     check_model(model, None)
+    refuse_inference_mode("distill_")
     progress = progress_enabled(progress)  # checked before anything changes
     steps = _check_steps(steps)
     for name, v in (("lr", lr),):
@@ -109,11 +113,12 @@ def distill_(model: nn.Module, batches, steps: int, *, teacher: nn.Module | None
         objective.open()
         bar = progress_bar(_batch_stream(batches, steps), total=steps, desc="distill_", progress=progress,
                            unit="step")
-        for step, batch in enumerate(bar):
-            rep.losses.append(_optimizer_step(objective(batch), model, params, clip, opt, sched))
-            bar.set_postfix_str(f"loss {rep.losses[-1]:.4g}", refresh=False)
-            if callback is not None:
-                callback(step, rep.losses[-1])
+        with torch.enable_grad():  # it trains: under the caller's torch.no_grad() too (see learn_masks)
+            for step, batch in enumerate(bar):
+                rep.losses.append(_optimizer_step(objective(batch), model, params, clip, opt, sched))
+                bar.set_postfix_str(f"loss {rep.losses[-1]:.4g}", refresh=False)
+                if callback is not None:
+                    callback(step, rep.losses[-1])
         bar.close()
         objective.close()
         rep.seconds = time.perf_counter() - t0

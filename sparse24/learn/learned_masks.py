@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .._checks import as_real, check_model, check_nonnegative, check_seed
+from .._checks import as_real, check_model, check_nonnegative, check_seed, refuse_inference_mode
 from .._progress import progress_bar, progress_enabled
 from ..api import MIN_FEATURES, SparsifyReport, sparsify_
 from ..api.walk import _child_slots, _direct_readers, _Undo
@@ -149,6 +149,9 @@ def learn_masks(model: nn.Module, batches, steps: int, *, loss_fn: Callable | No
 
     The model and the teacher run in the train/eval mode they are in (call
     ``.eval()`` to switch dropout off); the default teacher is in eval mode.
+    The steps run with autograd on whatever the caller's grad mode (inside
+    ``torch.no_grad()`` too); under ``torch.inference_mode()``, whose tensors
+    autograd cannot record, the call is a RuntimeError (nothing changed).
     Activation checkpointing (``model.activation_checkpointing_enable()``,
     ``torch.utils.checkpoint``) gives the same results: each layer draws its
     mask once per step (a layer run twice in a step uses that draw again), so a
@@ -215,6 +218,7 @@ def learn_masks(model: nn.Module, batches, steps: int, *, loss_fn: Callable | No
         ('Sparse24Linear', True)
     """
     check_model(model, filter_fn)
+    refuse_inference_mode("learn_masks")
     progress = progress_enabled(progress)  # checked before anything changes
     steps = _check_steps(steps)
     for name, v in (("lr", lr), ("weight_lr", weight_lr)):
@@ -269,10 +273,13 @@ def learn_masks(model: nn.Module, batches, steps: int, *, loss_fn: Callable | No
                              + [m.weight for m in model.modules() if type(m) in _SWAPPABLE], same)
     try:  # the hooks go on inside: every way out of here (a return, or an exception up to it) removes them
         objective.open()
-        rep = _learn(model, batches, steps, objective, teacher, prior, calibration, tau, hard_fraction, noise,
-                     confidence, magnitude_reg, train_weights, opt_kwargs, filter_fn,
-                     {"min_features": min_features, "skip_output_head": skip_output_head}, logits_dtype,
-                     check_batches, seed, callback, progress, rollback)
+        # it trains: under the caller's torch.no_grad() too (as calibrate runs under no_grad whatever the caller's
+        # mode); backward failed at step 0 with torch's "element 0 of tensors does not require grad"
+        with torch.enable_grad():
+            rep = _learn(model, batches, steps, objective, teacher, prior, calibration, tau, hard_fraction, noise,
+                         confidence, magnitude_reg, train_weights, opt_kwargs, filter_fn,
+                         {"min_features": min_features, "skip_output_head": skip_output_head}, logits_dtype,
+                         check_batches, seed, callback, progress, rollback)
         objective.close()
         return rep
     except BaseException as e:

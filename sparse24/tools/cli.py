@@ -33,6 +33,16 @@ __all__ = ["main", "CLIError", "prune_state_dict", "PRUNE_EXCLUDE"]
 # --- bench / plot ----------------------------------------------------------------
 
 def _cmd_bench(args) -> int:
+    # --threads is for this sweep only: main() may run in-process (a notebook, a driver script), and a run that
+    # fails part way must give the caller's thread count back too (as run_demo does)
+    threads_before = torch.get_num_threads()
+    try:
+        return _bench(args)
+    finally:
+        torch.set_num_threads(threads_before)
+
+
+def _bench(args) -> int:
     from . import bench
     from .shapes import parse_shapes
 

@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .._checks import refuse_inference_mode
 from .._progress import progress_bar
 from .cli_common import add_progress_argument
 
@@ -80,7 +81,7 @@ def load_corpus(max_files: int | None = None) -> tuple[torch.Tensor, torch.Tenso
 
 def _windows(ids: torch.Tensor, starts: torch.Tensor, ctx: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(B, ctx)`` contexts and ``(B,)`` next characters starting at ``starts``."""
-    win = ids[starts[:, None] + torch.arange(ctx + 1)].long()
+    win = ids[starts[:, None] + torch.arange(ctx + 1, device=starts.device)].long()
     return win[:, :ctx], win[:, ctx]
 
 
@@ -141,24 +142,29 @@ def train(model: CharMLP, ids: torch.Tensor, cfg: TrainConfig, label: str = "tra
           progress: bool | None = None) -> float:
     """Train ``model`` on ``ids`` with a fresh AdamW; returns the last 50 steps' mean loss in bits/char.
 
-    Works the same for a dense model and a ``sparsify_``-ed one (masks stay frozen).
+    Works the same for a dense model and a ``sparsify_``-ed one (masks stay frozen), with autograd on
+    whatever the caller's grad mode (inside ``torch.no_grad()`` too); under ``torch.inference_mode()``,
+    whose tensors autograd cannot record, a RuntimeError (nothing changed).
     """
+    refuse_inference_mode("sparse24.tools.demo.train")
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     gen = torch.Generator().manual_seed(cfg.seed)
     model.train()
     recent: list[float] = []
     bar = progress_bar(total=cfg.steps, desc=label, progress=progress, unit="step")
-    for step in range(cfg.steps):
-        for group in opt.param_groups:
-            group["lr"] = cfg.lr_at(step)
-        x, y = _windows(ids, torch.randint(0, ids.numel() - model.ctx - 1, (cfg.batch,), generator=gen), model.ctx)
-        loss = F.cross_entropy(model(x), y)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        recent = (recent + [loss.item() / math.log(2)])[-50:]
-        bar.set_postfix_str(f"loss {sum(recent) / len(recent):.3f} bits/char", refresh=False)
-        bar.update()
+    with torch.enable_grad():  # it trains: under the caller's torch.no_grad() too
+        for step in range(cfg.steps):
+            for group in opt.param_groups:
+                group["lr"] = cfg.lr_at(step)
+            starts = torch.randint(0, ids.numel() - model.ctx - 1, (cfg.batch,), generator=gen, device="cpu")
+            x, y = _windows(ids, starts, model.ctx)
+            loss = F.cross_entropy(model(x), y)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            recent = (recent + [loss.item() / math.log(2)])[-50:]
+            bar.set_postfix_str(f"loss {sum(recent) / len(recent):.3f} bits/char", refresh=False)
+            bar.update()
     bar.close()
     return sum(recent) / max(len(recent), 1)
 
@@ -189,7 +195,8 @@ def evaluate_bpc(model: nn.Module, ids: torch.Tensor, n_chars: int, ctx: int | N
         raise ValueError(f"ids holds {ids.numel()} characters: predicting one from the ctx = {ctx} before it "
                          f"needs at least {ctx + 1}")
     model.eval()
-    starts = torch.arange(0, min(n_chars, ids.numel() - ctx))  # start s predicts ids[s + ctx], the last one too
+    # start s predicts ids[s + ctx], the last one too
+    starts = torch.arange(0, min(n_chars, ids.numel() - ctx), device=ids.device)
     total, chunk = 0.0, 4096
     for a in progress_bar(range(0, len(starts), chunk), desc=label, progress=progress, unit="chunk"):
         x, y = _windows(ids, starts[a:a + chunk], ctx)
@@ -239,7 +246,7 @@ def _pick_threads(choice: str) -> tuple[int, str]:
         return n, "as asked"
     if n_all == 1:
         return 1, "one available"
-    a, b = torch.randn(256, 512), torch.randn(512, 512)
+    a, b = torch.randn(256, 512, device="cpu"), torch.randn(512, 512, device="cpu")
     rates = {}
     for n in (1, n_all, 1, n_all):  # twice each, keep the best: the first call warms up
         torch.set_num_threads(n)
@@ -303,11 +310,16 @@ INT8 = "2:4 compressed INT8 (+ fp32 row scales)"
 def run_demo(args) -> int:
     """Run the demo with parsed ``args`` (see :func:`add_demo_arguments`); returns 0.
 
-    Sets torch's thread count for the run and restores it afterwards.
+    Sets torch's thread count and seeds torch's global random generator (``--seed``) for the run, and
+    restores both afterwards, also when it fails (it uses no numpy or Python random state). It makes
+    every tensor it trains itself, so it trains with autograd on whatever the caller's grad mode
+    (``torch.no_grad()`` and ``torch.inference_mode()`` included).
     """
     threads_before = torch.get_num_threads()
+    # (devices=[]: the demo runs on the CPU, and forking CUDA's generators would initialise CUDA)
     try:
-        return _run_demo(args)
+        with torch.random.fork_rng(devices=[]), torch.inference_mode(False):
+            return _run_demo(args)
     finally:
         torch.set_num_threads(threads_before)
 
