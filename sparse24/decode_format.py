@@ -217,7 +217,7 @@ class DecodePacked:
             zero = None if symmetric else torch.empty(gshape, dtype=torch.uint8, device=device)
         elif int8:
             values, scale = torch.empty(KA, NT, 32, 16, dtype=torch.uint8, device=device), \
-                torch.empty(R, device=device)
+                torch.empty(R, dtype=torch.float32, device=device)   # (not torch's default dtype)
         else:
             values, scale = torch.empty(KA, 2, NT, 32, 8, dtype=dtype, device=device), None
         meta = torch.empty(NT, 32, KM * (1 if scale is None else 2), dtype=torch.int32, device=device)

@@ -169,7 +169,7 @@ def embedding_fidelity(model: nn.Module, batches, reference, token_mask: Callabl
     check_model(model, None)
     refuse_single_batch(batches)
     if isinstance(reference, np.ndarray):   # sentence-transformers' encode() returns numpy by default
-        reference = torch.as_tensor(reference)
+        reference = torch.as_tensor(reference, device="cpu")
     if not isinstance(reference, (torch.Tensor, nn.Module)):
         raise TypeError(f"reference must be the dense encoder (an nn.Module) or its (N, D) embeddings (a tensor or "
                         f"numpy array), got {type(reference).__name__}")

@@ -88,7 +88,7 @@ def _magnitude_keys(w: torch.Tensor) -> torch.Tensor:
     return keys
 
 
-_INF_KEY = {dt: int(torch.tensor(float("inf"), dtype=dt).view(_INT_VIEW[dt])) for dt in _INT_VIEW}
+_INF_KEY = {dt: int(torch.tensor(float("inf"), dtype=dt, device="cpu").view(_INT_VIEW[dt])) for dt in _INT_VIEW}
 _PAIRS = [(0, 1), (0, 2), (0, 3), (1, 2), (1, 3), (2, 3)]
 
 
@@ -100,7 +100,8 @@ def _build_luts() -> tuple[torch.Tensor, torch.Tensor]:
     two others are kept. ``from_keep[bits]``: ``bits`` = the 4 kept flags of a
     group (at most 2 set); short groups are filled with the lowest free slots.
     """
-    from_compares = torch.zeros(64, dtype=torch.uint8)
+    # On the CPU whatever torch's default device (filled entry by entry; _lookup moves them to the data)
+    from_compares = torch.zeros(64, dtype=torch.uint8, device="cpu")
     for code in range(64):
         beaten = [0] * 4
         for b, (i, j) in enumerate(_PAIRS):
@@ -108,7 +109,7 @@ def _build_luts() -> tuple[torch.Tensor, torch.Tensor]:
         kept = [c for c in range(4) if beaten[c] < 2]
         if len(kept) == 2:  # other codes are cyclic, impossible for a total order
             from_compares[code] = kept[0] | kept[1] << 2
-    from_keep = torch.full((16,), _BAD, dtype=torch.uint8)  # _BAD: more than 2 kept
+    from_keep = torch.full((16,), _BAD, dtype=torch.uint8, device="cpu")  # _BAD: more than 2 kept
     for bits in range(16):
         kept = [c for c in range(4) if (bits >> c) & 1]
         kept = sorted(kept + [c for c in range(4) if c not in kept][: max(0, 2 - len(kept))])
@@ -154,7 +155,7 @@ def _nibble_mask(nib: torch.Tensor) -> torch.Tensor:
 
 
 _KEEP_BITS = torch.tensor([(1 << (b & 3)) | (1 << (b >> 2)) if (b & 3) < (b >> 2) else 0 for b in range(16)],
-                          dtype=torch.uint8)
+                          dtype=torch.uint8, device="cpu")
 
 
 def mask_nm(w: torch.Tensor, n: int = 2, m: int = 4) -> torch.Tensor:
@@ -501,7 +502,10 @@ class Sparse24Tensor:
         rows = slice(None) if rows is None else rows
         meta, row_ids = self.meta[:, rows], range(R)[rows]
         r, pairs = len(row_ids), (C // 4 + 1) // 2  # groups are read two (one byte) at a time
-        if transformed(self.values, self.scale, self.zero):
+        # metadata batched by vmap (stacked models' buffers): torch < 2.13 has no batching rule for the
+        # uint8 view below ("Batching rule not implemented for aten::view.dtype"): its bytes by shifts there
+        meta_wrapped = transformed(meta)
+        if meta_wrapped or transformed(self.values, self.scale, self.zero):
             # torch.func (e.g. vmap over stacked weights) or forward-mode AD: batched tensors cannot be
             # written into a plain buffer and the int16 view below drops a tangent, so these go out of
             # place, a block at a time, joined at the end
@@ -522,7 +526,7 @@ class Sparse24Tensor:
             m = meta[:, r0:r1].t().clone(memory_format=torch.contiguous_format)
             # byte j of a word = its bits 8j..8j+7: on a little-endian machine, its j-th byte in memory
             # (a view: 1/5 of the time of the shifts, which big-endian machines still need)
-            byte = m.view(torch.uint8).int() if sys.byteorder == "little" else \
+            byte = m.view(torch.uint8).int() if sys.byteorder == "little" and not meta_wrapped else \
                 (m.unsqueeze(-1) >> torch.arange(0, 32, 8, dtype=torch.int32, device=m.device)) & 255
             byte = byte.reshape(n, 4 * m.shape[1])[:, :pairs]
             idx = columns.index_select(0, byte.reshape(-1)).view(n, pairs, 4)
@@ -861,7 +865,7 @@ def _half_scales(s: torch.Tensor) -> torch.Tensor:
     clipped by up to several steps; a normal one rounded down clips by at most 15 x 2**-11 of a step)."""
     h = s.clamp(min=2.0 ** -24).half()
     low = (h.float() < s) & (h < 2.0 ** -14)
-    return torch.where(low, h + torch.tensor(2.0 ** -24, dtype=torch.float16), h)
+    return torch.where(low, h + 2.0 ** -24, h)   # (a Python scalar: no tensor on torch's default device)
 
 
 # The largest float16 value with 8 significant bits (0xFF << 8): float16's max, 65504, has 11

@@ -345,13 +345,13 @@ class Sparse24Quantizer(HfQuantizer):
         compressed = {fqn for fqn, spec in model.config.quantization_config.layers.items()
                       if spec["mode"] == "compressed"}
         last = {k.rpartition(".")[0]: k for k in state_dict if k.rpartition(".")[0] in compressed}
-        ordered = type(state_dict)()
+        ordered = type(state_dict)()   # (markers on the CPU, whatever torch's default device)
         for k, v in state_dict.items():
             ordered[k] = v
             if last.get(k.rpartition(".")[0]) == k:
-                ordered[f"{k.rpartition('.')[0]}.weight"] = torch.zeros(1, dtype=_MARKER_DTYPE)
+                ordered[f"{k.rpartition('.')[0]}.weight"] = torch.zeros(1, dtype=_MARKER_DTYPE, device="cpu")
         for fqn in sorted(compressed - set(last)):  # (a layer with no entries: none, but never without a marker)
-            ordered[f"{fqn}.weight"] = torch.zeros(1, dtype=_MARKER_DTYPE)
+            ordered[f"{fqn}.weight"] = torch.zeros(1, dtype=_MARKER_DTYPE, device="cpu")
         if hasattr(state_dict, "_metadata"):
             ordered._metadata = state_dict._metadata
         # no metadata of our own: config.json carries the format, and safetensors writes a header of

@@ -59,7 +59,7 @@ def _refill_table(fill_from: tuple[int, ...], keep_zero_bits: bool) -> torch.Ten
     Keys whose nibble is not two ordered distinct slots map to themselves, so
     :meth:`Sparse24Tensor.validate` still reports them.
     """
-    table = torch.empty(64, dtype=torch.uint8)
+    table = torch.empty(64, dtype=torch.uint8, device="cpu")  # built at import: not on a default device
     for key in range(64):
         lo, hi, nz_lo, nz_hi = key & 3, (key >> 2) & 3, (key >> 4) & 1, key >> 5
         if lo >= hi:

@@ -56,7 +56,7 @@ def token_noise(batches: Iterable, copies: int = 2, p: float = 0.3, *, vocab, ke
     seed = check_seed(seed)
     refuse_single_batch(batches)
     pool = _vocab_ids(vocab)
-    keep_ids = torch.as_tensor(list(keep), dtype=torch.long)
+    keep_ids = torch.as_tensor(list(keep), dtype=torch.long, device="cpu")
     batches = list(batches)
     ids = [_ids_of(b, i) for i, b in enumerate(batches)]
     g = torch.Generator().manual_seed(seed)
@@ -77,8 +77,8 @@ def _vocab_ids(vocab) -> torch.Tensor:
         low, high = vocab
         if not 0 <= low < high:
             raise ValueError(f"vocab range must have 0 <= low < high, got {vocab!r}")
-        return torch.arange(low, high)
-    ids = torch.as_tensor(vocab)
+        return torch.arange(low, high, device="cpu")
+    ids = torch.as_tensor(vocab, device="cpu")
     if ids.dim() != 1 or ids.numel() == 0 or ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool \
             or bool((ids < 0).any()):
         raise ValueError("vocab must be an int, a (low, high) pair or a non-empty 1-D sequence of ids >= 0")
@@ -103,8 +103,9 @@ def _noisy(ids: torch.Tensor, mask, pool: torch.Tensor, keep: torch.Tensor, p: f
     counts = ~torch.isin(ids.cpu(), keep)
     if mask is not None:
         counts &= mask.cpu().bool()
-    swap = (torch.rand(ids.shape, generator=g) < p) & counts
-    new = pool[torch.randint(len(pool), (int(swap.sum()),), generator=g)]
+    # Drawn on the CPU generator's device in float32: the same draws whatever torch's default device and dtype
+    swap = (torch.rand(ids.shape, generator=g, dtype=torch.float32, device=g.device) < p) & counts
+    new = pool[torch.randint(len(pool), (int(swap.sum()),), generator=g, device=g.device)]
     out = ids.clone()
     out[swap.to(ids.device)] = new.to(device=ids.device, dtype=ids.dtype)
     return out

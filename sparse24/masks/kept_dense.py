@@ -90,7 +90,7 @@ def _elements_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
     lo = min(a.storage_offset(), b.storage_offset())
     size = max(t.storage_offset() + 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
                for t in (a, b)) - lo
-    marks = torch.zeros(size, dtype=torch.bool)  # on the host: no device memory or sync needed
+    marks = torch.zeros(size, dtype=torch.bool, device="cpu")  # on the host: no device memory or sync needed
     marks.as_strided(a.shape, a.stride(), a.storage_offset() - lo).fill_(True)
     return bool(marks.as_strided(b.shape, b.stride(), b.storage_offset() - lo).any())
 

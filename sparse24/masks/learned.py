@@ -35,7 +35,7 @@ def nm_patterns(n: int = 2, m: int = 4, device=None) -> torch.Tensor:
 
     Args:
         n, m: keep ``n`` of every ``m``.
-        device: where to build the table.
+        device: where to build the table (None: torch's default device, as torch's factories).
     Returns:
         ``(P, m)`` bool, ``P = C(m, n)``; row ``p`` keeps the slots of the
         ``p``-th ``n``-combination of ``range(m)``.
@@ -45,10 +45,8 @@ def nm_patterns(n: int = 2, m: int = 4, device=None) -> torch.Tensor:
     """
     check_nm(n, m)
     combos = list(itertools.combinations(range(m), n))
-    table = torch.zeros(len(combos), m, dtype=torch.bool)
-    for p, slots in enumerate(combos):
-        table[p, list(slots)] = True
-    return table.to(device)
+    # One factory call from Python data, not an entry-by-entry fill (which a meta table cannot take)
+    return torch.tensor([[s in slots for s in range(m)] for slots in combos], dtype=torch.bool, device=device)
 
 
 class LearnableMask(nn.Module):
@@ -108,7 +106,7 @@ class LearnableMask(nn.Module):
 
     def get_extra_state(self) -> torch.Tensor:
         """The pattern ``[n, m]``, saved beside the logits (a tensor: any state-dict format holds it)."""
-        return torch.tensor([self.n, self.m])
+        return torch.tensor([self.n, self.m], device="cpu")   # (loading reads it back with tolist)
 
     def set_extra_state(self, state) -> None:
         pass  # checked in _load_from_state_dict, before the logits are copied

@@ -97,7 +97,9 @@ def search_permutation(w: torch.Tensor, n: int = 2, m: int = 4, time_limit: floa
     try:
         while not done():
             # Round 0 keeps the given grouping; later rounds re-draw which groups share a window.
-            order = torch.arange(groups) if rnd == 0 else torch.randperm(groups, generator=gen)
+            # (on the CPU generator's device, whatever torch's default device; moved to the weight's below)
+            order = torch.arange(groups, device=gen.device) if rnd == 0 else \
+                torch.randperm(groups, generator=gen, device=gen.device)
             search = _TabuWindows(A, perm.view(groups, m)[order.to(w.device)], n, m, wg, tenure, deadline)
             search.start()
             while not done() and (groups <= wg or search.it < round_iters):
@@ -172,7 +174,7 @@ def apply_permutation(producer: nn.Linear, consumer: nn.Linear, perm: torch.Tens
     if not isinstance(perm, torch.Tensor) or perm.dtype not in (torch.int32, torch.int64) or perm.shape != (H,):
         got = f"{perm.dtype} {tuple(perm.shape)}" if isinstance(perm, torch.Tensor) else type(perm).__name__
         raise ValueError(f"perm must be an integer tensor of shape ({H},), got {got}")
-    if not torch.equal(torch.sort(perm.cpu()).values, torch.arange(H, dtype=perm.dtype)):
+    if not torch.equal(torch.sort(perm.cpu()).values, torch.arange(H, dtype=perm.dtype, device="cpu")):
         raise ValueError(f"perm must be a permutation of 0..{H - 1} (each index exactly once)")
     with torch.no_grad():
         producer.weight.copy_(producer.weight[perm.to(producer.weight.device)])

@@ -142,9 +142,11 @@ def _apply(model: nn.Module, group: PermutationGroup, perm: torch.Tensor, invers
 
 
 def _random_perm(H: int, block: int | None, gen: torch.Generator) -> torch.Tensor:
+    # On the generator's device (the CPU), whatever torch's default device
     if block is None:
-        return torch.randperm(H, generator=gen)
-    return torch.cat([b * block + torch.randperm(block, generator=gen) for b in range(H // block)])
+        return torch.randperm(H, generator=gen, device=gen.device)
+    return torch.cat([b * block + torch.randperm(block, generator=gen, device=gen.device)
+                      for b in range(H // block)])
 
 
 def _is_kv_cache(x) -> bool:
@@ -556,7 +558,8 @@ def permute_model_(model: nn.Module, groups: list, score: str = "magnitude", cal
                                               seed=seed, progress=progress, window=g.block,
                                               round_iters=(max_iters or 1 << 62) + 1)
                 else:  # blocks of one group (no permutation changes the masks), or not made of whole groups
-                    perm = torch.arange(H)   # (the windowed search takes whole groups; such blocks are not searched)
+                    # (the windowed search takes whole groups; such blocks are not searched)
+                    perm = torch.arange(H, device="cpu")
                 perm = perm.cpu()
                 kept = lambda A: float(A.reshape(A.shape[0], -1, m).topk(n, dim=-1).values.sum())  # noqa: E731
                 base = kept(S)

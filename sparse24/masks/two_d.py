@@ -35,7 +35,7 @@ def block_patterns(n: int = 2, m: int = 4) -> torch.Tensor:
     column (90 for 2:4) are not enough: a block that keeps fewer in one row can keep more in all.
 
     Returns:
-        ``(P, m * m)`` bool, row-major blocks, those with the most ones first (186 patterns for
+        ``(P, m * m)`` bool on the CPU, row-major blocks, those with the most ones first (186 patterns for
         2:4, 24 for 1:4, 184 for 3:4).
     Raises:
         ValueError if there are more than 15000 patterns (e.g. 2:6): use ``"2d_greedy"`` there.
@@ -75,7 +75,7 @@ def _block_patterns(n: int, m: int) -> torch.Tensor:
     if len(out) > _MAX_PATTERNS:
         _too_many_patterns(n, m)
     out.sort(key=lambda p: -sum(r.bit_count() for r in p))  # stable: fullest first, so ties keep the most
-    bits = torch.tensor([[r >> j & 1 for r in p for j in range(m)] for p in out], dtype=torch.bool)
+    bits = torch.tensor([[r >> j & 1 for r in p for j in range(m)] for p in out], dtype=torch.bool, device="cpu")
     return bits.view(len(out), m * m)
 
 

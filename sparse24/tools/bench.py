@@ -315,7 +315,7 @@ def run_bench(settings: BenchSettings, explicit_providers: bool = False, progres
     rows = []
     gen = torch.Generator(device="cpu").manual_seed(settings.seed)
     for (dtype, label, N, K), names in groups.items():
-        w = torch.randn(N, K, generator=gen).to(dev, dtype)
+        w = torch.randn(N, K, generator=gen, device="cpu").to(dev, dtype)
         mask = mask_nm(w)
         w = torch.where(mask, w, 0)
         ops = {}
@@ -325,7 +325,7 @@ def run_bench(settings: BenchSettings, explicit_providers: bool = False, progres
             except (RuntimeError, TypeError, ValueError) as e:  # e.g. a shape torch's 2:4 path does not take
                 _fail(name, label, "weight preparation", e, log)
         for M in settings.ms:
-            x = torch.randn(M, K, generator=gen).to(dev, dtype)
+            x = torch.randn(M, K, generator=gen, device="cpu").to(dev, dtype)
             for name, (t, t_dense, err, wbytes) in _measure_point(ops, x, timer, settings.repeats, log,
                                                                   f"{label} M={M}").items():
                 io_bytes = wbytes + M * K * x.element_size() + M * N * x.element_size()

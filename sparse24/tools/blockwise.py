@@ -109,7 +109,8 @@ def _embed(model: nn.Module, module: nn.Embedding, table: torch.Tensor, ids: tor
     run on a copy holding only the rows ``ids`` use: the whole table in fp32 can outweigh a block."""
     used, local = ids.long().unique(return_inverse=True)
     small = copy.deepcopy(module)  # meta
-    small.weight = nn.Parameter(torch.empty(len(used), table.shape[1], device="meta"), requires_grad=False)
+    small.weight = nn.Parameter(torch.empty(len(used), table.shape[1], dtype=torch.float32, device="meta"),
+                                requires_grad=False)
     small.num_embeddings, small.padding_idx = len(used), None  # padding_idx only masks gradients; its row moved
     small.to_empty(device="cpu")
     model._init_weights(small)  # its non-persistent buffers (Gemma's embed_scale), which no checkpoint holds
@@ -344,7 +345,7 @@ def _layer_entries(name: str, r, layer: Sparse24Linear, dtype: torch.dtype, quan
                 if n not in entries:
                     entries[n] = t.new_empty(t.shape[:dim] + w.shape[:1] + t.shape[dim + 1:])
                 entries[n].narrow(dim, rows.start, t.shape[dim]).copy_(t)
-        entries["weight"] = torch.zeros(1, dtype=torch.uint8)  # see sparse24.hf: the marker
+        entries["weight"] = torch.zeros(1, dtype=torch.uint8, device="cpu")  # see sparse24.hf: the marker
     else:
         entries = {"weight": torch.where(mask, w.to(dtype), 0), "mask": mask}
     size = w.numel() * dtype.itemsize

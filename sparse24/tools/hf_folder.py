@@ -373,7 +373,7 @@ def prune_folder(src: str | os.PathLike, dst: str | os.PathLike, method: str = "
                         raise with_context(e, f"{src / shard}: {key!r}: {e}", f"in {src / shard}: {key!r}")
                     new = {f"{fqn}.{k}": v.contiguous() for k, v in entries.items()}
                     if layer.mode == "compressed":
-                        new[f"{fqn}.weight"] = torch.zeros(1, dtype=torch.uint8)  # see sparse24.hf: the marker
+                        new[f"{fqn}.weight"] = torch.zeros(1, dtype=torch.uint8, device="cpu")  # sparse24.hf's marker
                     out.update(new)
                     done.add(name)
                     rows.append({"name": key, "shape": tuple(mask.shape), "dtype": str(t.dtype)[6:],
