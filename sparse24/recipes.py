@@ -454,6 +454,24 @@ class _NMSTEParametrization(nn.Module):
         return f"n={self.n}, m={self.m}, decay={self.decay:g}" + ("" if self.in_backward else " (at optimizer.step)")
 
 
+def _hookable(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The torch optimizer whose step runs step hooks: ``optimizer``, or the one it wraps as
+    ``.optimizer``: accelerate's ``AcceleratedOptimizer`` (what ``accelerator.prepare`` returns and HF
+    ``Trainer`` holds) is an Optimizer subclass that skips ``Optimizer.__init__``, so it has no hook
+    table, and its ``step`` steps the wrapped optimizer, whose hooks run (once per real step, after
+    GradScaler's ``unscale_``). TypeError where neither has one: nothing changed yet."""
+    seen = set()
+    while not hasattr(optimizer, "_optimizer_step_pre_hooks"):
+        seen.add(id(optimizer))
+        inner = getattr(optimizer, "optimizer", None)
+        if not isinstance(inner, torch.optim.Optimizer) or id(inner) in seen:
+            raise TypeError(f"SRSTE: the optimizer ({type(optimizer).__name__}) has no step hooks (an Optimizer "
+                            "subclass that skips Optimizer.__init__) and wraps no torch optimizer as .optimizer: "
+                            "pass the torch optimizer whose step() it calls; nothing was changed")
+        optimizer = inner
+    return optimizer
+
+
 class SRSTE:
     """Train N:M sparse weights from scratch with SR-STE (Zhou et al. 2021).
 
@@ -486,7 +504,9 @@ class SRSTE:
         filter_fn: ``(module, fqn) -> bool``; default all ``nn.Linear`` and ``Conv1D`` but weights
             shared with another module (tied), the output head and layers under ``min_features``.
         optimizer: the optimizer training the selected weights: add the decay at its
-            step instead of in the backward (see above); until :meth:`finalize`.
+            step instead of in the backward (see above); until :meth:`finalize`. A wrapper
+            holding it as ``.optimizer`` (accelerate's ``AcceleratedOptimizer``, which
+            ``accelerator.prepare`` returns and HF ``Trainer`` holds) stands for the optimizer it wraps.
         skip_output_head: as for :func:`sparse24.sparsify_` (default True: the head stays dense).
         min_features: as for :func:`sparse24.sparsify_` (default ``sparse24.api.MIN_FEATURES``, 32):
             a layer with fewer input or output features is left out, so that ``sparsify_`` after
@@ -509,6 +529,7 @@ class SRSTE:
             raise ValueError(f"SRSTE: decay must be a finite number >= 0, got {decay!r}")
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"SRSTE: optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        optimizer = None if optimizer is None else _hookable(optimizer)
         self.decay = float(decay)
         self.layers, self.skipped = _linear_layers(model, filter_fn, self.m, "SRSTE", skip_output_head, min_features)
         if optimizer is not None:
@@ -518,19 +539,25 @@ class SRSTE:
                 raise ValueError(f"SRSTE: the optimizer does not train the weight of layer(s) {missing}")
         for fqn, lin in self.layers:   # (register_parametrization runs the mask once: a NaN failed half-way)
             check_finite(lin.weight.detach(), f"SRSTE: layer {fqn!r}'s weight", "fix or exclude it (filter_fn)")
-        done = []
+        done, self._hook = [], None
         try:
+            # At the step, not in the backward: after GradScaler's unscale_, once whatever the accumulation.
+            if optimizer is not None:
+                self._hook = optimizer.register_step_pre_hook(self._add_decay)
             for fqn, lin in self.layers:
+                order = list(lin._parameters)
                 parametrize.register_parametrization(
                     lin, "weight", _NMSTEParametrization(self.n, self.m, self.decay, in_backward=optimizer is None,
                                                          transposed=is_conv1d(lin), fqn=fqn))
-                done.append(lin)
+                done.append((lin, order))
         except BaseException:   # all or nothing (Ctrl-C, out of memory): the layers done are plain again
-            for lin in done:
+            for lin, order in done:
                 parametrize.remove_parametrizations(lin, "weight", leave_parametrized=False)
+                for name in order:   # (the weight comes back last: put in its place, the order model.parameters() had)
+                    lin._parameters[name] = lin._parameters.pop(name)
+            if self._hook is not None:
+                self._hook.remove()
             raise
-        # At the step, not in the backward: after GradScaler's unscale_, once whatever the accumulation.
-        self._hook = optimizer.register_step_pre_hook(self._add_decay) if optimizer is not None else None
         self.finalized = False
 
     def _add_decay(self, optimizer, args, kwargs):

@@ -17,6 +17,7 @@ from torch import nn
 from torch.nn.parameter import is_lazy
 from torch.nn.utils import parametrize
 
+from .._checks import is_exporting
 from ..format import FLOAT_DTYPES
 from ..masks.kept_dense import _is_linear, _tied_or_head, _unswappable
 from ..nn import Sparse24Linear, compressed_nbytes, linear_shape, memory_nbytes
@@ -199,14 +200,17 @@ class _MaskDirectReads:
         self.paths = paths
 
     def __call__(self, parent: nn.Module, args) -> None:
-        if torch.compiler.is_exporting() or torch._C._are_functorch_transforms_active():
+        if is_exporting() or torch._C._are_functorch_transforms_active():
             return
         compiling = torch.compiler.is_compiling()
         for path in self.paths:
             child = _submodule(parent, path)
-            if not isinstance(child, Sparse24Linear) or child.__dict__.get("_mode") != "masked" \
-                    or child.__dict__.get("_pending") is not None:
+            if not isinstance(child, Sparse24Linear) or child.__dict__.get("_mode") != "masked":
                 continue
+            if child.__dict__.get("_pending") is not None:
+                child._finish_if_loaded()   # tensors a loader set directly (accelerate's): its mask from them first
+                if child.__dict__.get("_pending") is not None:
+                    continue
             w, mask = child._parameters.get("weight"), child._buffers.get("mask")
             if not isinstance(w, nn.Parameter) or mask is None or w.is_meta or _is_inference(w) \
                     or is_dtensor(w) or is_dtensor(mask):

@@ -51,6 +51,9 @@ A layer built on the meta device (``Sparse24Linear(..., device="meta")``,
 its mask is *pending* and is computed, by the method it was built with, when
 ``load_state_dict`` brings the dense weight (or taken as is when it brings the
 2:4 entries). ``to_empty`` keeps it pending; forward refuses until then.
+A loader that sets the tensors directly (accelerate's ``load_checkpoint_in_model``)
+leaves it pending until its first forward or move, which takes them once all are
+set (:meth:`Sparse24Linear.finish_loading`; after ``to_empty``, only that call).
 
 Hugging Face ``Conv1D`` (GPT-2 and relatives: ``y = x @ W + b`` with ``W`` stored
 ``(in, out)``) is the Linear it is: :meth:`Sparse24Linear.from_linear` takes it

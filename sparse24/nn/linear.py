@@ -16,7 +16,7 @@ from torch import nn
 from torch.fx._symbolic_trace import is_fx_symbolic_tracing
 from torch.nn.utils import parametrize
 
-from .._checks import check_bool, check_finite, refuse_meta
+from .._checks import check_bool, check_finite, is_exporting, refuse_meta
 from ..decode_format import DecodePacked, _with_sp_words, decode_dims
 from ..format import (FLOAT_DTYPES, Sparse24Tensor, _pack_nibbles, compress, int4_quantize, quantize_values,
                       transformed)
@@ -238,6 +238,7 @@ class Sparse24Linear(LayoutMixin, StateDictMixin, nn.Module):
         self._weight_requires_grad = requires_grad  # a frozen layer stays frozen through to_masked
         self._mode = "compressed"
         self._layout = "v1"
+        self._mark_uninitialized()   # (a placeholder of a pending layer on a real device: no weights in it)
         self._settle_layout()
 
     def _track_masked(self) -> None:
@@ -428,10 +429,16 @@ class Sparse24Linear(LayoutMixin, StateDictMixin, nn.Module):
         return self.weight.device if self._mode == "masked" else self.values.device
 
     def _refuse_pending(self, what: str) -> None:
+        """RuntimeError while the mask is pending, after taking what a loader set (finish_loading)."""
+        self._finish_if_loaded()
         if self.pending:
-            raise RuntimeError(f"Sparse24Linear({self.in_features}, {self.out_features}) was built without weights "
-                               f"(meta device): its 2:4 mask is computed when load_state_dict brings the weights, "
-                               f"so it cannot {what} yet")
+            raise RuntimeError(self._pending_message(what))
+
+    def _mark_uninitialized(self) -> None:
+        """A pending layer now holds real memory that no weights were loaded into (``to_empty``, a mode
+        switch while pending): it must not finish loading by itself (:meth:`finish_loading`)."""
+        if self.pending and not self._holds_meta():
+            self._pending = {**self._pending, "uninitialized": True}   # (a new dict: a snapshot keeps the old)
 
     def sparse_tensor(self) -> Sparse24Tensor:
         """The ``(R, C)`` = ``(out_features, in_features)`` weight as a :class:`Sparse24Tensor`
@@ -593,6 +600,7 @@ class Sparse24Linear(LayoutMixin, StateDictMixin, nn.Module):
         """The weight as compressed mode holds it (``quant``: :func:`~sparse24.nn.quant_options`);
         changes nothing (so a caller can prepare several layers before switching any)."""
         self._refuse_sharded("be compressed")
+        self._finish_if_loaded()   # (a loader's tensors: compressed from them, not dropped for a placeholder)
         if self.pending:  # no values yet: the right shapes, filled when the weights are loaded
             return _placeholder(self.out_features, self.in_features, self.dtype, quant, self.device)
         if self._mode == "compressed":
@@ -611,11 +619,13 @@ class Sparse24Linear(LayoutMixin, StateDictMixin, nn.Module):
             return self
         requires_grad = self._weight_requires_grad
         self._refuse_sharded("switch to masked mode")
+        self._finish_if_loaded()
         if self.pending:
             R, C = self.out_features, self.in_features
             weight = torch.empty(R, C, dtype=self._dtype, device=self.device)
             self._set_masked(nn.Parameter(weight, requires_grad=requires_grad),
                              torch.empty(R, C, dtype=torch.bool, device=self.device))
+            self._mark_uninitialized()
             return self
         p = self.sparse_tensor()
         self._set_masked(nn.Parameter(p.to_dense(), requires_grad=requires_grad), p.kept_mask())
@@ -759,7 +769,7 @@ class Sparse24Linear(LayoutMixin, StateDictMixin, nn.Module):
             if not torch.compiler.is_compiling():
                 _settle(self)
                 values = self.values
-            elif values.requires_grad and values.dim() != 2 and not torch.compiler.is_exporting():
+            elif values.requires_grad and values.dim() != 2 and not is_exporting():
                 # under torch.compile only a layer made trainable (the op's backward takes layout v1; it
                 # reads either layout forward): settled outside the graph, once (one graph break; Dynamo's
                 # guards on the values' shape then recompile for layout v1)
@@ -767,6 +777,8 @@ class Sparse24Linear(LayoutMixin, StateDictMixin, nn.Module):
                 values = self.values
         linear24.check_input(x, self.in_features, values.device)
         scale = buffers["scale"]
+        if scale is not None and scale.dtype != (torch.float16 if self._group_size else torch.float32):
+            self._check_scale_dtype()   # cast since (a loader's dtype=): the error names the layer and the cause
         # INT4 in the decode layout: bfloat16 scales where exact (LayoutMixin), in eager mode only: a
         # compiled graph cannot see an in-place change of the float16 scales (it kept the stale copy)
         if x.dtype == torch.bfloat16 and not torch.compiler.is_compiling():
@@ -801,17 +813,25 @@ class Sparse24Linear(LayoutMixin, StateDictMixin, nn.Module):
         # A conversion failing part way (out of memory, a swap torch refuses) puts back the tensors and
         # the state this layer held (logical dtype, decode layout); torch may have converted some
         # tensors in place by then (as an nn.Linear's), so the dtype follows unquantized values.
+        # A pending layer whose tensors a loader set directly takes them first (accelerate's dispatch_model
+        # moves the model after loading it): a mask computed from a dense weight, not left on the meta device.
+        self._finish_if_loaded()
+        from_meta = self.pending and self._holds_meta()
         snap = self._snapshot()
         held = self._drop_weak_refs()
         try:
             self._convert(fn, recurse)
-        except BaseException:
+        except BaseException as e:
             self._restore(snap)
             if self._mode == "compressed" and self.scale is None:
                 self._dtype = self.values.dtype
+            if from_meta and isinstance(e, NotImplementedError):   # torch's "Cannot copy out of meta tensor"
+                raise RuntimeError(self._pending_message("be moved")) from e
             raise
         finally:
             self._rearm(held)
+        if from_meta:
+            self._mark_uninitialized()   # to_empty: real memory, no weights in it yet
         return self
 
     def _convert(self, fn, recurse: bool) -> None:

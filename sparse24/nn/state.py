@@ -253,6 +253,15 @@ def _check_entries(self, sd: dict, prefix: str) -> None:
         agree(error, sharded[0])
 
 
+def _not_loaded(layer, own: dict | None = None) -> list:
+    """The names of a pending ``layer``'s entries still on the meta device (``own``: its
+    :func:`_local_state`), a masked layer's mask aside where its weight is loaded (a dense weight:
+    the mask is computed from it)."""
+    own = _local_state(layer) if own is None else own
+    dense = layer._mode == "masked" and "weight" in own and not own["weight"].is_meta
+    return [n for n, t in own.items() if t.is_meta and not (dense and n == "mask")]
+
+
 def _check_whole(self, sd: dict, prefix: str) -> None:
     """All of this layer's entries load or none, the bias with the 2:4 set (found by fuzzing:
     tests/tools/test_fuzz.py): torch copies entry by entry and reports a bad or missing bias
@@ -317,6 +326,7 @@ class StateDictMixin:
 
     def validate(self) -> "StateDictMixin":
         """Raise ValueError if the sparse state is inconsistent; returns self."""
+        self._finish_if_loaded()
         if self.pending:
             raise ValueError("the 2:4 mask is pending: the layer was built on the meta device and no weights "
                              "were loaded yet")
@@ -324,6 +334,7 @@ class StateDictMixin:
         if self._mode == "masked":
             _check_state_masked(self.weight.detach(), self.mask, (R, C), "")
         else:
+            self._check_scale_dtype()
             if self.quantize == "int4":
                 check_int4_entries(self.group_size, self.scale, self._group_size)
             self.sparse_tensor().validate()
@@ -350,6 +361,118 @@ class StateDictMixin:
         if self._mode == "masked":
             self._track_masked()
         self._settle_layout()
+
+    def finish_loading(self) -> "StateDictMixin":
+        """Take the tensors a loader set directly into this layer, built on the meta device with its
+        mask pending: a loader that bypasses ``load_state_dict``, such as accelerate's
+        ``load_checkpoint_in_model`` / ``load_checkpoint_and_dispatch`` (``set_module_tensor_to_device``).
+
+        The layer does this by itself at its first forward, move (``.to()``, e.g. ``dispatch_model``'s)
+        or other use once every tensor is set, unless it was re-materialized by ``to_empty`` (its memory
+        is then uninitialized, and only this call says a loader has filled it since). They are checked
+        as ``load_state_dict`` checks a checkpoint's entries: a 2:4 set (``weight`` + ``mask``, or
+        ``values`` + ``meta`` (+ ``scale``, ``zero``, ``group_size``)) is taken as it is; a masked layer
+        holding a dense ``weight`` (its mask still on the meta device: the checkpoint had none) gets
+        its mask computed by the method it was sparsified with, and its pruned weights zeroed in place.
+        Does nothing when no mask is pending.
+
+        Returns:
+            self.
+        Raises:
+            RuntimeError, nothing changed: a tensor still on the meta device (not loaded); a dense weight
+            in a layer that replaced a Hugging Face ``Conv1D`` (its checkpoints store ``(in, out)``: a
+            square one set directly cannot be told from its transpose); a sharded (DTensor) layer.
+            ValueError, nothing changed: the tensors are not a valid 2:4 layer (e.g. INT8 / INT4 scales
+            a loader's ``dtype=`` cast).
+        """
+        if self.pending:
+            self._finish_direct_load()
+        return self
+
+    def _finish_if_loaded(self) -> None:
+        """:meth:`finish_loading` where the layer may decide alone that its tensors were loaded: none is
+        on the meta device (a masked layer's mask aside, beside a dense weight) and none is memory that
+        ``to_empty`` (or a mode switch while pending) made. Not for a sharded layer (FSDP sets its
+        gathered tensors in its forward: they are not a loader's), nor while compiling."""
+        pending = self.__dict__.get("_pending")
+        if pending is None or pending.get("uninitialized") or self.__dict__.get("_sharded") \
+                or torch.compiler.is_compiling() or _not_loaded(self):
+            return
+        self._finish_direct_load()
+
+    def _finish_direct_load(self) -> None:
+        """:meth:`finish_loading` of a pending layer."""
+        own = _local_state(self)
+        left = _not_loaded(self, own)
+        if left:
+            raise RuntimeError(self._pending_message("finish loading", left))
+        if any(is_dtensor(t) for t in own.values()):
+            raise RuntimeError(f"{self._who()} is sharded (DTensor entries): load it with torch.distributed."
+                               "checkpoint.state_dict.set_model_state_dict (load_state_dict), which computes or "
+                               "checks its 2:4 entries; nothing was changed")
+        dense = self._mode == "masked" and own["mask"].is_meta
+        if dense and is_conv1d_class(self.__dict__.get("_dense_cls")):
+            raise RuntimeError(f"{self._who()} replaced a Hugging Face Conv1D, whose dense checkpoints store the "
+                               "weight as (in, out), and its dense weight was set directly (not by load_state_dict): "
+                               "a square one cannot be told from its transpose. Load the dense checkpoint with "
+                               "load_state_dict (which turns it), or load the dense model first, then sparsify_; "
+                               "nothing was changed")
+        self._check_scale_dtype()
+        sd = {k: t.detach() for k, t in own.items()}
+        try:
+            if dense:
+                del sd["mask"]
+                self._fill_from_dense(sd, "")   # (the dense weight -> pruned weight + mask, as a load computes them)
+            _check_entries(self, sd, "")
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"{self._who()}: the tensors a loader set are not a valid 2:4 layer: {e}; nothing was "
+                             "changed (its mask is still pending). A dense checkpoint loads with load_state_dict, "
+                             "which computes the masks") from None
+        if dense:
+            with torch.no_grad():
+                self.weight.copy_(sd["weight"])   # (the loader's Parameter stays: pruned in place)
+            self._buffers["mask"] = sd["mask"]
+        self._pending = None
+        if self._mode == "masked":
+            self._track_masked()   # the loader installed a new weight Parameter
+        else:
+            _make_contiguous(self)
+            self._take_assigned_dtype(None)   # the loaded values' dtype, as assign=True takes it
+            self._settle_layout()
+
+    def _pending_message(self, what: str, left: list | None = None) -> str:
+        """Why this pending layer cannot do ``what`` yet, and how to load it (``left``: its entries
+        still on the meta device; default: found here)."""
+        left = _not_loaded(self) if left is None else left
+        head = f"{self._who()} was built without weights (meta device), its 2:4 mask pending"
+        if left:
+            return (f"{head}, and its {', '.join(repr(n) for n in left)} {'is' if len(left) == 1 else 'are'} not "
+                    f"loaded (still on the meta device), so it cannot {what} yet: load the weights with "
+                    "load_state_dict (from dense weights it computes the mask), or a 2:4 checkpoint that sparse24 "
+                    "saved with a loader that sets tensors directly (accelerate's load_checkpoint_in_model / "
+                    "load_checkpoint_and_dispatch; a masked layer takes dense weights there too). A dense "
+                    "checkpoint for compressed layers (or layers that replaced a Conv1D) needs load_state_dict, "
+                    "or load the dense model first, then sparsify_")
+        if self._pending.get("uninitialized"):
+            return (f"{head}, and its tensors hold uninitialized memory (to_empty, or a mode switch while "
+                    f"pending), so it cannot {what} yet: load the weights with load_state_dict (from dense "
+                    "weights it computes the mask); if a loader has set its tensors directly since (accelerate's "
+                    "load_checkpoint_in_model), call finish_loading() on it")
+        return f"{head}, so it cannot {what} yet: call finish_loading() on it once its tensors are loaded"
+
+    def _check_scale_dtype(self) -> None:
+        """ValueError naming this layer where its INT8 / INT4 scales are not in the dtype sparse24
+        stores them in (float32 / float16): a cast that rounded them (a loader's ``dtype=``, e.g.
+        accelerate's ``load_checkpoint_and_dispatch(..., dtype=torch.bfloat16)``), which cannot be undone."""
+        scale = self._buffers.get("scale") if self._mode == "compressed" else None
+        want = torch.float16 if self.__dict__.get("_group_size") else torch.float32
+        if scale is None or scale.dtype == want:
+            return
+        kind = "INT4" if want == torch.float16 else "INT8"
+        raise ValueError(f"{self._who()}'s {kind} scales are {scale.dtype}, not {want} as sparse24 stores them: "
+                         "they were cast (e.g. by a loader's dtype=, such as accelerate's load_checkpoint_and_"
+                         "dispatch(..., dtype=...)), which may have rounded them beyond repair. Reload the checkpoint "
+                         f"without dtype= (model.to(dtype) after it casts the rest and keeps {kind} scales in {want})")
 
     def _holds_meta(self) -> bool:
         return any(t is not None and t.is_meta for t in (*self._parameters.values(), *self._buffers.values()))
