@@ -47,3 +47,21 @@ def spawn(fn, world: int, *args, timeout: float | None = None):
     with tempfile.TemporaryDirectory() as d:
         mp.spawn(_entry, args=(fn, world, d, args, timeout), nprocs=world, join=True)
         return torch.load(Path(d) / "rank0.pt", weights_only=False)
+
+
+def fsdp2_shards_integer_parameters(mesh) -> bool:
+    """Whether this torch's ``fully_shard`` takes an integer Parameter (INT8 / INT4 compressed values). torch
+    2.9-2.11's FSDP2 wraps each shard in ``nn.Parameter`` without its ``requires_grad`` and raises "only Tensors
+    of floating point dtype can require gradients" (pytorch#177844, fixed by #177948; torch 2.13 has it).
+    Probed on a throwaway module (no collective: fully_shard communicates at the first forward)."""
+    from torch import nn
+    from torch.distributed.fsdp import fully_shard
+    probe = nn.Module()
+    probe.q = nn.Parameter(torch.zeros(2 * mesh.size(), 4, dtype=torch.int8), requires_grad=False)
+    try:
+        fully_shard(probe, mesh=mesh)
+    except RuntimeError as e:
+        if "floating point dtype can require gradients" not in str(e):
+            raise
+        return False
+    return True

@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 import sparse24
 
-from distributed import spawn
+from distributed import fsdp2_shards_integer_parameters, spawn
 
 WORLD = 2
 
@@ -53,7 +53,10 @@ def full_state(model):
 
 def _bad_loads(rank, mesh, folder):
     out = {}
+    int8 = fsdp2_shards_integer_parameters(mesh)   # torch < 2.13 cannot shard INT8 layers: those cases skip
     for name, (mode, (key, index, value), place, _) in CASES.items():
+        if mode == "int8" and not int8:
+            continue
         path = f"{folder}/{name}"
         if rank == 0:
             sd = build(mode, 0).state_dict()
@@ -147,6 +150,8 @@ def results(tmp_path_factory):
 @pytest.mark.parametrize("name", list(CASES))
 def test_bad_part_on_one_rank_is_refused_on_every_rank(results, name):
     words = CASES[name][3]
+    if name not in results["bad"]:
+        pytest.skip("this torch's FSDP2 cannot shard integer Parameters (INT8 values): needs torch >= 2.13")
     (err0, same0), (err1, same1) = results["bad"][name]
     assert same0 and same1, (name, "the model changed")
     assert err0 is not None and err1 is not None, (name, err0, err1)
