@@ -208,9 +208,9 @@ class _MaskDirectReads:
             if not isinstance(child, Sparse24Linear) or child.__dict__.get("_mode") != "masked":
                 continue
             if child.__dict__.get("_pending") is not None:
-                child._finish_if_loaded()   # tensors a loader set directly (accelerate's): its mask from them first
-                if child.__dict__.get("_pending") is not None:
-                    continue
+                # its weight read directly would be the one a loader set (accelerate's, dense), never masked;
+                # the layer's own forward refuses so too
+                raise RuntimeError(child._pending_message("run"))
             w, mask = child._parameters.get("weight"), child._buffers.get("mask")
             if not isinstance(w, nn.Parameter) or mask is None or w.is_meta or _is_inference(w) \
                     or is_dtensor(w) or is_dtensor(mask):

@@ -52,8 +52,9 @@ its mask is *pending* and is computed, by the method it was built with, when
 ``load_state_dict`` brings the dense weight (or taken as is when it brings the
 2:4 entries). ``to_empty`` keeps it pending; forward refuses until then.
 A loader that sets the tensors directly (accelerate's ``load_checkpoint_in_model``)
-leaves it pending until its first forward or move, which takes them once all are
-set (:meth:`Sparse24Linear.finish_loading`; after ``to_empty``, only that call).
+leaves it pending until a move (``.to()``, as ``dispatch_model`` makes) or
+:meth:`Sparse24Linear.finish_loading` takes them, once all are set (after ``to_empty``,
+only that call); a forward before then refuses, naming that call.
 
 Hugging Face ``Conv1D`` (GPT-2 and relatives: ``y = x @ W + b`` with ``W`` stored
 ``(in, out)``) is the Linear it is: :meth:`Sparse24Linear.from_linear` takes it

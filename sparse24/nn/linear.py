@@ -670,7 +670,9 @@ class Sparse24Linear(LayoutMixin, StateDictMixin, nn.Module):
                         return plan(x, v, m, sc, b, M, z)
                     return plan(x.reshape(M, x.shape[-1]), v, m, sc, b, M, z).view(*x.shape[:-1], plan.N)
         if self.__dict__.get("_pending") is not None:
-            self._refuse_pending("run")
+            # no finishing here: torch.func.functional_call swaps the caller's tensors in for one call, and
+            # finishing would prune them in place and leave this layer half loaded (finish_loading, a move)
+            raise RuntimeError(self._pending_message("run"))
         if is_fx_symbolic_tracing() and (self._mode == "masked" or isinstance(x, torch.fx.Proxy)):
             # torch.fx.symbolic_trace: x and the module's tensors are proxies (no control flow on them).
             # make_fx sets the same flag with real (traced) tensors: a compressed layer then takes its

@@ -367,9 +367,13 @@ class StateDictMixin:
         mask pending: a loader that bypasses ``load_state_dict``, such as accelerate's
         ``load_checkpoint_in_model`` / ``load_checkpoint_and_dispatch`` (``set_module_tensor_to_device``).
 
-        The layer does this by itself at its first forward, move (``.to()``, e.g. ``dispatch_model``'s)
-        or other use once every tensor is set, unless it was re-materialized by ``to_empty`` (its memory
-        is then uninitialized, and only this call says a loader has filled it since). They are checked
+        The layer does this by itself at a move (``.to()``, e.g. ``dispatch_model``'s), ``validate()``,
+        ``compress_`` / ``to_masked`` or a read of its weight once every tensor is set, but not in its
+        forward (which refuses until then: ``torch.func.functional_call`` swaps tensors in for one
+        call, which are not a load, and must not be pruned in place), and not where it was re-materialized
+        by ``to_empty`` (its memory is then uninitialized, and only this call says a loader has filled it
+        since). For a whole model: ``for m in model.modules(): if isinstance(m, Sparse24Linear):
+        m.finish_loading()``. They are checked
         as ``load_state_dict`` checks a checkpoint's entries: a 2:4 set (``weight`` + ``mask``, or
         ``values`` + ``meta`` (+ ``scale``, ``zero``, ``group_size``)) is taken as it is; a masked layer
         holding a dense ``weight`` (its mask still on the meta device: the checkpoint had none) gets

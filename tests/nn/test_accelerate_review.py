@@ -78,7 +78,12 @@ def test_accelerate_loaders_fill_a_meta_built_masked_model(tmp_path, dense, load
         sparse24.sparsify_(source, min_features=0, skip_output_head=False)
     m = load(loader, empty_sparsified(), save(tmp_path, source, checkpoint))
     x = torch.randn(4, 64)
-    m(x)   # (the first use takes the loader's tensors)
+    if loader == "load_checkpoint_in_model":   # no move: a forward refuses, naming the call that takes them
+        with pytest.raises(RuntimeError, match=r"finish_loading\(\)"):
+            m(x)
+        assert m[0].pending
+        for layer in (m[0], m[2]):
+            layer.finish_loading()
     for i in (0, 2):
         mask = top2_mask(dense[i].weight)
         assert not m[i].pending and torch.equal(m[i].mask, mask)
@@ -165,7 +170,9 @@ def test_corrupt_tensors_set_by_a_loader_are_refused_and_nothing_changes(dense):
         set_module_tensor_to_device(m, k, "cpu", value=v)
     snap = model_snapshot(m)
     with pytest.raises(ValueError, match=r"Sparse24Linear\(in_features=64, out_features=128\).*non-zero where"):
-        m(torch.randn(2, 64))
+        m[0].finish_loading()
+    with pytest.raises(ValueError, match=r"Sparse24Linear\(in_features=64, out_features=128\).*non-zero where"):
+        m.to(torch.float32)   # a move takes them too (dispatch_model's)
     assert m[0].pending
     assert_model_unchanged(m, snap)
 
@@ -287,10 +294,10 @@ def test_scales_a_loader_cast_are_refused_at_forward_naming_the_layer(tmp_path, 
     assert_matches_reference(m[0](x), x, w, m[0].bias)
 
 
-def test_a_directly_read_pending_weight_is_masked_after_load_checkpoint_in_model(tmp_path):
+def test_a_directly_read_pending_weight_is_refused_then_masked_after_finish_loading(tmp_path):
     """MultiheadAttention reads its ``out_proj.weight`` itself (never calling out_proj): after
-    load_checkpoint_in_model alone (no move, no forward of the layer) it multiplied by the dense weight the
-    loader set, silently. The parent's check takes the loaded tensors first, so the mask applies."""
+    load_checkpoint_in_model alone (no move) it multiplied by the dense weight the loader set, silently.
+    The parent's check refuses as the layer's own forward does; after finish_loading the mask applies."""
     torch.manual_seed(0)
     dense = nn.MultiheadAttention(64, 4, batch_first=True)
     with init_empty_weights():
@@ -299,6 +306,9 @@ def test_a_directly_read_pending_weight_is_masked_after_load_checkpoint_in_model
     assert m.out_proj.pending
     load_checkpoint_in_model(m, save(tmp_path, dense, "mha"), device_map={"": "cpu"})
     x = torch.randn(2, 5, 64)
+    with pytest.raises(RuntimeError, match=r"finish_loading\(\)"):
+        m(x, x, x, need_weights=False)
+    m.out_proj.finish_loading()
     got = m(x, x, x, need_weights=False)[0]
     w = dense.out_proj.weight.detach().double() * top2_mask(dense.out_proj.weight)
     ref = copy.deepcopy(dense).double()
@@ -307,3 +317,22 @@ def test_a_directly_read_pending_weight_is_masked_after_load_checkpoint_in_model
         want = ref(*(x.double(),) * 3, need_weights=False)[0]
     torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-5)
     assert not m.out_proj.pending
+
+
+@pytest.mark.parametrize("given", ["state_dict", "parameters"])
+def test_functional_call_on_a_pending_model_changes_neither_the_callers_tensors_nor_the_model(dense, given):
+    """torch.func.functional_call swaps the caller's tensors in for one call: a pending layer once took them
+    as loaded there, pruned them in place (the caller's dense model too) and stayed half loaded (a meta
+    weight beside a real mask, which no load_state_dict then took). It refuses, and the documented load
+    still works afterwards."""
+    m = empty_sparsified()
+    tensors = dense.state_dict() if given == "state_dict" else dict(dense.named_parameters())
+    before = {k: v.detach().clone() for k, v in tensors.items()}
+    with pytest.raises(RuntimeError, match=r"finish_loading\(\)"):
+        torch.func.functional_call(m, tensors, (torch.randn(2, 64),))
+    for k, v in tensors.items():
+        assert torch.equal(v, before[k]), k
+    assert m[0].pending and m[0].weight.is_meta and m[0].mask.is_meta
+    m.load_state_dict(dense.state_dict(), assign=True)
+    x = torch.randn(4, 64)
+    assert_layers_match(m, x, masked(dense))
