@@ -5,13 +5,15 @@ import copy
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import sparse24
 from sparse24 import Sparse24Linear
 from sparse24.ops.linear24 import op
 
-from conftest import assert_export_keeps_op_and_buffers
+from conftest import (assert_export_keeps_op_and_buffers, dequantized_reference, int4_dequantized_reference,
+                      top2_mask)
 
 
 def _model(gen, quantize=None, trainable_values=False):
@@ -174,3 +176,38 @@ def test_auto_never_picks_the_reference_at_decode_sizes(monkeypatch):
             ["triton", "triton", "reference", "reference"]
     finally:
         op._AUTO.clear()
+
+
+@pytest.mark.parametrize("quantize", [None, "int8", "int4"])
+def test_an_exported_program_saved_and_loaded_computes_the_stored_weights(tmp_path, gen, quantize):
+    """torch.export.save / load of compressed layers (the op and their buffers), against the fp64 product of
+    the masked dense weights (INT8 / INT4: the stored bytes dequantized at an independent top-2 mask). torch
+    2.9's loader rebuilds every parameter with requires_grad=True, which an integer one (INT8 / INT4 values)
+    cannot take: such an archive does not load there (docs/modules.md); 2.11 and later keep the saved flag."""
+    state = gen.get_state()
+    net = _model(gen)   # compressed fp32 values: the masked dense weights, exactly
+    again = torch.Generator().set_state(state)   # the dense weights _model drew, drawn again
+    dense = dict(zip((0, 2, 4), (torch.randn(s, generator=again) for s in ((96, 64), (32, 96), (40, 32)))))
+    masks = {i: top2_mask(w) for i, w in dense.items()}
+    if quantize is not None:
+        net = nn.Sequential(*[l.to_dense_module() if isinstance(l, Sparse24Linear) else l for l in net])
+        sparse24.sparsify_(net, mode="compressed", quantize=quantize)
+    x = torch.randn(3, 64, generator=gen)
+    path = tmp_path / "net.pt2"
+    torch.export.save(torch.export.export(net, (x,)), path)
+    if quantize is not None and tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 11):
+        with pytest.raises(Exception):
+            torch.export.load(path)
+        return
+    loaded = torch.export.load(path).module()
+    h = x.double()
+    for i, layer in enumerate(net):
+        if i not in masks:
+            h = layer(h)
+            continue
+        if quantize is None:
+            w = dense[i].double() * masks[i]
+        else:
+            w = (dequantized_reference if quantize == "int8" else int4_dequantized_reference)(layer, masks[i])
+        h = F.linear(h, w, None if layer.bias is None else layer.bias.double())
+    torch.testing.assert_close(loaded(x).double(), h, rtol=1e-5, atol=1e-4)
