@@ -108,22 +108,31 @@ def test_int4_meta_flow_load_inside_the_meta_block(gen):
         assert_int4_layer_right(m[i], dense[i].weight.detach(), dense[i].bias.detach(), gen)
 
 
-def test_import_under_meta_default():
-    """Importing sparse24 after the default device is set builds its lookup tables on the CPU."""
+def assert_round_trip_in_a_fresh_process(make: str):
+    """Run ``make`` (code setting ``w``, a CPU weight, and ``back``, a Sparse24Tensor made from it) in a new
+    process that set a meta default device before importing sparse24; ``back`` must hold ``w``'s top-2
+    entries of each group of 4 (fp64, plain torch, after the default is the CPU again)."""
     code = textwrap.dedent("""
         import torch
         torch.set_default_device("meta")
         import sparse24
-        w = torch.randn(8, 32, device="cpu")
-        p = sparse24.compress(w)
+    """) + textwrap.dedent(make) + textwrap.dedent("""
         torch.set_default_device("cpu")
         g = w.double().abs().reshape(-1, 4)
         keep = torch.zeros_like(g, dtype=torch.bool).scatter_(1, g.argsort(1, descending=True)[:, :2], True)
-        assert torch.equal(p.to_dense().double(), w.double() * keep.view(w.shape))
+        assert torch.equal(back.to_dense().double(), w.double() * keep.view(w.shape))
         print("ok")
     """)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+def test_import_under_meta_default():
+    """Importing sparse24 after the default device is set builds its lookup tables on the CPU."""
+    assert_round_trip_in_a_fresh_process("""
+        w = torch.randn(8, 32, device="cpu")
+        back = sparse24.compress(w)
+    """)
 
 
 def kept_fp64(w, perm):
@@ -286,23 +295,13 @@ def test_token_noise_draws_whatever_the_default_dtype():
 def test_interop_tables_built_under_meta_default_round_trip():
     """interop's slot tables are built at its import: under a meta default they held no data, and a
     round trip through torch's CUTLASS layout failed (a meta table indexed with CPU nibbles)."""
-    code = textwrap.dedent("""
-        import torch
-        torch.set_default_device("meta")
-        import sparse24
+    assert_round_trip_in_a_fresh_process("""
         from sparse24.interop import from_cutlass_layout, to_cutlass_layout
         w = torch.randn(32, 64, device="cpu", dtype=torch.float16)
         w[:, ::2] = 0
         w[::3, 1::4] = 0  # groups with one or no non-zero: the tables re-pick their slots
         back = from_cutlass_layout(*to_cutlass_layout(sparse24.compress(w)))
-        torch.set_default_device("cpu")
-        g = w.double().abs().reshape(-1, 4)
-        keep = torch.zeros_like(g, dtype=torch.bool).scatter_(1, g.argsort(1, descending=True)[:, :2], True)
-        assert torch.equal(back.to_dense().double(), w.double() * keep.view(w.shape))
-        print("ok")
     """)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
 
 
 def test_embedding_fidelity_numpy_reference_under_meta_default():
