@@ -501,7 +501,8 @@ def _check_stored(found: dict, saved: str, shell: Sparse24Linear, need: list, sp
     shapes = {k: tuple(t.shape) for k, t in shell.state_dict(keep_vars=True).items()}
     q = spec["quantize"]
     allowed = {"meta": ("I32",), "mask": ("BOOL",), "scale": ("F16",) if q == "int4" else ("F32",),
-               "weight": FLOAT_SAFETENSORS_DTYPES, "values": {None: FLOAT_SAFETENSORS_DTYPES, "int8": ("I8",), "int4": ("U8",)}[q],
+               "weight": FLOAT_SAFETENSORS_DTYPES,
+               "values": {None: FLOAT_SAFETENSORS_DTYPES, "int8": ("I8",), "int4": ("U8",)}[q],
                "zero": ("U8",), "group_size": ("I32",)}
     for k in need:
         dtype, shape, file = found[f"{saved}.{k}"]

@@ -49,6 +49,10 @@ def spawn(fn, world: int, *args, timeout: float | None = None):
         return torch.load(Path(d) / "rank0.pt", weights_only=False)
 
 
+# why the INT8 scenarios skip where fsdp2_shards_integer_parameters says no
+NO_INTEGER_FSDP2 = "this torch's FSDP2 cannot shard integer Parameters (INT8 values): needs torch >= 2.13"
+
+
 def fsdp2_shards_integer_parameters(mesh) -> bool:
     """Whether this torch's ``fully_shard`` takes an integer Parameter (INT8 / INT4 compressed values). torch
     2.9-2.11's FSDP2 wraps each shard in ``nn.Parameter`` without its ``requires_grad`` and raises "only Tensors

@@ -28,7 +28,7 @@ from .masking import (_GRAD_HOOKED, _HAS_HOOK, _MASKED_MODULES, _ZERO_CHECKED, _
 from .prepare import (_check_mode, _placeholder, _prepare, _Prepared, is_conv1d, is_conv1d_class,
                       describe_quant, linear_shape, quant_options)
 from .sharded import gather_mask, is_dtensor, shard_like
-from .state import StateDictMixin
+from .state import StateDictMixin, stored_scale_dtype
 
 __all__ = ["Sparse24Linear"]
 
@@ -779,7 +779,7 @@ class Sparse24Linear(LayoutMixin, StateDictMixin, nn.Module):
                 values = self.values
         linear24.check_input(x, self.in_features, values.device)
         scale = buffers["scale"]
-        if scale is not None and scale.dtype != (torch.float16 if self._group_size else torch.float32):
+        if scale is not None and scale.dtype != stored_scale_dtype(self._group_size):
             self._check_scale_dtype()   # cast since (a loader's dtype=): the error names the layer and the cause
         # INT4 in the decode layout: bfloat16 scales where exact (LayoutMixin), in eager mode only: a
         # compiled graph cannot see an in-place change of the float16 scales (it kept the stale copy)

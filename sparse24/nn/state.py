@@ -253,6 +253,12 @@ def _check_entries(self, sd: dict, prefix: str) -> None:
         agree(error, sharded[0])
 
 
+def stored_scale_dtype(group_size) -> torch.dtype:
+    """The dtype sparse24 stores a quantized layer's scales in: float16 for INT4 (``group_size`` set),
+    float32 for INT8."""
+    return torch.float16 if group_size else torch.float32
+
+
 def _not_loaded(layer, own: dict | None = None) -> list:
     """The names of a pending ``layer``'s entries still on the meta device (``own``: its
     :func:`_local_state`), a masked layer's mask aside where its weight is loaded (a dense weight:
@@ -469,7 +475,7 @@ class StateDictMixin:
         stores them in (float32 / float16): a cast that rounded them (a loader's ``dtype=``, e.g.
         accelerate's ``load_checkpoint_and_dispatch(..., dtype=torch.bfloat16)``), which cannot be undone."""
         scale = self._buffers.get("scale") if self._mode == "compressed" else None
-        want = torch.float16 if self.__dict__.get("_group_size") else torch.float32
+        want = stored_scale_dtype(self.__dict__.get("_group_size"))
         if scale is None or scale.dtype == want:
             return
         kind = "INT4" if want == torch.float16 else "INT8"

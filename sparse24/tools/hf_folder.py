@@ -261,8 +261,9 @@ def check_layer_weights(headers: dict, names: dict, layers, model, folder: Path)
         dtype, _, file = headers[key]
         if dtype not in FLOAT_SAFETENSORS_DTYPES:
             other = beside(w)
-            raise ValueError(f"{file}: {key!r}: weight must be floating point ({', '.join(FLOAT_SAFETENSORS_DTYPES)}) to be "
-                             f"pruned, but it is stored as {dtype}" + (f", with {other} beside it" if other else "")
+            raise ValueError(f"{file}: {key!r}: weight must be floating point "
+                             f"({', '.join(FLOAT_SAFETENSORS_DTYPES)}) to be pruned, but it is stored as {dtype}"
+                             + (f", with {other} beside it" if other else "")
                              + f": quantized by another tool{';' if other else '?'} prune its dense original")
 
 

@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 import sparse24
 
-from distributed import fsdp2_shards_integer_parameters, spawn
+from distributed import NO_INTEGER_FSDP2, fsdp2_shards_integer_parameters, spawn
 
 WORLD = 2
 
@@ -151,7 +151,7 @@ def results(tmp_path_factory):
 def test_bad_part_on_one_rank_is_refused_on_every_rank(results, name):
     words = CASES[name][3]
     if name not in results["bad"]:
-        pytest.skip("this torch's FSDP2 cannot shard integer Parameters (INT8 values): needs torch >= 2.13")
+        pytest.skip(NO_INTEGER_FSDP2)
     (err0, same0), (err1, same1) = results["bad"][name]
     assert same0 and same1, (name, "the model changed")
     assert err0 is not None and err1 is not None, (name, err0, err1)

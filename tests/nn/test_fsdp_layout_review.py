@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 import sparse24
 
 from conftest import assert_matches_reference, dequantized_reference, top2_mask
-from distributed import fsdp2_shards_integer_parameters, spawn
+from distributed import NO_INTEGER_FSDP2, fsdp2_shards_integer_parameters, spawn
 
 WORLD = 2
 R, C = 32, 64   # 16 rows per rank
@@ -224,7 +224,7 @@ def ranks(tmp_path_factory):
 def _int8(ranks):
     """Skip where this torch's FSDP2 cannot shard INT8 layers (every scenario here but one)."""
     if "no int8" in ranks[0]:
-        pytest.skip("this torch's FSDP2 cannot shard integer Parameters (INT8 values): needs torch >= 2.13")
+        pytest.skip(NO_INTEGER_FSDP2)
 
 
 def test_int8_sharding_fails_loudly_on_older_torch(ranks):
